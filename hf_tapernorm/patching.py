@@ -1,0 +1,130 @@
+"""Swap the norms of a Hugging Face model for TaperNorm, in place, and drive their gates."""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator, Literal
+
+
+from torch import nn
+
+from .architectures import Architecture, architecture_for
+from .taper_norm import TaperNorm
+
+logger = logging.getLogger(__name__)
+
+Scope = Literal["internal", "final", "all"]
+_SCOPES = ("internal", "final", "all")
+
+
+def base_model_of(model: nn.Module) -> nn.Module:
+    """The bare transformer (``LlamaModel``, ``GPT2Model``) of a ``*ForCausalLM`` or of itself."""
+    return getattr(model, "base_model", model)
+
+
+def model_type_of(model: nn.Module) -> str:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type is None:
+        raise ValueError(
+            f"{type(model).__name__} has no config.model_type; patch_model expects a Hugging Face "
+            "PreTrainedModel such as LlamaForCausalLM or GPT2LMHeadModel"
+        )
+    return model_type
+
+
+def taper_norms(model: nn.Module) -> Iterator[tuple[str, TaperNorm]]:
+    """Every TaperNorm of the model with its qualified name, tapered or kept."""
+    for name, module in model.named_modules():
+        if isinstance(module, TaperNorm):
+            yield name, module
+
+
+def tapered_norms(model: nn.Module) -> Iterator[tuple[str, TaperNorm]]:
+    """The TaperNorms whose gate the schedule drives (kept final norms excluded)."""
+    return ((n, m) for n, m in taper_norms(model) if m.tapered)
+
+
+def is_patched(model: nn.Module) -> bool:
+    return any(True for _ in taper_norms(model))
+
+
+def set_gate(model: nn.Module, gate: float) -> None:
+    """Set the one global gate of every tapered layer, in place."""
+    gate = float(gate)
+    if not 0.0 <= gate <= 1.0:
+        raise ValueError(f"gate must be in [0, 1], got {gate}")
+    layers = [m for _, m in tapered_norms(model)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no tapered TaperNorm layers; call patch_model(model) first")
+    if gate < 1.0:
+        missing = [m.site_name for m in layers if not m.is_calibrated]
+        if missing:
+            raise RuntimeError(
+                f"cannot lower the gate below 1 before calibration: {len(missing)} layer(s) are uncalibrated "
+                f"(first: {missing[0]}); call calibrate(model) after some training-mode forwards"
+            )
+    for layer in layers:
+        layer.set_gate(gate)
+
+
+def _replace(root: nn.Module, path: str, new: nn.Module) -> None:
+    parent_path, _, child = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    setattr(parent, child, new)
+
+
+def norm_sites(model: nn.Module, arch: Architecture) -> Iterator[tuple[str, str, bool]]:
+    """(path from ``model``, site kind, is_final) for every norm the architecture declares."""
+    base = base_model_of(model)
+    prefix = next((n + "." for n, m in model.named_modules() if m is base and n), "")
+    layers = base.get_submodule(arch.layers)
+    for index in range(len(layers)):
+        for site in arch.sites:
+            yield f"{prefix}{arch.layers}.{index}.{site.path}", site.kind, False
+    yield f"{prefix}{arch.final_norm}", "input", True
+
+
+def patch_model(
+    model: nn.Module,
+    scope: Scope = "internal",
+    *,
+    ema_rate: float = 0.01,
+) -> nn.Module:
+    """Replace the model's norms with TaperNorm at gate 1, in place; the outputs do not change.
+
+    ``scope`` chooses which norms taper: ``"internal"`` (every norm inside the decoder layers, the
+    default: the kept final norm anchors the output scale), ``"final"`` or ``"all"``. The final
+    norm is always wrapped, tapered or not, so its input scale can be observed and anchored.
+    """
+    if scope not in _SCOPES:
+        raise ValueError(f"scope must be one of {', '.join(_SCOPES)}, got {scope!r}")
+    existing = next((name for name, _ in taper_norms(model)), None)
+    if existing is not None:
+        raise ValueError(
+            f"{type(model).__name__} is already patched (found a TaperNorm at '{existing}'); "
+            "call patch_model once per model"
+        )
+    model_type = model_type_of(model)
+    arch = architecture_for(model_type)
+    replaced = 0
+    for path, _kind, is_final in list(norm_sites(model, arch)):
+        original = model.get_submodule(path)
+        tapered = (scope == "all") or (scope == "final" if is_final else scope == "internal")
+        layer = TaperNorm.from_norm(original, arch.style, tapered=tapered, ema_rate=ema_rate)
+        layer.site_name = path
+        layer.train(original.training)
+        _replace(model, path, layer)
+        replaced += tapered
+    logger.info("patched %s (%s): %d norm(s) tapered, scope=%s", type(model).__name__, model_type, replaced, scope)
+    return model
+
+
+def gate_of(model: nn.Module) -> float:
+    """The current global gate (of the first tapered layer)."""
+    for _, layer in tapered_norms(model):
+        return float(layer.gate)
+    raise ValueError(f"{type(model).__name__} has no tapered TaperNorm layers")
+
+
+__all__ = ["patch_model", "taper_norms", "tapered_norms", "set_gate", "gate_of", "is_patched", "base_model_of"]

@@ -1,0 +1,140 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaModel
+
+from hf_tapernorm import TaperNorm, calibrate, patch_model, set_gate, taper_norms, tapered_norms
+from tests.conftest import build, random_batches, tiny_gpt2_config, tiny_llama_config
+
+
+@pytest.mark.parametrize("scope,tapered,kept", [("internal", 4, 1), ("final", 1, 4), ("all", 5, 0)])
+def test_patch_scopes(tiny_model, scope, tapered, kept):
+    patch_model(tiny_model, scope=scope)
+    layers = dict(taper_norms(tiny_model))
+    assert len(layers) == 5
+    assert sum(m.tapered for m in layers.values()) == tapered
+    assert sum(not m.tapered for m in layers.values()) == kept
+    assert all(name == m.site_name for name, m in layers.items())
+
+
+@pytest.mark.parametrize("scope", ["internal", "all"])
+def test_patched_logits_and_generation_are_identical(tiny_model, scope):
+    ids = random_batches(n=1, batch=2, length=12)[0]
+    with torch.no_grad():
+        before = tiny_model(ids).logits
+        generated_before = tiny_model.generate(ids, max_new_tokens=8, do_sample=False)
+    patch_model(tiny_model, scope=scope)
+    with torch.no_grad():
+        after = tiny_model(ids).logits
+        generated_after = tiny_model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert (after - before).abs().max().item() == 0.0
+    assert torch.equal(generated_before, generated_after)
+
+
+def test_bf16_model_patches_exactly():
+    model = build(tiny_llama_config(), dtype=torch.bfloat16)
+    ids = random_batches(n=1)[0]
+    with torch.no_grad():
+        before = model(ids).logits
+        patch_model(model, scope="all")
+        after = model(ids).logits
+    assert after.dtype == torch.bfloat16
+    assert torch.equal(before, after)
+    assert all(m.taper_weight.dtype == torch.bfloat16 and m.gate.dtype == torch.float32 for _, m in taper_norms(model))
+
+
+def test_bare_base_model_patches():
+    torch.manual_seed(0)
+    base = LlamaModel(tiny_llama_config()).eval()
+    ids = random_batches(n=1)[0]
+    with torch.no_grad():
+        before = base(ids).last_hidden_state
+        patch_model(base)
+        after = base(ids).last_hidden_state
+    assert torch.equal(before, after)
+    assert [n for n, _ in tapered_norms(base)] == [
+        "layers.0.input_layernorm",
+        "layers.0.post_attention_layernorm",
+        "layers.1.input_layernorm",
+        "layers.1.post_attention_layernorm",
+    ]
+
+
+def test_tied_embeddings_survive_patching():
+    model = build(tiny_gpt2_config())
+    patch_model(model, scope="all")
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_gate_round_trip_after_calibration(tiny_model):
+    patch_model(tiny_model)
+    tiny_model.train()
+    with torch.no_grad():
+        for ids in random_batches():
+            tiny_model(ids)
+    values = calibrate(tiny_model)
+    assert len(values) == 4 and all(v > 0 for v in values.values())
+    set_gate(tiny_model, 0.0)
+    assert all(float(m.gate) == 0.0 for _, m in tapered_norms(tiny_model))
+    assert all(float(m.gate) == 1.0 for _, m in taper_norms(tiny_model) if not m.tapered)
+    tiny_model.eval()
+    with torch.no_grad():
+        logits = tiny_model(random_batches(n=1)[0]).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_state_dict_round_trip_of_a_patched_model(tiny_llama):
+    patch_model(tiny_llama)
+    tiny_llama.train()
+    with torch.no_grad():
+        for ids in random_batches():
+            tiny_llama(ids)
+    calibrate(tiny_llama)
+    set_gate(tiny_llama, 0.3)
+    state = tiny_llama.state_dict()
+    assert "model.layers.0.input_layernorm.taper_weight" in state
+    assert "model.layers.0.input_layernorm.c" in state
+    fresh = patch_model(build(tiny_llama_config(), seed=5))
+    fresh.load_state_dict(state)
+    for key, value in state.items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+    ids = random_batches(n=1)[0]
+    tiny_llama.eval(), fresh.eval()
+    with torch.no_grad():
+        assert torch.equal(tiny_llama(ids).logits, fresh(ids).logits)
+
+
+def test_errors_name_the_problem(tiny_llama):
+    patch_model(tiny_llama)
+    with pytest.raises(ValueError, match=r"already patched \(found a TaperNorm at 'model\.layers\.0\.input_layernorm'\)"):
+        patch_model(tiny_llama)
+    with pytest.raises(ValueError, match=r"gate must be in \[0, 1\], got -0.1"):
+        set_gate(tiny_llama, -0.1)
+    with pytest.raises(RuntimeError, match=r"before calibration: 4 layer\(s\) are uncalibrated"):
+        set_gate(tiny_llama, 0.5)
+    with pytest.raises(ValueError, match="scope must be one of internal, final, all"):
+        patch_model(build(tiny_llama_config()), scope="everything")
+
+
+def test_unknown_model_type_is_refused_with_the_supported_list():
+    from transformers import BertConfig
+
+    model = AutoModelForCausalLM.from_config(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                        num_attention_heads=2, intermediate_size=64, is_decoder=True))
+    with pytest.raises(ValueError, match=r"model_type 'bert' is not supported by hf_tapernorm; supported model types: .*gpt2.*llama"):
+        patch_model(model)
+    assert not any(isinstance(m, TaperNorm) for m in model.modules())
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_gradient_checkpointing_does_not_count_twice(use_reentrant):
+    ids = random_batches(n=1)[0]
+    pending = {}
+    for checkpointing in (False, True):
+        model = patch_model(build(tiny_llama_config()))
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        model(ids, labels=ids).loss.backward()
+        pending[checkpointing] = torch.stack([m.pending for _, m in tapered_norms(model)])
+    assert pending[False][:, 2].tolist() == [ids.numel()] * 4
+    torch.testing.assert_close(pending[True], pending[False], rtol=1e-6, atol=0)

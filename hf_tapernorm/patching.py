@@ -8,8 +8,10 @@ from typing import Iterator, Literal
 
 from torch import nn
 
-from .architectures import Architecture, architecture_for
-from .taper_norm import TaperNorm
+from .architectures import Architecture
+from .discovery import architecture_of
+from .scale_loss import ScaleAnchor
+from .taper_norm import NormStyle, TaperNorm
 
 logger = logging.getLogger(__name__)
 
@@ -90,12 +92,20 @@ def patch_model(
     scope: Scope = "internal",
     *,
     ema_rate: float = 0.01,
+    scale_loss_weight: float = 0.1,
 ) -> nn.Module:
     """Replace the model's norms with TaperNorm at gate 1, in place; the outputs do not change.
 
     ``scope`` chooses which norms taper: ``"internal"`` (every norm inside the decoder layers, the
     default: the kept final norm anchors the output scale), ``"final"`` or ``"all"``. The final
-    norm is always wrapped, tapered or not, so its input scale can be observed and anchored.
+    norm is always wrapped, tapered or not, so its input scale can be observed and anchored: it
+    carries a ``ScaleAnchor`` whose fixed-target scale loss (weight ``scale_loss_weight``, lambda
+    of METHOD section 4; 0 disables the loss but keeps the measurement) is added to the training
+    loss from calibration on.
+
+    Which modules are norms comes from the architecture table; a model type without an entry is
+    described by automatic discovery (``discovery.py``, logged), which refuses, naming the module,
+    any norm whose output reaches something other than a linear projection.
     """
     if scope not in _SCOPES:
         raise ValueError(f"scope must be one of {', '.join(_SCOPES)}, got {scope!r}")
@@ -106,7 +116,7 @@ def patch_model(
             "call patch_model once per model"
         )
     model_type = model_type_of(model)
-    arch = architecture_for(model_type)
+    arch = architecture_of(model)  # the table entry, else automatic discovery (logged)
     replaced = 0
     for path, _kind, is_final in list(norm_sites(model, arch)):
         original = model.get_submodule(path)
@@ -114,6 +124,13 @@ def patch_model(
         layer = TaperNorm.from_norm(original, arch.style, tapered=tapered, ema_rate=ema_rate)
         layer.site_name = path
         layer.train(original.training)
+        if is_final:
+            layer.anchor = ScaleAnchor(
+                centred=arch.style is NormStyle.LAYER, eps=layer.eps, weight=scale_loss_weight, ema_rate=ema_rate
+            ).to(layer.gate.device)
+            layer.anchor.site_name = path
+            layer.anchor.train(original.training)
+            layer.anchor.attach(model)
         _replace(model, path, layer)
         replaced += tapered
     logger.info("patched %s (%s): %d norm(s) tapered, scope=%s", type(model).__name__, model_type, replaced, scope)

@@ -98,6 +98,10 @@ class TaperNorm(nn.Module):
         # DDP broadcasts buffers from rank 0 on every forward and would overwrite other ranks' sums.
         self.pending: Optional[torch.Tensor] = None
         self.anchor: Optional[nn.Module] = None  # scale anchor, attached to the final norm only
+        # Leading sequence positions that stay normalized at every gate (the attention-sink token of
+        # a fixed BOS: its keys/values are constants of the weights, exported as a one-token KV prefix).
+        # Applies to full-sequence forwards; 0 = off (the paper's layer).
+        self.sink_tokens = 0
 
     @classmethod
     def from_norm(
@@ -173,11 +177,15 @@ class TaperNorm(nn.Module):
 
     def _linear(self, h: torch.Tensor) -> torch.Tensor:
         """``c * h * taper_weight``: no per-token statistic (the LN centring is itself linear)."""
-        scale = self.c.to(self.taper_weight.dtype) * self.taper_weight
+        # Casts only where the dtypes differ: a no-op .to() is still a dispatcher call per norm and token
+        # (a launch on GPU), and at g = 0 the RMS form must stay two multiplications.
+        c, gain = self.c, self.taper_weight
+        scale = (c if c.dtype == gain.dtype else c.to(gain.dtype)) * gain
         if self.style is NormStyle.LAYER:
             out = (h - h.mean(-1, keepdim=True)) * scale
             return out + self.bias if self.bias is not None else out
-        return (h * scale).to(h.dtype)
+        out = h * scale
+        return out if out.dtype == h.dtype else out.to(h.dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.training and self.tapered and not self._calibrated_mirror and not in_backward_recompute():
@@ -187,12 +195,21 @@ class TaperNorm(nn.Module):
         phase = self._phase
         if phase is _Phase.NORM:
             return self._normalized(h)
+        sink = self.sink_tokens
+        if sink and h.dim() >= 2 and h.shape[-2] > sink:
+            head, h = h[..., :sink, :], h[..., sink:, :]
+            return torch.cat([self._normalized(head), self._tapered(h, phase)], dim=-2)
+        return self._tapered(h, phase)
+
+    def _tapered(self, h: torch.Tensor, phase: _Phase) -> torch.Tensor:
         if phase is _Phase.LINEAR:
             return self._linear(h)
         gate = self.gate.to(h.dtype)
         return gate * self._normalized(h) + (1.0 - gate) * self._linear(h)
 
     def _accumulate(self, h: torch.Tensor) -> None:
+        if self.sink_tokens and h.dim() >= 2 and h.shape[-2] > self.sink_tokens:
+            h = h[..., self.sink_tokens :, :]  # the sink stays normalized: the linear branch need not fit it
         sums = branch_statistics(h, self.effective_gain(), self.eps, centred=self.style is NormStyle.LAYER)
         if self.pending is None or self.pending.device != sums.device:
             self.pending = torch.zeros(3, dtype=torch.float32, device=sums.device)

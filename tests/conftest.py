@@ -75,3 +75,81 @@ def smollm2_gguf() -> Path | None:
         if candidates:
             return candidates[0]
     return None
+
+
+# Tiny random configs of every family in the architecture table, and the config variants whose norm
+# layout differs (falcon's three layouts, phi's q/k LayerNorms, gpt_neox's sequential residual, ...).
+_FAMILY_COMMON = dict(
+    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+_GQA = dict(num_key_value_heads=2)
+FAMILY_CASES: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", _GQA),
+    "gpt2": ("gpt2", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, tie_word_embeddings=True)),
+    "mistral": ("mistral", _GQA),
+    "qwen2": ("qwen2", _GQA),  # q/k/v biases
+    "qwen3": ("qwen3", dict(_GQA, head_dim=8)),  # per-head q_norm/k_norm
+    "gemma": ("gemma", dict(_GQA, head_dim=8, tie_word_embeddings=True)),  # (1 + w), embedding scale, tied
+    "gemma2": ("gemma2", dict(_GQA, head_dim=8, query_pre_attn_scalar=8, sliding_window=8)),  # post-norms
+    "gemma3_text": ("gemma3_text", dict(_GQA, head_dim=8, query_pre_attn_scalar=8, sliding_window=8)),
+    "phi": ("phi", dict(partial_rotary_factor=0.5)),  # one shared norm feeds attention and MLP
+    "phi-qk_layernorm": ("phi", dict(partial_rotary_factor=0.5, qk_layernorm=True)),  # per-head LayerNorms
+    "phi3": ("phi3", _GQA),  # fused qkv_proj and gate_up_proj
+    "gpt_neox": ("gpt_neox", dict()),  # parallel residual, two norms, fused query_key_value
+    "gpt_neox-sequential": ("gpt_neox", dict(use_parallel_residual=False)),
+    "opt": ("opt", dict(ffn_dim=64)),
+    "opt-project_out": ("opt", dict(ffn_dim=64, word_embed_proj_dim=16, layer_norm_elementwise_affine=False)),
+    "falcon": ("falcon", dict(parallel_attn=True)),  # one norm shared by attention and MLP
+    "falcon-sequential": ("falcon", dict(parallel_attn=False, bias=True)),  # two norms in sequence
+    "falcon-two_norms": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2)),  # ln_attn + ln_mlp
+}
+
+# Families absent from the table, of shapes discovery handles: OLMo2 (post-norms on both branch outputs,
+# q/k norms over the whole projection), StarCoder2 (LayerNorms with biases, a non-gated MLP).
+DISCOVERED_CASES: dict[str, tuple[str, dict]] = {"olmo2": ("olmo2", _GQA), "starcoder2": ("starcoder2", _GQA)}
+
+
+def tiny_family_config(case: str, **overrides):
+    """A tiny random config of one FAMILY_CASES or DISCOVERED_CASES entry (hidden 32, 2 layers)."""
+    from transformers import AutoConfig
+
+    model_type, values = {**FAMILY_CASES, **DISCOVERED_CASES}[case]
+    merged = {**(_FAMILY_COMMON if model_type != "gpt2" else {}), **values, **overrides}
+    return AutoConfig.for_model(model_type, **merged)
+
+
+# ----------------------------------------------------------------------------- CLI/data helpers
+def char_tokenizer():
+    """A 128-token character-level fast tokenizer (ids = ASCII codes, 0 = <unk>, 127 = <eos>), offline."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(i): i for i in range(1, 127)}
+    vocab.update({"<unk>": 0, "<eos>": 127})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>")
+
+
+CORPUS_WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly boxing frogs "
+    "and every model learns to predict the next token of plain text"
+).split()
+
+
+def corpus_documents(n: int = 120, seed: int = 0) -> list[str]:
+    """Deterministic pseudo-English documents of 15-50 words, no blank lines inside."""
+    import random
+
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(CORPUS_WORDS) for _ in range(rng.randint(15, 50))) for _ in range(n)]
+
+
+def save_tiny_model(folder: Path, kind: str = "llama", seed: int = 0) -> Path:
+    """A tiny random model + the char tokenizer saved as an ordinary Hugging Face folder."""
+    config = tiny_llama_config() if kind == "llama" else tiny_gpt2_config(n_positions=128, bos_token_id=127, eos_token_id=127)
+    build(config, seed).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return Path(folder)

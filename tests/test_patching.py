@@ -133,7 +133,7 @@ def test_gradient_checkpointing_does_not_count_twice(use_reentrant):
         model = patch_model(build(tiny_llama_config()))
         model.train()
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
         model(ids, labels=ids).loss.backward()
         pending[checkpointing] = torch.stack([m.pending for _, m in tapered_norms(model)])
     assert pending[False][:, 2].tolist() == [ids.numel()] * 4

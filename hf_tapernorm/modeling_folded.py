@@ -1,0 +1,254 @@
+"""Norm-free ("folded") versions of supported causal LMs, loadable without hf_tapernorm.
+
+This file is copied next to every exported checkpoint and loaded by
+``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` where hf_tapernorm is not
+installed, so it imports only torch and transformers (huggingface_hub, a transformers dependency,
+is imported lazily for ``push_to_hub``).
+
+A folded model is the base architecture with the folded norms replaced by ``nn.Identity`` and a
+zero bias added to the projections that absorbed a LayerNorm beta; weights keep their usual names
+(``model.layers.0.self_attn.q_proj.weight``), so generation, the KV cache, ``dtype=`` and
+``device_map`` behave exactly as for the base model. The config records what was folded, so the
+same structure is rebuilt on load. Families without explicit classes below (every other table
+family, and architectures described by automatic discovery) get the same two classes from
+``folded_classes(model_type)``, named ``TaperNorm`` + the base class name; the module-level
+``__getattr__`` builds them on demand, so ``auto_map`` names resolve under trust_remote_code too.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import initialization as init
+
+
+@dataclass(kw_only=True)
+class FoldedConfigFields:
+    """What folding did to the base architecture; read by the model class to rebuild it.
+
+    Paths are module paths relative to the ``*ForCausalLM`` model.
+    """
+
+    base_model_type: str = ""
+    final_norm: str = ""  # path of the base model's final norm (folded, kept or scaled)
+    folded_norms: list[str] = field(default_factory=list)  # replaced by nn.Identity
+    kept_norms: list[str] = field(default_factory=list)  # real norms of the base class
+    scaled_norms: list[str] = field(default_factory=list)  # replaced by an explicit FoldedChannelScale
+    added_biases: list[str] = field(default_factory=list)  # projections that gained a bias
+    centred_norms: bool = False  # LayerNorm family: an explicit scale also centres, and has a bias
+    tied_head: Optional[str] = None  # "untie" | "scale" when a tapered final norm met tied embeddings
+    hf_tapernorm_version: str = ""
+
+
+class FoldedChannelScale(nn.Module):
+    """The explicit per-channel map kept where a tapered final norm meets a tied head (``tied_head="scale"``).
+
+    Computes ``h * weight`` (RMS family) or ``(h - mean(h)) * weight + bias`` (LayerNorm family):
+    no per-token statistic beyond the (linear) centring. Its name avoids "Norm" on purpose, so the
+    generic transformers initialisation does not treat it as a norm.
+    """
+
+    def __init__(self, hidden_size: int, *, centred: bool) -> None:
+        super().__init__()
+        self.centred = centred
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size)) if centred else None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.centred:
+            hidden_states = hidden_states - hidden_states.mean(-1, keepdim=True)
+            return hidden_states * self.weight + self.bias
+        return hidden_states * self.weight
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, centred={self.centred}"
+
+
+def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, child = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, module)
+
+
+class FoldedModelMixin:
+    """Rebuilds the folded structure from the config, loads strictly, and carries the model card."""
+
+    model_card: Optional[str] = None  # README.md text written next to the weights when set
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
+        self._apply_fold_structure()
+
+    def _apply_fold_structure(self) -> None:
+        config = self.config
+        for path in config.folded_norms:
+            _set_submodule(self, path, nn.Identity())
+        for path in config.scaled_norms:
+            norm = self.get_submodule(path)
+            reference = getattr(norm, "weight", None)
+            hidden = reference.shape[-1] if reference is not None else config.hidden_size
+            scale = FoldedChannelScale(hidden, centred=config.centred_norms)
+            if reference is not None:
+                scale.to(device=reference.device, dtype=reference.dtype)
+            _set_submodule(self, path, scale)
+        for path in config.added_biases:
+            module = self.get_submodule(path)
+            if getattr(module, "bias", None) is None:
+                weight = module.weight
+                out_features = weight.shape[0] if isinstance(module, nn.Linear) else weight.shape[1]
+                module.bias = nn.Parameter(torch.zeros(out_features, dtype=weight.dtype, device=weight.device))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, FoldedChannelScale):
+            init.ones_(module.weight)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any):
+        """``PreTrainedModel.from_pretrained`` that refuses incomplete or mismatched weights.
+
+        transformers only warns about missing keys and initialises them randomly; for a folded
+        model that would be a silently broken network, so any missing, unexpected or mismatched
+        weight is an error.
+        """
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        problems = {
+            key: sorted(str(item) for item in info.get(key) or ())
+            for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")
+        }
+        problems = {key: value for key, value in problems.items() if value}
+        if problems:
+            details = "; ".join(f"{key}: {', '.join(value[:8])}{' ...' if len(value) > 8 else ''}"
+                                for key, value in problems.items())
+            source = args[0] if args and args[0] is not None else "the given state_dict"
+            raise OSError(
+                f"{cls.__name__}: the weights in {source} do not match the folded architecture ({details}). "
+                "A folded checkpoint must load completely; re-export it with hf_tapernorm instead of using "
+                "a partially initialised model."
+            )
+        return (model, info) if want_info else model
+
+    def save_pretrained(self, save_directory: str | os.PathLike, is_main_process: bool = True, **kwargs: Any) -> None:
+        """``PreTrainedModel.save_pretrained`` plus README.md when a model card is attached."""
+        super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
+        if is_main_process and self.model_card is not None:
+            with open(os.path.join(save_directory, "README.md"), "w", encoding="utf-8") as handle:
+                handle.write(self.model_card)
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        commit_message: Optional[str] = None,
+        commit_description: Optional[str] = None,
+        private: Optional[bool] = None,
+        token: Optional[str | bool] = None,
+        revision: Optional[str] = None,
+        create_pr: bool = False,
+        max_shard_size: int | str = "50GB",
+        **kwargs: Any,
+    ):
+        """Upload exactly what ``save_pretrained`` writes (weights, config, code, README.md).
+
+        Without an attached model card this is transformers' own ``push_to_hub``; with one, the card
+        is uploaded as README.md instead of the generic card transformers would write over it.
+        """
+        if self.model_card is None:
+            return super().push_to_hub(
+                repo_id, commit_message=commit_message, commit_description=commit_description, private=private,
+                token=token, revision=revision, create_pr=create_pr, max_shard_size=max_shard_size, **kwargs
+            )
+        if kwargs:
+            raise TypeError(f"push_to_hub got unexpected arguments: {', '.join(sorted(kwargs))}")
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_pretrained(folder, max_shard_size=max_shard_size)
+            return api.upload_folder(
+                repo_id=repo_id,
+                folder_path=folder,
+                commit_message=commit_message or "Upload norm-free model folded with hf_tapernorm",
+                commit_description=commit_description,
+                revision=revision,
+                create_pr=create_pr,
+            )
+
+
+# ---------------------------------------------------------------------------------------- families
+class TaperNormLlamaConfig(LlamaConfig, FoldedConfigFields):
+    model_type = "tapernorm_llama"
+
+
+class TaperNormLlamaForCausalLM(FoldedModelMixin, LlamaForCausalLM):
+    config_class = TaperNormLlamaConfig
+
+
+class TaperNormGPT2Config(GPT2Config, FoldedConfigFields):
+    model_type = "tapernorm_gpt2"
+
+
+class TaperNormGPT2LMHeadModel(FoldedModelMixin, GPT2LMHeadModel):
+    config_class = TaperNormGPT2Config
+
+
+# base model_type -> (folded config class, folded causal-LM class)
+FOLDED_CLASSES: dict[str, tuple[type, type]] = {
+    "llama": (TaperNormLlamaConfig, TaperNormLlamaForCausalLM),
+    "gpt2": (TaperNormGPT2Config, TaperNormGPT2LMHeadModel),
+}
+
+
+def folded_classes(base_model_type: str) -> tuple[type, type]:
+    """(folded config class, folded causal-LM class) for ``base_model_type``, built on first use.
+
+    They subclass the base family's config and ``*ForCausalLM`` classes exactly as the explicit
+    classes above do, so every family transformers ships needs no code of its own here.
+    """
+    if base_model_type not in FOLDED_CLASSES:
+        from transformers import CONFIG_MAPPING
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        try:
+            base_config = CONFIG_MAPPING[base_model_type]
+            base_model = MODEL_FOR_CAUSAL_LM_MAPPING[base_config]
+        except KeyError:
+            raise ValueError(
+                f"transformers has no causal-LM class for model_type '{base_model_type}', so there is no folded "
+                "model class for it"
+            ) from None
+        config_class = type(
+            f"TaperNorm{base_config.__name__}",
+            (base_config, FoldedConfigFields),
+            {"model_type": f"tapernorm_{base_model_type}", "__module__": __name__},
+        )
+        model_class = type(
+            f"TaperNorm{base_model.__name__}",
+            (FoldedModelMixin, base_model),
+            {"config_class": config_class, "__module__": __name__},
+        )
+        FOLDED_CLASSES[base_model_type] = (config_class, model_class)
+    return FOLDED_CLASSES[base_model_type]
+
+
+def __getattr__(name: str) -> type:
+    """Resolve ``TaperNorm<BaseClass>`` names (PEP 562): an exported ``auto_map`` may name a built-on-use class."""
+    if name.startswith("TaperNorm"):
+        import transformers
+
+        base = getattr(transformers, name[len("TaperNorm"):], None)
+        model_type = getattr(getattr(base, "config_class", base), "model_type", None)
+        if isinstance(model_type, str) and model_type:
+            for cls in folded_classes(model_type):
+                if cls.__name__ == name:
+                    return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

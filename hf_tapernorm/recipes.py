@@ -1,0 +1,98 @@
+"""Recipe presets for tapering a pretrained model during continued pretraining, by model size.
+
+A recipe bundles every choice the fidelity experiments (conversion_scripts/experiments/) showed to
+matter on real pretrained models: the taper window, the learning rate, a normalized attention-sink
+position, the calibration fit, and the token-scale penalty. ``recipe_for(model)`` picks the preset;
+``apply_recipe(model, recipe, batches)`` configures a patched model and returns the penalty to add
+to the training loss (or None).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from .calibration import fit_linear_branch
+from .patching import tapered_norms
+from .regularizers import TokenScalePenalty
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TaperRecipe:
+    """One continued-pretraining recipe.
+
+    ``taper_start``/``taper_end``: fractions of the run (the TaperSchedule/TaperCallback arguments).
+    ``sink_tokens``: leading positions kept normalized at every gate (every training block must start
+    with the same token, e.g. BOS, so the sink's keys/values are constants of the weights; folding
+    then needs the sink-KV export). ``calibration_trim``/``per_channel``: the linear branch's fit
+    (:func:`fit_linear_branch`); ``trim=None, per_channel=False`` is the paper's least-squares c.
+    ``scale_penalty``/``scale_penalty_ratio``: :class:`TokenScalePenalty` (0 = off).
+    """
+
+    name: str
+    taper_start: float
+    taper_end: float
+    learning_rate: float
+    sink_tokens: int = 1
+    calibration_trim: Optional[float] = None
+    per_channel: bool = True
+    scale_penalty: float = 0.0
+    scale_penalty_ratio: float = 4.0
+
+
+#: Upper parameter-count bounds of the size classes, smallest first.
+PRESETS: dict[str, tuple[float, TaperRecipe]] = {
+    "small": (5e8, TaperRecipe("small", 0.05, 0.9, 5e-5)),
+    "medium": (4e9, TaperRecipe("medium", 0.05, 0.9, 3e-5)),
+    "large": (float("inf"), TaperRecipe("large", 0.05, 0.9, 1e-5)),
+}
+
+#: The paper's recipe, for comparison: no sink, least-squares c, cosine from 5% to 70%.
+PAPER = TaperRecipe("paper", 0.05, 0.70, 1e-4, sink_tokens=0, calibration_trim=None, per_channel=False)
+
+
+def recipe_for(model_or_params: nn.Module | int) -> TaperRecipe:
+    """The preset for a model (or a parameter count) by size."""
+    count = (
+        model_or_params
+        if isinstance(model_or_params, int)
+        else sum(p.numel() for p in model_or_params.parameters())
+    )
+    for bound, recipe in PRESETS.values():
+        if count <= bound:
+            return recipe
+    raise AssertionError("unreachable: the last preset has no bound")
+
+
+def apply_recipe(
+    model: nn.Module, recipe: TaperRecipe, calibration_batches: Optional[Iterable[torch.Tensor | dict]] = None
+) -> Optional[TokenScalePenalty]:
+    """Configure a patched model for ``recipe``; returns the token-scale penalty to add to the loss, if any.
+
+    With ``calibration_batches`` the linear branches are fitted now (at gate 1, before training):
+    the TaperController/TaperCallback then finds them calibrated and only freezes the scale anchor.
+    """
+    layers = [layer for _, layer in tapered_norms(model)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no tapered TaperNorm layers; call patch_model(model) first")
+    for layer in layers:
+        layer.sink_tokens = recipe.sink_tokens
+    if calibration_batches is not None:
+        values = fit_linear_branch(
+            model, calibration_batches, trim=recipe.calibration_trim, per_channel=recipe.per_channel
+        )
+        logger.info("recipe %s: fitted %d linear branch(es)", recipe.name, len(values))
+    if recipe.scale_penalty > 0:
+        return TokenScalePenalty(
+            model, weight=recipe.scale_penalty, ratio=recipe.scale_penalty_ratio, sink_tokens=recipe.sink_tokens
+        )
+    return None
+
+
+__all__ = ["TaperRecipe", "PRESETS", "PAPER", "recipe_for", "apply_recipe"]

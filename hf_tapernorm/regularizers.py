@@ -1,0 +1,80 @@
+"""Training-time regularisers that prepare a pretrained model for the gate to close.
+
+Neither changes what folding sees: they are extra loss terms, active only in training-mode forwards.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .calibration import in_backward_recompute
+from .taper_norm import TaperNorm
+
+
+class TokenScalePenalty:
+    """Penalise tokens whose residual scale exceeds ``ratio`` x the median token, at every tapered norm.
+
+    Once the gate closes, a token k times larger than the typical one reaches attention and the MLP
+    k times too large (and the MLP's output grows about as k^2), so outlier tokens run away. The
+    penalty ``weight * mean_layers mean_tokens relu(log r(h) - log(ratio * median r))^2`` teaches the
+    model uniform token scales while the norms still hide them (start it at gate 1). The median is
+    per layer and per forward, detached; the first ``sink_tokens`` positions (kept normalized) are
+    exempt. Install once; add ``penalty()`` to the loss after each forward.
+    """
+
+    def __init__(self, model: nn.Module, *, weight: float = 0.01, ratio: float = 4.0, sink_tokens: int = 0) -> None:
+        if weight < 0 or ratio < 1:
+            raise ValueError(f"TokenScalePenalty needs weight >= 0 and ratio >= 1, got {weight} and {ratio}")
+        self.weight = float(weight)
+        self.log_ratio = math.log(ratio)
+        self.sink_tokens = int(sink_tokens)
+        self._terms: list[torch.Tensor] = []
+        layers = [m for m in model.modules() if isinstance(m, TaperNorm) and m.tapered]
+        if not layers:
+            raise ValueError(f"{type(model).__name__} has no tapered TaperNorm layers; call patch_model first")
+        self._handles = [layer.register_forward_pre_hook(self._observe) for layer in layers]
+        self._layers = len(layers)
+
+    def _observe(self, layer: TaperNorm, args: tuple) -> None:
+        if not layer.training or self.weight == 0 or in_backward_recompute():
+            return
+        x = args[0]
+        if self.sink_tokens:
+            x = x[..., self.sink_tokens :, :]
+        log_r = 0.5 * torch.log(x.float().pow(2).mean(-1) + layer.eps).reshape(-1)
+        excess = F.relu(log_r - log_r.detach().median() - self.log_ratio)
+        self._terms.append(excess.pow(2).mean())
+
+    def __call__(self) -> torch.Tensor:
+        """The penalty of the forwards since the last call (0 when none), and reset."""
+        if not self._terms:
+            return torch.zeros(())
+        value = self.weight * torch.stack(self._terms).sum() / self._layers
+        self._terms = []
+        return value
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def distillation_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Mean over tokens of KL(teacher || student) on the next-token distributions (fp32)."""
+    log_p = F.log_softmax(teacher_logits.float(), dim=-1)
+    log_q = F.log_softmax(student_logits.float(), dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    if mask is None:
+        return kl.mean()
+    mask = mask.to(kl.dtype)
+    return (kl * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+__all__ = ["TokenScalePenalty", "distillation_loss"]

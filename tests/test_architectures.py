@@ -1,0 +1,147 @@
+"""The full round trip for every family in the table (and the config variants whose norm layout differs),
+and for families absent from the table, which go through automatic discovery alone.
+
+patch (exact at g = 1) -> calibrate -> perturb gammat -> g = 0 -> fold (within 1e-5 relative of the
+unfolded g = 0 model in fp32) -> export -> reload with the package (Auto classes) and, in one shared
+subprocess, without it (trust_remote_code). Each case is built once per module and shared by the tests.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_tapernorm import calibrate, export_folded, fold_model, patch_model, set_gate, tapered_norms
+from hf_tapernorm.architectures import ARCHITECTURES
+from hf_tapernorm.discovery import is_norm_module
+from tests.conftest import DISCOVERED_CASES, FAMILY_CASES, build, random_batches, tiny_family_config
+
+# Every case folds everything (scope "all": internal norms and the final norm into the head); a few
+# also keep the final norm (scope "internal"), so its own norm class is exported as a real norm.
+TRIPS = [(case, "all") for case in sorted(FAMILY_CASES) + sorted(DISCOVERED_CASES)] + [
+    (case, "internal") for case in ("gemma", "opt", "phi", "qwen3", "olmo2")
+]
+IDS = random_batches(n=1, batch=2, length=12, seed=7)[0]
+
+
+@dataclass
+class RoundTrip:
+    original: torch.Tensor  # logits before patching
+    at_gate_one: torch.Tensor  # patched, g = 1
+    unfolded: torch.Tensor  # patched, calibrated, perturbed gammat, g = 0
+    folded: torch.Tensor
+    reloaded: torch.Tensor  # through AutoModelForCausalLM with hf_tapernorm imported
+    norms_left: int  # norm modules in the folded model
+    folder: str
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits.float()
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _round_trip(case: str, scope: str, root: Path) -> RoundTrip:
+    model = build(tiny_family_config(case))
+    original = _logits(model)
+    patch_model(model, scope=scope)
+    at_gate_one = _logits(model)
+    model.train()
+    with torch.no_grad():
+        model(random_batches(n=1)[0])
+    calibrate(model)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # a trained gammat differs from the norm's gain: fold must use gammat
+        for _, layer in tapered_norms(model):
+            noise = torch.randn(layer.taper_weight.shape, generator=generator)
+            layer.taper_weight.mul_(1.0 + 0.2 * noise)
+    set_gate(model, 0.0)
+    model.eval()
+    unfolded = _logits(model)
+    folded = fold_model(model, check=False)  # compared below, on the same ids
+    folder = export_folded(folded, root / f"{case}-{scope}")
+    reloaded = AutoModelForCausalLM.from_pretrained(folder)
+    return RoundTrip(
+        original, at_gate_one, unfolded, _logits(folded), _logits(reloaded),
+        sum(is_norm_module(m) for m in folded.modules()), str(folder),
+    )
+
+
+@pytest.fixture(scope="module")
+def round_trip(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    done: dict[tuple[str, str], RoundTrip] = {}
+
+    def get(case: str, scope: str) -> RoundTrip:
+        if (case, scope) not in done:
+            done[case, scope] = _round_trip(case, scope, root)
+        return done[case, scope]
+
+    return get
+
+
+def test_discovered_cases_are_absent_from_the_table():
+    assert {tiny_family_config(case).model_type for case in DISCOVERED_CASES}.isdisjoint(ARCHITECTURES)
+
+
+@pytest.mark.parametrize("case,scope", TRIPS)
+def test_round_trip(round_trip, case, scope):
+    result = round_trip(case, scope)
+    assert torch.equal(result.at_gate_one, result.original)  # exact at g = 1
+    assert _relative(result.folded, result.unfolded) <= 1e-5
+    assert torch.equal(result.reloaded, result.folded)
+    assert result.norms_left == (1 if scope == "internal" else 0)  # only a kept final norm remains
+    assert _relative(result.unfolded, result.original) > 1e-3  # g = 0 really changed the model
+
+
+_WITHOUT_PACKAGE = textwrap.dedent(
+    """
+    import importlib.abc, sys
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "hf_tapernorm" or name.startswith("hf_tapernorm."):
+                raise ImportError("hf_tapernorm is blocked in this test")
+    sys.meta_path.insert(0, Block())
+    sys.path = [p for p in sys.path if p not in ("", ".", REPO)]
+    import torch
+    from transformers import AutoModelForCausalLM
+    ids = torch.load(IDS_FILE)
+    results = {}
+    for folder in FOLDERS:
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+        with torch.no_grad():
+            results[folder] = (type(model).__module__, model(ids).logits.float())
+    assert "hf_tapernorm" not in sys.modules
+    torch.save(results, OUT)
+    """
+)
+
+
+def test_reload_without_the_package(round_trip, tmp_path):
+    trips = [round_trip(case, scope) for case, scope in TRIPS]
+    folders = [trip.folder for trip in trips]
+    torch.save(IDS, tmp_path / "ids.pt")
+    script = tmp_path / "without_package.py"
+    repo = str(Path(__file__).resolve().parent.parent)
+    script.write_text(
+        f"REPO = {repo!r}\nIDS_FILE = {str(tmp_path / 'ids.pt')!r}\nFOLDERS = {folders!r}\n"
+        f"OUT = {str(tmp_path / 'out.pt')!r}\n" + _WITHOUT_PACKAGE
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_"))}
+    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2")
+    done = subprocess.run([sys.executable, "-I", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = torch.load(tmp_path / "out.pt")
+    for trip in trips:
+        module, logits = results[trip.folder]
+        assert module.startswith("transformers_modules."), (trip.folder, module)
+        assert torch.equal(logits, trip.folded), trip.folder

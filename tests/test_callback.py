@@ -1,0 +1,275 @@
+"""TaperCallback inside a real transformers.Trainer (CPU, tiny Llama, a dozen optimizer steps)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+import hf_tapernorm.controller as controller_module
+from hf_tapernorm import (
+    TaperCallback,
+    TaperController,
+    TaperDivergenceError,
+    TaperSchedule,
+    gate_of,
+    patch_model,
+    tapered_norms,
+)
+from tests.conftest import build, tiny_llama_config
+
+STEPS, K_START, K_END = 12, 3, 9
+SEQ = 12
+
+
+def _dataset(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (n, SEQ), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[::3, -3:] = 0  # some right padding, so the scale loss's masking is exercised
+    labels = ids.masked_fill(mask == 0, -100)
+    return [{"input_ids": i, "attention_mask": m, "labels": lab} for i, m, lab in zip(ids, mask, labels)]
+
+
+class GateRecorder(TrainerCallback):
+    """Records (optimizer step number, gate) while the step's micro-batches have run."""
+
+    def __init__(self) -> None:
+        self.trace: list[tuple[int, float]] = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.trace.append((state.global_step + 1, gate_of(model)))
+
+
+class Reporter(TrainerCallback):
+    """Stands for a reporting integration (TensorBoard, W&B) listed before TaperCallback."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.seen.append(dict(logs))
+
+
+def run_trainer(
+    output_dir: Path,
+    *,
+    batch: int = 8,
+    accumulation: int = 1,
+    checkpointing: bool = False,
+    save_steps: int | None = None,
+    resume: str | None = None,
+    patched: bool = True,
+    callbacks: tuple = (),
+    taper: TaperCallback | None = None,
+):
+    model = build(tiny_llama_config(), seed=0)
+    if patched:
+        patch_model(model, ema_rate=0.1)
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=STEPS,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulation,
+        activation_checkpointing=checkpointing,
+        learning_rate=3e-3,
+        report_to=[],
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        train_sampling_strategy="sequential",
+        disable_tqdm=True,
+        seed=0,
+    )
+    recorder = GateRecorder()
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=_dataset(STEPS * 8),
+        callbacks=[*callbacks, taper or TaperCallback(K_START, K_END), recorder],
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, model, recorder.trace
+
+
+def _c_values(model) -> dict[str, float]:
+    return {name: float(layer.c) for name, layer in tapered_norms(model)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted run (8 x 1), with a checkpoint in the middle of the taper and calibration spied on."""
+    calls: list[int] = []
+    original = controller_module.calibrate
+
+    def spy(model):
+        calls.append(min(int(layer.ema_steps) for _, layer in tapered_norms(model)))  # steps of statistics
+        return original(model)
+
+    controller_module.calibrate = spy
+    reporter = Reporter()
+    try:
+        out = tmp_path_factory.mktemp("reference")
+        trainer, model, trace = run_trainer(out, save_steps=6, callbacks=(reporter,))
+    finally:
+        controller_module.calibrate = original
+    return {"trainer": trainer, "model": model, "trace": trace, "calls": calls, "reporter": reporter, "out": out}
+
+
+def test_gate_trace_follows_the_schedule_and_calibration_happens_once(reference):
+    schedule = TaperSchedule(K_START, K_END, total_steps=STEPS)
+    trace = reference["trace"]
+    assert [step for step, _ in trace] == list(range(1, STEPS + 1))
+    assert [gate for _, gate in trace] == pytest.approx([schedule.gate(k) for k in range(1, STEPS + 1)], abs=1e-7)
+    assert [gate for _, gate in trace[:K_START]] == [1.0] * K_START
+    assert [gate for _, gate in trace[K_END - 1 :]] == [0.0] * (STEPS - K_END + 1)
+    model = reference["model"]
+    assert gate_of(model) == 0.0
+    assert reference["calls"] == [K_START]  # calibrated exactly once, after exactly k_start steps at g = 1...
+    for _, layer in tapered_norms(model):  # ...and no statistics were gathered after it
+        assert layer.is_calibrated and int(layer.ema_steps) == K_START
+    anchor = model.model.norm.anchor
+    assert anchor.is_frozen and int(anchor.ema_steps) == K_START
+
+
+def test_taper_metrics_reach_reporters_listed_before_the_callback(reference):
+    trainer, reporter = reference["trainer"], reference["reporter"]
+    assert isinstance(trainer.callback_handler.callbacks[0], TaperCallback)
+    training_logs = [logs for logs in reporter.seen if "loss" in logs]
+    assert len(training_logs) == STEPS
+    gates = [logs["taper/gate"] for logs in training_logs]
+    assert gates[0] == 1.0 and gates[-1] == 0.0
+    assert all(logs["taper/residual_scale"] > 0 for logs in training_logs)
+    assert [logs["taper/scale_loss"] for logs in training_logs[:K_START]] == [0.0] * K_START
+    assert all(logs["taper/scale_loss"] > 0 for logs in training_logs[K_START:])
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["taper/gate"] for h in history] == gates
+
+
+def test_resume_mid_taper_equals_the_uninterrupted_run(reference, tmp_path):
+    checkpoint = reference["out"] / "checkpoint-6"
+    assert checkpoint.is_dir()
+    _, resumed, trace = run_trainer(tmp_path, resume=str(checkpoint))
+    assert trace == reference["trace"][6:]
+    expected = reference["model"].state_dict()
+    actual = resumed.state_dict()
+    assert expected.keys() == actual.keys()
+    assert any(k.endswith("anchor.target") for k in actual)
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_resume_without_patching_fails_clearly(reference, tmp_path):
+    expected = r"TaperCallback: LlamaForCausalLM has no TaperNorm layers: call hf_tapernorm\.patch_model"
+    with pytest.raises(ValueError, match=expected):
+        run_trainer(tmp_path, resume=str(reference["out"] / "checkpoint-6"), patched=False)
+
+
+def test_schedule_longer_than_the_run_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"k_start=3, k_end=20, total_steps=12.*after the run's last step 12"):
+        run_trainer(tmp_path, taper=TaperCallback(3, 20))
+
+
+def test_gradient_accumulation_gives_the_same_gates_and_c(reference, tmp_path):
+    _, accumulated, trace = run_trainer(tmp_path, batch=4, accumulation=2)
+    assert trace == reference["trace"]
+    expected = _c_values(reference["model"])
+    assert _c_values(accumulated) == pytest.approx(expected, rel=1e-5)
+    for key, value in reference["model"].state_dict().items():
+        torch.testing.assert_close(accumulated.state_dict()[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_gradient_checkpointing_does_not_double_count_statistics(reference, tmp_path):
+    _, checkpointed, trace = run_trainer(tmp_path, checkpointing=True)
+    assert checkpointed.is_activation_checkpointing
+    assert trace == reference["trace"]
+    for _, layer in tapered_norms(checkpointed):
+        assert int(layer.ema_steps) == K_START
+    assert _c_values(checkpointed) == pytest.approx(_c_values(reference["model"]), rel=1e-5)
+
+
+class Poison(TrainerCallback):
+    """Sends one weight to NaN before optimizer step 6 runs."""
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 5:
+            with torch.no_grad():
+                model.model.layers[1].mlp.down_proj.weight.fill_(float("nan"))
+
+
+def test_divergence_stops_before_a_broken_checkpoint_is_written(tmp_path):
+    with pytest.raises(TaperDivergenceError, match=r"optimizer step 6 \(gate 0\.5000\).*loss is not finite") as error:
+        run_trainer(tmp_path, save_steps=3, callbacks=(Poison(),))
+    assert "First layer with non-finite parameters: model.layers.0.input_layernorm" in str(error.value)
+    saved = sorted(p.name for p in tmp_path.glob("checkpoint-*"))
+    assert saved == ["checkpoint-3"]  # step 6 diverged: no checkpoint-6
+
+
+# ---------------------------------------------------------------------- the controller without a Trainer
+def test_controller_refuses_a_checkpoint_without_taper_state():
+    model = patch_model(build(tiny_llama_config()))  # freshly patched: no statistics, not calibrated
+    controller = TaperController(model, TaperSchedule(K_START, K_END), total_steps=STEPS)
+    controller.check_resume(0)  # a fresh run is fine
+    expected = r"resuming at optimizer step 5 \(k_start=3\) but 4 TaperNorm layer\(s\) lack their calibration state"
+    with pytest.raises(RuntimeError, match=expected + r" \(first: model\.layers\.0\.input_layernorm\)"):
+        controller.check_resume(5)
+
+
+def test_controller_needs_the_run_length_and_refuses_unpatched_or_zero3_models():
+    with pytest.raises(ValueError, match="TaperController needs total_steps"):
+        TaperController(patch_model(build(tiny_llama_config())), TaperSchedule(0.1, 0.5))
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM has no TaperNorm layers"):
+        TaperController(build(tiny_llama_config()), total_steps=10)
+    zero3 = patch_model(build(tiny_llama_config()))
+    next(zero3.parameters()).ds_id = 0  # what DeepSpeed ZeRO-3 puts on every partitioned parameter
+    with pytest.raises(NotImplementedError, match=r"does not support DeepSpeed ZeRO-3 parameter sharding"):
+        TaperController(zero3, total_steps=10)
+
+
+def test_residual_scale_runaway_names_step_gate_and_site():
+    model = patch_model(build(tiny_llama_config()), ema_rate=0.1).train()
+    controller = TaperController(model, TaperSchedule(1, 4), total_steps=4, max_scale_ratio=10.0)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    controller.step_begin(0)
+    model(input_ids=ids, labels=ids)
+    controller.step_end(0)
+    controller.step_begin(1)  # calibrated; the target is the warmup scale
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(1000.0)  # the residual stream explodes
+    model(input_ids=ids, labels=ids)
+    expected = r"optimizer step 2 \(gate 0\.7500\): the residual scale entering model\.norm is .*x its target"
+    with pytest.raises(TaperDivergenceError, match=expected + r".*All TaperNorm parameters are still finite"):
+        controller.step_end(1)
+
+
+def test_a_loss_reported_by_the_loop_is_watched_too():
+    model = patch_model(build(tiny_llama_config()), ema_rate=0.1).train()
+    controller = TaperController(model, TaperSchedule(1, 4), total_steps=4)
+    controller.step_begin(0)
+    model(input_ids=torch.zeros(1, 4, dtype=torch.long))  # no labels: the loop computes its own loss
+    with pytest.raises(TaperDivergenceError, match=r"optimizer step 1 \(gate 1\.0000\): the loss is not finite"):
+        controller.step_end(0, loss=float("inf"))
+
+
+@pytest.mark.parametrize(
+    "find_unused,checkpointing,fails",
+    [(None, False, False), (None, True, True), (True, True, False), (False, False, True)],
+)
+def test_ddp_without_unused_parameter_detection_is_refused_early(find_unused, checkpointing, fails):
+    # Measured with tests/distributed_taper.py and activation checkpointing on 2 ranks: DDP then fails at the
+    # second step ("Expected to have finished reduction in the prior iteration"); with True it trains.
+    args = SimpleNamespace(
+        world_size=2, deepspeed=None, fsdp=None, activation_checkpointing=checkpointing,
+        ddp_find_unused_parameters=find_unused,
+    )
+    model = patch_model(build(tiny_llama_config()))
+    callback = TaperCallback()
+    if fails:
+        with pytest.raises(ValueError, match=r"needs ddp_find_unused_parameters=True in TrainingArguments"):
+            callback.on_init_end(args, None, None, model=model)
+    else:
+        callback.on_init_end(args, None, None, model=model)

@@ -1,0 +1,140 @@
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig
+
+from hf_tapernorm import calibrate, fold_model, patch_model, set_gate, taper_norms
+from hf_tapernorm.architectures import NormSite, architecture_for
+from hf_tapernorm.discovery import DiscoveryError, discover_architecture
+from hf_tapernorm.taper_norm import NormStyle
+from tests.conftest import FAMILY_CASES, build, random_batches, tiny_family_config, tiny_llama_config
+
+
+def _normalized(arch):
+    return (
+        arch.style,
+        arch.layers,
+        tuple(sorted(arch.sites, key=lambda site: site.path)),
+        arch.final_norm,
+        arch.lm_head,
+        arch.conv1d,
+    )
+
+
+@pytest.mark.parametrize("case", sorted(FAMILY_CASES))
+def test_discovery_reproduces_the_table(case):
+    config = tiny_family_config(case)
+    model = build(config)
+    model.train()
+    discovered = discover_architecture(model)
+    assert _normalized(discovered) == _normalized(architecture_for(config.model_type, config))
+    assert discovered.model_type == config.model_type
+    assert model.training  # the probe runs in eval mode and restores the mode
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_discovery_reads_a_patched_model_the_same_way():
+    config = tiny_family_config("qwen3")
+    model = patch_model(build(config), scope="all")
+    assert _normalized(discover_architecture(model)) == _normalized(architecture_for("qwen3"))
+
+
+def test_discovery_describes_architectures_absent_from_the_table():
+    olmo2 = discover_architecture(build(tiny_family_config("olmo2")))
+    assert olmo2.style is NormStyle.RMS and olmo2.final_norm == "norm" and olmo2.lm_head == "lm_head"
+    assert olmo2.sites == (
+        NormSite("post_attention_layernorm", ("self_attn.o_proj",), "output"),
+        NormSite("post_feedforward_layernorm", ("mlp.down_proj",), "output"),
+        NormSite("self_attn.k_norm", ("self_attn.k_proj",), "output"),
+        NormSite("self_attn.q_norm", ("self_attn.q_proj",), "output"),
+    )
+    starcoder2 = discover_architecture(build(tiny_family_config("starcoder2")))
+    assert starcoder2.style is NormStyle.LAYER
+    assert starcoder2.sites == (
+        NormSite("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        NormSite("post_attention_layernorm", ("mlp.c_fc",)),
+    )
+
+
+def test_patch_model_falls_back_to_discovery_and_says_so(caplog):
+    model = build(tiny_family_config("olmo2"))
+    ids = random_batches(n=1)[0]
+    with torch.no_grad():
+        before = model(ids).logits
+    with caplog.at_level(logging.INFO, logger="hf_tapernorm.discovery"):
+        patch_model(model, scope="all")
+    assert "model_type 'olmo2' has no table entry; discovered its norms automatically" in caplog.text
+    assert len(dict(taper_norms(model))) == 2 * 4 + 1
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    model.train()
+    with torch.no_grad():
+        model(random_batches(n=1)[0])
+    calibrate(model)
+    set_gate(model, 0.0)
+    model.eval()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hf_tapernorm.discovery"):
+        folded = fold_model(model)  # built-in check against the unfolded g = 0 model (fp32: 1e-4)
+    assert "model_type 'olmo2' has no table entry" in caplog.text
+    assert type(folded).__name__ == "TaperNormOlmo2ForCausalLM"
+    assert folded.config.model_type == "tapernorm_olmo2"
+    assert folded.fold_report.max_rel_diff <= 1e-5
+
+
+def test_same_formula_with_other_rounding_is_accepted_with_a_warning(caplog):
+    # OLMo2's RMSNorm multiplies by w in fp32 and casts last: in bf16 that differs from Llama's order by rounding.
+    model = build(tiny_family_config("olmo2"), dtype=torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.discovery"):
+        assert discover_architecture(model).style is NormStyle.RMS
+    assert "norm class(es) Olmo2RMSNorm match the TaperNorm arithmetic only up to rounding" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.discovery"):
+        discover_architecture(build(tiny_family_config("olmo2")))
+    assert "rounding" not in caplog.text  # fp32: bit for bit
+
+
+class _GeluBeforeMLP(nn.Module):
+    """An MLP that applies GELU to the norm output before its projections: not foldable."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.inner = mlp
+
+    def forward(self, x):
+        return self.inner(F.gelu(x))
+
+
+def test_a_norm_feeding_a_non_linear_op_is_refused_by_name():
+    model = build(tiny_llama_config())
+    model.model.layers[1].mlp = _GeluBeforeMLP(model.model.layers[1].mlp)
+    with pytest.raises(
+        DiscoveryError,
+        match=r"norm 'model\.layers\.1\.post_attention_layernorm' cannot be folded: its output reaches the op "
+        r"'gelu', which is not a linear projection",
+    ):
+        discover_architecture(model)
+
+
+def test_post_ln_and_embedding_norms_are_refused_by_name():
+    opt = build(tiny_family_config("opt", do_layer_norm_before=False))
+    with pytest.raises(
+        DiscoveryError,
+        match=r"norm 'model\.decoder\.layers\.0\.self_attn_layer_norm' cannot be folded: its output reaches "
+        r"the op 'add'",
+    ):
+        discover_architecture(opt)
+    with pytest.raises(ValueError, match=r"OPT with do_layer_norm_before=False \(post-LN"):
+        patch_model(opt)
+    bloom = build(AutoConfig.for_model("bloom", vocab_size=128, hidden_size=32, n_layer=2, n_head=4))
+    with pytest.raises(
+        DiscoveryError,
+        match=r"model_type 'bloom' is not supported by hf_tapernorm; supported model types: .*; automatic discovery "
+        r"refused it too: norm 'transformer\.word_embeddings_layernorm' cannot be folded: its output reaches the "
+        r"norm 'transformer\.h\.0\.input_layernorm', which is not a linear projection",
+    ):
+        patch_model(bloom)
+    assert not dict(taper_norms(bloom))

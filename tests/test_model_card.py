@@ -1,0 +1,94 @@
+"""Model cards of folded models: Hub metadata, run facts, what was folded, how to load."""
+
+from __future__ import annotations
+
+import pytest
+from huggingface_hub import ModelCard
+
+from hf_tapernorm import fold_model, render_model_card
+from tests.test_folding import tapered
+
+FACTS = {
+    "base_model": "HuggingFaceTB/SmolLM2-135M",
+    "license": "apache-2.0",
+    "repo_id": "me/smollm2-135m-normfree",
+    "dataset": "Python standard library source",
+    "tokens": 1234567,
+    "schedule": {"total steps": 300, "taper start (step)": 25, "taper end (step)": 100},
+    "eval_loss": {"base": 3.0126, "tapered (g = 0)": 3.0584, "folded": 3.0585},
+    "speed": {"last-token logits, bf16, batch 1": "1.12x"},
+    "tags": ["smollm2"],
+}
+
+
+@pytest.fixture(scope="module")
+def internal():
+    return fold_model(tapered("llama", "internal"))
+
+
+def test_card_metadata_is_what_the_hub_reads(internal):
+    card = ModelCard(render_model_card(internal, FACTS))
+    data = card.data.to_dict()
+    assert data == {
+        "base_model": "HuggingFaceTB/SmolLM2-135M",
+        "library_name": "transformers",
+        "license": "apache-2.0",
+        "pipeline_tag": "text-generation",
+        "tags": ["hf_tapernorm", "tapernorm", "norm-free", "llama", "smollm2"],
+    }
+    assert card.text.startswith("\n# smollm2-135m-normfree\n")
+
+
+def test_card_body_carries_the_run_facts_and_both_ways_to_load(internal):
+    text = render_model_card(internal, FACTS)
+    for line in (
+        "| Base architecture | `llama` (exported as `tapernorm_llama`) |",
+        "| Norms folded away | 4 (e.g. `model.layers.0.input_layernorm`) |",
+        "| Norms kept | 1 (e.g. `model.norm`) |",
+        "| Final norm | kept as a real norm (Internal-Taper) |",
+        "| Projections that gained a bias | none |",
+        "| Training data | Python standard library source |",
+        "| Training tokens | 1,234,567 |",
+        "| taper start (step) | 25 |",
+        "| base | 3.0126 |",
+        "| tapered (g = 0) | 3.0584 |",
+        "| folded | 3.0585 |",
+        "| last-token logits, bf16, batch 1 | 1.12x |",
+        'model = AutoModelForCausalLM.from_pretrained("me/smollm2-135m-normfree")',
+        'model = AutoModelForCausalLM.from_pretrained("me/smollm2-135m-normfree", trust_remote_code=True)',
+        'The tokenizer is the base model\'s: `AutoTokenizer.from_pretrained("HuggingFaceTB/SmolLM2-135M")`.',
+    ):
+        assert line in text, line
+    report = internal.fold_report
+    assert f"by at most {report.max_abs_diff:.3g} (absolute)" in text
+    assert "\n\n\n" not in text
+
+
+def test_card_without_facts_omits_unknown_sections(internal):
+    text = render_model_card(internal)
+    assert "## Evaluation" not in text and "## Speed" not in text and "## Tapering run" not in text
+    assert "## Fold check" in text and "## How to load" in text
+    assert "base_model:" not in text and "license:" not in text  # unknown: not guessed
+    assert internal.model_card == text  # fold_model attaches the default card
+
+
+def test_card_describes_a_folded_final_norm_and_the_tied_head_choice():
+    untied = fold_model(tapered("gpt2", "all"))
+    text = render_model_card(untied, {"base_model": "openai-community/gpt2", "license": "mit"})
+    assert "| Final norm | tapered and folded into `lm_head` (the head was untied from the embeddings: " \
+           "`tie_word_embeddings=False`) |" in text
+    assert "| Projections that gained a bias | `lm_head` |" in text
+    scaled = fold_model(tapered("gpt2", "all"), tied_head="scale")
+    assert "| Final norm | tapered; kept as one explicit per-channel scale so the tied embeddings survive |" \
+           in render_model_card(scaled)
+
+
+def test_local_base_model_is_not_claimed_as_a_hub_id(internal, tmp_path):
+    text = render_model_card(internal, {"base_model": str(tmp_path)})
+    assert "base_model:" not in text
+    assert "A **norm-free** version of a `llama` model" in text
+
+
+def test_unknown_fact_is_an_error(internal):
+    with pytest.raises(ValueError, match=r"unknown model card facts: eval_losses; expected some of base_model, "):
+        render_model_card(internal, {"eval_losses": {}})

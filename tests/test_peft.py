@@ -1,0 +1,59 @@
+"""PEFT: a patched model wrapped with LoRA trains the TaperNorm parameters with the adapters, tapers to
+g = 0 under TaperCallback, and after merge_and_unload() folds and exports like any other model."""
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+from hf_tapernorm import TaperCallback, export_folded, fold_model, gate_of, patch_model, taper_norms, tapered_norms
+from tests.conftest import build, random_batches, tiny_llama_config
+
+
+def _train_tapernorm_parameters(model) -> None:
+    """The recipe's extra step: LoRA freezes the base model, the norms' own parameters train too."""
+    for _, layer in taper_norms(model):
+        names = ("weight", "bias", "taper_weight") if layer.tapered else ("weight", "bias")
+        for name in names:
+            if getattr(layer, name) is not None:
+                getattr(layer, name).requires_grad_(True)
+
+
+def test_lora_round_trip(tmp_path):
+    model = patch_model(build(tiny_llama_config()))
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    _train_tapernorm_parameters(peft_model)
+    trainable = {n for n, p in peft_model.named_parameters() if p.requires_grad}
+    assert any("lora_A" in n for n in trainable) and any(n.endswith("input_layernorm.taper_weight") for n in trainable)
+    assert not any(n.endswith("q_proj.base_layer.weight") for n in trainable)
+    start = {name: p.detach().clone() for name, p in peft_model.named_parameters() if p.requires_grad}
+
+    data = [{"input_ids": ids, "labels": ids} for ids in random_batches(n=16, batch=1, length=16, seed=4)]
+    data = [{key: value[0] for key, value in row.items()} for row in data]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"), max_steps=8, per_device_train_batch_size=2, learning_rate=5e-3,
+        lr_scheduler_type="constant", report_to=[], save_strategy="no", logging_steps=4, use_cpu=True,
+        disable_tqdm=True, seed=0,
+    )
+    callback = TaperCallback(taper_start=2, taper_end=6)
+    trainer = Trainer(model=peft_model, args=args, train_dataset=data, callbacks=[callback])
+    trainer.train()
+
+    assert gate_of(peft_model) == 0.0
+    assert all(layer.is_calibrated for _, layer in tapered_norms(peft_model))
+    moved = {name for name, p in peft_model.named_parameters() if name in start and not torch.equal(p, start[name])}
+    assert any("lora_B" in n for n in moved)  # the adapters trained
+    assert any(n.endswith("post_attention_layernorm.taper_weight") for n in moved)  # and so did the norms
+
+    merged = peft_model.merge_and_unload()
+    assert type(merged).__name__ == "LlamaForCausalLM"
+    merged.eval()
+    ids = random_batches(n=1, batch=2, length=12, seed=9)[0]
+    with torch.no_grad():
+        unfolded = merged(ids).logits
+    folded = fold_model(merged)
+    with torch.no_grad():
+        assert float((folded(ids).logits - unfolded).abs().max() / unfolded.abs().max()) <= 1e-5
+    folder = export_folded(folded, tmp_path / "export")
+    reloaded = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, folded(ids).logits)

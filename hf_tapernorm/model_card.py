@@ -9,13 +9,30 @@ The YAML header is built with huggingface_hub's ``ModelCardData`` so the Hub und
 from __future__ import annotations
 
 import re
+import sysconfig
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from huggingface_hub import ModelCard, ModelCardData
 from torch import nn
 
-TEMPLATE = Path(__file__).resolve().parent.parent / "model_cards" / "folded_model.md"
+TEMPLATE_NAME = "folded_model.md"
+
+
+def _template_path() -> Path:
+    """The template in the source tree's ``model_cards/`` (checkouts, editable installs), else the copy
+    that a wheel installs under ``<prefix>/share/hf_tapernorm/model_cards/`` (setup.cfg data_files)."""
+    candidates = [
+        Path(__file__).resolve().parent.parent / "model_cards" / TEMPLATE_NAME,
+        Path(sysconfig.get_path("data")) / "share" / "hf_tapernorm" / "model_cards" / TEMPLATE_NAME,
+    ]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"model card template {TEMPLATE_NAME} not found (looked in {', '.join(str(c.parent) for c in candidates)}); "
+        "reinstall hf-tapernorm"
+    )
 
 # Keys a caller may pass in ``facts`` (all optional).
 FACT_KEYS = (
@@ -42,8 +59,7 @@ def render_model_card(model: nn.Module, facts: Optional[Mapping[str, Any]] = Non
     unknown = sorted(set(facts) - set(FACT_KEYS))
     if unknown:
         raise ValueError(f"unknown model card facts: {', '.join(unknown)}; expected some of {', '.join(FACT_KEYS)}")
-    if not TEMPLATE.is_file():
-        raise FileNotFoundError(f"model card template not found at {TEMPLATE}")
+    template = _template_path()
     config = model.config
     base_model = str(facts.get("base_model") or config.name_or_path or config.base_model_type)
     repo_id = facts.get("repo_id") or "path/to/exported/folder"
@@ -68,7 +84,7 @@ def render_model_card(model: nn.Module, facts: Optional[Mapping[str, Any]] = Non
     report = getattr(model, "fold_report", None)
     card = ModelCard.from_template(
         card_data,
-        template_path=str(TEMPLATE),
+        template_path=str(template),
         model_name=model_name,
         base_model=base_model,
         base_model_link=f"https://huggingface.co/{base_model}" if _is_hub_id(str(base_model)) else None,

@@ -213,7 +213,7 @@ def fit_linear_branch(
     model: torch.nn.Module,
     batches: Iterable[dict | torch.Tensor],
     *,
-    trim: float | None = 4.0,
+    trim: float | None = None,
     per_channel: bool = True,
     sequential: bool = False,
 ) -> dict[str, float]:

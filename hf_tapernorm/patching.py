@@ -93,6 +93,7 @@ def patch_model(
     *,
     ema_rate: float = 0.01,
     scale_loss_weight: float = 0.1,
+    relative_scale_loss: bool = False,
 ) -> nn.Module:
     """Replace the model's norms with TaperNorm at gate 1, in place; the outputs do not change.
 
@@ -101,7 +102,8 @@ def patch_model(
     norm is always wrapped, tapered or not, so its input scale can be observed and anchored: it
     carries a ``ScaleAnchor`` whose fixed-target scale loss (weight ``scale_loss_weight``, lambda
     of METHOD section 4; 0 disables the loss but keeps the measurement) is added to the training
-    loss from calibration on.
+    loss from calibration on; ``relative_scale_loss`` divides the deviation by the target
+    (``(s / s_tgt - 1)^2``), for models whose residual scale is far from 1.
 
     Which modules are norms comes from the architecture table; a model type without an entry is
     described by automatic discovery (``discovery.py``, logged), which refuses, naming the module,
@@ -126,7 +128,11 @@ def patch_model(
         layer.train(original.training)
         if is_final:
             layer.anchor = ScaleAnchor(
-                centred=arch.style is NormStyle.LAYER, eps=layer.eps, weight=scale_loss_weight, ema_rate=ema_rate
+                centred=arch.style is NormStyle.LAYER,
+                eps=layer.eps,
+                weight=scale_loss_weight,
+                ema_rate=ema_rate,
+                relative=relative_scale_loss,
             ).to(layer.gate.device)
             layer.anchor.site_name = path
             layer.anchor.train(original.training)

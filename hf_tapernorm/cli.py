@@ -365,7 +365,6 @@ def taper_main(argv: Sequence[str]) -> int:
 
 def run_taper(model_args: ModelArguments, data_args: DataArguments, taper_args: TaperArguments, training_args) -> int:
     """The ``taper`` pipeline on parsed arguments (what ``taper_main`` and tests call)."""
-    import torch
     from accelerate import PartialState
 
     from .evaluation import heldout_loss

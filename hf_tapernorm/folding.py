@@ -28,7 +28,7 @@ from transformers.pytorch_utils import Conv1D
 from .architectures import ARCHITECTURES, Architecture
 from .discovery import architecture_of
 from .modeling_folded import FOLDED_CLASSES, folded_classes
-from .patching import base_model_of, is_patched, model_type_of, taper_norms, tapered_norms
+from .patching import base_model_of, is_patched, model_type_of, tapered_norms
 from .taper_norm import NormStyle, TaperNorm
 
 logger = logging.getLogger(__name__)

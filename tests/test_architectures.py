@@ -6,10 +6,6 @@ unfolded g = 0 model in fp32) -> export -> reload with the package (Auto classes
 subprocess, without it (trust_remote_code). Each case is built once per module and shared by the tests.
 """
 
-import os
-import subprocess
-import sys
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +16,14 @@ from transformers import AutoModelForCausalLM
 from hf_tapernorm import calibrate, export_folded, fold_model, patch_model, set_gate, tapered_norms
 from hf_tapernorm.architectures import ARCHITECTURES
 from hf_tapernorm.discovery import is_norm_module
-from tests.conftest import DISCOVERED_CASES, FAMILY_CASES, build, random_batches, tiny_family_config
+from tests.conftest import (
+    DISCOVERED_CASES,
+    FAMILY_CASES,
+    build,
+    random_batches,
+    run_without_hf_tapernorm,
+    tiny_family_config,
+)
 
 # Every case folds everything (scope "all": internal norms and the final norm into the head); a few
 # also keep the final norm (scope "internal"), so its own norm class is exported as a real norm.
@@ -103,45 +106,11 @@ def test_round_trip(round_trip, case, scope):
     assert _relative(result.unfolded, result.original) > 1e-3  # g = 0 really changed the model
 
 
-_WITHOUT_PACKAGE = textwrap.dedent(
-    """
-    import importlib.abc, sys
-    class Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "hf_tapernorm" or name.startswith("hf_tapernorm."):
-                raise ImportError("hf_tapernorm is blocked in this test")
-    sys.meta_path.insert(0, Block())
-    sys.path = [p for p in sys.path if p not in ("", ".", REPO)]
-    import torch
-    from transformers import AutoModelForCausalLM
-    ids = torch.load(IDS_FILE)
-    results = {}
-    for folder in FOLDERS:
-        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
-        with torch.no_grad():
-            results[folder] = (type(model).__module__, model(ids).logits.float())
-    assert "hf_tapernorm" not in sys.modules
-    torch.save(results, OUT)
-    """
-)
-
-
 def test_reload_without_the_package(round_trip, tmp_path):
     trips = [round_trip(case, scope) for case, scope in TRIPS]
     folders = [trip.folder for trip in trips]
-    torch.save(IDS, tmp_path / "ids.pt")
-    script = tmp_path / "without_package.py"
-    repo = str(Path(__file__).resolve().parent.parent)
-    script.write_text(
-        f"REPO = {repo!r}\nIDS_FILE = {str(tmp_path / 'ids.pt')!r}\nFOLDERS = {folders!r}\n"
-        f"OUT = {str(tmp_path / 'out.pt')!r}\n" + _WITHOUT_PACKAGE
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_"))}
-    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2")
-    done = subprocess.run([sys.executable, "-I", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = torch.load(tmp_path / "out.pt")
+    results = run_without_hf_tapernorm(tmp_path, folders, IDS)
     for trip in trips:
-        module, logits = results[trip.folder]
-        assert module.startswith("transformers_modules."), (trip.folder, module)
-        assert torch.equal(logits, trip.folded), trip.folder
+        loaded = results[trip.folder]
+        assert loaded["class"].startswith("transformers_modules."), (trip.folder, loaded["class"])
+        assert torch.equal(loaded["logits"], trip.folded), trip.folder

@@ -6,9 +6,6 @@ import copy
 import json
 import os
 import shutil
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -21,7 +18,14 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 import hf_tapernorm
 from hf_tapernorm import FoldCheckError, TaperNorm, calibrate, export_folded, fold_model, patch_model, set_gate
 from hf_tapernorm.modeling_folded import FoldedChannelScale, TaperNormGPT2LMHeadModel, TaperNormLlamaForCausalLM
-from tests.conftest import build, random_batches, smollm2_gguf, tiny_gpt2_config, tiny_llama_config
+from tests.conftest import (
+    build,
+    random_batches,
+    run_without_hf_tapernorm,
+    smollm2_gguf,
+    tiny_gpt2_config,
+    tiny_llama_config,
+)
 
 CONFIGS = {"llama": tiny_llama_config, "gpt2": tiny_gpt2_config}
 FOLDED = {"llama": TaperNormLlamaForCausalLM, "gpt2": TaperNormGPT2LMHeadModel}
@@ -198,66 +202,6 @@ def test_bf16_fold_stays_bf16_and_matches_the_fp32_fold():
     assert relative_error(logits(folded, IDS), logits(reference, IDS)) <= 2e-2
 
 
-# ------------------------------------------------------------------ reload without hf_tapernorm
-_ISOLATED = textwrap.dedent(
-    """
-    import importlib.abc, json, sys
-    class Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "hf_tapernorm" or name.startswith("hf_tapernorm."):
-                raise ImportError("hf_tapernorm is blocked in this test")
-    sys.meta_path.insert(0, Block())
-    sys.path = [p for p in sys.path if p not in ("", ".", REPO)]
-    import torch
-    from transformers import AutoModelForCausalLM
-    ids = torch.load(IDS_FILE)
-    results = {}
-    for folder in FOLDERS:
-        try:
-            AutoModelForCausalLM.from_pretrained(folder)
-            raise SystemExit("loaded without trust_remote_code")
-        except ValueError as error:
-            assert "trust_remote_code" in str(error), error
-        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
-        with torch.no_grad():
-            results[folder] = {
-                "class": type(model).__module__ + "." + type(model).__name__,
-                "logits": model(ids).logits,
-                "greedy": model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False),
-            }
-    if BROKEN is not None:
-        try:
-            AutoModelForCausalLM.from_pretrained(BROKEN, trust_remote_code=True)
-            raise SystemExit("loaded a checkpoint with a missing weight")
-        except OSError as error:
-            results["broken"] = str(error)
-    assert "hf_tapernorm" not in sys.modules
-    torch.save(results, OUT)
-    """
-)
-
-
-def run_without_hf_tapernorm(tmp_path: Path, folders: list[str], ids: torch.Tensor, *, new_tokens: int = 8,
-                             broken: Path | None = None) -> dict:
-    """Load each folder with trust_remote_code=True in a fresh interpreter that cannot import hf_tapernorm.
-
-    ``python -I`` ignores PYTHONPATH and the user site; a meta-path finder refuses hf_tapernorm
-    (installed editable in the venv); the working directory and HF_HOME are fresh. Returns, per
-    folder, the class that loaded, the logits of ``ids`` and their greedy continuation.
-    """
-    torch.save(ids, tmp_path / "ids.pt")
-    script = tmp_path / "isolated.py"
-    repo = str(Path(__file__).resolve().parent.parent)
-    script.write_text(
-        f"REPO = {repo!r}\nIDS_FILE = {str(tmp_path / 'ids.pt')!r}\nFOLDERS = {folders!r}\n"
-        f"BROKEN = {str(broken) if broken else None!r}\nOUT = {str(tmp_path / 'out.pt')!r}\n"
-        f"NEW_TOKENS = {new_tokens}\n" + _ISOLATED
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_"))}
-    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2")
-    done = subprocess.run([sys.executable, "-I", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(tmp_path / "out.pt")
 
 
 def test_reload_where_hf_tapernorm_cannot_be_imported(tmp_path):

@@ -15,6 +15,7 @@ from .export import export_folded
 from .calibration import fit_linear_branch
 from .regularizers import TokenScalePenalty, distillation_loss
 from .recipes import TaperRecipe, apply_recipe, recipe_for
+from .sink import set_sink_tokens, sink_prefix, sink_token_ids_of
 
 __version__ = "0.1.0"
 
@@ -56,4 +57,7 @@ __all__ = [
     "TaperRecipe",
     "apply_recipe",
     "recipe_for",
+    "set_sink_tokens",
+    "sink_prefix",
+    "sink_token_ids_of",
 ]

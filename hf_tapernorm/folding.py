@@ -29,6 +29,7 @@ from .architectures import ARCHITECTURES, Architecture
 from .discovery import architecture_of
 from .modeling_folded import FOLDED_CLASSES, folded_classes
 from .patching import base_model_of, is_patched, model_type_of, tapered_norms
+from .sink import sink_prefix, sink_token_ids_of
 from .taper_norm import NormStyle, TaperNorm
 
 logger = logging.getLogger(__name__)
@@ -106,12 +107,6 @@ def _check_foldable(model: nn.Module, model_type: str) -> None:
     if not isinstance(model, base_class):
         raise TypeError(f"fold_model expects a {base_class.__name__}, got {type(model).__name__}")
     layers = list(tapered_norms(model))
-    sinks = [name for name, layer in layers if getattr(layer, "sink_tokens", 0)]
-    if sinks:
-        raise ValueError(
-            f"cannot fold: {len(sinks)} tapered layer(s) keep leading sink tokens normalized ({', '.join(sinks)}); "
-            "such a layer is not one linear map, set sink_tokens = 0 to fold"
-        )
     uncalibrated = [name for name, layer in layers if not layer.is_calibrated]
     if uncalibrated:
         raise ValueError(
@@ -204,14 +199,20 @@ def _probe_batch(model: nn.Module, probe: Optional[torch.Tensor]) -> torch.Tenso
 def check_fold(
     unfolded: nn.Module, folded: nn.Module, *, probe: Optional[torch.Tensor] = None, tolerance: Optional[float] = None
 ) -> FoldReport:
-    """Compare the logits of ``folded`` and the unfolded g = 0 model on a probe batch; raise above tolerance."""
+    """Compare the logits of ``folded`` and the unfolded g = 0 model on a probe batch; raise above tolerance.
+
+    With a sink prefix the unfolded model reads ``sink + probe`` and the folded one ``probe`` alone
+    (it holds the sink's keys/values); the logits of the probe positions are compared.
+    """
     ids = _probe_batch(unfolded, probe)
+    sink = torch.tensor(sink_token_ids_of(unfolded), dtype=ids.dtype, device=ids.device)
     dtype = folded.dtype
     tolerance = DEFAULT_TOLERANCE.get(dtype, 1e-4) if tolerance is None else float(tolerance)
     modes = unfolded.training, folded.training
     unfolded.eval(), folded.eval()
     try:
-        reference = unfolded(input_ids=ids, use_cache=False).logits.to(torch.float64)
+        with_sink = torch.cat([sink[None].expand(ids.shape[0], -1), ids], dim=1)
+        reference = unfolded(input_ids=with_sink, use_cache=False).logits[:, len(sink) :].to(torch.float64)
         output = folded(input_ids=ids, use_cache=False).logits.to(torch.float64)
     finally:
         unfolded.train(modes[0]), folded.train(modes[1])
@@ -315,9 +316,18 @@ def fold_model(
             if not work.had_bias:
                 added_biases.append(path)
 
+    sink_ids = sink_token_ids_of(model)
+    sink_shape: list[int] = []
+    if sink_ids:
+        state["sink_keys"], state["sink_values"] = sink_prefix(model, sink_ids)
+        sink_shape = list(state["sink_keys"].shape)
+        logger.info("stored the keys/values of %d sink token(s) %s as a prefix of %s", len(sink_ids), sink_ids,
+                    "x".join(map(str, sink_shape)))
+
     values = model.config.to_dict()
     # quantization_config: GGUF checkpoints are dequantized at load, and quantized weights are refused above.
-    for key in ("model_type", "architectures", "auto_map", "transformers_version", "quantization_config"):
+    for key in ("model_type", "architectures", "auto_map", "transformers_version", "quantization_config",
+                "tapernorm_sink_token_ids"):
         values.pop(key, None)
     if head_choice == "untie":
         values["tie_word_embeddings"] = False
@@ -331,6 +341,8 @@ def fold_model(
         added_biases=added_biases,
         centred_norms=arch.style is NormStyle.LAYER,
         tied_head=head_choice,
+        sink_token_ids=sink_ids,
+        sink_cache_shape=sink_shape,
         hf_tapernorm_version=__version__,
     )
     device = next(model.parameters()).device

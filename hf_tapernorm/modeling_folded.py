@@ -43,6 +43,10 @@ class FoldedConfigFields:
     added_biases: list[str] = field(default_factory=list)  # projections that gained a bias
     centred_norms: bool = False  # LayerNorm family: an explicit scale also centres, and has a bias
     tied_head: Optional[str] = None  # "untie" | "scale" when a tapered final norm met tied embeddings
+    # Attention-sink prefix (hf_tapernorm/sink.py): the token ids every training sequence started with,
+    # and the shape [layers, kv_heads, n, head_dim] of their stored keys/values (buffers sink_keys/values).
+    sink_token_ids: list[int] = field(default_factory=list)
+    sink_cache_shape: list[int] = field(default_factory=list)
     hf_tapernorm_version: str = ""
 
 
@@ -75,6 +79,51 @@ def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, child, module)
 
 
+def _prepend_sink(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Put the stored sink keys/values in front of a fresh cache; shift positions and the mask to match.
+
+    The caller never sees the sink: ``input_ids`` are the text after it (do not add the tokenizer's
+    BOS when it is the sink), caller-given ``position_ids`` count from the first real token, and a
+    2D ``attention_mask`` may leave out the sink's columns. A cache returned by this model already
+    holds the sink and is continued as it is.
+    """
+    if len(args) > 1:
+        raise TypeError(f"{type(model).__name__} with a sink prefix takes its inputs by keyword (got {len(args)} positional)")
+    inputs = args[0] if args else kwargs.get("input_ids")
+    if inputs is None:
+        inputs = kwargs["inputs_embeds"]
+    batch, length = inputs.shape[0], inputs.shape[1]
+    n = model.sink_keys.shape[2]
+    cache = kwargs.get("cache")
+    model._sink_cache_only = False
+    if cache is None or cache.get_seq_length() == 0:
+        if cache is None:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=model.config)
+            model._sink_cache_only = kwargs.get("use_cache", model.config.use_cache) is False
+        dtype = model.get_input_embeddings().weight.dtype
+        for index in range(model.sink_keys.shape[0]):
+            keys = model.sink_keys[index].to(dtype).expand(batch, -1, -1, -1).contiguous()
+            values = model.sink_values[index].to(dtype).expand(batch, -1, -1, -1).contiguous()
+            cache.update(keys, values, index)
+        kwargs["cache"], kwargs["use_cache"] = cache, True
+    past = cache.get_seq_length()
+    mask = kwargs.get("attention_mask")
+    if mask is not None and mask.dim() == 2 and mask.shape[-1] == past + length - n:
+        kwargs["attention_mask"] = torch.cat([mask.new_ones(batch, n), mask], dim=-1)
+    if kwargs.get("position_ids") is not None:
+        kwargs["position_ids"] = kwargs["position_ids"] + n
+    return args, kwargs
+
+
+def _drop_sink_only_cache(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    """A cache created only to hold the sink is not returned when the caller asked for no cache."""
+    if model._sink_cache_only and getattr(output, "cache", None) is not None:
+        output["cache"] = None  # item, not attribute: ModelOutput ignores setting an attribute to None
+    return output
+
+
 class FoldedModelMixin:
     """Rebuilds the folded structure from the config, loads strictly, and carries the model card."""
 
@@ -102,6 +151,11 @@ class FoldedModelMixin:
                 weight = module.weight
                 out_features = weight.shape[0] if isinstance(module, nn.Linear) else weight.shape[1]
                 module.bias = nn.Parameter(torch.zeros(out_features, dtype=weight.dtype, device=weight.device))
+        if config.sink_token_ids:
+            self.register_buffer("sink_keys", torch.zeros(config.sink_cache_shape))
+            self.register_buffer("sink_values", torch.zeros(config.sink_cache_shape))
+            self.register_forward_pre_hook(_prepend_sink, with_kwargs=True)
+            self.register_forward_hook(_drop_sink_only_cache, with_kwargs=True)
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Iterator, Literal
-
+from typing import Iterator, Literal, Optional, Sequence
 
 from torch import nn
 
@@ -94,6 +93,7 @@ def patch_model(
     ema_rate: float = 0.01,
     scale_loss_weight: float = 0.1,
     relative_scale_loss: bool = False,
+    sink_token_ids: Optional[Sequence[int]] = None,
 ) -> nn.Module:
     """Replace the model's norms with TaperNorm at gate 1, in place; the outputs do not change.
 
@@ -104,6 +104,11 @@ def patch_model(
     of METHOD section 4; 0 disables the loss but keeps the measurement) is added to the training
     loss from calibration on; ``relative_scale_loss`` divides the deviation by the target
     (``(s / s_tgt - 1)^2``), for models whose residual scale is far from 1.
+
+    ``sink_token_ids`` (e.g. ``[tokenizer.bos_token_id]``) keeps the first positions normalized at
+    every gate, for models with a massive-activation attention sink on their first token (most
+    pretrained Llama-family models); every sequence must then start with exactly these ids, and
+    folding stores their keys/values as a constant prefix (``sink.py``). Default: none (the paper).
 
     Which modules are norms comes from the architecture table; a model type without an entry is
     described by automatic discovery (``discovery.py``, logged), which refuses, naming the module,
@@ -139,7 +144,14 @@ def patch_model(
             layer.anchor.attach(model)
         _replace(model, path, layer)
         replaced += tapered
-    logger.info("patched %s (%s): %d norm(s) tapered, scope=%s", type(model).__name__, model_type, replaced, scope)
+    if sink_token_ids is None:
+        sink_token_ids = getattr(model.config, "tapernorm_sink_token_ids", None)  # a saved patched checkpoint
+    if sink_token_ids:
+        from .sink import set_sink_tokens
+
+        set_sink_tokens(model, sink_token_ids)
+    logger.info("patched %s (%s): %d norm(s) tapered, scope=%s%s", type(model).__name__, model_type, replaced, scope,
+                f", sink tokens {list(sink_token_ids)} kept normalized" if sink_token_ids else "")
     return model
 
 

@@ -116,6 +116,7 @@ def main() -> None:
     p.add_argument("--stop-ce", type=float, default=6.0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--diagnose", action="store_true", help="per-layer diagnostics at the end")
+    p.add_argument("--save", type=Path, default=None, help="save the trained model (state_dict) here at the end")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
@@ -145,7 +146,7 @@ def main() -> None:
     log = log_path.open("w")
 
     def record(row):
-        log.write(json.dumps(row) + "\n")
+        log.write(json.dumps(row, default=str) + "\n")
         log.flush()
 
     record({"config": vars(args)})
@@ -216,6 +217,9 @@ def main() -> None:
             final["diagnostics"] = diagnostics(model, [held[i : i + args.batch] for i in range(0, 8, args.batch)],
                                                 sink_tokens=args.sink)
     record(final)
+    if args.save is not None:
+        args.save.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"state_dict": model.state_dict(), "config": vars(args)}, args.save)
     logger.info("%s: %s; final held-out CE %s", args.name, status, final.get("eval_ce"))
 
 

@@ -1,0 +1,134 @@
+"""The attention-sink prefix: sink positions stay normalized, fold into stored keys/values, reload both ways."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_tapernorm import calibrate, export_folded, fold_model, patch_model, set_gate
+from hf_tapernorm.patching import tapered_norms
+from hf_tapernorm.sink import CONFIG_KEY, set_sink_tokens, sink_prefix, sink_token_ids_of
+from tests.conftest import build, random_batches, run_without_hf_tapernorm, tiny_gpt2_config, tiny_llama_config
+
+CONFIGS = {"llama": tiny_llama_config, "gpt2": tiny_gpt2_config}
+SINK = [5]
+
+
+def with_sink(ids: torch.Tensor, sink=SINK) -> torch.Tensor:
+    return torch.cat([torch.tensor(sink).expand(ids.shape[0], -1), ids], dim=1)
+
+
+def sink_tapered(kind: str, sink=SINK, scope: str = "internal") -> torch.nn.Module:
+    """A tiny patched model trained-mode-calibrated on sink-first batches, at g = 0, sink kept normalized."""
+    model = patch_model(build(CONFIGS[kind]()), scope=scope, sink_token_ids=sink)
+    model.train()
+    with torch.no_grad():
+        for ids in random_batches():
+            model(with_sink(ids, sink))
+    calibrate(model)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for _, layer in tapered_norms(model):
+            layer.taper_weight.mul_(1 + 0.3 * torch.randn(layer.taper_weight.shape, generator=generator))
+    set_gate(model, 0.0)
+    return model.eval()
+
+
+IDS = random_batches(n=1, batch=2, length=10, seed=3)[0]
+
+
+def test_sink_positions_stay_normalized_at_every_gate():
+    model = sink_tapered("llama")
+    reference = build(tiny_llama_config()).eval()
+    with torch.no_grad():
+        tapered = model(with_sink(IDS)).logits
+        normalized = reference(with_sink(IDS)).logits
+    # Position 0 attends only to itself and takes the normalized branch everywhere: exactly the original.
+    assert torch.allclose(tapered[:, 0], normalized[:, 0], atol=1e-5)
+    assert not torch.allclose(tapered[:, 1:], normalized[:, 1:], atol=1e-3)
+
+
+def test_sink_ids_live_in_the_config_and_must_agree_with_the_layers():
+    model = patch_model(build(tiny_llama_config()), sink_token_ids=[5, 6])
+    assert getattr(model.config, CONFIG_KEY) == [5, 6]
+    assert {layer.sink_tokens for _, layer in tapered_norms(model)} == {2}
+    assert sink_token_ids_of(model) == [5, 6]
+    next(layer for _, layer in tapered_norms(model)).sink_tokens = 1
+    with pytest.raises(ValueError, match="disagree with config.tapernorm_sink_token_ids .2 sink token"):
+        sink_token_ids_of(model)
+    set_sink_tokens(model, None)
+    assert not hasattr(model.config, CONFIG_KEY) and sink_token_ids_of(model) == []
+    # A saved patched checkpoint's config brings the sink back when it is patched again.
+    again = build(tiny_llama_config())
+    setattr(again.config, CONFIG_KEY, [5])
+    assert sink_token_ids_of(patch_model(again)) == [5]
+
+
+def test_sink_prefix_is_the_original_models_cache_on_the_sink_and_restores_gates():
+    model = sink_tapered("llama", sink=[5, 9])
+    keys, values = sink_prefix(model, [5, 9])
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert keys.shape == values.shape == (config.num_hidden_layers, config.num_key_value_heads, 2, head_dim)
+    reference = build(tiny_llama_config()).eval()
+    with torch.no_grad():
+        cache = reference(input_ids=torch.tensor([[5, 9]]), use_cache=True).cache
+    assert torch.allclose(keys[1], cache.layers[1].keys[0], atol=1e-6)
+    assert torch.allclose(values[0], cache.layers[0].values[0], atol=1e-6)
+    assert {float(layer.gate) for _, layer in tapered_norms(model)} == {0.0} and not model.training
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("scope", ["internal", "all"])
+def test_folded_model_with_sink_prefix_equals_unfolded_on_sink_plus_text(kind, scope):
+    model = sink_tapered(kind, scope=scope)
+    folded = fold_model(model)
+    assert folded.config.sink_token_ids == SINK
+    assert folded.fold_report.max_rel_diff <= 1e-5
+    with torch.no_grad():
+        expected = model(with_sink(IDS)).logits[:, 1:]
+        assert torch.allclose(folded(input_ids=IDS).logits, expected, atol=1e-4)
+        # Caller-given position ids and a 2D mask count from the first real token.
+        positions = torch.arange(IDS.shape[1]).expand_as(IDS)
+        out = folded(input_ids=IDS, attention_mask=torch.ones_like(IDS), position_ids=positions, use_cache=False)
+        assert torch.allclose(out.logits, expected, atol=1e-4) and out.cache is None
+        # Incremental decoding continues the cache that holds the sink.
+        first = folded(input_ids=IDS[:, :6], use_cache=True)
+        assert first.cache.get_seq_length() == 6 + len(SINK)
+        rest = folded(input_ids=IDS[:, 6:], cache=first.cache, attention_mask=torch.ones_like(IDS))
+        assert torch.allclose(rest.logits, expected[:, 6:], atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_sink_export_generates_like_the_unfolded_model_and_reloads_both_ways(kind, tmp_path):
+    model = sink_tapered(kind)
+    folded = fold_model(model)
+    out = export_folded(folded, tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    assert config["sink_token_ids"] == SINK and CONFIG_KEY not in config
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.equal(reloaded.sink_keys, folded.sink_keys)
+    with torch.no_grad():
+        unfolded = model.generate(with_sink(IDS), max_new_tokens=8, do_sample=False)[:, len(SINK) :]
+        greedy = reloaded.generate(IDS, max_new_tokens=8, do_sample=False)
+        assert torch.equal(greedy, unfolded)
+        assert torch.equal(reloaded.generate(IDS, max_new_tokens=8, do_sample=False, use_cache=False), unfolded)
+        expected_logits = folded(input_ids=IDS).logits
+    results = run_without_hf_tapernorm(tmp_path, [str(out)], IDS)
+    assert torch.equal(results[str(out)]["logits"], expected_logits)
+    assert torch.equal(results[str(out)]["greedy"], greedy)
+
+
+def test_left_padded_batch_generation_with_sink():
+    folded = fold_model(sink_tapered("llama"))
+    short = IDS[1:, 3:]
+    padded = torch.cat([torch.zeros(1, 3, dtype=IDS.dtype), short], dim=1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=IDS.dtype), torch.ones_like(short)], dim=1)
+    with torch.no_grad():
+        alone = folded.generate(short, max_new_tokens=6, do_sample=False)
+        batched = folded.generate(torch.cat([IDS[:1], padded]), attention_mask=torch.cat([torch.ones_like(IDS[:1]), mask]),
+                                  max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(batched[1, 3:], alone[0])

@@ -103,6 +103,15 @@ class TaperArguments:
         },
     )
     ema_rate: float = field(default=0.01, metadata={"help": "EMA rate of the calibration statistics."})
+    sink: str = field(
+        default="auto",
+        metadata={
+            "help": "Attention-sink token kept normalized at every gate: bos (the tokenizer's BOS starts every block "
+            "and is folded into a constant key/value prefix) | none (the paper's layer) | auto (bos when internal "
+            "norms taper, none for --scope final). Pretrained Llama-family models park a massive activation on "
+            "their first token; without the sink every measured SmolLM2 internal taper diverged."
+        },
+    )
     baseline: bool = field(
         default=False,
         metadata={"help": "Also run the same training without tapering (normalized baseline) for comparison."},
@@ -275,12 +284,26 @@ def _load_documents(data_args: DataArguments):
     )
 
 
-def _patch_options(taper_args: TaperArguments) -> dict[str, Any]:
+def _sink_ids(taper_args: TaperArguments, tokenizer) -> list[int]:
+    """The sink token ids ``--sink`` asks for (``[]``: none)."""
+    choice = taper_args.sink
+    if choice not in ("auto", "bos", "none"):
+        raise CLIError(f"--sink must be auto, bos or none, got {choice!r}")
+    if choice == "none" or (choice == "auto" and taper_args.scope == "final"):
+        return []
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if bos is None:
+        raise CLIError(f"--sink {choice}: the tokenizer has neither a BOS nor an EOS token to use as the sink; pass --sink none")
+    return [int(bos)]
+
+
+def _patch_options(taper_args: TaperArguments, sink_ids: Sequence[int]) -> dict[str, Any]:
     return {
         "scope": taper_args.scope,
         "ema_rate": taper_args.ema_rate,
         "scale_loss_weight": taper_args.scale_loss_weight,
         "relative_scale_loss": taper_args.relative_scale_loss,
+        "sink_token_ids": list(sink_ids),
     }
 
 
@@ -383,6 +406,7 @@ def run_taper(model_args: ModelArguments, data_args: DataArguments, taper_args: 
     must_empty = _check_output_dir(output_dir, overwrite=taper_args.overwrite, resume=taper_args.resume)
 
     tokenizer = load_tokenizer(source, trust_remote_code=model_args.trust_remote_code)
+    sink_ids = _sink_ids(taper_args, tokenizer)
     dataset = _load_documents(data_args)
     global_batch = (
         training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * training_args.world_size
@@ -396,6 +420,7 @@ def run_taper(model_args: ModelArguments, data_args: DataArguments, taper_args: 
         heldout_percentage=data_args.heldout_percentage,
         text_column=data_args.text_column,
         source=data_args.dataset_name or EMBEDDED_CORPUS,
+        prefix_ids=sink_ids,
     )
     heldout_ids = blocks_tensor(packed.heldout)
     model = load_model(source, dtype=model_args.dtype, trust_remote_code=model_args.trust_remote_code)
@@ -403,10 +428,13 @@ def run_taper(model_args: ModelArguments, data_args: DataArguments, taper_args: 
         if must_empty:
             _empty_folder(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
-        write_taper_options(output_dir, _patch_options(taper_args))
+        write_taper_options(output_dir, _patch_options(taper_args, sink_ids))
     state.wait_for_everyone()
 
-    evaluate = lambda m, name: heldout_loss(m, heldout_ids, batch_size=data_args.eval_batch_size, desc=f"held-out ({name})")  # noqa: E731
+    def evaluate(m, name: str) -> dict[str, float]:
+        return heldout_loss(m, heldout_ids, batch_size=data_args.eval_batch_size, desc=f"held-out ({name})",
+                            prefix_length=len(sink_ids))
+
     facts: dict[str, Any] = {
         "status": "running",
         "model": {
@@ -427,7 +455,7 @@ def run_taper(model_args: ModelArguments, data_args: DataArguments, taper_args: 
             "heldout_percentage": data_args.heldout_percentage,
         },
         "taper": {
-            **_patch_options(taper_args),
+            **_patch_options(taper_args, sink_ids),
             "taper_start": taper_args.taper_start,
             "taper_end": taper_args.taper_end,
             "taper_start_step": schedule.k_start,
@@ -482,7 +510,8 @@ def _taper_pipeline(
         facts["heldout"]["original"] = evaluate(model, "original")
     baseline_model = copy.deepcopy(model) if taper_args.baseline else None
 
-    patch_model(model, **_patch_options(taper_args))
+    patch_options = _patch_options(taper_args, packed.prefix_ids)
+    patch_model(model, **patch_options)
     facts["taper"]["tapered_norms"] = sum(1 for _ in tapered_norms(model))
     callback = TaperCallback(taper_start=schedule.k_start, taper_end=schedule.k_end)
     trainer, interrupted = _train(model, training_args, packed, output_dir, [callback], taper_args.resume, facts["history"])
@@ -516,9 +545,10 @@ def _taper_pipeline(
     if state.is_main_process:
         facts["heldout"]["tapered"] = evaluate(model, "tapered")
         tapered_dir = output_dir / "tapered"
-        _write_folder(tapered_dir, lambda tmp: save_tapered(model, tmp, _patch_options(taper_args), tokenizer))
+        _write_folder(tapered_dir, lambda tmp: save_tapered(model, tmp, patch_options, tokenizer))
         facts["export"]["tapered_checkpoint"] = str(tapered_dir)
-        _fold_and_export(model, tokenizer, output_dir / "folded", facts, taper_args.tied_head, evaluate, heldout_ids[:2])
+        _fold_and_export(model, tokenizer, output_dir / "folded", facts, taper_args.tied_head, evaluate,
+                         heldout_ids[:2, len(packed.prefix_ids) :])
         heldout = facts["heldout"]
         facts["gap"] = {
             "tapered_vs_baseline": relative_gap(heldout["tapered"]["loss"], (heldout.get("baseline") or {}).get("loss")),
@@ -585,6 +615,12 @@ def _fold_and_export(model, tokenizer, folded_dir: Path, facts: dict[str, Any], 
 
     folded = fold_model(model, tied_head=tied_head, probe=probe)
     facts["fold"] = folded.fold_report.to_dict()
+    sink = list(folded.config.sink_token_ids)
+    if sink and tokenizer is not None and tokenizer("a")["input_ids"][: len(sink)] == sink:
+        logger.warning(
+            "the tokenizer adds the sink token(s) %s itself, but the folded model already holds them as a cache prefix: "
+            "tokenize with add_special_tokens=False for it", sink,
+        )
     facts["heldout"]["folded"] = evaluate(folded, "folded")
     logger.info("saving the folded export to %s", folded_dir)
     _write_folder(folded_dir, lambda tmp: _save_export(folded, tokenizer, tmp, _card_facts(facts)))
@@ -602,6 +638,14 @@ def _fold_and_export(model, tokenizer, folded_dir: Path, facts: dict[str, Any], 
 @dataclass
 class EvalArguments:
     output_json: Optional[str] = field(default=None, metadata={"help": "Also write the result to this JSON file."})
+    sink: str = field(
+        default="auto",
+        metadata={
+            "help": "auto: blocks start with the model's own sink tokens (a tapered or folded model trained with one) | "
+            "bos: start every block with the tokenizer's BOS (evaluate an original model on the blocks a sink model "
+            "is evaluated on) | none."
+        },
+    )
 
 
 def eval_main(argv: Sequence[str]) -> int:
@@ -613,6 +657,17 @@ def eval_main(argv: Sequence[str]) -> int:
 
     source = resolve_model(model_args.model_name_or_path, model_args.gguf_file)
     tokenizer = load_tokenizer(source, trust_remote_code=model_args.trust_remote_code)
+    model = load_model(source, dtype=model_args.dtype, trust_remote_code=model_args.trust_remote_code)
+    # A model trained with a sink is evaluated on blocks that start with it (a folded one holds it itself).
+    own_sink = list(getattr(model.config, "sink_token_ids", None) or getattr(model.config, "tapernorm_sink_token_ids", None) or [])
+    if eval_args.sink == "auto":
+        sink_ids = own_sink
+    elif eval_args.sink in ("bos", "none"):
+        sink_ids = _sink_ids(TaperArguments(sink=eval_args.sink), tokenizer)
+        if own_sink and sink_ids != own_sink:
+            raise CLIError(f"'{source.path}' was trained with the sink {own_sink}; evaluate it with --sink auto")
+    else:
+        raise CLIError(f"--sink must be auto, bos or none, got {eval_args.sink!r}")
     dataset = _load_documents(data_args)
     packed = prepare_data(
         dataset,
@@ -623,8 +678,8 @@ def eval_main(argv: Sequence[str]) -> int:
         heldout_percentage=data_args.heldout_percentage,
         text_column=data_args.text_column,
         source=data_args.dataset_name or EMBEDDED_CORPUS,
+        prefix_ids=sink_ids,
     )
-    model = load_model(source, dtype=model_args.dtype, trust_remote_code=model_args.trust_remote_code)
     if source.kind == "tapered":
         trained_gate = gate_of(model)
         try:
@@ -638,7 +693,9 @@ def eval_main(argv: Sequence[str]) -> int:
         "kind": source.kind,
         "dataset": packed.source,
         "block_size": packed.block_size,
-        **heldout_loss(model, blocks_tensor(packed.heldout), batch_size=data_args.eval_batch_size),
+        "sink_token_ids": sink_ids,
+        **heldout_loss(model, blocks_tensor(packed.heldout), batch_size=data_args.eval_batch_size,
+                       prefix_length=len(sink_ids)),
     }
     print(json.dumps(result))
     if eval_args.output_json:

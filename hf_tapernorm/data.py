@@ -14,9 +14,9 @@ import hashlib
 import logging
 import os
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Union
+from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import datasets
 import torch
@@ -57,6 +57,7 @@ class PackedData:
     source: str
     block_size: int
     text_column: str
+    prefix_ids: list[int] = field(default_factory=list)  # sink tokens starting every block
 
     @property
     def train_tokens(self) -> int:
@@ -206,15 +207,20 @@ def pack_documents(
     max_blocks: Optional[int] = None,
     batch_size: int = 64,
     desc: str = "packing",
+    prefix_ids: Sequence[int] = (),
 ) -> list[list[int]]:
     """Tokenize documents, append EOS to each, concatenate, and cut full blocks of ``block_size``.
 
     The tail shorter than one block is dropped. Stops reading as soon as ``max_blocks`` are full,
-    so a short run on a large (or streamed) corpus tokenizes only what it uses.
+    so a short run on a large (or streamed) corpus tokenizes only what it uses. ``prefix_ids``
+    (the attention-sink tokens, e.g. BOS) start every block, followed by ``block_size - len(prefix_ids)``
+    text tokens: a model trained with a sink prefix must see it at position 0 of every sequence.
     """
-    if block_size < 2:
-        raise DataError(f"block_size must be at least 2 tokens, got {block_size}")
+    prefix = [int(i) for i in prefix_ids]
+    if block_size < 2 + len(prefix):
+        raise DataError(f"block_size must be at least {2 + len(prefix)} tokens, got {block_size}")
     eos = tokenizer.eos_token_id
+    body = block_size - len(prefix)
     blocks: list[list[int]] = []
     buffer: list[int] = []
     progress = tqdm(total=max_blocks, desc=desc, unit="block", leave=False)
@@ -228,12 +234,12 @@ def pack_documents(
             buffer.extend(ids)
             if eos is not None:
                 buffer.append(eos)
-        full = len(buffer) // block_size
+        full = len(buffer) // body
         take = full if max_blocks is None else min(full, max_blocks - len(blocks))
         for i in range(take):
-            blocks.append(buffer[i * block_size : (i + 1) * block_size])
+            blocks.append(prefix + buffer[i * body : (i + 1) * body])
         progress.update(take)
-        buffer = buffer[full * block_size :]
+        buffer = buffer[full * body :]
 
     try:
         for text in texts:
@@ -257,8 +263,11 @@ def _texts(dataset: AnyDataset, column: str, *, heldout: bool, percentage: float
             yield text
 
 
-def _as_dataset(blocks: list[list[int]]) -> datasets.Dataset:
-    dataset = datasets.Dataset.from_dict({"input_ids": blocks, "labels": blocks})
+def _as_dataset(blocks: list[list[int]], prefix_length: int = 0) -> datasets.Dataset:
+    # With a sink prefix the first text token's prediction (made at the sink position) is not a
+    # target: a folded model never computes the sink position, so no loss may depend on it.
+    labels = [block[:prefix_length] + [-100] + block[prefix_length + 1 :] for block in blocks] if prefix_length else blocks
+    dataset = datasets.Dataset.from_dict({"input_ids": blocks, "labels": labels})
     return dataset.with_format("torch")
 
 
@@ -272,11 +281,13 @@ def prepare_data(
     heldout_percentage: float = 5.0,
     text_column: Optional[str] = None,
     source: str = EMBEDDED_CORPUS,
+    prefix_ids: Sequence[int] = (),
 ) -> PackedData:
     """Split documents into train/held-out, tokenize and pack each into blocks (``labels = input_ids``).
 
     ``train_blocks``: how many training blocks to build (None: all the corpus holds; 0: none, for
-    evaluation only). Raises ``DataError`` when a needed split cannot fill a single block.
+    evaluation only). ``prefix_ids`` start every block (see ``pack_documents``); the label of the
+    first text token is then -100. Raises ``DataError`` when a needed split cannot fill a single block.
     """
     if not 0.0 < heldout_percentage < 100.0:
         raise DataError(f"heldout_percentage must be in (0, 100), got {heldout_percentage}")
@@ -287,6 +298,7 @@ def prepare_data(
         block_size,
         max_blocks=heldout_blocks,
         desc="held-out blocks",
+        prefix_ids=prefix_ids,
     )
     train = []
     if train_blocks != 0:
@@ -296,6 +308,7 @@ def prepare_data(
             block_size,
             max_blocks=train_blocks,
             desc="training blocks",
+            prefix_ids=prefix_ids,
         )
     for name, blocks in (("training", train), ("held-out", heldout)):
         if not blocks and not (name == "training" and train_blocks == 0):
@@ -313,7 +326,8 @@ def prepare_data(
         )
     if len(heldout) < heldout_blocks:
         logger.warning("held-out split has %d blocks (asked for %d)", len(heldout), heldout_blocks)
-    return PackedData(_as_dataset(train), _as_dataset(heldout), source, block_size, column)
+    n = len(prefix_ids)
+    return PackedData(_as_dataset(train, n), _as_dataset(heldout, n), source, block_size, column, list(prefix_ids))
 
 
 def blocks_tensor(dataset: datasets.Dataset) -> torch.Tensor:

@@ -63,8 +63,9 @@ def finished_run(workspace):
     return out, stdout
 
 
-def _logits(model, seed: int = 5) -> torch.Tensor:
+def _logits(model, seed: int = 5, sink: list[int] = ()) -> torch.Tensor:
     ids = torch.randint(0, 127, (2, 24), generator=torch.Generator().manual_seed(seed))
+    ids = torch.cat([torch.tensor(list(sink), dtype=ids.dtype).expand(2, -1), ids], dim=1)
     with torch.no_grad():
         return model.eval()(input_ids=ids).logits
 
@@ -77,7 +78,10 @@ def test_taper_end_to_end_writes_a_reloadable_export_and_the_report(finished_run
     heldout = report["heldout"]
     assert set(heldout) == {"original", "tapered", "folded"}
     assert abs(heldout["folded"]["loss"] - heldout["tapered"]["loss"]) <= 1e-5 * heldout["tapered"]["loss"]
-    assert heldout["tapered"]["tokens"] == 4 * 31
+    # The default sink (--sink auto, internal scope): every block starts with the tokenizer's BOS/EOS, whose
+    # prediction of the first text token is no target (31 - 1 per block).
+    sink = report["taper"]["sink_token_ids"]
+    assert len(sink) == 1 and heldout["tapered"]["tokens"] == 4 * 30
     assert report["training"]["steps"] == 10 and report["training"]["tokens"] == 10 * 2 * 32
     assert report["training"]["final_gate"] == 0.0 and report["taper"]["taper_end_step"] == 6
     gates = [r["gate"] for r in report["history"]]
@@ -96,13 +100,13 @@ def test_taper_end_to_end_writes_a_reloadable_export_and_the_report(finished_run
     # The export reloads through the Auto classes and computes what the tapered model computes at g = 0.
     folded_dir = out / "folded"
     config = json.loads((folded_dir / "config.json").read_text())
-    assert config["model_type"] == "tapernorm_llama"
+    assert config["model_type"] == "tapernorm_llama" and config["sink_token_ids"] == sink
     assert {"README.md", "tokenizer.json", "modeling_folded.py", "model.safetensors"} <= {p.name for p in folded_dir.iterdir()}
     assert "norm-free" in (folded_dir / "README.md").read_text()
     tapered = load_tapered(out / "tapered")
     assert gate_of(tapered) == 0.0
     folded = AutoModelForCausalLM.from_pretrained(folded_dir)
-    expected = _logits(tapered)
+    expected = _logits(tapered, sink=sink)[:, 1:]
     assert torch.allclose(_logits(folded), expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no partial folders left
 
@@ -112,9 +116,10 @@ def test_eval_on_the_three_model_kinds_matches_the_report(finished_run, workspac
     report = json.loads((out / "report.json").read_text())
     data = ["--dataset_name", str(workspace / "corpus.txt"), "--block_size", "32", "--heldout_blocks", "4",
             "--heldout_percentage", "10", "--data_cache_dir", str(workspace / "datasets_cache")]  # fmt: skip
-    for path, kind, key in ((workspace / "llama", "folder", "original"), (out / "tapered", "tapered", "tapered"),
-                            (out / "folded", "folded", "folded")):  # fmt: skip
-        code, stdout, stderr = run_main(["eval", "--model_name_or_path", str(path), *data])
+    # The original model reads the same BOS-first blocks only when asked (--sink bos); the others know their sink.
+    for path, kind, key, sink in ((workspace / "llama", "folder", "original", "bos"), (out / "tapered", "tapered", "tapered", "auto"),
+                                  (out / "folded", "folded", "folded", "auto")):  # fmt: skip
+        code, stdout, stderr = run_main(["eval", "--model_name_or_path", str(path), "--sink", sink, *data])
         assert code == 0, stderr
         result = json.loads(stdout.strip().splitlines()[-1])
         assert result["kind"] == kind
@@ -193,6 +198,7 @@ def test_clear_errors(workspace, tmp_path):
     )
     assert (out / "keep.txt").read_text() == "user data"
     assert "--gguf_file needs --model_name_or_path" in error_of(["eval", "--gguf_file", "x.gguf"])
+    assert "--sink must be auto, bos or none, got 'eos'" in error_of([*taper_argv(workspace, out), "--overwrite", "--sink", "eos"])
     uncalibrated = tmp_path / "uncalibrated"
     save_tapered(patch_model(AutoModelForCausalLM.from_pretrained(workspace / "llama")), uncalibrated, {"scope": "internal"},
                  AutoTokenizer.from_pretrained(workspace / "llama"))  # fmt: skip
@@ -344,8 +350,18 @@ def test_defaults_are_the_embedded_recipe():
     assert model.model_name_or_path is None and data.dataset_name is None  # embedded model and corpus
     assert (training.max_steps, training.per_device_train_batch_size, data.block_size) == (60, 4, 256)
     assert (taper.taper_start, taper.taper_end, taper.scope) == ("0.05", "0.7", "internal")
-    assert taper.relative_scale_loss and taper.scale_loss_weight == 0.1
+    assert taper.relative_scale_loss and taper.scale_loss_weight == 0.1 and taper.sink == "auto"
     assert training.output_dir == "runs/taper" and training.report_to == []
+
+
+def test_sink_choice_resolves_against_scope_and_tokenizer():
+    from tests.conftest import char_tokenizer
+
+    tokenizer = char_tokenizer()  # no BOS: the EOS (127) is the sink
+    assert cli._sink_ids(TaperArguments(), tokenizer) == [127]
+    assert cli._sink_ids(TaperArguments(scope="final"), tokenizer) == []
+    assert cli._sink_ids(TaperArguments(scope="final", sink="bos"), tokenizer) == [127]
+    assert cli._sink_ids(TaperArguments(sink="none"), tokenizer) == []
 
 
 def test_report_renders_the_facts(tmp_path):

@@ -88,6 +88,22 @@ def test_packing_concatenates_documents_with_eos_and_drops_the_tail(tokenizer):
     assert torch.equal(row["input_ids"], row["labels"]) and row["input_ids"].shape == (32,)
 
 
+def test_sink_prefix_starts_every_block_and_its_prediction_is_no_target(tokenizer):
+    docs = ["abc", "defgh", "ij"]
+    eos = tokenizer.eos_token_id
+    stream = [ord(ch) for ch in "abc"] + [eos] + [ord(ch) for ch in "defgh"] + [eos] + [ord(ch) for ch in "ij"] + [eos]
+    assert pack_documents(docs, tokenizer, 4, prefix_ids=[1]) == [[1] + stream[0:3], [1] + stream[3:6], [1] + stream[6:9],
+                                                                  [1] + stream[9:12]]  # fmt: skip
+    with pytest.raises(DataError, match="block_size must be at least 4 tokens"):
+        pack_documents(docs, tokenizer, 3, prefix_ids=[1, 2])
+    packed = _prepare(datasets.Dataset.from_dict({"text": corpus_documents(60)}), tokenizer, prefix_ids=[1])
+    assert packed.prefix_ids == [1]
+    for split in (packed.train, packed.heldout):
+        row = split[0]
+        assert row["input_ids"][0] == 1 and row["labels"][1] == -100
+        assert torch.equal(row["labels"][2:], row["input_ids"][2:]) and row["labels"][0] == 1
+
+
 def test_split_is_by_document_hash_disjoint_and_order_independent(tokenizer):
     docs = corpus_documents(400)
     held = {d for d in docs if is_heldout(d, 10.0)}

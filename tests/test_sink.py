@@ -132,3 +132,22 @@ def test_left_padded_batch_generation_with_sink():
         batched = folded.generate(torch.cat([IDS[:1], padded]), attention_mask=torch.cat([torch.ones_like(IDS[:1]), mask]),
                                   max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(batched[1, 3:], alone[0])
+
+
+def test_heldout_loss_counts_the_same_targets_for_unfolded_and_folded_models():
+    from hf_tapernorm.evaluation import heldout_loss
+
+    model = sink_tapered("llama")
+    folded = fold_model(model)
+    blocks = with_sink(random_batches(n=1, batch=5, length=15, seed=4)[0])
+    unfolded_loss = heldout_loss(model, blocks, batch_size=2, prefix_length=1)
+    folded_loss = heldout_loss(folded, blocks, batch_size=2, prefix_length=1)
+    assert unfolded_loss["tokens"] == folded_loss["tokens"] == 5 * 14
+    assert folded_loss["loss"] == pytest.approx(unfolded_loss["loss"], rel=1e-5)
+    # Independent computation: mean CE of the text tokens after the first, from the unfolded logits.
+    with torch.no_grad():
+        logits = model(blocks).logits[:, 1:-1]
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), blocks[:, 2:].reshape(-1))
+    assert unfolded_loss["loss"] == pytest.approx(float(expected), rel=1e-5)
+    with pytest.raises(ValueError, match=r"holds the sink token\(s\) \[5\] as a cache prefix"):
+        heldout_loss(folded, blocks[:, 1:], prefix_length=0)

@@ -219,7 +219,7 @@ def main() -> None:
     record(final)
     if args.save is not None:
         args.save.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"state_dict": model.state_dict(), "config": vars(args)}, args.save)
+        torch.save({"state_dict": model.state_dict(), "config": {k: str(v) for k, v in vars(args).items()}}, args.save)
     logger.info("%s: %s; final held-out CE %s", args.name, status, final.get("eval_ce"))
 
 

@@ -112,6 +112,15 @@ class TaperArguments:
             "their first token; without the sink every measured SmolLM2 internal taper diverged."
         },
     )
+    token_scale_penalty: float = field(
+        default=0.0,
+        metadata={
+            "help": "Weight of the token-scale penalty (regularizers.TokenScalePenalty; 0: off): penalises tokens whose "
+            "residual RMS exceeds --token_scale_ratio x the median token at every tapered norm, from step 0, so the "
+            "model learns uniform token scales before the gate closes."
+        },
+    )
+    token_scale_ratio: float = field(default=1.0, metadata={"help": "Threshold ratio of the token-scale penalty."})
     baseline: bool = field(
         default=False,
         metadata={"help": "Also run the same training without tapering (normalized baseline) for comparison."},
@@ -458,6 +467,8 @@ def run_taper(model_args: ModelArguments, data_args: DataArguments, taper_args: 
             **_patch_options(taper_args, sink_ids),
             "taper_start": taper_args.taper_start,
             "taper_end": taper_args.taper_end,
+            "token_scale_penalty": taper_args.token_scale_penalty,
+            "token_scale_ratio": taper_args.token_scale_ratio,
             "taper_start_step": schedule.k_start,
             "taper_end_step": schedule.k_end,
         },
@@ -512,6 +523,11 @@ def _taper_pipeline(
 
     patch_options = _patch_options(taper_args, packed.prefix_ids)
     patch_model(model, **patch_options)
+    if taper_args.token_scale_penalty > 0:
+        from .regularizers import TokenScalePenalty
+
+        TokenScalePenalty(model, weight=taper_args.token_scale_penalty, ratio=taper_args.token_scale_ratio,
+                          sink_tokens=len(packed.prefix_ids)).attach(model)
     facts["taper"]["tapered_norms"] = sum(1 for _ in tapered_norms(model))
     callback = TaperCallback(taper_start=schedule.k_start, taper_end=schedule.k_end)
     trainer, interrupted = _train(model, training_args, packed, output_dir, [callback], taper_args.resume, facts["history"])

@@ -50,6 +50,35 @@ class TokenScalePenalty:
         excess = F.relu(log_r - log_r.detach().median() - self.log_ratio)
         self._terms.append(excess.pow(2).mean())
 
+    def attach(self, model: nn.Module) -> "TokenScalePenalty":
+        """Add the penalty to ``outputs.loss`` of every training forward of ``model`` (for ``Trainer``).
+
+        Under gradient accumulation (``num_items_in_batch`` passed, as ``Trainer`` does) the model's
+        CE is a sum over the whole optimizer step's labels; the penalty is then weighted by this
+        micro-batch's share of them, so accumulation gives the same gradient as one large batch.
+        """
+        def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self._items = kwargs.get("num_items_in_batch")
+            self._labels = kwargs.get("labels")
+
+        def after(module: nn.Module, args: tuple, kwargs: dict, output):
+            items, labels = self._items, self._labels
+            self._items = self._labels = None
+            penalty = self()
+            loss = getattr(output, "loss", None)
+            if not module.training or loss is None:
+                return output
+            if items is not None and labels is not None:
+                share = (labels[..., 1:] != -100).sum().to(loss.device) / torch.as_tensor(items, device=loss.device)
+                penalty = penalty.to(loss.device) * share
+            output.loss = loss + penalty.to(device=loss.device, dtype=loss.dtype)
+            return output
+
+        self._items = self._labels = None
+        self._handles += [model.register_forward_pre_hook(before, with_kwargs=True),
+                          model.register_forward_hook(after, with_kwargs=True)]
+        return self
+
     def __call__(self) -> torch.Tensor:
         """The penalty of the forwards since the last call (0 when none), and reset."""
         if not self._terms:

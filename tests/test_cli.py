@@ -143,9 +143,13 @@ def test_fold_command_exports_a_tapered_checkpoint(finished_run, tmp_path):
 
 def test_baseline_runs_the_same_training_without_tapering(workspace, tmp_path):
     out = tmp_path / "run"
-    code, stdout, stderr = run_main(taper_argv(workspace, out, "--baseline", model="gpt2", steps=6))
+    code, stdout, stderr = run_main(taper_argv(workspace, out, "--baseline", "--token_scale_penalty", "5", model="gpt2",
+                                               steps=6))
     assert code == 0, stderr
     report = json.loads((out / "report.json").read_text())
+    # Step 1: same weights and batch (gate 1 is exact, no scale loss before calibration): only the penalty differs.
+    assert report["taper"]["token_scale_penalty"] == 5.0
+    assert report["history"][0]["loss"] > report["baseline_history"][0]["loss"] + 1e-4
     heldout = report["heldout"]
     assert set(heldout) == {"original", "baseline", "tapered", "folded"}
     assert report["gap"]["tapered_vs_baseline"] == pytest.approx(heldout["tapered"]["loss"] / heldout["baseline"]["loss"] - 1)

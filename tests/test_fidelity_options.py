@@ -12,7 +12,7 @@ from hf_tapernorm.calibration import branch_statistics, fit_linear_branch, typic
 from hf_tapernorm.fidelity import branch_distance, calibration_table, loss_rise_gate, residual_scale_by_position
 from hf_tapernorm.regularizers import TokenScalePenalty, distillation_loss
 
-from .conftest import random_batches
+from .conftest import build, random_batches, tiny_llama_config
 
 
 def _norm(d=8):
@@ -136,6 +136,34 @@ def test_token_scale_penalty_matches_its_formula_and_is_training_only(tiny_llama
     for h in handles:
         h.remove()
     penalty.remove()
+
+
+def test_attached_token_scale_penalty_is_added_to_the_loss_and_weighted_under_accumulation():
+    batch = random_batches(n=1, batch=4)[0]
+
+    def losses(attach: bool, **kwargs):
+        model = patch_model(build(tiny_llama_config())).train()
+        penalty = TokenScalePenalty(model, weight=0.5, ratio=1.0, sink_tokens=1)
+        if attach:
+            penalty.attach(model)
+        out = model(input_ids=batch, labels=batch, **kwargs)
+        return out.loss, (penalty if not attach else None)
+
+    plain, penalty = losses(False)
+    expected = plain + penalty()
+    with_penalty, _ = losses(True)
+    torch.testing.assert_close(with_penalty, expected)
+    assert float(with_penalty - plain) > 0
+    # Trainer-style accumulation: CE is a sum over all the step's labels / num_items; the penalty takes this
+    # micro-batch's share of the labels (here half of them).
+    items = 2 * batch[:, 1:].numel()
+    summed, penalty = losses(False, num_items_in_batch=items)
+    accumulated, _ = losses(True, num_items_in_batch=items)
+    torch.testing.assert_close(accumulated, summed + penalty() * 0.5)
+    model = patch_model(build(tiny_llama_config())).eval()
+    TokenScalePenalty(model, weight=0.5, ratio=1.0).attach(model)
+    reference = build(tiny_llama_config()).eval()
+    torch.testing.assert_close(model(input_ids=batch, labels=batch).loss, reference(input_ids=batch, labels=batch).loss)
 
 
 def test_distillation_loss_is_the_kl_divergence():

@@ -95,6 +95,9 @@ def render_model_card(model: nn.Module, facts: Optional[Mapping[str, Any]] = Non
         kept_summary=f"{len(config.kept_norms)}" + (f" (e.g. `{config.kept_norms[0]}`)" if config.kept_norms else ""),
         final_norm_summary=final_summary,
         added_biases_summary=", ".join(f"`{p}`" for p in config.added_biases) or "none",
+        sink_ids=list(getattr(config, "sink_token_ids", None) or []),
+        sink_summary=(f"token id(s) {list(config.sink_token_ids)}: keys/values of {len(config.sink_token_ids)} position(s) "
+                      "stored per layer" if getattr(config, "sink_token_ids", None) else "none"),
         hf_tapernorm_version=config.hf_tapernorm_version,
         dataset=facts.get("dataset"),
         tokens=f"{facts['tokens']:,}" if isinstance(facts.get("tokens"), int) else facts.get("tokens"),

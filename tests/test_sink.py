@@ -151,3 +151,10 @@ def test_heldout_loss_counts_the_same_targets_for_unfolded_and_folded_models():
     assert unfolded_loss["loss"] == pytest.approx(float(expected), rel=1e-5)
     with pytest.raises(ValueError, match=r"holds the sink token\(s\) \[5\] as a cache prefix"):
         heldout_loss(folded, blocks[:, 1:], prefix_length=0)
+
+
+def test_model_card_tells_users_not_to_add_the_sink():
+    folded = fold_model(sink_tapered("llama"))
+    card = folded.model_card
+    assert "| Attention-sink prefix | token id(s) [5]: keys/values of 1 position(s) stored per layer |" in card
+    assert "**Do not start the input with [5].**" in card

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_tapernorm import patch_model, set_gate, tapered_norms
 from hf_tapernorm.calibration import fit_linear_branch
-from hf_tapernorm.fidelity import diagnostics
+from hf_tapernorm.fidelity import diagnostics, residual_scale_by_position
 from hf_tapernorm.regularizers import TokenScalePenalty, distillation_loss
 
 HERE = Path(__file__).resolve().parent
@@ -196,6 +196,9 @@ def main() -> None:
             row["kl"] = float(kl)
         if not torch.isfinite(loss) or float(out.loss) > args.stop_ce:
             row["stopped"] = True
+            if not args.baseline:  # where it ran away: per layer, the largest non-sink token over the median
+                scales = residual_scale_by_position(model, [x], sink_tokens=args.sink)
+                row["max_ratio_by_layer"] = {name: v["max_ratio"] for name, v in scales.items()}
             record(row)
             status = f"diverged at step {step}, gate {gate:.4f} (train CE {float(out.loss):.3f})"
             break

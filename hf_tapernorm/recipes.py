@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from torch import nn
 from .calibration import fit_linear_branch
 from .patching import tapered_norms
 from .regularizers import TokenScalePenalty
+from .sink import set_sink_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +30,8 @@ class TaperRecipe:
 
     ``taper_start``/``taper_end``: fractions of the run (the TaperSchedule/TaperCallback arguments).
     ``sink_tokens``: leading positions kept normalized at every gate (every training block must start
-    with the same token, e.g. BOS, so the sink's keys/values are constants of the weights; folding
-    then needs the sink-KV export). ``calibration_trim``/``per_channel``: the linear branch's fit
+    with the same token, e.g. BOS, so the sink's keys/values are constants of the weights, which
+    folding stores as a cache prefix; see ``sink.py``). ``calibration_trim``/``per_channel``: the linear branch's fit
     (:func:`fit_linear_branch`); ``trim=None, per_channel=False`` is the paper's least-squares c.
     ``scale_penalty``/``scale_penalty_ratio``: :class:`TokenScalePenalty` (0 = off).
     """
@@ -77,18 +78,32 @@ def recipe_for(model_or_params: nn.Module | int) -> TaperRecipe:
 
 
 def apply_recipe(
-    model: nn.Module, recipe: TaperRecipe, calibration_batches: Optional[Iterable[torch.Tensor | dict]] = None
+    model: nn.Module,
+    recipe: TaperRecipe,
+    calibration_batches: Optional[Iterable[torch.Tensor | dict]] = None,
+    sink_token_ids: Optional[Sequence[int]] = None,
 ) -> Optional[TokenScalePenalty]:
     """Configure a patched model for ``recipe``; returns the token-scale penalty to add to the loss, if any.
 
-    With ``calibration_batches`` the linear branches are fitted now (at gate 1, before training):
-    the TaperController/TaperCallback then finds them calibrated and only freezes the scale anchor.
+    The recipe's sink positions are the token ids ``sink_token_ids`` (default: the config's BOS for
+    a one-token sink); every training sequence must start with them. With ``calibration_batches``
+    the linear branches are fitted now (at gate 1, before training): the TaperController/TaperCallback
+    then finds them calibrated and only freezes the scale anchor.
     """
     layers = [layer for _, layer in tapered_norms(model)]
     if not layers:
         raise ValueError(f"{type(model).__name__} has no tapered TaperNorm layers; call patch_model(model) first")
-    for layer in layers:
-        layer.sink_tokens = recipe.sink_tokens
+    if sink_token_ids is None and recipe.sink_tokens:
+        bos = getattr(model.config, "bos_token_id", None)
+        if recipe.sink_tokens != 1 or bos is None:
+            raise ValueError(
+                f"recipe {recipe.name!r} keeps {recipe.sink_tokens} sink token(s): pass sink_token_ids (the ids every "
+                "training sequence starts with)"
+            )
+        sink_token_ids = [bos]
+    if len(sink_token_ids or ()) != recipe.sink_tokens:
+        raise ValueError(f"recipe {recipe.name!r} keeps {recipe.sink_tokens} sink token(s), got ids {sink_token_ids}")
+    set_sink_tokens(model, sink_token_ids)
     if calibration_batches is not None:
         values = fit_linear_branch(
             model, calibration_batches, trim=recipe.calibration_trim, per_channel=recipe.per_channel

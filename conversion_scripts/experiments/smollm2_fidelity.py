@@ -103,6 +103,9 @@ def main() -> None:
     p.add_argument("--per-channel", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--calib-batches", type=int, default=4)
     p.add_argument("--sequential", action="store_true", help="sequential fit (earlier layers linear)")
+    p.add_argument("--c-scale", type=float, default=1.0,
+                   help="multiply every fitted c by this (< 1: conservative; a token k x the typical scale runs away "
+                        "through the SwiGLU MLP at g = 0 once (c-scale)^2 k > 1, so a smaller c raises that threshold)")
     p.add_argument("--late-first", type=int, default=None,
                    help="staged taper: decoder layers >= this index taper over [taper-start, stage-split], "
                         "the earlier ones over [stage-split, taper-end]")
@@ -163,6 +166,10 @@ def main() -> None:
                 cs = fit_linear_branch(
                     model, batches, trim=args.trim or None, per_channel=args.per_channel, sequential=args.sequential
                 )
+                if args.c_scale != 1.0:
+                    with torch.no_grad():
+                        for _, layer in tapered_norms(model):
+                            layer.c.mul_(args.c_scale)
                 record({"step": step, "calibration": cs})
             if args.late_first is None:
                 gate = cosine_gate(step, args.taper_start, args.taper_end)

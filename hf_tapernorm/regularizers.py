@@ -93,6 +93,48 @@ class TokenScalePenalty:
         self._handles = []
 
 
+class ScaleGrowthPenalty(TokenScalePenalty):
+    """Penalise tokens whose scale, relative to the median token, grows from one tapered norm to the next.
+
+    The runaway that breaks a tapering pretrained model (``conversion_scripts/experiments/runaway_trace.py``)
+    is a token slightly above the typical scale (1.5-3x) whose excess grows sublayer after sublayer once
+    the norms stop bounding it, then squares through the SwiGLU MLPs (3.4x -> 8.5x -> 20x -> 124x -> inf
+    in SmolLM2). A norm makes every sublayer contract such excesses; this penalty,
+    ``weight * mean_pairs mean_tokens relu(d_next - d)^2`` over the tokens with ``d > log(ratio)``,
+    where ``d`` is a token's log RMS minus the median's at a tapered norm's input and the pairs are
+    consecutive tapered norms in forward order, teaches the sublayers to keep contracting while the
+    gate closes. It is near 0 for a normalized model and grows as the gate falls, on exactly the
+    tokens that are about to run away. The sink positions are exempt.
+    """
+
+    def __init__(self, model: nn.Module, *, weight: float = 1.0, ratio: float = 1.0, sink_tokens: int = 0) -> None:
+        super().__init__(model, weight=weight, ratio=ratio, sink_tokens=sink_tokens)
+        self._first = next(m for m in model.modules() if isinstance(m, TaperNorm) and m.tapered)
+
+    def _observe(self, layer: TaperNorm, args: tuple) -> None:
+        if not layer.training or self.weight == 0 or in_backward_recompute():
+            return
+        x = args[0]
+        if self.sink_tokens:
+            x = x[..., self.sink_tokens :, :]
+        log_r = 0.5 * torch.log(x.float().pow(2).mean(-1) + layer.eps).reshape(-1)
+        if layer is self._first or not self._terms:
+            self._terms.append([])  # a new forward starts at the first tapered norm
+        self._terms[-1].append(log_r - log_r.detach().median())
+
+    def __call__(self) -> torch.Tensor:
+        """The penalty of the forwards since the last call (0 when none), and reset."""
+        forwards, self._terms = self._terms, []
+        pairs = [
+            F.relu(after - before).pow(2).mul(before.detach() > self.log_ratio).mean()
+            for deviations in forwards
+            for before, after in zip(deviations, deviations[1:])
+        ]
+        if not pairs:
+            return torch.zeros(())
+        return self.weight * torch.stack(pairs).sum() / max(1, self._layers - 1)
+
+
 def distillation_loss(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
@@ -106,4 +148,4 @@ def distillation_loss(
     return (kl * mask).sum() / mask.sum().clamp_min(1.0)
 
 
-__all__ = ["TokenScalePenalty", "distillation_loss"]
+__all__ = ["ScaleGrowthPenalty", "TokenScalePenalty", "distillation_loss"]

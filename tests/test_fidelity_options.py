@@ -10,7 +10,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from hf_tapernorm import NormStyle, TaperNorm, calibrate, patch_model, set_gate, tapered_norms
 from hf_tapernorm.calibration import branch_statistics, fit_linear_branch, typical_token_sums
 from hf_tapernorm.fidelity import branch_distance, calibration_table, loss_rise_gate, residual_scale_by_position
-from hf_tapernorm.regularizers import TokenScalePenalty, distillation_loss
+from hf_tapernorm.regularizers import ScaleGrowthPenalty, TokenScalePenalty, distillation_loss
 
 from .conftest import build, random_batches, tiny_llama_config
 
@@ -164,6 +164,35 @@ def test_attached_token_scale_penalty_is_added_to_the_loss_and_weighted_under_ac
     TokenScalePenalty(model, weight=0.5, ratio=1.0).attach(model)
     reference = build(tiny_llama_config()).eval()
     torch.testing.assert_close(model(input_ids=batch, labels=batch).loss, reference(input_ids=batch, labels=batch).loss)
+
+
+def test_scale_growth_penalty_matches_its_formula_per_forward():
+    model = patch_model(build(tiny_llama_config())).train()
+    penalty = ScaleGrowthPenalty(model, weight=2.0, ratio=1.0, sink_tokens=1)
+    inputs = []
+    handles = [layer.register_forward_pre_hook(lambda m, a: inputs.append(a[0])) for _, layer in tapered_norms(model)]
+    batch = random_batches(n=1)[0]
+    model(batch)
+    value = penalty()
+    deviations = []
+    for h in inputs:
+        log_r = 0.5 * torch.log(h[:, 1:].pow(2).mean(-1) + 1e-6).reshape(-1)
+        deviations.append(log_r - log_r.median())
+    pairs = [F.relu(b - a).pow(2)[a > 0].sum() / a.numel() for a, b in zip(deviations, deviations[1:])]
+    expected = 2.0 * torch.stack(pairs).sum() / (len(inputs) - 1)
+    assert float(expected) > 0
+    torch.testing.assert_close(value, expected)
+    value.backward()
+    assert model.model.embed_tokens.weight.grad is not None
+    # Two forwards before reading: two separate chains (no pair across the forwards' boundary), summed.
+    model(batch)
+    model(batch)
+    torch.testing.assert_close(penalty().detach(), 2 * expected.detach())
+    model.eval()
+    model(batch)
+    assert float(penalty()) == 0.0
+    for h in handles:
+        h.remove()
 
 
 def test_distillation_loss_is_the_kl_divergence():

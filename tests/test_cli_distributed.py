@@ -51,6 +51,8 @@ def test_taper_under_torchrun_with_two_cpu_processes(tmp_path):
     assert all(layer.is_calibrated and float(layer.gate) == 0.0 for _, layer in tapered_norms(tapered))
     folded = AutoModelForCausalLM.from_pretrained(out / "folded")
     ids = torch.randint(0, 127, (2, 16), generator=torch.Generator().manual_seed(0))
+    sink = report["taper"]["sink_token_ids"]  # the default sink (internal scope): the folded model holds it
+    assert folded.config.sink_token_ids == sink == tapered.config.tapernorm_sink_token_ids
     with torch.no_grad():
-        expected = tapered(input_ids=ids).logits
+        expected = tapered(input_ids=torch.cat([torch.tensor(sink).expand(2, -1), ids], 1)).logits[:, len(sink) :]
         assert torch.allclose(folded.eval()(input_ids=ids).logits, expected, atol=1e-4 * float(expected.abs().max()))

@@ -118,7 +118,7 @@ def test_sink_export_generates_like_the_unfolded_model_and_reloads_both_ways(kin
         assert torch.equal(reloaded.generate(IDS, max_new_tokens=8, do_sample=False, use_cache=False), unfolded)
         expected_logits = folded(input_ids=IDS).logits
     results = run_without_hf_tapernorm(tmp_path, [str(out)], IDS)
-    assert torch.equal(results[str(out)]["logits"], expected_logits)
+    assert torch.allclose(results[str(out)]["logits"], expected_logits, atol=1e-6)  # other thread count: rounding
     assert torch.equal(results[str(out)]["greedy"], greedy)
 
 

@@ -79,22 +79,9 @@ def main() -> None:
     out = {"runs": summary, "calibration_sweep": json.loads(sweep.read_text()) if sweep.exists() else None}
     (HERE / "reports" / "smollm2_fidelity.json").write_text(json.dumps(out, indent=1))
 
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
-    for i, (name, run) in enumerate(runs.items()):
-        color = f"C{i % 10}"
-        if run["evals"]:
-            ax1.plot([s for s, _, _ in run["evals"]], [c for _, _, c in run["evals"]], marker="o", label=name,
-                     color=color)
-        if not run["config"]["baseline"] and run["steps"]:
-            ax2.plot([r["step"] for r in run["steps"]], [r["gate"] for r in run["steps"]], label=name, color=color)
-    ax1.set_ylabel("held-out CE")
-    ax1.set_ylim(top=min(8.0, ax1.get_ylim()[1]))
-    ax1.legend(fontsize=7)
-    ax2.set_ylabel("gate (staged runs: the tapering group)")
-    ax2.set_xlabel("optimizer step")
-    fig.suptitle("SmolLM2-135M-Instruct, Internal-Taper: held-out CE and gate vs step")
-    fig.tight_layout()
-    fig.savefig(HERE / "reports" / "smollm2_fidelity.png", dpi=110)
+    plot(runs, HERE / "reports" / "smollm2_fidelity.png", "SmolLM2-135M-Instruct, Internal-Taper: held-out CE and gate vs step")
+    plot({n: r for n, r in runs.items() if n.startswith("s300_")}, HERE / "reports" / "smollm2_fidelity_300.png",
+         "SmolLM2-135M-Instruct, 300-step runs (BOS sink): held-out CE and gate vs step")
 
     lines = ["| run | status | CE start | last eval (step, gate, CE) | baseline CE same step (interpolated) | gap | gap > 2% at gate |",
              "|---|---|---|---|---|---|---|"]
@@ -109,6 +96,26 @@ def main() -> None:
     (HERE / "reports" / "runs_table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     (HERE / "reports" / "layers_table.md").write_text(layers_table(out["calibration_sweep"], summary))
+
+
+def plot(runs: dict, path: Path, title: str) -> None:
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    for i, (name, run) in enumerate(runs.items()):
+        color = f"C{i % 10}"
+        if run["evals"]:
+            ax1.plot([s for s, _, _ in run["evals"]], [c for _, _, c in run["evals"]], marker="o", label=name,
+                     color=color)
+        if not run["config"]["baseline"] and run["steps"]:
+            ax2.plot([r["step"] for r in run["steps"]], [r["gate"] for r in run["steps"]], label=name, color=color)
+    ax1.set_ylabel("held-out CE")
+    ax1.set_ylim(top=min(8.0, ax1.get_ylim()[1]))
+    ax1.legend(fontsize=7)
+    ax2.set_ylabel("gate (staged runs: the tapering group)")
+    ax2.set_xlabel("optimizer step")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def layers_table(sweep: dict | None, summary: dict) -> str:

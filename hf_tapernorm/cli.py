@@ -112,6 +112,11 @@ class TaperArguments:
             "their first token; without the sink every measured SmolLM2 internal taper diverged."
         },
     )
+    calibration_scale: float = field(
+        default=1.0,
+        metadata={"help": "Multiply every calibrated c by this (< 1: a conservative linear branch, which delays the "
+                          "runaway of above-typical tokens as the gate closes; see README Fidelity)."},
+    )
     token_scale_penalty: float = field(
         default=0.0,
         metadata={
@@ -313,6 +318,7 @@ def _patch_options(taper_args: TaperArguments, sink_ids: Sequence[int]) -> dict[
         "scale_loss_weight": taper_args.scale_loss_weight,
         "relative_scale_loss": taper_args.relative_scale_loss,
         "sink_token_ids": list(sink_ids),
+        "calibration_scale": taper_args.calibration_scale,
     }
 
 

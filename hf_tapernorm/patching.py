@@ -94,6 +94,7 @@ def patch_model(
     scale_loss_weight: float = 0.1,
     relative_scale_loss: bool = False,
     sink_token_ids: Optional[Sequence[int]] = None,
+    calibration_scale: float = 1.0,
 ) -> nn.Module:
     """Replace the model's norms with TaperNorm at gate 1, in place; the outputs do not change.
 
@@ -109,6 +110,8 @@ def patch_model(
     every gate, for models with a massive-activation attention sink on their first token (most
     pretrained Llama-family models); every sequence must then start with exactly these ids, and
     folding stores their keys/values as a constant prefix (``sink.py``). Default: none (the paper).
+    ``calibration_scale`` multiplies every calibrated c (default 1, the paper's least-squares c);
+    below 1 the linear branch under-shoots the norm, which delays the runaway of above-typical tokens.
 
     Which modules are norms comes from the architecture table; a model type without an entry is
     described by automatic discovery (``discovery.py``, logged), which refuses, naming the module,
@@ -124,12 +127,15 @@ def patch_model(
         )
     model_type = model_type_of(model)
     arch = architecture_of(model)  # the table entry, else automatic discovery (logged)
+    if not calibration_scale > 0:
+        raise ValueError(f"calibration_scale must be positive, got {calibration_scale}")
     replaced = 0
     for path, _kind, is_final in list(norm_sites(model, arch)):
         original = model.get_submodule(path)
         tapered = (scope == "all") or (scope == "final" if is_final else scope == "internal")
         layer = TaperNorm.from_norm(original, arch.style, tapered=tapered, ema_rate=ema_rate)
         layer.site_name = path
+        layer.calibration_scale = float(calibration_scale)
         layer.train(original.training)
         if is_final:
             layer.anchor = ScaleAnchor(

@@ -258,3 +258,26 @@ def test_sequential_fit_matches_each_layers_input_with_earlier_layers_linear(tin
         c = float((num * layer.weight.pow(2)).sum() / (den * layer.weight.pow(2)).sum())
         assert values[name] == pytest.approx(c, rel=1e-5)
         torch.testing.assert_close(layer.c * layer.taper_weight, num / den * layer.weight, rtol=1e-4, atol=1e-6)
+
+
+def test_calibration_scale_multiplies_the_linear_branch_of_every_fit():
+    batches = random_batches(n=2)
+    plain = patch_model(build(tiny_llama_config())).train()
+    scaled = patch_model(build(tiny_llama_config()), calibration_scale=0.5).train()
+    with torch.no_grad():
+        for ids in batches:
+            plain(ids)
+            scaled(ids)
+    values = calibrate(plain)
+    assert calibrate(scaled) == pytest.approx(values)  # the returned fit is the least-squares c itself
+    for (name, a), (_, b) in zip(tapered_norms(plain), tapered_norms(scaled)):
+        assert float(b.c) == pytest.approx(0.5 * values[name], rel=1e-6)
+        torch.testing.assert_close(b.taper_weight, a.taper_weight)
+    # The per-channel fit scales the whole linear map (c * taper_weight) by the same factor.
+    plain, scaled = patch_model(build(tiny_llama_config())), patch_model(build(tiny_llama_config()), calibration_scale=0.5)
+    fit_linear_branch(plain, batches, per_channel=True)
+    fit_linear_branch(scaled, batches, per_channel=True)
+    for (_, a), (_, b) in zip(tapered_norms(plain), tapered_norms(scaled)):
+        torch.testing.assert_close(b.c * b.taper_weight, 0.5 * a.c * a.taper_weight)
+    with pytest.raises(ValueError, match="calibration_scale must be positive, got 0"):
+        patch_model(build(tiny_llama_config()), calibration_scale=0)

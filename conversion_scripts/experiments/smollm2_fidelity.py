@@ -116,6 +116,11 @@ def main() -> None:
     p.add_argument("--growth-penalty", type=float, default=0.0, help="ScaleGrowthPenalty weight (0: off)")
     p.add_argument("--growth-ratio", type=float, default=1.0, help="ScaleGrowthPenalty: tokens above this x median")
     p.add_argument("--distill", type=float, default=0.0, help="weight of KL to the frozen original")
+    p.add_argument("--guard-ratio", type=float, default=0.0,
+                   help="adaptive schedule (0: off): hold the gate while the largest non-sink token exceeds this x the "
+                        "median at any tapered norm; on a non-finite batch skip the update and move the schedule back")
+    p.add_argument("--guard-backoff", type=float, default=5.0, help="schedule steps moved back on a non-finite batch")
+    p.add_argument("--guard-max-skips", type=int, default=20, help="non-finite batches tolerated before stopping")
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--eval-blocks", type=int, default=16)
     p.add_argument("--stop-ce", type=float, default=6.0)
@@ -161,7 +166,17 @@ def main() -> None:
     record({"step": 0, "gate": 1.0, "eval_ce": ce0})
     logger.info("%s: held-out CE at start %.4f", args.name, ce0)
     status, gate = "completed", 1.0
+    position, skips, ratios = 0.0, 0, []  # schedule position (steps), skipped batches, per-forward max ratios
+    if args.guard_ratio > 0 and not args.baseline:
+        def watch(layer, inputs):
+            if layer.training:
+                with torch.no_grad():
+                    r = inputs[0].float().pow(2).mean(-1).sqrt()[:, args.sink :]
+                    ratios.append(float(r.max() / r.median()))
+        for _, layer in tapered_norms(model):
+            layer.register_forward_pre_hook(watch)
     for step in range(1, args.steps + 1):
+        position += 1.0
         if not args.baseline:
             if step == args.taper_start + 1:
                 # The most recent training batches (already seen: no held-out data is used).
@@ -176,7 +191,7 @@ def main() -> None:
                             layer.c.mul_(args.c_scale)
                 record({"step": step, "calibration": cs})
             if args.late_first is None:
-                gate = cosine_gate(step, args.taper_start, args.taper_end)
+                gate = cosine_gate(step if args.guard_ratio <= 0 else position, args.taper_start, args.taper_end)
                 if gate < 1.0:
                     set_gate(model, gate)
             else:
@@ -190,6 +205,7 @@ def main() -> None:
                 gate = (late + early) / 2  # logged: the mean gate (late and early logged separately)
         t0 = time.time()
         x = train[(step - 1) * args.batch : step * args.batch]
+        ratios.clear()
         out = model(input_ids=x, labels=x)
         loss = out.loss
         row = {"step": step, "gate": gate, "ce": float(out.loss), "lr": sched.get_last_lr()[0]}
@@ -205,6 +221,20 @@ def main() -> None:
             kl = distillation_loss(out.logits, t_logits)
             loss = loss + args.distill * kl
             row["kl"] = float(kl)
+        if ratios:
+            row["max_ratio"] = max(ratios) if all(math.isfinite(v) for v in ratios) else float("inf")
+        if args.guard_ratio > 0 and not args.baseline and step > args.taper_start:
+            if not torch.isfinite(loss) and skips < args.guard_max_skips:
+                skips += 1
+                position = max(float(args.taper_start), position - 1.0 - args.guard_backoff)
+                row.update(skipped=True, position=position)
+                scales = residual_scale_by_position(model, [x], sink_tokens=args.sink)
+                row["max_ratio_by_layer"] = {name: v["max_ratio"] for name, v in scales.items()}
+                record(row)
+                continue
+            if row.get("max_ratio", 0.0) > args.guard_ratio:
+                position -= 1.0  # hold the gate at this level for the next step
+            row["position"] = position
         if not torch.isfinite(loss) or float(out.loss) > args.stop_ce:
             row["stopped"] = True
             if not args.baseline:  # where it ran away: per layer, the largest non-sink token over the median

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .patching import tapered_norms
+from .taper_norm import TaperNorm
 
 #: Name of the config attribute that records the sink tokens of a patched model (saved with it).
 CONFIG_KEY = "tapernorm_sink_token_ids"
@@ -57,8 +58,23 @@ def set_sink_tokens(model: nn.Module, token_ids: Optional[Sequence[int]]) -> Non
         layer.sink_tokens = len(ids)
     if ids:
         setattr(model.config, CONFIG_KEY, ids)
+        if not getattr(model, "_tapernorm_sink_hooked", False):
+            model.register_forward_pre_hook(_mark_sink_forwards, with_kwargs=True)
+            model._tapernorm_sink_hooked = True
     elif hasattr(model.config, CONFIG_KEY):
         delattr(model.config, CONFIG_KEY)
+
+
+def _mark_sink_forwards(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Only a forward that starts at position 0 holds the sink; one that continues a cache does not.
+
+    Looks the layers up on every call (not in a closure), so a deep-copied model marks its own.
+    """
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    fresh = cache is None or not hasattr(cache, "get_seq_length") or cache.get_seq_length() == 0
+    for module in model.modules():
+        if isinstance(module, TaperNorm):
+            module.sink_active = fresh
 
 
 @torch.no_grad()

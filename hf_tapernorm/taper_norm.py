@@ -101,8 +101,10 @@ class TaperNorm(nn.Module):
         self.anchor: Optional[nn.Module] = None  # scale anchor, attached to the final norm only
         # Leading sequence positions that stay normalized at every gate (the attention-sink token of
         # a fixed BOS: its keys/values are constants of the weights, exported as a one-token KV prefix).
-        # Applies to full-sequence forwards; 0 = off (the paper's layer).
+        # 0 = off (the paper's layer). sink_active is cleared by the model-level hook of
+        # sink.set_sink_tokens for forwards that continue a cache (their first token is no sink).
         self.sink_tokens = 0
+        self.sink_active = True
         # Multiplies the calibrated c (set by patch_model): < 1 makes the linear branch conservative.
         # A token k x the typical scale runs away through the SwiGLU MLPs once the gate closes; a smaller c
         # moves that threshold up (measured on SmolLM2: 0.8 carried training from g = 0.36 to g = 0.05).
@@ -200,7 +202,7 @@ class TaperNorm(nn.Module):
         phase = self._phase
         if phase is _Phase.NORM:
             return self._normalized(h)
-        sink = self.sink_tokens
+        sink = self.sink_tokens if self.sink_active else 0
         if sink and h.dim() >= 2 and h.shape[-2] > sink:
             head, h = h[..., :sink, :], h[..., sink:, :]
             return torch.cat([self._normalized(head), self._tapered(h, phase)], dim=-2)
@@ -213,7 +215,7 @@ class TaperNorm(nn.Module):
         return gate * self._normalized(h) + (1.0 - gate) * self._linear(h)
 
     def _accumulate(self, h: torch.Tensor) -> None:
-        if self.sink_tokens and h.dim() >= 2 and h.shape[-2] > self.sink_tokens:
+        if self.sink_tokens and self.sink_active and h.dim() >= 2 and h.shape[-2] > self.sink_tokens:
             h = h[..., self.sink_tokens :, :]  # the sink stays normalized: the linear branch need not fit it
         sums = branch_statistics(h, self.effective_gain(), self.eps, centred=self.style is NormStyle.LAYER)
         if self.pending is None or self.pending.device != sums.device:

@@ -202,3 +202,18 @@ def test_smollm2_sink_export_generates_like_the_unfolded_model(tmp_path):
     assert folded.fold_report.max_rel_diff <= 1e-5
     results = run_without_hf_tapernorm(tmp_path, [str(out)], prompt, new_tokens=32)
     assert torch.equal(results[str(out)]["greedy"], unfolded)
+
+
+def test_a_chunk_that_continues_a_cache_has_no_sink_position():
+    model = sink_tapered("llama")
+    ids = with_sink(IDS)
+    with torch.no_grad():
+        full = model(ids).logits
+        first = model(input_ids=ids[:, :5], use_cache=True)
+        # A multi-token chunk on top of the cache: its first token is ordinary text, not the sink.
+        rest = model(input_ids=ids[:, 5:], cache=first.cache).logits
+    torch.testing.assert_close(rest, full[:, 5:], atol=1e-5, rtol=1e-5)
+    assert all(layer.sink_active for _, layer in tapered_norms(model)) is False
+    with torch.no_grad():
+        model(ids)  # a fresh forward holds the sink again
+    assert all(layer.sink_active for _, layer in tapered_norms(model))

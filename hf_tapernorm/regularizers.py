@@ -40,13 +40,19 @@ class TokenScalePenalty:
         self._handles = [layer.register_forward_pre_hook(self._observe) for layer in layers]
         self._layers = len(layers)
 
-    def _observe(self, layer: TaperNorm, args: tuple) -> None:
+    def _token_log_scales(self, layer: TaperNorm, args: tuple) -> Optional[torch.Tensor]:
+        """Per non-sink token, log RMS of the layer's input; None outside counted training forwards."""
         if not layer.training or self.weight == 0 or in_backward_recompute():
-            return
+            return None
         x = args[0]
         if self.sink_tokens:
             x = x[..., self.sink_tokens :, :]
-        log_r = 0.5 * torch.log(x.float().pow(2).mean(-1) + layer.eps).reshape(-1)
+        return 0.5 * torch.log(x.float().pow(2).mean(-1) + layer.eps).reshape(-1)
+
+    def _observe(self, layer: TaperNorm, args: tuple) -> None:
+        log_r = self._token_log_scales(layer, args)
+        if log_r is None:
+            return
         excess = F.relu(log_r - log_r.detach().median() - self.log_ratio)
         self._terms.append(excess.pow(2).mean())
 
@@ -112,12 +118,9 @@ class ScaleGrowthPenalty(TokenScalePenalty):
         self._first = next(m for m in model.modules() if isinstance(m, TaperNorm) and m.tapered)
 
     def _observe(self, layer: TaperNorm, args: tuple) -> None:
-        if not layer.training or self.weight == 0 or in_backward_recompute():
+        log_r = self._token_log_scales(layer, args)
+        if log_r is None:
             return
-        x = args[0]
-        if self.sink_tokens:
-            x = x[..., self.sink_tokens :, :]
-        log_r = 0.5 * torch.log(x.float().pow(2).mean(-1) + layer.eps).reshape(-1)
         if layer is self._first or not self._terms:
             self._terms.append([])  # a new forward starts at the first tapered norm
         self._terms[-1].append(log_r - log_r.detach().median())

@@ -298,12 +298,11 @@ def _load_documents(data_args: DataArguments):
     )
 
 
-def _sink_ids(taper_args: TaperArguments, tokenizer) -> list[int]:
-    """The sink token ids ``--sink`` asks for (``[]``: none)."""
-    choice = taper_args.sink
+def _sink_ids(choice: str, tokenizer, *, auto_is_bos: bool = True) -> list[int]:
+    """The sink token ids ``--sink choice`` asks for (``[]``: none); ``auto`` means bos or none."""
     if choice not in ("auto", "bos", "none"):
         raise CLIError(f"--sink must be auto, bos or none, got {choice!r}")
-    if choice == "none" or (choice == "auto" and taper_args.scope == "final"):
+    if choice == "none" or (choice == "auto" and not auto_is_bos):
         return []
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     if bos is None:
@@ -421,7 +420,7 @@ def run_taper(model_args: ModelArguments, data_args: DataArguments, taper_args: 
     must_empty = _check_output_dir(output_dir, overwrite=taper_args.overwrite, resume=taper_args.resume)
 
     tokenizer = load_tokenizer(source, trust_remote_code=model_args.trust_remote_code)
-    sink_ids = _sink_ids(taper_args, tokenizer)
+    sink_ids = _sink_ids(taper_args.sink, tokenizer, auto_is_bos=taper_args.scope != "final")
     dataset = _load_documents(data_args)
     global_batch = (
         training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * training_args.world_size
@@ -684,12 +683,10 @@ def eval_main(argv: Sequence[str]) -> int:
     own_sink = list(getattr(model.config, "sink_token_ids", None) or getattr(model.config, "tapernorm_sink_token_ids", None) or [])
     if eval_args.sink == "auto":
         sink_ids = own_sink
-    elif eval_args.sink in ("bos", "none"):
-        sink_ids = _sink_ids(TaperArguments(sink=eval_args.sink), tokenizer)
+    else:
+        sink_ids = _sink_ids(eval_args.sink, tokenizer)
         if own_sink and sink_ids != own_sink:
             raise CLIError(f"'{source.path}' was trained with the sink {own_sink}; evaluate it with --sink auto")
-    else:
-        raise CLIError(f"--sink must be auto, bos or none, got {eval_args.sink!r}")
     dataset = _load_documents(data_args)
     packed = prepare_data(
         dataset,

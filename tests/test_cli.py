@@ -362,10 +362,10 @@ def test_sink_choice_resolves_against_scope_and_tokenizer():
     from tests.conftest import char_tokenizer
 
     tokenizer = char_tokenizer()  # no BOS: the EOS (127) is the sink
-    assert cli._sink_ids(TaperArguments(), tokenizer) == [127]
-    assert cli._sink_ids(TaperArguments(scope="final"), tokenizer) == []
-    assert cli._sink_ids(TaperArguments(scope="final", sink="bos"), tokenizer) == [127]
-    assert cli._sink_ids(TaperArguments(sink="none"), tokenizer) == []
+    assert cli._sink_ids("auto", tokenizer) == [127]
+    assert cli._sink_ids("auto", tokenizer, auto_is_bos=False) == []  # --scope final
+    assert cli._sink_ids("bos", tokenizer, auto_is_bos=False) == [127]
+    assert cli._sink_ids("none", tokenizer) == []
 
 
 def test_report_renders_the_facts(tmp_path):

@@ -15,6 +15,19 @@ from hf_tapernorm.regularizers import ScaleGrowthPenalty, TokenScalePenalty, dis
 from .conftest import build, random_batches, tiny_llama_config
 
 
+def layer_inputs(model, batch) -> dict[str, torch.Tensor]:
+    """The input of every tapered layer in one forward of ``batch``, by layer name."""
+    inputs = {}
+    handles = [
+        layer.register_forward_pre_hook(lambda m, a, name=name: inputs.setdefault(name, a[0].detach()))
+        for name, layer in tapered_norms(model)
+    ]
+    model(batch)
+    for handle in handles:
+        handle.remove()
+    return inputs
+
+
 def _norm(d=8):
     norm = LlamaRMSNorm(d, eps=1e-6)
     with torch.no_grad():
@@ -91,14 +104,7 @@ def test_per_channel_fit_matches_per_channel_least_squares_and_keeps_gate_one_ex
     batch = random_batches(n=1)[0]
     original = tiny_llama(batch).logits
     model = patch_model(tiny_llama)
-    inputs = {}
-    handles = [
-        layer.register_forward_pre_hook(lambda m, a, name=name: inputs.setdefault(name, a[0].detach()))
-        for name, layer in tapered_norms(model)
-    ]
-    model(batch)
-    for h in handles:
-        h.remove()
+    inputs = layer_inputs(model, batch)
     fit_linear_branch(model, [batch], trim=4.0, per_channel=True)
     assert torch.equal(model(batch).logits, original)  # calibration does not move the gate-1 model
     for name, layer in tapered_norms(model):
@@ -245,14 +251,7 @@ def test_sequential_fit_matches_each_layers_input_with_earlier_layers_linear(tin
     assert all(float(layer.gate) == 1.0 for _, layer in tapered_norms(model))
     assert torch.equal(model(batch).logits, original)
     set_gate(model, 0.0)  # now every layer sees what it saw during its own fit
-    inputs = {}
-    handles = [
-        layer.register_forward_pre_hook(lambda m, a, name=name: inputs.setdefault(name, a[0].detach()))
-        for name, layer in tapered_norms(model)
-    ]
-    model(batch)
-    for h in handles:
-        h.remove()
+    inputs = layer_inputs(model, batch)
     for name, layer in tapered_norms(model):
         num, den, _ = typical_token_sums(inputs[name], layer.eps, centred=False, trim=4.0, skip=1)
         c = float((num * layer.weight.pow(2)).sum() / (den * layer.weight.pow(2)).sum())

@@ -32,13 +32,18 @@ FOLDED = {"llama": TaperNormLlamaForCausalLM, "gpt2": TaperNormGPT2LMHeadModel}
 FINAL = {"llama": "model.norm", "gpt2": "transformer.ln_f"}
 
 
-def tapered(kind: str, scope: str = "internal", dtype: torch.dtype = torch.float32, **overrides) -> nn.Module:
-    """A patched tiny model at g = 0 with non-trivial gammat, beta and c (perturbed after calibration)."""
-    model = patch_model(build(CONFIGS[kind](**overrides), dtype=dtype), scope=scope)
+def tapered(kind: str, scope: str = "internal", dtype: torch.dtype = torch.float32, sink_token_ids=None,
+            **overrides) -> nn.Module:
+    """A patched tiny model at g = 0 with non-trivial gammat, beta and c (perturbed after calibration).
+
+    With ``sink_token_ids`` those positions stay normalized and every calibration batch starts with them.
+    """
+    model = patch_model(build(CONFIGS[kind](**overrides), dtype=dtype), scope=scope, sink_token_ids=sink_token_ids)
+    sink = torch.tensor(list(sink_token_ids or []), dtype=torch.long)
     model.train()
     with torch.no_grad():
         for ids in random_batches():
-            model(ids)
+            model(torch.cat([sink.expand(ids.shape[0], -1), ids], dim=1))
     calibrate(model)
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():

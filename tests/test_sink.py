@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM
 from hf_tapernorm import calibrate, export_folded, fold_model, patch_model, set_gate
 from hf_tapernorm.patching import tapered_norms
 from hf_tapernorm.sink import CONFIG_KEY, set_sink_tokens, sink_prefix, sink_token_ids_of
-from tests.conftest import build, random_batches, run_without_hf_tapernorm, tiny_gpt2_config, tiny_llama_config
+from tests.conftest import build, random_batches, run_without_hf_tapernorm, tiny_llama_config
+from tests.test_folding import tapered
 
-CONFIGS = {"llama": tiny_llama_config, "gpt2": tiny_gpt2_config}
 SINK = [5]
 
 
@@ -22,19 +22,8 @@ def with_sink(ids: torch.Tensor, sink=SINK) -> torch.Tensor:
 
 
 def sink_tapered(kind: str, sink=SINK, scope: str = "internal") -> torch.nn.Module:
-    """A tiny patched model trained-mode-calibrated on sink-first batches, at g = 0, sink kept normalized."""
-    model = patch_model(build(CONFIGS[kind]()), scope=scope, sink_token_ids=sink)
-    model.train()
-    with torch.no_grad():
-        for ids in random_batches():
-            model(with_sink(ids, sink))
-    calibrate(model)
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for _, layer in tapered_norms(model):
-            layer.taper_weight.mul_(1 + 0.3 * torch.randn(layer.taper_weight.shape, generator=generator))
-    set_gate(model, 0.0)
-    return model.eval()
+    """A tiny patched model at g = 0 (calibrated on sink-first batches, then perturbed), sink kept normalized."""
+    return tapered(kind, scope, sink_token_ids=sink)
 
 
 IDS = random_batches(n=1, batch=2, length=10, seed=3)[0]

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_tapernorm import export_folded, fold_model, patch_model, set_sink_tokens
+from hf_tapernorm import export_folded, fold_model
 from hf_tapernorm.evaluation import heldout_loss
-from smollm2_fidelity import load_smollm2, stdlib_blocks
+from smollm2_fidelity import load_saved_run, stdlib_blocks
 
 HERE = Path(__file__).resolve().parent
 
@@ -33,13 +33,9 @@ def main() -> None:
     p.add_argument("--report", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
-    saved = torch.load(args.checkpoint, weights_only=False)
-    config = saved["config"]
-    model, tok = load_smollm2()
-    patch_model(model)
-    model.load_state_dict(saved["state_dict"])
-    bos = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
-    set_sink_tokens(model, [bos])
+    model, tok, config = load_saved_run(args.checkpoint)
+    if int(config["sink"]) != 1:
+        raise SystemExit(f"{args.checkpoint}: this check needs a run with the BOS sink (--sink 1)")
     _, held = stdlib_blocks(tok, 1, int(config["eval_blocks"]), int(config["seq"]))
     folded = fold_model(model, probe=held[:2, 1:])
     export_folded(folded, args.output)

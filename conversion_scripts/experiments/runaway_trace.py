@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from hf_tapernorm import patch_model, tapered_norms
+from hf_tapernorm import tapered_norms
 from hf_tapernorm.fidelity import _per_layer_inputs
-from smollm2_fidelity import load_smollm2, stdlib_blocks
+from smollm2_fidelity import load_saved_run, stdlib_blocks
 
 HERE = Path(__file__).resolve().parent
 
@@ -29,14 +29,8 @@ def main() -> None:
     p.add_argument("--step", type=int, required=True, help="the training step whose batch diverged")
     p.add_argument("--output", type=Path, default=HERE / "reports" / "runaway_trace.json")
     args = p.parse_args()
-    saved = torch.load(args.checkpoint, weights_only=False)
-    config = saved["config"]
+    model, tok, config = load_saved_run(args.checkpoint)
     batch, seq, sink = int(config["batch"]), int(config["seq"]), int(config["sink"])
-    model, tok = load_smollm2()
-    patch_model(model)
-    model.load_state_dict(saved["state_dict"])
-    for _, layer in tapered_norms(model):
-        layer.sink_tokens = sink
     train, _ = stdlib_blocks(tok, int(config["steps"]) * batch, 1, seq)
     x = train[(args.step - 1) * batch : args.step * batch]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_tapernorm import patch_model, set_gate, tapered_norms
+from hf_tapernorm import patch_model, set_gate, set_sink_tokens, tapered_norms
 from hf_tapernorm.calibration import fit_linear_branch
 from hf_tapernorm.fidelity import diagnostics, residual_scale_by_position
 from hf_tapernorm.regularizers import ScaleGrowthPenalty, TokenScalePenalty, distillation_loss
@@ -44,10 +44,28 @@ def load_smollm2():
     return model, tok
 
 
+def bos_id(tok) -> int:
+    """The token every block starts with (the sink): BOS, or EOS for tokenizers without one."""
+    return tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+
+
+def load_saved_run(checkpoint: Path):
+    """(model, tokenizer, run config) of a run saved with --save: patched, trained state loaded, sink set."""
+    saved = torch.load(checkpoint, weights_only=False)
+    config = saved["config"]
+    if int(config["sink"]) > 1:
+        raise SystemExit(f"{checkpoint}: blocks start with one BOS, so a run can keep at most 1 sink token")
+    model, tok = load_smollm2()
+    patch_model(model)
+    model.load_state_dict(saved["state_dict"])
+    set_sink_tokens(model, [bos_id(tok)] if int(config["sink"]) else [])
+    return model, tok, config
+
+
 def stdlib_blocks(tok, n_train: int, n_eval: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[n, seq] blocks, each BOS + seq-1 tokens of packed stdlib source; train and held-out disjoint."""
     files = sorted(Path(os.__file__).parent.glob("*.py"))
-    bos = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    bos = bos_id(tok)
     sep = tok.eos_token_id
 
     def pack(paths, n):

@@ -3,7 +3,7 @@
 from .architectures import ARCHITECTURES, Architecture, NormSite, supported_model_types
 from .calibration import calibrate, update_statistics
 from .discovery import DiscoveryError, architecture_of, discover_architecture
-from .patching import gate_of, is_patched, patch_model, set_gate, taper_norms, tapered_norms
+from .patching import gate_of, is_patched, norms_feeding_gated_mlps, patch_model, set_gate, taper_norms, tapered_norms
 from .taper_norm import NormStyle, TaperNorm
 from .schedule import TaperSchedule
 from .scale_loss import ScaleAnchor
@@ -43,6 +43,7 @@ __all__ = [
     "fold_model",
     "gate_of",
     "is_patched",
+    "norms_feeding_gated_mlps",
     "patch_model",
     "register_folded_classes",
     "render_model_card",

@@ -112,6 +112,15 @@ class TaperArguments:
             "their first token; without the sink every measured SmolLM2 internal taper diverged."
         },
     )
+    keep_norms: str = field(
+        default="auto",
+        metadata={
+            "help": "Norms that stay real norms although --scope covers them: auto (the norms that feed a gated "
+            "SwiGLU/GeGLU MLP, which squares a token's residual scale once its norm is a linear map: every measured "
+            "SmolLM2 taper of them diverged at g = 0.36-0.40, see README Fidelity) | none | comma-separated fnmatch "
+            "patterns of module names, e.g. 'model.layers.*.post_attention_layernorm'."
+        },
+    )
     calibration_scale: float = field(
         default=1.0,
         metadata={"help": "Multiply every calibrated c by this (< 1: a conservative linear branch, which delays the "
@@ -310,9 +319,28 @@ def _sink_ids(choice: str, tokenizer, *, auto_is_bos: bool = True) -> list[int]:
     return [int(bos)]
 
 
-def _patch_options(taper_args: TaperArguments, sink_ids: Sequence[int]) -> dict[str, Any]:
+def _keep_norms(choice: str, model) -> list[str]:
+    """The ``keep_norms`` patterns ``--keep_norms choice`` asks for; ``auto``: the norms feeding gated MLPs."""
+    from .patching import kept_norm_names, norms_feeding_gated_mlps
+
+    if choice == "none":
+        return []
+    if choice == "auto":
+        return norms_feeding_gated_mlps(model)
+    patterns = [p.strip() for p in choice.split(",") if p.strip()]
+    if not patterns:
+        raise CLIError("--keep_norms must be auto, none or comma-separated module-name patterns")
+    try:
+        kept_norm_names(model, patterns)
+    except ValueError as error:
+        raise CLIError(f"--keep_norms: {error}") from error
+    return patterns
+
+
+def _patch_options(taper_args: TaperArguments, sink_ids: Sequence[int], keep_norms: Sequence[str]) -> dict[str, Any]:
     return {
         "scope": taper_args.scope,
+        "keep_norms": list(keep_norms),
         "ema_rate": taper_args.ema_rate,
         "scale_loss_weight": taper_args.scale_loss_weight,
         "relative_scale_loss": taper_args.relative_scale_loss,
@@ -438,11 +466,15 @@ def run_taper(model_args: ModelArguments, data_args: DataArguments, taper_args: 
     )
     heldout_ids = blocks_tensor(packed.heldout)
     model = load_model(source, dtype=model_args.dtype, trust_remote_code=model_args.trust_remote_code)
+    keep_norms = _keep_norms(taper_args.keep_norms, model) if taper_args.scope != "final" else []
+    if keep_norms:
+        logger.info("--keep_norms %s: %d norm(s) stay real norms (%s)", taper_args.keep_norms, len(keep_norms),
+                    keep_norms[0] + (", ..." if len(keep_norms) > 1 else ""))
     if state.is_main_process:
         if must_empty:
             _empty_folder(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
-        write_taper_options(output_dir, _patch_options(taper_args, sink_ids))
+        write_taper_options(output_dir, _patch_options(taper_args, sink_ids, keep_norms))
     state.wait_for_everyone()
 
     def evaluate(m, name: str) -> dict[str, float]:
@@ -469,7 +501,7 @@ def run_taper(model_args: ModelArguments, data_args: DataArguments, taper_args: 
             "heldout_percentage": data_args.heldout_percentage,
         },
         "taper": {
-            **_patch_options(taper_args, sink_ids),
+            **_patch_options(taper_args, sink_ids, keep_norms),
             "taper_start": taper_args.taper_start,
             "taper_end": taper_args.taper_end,
             "token_scale_penalty": taper_args.token_scale_penalty,
@@ -526,7 +558,7 @@ def _taper_pipeline(
         facts["heldout"]["original"] = evaluate(model, "original")
     baseline_model = copy.deepcopy(model) if taper_args.baseline else None
 
-    patch_options = _patch_options(taper_args, packed.prefix_ids)
+    patch_options = _patch_options(taper_args, packed.prefix_ids, facts["taper"]["keep_norms"])
     patch_model(model, **patch_options)
     if taper_args.token_scale_penalty > 0:
         from .regularizers import TokenScalePenalty

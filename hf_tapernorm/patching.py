@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 from typing import Iterator, Literal, Optional, Sequence
 
@@ -86,6 +87,41 @@ def norm_sites(model: nn.Module, arch: Architecture) -> Iterator[tuple[str, str,
     yield f"{prefix}{arch.final_norm}", "input", True
 
 
+def kept_norm_names(model: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """The norms of ``model`` that ``keep_norms`` patterns (fnmatch, qualified names) select; refuses a pattern
+    that selects nothing, since a typo would otherwise silently taper the norm it meant to keep."""
+    paths = [path for path, _, _ in norm_sites(model, architecture_of(model))]
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(path, p) for path in paths)]
+    if unmatched:
+        raise ValueError(
+            f"keep_norms pattern(s) {unmatched} match no norm of {type(model).__name__} ({model_type_of(model)}); "
+            f"norms are named like '{paths[0]}' and '{paths[-1]}'"
+        )
+    return [path for path in paths if any(fnmatch.fnmatchcase(path, p) for p in patterns)]
+
+
+def norms_feeding_gated_mlps(model: nn.Module) -> list[str]:
+    """Qualified names of the internal norms whose output feeds a gated MLP (SwiGLU/GeGLU ``gate_proj``).
+
+    Such an MLP multiplies two projections of its input, so once the norm in front of it is a fixed
+    linear map its output grows like the square of a token's residual scale, and a token above the
+    typical scale grows from layer to layer until it overflows. Attention and plain (GELU) MLPs do
+    not square it. Measured on SmolLM2: every internal taper broke at g = 0.36-0.40 whatever the
+    schedule, penalty or data order, while tapering only the norms that feed attention reached g = 0
+    (conversion_scripts/experiments/reports/smollm2_fidelity.md, "Session 3"). Pass the result as
+    ``patch_model(keep_norms=...)``; empty for architectures without a gated MLP.
+    """
+    arch = architecture_of(model)
+    gated = [
+        site.path for site in arch.sites
+        if any(consumer.rsplit(".", 1)[-1].startswith("gate") for consumer in site.consumers)
+    ]
+    return [
+        path for path, _, is_final in norm_sites(model, arch)
+        if not is_final and any(path.endswith("." + site) for site in gated)
+    ]
+
+
 def patch_model(
     model: nn.Module,
     scope: Scope = "internal",
@@ -95,6 +131,7 @@ def patch_model(
     relative_scale_loss: bool = False,
     sink_token_ids: Optional[Sequence[int]] = None,
     calibration_scale: float = 1.0,
+    keep_norms: Sequence[str] = (),
 ) -> nn.Module:
     """Replace the model's norms with TaperNorm at gate 1, in place; the outputs do not change.
 
@@ -112,6 +149,9 @@ def patch_model(
     folding stores their keys/values as a constant prefix (``sink.py``). Default: none (the paper).
     ``calibration_scale`` multiplies every calibrated c (default 1, the paper's least-squares c);
     below 1 the linear branch under-shoots the norm, which delays the runaway of above-typical tokens.
+    ``keep_norms``: fnmatch patterns of qualified module names (``"model.layers.*.post_attention_layernorm"``)
+    whose norms stay real norms although ``scope`` covers them; :func:`norms_feeding_gated_mlps` gives
+    the ones a SwiGLU model cannot lose (README, Fidelity). Every pattern must match a norm.
 
     Which modules are norms comes from the architecture table; a model type without an entry is
     described by automatic discovery (``discovery.py``, logged), which refuses, naming the module,
@@ -129,10 +169,13 @@ def patch_model(
     arch = architecture_of(model)  # the table entry, else automatic discovery (logged)
     if not calibration_scale > 0:
         raise ValueError(f"calibration_scale must be positive, got {calibration_scale}")
-    replaced = 0
+    kept_paths = set(kept_norm_names(model, keep_norms))
+    replaced = kept = 0
     for path, _kind, is_final in list(norm_sites(model, arch)):
         original = model.get_submodule(path)
         tapered = (scope == "all") or (scope == "final" if is_final else scope == "internal")
+        if tapered and path in kept_paths:
+            tapered, kept = False, kept + 1
         layer = TaperNorm.from_norm(original, arch.style, tapered=tapered, ema_rate=ema_rate)
         layer.site_name = path
         layer.calibration_scale = float(calibration_scale)
@@ -156,7 +199,8 @@ def patch_model(
         from .sink import set_sink_tokens
 
         set_sink_tokens(model, sink_token_ids)
-    logger.info("patched %s (%s): %d norm(s) tapered, scope=%s%s", type(model).__name__, model_type, replaced, scope,
+    logger.info("patched %s (%s): %d norm(s) tapered, scope=%s%s%s", type(model).__name__, model_type, replaced, scope,
+                f", {kept} kept by keep_norms {list(keep_norms)}" if kept else "",
                 f", sink tokens {list(sink_token_ids)} kept normalized" if sink_token_ids else "")
     return model
 
@@ -168,4 +212,4 @@ def gate_of(model: nn.Module) -> float:
     raise ValueError(f"{type(model).__name__} has no tapered TaperNorm layers")
 
 
-__all__ = ["patch_model", "taper_norms", "tapered_norms", "set_gate", "gate_of", "is_patched", "base_model_of"]
+__all__ = ["patch_model", "norms_feeding_gated_mlps", "taper_norms", "tapered_norms", "set_gate", "gate_of", "is_patched", "base_model_of"]

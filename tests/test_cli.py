@@ -93,14 +93,17 @@ def test_taper_end_to_end_writes_a_reloadable_export_and_the_report(finished_run
         assert (out / name).read_bytes()[:8] == PNG_MAGIC, name
     markdown = (out / "report.md").read_text()
     assert "![Gate schedule](gate_schedule.png)" in markdown and "| folded |" in markdown
-    assert set(report["diagnostics"]["calibration"]) == {f"model.layers.{i}.{n}" for i in range(2)
-                                                         for n in ("input_layernorm", "post_attention_layernorm")}  # fmt: skip
+    # --keep_norms auto: the norms that feed Llama's SwiGLU MLP stay norms; only the attention inputs taper.
+    kept = [f"model.layers.{i}.post_attention_layernorm" for i in range(2)]
+    assert report["taper"]["keep_norms"] == kept
+    assert set(report["diagnostics"]["calibration"]) == {f"model.layers.{i}.input_layernorm" for i in range(2)}
     assert "| model.layers.0.input_layernorm |" in markdown
     assert "hf-tapernorm taper: summary" in stdout and "held-out folded" in stdout and "export:" in stdout
     # The export reloads through the Auto classes and computes what the tapered model computes at g = 0.
     folded_dir = out / "folded"
     config = json.loads((folded_dir / "config.json").read_text())
     assert config["model_type"] == "tapernorm_llama" and config["sink_token_ids"] == sink
+    assert config["kept_norms"] == kept + ["model.norm"]
     assert {"README.md", "tokenizer.json", "modeling_folded.py", "model.safetensors"} <= {p.name for p in folded_dir.iterdir()}
     assert "norm-free" in (folded_dir / "README.md").read_text()
     tapered = load_tapered(out / "tapered")
@@ -203,6 +206,11 @@ def test_clear_errors(workspace, tmp_path):
     assert (out / "keep.txt").read_text() == "user data"
     assert "--gguf_file needs --model_name_or_path" in error_of(["eval", "--gguf_file", "x.gguf"])
     assert "--sink must be auto, bos or none, got 'eos'" in error_of([*taper_argv(workspace, out), "--overwrite", "--sink", "eos"])
+    assert error_of([*taper_argv(workspace, out), "--overwrite", "--keep_norms", "*.ln_2"]) == (
+        "hf-tapernorm taper: error: --keep_norms: keep_norms pattern(s) ['*.ln_2'] match no norm of LlamaForCausalLM "
+        "(llama); norms are named like 'model.layers.0.input_layernorm' and 'model.norm'"
+    )
+    assert (out / "keep.txt").read_text() == "user data"  # refused before the output folder was touched
     uncalibrated = tmp_path / "uncalibrated"
     save_tapered(patch_model(AutoModelForCausalLM.from_pretrained(workspace / "llama")), uncalibrated, {"scope": "internal"},
                  AutoTokenizer.from_pretrained(workspace / "llama"))  # fmt: skip
@@ -355,6 +363,7 @@ def test_defaults_are_the_embedded_recipe():
     assert (training.max_steps, training.per_device_train_batch_size, data.block_size) == (60, 4, 256)
     assert (taper.taper_start, taper.taper_end, taper.scope) == ("0.05", "0.7", "internal")
     assert taper.relative_scale_loss and taper.scale_loss_weight == 0.1 and taper.sink == "auto"
+    assert taper.keep_norms == "auto"
     assert training.output_dir == "runs/taper" and training.report_to == []
 
 
@@ -366,6 +375,18 @@ def test_sink_choice_resolves_against_scope_and_tokenizer():
     assert cli._sink_ids("auto", tokenizer, auto_is_bos=False) == []  # --scope final
     assert cli._sink_ids("bos", tokenizer, auto_is_bos=False) == [127]
     assert cli._sink_ids("none", tokenizer) == []
+
+
+def test_keep_norms_choice_resolves_against_the_architecture():
+    from tests.conftest import build, tiny_gpt2_config, tiny_llama_config
+
+    llama = build(tiny_llama_config())
+    assert cli._keep_norms("auto", llama) == [f"model.layers.{i}.post_attention_layernorm" for i in range(2)]
+    assert cli._keep_norms("none", llama) == []
+    assert cli._keep_norms(" model.layers.1.*, *.input_layernorm ", llama) == ["model.layers.1.*", "*.input_layernorm"]
+    assert cli._keep_norms("auto", build(tiny_gpt2_config())) == []  # GELU MLP: every internal norm tapers
+    with pytest.raises(cli.CLIError, match="must be auto, none or comma-separated"):
+        cli._keep_norms(" , ", llama)
 
 
 def test_report_renders_the_facts(tmp_path):

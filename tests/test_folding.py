@@ -33,12 +33,13 @@ FINAL = {"llama": "model.norm", "gpt2": "transformer.ln_f"}
 
 
 def tapered(kind: str, scope: str = "internal", dtype: torch.dtype = torch.float32, sink_token_ids=None,
-            **overrides) -> nn.Module:
+            keep_norms=(), **overrides) -> nn.Module:
     """A patched tiny model at g = 0 with non-trivial gammat, beta and c (perturbed after calibration).
 
     With ``sink_token_ids`` those positions stay normalized and every calibration batch starts with them.
     """
-    model = patch_model(build(CONFIGS[kind](**overrides), dtype=dtype), scope=scope, sink_token_ids=sink_token_ids)
+    model = patch_model(build(CONFIGS[kind](**overrides), dtype=dtype), scope=scope, sink_token_ids=sink_token_ids,
+                        keep_norms=keep_norms)
     sink = torch.tensor(list(sink_token_ids or []), dtype=torch.long)
     model.train()
     with torch.no_grad():

@@ -1,0 +1,62 @@
+"""keep_norms: norms inside the patched scope that stay real norms (the norms feeding gated MLPs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from hf_tapernorm import export_folded, fold_model, norms_feeding_gated_mlps, patch_model, taper_norms
+from hf_tapernorm.model_loading import load_tapered, save_tapered
+from tests.conftest import build, tiny_gpt2_config, tiny_llama_config
+from tests.test_folding import IDS, logits, relative_error, tapered
+
+MLP_NORMS = ["model.layers.0.post_attention_layernorm", "model.layers.1.post_attention_layernorm"]
+
+
+def test_the_norms_feeding_gated_mlps_are_llamas_post_attention_norms_and_none_of_gpt2():
+    assert norms_feeding_gated_mlps(build(tiny_llama_config())) == MLP_NORMS
+    assert norms_feeding_gated_mlps(build(tiny_gpt2_config())) == []  # GELU MLP: nothing multiplies two projections
+
+
+def test_kept_norms_stay_normalized_at_every_gate_and_survive_the_fold(tmp_path):
+    model = tapered("llama", keep_norms=["*.post_attention_layernorm"])
+    layers = dict(taper_norms(model))
+    assert [name for name, layer in layers.items() if not layer.tapered] == MLP_NORMS + ["model.norm"]
+    assert all(float(layers[name].gate) == 1.0 for name in MLP_NORMS)  # set_gate(model, 0) left them alone
+    assert float(layers["model.layers.0.input_layernorm"].gate) == 0.0
+    h = torch.randn(2, 5, 32)
+    torch.testing.assert_close(layers[MLP_NORMS[0]](h), layers[MLP_NORMS[0]]._normalized(h))
+
+    folded = fold_model(model)
+    assert folded.config.kept_norms == MLP_NORMS + ["model.norm"]
+    assert folded.config.folded_norms == ["model.layers.0.input_layernorm", "model.layers.1.input_layernorm"]
+    assert isinstance(folded.get_submodule("model.layers.0.input_layernorm"), nn.Identity)
+    kept = folded.get_submodule(MLP_NORMS[1])
+    assert isinstance(kept, LlamaRMSNorm) and torch.equal(kept.weight, layers[MLP_NORMS[1]].weight)
+    assert relative_error(logits(folded, IDS), logits(model, IDS)) <= 1e-5
+    reloaded = AutoModelForCausalLM.from_pretrained(export_folded(folded, tmp_path / "out"))
+    assert torch.equal(logits(reloaded, IDS), logits(folded, IDS))
+    assert "| Norms kept | 3 (e.g. `model.layers.0.post_attention_layernorm`) |" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_a_tapered_checkpoint_reloads_with_the_same_kept_norms(tmp_path):
+    model = tapered("llama", keep_norms=MLP_NORMS)
+    save_tapered(model, tmp_path / "ckpt", {"scope": "internal", "keep_norms": MLP_NORMS})
+    reloaded = load_tapered(tmp_path / "ckpt")
+    assert {n: l.tapered for n, l in taper_norms(reloaded)} == {n: l.tapered for n, l in taper_norms(model)}
+    assert torch.equal(logits(reloaded.eval(), IDS), logits(model, IDS))
+
+
+def test_a_pattern_that_matches_no_norm_is_refused_with_the_names_to_use():
+    with pytest.raises(ValueError, match=r"keep_norms pattern\(s\) \['\*\.ln_2'\] match no norm of LlamaForCausalLM "
+                                         r"\(llama\); norms are named like 'model.layers.0.input_layernorm'"):
+        patch_model(build(tiny_llama_config()), keep_norms=["*.ln_2"])
+
+
+def test_keep_norms_only_narrows_the_scope():
+    # A kept pattern outside the scope changes nothing: scope final tapers only the final norm either way.
+    model = patch_model(build(tiny_llama_config()), scope="final", keep_norms=MLP_NORMS)
+    assert [name for name, layer in taper_norms(model) if layer.tapered] == ["model.norm"]

@@ -36,7 +36,7 @@ def main() -> None:
     model, tok, config = load_saved_run(args.checkpoint)
     if int(config["sink"]) != 1:
         raise SystemExit(f"{args.checkpoint}: this check needs a run with the BOS sink (--sink 1)")
-    _, held = stdlib_blocks(tok, 1, int(config["eval_blocks"]), int(config["seq"]))
+    _, held = stdlib_blocks(tok, 1, int(config["eval_blocks"]), int(config["seq"]), shuffle=config.get("shuffle") == "True")
     folded = fold_model(model, probe=held[:2, 1:])
     export_folded(folded, args.output)
     reloaded = AutoModelForCausalLM.from_pretrained(args.output).eval()

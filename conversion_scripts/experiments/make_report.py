@@ -40,7 +40,8 @@ def main() -> None:
     for name, run in runs.items():
         cfg = run["config"]
         base = max((b for b in baselines.values() if b["config"]["batch"] == cfg["batch"]
-                    and b["config"]["seq"] == cfg["seq"] and b["config"]["lr"] == cfg["lr"]),
+                    and b["config"]["seq"] == cfg["seq"] and b["config"]["lr"] == cfg["lr"]
+                    and b["config"].get("shuffle", False) == cfg.get("shuffle", False)),
                    key=lambda b: b["config"]["steps"], default=None)
         last = run["evals"][-1] if run["evals"] else None
         row = {
@@ -82,6 +83,8 @@ def main() -> None:
     plot(runs, HERE / "reports" / "smollm2_fidelity.png", "SmolLM2-135M-Instruct, Internal-Taper: held-out CE and gate vs step")
     plot({n: r for n, r in runs.items() if n.startswith("s300_")}, HERE / "reports" / "smollm2_fidelity_300.png",
          "SmolLM2-135M-Instruct, 300-step runs (BOS sink): held-out CE and gate vs step")
+    plot({n: r for n, r in runs.items() if n.startswith("sh300_")}, HERE / "reports" / "smollm2_fidelity_shuffled.png",
+         "SmolLM2-135M-Instruct, 300-step runs on shuffled data: held-out CE and gate vs step")
 
     lines = ["| run | status | CE start | last eval (step, gate, CE) | baseline CE same step (interpolated) | gap | gap > 2% at gate |",
              "|---|---|---|---|---|---|---|"]

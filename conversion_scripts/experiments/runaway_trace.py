@@ -31,7 +31,7 @@ def main() -> None:
     args = p.parse_args()
     model, tok, config = load_saved_run(args.checkpoint)
     batch, seq, sink = int(config["batch"]), int(config["seq"]), int(config["sink"])
-    train, _ = stdlib_blocks(tok, int(config["steps"]) * batch, 1, seq)
+    train, _ = stdlib_blocks(tok, int(config["steps"]) * batch, 1, seq, shuffle=config.get("shuffle") == "True")
     x = train[(args.step - 1) * batch : args.step * batch]
 
     def ratio(layer, h):

@@ -12,6 +12,7 @@ that all start with BOS; held-out blocks come from the end of the sorted list, t
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import logging
 import math
@@ -25,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_tapernorm import patch_model, set_gate, set_sink_tokens, tapered_norms
 from hf_tapernorm.calibration import fit_linear_branch
 from hf_tapernorm.fidelity import diagnostics, residual_scale_by_position
-from hf_tapernorm.regularizers import ScaleGrowthPenalty, TokenScalePenalty, distillation_loss
+from hf_tapernorm.regularizers import BranchScalePenalty, ScaleGrowthPenalty, TokenScalePenalty, distillation_loss
 
 HERE = Path(__file__).resolve().parent
 logger = logging.getLogger("smollm2_fidelity")
@@ -62,24 +63,39 @@ def load_saved_run(checkpoint: Path):
     return model, tok, config
 
 
-def stdlib_blocks(tok, n_train: int, n_eval: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, seq] blocks, each BOS + seq-1 tokens of packed stdlib source; train and held-out disjoint."""
+def stdlib_blocks(tok, n_train: int, n_eval: int, seq: int, shuffle: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, seq] blocks, each BOS + seq-1 tokens of packed stdlib source; train and held-out disjoint.
+
+    Unshuffled (session 1's order): training reads the sorted files from the start, held-out from the end, so
+    consecutive batches come from the same file and the normalized baseline drifts as it fits each file in turn.
+    Shuffled: every 8th sorted file is held out, the rest are packed whole and the training blocks are drawn
+    from all of them in a fixed random order, so every batch is a mix of modules.
+    """
     files = sorted(Path(os.__file__).parent.glob("*.py"))
+    if shuffle:
+        held_files, train_files = files[::8], [f for i, f in enumerate(files) if i % 8]
+        pool = _pack(tok, train_files, None, seq)
+        if len(pool) < n_train:
+            raise RuntimeError(f"the standard library gives {len(pool)} training blocks of {seq}, {n_train} needed")
+        order = torch.randperm(len(pool), generator=torch.Generator().manual_seed(0))[:n_train]
+        return pool[order], _pack(tok, held_files, n_eval, seq)
+    return _pack(tok, files, n_train, seq), _pack(tok, list(reversed(files)), n_eval, seq)
+
+
+def _pack(tok, paths, n: int | None, seq: int) -> torch.Tensor:
+    """BOS + seq-1 tokens per block from the files in order (all of them when n is None)."""
     bos = bos_id(tok)
     sep = tok.eos_token_id
-
-    def pack(paths, n):
-        ids: list[int] = []
-        for path in paths:
-            ids += tok(path.read_text(encoding="utf-8", errors="replace"))["input_ids"] + [sep]
-            if len(ids) >= n * (seq - 1):
-                break
-        if len(ids) < n * (seq - 1):
-            raise RuntimeError(f"not enough standard-library text for {n} blocks of {seq}")
-        body = torch.tensor(ids[: n * (seq - 1)]).view(n, seq - 1)
-        return torch.cat([torch.full((n, 1), bos), body], dim=1)
-
-    return pack(files, n_train), pack(list(reversed(files)), n_eval)
+    ids: list[int] = []
+    for path in paths:
+        ids += tok(path.read_text(encoding="utf-8", errors="replace"))["input_ids"] + [sep]
+        if n is not None and len(ids) >= n * (seq - 1):
+            break
+    n = len(ids) // (seq - 1) if n is None else n
+    if len(ids) < n * (seq - 1):
+        raise RuntimeError(f"not enough standard-library text for {n} blocks of {seq}")
+    body = torch.tensor(ids[: n * (seq - 1)]).view(n, seq - 1)
+    return torch.cat([torch.full((n, 1), bos), body], dim=1)
 
 
 @torch.no_grad()
@@ -113,6 +129,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--taper-lr", type=float, default=0.0,
+                   help="learning rate of the linear branch's per-channel gains (0: --lr); Adam moves a parameter by "
+                        "about lr per step, which is small against gains of order 1")
     p.add_argument("--lr-warmup", type=int, default=5)
     p.add_argument("--taper-start", type=int, default=5)
     p.add_argument("--taper-end", type=int, default=80)
@@ -124,6 +143,9 @@ def main() -> None:
     p.add_argument("--c-scale", type=float, default=1.0,
                    help="multiply every fitted c by this (< 1: conservative; a token k x the typical scale runs away "
                         "through the SwiGLU MLP at g = 0 once (c-scale)^2 k > 1, so a smaller c raises that threshold)")
+    p.add_argument("--keep", nargs="+", default=[], metavar="PATTERN",
+                   help="norms whose qualified name matches one of these fnmatch patterns stay at gate 1, e.g. "
+                        "'*.post_attention_layernorm' tapers only the norms that feed attention")
     p.add_argument("--late-first", type=int, default=None,
                    help="staged taper: decoder layers >= this index taper over [taper-start, stage-split], "
                         "the earlier ones over [stage-split, taper-end]")
@@ -133,12 +155,15 @@ def main() -> None:
     p.add_argument("--penalty-ratio", type=float, default=4.0)
     p.add_argument("--growth-penalty", type=float, default=0.0, help="ScaleGrowthPenalty weight (0: off)")
     p.add_argument("--growth-ratio", type=float, default=1.0, help="ScaleGrowthPenalty: tokens above this x median")
+    p.add_argument("--branch-penalty", type=float, default=0.0, help="BranchScalePenalty weight (0: off)")
+    p.add_argument("--branch-ratio", type=float, default=1.5, help="BranchScalePenalty: tolerated scale mismatch")
     p.add_argument("--distill", type=float, default=0.0, help="weight of KL to the frozen original")
     p.add_argument("--guard-ratio", type=float, default=0.0,
                    help="adaptive schedule (0: off): hold the gate while the largest non-sink token exceeds this x the "
                         "median at any tapered norm; on a non-finite batch skip the update and move the schedule back")
     p.add_argument("--guard-backoff", type=float, default=5.0, help="schedule steps moved back on a non-finite batch")
     p.add_argument("--guard-max-skips", type=int, default=20, help="non-finite batches tolerated before stopping")
+    p.add_argument("--shuffle", action="store_true", help="mixed batches from all modules (held-out: every 8th file)")
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--eval-blocks", type=int, default=16)
     p.add_argument("--stop-ce", type=float, default=6.0)
@@ -151,7 +176,7 @@ def main() -> None:
     torch.manual_seed(0)
 
     model, tok = load_smollm2()
-    train, held = stdlib_blocks(tok, args.steps * args.batch, args.eval_blocks, args.seq)
+    train, held = stdlib_blocks(tok, args.steps * args.batch, args.eval_blocks, args.seq, shuffle=args.shuffle)
     teacher = None
     if args.distill > 0:
         teacher, _ = load_smollm2()
@@ -163,11 +188,17 @@ def main() -> None:
             layer.sink_tokens = args.sink
         if args.penalty > 0:
             penalty = TokenScalePenalty(model, weight=args.penalty, ratio=args.penalty_ratio, sink_tokens=args.sink)
+        elif args.branch_penalty > 0:
+            penalty = BranchScalePenalty(model, weight=args.branch_penalty, ratio=args.branch_ratio, sink_tokens=args.sink)
         elif args.growth_penalty > 0:
             penalty = ScaleGrowthPenalty(model, weight=args.growth_penalty, ratio=args.growth_ratio, sink_tokens=args.sink)
     model.train()
     params = [q for q in model.parameters() if q.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    gains = {id(layer.taper_weight) for _, layer in tapered_norms(model)} if not args.baseline else set()
+    groups = [{"params": [q for q in params if id(q) not in gains]}]
+    if gains:
+        groups.append({"params": [q for q in params if id(q) in gains], "lr": args.taper_lr or args.lr})
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / max(1, args.lr_warmup)))
 
     out_dir = HERE / "reports" / "runs"
@@ -212,6 +243,9 @@ def main() -> None:
                 gate = cosine_gate(step if args.guard_ratio <= 0 else position, args.taper_start, args.taper_end)
                 if gate < 1.0:
                     set_gate(model, gate)
+                    for name, layer in tapered_norms(model):
+                        if any(fnmatch.fnmatchcase(name, pattern) for pattern in args.keep):
+                            layer.set_gate(1.0)
             else:
                 late = cosine_gate(step, args.taper_start, args.stage_split)
                 early = cosine_gate(step, args.stage_split, args.taper_end)

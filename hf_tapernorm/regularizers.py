@@ -138,31 +138,6 @@ class ScaleGrowthPenalty(TokenScalePenalty):
         return self.weight * torch.stack(pairs).sum() / max(1, self._layers - 1)
 
 
-class BranchScalePenalty(TokenScalePenalty):
-    """Penalise tokens whose linear branch is far from their normalized branch in scale.
-
-    The gate can only close safely if, for every token, ``c * h * taper_weight`` is about as large as
-    the norm's output; ``TokenScalePenalty`` measures tokens against the batch median, which drifts with
-    training while c stays frozen, and ignores tokens that are too small. This penalty measures each
-    token at each calibrated tapered norm against the fixed map itself:
-    ``u = log ||linear(h)|| - log ||normalized(h)||`` and ``weight * mean_layers mean_tokens
-    relu(|u| - log(ratio))^2``, so tokens (and a drifting typical scale) are pulled back into the
-    band in which the fold is exact at g = 0. Uncalibrated layers and the sink positions are exempt.
-    """
-
-    def _observe(self, layer: TaperNorm, args: tuple) -> None:
-        if not layer.is_calibrated or not layer.training or self.weight == 0 or in_backward_recompute():
-            return
-        x = args[0]
-        if self.sink_tokens:
-            x = x[..., self.sink_tokens :, :]
-        x = x.float()
-        linear = layer._linear(x).float().pow(2).sum(-1)
-        normalized = layer._normalized(x).float().pow(2).sum(-1)
-        u = 0.5 * (torch.log(linear + 1e-20) - torch.log(normalized + 1e-20))
-        self._terms.append(F.relu(u.abs() - self.log_ratio).pow(2).mean())
-
-
 def distillation_loss(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
@@ -176,4 +151,4 @@ def distillation_loss(
     return (kl * mask).sum() / mask.sum().clamp_min(1.0)
 
 
-__all__ = ["BranchScalePenalty", "ScaleGrowthPenalty", "TokenScalePenalty", "distillation_loss"]
+__all__ = ["ScaleGrowthPenalty", "TokenScalePenalty", "distillation_loss"]

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_tapernorm import patch_model, set_gate, set_sink_tokens, tapered_norms
 from hf_tapernorm.calibration import fit_linear_branch
 from hf_tapernorm.fidelity import diagnostics, residual_scale_by_position
-from hf_tapernorm.regularizers import BranchScalePenalty, ScaleGrowthPenalty, TokenScalePenalty, distillation_loss
+from hf_tapernorm.regularizers import ScaleGrowthPenalty, TokenScalePenalty, distillation_loss
 
 HERE = Path(__file__).resolve().parent
 logger = logging.getLogger("smollm2_fidelity")
@@ -155,8 +155,6 @@ def main() -> None:
     p.add_argument("--penalty-ratio", type=float, default=4.0)
     p.add_argument("--growth-penalty", type=float, default=0.0, help="ScaleGrowthPenalty weight (0: off)")
     p.add_argument("--growth-ratio", type=float, default=1.0, help="ScaleGrowthPenalty: tokens above this x median")
-    p.add_argument("--branch-penalty", type=float, default=0.0, help="BranchScalePenalty weight (0: off)")
-    p.add_argument("--branch-ratio", type=float, default=1.5, help="BranchScalePenalty: tolerated scale mismatch")
     p.add_argument("--distill", type=float, default=0.0, help="weight of KL to the frozen original")
     p.add_argument("--guard-ratio", type=float, default=0.0,
                    help="adaptive schedule (0: off): hold the gate while the largest non-sink token exceeds this x the "
@@ -188,8 +186,6 @@ def main() -> None:
             layer.sink_tokens = args.sink
         if args.penalty > 0:
             penalty = TokenScalePenalty(model, weight=args.penalty, ratio=args.penalty_ratio, sink_tokens=args.sink)
-        elif args.branch_penalty > 0:
-            penalty = BranchScalePenalty(model, weight=args.branch_penalty, ratio=args.branch_ratio, sink_tokens=args.sink)
         elif args.growth_penalty > 0:
             penalty = ScaleGrowthPenalty(model, weight=args.growth_penalty, ratio=args.growth_ratio, sink_tokens=args.sink)
     model.train()

@@ -46,11 +46,17 @@ from .calibration import calibrate, update_statistics
 from .discovery import architecture_of
 from .folding import fold_model
 from .model_loading import load_model, resolve_model
-from .patching import model_type_of, norm_sites, patch_model, set_gate
+from .patching import model_type_of, norm_sites, norms_feeding_gated_mlps, patch_model, set_gate
 
 logger = logging.getLogger(__name__)
 
-INFERENCE_VARIANTS = ("original", "explicit", "folded", "limit", "all-explicit", "all-folded", "all-limit")
+INFERENCE_VARIANTS = (
+    "original", "explicit", "folded", "limit", "all-explicit", "all-folded", "all-limit",
+    "attn-explicit", "attn-folded", "attn-limit",
+)
+# Variant name prefixes: "" = Internal-Taper, "all-" = every norm, "attn-" = Internal-Taper keeping the norms
+# that feed gated MLPs (``--keep_norms auto``, the default of hf-tapernorm taper).
+_PREFIXES = ("all-", "attn-", "")
 TRAIN_VARIANTS = ("original", "taper", "tapered")
 MODES = ("last", "full", "decode", "train")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -87,9 +93,11 @@ def _random_ids(vocab: int, batch: int, length: int, seed: int, device: str) -> 
     return torch.randint(0, vocab, (batch, length), generator=generator).to(device)
 
 
-def calibrated_copy(model: nn.Module, scope: str, batches: Sequence[torch.Tensor]) -> nn.Module:
+def calibrated_copy(
+    model: nn.Module, scope: str, batches: Sequence[torch.Tensor], keep_norms: Sequence[str] = ()
+) -> nn.Module:
     """A patched copy at g = 0, calibrated from training-mode forwards on ``batches`` (no training)."""
-    patched = patch_model(copy.deepcopy(model), scope=scope)
+    patched = patch_model(copy.deepcopy(model), scope=scope, keep_norms=keep_norms)
     patched.train()
     with torch.no_grad():
         for ids in batches:
@@ -99,12 +107,12 @@ def calibrated_copy(model: nn.Module, scope: str, batches: Sequence[torch.Tensor
     return patched.eval()
 
 
-def limit_copy(model: nn.Module, scope: str) -> nn.Module:
+def limit_copy(model: nn.Module, scope: str, keep_norms: Sequence[str] = ()) -> nn.Module:
     """A copy with the norms ``scope`` would taper replaced by ``nn.Identity``: same weights, no norm ops."""
     limit = copy.deepcopy(model)
     arch = architecture_of(limit)  # the table entry, else discovery: the sites patch_model would use
     for path, _kind, is_final in list(norm_sites(limit, arch)):
-        if is_final and scope == "internal":
+        if (is_final and scope == "internal") or path in keep_norms:
             continue
         parent, _, child = path.rpartition(".")
         setattr(limit.get_submodule(parent) if parent else limit, child, nn.Identity())
@@ -139,19 +147,20 @@ def build_variants(
     explicit: dict[str, nn.Module] = {}
     built: dict[str, nn.Module] = {}
     for name in names:
-        scope = "all" if name.startswith("all-") else "internal"
-        kind = name.removeprefix("all-")
+        prefix = next(p for p in _PREFIXES if name.startswith(p))
+        scope, kind = ("all" if prefix == "all-" else "internal"), name.removeprefix(prefix)
+        keep = norms_feeding_gated_mlps(model) if prefix == "attn-" else []
         if kind == "original":
             built[name] = model
         elif kind == "limit":
-            built[name] = limit_copy(model, scope)
+            built[name] = limit_copy(model, scope, keep)
         elif kind in ("explicit", "folded"):
-            if scope not in explicit:
-                explicit[scope] = calibrated_copy(model, scope, calibration_batches)
+            if prefix not in explicit:
+                explicit[prefix] = calibrated_copy(model, scope, calibration_batches, keep)
             if kind == "explicit":
-                built[name] = explicit[scope]
+                built[name] = explicit[prefix]
             else:
-                built[name] = folded_reload(explicit[scope], workdir / name, dtype, device)
+                built[name] = folded_reload(explicit[prefix], workdir / name, dtype, device)
         else:
             raise ValueError(f"unknown variant {name!r}; choose from {', '.join(INFERENCE_VARIANTS)}")
     return built
@@ -314,7 +323,7 @@ def agreement(variants: dict[str, nn.Module], ids: torch.Tensor) -> dict[str, di
     ``same_nonfinite`` says whether both overflow at exactly the same entries.
     """
     result = {}
-    for prefix in ("", "all-"):
+    for prefix in _PREFIXES:
         if f"{prefix}folded" in variants and f"{prefix}explicit" in variants:
             a = variants[f"{prefix}folded"](input_ids=ids, use_cache=False, logits_to_keep=1).logits.float()
             b = variants[f"{prefix}explicit"](input_ids=ids, use_cache=False, logits_to_keep=1).logits.float()

@@ -84,6 +84,18 @@ def test_limit_copy_replaces_exactly_the_norms_the_scope_tapers(tiny_llama):
     torch.testing.assert_close(internal.lm_head.weight, tiny_llama.lm_head.weight, rtol=0, atol=0)
 
 
+def test_attn_variants_keep_the_norms_that_feed_gated_mlps(tiny_llama, tmp_path):
+    names = ["attn-explicit", "attn-folded", "attn-limit"]
+    variants = bench.build_variants(tiny_llama, names, calibration_batches=random_batches(n=2), workdir=tmp_path)
+    kept = {f"model.layers.{i}.post_attention_layernorm" for i in range(2)} | {"model.norm"}
+    for path, _kind, _final in norm_sites(tiny_llama, architecture_for("llama")):
+        assert isinstance(variants["attn-limit"].get_submodule(path), nn.Identity) != (path in kept)
+        assert isinstance(variants["attn-folded"].get_submodule(path), nn.Identity) != (path in kept)
+    assert variants["attn-folded"].config.kept_norms == sorted(kept - {"model.norm"}) + ["model.norm"]
+    ids = random_batches(n=1, batch=1)[0]
+    assert bench.agreement(variants, ids)["attn-folded_vs_attn-explicit"]["max_rel"] <= 1e-5
+
+
 def test_calibrated_copy_is_at_gate_zero_and_leaves_the_source_alone(tiny_llama):
     explicit = bench.calibrated_copy(tiny_llama, "internal", random_batches(n=2))
     assert gate_of(explicit) == 0.0 and not explicit.training

@@ -12,6 +12,7 @@ that all start with BOS; held-out blocks come from the end of the sorted list, t
 from __future__ import annotations
 
 import argparse
+import ast
 import fnmatch
 import json
 import logging
@@ -57,7 +58,10 @@ def load_saved_run(checkpoint: Path):
     if int(config["sink"]) > 1:
         raise SystemExit(f"{checkpoint}: blocks start with one BOS, so a run can keep at most 1 sink token")
     model, tok = load_smollm2()
-    patch_model(model)
+    keep = ast.literal_eval(config.get("keep", "[]"))
+    if config.get("keep_mlp_norms") == "True":  # the first attention-only run, before --keep
+        keep = ["*.post_attention_layernorm"]
+    patch_model(model, keep_norms=keep)
     model.load_state_dict(saved["state_dict"])
     set_sink_tokens(model, [bos_id(tok)] if int(config["sink"]) else [])
     return model, tok, config

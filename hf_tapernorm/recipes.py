@@ -4,7 +4,9 @@ A recipe bundles every choice the fidelity experiments (conversion_scripts/exper
 matter on real pretrained models: the taper window, the learning rate, a normalized attention-sink
 position, the calibration fit, and the token-scale penalty. ``recipe_for(model)`` picks the preset;
 ``apply_recipe(model, recipe, batches)`` configures a patched model and returns the penalty to add
-to the training loss (or None).
+to the training loss (or None). Which norms taper is decided when patching: for SwiGLU/GeGLU models
+patch with ``keep_norms=norms_feeding_gated_mlps(model)`` (what ``hf-tapernorm taper`` does), since
+no measured recipe took SmolLM2's MLP norms to g = 0 while its 30 attention norms reached it at +3.3%.
 """
 
 from __future__ import annotations

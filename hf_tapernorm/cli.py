@@ -116,8 +116,8 @@ class TaperArguments:
         default="auto",
         metadata={
             "help": "Norms that stay real norms although --scope covers them: auto (the norms that feed a gated "
-            "SwiGLU/GeGLU MLP, which squares a token's residual scale once its norm is a linear map: every measured "
-            "SmolLM2 taper of them diverged at g = 0.36-0.40, see README Fidelity) | none | comma-separated fnmatch "
+            "SwiGLU/GeGLU MLP, which squares a token's residual scale once its norm is a linear map: no measured "
+            "SmolLM2 taper of them got below g = 0.36 with its quality kept, see README Fidelity) | none | comma-separated fnmatch "
             "patterns of module names, e.g. 'model.layers.*.post_attention_layernorm'."
         },
     )

@@ -10,7 +10,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from hf_tapernorm import export_folded, fold_model, norms_feeding_gated_mlps, patch_model, taper_norms
 from hf_tapernorm.model_loading import load_tapered, save_tapered
-from tests.conftest import build, tiny_gpt2_config, tiny_llama_config
+from tests.conftest import DISCOVERED_CASES, FAMILY_CASES, build, tiny_family_config, tiny_gpt2_config, tiny_llama_config
 from tests.test_folding import IDS, logits, relative_error, tapered
 
 MLP_NORMS = ["model.layers.0.post_attention_layernorm", "model.layers.1.post_attention_layernorm"]
@@ -60,3 +60,24 @@ def test_keep_norms_only_narrows_the_scope():
     # A kept pattern outside the scope changes nothing: scope final tapers only the final norm either way.
     model = patch_model(build(tiny_llama_config()), scope="final", keep_norms=MLP_NORMS)
     assert [name for name, layer in taper_norms(model) if layer.tapered] == ["model.norm"]
+
+
+GATED_MLP_INPUT = {  # the norm in each layer whose output a gated MLP reads; None: no gated MLP behind a norm
+    "llama": "post_attention_layernorm", "mistral": "post_attention_layernorm", "qwen2": "post_attention_layernorm",
+    "qwen3": "post_attention_layernorm", "gemma": "post_attention_layernorm", "phi3": "post_attention_layernorm",
+    "gemma2": "pre_feedforward_layernorm", "gemma3_text": "pre_feedforward_layernorm",
+    "olmo2": None,  # its norms sit on the branch outputs; the MLP reads the raw residual
+}
+
+
+@pytest.mark.parametrize("case", [*FAMILY_CASES, *DISCOVERED_CASES])
+def test_norms_feeding_gated_mlps_across_the_table_and_discovery(case):
+    model = build(tiny_family_config(case))
+    site = GATED_MLP_INPUT.get(case)
+    names = norms_feeding_gated_mlps(model)
+    if site is None:
+        assert names == []
+        return
+    assert len(names) == 2 and all(name.endswith(f".{i}.{site}") for i, name in enumerate(names))
+    kept = {name for name, layer in taper_norms(patch_model(model, keep_norms=names)) if not layer.tapered}
+    assert set(names) < kept

@@ -201,7 +201,7 @@ def patch_model(
 
         set_sink_tokens(model, sink_token_ids)
     logger.info("patched %s (%s): %d norm(s) tapered, scope=%s%s%s", type(model).__name__, model_type, replaced, scope,
-                f", {kept} kept by keep_norms {list(keep_norms)}" if kept else "",
+                f", {kept} kept by keep_norms ({len(keep_norms)} pattern(s), e.g. '{keep_norms[0]}')" if kept else "",
                 f", sink tokens {list(sink_token_ids)} kept normalized" if sink_token_ids else "")
     return model
 

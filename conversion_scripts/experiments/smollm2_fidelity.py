@@ -3,10 +3,11 @@
 One run = one variant (or the normalized baseline with --baseline). Every step is logged to
 reports/runs/NAME.jsonl (train CE, gate, gradient norm, penalty, time) and held-out CE is measured
 every --eval-every steps; the run stops when training CE exceeds --stop-ce or is not finite.
-Data: the Python standard library's top-level modules (sorted, deterministic), packed into blocks
-that all start with BOS; held-out blocks come from the end of the sorted list, training from the start.
+Data: the Python standard library's top-level modules, packed into blocks that all start with BOS;
+with --shuffle (session 3 on) training blocks are drawn from all modules in a fixed random order and
+every 8th module is held out, without it consecutive chunks of the sorted files (sessions 1-2).
 
-    python conversion_scripts/experiments/smollm2_fidelity.py --name sink_trim_pc --sink 1
+    python conversion_scripts/experiments/smollm2_fidelity.py --name sh300_attn --shuffle --keep '*.post_attention_layernorm'
 """
 
 from __future__ import annotations

@@ -71,4 +71,11 @@ if __name__ == "__main__":
     out = Path(sys.argv[1])
     result = run(out, int(sys.argv[2]))
     (out / f"rank{result['rank']}.json").write_text(json.dumps(result))
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        # Left to interpreter exit, gloo's threads are sometimes torn down mid-flight ("terminate called
+        # without an active exception", SIGABRT after the work is done: seen once in CI).
+        dist.barrier()
+        dist.destroy_process_group()
     print(f"rank {result['rank']} of {result['world_size']} (pid {os.getpid()}) done", flush=True)

@@ -144,6 +144,21 @@ def test_fold_command_exports_a_tapered_checkpoint(finished_run, tmp_path):
     assert code == 2 and "is not a tapered checkpoint (no tapernorm.json); it is a folded model" in stderr
 
 
+def test_distillation_adds_the_kl_to_the_frozen_original(finished_run, workspace, tmp_path):
+    out = tmp_path / "distilled"
+    code, _, stderr = run_main(taper_argv(workspace, out, "--distill_weight", "1.0"))
+    assert code == 0, stderr
+    report = json.loads((out / "report.json").read_text())
+    plain = json.loads((finished_run[0] / "report.json").read_text())
+    assert report["taper"]["distill_weight"] == 1.0 and plain["taper"]["distill_weight"] == 0.0
+    losses = [r["loss"] for r in report["history"]]
+    # Steps 1-2: student and teacher are the same function (gate 1; the one warmup step has lr 0), so the KL and
+    # its gradient are 0 and step 3 starts from the plain run's weights: it adds a positive KL to the same CE.
+    assert losses[:2] == pytest.approx([r["loss"] for r in plain["history"][:2]], rel=1e-6)
+    assert losses[2] > plain["history"][2]["loss"]
+    assert report["heldout"]["folded"]["loss"] == pytest.approx(report["heldout"]["tapered"]["loss"], rel=1e-5)
+
+
 def test_baseline_runs_the_same_training_without_tapering(workspace, tmp_path):
     out = tmp_path / "run"
     code, stdout, stderr = run_main(taper_argv(workspace, out, "--baseline", "--token_scale_penalty", "5", model="gpt2",
@@ -211,6 +226,8 @@ def test_clear_errors(workspace, tmp_path):
         "(llama); norms are named like 'model.layers.0.input_layernorm' and 'model.norm'"
     )
     assert (out / "keep.txt").read_text() == "user data"  # refused before the output folder was touched
+    assert "--distill_weight must be >= 0, got -1.0" in error_of([*taper_argv(workspace, out), "--overwrite",
+                                                                  "--distill_weight", "-1"])
     uncalibrated = tmp_path / "uncalibrated"
     save_tapered(patch_model(AutoModelForCausalLM.from_pretrained(workspace / "llama")), uncalibrated, {"scope": "internal"},
                  AutoTokenizer.from_pretrained(workspace / "llama"))  # fmt: skip

@@ -10,7 +10,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from hf_tapernorm import NormStyle, TaperNorm, calibrate, patch_model, set_gate, tapered_norms
 from hf_tapernorm.calibration import branch_statistics, fit_linear_branch, typical_token_sums
 from hf_tapernorm.fidelity import branch_distance, calibration_table, loss_rise_gate, residual_scale_by_position
-from hf_tapernorm.regularizers import ScaleGrowthPenalty, TokenScalePenalty, distillation_loss
+from hf_tapernorm.regularizers import Distillation, ScaleGrowthPenalty, TokenScalePenalty, distillation_loss
 
 from .conftest import build, random_batches, tiny_llama_config
 
@@ -210,6 +210,36 @@ def test_distillation_loss_is_the_kl_divergence():
     mask = torch.tensor([[1, 0, 0], [0, 0, 1]])
     kl = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="none").sum(-1)
     torch.testing.assert_close(distillation_loss(s, t, mask), (kl[0, 0] + kl[1, 2]) / 2)
+
+
+def test_attached_distillation_adds_the_kl_to_the_frozen_original_on_labelled_positions():
+    batch = random_batches(n=1, batch=2)[0]
+    labels = batch.clone()
+    labels[:, :3] = -100  # e.g. the sink's first-token prediction: no target, no KL either
+    teacher = build(tiny_llama_config()).eval()
+    student = patch_model(build(tiny_llama_config())).train()
+    with torch.no_grad():
+        student.model.layers[0].mlp.down_proj.weight.mul_(1.5)  # now it computes something else
+    plain = student(input_ids=batch, labels=labels)
+    Distillation(teacher, weight=0.7).attach(student)
+    out = student(input_ids=batch, labels=labels)
+    with torch.no_grad():
+        reference = teacher(input_ids=batch).logits
+    kl = distillation_loss(plain.logits[:, :-1], reference[:, :-1], labels[:, 1:] != -100)
+    assert float(kl) > 0
+    torch.testing.assert_close(out.loss, plain.loss + 0.7 * kl)
+    out.loss.backward()
+    assert student.model.layers[0].mlp.down_proj.weight.grad is not None
+    assert all(p.grad is None for p in teacher.parameters())  # frozen
+    # Trainer-style accumulation: weighted by the micro-batch's share of the step's labels.
+    items = 2 * int((labels[:, 1:] != -100).sum())
+    accumulated = student(input_ids=batch, labels=labels, num_items_in_batch=items).loss
+    ce = F.cross_entropy(plain.logits[:, :-1].reshape(-1, 128).float(), labels[:, 1:].reshape(-1),
+                         ignore_index=-100, reduction="sum") / items
+    torch.testing.assert_close(accumulated, ce + 0.5 * 0.7 * kl, rtol=1e-5, atol=1e-6)
+    student.eval()
+    torch.testing.assert_close(student(input_ids=batch, labels=labels).loss, F.cross_entropy(
+        plain.logits[:, :-1].reshape(-1, 128).float(), labels[:, 1:].reshape(-1), ignore_index=-100))
 
 
 def test_diagnostics_describe_the_linear_branch_and_the_sink(tiny_llama):

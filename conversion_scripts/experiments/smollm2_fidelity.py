@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import fnmatch
 import json
 import logging
 import math
@@ -59,10 +58,7 @@ def load_saved_run(checkpoint: Path):
     if int(config["sink"]) > 1:
         raise SystemExit(f"{checkpoint}: blocks start with one BOS, so a run can keep at most 1 sink token")
     model, tok = load_smollm2()
-    keep = ast.literal_eval(config.get("keep", "[]"))
-    if config.get("keep_mlp_norms") == "True":  # the first attention-only run, before --keep
-        keep = ["*.post_attention_layernorm"]
-    patch_model(model, keep_norms=keep)
+    patch_model(model, keep_norms=ast.literal_eval(config.get("keep", "[]")))
     model.load_state_dict(saved["state_dict"])
     set_sink_tokens(model, [bos_id(tok)] if int(config["sink"]) else [])
     return model, tok, config
@@ -149,7 +145,7 @@ def main() -> None:
                    help="multiply every fitted c by this (< 1: conservative; a token k x the typical scale runs away "
                         "through the SwiGLU MLP at g = 0 once (c-scale)^2 k > 1, so a smaller c raises that threshold)")
     p.add_argument("--keep", nargs="+", default=[], metavar="PATTERN",
-                   help="norms whose qualified name matches one of these fnmatch patterns stay at gate 1, e.g. "
+                   help="norms whose qualified name matches one of these fnmatch patterns stay norms (patch_model keep_norms), e.g. "
                         "'*.post_attention_layernorm' tapers only the norms that feed attention")
     p.add_argument("--late-first", type=int, default=None,
                    help="staged taper: decoder layers >= this index taper over [taper-start, stage-split], "
@@ -186,7 +182,7 @@ def main() -> None:
         teacher.eval().requires_grad_(False)
     penalty = None
     if not args.baseline:
-        patch_model(model)
+        patch_model(model, keep_norms=args.keep)
         for _, layer in tapered_norms(model):
             layer.sink_tokens = args.sink
         if args.penalty > 0:
@@ -244,9 +240,6 @@ def main() -> None:
                 gate = cosine_gate(step if args.guard_ratio <= 0 else position, args.taper_start, args.taper_end)
                 if gate < 1.0:
                     set_gate(model, gate)
-                    for name, layer in tapered_norms(model):
-                        if any(fnmatch.fnmatchcase(name, pattern) for pattern in args.keep):
-                            layer.set_gate(1.0)
             else:
                 late = cosine_gate(step, args.taper_start, args.stage_split)
                 early = cosine_gate(step, args.stage_split, args.taper_end)

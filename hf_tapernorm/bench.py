@@ -46,7 +46,7 @@ from .calibration import calibrate, update_statistics
 from .discovery import architecture_of
 from .folding import fold_model
 from .model_loading import load_model, resolve_model
-from .patching import model_type_of, norm_sites, norms_feeding_gated_mlps, patch_model, set_gate
+from .patching import kept_norm_names, model_type_of, norm_sites, norms_feeding_gated_mlps, patch_model, set_gate
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +111,9 @@ def limit_copy(model: nn.Module, scope: str, keep_norms: Sequence[str] = ()) -> 
     """A copy with the norms ``scope`` would taper replaced by ``nn.Identity``: same weights, no norm ops."""
     limit = copy.deepcopy(model)
     arch = architecture_of(limit)  # the table entry, else discovery: the sites patch_model would use
+    kept = set(kept_norm_names(limit, keep_norms))  # the same patterns, matched as patch_model matches them
     for path, _kind, is_final in list(norm_sites(limit, arch)):
-        if (is_final and scope == "internal") or path in keep_norms:
+        if (is_final and scope == "internal") or path in kept:
             continue
         parent, _, child = path.rpartition(".")
         setattr(limit.get_submodule(parent) if parent else limit, child, nn.Identity())

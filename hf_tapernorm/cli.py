@@ -476,10 +476,7 @@ def run_taper(model_args: ModelArguments, data_args: DataArguments, taper_args: 
     )
     heldout_ids = blocks_tensor(packed.heldout)
     model = load_model(source, dtype=model_args.dtype, trust_remote_code=model_args.trust_remote_code)
-    keep_norms = _keep_norms(taper_args.keep_norms, model) if taper_args.scope != "final" else []
-    if keep_norms:
-        logger.info("--keep_norms %s: %d norm(s) stay real norms (%s)", taper_args.keep_norms, len(keep_norms),
-                    keep_norms[0] + (", ..." if len(keep_norms) > 1 else ""))
+    keep_norms = _keep_norms(taper_args.keep_norms, model) if taper_args.scope != "final" else []  # patch_model logs them
     if state.is_main_process:
         if must_empty:
             _empty_folder(output_dir)

@@ -195,6 +195,12 @@ class Distillation:
         self._handles = add_to_training_loss(model, term)
         return self
 
+    def remove(self) -> None:
+        """Detach from the model: later training forwards return the plain loss."""
+        for handle in getattr(self, "_handles", []):
+            handle.remove()
+        self._handles = []
+
 
 def distillation_loss(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: Optional[torch.Tensor] = None

@@ -221,7 +221,7 @@ def test_attached_distillation_adds_the_kl_to_the_frozen_original_on_labelled_po
     with torch.no_grad():
         student.model.layers[0].mlp.down_proj.weight.mul_(1.5)  # now it computes something else
     plain = student(input_ids=batch, labels=labels)
-    Distillation(teacher, weight=0.7).attach(student)
+    distillation = Distillation(teacher, weight=0.7).attach(student)
     out = student(input_ids=batch, labels=labels)
     with torch.no_grad():
         reference = teacher(input_ids=batch).logits
@@ -240,6 +240,9 @@ def test_attached_distillation_adds_the_kl_to_the_frozen_original_on_labelled_po
     student.eval()
     torch.testing.assert_close(student(input_ids=batch, labels=labels).loss, F.cross_entropy(
         plain.logits[:, :-1].reshape(-1, 128).float(), labels[:, 1:].reshape(-1), ignore_index=-100))
+    student.train()
+    distillation.remove()
+    torch.testing.assert_close(student(input_ids=batch, labels=labels).loss, plain.loss)
 
 
 def test_diagnostics_describe_the_linear_branch_and_the_sink(tiny_llama):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import json
 import logging
 import math
@@ -114,6 +115,19 @@ def held_out_ce(model, blocks: torch.Tensor, batch: int) -> float:
     return total / count
 
 
+def hidden_state_distance(student, teacher, skip: int) -> torch.Tensor:
+    """Mean over layers and tokens of ||h_s - h_t||^2 / ||h_t||^2 (block outputs; the sink excluded).
+
+    A dense, layer-local signal: each tapered sublayer is pushed to reproduce what the normalized
+    network computed at its depth, instead of only the final distribution.
+    """
+    terms = []
+    for s, t in zip(student[1:], teacher[1:]):
+        s, t = s[:, skip:].float(), t[:, skip:].float()
+        terms.append(((s - t).pow(2).sum(-1) / t.pow(2).sum(-1).clamp_min(1e-12)).mean())
+    return torch.stack(terms).mean()
+
+
 def cosine_gate(step: int, start: int, end: int) -> float:
     if step <= start:
         return 1.0
@@ -157,6 +171,11 @@ def main() -> None:
     p.add_argument("--growth-penalty", type=float, default=0.0, help="ScaleGrowthPenalty weight (0: off)")
     p.add_argument("--growth-ratio", type=float, default=1.0, help="ScaleGrowthPenalty: tokens above this x median")
     p.add_argument("--distill", type=float, default=0.0, help="weight of KL to the frozen original")
+    p.add_argument("--distill-from", choices=("original", "start"), default="original",
+                   help="teacher: the original model, or a frozen copy of the (still normalized) model at "
+                        "--taper-start, which has already adapted to the data")
+    p.add_argument("--distill-hidden", type=float, default=0.0,
+                   help="weight of the per-layer hidden-state distance to the frozen original (sink excluded)")
     p.add_argument("--guard-ratio", type=float, default=0.0,
                    help="adaptive schedule (0: off): hold the gate while the largest non-sink token exceeds this x the "
                         "median at any tapered norm; on a non-finite batch skip the update and move the schedule back")
@@ -177,7 +196,7 @@ def main() -> None:
     model, tok = load_smollm2()
     train, held = stdlib_blocks(tok, args.steps * args.batch, args.eval_blocks, args.seq, shuffle=args.shuffle)
     teacher = None
-    if args.distill > 0:
+    if (args.distill > 0 or args.distill_hidden > 0) and args.distill_from == "original":
         teacher, _ = load_smollm2()
         teacher.eval().requires_grad_(False)
     penalty = None
@@ -236,6 +255,9 @@ def main() -> None:
                         for _, layer in tapered_norms(model):
                             layer.c.mul_(args.c_scale)
                 record({"step": step, "calibration": cs})
+                if (args.distill > 0 or args.distill_hidden > 0) and args.distill_from == "start":
+                    # Every gate is still 1 here, so the copy computes the normalized function.
+                    teacher = copy.deepcopy(model).eval().requires_grad_(False)
             if args.late_first is None:
                 gate = cosine_gate(step if args.guard_ratio <= 0 else position, args.taper_start, args.taper_end)
                 if gate < 1.0:
@@ -252,7 +274,7 @@ def main() -> None:
         t0 = time.time()
         x = train[(step - 1) * args.batch : step * args.batch]
         ratios.clear()
-        out = model(input_ids=x, labels=x)
+        out = model(input_ids=x, labels=x, output_hidden_states=args.distill_hidden > 0)
         loss = out.loss
         row = {"step": step, "gate": gate, "ce": float(out.loss), "lr": sched.get_last_lr()[0]}
         if args.late_first is not None and not args.baseline:
@@ -263,10 +285,15 @@ def main() -> None:
             row["penalty"] = float(pen)
         if teacher is not None:
             with torch.no_grad():
-                t_logits = teacher(input_ids=x).logits
-            kl = distillation_loss(out.logits, t_logits)
-            loss = loss + args.distill * kl
-            row["kl"] = float(kl)
+                t_out = teacher(input_ids=x, output_hidden_states=args.distill_hidden > 0)
+            if args.distill > 0:
+                kl = distillation_loss(out.logits, t_out.logits)
+                loss = loss + args.distill * kl
+                row["kl"] = float(kl)
+            if args.distill_hidden > 0:
+                hidden = hidden_state_distance(out.hidden_states, t_out.hidden_states, skip=args.sink)
+                loss = loss + args.distill_hidden * hidden
+                row["hidden"] = float(hidden)
         if ratios:
             row["max_ratio"] = max(ratios) if all(math.isfinite(v) for v in ratios) else float("inf")
         if args.guard_ratio > 0 and not args.baseline and step > args.taper_start:

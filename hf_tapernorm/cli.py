@@ -134,12 +134,22 @@ class TaperArguments:
             "model learns uniform token scales before the gate closes."
         },
     )
-    distill_weight: float = field(
-        default=0.0,
+    distill_weight: Optional[float] = field(
+        default=None,
         metadata={
-            "help": "Weight of a KL term to a frozen copy of the original model (regularizers.Distillation; 0: off). "
-            "Measured on SmolLM2: +3.3%% -> +2.1%% held-out CE at 300 steps (weight 1), for about 1.35x the step time "
-            "and a second copy of the weights in memory."
+            "help": "Weight of a KL term to a frozen teacher (regularizers.Distillation; 0: off). Default: 1 when internal "
+            "norms taper (--scope internal/all), 0 with --scope final. Measured on SmolLM2 (attention norms tapered in "
+            "300 steps): +3.3%% held-out CE over a normalized run without it, +2.1%% distilling from the original model, "
+            "+0.3%% from the gate-start snapshot (--distill_from), for about 1.35x the step time and a second copy of "
+            "the weights in memory."
+        },
+    )
+    distill_from: str = field(
+        default="gate_start",
+        metadata={
+            "help": "Teacher of --distill_weight: gate_start (the model as it was when the gate first dropped below 1, "
+            "already adapted to the data during the warmup at g = 1; no KL before that) | original (the model before "
+            "training, from step 1)."
         },
     )
     token_scale_ratio: float = field(default=1.0, metadata={"help": "Threshold ratio of the token-scale penalty."})
@@ -408,17 +418,20 @@ def _history(trainer) -> list[dict[str, Any]]:
     keys = {"loss": "loss", "learning_rate": "learning_rate", "grad_norm": "grad_norm"}
     keys.update(_TAPER_LOG_KEYS)
     records = history_from_log(trainer.state.log_history, keys)
-    for record in records:  # the logged loss is the objective: cross-entropy + scale loss
+    for record in records:  # the logged loss is the objective: cross-entropy + scale loss + distillation
         if "loss" in record:
-            record["ce"] = record["loss"] - record.get("scale_loss", 0.0)
+            record["ce"] = record["loss"] - record.get("scale_loss", 0.0) - record.get("distill", 0.0)
     return records
 
+
+_DISTILL_TEACHERS = ("gate_start", "original")
 
 # Logged keys of TaperCallback -> report keys (see callback.py).
 _TAPER_LOG_KEYS = {
     "taper/gate": "gate",
     "taper/scale_loss": "scale_loss",
     "taper/residual_scale": "residual_scale",
+    "taper/distill": "distill",  # regularizers.DistillationCallback
 }
 
 
@@ -450,8 +463,12 @@ def run_taper(model_args: ModelArguments, data_args: DataArguments, taper_args: 
     if training_args.max_steps is None or training_args.max_steps <= 0:
         raise CLIError("--max_steps must be a positive number of optimizer steps (the taper schedule is defined on it)")
     schedule = _schedule(taper_args, training_args.max_steps)  # a schedule longer than the run fails here
+    if taper_args.distill_weight is None:  # the recipe: distil whenever internal norms taper
+        taper_args.distill_weight = 0.0 if taper_args.scope == "final" else 1.0
     if taper_args.distill_weight < 0:
         raise CLIError(f"--distill_weight must be >= 0, got {taper_args.distill_weight}")
+    if taper_args.distill_from not in _DISTILL_TEACHERS:
+        raise CLIError(f"--distill_from must be one of {', '.join(_DISTILL_TEACHERS)}, got {taper_args.distill_from!r}")
     source = resolve_model(model_args.model_name_or_path, model_args.gguf_file)
     if source.kind in ("tapered", "folded"):
         raise CLIError(f"'{source.path}' is already a {source.kind} model; taper starts from an ordinary model")
@@ -513,6 +530,7 @@ def run_taper(model_args: ModelArguments, data_args: DataArguments, taper_args: 
             "taper_end": taper_args.taper_end,
             "token_scale_penalty": taper_args.token_scale_penalty,
             "distill_weight": taper_args.distill_weight,
+            "distill_from": taper_args.distill_from if taper_args.distill_weight > 0 else None,
             "token_scale_ratio": taper_args.token_scale_ratio,
             "taper_start_step": schedule.k_start,
             "taper_end_step": schedule.k_end,
@@ -574,13 +592,15 @@ def _taper_pipeline(
 
         TokenScalePenalty(model, weight=taper_args.token_scale_penalty, ratio=taper_args.token_scale_ratio,
                           sink_tokens=len(packed.prefix_ids)).attach(model)
+    callbacks = [TaperCallback(taper_start=schedule.k_start, taper_end=schedule.k_end)]
     if teacher is not None:
-        from .regularizers import Distillation
+        from .regularizers import Distillation, DistillationCallback
 
-        Distillation(teacher, weight=taper_args.distill_weight).attach(model)
+        distillation = Distillation(teacher, weight=taper_args.distill_weight,
+                                    from_gate_start=taper_args.distill_from == "gate_start").attach(model)
+        callbacks.append(DistillationCallback(distillation))
     facts["taper"]["tapered_norms"] = sum(1 for _ in tapered_norms(model))
-    callback = TaperCallback(taper_start=schedule.k_start, taper_end=schedule.k_end)
-    trainer, interrupted = _train(model, training_args, packed, output_dir, [callback], taper_args.resume, facts["history"])
+    trainer, interrupted = _train(model, training_args, packed, output_dir, callbacks, taper_args.resume, facts["history"])
     if interrupted:
         return _interrupted(facts, output_dir, f"interrupted at step {trainer.state.global_step}")
     steps = trainer.state.global_step

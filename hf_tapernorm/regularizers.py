@@ -5,15 +5,23 @@ Neither changes what folding sees: they are extra loss terms, active only in tra
 
 from __future__ import annotations
 
+import logging
 import math
+from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_model, save_model
 from torch import nn
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .calibration import in_backward_recompute
+from .patching import gate_of
 from .taper_norm import TaperNorm
+
+logger = logging.getLogger(__name__)
 
 
 class TokenScalePenalty:
@@ -155,18 +163,34 @@ class ScaleGrowthPenalty(TokenScalePenalty):
 class Distillation:
     """Add ``weight * KL(teacher || student)`` on the next-token distributions to every training loss.
 
-    The teacher is a frozen copy of the model before patching. Distilling from it while the gate
-    closes pulls the tapered model back to the function the norms computed. Measured on SmolLM2, with
-    the attention norms tapered in 300 steps: the gap to the normalized run fell from +3.3% to +2.1%
-    (weight 1, about 1.35x the step time; conversion_scripts/experiments/reports/smollm2_fidelity.md).
+    The teacher is a frozen, unpatched copy of the model made before patching. Distilling from it
+    while the gate closes pulls the tapered model back to the function the norms computed.
+
+    ``from_gate_start=True`` distils from the model as it was when the gate first dropped below 1
+    instead of from the original: at the first training forward with g < 1 the model's current
+    weights are loaded into the teacher (patching keeps the norms' parameter names), and the term is
+    0 before that. The original pins the model to where it started, and with it to the data it was
+    trained on; the snapshot has already adapted to the new data during the warmup at g = 1, so
+    distilling from it repairs what tapering breaks without undoing that adaptation. Measured on
+    SmolLM2 (attention norms tapered in 300 steps, weight 1; about 1.35x the step time): the gap
+    to the normalized run was +3.3% without distillation, +2.1% from the original and +0.3% from
+    the snapshot (conversion_scripts/experiments/reports/smollm2_fidelity.md, session 4).
+    With ``Trainer``, :class:`DistillationCallback` saves the snapshot into every checkpoint and
+    restores it on resume; a run resumed after the gate started closing without it distils from the
+    teacher as given (the original), with a warning.
+
     Positions whose next label is -100 (padding, the sink's first-token prediction) are left out.
     """
 
-    def __init__(self, teacher: nn.Module, *, weight: float = 1.0) -> None:
+    def __init__(self, teacher: nn.Module, *, weight: float = 1.0, from_gate_start: bool = False) -> None:
         if weight < 0:
             raise ValueError(f"Distillation needs weight >= 0, got {weight}")
         self.teacher = teacher.eval().requires_grad_(False)
         self.weight = float(weight)
+        self.from_gate_start = from_gate_start
+        self._saw_gate_one = False  # a training forward at g = 1 ran in this process
+        self._teacher_final = not from_gate_start  # no later change of the teacher
+        self._window = torch.zeros(2)  # sum of the terms added to training losses, forwards (since the last log)
 
     def __call__(self, student_logits: torch.Tensor, input_ids: torch.Tensor,
                  attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -184,13 +208,72 @@ class Distillation:
         kl = distillation_loss(student_logits[..., :-1, :], teacher_logits[..., :-1, :], mask)
         return self.weight * kl
 
+    def load_teacher_from(self, model: nn.Module) -> None:
+        """Copy ``model``'s current weights into the teacher (the taper's own state is not the teacher's)."""
+        missing, _ = self.teacher.load_state_dict(model.state_dict(), strict=False)
+        if missing:
+            raise ValueError(
+                f"Distillation: {type(model).__name__} has no weights for the teacher's {missing[:3]} "
+                f"({len(missing)} missing); the teacher must be a copy of this model made before patch_model"
+            )
+
+    def log_metrics(self) -> dict[str, float]:
+        """``taper/distill``: the mean term added per training forward since the previous call (then reset).
+
+        It is the part of the logged training loss that is not cross-entropy (with equal label counts per
+        micro-batch, as in packed blocks).
+        """
+        total, forwards = self._window.tolist()
+        self._window.zero_()
+        return {"taper/distill": total / forwards} if forwards else {}
+
+    @property
+    def has_snapshot(self) -> bool:
+        """Whether the teacher is the gate-start snapshot (so a checkpoint must carry it)."""
+        return self.from_gate_start and self._teacher_final and self._saw_gate_one
+
+    def save_snapshot(self, path: Path) -> None:
+        save_model(self.teacher, str(path))
+
+    def load_snapshot(self, path: Path) -> None:
+        """Restore the gate-start teacher saved with a checkpoint (a resumed run)."""
+        load_model(self.teacher, str(path))
+        self._saw_gate_one = self._teacher_final = True
+        logger.info("Distillation: restored the gate-start teacher from %s", path)
+
+    def teacher_ready(self, model: nn.Module) -> bool:
+        """Whether this training forward is distilled; takes the gate-start snapshot when it is due."""
+        if self._teacher_final:
+            return True
+        if gate_of(model) >= 1.0:
+            self._saw_gate_one = True
+            return False
+        if self._saw_gate_one:
+            self.load_teacher_from(model)
+            logger.info("Distillation: the teacher is now the model at the start of the taper")
+        else:
+            logger.warning(
+                "Distillation(from_gate_start=True): training started with the gate already below 1 (a resumed "
+                "run?); the snapshot at the start of the taper is not in the checkpoint, so this run distils from "
+                "the teacher as given (the original model)"
+            )
+        self._teacher_final = True
+        return True
+
     def attach(self, model: nn.Module) -> "Distillation":
         """Add the term to ``outputs.loss`` of every training forward of ``model`` (for ``Trainer``)."""
 
         def term(module: nn.Module, kwargs: dict, output) -> torch.Tensor:
-            if not module.training or self.weight == 0 or getattr(output, "loss", None) is None:
+            if not module.training or getattr(output, "loss", None) is None:
                 return torch.zeros(())
-            return self(output.logits, kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("labels"))
+            value = torch.zeros(())
+            if self.weight > 0 and self.teacher_ready(module):
+                value = self(output.logits, kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("labels"))
+            logged = value.detach().float()
+            if self._window.device != logged.device:  # summed where the loss lives: no sync per forward
+                self._window = self._window.to(logged.device)
+            self._window += torch.stack([logged, torch.ones((), device=logged.device)])
+            return value
 
         self._handles = add_to_training_loss(model, term)
         return self
@@ -200,6 +283,44 @@ class Distillation:
         for handle in getattr(self, "_handles", []):
             handle.remove()
         self._handles = []
+
+
+class DistillationCallback(TrainerCallback):
+    """A :class:`Distillation` in ``Trainer`` runs: its gate-start teacher in checkpoints, its term in the logs.
+
+    The snapshot is a state of the run that the model's own checkpoint does not hold: without it a
+    resumed run would distil from a different teacher than the uninterrupted run. It is written as
+    ``distillation_teacher.safetensors`` into each checkpoint folder saved after the gate started
+    closing, and read back when training resumes from ``<output_dir>/checkpoint-<step>``.
+    Each training log gets ``taper/distill`` (:meth:`Distillation.log_metrics`), also in
+    ``state.log_history``; reporting callbacks listed before this one do not see it.
+    """
+
+    FILE = "distillation_teacher.safetensors"
+
+    def __init__(self, distillation: Distillation) -> None:
+        self.distillation = distillation
+
+    def _folder(self, args, state) -> Path:
+        return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        path = self._folder(args, state) / self.FILE
+        if state.global_step > 0 and self.distillation.from_gate_start and path.is_file():
+            self.distillation.load_snapshot(path)
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = self._folder(args, state)
+        if self.distillation.has_snapshot and state.is_world_process_zero and folder.is_dir():
+            self.distillation.save_snapshot(folder / self.FILE)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or "loss" not in logs:
+            return
+        metrics = self.distillation.log_metrics()
+        logs.update(metrics)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(metrics)
 
 
 def distillation_loss(
@@ -215,4 +336,4 @@ def distillation_loss(
     return (kl * mask).sum() / mask.sum().clamp_min(1.0)
 
 
-__all__ = ["Distillation", "ScaleGrowthPenalty", "add_to_training_loss", "TokenScalePenalty", "distillation_loss"]
+__all__ = ["Distillation", "DistillationCallback", "ScaleGrowthPenalty", "add_to_training_loss", "TokenScalePenalty", "distillation_loss"]

@@ -58,7 +58,7 @@ def run_main(argv: list[str]) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def finished_run(workspace):
     out = workspace / "run"
-    code, stdout, stderr = run_main(taper_argv(workspace, out))
+    code, stdout, stderr = run_main(taper_argv(workspace, out, "--distill_weight", "0"))  # the plain taper
     assert code == 0, stderr
     return out, stdout
 
@@ -146,17 +146,37 @@ def test_fold_command_exports_a_tapered_checkpoint(finished_run, tmp_path):
 
 def test_distillation_adds_the_kl_to_the_frozen_original(finished_run, workspace, tmp_path):
     out = tmp_path / "distilled"
-    code, _, stderr = run_main(taper_argv(workspace, out, "--distill_weight", "1.0"))
+    code, _, stderr = run_main(taper_argv(workspace, out, "--distill_weight", "1.0", "--distill_from", "original"))
     assert code == 0, stderr
     report = json.loads((out / "report.json").read_text())
     plain = json.loads((finished_run[0] / "report.json").read_text())
     assert report["taper"]["distill_weight"] == 1.0 and plain["taper"]["distill_weight"] == 0.0
+    assert report["taper"]["distill_from"] == "original" and plain["taper"]["distill_from"] is None
     losses = [r["loss"] for r in report["history"]]
     # Steps 1-2: student and teacher are the same function (gate 1; the one warmup step has lr 0), so the KL and
     # its gradient are 0 and step 3 starts from the plain run's weights: it adds a positive KL to the same CE.
     assert losses[:2] == pytest.approx([r["loss"] for r in plain["history"][:2]], rel=1e-6)
     assert losses[2] > plain["history"][2]["loss"]
     assert report["heldout"]["folded"]["loss"] == pytest.approx(report["heldout"]["tapered"]["loss"], rel=1e-5)
+
+
+def test_distillation_from_the_gate_start_snapshot_is_off_until_the_gate_drops(finished_run, workspace, tmp_path):
+    out = tmp_path / "distilled_from_gate_start"
+    code, _, stderr = run_main(taper_argv(workspace, out))  # the default recipe distils, from the gate-start snapshot
+    assert code == 0, stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["taper"]["distill_weight"] == 1.0 and report["taper"]["distill_from"] == "gate_start"
+    plain_history = json.loads((finished_run[0] / "report.json").read_text())["history"]
+    plain = [r["loss"] for r in plain_history]
+    losses = [r["loss"] for r in report["history"]]
+    # --taper_start 2: steps 1-2 at g = 1 train exactly as the plain run; step 3 (first g < 1) adds the KL to the
+    # snapshot of those weights at g = 1, which is positive because lowering the gate changed the function.
+    assert losses[:2] == pytest.approx(plain[:2], rel=1e-6)
+    assert losses[2] > plain[2]
+    # The report separates the term from the cross-entropy: the training CE of step 3 is the plain run's.
+    history = report["history"]
+    assert [r["distill"] for r in history[:2]] == [0.0, 0.0] and all(r["distill"] > 0 for r in history[2:])
+    assert history[2]["ce"] == pytest.approx(plain_history[2]["ce"], rel=1e-5)
 
 
 def test_baseline_runs_the_same_training_without_tapering(workspace, tmp_path):
@@ -228,6 +248,8 @@ def test_clear_errors(workspace, tmp_path):
     assert (out / "keep.txt").read_text() == "user data"  # refused before the output folder was touched
     assert "--distill_weight must be >= 0, got -1.0" in error_of([*taper_argv(workspace, out), "--overwrite",
                                                                   "--distill_weight", "-1"])
+    assert "--distill_from must be one of gate_start, original, got 'teacher'" in error_of(
+        [*taper_argv(workspace, out), "--overwrite", "--distill_weight", "1", "--distill_from", "teacher"])
     uncalibrated = tmp_path / "uncalibrated"
     save_tapered(patch_model(AutoModelForCausalLM.from_pretrained(workspace / "llama")), uncalibrated, {"scope": "internal"},
                  AutoTokenizer.from_pretrained(workspace / "llama"))  # fmt: skip
@@ -299,6 +321,9 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_finishes_the_same_run(workspace, t
     assert len(checkpoints) == 1
     interrupted_at = int(checkpoints[0].name.split("-")[1])
     assert 3 <= interrupted_at < steps
+    # The default recipe distils from the model as it was at the gate's start (step 3 here): the checkpoint
+    # carries that teacher, so the resumed run below distils from the same one.
+    assert (checkpoints[0] / "distillation_teacher.safetensors").is_file()
     assert "rerun the same command with --resume" in "".join(output)
     report = json.loads((out / "report.json").read_text())
     assert report["status"].startswith(f"interrupted at step {interrupted_at}")

@@ -1,5 +1,7 @@
 """Fidelity options: sink positions, robust calibration fit, token-scale penalty, distillation, diagnostics."""
 
+import copy
+import logging
 import math
 
 import pytest
@@ -12,7 +14,7 @@ from hf_tapernorm.calibration import branch_statistics, fit_linear_branch, typic
 from hf_tapernorm.fidelity import branch_distance, calibration_table, loss_rise_gate, residual_scale_by_position
 from hf_tapernorm.regularizers import Distillation, ScaleGrowthPenalty, TokenScalePenalty, distillation_loss
 
-from .conftest import build, random_batches, tiny_llama_config
+from .conftest import build, random_batches, tiny_gpt2_config, tiny_llama_config
 
 
 def layer_inputs(model, batch) -> dict[str, torch.Tensor]:
@@ -243,6 +245,44 @@ def test_attached_distillation_adds_the_kl_to_the_frozen_original_on_labelled_po
     student.train()
     distillation.remove()
     torch.testing.assert_close(student(input_ids=batch, labels=labels).loss, plain.loss)
+
+
+def test_distillation_from_the_gate_start_snapshots_the_model_when_the_gate_first_drops(caplog):
+    batch = random_batches(n=1, batch=2)[0]
+    original = build(tiny_llama_config()).eval()
+    student = patch_model(build(tiny_llama_config())).train()
+    with torch.no_grad():
+        student.model.layers[0].mlp.down_proj.weight.mul_(1.5)  # trained during the warmup at g = 1
+    plain_at_one = student(input_ids=batch, labels=batch).loss  # also the calibration statistics
+    distillation = Distillation(copy.deepcopy(original), weight=0.7, from_gate_start=True).attach(student)
+    torch.testing.assert_close(student(input_ids=batch, labels=batch).loss, plain_at_one)  # no teacher yet
+    calibrate(student)
+    with torch.no_grad():
+        normalized = student.eval()(input_ids=batch).logits  # g = 1: what the norms compute with these weights
+    set_gate(student, 0.5)
+    with torch.no_grad():
+        tapered = student(input_ids=batch, labels=batch)
+    out = student.train()(input_ids=batch, labels=batch)  # the first training forward below g = 1
+    weights = student.state_dict()
+    for name, param in distillation.teacher.named_parameters():
+        torch.testing.assert_close(param, weights[name], rtol=0, atol=0)
+    kl = distillation_loss(tapered.logits[:, :-1], normalized[:, :-1])
+    assert float(kl) > 0
+    torch.testing.assert_close(out.loss, tapered.loss + 0.7 * kl)
+    # Logged: the mean term over the two training forwards with labels (0 at g = 1, then 0.7 KL).
+    assert distillation.log_metrics()["taper/distill"] == pytest.approx(0.7 * float(kl) / 2, rel=1e-5)
+    assert distillation.log_metrics() == {}
+    distillation.remove()
+
+    # A run resumed below g = 1 never saw the gate-start weights: it keeps the given teacher, and says so.
+    resumed = Distillation(copy.deepcopy(original), weight=0.7, from_gate_start=True).attach(student)
+    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.regularizers"):
+        student(input_ids=batch, labels=batch)
+    assert "the snapshot at the start of the taper is not in the checkpoint" in caplog.text
+    for param, reference in zip(resumed.teacher.parameters(), original.parameters()):
+        torch.testing.assert_close(param, reference, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM has no weights for the teacher's \['transformer"):
+        Distillation(build(tiny_gpt2_config())).load_teacher_from(student)
 
 
 def test_diagnostics_describe_the_linear_branch_and_the_sink(tiny_llama):

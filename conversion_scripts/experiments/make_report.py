@@ -85,6 +85,10 @@ def main() -> None:
          "SmolLM2-135M-Instruct, 300-step runs (BOS sink): held-out CE and gate vs step")
     plot({n: r for n, r in runs.items() if n.startswith("sh300_")}, HERE / "reports" / "smollm2_fidelity_shuffled.png",
          "SmolLM2-135M-Instruct, 300-step runs on shuffled data: held-out CE and gate vs step")
+    session4 = ["sh300_baseline", "sh300_plain", "sh300_all_kds1_h1", "sh300_attn_e200", "sh300_attn_e200_kd1",
+                "sh300_attn_e200_kds1"]
+    plot({n: runs[n] for n in session4 if n in runs}, HERE / "reports" / "smollm2_fidelity_distillation.png",
+         "SmolLM2-135M-Instruct: distillation from the gate-start snapshot (session 4)")
 
     lines = ["| run | status | CE start | last eval (step, gate, CE) | baseline CE same step (interpolated) | gap | gap > 2% at gate |",
              "|---|---|---|---|---|---|---|"]
@@ -104,7 +108,7 @@ def main() -> None:
 def plot(runs: dict, path: Path, title: str) -> None:
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     for i, (name, run) in enumerate(runs.items()):
-        color = f"C{i % 10}"
+        color = "black" if run["config"]["baseline"] else f"C{i % 10}"
         if run["evals"]:
             ax1.plot([s for s, _, _ in run["evals"]], [c for _, _, c in run["evals"]], marker="o", label=name,
                      color=color)

@@ -121,6 +121,15 @@ class TaperArguments:
             "patterns of module names, e.g. 'model.layers.*.post_attention_layernorm'."
         },
     )
+    linear_fit: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Start of the linear branch: per_channel (least-squares per-channel gains fitted at g = 1 on the "
+            "first training blocks before training, sink positions excluded: calibration.fit_linear_branch) | paper "
+            "(the paper's scalar c from the EMA over the warmup). Default: per_channel when internal norms taper, "
+            "paper with --scope final."
+        },
+    )
     calibration_scale: float = field(
         default=1.0,
         metadata={"help": "Multiply every calibrated c by this (< 1: a conservative linear branch, which delays the "
@@ -425,6 +434,28 @@ def _history(trainer) -> list[dict[str, Any]]:
 
 
 _DISTILL_TEACHERS = ("gate_start", "original")
+_FIT_BLOCKS = 8  # training blocks for the per-channel fit of the linear branches
+
+
+def _fit_linear_branches(model, packed, batch_size: int) -> None:
+    """Per-channel least-squares start of every tapered layer's linear branch (before training, at g = 1).
+
+    The paper's scalar c from the EMA matches the average token; per channel the norm's map differs,
+    and on SmolLM2 the per-channel fit is what every measured recipe that reached g = 0 used
+    (conversion_scripts/experiments/reports/smollm2_fidelity.md). The TaperController then finds the
+    layers calibrated and only freezes the scale anchor's target at k_start.
+    """
+    import torch
+
+    from .calibration import fit_linear_branch
+
+    if len(packed.train) == 0:
+        return
+    ids = torch.tensor(packed.train[: min(len(packed.train), _FIT_BLOCKS)]["input_ids"])
+    ids = ids.to(next(model.parameters()).device)
+    values = fit_linear_branch(model, [ids[i : i + batch_size] for i in range(0, len(ids), batch_size)])
+    logger.info("fitted the linear branch of %d tapered norm(s) per channel on %d training block(s)",
+                len(values), len(ids))
 
 # Logged keys of TaperCallback -> report keys (see callback.py).
 _TAPER_LOG_KEYS = {
@@ -463,10 +494,14 @@ def run_taper(model_args: ModelArguments, data_args: DataArguments, taper_args: 
     if training_args.max_steps is None or training_args.max_steps <= 0:
         raise CLIError("--max_steps must be a positive number of optimizer steps (the taper schedule is defined on it)")
     schedule = _schedule(taper_args, training_args.max_steps)  # a schedule longer than the run fails here
-    if taper_args.distill_weight is None:  # the recipe: distil whenever internal norms taper
+    if taper_args.distill_weight is None:  # the recipe: distil whenever internal norms taper (README Fidelity)
         taper_args.distill_weight = 0.0 if taper_args.scope == "final" else 1.0
     if taper_args.distill_weight < 0:
         raise CLIError(f"--distill_weight must be >= 0, got {taper_args.distill_weight}")
+    if taper_args.linear_fit is None:
+        taper_args.linear_fit = "paper" if taper_args.scope == "final" else "per_channel"
+    if taper_args.linear_fit not in ("per_channel", "paper"):
+        raise CLIError(f"--linear_fit must be per_channel or paper, got {taper_args.linear_fit!r}")
     if taper_args.distill_from not in _DISTILL_TEACHERS:
         raise CLIError(f"--distill_from must be one of {', '.join(_DISTILL_TEACHERS)}, got {taper_args.distill_from!r}")
     source = resolve_model(model_args.model_name_or_path, model_args.gguf_file)
@@ -531,6 +566,7 @@ def run_taper(model_args: ModelArguments, data_args: DataArguments, taper_args: 
             "token_scale_penalty": taper_args.token_scale_penalty,
             "distill_weight": taper_args.distill_weight,
             "distill_from": taper_args.distill_from if taper_args.distill_weight > 0 else None,
+            "linear_fit": taper_args.linear_fit,
             "token_scale_ratio": taper_args.token_scale_ratio,
             "taper_start_step": schedule.k_start,
             "taper_end_step": schedule.k_end,
@@ -587,6 +623,8 @@ def _taper_pipeline(
 
     patch_options = _patch_options(taper_args, packed.prefix_ids, facts["taper"]["keep_norms"])
     patch_model(model, **patch_options)
+    if taper_args.linear_fit == "per_channel":
+        _fit_linear_branches(model, packed, training_args.per_device_train_batch_size)
     if taper_args.token_scale_penalty > 0:
         from .regularizers import TokenScalePenalty
 

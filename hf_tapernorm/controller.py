@@ -124,11 +124,13 @@ class TaperController:
             uncalibrated = [layer for _, layer in tapered_norms(self.model) if not layer.is_calibrated]
             if uncalibrated or any(not a.is_frozen for a in self.anchors):
                 values = calibrate(self.model)
-                logger.info(
-                    "calibrated %d TaperNorm layer(s) after %d optimizer step(s) at g = 1 (c from %.4g to %.4g)",
-                    len(values), step, min(values.values(), default=float("nan")),
-                    max(values.values(), default=float("nan")),
-                )
+                if values:
+                    logger.info(
+                        "calibrated %d TaperNorm layer(s) after %d optimizer step(s) at g = 1 (c from %.4g to %.4g)",
+                        len(values), step, min(values.values()), max(values.values()),
+                    )
+                else:  # every linear branch was fitted before training (e.g. fit_linear_branch)
+                    logger.info("froze the scale anchor after %d optimizer step(s) at g = 1", step)
         set_gate(self.model, gate)
         self.gate = gate
         return gate

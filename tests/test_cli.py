@@ -152,6 +152,7 @@ def test_distillation_adds_the_kl_to_the_frozen_original(finished_run, workspace
     plain = json.loads((finished_run[0] / "report.json").read_text())
     assert report["taper"]["distill_weight"] == 1.0 and plain["taper"]["distill_weight"] == 0.0
     assert report["taper"]["distill_from"] == "original" and plain["taper"]["distill_from"] is None
+    assert plain["taper"]["linear_fit"] == "per_channel"  # the default when internal norms taper
     losses = [r["loss"] for r in report["history"]]
     # Steps 1-2: student and teacher are the same function (gate 1; the one warmup step has lr 0), so the KL and
     # its gradient are 0 and step 3 starts from the plain run's weights: it adds a positive KL to the same CE.
@@ -177,6 +178,31 @@ def test_distillation_from_the_gate_start_snapshot_is_off_until_the_gate_drops(f
     history = report["history"]
     assert [r["distill"] for r in history[:2]] == [0.0, 0.0] and all(r["distill"] > 0 for r in history[2:])
     assert history[2]["ce"] == pytest.approx(plain_history[2]["ce"], rel=1e-5)
+
+
+def test_the_per_channel_fit_starts_the_linear_branches_from_the_first_training_blocks():
+    import copy
+
+    import datasets
+
+    from hf_tapernorm.calibration import fit_linear_branch
+    from hf_tapernorm.data import PackedData
+    from hf_tapernorm.patching import tapered_norms
+    from tests.conftest import build, random_batches, tiny_llama_config
+
+    blocks = torch.cat(random_batches(n=6, batch=2, length=16))  # 12 blocks, of which the first 8 are used
+    packed = PackedData(datasets.Dataset.from_dict({"input_ids": blocks.tolist()}), datasets.Dataset.from_dict(
+        {"input_ids": []}), "test", 16, "text")
+    model = patch_model(build(tiny_llama_config()))
+    reference = copy.deepcopy(model)
+    cli._fit_linear_branches(model, packed, batch_size=3)
+    expected = fit_linear_branch(reference, [blocks[:3], blocks[3:6], blocks[6:8]])
+    fitted = dict(tapered_norms(model))
+    for name, layer in tapered_norms(reference):
+        assert fitted[name].is_calibrated
+        torch.testing.assert_close(fitted[name].c, layer.c)
+        torch.testing.assert_close(fitted[name].taper_weight, layer.taper_weight)
+    assert len(expected) == len(fitted) == 4
 
 
 def test_baseline_runs_the_same_training_without_tapering(workspace, tmp_path):
@@ -248,6 +274,8 @@ def test_clear_errors(workspace, tmp_path):
     assert (out / "keep.txt").read_text() == "user data"  # refused before the output folder was touched
     assert "--distill_weight must be >= 0, got -1.0" in error_of([*taper_argv(workspace, out), "--overwrite",
                                                                   "--distill_weight", "-1"])
+    assert "--linear_fit must be per_channel or paper, got 'mean'" in error_of(
+        [*taper_argv(workspace, out), "--overwrite", "--linear_fit", "mean"])
     assert "--distill_from must be one of gate_start, original, got 'teacher'" in error_of(
         [*taper_argv(workspace, out), "--overwrite", "--distill_weight", "1", "--distill_from", "teacher"])
     uncalibrated = tmp_path / "uncalibrated"

@@ -121,13 +121,14 @@ class TaperArguments:
             "patterns of module names, e.g. 'model.layers.*.post_attention_layernorm'."
         },
     )
-    linear_fit: Optional[str] = field(
-        default=None,
+    linear_fit: str = field(
+        default="paper",
         metadata={
             "help": "Start of the linear branch: per_channel (least-squares per-channel gains fitted at g = 1 on the "
             "first training blocks before training, sink positions excluded: calibration.fit_linear_branch) | paper "
-            "(the paper's scalar c from the EMA over the warmup). Default: per_channel when internal norms taper, "
-            "paper with --scope final."
+            "(the paper's scalar c from the EMA over the warmup, the default). Measured with this CLI on SmolLM2 "
+            "(300 steps, attention norms tapered, distillation on): held-out CE +6.8%% over the normalized run with "
+            "per_channel against +3.2%% with paper."
         },
     )
     calibration_scale: float = field(
@@ -440,10 +441,10 @@ _FIT_BLOCKS = 8  # training blocks for the per-channel fit of the linear branche
 def _fit_linear_branches(model, packed, batch_size: int) -> None:
     """Per-channel least-squares start of every tapered layer's linear branch (before training, at g = 1).
 
-    The paper's scalar c from the EMA matches the average token; per channel the norm's map differs,
-    and on SmolLM2 the per-channel fit is what every measured recipe that reached g = 0 used
-    (conversion_scripts/experiments/reports/smollm2_fidelity.md). The TaperController then finds the
-    layers calibrated and only freezes the scale anchor's target at k_start.
+    The paper's scalar c from the EMA matches the average token; per channel the norm's map differs.
+    The experiment loop's SmolLM2 runs fit per channel at step 20; fitted here, before training, it
+    did worse than the EMA in this CLI's run (README Fidelity), so it is an option, not the default.
+    The TaperController then finds the layers calibrated and only freezes the scale anchor's target.
     """
     import torch
 
@@ -498,8 +499,6 @@ def run_taper(model_args: ModelArguments, data_args: DataArguments, taper_args: 
         taper_args.distill_weight = 0.0 if taper_args.scope == "final" else 1.0
     if taper_args.distill_weight < 0:
         raise CLIError(f"--distill_weight must be >= 0, got {taper_args.distill_weight}")
-    if taper_args.linear_fit is None:
-        taper_args.linear_fit = "paper" if taper_args.scope == "final" else "per_channel"
     if taper_args.linear_fit not in ("per_channel", "paper"):
         raise CLIError(f"--linear_fit must be per_channel or paper, got {taper_args.linear_fit!r}")
     if taper_args.distill_from not in _DISTILL_TEACHERS:

@@ -152,7 +152,7 @@ def test_distillation_adds_the_kl_to_the_frozen_original(finished_run, workspace
     plain = json.loads((finished_run[0] / "report.json").read_text())
     assert report["taper"]["distill_weight"] == 1.0 and plain["taper"]["distill_weight"] == 0.0
     assert report["taper"]["distill_from"] == "original" and plain["taper"]["distill_from"] is None
-    assert plain["taper"]["linear_fit"] == "per_channel"  # the default when internal norms taper
+    assert plain["taper"]["linear_fit"] == "paper"  # the default: the paper's EMA c
     losses = [r["loss"] for r in report["history"]]
     # Steps 1-2: student and teacher are the same function (gate 1; the one warmup step has lr 0), so the KL and
     # its gradient are 0 and step 3 starts from the plain run's weights: it adds a positive KL to the same CE.

@@ -253,6 +253,35 @@ def test_check_raises_above_tolerance():
     assert fold_model(tapered("llama", "all"), check=False).fold_report is None
 
 
+def _perturbed(refold):
+    """A fold whose last value projection is doubled: in float32, what a model that amplifies rounding shows in float32."""
+
+    def fold(unfolded):
+        folded = refold(unfolded)
+        with torch.no_grad():
+            folded.model.layers[-1].self_attn.v_proj.weight.mul_(2.0)  # a folded site: its own tensor
+        return folded
+
+    return fold
+
+
+def test_a_float32_difference_that_a_float64_fold_does_not_have_is_a_warning(caplog):
+    from hf_tapernorm.folding import check_fold
+
+    model = tapered("llama", "internal")
+    exact = lambda unfolded: fold_model(unfolded, check=False)  # noqa: E731
+    folded = _perturbed(exact)(model)
+    with caplog.at_level("WARNING", logger="hf_tapernorm.folding"):
+        report = check_fold(model, folded, refold=exact)
+    assert report.max_rel_diff > 1e-4 and report.float64_max_rel_diff < 1e-6
+    assert "but a float64 copy folds to within" in caplog.text and "the fold is exact" in caplog.text
+    # A fold that is wrong in float64 too still raises, and so does any miss of an explicit tolerance.
+    with pytest.raises(FoldCheckError, match=r"in float64 it is .*, so the fold itself is wrong"):
+        check_fold(model, folded, refold=_perturbed(exact))
+    with pytest.raises(FoldCheckError, match=r"> tolerance 0.0001 \(float32"):
+        check_fold(model, folded, refold=exact, tolerance=1e-4)
+
+
 @pytest.fixture
 def exported(tmp_path):
     return export_folded(fold_model(tapered("llama", "internal")), tmp_path / "good")

@@ -171,6 +171,8 @@ def main() -> None:
     p.add_argument("--growth-penalty", type=float, default=0.0, help="ScaleGrowthPenalty weight (0: off)")
     p.add_argument("--growth-ratio", type=float, default=1.0, help="ScaleGrowthPenalty: tokens above this x median")
     p.add_argument("--distill", type=float, default=0.0, help="weight of KL to the frozen original")
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                   help="after the warmup: constant, or cosine decay to 0 at the last step (hf-tapernorm taper's default)")
     p.add_argument("--distill-from", choices=("original", "start"), default="original",
                    help="teacher: the original model, or a frozen copy of the (still normalized) model at "
                         "--taper-start, which has already adapted to the data")
@@ -215,7 +217,14 @@ def main() -> None:
     if gains:
         groups.append({"params": [q for q in params if id(q) in gains], "lr": args.taper_lr or args.lr})
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / max(1, args.lr_warmup)))
+    def lr_factor(k: int) -> float:
+        warm = min(1.0, (k + 1) / max(1, args.lr_warmup))
+        if args.lr_schedule == "cosine" and k + 1 > args.lr_warmup:  # as the CLI's default: cosine to 0 at the end
+            progress = (k + 1 - args.lr_warmup) / max(1, args.steps - args.lr_warmup)
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return warm
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
 
     out_dir = HERE / "reports" / "runs"
     out_dir.mkdir(parents=True, exist_ok=True)

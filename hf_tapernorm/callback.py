@@ -122,11 +122,18 @@ class TaperCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or "loss" not in logs or self.controller is None:
             return  # evaluation and end-of-training summaries carry no taper metrics
-        metrics = self.controller.log_metrics()
-        logs.update(metrics)
-        # Trainer.log copied `logs` into the history before on_log; keep trainer_state.json complete.
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(metrics)
+        add_to_training_log(state, logs, self.controller.log_metrics())
+
+
+def add_to_training_log(state, logs: dict, metrics: dict[str, float]) -> None:
+    """Add ``metrics`` to a training log from ``on_log``: to ``logs`` and to its copy in ``state.log_history``.
+
+    Trainer.log copies ``logs`` into the history before ``on_log``; without the second update
+    trainer_state.json (and everything read from it) would miss the keys.
+    """
+    logs.update(metrics)
+    if state.log_history and state.log_history[-1].get("step") == state.global_step:
+        state.log_history[-1].update(metrics)
 
 
 __all__ = ["TaperCallback"]

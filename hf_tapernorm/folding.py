@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Literal, Optional
 
 import torch
@@ -241,7 +241,7 @@ def check_fold(
         "%s rounding into that difference, so its outputs there are not reliable in %s either; check its fidelity",
         message, exact, report.dtype, report.dtype,
     )
-    return FoldReport(max_abs, max_rel, tolerance, report.dtype, report.probe_shape, float64_max_rel_diff=exact)
+    return replace(report, float64_max_rel_diff=exact)
 
 
 #: Largest model whose fold check is repeated on float64 copies (two copies of 8 bytes per parameter).

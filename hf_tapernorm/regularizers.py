@@ -18,6 +18,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .calibration import in_backward_recompute
+from .callback import add_to_training_log
 from .patching import gate_of
 from .taper_norm import TaperNorm
 
@@ -317,10 +318,7 @@ class DistillationCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or "loss" not in logs:
             return
-        metrics = self.distillation.log_metrics()
-        logs.update(metrics)
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(metrics)
+        add_to_training_log(state, logs, self.distillation.log_metrics())
 
 
 def distillation_loss(

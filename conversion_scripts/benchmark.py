@@ -6,7 +6,7 @@ Same arguments as `hf-tapernorm bench` (see `--help`); a thin front end over hf_
     python conversion_scripts/benchmark.py --modes last decode --dtypes fp32 --threads 2
 """
 
-from hf_tapernorm.bench import main
+from hf_tapernorm.bench.runner import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from hf_tapernorm import TaperNormConfig
+
 STEPS, K_START, K_END = 8, 2, 6
 
 
@@ -24,7 +26,7 @@ def run(out_dir: Path, per_device_batch: int) -> dict:
     from tests.conftest import build, tiny_llama_config
 
     set_seed(0)
-    model = patch_model(build(tiny_llama_config(), seed=0), ema_rate=0.1)
+    model = patch_model(build(tiny_llama_config(), seed=0), TaperNormConfig.paper(ema_rate=0.1))
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 128, (STEPS * 4, 12), generator=generator)
     mask = torch.ones_like(ids)

@@ -14,8 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_tapernorm import calibrate, export_folded, fold_model, patch_model, set_gate, tapered_norms
-from hf_tapernorm.architectures import ARCHITECTURES
-from hf_tapernorm.discovery import is_norm_module
+from hf_tapernorm import TaperNormConfig
+from hf_tapernorm.architectures.table import ARCHITECTURES
+from hf_tapernorm.architectures.discovery import is_norm_module
 from tests.conftest import (
     DISCOVERED_CASES,
     FAMILY_CASES,
@@ -56,7 +57,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def _round_trip(case: str, scope: str, root: Path) -> RoundTrip:
     model = build(tiny_family_config(case))
     original = _logits(model)
-    patch_model(model, scope=scope)
+    patch_model(model, TaperNormConfig.paper(scope=scope))
     at_gate_one = _logits(model)
     model.train()
     with torch.no_grad():

@@ -11,9 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from hf_tapernorm import bench, gate_of, is_patched, taper_norms
-from hf_tapernorm.architectures import architecture_for
-from hf_tapernorm.patching import norm_sites
+from hf_tapernorm import gate_of, is_patched, taper_norms
+from hf_tapernorm.bench import runner as bench
+from hf_tapernorm.architectures.table import architecture_for
+from hf_tapernorm.architectures.sites import norm_sites
 
 from .conftest import build, random_batches, tiny_gpt2_config, tiny_llama_config
 
@@ -76,7 +77,8 @@ def test_limit_copy_replaces_exactly_the_norms_the_scope_tapers(tiny_llama):
     sites = list(norm_sites(tiny_llama, arch))
     internal = bench.limit_copy(tiny_llama, "internal")
     everything = bench.limit_copy(tiny_llama, "all")
-    for path, _kind, is_final in sites:
+    for site in sites:
+        path, is_final = site.path, site.is_final
         assert isinstance(internal.get_submodule(path), nn.Identity) != is_final
         assert isinstance(everything.get_submodule(path), nn.Identity)
         assert not isinstance(tiny_llama.get_submodule(path), nn.Identity)  # the source is untouched
@@ -88,7 +90,7 @@ def test_attn_variants_keep_the_norms_that_feed_gated_mlps(tiny_llama, tmp_path)
     names = ["attn-explicit", "attn-folded", "attn-limit"]
     variants = bench.build_variants(tiny_llama, names, calibration_batches=random_batches(n=2), workdir=tmp_path)
     kept = {f"model.layers.{i}.post_attention_layernorm" for i in range(2)} | {"model.norm"}
-    for path, _kind, _final in norm_sites(tiny_llama, architecture_for("llama")):
+    for path in (site.path for site in norm_sites(tiny_llama, architecture_for("llama"))):
         assert isinstance(variants["attn-limit"].get_submodule(path), nn.Identity) != (path in kept)
         assert isinstance(variants["attn-folded"].get_submodule(path), nn.Identity) != (path in kept)
     assert variants["attn-folded"].config.kept_norms == sorted(kept - {"model.norm"}) + ["model.norm"]

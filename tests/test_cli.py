@@ -12,17 +12,23 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+
+from hf_tapernorm import TaperNormConfig
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import hf_tapernorm.cli as cli
-from hf_tapernorm.cli import DataArguments, ModelArguments, TaperArguments, TaperTrainingArguments, main
-from hf_tapernorm.model_loading import ModelSourceError, load_tapered, resolve_model, save_tapered
-from hf_tapernorm.patching import gate_of, patch_model
-from hf_tapernorm.report import PLOTS, REPORT_KEYS, summary_lines, write_report
+import hf_tapernorm.pipeline.taper as taper_pipeline
+from hf_tapernorm.cli import main
+from hf_tapernorm.cli.arguments import DataArguments, ModelArguments, RunArguments, TaperArguments, TaperTrainingArguments
+from hf_tapernorm.cli.parsing import parse
+from hf_tapernorm.pipeline.models import ModelSourceError, resolve_model
+from hf_tapernorm.training.checkpoints import load_tapered, save_tapered
+from hf_tapernorm.layers.patching import gate_of, patch_model
+from hf_tapernorm.pipeline.report import PLOTS, REPORT_KEYS, summary_lines, write_report
 from tests.conftest import corpus_documents, save_tiny_model, smollm2_gguf
 
 REPO = Path(__file__).resolve().parent.parent
@@ -111,7 +117,7 @@ def test_taper_end_to_end_writes_a_reloadable_export_and_the_report(finished_run
     folded = AutoModelForCausalLM.from_pretrained(folded_dir)
     expected = _logits(tapered, sink=sink)[:, 1:]
     assert torch.allclose(_logits(folded), expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
-    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no partial folders left
+    assert not [p.name for p in out.iterdir() if ".partial-" in p.name or ".old-" in p.name]  # no partial folders left
 
 
 def test_eval_on_the_three_model_kinds_matches_the_report(finished_run, workspace):
@@ -141,7 +147,7 @@ def test_fold_command_exports_a_tapered_checkpoint(finished_run, tmp_path):
     code, _, stderr = run_main(["fold", "--checkpoint", str(out / "tapered"), "--output_dir", str(target)])
     assert code == 2 and f"output folder '{target}' is not empty; pass --overwrite" in stderr
     code, _, stderr = run_main(["fold", "--checkpoint", str(out / "folded"), "--output_dir", str(tmp_path / "x")])
-    assert code == 2 and "is not a tapered checkpoint (no tapernorm.json); it is a folded model" in stderr
+    assert code == 2 and "is not a tapered checkpoint (no tapernorm_config.json); it is a folded model" in stderr
 
 
 def test_distillation_adds_the_kl_to_the_frozen_original(finished_run, workspace, tmp_path):
@@ -180,40 +186,16 @@ def test_distillation_from_the_gate_start_snapshot_is_off_until_the_gate_drops(f
     assert history[2]["ce"] == pytest.approx(plain_history[2]["ce"], rel=1e-5)
 
 
-def test_the_per_channel_fit_starts_the_linear_branches_from_the_first_training_blocks():
-    import copy
-
-    import datasets
-
-    from hf_tapernorm.calibration import fit_linear_branch
-    from hf_tapernorm.data import PackedData
-    from hf_tapernorm.patching import tapered_norms
-    from tests.conftest import build, random_batches, tiny_llama_config
-
-    blocks = torch.cat(random_batches(n=6, batch=2, length=16))  # 12 blocks, of which the first 8 are used
-    packed = PackedData(datasets.Dataset.from_dict({"input_ids": blocks.tolist()}), datasets.Dataset.from_dict(
-        {"input_ids": []}), "test", 16, "text")
-    model = patch_model(build(tiny_llama_config()))
-    reference = copy.deepcopy(model)
-    cli._fit_linear_branches(model, packed, batch_size=3)
-    expected = fit_linear_branch(reference, [blocks[:3], blocks[3:6], blocks[6:8]])
-    fitted = dict(tapered_norms(model))
-    for name, layer in tapered_norms(reference):
-        assert fitted[name].is_calibrated
-        torch.testing.assert_close(fitted[name].c, layer.c)
-        torch.testing.assert_close(fitted[name].taper_weight, layer.taper_weight)
-    assert len(expected) == len(fitted) == 4
-
-
 def test_baseline_runs_the_same_training_without_tapering(workspace, tmp_path):
     out = tmp_path / "run"
-    code, stdout, stderr = run_main(taper_argv(workspace, out, "--baseline", "--token_scale_penalty", "5", model="gpt2",
-                                               steps=6))
+    code, stdout, stderr = run_main(taper_argv(workspace, out, "--baseline", model="gpt2", steps=6))
     assert code == 0, stderr
     report = json.loads((out / "report.json").read_text())
-    # Step 1: same weights and batch (gate 1 is exact, no scale loss before calibration): only the penalty differs.
-    assert report["taper"]["token_scale_penalty"] == 5.0
-    assert report["history"][0]["loss"] > report["baseline_history"][0]["loss"] + 1e-4
+    # GPT-2 (GELU MLP) takes the paper's recipe: every internal norm, no sink, no distillation.
+    assert report["taper"]["recipe"] == "paper" and report["taper"]["keep_norms"] == []
+    assert report["taper"]["sink_token_ids"] == [] and report["taper"]["distill_weight"] == 0.0
+    # Step 1: same weights and batch (gate 1 is exact, no scale loss before calibration): the same loss.
+    assert report["history"][0]["loss"] == pytest.approx(report["baseline_history"][0]["loss"], rel=1e-6)
     heldout = report["heldout"]
     assert set(heldout) == {"original", "baseline", "tapered", "folded"}
     assert report["gap"]["tapered_vs_baseline"] == pytest.approx(heldout["tapered"]["loss"] / heldout["baseline"]["loss"] - 1)
@@ -255,8 +237,8 @@ def test_clear_errors(workspace, tmp_path):
     small.write_text("one short paragraph\n\nand another")
     assert "is too small: its" in error_of([*taper_argv(workspace, out), "--dataset_name", str(small)])
     assert error_of([*taper_argv(workspace, out), "--taper_end", "20"]).startswith(
-        "hf-tapernorm taper: error: TaperSchedule(k_start=2, k_end=20, total_steps=10): the gate reaches 0 only at "
-        "step 20, after the run's last step 10"
+        "hf-tapernorm taper: error: --taper_end 20 is step 20, after the last step 10 (--max_steps): the gate would "
+        "end at g = "
     )
     out.mkdir(exist_ok=True)
     (out / "keep.txt").write_text("user data")
@@ -264,22 +246,27 @@ def test_clear_errors(workspace, tmp_path):
         f"hf-tapernorm taper: error: output folder '{out}' is not empty; pass --overwrite to replace it, "
         "or --resume to continue the run in it"
     )
+    assert error_of([*taper_argv(workspace, out), "--overwrite"]) == (
+        f"hf-tapernorm taper: error: refusing to --overwrite '{out}': it was not written by hf-tapernorm (keep.txt); "
+        "move them away first"
+    )
     assert (out / "keep.txt").read_text() == "user data"
     assert "--gguf_file needs --model_name_or_path" in error_of(["eval", "--gguf_file", "x.gguf"])
-    assert "--sink must be auto, bos or none, got 'eos'" in error_of([*taper_argv(workspace, out), "--overwrite", "--sink", "eos"])
-    assert error_of([*taper_argv(workspace, out), "--overwrite", "--keep_norms", "*.ln_2"]) == (
-        "hf-tapernorm taper: error: --keep_norms: keep_norms pattern(s) ['*.ln_2'] match no norm of LlamaForCausalLM "
+    fresh = tmp_path / "fresh"
+    assert "argument --sink: invalid choice: 'eos' (choose from 'auto', 'bos', 'none')" in error_of(
+        [*taper_argv(workspace, fresh), "--sink", "eos"])
+    assert error_of([*taper_argv(workspace, fresh), "--keep_norms", "*.ln_2"]) == (
+        "hf-tapernorm taper: error: keep_norms pattern(s) ['*.ln_2'] match no norm of LlamaForCausalLM "
         "(llama); norms are named like 'model.layers.0.input_layernorm' and 'model.norm'"
     )
-    assert (out / "keep.txt").read_text() == "user data"  # refused before the output folder was touched
-    assert "--distill_weight must be >= 0, got -1.0" in error_of([*taper_argv(workspace, out), "--overwrite",
-                                                                  "--distill_weight", "-1"])
-    assert "--linear_fit must be per_channel or paper, got 'mean'" in error_of(
-        [*taper_argv(workspace, out), "--overwrite", "--linear_fit", "mean"])
-    assert "--distill_from must be one of gate_start, original, got 'teacher'" in error_of(
-        [*taper_argv(workspace, out), "--overwrite", "--distill_weight", "1", "--distill_from", "teacher"])
+    assert (out / "keep.txt").read_text() == "user data"  # refused before any output folder was touched
+    assert "--distill_weight must be >= 0, got -1.0" in error_of([*taper_argv(workspace, fresh), "--distill_weight", "-1"])
+    assert "argument --linear_fit/--linear-fit: invalid choice: 'mean'" in error_of([*taper_argv(workspace, fresh), "--linear_fit", "mean"])
+    assert "argument --distill_from/--distill-from: invalid choice: 'teacher'" in error_of(
+        [*taper_argv(workspace, fresh), "--distill_from", "teacher"])
+    assert not fresh.exists()
     uncalibrated = tmp_path / "uncalibrated"
-    save_tapered(patch_model(AutoModelForCausalLM.from_pretrained(workspace / "llama")), uncalibrated, {"scope": "internal"},
+    save_tapered(patch_model(AutoModelForCausalLM.from_pretrained(workspace / "llama"), TaperNormConfig.paper()), uncalibrated,
                  AutoTokenizer.from_pretrained(workspace / "llama"))  # fmt: skip
     assert f"cannot evaluate '{uncalibrated}' at g = 0: cannot lower the gate below 1 before calibration" in error_of(
         ["eval", "--model_name_or_path", str(uncalibrated), "--dataset_name", str(workspace / "corpus.txt"),
@@ -292,12 +279,12 @@ def test_a_failed_export_leaves_nothing_that_looks_finished(workspace, tmp_path,
         folded.save_pretrained(folder)
         raise OSError("disk full")
 
-    monkeypatch.setattr(cli, "_save_export", failing_save)
+    monkeypatch.setattr(taper_pipeline, "save_export", failing_save)
     out = tmp_path / "run"
     with pytest.raises(OSError, match="disk full"):
         run_main(taper_argv(workspace, out, steps=5))
     assert not (out / "folded").exists()
-    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+    assert not [p.name for p in out.iterdir() if ".partial-" in p.name or ".old-" in p.name]
     report = json.loads((out / "report.json").read_text())
     assert report["status"] == "failed: OSError: disk full" and "path" not in report["export"]
 
@@ -320,8 +307,9 @@ def test_divergence_stops_with_a_report_and_no_export(workspace, tmp_path):
 def test_a_json_file_configures_a_run(tmp_path):
     config = tmp_path / "run.json"
     config.write_text(json.dumps({"output_dir": "runs/x", "max_steps": 7, "taper_end": "5", "block_size": 64}))
-    model, data, taper, training = cli._parse(
-        [ModelArguments, DataArguments, TaperArguments, TaperTrainingArguments], [str(config)], "hf-tapernorm taper"
+    model, data, taper, run, training = parse(
+        [ModelArguments, DataArguments, TaperArguments, RunArguments, TaperTrainingArguments], [str(config)],
+        "hf-tapernorm taper",
     )
     assert (training.output_dir, training.max_steps, taper.taper_end, data.block_size) == ("runs/x", 7, "5", 64)
     assert training.per_device_train_batch_size == 4  # unspecified keys keep the recipe defaults
@@ -375,7 +363,8 @@ def test_push_uploads_the_export_folder_as_written(finished_run, monkeypatch):
 
     out, _ = finished_run
     calls = []
-    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create", repo_id, kw)))
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create", repo_id, kw))
+                        or SimpleNamespace(repo_id=repo_id))
     monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, **kw: calls.append(("upload", kw)))
     code, stdout, stderr = run_main(["push", "--export_dir", str(out / "folded"), "--repo_id", "me/tiny-normfree", "--private"])
     assert code == 0, stderr
@@ -386,7 +375,7 @@ def test_push_uploads_the_export_folder_as_written(finished_run, monkeypatch):
 
 
 def test_bench_subcommand_delegates_to_the_benchmark(monkeypatch):
-    import hf_tapernorm.bench as bench
+    import hf_tapernorm.bench.runner as bench
 
     seen = []
     monkeypatch.setattr(bench, "main", lambda argv=None: seen.append(argv) or 0)
@@ -426,37 +415,45 @@ def test_model_sources(tmp_path):
 def test_defaults_are_the_embedded_recipe():
     from transformers import HfArgumentParser
 
-    model, data, taper, training = HfArgumentParser(
-        [ModelArguments, DataArguments, TaperArguments, TaperTrainingArguments]
+    model, data, taper, run, training = HfArgumentParser(
+        [ModelArguments, DataArguments, TaperArguments, RunArguments, TaperTrainingArguments]
     ).parse_args_into_dataclasses(args=[])
     assert model.model_name_or_path is None and data.dataset_name is None  # embedded model and corpus
     assert (training.max_steps, training.per_device_train_batch_size, data.block_size) == (60, 4, 256)
-    assert (taper.taper_start, taper.taper_end, taper.scope) == ("0.05", "0.7", "internal")
-    assert taper.relative_scale_loss and taper.scale_loss_weight == 0.1 and taper.sink == "auto"
-    assert taper.keep_norms == "auto"
+    # Every recipe option is unset: TaperNormConfig.for_model decides (one place for every default).
+    assert taper.recipe == "auto"
+    assert all(getattr(taper, name) is None for name in ("scope", "keep_norms", "sink", "linear_fit", "distill_weight",
+                                                          "taper_start", "taper_end", "relative_scale_loss"))
+    assert not (run.baseline or run.overwrite or run.resume)
     assert training.output_dir == "runs/taper" and training.report_to == []
 
 
-def test_sink_choice_resolves_against_scope_and_tokenizer():
-    from tests.conftest import char_tokenizer
-
-    tokenizer = char_tokenizer()  # no BOS: the EOS (127) is the sink
-    assert cli._sink_ids("auto", tokenizer) == [127]
-    assert cli._sink_ids("auto", tokenizer, auto_is_bos=False) == []  # --scope final
-    assert cli._sink_ids("bos", tokenizer, auto_is_bos=False) == [127]
-    assert cli._sink_ids("none", tokenizer) == []
+def _request(*argv: str):
+    parsed = parse([ModelArguments, DataArguments, TaperArguments, RunArguments, TaperTrainingArguments], list(argv),
+                   "hf-tapernorm taper")
+    return taper_pipeline.TaperRequest(*parsed)
 
 
-def test_keep_norms_choice_resolves_against_the_architecture():
-    from tests.conftest import build, tiny_gpt2_config, tiny_llama_config
+def test_flags_override_the_recipe_of_the_model():
+    from tests.conftest import build, char_tokenizer, tiny_gpt2_config, tiny_llama_config
 
+    tokenizer = char_tokenizer()  # no BOS: its EOS (127) is the sink
     llama = build(tiny_llama_config())
-    assert cli._keep_norms("auto", llama) == [f"model.layers.{i}.post_attention_layernorm" for i in range(2)]
-    assert cli._keep_norms("none", llama) == []
-    assert cli._keep_norms(" model.layers.1.*, *.input_layernorm ", llama) == ["model.layers.1.*", "*.input_layernorm"]
-    assert cli._keep_norms("auto", build(tiny_gpt2_config())) == []  # GELU MLP: every internal norm tapers
-    with pytest.raises(cli.CLIError, match="must be auto, none or comma-separated"):
-        cli._keep_norms(" , ", llama)
+    mlp_norms = [f"model.layers.{i}.post_attention_layernorm" for i in range(2)]
+    config = taper_pipeline.recipe_config(_request(), llama, tokenizer)
+    assert (config.recipe, config.keep_norms, config.sink_token_ids) == ("gated-mlp", mlp_norms, [127])
+    assert config.distill_weight == 1.0 and config.relative_scale_loss
+    config = taper_pipeline.recipe_config(_request("--keep_norms", " model.layers.1.*, *.input_layernorm ", "--sink",
+                                                   "none", "--taper_end", "40"), llama, tokenizer)
+    assert config.keep_norms == ["model.layers.1.*", "*.input_layernorm"] and config.sink_token_ids == []
+    assert config.taper_end == 40 and config.distill_weight == 1.0  # the rest stays the recipe's
+    assert taper_pipeline.recipe_config(_request("--keep_norms", "none"), llama, tokenizer).keep_norms == []
+    final = taper_pipeline.recipe_config(_request("--scope", "final"), llama, tokenizer)
+    assert (final.keep_norms, final.sink_token_ids, final.distill_weight) == ([], [], 0.0)  # nothing internal tapers
+    paper = taper_pipeline.recipe_config(_request("--recipe", "paper"), llama, tokenizer)
+    assert paper == TaperNormConfig.paper()
+    gpt2 = taper_pipeline.recipe_config(_request(), build(tiny_gpt2_config()), tokenizer)
+    assert gpt2.recipe == "paper" and gpt2.keep_norms == [] and gpt2.distill_weight == 0.0
 
 
 def test_report_renders_the_facts(tmp_path):

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_tapernorm.model_loading import load_tapered
-from hf_tapernorm.patching import tapered_norms
+from hf_tapernorm.training.checkpoints import load_tapered
+from hf_tapernorm.layers.taper_norm import tapered_norms
 from tests.conftest import corpus_documents, save_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,7 +52,7 @@ def test_taper_under_torchrun_with_two_cpu_processes(tmp_path):
     folded = AutoModelForCausalLM.from_pretrained(out / "folded")
     ids = torch.randint(0, 127, (2, 16), generator=torch.Generator().manual_seed(0))
     sink = report["taper"]["sink_token_ids"]  # the default sink (internal scope): the folded model holds it
-    assert folded.config.sink_token_ids == sink == tapered.config.tapernorm_sink_token_ids
+    assert folded.config.sink_token_ids == sink == tapered.tapernorm_config.sink_token_ids
     with torch.no_grad():
         expected = tapered(input_ids=torch.cat([torch.tensor(sink).expand(2, -1), ids], 1)).logits[:, len(sink) :]
         assert torch.allclose(folded.eval()(input_ids=ids).logits, expected, atol=1e-4 * float(expected.abs().max()))

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from hf_tapernorm import TaperController, TaperSchedule, calibrate, fold_model, patch_model, set_gate
+from hf_tapernorm import TaperNormConfig
 
 from .conftest import build, random_batches, tiny_gpt2_config, tiny_llama_config
 
@@ -54,7 +55,7 @@ def fresh_dynamo():
 
 
 def _calibrated(arch: str, scope: str = "internal"):
-    model = patch_model(build(CONFIGS[arch]()), scope=scope).train()
+    model = patch_model(build(CONFIGS[arch]()), TaperNormConfig.paper(scope=scope)).train()
     with torch.no_grad():
         for ids in random_batches(n=2):
             model(input_ids=ids)

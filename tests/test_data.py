@@ -10,7 +10,7 @@ import datasets
 import pytest
 import torch
 
-from hf_tapernorm.data import (
+from hf_tapernorm.pipeline.data import (
     EMBEDDED_CORPUS,
     DataError,
     blocks_tensor,

@@ -7,9 +7,10 @@ from torch import nn
 from transformers import AutoConfig
 
 from hf_tapernorm import calibrate, fold_model, patch_model, set_gate, taper_norms
-from hf_tapernorm.architectures import NormSite, architecture_for
-from hf_tapernorm.discovery import DiscoveryError, discover_architecture
-from hf_tapernorm.taper_norm import NormStyle
+from hf_tapernorm import TaperNormConfig
+from hf_tapernorm.architectures.table import NormSite, architecture_for
+from hf_tapernorm.architectures.discovery import DiscoveryError, discover_architecture
+from hf_tapernorm.architectures.styles import NormStyle
 from tests.conftest import FAMILY_CASES, build, random_batches, tiny_family_config, tiny_llama_config
 
 
@@ -20,7 +21,7 @@ def _normalized(arch):
         tuple(sorted(arch.sites, key=lambda site: site.path)),
         arch.final_norm,
         arch.lm_head,
-        arch.conv1d,
+        arch.gated_mlp,
     )
 
 
@@ -38,7 +39,7 @@ def test_discovery_reproduces_the_table(case):
 
 def test_discovery_reads_a_patched_model_the_same_way():
     config = tiny_family_config("qwen3")
-    model = patch_model(build(config), scope="all")
+    model = patch_model(build(config), TaperNormConfig.paper(scope="all"))
     assert _normalized(discover_architecture(model)) == _normalized(architecture_for("qwen3"))
 
 
@@ -46,17 +47,19 @@ def test_discovery_describes_architectures_absent_from_the_table():
     olmo2 = discover_architecture(build(tiny_family_config("olmo2")))
     assert olmo2.style is NormStyle.RMS and olmo2.final_norm == "norm" and olmo2.lm_head == "lm_head"
     assert olmo2.sites == (
-        NormSite("post_attention_layernorm", ("self_attn.o_proj",), "output"),
-        NormSite("post_feedforward_layernorm", ("mlp.down_proj",), "output"),
-        NormSite("self_attn.k_norm", ("self_attn.k_proj",), "output"),
-        NormSite("self_attn.q_norm", ("self_attn.q_proj",), "output"),
+        NormSite("post_attention_layernorm", ("self_attn.o_proj",), "output", "attention_output"),
+        NormSite("post_feedforward_layernorm", ("mlp.down_proj",), "output", "mlp_output"),
+        NormSite("self_attn.k_norm", ("self_attn.k_proj",), "output", "qk"),
+        NormSite("self_attn.q_norm", ("self_attn.q_proj",), "output", "qk"),
     )
+    assert olmo2.gated_mlp
     starcoder2 = discover_architecture(build(tiny_family_config("starcoder2")))
     assert starcoder2.style is NormStyle.LAYER
     assert starcoder2.sites == (
-        NormSite("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-        NormSite("post_attention_layernorm", ("mlp.c_fc",)),
+        NormSite("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), role="attention"),
+        NormSite("post_attention_layernorm", ("mlp.c_fc",), role="mlp"),
     )
+    assert not starcoder2.gated_mlp
 
 
 def test_patch_model_falls_back_to_discovery_and_says_so(caplog):
@@ -64,8 +67,8 @@ def test_patch_model_falls_back_to_discovery_and_says_so(caplog):
     ids = random_batches(n=1)[0]
     with torch.no_grad():
         before = model(ids).logits
-    with caplog.at_level(logging.INFO, logger="hf_tapernorm.discovery"):
-        patch_model(model, scope="all")
+    with caplog.at_level(logging.INFO, logger="hf_tapernorm"):
+        patch_model(model, TaperNormConfig.paper(scope="all"))
     assert "model_type 'olmo2' has no table entry; discovered its norms automatically" in caplog.text
     assert len(dict(taper_norms(model))) == 2 * 4 + 1
     with torch.no_grad():
@@ -77,9 +80,9 @@ def test_patch_model_falls_back_to_discovery_and_says_so(caplog):
     set_gate(model, 0.0)
     model.eval()
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="hf_tapernorm.discovery"):
+    with caplog.at_level(logging.INFO, logger="hf_tapernorm"):
         folded = fold_model(model)  # built-in check against the unfolded g = 0 model (fp32: 1e-4)
-    assert "model_type 'olmo2' has no table entry" in caplog.text
+    assert "has no table entry" not in caplog.text  # the description discovered at patch time is reused
     assert type(folded).__name__ == "TaperNormOlmo2ForCausalLM"
     assert folded.config.model_type == "tapernorm_olmo2"
     assert folded.fold_report.max_rel_diff <= 1e-5
@@ -88,11 +91,11 @@ def test_patch_model_falls_back_to_discovery_and_says_so(caplog):
 def test_same_formula_with_other_rounding_is_accepted_with_a_warning(caplog):
     # OLMo2's RMSNorm multiplies by w in fp32 and casts last: in bf16 that differs from Llama's order by rounding.
     model = build(tiny_family_config("olmo2"), dtype=torch.bfloat16)
-    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.discovery"):
+    with caplog.at_level(logging.WARNING, logger="hf_tapernorm"):
         assert discover_architecture(model).style is NormStyle.RMS
     assert "norm class(es) Olmo2RMSNorm match the TaperNorm arithmetic only up to rounding" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.discovery"):
+    with caplog.at_level(logging.WARNING, logger="hf_tapernorm"):
         discover_architecture(build(tiny_family_config("olmo2")))
     assert "rounding" not in caplog.text  # fp32: bit for bit
 
@@ -128,7 +131,7 @@ def test_post_ln_and_embedding_norms_are_refused_by_name():
     ):
         discover_architecture(opt)
     with pytest.raises(ValueError, match=r"OPT with do_layer_norm_before=False \(post-LN"):
-        patch_model(opt)
+        patch_model(opt, TaperNormConfig.paper())
     bloom = build(AutoConfig.for_model("bloom", vocab_size=128, hidden_size=32, n_layer=2, n_head=4))
     with pytest.raises(
         DiscoveryError,
@@ -136,5 +139,5 @@ def test_post_ln_and_embedding_norms_are_refused_by_name():
         r"refused it too: norm 'transformer\.word_embeddings_layernorm' cannot be folded: its output reaches the "
         r"norm 'transformer\.h\.0\.input_layernorm', which is not a linear projection",
     ):
-        patch_model(bloom)
+        patch_model(bloom, TaperNormConfig.paper())
     assert not dict(taper_norms(bloom))

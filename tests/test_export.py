@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 from huggingface_hub import HfApi
 
-from hf_tapernorm import export_folded, fold_model
+from hf_tapernorm import ConfigurationError, TaperStateError, export_folded, fold_model
 from tests.test_folding import tapered
 
 
@@ -24,7 +24,7 @@ def _files(folder: Path) -> dict[str, bytes]:
 
 def test_export_refuses_a_non_empty_folder_without_overwrite(folded, tmp_path):
     (tmp_path / "notes.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match=rf"{tmp_path} is not empty; choose a new folder or pass overwrite=True"):
+    with pytest.raises(ConfigurationError, match=rf"{tmp_path} is not empty; choose a new folder or pass overwrite=True"):
         export_folded(folded, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
     export_folded(folded, tmp_path, overwrite=True, facts={"base_model": "openai-community/gpt2"})
@@ -32,13 +32,13 @@ def test_export_refuses_a_non_empty_folder_without_overwrite(folded, tmp_path):
         "README.md", "config.json", "generation_config.json", "model.safetensors", "modeling_folded.py", "notes.txt",
     ]
     assert "base_model: openai-community/gpt2" in (tmp_path / "README.md").read_text()
-    with pytest.raises(NotADirectoryError, match="it is a file"):
+    with pytest.raises(ConfigurationError, match="it is a file"):
         export_folded(folded, tmp_path / "notes.txt")
 
 
 def test_export_refuses_an_unfolded_model(tmp_path):
     model = tapered("llama")
-    with pytest.raises(TypeError, match="export_folded expects a folded model from fold_model, got LlamaForCausalLM"):
+    with pytest.raises(TaperStateError, match="export_folded expects a folded model from fold_model, got LlamaForCausalLM"):
         export_folded(model, tmp_path / "out")
 
 
@@ -55,7 +55,7 @@ def test_push_to_hub_uploads_exactly_the_export(folded, tmp_path):
     with mock.patch.object(HfApi, "create_repo", create_repo), mock.patch.object(HfApi, "upload_folder", upload_folder):
         result = folded.push_to_hub("me/gpt2-normfree", private=True, commit_message="norm-free GPT-2")
     assert result == "commit-info"
-    create_repo.assert_called_once_with("me/gpt2-normfree", private=True, exist_ok=True)
+    create_repo.assert_called_once_with("me/gpt2-normfree", private=True, exist_ok=True, repo_type="model")
     assert uploaded["repo_id"] == "me/gpt2-normfree" and uploaded["commit_message"] == "norm-free GPT-2"
     assert uploaded["create_pr"] is False and uploaded["revision"] is None
     assert sorted(uploaded["files"]) == sorted(local) == [

@@ -10,9 +10,13 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from hf_tapernorm import NormStyle, TaperNorm, calibrate, patch_model, set_gate, tapered_norms
-from hf_tapernorm.calibration import branch_statistics, fit_linear_branch, typical_token_sums
-from hf_tapernorm.fidelity import branch_distance, calibration_table, loss_rise_gate, residual_scale_by_position
-from hf_tapernorm.regularizers import Distillation, ScaleGrowthPenalty, TokenScalePenalty, distillation_loss
+from hf_tapernorm import TaperNormConfig
+from hf_tapernorm.layers.taper_norm import branch_statistics
+from hf_tapernorm.experimental.linear_fit import fit_linear_branch, typical_token_sums
+from hf_tapernorm.experimental.diagnostics import branch_distance, loss_rise_gate, residual_scale_by_position
+from hf_tapernorm.training.calibration import calibration_table
+from hf_tapernorm.training.distillation import Distillation, distillation_loss
+from hf_tapernorm.experimental.penalties import ScaleGrowthPenalty, TokenScalePenalty
 
 from .conftest import build, random_batches, tiny_gpt2_config, tiny_llama_config
 
@@ -87,13 +91,13 @@ def test_typical_token_sums_match_an_independent_loop():
 def test_fit_without_trim_or_channels_is_the_papers_least_squares_c(tiny_llama):
     torch.manual_seed(0)
     batch = random_batches(n=1)[0]
-    reference = patch_model(tiny_llama).train()
+    reference = patch_model(tiny_llama, TaperNormConfig.paper()).train()
     reference(batch)
     expected = calibrate(reference)
 
     from .conftest import build, tiny_llama_config
 
-    model = patch_model(build(tiny_llama_config()))
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper())
     got = fit_linear_branch(model, [batch], trim=None, per_channel=False)
     assert got.keys() == expected.keys()
     for name in got:
@@ -105,7 +109,7 @@ def test_fit_without_trim_or_channels_is_the_papers_least_squares_c(tiny_llama):
 def test_per_channel_fit_matches_per_channel_least_squares_and_keeps_gate_one_exact(tiny_llama):
     batch = random_batches(n=1)[0]
     original = tiny_llama(batch).logits
-    model = patch_model(tiny_llama)
+    model = patch_model(tiny_llama, TaperNormConfig.paper())
     inputs = layer_inputs(model, batch)
     fit_linear_branch(model, [batch], trim=4.0, per_channel=True)
     assert torch.equal(model(batch).logits, original)  # calibration does not move the gate-1 model
@@ -119,7 +123,7 @@ def test_per_channel_fit_matches_per_channel_least_squares_and_keeps_gate_one_ex
 
 
 def test_token_scale_penalty_matches_its_formula_and_is_training_only(tiny_llama):
-    model = patch_model(tiny_llama)
+    model = patch_model(tiny_llama, TaperNormConfig.paper())
     penalty = TokenScalePenalty(model, weight=0.5, ratio=1.1, sink_tokens=1)
     inputs = []
     handles = [layer.register_forward_pre_hook(lambda m, a: inputs.append(a[0])) for _, layer in tapered_norms(model)]
@@ -150,7 +154,7 @@ def test_attached_token_scale_penalty_is_added_to_the_loss_and_weighted_under_ac
     batch = random_batches(n=1, batch=4)[0]
 
     def losses(attach: bool, **kwargs):
-        model = patch_model(build(tiny_llama_config())).train()
+        model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper()).train()
         penalty = TokenScalePenalty(model, weight=0.5, ratio=1.0, sink_tokens=1)
         if attach:
             penalty.attach(model)
@@ -168,14 +172,14 @@ def test_attached_token_scale_penalty_is_added_to_the_loss_and_weighted_under_ac
     summed, penalty = losses(False, num_items_in_batch=items)
     accumulated, _ = losses(True, num_items_in_batch=items)
     torch.testing.assert_close(accumulated, summed + penalty() * 0.5)
-    model = patch_model(build(tiny_llama_config())).eval()
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper()).eval()
     TokenScalePenalty(model, weight=0.5, ratio=1.0).attach(model)
     reference = build(tiny_llama_config()).eval()
     torch.testing.assert_close(model(input_ids=batch, labels=batch).loss, reference(input_ids=batch, labels=batch).loss)
 
 
 def test_scale_growth_penalty_matches_its_formula_per_forward():
-    model = patch_model(build(tiny_llama_config())).train()
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper()).train()
     penalty = ScaleGrowthPenalty(model, weight=2.0, ratio=1.0, sink_tokens=1)
     inputs = []
     handles = [layer.register_forward_pre_hook(lambda m, a: inputs.append(a[0])) for _, layer in tapered_norms(model)]
@@ -219,7 +223,7 @@ def test_attached_distillation_adds_the_kl_to_the_frozen_original_on_labelled_po
     labels = batch.clone()
     labels[:, :3] = -100  # e.g. the sink's first-token prediction: no target, no KL either
     teacher = build(tiny_llama_config()).eval()
-    student = patch_model(build(tiny_llama_config())).train()
+    student = patch_model(build(tiny_llama_config()), TaperNormConfig.paper()).train()
     with torch.no_grad():
         student.model.layers[0].mlp.down_proj.weight.mul_(1.5)  # now it computes something else
     plain = student(input_ids=batch, labels=labels)
@@ -250,7 +254,7 @@ def test_attached_distillation_adds_the_kl_to_the_frozen_original_on_labelled_po
 def test_distillation_from_the_gate_start_snapshots_the_model_when_the_gate_first_drops(caplog):
     batch = random_batches(n=1, batch=2)[0]
     original = build(tiny_llama_config()).eval()
-    student = patch_model(build(tiny_llama_config())).train()
+    student = patch_model(build(tiny_llama_config()), TaperNormConfig.paper()).train()
     with torch.no_grad():
         student.model.layers[0].mlp.down_proj.weight.mul_(1.5)  # trained during the warmup at g = 1
     plain_at_one = student(input_ids=batch, labels=batch).loss  # also the calibration statistics
@@ -276,9 +280,9 @@ def test_distillation_from_the_gate_start_snapshots_the_model_when_the_gate_firs
 
     # A run resumed below g = 1 never saw the gate-start weights: it keeps the given teacher, and says so.
     resumed = Distillation(copy.deepcopy(original), weight=0.7, from_gate_start=True).attach(student)
-    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.regularizers"):
+    with caplog.at_level(logging.WARNING, logger="hf_tapernorm"):
         student(input_ids=batch, labels=batch)
-    assert "the snapshot at the start of the taper is not in the checkpoint" in caplog.text
+    assert "the snapshot taken at the start of the taper is not in the checkpoint" in caplog.text
     for param, reference in zip(resumed.teacher.parameters(), original.parameters()):
         torch.testing.assert_close(param, reference, rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"LlamaForCausalLM has no weights for the teacher's \['transformer"):
@@ -287,7 +291,7 @@ def test_distillation_from_the_gate_start_snapshots_the_model_when_the_gate_firs
 
 def test_diagnostics_describe_the_linear_branch_and_the_sink(tiny_llama):
     batch = random_batches(n=1)[0]
-    model = patch_model(tiny_llama)
+    model = patch_model(tiny_llama, TaperNormConfig.paper())
     fit_linear_branch(model, [batch], trim=None, per_channel=False)
     distance = branch_distance(model, [batch], sink_tokens=1)
     assert len(distance) == 4 and all(0 < d < 1 for d in distance.values())
@@ -317,7 +321,7 @@ def test_loss_rise_gate():
 def test_sequential_fit_matches_each_layers_input_with_earlier_layers_linear(tiny_llama):
     batch = random_batches(n=1)[0]
     original = tiny_llama(batch).logits
-    model = patch_model(tiny_llama)
+    model = patch_model(tiny_llama, TaperNormConfig.paper())
     for _, layer in tapered_norms(model):
         layer.sink_tokens = 1
     values = fit_linear_branch(model, [batch], trim=4.0, per_channel=True, sequential=True)
@@ -334,8 +338,8 @@ def test_sequential_fit_matches_each_layers_input_with_earlier_layers_linear(tin
 
 def test_calibration_scale_multiplies_the_linear_branch_of_every_fit():
     batches = random_batches(n=2)
-    plain = patch_model(build(tiny_llama_config())).train()
-    scaled = patch_model(build(tiny_llama_config()), calibration_scale=0.5).train()
+    plain = patch_model(build(tiny_llama_config()), TaperNormConfig.paper()).train()
+    scaled = patch_model(build(tiny_llama_config()), TaperNormConfig.paper(calibration_scale=0.5)).train()
     with torch.no_grad():
         for ids in batches:
             plain(ids)
@@ -346,10 +350,10 @@ def test_calibration_scale_multiplies_the_linear_branch_of_every_fit():
         assert float(b.c) == pytest.approx(0.5 * values[name], rel=1e-6)
         torch.testing.assert_close(b.taper_weight, a.taper_weight)
     # The per-channel fit scales the whole linear map (c * taper_weight) by the same factor.
-    plain, scaled = patch_model(build(tiny_llama_config())), patch_model(build(tiny_llama_config()), calibration_scale=0.5)
+    plain, scaled = patch_model(build(tiny_llama_config()), TaperNormConfig.paper()), patch_model(build(tiny_llama_config()), TaperNormConfig.paper(calibration_scale=0.5))
     fit_linear_branch(plain, batches, per_channel=True)
     fit_linear_branch(scaled, batches, per_channel=True)
     for (_, a), (_, b) in zip(tapered_norms(plain), tapered_norms(scaled)):
         torch.testing.assert_close(b.c * b.taper_weight, 0.5 * a.c * a.taper_weight)
     with pytest.raises(ValueError, match="calibration_scale must be positive, got 0"):
-        patch_model(build(tiny_llama_config()), calibration_scale=0)
+        patch_model(build(tiny_llama_config()), TaperNormConfig.paper(calibration_scale=0))

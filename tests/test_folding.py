@@ -17,7 +17,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import hf_tapernorm
 from hf_tapernorm import FoldCheckError, TaperNorm, calibrate, export_folded, fold_model, patch_model, set_gate
-from hf_tapernorm.modeling_folded import FoldedChannelScale, TaperNormGPT2LMHeadModel, TaperNormLlamaForCausalLM
+from hf_tapernorm import CalibrationError, TaperNormConfig, TaperStateError
+from hf_tapernorm.export.modeling_folded import FoldedChannelScale, TaperNormGPT2LMHeadModel, TaperNormLlamaForCausalLM
 from tests.conftest import (
     build,
     random_batches,
@@ -38,8 +39,7 @@ def tapered(kind: str, scope: str = "internal", dtype: torch.dtype = torch.float
 
     With ``sink_token_ids`` those positions stay normalized and every calibration batch starts with them.
     """
-    model = patch_model(build(CONFIGS[kind](**overrides), dtype=dtype), scope=scope, sink_token_ids=sink_token_ids,
-                        keep_norms=keep_norms)
+    model = patch_model(build(CONFIGS[kind](**overrides), dtype=dtype), TaperNormConfig.paper(scope=scope, sink_token_ids=sink_token_ids, keep_norms=keep_norms))
     sink = torch.tensor(list(sink_token_ids or []), dtype=torch.long)
     model.train()
     with torch.no_grad():
@@ -180,7 +180,7 @@ def test_save_and_reload_with_hf_tapernorm_imported(kind, tmp_path):
         "AutoConfig": f"modeling_folded.{type(folded.config).__name__}",
         "AutoModelForCausalLM": f"modeling_folded.{cls}",
     }
-    assert (out / "modeling_folded.py").read_bytes() == Path(hf_tapernorm.modeling_folded.__file__).read_bytes()
+    assert (out / "modeling_folded.py").read_bytes() == Path(hf_tapernorm.export.modeling_folded.__file__).read_bytes()
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     assert type(reloaded) is FOLDED[kind]
     assert torch.equal(logits(reloaded, IDS), logits(folded, IDS))
@@ -235,13 +235,13 @@ def test_reload_where_hf_tapernorm_cannot_be_imported(tmp_path):
 def test_refuses_open_gate_uncalibrated_and_unpatched():
     model = tapered("llama", "internal")
     set_gate(model, 0.25)
-    with pytest.raises(ValueError, match=r"4 tapered layer\(s\) have a gate above 0: model\.layers\.0\.input_layernorm "
+    with pytest.raises(TaperStateError, match=r"4 tapered layer\(s\) have a gate above 0: model\.layers\.0\.input_layernorm "
                                          r"\(gate 0\.25\), .*model\.layers\.1\.post_attention_layernorm \(gate 0\.25\)"):
         fold_model(model)
-    fresh = patch_model(build(tiny_gpt2_config()))
-    with pytest.raises(ValueError, match=r"4 tapered layer\(s\) are uncalibrated \(transformer\.h\.0\.ln_1, "):
+    fresh = patch_model(build(tiny_gpt2_config()), TaperNormConfig.paper())
+    with pytest.raises(CalibrationError, match=r"4 tapered layer\(s\) are uncalibrated \(transformer\.h\.0\.ln_1, "):
         fold_model(fresh)
-    with pytest.raises(ValueError, match="GPT2LMHeadModel is not patched: fold_model needs a model patched"):
+    with pytest.raises(TaperStateError, match="GPT2LMHeadModel is not patched: fold_model needs a model patched"):
         fold_model(build(tiny_gpt2_config()))
     with pytest.raises(ValueError, match="tied_head must be 'untie' or 'scale', got 'keep'"):
         fold_model(tapered("gpt2", "all"), tied_head="keep")
@@ -266,7 +266,7 @@ def _perturbed(refold):
 
 
 def test_a_float32_difference_that_a_float64_fold_does_not_have_is_a_warning(caplog):
-    from hf_tapernorm.folding import check_fold
+    from hf_tapernorm.export.fold_check import check_fold
 
     model = tapered("llama", "internal")
     exact = lambda unfolded: fold_model(unfolded, check=False)  # noqa: E731
@@ -367,7 +367,7 @@ def test_smollm2_fold_save_reload_both_ways(tmp_path):
         if layers is not None:
             model.model.layers = model.model.layers[:layers]
             model.config.num_hidden_layers = layers
-        patch_model(model, scope=scope)
+        patch_model(model, TaperNormConfig.paper(scope=scope))
         model.train()
         with torch.no_grad():
             for index in range(3):

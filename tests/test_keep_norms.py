@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from hf_tapernorm import export_folded, fold_model, norms_feeding_gated_mlps, patch_model, taper_norms
-from hf_tapernorm.model_loading import load_tapered, save_tapered
+from hf_tapernorm import TaperNormConfig
+from hf_tapernorm.training.checkpoints import load_tapered, save_tapered
 from tests.conftest import DISCOVERED_CASES, FAMILY_CASES, build, tiny_family_config, tiny_gpt2_config, tiny_llama_config
 from tests.test_folding import IDS, logits, relative_error, tapered
 
@@ -44,7 +45,7 @@ def test_kept_norms_stay_normalized_at_every_gate_and_survive_the_fold(tmp_path)
 
 def test_a_tapered_checkpoint_reloads_with_the_same_kept_norms(tmp_path):
     model = tapered("llama", keep_norms=MLP_NORMS)
-    save_tapered(model, tmp_path / "ckpt", {"scope": "internal", "keep_norms": MLP_NORMS})
+    save_tapered(model, tmp_path / "ckpt")
     reloaded = load_tapered(tmp_path / "ckpt")
     assert {n: l.tapered for n, l in taper_norms(reloaded)} == {n: l.tapered for n, l in taper_norms(model)}
     assert torch.equal(logits(reloaded.eval(), IDS), logits(model, IDS))
@@ -53,12 +54,12 @@ def test_a_tapered_checkpoint_reloads_with_the_same_kept_norms(tmp_path):
 def test_a_pattern_that_matches_no_norm_is_refused_with_the_names_to_use():
     with pytest.raises(ValueError, match=r"keep_norms pattern\(s\) \['\*\.ln_2'\] match no norm of LlamaForCausalLM "
                                          r"\(llama\); norms are named like 'model.layers.0.input_layernorm'"):
-        patch_model(build(tiny_llama_config()), keep_norms=["*.ln_2"])
+        patch_model(build(tiny_llama_config()), TaperNormConfig.paper(keep_norms=["*.ln_2"]))
 
 
 def test_keep_norms_only_narrows_the_scope():
     # A kept pattern outside the scope changes nothing: scope final tapers only the final norm either way.
-    model = patch_model(build(tiny_llama_config()), scope="final", keep_norms=MLP_NORMS)
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper(scope="final", keep_norms=MLP_NORMS))
     assert [name for name, layer in taper_norms(model) if layer.tapered] == ["model.norm"]
 
 
@@ -79,5 +80,5 @@ def test_norms_feeding_gated_mlps_across_the_table_and_discovery(case):
         assert names == []
         return
     assert len(names) == 2 and all(name.endswith(f".{i}.{site}") for i, name in enumerate(names))
-    kept = {name for name, layer in taper_norms(patch_model(model, keep_norms=names)) if not layer.tapered}
+    kept = {name for name, layer in taper_norms(patch_model(model, TaperNormConfig.paper(keep_norms=names))) if not layer.tapered}
     assert set(names) < kept

@@ -3,12 +3,13 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaModel
 
 from hf_tapernorm import TaperNorm, calibrate, patch_model, set_gate, taper_norms, tapered_norms
+from hf_tapernorm import CalibrationError, ConfigurationError, TaperNormConfig, TaperStateError
 from tests.conftest import build, random_batches, tiny_gpt2_config, tiny_llama_config
 
 
 @pytest.mark.parametrize("scope,tapered,kept", [("internal", 4, 1), ("final", 1, 4), ("all", 5, 0)])
 def test_patch_scopes(tiny_model, scope, tapered, kept):
-    patch_model(tiny_model, scope=scope)
+    patch_model(tiny_model, TaperNormConfig.paper(scope=scope))
     layers = dict(taper_norms(tiny_model))
     assert len(layers) == 5
     assert sum(m.tapered for m in layers.values()) == tapered
@@ -22,7 +23,7 @@ def test_patched_logits_and_generation_are_identical(tiny_model, scope):
     with torch.no_grad():
         before = tiny_model(ids).logits
         generated_before = tiny_model.generate(ids, max_new_tokens=8, do_sample=False)
-    patch_model(tiny_model, scope=scope)
+    patch_model(tiny_model, TaperNormConfig.paper(scope=scope))
     with torch.no_grad():
         after = tiny_model(ids).logits
         generated_after = tiny_model.generate(ids, max_new_tokens=8, do_sample=False)
@@ -35,7 +36,7 @@ def test_bf16_model_patches_exactly():
     ids = random_batches(n=1)[0]
     with torch.no_grad():
         before = model(ids).logits
-        patch_model(model, scope="all")
+        patch_model(model, TaperNormConfig.paper(scope="all"))
         after = model(ids).logits
     assert after.dtype == torch.bfloat16
     assert torch.equal(before, after)
@@ -48,7 +49,7 @@ def test_bare_base_model_patches():
     ids = random_batches(n=1)[0]
     with torch.no_grad():
         before = base(ids).last_hidden_state
-        patch_model(base)
+        patch_model(base, TaperNormConfig.paper())
         after = base(ids).last_hidden_state
     assert torch.equal(before, after)
     assert [n for n, _ in tapered_norms(base)] == [
@@ -61,12 +62,12 @@ def test_bare_base_model_patches():
 
 def test_tied_embeddings_survive_patching():
     model = build(tiny_gpt2_config())
-    patch_model(model, scope="all")
+    patch_model(model, TaperNormConfig.paper(scope="all"))
     assert model.lm_head.weight is model.transformer.wte.weight
 
 
 def test_gate_round_trip_after_calibration(tiny_model):
-    patch_model(tiny_model)
+    patch_model(tiny_model, TaperNormConfig.paper())
     tiny_model.train()
     with torch.no_grad():
         for ids in random_batches():
@@ -83,7 +84,7 @@ def test_gate_round_trip_after_calibration(tiny_model):
 
 
 def test_state_dict_round_trip_of_a_patched_model(tiny_llama):
-    patch_model(tiny_llama)
+    patch_model(tiny_llama, TaperNormConfig.paper())
     tiny_llama.train()
     with torch.no_grad():
         for ids in random_batches():
@@ -93,7 +94,7 @@ def test_state_dict_round_trip_of_a_patched_model(tiny_llama):
     state = tiny_llama.state_dict()
     assert "model.layers.0.input_layernorm.taper_weight" in state
     assert "model.layers.0.input_layernorm.c" in state
-    fresh = patch_model(build(tiny_llama_config(), seed=5))
+    fresh = patch_model(build(tiny_llama_config(), seed=5), TaperNormConfig.paper())
     fresh.load_state_dict(state)
     for key, value in state.items():
         assert torch.equal(fresh.state_dict()[key], value), key
@@ -104,15 +105,15 @@ def test_state_dict_round_trip_of_a_patched_model(tiny_llama):
 
 
 def test_errors_name_the_problem(tiny_llama):
-    patch_model(tiny_llama)
-    with pytest.raises(ValueError, match=r"already patched \(found a TaperNorm at 'model\.layers\.0\.input_layernorm'\)"):
-        patch_model(tiny_llama)
-    with pytest.raises(ValueError, match=r"gate must be in \[0, 1\], got -0.1"):
+    patch_model(tiny_llama, TaperNormConfig.paper())
+    with pytest.raises(TaperStateError, match=r"already patched \(found a TaperNorm at 'model\.layers\.0\.input_layernorm'\)"):
+        patch_model(tiny_llama, TaperNormConfig.paper())
+    with pytest.raises(ConfigurationError, match=r"gate must be in \[0, 1\], got -0.1"):
         set_gate(tiny_llama, -0.1)
-    with pytest.raises(RuntimeError, match=r"before calibration: 4 layer\(s\) are uncalibrated"):
+    with pytest.raises(CalibrationError, match=r"before calibration: 4 layer\(s\) are uncalibrated"):
         set_gate(tiny_llama, 0.5)
-    with pytest.raises(ValueError, match="scope must be one of internal, final, all"):
-        patch_model(build(tiny_llama_config()), scope="everything")
+    with pytest.raises(ConfigurationError, match="TaperNormConfig.scope must be one of internal, final, all, got 'everything'"):
+        TaperNormConfig.paper(scope="everything")
 
 
 def test_unknown_model_type_is_refused_with_the_supported_list():
@@ -121,7 +122,7 @@ def test_unknown_model_type_is_refused_with_the_supported_list():
     model = AutoModelForCausalLM.from_config(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
                                                         num_attention_heads=2, intermediate_size=64, is_decoder=True))
     with pytest.raises(ValueError, match=r"model_type 'bert' is not supported by hf_tapernorm; supported model types: .*gpt2.*llama"):
-        patch_model(model)
+        patch_model(model, TaperNormConfig.paper())
     assert not any(isinstance(m, TaperNorm) for m in model.modules())
 
 
@@ -130,7 +131,7 @@ def test_gradient_checkpointing_does_not_count_twice(use_reentrant):
     ids = random_batches(n=1)[0]
     pending = {}
     for checkpointing in (False, True):
-        model = patch_model(build(tiny_llama_config()))
+        model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper())
         model.train()
         if checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})

@@ -6,6 +6,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from hf_tapernorm import TaperCallback, export_folded, fold_model, gate_of, patch_model, taper_norms, tapered_norms
+from hf_tapernorm import TaperNormConfig
 from tests.conftest import build, random_batches, tiny_llama_config
 
 
@@ -19,7 +20,7 @@ def _train_tapernorm_parameters(model) -> None:
 
 
 def test_lora_round_trip(tmp_path):
-    model = patch_model(build(tiny_llama_config()))
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper())
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
     _train_tapernorm_parameters(peft_model)
     trainable = {n for n, p in peft_model.named_parameters() if p.requires_grad}

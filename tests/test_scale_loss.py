@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_tapernorm import ScaleAnchor, TaperController, TaperSchedule, patch_model
+from hf_tapernorm import TaperNormConfig
 from tests.conftest import build, tiny_gpt2_config, tiny_llama_config
 
 LAMBDA = 0.3
@@ -41,7 +42,7 @@ def _scale(h, eps, centred):
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_target_is_the_bias_corrected_ema_of_the_masked_batch_mean_scale(family):
     config = tiny_llama_config() if family == "llama" else tiny_gpt2_config()
-    model = patch_model(build(config), ema_rate=0.1, scale_loss_weight=LAMBDA).train()
+    model = patch_model(build(config), TaperNormConfig.paper(ema_rate=0.1, scale_loss_weight=LAMBDA)).train()
     anchor = _final_norm(model).anchor
     assert isinstance(anchor, ScaleAnchor) and float(anchor.scale_loss_weight) == pytest.approx(LAMBDA)
     centred = family == "gpt2"
@@ -65,7 +66,7 @@ def test_target_is_the_bias_corrected_ema_of_the_masked_batch_mean_scale(family)
 
 
 def test_scale_loss_is_added_in_training_only_masked_and_normalised_like_the_trainer_ce():
-    model = patch_model(build(tiny_llama_config()), ema_rate=0.1, scale_loss_weight=LAMBDA).train()
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper(ema_rate=0.1, scale_loss_weight=LAMBDA)).train()
     anchor = model.model.norm.anchor
     controller = TaperController(model, TaperSchedule(1, 3), total_steps=3)
     controller.step_begin(0)
@@ -97,7 +98,7 @@ def test_scale_loss_is_added_in_training_only_masked_and_normalised_like_the_tra
 
 
 def test_the_relative_scale_loss_divides_the_deviation_by_the_target():
-    model = patch_model(build(tiny_llama_config()), ema_rate=0.1, scale_loss_weight=LAMBDA, relative_scale_loss=True)
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper(ema_rate=0.1, scale_loss_weight=LAMBDA, relative_scale_loss=True))
     model.train()
     anchor = model.model.norm.anchor
     controller = TaperController(model, TaperSchedule(1, 3), total_steps=3)
@@ -119,7 +120,7 @@ def test_the_relative_scale_loss_divides_the_deviation_by_the_target():
 
 def _calibrated(scale_loss_weight: float):
     """A tiny Llama after one optimizer step at g = 1 and calibration (k_start = 1)."""
-    model = patch_model(build(tiny_llama_config()), ema_rate=0.1, scale_loss_weight=scale_loss_weight).train()
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper(ema_rate=0.1, scale_loss_weight=scale_loss_weight)).train()
     controller = TaperController(model, TaperSchedule(1, 3), total_steps=3)
     controller.step_begin(0)
     model(**_batch(0))
@@ -166,7 +167,7 @@ def _train_all_taper(scale_loss_weight: float, steps: int = 24) -> tuple[float, 
     model = build(tiny_llama_config(), seed=0)
     with torch.no_grad():  # unit-scale embeddings: a residual stream of realistic scale (HF init is 0.02)
         model.model.embed_tokens.weight.normal_(0.0, 1.0)
-    patch_model(model, scope="all", ema_rate=0.1, scale_loss_weight=scale_loss_weight).train()
+    patch_model(model, TaperNormConfig.paper(scope="all", ema_rate=0.1, scale_loss_weight=scale_loss_weight)).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     controller = TaperController(model, TaperSchedule(3, 12), total_steps=steps)
     generator = torch.Generator().manual_seed(1)

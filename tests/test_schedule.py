@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from hf_tapernorm import TaperSchedule
+from hf_tapernorm import ConfigurationError, TaperNormConfig, TaperSchedule
 
 
 def _cosine(k, start, end):
@@ -32,14 +32,14 @@ def test_fractions_resolve_against_the_run_length():
     assert (mixed.k_start, mixed.k_end) == (25, 150)
 
 
-def test_recipes():
-    assert TaperSchedule() == TaperSchedule.continued_pretraining()
-    default = TaperSchedule.continued_pretraining(1000)
+def test_the_default_window_is_the_configs_and_the_papers_recipes_are_plain_schedules():
+    assert TaperSchedule() == TaperSchedule.from_config(TaperNormConfig())
+    default = TaperSchedule().resolve(1000)
     assert (default.k_start, default.k_end) == (50, 700)
-    pretraining = TaperSchedule.pretraining(1000)
+    pretraining = TaperSchedule(0.05, 1.0, total_steps=1000)  # the paper's pre-training recipe
     assert (pretraining.k_start, pretraining.k_end) == (50, 1000)
     assert pretraining.gate(999) > 0.0 and pretraining.gate(1000) == 0.0  # the last step runs at g = 0
-    gpt2_small = TaperSchedule.fine_tuning(25, 100, total_steps=300)
+    gpt2_small = TaperSchedule(25, 100, total_steps=300)  # the paper's GPT-2 Small fine-tuning
     assert gpt2_small.gate(25) == 1.0 and gpt2_small.gate(100) == 0.0 and gpt2_small.gate(300) == 0.0
 
 
@@ -54,14 +54,14 @@ def test_invalid_schedules_are_refused_with_the_numbers():
         TaperSchedule(5, 30, total_steps=20)
     with pytest.raises(ValueError, match=r"a float is a fraction of the run and must be in \(0, 1\]"):
         TaperSchedule(5, 30.0)
-    with pytest.raises(TypeError, match=r"must be an int"):
+    with pytest.raises(ConfigurationError, match=r"must be an int"):
         TaperSchedule(True, 30)
     with pytest.raises(ValueError, match=r"has fractional steps; call \.resolve\(total_steps\) first"):
         TaperSchedule(0.1, 0.5).gate(3)
 
 
 def test_incomplete_schedule_is_a_warning_only_when_asked(caplog):
-    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.schedule"):
+    with caplog.at_level(logging.WARNING, logger="hf_tapernorm"):
         schedule = TaperSchedule(5, 30, total_steps=20, allow_incomplete=True)
     assert "it ends at g = 0.3455" in caplog.text
     assert schedule.gate(20) == pytest.approx(_cosine(20, 5, 30))

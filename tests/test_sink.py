@@ -9,8 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_tapernorm import calibrate, export_folded, fold_model, patch_model, set_gate
-from hf_tapernorm.patching import tapered_norms
-from hf_tapernorm.sink import CONFIG_KEY, set_sink_tokens, sink_prefix, sink_token_ids_of
+from hf_tapernorm import TaperNormConfig, TaperStateError
+from hf_tapernorm.layers.taper_norm import tapered_norms
+from hf_tapernorm.layers.sink import set_sink_tokens, sink_prefix, sink_token_ids_of
 from tests.conftest import build, random_batches, run_without_hf_tapernorm, tiny_llama_config
 from tests.test_folding import tapered
 
@@ -41,19 +42,16 @@ def test_sink_positions_stay_normalized_at_every_gate():
 
 
 def test_sink_ids_live_in_the_config_and_must_agree_with_the_layers():
-    model = patch_model(build(tiny_llama_config()), sink_token_ids=[5, 6])
-    assert getattr(model.config, CONFIG_KEY) == [5, 6]
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper(sink_token_ids=[5, 6]))
+    assert model.tapernorm_config.sink_token_ids == [5, 6]
     assert {layer.sink_tokens for _, layer in tapered_norms(model)} == {2}
     assert sink_token_ids_of(model) == [5, 6]
     next(layer for _, layer in tapered_norms(model)).sink_tokens = 1
-    with pytest.raises(ValueError, match="disagree with config.tapernorm_sink_token_ids .2 sink token"):
+    with pytest.raises(TaperStateError, match=r"disagree with its TaperNormConfig \(2 sink token"):
         sink_token_ids_of(model)
     set_sink_tokens(model, None)
-    assert not hasattr(model.config, CONFIG_KEY) and sink_token_ids_of(model) == []
-    # A saved patched checkpoint's config brings the sink back when it is patched again.
-    again = build(tiny_llama_config())
-    setattr(again.config, CONFIG_KEY, [5])
-    assert sink_token_ids_of(patch_model(again)) == [5]
+    assert model.tapernorm_config.sink_token_ids == [] and sink_token_ids_of(model) == []
+    assert sink_token_ids_of(build(tiny_llama_config())) == []  # an unpatched model has none
 
 
 def test_sink_prefix_is_the_original_models_cache_on_the_sink_and_restores_gates():
@@ -97,7 +95,7 @@ def test_sink_export_generates_like_the_unfolded_model_and_reloads_both_ways(kin
     folded = fold_model(model)
     out = export_folded(folded, tmp_path / "out")
     config = json.loads((out / "config.json").read_text())
-    assert config["sink_token_ids"] == SINK and CONFIG_KEY not in config
+    assert config["sink_token_ids"] == SINK and config["tapernorm_config"]["sink_token_ids"] == SINK
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     assert torch.equal(reloaded.sink_keys, folded.sink_keys)
     with torch.no_grad():
@@ -124,7 +122,7 @@ def test_left_padded_batch_generation_with_sink():
 
 
 def test_heldout_loss_counts_the_same_targets_for_unfolded_and_folded_models():
-    from hf_tapernorm.evaluation import heldout_loss
+    from hf_tapernorm.pipeline.evaluation import heldout_loss
 
     model = sink_tapered("llama")
     folded = fold_model(model)
@@ -168,7 +166,7 @@ def test_smollm2_sink_export_generates_like_the_unfolded_model(tmp_path):
     model.model.layers = model.model.layers[:4]
     model.config.num_hidden_layers = 4
     bos = tokenizer.bos_token_id
-    patch_model(model, sink_token_ids=[bos])
+    patch_model(model, TaperNormConfig.paper(sink_token_ids=[bos]))
     text = (Path(os.__file__).parent / "textwrap.py").read_text()
     tokens = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
     model.train()

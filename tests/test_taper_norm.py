@@ -4,8 +4,9 @@ from torch import nn
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from hf_tapernorm import TaperStateError
 from hf_tapernorm import NormStyle, TaperNorm, calibrate
-from hf_tapernorm.calibration import update_statistics
+from hf_tapernorm.training.calibration import update_statistics
 
 
 def _llama_norm(d=16, dtype=torch.float32):
@@ -155,7 +156,7 @@ def test_bad_gate_and_kept_norm_errors():
     with pytest.raises(ValueError, match=r"gate must be in \[0, 1\], got 1.5 for model\.layers\.1"):
         taper.set_gate(1.5)
     kept = TaperNorm.from_norm(_llama_norm(), NormStyle.RMS, tapered=False)
-    with pytest.raises(ValueError, match="kept as a norm"):
+    with pytest.raises(TaperStateError, match="kept as a norm"):
         kept.set_gate(0.5)
 
 

@@ -16,8 +16,9 @@ import logging
 import torch
 
 from hf_tapernorm import patch_model, tapered_norms
-from hf_tapernorm.calibration import fit_linear_branch
-from hf_tapernorm.fidelity import branch_distance, residual_scale_by_position
+from hf_tapernorm import TaperNormConfig
+from hf_tapernorm.experimental.linear_fit import fit_linear_branch
+from hf_tapernorm.experimental.diagnostics import branch_distance, residual_scale_by_position
 
 from smollm2_fidelity import HERE, held_out_ce, load_smollm2, stdlib_blocks
 
@@ -56,7 +57,7 @@ def main() -> None:
     train, held = stdlib_blocks(tok, args.calib_blocks, args.eval_blocks, args.seq)
     print("bos", tok.bos_token_id, repr(tok.bos_token), "eos", tok.eos_token_id, repr(tok.eos_token), flush=True)
     report = {"config": vars(args), "ce_gate1": held_out_ce(model, held, 4)}
-    patch_model(model)
+    patch_model(model, TaperNormConfig.paper())
     report["residual_scale"] = residual_scale_by_position(model, [held[:4], held[4:8]], sink_tokens=1)
     print(json.dumps(report["residual_scale"])[:3000], flush=True)
     out = HERE / "reports" / args.output
@@ -64,7 +65,7 @@ def main() -> None:
         sink, trim, pc, sequential, first_layer = FITS[name]
         model = load_smollm2()[0] if name != args.fits[0] else model
         if not any(True for _ in tapered_norms(model)):
-            patch_model(model)
+            patch_model(model, TaperNormConfig.paper())
         for _, layer in tapered_norms(model):
             layer.sink_tokens = sink
         cs = fit_linear_branch(model, [train[i : i + 4] for i in range(0, len(train), 4)], trim=trim, per_channel=pc,

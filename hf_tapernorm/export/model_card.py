@@ -1,0 +1,119 @@
+"""Model cards for folded models: the template in ``model_cards/`` filled from the config and run facts.
+
+What folding did (folded/kept norms, tied head, added biases, package version) is read from the
+folded config and ``fold_report``; what only the caller knows (base model id, license, schedule,
+tokens, eval losses, speed) comes in a plain dict, so the CLI can pass whatever it measured.
+The YAML header is built with huggingface_hub's ``ModelCardData`` so the Hub understands it.
+"""
+
+from __future__ import annotations
+
+import re
+import sysconfig
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from huggingface_hub import ModelCard, ModelCardData
+from torch import nn
+
+TEMPLATE_NAME = "folded_model.md"
+
+
+def _template_path() -> Path:
+    """The template in the source tree's ``model_cards/`` (checkouts, editable installs), else the copy
+    that a wheel installs under ``<prefix>/share/hf_tapernorm/model_cards/`` (setup.cfg data_files)."""
+    candidates = [
+        Path(__file__).resolve().parents[2] / "model_cards" / TEMPLATE_NAME,
+        Path(sysconfig.get_path("data")) / "share" / "hf_tapernorm" / "model_cards" / TEMPLATE_NAME,
+    ]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"model card template {TEMPLATE_NAME} not found (looked in {', '.join(str(c.parent) for c in candidates)}); "
+        "reinstall hf-tapernorm"
+    )
+
+# Keys a caller may pass in ``facts`` (all optional).
+FACT_KEYS = (
+    "base_model",  # Hub id or path of the model that was tapered (default: config.name_or_path)
+    "license",  # the base model's license, when known
+    "repo_id",  # where the folded model lives (used in the loading snippets)
+    "model_name",  # card title (default: derived from repo_id / base model)
+    "dataset",  # training data of the tapering run
+    "tokens",  # training tokens of the tapering run
+    "schedule",  # mapping, e.g. {"taper start (step)": 25, "taper end (step)": 100, "total steps": 300}
+    "eval_loss",  # mapping, e.g. {"base": 3.01, "tapered (g = 0)": 3.05, "folded": 3.05}
+    "speed",  # mapping of measured figures, e.g. {"folded / base tokens per s (bf16, batch 1)": "1.12x"}
+    "tags",  # extra Hub tags
+)
+
+
+def _is_hub_id(name: str) -> bool:
+    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).exists()
+
+
+def render_model_card(model: nn.Module, facts: Optional[Mapping[str, Any]] = None) -> str:
+    """The README.md text (YAML metadata + Markdown) for a folded model and the given run facts."""
+    facts = dict(facts or {})
+    unknown = sorted(set(facts) - set(FACT_KEYS))
+    if unknown:
+        raise ValueError(f"unknown model card facts: {', '.join(unknown)}; expected some of {', '.join(FACT_KEYS)}")
+    template = _template_path()
+    config = model.config
+    base_model = str(facts.get("base_model") or config.name_or_path or config.base_model_type)
+    repo_id = facts.get("repo_id") or "path/to/exported/folder"
+    model_name = facts.get("model_name") or (
+        repo_id.split("/")[-1] if facts.get("repo_id") else f"{Path(base_model).name} (norm-free)"
+    )
+    card_data = ModelCardData(
+        base_model=base_model if _is_hub_id(base_model) else None,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        license=facts.get("license"),
+        tags=["hf_tapernorm", "tapernorm", "norm-free", config.base_model_type, *facts.get("tags", [])],
+    )
+    if config.final_norm in config.scaled_norms:
+        final_summary = "tapered; kept as one explicit per-channel scale so the tied embeddings survive"
+    elif config.final_norm in config.folded_norms:
+        final_summary = "tapered and folded into `lm_head`" + (
+            " (the head was untied from the embeddings: `tie_word_embeddings=False`)"
+            if config.tied_head == "untie" else "")
+    else:
+        final_summary = "kept as a real norm (Internal-Taper)"
+    report = getattr(model, "fold_report", None)
+    card = ModelCard.from_template(
+        card_data,
+        template_path=str(template),
+        model_name=model_name,
+        base_model=base_model,
+        base_model_link=f"https://huggingface.co/{base_model}" if _is_hub_id(str(base_model)) else None,
+        base_model_type=config.base_model_type,
+        model_type=config.model_type,
+        folded_count=len(config.folded_norms),
+        folded_example=config.folded_norms[0] if config.folded_norms else "",
+        kept_summary=f"{len(config.kept_norms)}" + (f" (e.g. `{config.kept_norms[0]}`)" if config.kept_norms else ""),
+        final_norm_summary=final_summary,
+        added_biases_summary=", ".join(f"`{p}`" for p in config.added_biases) or "none",
+        sink_ids=list(getattr(config, "sink_token_ids", None) or []),
+        sink_summary=(f"token id(s) {list(config.sink_token_ids)}: keys/values of {len(config.sink_token_ids)} position(s) "
+                      "stored per layer" if getattr(config, "sink_token_ids", None) else "none"),
+        hf_tapernorm_version=config.hf_tapernorm_version,
+        dataset=facts.get("dataset"),
+        tokens=f"{facts['tokens']:,}" if isinstance(facts.get("tokens"), int) else facts.get("tokens"),
+        schedule=dict(facts.get("schedule") or {}),
+        eval_loss=dict(facts.get("eval_loss") or {}),
+        speed=dict(facts.get("speed") or {}),
+        fold_report=report.to_dict() if report is not None else None,
+        repo_id=repo_id,
+    )
+    return re.sub(r"\n{3,}", "\n\n", str(card))  # optional sections leave blank runs
+
+
+def attach_model_card(model: nn.Module, facts: Optional[Mapping[str, Any]] = None) -> str:
+    """Render the card for ``model`` and attach it, so save_pretrained/push_to_hub write it as README.md."""
+    model.model_card = render_model_card(model, facts)
+    return model.model_card
+
+
+__all__ = ["FACT_KEYS", "attach_model_card", "render_model_card"]

@@ -1,0 +1,198 @@
+"""Swap the norms of a Hugging Face model for TaperNorm, in place and all at once, and drive their gates."""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from torch import nn
+
+from ..architectures.sites import Site, architecture_of, model_type_of, norm_sites
+from ..architectures.styles import NormStyle
+from ..config import TaperNormConfig
+from ..errors import CalibrationError, ConfigurationError, TaperNormError, TaperStateError, UnsupportedModelError
+from ..utils import replace_submodule
+from .scale_anchor import ScaleAnchor
+from .sink import set_sink_tokens
+from .taper_norm import TaperNorm, is_patched, taper_norms, tapered_norms
+
+logger = logging.getLogger(__name__)
+
+#: The keyword options ``patch_model`` took before TaperNormConfig; still accepted, with a warning.
+_DEPRECATED_OPTIONS = ("scope", "ema_rate", "scale_loss_weight", "relative_scale_loss", "sink_token_ids",
+                       "calibration_scale", "keep_norms")
+_warned: set[str] = set()
+
+
+@dataclass(frozen=True)
+class _Replacement:
+    site: Site
+    layer: TaperNorm
+
+
+def kept_norm_names(model: nn.Module, patterns: Sequence[str], sites: Optional[list[Site]] = None) -> list[str]:
+    """The norms of ``model`` that ``keep_norms`` patterns (fnmatch, qualified names) select; refuses a pattern
+    that selects nothing, since a typo would otherwise silently taper the norm it meant to keep."""
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    paths = [site.path for site in (sites if sites is not None else norm_sites(model))]
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(path, p) for path in paths)]
+    if unmatched:
+        raise ConfigurationError(
+            f"keep_norms pattern(s) {unmatched} match no norm of {type(model).__name__} ({model_type_of(model)}); "
+            f"norms are named like '{paths[0]}' and '{paths[-1]}'"
+        )
+    return [path for path in paths if any(fnmatch.fnmatchcase(path, p) for p in patterns)]
+
+
+def plan_patch(model: nn.Module, config: TaperNormConfig) -> list[_Replacement]:
+    """Every replacement ``patch_model`` would make, built and checked without touching the model.
+
+    Raises before any change: an unsupported layout, a norm whose arithmetic or eps cannot be read
+    (the error names the module), a ``keep_norms`` pattern that matches nothing, or a config under which
+    no norm would taper.
+    """
+    existing = next((name for name, _ in taper_norms(model)), None)
+    if existing is not None:
+        raise TaperStateError(
+            f"{type(model).__name__} is already patched (found a TaperNorm at '{existing}'); "
+            "call patch_model once per model"
+        )
+    arch = architecture_of(model)  # the table entry, else automatic discovery (logged)
+    sites = norm_sites(model, arch)
+    kept = set(kept_norm_names(model, config.keep_norms, sites))
+    plan = []
+    for site in sites:
+        try:
+            original = model.get_submodule(site.path)
+        except AttributeError:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} ({arch.model_type}) has no module '{site.path}', which its architecture "
+                "entry declares as a norm"
+            ) from None
+        scope = config.scope
+        tapered = scope == "all" or (scope == "final" if site.is_final else scope == "internal")
+        tapered = tapered and site.path not in kept
+        try:
+            layer = TaperNorm.from_norm(original, arch.style, tapered=tapered, ema_rate=config.ema_rate)
+        except TaperNormError as error:
+            raise UnsupportedModelError(f"cannot replace '{site.path}' ({type(original).__name__}): {error}") from None
+        plan.append(_Replacement(site, layer))
+    if not any(r.layer.tapered for r in plan):
+        raise ConfigurationError(
+            f"nothing would taper in {type(model).__name__}: scope={config.scope!r} with keep_norms "
+            f"{config.keep_norms} keeps every norm it covers"
+        )
+    return plan
+
+
+def patch_model(
+    model: nn.Module,
+    config: Optional[TaperNormConfig] = None,
+    tokenizer: Any = None,
+    **deprecated_options: Any,
+) -> nn.Module:
+    """Replace the model's norms with TaperNorm at gate 1, in place; the outputs do not change.
+
+    ``config`` holds every choice of the recipe (:class:`~hf_tapernorm.TaperNormConfig`); without one,
+    ``TaperNormConfig.for_model(model, tokenizer)``: the recipe derived from the model's architecture
+    (``tokenizer`` gives the BOS id kept as the attention sink). The config is attached to the model as
+    ``model.tapernorm_config``, where ``TaperCallback`` and ``TaperController`` read the schedule,
+    distillation and scale loss, and saved with tapered checkpoints.
+
+    Every replacement is planned and checked before the model is touched, so a failure (the error names
+    the module) leaves the model as it was. Which modules are norms comes from the architecture table;
+    a model type without an entry is described by automatic discovery (logged). The final norm is
+    always wrapped, tapered or not, so its input scale can be observed and anchored (its ``anchor``).
+    """
+    if isinstance(config, str) or deprecated_options:
+        config = _deprecated_config(config, deprecated_options)
+    elif config is None:
+        config = TaperNormConfig.for_model(model, tokenizer)
+    elif not isinstance(config, TaperNormConfig):
+        raise ConfigurationError(f"patch_model expects a TaperNormConfig, got {type(config).__name__}")
+    plan = plan_patch(model, config)
+    style = plan[0].layer.style
+    for replacement in plan:
+        site, layer = replacement.site, replacement.layer
+        original = model.get_submodule(site.path)
+        layer.site_name = site.path
+        layer.calibration_scale = float(config.calibration_scale)
+        if layer.tapered and config.linear_fit == "per_channel":
+            layer.enable_per_channel_fit()
+        layer.train(original.training)
+        if site.is_final:
+            layer.anchor = ScaleAnchor(
+                centred=style is NormStyle.LAYER,
+                eps=layer.eps,
+                weight=config.scale_loss_weight,
+                ema_rate=config.ema_rate,
+                relative=config.relative_scale_loss,
+            ).to(layer.gate.device)
+            layer.anchor.site_name = site.path
+            layer.anchor.train(original.training)
+            layer.anchor.attach(model)
+        replace_submodule(model, site.path, layer)
+    model.tapernorm_config = config
+    set_sink_tokens(model, config.sink_token_ids)
+    tapered = sum(r.layer.tapered for r in plan)
+    kept = sum(1 for r in plan if not r.layer.tapered and not r.site.is_final)
+    logger.info(
+        "patched %s (%s), recipe %s: %d norm(s) tapered, %d internal norm(s) kept%s",
+        type(model).__name__, model_type_of(model), config.recipe, tapered, kept,
+        f", sink tokens {config.sink_token_ids} kept normalized" if config.sink_token_ids else "",
+    )
+    return model
+
+
+def _deprecated_config(scope: Optional[str], options: dict[str, Any]) -> TaperNormConfig:
+    """The pre-TaperNormConfig keyword interface: the paper's recipe with the given options, and a warning."""
+    if scope is not None:
+        options = {"scope": scope, **options}
+    unknown = sorted(set(options) - set(_DEPRECATED_OPTIONS))
+    if unknown:
+        raise TypeError(f"patch_model() got unexpected keyword argument(s) {unknown}; pass a TaperNormConfig")
+    key = ",".join(sorted(options))
+    if key not in _warned:
+        _warned.add(key)
+        shown = ", ".join(f"{k}=..." for k in sorted(options))
+        warnings.warn(
+            f"patch_model(model, {shown}) is deprecated: pass patch_model(model, TaperNormConfig.paper({shown})) "
+            "for the same behaviour, or patch_model(model, tokenizer=tok) for the recipe of this model",
+            FutureWarning,
+            stacklevel=3,
+        )
+    options = {k: (v if v is not None else []) if k == "sink_token_ids" else v for k, v in options.items()}
+    return TaperNormConfig.paper(**options)
+
+
+def set_gate(model: nn.Module, gate: float) -> None:
+    """Set the one global gate of every tapered layer, in place."""
+    gate = float(gate)
+    if not 0.0 <= gate <= 1.0:
+        raise ConfigurationError(f"gate must be in [0, 1], got {gate}")
+    layers = [m for _, m in tapered_norms(model)]
+    if not layers:
+        raise TaperStateError(f"{type(model).__name__} has no tapered TaperNorm layers; call patch_model(model) first")
+    if gate < 1.0:
+        missing = [m.site_name for m in layers if not m.is_calibrated]
+        if missing:
+            raise CalibrationError(
+                f"cannot lower the gate below 1 before calibration: {len(missing)} layer(s) are uncalibrated "
+                f"(first: {missing[0]}); call calibrate(model) after some training-mode forwards"
+            )
+    for layer in layers:
+        layer.set_gate(gate)
+
+
+def gate_of(model: nn.Module) -> float:
+    """The current global gate (of the first tapered layer)."""
+    for _, layer in tapered_norms(model):
+        return float(layer.gate)
+    raise TaperStateError(f"{type(model).__name__} has no tapered TaperNorm layers")
+
+
+__all__ = ["gate_of", "is_patched", "kept_norm_names", "patch_model", "plan_patch", "set_gate"]

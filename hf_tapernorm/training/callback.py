@@ -1,0 +1,191 @@
+"""TaperCallback: the whole recipe as a ``transformers.Trainer`` callback, over :class:`TaperController`.
+
+``Trainer(..., callbacks=[TaperCallback()])`` on a model from ``patch_model`` is all it takes: the
+taper window, the scale loss and the distillation come from the model's TaperNormConfig; the run
+length comes from ``state.max_steps``; the gate from ``state.global_step`` alone (so a resumed run is
+right even though the Trainer restores callback state only with
+``restore_callback_states_from_checkpoint``). Every checkpoint gets ``tapernorm_config.json`` and, when
+distilling, the teacher's snapshot; a resumed run checks the first against the model's config and
+reloads the second.
+
+Where the Trainer calls us (transformers v5, ``Trainer._inner_training_loop``): ``on_step_begin``
+before the first micro-batch of each optimizer step (the gate is then constant over the accumulated
+micro-batches); ``on_step_end`` after ``optimizer.step()`` and ``global_step += 1``, before logging,
+evaluation and checkpointing; ``on_log`` (the gradient norm's only appearance) before saving. So a
+divergence stops training before a broken state is saved.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import CallbackHandler
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ..config import CONFIG_NAME, Step, TaperNormConfig, config_of
+from ..errors import ConfigurationError, TaperStateError
+from ..layers.taper_norm import is_patched
+from .controller import TaperController
+from .divergence import DivergenceThresholds
+from .schedule import TaperSchedule
+
+logger = logging.getLogger(__name__)
+
+
+def _caller_local(name: str, kind: type, depth: int = 12) -> Any:
+    """A local variable of the Trainer frames that dispatch the current event (found on the call stack)."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        value = frame.f_locals.get(name)
+        if isinstance(value, kind):
+            return value
+        frame = frame.f_back
+    return None
+
+
+class TaperCallback(TrainerCallback):
+    """Warm up at g = 1, calibrate at ``taper_start``, cosine-decay the gate to exactly 0 at ``taper_end``.
+
+    ``taper_start``/``taper_end``: optimizer steps (int) or fractions of ``max_steps`` (float);
+    None means the model's TaperNormConfig. ``allow_incomplete=True`` lets a run end before g reaches
+    0 (warning instead of error). ``thresholds``: the divergence watch (:class:`DivergenceThresholds`;
+    ``max_scale_ratio`` is a shortcut for its first field).
+
+    Logs ``taper/gate``, ``taper/scale_loss``, ``taper/residual_scale`` and ``taper/distill`` with every
+    training log. The Trainer places reporting callbacks (TensorBoard, W&B, ...) before user callbacks
+    and passes them one shared ``logs`` dict, so at ``on_train_begin`` this callback moves itself to the
+    front of the Trainer's callback list: its ``on_log`` then adds the keys before any reporter reads them.
+    """
+
+    def __init__(
+        self,
+        taper_start: Optional[Step] = None,
+        taper_end: Optional[Step] = None,
+        *,
+        allow_incomplete: bool = False,
+        max_scale_ratio: Optional[float] = None,
+        thresholds: Optional[DivergenceThresholds] = None,
+    ) -> None:
+        self.taper_start, self.taper_end = taper_start, taper_end
+        self.allow_incomplete = allow_incomplete
+        if thresholds is None:
+            thresholds = DivergenceThresholds(**({"max_scale_ratio": max_scale_ratio} if max_scale_ratio else {}))
+        elif max_scale_ratio is not None:
+            raise ConfigurationError("pass max_scale_ratio inside thresholds=DivergenceThresholds(...), not both")
+        self.thresholds = thresholds
+        if taper_start is not None or taper_end is not None:  # checked now, not at the first step
+            TaperSchedule(taper_start if taper_start is not None else 0.05, taper_end if taper_end is not None else 0.7)
+        self.controller: Optional[TaperController] = None
+
+    def _schedule(self, config: TaperNormConfig) -> TaperSchedule:
+        start = config.taper_start if self.taper_start is None else self.taper_start
+        end = config.taper_end if self.taper_end is None else self.taper_end
+        return TaperSchedule(start, end, allow_incomplete=self.allow_incomplete)
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        # Fail inside Trainer(...): an unpatched model would otherwise reach the checkpoint loader first,
+        # which drops the TaperNorm state (non-strict load) or fails on the optimizer's parameter groups.
+        if model is not None and not is_patched(model):
+            raise TaperStateError(
+                f"TaperCallback: {type(model).__name__} has no TaperNorm layers: call hf_tapernorm.patch_model(model) "
+                "before building the Trainer (also when resuming from a checkpoint)"
+            )
+        if model is not None:  # a schedule that does not fit the run fails here, not after the first steps
+            max_steps = getattr(args, "max_steps", None)
+            max_steps = max_steps if max_steps and max_steps > 0 else None
+            if max_steps is not None:
+                self._schedule(config_of(model)).resolve(max_steps)
+        # TaperNorm leaves parameters out of the graph by phase (taper_weight while g = 1, an RMS weight at
+        # g = 0), which plain DDP rejects unless it looks for unused parameters. The Trainer turns that off
+        # with activation checkpointing, and its DDP settings are fixed before callbacks run: fail early.
+        checkpointing = args.activation_checkpointing or getattr(model, "is_activation_checkpointing", False)
+        find_unused = args.ddp_find_unused_parameters
+        if find_unused is None:
+            find_unused = not checkpointing
+        if args.world_size > 1 and not args.deepspeed and not args.fsdp and not find_unused:
+            raise ConfigurationError(
+                "TaperCallback: distributed (DDP) training needs ddp_find_unused_parameters=True in TrainingArguments "
+                "(the Trainer disables it with activation checkpointing): TaperNorm leaves taper_weight unused while "
+                "g = 1 and the norm weight unused at g = 0"
+            )
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        handler = _caller_local("self", CallbackHandler, depth=4)
+        if handler is None:
+            logger.warning(
+                "TaperCallback could not find the Trainer's callback list; reporting callbacks listed before it "
+                "will not receive the taper/* log keys"
+            )
+        elif handler.callbacks[0] is not self:
+            # Index-safe while the handler iterates: the callbacks after us keep their positions.
+            handler.callbacks.remove(self)
+            handler.callbacks.insert(0, self)
+        config = config_of(model)
+        self.controller = TaperController(
+            model, self._schedule(config), state.max_steps, thresholds=self.thresholds
+        )
+        if state.global_step > 0:
+            self._resume(args, state, config)
+        schedule = self.controller.schedule
+        logger.info(
+            "TaperCallback (recipe %s): g = 1 for steps 1-%d (calibration), cosine to g = 0 at step %d of %d%s",
+            config.recipe, schedule.k_start, schedule.k_end, schedule.total_steps,
+            f"; distilling (weight {config.distill_weight:g}, teacher: {config.distill_from})"
+            if self.controller.distillation is not None else "",
+        )
+
+    def _resume(self, args, state, config: TaperNormConfig) -> None:
+        checkpoint = _caller_local("resume_from_checkpoint", str)
+        folder = Path(checkpoint) if checkpoint else Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        saved = folder / CONFIG_NAME
+        if saved.is_file():
+            previous = TaperNormConfig.from_pretrained(folder)
+            differences = {k: (v, getattr(config, k)) for k, v in previous.to_dict().items() if getattr(config, k) != v}
+            if differences:
+                listing = "; ".join(f"{k}: {old!r} in the checkpoint, {new!r} now" for k, (old, new) in differences.items())
+                raise TaperStateError(
+                    f"TaperCallback: the checkpoint {folder} was written with another TaperNormConfig ({listing}); "
+                    "patch the model with the checkpoint's config to resume it"
+                )
+        else:
+            logger.warning("TaperCallback: %s holds no %s; cannot check that the recipe is unchanged", folder, CONFIG_NAME)
+        self.controller.load_state(folder)
+        self.controller.check_resume(state.global_step)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.controller.step_begin(state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.controller.step_end(state.global_step - 1)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or "loss" not in logs or self.controller is None:
+            return  # evaluation and end-of-training summaries carry no taper metrics
+        if isinstance(logs.get("grad_norm"), (int, float)):
+            self.controller.check(state.global_step - 1, grad_norm=float(logs["grad_norm"]))
+        add_to_training_log(state, logs, self.controller.log_metrics())
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if self.controller is not None and state.is_world_process_zero and folder.is_dir():
+            self.controller.save_state(folder)
+
+
+def add_to_training_log(state, logs: dict, metrics: dict[str, float]) -> None:
+    """Add ``metrics`` to a training log from ``on_log``: to ``logs`` and to its copy in ``state.log_history``.
+
+    Trainer.log copies ``logs`` into the history before ``on_log``; without the second update
+    trainer_state.json (and everything read from it) would miss the keys.
+    """
+    logs.update(metrics)
+    if state.log_history and state.log_history[-1].get("step") == state.global_step:
+        state.log_history[-1].update(metrics)
+
+
+__all__ = ["TaperCallback", "add_to_training_log"]

@@ -1,0 +1,117 @@
+"""Tapered checkpoints: a patched model saved mid-recipe or at g = 0, and rebuilt exactly.
+
+A tapered checkpoint is the base model's ``save_pretrained`` folder (the usual weight names plus each
+TaperNorm's ``taper_weight`` and buffers) with the run's ``tapernorm_config.json`` beside it, as PEFT
+keeps ``adapter_config.json`` beside adapter weights. Trainer checkpoints of a ``TaperCallback`` run
+are tapered checkpoints too (the callback writes the config into each). Loading rebuilds the base
+model from its config, patches it with the saved TaperNormConfig and loads every tensor strictly, so
+no TaperNorm state is silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from ..config import CONFIG_NAME, TaperNormConfig, config_of
+from ..errors import ConfigurationError, TaperStateError
+from ..layers.patching import patch_model
+
+#: The file of tapered checkpoints written before TaperNormConfig (patch_model's options): still read.
+LEGACY_CONFIG_NAME = "tapernorm.json"
+
+
+def save_tapered(model: nn.Module, folder: Union[str, os.PathLike], tokenizer: Any = None) -> Path:
+    """Save a patched model (weights, taper state, base config) and its TaperNormConfig; returns the folder."""
+    folder = Path(folder)
+    config = config_of(model)
+    model.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    config.save_pretrained(folder)
+    return folder
+
+
+def is_tapered_checkpoint(folder: Union[str, os.PathLike]) -> bool:
+    return _config_file(Path(folder)) is not None
+
+
+def _config_file(folder: Path) -> Optional[Path]:
+    candidates = [folder / CONFIG_NAME, folder / LEGACY_CONFIG_NAME]
+    if folder.name.startswith("checkpoint-"):  # a Trainer checkpoint inside a run folder of an older version
+        candidates += [folder.parent / CONFIG_NAME, folder.parent / LEGACY_CONFIG_NAME]
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def tapered_config_of(folder: Union[str, os.PathLike]) -> TaperNormConfig:
+    """The TaperNormConfig a tapered checkpoint was saved with."""
+    folder = Path(folder)
+    path = _config_file(folder)
+    if path is None:
+        raise ConfigurationError(f"'{folder}' is not a tapered checkpoint: no {CONFIG_NAME} in it")
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConfigurationError(f"cannot read {path}: {error}") from None
+    return TaperNormConfig.from_dict(values)
+
+
+def load_tapered(folder: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """Rebuild a patched model from a tapered checkpoint (or a Trainer checkpoint of a taper run).
+
+    Every tensor of the checkpoint must land in the patched model and every TaperNorm tensor must
+    be present; anything else is an error naming the file or the tensors, because a partly loaded
+    TaperNorm computes a different function than the one that was trained.
+    """
+    folder = Path(folder)
+    taper_config = tapered_config_of(folder)
+    shards = sorted(folder.glob("*.safetensors"))
+    shards = [s for s in shards if not s.name.startswith("distillation_")]
+    if not shards:
+        raise TaperStateError(f"tapered checkpoint '{folder}' has no .safetensors weights")
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except Exception as error:
+        raise ConfigurationError(f"cannot read the config of tapered checkpoint '{folder}': {error}") from error
+    state = {}
+    for shard in shards:
+        try:
+            state.update(load_file(str(shard)))
+        except (SafetensorError, OSError) as error:
+            raise TaperStateError(
+                f"cannot read {shard} (truncated or not a safetensors file?): {error}; re-save the checkpoint"
+            ) from None
+    weights = [t.dtype for t in state.values() if t.is_floating_point() and t.dim() >= 2]
+    torch_dtype = dtype if dtype is not None else max(set(weights), key=weights.count)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    patch_model(model, taper_config)
+    expected = model.state_dict()
+    mismatched = [f"{k} {tuple(v.shape)} (model {tuple(expected[k].shape)})" for k, v in state.items()
+                  if k in expected and tuple(v.shape) != tuple(expected[k].shape)]
+    if mismatched:
+        raise TaperStateError(
+            f"tapered checkpoint '{folder}' holds tensors whose shapes do not fit its own config: {mismatched[:3]}"
+            f"{' ...' if len(mismatched) > 3 else ''}; it was modified or written for another model"
+        )
+    result = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    missing = [k for k in result.missing_keys if k not in tied]
+    if missing or result.unexpected_keys:
+        raise TaperStateError(
+            f"tapered checkpoint '{folder}' does not match a {type(model).__name__} patched with its "
+            f"{CONFIG_NAME}: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected "
+            f"{result.unexpected_keys[:5]}"
+        )
+    model.tie_weights()
+    return model.eval()
+
+
+__all__ = ["LEGACY_CONFIG_NAME", "is_tapered_checkpoint", "load_tapered", "save_tapered", "tapered_config_of"]

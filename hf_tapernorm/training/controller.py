@@ -1,0 +1,237 @@
+"""Drive a taper from any training loop: one object, two calls per optimizer step.
+
+``TaperController`` reads the recipe from the model's TaperNormConfig (schedule window, distillation)
+and keeps no state a checkpoint would need beyond what :meth:`save_state` writes: the gate comes from
+the step number, and the statistics, c and the scale target are buffers of the model; only the
+distillation teacher's snapshot lives outside it. A loop resumed at step N calls :meth:`load_state`
+and then starts calling it at N. :class:`~hf_tapernorm.TaperCallback` is a thin Trainer adapter over
+the same object.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from ..config import TaperNormConfig, config_of
+from ..errors import ConfigurationError, TaperStateError
+from ..layers.loss_terms import loss_terms_of
+from ..layers.patching import set_gate
+from ..layers.scale_anchor import DEVIATION_SUM, SCALE_SUM, TOKENS, ScaleAnchor, scale_anchors
+from ..layers.taper_norm import is_patched, tapered_norms
+from ..utils import all_reduce_sum
+from .calibration import calibrate, update_statistics
+from .distillation import SNAPSHOT_NAME, Distillation, frozen_copy
+from .distributed import refuse_unsupported_sharding
+from .divergence import DivergenceThresholds, DivergenceWatch
+from .schedule import TaperSchedule
+
+logger = logging.getLogger(__name__)
+
+_ANCHOR_SIZE = 3
+
+
+class TaperController:
+    """Sets the gate, gathers statistics, calibrates, distils and watches for divergence, per optimizer step.
+
+    ``step`` arguments count optimizer steps already completed (the Trainer's ``state.global_step``,
+    or ``i`` in ``for i in range(total_steps)``): the update about to run is number ``step + 1`` of
+    the schedule. Every rank of a distributed run must make the same calls (statistics are
+    all-reduced, so all ranks compute the same c, target and divergence decision).
+
+    ``schedule``: default, the taper window of the model's TaperNormConfig. ``thresholds``: the
+    divergence watch (:class:`DivergenceThresholds`). ``distillation``: default, built from the config
+    when ``distill_weight > 0`` (``False`` turns it off; a :class:`Distillation` replaces it).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        schedule: Optional[TaperSchedule] = None,
+        total_steps: Optional[int] = None,
+        *,
+        thresholds: Optional[DivergenceThresholds] = None,
+        max_scale_ratio: Optional[float] = None,
+        distillation: Union[Distillation, bool, None] = None,
+    ) -> None:
+        if not is_patched(model):
+            raise TaperStateError(
+                f"{type(model).__name__} has no TaperNorm layers: call hf_tapernorm.patch_model(model) before "
+                "training (and before resuming from a checkpoint, whose TaperNorm state would otherwise be dropped)"
+            )
+        if not any(True for _ in tapered_norms(model)):
+            raise ConfigurationError(f"{type(model).__name__} is patched but nothing tapers: check its TaperNormConfig")
+        refuse_unsupported_sharding(model)
+        self.config: TaperNormConfig = config_of(model)
+        schedule = schedule if schedule is not None else TaperSchedule.from_config(self.config)
+        if total_steps is not None:
+            schedule = schedule.resolve(total_steps)
+        elif schedule.total_steps is None:
+            raise ConfigurationError("TaperController needs total_steps (or a schedule built with total_steps)")
+        if thresholds is None:
+            thresholds = DivergenceThresholds(**({"max_scale_ratio": max_scale_ratio} if max_scale_ratio else {}))
+        elif max_scale_ratio is not None:
+            raise ConfigurationError("pass max_scale_ratio inside thresholds=DivergenceThresholds(...), not both")
+        self.model = model
+        self.schedule = schedule
+        self.watch = DivergenceWatch(thresholds)
+        self.gate = 1.0
+        self.anchors: list[ScaleAnchor] = scale_anchors(model)
+        self.distillation = self._distillation(distillation)
+        self._window = torch.zeros(_ANCHOR_SIZE, dtype=torch.float64)  # anchor sums since the last log_metrics()
+
+    def _distillation(self, given: Union[Distillation, bool, None]) -> Optional[Distillation]:
+        if isinstance(given, Distillation):
+            return given if given._model is self.model else given.attach(self.model)
+        if given is False or self.config.distill_weight == 0:
+            return None
+        from_gate_start = self.config.distill_from == "gate_start"
+        return Distillation(
+            None if from_gate_start else frozen_copy(self.model),
+            weight=self.config.distill_weight,
+            from_gate_start=from_gate_start,
+            until_taper_end=self.config.distill_until == "taper_end",
+        ).attach(self.model)
+
+    # ------------------------------------------------------------------ checkpoints and resume
+    def save_state(self, folder: Union[str, Path]) -> None:
+        """Write what the model's own checkpoint does not hold: the config and the distillation teacher."""
+        folder = Path(folder)
+        self.config.save_pretrained(folder)
+        if self.distillation is not None and self.distillation.has_snapshot:
+            self.distillation.save_snapshot(folder / SNAPSHOT_NAME)
+
+    def load_state(self, folder: Union[str, Path]) -> None:
+        """Restore :meth:`save_state`'s files from a checkpoint folder (before resuming at its step)."""
+        path = Path(folder) / SNAPSHOT_NAME
+        if self.distillation is not None and path.is_file():
+            self.distillation.load_snapshot(path, self.model)
+
+    def check_resume(self, step: int) -> None:
+        """Refuse a model whose TaperNorm state does not fit ``step`` (dropped by a non-strict load, or a
+        checkpoint written with another schedule)."""
+        if step <= 0:
+            return
+        # Past k_start every layer must be calibrated; before it, every layer must hold statistics.
+        missing = [
+            layer.site_name
+            for _, layer in tapered_norms(self.model)
+            if not layer.is_calibrated and (step > self.schedule.k_start or int(layer.ema_steps) == 0)
+        ]
+        if missing:
+            raise TaperStateError(
+                f"resuming at optimizer step {step} (k_start={self.schedule.k_start}) but {len(missing)} "
+                f"TaperNorm layer(s) lack their calibration state (first: {missing[0]}): the checkpoint carries "
+                "no TaperNorm state. Patch the model with patch_model(...) before the run that wrote the "
+                "checkpoint and before resuming"
+            )
+        expected = self.schedule.gate(step)
+        for _, layer in tapered_norms(self.model):
+            if not math.isclose(float(layer.gate), expected, abs_tol=1e-6):
+                raise TaperStateError(
+                    f"resuming at step {step}: {layer.site_name} has gate {float(layer.gate):.6f} but this run's "
+                    f"schedule (taper {self.schedule.k_start} -> {self.schedule.k_end} of {self.schedule.total_steps} "
+                    f"steps) gives {expected:.6f} for that step: the schedule changed since the checkpoint was "
+                    "written. Resume with the original max_steps and taper window"
+                )
+            break
+
+    # ------------------------------------------------------------------ per optimizer step
+    def step_begin(self, step: int) -> float:
+        """Before the micro-batches of update ``step + 1``: calibrate at k_start, set and return its gate."""
+        number = step + 1
+        gate = self.schedule.gate(number)
+        if number > self.schedule.k_start:
+            uncalibrated = [layer for _, layer in tapered_norms(self.model) if not layer.is_calibrated]
+            if uncalibrated or any(not a.is_frozen for a in self.anchors):
+                values = calibrate(self.model)
+                if values:
+                    logger.info(
+                        "calibrated %d TaperNorm layer(s) after %d optimizer step(s) at g = 1 (c from %.4g to %.4g)",
+                        len(values), step, min(values.values()), max(values.values()),
+                    )
+                else:  # every linear branch was fitted before training (e.g. fit_linear_branch)
+                    logger.info("froze the scale anchor after %d optimizer step(s) at g = 1", step)
+        set_gate(self.model, gate)
+        self.gate = gate
+        if self.distillation is not None:
+            self.distillation.step_begin(self.model, gate)
+        return gate
+
+    def step_end(self, step: int, loss: Optional[float] = None, grad_norm: Optional[float] = None) -> None:
+        """After update ``step + 1``: one EMA step from all micro-batches (all-reduced); divergence watch.
+
+        ``loss``: the step's loss when the loop computes it outside the model (the model's own
+        ``outputs.loss`` is watched automatically). ``grad_norm``: the step's gradient norm, when known.
+        """
+        update_statistics(self.model)
+        anchor_rows, own_loss = self._reduce_step()
+        for anchor, row in zip(self.anchors, anchor_rows):
+            anchor.fold_pending(row)
+        if len(anchor_rows):
+            self._window += anchor_rows.sum(0).double()
+        if loss is None and own_loss is not None:
+            loss = own_loss
+        scales = tuple(
+            (anchor.site_name, float(row[SCALE_SUM] / row[TOKENS]), float(anchor.target) if anchor.is_frozen else None)
+            for anchor, row in zip(self.anchors, anchor_rows)
+            if row[TOKENS] > 0
+        )
+        self.check(step, loss=loss, grad_norm=grad_norm, scales=scales)
+
+    def check(self, step: int, *, loss=None, grad_norm=None, scales=()) -> None:
+        """Feed the divergence watch for update ``step + 1`` (the Trainer adapter adds the gradient norm here)."""
+        self.watch.check(f"at optimizer step {step + 1} (gate {self.gate:.4f})", loss=loss, grad_norm=grad_norm,
+                         scales=scales, culprit=self._culprit() if _needs_culprit(loss, scales) else _ADVICE)
+
+    def _reduce_step(self) -> tuple[torch.Tensor, Optional[float]]:
+        """This step's anchor sums and mean model loss over all micro-batches and ranks, in one all-reduce."""
+        device = self.anchors[0].ema.device if self.anchors else torch.device("cpu")
+        rows = []
+        for anchor in self.anchors:
+            pending, anchor.pending = anchor.pending, None
+            rows.append(pending.to(device) if pending is not None else torch.zeros(_ANCHOR_SIZE, device=device))
+        pending_loss = loss_terms_of(self.model).take_pending_loss()
+        rows.append(pending_loss.to(device).reshape(2) if pending_loss is not None else torch.zeros(2, device=device))
+        flat = all_reduce_sum(torch.cat([r.reshape(-1).float() for r in rows])).cpu()
+        anchors = flat[: _ANCHOR_SIZE * len(self.anchors)].reshape(len(self.anchors), _ANCHOR_SIZE)
+        loss_sum, forwards = flat[-2:].tolist()
+        return anchors, (loss_sum / forwards if forwards else None)
+
+    def _culprit(self) -> str:
+        """Name the first TaperNorm (in model order) whose parameters or c stopped being finite."""
+        for _, layer in tapered_norms(self.model):
+            tensors = [layer.c, layer.taper_weight] + [p for p in (layer.weight, layer.bias) if p is not None]
+            if not all(bool(torch.isfinite(t).all()) for t in tensors):
+                return f"First layer with non-finite parameters: {layer.site_name} (c={float(layer.c):.4g}). {_ADVICE}"
+        return f"All TaperNorm parameters are still finite. {_ADVICE}"
+
+    # ------------------------------------------------------------------ logging
+    def log_metrics(self) -> dict[str, float]:
+        """Gate, scale loss, residual scale and distillation term averaged since the previous call (then reset)."""
+        window = self._window
+        self._window = torch.zeros_like(window)
+        metrics = {"taper/gate": self.gate}
+        if window[TOKENS] > 0:
+            metrics["taper/residual_scale"] = float(window[SCALE_SUM] / window[TOKENS])
+            weight = float(self.anchors[0].scale_loss_weight) if self.anchors else 0.0
+            metrics["taper/scale_loss"] = weight * float(window[DEVIATION_SUM] / window[TOKENS])
+        if self.distillation is not None:
+            metrics.update(self.distillation.log_metrics())
+        return metrics
+
+
+_ADVICE = "Lower the learning rate, taper more slowly (a later taper_end) or keep more norms (keep_norms)"
+
+
+def _needs_culprit(loss: Optional[float], scales) -> bool:
+    values = ([loss] if loss is not None else []) + [scale for _, scale, _ in scales]
+    return any(not math.isfinite(v) for v in values)
+
+
+__all__ = ["TaperController"]

@@ -1,0 +1,235 @@
+"""Distillation from a frozen copy of the model while the gate closes (the default for gated-MLP models).
+
+The term is ``weight * KL(teacher || student)`` on the next-token distributions, added to training
+losses through ``layers/loss_terms.py``. The teacher is the model itself, frozen at one moment:
+when the gate first falls below 1 (``from_gate_start``, the default: the model has then already
+adapted to the new data at g = 1, so the KL repairs only what tapering breaks) or before training.
+It costs a second copy of the weights and a teacher forward per training forward; with
+``until_taper_end`` the teacher is released once the gate reaches 0, and later steps cost what a
+normalized step costs. ``TaperController`` (and so ``TaperCallback``) builds it from the model's
+TaperNormConfig and saves the snapshot with checkpoints; nobody needs to build one by hand.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+from ..errors import ConfigurationError
+from ..layers.loss_terms import ForwardInputs, add_training_loss_term, remove_training_loss_term
+from ..layers.patching import gate_of
+from ..layers.taper_norm import taper_norms
+
+logger = logging.getLogger(__name__)
+
+SNAPSHOT_NAME = "distillation_teacher.safetensors"
+_TERM = "distillation"
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A frozen copy of a patched model that computes what its norms compute: every gate held at 1.
+
+    A TaperNorm at gate 1 is exactly the norm it replaced, so the copy needs no unpatching and keeps
+    the model's parameter names (its state dict loads the model's weights as they are). The copy
+    carries no training hooks: it adds no loss terms and gathers no statistics.
+    """
+    loss_terms = model.__dict__.pop("_tapernorm_loss_terms", None)
+    try:
+        teacher = copy.deepcopy(model)
+    finally:
+        if loss_terms is not None:
+            model.__dict__["_tapernorm_loss_terms"] = loss_terms
+    teacher._forward_pre_hooks.clear()  # the sink marker: a teacher at gate 1 normalizes every position anyway
+    teacher._forward_hooks.clear()
+    for _, layer in taper_norms(teacher):
+        layer.anchor = None
+        if layer.tapered:
+            layer.tapered = False  # the gate of a copy never moves
+            layer.gate.fill_(1.0)
+            layer._phase = type(layer._phase).NORM
+    return teacher.eval().requires_grad_(False)
+
+
+class Distillation:
+    """``weight * KL(teacher || student)`` added to every training loss of the model it is attached to.
+
+    ``teacher``: a frozen model with the student's parameter names (``frozen_copy(model)``); with
+    ``from_gate_start`` it may be None, and the teacher is then made at the snapshot. With
+    ``from_gate_start`` the teacher's weights are replaced by the student's at the first step whose gate
+    is below 1 (:meth:`step_begin`, or the first training forward below 1 when no controller drives it);
+    the term is 0 before that. ``until_taper_end``: the term ends, and the teacher is released, at the
+    first step with gate 0. Positions whose next label is -100 (padding, the sink's first-token
+    prediction) are left out.
+    """
+
+    def __init__(
+        self, teacher: nn.Module, *, weight: float = 1.0, from_gate_start: bool = False, until_taper_end: bool = False
+    ) -> None:
+        if weight < 0:
+            raise ConfigurationError(f"Distillation needs weight >= 0, got {weight}")
+        if teacher is None and not from_gate_start:
+            raise ConfigurationError("Distillation needs a teacher unless from_gate_start=True (which snapshots one)")
+        self.teacher: Optional[nn.Module] = teacher.eval().requires_grad_(False) if teacher is not None else None
+        self.weight = float(weight)
+        self.from_gate_start = from_gate_start
+        self.until_taper_end = until_taper_end
+        self._saw_gate_one = False  # a step (or training forward) at g = 1 ran in this process
+        self._teacher_final = not from_gate_start  # no later change of the teacher
+        self._gate: Optional[float] = None  # the current step's gate, when a controller tells it
+        self._window = torch.zeros(2)  # sum of the terms added to training losses, forwards (since the last log)
+        self._model: Optional[nn.Module] = None
+
+    # ------------------------------------------------------------------ the teacher
+    def load_teacher_from(self, model: nn.Module) -> None:
+        """Copy ``model``'s current weights into the teacher (gates and statistics are not the teacher's)."""
+        weights = {k: v for k, v in model.state_dict().items() if not _is_taper_state(k)}
+        missing, _ = self.teacher.load_state_dict(weights, strict=False)
+        missing = [k for k in missing if not _is_taper_state(k)]
+        if missing:
+            raise ConfigurationError(
+                f"Distillation: {type(model).__name__} has no weights for the teacher's {missing[:3]} "
+                f"({len(missing)} missing); the teacher must be a copy of this model"
+            )
+
+    @property
+    def has_snapshot(self) -> bool:
+        """Whether the teacher holds a state of the run that a checkpoint must carry (the gate-start
+        snapshot, or the model before training, which a resumed run cannot rebuild either)."""
+        return self.teacher is not None and self._teacher_final
+
+    def save_snapshot(self, path: Path) -> None:
+        save_model(self.teacher, str(path))
+
+    def load_snapshot(self, path: Path, model: Optional[nn.Module] = None) -> None:
+        """Restore the teacher saved with a checkpoint (a resumed run); ``model`` shapes it if none exists yet."""
+        if self.teacher is None:
+            if model is None:
+                raise ConfigurationError("Distillation.load_snapshot needs the model to shape a teacher from")
+            self.teacher = frozen_copy(model)
+        load_model(self.teacher, str(path), strict=False)
+        self._saw_gate_one = self._teacher_final = True
+        logger.info("Distillation: restored the gate-start teacher from %s", path)
+
+    def step_begin(self, model: nn.Module, gate: float) -> None:
+        """Before the forwards of an optimizer step with ``gate``: snapshot or release the teacher when due."""
+        self._gate = gate
+        self._update_teacher(model, gate)
+
+    def _update_teacher(self, model: nn.Module, gate: float) -> None:
+        if self.until_taper_end and gate <= 0.0:
+            if self.teacher is not None:
+                logger.info("Distillation: the gate reached 0; the teacher is released and the term ends")
+            self.teacher, self._teacher_final = None, True
+            return
+        if self._teacher_final:
+            return
+        if gate >= 1.0:
+            self._saw_gate_one = True
+            return
+        if not self._saw_gate_one:
+            logger.warning(
+                "Distillation(from_gate_start=True): training started with the gate already below 1 (a resumed "
+                "run?) and the snapshot taken at the start of the taper is not in the checkpoint; this run "
+                "distils from %s", "the teacher as given" if self.teacher is not None else "the model as resumed",
+            )
+        elif self.teacher is None:
+            self.teacher = frozen_copy(model)
+            logger.info("Distillation: the teacher is now the model at the start of the taper")
+        else:
+            self.load_teacher_from(model)
+            logger.info("Distillation: the teacher is now the model at the start of the taper")
+        if self.teacher is None:
+            self.teacher = frozen_copy(model)
+        self._teacher_final = True
+
+    # ------------------------------------------------------------------ the term
+    def __call__(self, student_logits: torch.Tensor, input_ids: torch.Tensor,
+                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``weight * KL`` (mean over the positions with a label) for one forward's logits on ``input_ids``."""
+        summed, count = self._kl_sum(student_logits, input_ids, attention_mask, labels)
+        return summed / count.clamp_min(1.0)
+
+    def _kl_sum(self, student_logits, input_ids, attention_mask, labels) -> tuple[torch.Tensor, torch.Tensor]:
+        device = student_logits.device
+        if next(self.teacher.parameters()).device != device:
+            self.teacher.to(device)
+        with torch.no_grad():
+            teacher_logits = self.teacher(input_ids=input_ids, attention_mask=attention_mask).logits
+        if labels is not None:
+            mask = labels[..., 1:] != -100
+        elif attention_mask is not None:
+            mask = attention_mask[..., 1:].bool()
+        else:
+            mask = torch.ones(student_logits.shape[:-1], dtype=torch.bool, device=device)[..., 1:]
+        kl = _kl(student_logits[..., :-1, :], teacher_logits[..., :-1, :])
+        mask = mask.to(kl.dtype)
+        return self.weight * (kl * mask).sum(), mask.sum()
+
+    def attach(self, model: nn.Module) -> "Distillation":
+        """Add the term to ``outputs.loss`` of every training forward of ``model``."""
+        self._model = model
+        add_training_loss_term(model, _TERM, self._term)
+        return self
+
+    def _term(self, model: nn.Module, inputs: ForwardInputs, output: Any):
+        if getattr(output, "loss", None) is None or self.weight == 0:
+            return None
+        self._update_teacher(model, self._gate if self._gate is not None else gate_of(model))
+        if self.teacher is None or not self._teacher_final:  # before the snapshot, after the release: a 0 term
+            self._log(torch.zeros((), device=output.loss.device))
+            return None
+        summed, count = self._kl_sum(output.logits, inputs.get("input_ids"), inputs.get("attention_mask"),
+                                     inputs.get("labels"))
+        self._log((summed / count.clamp_min(1.0)).detach().float())
+        return summed, count
+
+    def _log(self, mean: torch.Tensor) -> None:
+        if self._window.device != mean.device:  # summed where the loss lives: no sync per forward
+            self._window = self._window.to(mean.device)
+        self._window += torch.stack([mean, torch.ones((), device=mean.device)])
+
+    def log_metrics(self) -> dict[str, float]:
+        """``taper/distill``: the mean term per training forward since the previous call (then reset); 0 after
+        the teacher was released. The part of the logged training loss that is not cross-entropy."""
+        total, forwards = self._window.tolist()
+        self._window.zero_()
+        return {"taper/distill": total / forwards} if forwards else {}
+
+    def remove(self) -> None:
+        """Detach from the model: later training forwards return the plain loss."""
+        if self._model is not None:
+            remove_training_loss_term(self._model, _TERM)
+            self._model = None
+
+
+def _is_taper_state(key: str) -> bool:
+    """TaperNorm/anchor state (gate, c, EMAs, linear gains): the student's, never the teacher's."""
+    leaf = key.rsplit(".", 1)[-1]
+    return ".anchor." in key or leaf in ("gate", "c", "ema_num", "ema_den", "ema_steps", "calibrated", "taper_weight")
+
+
+def _kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    log_p = F.log_softmax(teacher_logits.float(), dim=-1)
+    log_q = F.log_softmax(student_logits.float(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def distillation_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Mean over tokens of KL(teacher || student) on the next-token distributions (fp32)."""
+    kl = _kl(student_logits, teacher_logits)
+    if mask is None:
+        return kl.mean()
+    mask = mask.to(kl.dtype)
+    return (kl * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+__all__ = ["SNAPSHOT_NAME", "Distillation", "distillation_loss", "frozen_copy"]

@@ -1,0 +1,110 @@
+"""The gate schedule (METHOD section 2): a pure function of the optimizer step.
+
+Steps are counted from 1: step k is the k-th optimizer update, the one that runs while the
+Trainer's ``state.global_step == k - 1``. The gate is exactly 1 up to and including ``k_start``
+(those steps gather the calibration statistics), follows a half cosine in between, and is exactly
+0.0 from ``k_end`` on. Because the gate depends on the step alone, a resumed run needs no schedule
+state: the step number is enough.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from ..config import Step, TaperNormConfig, check_step
+from ..errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
+
+#: Our default for continued pretraining (METHOD section 2): calibrate over the first 5% of the
+#: run, reach g = 0 at 70%, and train the remaining 30% at g = 0 (TaperNormConfig's defaults).
+CONTINUED_PRETRAINING = (TaperNormConfig.taper_start, TaperNormConfig.taper_end)
+
+
+@dataclass(frozen=True)
+class TaperSchedule:
+    """Cosine taper from g = 1 to g = 0 between optimizer steps ``k_start`` and ``k_end``.
+
+    ``k_start``/``k_end`` are absolute optimizer steps (int) or fractions of the run (float in
+    (0, 1]), resolved against the run length with :meth:`resolve` (the Trainer's ``max_steps``).
+    ``allow_incomplete=True`` turns "the gate does not reach 0 before the run ends" from an error
+    into a warning, for runs that deliberately stop mid-taper.
+    """
+
+    k_start: Step = CONTINUED_PRETRAINING[0]
+    k_end: Step = CONTINUED_PRETRAINING[1]
+    total_steps: Optional[int] = None
+    allow_incomplete: bool = False
+
+    def __post_init__(self) -> None:
+        check_step("TaperSchedule.k_start", self.k_start)
+        check_step("TaperSchedule.k_end", self.k_end)
+        if self.total_steps is not None:
+            total = self.total_steps
+            if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+                raise ConfigurationError(f"total_steps must be a positive int, got {total!r}")
+            for name in ("k_start", "k_end"):  # fractions become absolute steps of this run
+                value = getattr(self, name)
+                if isinstance(value, float):
+                    object.__setattr__(self, name, int(round(value * total)))
+            self._validate()
+
+    @classmethod
+    def from_config(cls, config: TaperNormConfig, **overrides) -> "TaperSchedule":
+        """The schedule of a TaperNormConfig's taper window."""
+        return cls(config.taper_start, config.taper_end, **overrides)
+
+    # ------------------------------------------------------------------ resolution
+    def steps_for(self, total_steps: int) -> tuple[int, int]:
+        """(k_start, k_end) as optimizer steps of a run of ``total_steps``, without validating them."""
+        return tuple(int(round(v * total_steps)) if isinstance(v, float) else v for v in (self.k_start, self.k_end))
+
+    def resolve(self, total_steps: int) -> "TaperSchedule":
+        """The same schedule with absolute steps for a run of ``total_steps`` optimizer steps."""
+        if self.total_steps is not None and self.total_steps != total_steps:
+            raise ConfigurationError(
+                f"TaperSchedule was built for total_steps={self.total_steps}, but the run has {total_steps} "
+                "optimizer steps; build it without total_steps to resolve fractions against the run"
+            )
+        return replace(self, total_steps=total_steps)
+
+    def _validate(self) -> None:
+        start, end, total = self.k_start, self.k_end, self.total_steps
+        described = f"k_start={start}, k_end={end}, total_steps={total}"
+        if start < 1:
+            raise ConfigurationError(
+                f"TaperSchedule({described}): k_start must be >= 1, so calibration sees at least one optimizer "
+                "step of statistics at g = 1 (a fraction of a short run can round to 0: give more steps or an int)"
+            )
+        if end <= start:
+            raise ConfigurationError(f"TaperSchedule({described}): k_end must be greater than k_start")
+        if end > total:
+            message = (
+                f"TaperSchedule({described}): the gate reaches 0 only at step {end}, after the run's last "
+                f"step {total}; it ends at g = {self.gate(total):.4f}, so the model cannot be folded. Lower "
+                "k_end, train longer, or pass allow_incomplete=True to stop mid-taper on purpose"
+            )
+            if not self.allow_incomplete:
+                raise ConfigurationError(message)
+            logger.warning(message)
+
+    # ------------------------------------------------------------------ the gate
+    def gate(self, step: int) -> float:
+        """The gate of optimizer step ``step`` (counted from 1): 1 until k_start, exactly 0.0 from k_end."""
+        if isinstance(self.k_start, float) or isinstance(self.k_end, float):
+            raise ConfigurationError(
+                f"TaperSchedule(k_start={self.k_start}, k_end={self.k_end}) has fractional steps; "
+                "call .resolve(total_steps) first"
+            )
+        if step <= self.k_start:
+            return 1.0
+        if step >= self.k_end:
+            return 0.0
+        progress = (step - self.k_start) / (self.k_end - self.k_start)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+__all__ = ["TaperSchedule", "CONTINUED_PRETRAINING"]

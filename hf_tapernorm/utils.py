@@ -1,0 +1,67 @@
+"""Small torch mechanics shared by several layers of the package (no hf_tapernorm imports)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def in_backward_recompute() -> bool:
+    """True while autograd re-runs a forward (gradient checkpointing), so it is not counted twice.
+
+    Under torch.compile the answer is False: a compiled region recomputes checkpointed activations
+    inside its backward graph without re-running this Python, and the graph-task query (it returns
+    a Python int) would otherwise break the graph on every training forward.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum ``tensor`` over all ranks in place (a no-op in a single process); returns it.
+
+    Every rank must call it in the same order: per-step statistics and flags are reduced this way.
+    """
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """Max of ``tensor`` over all ranks in place (a no-op in a single process); returns it."""
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def replace_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Put ``module`` at the dotted ``path`` inside ``root`` (the parent must exist)."""
+    parent, _, child = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, module)
+
+
+def base_model_prefix(model: nn.Module) -> str:
+    """``"model."`` for a ``*ForCausalLM`` whose bare transformer is ``model.model``; ``""`` for a bare model."""
+    base = getattr(model, "base_model", model)
+    return next((name + "." for name, module in model.named_modules() if module is base and name), "")
+
+
+def parameter_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+__all__ = [
+    "all_reduce_max",
+    "all_reduce_sum",
+    "base_model_prefix",
+    "in_backward_recompute",
+    "is_distributed",
+    "parameter_count",
+    "replace_submodule",
+]

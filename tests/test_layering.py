@@ -1,0 +1,129 @@
+"""The package's layers import one way only, with no cycles, and ``import hf_tapernorm`` stays cheap.
+
+Every ``from``/``import`` statement of every module counts, function-level ones included, so a cycle
+cannot hide inside a function.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "hf_tapernorm"
+
+#: Layer of each top-level module or subpackage; a module may import its own layer and those below.
+LAYERS = {
+    "errors": 0, "utils": 0, "_import_hooks": 0, "_version": 0,
+    "architectures": 1,
+    "config": 2,
+    "layers": 3,
+    "training": 4,
+    "export": 5,
+    "pipeline": 6,
+    "cli": 7, "bench": 7,
+    "experimental": 8,  # beside the product: may use it, never used by it
+}  # fmt: skip
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """The hf_tapernorm modules ``name`` imports (absolute names)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module.startswith("hf_tapernorm"):
+                targets.add(module)
+                targets.update(f"{module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            targets.update(a.name for a in node.names if a.name.startswith("hf_tapernorm"))
+    known = _modules()
+    return {t for t in targets if t in known and t != name}
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    return LAYERS.get(parts[1]) if len(parts) > 1 else None
+
+
+def test_every_module_belongs_to_a_layer():
+    unplaced = sorted(m for m in _modules() if m != "hf_tapernorm" and _layer(m) is None)
+    assert not unplaced, f"modules outside the declared layers: {unplaced}"
+
+
+def test_imports_go_one_way():
+    upward = []
+    for name, path in _modules().items():
+        if name == "hf_tapernorm":
+            continue  # the lazy facade
+        for target in _imports(name, path):
+            if target == "hf_tapernorm":
+                upward.append(f"{name} imports the package facade")
+            elif _layer(target) > _layer(name):
+                upward.append(f"{name} (layer {_layer(name)}) imports {target} (layer {_layer(target)})")
+    assert not upward, "\n".join(sorted(upward))
+
+
+def test_no_import_cycles():
+    graph = {name: _imports(name, path) - {"hf_tapernorm"} for name, path in _modules().items() if name != "hf_tapernorm"}
+    done: set[str] = set()
+
+    def cycle_from(node: str, trail: list[str]) -> list[str]:
+        for target in sorted(graph.get(node, ())):
+            if target in trail:
+                return trail[trail.index(target):] + [target]
+            if target not in done:
+                found = cycle_from(target, trail + [target])
+                if found:
+                    return found
+        done.add(node)
+        return []
+
+    for node in sorted(graph):
+        cycle = cycle_from(node, [node]) if node not in done else []
+        assert not cycle, " -> ".join(cycle)
+
+
+def test_the_folded_modeling_file_stands_alone():
+    path = PACKAGE / "export" / "modeling_folded.py"
+    assert not _imports("hf_tapernorm.export.modeling_folded", path), "modeling_folded.py is copied next to exports"
+
+
+def test_import_costs_little_over_torch_and_transformers():
+    code = (
+        "import time, torch, transformers\n"
+        "start = time.perf_counter()\n"
+        "import hf_tapernorm\n"
+        "print(time.perf_counter() - start)\n"
+        "assert 'hf_tapernorm.layers.patching' not in __import__('sys').modules\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    seconds = [float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                                    check=True).stdout) for _ in range(2)]
+    assert min(seconds) < 0.5, f"import hf_tapernorm took {min(seconds):.2f} s over torch + transformers"
+
+
+@pytest.mark.parametrize("name", ["TaperNormConfig", "patch_model", "TaperCallback", "fold_model", "TaperController"])
+def test_the_facade_resolves_its_names(name):
+    import hf_tapernorm
+
+    assert getattr(hf_tapernorm, name).__name__ == name

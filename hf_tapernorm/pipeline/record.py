@@ -66,6 +66,8 @@ class RunRecord:
     history: list[dict[str, Any]] = field(default_factory=list)
     baseline_history: Optional[list[dict[str, Any]]] = None
     calibration: dict[str, dict[str, float]] = field(default_factory=dict)
+    ops: dict[str, dict[str, float]] = field(default_factory=dict)  # model -> aten ops per generated token
+    samples: list[dict[str, str]] = field(default_factory=list)  # greedy continuations of held-out prompts
     allowed_changes: dict[str, Any] = field(default_factory=dict)  # --resume --allow_changes: old -> new
 
     # ------------------------------------------------------------------ derived
@@ -107,6 +109,10 @@ class RunRecord:
             data["baseline_history"] = self.baseline_history
         if self.calibration:
             data["diagnostics"] = {"calibration": self.calibration}
+        if self.ops:
+            data["ops_per_token"] = self.ops
+        if self.samples:
+            data["samples"] = self.samples
         if self.allowed_changes:
             data["allowed_changes"] = self.allowed_changes
         return data

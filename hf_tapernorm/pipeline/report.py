@@ -166,6 +166,10 @@ def summary_lines(facts: Mapping[str, Any]) -> list[str]:
             f"fold check: max |logit diff| {_fmt(fold.get('max_abs_diff'), '.3g')}, "
             f"max relative {_fmt(fold.get('max_rel_diff'), '.3g')}"
         )
+    ops = facts.get("ops_per_token") or {}
+    if ops.get("original") and ops.get("folded"):
+        before, after = ops["original"]["aten_ops"], ops["folded"]["aten_ops"]
+        lines.append(f"aten ops per generated token: original {before:.0f}, folded {after:.0f} ({after / before - 1:+.1%})")
     if export.get("path"):
         lines.append(f"export: {export['path']} (reloaded: {export.get('reloaded', False)})")
     if facts.get("status") and facts["status"] != "finished":
@@ -191,12 +195,24 @@ def render_markdown(facts: Mapping[str, Any], plots: Mapping[str, str]) -> str:
             f"| {name} | {row['c']:.4g} | {row['gain_median']:.4g} | {row['gain_max']:.4g} |"
             for name, row in calibration.items()
         ]
+    samples = facts.get("samples") or []
+    if samples:
+        names = [k for k in samples[0] if k != "prompt"]
+        parts += ["", "## Greedy continuations of held-out prompts", "",
+                  "| prompt | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        parts += ["| " + " | ".join(_cell(row[k]) for k in ["prompt", *names]) + " |" for row in samples]
     parts += ["", "## Plots", ""]
     titles = {"gate": "Gate schedule", "loss": "Training loss", "scale": "Residual scale", "heldout": "Held-out loss"}
     for key, name in plots.items():
         parts += [f"### {titles[key]}", "", f"![{titles[key]}]({name})", ""]
     parts += ["All figures: report.json.", ""]
     return "\n".join(parts)
+
+
+def _cell(text: str, limit: int = 160) -> str:
+    """One Markdown table cell: newlines and pipes escaped, long text cut."""
+    text = text if len(text) <= limit else text[: limit - 1] + "…"
+    return "`" + text.replace("`", "'").replace("|", "\\|").replace("\n", "⏎") + "`"
 
 
 def _json_safe(value: Any) -> Any:

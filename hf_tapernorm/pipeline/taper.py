@@ -40,6 +40,7 @@ from .models import ModelSource, load_model, load_tokenizer, resolve_model
 from .record import DataFacts, ModelFacts, RunRecord, TrainingFacts, differences
 from .report import summary_lines, write_report
 from .run_folder import RunFolder, write_folder
+from .showcase import greedy_continuations, ops_per_generated_token
 from .training_run import RecordCallback, last_checkpoint, train
 
 logger = logging.getLogger(__name__)
@@ -258,14 +259,20 @@ class _Pipeline:
         return train(model, self.request.training, self.packed.train, folder, callbacks,
                      resume=self.request.run.resume, history=history)
 
+    def prompts(self, count: int = 3, length: int = 32) -> torch.Tensor:
+        """Held-out prompts (sink tokens included) for the report's side-by-side continuations."""
+        return self.heldout[:count, : len(self.packed.prefix_ids) + length]
+
     def run(self, model) -> int:
         record, main = self.record, self.state.is_main_process
         if main:
             record.heldout["original"] = self.evaluate(model, "original")
+            record.ops["original"] = ops_per_generated_token(model, self.prompts(1))
         baseline = copy.deepcopy(model) if self.request.run.baseline else None
         patch_model(model, record.config)
         record.tapered_norms = sum(1 for _ in tapered_norms(model))
-        trainer, interrupted = self.train(model, self.output.path, [TaperCallback()], record.history)
+        allowed = {key.rsplit(".", 1)[-1] for key in record.allowed_changes if key.startswith("taper.")}
+        trainer, interrupted = self.train(model, self.output.path, [TaperCallback(allow_changes=allowed)], record.history)
         if interrupted:
             return self.interrupted(f"interrupted at step {trainer.state.global_step}")
         steps = trainer.state.global_step
@@ -284,26 +291,29 @@ class _Pipeline:
                 return self.interrupted(f"interrupted in the baseline run at step {trainer.state.global_step}")
             if main:
                 record.heldout["baseline"] = self.evaluate(baseline, "baseline")
-            del baseline
         if main:
-            self.finish(model)
+            self.finish(model, baseline)
         self.state.wait_for_everyone()
         return 0
 
-    def finish(self, model) -> None:
+    def finish(self, model, baseline) -> None:
         record = self.record
         record.heldout["tapered"] = self.evaluate(model, "tapered")
         write_folder(self.output.path / "tapered", lambda tmp: save_tapered(model, tmp, self.tokenizer))
         record.export["tapered_checkpoint"] = str(self.output.path / "tapered")
-        self.fold_and_export(model, self.heldout[:2, len(self.packed.prefix_ids):])
+        folded = self.fold_and_export(model, self.heldout[:2, len(self.packed.prefix_ids):])
+        record.ops["folded"] = ops_per_generated_token(folded, self.prompts(1))
+        models = {"baseline": baseline} if baseline is not None else {}
+        models.update(tapered=model, folded=folded)
+        record.samples = greedy_continuations(models, self.prompts(), self.tokenizer, sink=self.packed.prefix_ids)
         record.status = "finished"
         write_report(self.output.path, record)
         self.output.record()
         print("\n".join(["", "hf-tapernorm taper: summary", *summary_lines(record.to_dict()),
                          f"report: {self.output.path / 'report.md'}"]))
 
-    def fold_and_export(self, model, probe) -> None:
-        """Fold the g = 0 model, evaluate it, write the export atomically, reload it and compare logits."""
+    def fold_and_export(self, model, probe):
+        """Fold the g = 0 model, evaluate it, write the export atomically, reload it, compare logits; the folded model."""
         record, folded_dir = self.record, self.output.path / "folded"
         folded = fold_model(model, tied_head=self.request.taper.tied_head, probe=probe)
         record.fold = folded.fold_report.to_dict()
@@ -323,6 +333,7 @@ class _Pipeline:
             raise TaperStateError(f"the folded export in {folded_dir} does not reload to the same model "
                                   f"(max |logit diff| {difference:.3g})")
         record.export.update({"path": str(folded_dir), "reloaded": True, "reload_max_abs_diff": difference})
+        return folded
 
     def interrupted(self, what: str) -> int:
         if self.state.is_main_process:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
@@ -30,6 +30,7 @@ from ..config import CONFIG_NAME, Step, TaperNormConfig, config_of
 from ..errors import ConfigurationError, TaperStateError
 from ..layers.taper_norm import is_patched
 from .controller import TaperController
+from .distributed import refuse_unsupported_sharding, refuse_unsupported_trainer_sharding
 from .divergence import DivergenceThresholds
 from .schedule import TaperSchedule
 
@@ -55,7 +56,8 @@ class TaperCallback(TrainerCallback):
     ``taper_start``/``taper_end``: optimizer steps (int) or fractions of ``max_steps`` (float);
     None means the model's TaperNormConfig. ``allow_incomplete=True`` lets a run end before g reaches
     0 (warning instead of error). ``thresholds``: the divergence watch (:class:`DivergenceThresholds`;
-    ``max_scale_ratio`` is a shortcut for its first field).
+    ``max_scale_ratio`` is a shortcut for its first field). ``allow_changes``: TaperNormConfig fields a
+    resumed run may change on purpose (any other difference from the checkpoint's config is refused).
 
     Logs ``taper/gate``, ``taper/scale_loss``, ``taper/residual_scale`` and ``taper/distill`` with every
     training log. The Trainer places reporting callbacks (TensorBoard, W&B, ...) before user callbacks
@@ -71,8 +73,10 @@ class TaperCallback(TrainerCallback):
         allow_incomplete: bool = False,
         max_scale_ratio: Optional[float] = None,
         thresholds: Optional[DivergenceThresholds] = None,
+        allow_changes: Iterable[str] = (),
     ) -> None:
         self.taper_start, self.taper_end = taper_start, taper_end
+        self.allow_changes = set(allow_changes)
         self.allow_incomplete = allow_incomplete
         if thresholds is None:
             thresholds = DivergenceThresholds(**({"max_scale_ratio": max_scale_ratio} if max_scale_ratio else {}))
@@ -96,7 +100,11 @@ class TaperCallback(TrainerCallback):
                 f"TaperCallback: {type(model).__name__} has no TaperNorm layers: call hf_tapernorm.patch_model(model) "
                 "before building the Trainer (also when resuming from a checkpoint)"
             )
-        if model is not None:  # a schedule that does not fit the run fails here, not after the first steps
+        # DeepSpeed ZeRO-3 and FSDP v1 (asked for, or already applied to the model) fail here, before training.
+        refuse_unsupported_trainer_sharding(args)
+        if model is not None:
+            refuse_unsupported_sharding(model)
+            # A schedule that does not fit the run fails here, not after the first steps.
             max_steps = getattr(args, "max_steps", None)
             max_steps = max_steps if max_steps and max_steps > 0 else None
             if max_steps is not None:
@@ -146,7 +154,8 @@ class TaperCallback(TrainerCallback):
         saved = folder / CONFIG_NAME
         if saved.is_file():
             previous = TaperNormConfig.from_pretrained(folder)
-            differences = {k: (v, getattr(config, k)) for k, v in previous.to_dict().items() if getattr(config, k) != v}
+            differences = {k: (v, getattr(config, k)) for k, v in previous.to_dict().items()
+                           if getattr(config, k) != v and k not in self.allow_changes}
             if differences:
                 listing = "; ".join(f"{k}: {old!r} in the checkpoint, {new!r} now" for k, (old, new) in differences.items())
                 raise TaperStateError(
@@ -173,7 +182,10 @@ class TaperCallback(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-        if self.controller is not None and state.is_world_process_zero and folder.is_dir():
+        if self.controller is None:
+            return
+        # An FSDP2 teacher is written by all ranks together: every rank calls, whatever its view of the folder.
+        if self.controller.saves_collectively or (state.is_world_process_zero and folder.is_dir()):
             self.controller.save_state(folder)
 
 

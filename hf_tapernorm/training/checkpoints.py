@@ -24,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from ..config import CONFIG_NAME, TaperNormConfig, config_of
 from ..errors import ConfigurationError, TaperStateError
 from ..layers.patching import patch_model
+from .sharded import is_sharded_checkpoint, read_sharded_model_state
 
 #: The file of tapered checkpoints written before TaperNormConfig (patch_model's options): still read.
 LEGACY_CONFIG_NAME = "tapernorm.json"
@@ -65,7 +66,8 @@ def tapered_config_of(folder: Union[str, os.PathLike]) -> TaperNormConfig:
 
 
 def load_tapered(folder: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = None) -> nn.Module:
-    """Rebuild a patched model from a tapered checkpoint (or a Trainer checkpoint of a taper run).
+    """Rebuild a patched model from a tapered checkpoint (or a Trainer checkpoint of a taper run, or a sharded
+    checkpoint of ``save_sharded_checkpoint``, read whole in this process).
 
     Every tensor of the checkpoint must land in the patched model and every TaperNorm tensor must
     be present; anything else is an error naming the file or the tensors, because a partly loaded
@@ -73,22 +75,11 @@ def load_tapered(folder: Union[str, os.PathLike], *, dtype: Optional[torch.dtype
     """
     folder = Path(folder)
     taper_config = tapered_config_of(folder)
-    shards = sorted(folder.glob("*.safetensors"))
-    shards = [s for s in shards if not s.name.startswith("distillation_")]
-    if not shards:
-        raise TaperStateError(f"tapered checkpoint '{folder}' has no .safetensors weights")
+    state = read_sharded_model_state(folder) if is_sharded_checkpoint(folder) else _read_safetensors(folder)
     try:
         config = AutoConfig.from_pretrained(folder)
     except Exception as error:
         raise ConfigurationError(f"cannot read the config of tapered checkpoint '{folder}': {error}") from error
-    state = {}
-    for shard in shards:
-        try:
-            state.update(load_file(str(shard)))
-        except (SafetensorError, OSError) as error:
-            raise TaperStateError(
-                f"cannot read {shard} (truncated or not a safetensors file?): {error}; re-save the checkpoint"
-            ) from None
     weights = [t.dtype for t in state.values() if t.is_floating_point() and t.dim() >= 2]
     torch_dtype = dtype if dtype is not None else max(set(weights), key=weights.count)
     model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
@@ -112,6 +103,22 @@ def load_tapered(folder: Union[str, os.PathLike], *, dtype: Optional[torch.dtype
         )
     model.tie_weights()
     return model.eval()
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    shards = sorted(folder.glob("*.safetensors"))
+    shards = [s for s in shards if not s.name.startswith("distillation_")]
+    if not shards:
+        raise TaperStateError(f"tapered checkpoint '{folder}' has no .safetensors weights")
+    state = {}
+    for shard in shards:
+        try:
+            state.update(load_file(str(shard)))
+        except (SafetensorError, OSError) as error:
+            raise TaperStateError(
+                f"cannot read {shard} (truncated or not a safetensors file?): {error}; re-save the checkpoint"
+            ) from None
+    return state
 
 
 __all__ = ["LEGACY_CONFIG_NAME", "is_tapered_checkpoint", "load_tapered", "save_tapered", "tapered_config_of"]

@@ -26,8 +26,14 @@ from ..layers.scale_anchor import DEVIATION_SUM, SCALE_SUM, TOKENS, ScaleAnchor,
 from ..layers.taper_norm import is_patched, tapered_norms
 from ..utils import all_reduce_sum
 from .calibration import calibrate, update_statistics
-from .distillation import SNAPSHOT_NAME, Distillation, frozen_copy
-from .distributed import refuse_unsupported_sharding
+from .distillation import SHARDED_SNAPSHOT_NAME, SNAPSHOT_NAME, Distillation, frozen_copy
+from .distributed import (
+    is_main_process,
+    load_sharded_module,
+    refuse_unsupported_sharding,
+    save_sharded_module,
+    sharding_engine,
+)
 from .divergence import DivergenceThresholds, DivergenceWatch
 from .schedule import TaperSchedule
 
@@ -78,6 +84,7 @@ class TaperController:
         elif max_scale_ratio is not None:
             raise ConfigurationError("pass max_scale_ratio inside thresholds=DivergenceThresholds(...), not both")
         self.model = model
+        self._sharded = sharding_engine(model) == "fsdp2"
         self.schedule = schedule
         self.watch = DivergenceWatch(thresholds)
         self.gate = 1.0
@@ -99,18 +106,36 @@ class TaperController:
         ).attach(self.model)
 
     # ------------------------------------------------------------------ checkpoints and resume
+    @property
+    def saves_collectively(self) -> bool:
+        """Whether :meth:`save_state` is a collective (every rank must call it): the teacher of an FSDP2 model
+        is sharded, and each rank writes its own shards."""
+        return self._sharded
+
     def save_state(self, folder: Union[str, Path]) -> None:
-        """Write what the model's own checkpoint does not hold: the config and the distillation teacher."""
+        """Write what the model's own checkpoint does not hold: the config and the distillation teacher.
+
+        The main process writes the files; under FSDP2 every rank must call it, and the teacher is written as a
+        torch.distributed.checkpoint folder (``distillation_teacher/``) by all ranks together."""
         folder = Path(folder)
-        self.config.save_pretrained(folder)
-        if self.distillation is not None and self.distillation.has_snapshot:
+        if is_main_process():
+            self.config.save_pretrained(folder)
+        if self.distillation is None or not self.distillation.has_snapshot:
+            return
+        if sharding_engine(self.distillation.teacher) == "fsdp2":
+            save_sharded_module(folder / SHARDED_SNAPSHOT_NAME, self.distillation.teacher)
+        elif is_main_process():
             self.distillation.save_snapshot(folder / SNAPSHOT_NAME)
 
     def load_state(self, folder: Union[str, Path]) -> None:
         """Restore :meth:`save_state`'s files from a checkpoint folder (before resuming at its step)."""
-        path = Path(folder) / SNAPSHOT_NAME
-        if self.distillation is not None and path.is_file():
-            self.distillation.load_snapshot(path, self.model)
+        if self.distillation is None:
+            return
+        folder = Path(folder)
+        if (folder / SHARDED_SNAPSHOT_NAME).is_dir():
+            load_sharded_module(folder / SHARDED_SNAPSHOT_NAME, self.distillation.restored_teacher(self.model))
+        elif (folder / SNAPSHOT_NAME).is_file():
+            self.distillation.load_snapshot(folder / SNAPSHOT_NAME, self.model)
 
     def check_resume(self, step: int) -> None:
         """Refuse a model whose TaperNorm state does not fit ``step`` (dropped by a non-strict load, or a

@@ -4,7 +4,8 @@ The term is ``weight * KL(teacher || student)`` on the next-token distributions,
 losses through ``layers/loss_terms.py``. The teacher is the model itself, frozen at one moment:
 when the gate first falls below 1 (``from_gate_start``, the default: the model has then already
 adapted to the new data at g = 1, so the KL repairs only what tapering breaks) or before training.
-It costs a second copy of the weights and a teacher forward per training forward; with
+It costs a second copy of the weights (no gradients, no optimizer state; under FSDP2 a second shard per
+rank) and a teacher forward per training forward; with
 ``until_taper_end`` the teacher is released once the gate reaches 0, and later steps cost what a
 normalized step costs. ``TaperController`` (and so ``TaperCallback``) builds it from the model's
 TaperNormConfig and saves the snapshot with checkpoints; nobody needs to build one by hand.
@@ -26,10 +27,12 @@ from ..errors import ConfigurationError
 from ..layers.loss_terms import ForwardInputs, add_training_loss_term, remove_training_loss_term
 from ..layers.patching import gate_of
 from ..layers.taper_norm import taper_norms
+from .distributed import sharded_copy, sharding_engine
 
 logger = logging.getLogger(__name__)
 
 SNAPSHOT_NAME = "distillation_teacher.safetensors"
+SHARDED_SNAPSHOT_NAME = "distillation_teacher"  # the FSDP2 teacher: a torch.distributed.checkpoint folder
 _TERM = "distillation"
 
 
@@ -38,16 +41,20 @@ def frozen_copy(model: nn.Module) -> nn.Module:
 
     A TaperNorm at gate 1 is exactly the norm it replaced, so the copy needs no unpatching and keeps
     the model's parameter names (its state dict loads the model's weights as they are). The copy
-    carries no training hooks: it adds no loss terms and gathers no statistics.
+    carries no training hooks: it adds no loss terms and gathers no statistics. The copy of an FSDP2-sharded
+    model is sharded the same way (``distributed.sharded_copy``): one more shard of the weights per rank.
     """
-    loss_terms = model.__dict__.pop("_tapernorm_loss_terms", None)
-    try:
-        teacher = copy.deepcopy(model)
-    finally:
-        if loss_terms is not None:
-            model.__dict__["_tapernorm_loss_terms"] = loss_terms
-    teacher._forward_pre_hooks.clear()  # the sink marker: a teacher at gate 1 normalizes every position anyway
-    teacher._forward_hooks.clear()
+    if sharding_engine(model) == "fsdp2":
+        teacher = sharded_copy(model)
+    else:
+        loss_terms = model.__dict__.pop("_tapernorm_loss_terms", None)
+        try:
+            teacher = copy.deepcopy(model)
+        finally:
+            if loss_terms is not None:
+                model.__dict__["_tapernorm_loss_terms"] = loss_terms
+        teacher._forward_pre_hooks.clear()  # the sink marker: a teacher at gate 1 normalizes every position anyway
+        teacher._forward_hooks.clear()
     for _, layer in taper_norms(teacher):
         layer.anchor = None
         if layer.tapered:
@@ -109,13 +116,18 @@ class Distillation:
 
     def load_snapshot(self, path: Path, model: Optional[nn.Module] = None) -> None:
         """Restore the teacher saved with a checkpoint (a resumed run); ``model`` shapes it if none exists yet."""
+        load_model(self.restored_teacher(model), str(path), strict=False)
+        logger.info("Distillation: restored the gate-start teacher from %s", path)
+
+    def restored_teacher(self, model: Optional[nn.Module] = None) -> nn.Module:
+        """The teacher a checkpoint's snapshot is loaded into (made from ``model`` if none exists yet), marked as
+        the run's final teacher: the snapshot replaces the one this process would otherwise take."""
         if self.teacher is None:
             if model is None:
-                raise ConfigurationError("Distillation.load_snapshot needs the model to shape a teacher from")
+                raise ConfigurationError("Distillation: restoring a snapshot needs the model to shape a teacher from")
             self.teacher = frozen_copy(model)
-        load_model(self.teacher, str(path), strict=False)
         self._saw_gate_one = self._teacher_final = True
-        logger.info("Distillation: restored the gate-start teacher from %s", path)
+        return self.teacher
 
     def step_begin(self, model: nn.Module, gate: float) -> None:
         """Before the forwards of an optimizer step with ``gate``: snapshot or release the teacher when due."""
@@ -232,4 +244,4 @@ def distillation_loss(
     return (kl * mask).sum() / mask.sum().clamp_min(1.0)
 
 
-__all__ = ["SNAPSHOT_NAME", "Distillation", "distillation_loss", "frozen_copy"]
+__all__ = ["SHARDED_SNAPSHOT_NAME", "SNAPSHOT_NAME", "Distillation", "distillation_loss", "frozen_copy"]

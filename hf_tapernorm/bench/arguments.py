@@ -1,0 +1,167 @@
+"""The benchmark's options and its grid of cases, checked before any model is loaded.
+
+``hf-tapernorm bench`` parses like every other subcommand (``cli/parsing.py``: transformers'
+``HfArgumentParser``, one-line usage errors, or a single JSON/YAML file of options). Lists are
+``list[...]`` fields, whose choices argparse cannot check, so ``__post_init__`` checks them: a typo
+fails in a second, not after the minutes it takes to load a model and build its variants.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from ..cli.parsing import parse
+from ..errors import ConfigurationError
+
+PROG = "hf-tapernorm bench"
+NORMS = ("recipe", "internal", "all")
+KINDS = ("original", "explicit", "folded", "limit")
+MODES = ("last", "full", "decode", "train")
+EXECUTIONS = ("eager", "compile")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+def _check_list(name: str, values: Sequence, choices: Optional[Sequence] = None) -> None:
+    """A list option: not empty, no value twice (it would be timed twice), each among ``choices`` when given."""
+    if not values:
+        raise ConfigurationError(f"--{name} needs at least one value")
+    wrong = [v for v in values if choices is not None and v not in choices]
+    if wrong:
+        raise ConfigurationError(f"--{name}: {', '.join(map(repr, wrong))} not among {', '.join(choices)}")
+    if len(set(values)) != len(values):
+        raise ConfigurationError(f"--{name} lists a value twice: {' '.join(map(str, values))}")
+
+
+@dataclass
+class BenchArguments:
+    """Every option of ``hf-tapernorm bench``; see ``--help`` for each."""
+
+    model_name_or_path: Optional[str] = field(
+        default=None, metadata=_help("Hub id, local folder or .gguf file (default: the embedded SmolLM2-135M).")
+    )
+    gguf_file: Optional[str] = field(default=None, metadata=_help("GGUF file name inside --model_name_or_path."))
+    norms: list[str] = field(
+        default_factory=lambda: ["recipe"],
+        metadata=_help("Which norms the inference variants remove: recipe (those the model's default recipe, "
+                       "TaperNormConfig.for_model, tapers), internal (every internal norm: Internal-Taper), all (the "
+                       "final norm too). Several values prefix the variant names (internal-folded, ...)."),
+    )
+    variants: list[str] = field(
+        default_factory=lambda: list(KINDS),
+        metadata=_help("Inference variants: original (unpatched), explicit (patched at g = 0, the per-channel maps as "
+                       "operations), folded (the exported norm-free model, reloaded), limit (the removed norms "
+                       "replaced by identity: the ceiling)."),
+    )
+    modes: list[str] = field(
+        default_factory=lambda: ["last", "decode"],
+        metadata=_help("last (last-position logits, no cache), full (all logits), decode (KV-cached greedy "
+                       "decoding), train (optimizer steps of the default recipe's phases against the unpatched model)."),
+    )
+    batch_sizes: list[int] = field(default_factory=lambda: [1], metadata=_help("Sequences per batch."))
+    seq_lens: list[int] = field(default_factory=lambda: [128], metadata=_help("Sequence (decode: prompt) length."))
+    new_tokens: int = field(default=32, metadata=_help("Decoded tokens per decode run."))
+    dtypes: list[str] = field(default_factory=lambda: ["fp32"], metadata=_help("Weight dtypes: fp32, bf16, fp16."))
+    devices: list[str] = field(default_factory=lambda: ["cpu"], metadata=_help("cpu, cuda, cuda:1, ..."))
+    threads: list[int] = field(
+        default_factory=lambda: [min(2, os.cpu_count() or 1)], metadata=_help("torch.set_num_threads values.")
+    )
+    execution: list[str] = field(default_factory=lambda: ["eager"], metadata=_help("eager and/or compile."))
+    compile_backend: Optional[str] = field(default=None, metadata=_help("torch.compile backend (default: inductor)."))
+    compile_mode: Optional[str] = field(
+        default=None, metadata=_help("torch.compile mode, e.g. reduce-overhead (CUDA graphs on GPU).")
+    )
+    warmup: int = field(default=2, metadata=_help("Untimed runs of every variant before timing."))
+    repeats: int = field(default=10, metadata=_help("Timed rounds; each runs every variant once, in rotating order."))
+    calibration_batches: int = field(
+        default=4,
+        metadata=_help("Batches that calibrate c: random tokens for the inference variants; for train, real text "
+                       "batches run as optimizer steps at g = 1 before the taper workloads are timed."),
+    )
+    op_counts: bool = field(default=True, metadata=_help("Count aten operations with torch.profiler."))
+    dataset_name: Optional[str] = field(
+        default=None,
+        metadata=_help("Text of the train mode: a Hub dataset or a local txt/json/jsonl/parquet/csv file or folder "
+                       "(default: the embedded corpus, the Python standard library's sources)."),
+    )
+    dataset_config_name: Optional[str] = field(default=None, metadata=_help("Hub dataset configuration."))
+    text_column: Optional[str] = field(default=None, metadata=_help("Column holding the text (default: text)."))
+    learning_rate: float = field(default=1e-4, metadata=_help("AdamW learning rate of the train mode's steps."))
+    seed: int = field(default=0, metadata=_help("Seed of the random tokens of the inference modes."))
+    output_dir: str = field(default="runs/bench", metadata=_help("Where bench.json and bench.png are written."))
+
+    def __post_init__(self) -> None:
+        _check_list("norms", self.norms, NORMS)
+        _check_list("variants", self.variants, KINDS)
+        _check_list("modes", self.modes, MODES)
+        _check_list("dtypes", self.dtypes, tuple(DTYPES))
+        _check_list("execution", self.execution, EXECUTIONS)
+        for name in ("batch_sizes", "seq_lens", "threads", "devices"):
+            _check_list(name, getattr(self, name))
+        for name in ("batch_sizes", "seq_lens", "threads"):
+            if any(v < 1 for v in getattr(self, name)):
+                raise ConfigurationError(f"--{name} must be positive, got {' '.join(map(str, getattr(self, name)))}")
+        for name, least in (("new_tokens", 1), ("repeats", 1), ("calibration_batches", 1), ("warmup", 0)):
+            if getattr(self, name) < least:
+                raise ConfigurationError(f"--{name} must be at least {least}, got {getattr(self, name)}")
+        if not self.learning_rate > 0:
+            raise ConfigurationError(f"--learning_rate must be positive, got {self.learning_rate}")
+        if "train" in self.modes and any(s < 4 for s in self.seq_lens):
+            raise ConfigurationError("--modes train packs text blocks of --seq_lens tokens: each must be at least 4")
+        for device in self.devices:
+            if device.startswith("cuda") and not torch.cuda.is_available():
+                raise ConfigurationError(f"device {device!r} requested but CUDA is not available here")
+
+    @property
+    def compile_options(self) -> dict[str, str]:
+        """Keyword arguments of ``torch.compile`` (backend and mode, where given)."""
+        return {k: v for k, v in (("backend", self.compile_backend), ("mode", self.compile_mode)) if v}
+
+
+def parse_arguments(argv: Sequence[str]) -> BenchArguments:
+    """``argv`` as BenchArguments; a bad option raises ``UsageError``/``ConfigurationError`` (exit 2 via the CLI)."""
+    (arguments,) = parse([BenchArguments], argv, PROG)
+    return arguments
+
+
+@dataclass(frozen=True)
+class Case:
+    """One point of the benchmark grid: every variant (or train workload) is timed on it, interleaved."""
+
+    mode: str
+    batch: int
+    seq_len: int
+    new_tokens: int
+    dtype: str
+    device: str
+    threads: int
+    compiled: bool
+
+    @property
+    def steps(self) -> int:
+        """Model forwards per timed run (decode: one per new token), so op counts are per forward."""
+        return self.new_tokens if self.mode == "decode" else 1
+
+    def label(self) -> str:
+        shape = f"b{self.batch} T{self.seq_len}" + (f"+{self.new_tokens}" if self.mode == "decode" else "")
+        run = "compiled" if self.compiled else "eager"
+        return f"{self.mode} {shape} {self.dtype} {self.device} {self.threads}t {run}"
+
+
+def cases(arguments: BenchArguments, dtype: str, device: str) -> Iterator[Case]:
+    """The grid of one dtype and device, in the order the options list them."""
+    for threads, execution, mode, batch, seq_len in itertools.product(
+        arguments.threads, arguments.execution, arguments.modes, arguments.batch_sizes, arguments.seq_lens
+    ):
+        yield Case(mode, batch, seq_len, arguments.new_tokens, dtype, device, threads, execution == "compile")
+
+
+__all__ = ["DTYPES", "KINDS", "MODES", "NORMS", "BenchArguments", "Case", "cases", "parse_arguments"]

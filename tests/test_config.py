@@ -1,0 +1,195 @@
+"""TaperNormConfig: one object for every choice, its presets, its round trips, and the recipe of every family."""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+
+import pytest
+import torch
+
+from hf_tapernorm import (
+    ConfigurationError,
+    TaperController,
+    TaperNormConfig,
+    TaperSchedule,
+    TaperStateError,
+    export_folded,
+    fold_model,
+    gate_of,
+    load_tapered,
+    patch_model,
+    save_tapered,
+    taper_norms,
+)
+from hf_tapernorm.experimental.linear_fit import fit_linear_branch
+from tests.conftest import (
+    DISCOVERED_CASES,
+    FAMILY_CASES,
+    build,
+    char_tokenizer,
+    random_batches,
+    tiny_family_config,
+    tiny_llama_config,
+)
+
+# What the recipe keeps, per family: every layer's norms of these names stay real norms.
+KEPT = {
+    "llama": {"post_attention_layernorm"}, "mistral": {"post_attention_layernorm"}, "qwen2": {"post_attention_layernorm"},
+    "gemma": {"post_attention_layernorm"}, "phi3": {"post_attention_layernorm"},
+    "qwen3": {"post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"},
+    "gemma2": {"pre_feedforward_layernorm"},
+    "gemma3_text": {"pre_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm"},
+    "phi": set(), "phi-qk_layernorm": {"self_attn.q_layernorm", "self_attn.k_layernorm"},
+    "gpt_neox": set(), "gpt_neox-sequential": set(), "opt": set(), "opt-project_out": set(), "falcon": set(),
+    "falcon-sequential": set(), "falcon-two_norms": set(), "gpt2": set(),
+    "olmo2": {"post_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm"},  # no input norms: the output one
+    "starcoder2": set(),
+}  # fmt: skip
+GATED = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2"}
+
+
+def test_every_family_has_a_recipe_case():
+    assert set(KEPT) == set(FAMILY_CASES) | set(DISCOVERED_CASES)
+
+
+@pytest.mark.parametrize("case", sorted(KEPT))
+def test_for_model_derives_the_recipe_from_the_structure(case):
+    model = build(tiny_family_config(case))
+    config = TaperNormConfig.for_model(model)
+    kept = {name.split(".", 3)[-1] for name in config.keep_norms}
+    assert kept == KEPT[case]
+    assert len(config.keep_norms) == 2 * len(KEPT[case])  # every layer of the two
+    family = tiny_family_config(case).model_type
+    if family in GATED:
+        assert config.recipe == "gated-mlp" and config.distill_weight == 1.0 and config.relative_scale_loss
+        assert config.sink_token_ids == [model.config.bos_token_id]  # the config's BOS without a tokenizer
+    else:
+        assert config.recipe.startswith("paper") and config.distill_weight == 0.0 and config.sink_token_ids == []
+        assert config == TaperNormConfig.paper(keep_norms=config.keep_norms, recipe=config.recipe)
+
+
+def test_the_sink_comes_from_the_tokenizer_and_is_absent_without_bos(caplog):
+    model = build(tiny_llama_config(bos_token_id=None))
+    assert TaperNormConfig.for_model(model, char_tokenizer()).sink_token_ids == [127]  # no BOS: its EOS
+    with caplog.at_level(logging.WARNING, logger="hf_tapernorm"):
+        assert TaperNormConfig.for_model(model).sink_token_ids == []
+    assert "no BOS token id" in caplog.text and "keeps no attention sink normalized" in caplog.text
+    overridden = TaperNormConfig.for_model(model, char_tokenizer(), sink_token_ids=[], scope="all")
+    assert overridden.sink_token_ids == [] and overridden.scope == "all"
+
+
+@pytest.mark.parametrize("case", sorted(KEPT))
+def test_the_default_recipe_of_every_family_reaches_gate_zero_and_folds(case):
+    torch.manual_seed(0)
+    model = build(tiny_family_config(case)).train()
+    config = TaperNormConfig.for_model(model, taper_start=2, taper_end=8)
+    patch_model(model, config)
+    controller = TaperController(model, total_steps=10)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sink = torch.tensor(config.sink_token_ids, dtype=torch.long)
+    for step, ids in enumerate(random_batches(n=10, batch=2, length=15, seed=3)):
+        ids = torch.cat([sink.expand(2, -1), ids], 1)
+        controller.step_begin(step)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        controller.step_end(step)  # raises TaperDivergenceError if the watch fires
+    assert gate_of(model) == 0.0
+    assert (controller.distillation is not None) == (config.distill_weight > 0)
+    folded = fold_model(model)
+    assert folded.fold_report.max_rel_diff <= 1e-4
+    assert set(folded.config.kept_norms) == set(config.keep_norms) | {folded.config.final_norm}
+
+
+def test_validation_names_the_field():
+    for kwargs, message in (
+        ({"scope": "inner"}, "TaperNormConfig.scope must be one of internal, final, all, got 'inner'"),
+        ({"ema_rate": 0}, "TaperNormConfig.ema_rate must be in (0, 1], got 0"),
+        ({"calibration_scale": 0}, "TaperNormConfig.calibration_scale must be positive"),
+        ({"scale_loss_weight": -1}, "TaperNormConfig.scale_loss_weight must be >= 0"),
+        ({"linear_fit": "mean"}, "TaperNormConfig.linear_fit must be one of paper, per_channel"),
+        ({"distill_until": "never"}, "TaperNormConfig.distill_until must be one of end, taper_end"),
+        ({"taper_start": 0.5, "taper_end": 0.4}, "taper_end (0.4) must come after taper_start (0.5)"),
+        ({"taper_end": 1.5}, "a float is a fraction of the run and must be in (0, 1]"),
+        ({"keep_norms": [""]}, "keep_norms holds an empty pattern"),
+    ):
+        with pytest.raises(ConfigurationError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            TaperNormConfig(**kwargs)
+    with pytest.raises(ConfigurationError, match=r"unknown TaperNormConfig field\(s\) \['scop'\]"):
+        TaperNormConfig.from_dict({"scop": "all"})
+
+
+def test_round_trips_dict_json_checkpoint_and_export(tmp_path):
+    config = TaperNormConfig.paper(keep_norms=["model.layers.1.*"], sink_token_ids=[5], taper_start=2, taper_end=0.5,
+                                   linear_fit="per_channel", distill_weight=0.5, distill_until="taper_end")
+    assert TaperNormConfig.from_dict(config.to_dict()) == config
+    assert TaperNormConfig.from_dict(json.loads(config.to_json_string())) == config
+    assert TaperNormConfig.from_pretrained(config.save_pretrained(tmp_path / "json").parent) == config
+    model = patch_model(build(tiny_llama_config()), config).train()
+    for ids in random_batches():
+        model(input_ids=torch.cat([torch.full((2, 1), 5), ids], 1))
+    TaperController(model, total_steps=10, distillation=False).step_begin(2)  # calibrates
+    save_tapered(model, tmp_path / "ckpt")
+    assert json.loads((tmp_path / "ckpt" / "tapernorm_config.json").read_text()) == config.to_dict()
+    reloaded = load_tapered(tmp_path / "ckpt")
+    assert reloaded.tapernorm_config == config
+    for (name, layer), (_, original) in zip(taper_norms(reloaded), taper_norms(model)):
+        assert layer.per_channel == original.per_channel and layer.tapered == original.tapered, name
+    from hf_tapernorm import set_gate
+
+    set_gate(reloaded, 0.0)
+    export = export_folded(fold_model(reloaded), tmp_path / "export")
+    assert json.loads((export / "config.json").read_text())["tapernorm_config"] == config.to_dict()
+
+
+def test_the_per_channel_fit_is_least_squares_over_the_warmup():
+    batches = random_batches(n=2, batch=2, length=16)
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper(linear_fit="per_channel")).train()
+    reference = patch_model(build(tiny_llama_config()), TaperNormConfig.paper())
+    controller = TaperController(model, TaperSchedule(1, 3), total_steps=3, distillation=False)
+    controller.step_begin(0)
+    for ids in batches:  # one optimizer step of two micro-batches (no update: the weights stay those of reference)
+        model(input_ids=ids)
+    controller.step_end(0)
+    controller.step_begin(1)  # calibrates from the EMA of that step
+    fit_linear_branch(reference, batches, trim=None, per_channel=True)  # the same least squares, from the batches
+    fitted = dict(taper_norms(reference))
+    for name, layer in taper_norms(model):
+        if layer.tapered:
+            torch.testing.assert_close(layer.c * layer.taper_weight, fitted[name].c * fitted[name].taper_weight,
+                                       rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_keyword_interface_still_works_and_warns_once():
+    with pytest.warns(FutureWarning, match=r"patch_model\(model, keep_norms=\.\.\., scope=\.\.\.\) is deprecated: pass "
+                                           r"patch_model\(model, TaperNormConfig\.paper\("):
+        model = patch_model(build(tiny_llama_config()), scope="all", keep_norms=["model.layers.0.*"])
+    assert model.tapernorm_config == TaperNormConfig.paper(scope="all", keep_norms=["model.layers.0.*"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patch_model(build(tiny_llama_config()), scope="all", keep_norms=["model.layers.1.*"])  # warned once already
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['scale'\]"):
+        patch_model(build(tiny_llama_config()), scale=1)
+
+
+def test_resuming_under_another_config_is_refused(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from hf_tapernorm import TaperCallback
+
+    ids = torch.randint(0, 128, (16, 12), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+
+    def trainer(config, steps=6):
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=2,
+                                 save_steps=3, report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=1)
+        model = patch_model(build(tiny_llama_config()), config)
+        return Trainer(model=model, args=args, train_dataset=data, callbacks=[TaperCallback()])
+
+    trainer(TaperNormConfig.paper(taper_start=1, taper_end=5)).train()
+    assert (tmp_path / "checkpoint-3" / "tapernorm_config.json").is_file()
+    with pytest.raises(TaperStateError, match=r"another TaperNormConfig \(ema_rate: 0\.01 in the checkpoint, 0\.1 now\)"):
+        trainer(TaperNormConfig.paper(taper_start=1, taper_end=5, ema_rate=0.1)).train(
+            resume_from_checkpoint=str(tmp_path / "checkpoint-3"))

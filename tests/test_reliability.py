@@ -1,0 +1,265 @@
+"""Never lose a run: every bad input fails early with one line, and no destructive path touches a foreign file.
+
+Each case checks the exit code, the message, and, where files could be lost, that every file of the
+folder is byte-for-byte what it was.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+from hf_tapernorm import (
+    ConfigurationError,
+    DivergenceThresholds,
+    TaperCallback,
+    TaperController,
+    TaperDivergenceError,
+    TaperNormConfig,
+    TaperSchedule,
+    TaperStateError,
+    UnsupportedModelError,
+    calibrate,
+    load_tapered,
+    patch_model,
+    save_tapered,
+    set_gate,
+    taper_norms,
+)
+from tests.conftest import build, random_batches, tiny_llama_config
+from tests.test_cli import run_main, taper_argv, workspace  # noqa: F401 - the CLI workspace fixture
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def error_of(argv: list[str], code: int = 2) -> str:
+    status, _, stderr = run_main(argv)
+    assert status == code, stderr[-2000:]
+    lines = [line for line in stderr.strip().splitlines() if line.startswith("hf-tapernorm")]
+    assert lines, stderr[-2000:]
+    return lines[-1]
+
+
+@pytest.fixture(scope="module")
+def finished(workspace, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("reliability") / "run"
+    code, _, stderr = run_main(taper_argv(workspace, out, "--distill_weight", "0", steps=8))
+    assert code == 0, stderr
+    return out
+
+
+# ----------------------------------------------------------------------------- the output folder
+def test_resume_without_a_checkpoint_refuses_a_folder_with_files(workspace, tmp_path):  # noqa: F811
+    out = tmp_path / "x"
+    (out / "folded").mkdir(parents=True)
+    (out / "folded" / "IMPORTANT.txt").write_text("mine")
+    (out / "tapered").mkdir()
+    (out / "tapered" / "notes.md").write_text("also mine")
+    before = snapshot(out)
+    message = error_of([*taper_argv(workspace, out), "--resume"])
+    assert message.startswith(f"hf-tapernorm taper: error: --resume: '{out}' holds no checkpoint of an hf-tapernorm run")
+    assert "folded/IMPORTANT.txt" in message and "tapered/notes.md" in message
+    assert snapshot(out) == before
+
+
+def test_overwrite_checks_every_value_before_it_deletes_anything(workspace, finished):  # noqa: F811
+    before = snapshot(finished)
+    for flags, expected in (
+        (["--scope", "inner"], "argument --scope: invalid choice: 'inner'"),
+        (["--ema_rate", "0"], "--ema_rate must be in (0, 1], got 0.0"),
+        (["--calibration_scale", "0"], "--calibration_scale must be positive, got 0.0"),
+        (["--scale_loss_weight", "-1"], "--scale_loss_weight must be >= 0, got -1.0"),
+        (["--tied_head", "bogus"], "argument --tied_head/--tied-head: invalid choice: 'bogus'"),
+        (["--keep_norms", "*norm*"], "nothing would taper in LlamaForCausalLM"),
+        (["--block_size", "1000"], "--block_size 1000 exceeds the model's 64 positions"),
+        (["--heldout_blocks", "0"], "--heldout_blocks must be positive, got 0"),
+        (["--no_such_flag", "1"], "unrecognized arguments: ['--no_such_flag', '1']"),
+    ):
+        message = error_of([*taper_argv(workspace, finished, steps=8), "--overwrite", *flags])
+        assert expected in message, (flags, message)
+        assert snapshot(finished) == before, flags
+
+
+def test_overwrite_replaces_only_a_folder_of_our_own(workspace, finished, tmp_path):  # noqa: F811
+    copy = tmp_path / "run"
+    import shutil
+
+    shutil.copytree(finished, copy)
+    (copy / "folded" / "IMPORTANT.txt").write_text("a user file inside our export")
+    before = snapshot(copy)
+    message = error_of([*taper_argv(workspace, copy, steps=8), "--overwrite"])
+    assert message == (f"hf-tapernorm taper: error: refusing to --overwrite '{copy}': it holds files hf-tapernorm did "
+                       "not write (folded/IMPORTANT.txt); move them away first")
+    assert snapshot(copy) == before
+    (copy / "folded" / "IMPORTANT.txt").unlink()
+    code, _, stderr = run_main([*taper_argv(workspace, copy, "--distill_weight", "0", steps=8), "--overwrite"])
+    assert code == 0, stderr
+    assert json.loads((copy / "report.json").read_text())["status"] == "finished"
+
+
+def test_resume_refuses_a_different_run_and_names_what_differs(workspace, finished):  # noqa: F811
+    before = snapshot(finished)
+    message = error_of([*taper_argv(workspace, finished, "--distill_weight", "0", steps=9), "--resume"])
+    assert message.startswith("hf-tapernorm taper: error: --resume: these options differ from the run in")
+    assert "training.max_steps: 8 in the run, 9 now" in message and "--allow_changes" in message
+    other_model = error_of([*taper_argv(workspace, finished, "--distill_weight", "0", model="gpt2", steps=8), "--resume"])
+    assert "model: " in other_model and "gpt2" in other_model
+    assert snapshot(finished) == before
+    # A deliberate change is allowed by name and recorded: here one more step at g = 0 (the gate does not move).
+    code, _, stderr = run_main([*taper_argv(workspace, finished, "--distill_weight", "0", steps=9), "--resume",
+                                "--allow_changes", "max_steps,taper_end"])
+    assert code == 0, stderr
+    report = json.loads((finished / "report.json").read_text())
+    assert report["allowed_changes"]["training.max_steps"] == {"run": 8, "now": 9}
+    assert report["training"]["steps"] == 9 and report["status"] == "finished"
+
+
+def test_a_schedule_change_that_moves_the_gate_is_refused_on_resume():
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper()).train()
+    for ids in random_batches():
+        model(input_ids=ids)
+    calibrate(model)
+    set_gate(model, TaperSchedule(2, 10).resolve(20).gate(6))  # a checkpoint at step 6 of a 2 -> 10 taper
+    controller = TaperController(model, TaperSchedule(2, 16), total_steps=20)
+    with pytest.raises(TaperStateError, match=r"resuming at step 6: model\.layers\.0\.input_layernorm has gate 0\.5000.* "
+                                              r"the schedule changed since the checkpoint was written"):
+        controller.check_resume(6)
+
+
+# ----------------------------------------------------------------------------- one-line errors
+def test_fold_refuses_a_checkpoint_above_gate_zero(workspace, tmp_path):  # noqa: F811
+    model = patch_model(AutoModelForCausalLM.from_pretrained(workspace / "llama"), TaperNormConfig.paper()).train()
+    for ids in random_batches():
+        model(input_ids=ids)
+    calibrate(model)
+    set_gate(model, 0.5)
+    save_tapered(model, tmp_path / "half")
+    message = error_of(["fold", "--checkpoint", str(tmp_path / "half"), "--output_dir", str(tmp_path / "out")])
+    assert "was saved at gate 0.5: only a model at g = 0 folds" in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_push_without_network_is_one_line(finished, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    message = error_of(["push", "--export_dir", str(finished / "folded"), "--repo_id", "me/x"])
+    assert message.startswith(f"hf-tapernorm push: error: cannot push '{finished / 'folded'}' to me/x:")
+    assert "check the network" in message
+
+
+def test_data_errors_say_what_is_wrong(workspace, tmp_path):  # noqa: F811
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    message = error_of([*taper_argv(workspace, tmp_path / "o"), "--dataset_name", str(empty)])
+    assert message == f"hf-tapernorm taper: error: dataset '{empty}' is empty: the file holds no text"
+
+
+def test_debug_shows_the_traceback(workspace, tmp_path):  # noqa: F811
+    with pytest.raises(ConfigurationError, match="--ema_rate must be in"):
+        run_main([*taper_argv(workspace, tmp_path / "o"), "--ema_rate", "0", "--debug"])
+
+
+def test_damaged_checkpoints_name_the_file(workspace, finished, tmp_path):  # noqa: F811
+    import shutil
+
+    tapered = tmp_path / "tapered"
+    shutil.copytree(finished / "tapered", tapered)
+    (tapered / "model.safetensors").write_bytes((tapered / "model.safetensors").read_bytes()[:100])
+    with pytest.raises(TaperStateError, match=rf"cannot read {tapered / 'model.safetensors'} \(truncated"):
+        load_tapered(tapered)
+    folded = tmp_path / "folded"
+    shutil.copytree(finished / "folded", folded)
+    (folded / "model.safetensors").write_bytes((folded / "model.safetensors").read_bytes()[:100])
+    with pytest.raises(OSError, match=r"cannot read the weights in .*folded.*truncated or not a safetensors file"):
+        AutoModelForCausalLM.from_pretrained(folded)
+    reshaped = tmp_path / "reshaped"
+    shutil.copytree(finished / "folded", reshaped)
+    state = load_file(reshaped / "model.safetensors")
+    state["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"][:-1]
+    save_file(state, reshaped / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(OSError, match=r"has another shape than the folded architecture declares"):
+        AutoModelForCausalLM.from_pretrained(reshaped)
+
+
+# ----------------------------------------------------------------------------- the API edges
+def test_patch_model_is_all_or_nothing_and_names_the_module():
+    model = build(tiny_llama_config())
+    norm = model.model.layers[1].post_attention_layernorm
+    model.model.layers[1].post_attention_layernorm = nn.Identity()  # a "norm" nothing can be read from
+    with pytest.raises(UnsupportedModelError, match=r"cannot replace 'model\.layers\.1\.post_attention_layernorm'"):
+        patch_model(model, TaperNormConfig.paper())
+    assert not any(True for _ in taper_norms(model))  # nothing was replaced
+    model.model.layers[1].post_attention_layernorm = norm
+    assert len(list(taper_norms(patch_model(model, TaperNormConfig.paper())))) == 5  # a retry is not "already patched"
+
+
+def test_api_edges():
+    assert TaperNormConfig(keep_norms="model.layers.0.input_layernorm").keep_norms == ["model.layers.0.input_layernorm"]
+    with pytest.raises(TaperStateError, match="has no TaperNorm layers to calibrate"):
+        calibrate(build(tiny_llama_config()))
+    with pytest.raises(ConfigurationError, match=r"max_scale_ratio must be > 1, got -1"):
+        TaperCallback(max_scale_ratio=-1)
+    with pytest.raises(ConfigurationError, match="spike_steps must be an int >= 1"):
+        DivergenceThresholds(spike_steps=0)
+
+
+# ----------------------------------------------------------------------------- the divergence watch
+def _controller(thresholds: DivergenceThresholds) -> TaperController:
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper(ema_rate=0.5)).train()
+    return TaperController(model, TaperSchedule(1, 40), total_steps=40, thresholds=thresholds)
+
+
+def test_a_loss_spike_that_persists_stops_the_run_and_a_lone_one_does_not():
+    controller = _controller(DivergenceThresholds(spike_ratio=3.0, spike_steps=3, min_history=4))
+    losses = [2.0, 2.1, 1.9, 2.2, 2.0, 9.0, 2.1, 2.0, 8.0, 12.0]  # one bad batch at step 6, then a breakdown
+    for step, loss in enumerate(losses):
+        controller.step_end(step, loss=loss)
+    with pytest.raises(TaperDivergenceError, match=r"optimizer step 11 .*the training loss has been above 3x its "
+                                                   r"running median \(2\) for 3 consecutive steps \(now 40"):
+        controller.step_end(10, loss=40.0)
+
+
+def test_a_gradient_norm_spike_stops_the_run():
+    controller = _controller(DivergenceThresholds(grad_spike_ratio=50.0, spike_steps=2, min_history=3))
+    for step, norm in enumerate([3.0, 2.5, 4.0, 3.5]):
+        controller.check(step, grad_norm=norm)
+    controller.check(4, grad_norm=400.0)
+    with pytest.raises(TaperDivergenceError, match=r"the gradient norm has been above 50x its running median"):
+        controller.check(5, grad_norm=1e5)
+
+
+class Explode(TrainerCallback):
+    """From optimizer step 6 on, multiplies the head by 4 before each step: the loss climbs, finite, while the
+    residual stream (before the head) keeps its scale."""
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step >= 5:
+            with torch.no_grad():
+                model.lm_head.weight.mul_(4.0)
+
+
+def test_the_watch_stops_a_diverging_trainer_run_on_its_loss_before_the_scale_limit(tmp_path):
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper(ema_rate=0.5))
+    ids = torch.randint(0, 128, (64, 16), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=20, per_device_train_batch_size=2, learning_rate=1e-3,
+                             logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+    watch = DivergenceThresholds(spike_ratio=2.0, spike_steps=2, min_history=3)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[TaperCallback(2, 15, thresholds=watch),
+                                                                             Explode()])
+    with pytest.raises(TaperDivergenceError) as error:
+        trainer.train()
+    message = str(error.value)
+    assert "running median" in message and "residual scale" not in message
+    step = int(message.split("optimizer step ")[1].split(" ")[0])
+    assert 6 < step <= 10 and math.isfinite(trainer.state.log_history[-1]["loss"])

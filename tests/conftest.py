@@ -109,8 +109,11 @@ FAMILY_CASES: dict[str, tuple[str, dict]] = {
 }
 
 # Families absent from the table, of shapes discovery handles: OLMo2 (post-norms on both branch outputs,
-# q/k norms over the whole projection), StarCoder2 (LayerNorms with biases, a non-gated MLP).
-DISCOVERED_CASES: dict[str, tuple[str, dict]] = {"olmo2": ("olmo2", _GQA), "starcoder2": ("starcoder2", _GQA)}
+# q/k norms over the whole projection), StarCoder2 (LayerNorms with biases, a non-gated MLP), OLMo (LayerNorms
+# without parameters or an eps attribute).
+DISCOVERED_CASES: dict[str, tuple[str, dict]] = {
+    "olmo2": ("olmo2", _GQA), "starcoder2": ("starcoder2", _GQA), "olmo": ("olmo", _GQA),
+}
 
 
 def tiny_family_config(case: str, **overrides):

@@ -97,6 +97,39 @@ def test_discovered_cases_are_absent_from_the_table():
     assert {tiny_family_config(case).model_type for case in DISCOVERED_CASES}.isdisjoint(ARCHITECTURES)
 
 
+def test_every_table_entry_has_a_test_case():
+    covered = {tiny_family_config(case).model_type for case in FAMILY_CASES}
+    assert covered == set(ARCHITECTURES), f"table entries without a FAMILY_CASES case: {set(ARCHITECTURES) - covered}"
+
+
+def test_register_architecture_makes_a_family_a_table_family(caplog):
+    import logging
+
+    from hf_tapernorm import register_architecture
+    from hf_tapernorm.architectures.table import Architecture, NormSite
+    from hf_tapernorm.architectures.styles import NormStyle
+
+    olmo = Architecture(
+        "olmo", NormStyle.LAYER, "layers",
+        (NormSite("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), role="attention"),
+         NormSite("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), role="mlp")),
+        "norm", gated_mlp=True,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="already has an architecture entry"):
+        register_architecture("llama", olmo)
+    with pytest.raises(ValueError, match="site 'x' has role 'ffn'"):
+        register_architecture("olmo", Architecture("olmo", NormStyle.LAYER, "layers", (NormSite("x", ("y",), role="ffn"),), "norm"))
+    register_architecture("olmo", olmo)
+    try:
+        model = build(tiny_family_config("olmo"))
+        with caplog.at_level(logging.INFO, logger="hf_tapernorm"):
+            patch_model(model, TaperNormConfig.paper())
+        assert "discovered its norms" not in caplog.text  # the entry, not discovery
+        assert len(list(tapered_norms(model))) == 4
+    finally:
+        del ARCHITECTURES["olmo"]
+
+
 @pytest.mark.parametrize("case,scope", TRIPS)
 def test_round_trip(round_trip, case, scope):
     result = round_trip(case, scope)

@@ -45,9 +45,9 @@ KEPT = {
     "gpt_neox": set(), "gpt_neox-sequential": set(), "opt": set(), "opt-project_out": set(), "falcon": set(),
     "falcon-sequential": set(), "falcon-two_norms": set(), "gpt2": set(),
     "olmo2": {"post_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm"},  # no input norms: the output one
-    "starcoder2": set(),
+    "starcoder2": set(), "olmo": {"post_attention_layernorm"},
 }  # fmt: skip
-GATED = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2"}
+GATED = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "olmo"}
 
 
 def test_every_family_has_a_recipe_case():

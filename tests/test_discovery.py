@@ -62,6 +62,27 @@ def test_discovery_describes_architectures_absent_from_the_table():
     assert not starcoder2.gated_mlp
 
 
+def test_discovery_handles_norms_without_parameters_or_an_eps_attribute():
+    model = build(tiny_family_config("olmo"))  # OlmoLayerNorm: no weight, no bias, eps 1e-5 hard-coded in forward
+    norm = model.model.layers[0].input_layernorm
+    assert not list(norm.parameters()) and not hasattr(norm, "eps")
+    arch = discover_architecture(model)
+    assert arch.style is NormStyle.LAYER and arch.gated_mlp
+    ids = random_batches(n=1)[0]
+    with torch.no_grad():
+        before = model(ids).logits
+    patch_model(model, TaperNormConfig.paper())
+    assert {layer.eps for _, layer in taper_norms(model)} == {1e-5}  # measured from one forward
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    model.train()
+    with torch.no_grad():
+        model(ids)
+    calibrate(model)
+    set_gate(model, 0.0)
+    assert fold_model(model).fold_report.max_rel_diff <= 1e-5
+
+
 def test_patch_model_falls_back_to_discovery_and_says_so(caplog):
     model = build(tiny_family_config("olmo2"))
     ids = random_batches(n=1)[0]

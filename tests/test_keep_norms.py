@@ -68,6 +68,7 @@ GATED_MLP_INPUT = {  # the norm in each layer whose output a gated MLP reads; No
     "qwen3": "post_attention_layernorm", "gemma": "post_attention_layernorm", "phi3": "post_attention_layernorm",
     "gemma2": "pre_feedforward_layernorm", "gemma3_text": "pre_feedforward_layernorm",
     "olmo2": None,  # its norms sit on the branch outputs; the MLP reads the raw residual
+    "olmo": "post_attention_layernorm",
 }
 
 

@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""Benchmark original / explicit (g = 0) / folded / limit variants of a model, interleaved.
+"""Benchmark the inference variants (original / explicit / folded / limit) and the recipe's training phases.
 
-Same arguments as `hf-tapernorm bench` (see `--help`); a thin front end over hf_tapernorm.bench.
+A front end over ``hf-tapernorm bench``, with the same arguments (``--help``) and the same one-line errors::
 
-    python conversion_scripts/benchmark.py --modes last decode --dtypes fp32 --threads 2
+    python conversion_scripts/benchmark.py --modes last decode --threads 1
+    python conversion_scripts/benchmark.py --norms recipe internal all --modes last decode
+    python conversion_scripts/benchmark.py --modes train --calibration_batches 2 --repeats 6
 """
 
-from hf_tapernorm.bench.runner import main
+from hf_tapernorm.cli import bench_command
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    bench_command()

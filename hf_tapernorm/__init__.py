@@ -68,12 +68,23 @@ _EXPORTS = {
     "attach_model_card": "export.model_card",
     "register_folded_classes": "export.registration",
     "load_tapered": "training.checkpoints",
+    "save_sharded_checkpoint": "training.sharded",
+    "load_sharded_checkpoint": "training.sharded",
     "save_tapered": "training.checkpoints",
 }
 
 __all__ = sorted(
-    [*_EXPORTS, "CalibrationError", "ConfigurationError", "FoldCheckError", "TaperDivergenceError", "TaperNormError",
-     "TaperStateError", "UnsupportedModelError", "__version__"]
+    [
+        *_EXPORTS,
+        "CalibrationError",
+        "ConfigurationError",
+        "FoldCheckError",
+        "TaperDivergenceError",
+        "TaperNormError",
+        "TaperStateError",
+        "UnsupportedModelError",
+        "__version__",
+    ]
 )
 
 
@@ -90,13 +101,13 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-def _register_folded_classes() -> None:
-    from .export.registration import register_folded_classes
+def _register_folded_types() -> None:
+    from .export.registration import register_lazily
 
-    register_folded_classes()
+    register_lazily()
 
 
-run_after_import("transformers.models.auto.configuration_auto", _register_folded_classes)
+run_after_import("transformers.models.auto.configuration_auto", _register_folded_types)
 
 if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
     from .architectures.discovery import DiscoveryError, discover_architecture
@@ -127,3 +138,4 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
     from .training.distillation import Distillation
     from .training.divergence import DivergenceThresholds
     from .training.schedule import TaperSchedule
+    from .training.sharded import load_sharded_checkpoint, save_sharded_checkpoint

@@ -11,7 +11,8 @@ import importlib.abc
 import importlib.util
 import sys
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class _Loader(importlib.abc.Loader):

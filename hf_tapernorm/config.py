@@ -23,9 +23,10 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Any, Literal, Optional, Union
 
 from torch import nn
 
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 CONFIG_NAME = "tapernorm_config.json"
 SCOPES = ("internal", "final", "all")
 LINEAR_FITS = ("paper", "per_channel")
-TEACHERS = ("gate_start", "original")
+TEACHERS = ("gate_start", "original", "current")
 DISTILL_UNTIL = ("end", "taper_end")
 
 Scope = Literal["internal", "final", "all"]
@@ -53,17 +54,20 @@ def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
 def check_step(name: str, value: Any) -> None:
     """An optimizer step (int >= 1... checked against the run later) or a fraction of the run in (0, 1]."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigurationError(f"{name} must be an int (optimizer step) or a float (fraction of the run), got {value!r}")
+        raise ConfigurationError(
+            f"{name} must be an int (optimizer step) or a float (fraction of the run), got {value!r}"
+        )
     if isinstance(value, float) and not 0.0 < value <= 1.0:
         raise ConfigurationError(
-            f"{name}={value!r}: a float is a fraction of the run and must be in (0, 1]; pass an int for an optimizer step"
+            f"{name}={value!r}: a float is a fraction of the run and must be in (0, 1]; pass an int for an "
+            "optimizer step"
         )
     if isinstance(value, int) and value < 0:
         raise ConfigurationError(f"{name}={value!r}: an optimizer step cannot be negative")
 
 
 def parse_step(text: str, name: str) -> Step:
-    """A step written as text (a flag, a JSON value): ``"5"`` -> 5 (an optimizer step), ``"0.05"`` -> 0.05 (a fraction)."""
+    """A step written as text (a flag): ``"5"`` -> 5 (an optimizer step), ``"0.05"`` -> 0.05 (a fraction of the run)."""
     try:
         step = float(text) if any(ch in str(text) for ch in ".eE") else int(text)
     except ValueError:
@@ -96,7 +100,9 @@ class TaperNormConfig:
         relative_scale_loss: penalise ``(s / s_tgt - 1)^2`` instead of ``(s - s_tgt)^2``.
     Distillation (KL to a frozen, unpatched copy of the model):
         distill_weight: 0 turns it off.
-        distill_from: ``"gate_start"`` (the model as it was when the gate first fell below 1) or ``"original"``.
+        distill_from: ``"gate_start"`` (a frozen copy of the model as it was when the gate first fell below 1),
+            ``"original"`` (a frozen copy of the model before training) or ``"current"`` (no copy: the model
+            itself with every gate at 1, on the same batch).
         distill_until: ``"end"`` of the run, or ``"taper_end"`` (the step the gate reaches 0): after it the
             teacher is dropped and a step costs what a normalized step costs.
     The schedule:
@@ -135,7 +141,9 @@ class TaperNormConfig:
         try:
             self.sink_token_ids = [int(i) for i in self.sink_token_ids]
         except (TypeError, ValueError):
-            raise ConfigurationError(f"TaperNormConfig.sink_token_ids must be token ids, got {self.sink_token_ids!r}") from None
+            raise ConfigurationError(
+                f"TaperNormConfig.sink_token_ids must be token ids, got {self.sink_token_ids!r}"
+            ) from None
         if any(i < 0 for i in self.sink_token_ids):
             raise ConfigurationError(f"TaperNormConfig.sink_token_ids must be non-negative, got {self.sink_token_ids}")
         _check_choice("scope", self.scope, SCOPES)
@@ -145,7 +153,9 @@ class TaperNormConfig:
         if not 0.0 < self.ema_rate <= 1.0:
             raise ConfigurationError(f"TaperNormConfig.ema_rate must be in (0, 1], got {self.ema_rate}")
         if not self.calibration_scale > 0:
-            raise ConfigurationError(f"TaperNormConfig.calibration_scale must be positive, got {self.calibration_scale}")
+            raise ConfigurationError(
+                f"TaperNormConfig.calibration_scale must be positive, got {self.calibration_scale}"
+            )
         if not self.scale_loss_weight >= 0:
             raise ConfigurationError(f"TaperNormConfig.scale_loss_weight must be >= 0, got {self.scale_loss_weight}")
         if not self.distill_weight >= 0:
@@ -159,13 +169,13 @@ class TaperNormConfig:
 
     # ------------------------------------------------------------------ presets
     @classmethod
-    def paper(cls, **overrides: Any) -> "TaperNormConfig":
+    def paper(cls, **overrides: Any) -> TaperNormConfig:
         """The published recipe (arXiv 2602.10408): every internal norm, the absolute scale loss, no sink,
         no distillation, taper from 5% to 70% of the run. For GELU models and training from scratch."""
         return cls(**{"recipe": "paper", **overrides})
 
     @classmethod
-    def for_model(cls, model: nn.Module, tokenizer: Any = None, **overrides: Any) -> "TaperNormConfig":
+    def for_model(cls, model: nn.Module, tokenizer: Any = None, **overrides: Any) -> TaperNormConfig:
         """The recipe for ``model``, derived from its architecture (module docstring, docs/fidelity.md).
 
         ``tokenizer`` (or, without one, ``model.config.bos_token_id``) gives the BOS id that gated-MLP
@@ -188,7 +198,9 @@ class TaperNormConfig:
                 "distill_from": "gate_start",
             }
         if overrides.get("scope") == "final":  # no internal norm tapers: nothing to keep, no sink, no teacher
-            values.update(recipe=f"{values['recipe']} (final norm)", keep_norms=[], sink_token_ids=[], distill_weight=0.0)
+            values.update(
+                recipe=f"{values['recipe']} (final norm)", keep_norms=[], sink_token_ids=[], distill_weight=0.0
+            )
         return cls(**{**values, **overrides})
 
     @staticmethod
@@ -209,14 +221,12 @@ class TaperNormConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "TaperNormConfig":
+    def from_dict(cls, values: dict[str, Any]) -> TaperNormConfig:
         """The config of ``values``; unknown keys are an error (a file from a newer version, or a typo)."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ConfigurationError(
-                f"unknown TaperNormConfig field(s) {unknown}; known: {', '.join(sorted(known))}"
-            )
+            raise ConfigurationError(f"unknown TaperNormConfig field(s) {unknown}; known: {', '.join(sorted(known))}")
         return cls(**values)
 
     def to_json_string(self) -> str:
@@ -230,16 +240,18 @@ class TaperNormConfig:
         return path
 
     @classmethod
-    def from_pretrained(cls, folder: Union[str, os.PathLike]) -> "TaperNormConfig":
+    def from_pretrained(cls, folder: Union[str, os.PathLike]) -> TaperNormConfig:
         path = Path(folder) / CONFIG_NAME
         if not path.is_file():
-            raise ConfigurationError(f"no {CONFIG_NAME} in '{folder}': not a tapered checkpoint written by hf_tapernorm")
+            raise ConfigurationError(
+                f"no {CONFIG_NAME} in '{folder}': not a tapered checkpoint written by hf_tapernorm"
+            )
         try:
             return cls.from_dict(json.loads(path.read_text()))
         except json.JSONDecodeError as error:
             raise ConfigurationError(f"{path} is not valid JSON: {error}") from None
 
-    def replace(self, **changes: Any) -> "TaperNormConfig":
+    def replace(self, **changes: Any) -> TaperNormConfig:
         return dataclasses.replace(self, **changes)
 
 

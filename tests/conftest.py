@@ -83,8 +83,16 @@ def smollm2_gguf() -> Path | None:
 # Tiny random configs of every family in the architecture table, and the config variants whose norm
 # layout differs (falcon's three layouts, phi's q/k LayerNorms, gpt_neox's sequential residual, ...).
 _FAMILY_COMMON = dict(
-    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 _GQA = dict(num_key_value_heads=2)
 FAMILY_CASES: dict[str, tuple[str, dict]] = {
@@ -112,7 +120,9 @@ FAMILY_CASES: dict[str, tuple[str, dict]] = {
 # q/k norms over the whole projection), StarCoder2 (LayerNorms with biases, a non-gated MLP), OLMo (LayerNorms
 # without parameters or an eps attribute).
 DISCOVERED_CASES: dict[str, tuple[str, dict]] = {
-    "olmo2": ("olmo2", _GQA), "starcoder2": ("starcoder2", _GQA), "olmo": ("olmo", _GQA),
+    "olmo2": ("olmo2", _GQA),
+    "starcoder2": ("starcoder2", _GQA),
+    "olmo": ("olmo", _GQA),
 }
 
 
@@ -139,10 +149,37 @@ def char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>")
 
 
-CORPUS_WORDS = (
-    "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly boxing frogs "
-    "and every model learns to predict the next token of plain text"
-).split()
+CORPUS_WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "wizards",
+    "quietly",
+    "hex",
+    "jolly",
+    "boxing",
+    "frogs",
+    "and",
+    "every",
+    "model",
+    "learns",
+    "to",
+    "predict",
+    "the",
+    "next",
+    "token",
+    "of",
+    "plain",
+    "text",
+]
 
 
 def corpus_documents(n: int = 120, seed: int = 0) -> list[str]:
@@ -155,7 +192,11 @@ def corpus_documents(n: int = 120, seed: int = 0) -> list[str]:
 
 def save_tiny_model(folder: Path, kind: str = "llama", seed: int = 0) -> Path:
     """A tiny random model + the char tokenizer saved as an ordinary Hugging Face folder."""
-    config = tiny_llama_config() if kind == "llama" else tiny_gpt2_config(n_positions=128, bos_token_id=127, eos_token_id=127)
+    config = (
+        tiny_llama_config()
+        if kind == "llama"
+        else tiny_gpt2_config(n_positions=128, bos_token_id=127, eos_token_id=127)
+    )
     build(config, seed).save_pretrained(folder)
     char_tokenizer().save_pretrained(folder)
     return Path(folder)
@@ -199,8 +240,9 @@ _ISOLATED = textwrap.dedent(
 )
 
 
-def run_without_hf_tapernorm(tmp_path: Path, folders: list[str], ids: torch.Tensor, *, new_tokens: int = 8,
-                             broken: Path | None = None) -> dict:
+def run_without_hf_tapernorm(
+    tmp_path: Path, folders: list[str], ids: torch.Tensor, *, new_tokens: int = 8, broken: Path | None = None
+) -> dict:
     """Load each folder with trust_remote_code=True in a fresh interpreter that cannot import hf_tapernorm.
 
     ``python -I`` ignores PYTHONPATH and the user site; a meta-path finder refuses hf_tapernorm

@@ -31,9 +31,7 @@ def run(out_dir: Path, per_device_batch: int) -> dict:
     ids = torch.randint(0, 128, (STEPS * 4, 12), generator=generator)
     mask = torch.ones_like(ids)
     mask[1::3, -4:] = 0
-    data = [
-        {"input_ids": i, "attention_mask": m, "labels": i.masked_fill(m == 0, -100)} for i, m in zip(ids, mask)
-    ]
+    data = [{"input_ids": i, "attention_mask": m, "labels": i.masked_fill(m == 0, -100)} for i, m in zip(ids, mask)]
     trace: list[list[float]] = []
 
     class Recorder(TrainerCallback):

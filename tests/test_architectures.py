@@ -13,10 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_tapernorm import calibrate, export_folded, fold_model, patch_model, set_gate, tapered_norms
-from hf_tapernorm import TaperNormConfig
-from hf_tapernorm.architectures.table import ARCHITECTURES
+from hf_tapernorm import TaperNormConfig, calibrate, export_folded, fold_model, patch_model, set_gate, tapered_norms
 from hf_tapernorm.architectures.discovery import is_norm_module
+from hf_tapernorm.architectures.table import ARCHITECTURES
 from tests.conftest import (
     DISCOVERED_CASES,
     FAMILY_CASES,
@@ -75,8 +74,13 @@ def _round_trip(case: str, scope: str, root: Path) -> RoundTrip:
     folder = export_folded(folded, root / f"{case}-{scope}")
     reloaded = AutoModelForCausalLM.from_pretrained(folder)
     return RoundTrip(
-        original, at_gate_one, unfolded, _logits(folded), _logits(reloaded),
-        sum(is_norm_module(m) for m in folded.modules()), str(folder),
+        original,
+        at_gate_one,
+        unfolded,
+        _logits(folded),
+        _logits(reloaded),
+        sum(is_norm_module(m) for m in folded.modules()),
+        str(folder),
     )
 
 
@@ -106,8 +110,8 @@ def test_register_architecture_makes_a_family_a_table_family(caplog):
     import logging
 
     from hf_tapernorm import register_architecture
-    from hf_tapernorm.architectures.table import Architecture, NormSite
     from hf_tapernorm.architectures.styles import NormStyle
+    from hf_tapernorm.architectures.table import Architecture, NormSite
 
     olmo = Architecture(
         "olmo", NormStyle.LAYER, "layers",
@@ -118,7 +122,9 @@ def test_register_architecture_makes_a_family_a_table_family(caplog):
     with pytest.raises(ValueError, match="already has an architecture entry"):
         register_architecture("llama", olmo)
     with pytest.raises(ValueError, match="site 'x' has role 'ffn'"):
-        register_architecture("olmo", Architecture("olmo", NormStyle.LAYER, "layers", (NormSite("x", ("y",), role="ffn"),), "norm"))
+        register_architecture(
+            "olmo", Architecture("olmo", NormStyle.LAYER, "layers", (NormSite("x", ("y",), role="ffn"),), "norm")
+        )
     register_architecture("olmo", olmo)
     try:
         model = build(tiny_family_config("olmo"))

@@ -1,108 +1,175 @@
-"""The benchmark's plumbing on tiny random models: every variant runs, outputs agree, op counts hold.
+"""The benchmark's plumbing on tiny random models: options, variants, train phases, op counts, outputs.
 
-Speed targets are checked by running the benchmark on the real model, never by timed tests.
+No assertion reads a timing (a shared machine is too noisy for that); speed is measured by running
+the benchmark on the real model. What is checked here is what each variant and workload *is*.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import runpy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from hf_tapernorm import gate_of, is_patched, taper_norms
-from hf_tapernorm.bench import runner as bench
-from hf_tapernorm.architectures.table import architecture_for
+from hf_tapernorm import TaperNorm, TaperNormConfig, gate_of, is_patched, taper_norms
 from hf_tapernorm.architectures.sites import norm_sites
+from hf_tapernorm.bench import measure, runner, workloads
+from hf_tapernorm.bench import train_workloads as train
+from hf_tapernorm.bench import variants as var
+from hf_tapernorm.bench.arguments import BenchArguments, parse_arguments
+from hf_tapernorm.cli.main import main as cli_main
+from hf_tapernorm.cli.parsing import UsageError
+from hf_tapernorm.errors import ConfigurationError
+from hf_tapernorm.pipeline.data import load_text_dataset
 
-from .conftest import build, random_batches, tiny_gpt2_config, tiny_llama_config
+from .conftest import (
+    build,
+    char_tokenizer,
+    corpus_documents,
+    random_batches,
+    save_tiny_model,
+    tiny_gpt2_config,
+    tiny_llama_config,
+)
 
 CONFIGS = {"llama": tiny_llama_config, "gpt2": tiny_gpt2_config}
+REPO = Path(__file__).resolve().parent.parent
+LAYERS = tiny_llama_config().num_hidden_layers
+INPUT_NORMS = {f"model.layers.{i}.input_layernorm" for i in range(LAYERS)}
+MLP_NORMS = {f"model.layers.{i}.post_attention_layernorm" for i in range(LAYERS)}
 
 
-def _saved_tiny(tmp_path, arch: str) -> str:
-    folder = tmp_path / f"tiny_{arch}"
-    build(CONFIGS[arch]()).save_pretrained(folder)
-    return str(folder)
+@pytest.fixture
+def corpus(tmp_path) -> str:
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n\n".join(corpus_documents(150)))
+    return str(path)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_benchmark_end_to_end_writes_json_plot_and_table(tmp_path, capsys, arch):
-    variants = ["original", "explicit", "folded", "limit", "all-explicit", "all-folded", "all-limit"]
-    output = tmp_path / "out"
-    status = bench.main(
-        ["--model_name_or_path", _saved_tiny(tmp_path, arch), "--variants", *variants,
-         "--modes", "last", "full", "decode", "train", "--seq_lens", "8", "--new_tokens", "3",
-         "--warmup", "1", "--repeats", "2", "--calibration_batches", "2", "--threads", "1",
-         "--output_dir", str(output)]
-    )  # fmt: skip
-    assert status == 0
-    report = json.loads((output / "bench.json").read_text())
-    assert (output / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert report["model_type"] == arch and "not meaningful" in report["note"]
-    assert [r["case"]["mode"] for r in report["results"]] == ["last", "full", "decode", "train"]
-
-    n_internal = 2 * CONFIGS[arch]().num_hidden_layers
-    for result in report["results"]:
-        entries = result["variants"]
-        expected = bench.TRAIN_VARIANTS if result["case"]["mode"] == "train" else variants
-        assert sorted(entries) == sorted(expected)
-        for name, entry in entries.items():
-            assert len(result["times_s"][name]) == 2 and entry["median_ms"] > 0
-            assert entry["speedup_vs_original"] > 0 and entry["aten_ops"] > 0
-        if result["case"]["mode"] == "train":
-            continue
-        ops = {name: entry["aten_ops"] for name, entry in entries.items()}
-        assert ops["limit"] < ops["original"] and ops["all-limit"] < ops["limit"]
-        if arch == "llama":  # RMS form at g = 0: two multiplications per tapered norm, nothing else
-            assert ops["explicit"] <= ops["limit"] + 2 * n_internal
-            assert ops["all-explicit"] <= ops["all-limit"] + 2 * (n_internal + 1)
-        assert ops["folded"] == ops["limit"]
-        # A folded final LayerNorm leaves its beta as a bias of lm_head: the one addition it needs.
-        assert ops["all-folded"] == ops["all-limit"] + (1 if arch == "gpt2" else 0)
-        assert sorted(result["agreement"]) == ["all-folded_vs_all-explicit", "folded_vs_explicit"]
-        for key, value in result["agreement"].items():
-            assert value["max_rel"] <= 1e-5 and value["finite_fraction"] == 1.0, (key, value)
-        assert "speed_vs_limit" in entries["folded"]
-
-    table = capsys.readouterr().out
-    for name in variants + list(bench.TRAIN_VARIANTS):
-        assert name in table
-    assert "wrote" in table and "bench.json" in table
+# ----------------------------------------------------------------------------- arguments
+def test_defaults_compare_what_the_default_recipe_exports():
+    args = parse_arguments([])
+    assert args.norms == ["recipe"] and args.variants == ["original", "explicit", "folded", "limit"]
+    assert args.modes == ["last", "decode"] and args.dtypes == ["fp32"] and args.execution == ["eager"]
+    assert args.model_name_or_path is None and args.dataset_name is None  # the embedded model and corpus
+    several = parse_arguments(["--norms", "recipe", "internal", "all", "--modes", "train", "--threads", "1"])
+    assert several.norms == ["recipe", "internal", "all"] and several.modes == ["train"] and several.threads == [1]
 
 
-def test_limit_copy_replaces_exactly_the_norms_the_scope_tapers(tiny_llama):
-    arch = architecture_for("llama")
-    sites = list(norm_sites(tiny_llama, arch))
-    internal = bench.limit_copy(tiny_llama, "internal")
-    everything = bench.limit_copy(tiny_llama, "all")
-    for site in sites:
-        path, is_final = site.path, site.is_final
-        assert isinstance(internal.get_submodule(path), nn.Identity) != is_final
-        assert isinstance(everything.get_submodule(path), nn.Identity)
-        assert not isinstance(tiny_llama.get_submodule(path), nn.Identity)  # the source is untouched
-    assert internal.lm_head.weight.data_ptr() != tiny_llama.lm_head.weight.data_ptr()
-    torch.testing.assert_close(internal.lm_head.weight, tiny_llama.lm_head.weight, rtol=0, atol=0)
+@pytest.mark.parametrize("argv, message", [
+    (["--norms", "attn"], "--norms: 'attn' not among recipe, internal, all"),
+    (["--variants", "all-folded"], "--variants: 'all-folded' not among"),
+    (["--modes", "last", "last"], "--modes lists a value twice"),
+    (["--dtypes", "fp8"], "--dtypes: 'fp8'"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--batch_sizes", "0"], "--batch_sizes must be positive"),
+    (["--modes", "train", "--seq_lens", "3"], "at least 4"),
+    (["--train_workloads", "taper", "tapered"], "must include normalized"),
+    (["--train_workloads", "normalized", "taper-distilled"], "'taper-distilled' not among"),
+])  # fmt: skip
+def test_bad_choices_fail_before_anything_loads(argv, message):
+    with pytest.raises(ConfigurationError, match=message):
+        parse_arguments(argv)
 
 
-def test_attn_variants_keep_the_norms_that_feed_gated_mlps(tiny_llama, tmp_path):
-    names = ["attn-explicit", "attn-folded", "attn-limit"]
-    variants = bench.build_variants(tiny_llama, names, calibration_batches=random_batches(n=2), workdir=tmp_path)
-    kept = {f"model.layers.{i}.post_attention_layernorm" for i in range(2)} | {"model.norm"}
-    for path in (site.path for site in norm_sites(tiny_llama, architecture_for("llama"))):
-        assert isinstance(variants["attn-limit"].get_submodule(path), nn.Identity) != (path in kept)
-        assert isinstance(variants["attn-folded"].get_submodule(path), nn.Identity) != (path in kept)
-    assert variants["attn-folded"].config.kept_norms == sorted(kept - {"model.norm"}) + ["model.norm"]
+def test_usage_errors_are_one_line_with_exit_status_2(capsys):
+    with pytest.raises(UsageError, match="unrecognized arguments: .*--bogus"):
+        parse_arguments(["--bogus", "limit"])
+    assert cli_main(["bench", "--norms", "attn"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hf-tapernorm bench: error: --norms") and "\n" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given when CUDA is absent")
+def test_cuda_requested_without_cuda_is_a_clear_error():
+    with pytest.raises(ConfigurationError, match="device 'cuda' requested but CUDA is not available"):
+        BenchArguments(devices=["cuda"])
+
+
+def test_the_conversion_script_is_a_front_end_of_the_cli(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["benchmark.py", "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(REPO / "conversion_scripts" / "benchmark.py"), run_name="__main__")
+    assert exit_info.value.code == 0 and "--norms" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- inference variants
+def test_variant_labels_carry_the_norms_only_when_several_are_compared():
+    kinds = ["original", "explicit", "folded", "limit"]
+    assert [s.label for s in var.variant_specs(kinds, ["recipe"])] == kinds
+    labels = [s.label for s in var.variant_specs(kinds, ["recipe", "all"])]
+    assert labels == [
+        "original",
+        "recipe-explicit",
+        "recipe-folded",
+        "recipe-limit",
+        "all-explicit",
+        "all-folded",
+        "all-limit",
+    ]
+    specs = var.variant_specs(kinds, ["recipe", "all"])
+    assert var.limit_labels(specs) == {
+        "recipe-explicit": "recipe-limit",
+        "recipe-folded": "recipe-limit",
+        "all-explicit": "all-limit",
+        "all-folded": "all-limit",
+    }
+
+
+@pytest.mark.parametrize("norms, removed", [
+    ("recipe", INPUT_NORMS),  # SwiGLU: the norms feeding the gated MLPs stay (for_model's keep_norms)
+    ("internal", INPUT_NORMS | MLP_NORMS),
+    ("all", INPUT_NORMS | MLP_NORMS | {"model.norm"}),
+])  # fmt: skip
+def test_each_norms_choice_removes_its_norms_in_every_variant(tiny_llama, tmp_path, norms, removed):
+    assert set(var.removed_norms(tiny_llama, var.removal_config(tiny_llama, norms))) == removed
+    specs = var.variant_specs(["original", "explicit", "folded", "limit"], [norms])
+    built = var.build_variants(tiny_llama, specs, calibration_batches=random_batches(n=2), workdir=tmp_path)
+    assert built["original"] is tiny_llama and not is_patched(tiny_llama)
+    explicit = built["explicit"]
+    assert gate_of(explicit) == 0.0 and explicit.tapernorm_config.sink_token_ids == []
+    for site in norm_sites(tiny_llama):
+        gone = site.path in removed
+        layer = explicit.get_submodule(site.path)
+        assert isinstance(layer, TaperNorm) and layer.tapered == gone
+        assert isinstance(built["limit"].get_submodule(site.path), nn.Identity) == gone
+        assert isinstance(built["folded"].get_submodule(site.path), nn.Identity) == gone
+    assert built["folded"].config.kept_norms == sorted({s.path for s in norm_sites(tiny_llama)} - removed)
     ids = random_batches(n=1, batch=1)[0]
-    assert bench.agreement(variants, ids)["attn-folded_vs_attn-explicit"]["max_rel"] <= 1e-5
+    (check,) = var.agreement(built, specs, ids).values()
+    assert check["max_rel"] <= 1e-5 and check["finite_fraction"] == 1.0
 
 
-def test_calibrated_copy_is_at_gate_zero_and_leaves_the_source_alone(tiny_llama):
-    explicit = bench.calibrated_copy(tiny_llama, "internal", random_batches(n=2))
-    assert gate_of(explicit) == 0.0 and not explicit.training
-    assert all(layer.is_calibrated for _, layer in taper_norms(explicit) if layer.tapered)
-    assert not is_patched(tiny_llama)
+def test_a_gelu_models_recipe_removes_every_internal_norm(tiny_gpt2):
+    recipe = var.removed_norms(tiny_gpt2, var.removal_config(tiny_gpt2, "recipe"))
+    assert recipe == var.removed_norms(tiny_gpt2, var.removal_config(tiny_gpt2, "internal"))
+    assert len(recipe) == 2 * tiny_gpt2_config().n_layer
+
+
+def test_limit_copy_leaves_the_source_alone(tiny_llama):
+    limit = var.limit_copy(tiny_llama, var.removal_config(tiny_llama, "all"))
+    assert not any(isinstance(m, nn.Identity) for m in tiny_llama.modules())
+    assert limit.lm_head.weight.data_ptr() != tiny_llama.lm_head.weight.data_ptr()
+    torch.testing.assert_close(limit.lm_head.weight, tiny_llama.lm_head.weight, rtol=0, atol=0)
+
+
+def test_an_overflowing_untrained_model_still_folds_and_is_compared_where_finite(tiny_llama, tmp_path, caplog):
+    config = var.removal_config(tiny_llama, "internal")
+    explicit = var.calibrated_copy(tiny_llama, config, random_batches(n=2))
+    with torch.no_grad():
+        for _, layer in taper_norms(explicit):
+            if layer.tapered:
+                layer.taper_weight.mul_(1e20)  # the residual stream overflows, as SmolLM2 does untrained
+    folded = var.folded_reload(explicit, tmp_path / "folded", torch.float32, "cpu")
+    assert "non-finite logits" in caplog.text
+    specs = var.variant_specs(["explicit", "folded"], ["internal"])
+    result = var.agreement({"explicit": explicit, "folded": folded}, specs, random_batches(n=1, batch=1)[0])
+    assert result["folded_vs_explicit"]["finite_fraction"] < 1.0 and result["folded_vs_explicit"]["same_nonfinite"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -111,15 +178,16 @@ def test_decode_workload_is_greedy_generation(arch):
     ids = random_batches(batch=2, length=6, n=1)[0]
     expected = model.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False
-    )[:, ids.shape[1]:]
+    )[:, ids.shape[1] :]
     for static in (False, True):
-        workload = bench._Decode(model, model, ids, 5, static=static)
+        workload = workloads.Decode(model, model, ids, 5, static=static)
         cache, first = workload.prepare()  # the prefill's token, then 5 cached decoding steps
         tokens = torch.cat([first, workload.run((cache, first))], 1)
         assert torch.equal(tokens, expected), f"static cache: {static}"
 
 
-class _Recorder(bench.Workload):
+# ----------------------------------------------------------------------------- measuring
+class _Recorder(workloads.Workload):
     def __init__(self, name, log):
         self.name, self.log = name, log
 
@@ -132,55 +200,169 @@ class _Recorder(bench.Workload):
 
 def test_interleaving_rotates_the_order_and_prepares_untimed():
     log: list = []
-    workloads = {name: _Recorder(name, log) for name in "abc"}
-    times = bench.interleaved_times(workloads, warmup=1, repeats=3, device="cpu", progress=False)
+    recorders = {name: _Recorder(name, log) for name in "abc"}
+    times = measure.interleaved_times(recorders, warmup=1, repeats=3, device="cpu", progress=False)
     assert {name: len(series) for name, series in times.items()} == {"a": 3, "b": 3, "c": 3}
     runs = [name for kind, name in log if kind == "run"]
-    assert runs == list("abc" "abc" "bca" "cab")  # warm-up, then each repeat starts one later
+    assert runs == list("abcabcbcacab")  # warm-up, then each repeat starts one later
     assert all(log[i] == ("prepare", log[i + 1][1]) for i in range(0, len(log), 2))
 
 
 def test_median_of_pair_ratios():
-    assert bench.median_ratio([2.0, 3.0, 10.0], [1.0, 2.0, 2.0]) == 2.0
+    assert measure.median_ratio([2.0, 3.0, 10.0], [1.0, 2.0, 2.0]) == 2.0
     # A load spike that hits both members of a pair cancels out; the medians of times would not.
-    assert bench.median_ratio([1.0, 5.0, 1.0], [0.5, 2.5, 0.5]) == 2.0
+    assert measure.median_ratio([1.0, 5.0, 1.0], [0.5, 2.5, 0.5]) == 2.0
 
 
-def test_train_workloads_drive_the_gate_of_a_patched_copy(tiny_llama):
-    ids = random_batches(n=1)[0]
-    workloads = bench.train_workloads(tiny_llama, ids, random_batches(n=2))
-    assert not is_patched(workloads["original"].model)
-    patched = workloads["taper"].model
-    assert patched is workloads["tapered"].model and patched.training
-    before = [p.detach().clone() for p in patched.parameters()]
-    loss = workloads["taper"].run(None)
-    assert torch.isfinite(loss) and 0.0 < gate_of(patched) < 1.0
-    assert any(not torch.equal(a, b) for a, b in zip(before, patched.parameters()))  # the optimizer stepped
-    workloads["tapered"].run(None)
-    assert gate_of(patched) == 0.0
-    workloads["original"].run(None)
+# ----------------------------------------------------------------------------- train mode
+def _text_batches(corpus: str, prefix: list[int], count: int = 3, batch: int = 2, seq_len: int = 16):
+    return train.text_batches(
+        load_text_dataset(corpus),
+        char_tokenizer(),
+        batch=batch,
+        seq_len=seq_len,
+        count=count,
+        prefix_ids=prefix,
+        source=corpus,
+    )
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given when CUDA is absent")
-def test_cuda_requested_without_cuda_is_a_clear_error(tmp_path):
-    with pytest.raises(SystemExit, match="device 'cuda' requested but CUDA is not available"):
-        bench.main(["--devices", "cuda", "--output_dir", str(tmp_path)])
+def test_text_batches_are_packed_real_text_starting_with_the_sink(corpus):
+    batches = _text_batches(corpus, [127])
+    assert len(batches) == 3 and all(b["input_ids"].shape == (2, 16) for b in batches)
+    first = batches[0]
+    assert (first["input_ids"][:, 0] == 127).all() and (first["labels"][:, 1] == -100).all()
+    text = char_tokenizer().decode(first["input_ids"][0, 1:]).replace("<eos>", " ")
+    assert set(text) <= set("abcdefghijklmnopqrstuvwxyz \n")  # the corpus's words, packed
+    assert not torch.equal(batches[0]["input_ids"], batches[1]["input_ids"])
 
 
-def test_parser_defaults_are_the_documented_benchmark():
-    args = bench.build_parser().parse_args([])
-    assert args.variants == ["original", "explicit", "folded", "limit"]
-    assert args.modes == ["last", "decode"] and args.dtypes == ["fp32"] and args.execution == ["eager"]
-    assert args.model_name_or_path is None  # the embedded SmolLM2-135M
+def test_train_workloads_run_the_recipes_phases_through_the_controller(tiny_llama, corpus):
+    recipe = TaperNormConfig.for_model(tiny_llama, char_tokenizer())
+    assert recipe.distill_weight > 0 and recipe.sink_token_ids == [127]
+    batches = _text_batches(corpus, recipe.sink_token_ids)
+    built = train.train_workloads(tiny_llama, batches, recipe, learning_rate=1e-4)
+    assert list(built) == list(train.TRAIN_WORKLOADS)
+    assert not is_patched(built["normalized"].model) and not is_patched(tiny_llama)
+    before = {name: [p.detach().clone() for p in w.model.parameters()] for name, w in built.items()}
+    for _ in range(train.TAPER_STEPS):
+        for workload in built.values():
+            workload.run(workload.prepare())
+    facts = {name: w.facts() for name, w in built.items()}
+    assert facts["normalized"]["gates"] is None and facts["warmup"]["gates"] == [1.0]
+    assert len(facts["taper"]["gates"]) == train.TAPER_STEPS and all(0 < g < 1 for g in facts["taper"]["gates"])
+    assert facts["tapered-distilled"]["gates"] == [0.0] == facts["tapered"]["gates"]
+    teachers = {name: f["teacher"] for name, f in facts.items()}
+    assert teachers == {
+        "normalized": False,
+        "warmup": False,
+        "taper": True,
+        "tapered-distilled": True,
+        "tapered": False,
+    }
+    assert all(f["losses_finite"] and len(built[n].losses) == train.TAPER_STEPS for n, f in facts.items())
+    for name, workload in built.items():  # every workload took real optimizer steps
+        assert any(not torch.equal(a, b) for a, b in zip(before[name], workload.model.parameters())), name
+    # The warm-up gathers statistics and never calibrates; the others were calibrated on real steps.
+    assert not any(layer.is_calibrated for _, layer in taper_norms(built["warmup"].model) if layer.tapered)
+    assert all(layer.is_calibrated for _, layer in taper_norms(built["tapered"].model) if layer.tapered)
+
+
+def test_a_recipe_without_distillation_has_no_distilled_phase(tiny_gpt2, corpus):
+    recipe = TaperNormConfig.for_model(tiny_gpt2, char_tokenizer())
+    built = train.train_workloads(
+        tiny_gpt2, _text_batches(corpus, recipe.sink_token_ids, count=2), recipe, learning_rate=1e-4
+    )
+    assert list(built) == ["normalized", "warmup", "taper", "tapered"]
+    assert not any(w.has_teacher for w in built.values())
+
+
+def test_only_the_listed_workloads_are_built(tiny_llama, corpus):
+    recipe = TaperNormConfig.for_model(tiny_llama, char_tokenizer())
+    built = train.train_workloads(
+        tiny_llama,
+        _text_batches(corpus, recipe.sink_token_ids, count=2),
+        recipe,
+        learning_rate=1e-4,
+        names=["tapered", "normalized"],
+    )
+    assert list(built) == ["normalized", "tapered"]  # in the phases' order
+    assert gate_of(built["tapered"].model) == 0.0 and not built["tapered"].has_teacher
+
+
+def test_non_finite_losses_are_flagged(tiny_llama, corpus):
+    recipe = TaperNormConfig.for_model(tiny_llama, char_tokenizer())
+    built = train.train_workloads(
+        tiny_llama, _text_batches(corpus, recipe.sink_token_ids, count=2), recipe, learning_rate=1e-4
+    )
+    for name in ("normalized", "tapered"):
+        with torch.no_grad():
+            built[name].model.lm_head.weight.fill_(float("nan"))
+        built[name].run(None)  # the controller's divergence watch stops nothing: the step is flagged
+        facts = built[name].facts()
+        assert not facts["losses_finite"] and math.isnan(facts["loss_median"])
+    assert "not finite" in built["tapered"].facts()["divergence"]
+
+
+# ----------------------------------------------------------------------------- the driver
+def test_benchmark_end_to_end_writes_json_plot_and_tables(tmp_path, capsys, corpus):
+    folder = save_tiny_model(tmp_path / "tiny")
+    output = tmp_path / "out"
+    status = runner.main(
+        ["--model_name_or_path", str(folder), "--norms", "recipe", "all", "--modes", "last", "full", "decode", "train",
+         "--seq_lens", "16", "--new_tokens", "3", "--warmup", "1", "--repeats", "2", "--calibration_batches", "2",
+         "--threads", "1", "--dataset_name", corpus, "--output_dir", str(output)]
+    )  # fmt: skip
+    assert status == 0
+    report = json.loads((output / "bench.json").read_text())
+    assert (output / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["model_type"] == "llama" and "not meaningful" in report["note"]
+    assert report["settings"]["norms"] == ["recipe", "all"] and report["environment"]["loadavg_1m"] is not None
+    assert [r["case"]["mode"] for r in report["results"]] == ["last", "full", "decode", "train"]
+    labels = [s.label for s in var.variant_specs(["original", "explicit", "folded", "limit"], ["recipe", "all"])]
+    for result in report["results"][:3]:
+        entries = result["variants"]
+        assert list(entries) == labels and all(len(result["times_s"][n]) == 2 for n in labels)
+        assert result["norms"] == {
+            "recipe": {"removed": LAYERS, "kept": LAYERS + 1},
+            "all": {"removed": 2 * LAYERS + 1, "kept": 0},
+        }
+        ops = {name: entry["aten_ops"] for name, entry in entries.items()}
+        assert ops["recipe-folded"] == ops["recipe-limit"] < ops["original"]
+        assert ops["all-folded"] == ops["all-limit"] < ops["recipe-limit"]
+        assert ops["recipe-explicit"] <= ops["recipe-limit"] + 2 * LAYERS  # RMS at g = 0: two products per norm
+        assert sorted(result["agreement"]) == ["all-folded_vs_all-explicit", "recipe-folded_vs_recipe-explicit"]
+        assert all(v["max_rel"] <= 1e-5 for v in result["agreement"].values())
+        assert entries["recipe-folded"]["speedup_vs_original"] > 0 and "speed_vs_limit" in entries["all-folded"]
+    train_result = report["results"][3]
+    assert list(train_result["variants"]) == list(train.TRAIN_WORKLOADS)
+    assert train_result["recipe"]["recipe"] == "gated-mlp" and train_result["recipe"]["sink_token_ids"] == [127]
+    for name, entry in train_result["variants"].items():
+        assert entry["cost_vs_normalized"] > 0 and entry["losses_finite"] and entry["aten_ops"] > 0, name
+    ops = {name: entry["aten_ops"] for name, entry in train_result["variants"].items()}
+    assert ops["tapered-distilled"] > ops["tapered"] and ops["taper"] > ops["warmup"]
+    out = capsys.readouterr().out
+    assert "speedup = original time" in out and "cost = workload step time" in out and "tapered-distilled" in out
+
+
+def test_non_finite_training_losses_make_the_run_fail(tmp_path, monkeypatch, capsys):
+    folder = save_tiny_model(tmp_path / "tiny")
+    case = {"mode": "train"}
+    entry = {"median_ms": 1.0, "cost_vs_normalized": 1.0, "gates": [0.0], "teacher": False, "losses_finite": False}
+    fake = [{"case": case, "label": "train b1", "variants": {"tapered": entry}, "times_s": {}}]
+    monkeypatch.setattr(runner, "run_benchmark", lambda load, arguments, text: (load(torch.float32), fake)[1])
+    monkeypatch.setattr(runner, "_train_text", lambda arguments, source: None)
+    assert runner.main(["--model_name_or_path", str(folder), "--modes", "train", "--output_dir", str(tmp_path)]) == 1
+    assert "non-finite training losses in train b1: tapered" in capsys.readouterr().err
 
 
 def test_compiled_execution_goes_through_dynamo(tmp_path):
+    folder = save_tiny_model(tmp_path / "tiny")
     output = tmp_path / "out"
-    bench.main(
-        ["--model_name_or_path", _saved_tiny(tmp_path, "llama"), "--variants", "original", "limit",
-         "--modes", "last", "decode", "--execution", "compile", "--compile_backend", "eager", "--seq_lens", "8",
-         "--new_tokens", "3", "--warmup", "1", "--repeats", "1", "--threads", "1", "--no_op_counts",
-         "--output_dir", str(output)]
+    runner.main(
+        ["--model_name_or_path", str(folder), "--variants", "original", "limit", "--modes", "last", "decode",
+         "--execution", "compile", "--compile_backend", "eager", "--seq_lens", "8", "--new_tokens", "3",
+         "--warmup", "1", "--repeats", "1", "--threads", "1", "--no_op_counts", "--output_dir", str(output)]
     )  # fmt: skip
     results = json.loads((output / "bench.json").read_text())["results"]
     assert [r["case"]["compiled"] for r in results] == [True, True]
@@ -189,28 +371,15 @@ def test_compiled_execution_goes_through_dynamo(tmp_path):
         assert result["dynamo"]["unique_graphs"] >= 2 and result["dynamo"]["graph_breaks"] == 0
 
 
-def test_an_overflowing_untrained_model_still_folds_and_is_compared_where_finite(tiny_llama, tmp_path, caplog):
-    explicit = bench.calibrated_copy(tiny_llama, "internal", random_batches(n=2))
-    with torch.no_grad():
-        for _, layer in taper_norms(explicit):
-            if layer.tapered:
-                layer.taper_weight.mul_(1e20)  # the residual stream overflows, as SmolLM2 does untrained
-    folded = bench.folded_reload(explicit, tmp_path / "folded", torch.float32, "cpu")
-    assert "non-finite logits" in caplog.text
-    ids = random_batches(n=1, batch=1)[0]
-    result = bench.agreement({"explicit": explicit, "folded": folded}, ids)["folded_vs_explicit"]
-    assert result["finite_fraction"] < 1.0 and result["same_nonfinite"]
-
-
 def test_bf16_variants_are_loaded_not_cast_so_folded_matches_the_limit(tmp_path):
+    folder = save_tiny_model(tmp_path / "tiny")
     output = tmp_path / "out"
-    bench.main(
-        ["--model_name_or_path", _saved_tiny(tmp_path, "llama"), "--variants", "original", "explicit", "folded",
-         "limit", "--modes", "last", "--dtypes", "bf16", "--seq_lens", "8", "--warmup", "0", "--repeats", "1",
-         "--threads", "1", "--output_dir", str(output)]
+    runner.main(
+        ["--model_name_or_path", str(folder), "--norms", "internal", "--modes", "last", "--dtypes", "bf16",
+         "--seq_lens", "8", "--warmup", "0", "--repeats", "1", "--threads", "1", "--output_dir", str(output)]
     )  # fmt: skip
     (result,) = json.loads((output / "bench.json").read_text())["results"]
     ops = {name: entry["aten_ops"] for name, entry in result["variants"].items()}
     assert ops["folded"] == ops["limit"] < ops["original"]
     # c is kept in the weight dtype, so no cast: two multiplications per tapered norm, as in fp32.
-    assert ops["explicit"] == ops["limit"] + 2 * 2 * tiny_llama_config().num_hidden_layers
+    assert ops["explicit"] == ops["limit"] + 2 * 2 * LAYERS

@@ -13,9 +13,9 @@ import hf_tapernorm.training.controller as controller_module
 from hf_tapernorm import (
     ConfigurationError,
     TaperCallback,
-    TaperNormConfig,
     TaperController,
     TaperDivergenceError,
+    TaperNormConfig,
     TaperSchedule,
     TaperStateError,
     gate_of,
@@ -214,7 +214,9 @@ def test_divergence_stops_before_a_broken_checkpoint_is_written(tmp_path):
 
 # ---------------------------------------------------------------------- the controller without a Trainer
 def test_controller_refuses_a_checkpoint_without_taper_state():
-    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper())  # freshly patched: no statistics, not calibrated
+    model = patch_model(
+        build(tiny_llama_config()), TaperNormConfig.paper()
+    )  # freshly patched: no statistics, not calibrated
     controller = TaperController(model, TaperSchedule(K_START, K_END), total_steps=STEPS)
     controller.check_resume(0)  # a fresh run is fine
     expected = r"resuming at optimizer step 5 \(k_start=3\) but 4 TaperNorm layer\(s\) lack their calibration state"
@@ -229,7 +231,9 @@ def test_controller_needs_the_run_length_and_refuses_unpatched_or_zero3_models()
         TaperController(build(tiny_llama_config()), total_steps=10)
     zero3 = patch_model(build(tiny_llama_config()), TaperNormConfig.paper())
     next(zero3.parameters()).ds_id = 0  # what DeepSpeed ZeRO-3 puts on every partitioned parameter
-    with pytest.raises(ConfigurationError, match=r"does not support DeepSpeed ZeRO-3 parameter sharding.*Shard with FSDP2"):
+    with pytest.raises(
+        ConfigurationError, match=r"does not support DeepSpeed ZeRO-3 parameter sharding.*Shard with FSDP2"
+    ):
         TaperController(zero3, total_steps=10)
 
 
@@ -254,7 +258,9 @@ def test_a_loss_reported_by_the_loop_is_watched_too():
     controller = TaperController(model, TaperSchedule(1, 4), total_steps=4)
     controller.step_begin(0)
     model(input_ids=torch.zeros(1, 4, dtype=torch.long))  # no labels: the loop computes its own loss
-    with pytest.raises(TaperDivergenceError, match=r"optimizer step 1 \(gate 1\.0000\): the training loss is not finite"):
+    with pytest.raises(
+        TaperDivergenceError, match=r"optimizer step 1 \(gate 1\.0000\): the training loss is not finite"
+    ):
         controller.step_end(0, loss=float("inf"))
 
 
@@ -266,7 +272,10 @@ def test_ddp_without_unused_parameter_detection_is_refused_early(find_unused, ch
     # Measured with tests/distributed_taper.py and activation checkpointing on 2 ranks: DDP then fails at the
     # second step ("Expected to have finished reduction in the prior iteration"); with True it trains.
     args = SimpleNamespace(
-        world_size=2, deepspeed=None, fsdp=None, activation_checkpointing=checkpointing,
+        world_size=2,
+        deepspeed=None,
+        fsdp=None,
+        activation_checkpointing=checkpointing,
         ddp_find_unused_parameters=find_unused,
     )
     model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper())

@@ -16,19 +16,24 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from hf_tapernorm import TaperNormConfig
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_tapernorm.pipeline.taper as taper_pipeline
+from hf_tapernorm import TaperNormConfig
 from hf_tapernorm.cli import main
-from hf_tapernorm.cli.arguments import DataArguments, ModelArguments, RunArguments, TaperArguments, TaperTrainingArguments
+from hf_tapernorm.cli.arguments import (
+    DataArguments,
+    ModelArguments,
+    RunArguments,
+    TaperArguments,
+    TaperTrainingArguments,
+)
 from hf_tapernorm.cli.parsing import parse
-from hf_tapernorm.pipeline.models import ModelSourceError, resolve_model
-from hf_tapernorm.training.checkpoints import load_tapered, save_tapered
 from hf_tapernorm.layers.patching import gate_of, patch_model
+from hf_tapernorm.pipeline.models import ModelSourceError, resolve_model
 from hf_tapernorm.pipeline.report import PLOTS, REPORT_KEYS, summary_lines, write_report
+from hf_tapernorm.training.checkpoints import load_tapered, save_tapered
 from tests.conftest import corpus_documents, save_tiny_model, smollm2_gguf
 
 REPO = Path(__file__).resolve().parent.parent
@@ -110,7 +115,9 @@ def test_taper_end_to_end_writes_a_reloadable_export_and_the_report(finished_run
     config = json.loads((folded_dir / "config.json").read_text())
     assert config["model_type"] == "tapernorm_llama" and config["sink_token_ids"] == sink
     assert config["kept_norms"] == kept + ["model.norm"]
-    assert {"README.md", "tokenizer.json", "modeling_folded.py", "model.safetensors"} <= {p.name for p in folded_dir.iterdir()}
+    assert {"README.md", "tokenizer.json", "modeling_folded.py", "model.safetensors"} <= {
+        p.name for p in folded_dir.iterdir()
+    }
     assert "norm-free" in (folded_dir / "README.md").read_text()
     tapered = load_tapered(out / "tapered")
     assert gate_of(tapered) == 0.0
@@ -126,8 +133,12 @@ def test_eval_on_the_three_model_kinds_matches_the_report(finished_run, workspac
     data = ["--dataset_name", str(workspace / "corpus.txt"), "--block_size", "32", "--heldout_blocks", "4",
             "--heldout_percentage", "10", "--data_cache_dir", str(workspace / "datasets_cache")]  # fmt: skip
     # The original model reads the same BOS-first blocks only when asked (--sink bos); the others know their sink.
-    for path, kind, key, sink in ((workspace / "llama", "folder", "original", "bos"), (out / "tapered", "tapered", "tapered", "auto"),
-                                  (out / "folded", "folded", "folded", "auto")):  # fmt: skip
+    cases = (
+        (workspace / "llama", "folder", "original", "bos"),
+        (out / "tapered", "tapered", "tapered", "auto"),
+        (out / "folded", "folded", "folded", "auto"),
+    )
+    for path, kind, key, sink in cases:
         code, stdout, stderr = run_main(["eval", "--model_name_or_path", str(path), "--sink", sink, *data])
         assert code == 0, stderr
         result = json.loads(stdout.strip().splitlines()[-1])
@@ -198,7 +209,9 @@ def test_baseline_runs_the_same_training_without_tapering(workspace, tmp_path):
     assert report["history"][0]["loss"] == pytest.approx(report["baseline_history"][0]["loss"], rel=1e-6)
     heldout = report["heldout"]
     assert set(heldout) == {"original", "baseline", "tapered", "folded"}
-    assert report["gap"]["tapered_vs_baseline"] == pytest.approx(heldout["tapered"]["loss"] / heldout["baseline"]["loss"] - 1)
+    assert report["gap"]["tapered_vs_baseline"] == pytest.approx(
+        heldout["tapered"]["loss"] / heldout["baseline"]["loss"] - 1
+    )
     assert heldout["baseline"]["loss"] != heldout["original"]["loss"]  # the baseline trained
     assert [r["step"] for r in report["baseline_history"]] == list(range(1, 7))
     assert all("gate" not in r for r in report["baseline_history"])
@@ -228,7 +241,9 @@ def test_clear_errors(workspace, tmp_path):
     )
     corrupt = save_tiny_model(tmp_path / "corrupt")
     (corrupt / "model.safetensors").write_bytes(b"garbage")
-    assert f"cannot load model '{corrupt}'" in error_of([*taper_argv(workspace, out), "--model_name_or_path", str(corrupt)])
+    assert f"cannot load model '{corrupt}'" in error_of(
+        [*taper_argv(workspace, out), "--model_name_or_path", str(corrupt)]
+    )
     missing = tmp_path / "missing.txt"
     assert error_of([*taper_argv(workspace, out), "--dataset_name", str(missing)]) == (
         f"hf-tapernorm taper: error: dataset '{missing}' not found: no such file or folder"
@@ -254,20 +269,26 @@ def test_clear_errors(workspace, tmp_path):
     assert "--gguf_file needs --model_name_or_path" in error_of(["eval", "--gguf_file", "x.gguf"])
     fresh = tmp_path / "fresh"
     assert "argument --sink: invalid choice: 'eos' (choose from 'auto', 'bos', 'none')" in error_of(
-        [*taper_argv(workspace, fresh), "--sink", "eos"])
+        [*taper_argv(workspace, fresh), "--sink", "eos"]
+    )
     assert error_of([*taper_argv(workspace, fresh), "--keep_norms", "*.ln_2"]) == (
         "hf-tapernorm taper: error: keep_norms pattern(s) ['*.ln_2'] match no norm of LlamaForCausalLM "
         "(llama); norms are named like 'model.layers.0.input_layernorm' and 'model.norm'"
     )
     assert (out / "keep.txt").read_text() == "user data"  # refused before any output folder was touched
-    assert "--distill_weight must be >= 0, got -1.0" in error_of([*taper_argv(workspace, fresh), "--distill_weight", "-1"])
-    assert "argument --linear_fit/--linear-fit: invalid choice: 'mean'" in error_of([*taper_argv(workspace, fresh), "--linear_fit", "mean"])
+    assert "--distill_weight must be >= 0, got -1.0" in error_of(
+        [*taper_argv(workspace, fresh), "--distill_weight", "-1"]
+    )
+    assert "argument --linear_fit/--linear-fit: invalid choice: 'mean'" in error_of(
+        [*taper_argv(workspace, fresh), "--linear_fit", "mean"]
+    )
     assert "argument --distill_from/--distill-from: invalid choice: 'teacher'" in error_of(
-        [*taper_argv(workspace, fresh), "--distill_from", "teacher"])
+        [*taper_argv(workspace, fresh), "--distill_from", "teacher"]
+    )
     assert not fresh.exists()
     uncalibrated = tmp_path / "uncalibrated"
-    save_tapered(patch_model(AutoModelForCausalLM.from_pretrained(workspace / "llama"), TaperNormConfig.paper()), uncalibrated,
-                 AutoTokenizer.from_pretrained(workspace / "llama"))  # fmt: skip
+    model = patch_model(AutoModelForCausalLM.from_pretrained(workspace / "llama"), TaperNormConfig.paper())
+    save_tapered(model, uncalibrated, AutoTokenizer.from_pretrained(workspace / "llama"))
     assert f"cannot evaluate '{uncalibrated}' at g = 0: cannot lower the gate below 1 before calibration" in error_of(
         ["eval", "--model_name_or_path", str(uncalibrated), "--dataset_name", str(workspace / "corpus.txt"),
          "--block_size", "32", "--heldout_blocks", "2", "--heldout_percentage", "10"]
@@ -291,7 +312,9 @@ def test_a_failed_export_leaves_nothing_that_looks_finished(workspace, tmp_path,
 
 def test_divergence_stops_with_a_report_and_no_export(workspace, tmp_path):
     out = tmp_path / "run"
-    code, stdout, stderr = run_main(taper_argv(workspace, out, "--learning_rate", "1e8", "--max_grad_norm", "0", steps=8))
+    code, stdout, stderr = run_main(
+        taper_argv(workspace, out, "--learning_rate", "1e8", "--max_grad_norm", "0", steps=8)
+    )
     assert code == 1, stderr
     message = stderr.strip().splitlines()[-1]
     assert message.startswith("hf-tapernorm taper: error: training diverged at optimizer step") and message.endswith(
@@ -308,7 +331,8 @@ def test_a_json_file_configures_a_run(tmp_path):
     config = tmp_path / "run.json"
     config.write_text(json.dumps({"output_dir": "runs/x", "max_steps": 7, "taper_end": "5", "block_size": 64}))
     model, data, taper, run, training = parse(
-        [ModelArguments, DataArguments, TaperArguments, RunArguments, TaperTrainingArguments], [str(config)],
+        [ModelArguments, DataArguments, TaperArguments, RunArguments, TaperTrainingArguments],
+        [str(config)],
         "hf-tapernorm taper",
     )
     assert (training.output_dir, training.max_steps, taper.taper_end, data.block_size) == ("runs/x", 7, "5", 64)
@@ -349,8 +373,9 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_finishes_the_same_run(workspace, t
     assert code == 0, stderr
     report = json.loads((out / "report.json").read_text())
     assert report["status"] == "finished" and [r["step"] for r in report["history"]] == list(range(1, steps + 1))
-    resumed, uninterrupted = load_file(str(out / "tapered" / "model.safetensors")), load_file(
-        str(reference / "tapered" / "model.safetensors")
+    resumed, uninterrupted = (
+        load_file(str(out / "tapered" / "model.safetensors")),
+        load_file(str(reference / "tapered" / "model.safetensors")),
     )
     assert resumed.keys() == uninterrupted.keys()
     for key in resumed:
@@ -363,10 +388,15 @@ def test_push_uploads_the_export_folder_as_written(finished_run, monkeypatch):
 
     out, _ = finished_run
     calls = []
-    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create", repo_id, kw))
-                        or SimpleNamespace(repo_id=repo_id))
+    monkeypatch.setattr(
+        huggingface_hub.HfApi,
+        "create_repo",
+        lambda self, repo_id, **kw: calls.append(("create", repo_id, kw)) or SimpleNamespace(repo_id=repo_id),
+    )
     monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, **kw: calls.append(("upload", kw)))
-    code, stdout, stderr = run_main(["push", "--export_dir", str(out / "folded"), "--repo_id", "me/tiny-normfree", "--private"])
+    code, stdout, stderr = run_main(
+        ["push", "--export_dir", str(out / "folded"), "--repo_id", "me/tiny-normfree", "--private"]
+    )
     assert code == 0, stderr
     assert calls[0] == ("create", "me/tiny-normfree", {"private": True, "exist_ok": True, "repo_type": "model"})
     assert calls[1][1]["folder_path"] == str(out / "folded") and calls[1][1]["repo_id"] == "me/tiny-normfree"
@@ -422,15 +452,29 @@ def test_defaults_are_the_embedded_recipe():
     assert (training.max_steps, training.per_device_train_batch_size, data.block_size) == (60, 4, 256)
     # Every recipe option is unset: TaperNormConfig.for_model decides (one place for every default).
     assert taper.recipe == "auto"
-    assert all(getattr(taper, name) is None for name in ("scope", "keep_norms", "sink", "linear_fit", "distill_weight",
-                                                          "taper_start", "taper_end", "relative_scale_loss"))
+    assert all(
+        getattr(taper, name) is None
+        for name in (
+            "scope",
+            "keep_norms",
+            "sink",
+            "linear_fit",
+            "distill_weight",
+            "taper_start",
+            "taper_end",
+            "relative_scale_loss",
+        )
+    )
     assert not (run.baseline or run.overwrite or run.resume)
     assert training.output_dir == "runs/taper" and training.report_to == []
 
 
 def _request(*argv: str):
-    parsed = parse([ModelArguments, DataArguments, TaperArguments, RunArguments, TaperTrainingArguments], list(argv),
-                   "hf-tapernorm taper")
+    parsed = parse(
+        [ModelArguments, DataArguments, TaperArguments, RunArguments, TaperTrainingArguments],
+        list(argv),
+        "hf-tapernorm taper",
+    )
     return taper_pipeline.TaperRequest(*parsed)
 
 
@@ -443,8 +487,11 @@ def test_flags_override_the_recipe_of_the_model():
     config = taper_pipeline.recipe_config(_request(), llama, tokenizer)
     assert (config.recipe, config.keep_norms, config.sink_token_ids) == ("gated-mlp", mlp_norms, [127])
     assert config.distill_weight == 1.0 and config.relative_scale_loss
-    config = taper_pipeline.recipe_config(_request("--keep_norms", " model.layers.1.*, *.input_layernorm ", "--sink",
-                                                   "none", "--taper_end", "40"), llama, tokenizer)
+    config = taper_pipeline.recipe_config(
+        _request("--keep_norms", " model.layers.1.*, *.input_layernorm ", "--sink", "none", "--taper_end", "40"),
+        llama,
+        tokenizer,
+    )
     assert config.keep_norms == ["model.layers.1.*", "*.input_layernorm"] and config.sink_token_ids == []
     assert config.taper_end == 40 and config.distill_weight == 1.0  # the rest stays the recipe's
     assert taper_pipeline.recipe_config(_request("--keep_norms", "none"), llama, tokenizer).keep_norms == []
@@ -462,13 +509,17 @@ def test_report_renders_the_facts(tmp_path):
         "data": {"source": "d", "block_size": 8, "heldout_tokens": 70},
         "taper": {"taper_start_step": 2, "taper_end_step": 6, "scale_target": 1.5},
         "training": {"steps": 8, "tokens": 640, "seconds": 3.0, "final_gate": 0.0},
-        "heldout": {k: {"loss": v, "perplexity": 2.0, "tokens": 70} for k, v in
-                    {"original": 2.0, "baseline": 1.9, "tapered": 1.938, "folded": 1.938}.items()},  # fmt: skip
+        "heldout": {
+            k: {"loss": v, "perplexity": 2.0, "tokens": 70}
+            for k, v in {"original": 2.0, "baseline": 1.9, "tapered": 1.938, "folded": 1.938}.items()
+        },  # fmt: skip
         "gap": {"tapered_vs_baseline": 0.02, "tapered_vs_original": -0.031, "folded_vs_tapered": 0.0},
         "fold": {"max_abs_diff": 1e-6, "max_rel_diff": 2e-7},
         "export": {"path": "x", "reloaded": True},
-        "history": [{"step": s, "gate": g, "loss": 2.0, "ce": 1.9, "scale_loss": 0.1, "residual_scale": 1.4}
-                    for s, g in enumerate([1, 1, 0.8, 0.3, 0, 0, 0, 0], start=1)],  # fmt: skip
+        "history": [
+            {"step": s, "gate": g, "loss": 2.0, "ce": 1.9, "scale_loss": 0.1, "residual_scale": 1.4}
+            for s, g in enumerate([1, 1, 0.8, 0.3, 0, 0, 0, 0], start=1)
+        ],  # fmt: skip
         "status": "finished",
     }
     paths = write_report(tmp_path, facts)
@@ -503,3 +554,32 @@ def test_embedded_default_with_a_reduced_step_count(tmp_path):
     config = json.loads((out / "folded" / "config.json").read_text())
     assert config["model_type"] == "tapernorm_llama" and config["tie_word_embeddings"] is False
     assert "hf-tapernorm taper: summary" in stdout
+
+
+def test_the_library_path_trains_exactly_what_the_cli_trains(workspace, tmp_path):
+    """patch_model(model, tokenizer=tok) + Trainer + TaperCallback() trains the CLI's run, weight for weight."""
+    from transformers import Trainer, default_data_collator
+
+    from hf_tapernorm import TaperCallback
+    from hf_tapernorm.pipeline.data import load_text_dataset, prepare_data
+
+    out = tmp_path / "cli"
+    code, _, stderr = run_main(taper_argv(workspace, out, steps=6))
+    assert code == 0, stderr
+    model = AutoModelForCausalLM.from_pretrained(workspace / "llama")
+    tokenizer = AutoTokenizer.from_pretrained(workspace / "llama")
+    config = TaperNormConfig.for_model(model, tokenizer, taper_start=2, taper_end=3)  # the CLI run's two flags
+    patch_model(model, config)
+    packed = prepare_data(load_text_dataset(str(workspace / "corpus.txt")), tokenizer, block_size=32, train_blocks=12,
+                          heldout_blocks=4, heldout_percentage=10, prefix_ids=config.sink_token_ids)  # fmt: skip
+    args = TaperTrainingArguments(output_dir=str(tmp_path / "lib"), max_steps=6, per_device_train_batch_size=2,
+                                  use_cpu=True, disable_tqdm=True, report_to=[])  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=packed.train, data_collator=default_data_collator,
+                      callbacks=[TaperCallback()])  # fmt: skip
+    trainer.train()
+    assert json.loads((out / "report.json").read_text())["taper"]["recipe"] == config.recipe == "gated-mlp"
+    expected = load_file(str(out / "tapered" / "model.safetensors"))
+    actual = model.state_dict()
+    assert set(expected) <= set(actual)
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, rtol=0, atol=0, msg=key)

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_tapernorm.training.checkpoints import load_tapered
 from hf_tapernorm.layers.taper_norm import tapered_norms
+from hf_tapernorm.training.checkpoints import load_tapered
 from tests.conftest import corpus_documents, save_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent

@@ -13,8 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from hf_tapernorm import TaperController, TaperSchedule, calibrate, fold_model, patch_model, set_gate
-from hf_tapernorm import TaperNormConfig
+from hf_tapernorm import TaperController, TaperNormConfig, TaperSchedule, calibrate, fold_model, patch_model, set_gate
 
 from .conftest import build, random_batches, tiny_gpt2_config, tiny_llama_config
 

@@ -36,8 +36,8 @@ from tests.conftest import (
 
 # What the recipe keeps, per family: every layer's norms of these names stay real norms.
 KEPT = {
-    "llama": {"post_attention_layernorm"}, "mistral": {"post_attention_layernorm"}, "qwen2": {"post_attention_layernorm"},
-    "gemma": {"post_attention_layernorm"}, "phi3": {"post_attention_layernorm"},
+    "llama": {"post_attention_layernorm"}, "mistral": {"post_attention_layernorm"},
+    "qwen2": {"post_attention_layernorm"}, "gemma": {"post_attention_layernorm"}, "phi3": {"post_attention_layernorm"},
     "qwen3": {"post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"},
     "gemma2": {"pre_feedforward_layernorm"},
     "gemma3_text": {"pre_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm"},
@@ -122,8 +122,15 @@ def test_validation_names_the_field():
 
 
 def test_round_trips_dict_json_checkpoint_and_export(tmp_path):
-    config = TaperNormConfig.paper(keep_norms=["model.layers.1.*"], sink_token_ids=[5], taper_start=2, taper_end=0.5,
-                                   linear_fit="per_channel", distill_weight=0.5, distill_until="taper_end")
+    config = TaperNormConfig.paper(
+        keep_norms=["model.layers.1.*"],
+        sink_token_ids=[5],
+        taper_start=2,
+        taper_end=0.5,
+        linear_fit="per_channel",
+        distill_weight=0.5,
+        distill_until="taper_end",
+    )
     assert TaperNormConfig.from_dict(config.to_dict()) == config
     assert TaperNormConfig.from_dict(json.loads(config.to_json_string())) == config
     assert TaperNormConfig.from_pretrained(config.save_pretrained(tmp_path / "json").parent) == config
@@ -158,13 +165,17 @@ def test_the_per_channel_fit_is_least_squares_over_the_warmup():
     fitted = dict(taper_norms(reference))
     for name, layer in taper_norms(model):
         if layer.tapered:
-            torch.testing.assert_close(layer.c * layer.taper_weight, fitted[name].c * fitted[name].taper_weight,
-                                       rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(
+                layer.c * layer.taper_weight, fitted[name].c * fitted[name].taper_weight, rtol=1e-5, atol=1e-6, msg=name
+            )
 
 
 def test_the_keyword_interface_still_works_and_warns_once():
-    with pytest.warns(FutureWarning, match=r"patch_model\(model, keep_norms=\.\.\., scope=\.\.\.\) is deprecated: pass "
-                                           r"patch_model\(model, TaperNormConfig\.paper\("):
+    with pytest.warns(
+        FutureWarning,
+        match=r"patch_model\(model, keep_norms=\.\.\., scope=\.\.\.\) is deprecated: pass "
+        r"patch_model\(model, TaperNormConfig\.paper\(",
+    ):
         model = patch_model(build(tiny_llama_config()), scope="all", keep_norms=["model.layers.0.*"])
     assert model.tapernorm_config == TaperNormConfig.paper(scope="all", keep_norms=["model.layers.0.*"])
     with warnings.catch_warnings():
@@ -183,13 +194,45 @@ def test_resuming_under_another_config_is_refused(tmp_path):
     data = [{"input_ids": row, "labels": row} for row in ids]
 
     def trainer(config, steps=6):
-        args = TrainingArguments(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=2,
-                                 save_steps=3, report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=1)
+        args = TrainingArguments(
+            output_dir=str(tmp_path),
+            max_steps=steps,
+            per_device_train_batch_size=2,
+            save_steps=3,
+            report_to=[],
+            use_cpu=True,
+            disable_tqdm=True,
+            logging_steps=1,
+        )
         model = patch_model(build(tiny_llama_config()), config)
         return Trainer(model=model, args=args, train_dataset=data, callbacks=[TaperCallback()])
 
     trainer(TaperNormConfig.paper(taper_start=1, taper_end=5)).train()
     assert (tmp_path / "checkpoint-3" / "tapernorm_config.json").is_file()
-    with pytest.raises(TaperStateError, match=r"another TaperNormConfig \(ema_rate: 0\.01 in the checkpoint, 0\.1 now\)"):
+    with pytest.raises(
+        TaperStateError, match=r"another TaperNormConfig \(ema_rate: 0\.01 in the checkpoint, 0\.1 now\)"
+    ):
         trainer(TaperNormConfig.paper(taper_start=1, taper_end=5, ema_rate=0.1)).train(
-            resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+            resume_from_checkpoint=str(tmp_path / "checkpoint-3")
+        )
+
+
+def test_a_warmup_stable_decay_schedule_decays_only_after_the_gate_reaches_zero(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from hf_tapernorm import TaperCallback
+
+    ids = torch.randint(0, 128, (24, 12), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=12, per_device_train_batch_size=2, learning_rate=1e-3,
+                             warmup_steps=2, lr_scheduler_type="warmup_stable_decay", save_strategy="no",
+                             logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True)  # fmt: skip
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper(taper_start=3, taper_end=8))
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[TaperCallback()])
+    assert trainer.args.lr_scheduler_kwargs == {"num_decay_steps": 4}  # the steps after g = 0 (8 -> 12)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "taper/gate" in entry]
+    rates = [entry["learning_rate"] for entry in logs]
+    gates = [entry["taper/gate"] for entry in logs]
+    assert rates[2:8] == [1e-3] * 6  # constant while the gate falls
+    assert gates[7] == 0.0 and all(a > b for a, b in zip(rates[8:], rates[9:]))  # decaying only at g = 0

@@ -92,8 +92,8 @@ def test_sink_prefix_starts_every_block_and_its_prediction_is_no_target(tokenize
     docs = ["abc", "defgh", "ij"]
     eos = tokenizer.eos_token_id
     stream = [ord(ch) for ch in "abc"] + [eos] + [ord(ch) for ch in "defgh"] + [eos] + [ord(ch) for ch in "ij"] + [eos]
-    assert pack_documents(docs, tokenizer, 4, prefix_ids=[1]) == [[1] + stream[0:3], [1] + stream[3:6], [1] + stream[6:9],
-                                                                  [1] + stream[9:12]]  # fmt: skip
+    expected = [[1] + stream[0:3], [1] + stream[3:6], [1] + stream[6:9], [1] + stream[9:12]]
+    assert pack_documents(docs, tokenizer, 4, prefix_ids=[1]) == expected
     with pytest.raises(DataError, match="block_size must be at least 4 tokens"):
         pack_documents(docs, tokenizer, 3, prefix_ids=[1, 2])
     packed = _prepare(datasets.Dataset.from_dict({"text": corpus_documents(60)}), tokenizer, prefix_ids=[1])
@@ -112,7 +112,9 @@ def test_split_is_by_document_hash_disjoint_and_order_independent(tokenizer):
     shuffled = docs[:]
     random.Random(3).shuffle(shuffled)
     assert held == {d for d in shuffled if is_heldout(d, 10.0)}
-    packed = _prepare(datasets.Dataset.from_dict({"text": docs}), tokenizer, heldout_percentage=10.0, heldout_blocks=1000)
+    packed = _prepare(
+        datasets.Dataset.from_dict({"text": docs}), tokenizer, heldout_percentage=10.0, heldout_blocks=1000
+    )
     heldout_text = "".join(chr(i) if i != 127 else "\n" for i in blocks_tensor(packed.heldout).flatten().tolist())
     train_text = "".join(chr(i) if i != 127 else "\n" for i in blocks_tensor(packed.train).flatten().tolist())
     inside = [d for d in docs if d in heldout_text]
@@ -120,7 +122,7 @@ def test_split_is_by_document_hash_disjoint_and_order_independent(tokenizer):
     assert not any(d in train_text for d in held if len(d) > 64)
 
 
-def test_embedded_corpus_is_the_sorted_standard_library(tokenizer):
+def test_embedded_corpus_is_the_standard_library_in_a_fixed_shuffled_order(tokenizer):
     files = embedded_corpus_files()
     root = stdlib_directory()
     names = [f.relative_to(root).as_posix() for f in files]
@@ -128,11 +130,16 @@ def test_embedded_corpus_is_the_sorted_standard_library(tokenizer):
     assert "os.py" in names and "json/decoder.py" in names
     assert not any(part in ("site-packages", "test", "tests") for n in names for part in n.split("/")[:-1])
     corpus = embedded_corpus()
-    assert corpus["path"][:] == names
-    assert corpus[names.index("os.py")]["text"] == (root / "os.py").read_text(encoding="utf-8")
+    assert sorted(corpus["path"][:]) == names and corpus["path"][:] != names  # every file, not alphabetically
+    assert corpus["path"][:] == embedded_corpus()["path"][:]  # the same order every time
+    first = corpus["path"][:40]
+    assert len({name.split("/")[0][:1].lower() for name in first}) > 8  # spread over the alphabet
+    assert corpus[corpus["path"][:].index("os.py")]["text"] == (root / "os.py").read_text(encoding="utf-8")
     assert load_text_dataset(None)["path"][:5] == load_text_dataset(EMBEDDED_CORPUS)["path"][:5]
     first = _prepare(corpus, tokenizer, block_size=64, train_blocks=8, heldout_blocks=4, heldout_percentage=5.0)
-    second = _prepare(embedded_corpus(), tokenizer, block_size=64, train_blocks=8, heldout_blocks=4, heldout_percentage=5.0)
+    second = _prepare(
+        embedded_corpus(), tokenizer, block_size=64, train_blocks=8, heldout_blocks=4, heldout_percentage=5.0
+    )
     assert len(first.train) == 8 and len(first.heldout) == 4
     assert torch.equal(blocks_tensor(first.heldout), blocks_tensor(second.heldout))
     assert torch.equal(blocks_tensor(first.train), blocks_tensor(second.train))
@@ -143,7 +150,9 @@ def test_text_column_detection(tmp_path, tokenizer):
     only = datasets.Dataset.from_dict({"body": docs, "n": list(range(60))})
     assert _prepare(only, tokenizer).text_column == "body"
     two = datasets.Dataset.from_dict({"a": docs, "b": docs})
-    with pytest.raises(DataError, match=r"cannot tell which column holds the text \(columns: a, b\); pass --text_column"):
+    with pytest.raises(
+        DataError, match=r"cannot tell which column holds the text \(columns: a, b\); pass --text_column"
+    ):
         _prepare(two, tokenizer)
     assert _prepare(two, tokenizer, text_column="b").text_column == "b"
     with pytest.raises(DataError, match="text column 'c' not in the dataset; columns: a, b"):
@@ -163,5 +172,7 @@ def test_errors_name_the_dataset_and_the_fix(tmp_path, tokenizer):
     with pytest.raises(DataError, match=r"the dataset folder '.*empty' holds no"):
         load_text_dataset(str(tmp_path / "empty"))
     tiny = datasets.Dataset.from_dict({"text": corpus_documents(60)[:3]})
-    with pytest.raises(DataError, match=r"is too small: its (training|held-out) split .* does not fill one block of 4096 tokens"):
+    with pytest.raises(
+        DataError, match=r"is too small: its (training|held-out) split .* does not fill one block of 4096 tokens"
+    ):
         _prepare(tiny, tokenizer, block_size=4096)

@@ -6,11 +6,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig
 
-from hf_tapernorm import calibrate, fold_model, patch_model, set_gate, taper_norms
-from hf_tapernorm import TaperNormConfig
-from hf_tapernorm.architectures.table import NormSite, architecture_for
+from hf_tapernorm import TaperNormConfig, calibrate, fold_model, patch_model, set_gate, taper_norms
 from hf_tapernorm.architectures.discovery import DiscoveryError, discover_architecture
 from hf_tapernorm.architectures.styles import NormStyle
+from hf_tapernorm.architectures.table import NormSite, architecture_for
 from tests.conftest import FAMILY_CASES, build, random_batches, tiny_family_config, tiny_llama_config
 
 

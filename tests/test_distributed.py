@@ -25,8 +25,18 @@ def _free_port() -> int:
 def test_two_ranks_compute_the_same_c_and_gates_as_one_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(_free_port()), str(ROOT / "tests" / "distributed_taper.py"), str(tmp_path), "2",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(ROOT / "tests" / "distributed_taper.py"),
+        str(tmp_path),
+        "2",
     ]
     completed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]

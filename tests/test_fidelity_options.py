@@ -9,14 +9,13 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from hf_tapernorm import NormStyle, TaperNorm, calibrate, patch_model, set_gate, tapered_norms
-from hf_tapernorm import TaperNormConfig
-from hf_tapernorm.layers.taper_norm import branch_statistics
-from hf_tapernorm.experimental.linear_fit import fit_linear_branch, typical_token_sums
+from hf_tapernorm import NormStyle, TaperNorm, TaperNormConfig, calibrate, patch_model, set_gate, tapered_norms
 from hf_tapernorm.experimental.diagnostics import branch_distance, loss_rise_gate, residual_scale_by_position
+from hf_tapernorm.experimental.linear_fit import fit_linear_branch, typical_token_sums
+from hf_tapernorm.experimental.penalties import ScaleGrowthPenalty, TokenScalePenalty
+from hf_tapernorm.layers.taper_norm import branch_statistics
 from hf_tapernorm.training.calibration import calibration_table
 from hf_tapernorm.training.distillation import Distillation, distillation_loss
-from hf_tapernorm.experimental.penalties import ScaleGrowthPenalty, TokenScalePenalty
 
 from .conftest import build, random_batches, tiny_gpt2_config, tiny_llama_config
 
@@ -240,12 +239,18 @@ def test_attached_distillation_adds_the_kl_to_the_frozen_original_on_labelled_po
     # Trainer-style accumulation: weighted by the micro-batch's share of the step's labels.
     items = 2 * int((labels[:, 1:] != -100).sum())
     accumulated = student(input_ids=batch, labels=labels, num_items_in_batch=items).loss
-    ce = F.cross_entropy(plain.logits[:, :-1].reshape(-1, 128).float(), labels[:, 1:].reshape(-1),
-                         ignore_index=-100, reduction="sum") / items
+    ce = (
+        F.cross_entropy(
+            plain.logits[:, :-1].reshape(-1, 128).float(), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+        )
+        / items
+    )
     torch.testing.assert_close(accumulated, ce + 0.5 * 0.7 * kl, rtol=1e-5, atol=1e-6)
     student.eval()
-    torch.testing.assert_close(student(input_ids=batch, labels=labels).loss, F.cross_entropy(
-        plain.logits[:, :-1].reshape(-1, 128).float(), labels[:, 1:].reshape(-1), ignore_index=-100))
+    torch.testing.assert_close(
+        student(input_ids=batch, labels=labels).loss,
+        F.cross_entropy(plain.logits[:, :-1].reshape(-1, 128).float(), labels[:, 1:].reshape(-1), ignore_index=-100),
+    )
     student.train()
     distillation.remove()
     torch.testing.assert_close(student(input_ids=batch, labels=labels).loss, plain.loss)
@@ -350,7 +355,10 @@ def test_calibration_scale_multiplies_the_linear_branch_of_every_fit():
         assert float(b.c) == pytest.approx(0.5 * values[name], rel=1e-6)
         torch.testing.assert_close(b.taper_weight, a.taper_weight)
     # The per-channel fit scales the whole linear map (c * taper_weight) by the same factor.
-    plain, scaled = patch_model(build(tiny_llama_config()), TaperNormConfig.paper()), patch_model(build(tiny_llama_config()), TaperNormConfig.paper(calibration_scale=0.5))
+    plain, scaled = (
+        patch_model(build(tiny_llama_config()), TaperNormConfig.paper()),
+        patch_model(build(tiny_llama_config()), TaperNormConfig.paper(calibration_scale=0.5)),
+    )
     fit_linear_branch(plain, batches, per_channel=True)
     fit_linear_branch(scaled, batches, per_channel=True)
     for (_, a), (_, b) in zip(tapered_norms(plain), tapered_norms(scaled)):

@@ -16,8 +16,18 @@ from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import hf_tapernorm
-from hf_tapernorm import FoldCheckError, TaperNorm, calibrate, export_folded, fold_model, patch_model, set_gate
-from hf_tapernorm import CalibrationError, TaperNormConfig, TaperStateError
+from hf_tapernorm import (
+    CalibrationError,
+    FoldCheckError,
+    TaperNorm,
+    TaperNormConfig,
+    TaperStateError,
+    calibrate,
+    export_folded,
+    fold_model,
+    patch_model,
+    set_gate,
+)
 from hf_tapernorm.export.modeling_folded import FoldedChannelScale, TaperNormGPT2LMHeadModel, TaperNormLlamaForCausalLM
 from tests.conftest import (
     build,
@@ -33,13 +43,22 @@ FOLDED = {"llama": TaperNormLlamaForCausalLM, "gpt2": TaperNormGPT2LMHeadModel}
 FINAL = {"llama": "model.norm", "gpt2": "transformer.ln_f"}
 
 
-def tapered(kind: str, scope: str = "internal", dtype: torch.dtype = torch.float32, sink_token_ids=None,
-            keep_norms=(), **overrides) -> nn.Module:
+def tapered(
+    kind: str,
+    scope: str = "internal",
+    dtype: torch.dtype = torch.float32,
+    sink_token_ids=None,
+    keep_norms=(),
+    **overrides,
+) -> nn.Module:
     """A patched tiny model at g = 0 with non-trivial gammat, beta and c (perturbed after calibration).
 
     With ``sink_token_ids`` those positions stay normalized and every calibration batch starts with them.
     """
-    model = patch_model(build(CONFIGS[kind](**overrides), dtype=dtype), TaperNormConfig.paper(scope=scope, sink_token_ids=sink_token_ids, keep_norms=keep_norms))
+    model = patch_model(
+        build(CONFIGS[kind](**overrides), dtype=dtype),
+        TaperNormConfig.paper(scope=scope, sink_token_ids=sink_token_ids, keep_norms=keep_norms),
+    )
     sink = torch.tensor(list(sink_token_ids or []), dtype=torch.long)
     model.train()
     with torch.no_grad():
@@ -208,8 +227,6 @@ def test_bf16_fold_stays_bf16_and_matches_the_fp32_fold():
     assert relative_error(logits(folded, IDS), logits(reference, IDS)) <= 2e-2
 
 
-
-
 def test_reload_where_hf_tapernorm_cannot_be_imported(tmp_path):
     folders, expected = [], {}
     for kind in ("llama", "gpt2"):
@@ -235,8 +252,11 @@ def test_reload_where_hf_tapernorm_cannot_be_imported(tmp_path):
 def test_refuses_open_gate_uncalibrated_and_unpatched():
     model = tapered("llama", "internal")
     set_gate(model, 0.25)
-    with pytest.raises(TaperStateError, match=r"4 tapered layer\(s\) have a gate above 0: model\.layers\.0\.input_layernorm "
-                                         r"\(gate 0\.25\), .*model\.layers\.1\.post_attention_layernorm \(gate 0\.25\)"):
+    with pytest.raises(
+        TaperStateError,
+        match=r"4 tapered layer\(s\) have a gate above 0: model\.layers\.0\.input_layernorm "
+        r"\(gate 0\.25\), .*model\.layers\.1\.post_attention_layernorm \(gate 0\.25\)",
+    ):
         fold_model(model)
     fresh = patch_model(build(tiny_gpt2_config()), TaperNormConfig.paper())
     with pytest.raises(CalibrationError, match=r"4 tapered layer\(s\) are uncalibrated \(transformer\.h\.0\.ln_1, "):
@@ -254,7 +274,7 @@ def test_check_raises_above_tolerance():
 
 
 def _perturbed(refold):
-    """A fold whose last value projection is doubled: in float32, what a model that amplifies rounding shows in float32."""
+    """A fold whose last value projection is doubled: what a model that amplifies rounding shows in float32."""
 
     def fold(unfolded):
         folded = refold(unfolded)
@@ -305,12 +325,21 @@ def _edit_state(edit):
 
 def test_strict_loading_refuses_missing_unexpected_and_mismatched_weights(exported):
     cases = {
-        "missing": (_edit_state(lambda s: s.pop("model.layers.0.self_attn.q_proj.weight")), OSError,
-                    r"do not match the folded architecture \(missing_keys: model\.layers\.0\.self_attn\.q_proj\.weight\)"),
-        "unexpected": (_edit_state(lambda s: s.update({"model.layers.0.input_layernorm.weight": torch.ones(32)})),
-                       OSError, r"\(unexpected_keys: model\.layers\.0\.input_layernorm\.weight\)"),
-        "mismatched": (_edit_state(lambda s: s.update({"model.layers.0.self_attn.q_proj.weight": torch.ones(32, 16)})),
-                       RuntimeError, "ignore_mismatched_sizes"),
+        "missing": (
+            _edit_state(lambda s: s.pop("model.layers.0.self_attn.q_proj.weight")),
+            OSError,
+            r"do not match the folded architecture \(missing_keys: model\.layers\.0\.self_attn\.q_proj\.weight\)",
+        ),
+        "unexpected": (
+            _edit_state(lambda s: s.update({"model.layers.0.input_layernorm.weight": torch.ones(32)})),
+            OSError,
+            r"\(unexpected_keys: model\.layers\.0\.input_layernorm\.weight\)",
+        ),
+        "mismatched": (
+            _edit_state(lambda s: s.update({"model.layers.0.self_attn.q_proj.weight": torch.ones(32, 16)})),
+            RuntimeError,
+            "ignore_mismatched_sizes",
+        ),
     }
     for name, (edit, error, message) in cases.items():
         with pytest.raises(error, match=message):
@@ -360,7 +389,7 @@ def test_smollm2_fold_save_reload_both_ways(tmp_path):
     text = (stdlib / "textwrap.py").read_text() + (stdlib / "shlex.py").read_text()
     tokens = tokenizer(text, return_tensors="pt").input_ids[0]
     prompt = tokenizer("import textwrap\n\ndef wrap(text, width=70):\n", return_tensors="pt").input_ids
-    held_out = tokens[1024:1024 + 256][None]
+    held_out = tokens[1024 : 1024 + 256][None]
     folders, expected, figures = [], {}, {}
     for name, layers, scope in (("full-final", None, "final"), ("4-layers-all", 4, "all")):
         model = copy.deepcopy(base)
@@ -371,7 +400,7 @@ def test_smollm2_fold_save_reload_both_ways(tmp_path):
         model.train()
         with torch.no_grad():
             for index in range(3):
-                model(tokens[index * 256:(index + 1) * 256][None])
+                model(tokens[index * 256 : (index + 1) * 256][None])
         calibrate(model)
         set_gate(model, 0.0)
         model.eval()
@@ -385,9 +414,13 @@ def test_smollm2_fold_save_reload_both_ways(tmp_path):
         with torch.no_grad():
             assert torch.equal(reloaded.generate(prompt, max_new_tokens=32, do_sample=False), greedy)
             diff = (logits(reloaded, held_out) - reference).abs().max().item()
-        figures[name] = dict(probe_abs=folded.fold_report.max_abs_diff, probe_rel=folded.fold_report.max_rel_diff,
-                             held_out_abs=diff, held_out_rel=diff / reference.abs().max().item(),
-                             max_logit=reference.abs().max().item())
+        figures[name] = dict(
+            probe_abs=folded.fold_report.max_abs_diff,
+            probe_rel=folded.fold_report.max_rel_diff,
+            held_out_abs=diff,
+            held_out_rel=diff / reference.abs().max().item(),
+            max_logit=reference.abs().max().item(),
+        )
         print(f"\nSmolLM2-135M {name} (fp32): {json.dumps(figures[name])}")
         assert figures[name]["held_out_rel"] <= 1e-4  # fp32 rounding on real activations (logits up to ~50)
         folders.append(str(out))

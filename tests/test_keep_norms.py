@@ -8,10 +8,16 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from hf_tapernorm import export_folded, fold_model, norms_feeding_gated_mlps, patch_model, taper_norms
-from hf_tapernorm import TaperNormConfig
+from hf_tapernorm import TaperNormConfig, export_folded, fold_model, norms_feeding_gated_mlps, patch_model, taper_norms
 from hf_tapernorm.training.checkpoints import load_tapered, save_tapered
-from tests.conftest import DISCOVERED_CASES, FAMILY_CASES, build, tiny_family_config, tiny_gpt2_config, tiny_llama_config
+from tests.conftest import (
+    DISCOVERED_CASES,
+    FAMILY_CASES,
+    build,
+    tiny_family_config,
+    tiny_gpt2_config,
+    tiny_llama_config,
+)
 from tests.test_folding import IDS, logits, relative_error, tapered
 
 MLP_NORMS = ["model.layers.0.post_attention_layernorm", "model.layers.1.post_attention_layernorm"]
@@ -40,20 +46,26 @@ def test_kept_norms_stay_normalized_at_every_gate_and_survive_the_fold(tmp_path)
     assert relative_error(logits(folded, IDS), logits(model, IDS)) <= 1e-5
     reloaded = AutoModelForCausalLM.from_pretrained(export_folded(folded, tmp_path / "out"))
     assert torch.equal(logits(reloaded, IDS), logits(folded, IDS))
-    assert "| Norms kept | 3 (e.g. `model.layers.0.post_attention_layernorm`) |" in (tmp_path / "out" / "README.md").read_text()
+    assert (
+        "| Norms kept | 3 (e.g. `model.layers.0.post_attention_layernorm`) |"
+        in (tmp_path / "out" / "README.md").read_text()
+    )
 
 
 def test_a_tapered_checkpoint_reloads_with_the_same_kept_norms(tmp_path):
     model = tapered("llama", keep_norms=MLP_NORMS)
     save_tapered(model, tmp_path / "ckpt")
     reloaded = load_tapered(tmp_path / "ckpt")
-    assert {n: l.tapered for n, l in taper_norms(reloaded)} == {n: l.tapered for n, l in taper_norms(model)}
+    assert {n: m.tapered for n, m in taper_norms(reloaded)} == {n: m.tapered for n, m in taper_norms(model)}
     assert torch.equal(logits(reloaded.eval(), IDS), logits(model, IDS))
 
 
 def test_a_pattern_that_matches_no_norm_is_refused_with_the_names_to_use():
-    with pytest.raises(ValueError, match=r"keep_norms pattern\(s\) \['\*\.ln_2'\] match no norm of LlamaForCausalLM "
-                                         r"\(llama\); norms are named like 'model.layers.0.input_layernorm'"):
+    with pytest.raises(
+        ValueError,
+        match=r"keep_norms pattern\(s\) \['\*\.ln_2'\] match no norm of LlamaForCausalLM "
+        r"\(llama\); norms are named like 'model.layers.0.input_layernorm'",
+    ):
         patch_model(build(tiny_llama_config()), TaperNormConfig.paper(keep_norms=["*.ln_2"]))
 
 
@@ -64,9 +76,14 @@ def test_keep_norms_only_narrows_the_scope():
 
 
 GATED_MLP_INPUT = {  # the norm in each layer whose output a gated MLP reads; None: no gated MLP behind a norm
-    "llama": "post_attention_layernorm", "mistral": "post_attention_layernorm", "qwen2": "post_attention_layernorm",
-    "qwen3": "post_attention_layernorm", "gemma": "post_attention_layernorm", "phi3": "post_attention_layernorm",
-    "gemma2": "pre_feedforward_layernorm", "gemma3_text": "pre_feedforward_layernorm",
+    "llama": "post_attention_layernorm",
+    "mistral": "post_attention_layernorm",
+    "qwen2": "post_attention_layernorm",
+    "qwen3": "post_attention_layernorm",
+    "gemma": "post_attention_layernorm",
+    "phi3": "post_attention_layernorm",
+    "gemma2": "pre_feedforward_layernorm",
+    "gemma3_text": "pre_feedforward_layernorm",
     "olmo2": None,  # its norms sit on the branch outputs; the MLP reads the raw residual
     "olmo": "post_attention_layernorm",
 }
@@ -81,5 +98,9 @@ def test_norms_feeding_gated_mlps_across_the_table_and_discovery(case):
         assert names == []
         return
     assert len(names) == 2 and all(name.endswith(f".{i}.{site}") for i, name in enumerate(names))
-    kept = {name for name, layer in taper_norms(patch_model(model, TaperNormConfig.paper(keep_norms=names))) if not layer.tapered}
+    kept = {
+        name
+        for name, layer in taper_norms(patch_model(model, TaperNormConfig.paper(keep_norms=names)))
+        if not layer.tapered
+    }
     assert set(names) < kept

@@ -84,13 +84,15 @@ def test_imports_go_one_way():
 
 
 def test_no_import_cycles():
-    graph = {name: _imports(name, path) - {"hf_tapernorm"} for name, path in _modules().items() if name != "hf_tapernorm"}
+    graph = {
+        name: _imports(name, path) - {"hf_tapernorm"} for name, path in _modules().items() if name != "hf_tapernorm"
+    }
     done: set[str] = set()
 
     def cycle_from(node: str, trail: list[str]) -> list[str]:
         for target in sorted(graph.get(node, ())):
             if target in trail:
-                return trail[trail.index(target):] + [target]
+                return trail[trail.index(target) :] + [target]
             if target not in done:
                 found = cycle_from(target, trail + [target])
                 if found:
@@ -117,8 +119,10 @@ def test_import_costs_little_over_torch_and_transformers():
         "assert 'hf_tapernorm.layers.patching' not in __import__('sys').modules\n"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    seconds = [float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                                    check=True).stdout) for _ in range(2)]
+    seconds = [
+        float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout)
+        for _ in range(2)
+    ]
     assert min(seconds) < 0.5, f"import hf_tapernorm took {min(seconds):.2f} s over torch + transformers"
 
 

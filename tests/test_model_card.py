@@ -75,12 +75,16 @@ def test_card_without_facts_omits_unknown_sections(internal):
 def test_card_describes_a_folded_final_norm_and_the_tied_head_choice():
     untied = fold_model(tapered("gpt2", "all"))
     text = render_model_card(untied, {"base_model": "openai-community/gpt2", "license": "mit"})
-    assert "| Final norm | tapered and folded into `lm_head` (the head was untied from the embeddings: " \
-           "`tie_word_embeddings=False`) |" in text
+    assert (
+        "| Final norm | tapered and folded into `lm_head` (the head was untied from the embeddings: "
+        "`tie_word_embeddings=False`) |" in text
+    )
     assert "| Projections that gained a bias | `lm_head` |" in text
     scaled = fold_model(tapered("gpt2", "all"), tied_head="scale")
-    assert "| Final norm | tapered; kept as one explicit per-channel scale so the tied embeddings survive |" \
-           in render_model_card(scaled)
+    assert (
+        "| Final norm | tapered; kept as one explicit per-channel scale so the tied embeddings survive |"
+        in render_model_card(scaled)
+    )
 
 
 def test_local_base_model_is_not_claimed_as_a_hub_id(internal, tmp_path):

@@ -2,8 +2,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaModel
 
-from hf_tapernorm import TaperNorm, calibrate, patch_model, set_gate, taper_norms, tapered_norms
-from hf_tapernorm import CalibrationError, ConfigurationError, TaperNormConfig, TaperStateError
+from hf_tapernorm import (
+    CalibrationError,
+    ConfigurationError,
+    TaperNorm,
+    TaperNormConfig,
+    TaperStateError,
+    calibrate,
+    patch_model,
+    set_gate,
+    taper_norms,
+    tapered_norms,
+)
 from tests.conftest import build, random_batches, tiny_gpt2_config, tiny_llama_config
 
 
@@ -106,22 +116,36 @@ def test_state_dict_round_trip_of_a_patched_model(tiny_llama):
 
 def test_errors_name_the_problem(tiny_llama):
     patch_model(tiny_llama, TaperNormConfig.paper())
-    with pytest.raises(TaperStateError, match=r"already patched \(found a TaperNorm at 'model\.layers\.0\.input_layernorm'\)"):
+    with pytest.raises(
+        TaperStateError, match=r"already patched \(found a TaperNorm at 'model\.layers\.0\.input_layernorm'\)"
+    ):
         patch_model(tiny_llama, TaperNormConfig.paper())
     with pytest.raises(ConfigurationError, match=r"gate must be in \[0, 1\], got -0.1"):
         set_gate(tiny_llama, -0.1)
     with pytest.raises(CalibrationError, match=r"before calibration: 4 layer\(s\) are uncalibrated"):
         set_gate(tiny_llama, 0.5)
-    with pytest.raises(ConfigurationError, match="TaperNormConfig.scope must be one of internal, final, all, got 'everything'"):
+    with pytest.raises(
+        ConfigurationError, match="TaperNormConfig.scope must be one of internal, final, all, got 'everything'"
+    ):
         TaperNormConfig.paper(scope="everything")
 
 
 def test_unknown_model_type_is_refused_with_the_supported_list():
     from transformers import BertConfig
 
-    model = AutoModelForCausalLM.from_config(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
-                                                        num_attention_heads=2, intermediate_size=64, is_decoder=True))
-    with pytest.raises(ValueError, match=r"model_type 'bert' is not supported by hf_tapernorm; supported model types: .*gpt2.*llama"):
+    model = AutoModelForCausalLM.from_config(
+        BertConfig(
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            is_decoder=True,
+        )
+    )
+    with pytest.raises(
+        ValueError, match=r"model_type 'bert' is not supported by hf_tapernorm; supported model types: .*gpt2.*llama"
+    ):
         patch_model(model, TaperNormConfig.paper())
     assert not any(isinstance(m, TaperNorm) for m in model.modules())
 

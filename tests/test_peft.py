@@ -5,8 +5,16 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-from hf_tapernorm import TaperCallback, export_folded, fold_model, gate_of, patch_model, taper_norms, tapered_norms
-from hf_tapernorm import TaperNormConfig
+from hf_tapernorm import (
+    TaperCallback,
+    TaperNormConfig,
+    export_folded,
+    fold_model,
+    gate_of,
+    patch_model,
+    taper_norms,
+    tapered_norms,
+)
 from tests.conftest import build, random_batches, tiny_llama_config
 
 
@@ -31,9 +39,17 @@ def test_lora_round_trip(tmp_path):
     data = [{"input_ids": ids, "labels": ids} for ids in random_batches(n=16, batch=1, length=16, seed=4)]
     data = [{key: value[0] for key, value in row.items()} for row in data]
     args = TrainingArguments(
-        output_dir=str(tmp_path / "run"), max_steps=8, per_device_train_batch_size=2, learning_rate=5e-3,
-        lr_scheduler_type="constant", report_to=[], save_strategy="no", logging_steps=4, use_cpu=True,
-        disable_tqdm=True, seed=0,
+        output_dir=str(tmp_path / "run"),
+        max_steps=8,
+        per_device_train_batch_size=2,
+        learning_rate=5e-3,
+        lr_scheduler_type="constant",
+        report_to=[],
+        save_strategy="no",
+        logging_steps=4,
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
     )
     callback = TaperCallback(taper_start=2, taper_end=6)
     trainer = Trainer(model=peft_model, args=args, train_dataset=data, callbacks=[callback])

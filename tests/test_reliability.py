@@ -66,7 +66,9 @@ def test_resume_without_a_checkpoint_refuses_a_folder_with_files(workspace, tmp_
     (out / "tapered" / "notes.md").write_text("also mine")
     before = snapshot(out)
     message = error_of([*taper_argv(workspace, out), "--resume"])
-    assert message.startswith(f"hf-tapernorm taper: error: --resume: '{out}' holds no checkpoint of an hf-tapernorm run")
+    assert message.startswith(
+        f"hf-tapernorm taper: error: --resume: '{out}' holds no checkpoint of an hf-tapernorm run"
+    )
     assert "folded/IMPORTANT.txt" in message and "tapered/notes.md" in message
     assert snapshot(out) == before
 
@@ -97,8 +99,10 @@ def test_overwrite_replaces_only_a_folder_of_our_own(workspace, finished, tmp_pa
     (copy / "folded" / "IMPORTANT.txt").write_text("a user file inside our export")
     before = snapshot(copy)
     message = error_of([*taper_argv(workspace, copy, steps=8), "--overwrite"])
-    assert message == (f"hf-tapernorm taper: error: refusing to --overwrite '{copy}': it holds files hf-tapernorm did "
-                       "not write (folded/IMPORTANT.txt); move them away first")
+    assert message == (
+        f"hf-tapernorm taper: error: refusing to --overwrite '{copy}': it holds files hf-tapernorm did "
+        "not write (folded/IMPORTANT.txt); move them away first"
+    )
     assert snapshot(copy) == before
     (copy / "folded" / "IMPORTANT.txt").unlink()
     code, _, stderr = run_main([*taper_argv(workspace, copy, "--distill_weight", "0", steps=8), "--overwrite"])
@@ -111,12 +115,20 @@ def test_resume_refuses_a_different_run_and_names_what_differs(workspace, finish
     message = error_of([*taper_argv(workspace, finished, "--distill_weight", "0", steps=9), "--resume"])
     assert message.startswith("hf-tapernorm taper: error: --resume: these options differ from the run in")
     assert "training.max_steps: 8 in the run, 9 now" in message and "--allow_changes" in message
-    other_model = error_of([*taper_argv(workspace, finished, "--distill_weight", "0", model="gpt2", steps=8), "--resume"])
+    other_model = error_of(
+        [*taper_argv(workspace, finished, "--distill_weight", "0", model="gpt2", steps=8), "--resume"]
+    )
     assert "model: " in other_model and "gpt2" in other_model
     assert snapshot(finished) == before
     # A deliberate change is allowed by name and recorded: here one more step at g = 0 (the gate does not move).
-    code, _, stderr = run_main([*taper_argv(workspace, finished, "--distill_weight", "0", steps=9), "--resume",
-                                "--allow_changes", "max_steps,taper_end"])
+    code, _, stderr = run_main(
+        [
+            *taper_argv(workspace, finished, "--distill_weight", "0", steps=9),
+            "--resume",
+            "--allow_changes",
+            "max_steps,taper_end",
+        ]
+    )
     assert code == 0, stderr
     report = json.loads((finished / "report.json").read_text())
     assert report["allowed_changes"]["training.max_steps"] == {"run": 8, "now": 9}
@@ -130,8 +142,11 @@ def test_a_schedule_change_that_moves_the_gate_is_refused_on_resume():
     calibrate(model)
     set_gate(model, TaperSchedule(2, 10).resolve(20).gate(6))  # a checkpoint at step 6 of a 2 -> 10 taper
     controller = TaperController(model, TaperSchedule(2, 16), total_steps=20)
-    with pytest.raises(TaperStateError, match=r"resuming at step 6: model\.layers\.0\.input_layernorm has gate 0\.5000.* "
-                                              r"the schedule changed since the checkpoint was written"):
+    with pytest.raises(
+        TaperStateError,
+        match=r"resuming at step 6: model\.layers\.0\.input_layernorm has gate 0\.5000.* "
+        r"the schedule changed since the checkpoint was written",
+    ):
         controller.check_resume(6)
 
 
@@ -224,8 +239,11 @@ def test_a_loss_spike_that_persists_stops_the_run_and_a_lone_one_does_not():
     losses = [2.0, 2.1, 1.9, 2.2, 2.0, 9.0, 2.1, 2.0, 8.0, 12.0]  # one bad batch at step 6, then a breakdown
     for step, loss in enumerate(losses):
         controller.step_end(step, loss=loss)
-    with pytest.raises(TaperDivergenceError, match=r"optimizer step 11 .*the training loss has been above 3x its "
-                                                   r"running median \(2\) for 3 consecutive steps \(now 40"):
+    with pytest.raises(
+        TaperDivergenceError,
+        match=r"optimizer step 11 .*the training loss has been above 3x its "
+        r"running median \(2\) for 3 consecutive steps \(now 40",
+    ):
         controller.step_end(10, loss=40.0)
 
 
@@ -252,11 +270,21 @@ def test_the_watch_stops_a_diverging_trainer_run_on_its_loss_before_the_scale_li
     model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper(ema_rate=0.5))
     ids = torch.randint(0, 128, (64, 16), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": row, "labels": row} for row in ids]
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=20, per_device_train_batch_size=2, learning_rate=1e-3,
-                             logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=20,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
     watch = DivergenceThresholds(spike_ratio=2.0, spike_steps=2, min_history=3)
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[TaperCallback(2, 15, thresholds=watch),
-                                                                             Explode()])
+    trainer = Trainer(
+        model=model, args=args, train_dataset=data, callbacks=[TaperCallback(2, 15, thresholds=watch), Explode()]
+    )
     with pytest.raises(TaperDivergenceError) as error:
         trainer.train()
     message = str(error.value)

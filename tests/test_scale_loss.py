@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_tapernorm import ScaleAnchor, TaperController, TaperSchedule, patch_model
-from hf_tapernorm import TaperNormConfig
+from hf_tapernorm import ScaleAnchor, TaperController, TaperNormConfig, TaperSchedule, patch_model
 from tests.conftest import build, tiny_gpt2_config, tiny_llama_config
 
 LAMBDA = 0.3
@@ -66,7 +65,9 @@ def test_target_is_the_bias_corrected_ema_of_the_masked_batch_mean_scale(family)
 
 
 def test_scale_loss_is_added_in_training_only_masked_and_normalised_like_the_trainer_ce():
-    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper(ema_rate=0.1, scale_loss_weight=LAMBDA)).train()
+    model = patch_model(
+        build(tiny_llama_config()), TaperNormConfig.paper(ema_rate=0.1, scale_loss_weight=LAMBDA)
+    ).train()
     anchor = model.model.norm.anchor
     controller = TaperController(model, TaperSchedule(1, 3), total_steps=3)
     controller.step_begin(0)
@@ -98,7 +99,10 @@ def test_scale_loss_is_added_in_training_only_masked_and_normalised_like_the_tra
 
 
 def test_the_relative_scale_loss_divides_the_deviation_by_the_target():
-    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper(ema_rate=0.1, scale_loss_weight=LAMBDA, relative_scale_loss=True))
+    model = patch_model(
+        build(tiny_llama_config()),
+        TaperNormConfig.paper(ema_rate=0.1, scale_loss_weight=LAMBDA, relative_scale_loss=True),
+    )
     model.train()
     anchor = model.model.norm.anchor
     controller = TaperController(model, TaperSchedule(1, 3), total_steps=3)
@@ -120,7 +124,9 @@ def test_the_relative_scale_loss_divides_the_deviation_by_the_target():
 
 def _calibrated(scale_loss_weight: float):
     """A tiny Llama after one optimizer step at g = 1 and calibration (k_start = 1)."""
-    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper(ema_rate=0.1, scale_loss_weight=scale_loss_weight)).train()
+    model = patch_model(
+        build(tiny_llama_config()), TaperNormConfig.paper(ema_rate=0.1, scale_loss_weight=scale_loss_weight)
+    ).train()
     controller = TaperController(model, TaperSchedule(1, 3), total_steps=3)
     controller.step_begin(0)
     model(**_batch(0))

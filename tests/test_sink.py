@@ -8,10 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_tapernorm import calibrate, export_folded, fold_model, patch_model, set_gate
-from hf_tapernorm import TaperNormConfig, TaperStateError
-from hf_tapernorm.layers.taper_norm import tapered_norms
+from hf_tapernorm import TaperNormConfig, TaperStateError, calibrate, export_folded, fold_model, patch_model, set_gate
 from hf_tapernorm.layers.sink import set_sink_tokens, sink_prefix, sink_token_ids_of
+from hf_tapernorm.layers.taper_norm import tapered_norms
 from tests.conftest import build, random_batches, run_without_hf_tapernorm, tiny_llama_config
 from tests.test_folding import tapered
 
@@ -116,8 +115,13 @@ def test_left_padded_batch_generation_with_sink():
     mask = torch.cat([torch.zeros(1, 3, dtype=IDS.dtype), torch.ones_like(short)], dim=1)
     with torch.no_grad():
         alone = folded.generate(short, max_new_tokens=6, do_sample=False)
-        batched = folded.generate(torch.cat([IDS[:1], padded]), attention_mask=torch.cat([torch.ones_like(IDS[:1]), mask]),
-                                  max_new_tokens=6, do_sample=False, pad_token_id=0)
+        batched = folded.generate(
+            torch.cat([IDS[:1], padded]),
+            attention_mask=torch.cat([torch.ones_like(IDS[:1]), mask]),
+            max_new_tokens=6,
+            do_sample=False,
+            pad_token_id=0,
+        )
     assert torch.equal(batched[1, 3:], alone[0])
 
 
@@ -177,8 +181,9 @@ def test_smollm2_sink_export_generates_like_the_unfolded_model(tmp_path):
     set_gate(model, 0.0)
     model.eval()
     folded = fold_model(model, probe=tokens[None, 800:864])
-    prompt = tokenizer("import textwrap\n\ndef wrap(text, width=70):\n", return_tensors="pt",
-                       add_special_tokens=False).input_ids
+    prompt = tokenizer(
+        "import textwrap\n\ndef wrap(text, width=70):\n", return_tensors="pt", add_special_tokens=False
+    ).input_ids
     with torch.no_grad():
         unfolded = model.generate(with_sink(prompt, [bos]), max_new_tokens=32, do_sample=False)[:, 1:]
     out = export_folded(folded, tmp_path / "smollm2-4-sink")

@@ -4,8 +4,7 @@ from torch import nn
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from hf_tapernorm import TaperStateError
-from hf_tapernorm import NormStyle, TaperNorm, calibrate
+from hf_tapernorm import NormStyle, TaperNorm, TaperStateError, calibrate
 from hf_tapernorm.training.calibration import update_statistics
 
 

@@ -15,12 +15,11 @@ import logging
 
 import torch
 
-from hf_tapernorm import patch_model, tapered_norms
-from hf_tapernorm import TaperNormConfig
-from hf_tapernorm.experimental.linear_fit import fit_linear_branch
+from hf_tapernorm import TaperNormConfig, patch_model, tapered_norms
 from hf_tapernorm.experimental.diagnostics import branch_distance, residual_scale_by_position
+from hf_tapernorm.experimental.linear_fit import fit_linear_branch
 
-from smollm2_fidelity import HERE, held_out_ce, load_smollm2, stdlib_blocks
+from .smollm2_fidelity import HERE, held_out_ce, load_smollm2, stdlib_blocks
 
 FITS = {  # name: (sink, trim, per_channel, sequential, first tapered decoder layer)
     "paper_ls": (0, None, False, False, 0),
@@ -68,8 +67,9 @@ def main() -> None:
             patch_model(model, TaperNormConfig.paper())
         for _, layer in tapered_norms(model):
             layer.sink_tokens = sink
-        cs = fit_linear_branch(model, [train[i : i + 4] for i in range(0, len(train), 4)], trim=trim, per_channel=pc,
-                                sequential=sequential)
+        cs = fit_linear_branch(
+            model, [train[i : i + 4] for i in range(0, len(train), 4)], trim=trim, per_channel=pc, sequential=sequential
+        )
         row = {"c": cs, "branch_distance": branch_distance(model, [held[:4]], sink_tokens=sink)}
         for gate in args.gates:
             set_partial_gate(model, gate, first_layer)

@@ -4,7 +4,7 @@ Writes the folded export, then compares on the run's held-out blocks: held-out C
 model at g = 0 (reading BOS + text) and of the folded model (reading the text; it holds the BOS sink
 as a key/value prefix), both over the same targets; and greedy generations from held-out prompts.
 
-    python conversion_scripts/experiments/fold_fidelity_run.py --checkpoint /tmp/fid/RUN.pt --output /tmp/fid/RUN_folded
+    python -m conversion_scripts.experiments.fold_fidelity_run --checkpoint /tmp/fid/RUN.pt --output /tmp/fid/RUN_folded
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM
 
 from hf_tapernorm import export_folded, fold_model
 from hf_tapernorm.pipeline.evaluation import heldout_loss
-from smollm2_fidelity import load_saved_run, stdlib_blocks
+
+from .smollm2_fidelity import load_saved_run, stdlib_blocks
 
 HERE = Path(__file__).resolve().parent
 
@@ -36,7 +37,9 @@ def main() -> None:
     model, tok, config = load_saved_run(args.checkpoint)
     if int(config["sink"]) != 1:
         raise SystemExit(f"{args.checkpoint}: this check needs a run with the BOS sink (--sink 1)")
-    _, held = stdlib_blocks(tok, 1, int(config["eval_blocks"]), int(config["seq"]), shuffle=config.get("shuffle") == "True")
+    _, held = stdlib_blocks(
+        tok, 1, int(config["eval_blocks"]), int(config["seq"]), shuffle=config.get("shuffle") == "True"
+    )
     folded = fold_model(model, probe=held[:2, 1:])
     export_folded(folded, args.output)
     reloaded = AutoModelForCausalLM.from_pretrained(args.output).eval()
@@ -50,11 +53,12 @@ def main() -> None:
     with torch.no_grad():
         for row in held[: args.prompts]:
             prompt = row[1 : 1 + args.prompt_tokens][None]
-            unfolded = model.generate(torch.cat([row[:1][None], prompt], 1), max_new_tokens=args.new_tokens,
-                                      do_sample=False)[:, 1:]
+            unfolded = model.generate(
+                torch.cat([row[:1][None], prompt], 1), max_new_tokens=args.new_tokens, do_sample=False
+            )[:, 1:]
             greedy = reloaded.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False)
             same.append(bool(torch.equal(unfolded, greedy)))
-            result.setdefault("samples", []).append(tok.decode(greedy[0, args.prompt_tokens:]))
+            result.setdefault("samples", []).append(tok.decode(greedy[0, args.prompt_tokens :]))
     result["greedy_identical"] = same
     print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
     if args.report:

@@ -18,7 +18,7 @@ held-out cross-entropy per variant (mean and spread over seeds), the gap to the 
 (paper, TinyStories: Internal-Taper +0.71% to +1.52%, All-Taper +0.78% to +1.82%), and the scale of
 the residual stream entering the final norm over training, with and without the anchor.
 
-    python conversion_scripts/experiments/from_scratch.py \
+    python -m conversion_scripts.experiments.from_scratch \
         --out conversion_scripts/experiments/reports/from_scratch
 
 Each finished run is cached as JSON under ``<out>/runs`` (keyed by its settings), so a grid can be
@@ -35,19 +35,19 @@ import math
 import statistics
 import sysconfig
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig
 from transformers.optimization import get_cosine_schedule_with_warmup
 
-from hf_tapernorm import TaperController, TaperDivergenceError, TaperSchedule, patch_model, set_gate
-from hf_tapernorm import TaperNormConfig
-from hf_tapernorm.architectures.table import architecture_for
+from hf_tapernorm import TaperController, TaperDivergenceError, TaperNormConfig, TaperSchedule, patch_model, set_gate
 from hf_tapernorm.architectures.sites import norm_sites
+from hf_tapernorm.architectures.table import architecture_for
 
 logger = logging.getLogger("from_scratch")
 
@@ -99,9 +99,7 @@ def corpus_files(root: Optional[Path] = None) -> list[Path]:
     return files
 
 
-def load_corpus(
-    train_bytes: int, valid_bytes: int, *, valid_every: int = 10, root: Optional[Path] = None
-) -> Corpus:
+def load_corpus(train_bytes: int, valid_bytes: int, *, valid_every: int = 10, root: Optional[Path] = None) -> Corpus:
     """Deterministic split by file: every ``valid_every``-th sorted file is held out."""
     train, valid = bytearray(), bytearray()
     used = 0
@@ -253,7 +251,12 @@ def train_run(settings: RunSettings, corpus: Corpus) -> dict:
     warmup = max(1, round(settings.warmup_fraction * settings.steps))
     controller = None
     if variant.scope is not None:
-        patch_model(model, TaperNormConfig.paper(scope=variant.scope, ema_rate=settings.ema_rate, scale_loss_weight=variant.scale_loss_weight))
+        patch_model(
+            model,
+            TaperNormConfig.paper(
+                scope=variant.scope, ema_rate=settings.ema_rate, scale_loss_weight=variant.scale_loss_weight
+            ),
+        )
         # METHOD 2, pre-training recipe: k_start = LR warmup, k_end = the last step. The scale watch
         # is off (an infinite ratio): without the anchor the pre-logit scale is meant to run away here,
         # and that growth is what the experiment measures; a non-finite loss still stops the run.
@@ -524,11 +527,12 @@ def _markdown(report: dict) -> str:
         f"{s['valid_blocks']} blocks, at g = 0 for the tapered variants. Summed wall-clock time of the "
         f"runs {report['seconds_total'] / 60:.1f} min (one thread each, on a shared CPU).",
         "",
-        "| arch | variant | held-out CE mean | std | min-max | gap vs baseline (of means) | paired gap mean +/- std | paper band | pre-logit scale at k_start -> last step (growth) | diverged |",
+        "| arch | variant | held-out CE mean | std | min-max | gap vs baseline (of means) | paired gap mean +/- std "
+        "| paper band | pre-logit scale at k_start -> last step (growth) | diverged |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arch, variants in report["summary"].items():
-        for key, e in variants.items():
+        for e in variants.values():
             gap = f"{e['gap_pct_of_means']:+.2f}%" if "gap_pct_of_means" in e else "-"
             paired = (
                 f"{e['gap_pct_paired_mean']:+.2f}% +/- {e['gap_pct_paired_std']:.2f}"
@@ -562,7 +566,9 @@ def _markdown(report: dict) -> str:
 
 # ---------------------------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--out", type=Path, default=Path("conversion_scripts/experiments/reports/from_scratch"))
     p.add_argument("--archs", nargs="+", choices=ARCHS, default=list(ARCHS))
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
@@ -629,7 +635,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[dict]:
     results = run_grid(grid, corpus, args.out / "runs")
     if args.no_report:
         return None
-    command = "python conversion_scripts/experiments/from_scratch.py " + " ".join(
+    command = "python -m conversion_scripts.experiments.from_scratch " + " ".join(
         argv if argv is not None else __import__("sys").argv[1:]
     )
     notes = args.notes.read_text() if args.notes is not None else None

@@ -5,7 +5,7 @@ divergence), replays the training batch of ``--step`` and prints/writes, per lay
 ratio and the position of that token. A token whose ratio squares from layer to layer is running away
 through the SwiGLU MLP (its output grows about as the square of its input once no norm bounds it).
 
-    python conversion_scripts/experiments/runaway_trace.py --checkpoint /tmp/fid/s300_plain.pt --step 167
+    python -m conversion_scripts.experiments.runaway_trace --checkpoint /tmp/fid/s300_plain.pt --step 167
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch
 
 from hf_tapernorm import tapered_norms
 from hf_tapernorm.experimental.diagnostics import _per_layer_inputs
-from smollm2_fidelity import load_saved_run, stdlib_blocks
+
+from .smollm2_fidelity import load_saved_run, stdlib_blocks
 
 HERE = Path(__file__).resolve().parent
 
@@ -43,9 +44,16 @@ def main() -> None:
     gate = float(next(tapered_norms(model))[1].gate)
     with torch.no_grad():
         loss = float(model.eval()(input_ids=x, labels=x).loss)
-    result = {"checkpoint": str(args.checkpoint), "step": args.step, "gate": gate, "loss": loss,
-              "layers": {name: {"max_over_median": value, "row": where[0], "position": where[1] + sink}
-                         for name, (value, where) in rows.items()}}
+    result = {
+        "checkpoint": str(args.checkpoint),
+        "step": args.step,
+        "gate": gate,
+        "loss": loss,
+        "layers": {
+            name: {"max_over_median": value, "row": where[0], "position": where[1] + sink}
+            for name, (value, where) in rows.items()
+        },
+    }
     for name, row in result["layers"].items():
         token = tok.decode([int(x[row["row"], row["position"]])])
         row["token"] = token

@@ -7,7 +7,8 @@ Data: the Python standard library's top-level modules, packed into blocks that a
 with --shuffle (session 3 on) training blocks are drawn from all modules in a fixed random order and
 every 8th module is held out, without it consecutive chunks of the sorted files (sessions 1-2).
 
-    python conversion_scripts/experiments/smollm2_fidelity.py --name sh300_attn --shuffle --keep '*.post_attention_layernorm'
+    python -m conversion_scripts.experiments.smollm2_fidelity --name sh300_attn --shuffle \\
+        --keep '*.post_attention_layernorm'
 """
 
 from __future__ import annotations
@@ -25,10 +26,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_tapernorm import patch_model, set_gate, set_sink_tokens, tapered_norms
-from hf_tapernorm import TaperNormConfig
-from hf_tapernorm.experimental.linear_fit import fit_linear_branch
+from hf_tapernorm import TaperNormConfig, patch_model, set_gate, set_sink_tokens, tapered_norms
 from hf_tapernorm.experimental.diagnostics import diagnostics, residual_scale_by_position
+from hf_tapernorm.experimental.linear_fit import fit_linear_branch
 from hf_tapernorm.experimental.penalties import ScaleGrowthPenalty, TokenScalePenalty
 from hf_tapernorm.training.distillation import distillation_loss
 
@@ -146,9 +146,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--lr", type=float, default=5e-5)
-    p.add_argument("--taper-lr", type=float, default=0.0,
-                   help="learning rate of the linear branch's per-channel gains (0: --lr); Adam moves a parameter by "
-                        "about lr per step, which is small against gains of order 1")
+    p.add_argument(
+        "--taper-lr",
+        type=float,
+        default=0.0,
+        help="learning rate of the linear branch's per-channel gains (0: --lr); Adam moves a parameter by "
+        "about lr per step, which is small against gains of order 1",
+    )
     p.add_argument("--lr-warmup", type=int, default=5)
     p.add_argument("--taper-start", type=int, default=5)
     p.add_argument("--taper-end", type=int, default=80)
@@ -157,15 +161,28 @@ def main() -> None:
     p.add_argument("--per-channel", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--calib-batches", type=int, default=4)
     p.add_argument("--sequential", action="store_true", help="sequential fit (earlier layers linear)")
-    p.add_argument("--c-scale", type=float, default=1.0,
-                   help="multiply every fitted c by this (< 1: conservative; a token k x the typical scale runs away "
-                        "through the SwiGLU MLP at g = 0 once (c-scale)^2 k > 1, so a smaller c raises that threshold)")
-    p.add_argument("--keep", nargs="+", default=[], metavar="PATTERN",
-                   help="norms whose qualified name matches one of these fnmatch patterns stay norms (patch_model keep_norms), e.g. "
-                        "'*.post_attention_layernorm' tapers only the norms that feed attention")
-    p.add_argument("--late-first", type=int, default=None,
-                   help="staged taper: decoder layers >= this index taper over [taper-start, stage-split], "
-                        "the earlier ones over [stage-split, taper-end]")
+    p.add_argument(
+        "--c-scale",
+        type=float,
+        default=1.0,
+        help="multiply every fitted c by this (< 1: conservative; a token k x the typical scale runs away "
+        "through the SwiGLU MLP at g = 0 once (c-scale)^2 k > 1, so a smaller c raises that threshold)",
+    )
+    p.add_argument(
+        "--keep",
+        nargs="+",
+        default=[],
+        metavar="PATTERN",
+        help="norms whose qualified name matches one of these fnmatch patterns stay norms (patch_model keep_norms), "
+        "e.g. '*.post_attention_layernorm' tapers only the norms that feed attention",
+    )
+    p.add_argument(
+        "--late-first",
+        type=int,
+        default=None,
+        help="staged taper: decoder layers >= this index taper over [taper-start, stage-split], "
+        "the earlier ones over [stage-split, taper-end]",
+    )
     p.add_argument("--stage-split", type=int, default=None)
     p.add_argument("--early-first", action="store_true", help="with --late-first K: layers < K taper first instead")
     p.add_argument("--penalty", type=float, default=0.0, help="TokenScalePenalty weight (0: off)")
@@ -173,16 +190,32 @@ def main() -> None:
     p.add_argument("--growth-penalty", type=float, default=0.0, help="ScaleGrowthPenalty weight (0: off)")
     p.add_argument("--growth-ratio", type=float, default=1.0, help="ScaleGrowthPenalty: tokens above this x median")
     p.add_argument("--distill", type=float, default=0.0, help="weight of KL to the frozen original")
-    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
-                   help="after the warmup: constant, or cosine decay to 0 at the last step (hf-tapernorm taper's default)")
-    p.add_argument("--distill-from", choices=("original", "start"), default="original",
-                   help="teacher: the original model, or a frozen copy of the (still normalized) model at "
-                        "--taper-start, which has already adapted to the data")
-    p.add_argument("--distill-hidden", type=float, default=0.0,
-                   help="weight of the per-layer hidden-state distance to the frozen original (sink excluded)")
-    p.add_argument("--guard-ratio", type=float, default=0.0,
-                   help="adaptive schedule (0: off): hold the gate while the largest non-sink token exceeds this x the "
-                        "median at any tapered norm; on a non-finite batch skip the update and move the schedule back")
+    p.add_argument(
+        "--lr-schedule",
+        choices=("constant", "cosine"),
+        default="constant",
+        help="after the warmup: constant, or cosine decay to 0 at the last step (hf-tapernorm taper's default)",
+    )
+    p.add_argument(
+        "--distill-from",
+        choices=("original", "start"),
+        default="original",
+        help="teacher: the original model, or a frozen copy of the (still normalized) model at "
+        "--taper-start, which has already adapted to the data",
+    )
+    p.add_argument(
+        "--distill-hidden",
+        type=float,
+        default=0.0,
+        help="weight of the per-layer hidden-state distance to the frozen original (sink excluded)",
+    )
+    p.add_argument(
+        "--guard-ratio",
+        type=float,
+        default=0.0,
+        help="adaptive schedule (0: off): hold the gate while the largest non-sink token exceeds this x the "
+        "median at any tapered norm; on a non-finite batch skip the update and move the schedule back",
+    )
     p.add_argument("--guard-backoff", type=float, default=5.0, help="schedule steps moved back on a non-finite batch")
     p.add_argument("--guard-max-skips", type=int, default=20, help="non-finite batches tolerated before stopping")
     p.add_argument("--shuffle", action="store_true", help="mixed batches from all modules (held-out: every 8th file)")
@@ -211,7 +244,9 @@ def main() -> None:
         if args.penalty > 0:
             penalty = TokenScalePenalty(model, weight=args.penalty, ratio=args.penalty_ratio, sink_tokens=args.sink)
         elif args.growth_penalty > 0:
-            penalty = ScaleGrowthPenalty(model, weight=args.growth_penalty, ratio=args.growth_ratio, sink_tokens=args.sink)
+            penalty = ScaleGrowthPenalty(
+                model, weight=args.growth_penalty, ratio=args.growth_ratio, sink_tokens=args.sink
+            )
     model.train()
     params = [q for q in model.parameters() if q.requires_grad]
     gains = {id(layer.taper_weight) for _, layer in tapered_norms(model)} if not args.baseline else set()
@@ -219,6 +254,7 @@ def main() -> None:
     if gains:
         groups.append({"params": [q for q in params if id(q) in gains], "lr": args.taper_lr or args.lr})
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
     def lr_factor(k: int) -> float:
         warm = min(1.0, (k + 1) / max(1, args.lr_warmup))
         if args.lr_schedule == "cosine" and k + 1 > args.lr_warmup:  # as the CLI's default: cosine to 0 at the end
@@ -244,11 +280,13 @@ def main() -> None:
     status, gate = "completed", 1.0
     position, skips, ratios = 0.0, 0, []  # schedule position (steps), skipped batches, per-forward max ratios
     if args.guard_ratio > 0 and not args.baseline:
+
         def watch(layer, inputs):
             if layer.training:
                 with torch.no_grad():
                     r = inputs[0].float().pow(2).mean(-1).sqrt()[:, args.sink :]
                     ratios.append(float(r.max() / r.median()))
+
         for _, layer in tapered_norms(model):
             layer.register_forward_pre_hook(watch)
     for step in range(1, args.steps + 1):
@@ -335,15 +373,23 @@ def main() -> None:
         row["sec"] = round(time.time() - t0, 2)
         if step % args.eval_every == 0 or step == args.steps:
             row["eval_ce"] = held_out_ce(model, held, args.batch)
-            logger.info("%s step %d gate %.4f train %.3f eval %.4f (%.1fs)", args.name, step, gate,
-                        row["ce"], row["eval_ce"], row["sec"])
+            logger.info(
+                "%s step %d gate %.4f train %.3f eval %.4f (%.1fs)",
+                args.name,
+                step,
+                gate,
+                row["ce"],
+                row["eval_ce"],
+                row["sec"],
+            )
         record(row)
     final = {"final": True, "status": status, "gate": gate}
     if status == "completed":
         final["eval_ce"] = held_out_ce(model, held, args.batch)
         if args.diagnose and not args.baseline:
-            final["diagnostics"] = diagnostics(model, [held[i : i + args.batch] for i in range(0, 8, args.batch)],
-                                                sink_tokens=args.sink)
+            final["diagnostics"] = diagnostics(
+                model, [held[i : i + args.batch] for i in range(0, 8, args.batch)], sink_tokens=args.sink
+            )
     record(final)
     if args.save is not None:
         args.save.parent.mkdir(parents=True, exist_ok=True)

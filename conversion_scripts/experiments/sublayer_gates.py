@@ -6,8 +6,8 @@ attention (the update is a mix of the other tokens' values) but like k^2 for a S
 its input is no longer normalized; this probe measures what that means for the loss, right after the
 calibration fit and before any training.
 
-    python conversion_scripts/experiments/sublayer_gates.py
-    python conversion_scripts/experiments/sublayer_gates.py --per-layer --eval-blocks 8
+    python -m conversion_scripts.experiments.sublayer_gates
+    python -m conversion_scripts.experiments.sublayer_gates --per-layer --eval-blocks 8
 
 ``--per-layer``: instead of the grid, one MLP norm at a time at g = 0 (every other norm at 1).
 """
@@ -19,10 +19,10 @@ import json
 
 import torch
 
-from hf_tapernorm import patch_model, set_sink_tokens, tapered_norms
-from hf_tapernorm import TaperNormConfig
+from hf_tapernorm import TaperNormConfig, patch_model, set_sink_tokens, tapered_norms
 from hf_tapernorm.experimental.linear_fit import fit_linear_branch
-from smollm2_fidelity import HERE, bos_id, held_out_ce, load_smollm2, stdlib_blocks
+
+from .smollm2_fidelity import HERE, bos_id, held_out_ce, load_smollm2, stdlib_blocks
 
 GRID = [(1.0, 1.0), (0.5, 1.0), (0.0, 1.0), (1.0, 0.5), (1.0, 0.0), (0.5, 0.5), (0.0, 0.0)]
 

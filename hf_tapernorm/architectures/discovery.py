@@ -130,11 +130,22 @@ def _relative(path: str, layer_prefix: str, norm: str) -> str:
         raise DiscoveryError(
             f"norm '{norm}' is folded into '{path}', outside its own layer '{layer_prefix.rstrip('.')}'"
         )
-    return path[len(layer_prefix):]
+    return path[len(layer_prefix) :]
 
 
-_ATTENTION_LEAVES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "wqkv", "query", "key",
-                     "value", "in_proj")
+_ATTENTION_LEAVES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "qkv_proj",
+    "query_key_value",
+    "c_attn",
+    "wqkv",
+    "query",
+    "key",
+    "value",
+    "in_proj",
+)
 _QK_LEAVES = ("q_proj", "k_proj", "query", "key", "wq", "wk")
 
 
@@ -186,7 +197,8 @@ def discover_architecture(model: nn.Module) -> Architecture:
     if rounded:
         logger.warning(
             "norm class(es) %s match the TaperNorm arithmetic only up to rounding in this dtype: at g = 1 the "
-            "patched model equals the original within rounding, not bit for bit", ", ".join(rounded)
+            "patched model equals the original within rounding, not bit for bit",
+            ", ".join(rounded),
         )
     if len(set(styles.values())) > 1:
         listing = ", ".join(f"{n}: {s.value}" for n, s in styles.items())
@@ -197,7 +209,7 @@ def discover_architecture(model: nn.Module) -> Architecture:
     # The decoder layers: the ModuleList of the base model whose items hold the norms.
     layers_of: dict[str, str] = {}
     for name in norms.values():
-        parts = name[len(prefix):].split(".") if name.startswith(prefix) else []
+        parts = name[len(prefix) :].split(".") if name.startswith(prefix) else []
         for cut in range(len(parts) - 1, 0, -1):
             head = ".".join(parts[:cut])
             if parts[cut].isdigit() and isinstance(base.get_submodule(head), nn.ModuleList):
@@ -214,7 +226,7 @@ def discover_architecture(model: nn.Module) -> Architecture:
             f"{type(model).__name__}: expected the norms inside one list of decoder layers, "
             f"found {sorted(lists) or 'none'}"
         )
-    layers = lists.pop()[len(prefix):]
+    layers = lists.pop()[len(prefix) :]
     outside = [n for n in norms.values() if n not in layers_of]
     if len(outside) != 1:
         raise DiscoveryError(
@@ -248,7 +260,7 @@ def discover_architecture(model: nn.Module) -> Architecture:
         style=next(iter(styles.values())),
         layers=layers,
         sites=layer_sites,
-        final_norm=final[len(prefix):],
+        final_norm=final[len(prefix) :],
         lm_head=head,
         gated_mlp=_has_gated_mlp(modules[first_prefix.rstrip(".")]),
     )

@@ -142,15 +142,20 @@ class _Probe(TorchFunctionMode):
         result = func(*args, **kwargs)
         if self.opaque:
             return result
-        sources = [(a, self.tracked[id(a)][0]) for a in tree_leaves((args, kwargs))
-                   if isinstance(a, torch.Tensor) and id(a) in self.tracked]
+        sources = [
+            (a, self.tracked[id(a)][0])
+            for a in tree_leaves((args, kwargs))
+            if isinstance(a, torch.Tensor) and id(a) in self.tracked
+        ]
         name = getattr(func, "__name__", repr(func))
         mutates = name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
         if not sources or not (mutates or any(isinstance(r, torch.Tensor) for r in tree_leaves(result))):
             return result  # untracked inputs, or a metadata read (shape, dtype, device)
         for tensor, root in sources:
-            if len(sources) == 1 and isinstance(result, torch.Tensor) and _keeps_channels(
-                name, args, kwargs, tensor, result, split_ok=root.kind == "linear"
+            if (
+                len(sources) == 1
+                and isinstance(result, torch.Tensor)
+                and _keeps_channels(name, args, kwargs, tensor, result, split_ok=root.kind == "linear")
             ):
                 if id(result) not in self.tracked:
                     self._track(result, root)
@@ -163,7 +168,9 @@ def probe_forward(model: nn.Module, norms: dict[nn.Module, str]) -> Observations
     config = model.config
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     if vocab <= 0:
-        raise UnsupportedModelError(f"{type(model).__name__} has no config.vocab_size; the probe forward needs token ids")
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no config.vocab_size; the probe forward needs token ids"
+        )
     device = next(model.parameters()).device
     ids = (torch.arange(1, 9, device=device) * 7 % vocab).unsqueeze(0)
     was_training = model.training

@@ -3,7 +3,7 @@
 Once a norm is a fixed linear map, what it feeds sees each token at its own scale k (relative to the
 typical token) instead of at scale 1. A consumer whose contribution to the residual stream grows faster
 than k makes the fixed point k = 1 unstable as the gate falls, and above-typical tokens run away layer
-after layer (METHOD section 7; measured on SmolLM2 in conversion_scripts/experiments/reports/):
+after layer (METHOD section 7; the evidence is in docs/fidelity.md):
 
 - a **gated MLP** (SwiGLU/GeGLU) multiplies two projections of its input: degree 2. Its input norm stays
   (or, where it has none, as in OLMo2, the norm on its output that bounds it);
@@ -22,9 +22,16 @@ from torch import nn
 
 from .sites import architecture_of, norm_sites
 
-GATED_MLP_INPUT = "feeds a gated (SwiGLU/GeGLU) MLP, whose output grows with the square of a token's scale once the norm is linear"
-QK_NORM = "a query/key norm: with the attention input linear too, a logit grows like k_query * k_key, and one c per layer cannot fit per-head scales"
-GATED_MLP_OUTPUT = "the only norm bounding a gated MLP that has no input norm (its output grows with the square of the token's scale)"
+GATED_MLP_INPUT = (
+    "feeds a gated (SwiGLU/GeGLU) MLP, whose output grows with the square of a token's scale once the norm is linear"
+)
+QK_NORM = (
+    "a query/key norm: with the attention input linear too, a logit grows like k_query * k_key, and one c per layer "
+    "cannot fit per-head scales"
+)
+GATED_MLP_OUTPUT = (
+    "the only norm bounding a gated MLP that has no input norm (its output grows with the square of the token's scale)"
+)
 
 
 def norms_to_keep(model: nn.Module) -> dict[str, str]:

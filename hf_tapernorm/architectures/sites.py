@@ -92,9 +92,7 @@ def norm_sites(model: nn.Module, arch: Optional[Architecture] = None) -> list[Si
     for index in range(count):
         layer = f"{prefix}{arch.layers}.{index}."
         for site in arch.sites:
-            sites.append(
-                Site(layer + site.path, site.kind, site.role, tuple(layer + m for m in site.consumers), index)
-            )
+            sites.append(Site(layer + site.path, site.kind, site.role, tuple(layer + m for m in site.consumers), index))
     sites.append(Site(prefix + arch.final_norm, "input", "final", (arch.lm_head,), None))
     return sites
 

@@ -11,8 +11,9 @@ described by ``discovery.discover_architecture`` in the same terms, and users ad
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Union
+from typing import Any, Literal, Union
 
 from ..errors import UnsupportedModelError
 from .styles import NormStyle
@@ -173,7 +174,9 @@ def register_architecture(model_type: str, entry: ArchitectureEntry, *, exist_ok
     entry unless ``exist_ok``.
     """
     if model_type in ARCHITECTURES and not exist_ok:
-        raise ValueError(f"model_type '{model_type}' already has an architecture entry; pass exist_ok=True to replace it")
+        raise ValueError(
+            f"model_type '{model_type}' already has an architecture entry; pass exist_ok=True to replace it"
+        )
     if isinstance(entry, Architecture):
         _validate(entry)
     elif not callable(entry):
@@ -184,7 +187,9 @@ def register_architecture(model_type: str, entry: ArchitectureEntry, *, exist_ok
 def _validate(arch: Architecture) -> None:
     for site in arch.sites:
         if site.kind not in ("input", "per_head", "output"):
-            raise ValueError(f"{arch.model_type}: site '{site.path}' has kind {site.kind!r}; use input, per_head or output")
+            raise ValueError(
+                f"{arch.model_type}: site '{site.path}' has kind {site.kind!r}; use input, per_head or output"
+            )
         if site.role not in SITE_ROLES:
             raise ValueError(f"{arch.model_type}: site '{site.path}' has role {site.role!r}; use one of {SITE_ROLES}")
         if not site.consumers:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -22,6 +23,7 @@ PROG = "hf-tapernorm bench"
 NORMS = ("recipe", "internal", "all")
 KINDS = ("original", "explicit", "folded", "limit")
 MODES = ("last", "full", "decode", "train")
+TRAIN_WORKLOADS = ("normalized", "warmup", "taper", "tapered-distilled", "tapered")
 EXECUTIONS = ("eager", "compile")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -51,20 +53,36 @@ class BenchArguments:
     gguf_file: Optional[str] = field(default=None, metadata=_help("GGUF file name inside --model_name_or_path."))
     norms: list[str] = field(
         default_factory=lambda: ["recipe"],
-        metadata=_help("Which norms the inference variants remove: recipe (those the model's default recipe, "
-                       "TaperNormConfig.for_model, tapers), internal (every internal norm: Internal-Taper), all (the "
-                       "final norm too). Several values prefix the variant names (internal-folded, ...)."),
+        metadata=_help(
+            "Which norms the inference variants remove: recipe (those the model's default recipe, "
+            "TaperNormConfig.for_model, tapers), internal (every internal norm: Internal-Taper), all (the "
+            "final norm too). Several values prefix the variant names (internal-folded, ...)."
+        ),
     )
     variants: list[str] = field(
         default_factory=lambda: list(KINDS),
-        metadata=_help("Inference variants: original (unpatched), explicit (patched at g = 0, the per-channel maps as "
-                       "operations), folded (the exported norm-free model, reloaded), limit (the removed norms "
-                       "replaced by identity: the ceiling)."),
+        metadata=_help(
+            "Inference variants: original (unpatched), explicit (patched at g = 0, the per-channel maps as "
+            "operations), folded (the exported norm-free model, reloaded), limit (the removed norms "
+            "replaced by identity: the ceiling)."
+        ),
     )
     modes: list[str] = field(
         default_factory=lambda: ["last", "decode"],
-        metadata=_help("last (last-position logits, no cache), full (all logits), decode (KV-cached greedy "
-                       "decoding), train (optimizer steps of the default recipe's phases against the unpatched model)."),
+        metadata=_help(
+            "last (last-position logits, no cache), full (all logits), decode (KV-cached greedy "
+            "decoding), train (optimizer steps of the default recipe's phases against the unpatched "
+            "model)."
+        ),
+    )
+    train_workloads: list[str] = field(
+        default_factory=lambda: list(TRAIN_WORKLOADS),
+        metadata=_help(
+            "The train mode's workloads, each an optimizer step: normalized (the unpatched model, the "
+            "reference), warmup (g = 1, statistics gathered), taper (0 < g < 1, teacher on), "
+            "tapered-distilled (g = 0, teacher on), tapered (g = 0, teacher released). Each holds a copy "
+            "of the model and its AdamW state: list fewer where memory is short."
+        ),
     )
     batch_sizes: list[int] = field(default_factory=lambda: [1], metadata=_help("Sequences per batch."))
     seq_lens: list[int] = field(default_factory=lambda: [128], metadata=_help("Sequence (decode: prompt) length."))
@@ -83,14 +101,18 @@ class BenchArguments:
     repeats: int = field(default=10, metadata=_help("Timed rounds; each runs every variant once, in rotating order."))
     calibration_batches: int = field(
         default=4,
-        metadata=_help("Batches that calibrate c: random tokens for the inference variants; for train, real text "
-                       "batches run as optimizer steps at g = 1 before the taper workloads are timed."),
+        metadata=_help(
+            "Batches that calibrate c: random tokens for the inference variants; for train, real text "
+            "batches run as optimizer steps at g = 1 before the taper workloads are timed."
+        ),
     )
     op_counts: bool = field(default=True, metadata=_help("Count aten operations with torch.profiler."))
     dataset_name: Optional[str] = field(
         default=None,
-        metadata=_help("Text of the train mode: a Hub dataset or a local txt/json/jsonl/parquet/csv file or folder "
-                       "(default: the embedded corpus, the Python standard library's sources)."),
+        metadata=_help(
+            "Text of the train mode: a Hub dataset or a local txt/json/jsonl/parquet/csv file or folder "
+            "(default: the embedded corpus, the Python standard library's sources)."
+        ),
     )
     dataset_config_name: Optional[str] = field(default=None, metadata=_help("Hub dataset configuration."))
     text_column: Optional[str] = field(default=None, metadata=_help("Column holding the text (default: text)."))
@@ -102,6 +124,9 @@ class BenchArguments:
         _check_list("norms", self.norms, NORMS)
         _check_list("variants", self.variants, KINDS)
         _check_list("modes", self.modes, MODES)
+        _check_list("train_workloads", self.train_workloads, TRAIN_WORKLOADS)
+        if "normalized" not in self.train_workloads:
+            raise ConfigurationError("--train_workloads must include normalized: every train ratio is taken against it")
         _check_list("dtypes", self.dtypes, tuple(DTYPES))
         _check_list("execution", self.execution, EXECUTIONS)
         for name in ("batch_sizes", "seq_lens", "threads", "devices"):
@@ -164,4 +189,4 @@ def cases(arguments: BenchArguments, dtype: str, device: str) -> Iterator[Case]:
         yield Case(mode, batch, seq_len, arguments.new_tokens, dtype, device, threads, execution == "compile")
 
 
-__all__ = ["DTYPES", "KINDS", "MODES", "NORMS", "BenchArguments", "Case", "cases", "parse_arguments"]
+__all__ = ["DTYPES", "KINDS", "MODES", "NORMS", "TRAIN_WORKLOADS", "BenchArguments", "Case", "cases", "parse_arguments"]

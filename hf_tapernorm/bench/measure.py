@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from tqdm.auto import tqdm

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -36,18 +37,25 @@ def _inference_table(results: Sequence[Result]) -> list[str]:
 
 
 def _train_table(results: Sequence[Result]) -> list[str]:
-    header = (f"{'case':<36} {'workload':<18} {'median ms':>10} {'vs normalized':>14} {'aten ops':>9} "
-              f"{'gates':<22} {'teacher':<7} {'losses'}")
-    lines = ["train: cost = workload step time / normalized step time (median of paired repeats)", header,
-             "-" * len(header)]
+    header = (
+        f"{'case':<36} {'workload':<18} {'median ms':>10} {'vs normalized':>14} {'aten ops':>9} "
+        f"{'gates':<26} {'teacher':<7} {'losses'}"
+    )
+    lines = [
+        "train: cost = workload step time / normalized step time (median of paired repeats)",
+        header,
+        "-" * len(header),
+    ]
     for result in results:
         for name, entry in result["variants"].items():
             gates = ",".join(f"{g:.2f}" for g in entry["gates"]) if entry.get("gates") else "-"
             finite = "finite" if entry["losses_finite"] else "NON-FINITE"
+            if entry.get("divergence"):
+                finite += " (the divergence watch would stop this run)"
             lines.append(
                 f"{result['label']:<36} {name:<18} {entry['median_ms']:>10.2f} "
                 f"{_ratio(entry.get('cost_vs_normalized')):>14} {entry.get('aten_ops', float('nan')):>9.0f} "
-                f"{gates:<22} {('yes' if entry['teacher'] else 'no'):<7} {finite}"
+                f"{gates:<26} {('yes' if entry['teacher'] else 'no'):<7} {finite}"
             )
     return lines
 
@@ -86,13 +94,17 @@ def plot(results: Sequence[Result], path: Path) -> None:
     train = [r for r in results if r["case"]["mode"] == "train"]
     panels = []
     if inference:
-        panels += [(inference, "speedup_vs_original", "speedup vs original\n(median of pair ratios)", 1.0),
-                   (inference, "aten_ops", "aten ops per forward", None)]
+        panels += [
+            (inference, "speedup_vs_original", "speedup vs original\n(median of pair ratios)", 1.0),
+            (inference, "aten_ops", "aten ops per forward", None),
+        ]
     if train:
-        panels += [(train, "cost_vs_normalized", "step cost vs normalized\n(median of pair ratios)", 1.0),
-                   (train, "aten_ops", "aten ops per train step", None)]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(max(7, 2.4 * max(len(inference), len(train)) + 2), 3.2 * len(panels)),
-                             squeeze=False)
+        panels += [
+            (train, "cost_vs_normalized", "step cost vs normalized\n(median of pair ratios)", 1.0),
+            (train, "aten_ops", "aten ops per train step", None),
+        ]
+    width = max(7, 2.4 * max(len(inference), len(train)) + 2)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(width, 3.2 * len(panels)), squeeze=False)
     for axis, (chosen, metric, label, reference) in zip(axes[:, 0], panels):
         _bars(axis, chosen, metric, label, reference)
     fig.tight_layout()

@@ -14,14 +14,15 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from ..architectures.sites import model_type_of
+from ..architectures.sites import model_type_of, norm_sites
 from ..config import TaperNormConfig
 from ..errors import ConfigurationError
 from ..pipeline.data import EMBEDDED_CORPUS, AnyDataset, load_text_dataset
@@ -31,7 +32,14 @@ from .measure import interleaved_times, op_counts, summarize
 from .report import environment, format_table, plot
 from .train_workloads import text_batches, train_workloads
 from .variants import (
-    QUALITY_NOTE, agreement, build_variants, finite_logits, limit_labels, removal_config, removed_norms, variant_specs,
+    QUALITY_NOTE,
+    agreement,
+    build_variants,
+    finite_logits,
+    limit_labels,
+    removal_config,
+    removed_norms,
+    variant_specs,
 )
 from .workloads import inference_workload
 
@@ -58,7 +66,8 @@ def _random_ids(vocab: int, case: Case, seed: int) -> torch.Tensor:
 def _dynamo_counts() -> dict[str, int]:
     """Graphs compiled and graph breaks met since the case started (every variant together)."""
     counters = torch._dynamo.utils.counters
-    return {"unique_graphs": int(counters["stats"]["unique_graphs"]), "graph_breaks": sum(counters["graph_break"].values())}
+    breaks = sum(counters["graph_break"].values())
+    return {"unique_graphs": int(counters["stats"]["unique_graphs"]), "graph_breaks": breaks}
 
 
 def _time(workloads: dict, case: Case, arguments: BenchArguments) -> tuple[dict, dict]:
@@ -80,12 +89,26 @@ def _inference_case(case: Case, variants: dict[str, nn.Module], specs: list, arg
 
 def _train_case(case: Case, base: nn.Module, text: TrainText, arguments: BenchArguments) -> Result:
     recipe = TaperNormConfig.for_model(base, text.tokenizer)
-    batches = text_batches(text.dataset, text.tokenizer, batch=case.batch, seq_len=case.seq_len,
-                           count=1 + arguments.calibration_batches, prefix_ids=recipe.sink_token_ids,
-                           source=text.name, text_column=text.text_column)
+    batches = text_batches(
+        text.dataset,
+        text.tokenizer,
+        batch=case.batch,
+        seq_len=case.seq_len,
+        count=1 + arguments.calibration_batches,
+        prefix_ids=recipe.sink_token_ids,
+        source=text.name,
+        text_column=text.text_column,
+    )
     batches = [{key: value.to(case.device) for key, value in batch.items()} for batch in batches]
     options = arguments.compile_options if case.compiled else None
-    workloads = train_workloads(base, batches, recipe, learning_rate=arguments.learning_rate, compile_options=options)
+    workloads = train_workloads(
+        base,
+        batches,
+        recipe,
+        learning_rate=arguments.learning_rate,
+        names=arguments.train_workloads,
+        compile_options=options,
+    )
     times, ops = _time(workloads, case, arguments)
     result = summarize(case, times, ops, baseline="normalized")
     for name, workload in workloads.items():
@@ -94,24 +117,32 @@ def _train_case(case: Case, base: nn.Module, text: TrainText, arguments: BenchAr
     return result
 
 
-def _run_group(base: nn.Module, dtype: str, device: str, arguments: BenchArguments,
-               text: Optional[TrainText]) -> list[Result]:
-    """Every case of one dtype and device; the inference variants are built once, from ``base``."""
+def _inference_variants(base: nn.Module, arguments: BenchArguments, workdir: Path) -> tuple[list, dict, dict]:
+    """The variant specs and models, and what the results record about them: how many norms each
+    ``--norms`` value removes and keeps, and which variants give finite logits untrained."""
     specs = variant_specs(arguments.variants, arguments.norms)
+    device = next(base.parameters()).device
     vocab = base.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(arguments.seed)
-    calibration = [torch.randint(0, vocab, (2, 64), generator=generator).to(device)
-                   for _ in range(arguments.calibration_batches)]
+    calibration = [
+        torch.randint(0, vocab, (2, 64), generator=generator).to(device) for _ in range(arguments.calibration_batches)
+    ]
+    variants = build_variants(base, specs, calibration_batches=calibration, workdir=workdir)
+    facts: dict[str, Any] = {"norms": {}, "finite_logits": {name: finite_logits(m) for name, m in variants.items()}}
+    for choice in arguments.norms:
+        removed = len(removed_norms(base, removal_config(base, choice)))
+        facts["norms"][choice] = {"removed": removed, "kept": len(norm_sites(base)) - removed}
+    return specs, variants, facts
+
+
+def _run_group(
+    base: nn.Module, dtype: str, device: str, arguments: BenchArguments, text: Optional[TrainText]
+) -> list[Result]:
+    """Every case of one dtype and device; the inference variants are built once, from ``base``."""
     results = []
     with tempfile.TemporaryDirectory(prefix="hf_tapernorm_bench_") as workdir:
-        variants, norms = {}, {}
         if any(mode != "train" for mode in arguments.modes):
-            variants = build_variants(base, specs, calibration_batches=calibration, workdir=Path(workdir))
-            for choice in arguments.norms:
-                config = removal_config(base, choice)
-                norms[choice] = {"scope": config.scope, "keep_norms": config.keep_norms,
-                                 "removed": len(removed_norms(base, config))}
-        finite = {name: finite_logits(variant) for name, variant in variants.items()}
+            specs, variants, facts = _inference_variants(base, arguments, Path(workdir))
         for case in cases(arguments, dtype, device):
             torch.set_num_threads(case.threads)
             logger.info("benchmark case: %s", case.label())
@@ -121,8 +152,7 @@ def _run_group(base: nn.Module, dtype: str, device: str, arguments: BenchArgumen
             if case.mode == "train":
                 result = _train_case(case, base, text, arguments)
             else:
-                result = _inference_case(case, variants, specs, arguments)
-                result.update(finite_logits=finite, norms=norms)
+                result = {**_inference_case(case, variants, specs, arguments), **facts}
             if case.compiled:
                 result["dynamo"] = _dynamo_counts()
             results.append(result)
@@ -167,8 +197,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     arguments = parse_arguments(list(sys.argv[1:] if argv is None else argv))
     source = resolve_model(arguments.model_name_or_path, arguments.gguf_file)
     if source.kind in ("tapered", "folded"):
-        raise ConfigurationError(f"'{source.path}' is a {source.kind} model; the benchmark builds its variants "
-                                 "from an ordinary (normalized) model")
+        raise ConfigurationError(
+            f"'{source.path}' is a {source.kind} model; the benchmark builds its variants "
+            "from an ordinary (normalized) model"
+        )
     text = _train_text(arguments, source) if "train" in arguments.modes else None
     model_types = set()
 
@@ -199,11 +231,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if inference:
         print(f"note: {QUALITY_NOTE}")
     print(f"wrote {output / 'bench.json'} and {output / 'bench.png'}")
-    nonfinite = [f"{r['label']}: {name}" for r in results if r["case"]["mode"] == "train"
-                 for name, entry in r["variants"].items() if not entry["losses_finite"]]
+    nonfinite = [
+        f"{r['label']}: {name}"
+        for r in results
+        if r["case"]["mode"] == "train"
+        for name, entry in r["variants"].items()
+        if not entry["losses_finite"]
+    ]
     if nonfinite:
-        print(f"hf-tapernorm bench: warning: non-finite training losses in {'; '.join(nonfinite)}: those "
-              "timings are of NaN arithmetic, not of the recipe", file=sys.stderr)
+        print(
+            f"hf-tapernorm bench: warning: non-finite training losses in {'; '.join(nonfinite)}: those "
+            "timings are of NaN arithmetic, not of the recipe",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

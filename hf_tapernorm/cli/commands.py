@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from ..errors import ConfigurationError, TaperStateError
 from ..export.folding import fold_model
@@ -27,9 +27,22 @@ from .parsing import UsageError, parse
 logger = logging.getLogger("hf_tapernorm.cli")
 
 #: What an export folder holds (export_folded + the tokenizer); anything else in it is the user's.
-EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-                "modeling_folded.py", "README.md", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+EXPORT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "modeling_folded.py",
+    "README.md",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+)
 
 
 def eval_main(argv: Sequence[str]) -> int:
@@ -43,7 +56,9 @@ def eval_main(argv: Sequence[str]) -> int:
     model = load_model(source, dtype=model_args.dtype, trust_remote_code=model_args.trust_remote_code)
     # A model trained with a sink is evaluated on blocks that start with it (a folded one holds it itself).
     taper_config = getattr(model, "tapernorm_config", None)
-    own_sink = list(getattr(model.config, "sink_token_ids", None) or (taper_config.sink_token_ids if taper_config else []))
+    own_sink = list(
+        getattr(model.config, "sink_token_ids", None) or (taper_config.sink_token_ids if taper_config else [])
+    )
     if eval_args.sink == "auto":
         sink_ids = own_sink
     elif eval_args.sink == "none":
@@ -62,23 +77,39 @@ def eval_main(argv: Sequence[str]) -> int:
         except TaperStateError as error:
             raise UsageError(f"cannot evaluate '{source.path}' at g = 0: {error}") from None
         if trained_gate > 0.0:
-            logger.warning("%s was saved at gate %.4g; evaluating it at g = 0 as the folded model would be", source.path,
-                           trained_gate)
-    dataset = load_text_dataset(data_args.dataset_name, config_name=data_args.dataset_config_name,
-                                split=data_args.dataset_split, streaming=data_args.streaming,
-                                sample_by=data_args.sample_by, cache_dir=data_args.data_cache_dir)
-    packed = prepare_data(dataset, tokenizer, block_size=data_args.block_size, train_blocks=0,
-                          heldout_blocks=data_args.heldout_blocks, heldout_percentage=data_args.heldout_percentage,
-                          text_column=data_args.text_column, source=data_args.dataset_name or EMBEDDED_CORPUS,
-                          prefix_ids=sink_ids)
+            logger.warning(
+                "%s was saved at gate %.4g; evaluating it at g = 0 as the folded model would be",
+                source.path,
+                trained_gate,
+            )
+    dataset = load_text_dataset(
+        data_args.dataset_name,
+        config_name=data_args.dataset_config_name,
+        split=data_args.dataset_split,
+        streaming=data_args.streaming,
+        sample_by=data_args.sample_by,
+        cache_dir=data_args.data_cache_dir,
+    )
+    packed = prepare_data(
+        dataset,
+        tokenizer,
+        block_size=data_args.block_size,
+        train_blocks=0,
+        heldout_blocks=data_args.heldout_blocks,
+        heldout_percentage=data_args.heldout_percentage,
+        text_column=data_args.text_column,
+        source=data_args.dataset_name or EMBEDDED_CORPUS,
+        prefix_ids=sink_ids,
+    )
     result = {
         "model": source.describe(),
         "kind": source.kind,
         "dataset": packed.source,
         "block_size": packed.block_size,
         "sink_token_ids": sink_ids,
-        **heldout_loss(model, blocks_tensor(packed.heldout), batch_size=data_args.eval_batch_size,
-                       prefix_length=len(sink_ids)),
+        **heldout_loss(
+            model, blocks_tensor(packed.heldout), batch_size=data_args.eval_batch_size, prefix_length=len(sink_ids)
+        ),
     }
     print(json.dumps(result))
     if eval_args.output_json:
@@ -96,8 +127,10 @@ def check_export_folder(folder: Path, overwrite: bool) -> None:
         raise UsageError(f"output folder '{folder}' is not empty; pass --overwrite to replace an earlier export")
     foreign = sorted(p.name for p in folder.iterdir() if p.name not in EXPORT_FILES and not p.name.startswith("model-"))
     if foreign:
-        raise UsageError(f"refusing to --overwrite '{folder}': it holds files an export does not write "
-                         f"({', '.join(foreign[:8])}); move them away first")
+        raise UsageError(
+            f"refusing to --overwrite '{folder}': it holds files an export does not write "
+            f"({', '.join(foreign[:8])}); move them away first"
+        )
 
 
 def fold_main(argv: Sequence[str]) -> int:
@@ -105,15 +138,19 @@ def fold_main(argv: Sequence[str]) -> int:
     (fold_args,) = parse([FoldArguments], argv, "hf-tapernorm fold")
     source = resolve_model(fold_args.checkpoint)
     if source.kind != "tapered":
-        raise UsageError(f"'{fold_args.checkpoint}' is not a tapered checkpoint (no tapernorm_config.json); "
-                         f"it is a {source.kind} model")
+        raise UsageError(
+            f"'{fold_args.checkpoint}' is not a tapered checkpoint (no tapernorm_config.json); "
+            f"it is a {source.kind} model"
+        )
     output_dir = Path(fold_args.output_dir)
     check_export_folder(output_dir, fold_args.overwrite)
     model = load_model(source)
     gate = gate_of(model)
     if gate > 0.0:
-        raise UsageError(f"'{source.path}' was saved at gate {gate:.4g}: only a model at g = 0 folds; finish its "
-                         "taper (resume the run) and fold the checkpoint written at g = 0")
+        raise UsageError(
+            f"'{source.path}' was saved at gate {gate:.4g}: only a model at g = 0 folds; finish its "
+            "taper (resume the run) and fold the checkpoint written at g = 0"
+        )
     folded = fold_model(model, tied_head=fold_args.tied_head, tolerance=fold_args.tolerance)
     try:
         tokenizer = load_tokenizer(source)
@@ -130,17 +167,27 @@ def push_main(argv: Sequence[str]) -> int:
     (push_args,) = parse([PushArguments], argv, "hf-tapernorm push")
     source = resolve_model(push_args.export_dir)
     if source.kind != "folded":
-        raise UsageError(f"'{push_args.export_dir}' is not a folded export (its config's model_type is not tapernorm_*)")
+        raise UsageError(
+            f"'{push_args.export_dir}' is not a folded export (its config's model_type is not tapernorm_*)"
+        )
     if not (Path(source.path) / "README.md").is_file():
-        raise UsageError(f"'{push_args.export_dir}' has no README.md model card; re-export it with hf-tapernorm taper or fold")
+        raise UsageError(
+            f"'{push_args.export_dir}' has no README.md model card; re-export it with hf-tapernorm taper or fold"
+        )
     try:
-        commit = push_export(source.path, push_args.repo_id, token=push_args.token, private=push_args.private,
-                             commit_message=push_args.commit_message)
+        commit = push_export(
+            source.path,
+            push_args.repo_id,
+            token=push_args.token,
+            private=push_args.private,
+            commit_message=push_args.commit_message,
+        )
     except ConfigurationError:
         raise
     except Exception as error:  # noqa: BLE001 - huggingface_hub/httpx raise many types; all mean "push failed"
+        reason = str(error).splitlines()[0] if str(error) else ""
         raise UsageError(
-            f"cannot push '{source.path}' to {push_args.repo_id}: {type(error).__name__}: {str(error).splitlines()[0]}; "
+            f"cannot push '{source.path}' to {push_args.repo_id}: {type(error).__name__}: {reason}; "
             "check the network (HF_HUB_OFFLINE must be unset) and your Hub token (HF_TOKEN or `hf auth login`)"
         ) from None
     print(f"pushed {source.path} to {getattr(commit, 'commit_url', push_args.repo_id)}")

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Optional
 
 from ..errors import FoldCheckError, TaperDivergenceError, TaperNormError
 
@@ -25,8 +26,11 @@ def taper_main(argv: Sequence[str]) -> int:
     from .arguments import DataArguments, ModelArguments, RunArguments, TaperArguments, TaperTrainingArguments
     from .parsing import parse
 
-    parsed = parse([ModelArguments, DataArguments, TaperArguments, RunArguments, TaperTrainingArguments], argv,
-                   "hf-tapernorm taper")
+    parsed = parse(
+        [ModelArguments, DataArguments, TaperArguments, RunArguments, TaperTrainingArguments],
+        argv,
+        "hf-tapernorm taper",
+    )
     return run_taper(TaperRequest(*parsed))
 
 
@@ -65,7 +69,9 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
 }
 
 USAGE = (
-    "usage: hf-tapernorm {" + ",".join(COMMANDS) + "} [options] [--debug]   (hf-tapernorm COMMAND --help)\n\n"
+    "usage: hf-tapernorm {"
+    + ",".join(COMMANDS)
+    + "} [options] [--debug]   (hf-tapernorm COMMAND --help)\n\n"
     + "\n".join(f"  {name:<6} {description}" for name, (_, description) in COMMANDS.items())
 )
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import Any, NoReturn, Sequence
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from transformers import HfArgumentParser
 

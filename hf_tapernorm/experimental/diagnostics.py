@@ -6,7 +6,7 @@ Experimental: a lower API promise than the stable package.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -21,8 +21,10 @@ def _per_layer_inputs(model: nn.Module, batches: Iterable[torch.Tensor], fn) -> 
     results: dict[str, list] = {}
     handles = []
     for name, layer in tapered_norms(model):
+
         def hook(module: TaperNorm, args, name=name):
             results.setdefault(name, []).append(fn(module, args[0].float()))
+
         handles.append(layer.register_forward_pre_hook(hook))
     was = model.training
     model.eval()
@@ -44,6 +46,7 @@ def residual_scale_by_position(
     ``sink_ratio`` = mean RMS of positions < sink_tokens / median RMS of the rest; ``max_ratio`` and
     ``frac_above_4x`` describe the rest (the tokens the linear branch must handle).
     """
+
     def stats(layer, h):
         r = torch.sqrt(h.pow(2).mean(-1) + layer.eps)
         return r[..., :sink_tokens].reshape(-1), r[..., sink_tokens:].reshape(-1)
@@ -69,6 +72,7 @@ def branch_distance(model: nn.Module, batches: Sequence[torch.Tensor], *, sink_t
     close there without changing the model. Measured on the inputs the layer receives at the current
     gate (so, at gate 1, on the original model's residual stream).
     """
+
     def dist(layer, h):
         h = h[..., sink_tokens:, :]
         norm = layer._normalized(h).float()

@@ -7,7 +7,8 @@ and a sequential layer-by-layer mode, was measured no better (docs/fidelity.md) 
 
 from __future__ import annotations
 
-from typing import Iterable
+import contextlib
+from collections.abc import Iterable
 
 import torch
 
@@ -64,10 +65,8 @@ def _collect(model, batches, layers, trim, *, stop_after: bool) -> dict:
     model.eval()
     try:
         for batch in batches:
-            try:
+            with contextlib.suppress(_Collected):
                 model(**batch) if isinstance(batch, dict) else model(batch)
-            except _Collected:
-                pass
     finally:
         for handle in handles:
             handle.remove()
@@ -104,7 +103,7 @@ def fit_linear_branch(
     """Calibrate every uncalibrated tapered layer from explicit batches, robustly to outlier tokens.
 
     The paper's least-squares c is dominated by a few massive activations (5-32x too small for the
-    typical token of SmolLM2's layers 12-28). This fit uses typical tokens only (``trim``, sink
+    typical token of a pretrained model's middle layers). This fit uses typical tokens only (``trim``, sink
     positions excluded) and, with ``per_channel``, starts ``taper_weight`` from the per-channel
     least-squares gains a_j = sum x_j^2/r / sum x_j^2, so the folded map stays per-channel linear:
     ``c * taper_weight_j = a_j * gain_j``, with the scalar c the least-squares fit over channels.

@@ -58,7 +58,7 @@ class TokenScalePenalty:
         excess = F.relu(log_r - log_r.detach().median() - self.log_ratio)
         self._terms.append(excess.pow(2).mean())
 
-    def attach(self, model: nn.Module) -> "TokenScalePenalty":
+    def attach(self, model: nn.Module) -> TokenScalePenalty:
         """Add the penalty to ``outputs.loss`` of every training forward of ``model`` (for ``Trainer``).
 
         Under gradient accumulation the penalty is weighted by the micro-batch's share of the step's
@@ -96,9 +96,9 @@ class ScaleGrowthPenalty(TokenScalePenalty):
     """Penalise tokens whose scale, relative to the median token, grows from one tapered norm to the next.
 
     The runaway that breaks a tapering pretrained model (``conversion_scripts/experiments/runaway_trace.py``)
-    is a token slightly above the typical scale (1.5-3x) whose excess grows sublayer after sublayer once
-    the norms stop bounding it, then squares through the SwiGLU MLPs (3.4x -> 8.5x -> 20x -> 124x -> inf
-    in SmolLM2). A norm makes every sublayer contract such excesses; this penalty,
+    is a token slightly above the typical scale whose excess grows sublayer after sublayer once the norms
+    stop bounding it, then squares through the SwiGLU MLPs (docs/fidelity.md). A norm makes every sublayer
+    contract such excesses; this penalty,
     ``weight * mean_pairs mean_tokens relu(d_next - d)^2`` over the tokens with ``d > log(ratio)``,
     where ``d`` is a token's log RMS minus the median's at a tapered norm's input and the pairs are
     consecutive tapered norms in forward order, teaches the sublayers to keep contracting while the

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -95,7 +96,10 @@ def check_fold(
     logger.warning(
         "%s, but a float64 copy folds to within %.3g: the fold is exact, and on this probe the g = 0 model amplifies "
         "%s rounding into that difference, so its outputs there are not reliable in %s either; check its fidelity",
-        message, exact, report.dtype, report.dtype,
+        message,
+        exact,
+        report.dtype,
+        report.dtype,
     )
     return replace(report, float64_max_rel_diff=exact)
 
@@ -103,7 +107,7 @@ def check_fold(
 #: Largest model whose fold check is repeated on float64 copies (two copies of 8 bytes per parameter).
 FLOAT64_RECHECK_MAX_PARAMETERS = 2_000_000_000
 #: Relative logit difference of the float64 copies below which the fold counts as exact. Not 1e-8:
-#: HF norms compute their statistics in float32 even in a float64 model (SmolLM2: 2.5e-8), while a
+#: HF norms compute their statistics in float32 even in a float64 model (a few 1e-8), while a
 #: wrong fold differs by 1e-2 and more.
 FLOAT64_RECHECK_TOLERANCE = 1e-6
 
@@ -127,7 +131,9 @@ def _logit_difference(unfolded: nn.Module, folded: nn.Module, ids: torch.Tensor)
     return max_abs, max_rel, bool(torch.isfinite(output).all())
 
 
-def _float64_difference(unfolded: nn.Module, refold: Callable[[nn.Module], nn.Module], ids: torch.Tensor) -> Optional[float]:
+def _float64_difference(
+    unfolded: nn.Module, refold: Callable[[nn.Module], nn.Module], ids: torch.Tensor
+) -> Optional[float]:
     """Relative logit difference between a float64 copy of ``unfolded`` and its fold (None: model too large).
 
     The copy is folded again in float64: upcasting the low-precision fold would keep its rounding.

@@ -31,6 +31,7 @@ from ..config import config_of
 from ..errors import CalibrationError, ConfigurationError, TaperStateError, UnsupportedModelError
 from ..layers.sink import sink_prefix, sink_token_ids_of
 from ..layers.taper_norm import TaperNorm, is_patched, tapered_norms
+from ..training.distributed import sharding_engine
 from .fold_check import FoldReport, check_fold
 from .model_card import render_model_card
 from .modeling_folded import folded_classes
@@ -43,6 +44,12 @@ TIED_HEAD_CHOICES = ("untie", "scale")
 
 
 def _check_foldable(model: nn.Module, model_type: str) -> None:
+    if sharding_engine(model) is not None:
+        raise TaperStateError(
+            f"{type(model).__name__} is sharded ({sharding_engine(model)}): fold the gathered model, e.g. "
+            "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) loaded into an unsharded "
+            "copy, or `hf-tapernorm fold --checkpoint` on a sharded checkpoint (docs/distributed.md)"
+        )
     if not is_patched(model):
         raise TaperStateError(
             f"{type(model).__name__} is not patched: fold_model needs a model patched with patch_model, "
@@ -76,7 +83,9 @@ class _Working:
         elif isinstance(module, Conv1D):
             self.transposed = True
         else:
-            raise UnsupportedModelError(f"cannot fold into {path}: {type(module).__name__} is neither nn.Linear nor Conv1D")
+            raise UnsupportedModelError(
+                f"cannot fold into {path}: {type(module).__name__} is neither nn.Linear nor Conv1D"
+            )
         weight = module.weight.detach()
         if not weight.is_floating_point():
             raise UnsupportedModelError(
@@ -193,12 +202,14 @@ def fold_model(
                     state[f"{site.path}.bias"] = shift.to(layer.taper_weight.dtype)
                 logger.warning(
                     "tapered final norm %s meets tied embeddings: kept as one explicit per-channel scale so the "
-                    "tie survives (tied_head='scale')", site.path,
+                    "tie survives (tied_head='scale')",
+                    site.path,
                 )
                 continue
             logger.warning(
                 "tapered final norm %s folds into a tied lm_head: the head is untied and saved with "
-                "tie_word_embeddings=False (pass tied_head='scale' to keep the tie)", site.path,
+                "tie_word_embeddings=False (pass tied_head='scale' to keep the tie)",
+                site.path,
             )
         folded_norms.append(site.path)
         for path in site.modules:
@@ -223,8 +234,12 @@ def fold_model(
     if sink_ids:
         state["sink_keys"], state["sink_values"] = sink_prefix(model, sink_ids)
         sink_shape = list(state["sink_keys"].shape)
-        logger.info("stored the keys/values of %d sink token(s) %s as a prefix of %s", len(sink_ids), sink_ids,
-                    "x".join(map(str, sink_shape)))
+        logger.info(
+            "stored the keys/values of %d sink token(s) %s as a prefix of %s",
+            len(sink_ids),
+            sink_ids,
+            "x".join(map(str, sink_shape)),
+        )
 
     values = model.config.to_dict()
     # quantization_config: GGUF checkpoints are dequantized at load, and quantized weights are refused above.
@@ -249,21 +264,30 @@ def fold_model(
     )
     device = next(model.parameters()).device
     folded = model_class.from_pretrained(
-        None, config=config, state_dict=state, dtype=model.dtype,
+        None,
+        config=config,
+        state_dict=state,
+        dtype=model.dtype,
         attn_implementation=model.config._attn_implementation,
     ).to(device)
     folded.generation_config = copy.deepcopy(model.generation_config)
     folded.config.name_or_path = model.config.name_or_path
     logger.info(
         "folded %d norm(s) of %s into %d projection(s); kept %d norm(s)%s",
-        len(folded_norms), model_type, len(working), len(kept_norms),
+        len(folded_norms),
+        model_type,
+        len(working),
+        len(kept_norms),
         f"; added a bias to {', '.join(added_biases)}" if added_biases else "",
     )
     refold = lambda unfolded: fold_model(unfolded, check=False, tied_head=tied_head)  # noqa: E731
     folded.fold_report = check_fold(model, folded, probe=probe, tolerance=tolerance, refold=refold) if check else None
     if folded.fold_report is not None:
-        logger.info("fold check: max abs logit diff %.3g, max relative %.3g", folded.fold_report.max_abs_diff,
-                    folded.fold_report.max_rel_diff)
+        logger.info(
+            "fold check: max abs logit diff %.3g, max relative %.3g",
+            folded.fold_report.max_abs_diff,
+            folded.fold_report.max_rel_diff,
+        )
     folded.model_card = render_model_card(folded)
     return folded
 

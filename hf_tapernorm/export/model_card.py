@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import re
 import sysconfig
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from huggingface_hub import ModelCard, ModelCardData
 from torch import nn
@@ -33,6 +34,7 @@ def _template_path() -> Path:
         f"model card template {TEMPLATE_NAME} not found (looked in {', '.join(str(c.parent) for c in candidates)}); "
         "reinstall hf-tapernorm"
     )
+
 
 # Keys a caller may pass in ``facts`` (all optional).
 FACT_KEYS = (
@@ -78,7 +80,9 @@ def render_model_card(model: nn.Module, facts: Optional[Mapping[str, Any]] = Non
     elif config.final_norm in config.folded_norms:
         final_summary = "tapered and folded into `lm_head`" + (
             " (the head was untied from the embeddings: `tie_word_embeddings=False`)"
-            if config.tied_head == "untie" else "")
+            if config.tied_head == "untie"
+            else ""
+        )
     else:
         final_summary = "kept as a real norm (Internal-Taper)"
     report = getattr(model, "fold_report", None)
@@ -96,8 +100,12 @@ def render_model_card(model: nn.Module, facts: Optional[Mapping[str, Any]] = Non
         final_norm_summary=final_summary,
         added_biases_summary=", ".join(f"`{p}`" for p in config.added_biases) or "none",
         sink_ids=list(getattr(config, "sink_token_ids", None) or []),
-        sink_summary=(f"token id(s) {list(config.sink_token_ids)}: keys/values of {len(config.sink_token_ids)} position(s) "
-                      "stored per layer" if getattr(config, "sink_token_ids", None) else "none"),
+        sink_summary=(
+            f"token id(s) {list(config.sink_token_ids)}: keys/values of {len(config.sink_token_ids)} position(s) "
+            "stored per layer"
+            if getattr(config, "sink_token_ids", None)
+            else "none"
+        ),
         hf_tapernorm_version=config.hf_tapernorm_version,
         dataset=facts.get("dataset"),
         tokens=f"{facts['tokens']:,}" if isinstance(facts.get("tokens"), int) else facts.get("tokens"),

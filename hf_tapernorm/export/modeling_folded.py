@@ -90,7 +90,9 @@ def _prepend_sink(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, d
     holds the sink and is continued as it is.
     """
     if len(args) > 1:
-        raise TypeError(f"{type(model).__name__} with a sink prefix takes its inputs by keyword (got {len(args)} positional)")
+        raise TypeError(
+            f"{type(model).__name__} with a sink prefix takes its inputs by keyword (got {len(args)} positional)"
+        )
     inputs = args[0] if args else kwargs.get("input_ids")
     if inputs is None:
         inputs = kwargs["inputs_embeds"]
@@ -198,8 +200,9 @@ class FoldedModelMixin:
         }
         problems = {key: value for key, value in problems.items() if value}
         if problems:
-            details = "; ".join(f"{key}: {', '.join(value[:8])}{' ...' if len(value) > 8 else ''}"
-                                for key, value in problems.items())
+            details = "; ".join(
+                f"{key}: {', '.join(value[:8])}{' ...' if len(value) > 8 else ''}" for key, value in problems.items()
+            )
             raise OSError(
                 f"{cls.__name__}: the weights in {source} do not match the folded architecture ({details}). "
                 "A folded checkpoint must load completely; re-export it with hf_tapernorm instead of using "
@@ -234,15 +237,30 @@ class FoldedModelMixin:
         """
         if self.model_card is None:
             return super().push_to_hub(
-                repo_id, commit_message=commit_message, commit_description=commit_description, private=private,
-                token=token, revision=revision, create_pr=create_pr, max_shard_size=max_shard_size, **kwargs
+                repo_id,
+                commit_message=commit_message,
+                commit_description=commit_description,
+                private=private,
+                token=token,
+                revision=revision,
+                create_pr=create_pr,
+                max_shard_size=max_shard_size,
+                **kwargs,
             )
         if kwargs:
             raise TypeError(f"push_to_hub got unexpected arguments: {', '.join(sorted(kwargs))}")
         with tempfile.TemporaryDirectory() as folder:
             self.save_pretrained(folder, max_shard_size=max_shard_size)
-            return upload_export(folder, repo_id, token=token, private=private, commit_message=commit_message,
-                                 commit_description=commit_description, revision=revision, create_pr=create_pr)
+            return upload_export(
+                folder,
+                repo_id,
+                token=token,
+                private=private,
+                commit_message=commit_message,
+                commit_description=commit_description,
+                revision=revision,
+                create_pr=create_pr,
+            )
 
 
 def upload_export(
@@ -282,7 +300,7 @@ PREFIX = "tapernorm_"
 
 
 def _base_type(config_class: type) -> str:
-    return config_class.model_type[len(PREFIX):]
+    return config_class.model_type[len(PREFIX) :]
 
 
 def _post_init(self, **kwargs: Any) -> None:
@@ -348,7 +366,7 @@ def __getattr__(name: str) -> type:
     if name.startswith("TaperNorm"):
         import transformers
 
-        base = getattr(transformers, name[len("TaperNorm"):], None)
+        base = getattr(transformers, name[len("TaperNorm") :], None)
         if isinstance(base, type):
             is_config = hasattr(base, "model_type") and not hasattr(base, "config_class")
             model_type = getattr(base if is_config else getattr(base, "config_class", None), "model_type", None)

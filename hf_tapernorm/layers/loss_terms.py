@@ -13,8 +13,9 @@ watch reads once per optimizer step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -48,12 +49,15 @@ class TrainingLossTerms:
         self.inputs = ForwardInputs()
         self.pending_loss: Optional[torch.Tensor] = None  # [sum of the model's own loss, forwards] this step
         self._depth = 0
+        self._busy = False  # a term is running (it may call the model itself: that forward is not hooked)
         self._handles = [
             model.register_forward_pre_hook(self._before, with_kwargs=True),
             model.register_forward_hook(self._after, with_kwargs=True),
         ]
 
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._busy:
+            return
         self._depth += 1
         if self._depth == 1:
             values = dict(kwargs)
@@ -62,6 +66,8 @@ class TrainingLossTerms:
             self.inputs = ForwardInputs(values)
 
     def _after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if self._busy:
+            return output
         self._depth -= 1
         if self._depth:
             return output  # a nested call of the same model (a teacher is a different module)
@@ -69,7 +75,11 @@ class TrainingLossTerms:
         loss = getattr(output, "loss", None)
         if not module.training:
             return output
-        values = [(name, term(module, inputs, output)) for name, term in list(self.terms.items())]
+        self._busy = True
+        try:
+            values = [(name, term(module, inputs, output)) for name, term in list(self.terms.items())]
+        finally:
+            self._busy = False
         if loss is None:
             return output
         own = torch.stack([loss.detach().float(), torch.ones((), device=loss.device)])
@@ -80,7 +90,9 @@ class TrainingLossTerms:
             if value is None:
                 continue
             summed, count = value
-            denominator = items if items is not None else count.clamp_min(1.0) if torch.is_tensor(count) else max(count, 1)
+            denominator = (
+                items if items is not None else count.clamp_min(1.0) if torch.is_tensor(count) else max(count, 1)
+            )
             if torch.is_tensor(denominator):
                 denominator = denominator.to(summed.device)
             total = total + (summed / denominator).to(device=loss.device, dtype=loss.dtype)
@@ -120,5 +132,11 @@ def remove_training_loss_term(model: nn.Module, name: str) -> None:
         terms.terms.pop(name, None)
 
 
-__all__ = ["ForwardInputs", "Term", "TrainingLossTerms", "add_training_loss_term", "loss_terms_of",
-           "remove_training_loss_term"]
+__all__ = [
+    "ForwardInputs",
+    "Term",
+    "TrainingLossTerms",
+    "add_training_loss_term",
+    "loss_terms_of",
+    "remove_training_loss_term",
+]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import fnmatch
 import logging
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from torch import nn
 
@@ -22,8 +23,15 @@ from .taper_norm import TaperNorm, is_patched, taper_norms, tapered_norms
 logger = logging.getLogger(__name__)
 
 #: The keyword options ``patch_model`` took before TaperNormConfig; still accepted, with a warning.
-_DEPRECATED_OPTIONS = ("scope", "ema_rate", "scale_loss_weight", "relative_scale_loss", "sink_token_ids",
-                       "calibration_scale", "keep_norms")
+_DEPRECATED_OPTIONS = (
+    "scope",
+    "ema_rate",
+    "scale_loss_weight",
+    "relative_scale_loss",
+    "sink_token_ids",
+    "calibration_scale",
+    "keep_norms",
+)
 _warned: set[str] = set()
 
 
@@ -142,7 +150,11 @@ def patch_model(
     kept = sum(1 for r in plan if not r.layer.tapered and not r.site.is_final)
     logger.info(
         "patched %s (%s), recipe %s: %d norm(s) tapered, %d internal norm(s) kept%s",
-        type(model).__name__, model_type_of(model), config.recipe, tapered, kept,
+        type(model).__name__,
+        model_type_of(model),
+        config.recipe,
+        tapered,
+        kept,
         f", sink tokens {config.sink_token_ids} kept normalized" if config.sink_token_ids else "",
     )
     return model

@@ -170,7 +170,9 @@ class ScaleAnchor(nn.Module):
             )
         target = float(self.ema) / (1.0 - (1.0 - self.ema_rate) ** steps)
         if not (target > 0 and torch.isfinite(torch.tensor(target))):
-            raise CalibrationError(f"the scale target of {self.site_name or 'the final norm'} is not usable: {target!r}")
+            raise CalibrationError(
+                f"the scale target of {self.site_name or 'the final norm'} is not usable: {target!r}"
+            )
         self.target.fill_(target)
         self.frozen.fill_(True)
         self._frozen_mirror = True

@@ -17,7 +17,8 @@ those of the model with every gate at 1: :func:`sink_prefix` computes them that 
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 from torch import nn

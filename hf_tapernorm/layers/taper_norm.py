@@ -10,7 +10,9 @@ run or a reloaded model needs no side channel.
 from __future__ import annotations
 
 import enum
-from typing import Iterator, Optional
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Optional
 
 import torch
 from torch import nn
@@ -117,7 +119,7 @@ class TaperNorm(nn.Module):
         tapered: bool = True,
         ema_rate: float = 0.01,
         hidden_size: Optional[int] = None,
-    ) -> "TaperNorm":
+    ) -> TaperNorm:
         """Build a TaperNorm that shares ``norm``'s parameters and copies its eps (measured if it has no
         eps attribute). ``hidden_size`` is needed only for a norm with no weight and no normalized_shape."""
         size = norm_hidden_size(norm, hidden_size)
@@ -146,7 +148,9 @@ class TaperNorm(nn.Module):
         if not 0.0 <= value <= 1.0:
             raise ConfigurationError(f"gate must be in [0, 1], got {value} for {self.site_name or 'TaperNorm'}")
         if not self.tapered and value != 1.0:
-            raise TaperStateError(f"{self.site_name or 'TaperNorm'} is kept as a norm (tapered=False); its gate stays 1")
+            raise TaperStateError(
+                f"{self.site_name or 'TaperNorm'} is kept as a norm (tapered=False); its gate stays 1"
+            )
         self.gate.fill_(value)
         self._phase = _phase_of(value)
 
@@ -223,8 +227,9 @@ class TaperNorm(nn.Module):
     def _accumulate(self, h: torch.Tensor) -> None:
         if self.sink_tokens and self.sink_active and h.dim() >= 2 and h.shape[-2] > self.sink_tokens:
             h = h[..., self.sink_tokens :, :]  # the sink stays normalized: the linear branch need not fit it
-        sums = branch_statistics(h, self.effective_gain(), self.eps, centred=self.style is NormStyle.LAYER,
-                                 per_channel=self.per_channel)
+        sums = branch_statistics(
+            h, self.effective_gain(), self.eps, centred=self.style is NormStyle.LAYER, per_channel=self.per_channel
+        )
         if self.pending is None or self.pending.device != sums.device:
             self.pending = torch.zeros(self.statistics_size, dtype=torch.float32, device=sums.device)
         self.pending += sums
@@ -270,8 +275,23 @@ def tapered_norms(model: nn.Module) -> Iterator[tuple[str, TaperNorm]]:
     return ((n, m) for n, m in taper_norms(model) if m.tapered)
 
 
+@contextmanager
+def normalized(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` as if every gate were 1 (each TaperNorm computes its norm), without touching the gate
+    buffers: a graph built at the real gate, still waiting for its backward, stays valid."""
+    layers = [layer for _, layer in tapered_norms(model)]
+    phases = [layer._phase for layer in layers]
+    for layer in layers:
+        layer._phase = _Phase.NORM
+    try:
+        yield
+    finally:
+        for layer, phase in zip(layers, phases):
+            layer._phase = phase
+
+
 def is_patched(model: nn.Module) -> bool:
     return any(True for _ in taper_norms(model))
 
 
-__all__ = ["NormStyle", "TaperNorm", "branch_statistics", "is_patched", "taper_norms", "tapered_norms"]
+__all__ = ["NormStyle", "TaperNorm", "branch_statistics", "is_patched", "normalized", "taper_norms", "tapered_norms"]

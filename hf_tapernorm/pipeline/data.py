@@ -14,9 +14,10 @@ import hashlib
 import logging
 import os
 import sysconfig
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence, Union
+from typing import Optional, Union
 
 import datasets
 import torch
@@ -92,13 +93,16 @@ def embedded_corpus_files(root: Optional[Path] = None) -> list[Path]:
 
 
 def embedded_corpus(root: Optional[Path] = None) -> datasets.Dataset:
-    """The embedded default corpus: one document per standard-library source file, sorted by path.
+    """The embedded default corpus: one document per standard-library source file, in a fixed shuffled order.
 
     Real, varied text (code, comments, docstrings) that every Python installation carries, so the
-    default run needs no download; the same Python version gives the same corpus on any machine.
+    default run needs no download; the same Python version gives the same corpus on any machine. The
+    files are ordered by a hash of their path, not alphabetically: a short run reads its blocks from the
+    first documents, and sorted files would give it (and its held-out blocks) a few modules of one
+    alphabetical stretch instead of a sample of the library.
     """
     root = Path(root) if root is not None else stdlib_directory()
-    files = embedded_corpus_files(root)
+    files = sorted(embedded_corpus_files(root), key=lambda f: _digest(f.relative_to(root).as_posix(), "order:"))
     texts = [f.read_bytes().decode("utf-8", errors="replace") for f in files]
     paths = [f.relative_to(root).as_posix() for f in files]
     logger.info("embedded corpus: %d standard-library files from %s", len(files), root)
@@ -119,9 +123,7 @@ def _builder_for(path: Path) -> str:
 def _local_files(folder: Path) -> list[Path]:
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in _BUILDERS)
     if not files:
-        raise DataError(
-            f"the dataset folder '{folder}' holds no {'/'.join(sorted(_BUILDERS))} files"
-        )
+        raise DataError(f"the dataset folder '{folder}' holds no {'/'.join(sorted(_BUILDERS))} files")
     builders = {_builder_for(p) for p in files}
     if len(builders) > 1:
         raise DataError(f"the dataset folder '{folder}' mixes file types ({', '.join(sorted(builders))}); use one type")
@@ -154,8 +156,9 @@ def load_text_dataset(
         if path.exists():
             files = [path] if path.is_file() else _local_files(path)
             if all(f.stat().st_size == 0 for f in files):
-                raise DataError(f"dataset '{source}' is empty: {'its files hold' if path.is_dir() else 'the file holds'} "
-                                "no text")
+                raise DataError(
+                    f"dataset '{source}' is empty: {'its files hold' if path.is_dir() else 'the file holds'} no text"
+                )
             builder = _builder_for(files[0])
             kwargs = {"sample_by": sample_by} if builder == "text" else {}
             return datasets.load_dataset(
@@ -192,16 +195,18 @@ def text_column_of(dataset: AnyDataset, requested: Optional[str] = None) -> str:
     if len(strings) == 1:
         return strings[0]
     raise DataError(
-        f"cannot tell which column holds the text (columns: {', '.join(columns) or 'none'}); "
-        "pass --text_column"
+        f"cannot tell which column holds the text (columns: {', '.join(columns) or 'none'}); pass --text_column"
     )
 
 
 # ----------------------------------------------------------------------------- split and packing
+def _digest(text: str, salt: str = "") -> int:
+    return int.from_bytes(hashlib.sha1((salt + text).encode("utf-8", errors="replace")).digest()[:8], "big")
+
+
 def is_heldout(text: str, percentage: float) -> bool:
     """Deterministic document-level split: a hash of the text, independent of order and machine."""
-    digest = int.from_bytes(hashlib.sha1(text.encode("utf-8", errors="replace")).digest()[:8], "big")
-    return (digest % 10_000) < round(percentage * 100)
+    return (_digest(text) % 10_000) < round(percentage * 100)
 
 
 def pack_documents(
@@ -271,7 +276,9 @@ def _texts(dataset: AnyDataset, column: str, *, heldout: bool, percentage: float
 def _as_dataset(blocks: list[list[int]], prefix_length: int = 0) -> datasets.Dataset:
     # With a sink prefix the first text token's prediction (made at the sink position) is not a
     # target: a folded model never computes the sink position, so no loss may depend on it.
-    labels = [block[:prefix_length] + [-100] + block[prefix_length + 1 :] for block in blocks] if prefix_length else blocks
+    labels = (
+        [block[:prefix_length] + [-100] + block[prefix_length + 1 :] for block in blocks] if prefix_length else blocks
+    )
     dataset = datasets.Dataset.from_dict({"input_ids": blocks, "labels": labels})
     return dataset.with_format("torch")
 

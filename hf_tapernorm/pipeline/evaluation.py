@@ -37,13 +37,12 @@ def heldout_loss(
     if blocks.dim() != 2 or blocks.shape[0] == 0:
         raise ValueError(f"expected a non-empty [n, block_size] tensor of token ids, got shape {tuple(blocks.shape)}")
     held_sink = list(getattr(getattr(model, "config", None), "sink_token_ids", None) or [])
-    if held_sink:
-        if prefix_length != len(held_sink) or blocks[:, :prefix_length].ne(torch.tensor(held_sink)).any():
-            raise ValueError(
-                f"{type(model).__name__} holds the sink token(s) {held_sink} as a cache prefix, so the held-out blocks "
-                f"must start with exactly them (got prefix_length={prefix_length}, first block starts "
-                f"{blocks[0, :len(held_sink)].tolist()})"
-            )
+    if held_sink and (prefix_length != len(held_sink) or blocks[:, :prefix_length].ne(torch.tensor(held_sink)).any()):
+        raise ValueError(
+            f"{type(model).__name__} holds the sink token(s) {held_sink} as a cache prefix, so the held-out blocks "
+            f"must start with exactly them (got prefix_length={prefix_length}, first block starts "
+            f"{blocks[0, : len(held_sink)].tolist()})"
+        )
     model.eval()
     device = device or next(model.parameters()).device
     total, count = 0.0, 0

@@ -129,7 +129,9 @@ def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False):
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code, **kwargs)
     except Exception as error:
-        raise ModelSourceError(f"cannot load a tokenizer from '{source.describe()}': {type(error).__name__}: {error}") from error
+        raise ModelSourceError(
+            f"cannot load a tokenizer from '{source.describe()}': {type(error).__name__}: {error}"
+        ) from error
     if tokenizer.eos_token_id is None:
         logger.warning("tokenizer of %s has no EOS token: packed documents will not be separated", source.describe())
     return tokenizer

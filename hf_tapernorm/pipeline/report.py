@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 from .record import RunRecord
 
@@ -146,7 +147,8 @@ def summary_lines(facts: Mapping[str, Any]) -> list[str]:
     fold = facts.get("fold") or {}
     export = facts.get("export") or {}
     lines = [
-        f"model: {model.get('source', '-')} ({model.get('model_type', '-')}, {_fmt(model.get('parameters'))} parameters)",
+        f"model: {model.get('source', '-')} ({model.get('model_type', '-')}, "
+        f"{_fmt(model.get('parameters'))} parameters)",
         f"data: {data.get('source', '-')}, blocks of {_fmt(data.get('block_size'))} tokens, "
         f"held-out {_fmt(data.get('heldout_tokens'))} tokens",
         f"training: {_fmt(training.get('steps'))} steps, {_fmt(training.get('tokens'))} tokens, "
@@ -169,7 +171,9 @@ def summary_lines(facts: Mapping[str, Any]) -> list[str]:
     ops = facts.get("ops_per_token") or {}
     if ops.get("original") and ops.get("folded"):
         before, after = ops["original"]["aten_ops"], ops["folded"]["aten_ops"]
-        lines.append(f"aten ops per generated token: original {before:.0f}, folded {after:.0f} ({after / before - 1:+.1%})")
+        lines.append(
+            f"aten ops per generated token: original {before:.0f}, folded {after:.0f} ({after / before - 1:+.1%})"
+        )
     if export.get("path"):
         lines.append(f"export: {export['path']} (reloaded: {export.get('reloaded', False)})")
     if facts.get("status") and facts["status"] != "finished":
@@ -190,7 +194,13 @@ def render_markdown(facts: Mapping[str, Any], plots: Mapping[str, str]) -> str:
     parts += [f"| {key} | {_fmt(value, 'g')} |" for key, value in sorted(taper.items())]
     calibration = (facts.get("diagnostics") or {}).get("calibration") or {}
     if calibration:
-        parts += ["", "## Per-layer calibration", "", "| tapered norm | c | median gain c*gammat | max gain |", "|---|---|---|---|"]
+        parts += [
+            "",
+            "## Per-layer calibration",
+            "",
+            "| tapered norm | c | median gain c*gammat | max gain |",
+            "|---|---|---|---|",
+        ]
         parts += [
             f"| {name} | {row['c']:.4g} | {row['gain_median']:.4g} | {row['gain_max']:.4g} |"
             for name, row in calibration.items()
@@ -198,8 +208,13 @@ def render_markdown(facts: Mapping[str, Any], plots: Mapping[str, str]) -> str:
     samples = facts.get("samples") or []
     if samples:
         names = [k for k in samples[0] if k != "prompt"]
-        parts += ["", "## Greedy continuations of held-out prompts", "",
-                  "| prompt | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        parts += [
+            "",
+            "## Greedy continuations of held-out prompts",
+            "",
+            "| prompt | " + " | ".join(names) + " |",
+            "|---" * (len(names) + 1) + "|",
+        ]
         parts += ["| " + " | ".join(_cell(row[k]) for k in ["prompt", *names]) + " |" for row in samples]
     parts += ["", "## Plots", ""]
     titles = {"gate": "Gate schedule", "loss": "Training loss", "scale": "Residual scale", "heldout": "Held-out loss"}
@@ -227,7 +242,7 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def write_report(output_dir: str | Path, facts: Union[Mapping[str, Any], "RunRecord"]) -> dict[str, Path]:
+def write_report(output_dir: str | Path, facts: Union[Mapping[str, Any], RunRecord]) -> dict[str, Path]:
     """Write report.json, the PNG plots and report.md into ``output_dir`` (each file atomically)."""
     if isinstance(facts, RunRecord):
         facts = facts.to_dict()

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from ..errors import ConfigurationError
 
@@ -97,7 +98,9 @@ class RunFolder:
         resolved = self.path.resolve()
         protected = {Path.cwd().resolve(), Path.home().resolve(), Path(resolved.anchor)}
         if resolved in protected or Path.cwd().resolve().is_relative_to(resolved):
-            raise RunFolderError(f"refusing to --overwrite '{self.path}': it is the current, home or root folder or contains it")
+            raise RunFolderError(
+                f"refusing to --overwrite '{self.path}': it is the current, home or root folder or contains it"
+            )
         if manifest is None or foreign:
             what = "was not written by hf-tapernorm" if manifest is None else "holds files hf-tapernorm did not write"
             raise RunFolderError(f"refusing to --overwrite '{self.path}': it {what} ({listing}); move them away first")

@@ -8,7 +8,8 @@ reader sees what a gap in cross-entropy means.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,7 +38,7 @@ def ops_per_generated_token(model: nn.Module, prompt: torch.Tensor, new_tokens: 
     are then dropped for it, so every model decodes the same text.
     """
     model.eval()
-    prompt = prompt[:, _holds_sink(model):]
+    prompt = prompt[:, _holds_sink(model) :]
     cache = DynamicCache(config=model.config)
     token = model(input_ids=prompt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
     start = prompt.shape[1] + _holds_sink(model)
@@ -58,13 +59,18 @@ def greedy_continuations(
     """For each prompt ([n, T], starting with ``sink``), the prompt text and each model's greedy continuation."""
     rows = []
     for prompt in prompts:
-        text = prompt[len(sink):]
+        text = prompt[len(sink) :]
         row = {"prompt": tokenizer.decode(text, skip_special_tokens=True)}
         for name, model in models.items():
             ids = (text if _holds_sink(model) else prompt)[None].to(next(model.parameters()).device)
-            out = model.eval().generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                        do_sample=False, pad_token_id=tokenizer.eos_token_id)
-            row[name] = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            out = model.eval().generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+            row[name] = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         rows.append(row)
     return rows
 

@@ -5,8 +5,9 @@ checked first: the arguments, the output folder, the model's config and tokenize
 planned on a weightless copy of the model, so a bad ``keep_norms`` or an unsupported layout fails in
 seconds), the schedule against ``max_steps``, the block size against the model's positions, the
 identity of a resumed run, and the data. Only then are the weights loaded and the output folder
-emptied. The run itself is the library path: ``patch_model(model, config)`` + ``Trainer`` +
-``TaperCallback()``, with two bookkeeping callbacks (Ctrl-C, the run record) that do not touch training.
+emptied (the checks: validation.py). The run itself is the library path: ``patch_model(model, config)``
++ ``Trainer`` + ``TaperCallback()``, with two bookkeeping callbacks (Ctrl-C, the run record) that do not
+touch training.
 """
 
 from __future__ import annotations
@@ -14,15 +15,13 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from accelerate import PartialState
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
-from ..config import TaperNormConfig, parse_step
 from ..errors import ConfigurationError, TaperStateError
 from ..export.folding import fold_model
 from ..export.hub import export_folded
@@ -32,131 +31,27 @@ from ..layers.taper_norm import tapered_norms
 from ..training.calibration import calibration_table
 from ..training.callback import TaperCallback
 from ..training.checkpoints import save_tapered
-from ..training.schedule import TaperSchedule
+from ..training.schedule import decay_learning_rate_after_the_taper
 from ..utils import parameter_count
 from .data import EMBEDDED_CORPUS, PackedData, blocks_tensor, load_text_dataset, prepare_data
 from .evaluation import heldout_loss
-from .models import ModelSource, load_model, load_tokenizer, resolve_model
-from .record import DataFacts, ModelFacts, RunRecord, TrainingFacts, differences
+from .models import load_model, load_tokenizer, resolve_model
+from .record import DataFacts, ModelFacts, RunRecord, TrainingFacts
 from .report import summary_lines, write_report
 from .run_folder import RunFolder, write_folder
 from .showcase import greedy_continuations, ops_per_generated_token
-from .training_run import RecordCallback, last_checkpoint, train
+from .training_run import RecordCallback, train
+from .validation import (
+    TaperRequest,
+    check_resume_identity,
+    check_schedule,
+    max_positions,
+    recipe_config,
+    run_identity,
+    weightless_model,
+)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TaperRequest:
-    """The parsed arguments of one ``taper`` command (cli/arguments.py)."""
-
-    model: Any
-    data: Any
-    taper: Any
-    run: Any
-    training: Any
-
-
-# ============================================================================= validation
-def recipe_config(request: TaperRequest, model, tokenizer) -> TaperNormConfig:
-    """The TaperNormConfig of the flags: the recipe (``--recipe``), with every explicitly set flag on top."""
-    flags = request.taper
-    overrides: dict[str, Any] = {}
-    for name in ("scope", "linear_fit", "scale_loss_weight", "relative_scale_loss", "ema_rate", "calibration_scale",
-                 "distill_weight", "distill_from", "distill_until"):
-        if getattr(flags, name) is not None:
-            overrides[name] = getattr(flags, name)
-    for name in ("taper_start", "taper_end"):
-        if getattr(flags, name) is not None:
-            overrides[name] = parse_step(getattr(flags, name), name)
-    if flags.keep_norms not in (None, "auto"):
-        overrides["keep_norms"] = [] if flags.keep_norms == "none" else [
-            p.strip() for p in flags.keep_norms.split(",") if p.strip()
-        ]
-    if flags.sink == "none":
-        overrides["sink_token_ids"] = []
-    elif flags.sink == "bos":
-        bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-        if bos is None:
-            raise ConfigurationError("--sink bos: the tokenizer has neither a BOS nor an EOS token; pass --sink none")
-        overrides["sink_token_ids"] = [int(bos)]
-    if flags.recipe == "paper":
-        return TaperNormConfig.paper(**overrides)
-    return TaperNormConfig.for_model(model, tokenizer, **overrides)
-
-
-def check_schedule(config: TaperNormConfig, max_steps: int) -> TaperSchedule:
-    """The resolved schedule, or a usage error in the CLI's own terms."""
-    k_start, k_end = TaperSchedule.from_config(config).steps_for(max_steps)
-    if k_start < 1:
-        raise ConfigurationError(
-            f"--taper_start {config.taper_start} is step {k_start} of {max_steps}: calibration needs at least "
-            "one optimizer step at g = 1; raise --taper_start or --max_steps"
-        )
-    if k_end <= k_start:
-        raise ConfigurationError(f"--taper_end (step {k_end}) must come after --taper_start (step {k_start})")
-    if k_end > max_steps:
-        gate = TaperSchedule(k_start, k_end).gate(max_steps)
-        raise ConfigurationError(
-            f"--taper_end {config.taper_end} is step {k_end}, after the last step {max_steps} (--max_steps): "
-            f"the gate would end at g = {gate:.4f} and the model could not be folded; lower --taper_end or raise "
-            "--max_steps"
-        )
-    return TaperSchedule(k_start, k_end).resolve(max_steps)
-
-
-def weightless_model(source: ModelSource, trust_remote_code: bool):
-    """The model's structure on the meta device, from its config alone (seconds, no weights)."""
-    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    try:
-        hf_config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code, **kwargs)
-    except Exception as error:  # noqa: BLE001 - transformers raises many types; all mean "unreadable config"
-        raise ConfigurationError(f"cannot read the config of '{source.describe()}': {type(error).__name__}: {error}") from None
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
-
-
-def max_positions(hf_config) -> Optional[int]:
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(hf_config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def run_identity(request: TaperRequest, source: ModelSource, config: TaperNormConfig) -> dict[str, Any]:
-    """What makes this run this run: a resumed run must match it (checked option by option)."""
-    training, data = request.training, request.data
-    return {
-        "model": source.describe(),
-        "data": {"dataset": data.dataset_name or EMBEDDED_CORPUS, "config": data.dataset_config_name,
-                 "split": data.dataset_split, "text_column": data.text_column, "sample_by": data.sample_by,
-                 "block_size": data.block_size, "heldout_percentage": data.heldout_percentage},
-        "taper": config.to_dict(),
-        "training": {"max_steps": training.max_steps, "per_device_train_batch_size": training.per_device_train_batch_size,
-                     "gradient_accumulation_steps": training.gradient_accumulation_steps,
-                     "world_size": training.world_size, "learning_rate": training.learning_rate,
-                     "lr_scheduler_type": str(getattr(training.lr_scheduler_type, "value", training.lr_scheduler_type)),
-                     "lr_scheduler_kwargs": training.lr_scheduler_kwargs, "warmup_steps": training.warmup_steps,
-                     "weight_decay": training.weight_decay, "seed": training.seed},
-        "baseline": request.run.baseline,
-    }
-
-
-def check_resume_identity(folder: RunFolder, identity: dict[str, Any], allowed: set[str]) -> dict[str, Any]:
-    """Refuse a ``--resume`` whose options differ from the saved run's, except the ``--allow_changes`` ones."""
-    saved = (folder.manifest() or {}).get("identity")
-    if saved is None:
-        raise ConfigurationError(f"--resume: '{folder.path}' records no run identity; it cannot be checked, start over")
-    changed = differences(saved, identity)
-    refused = {k: v for k, v in changed.items() if k.rsplit(".", 1)[-1] not in allowed and k not in allowed}
-    if refused:
-        listing = "; ".join(f"{k}: {old!r} in the run, {new!r} now" for k, (old, new) in list(refused.items())[:6])
-        raise ConfigurationError(
-            f"--resume: these options differ from the run in '{folder.path}': {listing}. Rerun with the original "
-            "options, or name the ones to change with --allow_changes"
-        )
-    return {k: {"run": old, "now": new} for k, (old, new) in changed.items()}
 
 
 # ============================================================================= the run
@@ -168,15 +63,21 @@ def run_taper(request: TaperRequest) -> int:
     output = RunFolder(training_args.output_dir)
     source = resolve_model(request.model.model_name_or_path, request.model.gguf_file)
     if source.kind in ("tapered", "folded"):
-        raise ConfigurationError(f"'{source.path}' is already a {source.kind} model; taper starts from an ordinary model")
-    must_empty = output.check(overwrite=run.overwrite, resume=run.resume,
-                              has_checkpoint=lambda: bool(list(output.path.glob("**/checkpoint-*"))))
+        raise ConfigurationError(
+            f"'{source.path}' is already a {source.kind} model; taper starts from an ordinary model"
+        )
+    must_empty = output.check(
+        overwrite=run.overwrite,
+        resume=run.resume,
+        has_checkpoint=lambda: bool(list(output.path.glob("**/checkpoint-*"))),
+    )
 
     tokenizer = load_tokenizer(source, trust_remote_code=request.model.trust_remote_code)
     skeleton = weightless_model(source, request.model.trust_remote_code)
     config = recipe_config(request, skeleton, tokenizer)
     plan_patch(skeleton, config)  # every keep pattern, every norm: refused now, not after the load
     schedule = check_schedule(config, training_args.max_steps)
+    decay_learning_rate_after_the_taper(training_args, schedule)  # the baseline trains with the same schedule
     positions = max_positions(skeleton.config)
     if positions is not None and request.data.block_size > positions:
         raise ConfigurationError(f"--block_size {request.data.block_size} exceeds the model's {positions} positions")
@@ -196,14 +97,31 @@ def run_taper(request: TaperRequest) -> int:
     state.wait_for_everyone()
 
     record = RunRecord(
-        model=ModelFacts(source.describe(), source.name, source.kind, model.config.model_type, parameter_count(model),
-                         str(next(model.parameters()).dtype).removeprefix("torch.")),
-        data=DataFacts(packed.source, packed.text_column, packed.block_size, len(packed.train), len(packed.heldout),
-                       packed.heldout_tokens, request.data.heldout_percentage),
+        model=ModelFacts(
+            source.describe(),
+            source.name,
+            source.kind,
+            model.config.model_type,
+            parameter_count(model),
+            str(next(model.parameters()).dtype).removeprefix("torch."),
+        ),
+        data=DataFacts(
+            packed.source,
+            packed.text_column,
+            packed.block_size,
+            len(packed.train),
+            len(packed.heldout),
+            packed.heldout_tokens,
+            request.data.heldout_percentage,
+        ),
         config=config,
-        training=TrainingFacts(training_args.max_steps, _global_batch(training_args), training_args.learning_rate,
-                               str(getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type)),
-                               training_args.world_size),
+        training=TrainingFacts(
+            training_args.max_steps,
+            _global_batch(training_args),
+            training_args.learning_rate,
+            str(getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type)),
+            training_args.world_size,
+        ),
         taper_start_step=schedule.k_start,
         taper_end_step=schedule.k_end,
         allowed_changes=allowed_changes,
@@ -227,18 +145,31 @@ def run_taper(request: TaperRequest) -> int:
 
 def _prepare_data(request: TaperRequest, tokenizer, sink_ids: list[int]) -> PackedData:
     data = request.data
-    dataset = load_text_dataset(data.dataset_name, config_name=data.dataset_config_name, split=data.dataset_split,
-                                streaming=data.streaming, sample_by=data.sample_by, cache_dir=data.data_cache_dir)
+    dataset = load_text_dataset(
+        data.dataset_name,
+        config_name=data.dataset_config_name,
+        split=data.dataset_split,
+        streaming=data.streaming,
+        sample_by=data.sample_by,
+        cache_dir=data.data_cache_dir,
+    )
     return prepare_data(
-        dataset, tokenizer, block_size=data.block_size,
+        dataset,
+        tokenizer,
+        block_size=data.block_size,
         train_blocks=request.training.max_steps * _global_batch(request.training),
-        heldout_blocks=data.heldout_blocks, heldout_percentage=data.heldout_percentage, text_column=data.text_column,
-        source=data.dataset_name or EMBEDDED_CORPUS, prefix_ids=sink_ids,
+        heldout_blocks=data.heldout_blocks,
+        heldout_percentage=data.heldout_percentage,
+        text_column=data.text_column,
+        source=data.dataset_name or EMBEDDED_CORPUS,
+        prefix_ids=sink_ids,
     )
 
 
 def _global_batch(training_args) -> int:
-    return training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * training_args.world_size
+    return (
+        training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * training_args.world_size
+    )
 
 
 class _Pipeline:
@@ -251,13 +182,25 @@ class _Pipeline:
         self.heldout = blocks_tensor(packed.heldout)
 
     def evaluate(self, model, name: str) -> dict[str, float]:
-        return heldout_loss(model, self.heldout, batch_size=self.request.data.eval_batch_size,
-                            desc=f"held-out ({name})", prefix_length=len(self.packed.prefix_ids))
+        return heldout_loss(
+            model,
+            self.heldout,
+            batch_size=self.request.data.eval_batch_size,
+            desc=f"held-out ({name})",
+            prefix_length=len(self.packed.prefix_ids),
+        )
 
     def train(self, model, folder: Path, callbacks: list, history: list):
         callbacks = [*callbacks, RecordCallback(self.output, self.identity)]
-        return train(model, self.request.training, self.packed.train, folder, callbacks,
-                     resume=self.request.run.resume, history=history)
+        return train(
+            model,
+            self.request.training,
+            self.packed.train,
+            folder,
+            callbacks,
+            resume=self.request.run.resume,
+            history=history,
+        )
 
     def prompts(self, count: int = 3, length: int = 32) -> torch.Tensor:
         """Held-out prompts (sink tokens included) for the report's side-by-side continuations."""
@@ -272,13 +215,17 @@ class _Pipeline:
         patch_model(model, record.config)
         record.tapered_norms = sum(1 for _ in tapered_norms(model))
         allowed = {key.rsplit(".", 1)[-1] for key in record.allowed_changes if key.startswith("taper.")}
-        trainer, interrupted = self.train(model, self.output.path, [TaperCallback(allow_changes=allowed)], record.history)
+        trainer, interrupted = self.train(
+            model, self.output.path, [TaperCallback(allow_changes=allowed)], record.history
+        )
         if interrupted:
             return self.interrupted(f"interrupted at step {trainer.state.global_step}")
         steps = trainer.state.global_step
         record.training.steps = steps
         record.training.tokens = steps * record.training.global_batch_blocks * self.packed.block_size
-        record.training.seconds = trainer.state.log_history[-1].get("train_runtime") if trainer.state.log_history else None
+        record.training.seconds = (
+            trainer.state.log_history[-1].get("train_runtime") if trainer.state.log_history else None
+        )
         record.training.final_gate = gate_of(model)
         anchors = scale_anchors(model)
         if anchors and anchors[0].is_frozen:
@@ -301,7 +248,7 @@ class _Pipeline:
         record.heldout["tapered"] = self.evaluate(model, "tapered")
         write_folder(self.output.path / "tapered", lambda tmp: save_tapered(model, tmp, self.tokenizer))
         record.export["tapered_checkpoint"] = str(self.output.path / "tapered")
-        folded = self.fold_and_export(model, self.heldout[:2, len(self.packed.prefix_ids):])
+        folded = self.fold_and_export(model, self.heldout[:2, len(self.packed.prefix_ids) :])
         record.ops["folded"] = ops_per_generated_token(folded, self.prompts(1))
         models = {"baseline": baseline} if baseline is not None else {}
         models.update(tapered=model, folded=folded)
@@ -309,18 +256,29 @@ class _Pipeline:
         record.status = "finished"
         write_report(self.output.path, record)
         self.output.record()
-        print("\n".join(["", "hf-tapernorm taper: summary", *summary_lines(record.to_dict()),
-                         f"report: {self.output.path / 'report.md'}"]))
+        print(
+            "\n".join(
+                [
+                    "",
+                    "hf-tapernorm taper: summary",
+                    *summary_lines(record.to_dict()),
+                    f"report: {self.output.path / 'report.md'}",
+                ]
+            )
+        )
 
     def fold_and_export(self, model, probe):
-        """Fold the g = 0 model, evaluate it, write the export atomically, reload it, compare logits; the folded model."""
+        """Fold the g = 0 model, evaluate it, write the export atomically, reload and compare it; returns the fold."""
         record, folded_dir = self.record, self.output.path / "folded"
         folded = fold_model(model, tied_head=self.request.taper.tied_head, probe=probe)
         record.fold = folded.fold_report.to_dict()
         sink = list(folded.config.sink_token_ids)
         if sink and self.tokenizer("a")["input_ids"][: len(sink)] == sink:
-            logger.warning("the tokenizer adds the sink token(s) %s itself, but the folded model already holds them as "
-                           "a cache prefix: tokenize with add_special_tokens=False for it", sink)
+            logger.warning(
+                "the tokenizer adds the sink token(s) %s itself, but the folded model already holds them as "
+                "a cache prefix: tokenize with add_special_tokens=False for it",
+                sink,
+            )
         record.heldout["folded"] = self.evaluate(folded, "folded")
         logger.info("saving the folded export to %s", folded_dir)
         write_folder(folded_dir, lambda tmp: save_export(folded, self.tokenizer, tmp, record.card_facts()))
@@ -330,8 +288,10 @@ class _Pipeline:
             got = reloaded(input_ids=probe.to(reloaded.device)).logits
         difference = float((got.double() - expected.double()).abs().max())
         if not torch.allclose(got, expected, rtol=1e-5, atol=1e-5):
-            raise TaperStateError(f"the folded export in {folded_dir} does not reload to the same model "
-                                  f"(max |logit diff| {difference:.3g})")
+            raise TaperStateError(
+                f"the folded export in {folded_dir} does not reload to the same model "
+                f"(max |logit diff| {difference:.3g})"
+            )
         record.export.update({"path": str(folded_dir), "reloaded": True, "reload_max_abs_diff": difference})
         return folded
 
@@ -351,4 +311,4 @@ def save_export(folded, tokenizer, folder: Path, facts: Optional[dict[str, Any]]
         tokenizer.save_pretrained(folder)
 
 
-__all__ = ["TaperRequest", "check_schedule", "recipe_config", "run_taper", "save_export"]
+__all__ = ["TaperRequest", "recipe_config", "run_taper", "save_export"]

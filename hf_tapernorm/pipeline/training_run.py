@@ -142,5 +142,12 @@ def training_history(trainer: Trainer) -> list[dict[str, Any]]:
     return records
 
 
-__all__ = ["IDENTITY_NAME", "InterruptCallback", "LOG_KEYS", "RecordCallback", "last_checkpoint", "train",
-           "training_history"]
+__all__ = [
+    "IDENTITY_NAME",
+    "InterruptCallback",
+    "LOG_KEYS",
+    "RecordCallback",
+    "last_checkpoint",
+    "train",
+    "training_history",
+]

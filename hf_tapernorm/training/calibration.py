@@ -7,7 +7,7 @@ ranks) into two bias-corrected EMAs; ``calibrate`` turns them into c = a_hat / (
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -34,10 +34,12 @@ def update_statistics(model: torch.nn.Module) -> int:
     if not layers:
         return 0
     device = layers[0].ema_num.device
-    flat = torch.cat([
-        m.pending.to(device) if m.pending is not None else torch.zeros(m.statistics_size, device=device)
-        for m in layers
-    ])
+    flat = torch.cat(
+        [
+            m.pending.to(device) if m.pending is not None else torch.zeros(m.statistics_size, device=device)
+            for m in layers
+        ]
+    )
     flat = all_reduce_sum(flat).to(layers[0].ema_num.device)
     counted, offset = 0, 0
     for layer in layers:
@@ -99,9 +101,11 @@ def calibrate(model: nn.Module, layers: Iterable[TaperNorm] | None = None) -> di
             f"{type(model).__name__} has no TaperNorm layers to calibrate: call hf_tapernorm.patch_model(model) first"
         )
     update_statistics(model)
-    targets = list(layers) if layers is not None else [
-        m for m in model.modules() if isinstance(m, TaperNorm) and m.tapered and not m.is_calibrated
-    ]
+    targets = (
+        list(layers)
+        if layers is not None
+        else [m for m in model.modules() if isinstance(m, TaperNorm) and m.tapered and not m.is_calibrated]
+    )
     values = {layer.site_name: calibrated_c(layer) for layer in targets}
     for layer in targets:
         c = values[layer.site_name]

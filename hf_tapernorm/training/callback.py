@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
@@ -32,7 +33,7 @@ from ..layers.taper_norm import is_patched
 from .controller import TaperController
 from .distributed import refuse_unsupported_sharding, refuse_unsupported_trainer_sharding
 from .divergence import DivergenceThresholds
-from .schedule import TaperSchedule
+from .schedule import TaperSchedule, decay_learning_rate_after_the_taper
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,8 @@ class TaperCallback(TrainerCallback):
             max_steps = getattr(args, "max_steps", None)
             max_steps = max_steps if max_steps and max_steps > 0 else None
             if max_steps is not None:
-                self._schedule(config_of(model)).resolve(max_steps)
+                schedule = self._schedule(config_of(model)).resolve(max_steps)
+                decay_learning_rate_after_the_taper(args, schedule)
         # TaperNorm leaves parameters out of the graph by phase (taper_weight while g = 1, an RMS weight at
         # g = 0), which plain DDP rejects unless it looks for unused parameters. The Trainer turns that off
         # with activation checkpointing, and its DDP settings are fixed before callbacks run: fail early.
@@ -135,35 +137,46 @@ class TaperCallback(TrainerCallback):
             handler.callbacks.remove(self)
             handler.callbacks.insert(0, self)
         config = config_of(model)
-        self.controller = TaperController(
-            model, self._schedule(config), state.max_steps, thresholds=self.thresholds
-        )
+        self.controller = TaperController(model, self._schedule(config), state.max_steps, thresholds=self.thresholds)
         if state.global_step > 0:
             self._resume(args, state, config)
         schedule = self.controller.schedule
         logger.info(
             "TaperCallback (recipe %s): g = 1 for steps 1-%d (calibration), cosine to g = 0 at step %d of %d%s",
-            config.recipe, schedule.k_start, schedule.k_end, schedule.total_steps,
+            config.recipe,
+            schedule.k_start,
+            schedule.k_end,
+            schedule.total_steps,
             f"; distilling (weight {config.distill_weight:g}, teacher: {config.distill_from})"
-            if self.controller.distillation is not None else "",
+            if self.controller.distillation is not None
+            else "",
         )
 
     def _resume(self, args, state, config: TaperNormConfig) -> None:
         checkpoint = _caller_local("resume_from_checkpoint", str)
-        folder = Path(checkpoint) if checkpoint else Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        folder = (
+            Path(checkpoint) if checkpoint else Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        )
         saved = folder / CONFIG_NAME
         if saved.is_file():
             previous = TaperNormConfig.from_pretrained(folder)
-            differences = {k: (v, getattr(config, k)) for k, v in previous.to_dict().items()
-                           if getattr(config, k) != v and k not in self.allow_changes}
+            differences = {
+                k: (v, getattr(config, k))
+                for k, v in previous.to_dict().items()
+                if getattr(config, k) != v and k not in self.allow_changes
+            }
             if differences:
-                listing = "; ".join(f"{k}: {old!r} in the checkpoint, {new!r} now" for k, (old, new) in differences.items())
+                listing = "; ".join(
+                    f"{k}: {old!r} in the checkpoint, {new!r} now" for k, (old, new) in differences.items()
+                )
                 raise TaperStateError(
                     f"TaperCallback: the checkpoint {folder} was written with another TaperNormConfig ({listing}); "
                     "patch the model with the checkpoint's config to resume it"
                 )
         else:
-            logger.warning("TaperCallback: %s holds no %s; cannot check that the recipe is unchanged", folder, CONFIG_NAME)
+            logger.warning(
+                "TaperCallback: %s holds no %s; cannot check that the recipe is unchanged", folder, CONFIG_NAME
+            )
         self.controller.load_state(folder)
         self.controller.check_resume(state.global_step)
 

@@ -85,8 +85,11 @@ def load_tapered(folder: Union[str, os.PathLike], *, dtype: Optional[torch.dtype
     model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     patch_model(model, taper_config)
     expected = model.state_dict()
-    mismatched = [f"{k} {tuple(v.shape)} (model {tuple(expected[k].shape)})" for k, v in state.items()
-                  if k in expected and tuple(v.shape) != tuple(expected[k].shape)]
+    mismatched = [
+        f"{k} {tuple(v.shape)} (model {tuple(expected[k].shape)})"
+        for k, v in state.items()
+        if k in expected and tuple(v.shape) != tuple(expected[k].shape)
+    ]
     if mismatched:
         raise TaperStateError(
             f"tapered checkpoint '{folder}' holds tensors whose shapes do not fit its own config: {mismatched[:3]}"

@@ -97,11 +97,12 @@ class TaperController:
             return given if given._model is self.model else given.attach(self.model)
         if given is False or self.config.distill_weight == 0:
             return None
-        from_gate_start = self.config.distill_from == "gate_start"
+        source = self.config.distill_from
         return Distillation(
-            None if from_gate_start else frozen_copy(self.model),
+            frozen_copy(self.model) if source == "original" else None,
             weight=self.config.distill_weight,
-            from_gate_start=from_gate_start,
+            from_gate_start=source == "gate_start",
+            live=source == "current",
             until_taper_end=self.config.distill_until == "taper_end",
         ).attach(self.model)
 
@@ -178,7 +179,10 @@ class TaperController:
                 if values:
                     logger.info(
                         "calibrated %d TaperNorm layer(s) after %d optimizer step(s) at g = 1 (c from %.4g to %.4g)",
-                        len(values), step, min(values.values()), max(values.values()),
+                        len(values),
+                        step,
+                        min(values.values()),
+                        max(values.values()),
                     )
                 else:  # every linear branch was fitted before training (e.g. fit_linear_branch)
                     logger.info("froze the scale anchor after %d optimizer step(s) at g = 1", step)
@@ -211,8 +215,13 @@ class TaperController:
 
     def check(self, step: int, *, loss=None, grad_norm=None, scales=()) -> None:
         """Feed the divergence watch for update ``step + 1`` (the Trainer adapter adds the gradient norm here)."""
-        self.watch.check(f"at optimizer step {step + 1} (gate {self.gate:.4f})", loss=loss, grad_norm=grad_norm,
-                         scales=scales, culprit=self._culprit() if _needs_culprit(loss, scales) else _ADVICE)
+        self.watch.check(
+            f"at optimizer step {step + 1} (gate {self.gate:.4f})",
+            loss=loss,
+            grad_norm=grad_norm,
+            scales=scales,
+            culprit=self._culprit() if _needs_culprit(loss, scales) else _ADVICE,
+        )
 
     def _reduce_step(self) -> tuple[torch.Tensor, Optional[float]]:
         """This step's anchor sums and mean model loss over all micro-batches and ranks, in one all-reduce."""

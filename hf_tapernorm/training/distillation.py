@@ -26,7 +26,7 @@ from torch import nn
 from ..errors import ConfigurationError
 from ..layers.loss_terms import ForwardInputs, add_training_loss_term, remove_training_loss_term
 from ..layers.patching import gate_of
-from ..layers.taper_norm import taper_norms
+from ..layers.taper_norm import normalized, taper_norms
 from .distributed import sharded_copy, sharding_engine
 
 logger = logging.getLogger(__name__)
@@ -74,15 +74,31 @@ class Distillation:
     the term is 0 before that. ``until_taper_end``: the term ends, and the teacher is released, at the
     first step with gate 0. Positions whose next label is -100 (padding, the sink's first-token
     prediction) are left out.
+
+    ``live``: no copy at all; the teacher is the model itself with every gate at 1, evaluated on the same
+    batch without gradient. It follows what the normalized model learns from the data while the gate
+    falls (a snapshot stays where it was), and costs a forward but no memory.
     """
 
     def __init__(
-        self, teacher: nn.Module, *, weight: float = 1.0, from_gate_start: bool = False, until_taper_end: bool = False
+        self,
+        teacher: Optional[nn.Module],
+        *,
+        weight: float = 1.0,
+        from_gate_start: bool = False,
+        until_taper_end: bool = False,
+        live: bool = False,
     ) -> None:
         if weight < 0:
             raise ConfigurationError(f"Distillation needs weight >= 0, got {weight}")
-        if teacher is None and not from_gate_start:
+        if live and (teacher is not None or from_gate_start):
+            raise ConfigurationError(
+                "Distillation(live=True) uses the model itself: pass no teacher, no from_gate_start"
+            )
+        if teacher is None and not (from_gate_start or live):
             raise ConfigurationError("Distillation needs a teacher unless from_gate_start=True (which snapshots one)")
+        self.live = live
+        self._released = False
         self.teacher: Optional[nn.Module] = teacher.eval().requires_grad_(False) if teacher is not None else None
         self.weight = float(weight)
         self.from_gate_start = from_gate_start
@@ -135,6 +151,11 @@ class Distillation:
         self._update_teacher(model, gate)
 
     def _update_teacher(self, model: nn.Module, gate: float) -> None:
+        if self.live:
+            if self.until_taper_end and gate <= 0.0 and not self._released:
+                self._released = True
+                logger.info("Distillation: the gate reached 0; the term ends")
+            return
         if self.until_taper_end and gate <= 0.0:
             if self.teacher is not None:
                 logger.info("Distillation: the gate reached 0; the teacher is released and the term ends")
@@ -149,7 +170,8 @@ class Distillation:
             logger.warning(
                 "Distillation(from_gate_start=True): training started with the gate already below 1 (a resumed "
                 "run?) and the snapshot taken at the start of the taper is not in the checkpoint; this run "
-                "distils from %s", "the teacher as given" if self.teacher is not None else "the model as resumed",
+                "distils from %s",
+                "the teacher as given" if self.teacher is not None else "the model as resumed",
             )
         elif self.teacher is None:
             self.teacher = frozen_copy(model)
@@ -162,18 +184,35 @@ class Distillation:
         self._teacher_final = True
 
     # ------------------------------------------------------------------ the term
-    def __call__(self, student_logits: torch.Tensor, input_ids: torch.Tensor,
-                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def __call__(
+        self,
+        student_logits: torch.Tensor,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """``weight * KL`` (mean over the positions with a label) for one forward's logits on ``input_ids``."""
-        summed, count = self._kl_sum(student_logits, input_ids, attention_mask, labels)
+        teacher_logits = self._teacher_logits(self._model, input_ids, attention_mask)
+        summed, count = self._kl_sum(student_logits, teacher_logits, attention_mask, labels)
         return summed / count.clamp_min(1.0)
 
-    def _kl_sum(self, student_logits, input_ids, attention_mask, labels) -> tuple[torch.Tensor, torch.Tensor]:
+    @torch.no_grad()
+    def _teacher_logits(self, model: Optional[nn.Module], input_ids, attention_mask) -> torch.Tensor:
+        if not self.live:
+            device = input_ids.device
+            if next(self.teacher.parameters()).device != device:
+                self.teacher.to(device)
+            return self.teacher(input_ids=input_ids, attention_mask=attention_mask).logits
+        mode = model.training
+        model.eval()  # no statistics, no scale loss, no checkpointing: a plain forward at gate 1
+        try:
+            with normalized(model):
+                return model(input_ids=input_ids, attention_mask=attention_mask).logits
+        finally:
+            model.train(mode)
+
+    def _kl_sum(self, student_logits, teacher_logits, attention_mask, labels) -> tuple[torch.Tensor, torch.Tensor]:
         device = student_logits.device
-        if next(self.teacher.parameters()).device != device:
-            self.teacher.to(device)
-        with torch.no_grad():
-            teacher_logits = self.teacher(input_ids=input_ids, attention_mask=attention_mask).logits
         if labels is not None:
             mask = labels[..., 1:] != -100
         elif attention_mask is not None:
@@ -184,7 +223,7 @@ class Distillation:
         mask = mask.to(kl.dtype)
         return self.weight * (kl * mask).sum(), mask.sum()
 
-    def attach(self, model: nn.Module) -> "Distillation":
+    def attach(self, model: nn.Module) -> Distillation:
         """Add the term to ``outputs.loss`` of every training forward of ``model``."""
         self._model = model
         add_training_loss_term(model, _TERM, self._term)
@@ -193,12 +232,18 @@ class Distillation:
     def _term(self, model: nn.Module, inputs: ForwardInputs, output: Any):
         if getattr(output, "loss", None) is None or self.weight == 0:
             return None
-        self._update_teacher(model, self._gate if self._gate is not None else gate_of(model))
-        if self.teacher is None or not self._teacher_final:  # before the snapshot, after the release: a 0 term
+        gate = self._gate if self._gate is not None else gate_of(model)
+        self._update_teacher(model, gate)
+        if self.live:
+            idle = self._released or gate >= 1.0
+        else:
+            idle = self.teacher is None or not self._teacher_final
+        if idle:  # before the gate moves (or the snapshot), after the release: a 0 term
             self._log(torch.zeros((), device=output.loss.device))
             return None
-        summed, count = self._kl_sum(output.logits, inputs.get("input_ids"), inputs.get("attention_mask"),
-                                     inputs.get("labels"))
+        teacher_logits = self._teacher_logits(model, inputs.get("input_ids"), inputs.get("attention_mask"))
+        labels = inputs.get("labels")
+        summed, count = self._kl_sum(output.logits, teacher_logits, inputs.get("attention_mask"), labels)
         self._log((summed / count.clamp_min(1.0)).detach().float())
         return summed, count
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,9 @@ def refuse_unsupported_sharding(model: nn.Module) -> None:
         raise _refusal(engine)
     if engine == "fsdp2":
         _refuse_patching_after_sharding(model)
-        per_channel = [layer.site_name for _, layer in tapered_norms(model) if layer.per_channel and not layer.is_calibrated]
+        per_channel = [
+            layer.site_name for _, layer in tapered_norms(model) if layer.per_channel and not layer.is_calibrated
+        ]
         if per_channel:
             # TaperNorm.mark_calibrated multiplies the sharded gain by a whole per-channel vector, which
             # DTensor refuses ("aten.mul.Tensor got mixed torch.Tensor and DTensor") at k_start.
@@ -187,8 +190,9 @@ def sharded_copy(model: nn.Module) -> nn.Module:
         )
     modules = _fsdp_modules(model)
     for name in sorted(modules, key=lambda n: n.count(".") + bool(n), reverse=True):  # bottom-up, the root last
-        fully_shard(copy.get_submodule(name), reshard_after_forward=True,
-                    **_shard_options(modules[name], first.device_mesh))
+        fully_shard(
+            copy.get_submodule(name), reshard_after_forward=True, **_shard_options(modules[name], first.device_mesh)
+        )
     copy.to_empty(device=first.to_local().device)
     with torch.no_grad():
         for name, param in copy.named_parameters():

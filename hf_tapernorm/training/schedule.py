@@ -53,7 +53,7 @@ class TaperSchedule:
             self._validate()
 
     @classmethod
-    def from_config(cls, config: TaperNormConfig, **overrides) -> "TaperSchedule":
+    def from_config(cls, config: TaperNormConfig, **overrides) -> TaperSchedule:
         """The schedule of a TaperNormConfig's taper window."""
         return cls(config.taper_start, config.taper_end, **overrides)
 
@@ -62,7 +62,7 @@ class TaperSchedule:
         """(k_start, k_end) as optimizer steps of a run of ``total_steps``, without validating them."""
         return tuple(int(round(v * total_steps)) if isinstance(v, float) else v for v in (self.k_start, self.k_end))
 
-    def resolve(self, total_steps: int) -> "TaperSchedule":
+    def resolve(self, total_steps: int) -> TaperSchedule:
         """The same schedule with absolute steps for a run of ``total_steps`` optimizer steps."""
         if self.total_steps is not None and self.total_steps != total_steps:
             raise ConfigurationError(
@@ -107,4 +107,23 @@ class TaperSchedule:
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-__all__ = ["TaperSchedule", "CONTINUED_PRETRAINING"]
+def decay_learning_rate_after_the_taper(args, schedule: TaperSchedule) -> None:
+    """With ``lr_scheduler_type="warmup_stable_decay"`` and no ``num_decay_steps``, decay once the gate is 0.
+
+    The learning rate then stays up while the gate falls, and the model has decaying steps left at g = 0
+    to repair what the taper changed (docs/fidelity.md). An explicit ``num_decay_steps`` is left alone.
+    """
+    kind = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+    if kind != "warmup_stable_decay":
+        return
+    kwargs = args.lr_scheduler_kwargs if isinstance(args.lr_scheduler_kwargs, dict) else {}
+    if "num_decay_steps" not in kwargs and "num_stable_steps" not in kwargs:
+        args.lr_scheduler_kwargs = {**kwargs, "num_decay_steps": max(1, schedule.total_steps - schedule.k_end)}
+        logger.info(
+            "the learning rate decays over the %d steps after the gate reaches 0 (step %d)",
+            args.lr_scheduler_kwargs["num_decay_steps"],
+            schedule.k_end,
+        )
+
+
+__all__ = ["CONTINUED_PRETRAINING", "TaperSchedule", "decay_learning_rate_after_the_taper"]

@@ -38,8 +38,10 @@ def is_sharded_checkpoint(folder: Union[str, os.PathLike]) -> bool:
 
 def _watch_state(controller: TaperController) -> dict[str, Any]:
     watch = controller.watch
-    return {name: {"values": list(detector.values), "consecutive": detector.consecutive}
-            for name, detector in (("loss", watch.loss), ("grad_norm", watch.grad_norm))}
+    return {
+        name: {"values": list(detector.values), "consecutive": detector.consecutive}
+        for name, detector in (("loss", watch.loss), ("grad_norm", watch.grad_norm))
+    }
 
 
 def save_sharded_checkpoint(
@@ -102,10 +104,15 @@ def load_sharded_checkpoint(
 
     folder = Path(folder)
     if not is_sharded_checkpoint(folder):
-        raise TaperStateError(f"'{folder}' is not a sharded checkpoint: no {METADATA_NAME} (written by save_sharded_checkpoint)")
+        raise TaperStateError(
+            f"'{folder}' is not a sharded checkpoint: no {METADATA_NAME} (written by save_sharded_checkpoint)"
+        )
     saved, current = TaperNormConfig.from_pretrained(folder), config_of(model)
-    differences = [f"{k}: {v!r} in the checkpoint, {getattr(current, k)!r} now"
-                   for k, v in saved.to_dict().items() if getattr(current, k) != v]
+    differences = [
+        f"{k}: {v!r} in the checkpoint, {getattr(current, k)!r} now"
+        for k, v in saved.to_dict().items()
+        if getattr(current, k) != v
+    ]
     if differences:
         raise TaperStateError(
             f"the sharded checkpoint {folder} was written with another TaperNormConfig ({'; '.join(differences)}); "
@@ -156,7 +163,7 @@ def read_sharded_model_state(folder: Union[str, os.PathLike]) -> dict[str, torch
     if not state:
         raise TaperStateError(f"sharded checkpoint '{folder}' holds no model tensors")
     dcp_load(state, folder, collective=False)
-    return {key[len(prefix):]: value for key, value in state.items()}
+    return {key[len(prefix) :]: value for key, value in state.items()}
 
 
 __all__ = [

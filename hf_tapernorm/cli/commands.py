@@ -15,7 +15,7 @@ from ..errors import ConfigurationError, TaperStateError
 from ..export.folding import fold_model
 from ..export.hub import push_export
 from ..layers.patching import gate_of, set_gate
-from ..pipeline.data import EMBEDDED_CORPUS, blocks_tensor, load_text_dataset, prepare_data
+from ..pipeline.data import EMBEDDED_CORPUS, blocks_tensor, load_documents, prepare_data
 from ..pipeline.evaluation import heldout_loss
 from ..pipeline.models import ModelSourceError, load_model, load_tokenizer, resolve_model
 from ..pipeline.run_folder import write_folder
@@ -82,16 +82,8 @@ def eval_main(argv: Sequence[str]) -> int:
                 source.path,
                 trained_gate,
             )
-    dataset = load_text_dataset(
-        data_args.dataset_name,
-        config_name=data_args.dataset_config_name,
-        split=data_args.dataset_split,
-        streaming=data_args.streaming,
-        sample_by=data_args.sample_by,
-        cache_dir=data_args.data_cache_dir,
-    )
     packed = prepare_data(
-        dataset,
+        load_documents(data_args),
         tokenizer,
         block_size=data_args.block_size,
         train_blocks=0,

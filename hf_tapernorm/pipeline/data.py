@@ -177,6 +177,18 @@ def load_text_dataset(
         raise DataError(f"could not load dataset '{source}' as a {where}: {type(error).__name__}: {error}") from error
 
 
+def load_documents(data) -> AnyDataset:
+    """The documents a command's data arguments name (``--dataset_name`` and friends: cli/arguments.py)."""
+    return load_text_dataset(
+        data.dataset_name,
+        config_name=data.dataset_config_name,
+        split=data.dataset_split,
+        streaming=data.streaming,
+        sample_by=data.sample_by,
+        cache_dir=data.data_cache_dir,
+    )
+
+
 def text_column_of(dataset: AnyDataset, requested: Optional[str] = None) -> str:
     """The column holding the text: ``requested``, else ``text``, else the only string column."""
     features = dataset.features

@@ -33,7 +33,7 @@ from ..training.callback import TaperCallback
 from ..training.checkpoints import save_tapered
 from ..training.schedule import decay_learning_rate_after_the_taper
 from ..utils import parameter_count
-from .data import EMBEDDED_CORPUS, PackedData, blocks_tensor, load_text_dataset, prepare_data
+from .data import EMBEDDED_CORPUS, PackedData, blocks_tensor, load_documents, prepare_data
 from .evaluation import heldout_loss
 from .models import load_model, load_tokenizer, resolve_model
 from .record import DataFacts, ModelFacts, RunRecord, TrainingFacts
@@ -145,16 +145,8 @@ def run_taper(request: TaperRequest) -> int:
 
 def _prepare_data(request: TaperRequest, tokenizer, sink_ids: list[int]) -> PackedData:
     data = request.data
-    dataset = load_text_dataset(
-        data.dataset_name,
-        config_name=data.dataset_config_name,
-        split=data.dataset_split,
-        streaming=data.streaming,
-        sample_by=data.sample_by,
-        cache_dir=data.data_cache_dir,
-    )
     return prepare_data(
-        dataset,
+        load_documents(data),
         tokenizer,
         block_size=data.block_size,
         train_blocks=request.training.max_steps * _global_batch(request.training),

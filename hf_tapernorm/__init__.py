@@ -7,8 +7,8 @@ soon as those are imported (export/registration.py).
 
 Layers, each importing only those above it in this list (tests/test_layering.py keeps it so):
 ``errors``/``utils`` -> ``architectures`` -> ``config`` -> ``layers`` (TaperNorm, patching) ->
-``training`` -> ``export`` -> ``pipeline`` -> ``cli``/``bench``; ``experimental`` sits beside, and no
-stable module imports it.
+``training`` -> ``export`` -> ``pipeline`` -> ``cli``/``bench``. Research helpers live outside the package
+(conversion_scripts/experiments/research).
 """
 
 from __future__ import annotations

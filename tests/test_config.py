@@ -23,7 +23,7 @@ from hf_tapernorm import (
     save_tapered,
     taper_norms,
 )
-from hf_tapernorm.experimental.linear_fit import fit_linear_branch
+from conversion_scripts.experiments.research.linear_fit import fit_linear_branch
 from tests.conftest import (
     DISCOVERED_CASES,
     FAMILY_CASES,

@@ -26,7 +26,6 @@ LAYERS = {
     "export": 5,
     "pipeline": 6,
     "cli": 7, "bench": 7,
-    "experimental": 8,  # beside the product: may use it, never used by it
 }  # fmt: skip
 
 

@@ -14,7 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from hf_tapernorm.experimental.diagnostics import loss_rise_gate  # noqa: E402  (training-free curves)
+from conversion_scripts.experiments.research.diagnostics import loss_rise_gate  # noqa: E402  (training-free curves)
 
 HERE = Path(__file__).resolve().parent
 RUNS = HERE / "reports" / "runs"  # the raw run logs, kept compressed in reports/runs.tar.xz

@@ -12,10 +12,10 @@ from collections.abc import Iterable
 
 import torch
 
-from ..architectures.styles import NormStyle
-from ..errors import CalibrationError
-from ..layers.taper_norm import TaperNorm
-from ..training.calibration import DELTA
+from hf_tapernorm.architectures.styles import NormStyle
+from hf_tapernorm.errors import CalibrationError
+from hf_tapernorm.layers.taper_norm import TaperNorm
+from hf_tapernorm.training.calibration import DELTA
 
 
 @torch.no_grad()

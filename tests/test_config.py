@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+from conversion_scripts.experiments.research.linear_fit import fit_linear_branch
 from hf_tapernorm import (
     ConfigurationError,
     TaperController,
@@ -23,7 +24,6 @@ from hf_tapernorm import (
     save_tapered,
     taper_norms,
 )
-from conversion_scripts.experiments.research.linear_fit import fit_linear_branch
 from tests.conftest import (
     DISCOVERED_CASES,
     FAMILY_CASES,

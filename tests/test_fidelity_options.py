@@ -9,10 +9,14 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from hf_tapernorm import NormStyle, TaperNorm, TaperNormConfig, calibrate, patch_model, set_gate, tapered_norms
-from conversion_scripts.experiments.research.diagnostics import branch_distance, loss_rise_gate, residual_scale_by_position
+from conversion_scripts.experiments.research.diagnostics import (
+    branch_distance,
+    loss_rise_gate,
+    residual_scale_by_position,
+)
 from conversion_scripts.experiments.research.linear_fit import fit_linear_branch, typical_token_sums
 from conversion_scripts.experiments.research.penalties import ScaleGrowthPenalty, TokenScalePenalty
+from hf_tapernorm import NormStyle, TaperNorm, TaperNormConfig, calibrate, patch_model, set_gate, tapered_norms
 from hf_tapernorm.layers.taper_norm import branch_statistics
 from hf_tapernorm.training.calibration import calibration_table
 from hf_tapernorm.training.distillation import Distillation, distillation_loss

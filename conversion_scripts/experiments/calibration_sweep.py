@@ -15,9 +15,9 @@ import logging
 
 import torch
 
-from hf_tapernorm import TaperNormConfig, patch_model, tapered_norms
 from conversion_scripts.experiments.research.diagnostics import branch_distance, residual_scale_by_position
 from conversion_scripts.experiments.research.linear_fit import fit_linear_branch
+from hf_tapernorm import TaperNormConfig, patch_model, tapered_norms
 
 from .smollm2_fidelity import HERE, held_out_ce, load_smollm2, stdlib_blocks
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from hf_tapernorm import tapered_norms
 from conversion_scripts.experiments.research.diagnostics import _per_layer_inputs
+from hf_tapernorm import tapered_norms
 
 from .smollm2_fidelity import load_saved_run, stdlib_blocks
 

@@ -19,8 +19,8 @@ import json
 
 import torch
 
-from hf_tapernorm import TaperNormConfig, patch_model, set_sink_tokens, tapered_norms
 from conversion_scripts.experiments.research.linear_fit import fit_linear_branch
+from hf_tapernorm import TaperNormConfig, patch_model, set_sink_tokens, tapered_norms
 
 from .smollm2_fidelity import HERE, bos_id, held_out_ce, load_smollm2, stdlib_blocks
 

@@ -52,7 +52,7 @@ def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
 
 
 def check_step(name: str, value: Any) -> None:
-    """An optimizer step (int >= 1... checked against the run later) or a fraction of the run in (0, 1]."""
+    """An optimizer step (an int >= 0, checked against the run's length later) or a fraction of the run in (0, 1]."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigurationError(
             f"{name} must be an int (optimizer step) or a float (fraction of the run), got {value!r}"

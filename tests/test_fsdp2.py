@@ -247,6 +247,8 @@ def _args(**overrides):
         activation_checkpointing=False,
         ddp_find_unused_parameters=None,
         max_steps=STEPS,
+        lr_scheduler_type="linear",
+        lr_scheduler_kwargs={},
     )
     return SimpleNamespace(**{**values, **overrides})
 

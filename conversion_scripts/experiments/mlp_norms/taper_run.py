@@ -195,7 +195,8 @@ def gate_plan(cfg: RunConfig, names: list[str], k_start: int, k_end: int) -> Cal
 
 
 def resolve(step: float, total: int) -> int:
-    return int(round(step * total)) if step < 1 else int(step)
+    """A float up to 1.0 is a fraction of the run (1.0: its end); an int is a step."""
+    return int(round(step * total)) if isinstance(step, float) and step <= 1.0 else int(step)
 
 
 # ---------------------------------------------------------------------------------------- penalties

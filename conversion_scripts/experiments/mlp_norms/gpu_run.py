@@ -28,7 +28,7 @@ import torch
 from .taper_run import ROOT, RunConfig, run
 
 #: The recipe (taper_run options) this package's testbed search selected for all-norm tapering of a
-#: SwiGLU model; see reports/mlp_norms/README.md, "Methods". Updated as the search concludes.
+#: SwiGLU model (distillation gained most at a fixed budget; reports/mlp_norms/README.md, section 3).
 BEST_RECIPE = dict(
     schedule="cosine",
     k_start=0.05,
@@ -36,7 +36,8 @@ BEST_RECIPE = dict(
     distill=1.0,
 )
 
-#: Tokens per tapered arm for SmolLM2 (the scaling law's estimate; see the README's "Transfer").
+#: Tokens per arm: what fits two arms in the 8-minute budget on one H200. The testbed's scaling extrapolates
+#: to about 120M for the +1.5% target (reports/mlp_norms/README.md, section 4); --tokens sets it.
 DEFAULT_TOKENS = 16_000_000
 
 

@@ -50,6 +50,7 @@ from hf_tapernorm import (
 
 from .patching import patch
 from .probe import ChannelStats, kind_of, layer_index, scale_stats
+from .testbed import param_groups
 
 ROOT = Path(os.environ.get("MLPNORMS_ROOT", "/tmp/mlpnorms"))
 
@@ -274,12 +275,6 @@ def held_out_ce(model: nn.Module, blocks: torch.Tensor, batch: int, device, bf16
         count += x[:, 1:].numel()
     model.train(was)
     return total / count
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
 def summarize_gates(gates: dict) -> dict:

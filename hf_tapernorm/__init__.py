@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import errors
 from ._import_hooks import run_after_import
 from ._version import __version__
 from .errors import (
@@ -73,19 +74,7 @@ _EXPORTS = {
     "save_tapered": "training.checkpoints",
 }
 
-__all__ = sorted(
-    [
-        *_EXPORTS,
-        "CalibrationError",
-        "ConfigurationError",
-        "FoldCheckError",
-        "TaperDivergenceError",
-        "TaperNormError",
-        "TaperStateError",
-        "UnsupportedModelError",
-        "__version__",
-    ]
-)
+__all__ = sorted([*_EXPORTS, *errors.__all__, "__version__"])
 
 
 def __getattr__(name: str) -> Any:

@@ -217,6 +217,9 @@ def test_baseline_runs_the_same_training_without_tapering(workspace, tmp_path):
     assert all("gate" not in r for r in report["baseline_history"])
     baseline = load_file(str(next((out / "baseline").glob("checkpoint-*")) / "model.safetensors"))
     assert not any("taper_weight" in key for key in baseline)  # never patched
+    saved = load_file(str(out / "baseline" / "model" / "model.safetensors"))  # the baseline model, for later reports
+    assert set(saved) <= set(baseline) and all(torch.equal(saved[key], baseline[key]) for key in saved)
+    assert report["export"]["baseline_model"] == str(out / "baseline" / "model")
     assert json.loads((out / "folded" / "config.json").read_text())["model_type"] == "tapernorm_gpt2"
     assert "held-out baseline" in stdout
 

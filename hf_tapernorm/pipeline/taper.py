@@ -230,10 +230,22 @@ class _Pipeline:
                 return self.interrupted(f"interrupted in the baseline run at step {trainer.state.global_step}")
             if main:
                 record.heldout["baseline"] = self.evaluate(baseline, "baseline")
+                self.save_baseline(baseline)
         if main:
             self.finish(model, baseline)
         self.state.wait_for_everyone()
         return 0
+
+    def save_baseline(self, baseline) -> None:
+        """The normalized run's model (``baseline/model``), so later evaluations and reports can compare with it."""
+        folder = self.output.path / "baseline" / "model"
+
+        def write(tmp: Path) -> None:
+            baseline.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+
+        write_folder(folder, write)
+        self.record.export["baseline_model"] = str(folder)
 
     def finish(self, model, baseline) -> None:
         record = self.record

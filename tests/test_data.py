@@ -12,7 +12,6 @@ import torch
 
 from hf_tapernorm.pipeline.data import (
     EMBEDDED_CORPUS,
-    HELDOUT_BLOCKS_PER_DOCUMENT,
     DataError,
     blocks_tensor,
     embedded_corpus,
@@ -123,12 +122,65 @@ def test_split_is_by_document_hash_disjoint_and_order_independent(tokenizer):
     assert not any(d in train_text for d in held if len(d) > 64)
 
 
-def test_heldout_blocks_sample_many_documents_not_the_first_long_one(tokenizer):
-    docs = ["".join(chr(33 + (i + j) % 90) for j in range(2000)) for i in range(200)]  # long documents
+def test_heldout_blocks_are_drawn_from_every_part_of_the_heldout_documents(tokenizer):
+    from hf_tapernorm.pipeline.heldout import STREAM_WINDOWS_PER_BLOCK
+
+    rng = random.Random(0)
+    docs = ["".join(chr(rng.randrange(33, 123)) for _ in range(300)) for _ in range(200)]  # unique windows
     packed = _prepare(datasets.Dataset.from_dict({"text": docs}), tokenizer, heldout_percentage=20.0, heldout_blocks=16)
-    heldout_text = "".join(chr(i) for i in blocks_tensor(packed.heldout).flatten().tolist())
-    starts = [d for d in docs if is_heldout(d, 20.0) and d[:48] in heldout_text]
-    assert len(starts) >= 16 // HELDOUT_BLOCKS_PER_DOCUMENT - 1  # one document alone would fill every block
+    held_indices = [i for i, d in enumerate(docs) if is_heldout(d, 20.0)]
+    stream, owners = [], []
+    for i in held_indices:  # the stream the draw reads: documents + EOS, up to the reading limit
+        stream += [ord(c) for c in docs[i]] + [tokenizer.eos_token_id]
+        owners += [i] * 301
+        if len(stream) >= STREAM_WINDOWS_PER_BLOCK * 16 * 32:
+            break
+    blocks = blocks_tensor(packed.heldout)
+    assert blocks.shape == (16, 32)
+    # Each block is one window of the concatenated held-out stream, at a multiple of the block size.
+    windows = {tuple(stream[i : i + 32]): i for i in range(0, len(stream) - 31, 32)}
+    starts = [windows[tuple(row)] for row in blocks.tolist()]
+    assert starts == sorted(set(starts))
+    assert max(starts) > len(stream) // 2  # not only the first documents
+    assert len({start % 301 for start in starts}) > 8  # from many positions inside the documents, not their starts
+    # The document of every target token is recorded (the report's per-document table reads it).
+    evaluation = packed.heldout_set
+    assert evaluation.blocks.tolist() == blocks.tolist() and evaluation.target_documents.shape == (16, 31)
+    for row, start in enumerate(starts):
+        names = [evaluation.documents[int(k)] for k in evaluation.target_documents[row]]
+        assert names == [f"document {owners[start + j]}" for j in range(1, 32)]
+
+
+def test_heldout_draw_depends_on_its_seed_only(tokenizer):
+    dataset = datasets.Dataset.from_dict({"text": corpus_documents(120)})
+    first = _prepare(dataset, tokenizer, heldout_blocks=6, train_blocks=3)
+    again = _prepare(dataset, tokenizer, heldout_blocks=6, train_blocks=9)
+    other = _prepare(dataset, tokenizer, heldout_blocks=6, train_blocks=3, heldout_seed=1)
+    assert torch.equal(blocks_tensor(first.heldout), blocks_tensor(again.heldout))
+    assert not torch.equal(blocks_tensor(first.heldout), blocks_tensor(other.heldout))
+
+
+def test_out_of_corpus_default_is_the_python_documentation_and_never_in_the_corpus(tokenizer):
+    from types import SimpleNamespace
+
+    from hf_tapernorm.pipeline.heldout import PYTHON_DOCS
+    from hf_tapernorm.pipeline.out_of_corpus import out_of_corpus_set
+
+    data = SimpleNamespace(
+        out_of_corpus_blocks=8,
+        out_of_corpus_dataset=PYTHON_DOCS,
+        block_size=256,
+        heldout_seed=0,
+        sample_by="paragraph",
+        data_cache_dir=None,
+    )
+    evaluation = out_of_corpus_set(data, tokenizer, [1])
+    assert evaluation.blocks.shape == (8, 256) and bool((evaluation.blocks[:, 0] == 1).all())
+    text = "".join(chr(i) for i in evaluation.blocks[:, 1:].flatten().tolist() if i > 1)
+    assert sum(text.count(word) for word in (" the ", " is ", " of ")) > 15  # English prose
+    assert all(name.startswith("pydoc_data.topics:") for name in evaluation.documents)
+    assert not any("pydoc_data" in f.parts for f in embedded_corpus_files())
+    assert out_of_corpus_set(SimpleNamespace(**{**vars(data), "out_of_corpus_blocks": 0}), tokenizer, [1]) is None
 
 
 def test_embedded_corpus_is_the_standard_library_in_a_fixed_shuffled_order(tokenizer):

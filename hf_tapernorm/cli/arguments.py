@@ -66,7 +66,23 @@ class DataArguments:
     )
     block_size: int = field(default=256, metadata=_help("Tokens per packed training/evaluation block."))
     heldout_percentage: float = field(default=5.0, metadata=_help("Percent of documents held out (by hash)."))
-    heldout_blocks: int = field(default=64, metadata=_help("Held-out blocks used for evaluation."))
+    heldout_blocks: int = field(
+        default=256,
+        metadata=_help("Held-out blocks used for evaluation, drawn at random positions of the held-out documents."),
+    )
+    heldout_seed: int = field(
+        default=0, metadata=_help("Seed of the held-out draw (independent of --seed: every run reads the same blocks).")
+    )
+    out_of_corpus_dataset: str = field(
+        default="python-docs",
+        metadata=_help(
+            "Text of another kind than the corpus, for the out-of-corpus measure (CE and KL to the original): "
+            "python-docs (the Python documentation's English topics, offline) or a dataset like --dataset_name."
+        ),
+    )
+    out_of_corpus_blocks: int = field(
+        default=256, metadata=_help("Out-of-corpus blocks (0: no out-of-corpus measure).")
+    )
     eval_batch_size: int = field(default=4, metadata=_help("Blocks per forward when evaluating."))
     data_cache_dir: Optional[str] = field(default=None, metadata=_help("datasets cache folder."))
 
@@ -76,6 +92,7 @@ class DataArguments:
         if not 0.0 < self.heldout_percentage < 100.0:
             raise ConfigurationError(f"--heldout_percentage must be in (0, 100), got {self.heldout_percentage}")
         _positive("heldout_blocks", self.heldout_blocks)
+        _positive("out_of_corpus_blocks", self.out_of_corpus_blocks, allow_zero=True)
         _positive("eval_batch_size", self.eval_batch_size)
 
 
@@ -165,7 +182,17 @@ class TaperArguments:
 class RunArguments:
     """What the run does around the taper, and what it may do to its output folder."""
 
-    baseline: bool = field(default=False, metadata=_help("Also train an unpatched copy on the same data (the gap)."))
+    baseline: bool = field(
+        default=False,
+        metadata=_help("Also train an unpatched copy on the same data (the gap); saved in baseline/model."),
+    )
+    baseline_from: Optional[str] = field(
+        default=None,
+        metadata=_help(
+            "Compare with the normalized model of an earlier --baseline run (its folder or its baseline/model) "
+            "instead of training one; it must have been trained with the same data, steps, seed and schedule."
+        ),
+    )
     overwrite: bool = field(
         default=False, metadata=_help("Replace --output_dir when it is empty or a previous run of this command.")
     )
@@ -183,6 +210,8 @@ class RunArguments:
             raise ConfigurationError("--overwrite and --resume exclude each other: start over, or continue")
         if self.allow_changes and not self.resume:
             raise ConfigurationError("--allow_changes applies to --resume only")
+        if self.baseline and self.baseline_from:
+            raise ConfigurationError("--baseline trains a baseline and --baseline_from reads one: pass one of them")
 
 
 @dataclass

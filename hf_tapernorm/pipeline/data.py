@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ConfigurationError
+from .heldout import EvaluationSet, sample_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +32,11 @@ EMBEDDED_CORPUS = "python-stdlib"
 """Name of the embedded default corpus (also accepted as ``--dataset_name``)."""
 
 # Folder names under the standard library that are not part of the library proper (installed third-
-# party packages vary between machines) or hold deliberately malformed test inputs.
-_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
-
-#: The held-out blocks take at most this many blocks from one document. Without a cap, 64 held-out blocks
-#: of the embedded corpus came from its first two held-out files (two codec tables, which a model fine-tuned
-#: on the other codec files then predicts almost perfectly); capped, they sample about 30 files.
-HELDOUT_BLOCKS_PER_DOCUMENT = 2
+# party packages vary between machines), hold deliberately malformed test inputs, or hold the English
+# documentation that serves as the out-of-corpus reference text (pipeline/heldout.py: pydoc_data).
+_EXCLUDED_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "pydoc_data"}
+)
 
 _BUILDERS = {
     ".txt": "text",
@@ -66,6 +65,7 @@ class PackedData:
     block_size: int
     text_column: str
     prefix_ids: list[int] = field(default_factory=list)  # sink tokens starting every block
+    heldout_set: Optional[EvaluationSet] = None  # the held-out blocks with the document of every target
 
     @property
     def train_tokens(self) -> int:
@@ -235,7 +235,6 @@ def pack_documents(
     batch_size: int = 64,
     desc: str = "packing",
     prefix_ids: Sequence[int] = (),
-    max_blocks_per_document: Optional[int] = None,
 ) -> list[list[int]]:
     """Tokenize documents, append EOS to each, concatenate, and cut full blocks of ``block_size``.
 
@@ -243,8 +242,6 @@ def pack_documents(
     so a short run on a large (or streamed) corpus tokenizes only what it uses. ``prefix_ids``
     (the attention-sink tokens, e.g. BOS) start every block, followed by ``block_size - len(prefix_ids)``
     text tokens: a model trained with a sink prefix must see it at position 0 of every sequence.
-    ``max_blocks_per_document`` keeps only the start of long documents, so that a fixed number of blocks
-    samples many documents instead of the first one or two.
     """
     prefix = [int(i) for i in prefix_ids]
     if block_size < 2 + len(prefix):
@@ -261,7 +258,7 @@ def pack_documents(
         encoded = tokenizer(pending, add_special_tokens=False)["input_ids"]
         pending.clear()
         for ids in encoded:
-            buffer.extend(ids if max_blocks_per_document is None else ids[: max_blocks_per_document * body])
+            buffer.extend(ids)
             if eos is not None:
                 buffer.append(eos)
         full = len(buffer) // body
@@ -287,10 +284,17 @@ def pack_documents(
 
 
 def _texts(dataset: AnyDataset, column: str, *, heldout: bool, percentage: float) -> Iterator[str]:
-    for row in dataset:
+    for _, text in _named_texts(dataset, column, heldout=heldout, percentage=percentage):
+        yield text
+
+
+def _named_texts(dataset: AnyDataset, column: str, *, heldout: bool, percentage: float) -> Iterator[tuple[str, str]]:
+    """``(name, text)`` of one split's documents; the name is the ``path`` column where the corpus has one."""
+    for index, row in enumerate(dataset):
         text = row[column]
         if isinstance(text, str) and is_heldout(text, percentage) == heldout:
-            yield text
+            name = row.get("path")
+            yield (name if isinstance(name, str) else f"document {index}"), text
 
 
 def _as_dataset(blocks: list[list[int]], prefix_length: int = 0) -> datasets.Dataset:
@@ -314,25 +318,33 @@ def prepare_data(
     text_column: Optional[str] = None,
     source: str = EMBEDDED_CORPUS,
     prefix_ids: Sequence[int] = (),
+    heldout_seed: int = 0,
 ) -> PackedData:
     """Split documents into train/held-out, tokenize and pack each into blocks (``labels = input_ids``).
 
     ``train_blocks``: how many training blocks to build (None: all the corpus holds; 0: none, for
     evaluation only). ``prefix_ids`` start every block (see ``pack_documents``); the label of the
-    first text token is then -100. Raises ``DataError`` when a needed split cannot fill a single block.
+    first text token is then -100. The ``heldout_blocks`` held-out blocks are drawn at random positions
+    of the held-out documents with ``heldout_seed`` (``pipeline.heldout.sample_blocks``), the same for
+    every training seed. Raises ``DataError`` when a needed split cannot fill a single block.
     """
     if not 0.0 < heldout_percentage < 100.0:
         raise DataError(f"heldout_percentage must be in (0, 100), got {heldout_percentage}")
     column = text_column_of(dataset, text_column)
-    heldout = pack_documents(
-        _texts(dataset, column, heldout=True, percentage=heldout_percentage),
-        tokenizer,
-        block_size,
-        max_blocks=heldout_blocks,
-        desc="held-out blocks",
-        prefix_ids=prefix_ids,
-        max_blocks_per_document=HELDOUT_BLOCKS_PER_DOCUMENT,
-    )
+    try:
+        heldout_set = sample_blocks(
+            _named_texts(dataset, column, heldout=True, percentage=heldout_percentage),
+            tokenizer,
+            block_size=block_size,
+            count=heldout_blocks,
+            seed=heldout_seed,
+            prefix_ids=prefix_ids,
+            name="held-out",
+            description=f"{heldout_percentage:g}% of the documents of {source}, held out by a hash of their text",
+        )
+    except ConfigurationError:
+        heldout_set = None
+    heldout = heldout_set.blocks.tolist() if heldout_set is not None else []
     train = []
     if train_blocks != 0:
         train = pack_documents(
@@ -357,10 +369,10 @@ def prepare_data(
             block_size,
             train_blocks,
         )
-    if len(heldout) < heldout_blocks:
-        logger.warning("held-out split has %d blocks (asked for %d)", len(heldout), heldout_blocks)
     n = len(prefix_ids)
-    return PackedData(_as_dataset(train, n), _as_dataset(heldout, n), source, block_size, column, list(prefix_ids))
+    return PackedData(
+        _as_dataset(train, n), _as_dataset(heldout, n), source, block_size, column, list(prefix_ids), heldout_set
+    )
 
 
 def blocks_tensor(dataset: datasets.Dataset) -> torch.Tensor:

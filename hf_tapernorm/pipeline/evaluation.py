@@ -1,60 +1,196 @@
-"""Held-out loss and perplexity of any causal LM on packed blocks (plain cross-entropy, eval mode).
+"""Held-out loss of any causal LM on packed blocks: per token, per block, per document, and the KL to a reference.
 
-One function for every model kind the CLI compares (original, normalized baseline, tapered at
-g = 0, folded export), so their numbers differ only by the model.
+One computation for every model kind the CLI compares (original, normalized baseline, tapered at
+g = 0, folded export), so their numbers differ only by the model. Every model is scored on the same
+targets: with a sink prefix of ``n`` tokens, the text tokens after the first (the first text token's
+prediction is made at the sink position, which a folded model never computes). A folded model that
+holds the sink itself (``config.sink_token_ids``) reads the text alone.
+
+Evaluation runs in eval mode, without gradients and with autocast off, in each model's own dtype: a
+model left under a mixed-precision context by its training must not score differently here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .heldout import EvaluationSet
 
-@torch.no_grad()
-def heldout_loss(
-    model: nn.Module,
-    blocks: torch.Tensor,
-    *,
-    batch_size: int = 4,
-    desc: str = "evaluating",
-    device: Optional[torch.device] = None,
-    prefix_length: int = 0,
-) -> dict[str, float]:
-    """Token-weighted mean next-token cross-entropy over ``blocks`` (``[n, block_size]`` ids).
+#: How many documents the per-document table of a report shows (those that lose most).
+DOCUMENTS_SHOWN = 10
 
-    Returns ``{"loss", "perplexity", "tokens"}``; ``tokens`` counts predicted tokens
-    (``block_size - 1`` per block). The model is put in eval mode and left there.
 
-    ``prefix_length`` > 0: every block starts with that many sink tokens, and only the text tokens
-    after the first are targets (``block_size - prefix_length - 1`` per block), the same for every
-    model. A folded model that holds the sink itself (``config.sink_token_ids``) reads the text
-    alone; the sink must then equal the blocks' prefix.
-    """
-    if blocks.dim() != 2 or blocks.shape[0] == 0:
-        raise ValueError(f"expected a non-empty [n, block_size] tensor of token ids, got shape {tuple(blocks.shape)}")
-    held_sink = list(getattr(getattr(model, "config", None), "sink_token_ids", None) or [])
+@dataclass
+class Scores:
+    """Per-target-token cross-entropy (``[n, targets]``) and, with a reference, KL(reference || model) per token."""
+
+    cross_entropy: torch.Tensor
+    kl: Optional[torch.Tensor] = None
+
+    def summary(self) -> dict[str, float]:
+        """``{"loss", "perplexity", "tokens"}`` (and ``"kl"`` with a reference): token-weighted means."""
+        mean = float(self.cross_entropy.double().mean())
+        result = {"loss": mean, "perplexity": math.exp(min(mean, 700.0)), "tokens": int(self.cross_entropy.numel())}
+        if self.kl is not None:
+            result["kl"] = float(self.kl.double().mean())
+        return result
+
+    def per_block(self) -> list[float]:
+        return self.cross_entropy.double().mean(dim=1).tolist()
+
+
+def _held_sink(model: nn.Module) -> list[int]:
+    return list(getattr(getattr(model, "config", None), "sink_token_ids", None) or [])
+
+
+def _check_sink(model: nn.Module, blocks: torch.Tensor, prefix_length: int) -> None:
+    held_sink = _held_sink(model)
     if held_sink and (prefix_length != len(held_sink) or blocks[:, :prefix_length].ne(torch.tensor(held_sink)).any()):
         raise ValueError(
             f"{type(model).__name__} holds the sink token(s) {held_sink} as a cache prefix, so the held-out blocks "
             f"must start with exactly them (got prefix_length={prefix_length}, first block starts "
             f"{blocks[0, : len(held_sink)].tolist()})"
         )
-    model.eval()
-    device = device or next(model.parameters()).device
-    total, count = 0.0, 0
+
+
+def _target_log_probs(model: nn.Module, ids: torch.Tensor, prefix_length: int) -> torch.Tensor:
+    """Log-probabilities (fp32) predicting ``ids[:, prefix_length + 1:]``: ``[batch, targets, vocab]``."""
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    if _held_sink(model):
+        logits = model(input_ids=ids[:, prefix_length:]).logits[:, :-1]
+    else:
+        logits = model(input_ids=ids).logits[:, prefix_length:-1]
+    return torch.log_softmax(logits.float(), dim=-1).cpu()
+
+
+@torch.no_grad()
+def score_models(
+    models: Mapping[str, nn.Module],
+    blocks: torch.Tensor,
+    *,
+    prefix_length: int = 0,
+    reference: Optional[nn.Module] = None,
+    batch_size: int = 4,
+    desc: str = "evaluating",
+) -> dict[str, Scores]:
+    """Score every model on the same blocks in one pass (the reference's distribution computed once per batch).
+
+    ``blocks``: ``[n, block_size]`` token ids starting with ``prefix_length`` sink tokens. With a
+    ``reference`` (the original model), each model's ``Scores.kl`` is KL(reference || model) per token.
+    Models are put in eval mode and left there.
+    """
+    if blocks.dim() != 2 or blocks.shape[0] == 0:
+        raise ValueError(f"expected a non-empty [n, block_size] tensor of token ids, got shape {tuple(blocks.shape)}")
+    for model in [*models.values(), *([reference] if reference is not None else [])]:
+        _check_sink(model, blocks, prefix_length)
+        model.eval()
+    losses: dict[str, list[torch.Tensor]] = {name: [] for name in models}
+    kls: dict[str, list[torch.Tensor]] = {name: [] for name in models}
     for start in tqdm(range(0, blocks.shape[0], batch_size), desc=desc, unit="batch", leave=False):
-        ids = blocks[start : start + batch_size].to(device)
-        if held_sink:
-            logits = model(input_ids=ids[:, prefix_length:]).logits[:, :-1].float()
-        else:
-            logits = model(input_ids=ids).logits[:, prefix_length:-1].float()
+        ids = blocks[start : start + batch_size]
         targets = ids[:, prefix_length + 1 :]
-        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
-        total += float(loss)
-        count += targets.numel()
-    mean = total / count
-    return {"loss": mean, "perplexity": math.exp(min(mean, 700.0)), "tokens": count}
+        with _autocast_off(ids):
+            reference_log_probs = _target_log_probs(reference, ids, prefix_length) if reference is not None else None
+            for name, model in models.items():
+                log_probs = _target_log_probs(model, ids, prefix_length)
+                losses[name].append(-log_probs.gather(-1, targets[..., None]).squeeze(-1))
+                if reference_log_probs is not None:
+                    kl = (reference_log_probs.exp() * (reference_log_probs - log_probs)).sum(-1)
+                    kls[name].append(kl)
+    return {
+        name: Scores(torch.cat(losses[name]), torch.cat(kls[name]) if reference is not None else None)
+        for name in models
+    }
+
+
+def _autocast_off(ids: torch.Tensor):
+    device_types = {"cpu", "cuda", "xpu", "mps"}
+    kind = ids.device.type if ids.device.type in device_types else "cpu"
+    try:
+        return torch.autocast(device_type=kind, enabled=False)
+    except RuntimeError:  # a device type autocast does not know
+        return contextlib.nullcontext()
+
+
+def evaluate_set(
+    models: Mapping[str, nn.Module],
+    evaluation: EvaluationSet,
+    *,
+    reference: Optional[nn.Module] = None,
+    batch_size: int = 4,
+) -> dict[str, Scores]:
+    """:func:`score_models` on an :class:`EvaluationSet` (its blocks and sink prefix)."""
+    return score_models(
+        models,
+        evaluation.blocks,
+        prefix_length=evaluation.prefix_length,
+        reference=reference,
+        batch_size=batch_size,
+        desc=f"{evaluation.name} ({', '.join(models)})",
+    )
+
+
+def per_document(
+    model: Scores, reference: Scores, evaluation: EvaluationSet, *, top: int = DOCUMENTS_SHOWN
+) -> list[dict[str, float | str | int]]:
+    """The documents where ``model`` loses most against ``reference`` (by summed excess loss), ``top`` of them.
+
+    Each row: document, tokens, both mean losses, the relative gap, and the document's share of the
+    whole set's excess loss (shares of all documents sum to 1 where the total excess is not zero).
+    """
+    owners = evaluation.target_documents.reshape(-1)
+    excess = (model.cross_entropy - reference.cross_entropy).double().reshape(-1)
+    count = len(evaluation.documents)
+    tokens = torch.bincount(owners, minlength=count)
+    model_sum = torch.bincount(owners, weights=model.cross_entropy.double().reshape(-1), minlength=count)
+    reference_sum = torch.bincount(owners, weights=reference.cross_entropy.double().reshape(-1), minlength=count)
+    excess_sum = torch.bincount(owners, weights=excess, minlength=count)
+    total = float(excess_sum.sum())
+    rows = []
+    for index in torch.argsort(excess_sum, descending=True).tolist():
+        if tokens[index] == 0:
+            continue
+        model_loss = float(model_sum[index] / tokens[index])
+        reference_loss = float(reference_sum[index] / tokens[index])
+        rows.append(
+            {
+                "document": evaluation.documents[index],
+                "tokens": int(tokens[index]),
+                "reference_loss": reference_loss,
+                "loss": model_loss,
+                "gap": model_loss / reference_loss - 1.0 if reference_loss else float("nan"),
+                "share_of_excess": float(excess_sum[index]) / total if total else float("nan"),
+            }
+        )
+        if len(rows) == top:
+            break
+    return rows
+
+
+def heldout_loss(
+    model: nn.Module,
+    blocks: torch.Tensor,
+    *,
+    batch_size: int = 4,
+    desc: str = "evaluating",
+    prefix_length: int = 0,
+) -> dict[str, float]:
+    """Token-weighted mean next-token cross-entropy of one model over ``blocks``: ``{"loss", "perplexity", "tokens"}``.
+
+    ``tokens`` counts predicted tokens (``block_size - prefix_length - 1`` per block; see the module docstring).
+    """
+    return score_models({"model": model}, blocks, prefix_length=prefix_length, batch_size=batch_size, desc=desc)[
+        "model"
+    ].summary()
+
+
+__all__ = ["DOCUMENTS_SHOWN", "Scores", "evaluate_set", "heldout_loss", "per_document", "score_models"]

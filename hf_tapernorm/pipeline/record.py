@@ -61,6 +61,9 @@ class RunRecord:
     tapered_norms: Optional[int] = None
     scale_target: Optional[float] = None
     heldout: dict[str, dict[str, float]] = field(default_factory=dict)
+    out_of_corpus: dict[str, dict[str, float]] = field(default_factory=dict)  # model -> CE and KL to the original
+    heldout_documents: dict[str, Any] = field(default_factory=dict)  # the documents that lose most (evaluation.py)
+    evaluation_sets: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> description, blocks, tokens
     fold: dict[str, Any] = field(default_factory=dict)
     export: dict[str, Any] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
@@ -73,10 +76,13 @@ class RunRecord:
     # ------------------------------------------------------------------ derived
     def gap(self) -> dict[str, Optional[float]]:
         loss = {kind: values.get("loss") for kind, values in self.heldout.items()}
+        outside = {kind: values.get("loss") for kind, values in self.out_of_corpus.items()}
         return {
             "tapered_vs_baseline": relative_gap(loss.get("tapered"), loss.get("baseline")),
             "tapered_vs_original": relative_gap(loss.get("tapered"), loss.get("original")),
             "folded_vs_tapered": relative_gap(loss.get("folded"), loss.get("tapered")),
+            "out_of_corpus_folded_vs_baseline": relative_gap(outside.get("folded"), outside.get("baseline")),
+            "out_of_corpus_folded_vs_original": relative_gap(outside.get("folded"), outside.get("original")),
         }
 
     def taper(self) -> dict[str, Any]:
@@ -99,7 +105,10 @@ class RunRecord:
             "data": dataclasses.asdict(self.data),
             "taper": self.taper(),
             "training": dataclasses.asdict(self.training),
+            "evaluation_sets": self.evaluation_sets,
             "heldout": self.heldout,
+            "out_of_corpus": self.out_of_corpus,
+            "heldout_documents": self.heldout_documents,
             "gap": self.gap(),
             "fold": self.fold,
             "export": self.export,

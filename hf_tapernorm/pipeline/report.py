@@ -163,6 +163,13 @@ def summary_lines(facts: Mapping[str, Any]) -> list[str]:
         f"gap: tapered vs baseline {_pct(gap.get('tapered_vs_baseline'))}, vs original "
         f"{_pct(gap.get('tapered_vs_original'))}; folded vs tapered {_pct(gap.get('folded_vs_tapered'))}"
     )
+    outside = facts.get("out_of_corpus") or {}
+    if outside.get("folded"):
+        lines.append(
+            f"out of corpus: folded {outside['folded']['loss']:.4f} (KL to the original "
+            f"{_fmt(outside['folded'].get('kl'))}), vs baseline {_pct(gap.get('out_of_corpus_folded_vs_baseline'))}, "
+            f"vs original {_pct(gap.get('out_of_corpus_folded_vs_original'))}"
+        )
     if fold:
         lines.append(
             f"fold check: max |logit diff| {_fmt(fold.get('max_abs_diff'), '.3g')}, "
@@ -182,15 +189,10 @@ def summary_lines(facts: Mapping[str, Any]) -> list[str]:
 
 
 def render_markdown(facts: Mapping[str, Any], plots: Mapping[str, str]) -> str:
-    heldout = facts.get("heldout") or {}
     taper = facts.get("taper") or {}
-    parts = ["# hf_tapernorm run report", "", "```", *summary_lines(facts), "```", "", "## Held-out loss", ""]
-    parts += ["| model | loss | perplexity | tokens |", "|---|---|---|---|"]
-    for kind in MODEL_KINDS:
-        if heldout.get(kind):
-            r = heldout[kind]
-            parts.append(f"| {kind} | {r['loss']:.4f} | {r['perplexity']:.3f} | {r.get('tokens', '-')} |")
-    parts += ["", "## Tapering", "", "| setting | value |", "|---|---|"]
+    parts = ["# hf_tapernorm run report", "", "```", *summary_lines(facts), "```", ""]
+    parts += _evaluation_sections(facts)
+    parts += ["## Tapering", "", "| setting | value |", "|---|---|"]
     parts += [f"| {key} | {_fmt(value, 'g')} |" for key, value in sorted(taper.items())]
     calibration = (facts.get("diagnostics") or {}).get("calibration") or {}
     if calibration:
@@ -222,6 +224,48 @@ def render_markdown(facts: Mapping[str, Any], plots: Mapping[str, str]) -> str:
         parts += [f"### {titles[key]}", "", f"![{titles[key]}]({name})", ""]
     parts += ["All figures: report.json.", ""]
     return "\n".join(parts)
+
+
+def _evaluation_sections(facts: Mapping[str, Any]) -> list[str]:
+    """Held-out and out-of-corpus tables (CE, KL to the original), and the documents that lose most."""
+    sets = facts.get("evaluation_sets") or {}
+    parts: list[str] = []
+    for title, key, set_name in (
+        ("Held-out loss", "heldout", "held-out"),
+        ("Out-of-corpus loss", "out_of_corpus", "out-of-corpus"),
+    ):
+        scores = facts.get(key) or {}
+        if not scores:
+            continue
+        parts += [f"## {title}", ""]
+        if set_name in sets:
+            about = sets[set_name]
+            parts += [f"{about['blocks']} blocks, {about['tokens']} predicted tokens: {about['description']}.", ""]
+        parts += ["| model | loss | perplexity | KL to the original | tokens |", "|---|---|---|---|---|"]
+        for kind in MODEL_KINDS:
+            if scores.get(kind):
+                r = scores[kind]
+                parts.append(
+                    f"| {kind} | {r['loss']:.4f} | {r['perplexity']:.3f} | {_fmt(r.get('kl'))} | "
+                    f"{r.get('tokens', '-')} |"
+                )
+        parts.append("")
+    documents = facts.get("heldout_documents") or {}
+    if documents.get("rows"):
+        against = documents["against"]
+        parts += [
+            f"## Held-out documents where the tapered model loses most (against the {against})",
+            "",
+            f"| document | tokens | {against} | tapered | gap | share of the excess loss |",
+            "|---|---|---|---|---|---|",
+        ]
+        parts += [
+            f"| {row['document']} | {row['tokens']} | {row['reference_loss']:.4f} | {row['loss']:.4f} | "
+            f"{_pct(row['gap'])} | {100 * row['share_of_excess']:.1f}% |"
+            for row in documents["rows"]
+        ]
+        parts.append("")
+    return parts
 
 
 def _cell(text: str, limit: int = 160) -> str:

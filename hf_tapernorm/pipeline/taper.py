@@ -13,7 +13,9 @@ touch training.
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -34,8 +36,10 @@ from ..training.checkpoints import save_tapered
 from ..training.schedule import decay_learning_rate_after_the_taper
 from ..utils import parameter_count
 from .data import EMBEDDED_CORPUS, PackedData, blocks_tensor, load_documents, prepare_data
-from .evaluation import heldout_loss
-from .models import load_model, load_tokenizer, resolve_model
+from .evaluation import evaluate_set, per_document
+from .heldout import EvaluationSet
+from .models import ModelSource, load_model, load_tokenizer, resolve_model
+from .out_of_corpus import out_of_corpus_set
 from .record import DataFacts, ModelFacts, RunRecord, TrainingFacts
 from .report import summary_lines, write_report
 from .run_folder import RunFolder, write_folder
@@ -89,6 +93,8 @@ def run_taper(request: TaperRequest) -> int:
     del skeleton
 
     packed = _prepare_data(request, tokenizer, config.sink_token_ids)
+    reference_text = out_of_corpus_set(request.data, tokenizer, config.sink_token_ids)
+    baseline_source = _baseline_source(request.run.baseline_from)
     model = load_model(source, dtype=request.model.dtype, trust_remote_code=request.model.trust_remote_code)
     if state.is_main_process:
         if must_empty:
@@ -126,7 +132,18 @@ def run_taper(request: TaperRequest) -> int:
         taper_end_step=schedule.k_end,
         allowed_changes=allowed_changes,
     )
-    pipeline = _Pipeline(request, record, packed, tokenizer, output, identity)
+    record.evaluation_sets = {
+        evaluation.name: {
+            "description": evaluation.description,
+            "blocks": len(evaluation.blocks),
+            "tokens": evaluation.tokens,
+        }
+        for evaluation in (packed.heldout_set, reference_text)
+        if evaluation is not None
+    }
+    if baseline_source is not None:
+        record.export["baseline_model"] = str(baseline_source.path)
+    pipeline = _Pipeline(request, record, packed, tokenizer, output, identity, source, reference_text, baseline_source)
     try:
         return pipeline.run(model)
     except BaseException as error:  # divergence, fold check, Ctrl-C outside training: say so, export nothing
@@ -155,7 +172,24 @@ def _prepare_data(request: TaperRequest, tokenizer, sink_ids: list[int]) -> Pack
         text_column=data.text_column,
         source=data.dataset_name or EMBEDDED_CORPUS,
         prefix_ids=sink_ids,
+        heldout_seed=data.heldout_seed,
     )
+
+
+def _baseline_source(path: Optional[str]) -> Optional[ModelSource]:
+    """The normalized model that ``--baseline_from`` names: a run folder's ``baseline/model``, or a model folder."""
+    if path is None:
+        return None
+    folder = Path(path)
+    if (folder / "baseline" / "model").is_dir():
+        folder = folder / "baseline" / "model"
+    source = resolve_model(str(folder))
+    if source.kind != "folder":
+        raise ConfigurationError(
+            f"--baseline_from '{path}' is a {source.kind} model; it must name an earlier --baseline run "
+            "(or its baseline/model folder)"
+        )
+    return source
 
 
 def _global_batch(training_args) -> int:
@@ -165,22 +199,25 @@ def _global_batch(training_args) -> int:
 
 
 class _Pipeline:
-    """Original eval, (baseline,) tapered training, evaluation, fold, export and report of one run."""
+    """(Baseline,) tapered training, fold, export, evaluation and report of one run."""
 
-    def __init__(self, request, record: RunRecord, packed: PackedData, tokenizer, output: RunFolder, identity) -> None:
+    def __init__(
+        self,
+        request,
+        record: RunRecord,
+        packed: PackedData,
+        tokenizer,
+        output: RunFolder,
+        identity,
+        source: ModelSource,
+        reference_text: Optional[EvaluationSet],
+        baseline_source: Optional[ModelSource],
+    ) -> None:
         self.request, self.record, self.packed, self.tokenizer = request, record, packed, tokenizer
-        self.output, self.identity = output, identity
+        self.output, self.identity, self.source = output, identity, source
+        self.reference_text, self.baseline_source = reference_text, baseline_source
         self.state = PartialState()
         self.heldout = blocks_tensor(packed.heldout)
-
-    def evaluate(self, model, name: str) -> dict[str, float]:
-        return heldout_loss(
-            model,
-            self.heldout,
-            batch_size=self.request.data.eval_batch_size,
-            desc=f"held-out ({name})",
-            prefix_length=len(self.packed.prefix_ids),
-        )
 
     def train(self, model, folder: Path, callbacks: list, history: list):
         callbacks = [*callbacks, RecordCallback(self.output, self.identity)]
@@ -201,7 +238,6 @@ class _Pipeline:
     def run(self, model) -> int:
         record, main = self.record, self.state.is_main_process
         if main:
-            record.heldout["original"] = self.evaluate(model, "original")
             record.ops["original"] = ops_per_generated_token(model, self.prompts(1))
         baseline = copy.deepcopy(model) if self.request.run.baseline else None
         patch_model(model, record.config)
@@ -229,7 +265,6 @@ class _Pipeline:
             if interrupted:
                 return self.interrupted(f"interrupted in the baseline run at step {trainer.state.global_step}")
             if main:
-                record.heldout["baseline"] = self.evaluate(baseline, "baseline")
                 self.save_baseline(baseline)
         if main:
             self.finish(model, baseline)
@@ -237,7 +272,7 @@ class _Pipeline:
         return 0
 
     def save_baseline(self, baseline) -> None:
-        """The normalized run's model (``baseline/model``), so later evaluations and reports can compare with it."""
+        """The normalized run's model (``baseline/model``), so later runs and reports can compare with it."""
         folder = self.output.path / "baseline" / "model"
 
         def write(tmp: Path) -> None:
@@ -247,13 +282,24 @@ class _Pipeline:
         write_folder(folder, write)
         self.record.export["baseline_model"] = str(folder)
 
+    def load(self, source: ModelSource):
+        model = load_model(
+            source, dtype=self.request.model.dtype, trust_remote_code=self.request.model.trust_remote_code
+        )
+        return model.to(self.state.device)
+
     def finish(self, model, baseline) -> None:
         record = self.record
-        record.heldout["tapered"] = self.evaluate(model, "tapered")
         write_folder(self.output.path / "tapered", lambda tmp: save_tapered(model, tmp, self.tokenizer))
         record.export["tapered_checkpoint"] = str(self.output.path / "tapered")
-        folded = self.fold_and_export(model, self.heldout[:2, len(self.packed.prefix_ids) :])
+        probe = self.heldout[:2, len(self.packed.prefix_ids) :]
+        folded = fold_model(model, tied_head=self.request.taper.tied_head, probe=probe)
+        record.fold = folded.fold_report.to_dict()
         record.ops["folded"] = ops_per_generated_token(folded, self.prompts(1))
+        if baseline is None and self.baseline_source is not None:
+            baseline = self.load(self.baseline_source)
+        self.evaluate_all(model, baseline, folded)  # before the export: its model card shows the figures
+        self.export(folded, probe)
         models = {"baseline": baseline} if baseline is not None else {}
         models.update(tapered=model, folded=folded)
         record.samples = greedy_continuations(models, self.prompts(), self.tokenizer, sink=self.packed.prefix_ids)
@@ -271,11 +317,33 @@ class _Pipeline:
             )
         )
 
-    def fold_and_export(self, model, probe):
-        """Fold the g = 0 model, evaluate it, write the export atomically, reload and compare it; returns the fold."""
+    def evaluate_all(self, model, baseline, folded) -> None:
+        """Every model on the held-out and the out-of-corpus blocks in one pass each, with the KL to the original.
+
+        The original is loaded again from its source (the run trained the first copy); the per-block
+        losses go to ``heldout_losses.json`` so that runs can be compared block by block.
+        """
+        record, batch = self.record, self.request.data.eval_batch_size
+        original = self.load(self.source)
+        models = {"original": original, **({"baseline": baseline} if baseline is not None else {})}
+        models.update(tapered=model, folded=folded)
+        held = evaluate_set(models, self.packed.heldout_set, reference=original, batch_size=batch)
+        record.heldout = {name: scores.summary() for name, scores in held.items()}
+        against = "baseline" if baseline is not None else "original"
+        record.heldout_documents = {
+            "against": against,
+            "rows": per_document(held["tapered"], held[against], self.packed.heldout_set),
+        }
+        losses = {"blocks": len(self.packed.heldout_set.blocks), **{name: s.per_block() for name, s in held.items()}}
+        _write_json(self.output.path / "heldout_losses.json", losses)
+        if self.reference_text is not None:
+            scores = evaluate_set(models, self.reference_text, reference=original, batch_size=batch)
+            record.out_of_corpus = {name: s.summary() for name, s in scores.items()}
+        del original
+
+    def export(self, folded, probe) -> None:
+        """Write the export atomically, reload it and compare it with the folded model in memory."""
         record, folded_dir = self.record, self.output.path / "folded"
-        folded = fold_model(model, tied_head=self.request.taper.tied_head, probe=probe)
-        record.fold = folded.fold_report.to_dict()
         sink = list(folded.config.sink_token_ids)
         if sink and self.tokenizer("a")["input_ids"][: len(sink)] == sink:
             logger.warning(
@@ -283,7 +351,6 @@ class _Pipeline:
                 "a cache prefix: tokenize with add_special_tokens=False for it",
                 sink,
             )
-        record.heldout["folded"] = self.evaluate(folded, "folded")
         logger.info("saving the folded export to %s", folded_dir)
         write_folder(folded_dir, lambda tmp: save_export(folded, self.tokenizer, tmp, record.card_facts()))
         reloaded = AutoModelForCausalLM.from_pretrained(folded_dir).eval()
@@ -297,7 +364,6 @@ class _Pipeline:
                 f"(max |logit diff| {difference:.3g})"
             )
         record.export.update({"path": str(folded_dir), "reloaded": True, "reload_max_abs_diff": difference})
-        return folded
 
     def interrupted(self, what: str) -> int:
         if self.state.is_main_process:
@@ -306,6 +372,12 @@ class _Pipeline:
             self.output.record()
             print(f"{what}: checkpoint saved in {self.output.path}; rerun the same command with --resume to continue")
         return 130
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    tmp.write_text(json.dumps(data) + "\n")
+    os.replace(tmp, path)
 
 
 def save_export(folded, tokenizer, folder: Path, facts: Optional[dict[str, Any]] = None) -> None:

@@ -1,0 +1,42 @@
+"""The out-of-corpus evaluation set of a command: its data arguments' reference text, sampled into blocks.
+
+Why a second text, and why the Python documentation by default: pipeline/heldout.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+from .data import load_text_dataset, text_column_of
+from .heldout import PYTHON_DOCS, PYTHON_DOCS_DESCRIPTION, EvaluationSet, python_docs_documents, sample_blocks
+
+
+def out_of_corpus_set(data, tokenizer, sink_ids: Sequence[int]) -> Optional[EvaluationSet]:
+    """``data.out_of_corpus_blocks`` blocks of ``data.out_of_corpus_dataset`` (None when the count is 0).
+
+    The draw uses ``data.heldout_seed``, so every run of a comparison reads the same blocks.
+    """
+    if not data.out_of_corpus_blocks:
+        return None
+    name = data.out_of_corpus_dataset
+    if name == PYTHON_DOCS:
+        documents, description = python_docs_documents(), PYTHON_DOCS_DESCRIPTION
+    else:
+        dataset = load_text_dataset(name, sample_by=data.sample_by, cache_dir=data.data_cache_dir)
+        column = text_column_of(dataset)
+        documents = [(f"document {i}", row[column]) for i, row in enumerate(dataset) if isinstance(row[column], str)]
+        description = f"every document of {name}"
+    return sample_blocks(
+        documents,
+        tokenizer,
+        block_size=data.block_size,
+        count=data.out_of_corpus_blocks,
+        seed=data.heldout_seed,
+        prefix_ids=sink_ids,
+        name="out-of-corpus",
+        description=description,
+    )
+
+
+__all__ = ["out_of_corpus_set"]

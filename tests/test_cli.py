@@ -55,7 +55,7 @@ def taper_argv(ws: Path, out: Path, *extra: str, model: str = "llama", steps: in
         "--block_size", "32", "--heldout_blocks", "4", "--heldout_percentage", "10",
         "--max_steps", str(steps), "--per_device_train_batch_size", "2", "--taper_start", "2",
         "--taper_end", str(int(steps * 0.6)), "--output_dir", str(out), "--use_cpu", "--disable_tqdm", "true",
-        "--data_cache_dir", str(ws / "datasets_cache"), *extra,
+        "--data_cache_dir", str(ws / "datasets_cache"), "--out_of_corpus_blocks", "16", *extra,
     ]  # fmt: skip
 
 
@@ -222,6 +222,28 @@ def test_baseline_runs_the_same_training_without_tapering(workspace, tmp_path):
     assert report["export"]["baseline_model"] == str(out / "baseline" / "model")
     assert json.loads((out / "folded" / "config.json").read_text())["model_type"] == "tapernorm_gpt2"
     assert "held-out baseline" in stdout
+    # The report reads the gap: the held-out documents that lose most, and the out-of-corpus measure.
+    assert report["heldout_documents"]["against"] == "baseline" and report["heldout_documents"]["rows"]
+    assert set(report["out_of_corpus"]) == {"original", "baseline", "tapered", "folded"}
+    assert report["out_of_corpus"]["original"]["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert report["out_of_corpus"]["baseline"]["kl"] > 0
+    markdown = (out / "report.md").read_text()
+    assert "## Out-of-corpus loss" in markdown and "pydoc_data.topics" in markdown
+    assert "## Held-out documents where the tapered model loses most (against the baseline)" in markdown
+    losses = json.loads((out / "heldout_losses.json").read_text())
+    assert len(losses["baseline"]) == losses["blocks"] == report["data"]["heldout_blocks"]
+    assert sum(losses["tapered"]) / losses["blocks"] == pytest.approx(heldout["tapered"]["loss"], rel=1e-6)
+
+    # A later arm reuses the saved baseline instead of training one: the same baseline figures.
+    again = tmp_path / "again"
+    code, _, stderr = run_main(taper_argv(workspace, again, "--baseline_from", str(out), model="gpt2", steps=6))
+    assert code == 0, stderr
+    reused = json.loads((again / "report.json").read_text())
+    assert "baseline_history" not in reused and not (again / "baseline").exists()
+    assert reused["heldout"]["baseline"]["loss"] == pytest.approx(heldout["baseline"]["loss"], rel=1e-6)
+    assert reused["out_of_corpus"]["baseline"] == pytest.approx(report["out_of_corpus"]["baseline"], rel=1e-6)
+    code, _, stderr = run_main(taper_argv(workspace, tmp_path / "x", "--baseline_from", str(workspace / "corpus.txt")))
+    assert code == 2 and "--baseline_from" in stderr.strip().splitlines()[-1]
 
 
 # ----------------------------------------------------------------------------- errors

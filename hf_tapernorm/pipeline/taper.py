@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import torch
 from accelerate import PartialState
+from accelerate.utils import extract_model_from_parallel
 from transformers import AutoModelForCausalLM
 
 from ..errors import ConfigurationError, TaperStateError
@@ -183,6 +184,11 @@ def _baseline_source(path: Optional[str]) -> Optional[ModelSource]:
     folder = Path(path)
     if (folder / "baseline" / "model").is_dir():
         folder = folder / "baseline" / "model"
+    if not (folder / "config.json").is_file():
+        raise ConfigurationError(
+            f"--baseline_from '{path}' holds no model: name the folder of an earlier --baseline run "
+            "(its baseline/model) or a saved model folder"
+        )
     source = resolve_model(str(folder))
     if source.kind != "folder":
         raise ConfigurationError(
@@ -221,15 +227,20 @@ class _Pipeline:
 
     def train(self, model, folder: Path, callbacks: list, history: list):
         callbacks = [*callbacks, RecordCallback(self.output, self.identity)]
-        return train(
-            model,
-            self.request.training,
-            self.packed.train,
-            folder,
-            callbacks,
-            resume=self.request.run.resume,
-            history=history,
-        )
+        try:
+            return train(
+                model,
+                self.request.training,
+                self.packed.train,
+                folder,
+                callbacks,
+                resume=self.request.run.resume,
+                history=history,
+            )
+        finally:
+            # --bf16/--fp16: accelerate wrapped the model's forward in autocast; evaluation, folding and the sink
+            # capture must compute in the model's own dtype, as a reloaded model does.
+            extract_model_from_parallel(model, keep_fp32_wrapper=False)
 
     def prompts(self, count: int = 3, length: int = 32) -> torch.Tensor:
         """Held-out prompts (sink tokens included) for the report's side-by-side continuations."""

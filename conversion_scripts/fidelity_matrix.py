@@ -1,0 +1,396 @@
+#!/usr/bin/env python
+"""The fidelity harness: recipe arms x seeds through ``hf-tapernorm taper``, one table of gaps.
+
+Every arm runs the CLI with the demo's budget (or ``--steps``) plus its own flags. One normalized
+baseline per seed is trained once, by the ``default`` arm's ``--baseline`` run, saved in its
+``baseline/model``, and reused by every arm whose learning-rate schedule is the same
+(``--baseline_from``); an arm that changes the schedule (another LR policy, another taper window, which
+moves the WSD decay) trains its own. Runs go into ``<root>/steps<N>/<arm>/seed<S>``; a finished run is
+skipped, an interrupted one continues with ``--resume``, so the harness can be stopped and started again.
+Up to ``--jobs`` runs at a time, each with one thread (``OMP_NUM_THREADS=1``).
+
+Every model is then scored on the same held-out and out-of-corpus blocks (the CLI's own evaluation;
+runs whose report predates it are evaluated again with the same code) and the table goes to
+``<root>/steps<N>/table.md`` and ``table.json``: per arm, the gap of the tapered and the folded model to
+the baseline on each seed, their mean and spread, the out-of-corpus gap and the KL to the original,
+and the command of every run::
+
+    python -m conversion_scripts.fidelity_matrix --root runs/fidelity --steps 150 --seeds 42 7 \\
+        --arms default no_distill kl_0.1 --jobs 2
+    python -m conversion_scripts.fidelity_matrix --root runs/fidelity --steps 150 --table_only
+
+``--preset gpu`` sizes the same matrix for one large accelerator (bf16, sequences of 512, at least 25M
+tokens per arm, shortened to fit ``--time_budget_s``); ``--preset toy`` is the CI smoke size on a tiny
+local model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+logger = logging.getLogger("fidelity_matrix")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One recipe variant: CLI flags on top of the defaults; ``own_baseline`` when it changes the LR schedule."""
+
+    flags: tuple[str, ...] = ()
+    own_baseline: bool = False
+    about: str = ""
+
+
+ARMS: dict[str, Arm] = {
+    "default": Arm((), True, "every option at its default (trains the seed's baseline)"),
+    "no_distill": Arm(("--distill_weight", "0"), False, "no distillation term"),
+    "kl_0.1": Arm(("--distill_weight", "0.1"), False, "KL weight 0.1"),
+    "kl_0.3": Arm(("--distill_weight", "0.3"), False, "KL weight 0.3"),
+    "kl_until_taper_end": Arm(("--distill_until", "taper_end"), False, "the KL term only while the gate falls"),
+    "no_scale_loss": Arm(("--scale_loss_weight", "0"), False, "scale loss off"),
+    "constant_lr": Arm(("--lr_scheduler_type", "constant_with_warmup"), True, "constant LR after warmup"),
+    "long_taper": Arm(("--taper_start", "0.05", "--taper_end", "0.9"), True, "taper from 5% to 90% of the run"),
+}
+
+
+@dataclass
+class Preset:
+    """The budget of every run: the arguments the CLI gets besides the arm's flags."""
+
+    steps: int
+    flags: tuple[str, ...]
+    about: str
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+PRESETS: dict[str, Preset] = {
+    # The demo's budget on a 2-core CPU: 150 steps of 2 x 128 tokens, the embedded SmolLM2 and corpus.
+    "cpu": Preset(150, ("--per_device_train_batch_size", "2", "--block_size", "128"), "embedded SmolLM2, CPU"),
+    # One H200: sequences of 512, 64 per step (32k tokens), bf16; 800 steps are 26M tokens per arm.
+    "gpu": Preset(
+        800,
+        ("--per_device_train_batch_size", "64", "--block_size", "512", "--bf16", "--eval_batch_size", "32"),
+        "embedded SmolLM2, one large GPU, bf16",
+    ),
+}
+
+
+def run_folder(root: Path, steps: int, arm: str, seed: int) -> Path:
+    return root / f"steps{steps}" / arm / f"seed{seed}"
+
+
+def is_finished(folder: Path) -> bool:
+    report = folder / "report.json"
+    return report.is_file() and json.loads(report.read_text()).get("status") == "finished"
+
+
+def command_for(
+    root: Path, steps: int, arm_name: str, seed: int, preset_flags: tuple[str, ...], extra: list[str]
+) -> list[str]:
+    """The ``hf-tapernorm taper`` command line of one run (without ``--resume``)."""
+    arm = ARMS[arm_name]
+    folder = run_folder(root, steps, arm_name, seed)
+    command = ["hf-tapernorm", "taper", "--output_dir", str(folder), "--max_steps", str(steps), "--seed", str(seed)]
+    command += [*preset_flags, *extra, *arm.flags]
+    if arm.own_baseline:
+        command.append("--baseline")
+    else:
+        command += ["--baseline_from", str(run_folder(root, steps, "default", seed))]
+    return command
+
+
+def launch(command: list[str], folder: Path, env: dict[str, str]) -> int:
+    """Run one command (``--resume`` when an earlier attempt left its folder), logging to ``<folder>.log``."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "hf_tapernorm.cli", *command[1:]]
+    if folder.exists() and (folder / ".hf_tapernorm_run.json").exists():
+        argv.append("--resume")
+    log = folder.with_name(folder.name + ".log")
+    started = time.time()
+    with open(log, "a") as stream:
+        stream.write(f"\n$ {' '.join(command)}\n")
+        stream.flush()
+        code = subprocess.call(argv, stdout=stream, stderr=subprocess.STDOUT, env=env)
+    logger.info("%s: exit %d after %.0f s (log: %s)", folder, code, time.time() - started, log)
+    return code
+
+
+def run_matrix(
+    root: Path, steps: int, arms: list[str], seeds: list[int], jobs: int, preset_flags, extra: list[str]
+) -> None:
+    """Every (arm, seed) not yet finished, the baselines first (the other arms of a seed read them)."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    todo = [(arm, seed) for arm in arms for seed in seeds if not is_finished(run_folder(root, steps, arm, seed))]
+    first = [(arm, seed) for arm, seed in todo if ARMS[arm].own_baseline]
+    later = [(arm, seed) for arm, seed in todo if not ARMS[arm].own_baseline]
+    if later and "default" not in arms:
+        missing = [s for s in seeds if not is_finished(run_folder(root, steps, "default", s))]
+        if missing:
+            raise SystemExit(f"the arms {sorted({a for a, _ in later})} read the default arm's baseline: run it first")
+
+    def one(job):
+        arm, seed = job
+        folder = run_folder(root, steps, arm, seed)
+        return launch(command_for(root, steps, arm, seed, preset_flags, extra), folder, env)
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        codes = list(pool.map(one, first))
+        codes += list(pool.map(one, later))
+    failed = [job for job, code in zip(first + later, codes) if code != 0]
+    if failed:
+        logger.warning("failed runs (see their logs): %s", failed)
+
+
+# ----------------------------------------------------------------------------- evaluation of older runs
+def scores_of(folder: Path, default_baseline: Optional[Path]) -> Optional[dict[str, Any]]:
+    """The run's held-out and out-of-corpus scores: its report's, or (older reports) computed again here.
+
+    A report written before the random held-out draw and the out-of-corpus measure is re-scored with
+    the CLI's own evaluation code and default data arguments; the result is cached in ``evaluation.json``.
+    """
+    report = json.loads((folder / "report.json").read_text())
+    if report.get("out_of_corpus") and "baseline" in (report.get("heldout") or {}):
+        return report
+    cached = folder / "evaluation.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    baseline = folder / "baseline" / "model"
+    if not baseline.is_dir():
+        baseline = default_baseline
+    if baseline is None or not baseline.is_dir():
+        return None
+    scores = reevaluate(folder, baseline, block_size=report["data"]["block_size"])
+    cached.write_text(json.dumps(scores, indent=2) + "\n")
+    return scores
+
+
+def reevaluate(folder: Path, baseline: Path, *, block_size: int) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_tapernorm.cli.arguments import DataArguments
+    from hf_tapernorm.layers.patching import set_gate
+    from hf_tapernorm.pipeline.data import load_documents, prepare_data
+    from hf_tapernorm.pipeline.evaluation import evaluate_set, per_document
+    from hf_tapernorm.pipeline.models import embedded_model, load_model, load_tokenizer
+    from hf_tapernorm.pipeline.out_of_corpus import out_of_corpus_set
+    from hf_tapernorm.training.checkpoints import load_tapered
+
+    torch.set_grad_enabled(False)
+    source = embedded_model()
+    tokenizer = load_tokenizer(source)
+    tapered = load_tapered(folder / "tapered")
+    sink = list(tapered.tapernorm_config.sink_token_ids)
+    data = DataArguments(block_size=block_size)
+    packed = prepare_data(
+        load_documents(data),
+        tokenizer,
+        block_size=block_size,
+        train_blocks=0,
+        heldout_blocks=data.heldout_blocks,
+        prefix_ids=sink,
+        heldout_seed=data.heldout_seed,
+    )
+    models = {
+        "original": load_model(source),
+        "baseline": AutoModelForCausalLM.from_pretrained(baseline),
+        "tapered": tapered,
+        "folded": AutoModelForCausalLM.from_pretrained(folder / "folded"),
+    }
+    set_gate(tapered, 0.0)
+    held = evaluate_set(models, packed.heldout_set, reference=models["original"])
+    outside = evaluate_set(models, out_of_corpus_set(data, tokenizer, sink), reference=models["original"])
+    return {
+        "status": "finished",
+        "training": json.loads((folder / "report.json").read_text()).get("training"),
+        "heldout": {k: v.summary() for k, v in held.items()},
+        "out_of_corpus": {k: v.summary() for k, v in outside.items()},
+        "heldout_documents": {
+            "against": "baseline",
+            "rows": per_document(held["tapered"], held["baseline"], packed.heldout_set),
+        },
+        "reevaluated": True,
+    }
+
+
+# ----------------------------------------------------------------------------- the table
+def _stats(values: list[float]) -> dict[str, Optional[float]]:
+    if not values:
+        return {"mean": None, "spread": None}
+    return {"mean": statistics.fmean(values), "spread": (max(values) - min(values)) / 2 if len(values) > 1 else 0.0}
+
+
+def _gap(value: Optional[float], reference: Optional[float]) -> Optional[float]:
+    return None if value is None or not reference else value / reference - 1.0
+
+
+def arm_rows(root: Path, steps: int, arms: list[str], seeds: list[int], preset_flags, extra) -> list[dict[str, Any]]:
+    rows = []
+    for arm in arms:
+        per_seed = {}
+        for seed in seeds:
+            folder = run_folder(root, steps, arm, seed)
+            if not is_finished(folder):
+                continue
+            report = scores_of(folder, run_folder(root, steps, "default", seed) / "baseline" / "model")
+            if report is None:
+                continue  # no baseline to compare with
+            held, outside = report.get("heldout") or {}, report.get("out_of_corpus") or {}
+            loss = {k: v.get("loss") for k, v in held.items()}
+            ooc = {k: v.get("loss") for k, v in outside.items()}
+            per_seed[seed] = {
+                "heldout": loss,
+                "out_of_corpus": ooc,
+                "out_of_corpus_kl": {k: v.get("kl") for k, v in outside.items()},
+                "tapered_vs_baseline": _gap(loss.get("tapered"), loss.get("baseline")),
+                "folded_vs_baseline": _gap(loss.get("folded"), loss.get("baseline")),
+                "folded_vs_tapered": _gap(loss.get("folded"), loss.get("tapered")),
+                "ooc_folded_vs_baseline": _gap(ooc.get("folded"), ooc.get("baseline")),
+                "ooc_folded_vs_original": _gap(ooc.get("folded"), ooc.get("original")),
+                "final_gate": (report.get("training") or {}).get("final_gate"),
+            }
+        keys = ("tapered_vs_baseline", "folded_vs_baseline", "folded_vs_tapered", "ooc_folded_vs_baseline")
+        rows.append(
+            {
+                "arm": arm,
+                "about": ARMS[arm].about,
+                "seeds": per_seed,
+                **{key: _stats([r[key] for r in per_seed.values() if r[key] is not None]) for key in keys},
+                "commands": [" ".join(command_for(root, steps, arm, s, preset_flags, extra)) for s in seeds],
+            }
+        )
+    return rows
+
+
+def _pct(stats: dict[str, Optional[float]]) -> str:
+    if stats["mean"] is None:
+        return "-"
+    return f"{100 * stats['mean']:+.2f}% ± {100 * stats['spread']:.2f}"
+
+
+def write_table(root: Path, steps: int, rows: list[dict[str, Any]], seeds: list[int], about: str) -> Path:
+    folder = root / f"steps{steps}"
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [
+        f"# Fidelity matrix: {steps} steps, seeds {', '.join(map(str, seeds))} ({about})",
+        "",
+        "Gaps are relative cross-entropy against the normalized baseline of the same seed (mean ± half the "
+        "range over seeds); held-out: random blocks of the held-out documents; out of corpus: the Python "
+        "documentation's English topics. KL: to the original model, nats per token, out of corpus.",
+        "",
+        "| arm | what | seeds | tapered vs baseline | folded vs baseline | folded vs tapered | out of corpus, "
+        "folded vs baseline | KL to original (folded, ooc) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        kls = [r["out_of_corpus_kl"].get("folded") for r in row["seeds"].values()]
+        kls = [k for k in kls if k is not None]
+        kl = f"{statistics.fmean(kls):.4f}" if kls else "-"
+        lines.append(
+            f"| {row['arm']} | {row['about']} | {len(row['seeds'])} | {_pct(row['tapered_vs_baseline'])} | "
+            f"{_pct(row['folded_vs_baseline'])} | {_pct(row['folded_vs_tapered'])} | "
+            f"{_pct(row['ooc_folded_vs_baseline'])} | {kl} |"
+        )
+    lines += [
+        "",
+        "## Per seed",
+        "",
+        "| arm | seed | original | baseline | tapered | folded | ooc original | "
+        "ooc baseline | ooc folded | final gate |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        for seed, r in row["seeds"].items():
+            h, o = r["heldout"], r["out_of_corpus"]
+
+            def f(x):
+                return "-" if x is None else f"{x:.4f}"
+
+            lines.append(
+                f"| {row['arm']} | {seed} | {f(h.get('original'))} | {f(h.get('baseline'))} | {f(h.get('tapered'))} | "
+                f"{f(h.get('folded'))} | {f(o.get('original'))} | {f(o.get('baseline'))} | {f(o.get('folded'))} | "
+                f"{r['final_gate']} |"
+            )
+    lines += ["", "## Commands", "", "```"]
+    lines += [command for row in rows for command in row["commands"]]
+    lines += ["```", ""]
+    (folder / "table.md").write_text("\n".join(lines))
+    (folder / "table.json").write_text(json.dumps(rows, indent=2) + "\n")
+    return folder / "table.md"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", default="runs/fidelity", help="Folder of the matrix's runs.")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="Budget and hardware of every run.")
+    parser.add_argument("--steps", type=int, default=None, help="Optimizer steps per run (default: the preset's).")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[42, 7])
+    parser.add_argument("--arms", nargs="+", default=["default", "no_distill"], choices=sorted(ARMS))
+    parser.add_argument("--jobs", type=int, default=2, help="Runs at a time.")
+    parser.add_argument("--table_only", action="store_true", help="Only write the table of the finished runs.")
+    parser.add_argument(
+        "--time_budget_s",
+        type=float,
+        default=None,
+        help="Shorten every run so the whole matrix fits this many seconds (measured on a first short run).",
+    )
+    args, extra = parser.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    preset = PRESETS[args.preset]
+    steps = args.steps or preset.steps
+    root = Path(args.root)
+    if args.time_budget_s and not args.table_only:
+        steps = fit_steps(root, steps, args, preset, extra)
+    if not args.table_only:
+        run_matrix(root, steps, args.arms, args.seeds, args.jobs, preset.flags, extra)
+    rows = arm_rows(root, steps, args.arms, args.seeds, preset.flags, extra)
+    print(write_table(root, steps, rows, args.seeds, preset.about).read_text())
+    return 0
+
+
+def fit_steps(root: Path, steps: int, args, preset: Preset, extra: list[str]) -> int:
+    """The largest step count (at most ``steps``) whose matrix fits ``--time_budget_s``, from a timed probe.
+
+    The probe is a short default run (with its baseline) in ``<root>/probe``; its seconds per optimizer step,
+    counted for every arm (twice for arms that train a baseline) and every seed, divided over ``--jobs``,
+    give the budget's step count. Startup and evaluation are paid once per run and counted from the probe.
+    """
+    probe_steps = max(4, min(20, steps // 10))
+    probe_root = root / "probe"
+    started = time.time()
+    launch(
+        command_for(probe_root, probe_steps, "default", args.seeds[0], preset.flags, extra),
+        run_folder(probe_root, probe_steps, "default", args.seeds[0]),
+        dict(os.environ),
+    )
+    report = run_folder(probe_root, probe_steps, "default", args.seeds[0]) / "report.json"
+    total = time.time() - started
+    seconds = (json.loads(report.read_text()).get("training") or {}).get("seconds") if report.exists() else None
+    per_step = (seconds or total) / probe_steps
+    fixed = max(0.0, total - 2 * per_step * probe_steps)
+    weight = sum(2 if ARMS[a].own_baseline else 1 for a in args.arms) * len(args.seeds) / max(1, args.jobs)
+    budget = args.time_budget_s - total
+    fitted = int((budget - fixed * len(args.arms) * len(args.seeds) / max(1, args.jobs)) / (weight * per_step))
+    chosen = max(probe_steps, min(steps, fitted))
+    logger.info(
+        "probe: %.2f s per step, %.0f s fixed per run: %d steps fit the budget (asked %d)",
+        per_step,
+        fixed,
+        chosen,
+        steps,
+    )
+    return chosen
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""The fidelity harness (conversion_scripts/fidelity_matrix.py) on a tiny model: arms x seeds, reuse, table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conversion_scripts import fidelity_matrix
+from tests.conftest import corpus_documents, save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("matrix")
+    save_tiny_model(root / "llama", "llama")
+    (root / "corpus.txt").write_text("\n\n".join(corpus_documents(150)))
+    return root
+
+
+def tiny_flags(ws) -> list[str]:
+    return [
+        "--model_name_or_path", str(ws / "llama"), "--dataset_name", str(ws / "corpus.txt"),
+        "--block_size", "32", "--per_device_train_batch_size", "2", "--heldout_blocks", "8",
+        "--out_of_corpus_blocks", "8", "--heldout_percentage", "10", "--use_cpu", "--disable_tqdm", "true",
+        "--data_cache_dir", str(ws / "cache"), "--taper_start", "2", "--taper_end", "4",
+    ]  # fmt: skip
+
+
+def test_matrix_runs_each_arm_and_seed_once_reuses_the_baseline_and_writes_the_table(workspace, capsys):
+    root = workspace / "runs"
+    argv = ["--root", str(root), "--preset", "gpu", "--steps", "6", "--seeds", "1", "2", "--jobs", "2"]
+    argv += ["--arms", "default", "no_distill", *tiny_flags(workspace)]
+    assert fidelity_matrix.main(argv) == 0
+    for arm in ("default", "no_distill"):
+        for seed in (1, 2):
+            folder = root / "steps6" / arm / f"seed{seed}"
+            report = json.loads((folder / "report.json").read_text())
+            assert report["status"] == "finished" and report["training"]["steps"] == 6
+            assert (folder / "folded" / "config.json").is_file()
+            assert (folder / "baseline").exists() == (arm == "default")  # trained once per seed
+    # The reused baseline is the default arm's, seed by seed: the same baseline loss in both arms.
+    for seed in (1, 2):
+        default = json.loads((root / "steps6" / "default" / f"seed{seed}" / "report.json").read_text())
+        plain = json.loads((root / "steps6" / "no_distill" / f"seed{seed}" / "report.json").read_text())
+        assert plain["heldout"]["baseline"]["loss"] == pytest.approx(default["heldout"]["baseline"]["loss"], rel=1e-6)
+        assert plain["taper"]["distill_weight"] == 0.0
+    assert {json.loads((root / "steps6" / "default" / f"seed{s}" / "report.json").read_text())["heldout"]["baseline"][
+        "loss"] for s in (1, 2)} .__len__() == 2  # fmt: skip  # two seeds, two baselines
+    rows = {row["arm"]: row for row in json.loads((root / "steps6" / "table.json").read_text())}
+    gaps = [rows["default"]["seeds"][str(s)]["tapered_vs_baseline"] for s in (1, 2)]
+    assert rows["default"]["tapered_vs_baseline"]["mean"] == pytest.approx(sum(gaps) / 2)
+    assert rows["default"]["tapered_vs_baseline"]["spread"] == pytest.approx(abs(gaps[0] - gaps[1]) / 2)
+    assert "--bf16" in rows["no_distill"]["commands"][0] and "--baseline_from" in rows["no_distill"]["commands"][0]
+    table = (root / "steps6" / "table.md").read_text()
+    assert "| no_distill | no distillation term | 2 |" in table and "## Commands" in table
+    # Resumable: a second call finds every run finished and only writes the table again.
+    before = {p: p.stat().st_mtime_ns for p in root.glob("steps6/*/seed*/report.json")}
+    assert fidelity_matrix.main(argv) == 0
+    assert before == {p: p.stat().st_mtime_ns for p in root.glob("steps6/*/seed*/report.json")}

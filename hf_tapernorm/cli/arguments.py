@@ -21,6 +21,12 @@ from ..pipeline.data import EMBEDDED_CORPUS
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
+_TRUST_SHARDED_HELP = (
+    "Read a sharded (torch.distributed.checkpoint) checkpoint: its .metadata index is a pickle that can run "
+    "code, so only for checkpoints you wrote or trust. Off: such a folder is refused unread."
+)
+
+
 def _help(text: str, **metadata) -> dict:
     return {"help": text, **metadata}
 
@@ -46,6 +52,7 @@ class ModelArguments:
         default=None, metadata=_help("Weights dtype (default: as transformers loads the model).")
     )
     trust_remote_code: bool = field(default=False, metadata=_help("Allow custom modeling code of the model."))
+    trust_sharded_checkpoint: bool = field(default=False, metadata=_help(_TRUST_SHARDED_HELP))
 
 
 @dataclass
@@ -237,6 +244,7 @@ class FoldArguments:
     )
     tolerance: Optional[float] = field(default=None, metadata=_help("Relative logit tolerance of the fold check."))
     overwrite: bool = field(default=False, metadata=_help("Replace --output_dir if it is an earlier export."))
+    trust_sharded_checkpoint: bool = field(default=False, metadata=_help(_TRUST_SHARDED_HELP))
 
     def __post_init__(self) -> None:
         _positive("tolerance", self.tolerance)

@@ -53,7 +53,12 @@ def eval_main(argv: Sequence[str]) -> int:
     tokenizer = load_tokenizer(source, trust_remote_code=model_args.trust_remote_code)
     if source.kind == "tapered":  # checked before the weights load: a checkpoint that cannot go to g = 0
         tapered_config_of(source.path)
-    model = load_model(source, dtype=model_args.dtype, trust_remote_code=model_args.trust_remote_code)
+    model = load_model(
+        source,
+        dtype=model_args.dtype,
+        trust_remote_code=model_args.trust_remote_code,
+        trust_sharded_checkpoint=model_args.trust_sharded_checkpoint,
+    )
     # A model trained with a sink is evaluated on blocks that start with it (a folded one holds it itself).
     taper_config = getattr(model, "tapernorm_config", None)
     own_sink = list(
@@ -136,7 +141,7 @@ def fold_main(argv: Sequence[str]) -> int:
         )
     output_dir = Path(fold_args.output_dir)
     check_export_folder(output_dir, fold_args.overwrite)
-    model = load_model(source)
+    model = load_model(source, trust_sharded_checkpoint=fold_args.trust_sharded_checkpoint)
     gate = gate_of(model)
     if gate > 0.0:
         raise UsageError(

@@ -142,11 +142,19 @@ def load_model(
     *,
     dtype: Optional[str] = None,
     trust_remote_code: bool = False,
+    trust_sharded_checkpoint: bool = False,
 ) -> PreTrainedModel:
-    """Load any model kind as a causal LM; tapered checkpoints come back patched (see module docs)."""
+    """Load any model kind as a causal LM; tapered checkpoints come back patched (see module docs).
+
+    ``trust_sharded_checkpoint``: read a sharded tapered checkpoint, whose index is a pickle (load_tapered).
+    """
     if source.kind == "tapered":
         resolved = _dtype(dtype)
-        return load_tapered(source.path, dtype=resolved if isinstance(resolved, torch.dtype) else None)
+        return load_tapered(
+            source.path,
+            dtype=resolved if isinstance(resolved, torch.dtype) else None,
+            trust_sharded_checkpoint=trust_sharded_checkpoint,
+        )
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if source.gguf_file:
         # Unpack every GGUF block into ordinary tensors: the model is then trained, patched, folded

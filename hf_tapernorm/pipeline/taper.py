@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -37,10 +39,11 @@ from .data import EMBEDDED_CORPUS, PackedData, blocks_tensor, load_documents, pr
 from .evaluation import heldout_loss
 from .models import load_model, load_tokenizer, resolve_model
 from .record import DataFacts, ModelFacts, RunRecord, TrainingFacts
-from .report import summary_lines, write_report
-from .run_folder import RunFolder, write_folder
+from .report import PLOTS, summary_lines, write_report
+from .resume_check import check_resumable
+from .run_folder import RunFolder
 from .showcase import greedy_continuations, ops_per_generated_token
-from .training_run import RecordCallback, train
+from .training_run import RecordCallback, recorded_identity, train
 from .validation import (
     TaperRequest,
     check_resume_identity,
@@ -56,11 +59,22 @@ logger = logging.getLogger(__name__)
 
 # ============================================================================= the run
 def run_taper(request: TaperRequest) -> int:
-    """The whole ``taper`` command on parsed arguments; returns the exit status (0, or 130 when interrupted)."""
+    """The whole ``taper`` command on parsed arguments; returns the exit status (0, or 128 + the signal's number
+    when SIGINT/SIGTERM stopped it with a checkpoint: 130, 143)."""
+    state = PartialState()
+    output = RunFolder(request.training.output_dir)
+    if state.is_main_process:
+        output.lock()  # a second command on this folder is refused until this one ends
+    try:
+        return _run_locked(request, output)
+    finally:
+        output.unlock()
+
+
+def _run_locked(request: TaperRequest, output: RunFolder) -> int:
     started = time.time()
     state = PartialState()
     training_args, run = request.training, request.run
-    output = RunFolder(training_args.output_dir)
     source = resolve_model(request.model.model_name_or_path, request.model.gguf_file)
     if source.kind in ("tapered", "folded"):
         raise ConfigurationError(
@@ -70,6 +84,12 @@ def run_taper(request: TaperRequest) -> int:
         overwrite=run.overwrite,
         resume=run.resume,
         has_checkpoint=lambda: bool(list(output.path.glob("**/checkpoint-*"))),
+        recorded_identity=lambda: recorded_identity(output.path),
+    )
+    stale_checkpoints = (
+        check_resumable(output.path, trust_sharded_checkpoint=request.model.trust_sharded_checkpoint)
+        if run.resume
+        else []
     )
 
     tokenizer = load_tokenizer(source, trust_remote_code=request.model.trust_remote_code)
@@ -93,7 +113,14 @@ def run_taper(request: TaperRequest) -> int:
     if state.is_main_process:
         if must_empty:
             output.empty()
-        output.record(identity=identity)
+        if run.resume:  # the identity is rewritten once the resumed run has trained (RecordCallback)
+            output.remove_partials()
+            for checkpoint in stale_checkpoints:
+                logger.warning("removing %s: it was being written when the run stopped (incomplete)", checkpoint)
+                shutil.rmtree(checkpoint)
+            output.record()
+        else:
+            output.record(identity=identity)
     state.wait_for_everyone()
 
     record = RunRecord(
@@ -135,8 +162,7 @@ def run_taper(request: TaperRequest) -> int:
             if record.history and record.training.steps is None:  # how far training got
                 last = record.history[-1]
                 record.training.steps, record.training.final_gate = last["step"], last.get("gate")
-            write_report(output.path, record)
-            output.record()
+            write_run_report(output, record)
             print("\n".join(["", "hf-tapernorm taper: summary (no export)", *summary_lines(record.to_dict())]))
         raise
     finally:
@@ -211,7 +237,7 @@ class _Pipeline:
             model, self.output.path, [TaperCallback(allow_changes=allowed)], record.history
         )
         if interrupted:
-            return self.interrupted(f"interrupted at step {trainer.state.global_step}")
+            return self.interrupted(f"interrupted at step {trainer.state.global_step}", interrupted)
         steps = trainer.state.global_step
         record.training.steps = steps
         record.training.tokens = steps * record.training.global_batch_blocks * self.packed.block_size
@@ -227,7 +253,9 @@ class _Pipeline:
             record.baseline_history = []
             trainer, interrupted = self.train(baseline, self.output.path / "baseline", [], record.baseline_history)
             if interrupted:
-                return self.interrupted(f"interrupted in the baseline run at step {trainer.state.global_step}")
+                return self.interrupted(
+                    f"interrupted in the baseline run at step {trainer.state.global_step}", interrupted
+                )
             if main:
                 record.heldout["baseline"] = self.evaluate(baseline, "baseline")
         if main:
@@ -238,7 +266,7 @@ class _Pipeline:
     def finish(self, model, baseline) -> None:
         record = self.record
         record.heldout["tapered"] = self.evaluate(model, "tapered")
-        write_folder(self.output.path / "tapered", lambda tmp: save_tapered(model, tmp, self.tokenizer))
+        self.output.write_output("tapered", lambda tmp: save_tapered(model, tmp, self.tokenizer))
         record.export["tapered_checkpoint"] = str(self.output.path / "tapered")
         folded = self.fold_and_export(model, self.heldout[:2, len(self.packed.prefix_ids) :])
         record.ops["folded"] = ops_per_generated_token(folded, self.prompts(1))
@@ -246,8 +274,8 @@ class _Pipeline:
         models.update(tapered=model, folded=folded)
         record.samples = greedy_continuations(models, self.prompts(), self.tokenizer, sink=self.packed.prefix_ids)
         record.status = "finished"
-        write_report(self.output.path, record)
-        self.output.record()
+        write_run_report(self.output, record)
+        self.output.record(identity=self.identity)
         print(
             "\n".join(
                 [
@@ -273,7 +301,7 @@ class _Pipeline:
             )
         record.heldout["folded"] = self.evaluate(folded, "folded")
         logger.info("saving the folded export to %s", folded_dir)
-        write_folder(folded_dir, lambda tmp: save_export(folded, self.tokenizer, tmp, record.card_facts()))
+        self.output.write_output("folded", lambda tmp: save_export(folded, self.tokenizer, tmp, record.card_facts()))
         reloaded = AutoModelForCausalLM.from_pretrained(folded_dir).eval()
         with torch.no_grad():
             expected = folded.eval()(input_ids=probe).logits
@@ -287,13 +315,19 @@ class _Pipeline:
         record.export.update({"path": str(folded_dir), "reloaded": True, "reload_max_abs_diff": difference})
         return folded
 
-    def interrupted(self, what: str) -> int:
+    def interrupted(self, what: str, signal_name: str) -> int:
         if self.state.is_main_process:
             self.record.status = f"{what}; continue with --resume"
-            write_report(self.output.path, self.record)
-            self.output.record()
+            write_run_report(self.output, self.record)
             print(f"{what}: checkpoint saved in {self.output.path}; rerun the same command with --resume to continue")
-        return 130
+        return 128 + int(getattr(signal, signal_name))
+
+
+def write_run_report(output: RunFolder, record: RunRecord) -> None:
+    """The report, its files registered in the manifest before they are written (a kill leaves none foreign)."""
+    output.record(expect=["report.json", "report.md", *PLOTS.values()])
+    write_report(output.path, record)
+    output.record()
 
 
 def save_export(folded, tokenizer, folder: Path, facts: Optional[dict[str, Any]] = None) -> None:

@@ -254,7 +254,20 @@ class FoldArguments:
 class PushArguments:
     export_dir: str = field(metadata=_help("A folded export written by taper or fold."))
     repo_id: str = field(metadata=_help("Hub repository, e.g. me/smollm2-135m-normfree."))
-    private: bool = field(default=False, metadata=_help("Create the repository as private."))
+    private: bool = field(
+        default=True,
+        metadata=_help(
+            "Create the repository as private (the default: publishing is a decision; --private false or "
+            "--no_private creates a public one). An existing repository keeps its visibility."
+        ),
+    )
+    include: list[str] = field(
+        default_factory=list,
+        metadata=_help(
+            "Only the files the export wrote (its manifest) are uploaded; any other file in --export_dir is refused "
+            "unless one of these fnmatch patterns names it, e.g. --include 'samples/*.txt'."
+        ),
+    )
     token: Optional[str] = field(default=None, metadata=_help("Hub token (default: the logged-in one)."))
     commit_message: str = field(default="Upload norm-free model (hf_tapernorm)", metadata=_help("Commit message."))
 

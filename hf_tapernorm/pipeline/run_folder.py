@@ -149,12 +149,13 @@ class RunFolder:
         resume: bool,
         has_checkpoint: Callable[[], bool],
         recorded_identity: Callable[[], Optional[dict[str, Any]]] = lambda: None,
+        outputs: Iterable[str] = (),
     ) -> bool:
         """Refuse a folder this command may not use; True when it must be emptied (after validation).
 
         Checked before anything slow; the emptying itself waits until the model and data have loaded.
         ``recorded_identity``: the identity a checkpoint of the run recorded, to rebuild a lost manifest on
-        ``--resume``.
+        ``--resume``; ``outputs``: the names the run writes (files, or folders ending in "/"), then taken as its.
         """
         for parent in [self.path, *self.path.parents]:
             if parent.exists() and not parent.is_dir():
@@ -169,7 +170,7 @@ class RunFolder:
             )
         manifest = self.manifest()
         if resume and manifest is None and has_checkpoint():
-            manifest = self._rebuild(recorded_identity())
+            manifest = self._rebuild(recorded_identity(), tuple(outputs))
         self.owned_files()  # every entry inside the folder, before anything else is decided
         foreign = self.foreign_files()
         listing = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
@@ -202,10 +203,11 @@ class RunFolder:
             raise RunFolderError(f"refusing to --overwrite '{self.path}': it {what} ({listing}); move them away first")
         return True
 
-    def _rebuild(self, identity: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    def _rebuild(self, identity: Optional[dict[str, Any]], outputs: tuple[str, ...]) -> Optional[dict[str, Any]]:
         """A lost or unreadable manifest on ``--resume``: rebuilt from the checkpoint's own record of the run.
 
-        Only the checkpoints are taken as the run's; every other file stays foreign (check() lists them).
+        Only the checkpoints and the run's own output names are taken as the run's; every other file stays
+        foreign (check() lists them and refuses).
         """
         if identity is None:
             raise RunFolderError(
@@ -213,7 +215,11 @@ class RunFolder:
                 f"'{self.path}' records the run; start over with --overwrite in a new --output_dir"
             )
         logger.warning("rebuilding the lost manifest of %s from its last checkpoint's record", self.path)
-        ours = [f for f in self.files() if _is_checkpoint_file(f)]
+        ours = [
+            f
+            for f in self.files()
+            if _is_checkpoint_file(f) or f in outputs or any(f.startswith(o) for o in outputs if o.endswith("/"))
+        ]
         self._write_manifest({"tool": "hf-tapernorm", "identity": identity, "files": ours})
         return self.manifest()
 
@@ -304,6 +310,9 @@ class RunLock:
         self.held = False
 
     def acquire(self) -> None:
+        for parent in [self.folder, *self.folder.parents]:
+            if parent.exists() and not parent.is_dir():
+                raise RunFolderError(f"output folder '{self.folder}': '{parent}' is a file")
         try:
             self.created_folder = not self.folder.exists()
             self.folder.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from ..errors import ConfigurationError, TaperStateError
 from ..export.folding import fold_model
-from ..export.hub import export_folded
+from ..export.hub import export_folded, recording_export
 from ..layers.patching import gate_of, patch_model, plan_patch
 from ..layers.scale_anchor import scale_anchors
 from ..layers.taper_norm import tapered_norms
@@ -85,6 +85,7 @@ def _run_locked(request: TaperRequest, output: RunFolder) -> int:
         resume=run.resume,
         has_checkpoint=lambda: bool(list(output.path.glob("**/checkpoint-*"))),
         recorded_identity=lambda: recorded_identity(output.path),
+        outputs=RUN_OUTPUTS,
     )
     stale_checkpoints = (
         check_resumable(output.path, trust_sharded_checkpoint=request.model.trust_sharded_checkpoint)
@@ -323,18 +324,24 @@ class _Pipeline:
         return 128 + int(getattr(signal, signal_name))
 
 
+#: What a taper run writes besides its checkpoints (folders end in "/").
+REPORT_FILES = ("report.json", "report.md", *PLOTS.values())
+RUN_OUTPUTS = (*REPORT_FILES, "tapered/", "folded/", "baseline/")
+
+
 def write_run_report(output: RunFolder, record: RunRecord) -> None:
     """The report, its files registered in the manifest before they are written (a kill leaves none foreign)."""
-    output.record(expect=["report.json", "report.md", *PLOTS.values()])
+    output.record(expect=REPORT_FILES)
     write_report(output.path, record)
     output.record()
 
 
 def save_export(folded, tokenizer, folder: Path, facts: Optional[dict[str, Any]] = None) -> None:
-    """Weights, config, modeling code and model card (export_folded), plus the tokenizer."""
+    """Weights, config, modeling code and model card (export_folded), plus the tokenizer; all in its manifest."""
     export_folded(folded, folder, facts=facts)
     if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
+        with recording_export(folder):
+            tokenizer.save_pretrained(folder)
 
 
 __all__ = ["TaperRequest", "recipe_config", "run_taper", "save_export"]

@@ -414,3 +414,47 @@ def test_sigkill_at_any_point_then_resume_is_bit_identical(workspace, reference,
     report = json.loads((out / "report.json").read_text())
     assert report["status"] == "finished" and [r["step"] for r in report["history"]] == list(range(1, 11))
     assert_same_weights(out, reference)
+
+
+# ============================================================================= 4. refused before the model loads
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--adam_beta2", "2"], "with these options: ValueError: Invalid beta parameter at index 1: 2.0"),
+        (["--learning_rate", "nan"], "--learning_rate must be a finite number, got nan"),
+        (["--learning_rate", "-1"], "ValueError: Invalid learning rate: -1.0"),
+        (["--max_grad_norm", "inf"], "--max_grad_norm must be a finite number, got inf (0 turns clipping off)"),
+        (["--report_to", "wandb"], "--report_to ['wandb']: RuntimeError: WandbCallback requires wandb"),
+        (["--optim", "adamw_bnb_8bit"], "--optim adamw_bnb_8bit with these options:"),
+        (["--eval_strategy", "steps"], "--eval_strategy steps: taper gives the Trainer no evaluation set"),
+        (["--push_to_hub"], "--push_to_hub would upload the run folder from inside training"),
+        (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps must be a positive integer, got 0"),
+        (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size must be a positive integer, got 0"),
+        (["--calibration_scale", "inf"], "calibration_scale"),
+        (["--scale_loss_weight", "inf"], "scale_loss_weight"),
+        (["--distill_weight", "inf"], "distill_weight"),
+        (
+            ["--resume_from_checkpoint", "x"],
+            "--resume_from_checkpoint is the Trainer's flag and taper does not read it",
+        ),
+        (["--label_smoothing_factor", "0.1"], "--label_smoothing_factor 0.1: the Trainer would compute its own loss"),
+        (["--lr_scheduler_kwargs", '{"num_decay_steps": 500}'], "more than --max_steps 10"),
+        (["--warmup_steps", "5"], "--warmup_steps 5.0 is 5 steps, past the taper's start (step 2)"),
+        (
+            ["--per_device_train_batch_size", "5000", "--max_steps", "2", "--taper_start", "1", "--taper_end", "2"],
+            "fewer than one batch (5000: --per_device_train_batch_size x processes): training would run 0 steps",
+        ),
+    ],
+)
+def test_trainer_options_are_refused_before_the_model_loads(workspace, tmp_path, monkeypatch, flags, expected):  # noqa: F811
+    import hf_tapernorm.pipeline.taper as taper_pipeline
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(taper_pipeline, "load_model", no_load)
+    out = tmp_path / "run"
+    message = error_of([*taper_argv(workspace, out), *flags])
+    assert message.startswith("hf-tapernorm taper: error: ") and expected in message, message
+    assert "inf" in message or expected not in ("calibration_scale", "scale_loss_weight", "distill_weight"), message
+    assert not out.exists()

@@ -38,6 +38,7 @@ from ..utils import parameter_count
 from .data import EMBEDDED_CORPUS, PackedData, blocks_tensor, load_documents, prepare_data
 from .evaluation import heldout_loss
 from .models import load_model, load_tokenizer, resolve_model
+from .preflight import check_trainer_options, check_training_blocks
 from .record import DataFacts, ModelFacts, RunRecord, TrainingFacts
 from .report import PLOTS, summary_lines, write_report
 from .resume_check import check_resumable
@@ -99,6 +100,7 @@ def _run_locked(request: TaperRequest, output: RunFolder) -> int:
     plan_patch(skeleton, config)  # every keep pattern, every norm: refused now, not after the load
     schedule = check_schedule(config, training_args.max_steps)
     decay_learning_rate_after_the_taper(training_args, schedule)  # the baseline trains with the same schedule
+    check_trainer_options(training_args, schedule, config)
     positions = max_positions(skeleton.config)
     if positions is not None and request.data.block_size > positions:
         raise ConfigurationError(f"--block_size {request.data.block_size} exceeds the model's {positions} positions")
@@ -110,6 +112,7 @@ def _run_locked(request: TaperRequest, output: RunFolder) -> int:
     del skeleton
 
     packed = _prepare_data(request, tokenizer, config.sink_token_ids)
+    check_training_blocks(training_args, len(packed.train))
     model = load_model(source, dtype=request.model.dtype, trust_remote_code=request.model.trust_remote_code)
     if state.is_main_process:
         if must_empty:

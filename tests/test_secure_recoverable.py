@@ -458,3 +458,33 @@ def test_trainer_options_are_refused_before_the_model_loads(workspace, tmp_path,
     assert message.startswith("hf-tapernorm taper: error: ") and expected in message, message
     assert "inf" in message or expected not in ("calibration_scale", "scale_loss_weight", "distill_weight"), message
     assert not out.exists()
+
+
+# ============================================================================= 4. mixed precision is contained
+def test_bf16_training_leaves_no_autocast_on_evaluation_fold_or_export(workspace, tmp_path):  # noqa: F811
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    code, _, stderr = run_main(taper_argv(workspace, out, "--distill_weight", "0", "--bf16", steps=8))
+    assert code == 0, stderr
+    fold = json.loads((out / "report.json").read_text())["fold"]
+    assert fold["max_rel_diff"] <= 1e-5 and fold["float64_max_rel_diff"] is None, fold  # no float64 rescue
+    assert run_main(["fold", "--checkpoint", str(out / "tapered"), "--output_dir", str(tmp_path / "refold")])[0] == 0
+    ids = torch.randint(0, 127, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        exported = AutoModelForCausalLM.from_pretrained(out / "folded").eval()(input_ids=ids).logits
+        refolded = AutoModelForCausalLM.from_pretrained(tmp_path / "refold").eval()(input_ids=ids).logits
+    assert float((exported - refolded).abs().max()) <= 1e-6
+
+
+def test_the_fold_check_under_autocast_fails_instead_of_calling_the_fold_exact():
+    from hf_tapernorm import FoldCheckError, fold_model
+
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper()).train()
+    for ids in random_batches():
+        model(input_ids=ids)
+    calibrate(model)
+    set_gate(model, 0.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(FoldCheckError, match="autocast is on"):
+        fold_model(model.eval())
+    assert fold_model(model).fold_report.max_rel_diff <= 1e-5  # the same model, autocast off

@@ -204,13 +204,14 @@ class _Pipeline:
         self.heldout = blocks_tensor(packed.heldout)
 
     def evaluate(self, model, name: str) -> dict[str, float]:
-        return heldout_loss(
-            model,
-            self.heldout,
-            batch_size=self.request.data.eval_batch_size,
-            desc=f"held-out ({name})",
-            prefix_length=len(self.packed.prefix_ids),
-        )
+        with model_dtype_only(model):
+            return heldout_loss(
+                model,
+                self.heldout,
+                batch_size=self.request.data.eval_batch_size,
+                desc=f"held-out ({name})",
+                prefix_length=len(self.packed.prefix_ids),
+            )
 
     def train(self, model, folder: Path, callbacks: list, history: list):
         callbacks = [*callbacks, RecordCallback(self.output, self.identity)]
@@ -263,7 +264,8 @@ class _Pipeline:
             if main:
                 record.heldout["baseline"] = self.evaluate(baseline, "baseline")
         if main:
-            self.finish(model, baseline)
+            with model_dtype_only(model):
+                self.finish(model, baseline)
         self.state.wait_for_everyone()
         return 0
 
@@ -337,6 +339,11 @@ def write_run_report(output: RunFolder, record: RunRecord) -> None:
     output.record(expect=REPORT_FILES)
     write_report(output.path, record)
     output.record()
+
+
+def model_dtype_only(model):
+    """No autocast around evaluation, folding, the fold check and the sink capture: they run in the model's dtype."""
+    return torch.autocast(device_type=next(model.parameters()).device.type, enabled=False)
 
 
 def save_export(folded, tokenizer, folder: Path, facts: Optional[dict[str, Any]] = None) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from accelerate.utils import extract_model_from_parallel
 from transformers import Trainer, TrainerCallback, default_data_collator
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -180,6 +181,9 @@ def train(
     finally:
         interrupt.uninstall()
         history[:] = training_history(trainer)
+        # Mixed precision (--bf16/--fp16) leaves an autocast wrapper on the model's forward; without removing it
+        # every later evaluation, the fold, its check and the sink capture would run in the autocast dtype.
+        extract_model_from_parallel(model, keep_fp32_wrapper=False)
     return trainer, (interrupt.signal_name or "SIGINT") if interrupt.requested else None  # another rank's signal
 
 

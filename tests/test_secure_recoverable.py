@@ -488,3 +488,51 @@ def test_the_fold_check_under_autocast_fails_instead_of_calling_the_fold_exact()
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(FoldCheckError, match="autocast is on"):
         fold_model(model.eval())
     assert fold_model(model).fold_report.max_rel_diff <= 1e-5  # the same model, autocast off
+
+
+# ============================================================================= 4. models that are not what they say
+def test_models_that_are_not_what_their_config_says_are_refused(workspace, tmp_path):  # noqa: F811
+    from safetensors.torch import save_file
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    three_layers = tmp_path / "three_layers"
+    shutil.copytree(workspace / "llama", three_layers)
+    config = json.loads((three_layers / "config.json").read_text())
+    (three_layers / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    argv = taper_argv(workspace, tmp_path / "o1")
+    argv[argv.index("--model_name_or_path") + 1] = str(three_layers)
+    message = error_of(argv)
+    assert message.startswith(
+        f"hf-tapernorm taper: error: model '{three_layers}' lacks 9 weight(s) its config declares"
+    )
+    assert "model.layers.2." in message and not (tmp_path / "o1").exists()
+
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(workspace / "llama", poisoned)
+    state = load_file(poisoned / "model.safetensors")
+    state["model.layers.1.mlp.up_proj.weight"][0, 0] = float("nan")
+    save_file(state, poisoned / "model.safetensors", metadata={"format": "pt"})
+    evaluate = ["eval", "--dataset_name", str(workspace / "corpus.txt"), "--block_size", "32", "--heldout_blocks", "2"]
+    message = error_of([*evaluate, "--model_name_or_path", str(poisoned)])
+    assert "non-finite values (NaN or inf) in model.layers.1.mlp.up_proj.weight" in message
+
+    listed = tmp_path / "listed"
+    shutil.copytree(workspace / "llama", listed)
+    (listed / "config.json").write_text("[1, 2]")
+    assert error_of([*evaluate, "--model_name_or_path", str(listed)]).endswith("holds a JSON list, not a model config")
+
+    t5 = tmp_path / "t5"
+    T5ForConditionalGeneration(
+        T5Config(vocab_size=128, d_model=16, d_ff=32, num_layers=1, num_heads=2)
+    ).save_pretrained(t5)
+    char_tokenizer().save_pretrained(t5)
+    argv = taper_argv(workspace, tmp_path / "o2")
+    argv[argv.index("--model_name_or_path") + 1] = str(t5)
+    assert "is a t5 model without a causal-LM class" in error_of(argv)
+
+    assert error_of([*evaluate, "--model_name_or_path", str(workspace / "llama"), "--block_size", "100"]).endswith(
+        "--block_size 100 exceeds the model's 64 positions"
+    )
+    options = tmp_path / "options.json"
+    options.write_text("[1, 2]")
+    assert error_of(["taper", str(options)]).endswith("an options file holds one object of option names and values")

@@ -12,6 +12,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from transformers import AutoConfig
+
 from ..errors import ConfigurationError, TaperStateError
 from ..export.folding import fold_model
 from ..export.hub import EXPORT_MANIFEST_NAME, export_manifest, push_export
@@ -21,6 +23,7 @@ from ..pipeline.evaluation import heldout_loss
 from ..pipeline.models import ModelSourceError, load_model, load_tokenizer, resolve_model
 from ..pipeline.run_folder import write_folder
 from ..pipeline.taper import save_export
+from ..pipeline.validation import max_positions
 from ..training.checkpoints import tapered_config_of
 from .arguments import DataArguments, EvalArguments, FoldArguments, ModelArguments, PushArguments
 from .parsing import UsageError, parse
@@ -54,6 +57,9 @@ def eval_main(argv: Sequence[str]) -> int:
     if output_json is not None:
         check_result_file(output_json)
     source = resolve_model(model_args.model_name_or_path, model_args.gguf_file)
+    positions = max_positions(_config_of(source, model_args.trust_remote_code))
+    if positions is not None and data_args.block_size > positions:
+        raise UsageError(f"--block_size {data_args.block_size} exceeds the model's {positions} positions")
     tokenizer = load_tokenizer(source, trust_remote_code=model_args.trust_remote_code)
     if source.kind == "tapered":  # checked before the weights load: a checkpoint that cannot go to g = 0
         tapered_config_of(source.path)
@@ -147,6 +153,15 @@ def check_result_file(path: Path) -> None:
             f"--output_json {path} exists and is not an earlier result of hf-tapernorm eval; it is left as it is, "
             "name a new file"
         )
+
+
+def _config_of(source, trust_remote_code: bool):
+    """The model's config (None when unreadable: loading the model then says why)."""
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    try:
+        return AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code, **kwargs)
+    except Exception:  # noqa: BLE001 - transformers raises many types; load_model reports them
+        return None
 
 
 def check_export_folder(folder: Path, overwrite: bool) -> None:

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..config import TaperNormConfig, parse_step
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, UnsupportedModelError
 from ..training.schedule import TaperSchedule
 from .data import EMBEDDED_CORPUS
 from .models import ModelSource
@@ -98,8 +98,14 @@ def weightless_model(source: ModelSource, trust_remote_code: bool):
         raise ConfigurationError(
             f"cannot read the config of '{source.describe()}': {type(error).__name__}: {error}"
         ) from None
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+    except ValueError as error:  # e.g. an encoder-decoder (T5) config: no causal-LM class
+        raise UnsupportedModelError(
+            f"'{source.describe()}' is a {getattr(hf_config, 'model_type', '?')} model without a causal-LM class in "
+            f"transformers ({str(error).splitlines()[0][:160]}); taper needs a decoder-only language model"
+        ) from None
 
 
 def max_positions(hf_config) -> Optional[int]:

@@ -6,6 +6,7 @@ Each case checks the exit code, the first line of the error, and the files on di
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pickle
@@ -86,7 +87,7 @@ def test_a_crafted_sharded_checkpoint_runs_no_code(tmp_path):
     (crafted / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     for argv in (
         ["fold", "--checkpoint", str(crafted), "--output_dir", str(tmp_path / "export")],
-        ["eval", "--model_name_or_path", str(crafted), "--heldout_blocks", "2"],
+        ["eval", "--model_name_or_path", str(crafted), "--heldout_blocks", "2", "--block_size", "32"],
     ):
         message = error_of(argv)
         assert message.startswith(f"hf-tapernorm {argv[0]}: error: '{crafted}' is a sharded"), message
@@ -536,3 +537,48 @@ def test_models_that_are_not_what_their_config_says_are_refused(workspace, tmp_p
     options = tmp_path / "options.json"
     options.write_text("[1, 2]")
     assert error_of(["taper", str(options)]).endswith("an options file holds one object of option names and values")
+
+
+# ============================================================================= 4. a resumed run is the same run
+def test_resume_checks_the_data_contents_and_every_option_that_shapes_the_result(workspace, reference, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    corpus = tmp_path / "corpus.txt"
+    shutil.copy(workspace / "corpus.txt", corpus)
+    argv = killable_argv(workspace, run)
+    argv[argv.index("--dataset_name") + 1] = str(corpus)
+    (run / MANIFEST_NAME).write_text(  # the run as if it had read this copy (same bytes, another path)
+        (run / MANIFEST_NAME).read_text().replace(str(workspace / "corpus.txt"), str(corpus))
+    )
+    corpus.write_text(corpus.read_text() + "\n\nanother document at the end")
+    before = snapshot(run)
+    message = error_of([*argv, "--resume"])
+    assert "data.contents.corpus.txt: '" in message and "--allow_changes" in message, message
+    shutil.copy(workspace / "corpus.txt", corpus)
+    message = error_of([*argv, "--resume", "--adam_beta2", "0.9"])
+    assert "training.adam_beta2: 0.95 in the run, 0.9 now" in message
+    assert snapshot(run) == before
+    code, _, stderr = run_main([*argv, "--resume", "--save_steps", "5", "--logging_steps", "2"])  # bookkeeping only
+    assert code == 0, stderr
+    message = error_of([*argv, "--resume", "--adam_beta2", "0.9", "--allow_changes", "adam_beta2"])
+    assert "a resumed Trainer restores training.adam_beta2 from the checkpoint's optimizer" in message
+    assert json.loads((run / MANIFEST_NAME).read_text())["identity"]["training"]["adam_beta2"] == 0.95
+    code, _, stderr = run_main([*argv, "--resume", "--max_grad_norm", "0.5", "--allow_changes", "max_grad_norm"])
+    assert code == 0, stderr
+    report = json.loads((run / "report.json").read_text())
+    assert report["allowed_changes"]["training.max_grad_norm"] == {"run": 1.0, "now": 0.5}
+
+
+def test_sigterm_outside_training_unwinds_the_command(monkeypatch):
+    cli = importlib.import_module("hf_tapernorm.cli.main")  # the package exports main(), which hides the module
+
+    def busy(argv):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+        return 0
+
+    original = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setitem(cli.COMMANDS, "fold", (busy, "stand-in"))
+    code, _, stderr = run_main(["fold"])
+    assert code == 143 and stderr.strip().endswith("hf-tapernorm fold: terminated")
+    assert signal.getsignal(signal.SIGTERM) is original

@@ -56,7 +56,9 @@ def check_checkpoint(checkpoint: Path, *, trust_sharded_checkpoint: bool = False
     """Every file a Trainer resume reads is present and readable (see the module docstring)."""
     restart = "; restore it from a copy, or start over with --overwrite"
     for name, what in REQUIRED_STATE.items():
-        if not (checkpoint / name).is_file():
+        # FSDP writes its optimizer state as a sharded folder (optimizer_0/) instead of optimizer.pt
+        present = (checkpoint / name).is_file() or (name == "optimizer.pt" and any(checkpoint.glob("optimizer_*")))
+        if not present:
             raise ResumeCheckError(f"--resume: {checkpoint} has no {name}, which holds {what}{restart}")
     if not list(checkpoint.glob("rng_state*.pth")):
         raise ResumeCheckError(

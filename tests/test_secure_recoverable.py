@@ -582,3 +582,17 @@ def test_sigterm_outside_training_unwinds_the_command(monkeypatch):
     code, _, stderr = run_main(["fold"])
     assert code == 143 and stderr.strip().endswith("hf-tapernorm fold: terminated")
     assert signal.getsignal(signal.SIGTERM) is original
+
+
+def test_a_sharded_teacher_planted_in_a_trainer_checkpoint_is_not_unpickled(tmp_path):
+    from hf_tapernorm import TaperController
+
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper().replace(distill_weight=0.5))
+    controller = TaperController(model, total_steps=20)
+    assert controller.distillation is not None
+    marker = tmp_path / "PAYLOAD_RAN"
+    (tmp_path / "checkpoint-4" / "distillation_teacher").mkdir(parents=True)
+    (tmp_path / "checkpoint-4" / "distillation_teacher" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(TaperStateError, match="distillation_teacher' is a sharded .*--trust_sharded_checkpoint"):
+        controller.load_state(tmp_path / "checkpoint-4")  # what TaperCallback calls on a Trainer resume
+    assert not marker.exists()

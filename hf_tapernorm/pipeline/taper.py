@@ -238,9 +238,10 @@ class _Pipeline:
         patch_model(model, record.config)
         record.tapered_norms = sum(1 for _ in tapered_norms(model))
         allowed = {key.rsplit(".", 1)[-1] for key in record.allowed_changes if key.startswith("taper.")}
-        trainer, interrupted = self.train(
-            model, self.output.path, [TaperCallback(allow_changes=allowed)], record.history
+        callback = TaperCallback(
+            allow_changes=allowed, trust_sharded_checkpoint=self.request.model.trust_sharded_checkpoint
         )
+        trainer, interrupted = self.train(model, self.output.path, [callback], record.history)
         if interrupted:
             return self.interrupted(f"interrupted at step {trainer.state.global_step}", interrupted)
         steps = trainer.state.global_step

@@ -157,7 +157,7 @@ def load_sharded_checkpoint(
             detector.values.extend(state["divergence_watch"][name]["values"])
             detector.consecutive = state["divergence_watch"][name]["consecutive"]
     if controller is not None:
-        controller.load_state(folder)
+        controller.load_state(folder, trust_sharded_checkpoint=trust_sharded_checkpoint)
         controller.check_resume(step)
     return step
 

@@ -143,7 +143,7 @@ def divergence_message(checkpoint: Path, sharded: bool) -> str:
     from hf_tapernorm.training.sharded import load_sharded_checkpoint
 
     model, optimizer, controller = setup(sharded)
-    start = load_sharded_checkpoint(checkpoint, model, optimizer, controller)
+    start = load_sharded_checkpoint(checkpoint, model, optimizer, controller, trust_sharded_checkpoint=True)
     assert start == POISON_STEP == INTERRUPT
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight.fill_(float("nan"))
@@ -206,7 +206,7 @@ def main_distributed(out: Path) -> None:
     del model, optimizer, controller, teacher
 
     model, optimizer, controller = setup(sharded=True)
-    start = load_sharded_checkpoint(out / "interrupted", model, optimizer, controller)
+    start = load_sharded_checkpoint(out / "interrupted", model, optimizer, controller, trust_sharded_checkpoint=True)
     teacher_restored = controller.distillation.has_snapshot and type(controller.distillation.teacher).__name__
     resumed = summary(model, controller, train(model, optimizer, controller, start, STEPS))
     del model, optimizer, controller

@@ -10,6 +10,7 @@ import pytest
 from huggingface_hub import HfApi
 
 from hf_tapernorm import ConfigurationError, TaperStateError, export_folded, fold_model
+from hf_tapernorm.export.hub import export_manifest
 from tests.test_folding import tapered
 
 
@@ -31,12 +32,20 @@ def test_export_refuses_a_non_empty_folder_without_overwrite(folded, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
     export_folded(folded, tmp_path, overwrite=True, facts={"base_model": "openai-community/gpt2"})
     assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".hf_tapernorm_export.json",
         "README.md",
         "config.json",
         "generation_config.json",
         "model.safetensors",
         "modeling_folded.py",
         "notes.txt",
+    ]
+    assert export_manifest(tmp_path) == [  # what the export wrote, not the user's notes.txt
+        "README.md",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "modeling_folded.py",
     ]
     assert "base_model: openai-community/gpt2" in (tmp_path / "README.md").read_text()
     with pytest.raises(ConfigurationError, match="it is a file"):
@@ -54,6 +63,7 @@ def test_export_refuses_an_unfolded_model(tmp_path):
 def test_push_to_hub_uploads_exactly_the_export(folded, tmp_path):
     facts = {"base_model": "openai-community/gpt2", "repo_id": "me/gpt2-normfree", "license": "mit"}
     local = _files(export_folded(folded, tmp_path / "local", facts=facts))  # attaches the card to the model
+    del local[".hf_tapernorm_export.json"]  # the export's own list of its files, not a file of the model
     uploaded = {}
 
     def upload_folder(self, *, repo_id, folder_path, **kwargs):

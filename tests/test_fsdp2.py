@@ -151,7 +151,9 @@ def test_a_two_rank_checkpoint_resumes_in_one_process(two_ranks, one_process):
     from hf_tapernorm.training.sharded import load_sharded_checkpoint
 
     model, optimizer, controller = setup(sharded=False)
-    start = load_sharded_checkpoint(two_ranks["out"] / "interrupted", model, optimizer, controller)  # DCP reshards
+    start = load_sharded_checkpoint(
+        two_ranks["out"] / "interrupted", model, optimizer, controller, trust_sharded_checkpoint=True
+    )  # DCP reshards
     assert start == INTERRUPT and controller.distillation.has_snapshot
     resumed = summary(model, controller, train(model, optimizer, controller, start, STEPS))
     assert resumed["watch"] == pytest.approx(one_process["watch"], rel=1e-5)
@@ -168,9 +170,14 @@ def test_fold_command_exports_the_sharded_checkpoint_like_one_process(two_ranks,
     assert {"tapernorm_config.json", "config.json", ".metadata", "distillation_teacher"} <= {
         p.name for p in final.iterdir()
     }
-    assert state_rel_diff(load_tapered(final).state_dict(), one_process["state"]) <= STATE_RTOL
+    assert (
+        state_rel_diff(load_tapered(final, trust_sharded_checkpoint=True).state_dict(), one_process["state"])
+        <= STATE_RTOL
+    )
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        code = main(["fold", "--checkpoint", str(final), "--output_dir", str(tmp_path / "export")])
+        code = main(
+            ["fold", "--checkpoint", str(final), "--output_dir", str(tmp_path / "export"), "--trust_sharded_checkpoint"]
+        )
     assert code == 0
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
     with torch.no_grad():
@@ -201,12 +208,12 @@ def test_a_sharded_checkpoint_refuses_another_recipe_and_a_missing_optimizer(two
     with pytest.raises(
         TaperStateError, match=r"another TaperNormConfig \(ema_rate: 0\.1 in the checkpoint, 0\.05 now\)"
     ):
-        load_sharded_checkpoint(two_ranks["out"] / "interrupted", other)
+        load_sharded_checkpoint(two_ranks["out"] / "interrupted", other, trust_sharded_checkpoint=True)
     model, optimizer, _ = setup(sharded=False)
     save_sharded_checkpoint(tmp_path / "weights_only", model)  # one process, no process group
     with pytest.raises(TaperStateError, match="holds no optimizer state"):
-        load_sharded_checkpoint(tmp_path / "weights_only", model, optimizer)
-    assert load_sharded_checkpoint(tmp_path / "weights_only", model) == 0
+        load_sharded_checkpoint(tmp_path / "weights_only", model, optimizer, trust_sharded_checkpoint=True)
+    assert load_sharded_checkpoint(tmp_path / "weights_only", model, trust_sharded_checkpoint=True) == 0
 
 
 def test_accelerate_ignores_its_fsdp2_plugin_on_cpu(two_ranks):

@@ -21,6 +21,12 @@ from ..pipeline.data import EMBEDDED_CORPUS
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
+_TRUST_SHARDED_HELP = (
+    "Read a sharded (torch.distributed.checkpoint) checkpoint: its .metadata index is a pickle that can run "
+    "code, so only for checkpoints you wrote or trust. Off: such a folder is refused unread."
+)
+
+
 def _help(text: str, **metadata) -> dict:
     return {"help": text, **metadata}
 
@@ -46,6 +52,7 @@ class ModelArguments:
         default=None, metadata=_help("Weights dtype (default: as transformers loads the model).")
     )
     trust_remote_code: bool = field(default=False, metadata=_help("Allow custom modeling code of the model."))
+    trust_sharded_checkpoint: bool = field(default=False, metadata=_help(_TRUST_SHARDED_HELP))
 
 
 @dataclass
@@ -266,6 +273,7 @@ class FoldArguments:
     )
     tolerance: Optional[float] = field(default=None, metadata=_help("Relative logit tolerance of the fold check."))
     overwrite: bool = field(default=False, metadata=_help("Replace --output_dir if it is an earlier export."))
+    trust_sharded_checkpoint: bool = field(default=False, metadata=_help(_TRUST_SHARDED_HELP))
 
     def __post_init__(self) -> None:
         _positive("tolerance", self.tolerance)
@@ -275,7 +283,20 @@ class FoldArguments:
 class PushArguments:
     export_dir: str = field(metadata=_help("A folded export written by taper or fold."))
     repo_id: str = field(metadata=_help("Hub repository, e.g. me/smollm2-135m-normfree."))
-    private: bool = field(default=False, metadata=_help("Create the repository as private."))
+    private: bool = field(
+        default=True,
+        metadata=_help(
+            "Create the repository as private (the default: publishing is a decision; --private false or "
+            "--no_private creates a public one). An existing repository keeps its visibility."
+        ),
+    )
+    include: list[str] = field(
+        default_factory=list,
+        metadata=_help(
+            "Only the files the export wrote (its manifest) are uploaded; any other file in --export_dir is refused "
+            "unless one of these fnmatch patterns names it, e.g. --include 'samples/*.txt'."
+        ),
+    )
     token: Optional[str] = field(default=None, metadata=_help("Hub token (default: the logged-in one)."))
     commit_message: str = field(default="Upload norm-free model (hf_tapernorm)", metadata=_help("Commit message."))
 

@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from transformers import AutoConfig
+
 from ..errors import ConfigurationError, TaperStateError
 from ..export.folding import fold_model
-from ..export.hub import push_export
+from ..export.hub import EXPORT_MANIFEST_NAME, export_manifest, push_export
 from ..layers.patching import gate_of, set_gate
 from ..pipeline.data import EMBEDDED_CORPUS, blocks_tensor, load_documents, prepare_data
 from ..pipeline.evaluation import heldout_loss
 from ..pipeline.models import ModelSourceError, load_model, load_tokenizer, resolve_model
 from ..pipeline.run_folder import write_folder
 from ..pipeline.taper import save_export
+from ..pipeline.validation import max_positions
 from ..training.checkpoints import tapered_config_of
 from .arguments import DataArguments, EvalArguments, FoldArguments, ModelArguments, PushArguments
 from .parsing import UsageError, parse
@@ -49,11 +53,22 @@ def eval_main(argv: Sequence[str]) -> int:
     """``hf-tapernorm eval``: held-out loss and perplexity of an original model, a tapered checkpoint
     (evaluated at g = 0) or a folded export, on the same held-out blocks as ``taper`` builds."""
     model_args, data_args, eval_args = parse([ModelArguments, DataArguments, EvalArguments], argv, "hf-tapernorm eval")
+    output_json = Path(eval_args.output_json) if eval_args.output_json else None
+    if output_json is not None:
+        check_result_file(output_json)
     source = resolve_model(model_args.model_name_or_path, model_args.gguf_file)
+    positions = max_positions(_config_of(source, model_args.trust_remote_code))
+    if positions is not None and data_args.block_size > positions:
+        raise UsageError(f"--block_size {data_args.block_size} exceeds the model's {positions} positions")
     tokenizer = load_tokenizer(source, trust_remote_code=model_args.trust_remote_code)
     if source.kind == "tapered":  # checked before the weights load: a checkpoint that cannot go to g = 0
         tapered_config_of(source.path)
-    model = load_model(source, dtype=model_args.dtype, trust_remote_code=model_args.trust_remote_code)
+    model = load_model(
+        source,
+        dtype=model_args.dtype,
+        trust_remote_code=model_args.trust_remote_code,
+        trust_sharded_checkpoint=model_args.trust_sharded_checkpoint,
+    )
     # A model trained with a sink is evaluated on blocks that start with it (a folded one holds it itself).
     taper_config = getattr(model, "tapernorm_config", None)
     own_sink = list(
@@ -104,25 +119,92 @@ def eval_main(argv: Sequence[str]) -> int:
         ),
     }
     print(json.dumps(result))
-    if eval_args.output_json:
-        Path(eval_args.output_json).write_text(json.dumps(result, indent=2) + "\n")
+    if output_json is not None:
+        check_result_file(output_json)  # again: the evaluation took a while
+        tmp = output_json.with_name(f".{output_json.name}.partial-{os.getpid()}")
+        tmp.write_text(json.dumps({**result, "written_by": RESULT_MARK}, indent=2) + "\n")
+        os.replace(tmp, output_json)
     return 0
 
 
+#: Marks a result file of ``eval --output_json``: the only kind of existing file it replaces.
+RESULT_MARK = "hf-tapernorm eval"
+
+
+def check_result_file(path: Path) -> None:
+    """``--output_json`` may name a new file in an existing folder, or an earlier result of ``eval``; nothing else.
+
+    Checked before the model loads; a model's config.json or a user's file is never written over.
+    """
+    if not path.parent.is_dir():
+        raise UsageError(f"--output_json {path}: the folder '{path.parent}' does not exist; create it first")
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise UsageError(f"--output_json {path} is a symbolic link or a folder; name a new file")
+    if not path.exists():
+        if not os.access(path.parent, os.W_OK):
+            raise UsageError(f"--output_json {path}: the folder '{path.parent}' is not writable")
+        return
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        earlier = None
+    if not (isinstance(earlier, dict) and earlier.get("written_by") == RESULT_MARK):
+        raise UsageError(
+            f"--output_json {path} exists and is not an earlier result of hf-tapernorm eval; it is left as it is, "
+            "name a new file"
+        )
+
+
+def _config_of(source, trust_remote_code: bool):
+    """The model's config (None when unreadable: loading the model then says why)."""
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    try:
+        return AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code, **kwargs)
+    except Exception:  # noqa: BLE001 - transformers raises many types; load_model reports them
+        return None
+
+
 def check_export_folder(folder: Path, overwrite: bool) -> None:
-    """An export may replace only an empty folder or, with ``--overwrite``, an earlier export and nothing else."""
-    if folder.exists() and not folder.is_dir():
-        raise UsageError(f"output folder '{folder}' is a file")
+    """An export may replace only an empty folder or, with ``--overwrite``, an earlier export and nothing else.
+
+    An earlier export is a folder whose export manifest lists every file in it, or (exports written before
+    the manifest) a folded model's folder (config.json with a ``tapernorm_*`` model_type) holding only the
+    files an export writes. An ordinary model folder uses the same file names, so names alone never decide.
+    """
+    if folder.is_symlink():
+        raise UsageError(f"output folder '{folder}' is a symbolic link; pass the folder it points to")
+    for parent in [folder, *folder.parents]:
+        if parent.exists() and not parent.is_dir():
+            raise UsageError(f"output folder '{folder}': '{parent}' is a file")
     if not folder.is_dir() or not any(folder.iterdir()):
         return
     if not overwrite:
         raise UsageError(f"output folder '{folder}' is not empty; pass --overwrite to replace an earlier export")
-    foreign = sorted(p.name for p in folder.iterdir() if p.name not in EXPORT_FILES and not p.name.startswith("model-"))
-    if foreign:
+    present = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink())
+    manifest = export_manifest(folder)
+    if manifest is not None:
+        foreign = [f for f in present if f not in manifest and f != EXPORT_MANIFEST_NAME]
+    elif _is_folded_config(folder / "config.json"):
+        foreign = [f for f in present if f not in EXPORT_FILES and not f.startswith("model-")]
+    else:
+        raise UsageError(
+            f"refusing to --overwrite '{folder}': it is not an earlier export (no {EXPORT_MANIFEST_NAME}, and its "
+            "config.json is not a folded model's); choose another --output_dir"
+        )
+    links = [f for f in present if (folder / f).is_symlink()]
+    if foreign or links:
         raise UsageError(
             f"refusing to --overwrite '{folder}': it holds files an export does not write "
-            f"({', '.join(foreign[:8])}); move them away first"
+            f"({', '.join((foreign or links)[:8])}); move them away first"
         )
+
+
+def _is_folded_config(path: Path) -> bool:
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(config, dict) and str(config.get("model_type", "")).startswith("tapernorm_")
 
 
 def fold_main(argv: Sequence[str]) -> int:
@@ -136,7 +218,7 @@ def fold_main(argv: Sequence[str]) -> int:
         )
     output_dir = Path(fold_args.output_dir)
     check_export_folder(output_dir, fold_args.overwrite)
-    model = load_model(source)
+    model = load_model(source, trust_sharded_checkpoint=fold_args.trust_sharded_checkpoint)
     gate = gate_of(model)
     if gate > 0.0:
         raise UsageError(
@@ -155,7 +237,7 @@ def fold_main(argv: Sequence[str]) -> int:
 
 
 def push_main(argv: Sequence[str]) -> int:
-    """``hf-tapernorm push``: upload an export folder as it is on disk (weights, config, code, tokenizer, card)."""
+    """``hf-tapernorm push``: upload the files an export wrote (its manifest) and the ``--include`` ones."""
     (push_args,) = parse([PushArguments], argv, "hf-tapernorm push")
     source = resolve_model(push_args.export_dir)
     if source.kind != "folded":
@@ -170,6 +252,7 @@ def push_main(argv: Sequence[str]) -> int:
         commit = push_export(
             source.path,
             push_args.repo_id,
+            include=push_args.include,
             token=push_args.token,
             private=push_args.private,
             commit_message=push_args.commit_message,

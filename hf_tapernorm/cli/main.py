@@ -4,13 +4,19 @@ Every error the package explains (``TaperNormError``) prints as ``hf-tapernorm C
 stderr with exit status 2 (usage, configuration, model or data problems) or 1 (training diverged, the
 fold check failed: the run was valid, its result is not, and nothing was exported). ``--debug`` (anywhere
 on the command line) or ``HF_TAPERNORM_DEBUG=1`` shows the traceback instead.
+
+SIGTERM (``docker stop``, Slurm, Kubernetes) is Ctrl-C: during training both save a checkpoint and stop
+(pipeline/training_run.py); anywhere else both unwind the command, so a half-written output is removed, the
+run folder's lock released and the report says how far the run got (exit 143 for SIGTERM, 130 for Ctrl-C).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Optional
 
@@ -90,11 +96,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return COMMANDS[command][0](rest)
-    except KeyboardInterrupt:
-        print(f"hf-tapernorm {command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as interruption:
+        terminated = isinstance(interruption, Terminated)
+        print(f"hf-tapernorm {command}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return 143 if terminated else 130
     except TaperNormError as error:
         if debug:
             raise
@@ -102,6 +112,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         suffix = "; no export was written" if failed_run else ""
         print(f"hf-tapernorm {command}: error: {error}{suffix}", file=sys.stderr)
         return 1 if failed_run else 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM outside training: unwinds the command like Ctrl-C (finally blocks run, partial outputs go)."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated
 
 
 def command(name: str) -> Callable[[], None]:

@@ -29,6 +29,8 @@ def parse(dataclass_types: Sequence[type], argv: Sequence[str], prog: str) -> tu
             raise UsageError(f"options file '{argv[0]}' not found")
         try:
             return tuple(parser.parse_json_file(path) if path.endswith(".json") else parser.parse_yaml_file(path))
+        except AttributeError:  # the file holds a list or a scalar: HfArgumentParser calls .keys() on it
+            raise UsageError(f"{argv[0]}: an options file holds one object of option names and values") from None
         except (ValueError, TypeError) as error:
             if isinstance(error, ConfigurationError):
                 raise

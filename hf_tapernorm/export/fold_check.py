@@ -86,8 +86,12 @@ def check_fold(
         f"max relative {max_rel:.3g} > tolerance {tolerance:.3g} ({report.dtype}, probe {report.probe_shape})"
     )
     exact = None
-    if finite and dtype != torch.float64 and refold is not None and explicit_tolerance is None:
+    # Under autocast the float64 copies would run in the autocast dtype too: their agreement would prove nothing.
+    autocast = torch.is_autocast_enabled(ids.device.type)
+    if finite and dtype != torch.float64 and refold is not None and explicit_tolerance is None and not autocast:
         exact = _float64_difference(unfolded, refold, ids)
+    if autocast:
+        message += "; autocast is on around the check: fold and check with autocast disabled"
     if exact is None or exact > FLOAT64_RECHECK_TOLERANCE:
         detail = f"; in float64 it is {exact:.3g}, so the fold itself is wrong" if exact is not None else ""
         raise FoldCheckError(f"{message}{detail}; pass a larger tolerance only if this dtype's rounding explains it")

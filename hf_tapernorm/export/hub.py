@@ -3,15 +3,21 @@
 ``save_pretrained`` of the folded class does the writing (transformers copies ``modeling_folded.py``
 because the classes are registered for the Auto classes); this adds the two things an export needs
 on top: no silent overwrite of an existing folder, and the model card filled with the run facts.
-Pushing uploads the folder as written (``modeling_folded.upload_export``, also behind
-``folded.push_to_hub``).
+
+An export records the files it wrote in ``.hf_tapernorm_export.json`` (its manifest). Pushing uploads
+exactly those files (``modeling_folded.upload_export``, also behind ``folded.push_to_hub``): anything else
+in the folder (a ``.env`` with a token, notes) is listed and refused unless ``include`` names it, because
+``upload_folder`` publishes whatever a folder holds.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
@@ -22,6 +28,54 @@ from .model_card import attach_model_card
 from .modeling_folded import FoldedModelMixin, upload_export
 
 logger = logging.getLogger(__name__)
+
+EXPORT_MANIFEST_NAME = ".hf_tapernorm_export.json"
+
+
+def _folder_files(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``folder`` (relative posix path -> (size, mtime_ns)), the manifest excluded."""
+    found = {}
+    for root, dirs, names in os.walk(folder):
+        for name in [*names, *(d for d in dirs if Path(root, d).is_symlink())]:
+            path = Path(root, name)
+            relative = path.relative_to(folder).as_posix()
+            if relative != EXPORT_MANIFEST_NAME:
+                info = path.lstat()
+                found[relative] = (info.st_size, info.st_mtime_ns)
+    return found
+
+
+def export_manifest(folder: str | os.PathLike) -> Optional[list[str]]:
+    """The files an export wrote (its manifest), each a relative path inside ``folder``; None without one."""
+    path = Path(folder) / EXPORT_MANIFEST_NAME
+    if not path.is_file():
+        return None
+    try:
+        entries = json.loads(path.read_text()).get("files")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        entries = None
+    valid = isinstance(entries, list) and all(
+        isinstance(e, str) and e and not os.path.isabs(e) and ".." not in Path(e).parts and "\\" not in e
+        for e in entries
+    )
+    if not valid:
+        raise ConfigurationError(f"the export manifest {path} is damaged or was edited; re-export the model")
+    return list(entries)
+
+
+@contextmanager
+def recording_export(folder: str | os.PathLike) -> Iterator[Path]:
+    """Add every file written or rewritten inside the ``with`` block to ``folder``'s export manifest."""
+    folder = Path(folder)
+    before = _folder_files(folder) if folder.is_dir() else {}
+    yield folder
+    after = _folder_files(folder)
+    previous = export_manifest(folder) or []
+    written = {name for name, stamp in after.items() if before.get(name) != stamp}
+    files = sorted({*(name for name in previous if name in after), *written})
+    (folder / EXPORT_MANIFEST_NAME).write_text(
+        json.dumps({"tool": "hf-tapernorm", "files": files}, indent=2, sort_keys=True) + "\n"
+    )
 
 
 def export_folded(
@@ -51,14 +105,67 @@ def export_folded(
         )
     if facts is not None or model.model_card is None:
         attach_model_card(model, facts)
-    model.save_pretrained(folder)
+    with recording_export(folder):
+        model.save_pretrained(folder)
     logger.info("exported %s to %s", type(model).__name__, folder)
     return folder
 
 
-def push_export(folder: str | os.PathLike, repo_id: str, **options: Any):
-    """Upload a folded export folder (weights, config, code, tokenizer, card) as it is on disk."""
-    return upload_export(folder, repo_id, **options)
+def files_to_push(folder: str | os.PathLike, include: Sequence[str] = ()) -> list[str]:
+    """The files ``push_export`` uploads: the export's manifest, plus the other files ``include`` names.
+
+    Refuses (ConfigurationError, the files listed) a folder without a manifest, one holding a symbolic link,
+    one missing a file of its manifest, and one holding a file neither the manifest nor ``include`` names.
+    """
+    folder = Path(folder)
+    manifest = export_manifest(folder)
+    if manifest is None:
+        raise ConfigurationError(
+            f"'{folder}' has no export manifest ({EXPORT_MANIFEST_NAME}), so which files are the export is "
+            "unknown; re-export it with hf-tapernorm fold (or taper) and push that folder"
+        )
+    present = _folder_files(folder)
+    links = [name for name in present if (folder / name).is_symlink()]
+    if links:
+        raise ConfigurationError(f"'{folder}' holds symbolic links ({', '.join(links[:8])}); push refuses them")
+    missing = [name for name in manifest if name not in present]
+    if missing:
+        raise ConfigurationError(
+            f"'{folder}' lacks files of its export ({', '.join(missing[:8])}); re-export it with hf-tapernorm fold"
+        )
+    extra = sorted(name for name in present if name not in manifest)
+    included = [name for name in extra if _matches(name, include)]
+    refused = [name for name in extra if name not in included]
+    if refused:
+        raise ConfigurationError(
+            f"'{folder}' holds files the export did not write ({', '.join(refused[:8])}"
+            f"{f' and {len(refused) - 8} more' if len(refused) > 8 else ''}); they are not uploaded: move them "
+            "away, or name the ones to publish with --include PATTERN"
+        )
+    return sorted([*manifest, *included])
 
 
-__all__ = ["export_folded", "push_export"]
+def _matches(name: str, patterns: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(Path(name).name, p) for p in patterns)
+
+
+def push_export(folder: str | os.PathLike, repo_id: str, *, include: Sequence[str] = (), **options: Any):
+    """Upload the files of a folded export (``files_to_push``: its manifest, plus ``include``) to ``repo_id``."""
+    files = files_to_push(folder, include)
+    logger.info("uploading %d files of %s: %s", len(files), folder, ", ".join(files))
+    return upload_export(folder, repo_id, allow_patterns=[glob_escape(name) for name in files], **options)
+
+
+def glob_escape(name: str) -> str:
+    """``name`` as an fnmatch pattern that matches only itself (upload_folder's allow_patterns are patterns)."""
+    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
+
+
+__all__ = [
+    "EXPORT_MANIFEST_NAME",
+    "export_folded",
+    "export_manifest",
+    "files_to_push",
+    "push_export",
+    "recording_export",
+]

@@ -273,8 +273,9 @@ def upload_export(
     commit_description: Optional[str] = None,
     revision: Optional[str] = None,
     create_pr: bool = False,
+    allow_patterns: Optional[list[str]] = None,
 ):
-    """Create ``repo_id`` if needed and upload ``folder`` as it is on disk; returns the commit info.
+    """Create ``repo_id`` if needed and upload ``folder`` (only ``allow_patterns`` when given); returns the commit.
 
     The one push path: ``FoldedModelMixin.push_to_hub`` and ``hf-tapernorm push`` both end here.
     """
@@ -290,6 +291,7 @@ def upload_export(
         revision=revision,
         create_pr=create_pr,
         repo_type="model",
+        allow_patterns=allow_patterns,
     )
 
 

@@ -73,6 +73,8 @@ def embedded_model() -> ModelSource:
 
 def _kind_of_folder(folder: Path) -> str:
     config = json.loads((folder / "config.json").read_text())
+    if not isinstance(config, dict):
+        raise ModelSourceError(f"'{folder / 'config.json'}' holds a JSON {type(config).__name__}, not a model config")
     if str(config.get("model_type", "")).startswith("tapernorm_"):
         return "folded"
     if is_tapered_checkpoint(folder):
@@ -107,7 +109,7 @@ def resolve_model(model_name_or_path: Optional[str] = None, gguf_file: Optional[
             )
         try:
             return ModelSource(str(path), None, _kind_of_folder(path))
-        except (OSError, json.JSONDecodeError) as error:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
             raise ModelSourceError(f"cannot read the config of '{model_name_or_path}': {error}") from error
     if path.exists() or model_name_or_path.startswith((".", "/", "~")) or model_name_or_path.count("/") > 1:
         raise ModelSourceError(f"model '{model_name_or_path}' not found: no such folder or file")
@@ -142,11 +144,19 @@ def load_model(
     *,
     dtype: Optional[str] = None,
     trust_remote_code: bool = False,
+    trust_sharded_checkpoint: bool = False,
 ) -> PreTrainedModel:
-    """Load any model kind as a causal LM; tapered checkpoints come back patched (see module docs)."""
+    """Load any model kind as a causal LM; tapered checkpoints come back patched (see module docs).
+
+    ``trust_sharded_checkpoint``: read a sharded tapered checkpoint, whose index is a pickle (load_tapered).
+    """
     if source.kind == "tapered":
         resolved = _dtype(dtype)
-        return load_tapered(source.path, dtype=resolved if isinstance(resolved, torch.dtype) else None)
+        return load_tapered(
+            source.path,
+            dtype=resolved if isinstance(resolved, torch.dtype) else None,
+            trust_sharded_checkpoint=trust_sharded_checkpoint,
+        )
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if source.gguf_file:
         # Unpack every GGUF block into ordinary tensors: the model is then trained, patched, folded
@@ -157,12 +167,24 @@ def load_model(
         kwargs["dtype"] = resolved
     logger.info("loading model %s (%s)", source.describe(), source.kind)
     try:  # folded exports load through the Auto classes: importing hf_tapernorm registered them
-        model = AutoModelForCausalLM.from_pretrained(source.path, **kwargs)
+        model, loading = AutoModelForCausalLM.from_pretrained(source.path, output_loading_info=True, **kwargs)
     except Exception as error:
         hint = " (no network? a Hub id needs to be reachable or cached)" if source.kind == "hub" else ""
         raise ModelSourceError(
             f"cannot load model '{source.describe()}'{hint}: {type(error).__name__}: {error}"
         ) from error
+    missing = sorted(loading.get("missing_keys") or ())
+    if missing:  # transformers initialises them randomly and only logs a table: a model nobody trained
+        raise ModelSourceError(
+            f"model '{source.describe()}' lacks {len(missing)} weight(s) its config declares ({', '.join(missing[:3])}"
+            f"{' ...' if len(missing) > 3 else ''}): they would be random; fix its config.json or its weights"
+        )
+    not_finite = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+    if not_finite is not None:
+        raise ModelSourceError(
+            f"model '{source.describe()}' has non-finite values (NaN or inf) in {not_finite}; it cannot be trained "
+            "or evaluated, repair or re-download its weights"
+        )
     if source.gguf_file and getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)  # fully dequantized: a plain model now
     return model

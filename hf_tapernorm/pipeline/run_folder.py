@@ -1,80 +1,177 @@
-"""A run folder that knows what it wrote: the manifest, the overwrite/resume policy, and atomic writes.
+"""A run folder that knows what it wrote: the manifest, the lock, the overwrite/resume policy, atomic writes.
 
-Every file a run creates in its folder is recorded in ``.hf_tapernorm_run.json`` (refreshed after each
-checkpoint, export and report). A later command may replace or continue the folder only when nothing
-else is in it: ``--overwrite`` on a folder holding a file the manifest does not list, or on a folder that
-no run of ours wrote, is refused with the foreign files named, and nothing is deleted before every
-argument, the model and the data have been checked. A half-written output never carries its final name.
+Every file a run creates in its folder is recorded in ``.hf_tapernorm_run.json`` before the file gets its
+final name (checkpoints, exports and reports are registered first, then written or renamed into place), so
+a run killed at any point finds only its own files on ``--resume`` or ``--overwrite``. A later command may
+replace or continue the folder only when nothing else is in it: ``--overwrite`` on a folder holding a file
+the manifest does not list, or on a folder that no run of ours wrote, is refused with the foreign files
+named, and nothing is deleted before every argument, the model and the data have been checked.
+
+The manifest is data a user can edit, so it is never trusted as a list of paths: an entry that is absolute,
+climbs with ``..``, passes through a symbolic link or resolves outside the folder is refused before anything
+is deleted, and a folder holding symbolic links is refused before any work. ``.hf_tapernorm_run.lock`` keeps
+a second command out of a folder in use (a lock whose process is gone is taken over). A half-written output
+never carries its final name.
 """
 
 from __future__ import annotations
 
+import errno
+import fnmatch
 import json
+import logging
 import os
 import shutil
-from collections.abc import Callable
-from pathlib import Path
+import socket
+from collections.abc import Callable, Iterable
+from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
 from ..errors import ConfigurationError
 
+logger = logging.getLogger(__name__)
+
 MANIFEST_NAME = ".hf_tapernorm_run.json"
-#: Temporary siblings written by write_folder; a crash can leave one behind, which is ours.
+LOCK_NAME = ".hf_tapernorm_run.lock"
+#: Bookkeeping files of the folder itself: never listed, never foreign.
+_BOOKKEEPING = (MANIFEST_NAME, MANIFEST_NAME + ".tmp", LOCK_NAME)
+#: Temporary siblings written by write_folder (``.NAME.partial-PID``, ``.NAME.old-PID``); a crash can leave one
+#: behind, which is ours.
 _PARTIAL_MARKERS = (".partial-", ".old-")
+#: The report's atomic writes (pipeline/report.py: ``report.json.tmp``, ``report.md.tmp``).
+_TEMPORARY_FILES = ("report.json.tmp", "report.md.tmp")
+#: Folders a Trainer writes into a run folder (the run's own, whether or not a kill let it record them).
+CHECKPOINT_PATTERN = "checkpoint-*"
 
 
 class RunFolderError(ConfigurationError):
     """The output folder cannot be used as asked (the message says why and lists foreign files)."""
 
 
+def _is_partial(relative: str) -> bool:
+    """What an interrupted write of ours leaves: a file inside a ``.NAME.partial-PID`` folder, or a report temp."""
+    parts = relative.split("/")
+    in_partial_folder = len(parts) > 1 and any(
+        part.startswith(".") and marker in part for part in parts[:-1] for marker in _PARTIAL_MARKERS
+    )
+    return in_partial_folder or relative in _TEMPORARY_FILES
+
+
+def _is_checkpoint_file(relative: str) -> bool:
+    """A file inside a Trainer's ``checkpoint-*`` folder (of the run, or of its ``baseline/`` run)."""
+    parts = relative.split("/")
+    folders = parts[1:-1] if parts[0] == "baseline" else parts[:-1]
+    return bool(folders) and fnmatch.fnmatch(folders[0], CHECKPOINT_PATTERN)
+
+
 class RunFolder:
-    """The output folder of one command, with its manifest."""
+    """The output folder of one command, with its manifest and lock."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.manifest_path = self.path / MANIFEST_NAME
+        self._lock: Optional[RunLock] = None
 
     # ------------------------------------------------------------------ what is there
     def files(self) -> list[str]:
-        """Every file under the folder, relative, the manifest excluded (sorted)."""
+        """Every file under the folder, relative, the bookkeeping files excluded (sorted); links not followed."""
         if not self.path.is_dir():
             return []
         found = []
-        for root, _, names in os.walk(self.path):
-            for name in names:
+        for root, dirs, names in os.walk(self.path):
+            for name in [*names, *(d for d in dirs if Path(root, d).is_symlink())]:
                 relative = Path(root, name).relative_to(self.path).as_posix()
-                if relative != MANIFEST_NAME:
+                if relative not in _BOOKKEEPING:
                     found.append(relative)
         return sorted(found)
+
+    def symlinks(self) -> list[str]:
+        """Symbolic links inside the folder (relative): refused, a link's target is nobody's to replace."""
+        return [f for f in self.files() if (self.path / f).is_symlink()]
 
     def manifest(self) -> Optional[dict[str, Any]]:
         if not self.manifest_path.is_file():
             return None
         try:
-            return json.loads(self.manifest_path.read_text())
-        except (OSError, json.JSONDecodeError):
+            manifest = json.loads(self.manifest_path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             return None
+        return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files", []), list) else None
+
+    def owned_files(self) -> list[str]:
+        """The manifest's entries, each checked to name a file inside the folder (else RunFolderError)."""
+        manifest = self.manifest() or {}
+        return [self._checked_entry(entry) for entry in manifest.get("files", [])]
+
+    def _checked_entry(self, entry: Any) -> str:
+        """``entry`` when it is a relative path that stays inside the folder without crossing a link."""
+        bad = not isinstance(entry, str) or not entry or "\\" in entry or "\0" in entry
+        pure = PurePosixPath(entry) if not bad else PurePosixPath()
+        if bad or pure.is_absolute() or ".." in pure.parts or Path(entry).is_absolute():
+            raise RunFolderError(
+                f"the manifest {self.manifest_path} lists {entry!r}, which is not a path inside the folder: it was "
+                "edited by hand; nothing was deleted, delete or move the folder yourself"
+            )
+        root = self.path.resolve()
+        current = self.path
+        for part in pure.parts:
+            current = current / part
+            if current.is_symlink():
+                raise RunFolderError(
+                    f"the manifest {self.manifest_path} lists {entry!r}, which passes through the symbolic link "
+                    f"'{current}'; nothing was deleted, remove the link first"
+                )
+        if not current.resolve().is_relative_to(root):
+            raise RunFolderError(
+                f"the manifest {self.manifest_path} lists {entry!r}, which resolves outside the folder; nothing "
+                "was deleted, delete or move the folder yourself"
+            )
+        return pure.as_posix()
 
     def foreign_files(self) -> list[str]:
         """Files this command did not write (everything, when there is no manifest)."""
         manifest = self.manifest()
-        ours = set(manifest.get("files", [])) if manifest else set()
-        return [f for f in self.files() if f not in ours and not any(m in f for m in _PARTIAL_MARKERS)]
+        if manifest is None:
+            return [f for f in self.files() if not _is_partial(f)]
+        ours = set(self.owned_files())
+        return [f for f in self.files() if f not in ours and not _is_partial(f) and not _is_checkpoint_file(f)]
 
     def is_empty(self) -> bool:
-        return not self.path.exists() or not any(self.path.iterdir())
+        return not self.path.exists() or not any(
+            child.name not in _BOOKKEEPING or child.name == MANIFEST_NAME for child in self.path.iterdir()
+        )
 
     # ------------------------------------------------------------------ policy
-    def check(self, *, overwrite: bool, resume: bool, has_checkpoint: Callable[[], bool]) -> bool:
+    def check(
+        self,
+        *,
+        overwrite: bool,
+        resume: bool,
+        has_checkpoint: Callable[[], bool],
+        recorded_identity: Callable[[], Optional[dict[str, Any]]] = lambda: None,
+        outputs: Iterable[str] = (),
+    ) -> bool:
         """Refuse a folder this command may not use; True when it must be emptied (after validation).
 
         Checked before anything slow; the emptying itself waits until the model and data have loaded.
+        ``recorded_identity``: the identity a checkpoint of the run recorded, to rebuild a lost manifest on
+        ``--resume``; ``outputs``: the names the run writes (files, or folders ending in "/"), then taken as its.
         """
-        if self.path.exists() and not self.path.is_dir():
-            raise RunFolderError(f"output folder '{self.path}' is a file")
+        for parent in [self.path, *self.path.parents]:
+            if parent.exists() and not parent.is_dir():
+                raise RunFolderError(f"output folder '{self.path}': '{parent}' is a file")
         if self.is_empty():
             return False
+        links = self.symlinks()
+        if links:
+            raise RunFolderError(
+                f"output folder '{self.path}' holds symbolic links ({', '.join(links[:8])}); a run replaces only "
+                "files of its own: remove the links or choose another --output_dir"
+            )
         manifest = self.manifest()
+        if resume and manifest is None and has_checkpoint():
+            manifest = self._rebuild(recorded_identity(), tuple(outputs))
+        self.owned_files()  # every entry inside the folder, before anything else is decided
         foreign = self.foreign_files()
         listing = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
         if resume:
@@ -106,46 +203,196 @@ class RunFolder:
             raise RunFolderError(f"refusing to --overwrite '{self.path}': it {what} ({listing}); move them away first")
         return True
 
+    def _rebuild(self, identity: Optional[dict[str, Any]], outputs: tuple[str, ...]) -> Optional[dict[str, Any]]:
+        """A lost or unreadable manifest on ``--resume``: rebuilt from the checkpoint's own record of the run.
+
+        Only the checkpoints and the run's own output names are taken as the run's; every other file stays
+        foreign (check() lists them and refuses).
+        """
+        if identity is None:
+            raise RunFolderError(
+                f"--resume: the manifest {self.manifest_path} is missing or unreadable and no checkpoint in "
+                f"'{self.path}' records the run; start over with --overwrite in a new --output_dir"
+            )
+        logger.warning("rebuilding the lost manifest of %s from its last checkpoint's record", self.path)
+        ours = [
+            f
+            for f in self.files()
+            if _is_checkpoint_file(f) or f in outputs or any(f.startswith(o) for o in outputs if o.endswith("/"))
+        ]
+        self._write_manifest({"tool": "hf-tapernorm", "identity": identity, "files": ours})
+        return self.manifest()
+
     def empty(self) -> None:
-        """Delete what the manifest lists (and our partial folders), then the empty subfolders; nothing else."""
-        manifest = self.manifest() or {}
-        for relative in manifest.get("files", []):
+        """Delete what the manifest lists (and our partial folders), then the empty subfolders; nothing else.
+
+        Every entry is checked first (owned_files): one entry outside the folder and nothing is deleted.
+        """
+        if self.symlinks():
+            raise RunFolderError(f"output folder '{self.path}' holds symbolic links; nothing was deleted")
+        owned = self.owned_files()
+        checkpoints = [f for f in self.files() if _is_checkpoint_file(f)]
+        for relative in [*owned, *checkpoints]:
             target = self.path / relative
-            if target.is_file() or target.is_symlink():
+            if target.is_file():
                 target.unlink()
-        for child in self.path.iterdir():
-            if child.is_dir() and any(m in child.name for m in _PARTIAL_MARKERS):
-                shutil.rmtree(child)
+        self.remove_partials()
         for root, dirs, _ in sorted(os.walk(self.path), key=lambda item: -len(item[0])):
             for name in dirs:
                 folder = Path(root, name)
-                if folder.is_dir() and not any(folder.iterdir()):
+                if folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir()):
                     folder.rmdir()
         self.manifest_path.unlink(missing_ok=True)
 
+    def remove_partials(self) -> None:
+        """Delete what an interrupted write left (``.NAME.partial-PID``/``.old-PID`` folders, ``*.tmp`` files).
+
+        Called while this command holds the lock, so no other process is writing them.
+        """
+        for name in _TEMPORARY_FILES:
+            target = self.path / name
+            if target.is_file() and not target.is_symlink():
+                target.unlink()
+        for child in self.path.iterdir() if self.path.is_dir() else ():
+            hidden_partial = child.name.startswith(".") and any(m in child.name for m in _PARTIAL_MARKERS)
+            if hidden_partial and child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+
     # ------------------------------------------------------------------ record
-    def record(self, **fields: Any) -> None:
-        """Rewrite the manifest with every file now in the folder (they are this run's: it started empty)."""
+    def record(self, *, expect: Iterable[str] = (), **fields: Any) -> None:
+        """Rewrite the manifest with every file now in the folder (they are this run's: it started empty).
+
+        ``expect``: files about to be written (registered before they exist, so a kill while they are written
+        leaves nothing foreign).
+        """
         self.path.mkdir(parents=True, exist_ok=True)
         manifest = self.manifest() or {"tool": "hf-tapernorm"}
         manifest.update(fields)
-        manifest["files"] = self.files()
+        manifest["files"] = sorted({*(f for f in self.files() if not _is_partial(f)), *expect})
+        self._write_manifest(manifest)
+
+    def _write_manifest(self, manifest: dict[str, Any]) -> None:
         tmp = self.manifest_path.with_name(MANIFEST_NAME + ".tmp")
         tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, self.manifest_path)
 
+    def write_output(self, name: str, write: Callable[[Path], None]) -> Path:
+        """``write_folder`` of the subfolder ``name``, its files registered in the manifest before the rename."""
+        final = self.path / name
 
-def write_folder(final: Path, write: Callable[[Path], None]) -> None:
+        def register(files: list[str]) -> None:
+            self.record(expect=[f"{name}/{f}" for f in files])
+
+        write_folder(final, write, before_rename=register)
+        self.record()
+        return final
+
+    # ------------------------------------------------------------------ lock
+    def lock(self) -> RunLock:
+        """Take the folder's lock (creating the folder); RunFolderError when another live command holds it."""
+        self._lock = RunLock(self.path)
+        self._lock.acquire()
+        return self._lock
+
+    def unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+
+class RunLock:
+    """``.hf_tapernorm_run.lock``: created with O_EXCL and the owner's pid; a dead owner's lock is taken over."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.path = folder / LOCK_NAME
+        self.created_folder = False
+        self.held = False
+
+    def acquire(self) -> None:
+        for parent in [self.folder, *self.folder.parents]:
+            if parent.exists() and not parent.is_dir():
+                raise RunFolderError(f"output folder '{self.folder}': '{parent}' is a file")
+        try:
+            self.created_folder = not self.folder.exists()
+            self.folder.mkdir(parents=True, exist_ok=True)
+            for _ in range(2):
+                try:
+                    descriptor = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                except FileExistsError:
+                    if not self._owner_is_gone():
+                        raise RunFolderError(
+                            f"output folder '{self.folder}' is in use by another hf-tapernorm command "
+                            f"({self._owner_text()}); wait for it to finish, or choose another --output_dir"
+                        ) from None
+                    logger.warning("taking over the lock of %s: its process is gone", self.folder)
+                    self.path.unlink(missing_ok=True)
+                    continue
+                with os.fdopen(descriptor, "w") as handle:
+                    json.dump({"pid": os.getpid(), "host": socket.gethostname()}, handle)
+                self.held = True
+                return
+        except OSError as error:
+            reason = errno.errorcode.get(error.errno, "") if error.errno else ""
+            raise RunFolderError(
+                f"cannot write into output folder '{self.folder}': {error.strerror or error} {reason}".rstrip()
+                + "; choose a writable --output_dir"
+            ) from None
+        raise RunFolderError(f"output folder '{self.folder}': cannot take its lock {self.path}")
+
+    def _owner(self) -> dict[str, Any]:
+        try:
+            owner = json.loads(self.path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return {}
+        return owner if isinstance(owner, dict) else {}
+
+    def _owner_text(self) -> str:
+        owner = self._owner()
+        return f"pid {owner.get('pid')} on {owner.get('host')}, lock {self.path}"
+
+    def _owner_is_gone(self) -> bool:
+        owner = self._owner()
+        pid, host = owner.get("pid"), owner.get("host")
+        if not isinstance(pid, int) or host != socket.gethostname():
+            return False  # another machine's (shared disk) or unreadable: not ours to break
+        if pid == os.getpid():
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.path.unlink(missing_ok=True)
+        self.held = False
+        if self.created_folder and self.folder.is_dir() and not any(self.folder.iterdir()):
+            self.folder.rmdir()  # a command refused before it wrote anything leaves no folder behind
+
+
+def write_folder(
+    final: Path, write: Callable[[Path], None], *, before_rename: Optional[Callable[[list[str]], None]] = None
+) -> None:
     """``write`` into a hidden temporary sibling, then rename it to ``final``; on failure remove it.
 
-    Nothing half-written ever carries the final name, and an older complete folder survives a
-    failed rewrite.
+    Nothing half-written ever carries the final name, and an older complete folder survives a failed
+    rewrite. ``before_rename`` receives the written files (relative) before the rename (a manifest records
+    them). A symbolic link at ``final`` is refused: its target is not ours to replace.
     """
+    if final.is_symlink() or (final.exists() and not final.is_dir()):
+        raise RunFolderError(f"'{final}' is a symbolic link or a file; a folder written here would replace it")
     tmp = final.with_name(f".{final.name}.partial-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
         write(tmp)
+        if before_rename is not None:
+            before_rename(sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -158,4 +405,4 @@ def write_folder(final: Path, write: Callable[[Path], None]) -> None:
         os.replace(tmp, final)
 
 
-__all__ = ["MANIFEST_NAME", "RunFolder", "RunFolderError", "write_folder"]
+__all__ = ["CHECKPOINT_PATTERN", "LOCK_NAME", "MANIFEST_NAME", "RunFolder", "RunFolderError", "RunLock", "write_folder"]

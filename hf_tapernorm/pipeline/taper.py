@@ -16,18 +16,19 @@ import copy
 import json
 import logging
 import os
+import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from accelerate import PartialState
-from accelerate.utils import extract_model_from_parallel
 from transformers import AutoModelForCausalLM
 
 from ..errors import ConfigurationError, TaperStateError
 from ..export.folding import fold_model
-from ..export.hub import export_folded
+from ..export.hub import export_folded, recording_export
 from ..layers.patching import gate_of, patch_model, plan_patch
 from ..layers.scale_anchor import scale_anchors
 from ..layers.taper_norm import tapered_norms
@@ -41,11 +42,13 @@ from .evaluation import evaluate_set, per_document
 from .heldout import EvaluationSet
 from .models import ModelSource, load_model, load_tokenizer, resolve_model
 from .out_of_corpus import out_of_corpus_set
+from .preflight import check_trainer_options, check_training_blocks
 from .record import DataFacts, ModelFacts, RunRecord, TrainingFacts
-from .report import summary_lines, write_report
-from .run_folder import RunFolder, write_folder
+from .report import PLOTS, summary_lines, write_report
+from .resume_check import check_resumable
+from .run_folder import RunFolder
 from .showcase import greedy_continuations, ops_per_generated_token
-from .training_run import RecordCallback, train
+from .training_run import RecordCallback, recorded_identity, train
 from .validation import (
     TaperRequest,
     check_resume_identity,
@@ -61,11 +64,22 @@ logger = logging.getLogger(__name__)
 
 # ============================================================================= the run
 def run_taper(request: TaperRequest) -> int:
-    """The whole ``taper`` command on parsed arguments; returns the exit status (0, or 130 when interrupted)."""
+    """The whole ``taper`` command on parsed arguments; returns the exit status (0, or 128 + the signal's number
+    when SIGINT/SIGTERM stopped it with a checkpoint: 130, 143)."""
+    state = PartialState()
+    output = RunFolder(request.training.output_dir)
+    if state.is_main_process:
+        output.lock()  # a second command on this folder is refused until this one ends
+    try:
+        return _run_locked(request, output)
+    finally:
+        output.unlock()
+
+
+def _run_locked(request: TaperRequest, output: RunFolder) -> int:
     started = time.time()
     state = PartialState()
     training_args, run = request.training, request.run
-    output = RunFolder(training_args.output_dir)
     source = resolve_model(request.model.model_name_or_path, request.model.gguf_file)
     if source.kind in ("tapered", "folded"):
         raise ConfigurationError(
@@ -75,6 +89,13 @@ def run_taper(request: TaperRequest) -> int:
         overwrite=run.overwrite,
         resume=run.resume,
         has_checkpoint=lambda: bool(list(output.path.glob("**/checkpoint-*"))),
+        recorded_identity=lambda: recorded_identity(output.path),
+        outputs=RUN_OUTPUTS,
+    )
+    stale_checkpoints = (
+        check_resumable(output.path, trust_sharded_checkpoint=request.model.trust_sharded_checkpoint)
+        if run.resume
+        else []
     )
 
     tokenizer = load_tokenizer(source, trust_remote_code=request.model.trust_remote_code)
@@ -83,6 +104,7 @@ def run_taper(request: TaperRequest) -> int:
     plan_patch(skeleton, config)  # every keep pattern, every norm: refused now, not after the load
     schedule = check_schedule(config, training_args.max_steps)
     decay_learning_rate_after_the_taper(training_args, schedule)  # the baseline trains with the same schedule
+    check_trainer_options(training_args, schedule, config)
     positions = max_positions(skeleton.config)
     if positions is not None and request.data.block_size > positions:
         raise ConfigurationError(f"--block_size {request.data.block_size} exceeds the model's {positions} positions")
@@ -94,13 +116,21 @@ def run_taper(request: TaperRequest) -> int:
     del skeleton
 
     packed = _prepare_data(request, tokenizer, config.sink_token_ids)
+    check_training_blocks(training_args, len(packed.train))
     reference_text = out_of_corpus_set(request.data, tokenizer, config.sink_token_ids)
     baseline_source = _baseline_source(request.run.baseline_from)
     model = load_model(source, dtype=request.model.dtype, trust_remote_code=request.model.trust_remote_code)
     if state.is_main_process:
         if must_empty:
             output.empty()
-        output.record(identity=identity)
+        if run.resume:  # the identity is rewritten once the resumed run has trained (RecordCallback)
+            output.remove_partials()
+            for checkpoint in stale_checkpoints:
+                logger.warning("removing %s: it was being written when the run stopped (incomplete)", checkpoint)
+                shutil.rmtree(checkpoint)
+            output.record()
+        else:
+            output.record(identity=identity)
     state.wait_for_everyone()
 
     record = RunRecord(
@@ -153,8 +183,7 @@ def run_taper(request: TaperRequest) -> int:
             if record.history and record.training.steps is None:  # how far training got
                 last = record.history[-1]
                 record.training.steps, record.training.final_gate = last["step"], last.get("gate")
-            write_report(output.path, record)
-            output.record()
+            write_run_report(output, record)
             print("\n".join(["", "hf-tapernorm taper: summary (no export)", *summary_lines(record.to_dict())]))
         raise
     finally:
@@ -227,20 +256,15 @@ class _Pipeline:
 
     def train(self, model, folder: Path, callbacks: list, history: list):
         callbacks = [*callbacks, RecordCallback(self.output, self.identity)]
-        try:
-            return train(
-                model,
-                self.request.training,
-                self.packed.train,
-                folder,
-                callbacks,
-                resume=self.request.run.resume,
-                history=history,
-            )
-        finally:
-            # --bf16/--fp16: accelerate wrapped the model's forward in autocast; evaluation, folding and the sink
-            # capture must compute in the model's own dtype, as a reloaded model does.
-            extract_model_from_parallel(model, keep_fp32_wrapper=False)
+        return train(
+            model,
+            self.request.training,
+            self.packed.train,
+            folder,
+            callbacks,
+            resume=self.request.run.resume,
+            history=history,
+        )
 
     def prompts(self, count: int = 3, length: int = 32) -> torch.Tensor:
         """Held-out prompts (sink tokens included) for the report's side-by-side continuations."""
@@ -254,11 +278,12 @@ class _Pipeline:
         patch_model(model, record.config)
         record.tapered_norms = sum(1 for _ in tapered_norms(model))
         allowed = {key.rsplit(".", 1)[-1] for key in record.allowed_changes if key.startswith("taper.")}
-        trainer, interrupted = self.train(
-            model, self.output.path, [TaperCallback(allow_changes=allowed)], record.history
+        callback = TaperCallback(
+            allow_changes=allowed, trust_sharded_checkpoint=self.request.model.trust_sharded_checkpoint
         )
+        trainer, interrupted = self.train(model, self.output.path, [callback], record.history)
         if interrupted:
-            return self.interrupted(f"interrupted at step {trainer.state.global_step}")
+            return self.interrupted(f"interrupted at step {trainer.state.global_step}", interrupted)
         steps = trainer.state.global_step
         record.training.steps = steps
         record.training.tokens = steps * record.training.global_batch_blocks * self.packed.block_size
@@ -274,23 +299,25 @@ class _Pipeline:
             record.baseline_history = []
             trainer, interrupted = self.train(baseline, self.output.path / "baseline", [], record.baseline_history)
             if interrupted:
-                return self.interrupted(f"interrupted in the baseline run at step {trainer.state.global_step}")
+                return self.interrupted(
+                    f"interrupted in the baseline run at step {trainer.state.global_step}", interrupted
+                )
             if main:
                 self.save_baseline(baseline)
         if main:
-            self.finish(model, baseline)
+            with model_dtype_only(model):
+                self.finish(model, baseline)
         self.state.wait_for_everyone()
         return 0
 
     def save_baseline(self, baseline) -> None:
         """The normalized run's model (``baseline/model``), so later runs and reports can compare with it."""
-        folder = self.output.path / "baseline" / "model"
 
         def write(tmp: Path) -> None:
             baseline.save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
 
-        write_folder(folder, write)
+        folder = self.output.write_output("baseline/model", write)
         self.record.export["baseline_model"] = str(folder)
 
     def load(self, source: ModelSource):
@@ -301,7 +328,7 @@ class _Pipeline:
 
     def finish(self, model, baseline) -> None:
         record = self.record
-        write_folder(self.output.path / "tapered", lambda tmp: save_tapered(model, tmp, self.tokenizer))
+        self.output.write_output("tapered", lambda tmp: save_tapered(model, tmp, self.tokenizer))
         record.export["tapered_checkpoint"] = str(self.output.path / "tapered")
         probe = self.heldout[:2, len(self.packed.prefix_ids) :]
         folded = fold_model(model, tied_head=self.request.taper.tied_head, probe=probe)
@@ -315,8 +342,8 @@ class _Pipeline:
         models.update(tapered=model, folded=folded)
         record.samples = greedy_continuations(models, self.prompts(), self.tokenizer, sink=self.packed.prefix_ids)
         record.status = "finished"
-        write_report(self.output.path, record)
-        self.output.record()
+        write_run_report(self.output, record)
+        self.output.record(identity=self.identity)
         print(
             "\n".join(
                 [
@@ -346,7 +373,8 @@ class _Pipeline:
             "rows": per_document(held["tapered"], held[against], self.packed.heldout_set),
         }
         losses = {"blocks": len(self.packed.heldout_set.blocks), **{name: s.per_block() for name, s in held.items()}}
-        _write_json(self.output.path / "heldout_losses.json", losses)
+        self.output.record(expect=[HELDOUT_LOSSES])
+        _write_json(self.output.path / HELDOUT_LOSSES, losses)
         if self.reference_text is not None:
             scores = evaluate_set(models, self.reference_text, reference=original, batch_size=batch)
             record.out_of_corpus = {name: s.summary() for name, s in scores.items()}
@@ -363,7 +391,7 @@ class _Pipeline:
                 sink,
             )
         logger.info("saving the folded export to %s", folded_dir)
-        write_folder(folded_dir, lambda tmp: save_export(folded, self.tokenizer, tmp, record.card_facts()))
+        self.output.write_output("folded", lambda tmp: save_export(folded, self.tokenizer, tmp, record.card_facts()))
         reloaded = AutoModelForCausalLM.from_pretrained(folded_dir).eval()
         with torch.no_grad():
             expected = folded.eval()(input_ids=probe).logits
@@ -376,13 +404,30 @@ class _Pipeline:
             )
         record.export.update({"path": str(folded_dir), "reloaded": True, "reload_max_abs_diff": difference})
 
-    def interrupted(self, what: str) -> int:
+    def interrupted(self, what: str, signal_name: str) -> int:
         if self.state.is_main_process:
             self.record.status = f"{what}; continue with --resume"
-            write_report(self.output.path, self.record)
-            self.output.record()
+            write_run_report(self.output, self.record)
             print(f"{what}: checkpoint saved in {self.output.path}; rerun the same command with --resume to continue")
-        return 130
+        return 128 + int(getattr(signal, signal_name))
+
+
+#: What a taper run writes besides its checkpoints (folders end in "/").
+REPORT_FILES = ("report.json", "report.md", *PLOTS.values())
+HELDOUT_LOSSES = "heldout_losses.json"
+RUN_OUTPUTS = (*REPORT_FILES, HELDOUT_LOSSES, "tapered/", "folded/", "baseline/")
+
+
+def write_run_report(output: RunFolder, record: RunRecord) -> None:
+    """The report, its files registered in the manifest before they are written (a kill leaves none foreign)."""
+    output.record(expect=REPORT_FILES)
+    write_report(output.path, record)
+    output.record()
+
+
+def model_dtype_only(model):
+    """No autocast around evaluation, folding, the fold check and the sink capture: they run in the model's dtype."""
+    return torch.autocast(device_type=next(model.parameters()).device.type, enabled=False)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -392,10 +437,11 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def save_export(folded, tokenizer, folder: Path, facts: Optional[dict[str, Any]] = None) -> None:
-    """Weights, config, modeling code and model card (export_folded), plus the tokenizer."""
+    """Weights, config, modeling code and model card (export_folded), plus the tokenizer; all in its manifest."""
     export_folded(folded, folder, facts=facts)
     if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
+        with recording_export(folder):
+            tokenizer.save_pretrained(folder)
 
 
 __all__ = ["TaperRequest", "recipe_config", "run_taper", "save_export"]

@@ -1,9 +1,11 @@
-"""One Trainer run of the pipeline: Ctrl-C saves a resumable checkpoint, every checkpoint records the run.
+"""One Trainer run of the pipeline: Ctrl-C or SIGTERM saves a resumable checkpoint, every checkpoint records the run.
 
-First Ctrl-C: finish the current optimizer step, save a checkpoint (the Trainer's own: model, optimizer,
-scheduler, RNG, trainer state, plus what TaperCallback adds), stop; ``--resume`` continues it. A second
-Ctrl-C aborts without one. Each checkpoint also gets the run's identity (``tapernorm_run.json``), and
-the run folder's manifest is refreshed, so a later command knows these files are the run's.
+First Ctrl-C (SIGINT) or SIGTERM (what ``docker stop``, Slurm and Kubernetes send): finish the current
+optimizer step, save a checkpoint (the Trainer's own: model, optimizer, scheduler, RNG, trainer state, plus
+what TaperCallback adds), stop; ``--resume`` continues it. A second signal aborts without one. Each
+checkpoint also gets the run's identity (``tapernorm_run.json``), written last, so its presence marks a
+complete checkpoint (a kill while one is written leaves an incomplete one, which ``--resume`` skips), and the
+run folder's manifest is refreshed, so a later command knows these files are the run's.
 """
 
 from __future__ import annotations
@@ -11,13 +13,15 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import signal
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from accelerate.utils import extract_model_from_parallel
 from transformers import Trainer, TrainerCallback, default_data_collator
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..utils import all_reduce_max
 from .report import history_from_log
@@ -39,16 +43,21 @@ LOG_KEYS = {
 }
 
 
+#: The signals that stop a run with a checkpoint.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 class InterruptCallback(TrainerCallback):
-    """Ctrl-C as a Trainer stop with a save (see the module docstring)."""
+    """Ctrl-C or SIGTERM as a Trainer stop with a save (see the module docstring)."""
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous: Any = None
+        self.signal_name: Optional[str] = None
+        self._previous: dict[int, Any] = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if self._previous is None:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+        if not self._previous:
+            self._previous = {number: signal.signal(number, self._handle) for number in STOP_SIGNALS}
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.poll():
@@ -61,15 +70,18 @@ class InterruptCallback(TrainerCallback):
         self.uninstall()
 
     def uninstall(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for number, previous in self._previous.items():
+            signal.signal(number, previous)
+        self._previous = {}
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        logger.warning("Ctrl-C: stopping after this step with a checkpoint (press again to abort without one)")
+        self.signal_name = signal.Signals(signum).name
+        logger.warning(
+            "%s: stopping after this step with a checkpoint (send it again to abort without one)", self.signal_name
+        )
 
     def poll(self) -> bool:
         """The flag, agreed across processes so every rank stops (and saves) at the same step."""
@@ -89,12 +101,51 @@ class RecordCallback(TrainerCallback):
             return
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         if folder.is_dir():
-            (folder / IDENTITY_NAME).write_text(json.dumps(self.identity, indent=2, sort_keys=True) + "\n")
-        self.run_folder.record()
+            tmp = folder / (IDENTITY_NAME + ".tmp")
+            tmp.write_text(json.dumps(self.identity, indent=2, sort_keys=True) + "\n")
+            os.replace(tmp, folder / IDENTITY_NAME)
+        self.run_folder.record(identity=self.identity)  # a resumed run's identity, once it has trained
+
+
+def complete_checkpoints(folder: Path) -> list[Path]:
+    """The ``checkpoint-N`` folders whose run record was written (written last: the checkpoint is whole), by N."""
+    if not folder.is_dir():
+        return []
+    found = [
+        child
+        for child in folder.glob(f"{PREFIX_CHECKPOINT_DIR}-*")
+        if child.is_dir() and child.name.split("-")[-1].isdigit() and (child / IDENTITY_NAME).is_file()
+    ]
+    return sorted(found, key=lambda child: int(child.name.split("-")[-1]))
 
 
 def last_checkpoint(folder: Path) -> Optional[str]:
-    return get_last_checkpoint(str(folder)) if folder.is_dir() else None
+    """The last complete checkpoint (complete_checkpoints), or None."""
+    complete = complete_checkpoints(folder)
+    return str(complete[-1]) if complete else None
+
+
+def incomplete_checkpoints(folder: Path) -> list[Path]:
+    """``checkpoint-N`` folders newer than the last complete one: being written when the run was killed."""
+    complete = complete_checkpoints(folder)
+    last = int(complete[-1].name.split("-")[-1]) if complete else -1
+    return sorted(
+        child
+        for child in folder.glob(f"{PREFIX_CHECKPOINT_DIR}-*")
+        if child.is_dir() and child.name.split("-")[-1].isdigit() and int(child.name.split("-")[-1]) > last
+    )
+
+
+def recorded_identity(folder: Path) -> Optional[dict[str, Any]]:
+    """The run identity recorded in the last complete checkpoint (to rebuild a lost manifest)."""
+    complete = complete_checkpoints(folder)
+    if not complete:
+        return None
+    try:
+        identity = json.loads((complete[-1] / IDENTITY_NAME).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return identity if isinstance(identity, dict) else None
 
 
 def train(
@@ -106,8 +157,8 @@ def train(
     *,
     resume: bool,
     history: list,
-) -> tuple[Trainer, bool]:
-    """One Trainer run into ``output_dir``; returns (trainer, interrupted).
+) -> tuple[Trainer, Optional[str]]:
+    """One Trainer run into ``output_dir``; returns (trainer, the name of the signal that stopped it or None).
 
     ``history`` receives the per-step records even when training fails (a divergence report needs
     the curve up to the failure).
@@ -122,7 +173,7 @@ def train(
         data_collator=default_data_collator,
         callbacks=[*callbacks, interrupt],
     )
-    checkpoint = last_checkpoint(output_dir) if resume else None
+    checkpoint = last_checkpoint(output_dir) if resume else None  # validated before the model loaded
     if resume and checkpoint is None:
         logger.info("no checkpoint in %s: starting this training from step 0", output_dir)
     try:
@@ -130,7 +181,10 @@ def train(
     finally:
         interrupt.uninstall()
         history[:] = training_history(trainer)
-    return trainer, interrupt.requested
+        # Mixed precision (--bf16/--fp16) leaves an autocast wrapper on the model's forward; without removing it
+        # every later evaluation, the fold, its check and the sink capture would run in the autocast dtype.
+        extract_model_from_parallel(model, keep_fp32_wrapper=False)
+    return trainer, (interrupt.signal_name or "SIGINT") if interrupt.requested else None  # another rank's signal
 
 
 def training_history(trainer: Trainer) -> list[dict[str, Any]]:
@@ -147,7 +201,11 @@ __all__ = [
     "InterruptCallback",
     "LOG_KEYS",
     "RecordCallback",
+    "STOP_SIGNALS",
+    "complete_checkpoints",
+    "incomplete_checkpoints",
     "last_checkpoint",
+    "recorded_identity",
     "train",
     "training_history",
 ]

@@ -7,14 +7,17 @@ model's positions or a resumed run that is not the saved one all fail in seconds
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..config import TaperNormConfig, parse_step
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, UnsupportedModelError
 from ..training.schedule import TaperSchedule
 from .data import EMBEDDED_CORPUS
 from .models import ModelSource
@@ -98,8 +101,14 @@ def weightless_model(source: ModelSource, trust_remote_code: bool):
         raise ConfigurationError(
             f"cannot read the config of '{source.describe()}': {type(error).__name__}: {error}"
         ) from None
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+    except ValueError as error:  # e.g. an encoder-decoder (T5) config: no causal-LM class
+        raise UnsupportedModelError(
+            f"'{source.describe()}' is a {getattr(hf_config, 'model_type', '?')} model without a causal-LM class in "
+            f"transformers ({str(error).splitlines()[0][:160]}); taper needs a decoder-only language model"
+        ) from None
 
 
 def max_positions(hf_config) -> Optional[int]:
@@ -110,13 +119,69 @@ def max_positions(hf_config) -> Optional[int]:
     return None
 
 
+#: TrainingArguments that cannot change what is trained (bookkeeping, logging, saving, the Hub, evaluation,
+#: which taper refuses): left out of a run's identity, so a resume may change them freely. Every other option
+#: is part of it: a resume that changes one is refused unless --allow_changes names it.
+RESULT_NEUTRAL_OPTIONS = frozenset(
+    {
+        "output_dir", "run_name", "project", "report_to", "disable_tqdm", "debug", "local_rank", "skip_memory_metrics",
+        "logging_strategy", "logging_steps", "logging_first_step", "logging_nan_inf_filter", "log_level",
+        "log_level_replica", "log_on_each_node", "save_strategy", "save_steps", "save_total_limit",
+        "save_on_each_node", "save_only_model", "restore_callback_states_from_checkpoint", "resume_from_checkpoint",
+        "enable_jit_checkpoint", "push_to_hub", "hub_always_push", "hub_model_id", "hub_private_repo",
+        "hub_revision", "hub_strategy", "hub_token", "trackio_bucket_id", "trackio_space_id",
+        "trackio_static_space_id", "do_train", "do_eval", "do_predict", "eval_strategy", "eval_steps", "eval_delay",
+        "eval_accumulation_steps", "eval_do_concat_batches", "eval_on_start", "eval_use_gather_object",
+        "per_device_eval_batch_size", "batch_eval_metrics", "include_for_metrics", "prediction_loss_only",
+        "metric_for_best_model", "greater_is_better", "load_best_model_at_end", "bf16_full_eval", "fp16_full_eval",
+        "dataloader_num_workers", "dataloader_prefetch_factor", "dataloader_pin_memory",
+        "dataloader_persistent_workers", "dataloader_multiprocessing_context", "ddp_timeout",
+        "torch_empty_cache_steps", "include_num_input_tokens_seen",
+    }
+)  # fmt: skip
+#: Options a Trainer resume takes from optimizer.pt/scheduler.pt (param_groups, base_lrs), not from the command.
+IGNORED_ON_RESUME = frozenset({"learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "optim"})
+#: Files above this size are identified by size and modification time instead of their SHA-256.
+_HASHED_BYTES = 1 << 30
+
+
+def fingerprint(path: Optional[str], *, weights_by_size: bool = False) -> Optional[dict[str, Any]]:
+    """What a local file or folder holds (relative name -> SHA-256, or size): the same path with other contents is
+    another dataset or model. None for a Hub name. ``weights_by_size``: identify ``*.safetensors``/``*.bin``/``*.gguf``
+    by size (hashing a model's weights at every start costs more than it proves; its config.json is hashed)."""
+    if not path or not Path(path).expanduser().exists():
+        return None
+    root = Path(path).expanduser()
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file() and p.name[0] != ".")
+    found = {}
+    for file in files:
+        name = file.name if root.is_file() else file.relative_to(root).as_posix()
+        info = file.stat()
+        by_size = info.st_size > _HASHED_BYTES or (weights_by_size and file.suffix in (".safetensors", ".bin", ".gguf"))
+        if by_size:
+            found[name] = f"{info.st_size} bytes"
+        else:
+            with file.open("rb") as handle:
+                found[name] = hashlib.file_digest(handle, "sha256").hexdigest()
+    return found
+
+
 def run_identity(request: TaperRequest, source: ModelSource, config: TaperNormConfig) -> dict[str, Any]:
-    """What makes this run this run: a resumed run must match it (checked option by option)."""
+    """What makes this run this run: a resumed run must match it (checked option by option).
+
+    The model and the data are identified by their contents as well as their names; the Trainer's options by all
+    of them except the RESULT_NEUTRAL_OPTIONS.
+    """
     training, data = request.training, request.data
+    trainer_options = {k: v for k, v in training.to_dict().items() if k not in RESULT_NEUTRAL_OPTIONS}
+    trainer_options["world_size"] = training.world_size
+    trainer_options["lr_scheduler_type"] = str(getattr(training.lr_scheduler_type, "value", training.lr_scheduler_type))
     return {
         "model": source.describe(),
+        "model_contents": fingerprint(source.describe() if source.gguf_file else source.path, weights_by_size=True),
         "data": {
             "dataset": data.dataset_name or EMBEDDED_CORPUS,
+            "contents": fingerprint(data.dataset_name),
             "config": data.dataset_config_name,
             "split": data.dataset_split,
             "text_column": data.text_column,
@@ -125,18 +190,7 @@ def run_identity(request: TaperRequest, source: ModelSource, config: TaperNormCo
             "heldout_percentage": data.heldout_percentage,
         },
         "taper": config.to_dict(),
-        "training": {
-            "max_steps": training.max_steps,
-            "per_device_train_batch_size": training.per_device_train_batch_size,
-            "gradient_accumulation_steps": training.gradient_accumulation_steps,
-            "world_size": training.world_size,
-            "learning_rate": training.learning_rate,
-            "lr_scheduler_type": str(getattr(training.lr_scheduler_type, "value", training.lr_scheduler_type)),
-            "lr_scheduler_kwargs": training.lr_scheduler_kwargs,
-            "warmup_steps": training.warmup_steps,
-            "weight_decay": training.weight_decay,
-            "seed": training.seed,
-        },
+        "training": json.loads(json.dumps(trainer_options, default=str)),
         "baseline": request.run.baseline,
     }
 
@@ -154,13 +208,22 @@ def check_resume_identity(folder: RunFolder, identity: dict[str, Any], allowed: 
             f"--resume: these options differ from the run in '{folder.path}': {listing}. Rerun with the original "
             "options, or name the ones to change with --allow_changes"
         )
+    ignored = sorted(k for k in changed if k.rsplit(".", 1)[-1] in IGNORED_ON_RESUME)
+    if ignored:
+        raise ConfigurationError(
+            f"--allow_changes: a resumed Trainer restores {', '.join(ignored)} from the checkpoint's optimizer and "
+            "scheduler state, so the new value would be ignored; keep the run's value, or start over with --overwrite"
+        )
     return {k: {"run": old, "now": new} for k, (old, new) in changed.items()}
 
 
 __all__ = [
+    "IGNORED_ON_RESUME",
+    "RESULT_NEUTRAL_OPTIONS",
     "TaperRequest",
     "check_resume_identity",
     "check_schedule",
+    "fingerprint",
     "max_positions",
     "recipe_config",
     "run_identity",

@@ -75,8 +75,10 @@ class TaperCallback(TrainerCallback):
         max_scale_ratio: Optional[float] = None,
         thresholds: Optional[DivergenceThresholds] = None,
         allow_changes: Iterable[str] = (),
+        trust_sharded_checkpoint: bool = False,
     ) -> None:
         self.taper_start, self.taper_end = taper_start, taper_end
+        self.trust_sharded_checkpoint = trust_sharded_checkpoint  # a sharded teacher's index is a pickle
         self.allow_changes = set(allow_changes)
         self.allow_incomplete = allow_incomplete
         if thresholds is None:
@@ -177,7 +179,7 @@ class TaperCallback(TrainerCallback):
             logger.warning(
                 "TaperCallback: %s holds no %s; cannot check that the recipe is unchanged", folder, CONFIG_NAME
             )
-        self.controller.load_state(folder)
+        self.controller.load_state(folder, trust_sharded_checkpoint=self.trust_sharded_checkpoint)
         self.controller.check_resume(state.global_step)
 
     def on_step_begin(self, args, state, control, **kwargs):

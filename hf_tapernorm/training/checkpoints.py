@@ -65,17 +65,24 @@ def tapered_config_of(folder: Union[str, os.PathLike]) -> TaperNormConfig:
     return TaperNormConfig.from_dict(values)
 
 
-def load_tapered(folder: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = None) -> nn.Module:
+def load_tapered(
+    folder: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = None, trust_sharded_checkpoint: bool = False
+) -> nn.Module:
     """Rebuild a patched model from a tapered checkpoint (or a Trainer checkpoint of a taper run, or a sharded
     checkpoint of ``save_sharded_checkpoint``, read whole in this process).
 
     Every tensor of the checkpoint must land in the patched model and every TaperNorm tensor must
     be present; anything else is an error naming the file or the tensors, because a partly loaded
-    TaperNorm computes a different function than the one that was trained.
+    TaperNorm computes a different function than the one that was trained. A sharded checkpoint is read
+    only with ``trust_sharded_checkpoint=True`` (its index is a pickle; training/sharded.py); everything
+    else is safetensors and JSON.
     """
     folder = Path(folder)
     taper_config = tapered_config_of(folder)
-    state = read_sharded_model_state(folder) if is_sharded_checkpoint(folder) else _read_safetensors(folder)
+    if is_sharded_checkpoint(folder):
+        state = read_sharded_model_state(folder, trust_sharded_checkpoint=trust_sharded_checkpoint)
+    else:
+        state = _read_safetensors(folder)
     try:
         config = AutoConfig.from_pretrained(folder)
     except Exception as error:

@@ -128,12 +128,18 @@ class TaperController:
         elif is_main_process():
             self.distillation.save_snapshot(folder / SNAPSHOT_NAME)
 
-    def load_state(self, folder: Union[str, Path]) -> None:
-        """Restore :meth:`save_state`'s files from a checkpoint folder (before resuming at its step)."""
+    def load_state(self, folder: Union[str, Path], *, trust_sharded_checkpoint: bool = False) -> None:
+        """Restore :meth:`save_state`'s files from a checkpoint folder (before resuming at its step).
+
+        A sharded teacher (FSDP2) is read only with ``trust_sharded_checkpoint=True``: its DCP index is a pickle.
+        """
         if self.distillation is None:
             return
         folder = Path(folder)
         if (folder / SHARDED_SNAPSHOT_NAME).is_dir():
+            from .sharded import refuse_untrusted_sharded_checkpoint
+
+            refuse_untrusted_sharded_checkpoint(folder / SHARDED_SNAPSHOT_NAME, trust_sharded_checkpoint)
             load_sharded_module(folder / SHARDED_SNAPSHOT_NAME, self.distillation.restored_teacher(self.model))
         elif (folder / SNAPSHOT_NAME).is_file():
             self.distillation.load_snapshot(folder / SNAPSHOT_NAME, self.model)

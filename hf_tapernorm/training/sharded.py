@@ -12,6 +12,11 @@ Each rank writes and reads only its own shards, so neither saving nor resuming e
 model on one rank. DCP reshards on load: a checkpoint written by N ranks resumes on M ranks, or in one
 process, which is how ``load_tapered`` (and so ``hf-tapernorm fold``/``eval``) read it
 (:func:`read_sharded_model_state`).
+
+DCP stores a checkpoint's index (``.metadata``) as a pickle, and unpickling runs whatever code the file
+names. So nothing here reads a sharded checkpoint unless the caller says it trusts it
+(``trust_sharded_checkpoint=True``; ``--trust_sharded_checkpoint`` on the CLI): a downloaded folder is
+refused before a byte of it is unpickled, as transformers refuses pickled weights by default.
 """
 
 from __future__ import annotations
@@ -34,6 +39,16 @@ _MODEL = "model"
 
 def is_sharded_checkpoint(folder: Union[str, os.PathLike]) -> bool:
     return (Path(folder) / METADATA_NAME).is_file()
+
+
+def refuse_untrusted_sharded_checkpoint(folder: Union[str, os.PathLike], trusted: bool) -> None:
+    """Raise unless ``trusted``: reading a DCP folder unpickles its ``.metadata`` (see the module docstring)."""
+    if not trusted:
+        raise TaperStateError(
+            f"'{folder}' is a sharded (torch.distributed.checkpoint) checkpoint, whose {METADATA_NAME} is a pickle "
+            "that can run code when read; pass --trust_sharded_checkpoint (trust_sharded_checkpoint=True) only "
+            "for a checkpoint you wrote or trust"
+        )
 
 
 def _watch_state(controller: TaperController) -> dict[str, Any]:
@@ -87,13 +102,16 @@ def load_sharded_checkpoint(
     model: nn.Module,
     optimizer: Optional[torch.optim.Optimizer] = None,
     controller: Optional[TaperController] = None,
+    *,
+    trust_sharded_checkpoint: bool = False,
 ) -> int:
     """Restore :func:`save_sharded_checkpoint`'s folder into a model patched with the same TaperNormConfig
     (sharded or not, on any number of ranks); returns the step to resume at. Every rank calls it.
 
     With ``controller`` it also restores the watch and the teacher and checks the TaperNorm state against
     the schedule (``check_resume``). A config that differs from the checkpoint's is refused: the saved c,
-    gate and statistics belong to that recipe.
+    gate and statistics belong to that recipe. ``trust_sharded_checkpoint=True`` is required: DCP unpickles
+    the folder's ``.metadata`` (module docstring).
     """
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -107,6 +125,7 @@ def load_sharded_checkpoint(
         raise TaperStateError(
             f"'{folder}' is not a sharded checkpoint: no {METADATA_NAME} (written by save_sharded_checkpoint)"
         )
+    refuse_untrusted_sharded_checkpoint(folder, trust_sharded_checkpoint)
     saved, current = TaperNormConfig.from_pretrained(folder), config_of(model)
     differences = [
         f"{k}: {v!r} in the checkpoint, {getattr(current, k)!r} now"
@@ -138,7 +157,7 @@ def load_sharded_checkpoint(
             detector.values.extend(state["divergence_watch"][name]["values"])
             detector.consecutive = state["divergence_watch"][name]["consecutive"]
     if controller is not None:
-        controller.load_state(folder)
+        controller.load_state(folder, trust_sharded_checkpoint=trust_sharded_checkpoint)
         controller.check_resume(step)
     return step
 
@@ -149,11 +168,15 @@ def _metadata(folder: Path) -> Any:
     return dcp.FileSystemReader(str(folder)).read_metadata()
 
 
-def read_sharded_model_state(folder: Union[str, os.PathLike]) -> dict[str, torch.Tensor]:
+def read_sharded_model_state(
+    folder: Union[str, os.PathLike], *, trust_sharded_checkpoint: bool = False
+) -> dict[str, torch.Tensor]:
     """The model's whole tensors from a sharded checkpoint, read in one process without a process group
-    (every shard is stitched back; the optimizer state is not read)."""
+    (every shard is stitched back; the optimizer state is not read). Needs ``trust_sharded_checkpoint=True``:
+    DCP unpickles the folder's ``.metadata`` (module docstring)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    refuse_untrusted_sharded_checkpoint(folder, trust_sharded_checkpoint)
     prefix = _MODEL + "."
     state = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
@@ -171,5 +194,6 @@ __all__ = [
     "is_sharded_checkpoint",
     "load_sharded_checkpoint",
     "read_sharded_model_state",
+    "refuse_untrusted_sharded_checkpoint",
     "save_sharded_checkpoint",
 ]

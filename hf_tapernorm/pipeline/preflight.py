@@ -1,0 +1,154 @@
+"""The Trainer options of ``taper``, checked before the model loads: each would otherwise fail late, or train
+something other than the recipe without saying so.
+
+Where transformers or torch validate an option themselves, their validation is called here, early, on a
+stand-in: the optimizer is built the way the Trainer builds it (torch's own range checks on the learning
+rate, betas, eps and weight decay; the import of an ``--optim`` that needs a missing package), the
+learning-rate scheduler likewise, and ``--report_to`` is resolved by transformers' integration table (which
+imports the integration). What only this recipe knows is checked by name: options that bypass its loss or
+its schedule, a Trainer evaluation without an evaluation set, and a Hub push from inside the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from transformers import Trainer, get_scheduler
+from transformers.integrations import get_reporting_integration_callbacks
+
+from ..config import TaperNormConfig
+from ..errors import ConfigurationError
+from ..training.schedule import TaperSchedule
+
+
+def check_trainer_options(training_args, schedule: TaperSchedule, config: TaperNormConfig) -> None:
+    """Refuse (ConfigurationError, one line naming the option) what the recipe cannot run; see the module docstring."""
+    _refuse_recipe_bypasses(training_args)
+    _require_finite(training_args, config)
+    _require_positive_counts(training_args)
+    _check_optimizer(training_args)
+    _check_scheduler(training_args, schedule)
+    try:  # each integration checks that its package is installed when it is made
+        [callback() for callback in get_reporting_integration_callbacks(training_args.report_to)]
+    except (ImportError, RuntimeError, ValueError) as error:
+        raise ConfigurationError(f"--report_to {training_args.report_to}: {_first_line(error)}") from None
+
+
+def check_training_blocks(training_args, train_blocks: int) -> None:
+    """Refuse a per-device batch larger than the training set: the Trainer would run 0 steps (drop_last)."""
+    per_step = training_args.per_device_train_batch_size * max(1, training_args.world_size)
+    if train_blocks < per_step:
+        raise ConfigurationError(
+            f"the training set has {train_blocks} blocks, fewer than one batch ({per_step}: "
+            "--per_device_train_batch_size x processes): training would run 0 steps; use more data, a smaller "
+            "--block_size or a smaller batch"
+        )
+
+
+def _refuse_recipe_bypasses(args) -> None:
+    if getattr(args, "resume_from_checkpoint", None):
+        raise ConfigurationError(
+            "--resume_from_checkpoint is the Trainer's flag and taper does not read it: continue a run with --resume "
+            "(same --output_dir), which also checks that the run is the same"
+        )
+    if getattr(args, "label_smoothing_factor", 0.0):
+        raise ConfigurationError(
+            f"--label_smoothing_factor {args.label_smoothing_factor}: the Trainer would compute its own loss and "
+            "bypass the recipe's (the scale loss and the distillation term would never be optimised); leave it at 0"
+        )
+    strategy = str(getattr(args.eval_strategy, "value", args.eval_strategy))
+    if strategy != "no":
+        raise ConfigurationError(
+            f"--eval_strategy {strategy}: taper gives the Trainer no evaluation set (it evaluates the held-out "
+            "blocks itself, before and after training); leave it at 'no'"
+        )
+    if getattr(args, "push_to_hub", False):
+        raise ConfigurationError(
+            "--push_to_hub would upload the run folder from inside training; push the folded export afterwards "
+            "with hf-tapernorm push"
+        )
+
+
+def _require_finite(args, config: TaperNormConfig) -> None:
+    """Every float option finite: NaN passes most range checks (every comparison is False) and inf many."""
+    for field in dataclasses.fields(args):
+        value = getattr(args, field.name, None)
+        if isinstance(value, float) and not math.isfinite(value):
+            hint = " (0 turns clipping off)" if field.name == "max_grad_norm" else ""
+            raise ConfigurationError(f"--{field.name} must be a finite number, got {value}{hint}")
+    for name, value in config.to_dict().items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigurationError(f"--{name} must be a finite number, got {value}")
+
+
+def _require_positive_counts(args) -> None:
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+        value = getattr(args, name)
+        if not isinstance(value, int) or value < 1:
+            raise ConfigurationError(f"--{name} must be a positive integer, got {value}")
+
+
+def _check_optimizer(args) -> None:
+    """Build the optimizer the Trainer would build (its class and kwargs) on one stand-in parameter."""
+    try:
+        optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+        optimizer_class([torch.nn.Parameter(torch.zeros(2, 2, device=args.device))], **kwargs)
+    except (ImportError, ValueError, TypeError, RuntimeError) as error:
+        raise ConfigurationError(f"--optim {_value(args.optim)} with these options: {_first_line(error)}") from None
+
+
+def _check_scheduler(args, schedule: TaperSchedule) -> None:
+    """Build the scheduler (on a stand-in optimizer) and run it over the run's steps; refuse one that outlasts the
+    run, or a warmup still rising when the taper starts."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.learning_rate)
+    total = schedule.total_steps
+    warmup = args.get_warmup_steps(total)
+    if warmup > schedule.k_start:
+        raise ConfigurationError(
+            f"--warmup_steps {args.warmup_steps} is {warmup} steps, past the taper's start (step {schedule.k_start}): "
+            "the calibration at g = 1 and the taper would see a learning rate still rising; shorten the warmup or "
+            "move --taper_start"
+        )
+    kwargs = args.lr_scheduler_kwargs if isinstance(args.lr_scheduler_kwargs, dict) else {}
+    if _value(args.lr_scheduler_type) == "warmup_stable_decay":
+        phases = warmup + int(kwargs.get("num_decay_steps", 0)) + int(kwargs.get("num_stable_steps") or 0)
+        if phases > total:
+            raise ConfigurationError(
+                f"--lr_scheduler_kwargs {kwargs}: warmup ({warmup}) + stable + decay steps = {phases}, more than "
+                f"--max_steps {total}: the schedule would be cut short and start decayed"
+            )
+    try:
+        scheduler = get_scheduler(
+            args.lr_scheduler_type,
+            optimizer,
+            num_warmup_steps=warmup,
+            num_training_steps=total,
+            scheduler_specific_kwargs=kwargs,
+        )
+        rates = []
+        for _ in range(total):
+            rates.append(scheduler.get_last_lr()[0])
+            optimizer.step()
+            scheduler.step()
+    except (TypeError, ValueError, ZeroDivisionError) as error:
+        raise ConfigurationError(
+            f"--lr_scheduler_type {_value(args.lr_scheduler_type)} with --lr_scheduler_kwargs {kwargs}: "
+            f"{_first_line(error)}"
+        ) from None
+    if not all(math.isfinite(rate) and rate >= 0 for rate in rates):
+        raise ConfigurationError(f"--lr_scheduler_kwargs {kwargs}: the learning rate is not finite over the run")
+
+
+def _value(option: Any) -> str:
+    return str(getattr(option, "value", option))
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+__all__ = ["check_trainer_options", "check_training_blocks"]

@@ -1,0 +1,90 @@
+"""What ``taper --resume`` checks in a run's checkpoint before any weights load.
+
+A resumed run is the same run only if every piece of state the Trainer saved comes back: without
+``optimizer.pt`` Adam restarts from zero moments, without ``scheduler.pt`` the learning rate restarts its
+warmup, without ``rng_state.pth`` the dropout and data order differ. The Trainer resumes silently in each
+case, so each missing or unreadable file is refused here with its name. A checkpoint that holds a sharded
+(torch.distributed.checkpoint) folder is read only when the user trusts it (its index is a pickle).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from safetensors import SafetensorError, safe_open
+
+from ..errors import ConfigurationError
+from ..training.sharded import METADATA_NAME, refuse_untrusted_sharded_checkpoint
+from .training_run import IDENTITY_NAME, incomplete_checkpoints, last_checkpoint
+
+#: The Trainer's files a resume restores, and what is lost without each.
+REQUIRED_STATE = {
+    "trainer_state.json": "the step, the log and the callbacks' state",
+    "optimizer.pt": "the optimizer's moments (Adam would restart from zero)",
+    "scheduler.pt": "the learning-rate schedule's position",
+}
+
+
+class ResumeCheckError(ConfigurationError):
+    """A checkpoint that would not resume the same run (the message names the file and what to do)."""
+
+
+def check_resumable(run_folder: Path, *, trust_sharded_checkpoint: bool = False) -> list[Path]:
+    """Check the last complete checkpoint of ``run_folder`` and of its ``baseline/`` run, if any.
+
+    Returns the incomplete checkpoints (newer than the last complete one: being written when the run was
+    killed), for the caller to remove once everything else has been checked.
+    """
+    stale: list[Path] = []
+    for folder in (run_folder, run_folder / "baseline"):
+        incomplete = incomplete_checkpoints(folder) if folder.is_dir() else []
+        checkpoint = last_checkpoint(folder) if folder.is_dir() else None
+        if checkpoint is None:
+            if incomplete:
+                raise ResumeCheckError(
+                    f"--resume: {incomplete[-1]} is incomplete (the run stopped while writing it: no {IDENTITY_NAME}) "
+                    "and no complete checkpoint precedes it; start over with --overwrite"
+                )
+            continue
+        check_checkpoint(Path(checkpoint), trust_sharded_checkpoint=trust_sharded_checkpoint)
+        stale += incomplete
+    return stale
+
+
+def check_checkpoint(checkpoint: Path, *, trust_sharded_checkpoint: bool = False) -> None:
+    """Every file a Trainer resume reads is present and readable (see the module docstring)."""
+    restart = "; restore it from a copy, or start over with --overwrite"
+    for name, what in REQUIRED_STATE.items():
+        # FSDP writes its optimizer state as a sharded folder (optimizer_0/) instead of optimizer.pt
+        present = (checkpoint / name).is_file() or (name == "optimizer.pt" and any(checkpoint.glob("optimizer_*")))
+        if not present:
+            raise ResumeCheckError(f"--resume: {checkpoint} has no {name}, which holds {what}{restart}")
+    if not list(checkpoint.glob("rng_state*.pth")):
+        raise ResumeCheckError(
+            f"--resume: {checkpoint} has no rng_state.pth (the random state: dropout and data order would differ)"
+            f"{restart}"
+        )
+    for sharded in [p.parent for p in checkpoint.rglob(METADATA_NAME)]:
+        refuse_untrusted_sharded_checkpoint(sharded, trust_sharded_checkpoint)
+    weights = [p for p in checkpoint.glob("*.safetensors") if not p.name.startswith("distillation_")]
+    if not weights and not list(checkpoint.glob(f"**/{METADATA_NAME}")):
+        raise ResumeCheckError(f"--resume: {checkpoint} has no model.safetensors (the weights){restart}")
+    for path in [*weights, *checkpoint.glob("distillation_*.safetensors")]:
+        problem = _unreadable(path)
+        if problem:
+            raise ResumeCheckError(f"--resume: cannot read {path} ({problem}: truncated or damaged){restart}")
+
+
+def _unreadable(path: Path) -> Optional[str]:
+    """Why ``path`` is not a whole safetensors file, or None (the header and every tensor's bytes are read)."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open has keys(), no __iter__
+                handle.get_tensor(key)
+    except (SafetensorError, OSError, RuntimeError, ValueError) as error:
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
+    return None
+
+
+__all__ = ["REQUIRED_STATE", "ResumeCheckError", "check_checkpoint", "check_resumable"]

@@ -1,0 +1,598 @@
+"""Secure and recoverable: no code runs from a checkpoint, nothing outside a run folder is touched, push
+uploads only the export, and every run survives its own interruption (SIGTERM, SIGKILL at several points).
+
+Each case checks the exit code, the first line of the error, and the files on disk.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_tapernorm import TaperNormConfig, TaperStateError, calibrate, load_tapered, patch_model, save_tapered, set_gate
+from hf_tapernorm.pipeline.run_folder import LOCK_NAME, MANIFEST_NAME, RunFolder, RunFolderError
+from hf_tapernorm.training.sharded import load_sharded_checkpoint, read_sharded_model_state
+from tests.conftest import build, char_tokenizer, random_batches, save_tiny_model, tiny_llama_config
+from tests.test_cli import REPO, run_main, taper_argv, workspace  # noqa: F401 - the CLI workspace fixture
+from tests.test_reliability import error_of, snapshot
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+@pytest.fixture(scope="module")
+def reference(workspace, tmp_path_factory):  # noqa: F811
+    """An uninterrupted run of the command the interruption tests kill (no distillation: faster, same paths)."""
+    out = tmp_path_factory.mktemp("secure") / "reference"
+    code, _, stderr = run_main(killable_argv(workspace, out))
+    assert code == 0, stderr
+    return out
+
+
+def killable_argv(workspace, out: Path) -> list[str]:  # noqa: F811
+    """A 10-step run with checkpoints every 3 steps (the last two kept)."""
+    extra = ("--distill_weight", "0", "--save_steps", "3", "--save_total_limit", "2")
+    return taper_argv(workspace, out, *extra, steps=10)
+
+
+def assert_same_weights(run: Path, reference: Path) -> None:
+    for folder in ("tapered", "folded"):
+        got, expected = (
+            load_file(str(run / folder / "model.safetensors")),
+            load_file(str(reference / folder / "model.safetensors")),
+        )
+        assert got.keys() == expected.keys()
+        for key in got:
+            assert torch.equal(got[key], expected[key]), (folder, key)
+
+
+def tapered_checkpoint(folder: Path) -> Path:
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper()).train()
+    for ids in random_batches():
+        model(input_ids=ids)
+    calibrate(model)
+    set_gate(model, 0.0)
+    save_tapered(model, folder, char_tokenizer())
+    return folder
+
+
+# ============================================================================= 1. no pickle from a checkpoint
+class Payload:
+    """Unpickling this creates the marker file: proof that code from the checkpoint ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_crafted_sharded_checkpoint_runs_no_code(tmp_path):
+    crafted = tapered_checkpoint(tmp_path / "downloaded")
+    marker = tmp_path / "PAYLOAD_RAN"
+    (crafted / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    for argv in (
+        ["fold", "--checkpoint", str(crafted), "--output_dir", str(tmp_path / "export")],
+        ["eval", "--model_name_or_path", str(crafted), "--heldout_blocks", "2", "--block_size", "32"],
+    ):
+        message = error_of(argv)
+        assert message.startswith(f"hf-tapernorm {argv[0]}: error: '{crafted}' is a sharded"), message
+        assert "pass --trust_sharded_checkpoint (trust_sharded_checkpoint=True)" in message
+        assert not marker.exists() and not (tmp_path / "export").exists()
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper())
+    for load in (
+        lambda: load_tapered(crafted),
+        lambda: read_sharded_model_state(crafted),
+        lambda: load_sharded_checkpoint(crafted, model),
+    ):
+        with pytest.raises(TaperStateError, match="trust_sharded_checkpoint=True"):
+            load()
+        assert not marker.exists()
+    # The control: opting in reads the pickle, so the refusal above is what kept the payload from running.
+    with pytest.raises(Exception):  # noqa: B017 - what the payload returns is no Metadata
+        load_tapered(crafted, trust_sharded_checkpoint=True)
+    assert marker.exists()
+
+
+def test_resume_refuses_a_sharded_folder_planted_in_a_checkpoint(reference, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    marker = tmp_path / "PAYLOAD_RAN"
+    planted = run / "checkpoint-10" / "distillation_teacher"
+    planted.mkdir()
+    (planted / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    from hf_tapernorm.pipeline.resume_check import check_resumable
+
+    with pytest.raises(TaperStateError, match=r"distillation_teacher' is a sharded .*--trust_sharded_checkpoint"):
+        check_resumable(run)
+    assert not marker.exists()
+
+
+# ============================================================================= 1b. the manifest is no list of paths
+@pytest.mark.parametrize("entry", ["../victim/thesis.tex", "ABSOLUTE"])
+def test_overwrite_never_deletes_a_manifest_entry_outside_the_folder(workspace, tmp_path, entry):  # noqa: F811
+    victim = tmp_path / "victim" / "thesis.tex"
+    victim.parent.mkdir()
+    victim.write_text("years of work")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "report.md").write_text("ours")
+    listed = str(victim) if entry == "ABSOLUTE" else entry
+    (out / MANIFEST_NAME).write_text(json.dumps({"tool": "hf-tapernorm", "files": ["report.md", listed]}))
+    before = snapshot(out)
+    message = error_of([*taper_argv(workspace, out), "--overwrite"])
+    assert message.startswith(f"hf-tapernorm taper: error: the manifest {out / MANIFEST_NAME} lists {listed!r}")
+    assert "nothing was deleted" in message
+    assert victim.read_text() == "years of work" and snapshot(out) == before
+    with pytest.raises(RunFolderError):
+        RunFolder(out).empty()
+    assert victim.read_text() == "years of work" and snapshot(out) == before
+
+
+def test_symbolic_links_in_a_run_folder_are_refused_before_any_work(workspace, tmp_path):  # noqa: F811
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "thesis.tex").write_text("years of work")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "folded").symlink_to(victim, target_is_directory=True)
+    (out / MANIFEST_NAME).write_text(json.dumps({"tool": "hf-tapernorm", "files": ["folded/thesis.tex"]}))
+    for flag in ("--overwrite", "--resume"):
+        message = error_of([*taper_argv(workspace, out), flag])
+        assert message.startswith(f"hf-tapernorm taper: error: output folder '{out}' holds symbolic links (folded)")
+        assert (victim / "thesis.tex").read_text() == "years of work"
+    with pytest.raises(RunFolderError, match="passes through the symbolic link"):
+        RunFolder(out).owned_files()
+
+
+# ============================================================================= 1c. push uploads only the export
+def test_push_uploads_only_the_files_of_the_export(reference, tmp_path, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    export = tmp_path / "folded"
+    shutil.copytree(reference / "folded", export)
+    written = sorted(p.relative_to(export).as_posix() for p in export.rglob("*") if p.is_file())
+    manifest = json.loads((export / ".hf_tapernorm_export.json").read_text())["files"]
+    assert {"model.safetensors", "config.json", "README.md", "tokenizer.json"} <= set(manifest)
+    assert set(manifest) == set(written) - {".hf_tapernorm_export.json"}
+    (export / ".env").write_text("HF_TOKEN=hf_secret")
+    (export / "notes").mkdir()
+    (export / "notes" / "private.txt").write_text("private")
+    calls = []
+    monkeypatch.setattr(
+        huggingface_hub.HfApi,
+        "create_repo",
+        lambda self, repo_id, **kw: calls.append(("create", repo_id, kw)) or SimpleNamespace(repo_id=repo_id),
+    )
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, **kw: calls.append(("upload", kw)))
+    push = ["push", "--export_dir", str(export), "--repo_id", "me/tiny-normfree"]
+    message = error_of(push)
+    assert message == (
+        f"hf-tapernorm push: error: '{export}' holds files the export did not write (.env, notes/private.txt); they "
+        "are not uploaded: move them away, or name the ones to publish with --include PATTERN"
+    )
+    assert "HF_TOKEN" not in message and calls == []
+    assert error_of([*push, "--include", "notes/*"]).endswith("did not write (.env); they are not uploaded: "
+                                                               "move them away, or name the ones to publish with "
+                                                               "--include PATTERN")  # fmt: skip
+    (export / ".env").unlink()
+    code, _, stderr = run_main([*push, "--include", "notes/*"])
+    assert code == 0, stderr
+    assert calls[0] == ("create", "me/tiny-normfree", {"private": True, "exist_ok": True, "repo_type": "model"})
+    uploaded = set(filter_repo_objects(written + ["notes/private.txt"], allow_patterns=calls[1][1]["allow_patterns"]))
+    assert uploaded == set(manifest) | {"notes/private.txt"}
+    calls.clear()
+    assert run_main([*push, "--no_private"])[0] == 2  # notes/ is refused again without --include
+    shutil.rmtree(export / "notes")
+    assert run_main([*push, "--no_private"])[0] == 0 and calls[0][2]["private"] is False
+    assert set(filter_repo_objects(written, allow_patterns=calls[1][1]["allow_patterns"])) == set(manifest)
+
+
+def test_push_refuses_an_export_without_a_manifest(reference, tmp_path):
+    export = tmp_path / "folded"
+    shutil.copytree(reference / "folded", export)
+    (export / ".hf_tapernorm_export.json").unlink()
+    message = error_of(["push", "--export_dir", str(export), "--repo_id", "me/x"])
+    assert message.startswith(f"hf-tapernorm push: error: '{export}' has no export manifest")
+
+
+# ============================================================================= 2. data loss
+def test_fold_overwrite_replaces_only_an_earlier_export(workspace, tmp_path):  # noqa: F811
+    checkpoint = tapered_checkpoint(tmp_path / "tapered")
+    model_folder = save_tiny_model(tmp_path / "my_model")  # only names an export also writes
+    (model_folder / "README.md").write_text("my model card")
+    before = snapshot(model_folder)
+    fold = ["fold", "--checkpoint", str(checkpoint), "--output_dir"]
+    message = error_of([*fold, str(model_folder), "--overwrite"])
+    assert message == (
+        f"hf-tapernorm fold: error: refusing to --overwrite '{model_folder}': it is not an earlier export (no "
+        ".hf_tapernorm_export.json, and its config.json is not a folded model's); choose another --output_dir"
+    )
+    assert snapshot(model_folder) == before
+    export = tmp_path / "export"
+    assert run_main([*fold, str(export)])[0] == 0
+    (export / "mine.txt").write_text("user file")
+    assert "holds files an export does not write (mine.txt)" in error_of([*fold, str(export), "--overwrite"])
+    (export / "mine.txt").unlink()
+    assert run_main([*fold, str(export), "--overwrite"])[0] == 0  # an earlier export is replaced
+    (export / ".hf_tapernorm_export.json").unlink()  # an export written before the manifest existed
+    assert run_main([*fold, str(export), "--overwrite"])[0] == 0
+    link = tmp_path / "link"
+    link.symlink_to(export, target_is_directory=True)
+    assert "is a symbolic link" in error_of([*fold, str(link), "--overwrite"])
+
+
+def test_eval_output_json_never_writes_over_a_file_it_did_not_create(workspace, tmp_path):  # noqa: F811
+    model = tmp_path / "model"
+    shutil.copytree(workspace / "llama", model)
+    before = snapshot(model)
+    corpus = str(workspace / "corpus.txt")
+    evaluate = ["eval", "--model_name_or_path", str(model), "--dataset_name", corpus, "--block_size", "32",
+                "--heldout_blocks", "2", "--heldout_percentage", "10", "--output_json"]  # fmt: skip
+    message = error_of([*evaluate, str(model / "config.json")])
+    assert message == (
+        f"hf-tapernorm eval: error: --output_json {model / 'config.json'} exists and is not an earlier result of "
+        "hf-tapernorm eval; it is left as it is, name a new file"
+    )
+    assert snapshot(model) == before
+    missing = tmp_path / "no_such_folder" / "result.json"
+    assert error_of([*evaluate, str(missing)]).endswith(
+        f"the folder '{missing.parent}' does not exist; create it first"
+    )
+    result = tmp_path / "result.json"
+    assert run_main([*evaluate, str(result)])[0] == 0
+    assert json.loads(result.read_text())["written_by"] == "hf-tapernorm eval"
+    assert run_main([*evaluate, str(result)])[0] == 0  # an earlier result is replaced
+
+
+def test_a_second_command_is_locked_out_and_a_dead_owner_lock_is_taken_over(workspace, tmp_path, caplog):  # noqa: F811
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / LOCK_NAME).write_text(json.dumps({"pid": os.getppid(), "host": os.uname().nodename}))  # a live process
+    message = error_of([*taper_argv(workspace, out, steps=5), "--overwrite"])
+    assert message.startswith(f"hf-tapernorm taper: error: output folder '{out}' is in use by another hf-tapernorm")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (out / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename}))
+    code, _, stderr = run_main(taper_argv(workspace, out, "--distill_weight", "0", steps=5))
+    assert code == 0, stderr
+    assert "taking over the lock" in caplog.text and not (out / LOCK_NAME).exists()
+    file = tmp_path / "a_file"
+    file.write_text("x")
+    assert error_of([*taper_argv(workspace, file / "run", steps=5)]).endswith(f"'{file}' is a file")
+
+
+def test_a_refused_resume_keeps_the_recorded_identity(workspace, reference, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    for folder in ("checkpoint-10", "tapered", "folded"):  # back to the run's state at its step-9 checkpoint
+        shutil.rmtree(run / folder)
+    assert (run / "checkpoint-9").is_dir()
+    identity = json.loads((run / MANIFEST_NAME).read_text())["identity"]
+    # The gate was 0 at step 9; a taper that starts at step 9 says 1 there: the resume is refused in training.
+    changed = [*killable_argv(workspace, run), "--taper_start", "9", "--taper_end", "10"]
+    allowed = "taper_start,taper_end,lr_scheduler_kwargs,num_decay_steps"
+    message = error_of([*changed, "--resume", "--allow_changes", allowed], code=2)
+    assert "resuming at step 9" in message, message
+    assert json.loads((run / MANIFEST_NAME).read_text())["identity"] == identity
+    code, _, stderr = run_main([*killable_argv(workspace, run), "--resume"])
+    assert code == 0, stderr
+    assert_same_weights(run, reference)
+
+
+def test_a_lost_manifest_is_rebuilt_from_the_checkpoint_record(workspace, reference, tmp_path, caplog):  # noqa: F811
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    shutil.rmtree(run / "folded")
+    (run / MANIFEST_NAME).write_text('{"tool": "hf-tap')  # truncated
+    code, _, stderr = run_main([*killable_argv(workspace, run), "--resume"])
+    assert code == 0, stderr
+    assert "rebuilding the lost manifest" in caplog.text
+    assert_same_weights(run, reference)
+    (run / MANIFEST_NAME).unlink()
+    (run / "mine.txt").write_text("user file")
+    message = error_of([*killable_argv(workspace, run), "--resume"])
+    assert "holds files this command did not write (mine.txt)" in message
+    for checkpoint in run.glob("checkpoint-*"):
+        (checkpoint / "tapernorm_run.json").unlink()
+    (run / MANIFEST_NAME).unlink(missing_ok=True)
+    message = error_of([*killable_argv(workspace, run), "--resume"])
+    assert "is missing or unreadable and no checkpoint" in message or "incomplete" in message, message
+
+
+def test_resume_refuses_a_checkpoint_without_its_optimizer_state(workspace, reference, tmp_path):  # noqa: F811
+    for name, expected in (
+        ("optimizer.pt", "has no optimizer.pt, which holds the optimizer's moments"),
+        ("scheduler.pt", "has no scheduler.pt"),
+        ("rng_state.pth", "has no rng_state.pth"),
+        ("model.safetensors", "has no model.safetensors"),
+    ):
+        run = tmp_path / name
+        shutil.copytree(reference, run)
+        (run / "checkpoint-10" / name).unlink()
+        before = snapshot(run)
+        message = error_of([*killable_argv(workspace, run), "--resume"])
+        assert message.startswith(f"hf-tapernorm taper: error: --resume: {run / 'checkpoint-10'} {expected}"), message
+        assert message.endswith("restore it from a copy, or start over with --overwrite")
+        assert snapshot(run) == before
+    run = tmp_path / "truncated"
+    shutil.copytree(reference, run)
+    weights = run / "checkpoint-10" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert "cannot read" in error_of([*killable_argv(workspace, run), "--resume"])
+
+
+# ============================================================================= 3. signals and kills
+def test_sigterm_saves_a_checkpoint_and_resume_is_bit_identical(workspace, reference, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "hf_tapernorm.cli", *killable_argv(workspace, out)]
+    process = subprocess.Popen(argv, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(iter(process.stdout.readline, "")), daemon=True)
+    reader.start()
+    deadline = time.time() + 120
+    while "".join(output).count("taper/gate") < 4 and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 143, "".join(output)
+    reader.join(timeout=5)
+    assert "SIGTERM: stopping after this step with a checkpoint" in "".join(output)
+    checkpoints = sorted(out.glob("checkpoint-*"))
+    assert checkpoints and 4 <= int(checkpoints[-1].name.split("-")[1]) < 10
+    assert not (out / LOCK_NAME).exists()
+    code, _, stderr = run_main([*killable_argv(workspace, out), "--resume"])
+    assert code == 0, stderr
+    assert_same_weights(out, reference)
+
+
+KILLER = textwrap.dedent(
+    """
+    import os, signal, sys
+    import hf_tapernorm.pipeline.taper as taper
+    import hf_tapernorm.pipeline.training_run as training_run
+    from transformers import Trainer
+    POINT = sys.argv[1]
+
+    def kill():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def after(owner, name, when=lambda *a, **k: True):
+        original = getattr(owner, name)
+        def wrapped(*args, **kwargs):
+            result = original(*args, **kwargs)
+            if when(*args, **kwargs):
+                kill()
+            return result
+        setattr(owner, name, wrapped)
+
+    if POINT == "after_checkpoint":  # the step-6 checkpoint is whole and recorded
+        after(training_run.RecordCallback, "on_save", lambda self, args, state, *a, **k: state.global_step == 6)
+    elif POINT == "checkpoint_write":  # the step-6 checkpoint has weights and optimizer, no RNG state yet
+        after(Trainer, "_save_optimizer_and_scheduler", lambda self, *a, **k: self.state.global_step == 6)
+    elif POINT == "evaluation":
+        after(taper, "heldout_loss", lambda *a, desc="", **k: desc == "held-out (tapered)")
+    elif POINT == "export":  # the export is written into its temporary folder, not renamed yet
+        after(taper, "save_export")
+    elif POINT == "report":
+        after(taper, "write_report", lambda output_dir, record: record.status == "finished")
+    from hf_tapernorm.cli import main
+    sys.exit(main(sys.argv[2:]))
+    """
+)
+
+
+@pytest.mark.parametrize("point", ["after_checkpoint", "checkpoint_write", "evaluation", "export", "report"])
+def test_sigkill_at_any_point_then_resume_is_bit_identical(workspace, reference, tmp_path, point, caplog):  # noqa: F811
+    out = tmp_path / "run"
+    script = tmp_path / "killer.py"
+    script.write_text(KILLER)
+    done = subprocess.run(
+        [sys.executable, str(script), point, *killable_argv(workspace, out)], cwd=REPO, env=ENV, capture_output=True
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    assert (out / LOCK_NAME).exists()  # the killed process could not release it
+    if point == "export":
+        assert list(out.glob(".folded.partial-*"))
+    code, _, stderr = run_main([*killable_argv(workspace, out), "--resume"])
+    assert code == 0, stderr
+    assert "taking over the lock" in caplog.text
+    assert not list(out.glob(".*.partial-*")) and not (out / LOCK_NAME).exists()
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "finished" and [r["step"] for r in report["history"]] == list(range(1, 11))
+    assert_same_weights(out, reference)
+
+
+# ============================================================================= 4. refused before the model loads
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--adam_beta2", "2"], "with these options: ValueError: Invalid beta parameter at index 1: 2.0"),
+        (["--learning_rate", "nan"], "--learning_rate must be a finite number, got nan"),
+        (["--learning_rate", "-1"], "ValueError: Invalid learning rate: -1.0"),
+        (["--max_grad_norm", "inf"], "--max_grad_norm must be a finite number, got inf (0 turns clipping off)"),
+        (["--report_to", "wandb"], "--report_to ['wandb']: RuntimeError: WandbCallback requires wandb"),
+        (["--optim", "adamw_bnb_8bit"], "--optim adamw_bnb_8bit with these options:"),
+        (["--eval_strategy", "steps"], "--eval_strategy steps: taper gives the Trainer no evaluation set"),
+        (["--push_to_hub"], "--push_to_hub would upload the run folder from inside training"),
+        (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps must be a positive integer, got 0"),
+        (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size must be a positive integer, got 0"),
+        (["--calibration_scale", "inf"], "calibration_scale"),
+        (["--scale_loss_weight", "inf"], "scale_loss_weight"),
+        (["--distill_weight", "inf"], "distill_weight"),
+        (
+            ["--resume_from_checkpoint", "x"],
+            "--resume_from_checkpoint is the Trainer's flag and taper does not read it",
+        ),
+        (["--label_smoothing_factor", "0.1"], "--label_smoothing_factor 0.1: the Trainer would compute its own loss"),
+        (["--lr_scheduler_kwargs", '{"num_decay_steps": 500}'], "more than --max_steps 10"),
+        (["--warmup_steps", "5"], "--warmup_steps 5.0 is 5 steps, past the taper's start (step 2)"),
+        (
+            ["--per_device_train_batch_size", "5000", "--max_steps", "2", "--taper_start", "1", "--taper_end", "2"],
+            "fewer than one batch (5000: --per_device_train_batch_size x processes): training would run 0 steps",
+        ),
+    ],
+)
+def test_trainer_options_are_refused_before_the_model_loads(workspace, tmp_path, monkeypatch, flags, expected):  # noqa: F811
+    import hf_tapernorm.pipeline.taper as taper_pipeline
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(taper_pipeline, "load_model", no_load)
+    out = tmp_path / "run"
+    message = error_of([*taper_argv(workspace, out), *flags])
+    assert message.startswith("hf-tapernorm taper: error: ") and expected in message, message
+    assert "inf" in message or expected not in ("calibration_scale", "scale_loss_weight", "distill_weight"), message
+    assert not out.exists()
+
+
+# ============================================================================= 4. mixed precision is contained
+def test_bf16_training_leaves_no_autocast_on_evaluation_fold_or_export(workspace, tmp_path):  # noqa: F811
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    code, _, stderr = run_main(taper_argv(workspace, out, "--distill_weight", "0", "--bf16", steps=8))
+    assert code == 0, stderr
+    fold = json.loads((out / "report.json").read_text())["fold"]
+    assert fold["max_rel_diff"] <= 1e-5 and fold["float64_max_rel_diff"] is None, fold  # no float64 rescue
+    assert run_main(["fold", "--checkpoint", str(out / "tapered"), "--output_dir", str(tmp_path / "refold")])[0] == 0
+    ids = torch.randint(0, 127, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        exported = AutoModelForCausalLM.from_pretrained(out / "folded").eval()(input_ids=ids).logits
+        refolded = AutoModelForCausalLM.from_pretrained(tmp_path / "refold").eval()(input_ids=ids).logits
+    assert float((exported - refolded).abs().max()) <= 1e-6
+
+
+def test_the_fold_check_under_autocast_fails_instead_of_calling_the_fold_exact():
+    from hf_tapernorm import FoldCheckError, fold_model
+
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper()).train()
+    for ids in random_batches():
+        model(input_ids=ids)
+    calibrate(model)
+    set_gate(model, 0.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(FoldCheckError, match="autocast is on"):
+        fold_model(model.eval())
+    assert fold_model(model).fold_report.max_rel_diff <= 1e-5  # the same model, autocast off
+
+
+# ============================================================================= 4. models that are not what they say
+def test_models_that_are_not_what_their_config_says_are_refused(workspace, tmp_path):  # noqa: F811
+    from safetensors.torch import save_file
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    three_layers = tmp_path / "three_layers"
+    shutil.copytree(workspace / "llama", three_layers)
+    config = json.loads((three_layers / "config.json").read_text())
+    (three_layers / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    argv = taper_argv(workspace, tmp_path / "o1")
+    argv[argv.index("--model_name_or_path") + 1] = str(three_layers)
+    message = error_of(argv)
+    assert message.startswith(
+        f"hf-tapernorm taper: error: model '{three_layers}' lacks 9 weight(s) its config declares"
+    )
+    assert "model.layers.2." in message and not (tmp_path / "o1").exists()
+
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(workspace / "llama", poisoned)
+    state = load_file(poisoned / "model.safetensors")
+    state["model.layers.1.mlp.up_proj.weight"][0, 0] = float("nan")
+    save_file(state, poisoned / "model.safetensors", metadata={"format": "pt"})
+    evaluate = ["eval", "--dataset_name", str(workspace / "corpus.txt"), "--block_size", "32", "--heldout_blocks", "2"]
+    message = error_of([*evaluate, "--model_name_or_path", str(poisoned)])
+    assert "non-finite values (NaN or inf) in model.layers.1.mlp.up_proj.weight" in message
+
+    listed = tmp_path / "listed"
+    shutil.copytree(workspace / "llama", listed)
+    (listed / "config.json").write_text("[1, 2]")
+    assert error_of([*evaluate, "--model_name_or_path", str(listed)]).endswith("holds a JSON list, not a model config")
+
+    t5 = tmp_path / "t5"
+    T5ForConditionalGeneration(
+        T5Config(vocab_size=128, d_model=16, d_ff=32, num_layers=1, num_heads=2)
+    ).save_pretrained(t5)
+    char_tokenizer().save_pretrained(t5)
+    argv = taper_argv(workspace, tmp_path / "o2")
+    argv[argv.index("--model_name_or_path") + 1] = str(t5)
+    assert "is a t5 model without a causal-LM class" in error_of(argv)
+
+    assert error_of([*evaluate, "--model_name_or_path", str(workspace / "llama"), "--block_size", "100"]).endswith(
+        "--block_size 100 exceeds the model's 64 positions"
+    )
+    options = tmp_path / "options.json"
+    options.write_text("[1, 2]")
+    assert error_of(["taper", str(options)]).endswith("an options file holds one object of option names and values")
+
+
+# ============================================================================= 4. a resumed run is the same run
+def test_resume_checks_the_data_contents_and_every_option_that_shapes_the_result(workspace, reference, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    corpus = tmp_path / "corpus.txt"
+    shutil.copy(workspace / "corpus.txt", corpus)
+    argv = killable_argv(workspace, run)
+    argv[argv.index("--dataset_name") + 1] = str(corpus)
+    (run / MANIFEST_NAME).write_text(  # the run as if it had read this copy (same bytes, another path)
+        (run / MANIFEST_NAME).read_text().replace(str(workspace / "corpus.txt"), str(corpus))
+    )
+    corpus.write_text(corpus.read_text() + "\n\nanother document at the end")
+    before = snapshot(run)
+    message = error_of([*argv, "--resume"])
+    assert "data.contents.corpus.txt: '" in message and "--allow_changes" in message, message
+    shutil.copy(workspace / "corpus.txt", corpus)
+    message = error_of([*argv, "--resume", "--adam_beta2", "0.9"])
+    assert "training.adam_beta2: 0.95 in the run, 0.9 now" in message
+    assert snapshot(run) == before
+    code, _, stderr = run_main([*argv, "--resume", "--save_steps", "5", "--logging_steps", "2"])  # bookkeeping only
+    assert code == 0, stderr
+    message = error_of([*argv, "--resume", "--adam_beta2", "0.9", "--allow_changes", "adam_beta2"])
+    assert "a resumed Trainer restores training.adam_beta2 from the checkpoint's optimizer" in message
+    assert json.loads((run / MANIFEST_NAME).read_text())["identity"]["training"]["adam_beta2"] == 0.95
+    code, _, stderr = run_main([*argv, "--resume", "--max_grad_norm", "0.5", "--allow_changes", "max_grad_norm"])
+    assert code == 0, stderr
+    report = json.loads((run / "report.json").read_text())
+    assert report["allowed_changes"]["training.max_grad_norm"] == {"run": 1.0, "now": 0.5}
+
+
+def test_sigterm_outside_training_unwinds_the_command(monkeypatch):
+    cli = importlib.import_module("hf_tapernorm.cli.main")  # the package exports main(), which hides the module
+
+    def busy(argv):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+        return 0
+
+    original = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setitem(cli.COMMANDS, "fold", (busy, "stand-in"))
+    code, _, stderr = run_main(["fold"])
+    assert code == 143 and stderr.strip().endswith("hf-tapernorm fold: terminated")
+    assert signal.getsignal(signal.SIGTERM) is original
+
+
+def test_a_sharded_teacher_planted_in_a_trainer_checkpoint_is_not_unpickled(tmp_path):
+    from hf_tapernorm import TaperController
+
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper().replace(distill_weight=0.5))
+    controller = TaperController(model, total_steps=20)
+    assert controller.distillation is not None
+    marker = tmp_path / "PAYLOAD_RAN"
+    (tmp_path / "checkpoint-4" / "distillation_teacher").mkdir(parents=True)
+    (tmp_path / "checkpoint-4" / "distillation_teacher" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(TaperStateError, match="distillation_teacher' is a sharded .*--trust_sharded_checkpoint"):
+        controller.load_state(tmp_path / "checkpoint-4")  # what TaperCallback calls on a Trainer resume
+    assert not marker.exists()

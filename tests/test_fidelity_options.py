@@ -16,8 +16,11 @@ from conversion_scripts.experiments.research.diagnostics import (
 )
 from conversion_scripts.experiments.research.linear_fit import fit_linear_branch, typical_token_sums
 from conversion_scripts.experiments.research.penalties import ScaleGrowthPenalty, TokenScalePenalty
-from hf_tapernorm import NormStyle, TaperNorm, TaperNormConfig, calibrate, patch_model, set_gate, tapered_norms
+from hf_tapernorm import TaperNormConfig, patch_model
+from hf_tapernorm.architectures import NormStyle
+from hf_tapernorm.layers import TaperNorm, set_gate, tapered_norms
 from hf_tapernorm.layers.taper_norm import branch_statistics
+from hf_tapernorm.training import calibrate
 from hf_tapernorm.training.calibration import calibration_table
 from hf_tapernorm.training.distillation import Distillation, distillation_loss
 

@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "hf_tapernorm"
 
 #: Layer of each top-level module or subpackage; a module may import its own layer and those below.
 LAYERS = {
-    "errors": 0, "utils": 0, "_import_hooks": 0, "_version": 0,
+    "errors": 0, "utils": 0, "_import_hooks": 0, "_version": 0, "_lazy": 0,
     "architectures": 1,
     "config": 2,
     "layers": 3,
@@ -125,8 +125,56 @@ def test_import_costs_little_over_torch_and_transformers():
     assert min(seconds) < 0.5, f"import hf_tapernorm took {min(seconds):.2f} s over torch + transformers"
 
 
-@pytest.mark.parametrize("name", ["TaperNormConfig", "patch_model", "TaperCallback", "fold_model", "TaperController"])
-def test_the_facade_resolves_its_names(name):
+#: The documented tiers: the facade (the stable API) and the subpackages that hold everything else.
+TIERS = [
+    "hf_tapernorm",
+    "hf_tapernorm.architectures",
+    "hf_tapernorm.layers",
+    "hf_tapernorm.training",
+    "hf_tapernorm.export",
+]
+DOCS = PACKAGE.parent / "docs"
+
+
+def _api_section() -> str:
+    text = (DOCS / "usage.md").read_text()
+    start = text.index("\n## API")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else None]
+
+
+def test_the_stable_api_is_small():
     import hf_tapernorm
 
-    assert getattr(hf_tapernorm, name).__name__ == name
+    assert len(hf_tapernorm.__all__) <= 20, hf_tapernorm.__all__
+    assert len(set(hf_tapernorm.__all__)) == len(hf_tapernorm.__all__)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_every_public_name_resolves_and_is_documented(tier):
+    """Each name of each tier's ``__all__`` resolves (to an object that says it is that name) and appears in
+    the API section of docs/usage.md; ``dir()`` lists it."""
+    import importlib
+
+    package = importlib.import_module(tier)
+    section = _api_section()
+    assert f"`{tier}`" in section, f"docs/usage.md's API section does not present {tier}"
+    undocumented = []
+    for name in package.__all__:
+        value = getattr(package, name)
+        if name != "__version__" and hasattr(value, "__name__"):
+            assert value.__name__ == name, f"{tier}.{name} resolves to {value.__name__}"
+        assert name in dir(package)
+        if f"`{name}`" not in section:
+            undocumented.append(name)
+    assert not undocumented, f"{tier}: not in docs/usage.md's API section: {undocumented}"
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    import hf_tapernorm
+    import hf_tapernorm.layers
+
+    with pytest.raises(AttributeError, match="module 'hf_tapernorm' has no attribute 'taper_norms'"):
+        hf_tapernorm.taper_norms  # noqa: B018 - a removed synonym
+    with pytest.raises(AttributeError, match="'hf_tapernorm.layers' has no attribute 'is_patched'"):
+        hf_tapernorm.layers.is_patched  # noqa: B018

@@ -4,7 +4,10 @@ from torch import nn
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from hf_tapernorm import NormStyle, TaperNorm, TaperStateError, calibrate
+from hf_tapernorm import TaperStateError
+from hf_tapernorm.architectures import NormStyle
+from hf_tapernorm.layers import TaperNorm
+from hf_tapernorm.training import calibrate
 from hf_tapernorm.training.calibration import update_statistics
 
 

@@ -45,9 +45,11 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig
 from transformers.optimization import get_cosine_schedule_with_warmup
 
-from hf_tapernorm import TaperController, TaperDivergenceError, TaperNormConfig, TaperSchedule, patch_model, set_gate
+from hf_tapernorm import TaperController, TaperDivergenceError, TaperNormConfig, patch_model
 from hf_tapernorm.architectures.sites import norm_sites
 from hf_tapernorm.architectures.table import architecture_for
+from hf_tapernorm.layers import set_gate
+from hf_tapernorm.training import TaperSchedule
 
 logger = logging.getLogger("from_scratch")
 

@@ -263,16 +263,12 @@ def branch_statistics(
     return torch.cat([scalar, (squared / r[:, None]).sum(0), squared.sum(0)])
 
 
-def taper_norms(model: nn.Module) -> Iterator[tuple[str, TaperNorm]]:
-    """Every TaperNorm of the model with its qualified name, tapered or kept."""
+def tapered_norms(model: nn.Module, *, include_kept: bool = False) -> Iterator[tuple[str, TaperNorm]]:
+    """The TaperNorms of the model with their qualified names: those whose gate the schedule drives, and
+    with ``include_kept`` also those kept as real norms (a patched model has at least one tapered norm)."""
     for name, module in model.named_modules():
-        if isinstance(module, TaperNorm):
+        if isinstance(module, TaperNorm) and (include_kept or module.tapered):
             yield name, module
-
-
-def tapered_norms(model: nn.Module) -> Iterator[tuple[str, TaperNorm]]:
-    """The TaperNorms whose gate the schedule drives (kept norms excluded)."""
-    return ((n, m) for n, m in taper_norms(model) if m.tapered)
 
 
 @contextmanager
@@ -290,8 +286,4 @@ def normalized(model: nn.Module) -> Iterator[None]:
             layer._phase = phase
 
 
-def is_patched(model: nn.Module) -> bool:
-    return any(True for _ in taper_norms(model))
-
-
-__all__ = ["NormStyle", "TaperNorm", "branch_statistics", "is_patched", "normalized", "taper_norms", "tapered_norms"]
+__all__ = ["TaperNorm", "branch_statistics", "normalized", "tapered_norms"]

@@ -17,13 +17,13 @@ import torch
 from torch import nn
 
 from hf_tapernorm import TaperNormConfig
+from hf_tapernorm._parsing import UsageError
 from hf_tapernorm.architectures.sites import norm_sites
 from hf_tapernorm.bench import measure, runner, workloads
 from hf_tapernorm.bench import train_workloads as train
 from hf_tapernorm.bench import variants as var
 from hf_tapernorm.bench.arguments import BenchArguments, parse_arguments
 from hf_tapernorm.cli.main import main as cli_main
-from hf_tapernorm.cli.parsing import UsageError
 from hf_tapernorm.errors import ConfigurationError
 from hf_tapernorm.layers import TaperNorm, gate_of, tapered_norms
 from hf_tapernorm.pipeline.data import load_text_dataset

@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import typing
 
 import pytest
 import torch
@@ -310,3 +311,87 @@ def test_a_warmup_stable_decay_schedule_decays_only_after_the_gate_reaches_zero(
     gates = [entry["taper/gate"] for entry in logs]
     assert rates[2:8] == [1e-3] * 6  # constant while the gate falls
     assert gates[7] == 0.0 and all(a > b for a, b in zip(rates[8:], rates[9:]))  # decaying only at g = 0
+
+
+# ----------------------------------------------------------------------------- one declaration per field
+def test_the_cli_declares_each_config_field_once():
+    """The taper command's recipe options are the config's fields (generated from them, help and choices
+    included) plus the options it spells its own way; nothing else."""
+    from hf_tapernorm.cli.arguments import SET_BY_OTHER_OPTIONS, TaperArguments, TaperRunOptions
+
+    config_fields = {f.name: f for f in dataclasses.fields(TaperNormConfig)}
+    flags = {f.name: f for f in dataclasses.fields(TaperArguments)}
+    run_options = {f.name for f in dataclasses.fields(TaperRunOptions)}
+    assert run_options == {"recipe", "sink", "tied_head"}
+    assert set(flags) == (set(config_fields) - set(SET_BY_OTHER_OPTIONS)) | run_options
+    assert set(SET_BY_OTHER_OPTIONS.values()) <= run_options  # recipe and sink_token_ids: --recipe, --sink
+    for name in set(config_fields) - set(SET_BY_OTHER_OPTIONS):
+        assert flags[name].default is None, name  # unset: the recipe's value
+        assert flags[name].metadata["help"].startswith(config_fields[name].metadata["help"]), name
+        choices = TaperNormConfig.choices(name)
+        if choices is not None:
+            assert typing.get_args(typing.get_args(flags[name].type)[0]) == choices, name
+
+
+@pytest.mark.parametrize("name", ["linear_fit", "calibration_scale", "distill_from"])
+def test_research_options_are_marked_experimental(name):
+    field = next(f for f in dataclasses.fields(TaperNormConfig) if f.name == name)
+    assert "[experimental]" in field.metadata["help"]
+
+
+def test_cli_values_are_checked_by_the_config_and_named_by_their_flag():
+    from hf_tapernorm._parsing import parse
+    from hf_tapernorm.cli.arguments import TaperArguments
+
+    def taper(*argv):
+        return parse([TaperArguments], list(argv), "hf-tapernorm taper")[0]
+
+    flags = taper("--keep_norms", "a.*, b.*", "--taper_start", "3", "--taper_end", "0.5", "--distill_from", "original")
+    assert (flags.keep_norms, flags.taper_start, flags.taper_end) == (["a.*", "b.*"], 3, 0.5)
+    assert taper("--keep_norms", "none").keep_norms == [] and taper("--keep_norms", "auto").keep_norms is None
+    for argv, message in (
+        (["--ema_rate", "2"], "--ema_rate must be in (0, 1], got 2.0"),
+        (["--distill_weight", "-1"], "--distill_weight must be >= 0, got -1.0"),
+        (["--calibration_scale", "0"], "--calibration_scale must be positive, got 0.0"),
+        (["--taper_end", "1.5"], "--taper_end=1.5: a float is a fraction of the run and must be in (0, 1]"),
+        (["--taper_start", "x"], "--taper_start must be an optimizer step (int) or a fraction of the run (float)"),
+        (["--keep_norms", ","], "--keep_norms must be auto, none or a comma-separated list"),
+    ):
+        with pytest.raises(ConfigurationError) as error:
+            taper(*argv)
+        assert str(error.value).startswith(message), str(error.value)
+        assert "TaperNormConfig." not in str(error.value)
+
+
+def test_recipe_config_takes_every_set_field(tmp_path):
+    from types import SimpleNamespace
+
+    from hf_tapernorm._parsing import parse
+    from hf_tapernorm.cli.arguments import TaperArguments
+    from hf_tapernorm.pipeline.validation import recipe_config
+
+    model, tokenizer = build(tiny_llama_config()), char_tokenizer()
+    argv = ["--recipe", "paper", "--sink", "bos", "--linear_fit", "per_channel", "--calibration_scale", "0.9",
+            "--distill_weight", "0.5", "--distill_from", "original", "--distill_until", "taper_end",
+            "--scale_loss_weight", "0.2", "--relative_scale_loss", "true", "--ema_rate", "0.05",
+            "--keep_norms", "model.layers.0.*", "--scope", "all",
+            "--taper_start", "2", "--taper_end", "0.5"]  # fmt: skip
+    (flags,) = parse([TaperArguments], argv, "hf-tapernorm taper")
+    config = recipe_config(SimpleNamespace(taper=flags), model, tokenizer)
+    assert config == TaperNormConfig.paper(
+        sink_token_ids=[tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id],
+        linear_fit="per_channel",
+        calibration_scale=0.9,
+        distill_weight=0.5,
+        distill_from="original",
+        distill_until="taper_end",
+        scale_loss_weight=0.2,
+        relative_scale_loss=True,
+        ema_rate=0.05,
+        keep_norms=["model.layers.0.*"],
+        scope="all",
+        taper_start=2,
+        taper_end=0.5,
+    )
+    (unset,) = parse([TaperArguments], [], "hf-tapernorm taper")
+    assert recipe_config(SimpleNamespace(taper=unset), model, tokenizer) == TaperNormConfig.for_model(model, tokenizer)

@@ -11,6 +11,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
+from .._parsing import UsageError, parse
 from ..errors import ConfigurationError, TaperStateError
 from ..export.folding import fold_model
 from ..export.hub import push_export
@@ -22,7 +23,6 @@ from ..pipeline.run_folder import write_folder
 from ..pipeline.taper import save_export
 from ..training.checkpoints import tapered_config_of
 from .arguments import DataArguments, EvalArguments, FoldArguments, ModelArguments, PushArguments
-from .parsing import UsageError, parse
 
 logger = logging.getLogger("hf_tapernorm.cli")
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import hf_tapernorm
-from conversion_scripts.experiments.research.linear_fit import fit_linear_branch
 from hf_tapernorm import (
     ConfigurationError,
     TaperController,
@@ -27,7 +26,6 @@ from hf_tapernorm import (
     save_tapered,
 )
 from hf_tapernorm.layers import gate_of, tapered_norms
-from hf_tapernorm.training import TaperSchedule
 from tests.conftest import (
     DISCOVERED_CASES,
     FAMILY_CASES,
@@ -232,25 +230,6 @@ def test_round_trips_dict_json_checkpoint_and_export(tmp_path):
     exported = json.loads((export / "config.json").read_text())
     assert exported["tapernorm_config"] == config.to_dict()
     assert exported["hf_tapernorm_version"] == hf_tapernorm.__version__
-
-
-def test_the_per_channel_fit_is_least_squares_over_the_warmup():
-    batches = random_batches(n=2, batch=2, length=16)
-    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper(linear_fit="per_channel")).train()
-    reference = patch_model(build(tiny_llama_config()), TaperNormConfig.paper())
-    controller = TaperController(model, TaperSchedule(1, 3), total_steps=3, distillation=False)
-    controller.step_begin(0)
-    for ids in batches:  # one optimizer step of two micro-batches (no update: the weights stay those of reference)
-        model(input_ids=ids)
-    controller.step_end(0)
-    controller.step_begin(1)  # calibrates from the EMA of that step
-    fit_linear_branch(reference, batches, trim=None, per_channel=True)  # the same least squares, from the batches
-    fitted = dict(tapered_norms(reference, include_kept=True))
-    for name, layer in tapered_norms(model, include_kept=True):
-        if layer.tapered:
-            torch.testing.assert_close(
-                layer.c * layer.taper_weight, fitted[name].c * fitted[name].taper_weight, rtol=1e-5, atol=1e-6, msg=name
-            )
 
 
 def test_patch_model_takes_a_config_object_only():

@@ -187,3 +187,55 @@ def test_an_unknown_name_is_an_attribute_error():
         hf_tapernorm.taper_norms  # noqa: B018 - a removed synonym
     with pytest.raises(AttributeError, match="'hf_tapernorm.layers' has no attribute 'is_patched'"):
         hf_tapernorm.layers.is_patched  # noqa: B018
+
+
+#: What the research code may import beyond the tiers: the taper command's helpers it reuses (documented in
+#: docs/usage.md's API section).
+RESEARCH_MAY_IMPORT = {
+    "hf_tapernorm.pipeline.data",
+    "hf_tapernorm.pipeline.models",
+    "hf_tapernorm.pipeline.evaluation",
+    "hf_tapernorm.cli.arguments",
+}
+EXPERIMENTS = PACKAGE.parent / "conversion_scripts" / "experiments"
+
+
+def _imported(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, names) of every absolute ``from``/``import`` statement of a file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.append((node.module, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            found.extend((a.name, []) for a in node.names)
+    return found
+
+
+def test_the_product_suite_imports_no_research_code():
+    offending = [
+        f"{path.name}: {module}"
+        for path in sorted((PACKAGE.parent / "tests").rglob("*.py"))
+        for module, _ in _imported(path)
+        if module.startswith("conversion_scripts.experiments")
+    ]
+    assert not offending, offending
+
+
+def test_the_experiments_use_only_the_documented_api():
+    import importlib
+
+    section = _api_section()
+    assert all(f"`{module}`" in section for module in RESEARCH_MAY_IMPORT)
+    offending = []
+    for path in sorted(EXPERIMENTS.rglob("*.py")):
+        for module, names in _imported(path):
+            if not module.startswith("hf_tapernorm"):
+                continue
+            if module in RESEARCH_MAY_IMPORT:
+                continue
+            if module not in TIERS:
+                offending.append(f"{path.relative_to(EXPERIMENTS)}: {module}")
+                continue
+            public = set(importlib.import_module(module).__all__)
+            offending += [f"{path.relative_to(EXPERIMENTS)}: {module}.{n}" for n in names if n not in public]
+    assert not offending, "\n".join(offending)

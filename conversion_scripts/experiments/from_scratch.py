@@ -46,8 +46,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Pretrain
 from transformers.optimization import get_cosine_schedule_with_warmup
 
 from hf_tapernorm import TaperController, TaperDivergenceError, TaperNormConfig, patch_model
-from hf_tapernorm.architectures.sites import norm_sites
-from hf_tapernorm.architectures.table import architecture_for
+from hf_tapernorm.architectures import architecture_of, norm_sites
 from hf_tapernorm.layers import set_gate
 from hf_tapernorm.training import TaperSchedule
 
@@ -177,7 +176,7 @@ def model_config(arch: str, hidden: int, layers: int, heads: int, seq_len: int) 
 
 
 def final_norm_path(model: torch.nn.Module) -> str:
-    arch = architecture_for(model.config.model_type)
+    arch = architecture_of(model)
     return next(site.path for site in norm_sites(model, arch) if site.is_final)
 
 

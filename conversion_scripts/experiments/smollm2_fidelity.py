@@ -31,7 +31,7 @@ from conversion_scripts.experiments.research.penalties import ScaleGrowthPenalty
 from hf_tapernorm import TaperNormConfig, patch_model
 from hf_tapernorm.layers import set_gate, set_sink_tokens, tapered_norms
 from hf_tapernorm.pipeline.models import load_model, load_tokenizer, resolve_model
-from hf_tapernorm.training.distillation import distillation_loss
+from hf_tapernorm.training import distillation_loss
 
 HERE = Path(__file__).resolve().parent
 logger = logging.getLogger("smollm2_fidelity")

@@ -97,7 +97,7 @@ class TaperNormConfig:
 
     Fields marked experimental (``linear_fit="per_channel"``, ``calibration_scale``, ``distill_from`` other
     than ``"gate_start"``) are kept for the research in conversion_scripts/experiments; no preset uses them.
-    Presets: :meth:`paper` and :meth:`for_model`. The scale anchor and the teacher: docs/method.md.
+    Presets: :meth:`paper` and :meth:`for_model`. The method behind the fields: docs/method.md.
     """
 
     # Which norms taper

@@ -239,3 +239,22 @@ def test_the_experiments_use_only_the_documented_api():
             public = set(importlib.import_module(module).__all__)
             offending += [f"{path.relative_to(EXPERIMENTS)}: {module}.{n}" for n in names if n not in public]
     assert not offending, "\n".join(offending)
+
+
+#: The modules that print a command's result for the user; everything else logs (cli/commands.py says so).
+PRINTING = {
+    "hf_tapernorm.cli.commands",
+    "hf_tapernorm.cli.main",
+    "hf_tapernorm.pipeline.taper",
+    "hf_tapernorm.bench.runner",
+}
+
+
+def test_only_the_commands_print():
+    printing = {
+        name
+        for name, path in _modules().items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"
+    }
+    assert printing <= PRINTING, sorted(printing - PRINTING)

@@ -109,7 +109,7 @@ def test_statistics_and_c_match_an_independent_computation(style):
             model(h)
         update_statistics(model)
 
-    # Independent computation of METHOD section 3.
+    # Independent computation of docs/method.md, section 3.
     gamma = norm.weight.detach().double()
     a = b = 0.0
     for micro_batches in steps:

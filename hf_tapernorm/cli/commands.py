@@ -1,7 +1,9 @@
 """The ``eval``, ``fold`` and ``push`` subcommands: each parses its arguments, checks them, then acts.
 
 ``taper`` lives in pipeline/taper.py (it is most of the package's orchestration) and ``bench`` in
-bench/; this module and cli/main.py are the only places that print for the user.
+bench/. What a command prints for the user (its result on stdout) is printed by the command itself: this
+module, cli/main.py (usage, one-line errors), pipeline/taper.py (the run's summary) and bench/runner.py
+(the results table); everything else in the package logs.
 """
 
 from __future__ import annotations

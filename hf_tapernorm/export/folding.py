@@ -2,7 +2,7 @@
 
 At g = 0 every tapered norm is the fixed map h -> h A + beta with A = c D_gammat (RMS) or
 A = c (I - 11^T/d) D_gammat (LayerNorm), and folds into the modules the architecture table says
-read it (METHOD section 5). The algebra is one routine per site kind, driven by the table:
+read it (docs/method.md, section 5). The algebra is one routine per site kind, driven by the table:
 
 - ``"input"`` (a pre-norm): the consumers' input columns, W' = W A, bias' = bias + W beta;
 - ``"per_head"`` / ``"output"`` (a q/k norm or a post-norm on a branch output): the producers'

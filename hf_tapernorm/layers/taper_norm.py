@@ -166,7 +166,7 @@ class TaperNorm(nn.Module):
         return 3 + (2 * self.hidden_size if self.per_channel else 0)
 
     def mark_calibrated(self, c: float, channel_ratio: Optional[torch.Tensor] = None) -> None:
-        """Freeze c and start the linear branch from the norm's current gain (METHOD section 3).
+        """Freeze c and start the linear branch from the norm's current gain (docs/method.md, section 3).
 
         ``channel_ratio``: per-channel least-squares factors a_j (sum x_j^2/r over sum x_j^2); the linear
         branch then starts at ``c * taper_weight_j = a_j * gain_j``, still one per-channel map.
@@ -245,7 +245,7 @@ class TaperNorm(nn.Module):
 def branch_statistics(
     h: torch.Tensor, gain: torch.Tensor, eps: float, *, centred: bool, per_channel: bool = False
 ) -> torch.Tensor:
-    """Sums over tokens of ||h g||^2 / r(h) and ||h g||^2, and the token count, in fp32 (METHOD section 3);
+    """Sums over tokens of ||h g||^2 / r(h) and ||h g||^2, and the token count, in fp32 (docs/method.md, section 3);
     with ``per_channel``, then the per-channel sums of x_j^2 / r(h) and of x_j^2 (shape ``3 + 2d``).
 
     ``centred`` selects the LayerNorm form (h - mu and sigma instead of h and the RMS).

@@ -1,4 +1,4 @@
-"""Calibration of the linear branch's scalar c (METHOD section 3).
+"""Calibration of the linear branch's scalar c (docs/method.md, section 3).
 
 Training-mode forwards add per-token sums to each layer's pending statistics; once per optimizer
 step ``update_statistics`` folds the step's mean (over all micro-batches and, when distributed, all

@@ -19,19 +19,6 @@ from hf_tapernorm.training.distillation import Distillation, distillation_loss
 from .conftest import build, random_batches, tiny_gpt2_config, tiny_llama_config
 
 
-def layer_inputs(model, batch) -> dict[str, torch.Tensor]:
-    """The input of every tapered layer in one forward of ``batch``, by layer name."""
-    inputs = {}
-    handles = [
-        layer.register_forward_pre_hook(lambda m, a, name=name: inputs.setdefault(name, a[0].detach()))
-        for name, layer in tapered_norms(model)
-    ]
-    model(batch)
-    for handle in handles:
-        handle.remove()
-    return inputs
-
-
 def _norm(d=8):
     norm = LlamaRMSNorm(d, eps=1e-6)
     with torch.no_grad():

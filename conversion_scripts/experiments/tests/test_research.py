@@ -6,7 +6,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from conversion_scripts.experiments.research.diagnostics import (
     branch_distance,
@@ -32,13 +31,6 @@ def layer_inputs(model, batch) -> dict[str, torch.Tensor]:
     for handle in handles:
         handle.remove()
     return inputs
-
-
-def _norm(d=8):
-    norm = LlamaRMSNorm(d, eps=1e-6)
-    with torch.no_grad():
-        norm.weight.copy_(1 + 0.3 * torch.randn(d))
-    return norm
 
 
 def test_typical_token_sums_match_an_independent_loop():

@@ -374,3 +374,23 @@ def test_recipe_config_takes_every_set_field(tmp_path):
     )
     (unset,) = parse([TaperArguments], [], "hf-tapernorm taper")
     assert recipe_config(SimpleNamespace(taper=unset), model, tokenizer) == TaperNormConfig.for_model(model, tokenizer)
+
+
+def test_below_the_cli_errors_name_fields_and_the_cli_writes_flags():
+    from hf_tapernorm._parsing import as_flags
+    from hf_tapernorm.cli.arguments import TaperArguments, TaperTrainingArguments
+    from hf_tapernorm.pipeline.validation import check_schedule
+
+    with pytest.raises(ConfigurationError) as error:
+        check_schedule(TaperNormConfig.paper(taper_start=2, taper_end=20), 10)
+    assert str(error.value).startswith(
+        "TaperNormConfig.taper_end 20 is step 20, after the last step 10 (TrainingArguments.max_steps)"
+    )
+    translated = as_flags(error.value, [TaperArguments, TaperTrainingArguments])
+    assert type(translated) is ConfigurationError
+    assert str(translated).startswith("--taper_end 20 is step 20, after the last step 10 (--max_steps)")
+    assert str(translated).endswith("lower --taper_end or raise --max_steps")
+    # Only the options of the command are translated: a field the command has no flag for keeps its name.
+    assert str(as_flags(error.value, [TaperTrainingArguments])).startswith("TaperNormConfig.taper_end 20")
+    untouched = ConfigurationError("nothing to translate")
+    assert as_flags(untouched, [TaperArguments]) is untouched

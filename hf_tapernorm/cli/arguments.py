@@ -2,9 +2,11 @@
 
 Choices are ``Literal`` types (argparse refuses anything else) and ranges are checked in
 ``__post_init__``, so a bad value fails before anything is loaded, trained or deleted. The recipe's
-options default to ``None``, meaning "what ``TaperNormConfig.for_model`` (or ``--recipe paper``) says":
-one place for every default (hf_tapernorm/config.py). ``TaperTrainingArguments`` is
-``TrainingArguments`` with this command's defaults; every Trainer option passes through.
+options (``TaperArguments``) are generated from ``TaperNormConfig``'s fields: the same names, help texts
+and choices, the config's own checks, and default ``None``, meaning "what ``TaperNormConfig.for_model`` (or
+``--recipe paper``) says": one place for every default and every check (hf_tapernorm/config.py).
+``TaperTrainingArguments`` is ``TrainingArguments`` with this command's defaults; every Trainer option
+passes through.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo lint test clean
+.PHONY: install demo lint test test-product test-experiments clean
 
 $(STAMP): setup.cfg constraints.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +26,14 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
+# The product suite (tests/), then the research code's own tests (conversion_scripts/experiments/tests).
+test: lint test-product test-experiments
+
+test-product: $(STAMP)
 	$(PY) -m pytest -q tests
+
+test-experiments: $(STAMP)
+	$(PY) -m pytest -q -m experiments conversion_scripts/experiments/tests
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -20,16 +20,18 @@ Two presets:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
-from collections.abc import Sequence
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from torch import nn
 
+from ._version import __version__
 from .architectures.recipe_rules import norms_to_keep
 from .architectures.sites import architecture_of
 from .errors import ConfigurationError, TaperStateError
@@ -37,18 +39,24 @@ from .errors import ConfigurationError, TaperStateError
 logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "tapernorm_config.json"
-SCOPES = ("internal", "final", "all")
-LINEAR_FITS = ("paper", "per_channel")
-TEACHERS = ("gate_start", "original", "current")
-DISTILL_UNTIL = ("end", "taper_end")
+#: The key of ``tapernorm_config.json`` (and of an export's ``config.json``) that records the package version.
+VERSION_KEY = "hf_tapernorm_version"
 
 Scope = Literal["internal", "final", "all"]
+LinearFit = Literal["paper", "per_channel"]
+Teacher = Literal["gate_start", "original", "current"]
+DistillUntil = Literal["end", "taper_end"]
 Step = Union[int, float]  # int: an optimizer step; float in (0, 1]: a fraction of the run
 
+#: Marks the help of the options kept for research (docs/method.md): they work, but are not the recipe.
+EXPERIMENTAL = "[experimental]"
 
-def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise ConfigurationError(f"TaperNormConfig.{name} must be one of {', '.join(choices)}, got {value!r}")
+
+def _option(default: Any, help: str, **kwargs: Any) -> Any:
+    """A recipe field with its help text: the one declaration the CLI's flags are generated from."""
+    if callable(default):
+        return field(default_factory=default, metadata={"help": help}, **kwargs)
+    return field(default=default, metadata={"help": help}, **kwargs)
 
 
 def check_step(name: str, value: Any) -> None:
@@ -66,106 +74,118 @@ def check_step(name: str, value: Any) -> None:
         raise ConfigurationError(f"{name}={value!r}: an optimizer step cannot be negative")
 
 
-def parse_step(text: str, name: str) -> Step:
-    """A step written as text (a flag): ``"5"`` -> 5 (an optimizer step), ``"0.05"`` -> 0.05 (a fraction of the run)."""
-    try:
-        step = float(text) if any(ch in str(text) for ch in ".eE") else int(text)
-    except ValueError:
-        raise ConfigurationError(
-            f"--{name} must be an optimizer step (int) or a fraction of the run (float), got {text!r}"
-        ) from None
-    check_step(f"--{name}", step)
+def parse_step(text: Union[str, Step], name: str) -> Step:
+    """A step written as text: ``"5"`` -> 5 (an optimizer step), ``"0.05"`` -> 0.05 (a fraction of the run).
+    Errors name the field (``TaperNormConfig.<name>``)."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        step = text
+    else:
+        try:
+            step = float(text) if any(ch in str(text) for ch in ".eE") else int(text)
+        except ValueError:
+            raise ConfigurationError(
+                f"TaperNormConfig.{name} must be an optimizer step (int) or a fraction of the run (float), got {text!r}"
+            ) from None
+    check_step(f"TaperNormConfig.{name}", step)
     return step
 
 
 @dataclass
 class TaperNormConfig:
-    """Every choice of a taper recipe. Fields are validated on construction (``ConfigurationError``).
+    """Every choice of a taper recipe. Fields are validated on construction (``ConfigurationError``, naming
+    the field); each field's ``metadata["help"]`` is its documentation, and the CLI's ``--help``.
 
-    Which norms taper:
-        scope: ``"internal"`` (every norm inside the decoder layers; the final norm stays and anchors the
-            output scale), ``"final"`` or ``"all"``.
-        keep_norms: fnmatch patterns of qualified module names whose norms stay real norms although
-            ``scope`` covers them (``"model.layers.*.post_attention_layernorm"``). A single string is one
-            pattern. Every pattern must match a norm of the model.
-        sink_token_ids: leading token ids every sequence starts with (e.g. ``[bos]``), kept normalized at
-            every gate and folded as a constant key/value prefix (layers/sink.py).
-    The linear branch:
-        linear_fit: ``"paper"`` (scalar c from the EMA over the warmup) or ``"per_channel"`` (a
-            per-channel least-squares start fitted on a few training batches before training).
-        calibration_scale: multiplies every calibrated c (< 1: a conservative linear branch).
-        ema_rate: new-sample weight of the calibration and scale-target EMAs.
-    The scale anchor (METHOD section 4):
-        scale_loss_weight: lambda of the fixed-target scale loss (0 disables the loss, keeps the measurement).
-        relative_scale_loss: penalise ``(s / s_tgt - 1)^2`` instead of ``(s - s_tgt)^2``.
-    Distillation (KL to a frozen, unpatched copy of the model):
-        distill_weight: 0 turns it off.
-        distill_from: ``"gate_start"`` (a frozen copy of the model as it was when the gate first fell below 1),
-            ``"original"`` (a frozen copy of the model before training) or ``"current"`` (no copy: the model
-            itself with every gate at 1, on the same batch).
-        distill_until: ``"end"`` of the run, or ``"taper_end"`` (the step the gate reaches 0): after it the
-            teacher is dropped and a step costs what a normalized step costs.
-    The schedule:
-        taper_start, taper_end: optimizer steps (int) or fractions of the run (float) where the gate starts
-            to fall (calibration ends) and where it reaches 0.
-    recipe: a name recording where the values came from (``"paper"``, ``"gated-mlp"``, ``"custom"``).
+    Fields marked experimental (``linear_fit="per_channel"``, ``calibration_scale``, ``distill_from`` other
+    than ``"gate_start"``) are kept for the research in conversion_scripts/experiments; no preset uses them.
+    Presets: :meth:`paper` and :meth:`for_model`. The method behind the fields: docs/method.md.
     """
 
-    scope: Scope = "internal"
-    keep_norms: list[str] = field(default_factory=list)
-    sink_token_ids: list[int] = field(default_factory=list)
-    linear_fit: str = "paper"
-    calibration_scale: float = 1.0
-    ema_rate: float = 0.01
-    scale_loss_weight: float = 0.1
-    relative_scale_loss: bool = False
-    distill_weight: float = 0.0
-    distill_from: str = "gate_start"
-    distill_until: str = "end"
-    taper_start: Step = 0.05
-    taper_end: Step = 0.70
-    recipe: str = "custom"
+    # Which norms taper
+    scope: Scope = _option(
+        "internal",
+        "Which norms taper: internal (every norm inside the decoder layers; the final norm stays and anchors "
+        "the output scale) | final | all.",
+    )
+    keep_norms: list[str] = _option(
+        list,
+        "fnmatch patterns of qualified module names whose norms stay real norms although scope covers them, "
+        "e.g. 'model.layers.*.post_attention_layernorm'; each must match a norm. A single string is one pattern.",
+    )
+    sink_token_ids: list[int] = _option(
+        list,
+        "Leading token ids every sequence starts with (e.g. the BOS), kept normalized at every gate and folded "
+        "as a constant key/value prefix.",
+    )
+    # The linear branch
+    linear_fit: LinearFit = _option(
+        "paper",
+        "Start of the linear branch: paper (scalar c from the warmup's EMA) | per_channel "
+        f"{EXPERIMENTAL} (per-channel least squares over the same warmup statistics).",
+    )
+    calibration_scale: float = _option(
+        1.0, f"{EXPERIMENTAL} Multiply every calibrated c by this (< 1: a conservative linear branch); > 0."
+    )
+    ema_rate: float = _option(0.01, "New-sample weight of the calibration and scale-target EMAs, in (0, 1].")
+    # The scale anchor
+    scale_loss_weight: float = _option(
+        0.1,
+        "lambda of the fixed-target scale loss on the residual stream entering the final norm, >= 0 (0 turns "
+        "the loss off; the scale is still measured).",
+    )
+    relative_scale_loss: bool = _option(False, "Penalise (s / s_tgt - 1)^2 instead of the paper's (s - s_tgt)^2.")
+    # Distillation (KL to a teacher)
+    distill_weight: float = _option(0.0, "Weight of the KL term to the teacher (distill_from), >= 0 (0: off).")
+    distill_from: Teacher = _option(
+        "gate_start",
+        "Teacher: gate_start (a frozen copy of the model when the gate first falls below 1) | original "
+        f"{EXPERIMENTAL} (a frozen copy before training) | current {EXPERIMENTAL} (the model itself at gate 1, "
+        "on the same batch: no copy).",
+    )
+    distill_until: DistillUntil = _option(
+        "end",
+        "Distil to the end of the run, or only until the gate reaches 0 (taper_end): the teacher is then "
+        "dropped and a step costs what a normalized step costs.",
+    )
+    # The schedule
+    taper_start: Step = _option(
+        0.05,
+        "Optimizer step (int) or fraction of the run (float in (0, 1]) where the gate starts to fall "
+        "(calibration ends).",
+    )
+    taper_end: Step = _option(
+        0.70, "Optimizer step (int) or fraction of the run (float in (0, 1]) where the gate reaches 0."
+    )
+    recipe: str = _option(
+        "custom", "Where the values came from (paper, gated-mlp, custom), recorded in reports and exports."
+    )
 
     def __post_init__(self) -> None:
-        if self.keep_norms is None:
-            self.keep_norms = []
-        elif isinstance(self.keep_norms, str):
-            self.keep_norms = [self.keep_norms]
-        self.keep_norms = [str(p) for p in self.keep_norms]
-        if any(not p.strip() for p in self.keep_norms):
-            raise ConfigurationError(f"TaperNormConfig.keep_norms holds an empty pattern: {self.keep_norms!r}")
-        if self.sink_token_ids is None:
-            self.sink_token_ids = []
-        elif isinstance(self.sink_token_ids, int) and not isinstance(self.sink_token_ids, bool):
-            self.sink_token_ids = [self.sink_token_ids]
-        try:
-            self.sink_token_ids = [int(i) for i in self.sink_token_ids]
-        except (TypeError, ValueError):
-            raise ConfigurationError(
-                f"TaperNormConfig.sink_token_ids must be token ids, got {self.sink_token_ids!r}"
-            ) from None
-        if any(i < 0 for i in self.sink_token_ids):
-            raise ConfigurationError(f"TaperNormConfig.sink_token_ids must be non-negative, got {self.sink_token_ids}")
-        _check_choice("scope", self.scope, SCOPES)
-        _check_choice("linear_fit", self.linear_fit, LINEAR_FITS)
-        _check_choice("distill_from", self.distill_from, TEACHERS)
-        _check_choice("distill_until", self.distill_until, DISTILL_UNTIL)
-        if not 0.0 < self.ema_rate <= 1.0:
-            raise ConfigurationError(f"TaperNormConfig.ema_rate must be in (0, 1], got {self.ema_rate}")
-        if not self.calibration_scale > 0:
-            raise ConfigurationError(
-                f"TaperNormConfig.calibration_scale must be positive, got {self.calibration_scale}"
-            )
-        if not self.scale_loss_weight >= 0:
-            raise ConfigurationError(f"TaperNormConfig.scale_loss_weight must be >= 0, got {self.scale_loss_weight}")
-        if not self.distill_weight >= 0:
-            raise ConfigurationError(f"TaperNormConfig.distill_weight must be >= 0, got {self.distill_weight}")
-        check_step("TaperNormConfig.taper_start", self.taper_start)
-        check_step("TaperNormConfig.taper_end", self.taper_end)
+        for name, value in self.check_values(
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        ).items():
+            setattr(self, name, value)
         if type(self.taper_start) is type(self.taper_end) and not self.taper_end > self.taper_start:
             raise ConfigurationError(
                 f"TaperNormConfig.taper_end ({self.taper_end}) must come after taper_start ({self.taper_start})"
             )
+
+    @classmethod
+    def choices(cls, name: str) -> Optional[tuple[str, ...]]:
+        """The values a ``Literal`` field allows (None for a field without choices)."""
+        hint = _type_hints(cls)[name]
+        return typing.get_args(hint) if typing.get_origin(hint) is Literal else None
+
+    @classmethod
+    def check_values(cls, **values: Any) -> dict[str, Any]:
+        """Each given field checked and normalized on its own (``ConfigurationError`` naming the field); the
+        checks between fields run on construction. The CLI calls this when it parses its flags."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        checked = {}
+        for name, value in values.items():
+            if name not in known:
+                raise ConfigurationError(f"TaperNormConfig has no field {name!r}; known: {', '.join(sorted(known))}")
+            checked[name] = _checked(cls, name, value)
+        return checked
 
     # ------------------------------------------------------------------ presets
     @classmethod
@@ -222,15 +242,25 @@ class TaperNormConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TaperNormConfig:
-        """The config of ``values``; unknown keys are an error (a file from a newer version, or a typo)."""
+        """The config of ``values`` (``to_dict`` or a ``tapernorm_config.json``). Keys this version does not
+        know (a file from a newer version) are dropped with one warning naming them, as PEFT does, so an
+        older install still reads a newer file; the recorded package version is not a field."""
+        values = dict(values)
+        version = values.pop(VERSION_KEY, None)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ConfigurationError(f"unknown TaperNormConfig field(s) {unknown}; known: {', '.join(sorted(known))}")
-        return cls(**values)
+            logger.warning(
+                "TaperNormConfig: ignoring unknown field(s) %s (written by hf_tapernorm %s; this is %s)",
+                ", ".join(unknown),
+                version or "of an unknown version",
+                __version__,
+            )
+        return cls(**{k: v for k, v in values.items() if k in known})
 
     def to_json_string(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+        """``tapernorm_config.json``: every field, and the package version that wrote it."""
+        return json.dumps({**self.to_dict(), VERSION_KEY: __version__}, indent=2, sort_keys=True) + "\n"
 
     def save_pretrained(self, folder: Union[str, os.PathLike]) -> Path:
         """Write ``tapernorm_config.json`` into ``folder`` (created if missing); returns the file."""
@@ -240,12 +270,25 @@ class TaperNormConfig:
         return path
 
     @classmethod
-    def from_pretrained(cls, folder: Union[str, os.PathLike]) -> TaperNormConfig:
-        path = Path(folder) / CONFIG_NAME
-        if not path.is_file():
-            raise ConfigurationError(
-                f"no {CONFIG_NAME} in '{folder}': not a tapered checkpoint written by hf_tapernorm"
-            )
+    def from_pretrained(
+        cls,
+        name_or_path: Union[str, os.PathLike],
+        *,
+        revision: Optional[str] = None,
+        token: Union[str, bool, None] = None,
+    ) -> TaperNormConfig:
+        """The config in a local folder, or in a Hub repository (``tapernorm_config.json`` at its root,
+        downloaded with ``huggingface_hub.hf_hub_download``; ``revision`` and ``token`` are passed on)."""
+        path = Path(name_or_path) / CONFIG_NAME
+        if Path(name_or_path).is_dir():
+            if not path.is_file():
+                raise ConfigurationError(
+                    f"no {CONFIG_NAME} in '{name_or_path}': not a tapered checkpoint written by hf_tapernorm"
+                )
+        elif _looks_like_a_path(str(name_or_path)):
+            raise ConfigurationError(f"TaperNormConfig.from_pretrained: no folder '{name_or_path}'")
+        else:
+            path = Path(_download(str(name_or_path), revision, token))
         try:
             return cls.from_dict(json.loads(path.read_text()))
         except json.JSONDecodeError as error:
@@ -253,6 +296,59 @@ class TaperNormConfig:
 
     def replace(self, **changes: Any) -> TaperNormConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _checked(cls: type, name: str, value: Any) -> Any:
+    """One field's value, normalized (a single pattern or id becomes a list), or a ConfigurationError."""
+    label = f"TaperNormConfig.{name}"
+    choices = cls.choices(name)
+    if choices is not None:
+        if value not in choices:
+            raise ConfigurationError(f"{label} must be one of {', '.join(choices)}, got {value!r}")
+    elif name == "keep_norms":
+        value = [] if value is None else [value] if isinstance(value, str) else [str(p) for p in value]
+        if any(not p.strip() for p in value):
+            raise ConfigurationError(f"{label} holds an empty pattern: {value!r}")
+    elif name == "sink_token_ids":
+        value = [] if value is None else [value] if isinstance(value, int) and not isinstance(value, bool) else value
+        try:
+            value = [int(i) for i in value]
+        except (TypeError, ValueError):
+            raise ConfigurationError(f"{label} must be token ids, got {value!r}") from None
+        if any(i < 0 for i in value):
+            raise ConfigurationError(f"{label} must be non-negative, got {value}")
+    elif name in ("taper_start", "taper_end"):
+        check_step(label, value)
+    elif name == "ema_rate" and not 0.0 < value <= 1.0:
+        raise ConfigurationError(f"{label} must be in (0, 1], got {value}")
+    elif name == "calibration_scale" and not value > 0:
+        raise ConfigurationError(f"{label} must be positive, got {value}")
+    elif name in ("scale_loss_weight", "distill_weight") and not value >= 0:
+        raise ConfigurationError(f"{label} must be >= 0, got {value}")
+    return value
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _looks_like_a_path(name: str) -> bool:
+    """A Hub repository id is ``name`` or ``owner/name``; anything else can only be a local path."""
+    return not name or name.count("/") > 1 or name.startswith((".", "/", "~")) or "\\" in name
+
+
+def _download(repo_id: str, revision: Optional[str], token: Union[str, bool, None]) -> str:
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return hf_hub_download(repo_id, CONFIG_NAME, revision=revision, token=token)
+    except Exception as error:  # huggingface_hub raises many types (offline, not found, gated, network)
+        reason = (str(error).strip().splitlines() or [""])[0]
+        raise ConfigurationError(
+            f"TaperNormConfig.from_pretrained('{repo_id}'): not a local folder, and {CONFIG_NAME} could not be "
+            f"read from the Hub ({type(error).__name__}: {reason}); check the name, the network, HF_HUB_OFFLINE"
+        ) from None
 
 
 def _bos_token_id(model: nn.Module, tokenizer: Any) -> Optional[int]:
@@ -276,4 +372,4 @@ def config_of(model: nn.Module) -> TaperNormConfig:
     return config
 
 
-__all__ = ["CONFIG_NAME", "TaperNormConfig", "check_step", "config_of", "parse_step"]
+__all__ = ["CONFIG_NAME", "EXPERIMENTAL", "VERSION_KEY", "TaperNormConfig", "check_step", "config_of", "parse_step"]

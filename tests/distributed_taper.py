@@ -22,7 +22,8 @@ STEPS, K_START, K_END = 8, 2, 6
 def run(out_dir: Path, per_device_batch: int) -> dict:
     from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
-    from hf_tapernorm import TaperCallback, gate_of, patch_model, tapered_norms
+    from hf_tapernorm import TaperCallback, patch_model
+    from hf_tapernorm.layers import gate_of, tapered_norms
     from tests.conftest import build, tiny_llama_config
 
     set_seed(0)

@@ -110,7 +110,7 @@ def full_state(model) -> dict[str, torch.Tensor]:
 
 
 def summary(model, controller, records: list[dict]) -> dict:
-    from hf_tapernorm import tapered_norms
+    from hf_tapernorm.layers import tapered_norms
 
     return {
         "records": records,
@@ -243,7 +243,8 @@ def main_distributed(out: Path) -> None:
 def trainer_run(out: Path, sharded: bool) -> dict:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from hf_tapernorm import TaperCallback, gate_of, tapered_norms
+    from hf_tapernorm import TaperCallback
+    from hf_tapernorm.layers import gate_of, tapered_norms
 
     model = build_model(sharded)
     trace: list[list[float]] = []

@@ -13,9 +13,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_tapernorm import TaperNormConfig, calibrate, export_folded, fold_model, patch_model, set_gate, tapered_norms
+from hf_tapernorm import TaperNormConfig, export_folded, fold_model, patch_model
 from hf_tapernorm.architectures.discovery import is_norm_module
 from hf_tapernorm.architectures.table import ARCHITECTURES
+from hf_tapernorm.layers import set_gate, tapered_norms
+from hf_tapernorm.training import calibrate
 from tests.conftest import (
     DISCOVERED_CASES,
     FAMILY_CASES,
@@ -109,7 +111,7 @@ def test_every_table_entry_has_a_test_case():
 def test_register_architecture_makes_a_family_a_table_family(caplog):
     import logging
 
-    from hf_tapernorm import register_architecture
+    from hf_tapernorm.architectures import register_architecture
     from hf_tapernorm.architectures.styles import NormStyle
     from hf_tapernorm.architectures.table import Architecture, NormSite
 

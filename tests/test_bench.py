@@ -16,15 +16,16 @@ import pytest
 import torch
 from torch import nn
 
-from hf_tapernorm import TaperNorm, TaperNormConfig, gate_of, is_patched, taper_norms
+from hf_tapernorm import TaperNormConfig
+from hf_tapernorm._parsing import UsageError
 from hf_tapernorm.architectures.sites import norm_sites
 from hf_tapernorm.bench import measure, runner, workloads
 from hf_tapernorm.bench import train_workloads as train
 from hf_tapernorm.bench import variants as var
 from hf_tapernorm.bench.arguments import BenchArguments, parse_arguments
 from hf_tapernorm.cli.main import main as cli_main
-from hf_tapernorm.cli.parsing import UsageError
 from hf_tapernorm.errors import ConfigurationError
+from hf_tapernorm.layers import TaperNorm, gate_of, tapered_norms
 from hf_tapernorm.pipeline.data import load_text_dataset
 
 from .conftest import (
@@ -130,7 +131,7 @@ def test_each_norms_choice_removes_its_norms_in_every_variant(tiny_llama, tmp_pa
     assert set(var.removed_norms(tiny_llama, var.removal_config(tiny_llama, norms))) == removed
     specs = var.variant_specs(["original", "explicit", "folded", "limit"], [norms])
     built = var.build_variants(tiny_llama, specs, calibration_batches=random_batches(n=2), workdir=tmp_path)
-    assert built["original"] is tiny_llama and not is_patched(tiny_llama)
+    assert built["original"] is tiny_llama and not any(tapered_norms(tiny_llama, include_kept=True))
     explicit = built["explicit"]
     assert gate_of(explicit) == 0.0 and explicit.tapernorm_config.sink_token_ids == []
     for site in norm_sites(tiny_llama):
@@ -162,7 +163,7 @@ def test_an_overflowing_untrained_model_still_folds_and_is_compared_where_finite
     config = var.removal_config(tiny_llama, "internal")
     explicit = var.calibrated_copy(tiny_llama, config, random_batches(n=2))
     with torch.no_grad():
-        for _, layer in taper_norms(explicit):
+        for _, layer in tapered_norms(explicit, include_kept=True):
             if layer.tapered:
                 layer.taper_weight.mul_(1e20)  # the residual stream overflows, as SmolLM2 does untrained
     folded = var.folded_reload(explicit, tmp_path / "folded", torch.float32, "cpu")
@@ -243,7 +244,9 @@ def test_train_workloads_run_the_recipes_phases_through_the_controller(tiny_llam
     batches = _text_batches(corpus, recipe.sink_token_ids)
     built = train.train_workloads(tiny_llama, batches, recipe, learning_rate=1e-4)
     assert list(built) == list(train.TRAIN_WORKLOADS)
-    assert not is_patched(built["normalized"].model) and not is_patched(tiny_llama)
+    assert not any(tapered_norms(built["normalized"].model, include_kept=True)) and not any(
+        tapered_norms(tiny_llama, include_kept=True)
+    )
     before = {name: [p.detach().clone() for p in w.model.parameters()] for name, w in built.items()}
     for _ in range(train.TAPER_STEPS):
         for workload in built.values():
@@ -264,8 +267,8 @@ def test_train_workloads_run_the_recipes_phases_through_the_controller(tiny_llam
     for name, workload in built.items():  # every workload took real optimizer steps
         assert any(not torch.equal(a, b) for a, b in zip(before[name], workload.model.parameters())), name
     # The warm-up gathers statistics and never calibrates; the others were calibrated on real steps.
-    assert not any(layer.is_calibrated for _, layer in taper_norms(built["warmup"].model) if layer.tapered)
-    assert all(layer.is_calibrated for _, layer in taper_norms(built["tapered"].model) if layer.tapered)
+    assert not any(layer.is_calibrated for _, layer in tapered_norms(built["warmup"].model))
+    assert all(layer.is_calibrated for _, layer in tapered_norms(built["tapered"].model))
 
 
 def test_a_recipe_without_distillation_has_no_distilled_phase(tiny_gpt2, corpus):

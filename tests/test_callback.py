@@ -16,12 +16,11 @@ from hf_tapernorm import (
     TaperController,
     TaperDivergenceError,
     TaperNormConfig,
-    TaperSchedule,
     TaperStateError,
-    gate_of,
     patch_model,
-    tapered_norms,
 )
+from hf_tapernorm.layers import gate_of, tapered_norms
+from hf_tapernorm.training import TaperSchedule
 from tests.conftest import build, tiny_llama_config
 
 STEPS, K_START, K_END = 12, 3, 9

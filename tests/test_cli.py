@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_tapernorm.pipeline.taper as taper_pipeline
 from hf_tapernorm import TaperNormConfig
+from hf_tapernorm._parsing import parse
 from hf_tapernorm.cli import main
 from hf_tapernorm.cli.arguments import (
     DataArguments,
@@ -29,7 +30,6 @@ from hf_tapernorm.cli.arguments import (
     TaperArguments,
     TaperTrainingArguments,
 )
-from hf_tapernorm.cli.parsing import parse
 from hf_tapernorm.layers.patching import gate_of, patch_model
 from hf_tapernorm.pipeline.models import ModelSourceError, resolve_model
 from hf_tapernorm.pipeline.report import PLOTS, REPORT_KEYS, summary_lines, write_report
@@ -360,7 +360,7 @@ def test_a_json_file_configures_a_run(tmp_path):
         [str(config)],
         "hf-tapernorm taper",
     )
-    assert (training.output_dir, training.max_steps, taper.taper_end, data.block_size) == ("runs/x", 7, "5", 64)
+    assert (training.output_dir, training.max_steps, taper.taper_end, data.block_size) == ("runs/x", 7, 5, 64)
     assert training.per_device_train_batch_size == 4  # unspecified keys keep the recipe defaults
 
 

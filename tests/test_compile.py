@@ -13,7 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from hf_tapernorm import TaperController, TaperNormConfig, TaperSchedule, calibrate, fold_model, patch_model, set_gate
+from hf_tapernorm import TaperController, TaperNormConfig, fold_model, patch_model
+from hf_tapernorm.layers import set_gate
+from hf_tapernorm.training import TaperSchedule, calibrate
 
 from .conftest import build, random_batches, tiny_gpt2_config, tiny_llama_config
 

@@ -2,28 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import warnings
+import os
+import subprocess
+import sys
+import typing
 
 import pytest
 import torch
 
-from conversion_scripts.experiments.research.linear_fit import fit_linear_branch
+import hf_tapernorm
 from hf_tapernorm import (
     ConfigurationError,
     TaperController,
     TaperNormConfig,
-    TaperSchedule,
     TaperStateError,
     export_folded,
     fold_model,
-    gate_of,
     load_tapered,
     patch_model,
     save_tapered,
-    taper_norms,
 )
+from hf_tapernorm.layers import gate_of, tapered_norms
 from tests.conftest import (
     DISCOVERED_CASES,
     FAMILY_CASES,
@@ -117,8 +119,82 @@ def test_validation_names_the_field():
     ):
         with pytest.raises(ConfigurationError, match=message.replace("(", r"\(").replace(")", r"\)")):
             TaperNormConfig(**kwargs)
-    with pytest.raises(ConfigurationError, match=r"unknown TaperNormConfig field\(s\) \['scop'\]"):
-        TaperNormConfig.from_dict({"scop": "all"})
+    with pytest.raises(ConfigurationError, match=r"TaperNormConfig.ema_rate must be in \(0, 1\], got 2"):
+        TaperNormConfig.check_values(ema_rate=2)
+    assert TaperNormConfig.check_values(keep_norms="a.*", taper_end=3) == {"keep_norms": ["a.*"], "taper_end": 3}
+
+
+def test_choices_come_from_the_literal_types():
+    assert TaperNormConfig.choices("scope") == ("internal", "final", "all")
+    assert TaperNormConfig.choices("distill_from") == ("gate_start", "original", "current")
+    assert TaperNormConfig.choices("distill_until") == ("end", "taper_end")
+    assert TaperNormConfig.choices("linear_fit") == ("paper", "per_channel")
+    assert TaperNormConfig.choices("ema_rate") is None
+    for field in dataclasses.fields(TaperNormConfig):
+        assert field.metadata["help"].strip(), f"{field.name} has no help text"
+
+
+def test_a_file_from_a_newer_version_loads_with_one_warning(tmp_path, caplog):
+    config = TaperNormConfig.paper(keep_norms=["model.layers.1.*"], taper_start=2)
+    path = config.save_pretrained(tmp_path)
+    values = json.loads(path.read_text())
+    assert values.pop("hf_tapernorm_version") == hf_tapernorm.__version__
+    path.write_text(json.dumps({**values, "hf_tapernorm_version": "99.0", "future_knob": 3, "another": "x"}))
+    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.config"):
+        loaded = TaperNormConfig.from_pretrained(tmp_path)
+    assert loaded == config
+    warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1, [r.getMessage() for r in warned]
+    assert "another, future_knob" in warned[0].getMessage() and "99.0" in warned[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.config"):
+        assert TaperNormConfig.from_pretrained(config.save_pretrained(tmp_path / "same").parent) == config
+    assert not caplog.records  # a file of this version: no warning
+
+
+def test_from_pretrained_reads_a_hub_repository(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    config = TaperNormConfig.paper(sink_token_ids=[1])
+    config.save_pretrained(tmp_path / "cache")
+    calls = []
+
+    def download(repo_id, filename, **kwargs):
+        calls.append((repo_id, filename, kwargs.get("revision")))
+        return str(tmp_path / "cache" / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    assert TaperNormConfig.from_pretrained("me/tapered-model", revision="v1") == config
+    assert calls == [("me/tapered-model", "tapernorm_config.json", "v1")]
+
+    def offline(repo_id, filename, **kwargs):
+        raise huggingface_hub.errors.OfflineModeIsEnabled("Cannot reach https://huggingface.co: offline mode is on.")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    with pytest.raises(ConfigurationError) as error:
+        TaperNormConfig.from_pretrained("me/tapered-model")
+    assert "\n" not in str(error.value)
+    assert str(error.value).startswith("TaperNormConfig.from_pretrained('me/tapered-model'): not a local folder")
+    assert "OfflineModeIsEnabled" in str(error.value)
+    with pytest.raises(ConfigurationError, match="no folder 'runs/missing/tapered'"):
+        TaperNormConfig.from_pretrained("runs/missing/tapered")  # a path, not a repository id: no download
+    with pytest.raises(ConfigurationError, match="no tapernorm_config.json in"):
+        TaperNormConfig.from_pretrained(tmp_path)
+
+
+def test_from_pretrained_offline_is_a_one_line_error(tmp_path):
+    """With HF_HUB_OFFLINE=1 (read when huggingface_hub is imported: a fresh interpreter) and an empty cache."""
+    code = (
+        "from hf_tapernorm import TaperNormConfig, ConfigurationError\n"
+        "try:\n"
+        "    TaperNormConfig.from_pretrained('someone/not-cached')\n"
+        "except ConfigurationError as error:\n"
+        "    print(error)\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("TaperNormConfig.from_pretrained('someone/not-cached'): not a local")
 
 
 def test_round_trips_dict_json_checkpoint_and_export(tmp_path):
@@ -139,50 +215,28 @@ def test_round_trips_dict_json_checkpoint_and_export(tmp_path):
         model(input_ids=torch.cat([torch.full((2, 1), 5), ids], 1))
     TaperController(model, total_steps=10, distillation=False).step_begin(2)  # calibrates
     save_tapered(model, tmp_path / "ckpt")
-    assert json.loads((tmp_path / "ckpt" / "tapernorm_config.json").read_text()) == config.to_dict()
+    written = json.loads((tmp_path / "ckpt" / "tapernorm_config.json").read_text())
+    assert written == {**config.to_dict(), "hf_tapernorm_version": hf_tapernorm.__version__}
     reloaded = load_tapered(tmp_path / "ckpt")
     assert reloaded.tapernorm_config == config
-    for (name, layer), (_, original) in zip(taper_norms(reloaded), taper_norms(model)):
+    for (name, layer), (_, original) in zip(
+        tapered_norms(reloaded, include_kept=True), tapered_norms(model, include_kept=True)
+    ):
         assert layer.per_channel == original.per_channel and layer.tapered == original.tapered, name
-    from hf_tapernorm import set_gate
+    from hf_tapernorm.layers import set_gate
 
     set_gate(reloaded, 0.0)
     export = export_folded(fold_model(reloaded), tmp_path / "export")
-    assert json.loads((export / "config.json").read_text())["tapernorm_config"] == config.to_dict()
+    exported = json.loads((export / "config.json").read_text())
+    assert exported["tapernorm_config"] == config.to_dict()
+    assert exported["hf_tapernorm_version"] == hf_tapernorm.__version__
 
 
-def test_the_per_channel_fit_is_least_squares_over_the_warmup():
-    batches = random_batches(n=2, batch=2, length=16)
-    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper(linear_fit="per_channel")).train()
-    reference = patch_model(build(tiny_llama_config()), TaperNormConfig.paper())
-    controller = TaperController(model, TaperSchedule(1, 3), total_steps=3, distillation=False)
-    controller.step_begin(0)
-    for ids in batches:  # one optimizer step of two micro-batches (no update: the weights stay those of reference)
-        model(input_ids=ids)
-    controller.step_end(0)
-    controller.step_begin(1)  # calibrates from the EMA of that step
-    fit_linear_branch(reference, batches, trim=None, per_channel=True)  # the same least squares, from the batches
-    fitted = dict(taper_norms(reference))
-    for name, layer in taper_norms(model):
-        if layer.tapered:
-            torch.testing.assert_close(
-                layer.c * layer.taper_weight, fitted[name].c * fitted[name].taper_weight, rtol=1e-5, atol=1e-6, msg=name
-            )
-
-
-def test_the_keyword_interface_still_works_and_warns_once():
-    with pytest.warns(
-        FutureWarning,
-        match=r"patch_model\(model, keep_norms=\.\.\., scope=\.\.\.\) is deprecated: pass "
-        r"patch_model\(model, TaperNormConfig\.paper\(",
-    ):
-        model = patch_model(build(tiny_llama_config()), scope="all", keep_norms=["model.layers.0.*"])
-    assert model.tapernorm_config == TaperNormConfig.paper(scope="all", keep_norms=["model.layers.0.*"])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        patch_model(build(tiny_llama_config()), scope="all", keep_norms=["model.layers.1.*"])  # warned once already
-    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['scale'\]"):
-        patch_model(build(tiny_llama_config()), scale=1)
+def test_patch_model_takes_a_config_object_only():
+    with pytest.raises(ConfigurationError, match="patch_model expects a TaperNormConfig, got str"):
+        patch_model(build(tiny_llama_config()), "all")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'scope'"):
+        patch_model(build(tiny_llama_config()), scope="all")
 
 
 def test_resuming_under_another_config_is_refused(tmp_path):
@@ -236,3 +290,108 @@ def test_a_warmup_stable_decay_schedule_decays_only_after_the_gate_reaches_zero(
     gates = [entry["taper/gate"] for entry in logs]
     assert rates[2:8] == [1e-3] * 6  # constant while the gate falls
     assert gates[7] == 0.0 and all(a > b for a, b in zip(rates[8:], rates[9:]))  # decaying only at g = 0
+
+
+# ----------------------------------------------------------------------------- one declaration per field
+def test_the_cli_declares_each_config_field_once():
+    """The taper command's recipe options are the config's fields (generated from them, help and choices
+    included) plus the options it spells its own way; nothing else."""
+    from hf_tapernorm.cli.arguments import SET_BY_OTHER_OPTIONS, TaperArguments, TaperRunOptions
+
+    config_fields = {f.name: f for f in dataclasses.fields(TaperNormConfig)}
+    flags = {f.name: f for f in dataclasses.fields(TaperArguments)}
+    run_options = {f.name for f in dataclasses.fields(TaperRunOptions)}
+    assert run_options == {"recipe", "sink", "tied_head"}
+    assert set(flags) == (set(config_fields) - set(SET_BY_OTHER_OPTIONS)) | run_options
+    assert set(SET_BY_OTHER_OPTIONS.values()) <= run_options  # recipe and sink_token_ids: --recipe, --sink
+    for name in set(config_fields) - set(SET_BY_OTHER_OPTIONS):
+        assert flags[name].default is None, name  # unset: the recipe's value
+        assert flags[name].metadata["help"].startswith(config_fields[name].metadata["help"]), name
+        choices = TaperNormConfig.choices(name)
+        if choices is not None:
+            flag_type = typing.get_type_hints(TaperArguments)[name]  # HfArgumentParser rewrites Field.type
+            assert typing.get_args(typing.get_args(flag_type)[0]) == choices, name
+
+
+@pytest.mark.parametrize("name", ["linear_fit", "calibration_scale", "distill_from"])
+def test_research_options_are_marked_experimental(name):
+    field = next(f for f in dataclasses.fields(TaperNormConfig) if f.name == name)
+    assert "[experimental]" in field.metadata["help"]
+
+
+def test_cli_values_are_checked_by_the_config_and_named_by_their_flag():
+    from hf_tapernorm._parsing import parse
+    from hf_tapernorm.cli.arguments import TaperArguments
+
+    def taper(*argv):
+        return parse([TaperArguments], list(argv), "hf-tapernorm taper")[0]
+
+    flags = taper("--keep_norms", "a.*, b.*", "--taper_start", "3", "--taper_end", "0.5", "--distill_from", "original")
+    assert (flags.keep_norms, flags.taper_start, flags.taper_end) == (["a.*", "b.*"], 3, 0.5)
+    assert taper("--keep_norms", "none").keep_norms == [] and taper("--keep_norms", "auto").keep_norms is None
+    for argv, message in (
+        (["--ema_rate", "2"], "--ema_rate must be in (0, 1], got 2.0"),
+        (["--distill_weight", "-1"], "--distill_weight must be >= 0, got -1.0"),
+        (["--calibration_scale", "0"], "--calibration_scale must be positive, got 0.0"),
+        (["--taper_end", "1.5"], "--taper_end=1.5: a float is a fraction of the run and must be in (0, 1]"),
+        (["--taper_start", "x"], "--taper_start must be an optimizer step (int) or a fraction of the run (float)"),
+        (["--keep_norms", ","], "--keep_norms must be auto, none or a comma-separated list"),
+    ):
+        with pytest.raises(ConfigurationError) as error:
+            taper(*argv)
+        assert str(error.value).startswith(message), str(error.value)
+        assert "TaperNormConfig." not in str(error.value)
+
+
+def test_recipe_config_takes_every_set_field(tmp_path):
+    from types import SimpleNamespace
+
+    from hf_tapernorm._parsing import parse
+    from hf_tapernorm.cli.arguments import TaperArguments
+    from hf_tapernorm.pipeline.validation import recipe_config
+
+    model, tokenizer = build(tiny_llama_config()), char_tokenizer()
+    argv = ["--recipe", "paper", "--sink", "bos", "--linear_fit", "per_channel", "--calibration_scale", "0.9",
+            "--distill_weight", "0.5", "--distill_from", "original", "--distill_until", "taper_end",
+            "--scale_loss_weight", "0.2", "--relative_scale_loss", "true", "--ema_rate", "0.05",
+            "--keep_norms", "model.layers.0.*", "--scope", "all",
+            "--taper_start", "2", "--taper_end", "0.5"]  # fmt: skip
+    (flags,) = parse([TaperArguments], argv, "hf-tapernorm taper")
+    config = recipe_config(SimpleNamespace(taper=flags), model, tokenizer)
+    assert config == TaperNormConfig.paper(
+        sink_token_ids=[tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id],
+        linear_fit="per_channel",
+        calibration_scale=0.9,
+        distill_weight=0.5,
+        distill_from="original",
+        distill_until="taper_end",
+        scale_loss_weight=0.2,
+        relative_scale_loss=True,
+        ema_rate=0.05,
+        keep_norms=["model.layers.0.*"],
+        scope="all",
+        taper_start=2,
+        taper_end=0.5,
+    )
+    (unset,) = parse([TaperArguments], [], "hf-tapernorm taper")
+    assert recipe_config(SimpleNamespace(taper=unset), model, tokenizer) == TaperNormConfig.for_model(model, tokenizer)
+
+
+def test_below_the_cli_errors_name_fields_and_the_cli_writes_flags():
+    from hf_tapernorm._parsing import as_flags
+    from hf_tapernorm.cli.arguments import TaperArguments, TaperTrainingArguments
+    from hf_tapernorm.pipeline.validation import check_schedule
+
+    with pytest.raises(ConfigurationError) as error:
+        check_schedule(TaperNormConfig.paper(taper_start=2, taper_end=20), 10)
+    assert str(error.value).startswith(
+        "TaperNormConfig.taper_end 20 is step 20, after the last step 10 (TrainingArguments.max_steps)"
+    )
+    translated = as_flags(error.value, [TaperArguments, TaperTrainingArguments])
+    assert type(translated) is ConfigurationError
+    assert str(translated).startswith("--taper_end 20 is step 20, after the last step 10 (--max_steps)")
+    assert str(translated).endswith("lower --taper_end or raise --max_steps")
+    # Only the options of the command are translated: a field the command has no flag for keeps its name.
+    assert str(as_flags(error.value, [TaperTrainingArguments])).startswith("TaperNormConfig.taper_end 20")
+    untouched = ConfigurationError("nothing to translate")
+    assert as_flags(untouched, [TaperArguments]) is untouched

@@ -6,10 +6,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig
 
-from hf_tapernorm import TaperNormConfig, calibrate, fold_model, patch_model, set_gate, taper_norms
+from hf_tapernorm import TaperNormConfig, fold_model, patch_model
 from hf_tapernorm.architectures.discovery import DiscoveryError, discover_architecture
 from hf_tapernorm.architectures.styles import NormStyle
 from hf_tapernorm.architectures.table import NormSite, architecture_for
+from hf_tapernorm.layers import set_gate, tapered_norms
+from hf_tapernorm.training import calibrate
 from tests.conftest import FAMILY_CASES, build, random_batches, tiny_family_config, tiny_llama_config
 
 
@@ -71,7 +73,7 @@ def test_discovery_handles_norms_without_parameters_or_an_eps_attribute():
     with torch.no_grad():
         before = model(ids).logits
     patch_model(model, TaperNormConfig.paper())
-    assert {layer.eps for _, layer in taper_norms(model)} == {1e-5}  # measured from one forward
+    assert {layer.eps for _, layer in tapered_norms(model, include_kept=True)} == {1e-5}  # measured from one forward
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
     model.train()
@@ -90,7 +92,7 @@ def test_patch_model_falls_back_to_discovery_and_says_so(caplog):
     with caplog.at_level(logging.INFO, logger="hf_tapernorm"):
         patch_model(model, TaperNormConfig.paper(scope="all"))
     assert "model_type 'olmo2' has no table entry; discovered its norms automatically" in caplog.text
-    assert len(dict(taper_norms(model))) == 2 * 4 + 1
+    assert len(dict(tapered_norms(model, include_kept=True))) == 2 * 4 + 1
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
     model.train()
@@ -160,4 +162,4 @@ def test_post_ln_and_embedding_norms_are_refused_by_name():
         r"norm 'transformer\.h\.0\.input_layernorm', which is not a linear projection",
     ):
         patch_model(bloom, TaperNormConfig.paper())
-    assert not dict(taper_norms(bloom))
+    assert not dict(tapered_norms(bloom, include_kept=True))

@@ -19,16 +19,15 @@ import hf_tapernorm
 from hf_tapernorm import (
     CalibrationError,
     FoldCheckError,
-    TaperNorm,
     TaperNormConfig,
     TaperStateError,
-    calibrate,
     export_folded,
     fold_model,
     patch_model,
-    set_gate,
 )
 from hf_tapernorm.export.modeling_folded import FoldedChannelScale, TaperNormGPT2LMHeadModel, TaperNormLlamaForCausalLM
+from hf_tapernorm.layers import TaperNorm, set_gate
+from hf_tapernorm.training import calibrate
 from tests.conftest import (
     build,
     random_batches,
@@ -291,7 +290,7 @@ def test_a_float32_difference_that_a_float64_fold_does_not_have_is_a_warning(cap
     model = tapered("llama", "internal")
     exact = lambda unfolded: fold_model(unfolded, check=False)  # noqa: E731
     folded = _perturbed(exact)(model)
-    with caplog.at_level("WARNING", logger="hf_tapernorm.folding"):
+    with caplog.at_level("WARNING", logger="hf_tapernorm.export.fold_check"):
         report = check_fold(model, folded, refold=exact)
     assert report.max_rel_diff > 1e-4 and report.float64_max_rel_diff < 1e-6
     assert "but a float64 copy folds to within" in caplog.text and "the fold is exact" in caplog.text

@@ -8,7 +8,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from hf_tapernorm import TaperNormConfig, export_folded, fold_model, norms_feeding_gated_mlps, patch_model, taper_norms
+from hf_tapernorm import TaperNormConfig, export_folded, fold_model, patch_model
+from hf_tapernorm.architectures import norms_feeding_gated_mlps
+from hf_tapernorm.layers import tapered_norms
 from hf_tapernorm.training.checkpoints import load_tapered, save_tapered
 from tests.conftest import (
     DISCOVERED_CASES,
@@ -30,7 +32,7 @@ def test_the_norms_feeding_gated_mlps_are_llamas_post_attention_norms_and_none_o
 
 def test_kept_norms_stay_normalized_at_every_gate_and_survive_the_fold(tmp_path):
     model = tapered("llama", keep_norms=["*.post_attention_layernorm"])
-    layers = dict(taper_norms(model))
+    layers = dict(tapered_norms(model, include_kept=True))
     assert [name for name, layer in layers.items() if not layer.tapered] == MLP_NORMS + ["model.norm"]
     assert all(float(layers[name].gate) == 1.0 for name in MLP_NORMS)  # set_gate(model, 0) left them alone
     assert float(layers["model.layers.0.input_layernorm"].gate) == 0.0
@@ -56,7 +58,9 @@ def test_a_tapered_checkpoint_reloads_with_the_same_kept_norms(tmp_path):
     model = tapered("llama", keep_norms=MLP_NORMS)
     save_tapered(model, tmp_path / "ckpt")
     reloaded = load_tapered(tmp_path / "ckpt")
-    assert {n: m.tapered for n, m in taper_norms(reloaded)} == {n: m.tapered for n, m in taper_norms(model)}
+    assert {n: m.tapered for n, m in tapered_norms(reloaded, include_kept=True)} == {
+        n: m.tapered for n, m in tapered_norms(model, include_kept=True)
+    }
     assert torch.equal(logits(reloaded.eval(), IDS), logits(model, IDS))
 
 
@@ -72,7 +76,7 @@ def test_a_pattern_that_matches_no_norm_is_refused_with_the_names_to_use():
 def test_keep_norms_only_narrows_the_scope():
     # A kept pattern outside the scope changes nothing: scope final tapers only the final norm either way.
     model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper(scope="final", keep_norms=MLP_NORMS))
-    assert [name for name, layer in taper_norms(model) if layer.tapered] == ["model.norm"]
+    assert [name for name, layer in tapered_norms(model, include_kept=True) if layer.tapered] == ["model.norm"]
 
 
 GATED_MLP_INPUT = {  # the norm in each layer whose output a gated MLP reads; None: no gated MLP behind a norm
@@ -100,7 +104,7 @@ def test_norms_feeding_gated_mlps_across_the_table_and_discovery(case):
     assert len(names) == 2 and all(name.endswith(f".{i}.{site}") for i, name in enumerate(names))
     kept = {
         name
-        for name, layer in taper_norms(patch_model(model, TaperNormConfig.paper(keep_norms=names)))
+        for name, layer in tapered_norms(patch_model(model, TaperNormConfig.paper(keep_norms=names)), include_kept=True)
         if not layer.tapered
     }
     assert set(names) < kept

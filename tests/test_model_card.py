@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from huggingface_hub import ModelCard
 
-from hf_tapernorm import fold_model, render_model_card
+from hf_tapernorm import fold_model
+from hf_tapernorm.export import render_model_card
 from tests.test_folding import tapered
 
 FACTS = {

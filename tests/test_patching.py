@@ -2,25 +2,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaModel
 
-from hf_tapernorm import (
-    CalibrationError,
-    ConfigurationError,
-    TaperNorm,
-    TaperNormConfig,
-    TaperStateError,
-    calibrate,
-    patch_model,
-    set_gate,
-    taper_norms,
-    tapered_norms,
-)
+from hf_tapernorm import CalibrationError, ConfigurationError, TaperNormConfig, TaperStateError, patch_model
+from hf_tapernorm.layers import TaperNorm, set_gate, tapered_norms
+from hf_tapernorm.training import calibrate
 from tests.conftest import build, random_batches, tiny_gpt2_config, tiny_llama_config
 
 
 @pytest.mark.parametrize("scope,tapered,kept", [("internal", 4, 1), ("final", 1, 4), ("all", 5, 0)])
 def test_patch_scopes(tiny_model, scope, tapered, kept):
     patch_model(tiny_model, TaperNormConfig.paper(scope=scope))
-    layers = dict(taper_norms(tiny_model))
+    layers = dict(tapered_norms(tiny_model, include_kept=True))
     assert len(layers) == 5
     assert sum(m.tapered for m in layers.values()) == tapered
     assert sum(not m.tapered for m in layers.values()) == kept
@@ -50,7 +41,10 @@ def test_bf16_model_patches_exactly():
         after = model(ids).logits
     assert after.dtype == torch.bfloat16
     assert torch.equal(before, after)
-    assert all(m.taper_weight.dtype == torch.bfloat16 and m.gate.dtype == torch.float32 for _, m in taper_norms(model))
+    assert all(
+        m.taper_weight.dtype == torch.bfloat16 and m.gate.dtype == torch.float32
+        for _, m in tapered_norms(model, include_kept=True)
+    )
 
 
 def test_bare_base_model_patches():
@@ -86,7 +80,7 @@ def test_gate_round_trip_after_calibration(tiny_model):
     assert len(values) == 4 and all(v > 0 for v in values.values())
     set_gate(tiny_model, 0.0)
     assert all(float(m.gate) == 0.0 for _, m in tapered_norms(tiny_model))
-    assert all(float(m.gate) == 1.0 for _, m in taper_norms(tiny_model) if not m.tapered)
+    assert all(float(m.gate) == 1.0 for _, m in tapered_norms(tiny_model, include_kept=True) if not m.tapered)
     tiny_model.eval()
     with torch.no_grad():
         logits = tiny_model(random_batches(n=1)[0]).logits

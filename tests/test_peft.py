@@ -5,22 +5,14 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-from hf_tapernorm import (
-    TaperCallback,
-    TaperNormConfig,
-    export_folded,
-    fold_model,
-    gate_of,
-    patch_model,
-    taper_norms,
-    tapered_norms,
-)
+from hf_tapernorm import TaperCallback, TaperNormConfig, export_folded, fold_model, patch_model
+from hf_tapernorm.layers import gate_of, tapered_norms
 from tests.conftest import build, random_batches, tiny_llama_config
 
 
 def _train_tapernorm_parameters(model) -> None:
     """The recipe's extra step: LoRA freezes the base model, the norms' own parameters train too."""
-    for _, layer in taper_norms(model):
+    for _, layer in tapered_norms(model, include_kept=True):
         names = ("weight", "bias", "taper_weight") if layer.tapered else ("weight", "bias")
         for name in names:
             if getattr(layer, name) is not None:

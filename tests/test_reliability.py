@@ -18,21 +18,18 @@ from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, Trainin
 
 from hf_tapernorm import (
     ConfigurationError,
-    DivergenceThresholds,
     TaperCallback,
     TaperController,
     TaperDivergenceError,
     TaperNormConfig,
-    TaperSchedule,
     TaperStateError,
     UnsupportedModelError,
-    calibrate,
     load_tapered,
     patch_model,
     save_tapered,
-    set_gate,
-    taper_norms,
 )
+from hf_tapernorm.layers import set_gate, tapered_norms
+from hf_tapernorm.training import DivergenceThresholds, TaperSchedule, calibrate
 from tests.conftest import build, random_batches, tiny_llama_config
 from tests.test_cli import run_main, taper_argv, workspace  # noqa: F401 - the CLI workspace fixture
 
@@ -213,9 +210,11 @@ def test_patch_model_is_all_or_nothing_and_names_the_module():
     model.model.layers[1].post_attention_layernorm = nn.Identity()  # a "norm" nothing can be read from
     with pytest.raises(UnsupportedModelError, match=r"cannot replace 'model\.layers\.1\.post_attention_layernorm'"):
         patch_model(model, TaperNormConfig.paper())
-    assert not any(True for _ in taper_norms(model))  # nothing was replaced
+    assert not any(True for _ in tapered_norms(model, include_kept=True))  # nothing was replaced
     model.model.layers[1].post_attention_layernorm = norm
-    assert len(list(taper_norms(patch_model(model, TaperNormConfig.paper())))) == 5  # a retry is not "already patched"
+    assert (
+        len(list(tapered_norms(patch_model(model, TaperNormConfig.paper()), include_kept=True))) == 5
+    )  # a retry is not "already patched"
 
 
 def test_api_edges():

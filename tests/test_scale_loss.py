@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_tapernorm import ScaleAnchor, TaperController, TaperNormConfig, TaperSchedule, patch_model
+from hf_tapernorm import TaperController, TaperNormConfig, patch_model
+from hf_tapernorm.layers import ScaleAnchor
+from hf_tapernorm.training import TaperSchedule
 from tests.conftest import build, tiny_gpt2_config, tiny_llama_config
 
 LAMBDA = 0.3

@@ -3,7 +3,8 @@ import math
 
 import pytest
 
-from hf_tapernorm import ConfigurationError, TaperNormConfig, TaperSchedule
+from hf_tapernorm import ConfigurationError, TaperNormConfig
+from hf_tapernorm.training import TaperSchedule
 
 
 def _cosine(k, start, end):

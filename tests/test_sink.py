@@ -8,9 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_tapernorm import TaperNormConfig, TaperStateError, calibrate, export_folded, fold_model, patch_model, set_gate
+from hf_tapernorm import TaperNormConfig, TaperStateError, export_folded, fold_model, patch_model
+from hf_tapernorm.layers import set_gate
 from hf_tapernorm.layers.sink import set_sink_tokens, sink_prefix, sink_token_ids_of
 from hf_tapernorm.layers.taper_norm import tapered_norms
+from hf_tapernorm.training import calibrate
 from tests.conftest import build, random_batches, run_without_hf_tapernorm, tiny_llama_config
 from tests.test_folding import tapered
 

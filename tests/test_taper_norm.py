@@ -4,7 +4,10 @@ from torch import nn
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from hf_tapernorm import NormStyle, TaperNorm, TaperStateError, calibrate
+from hf_tapernorm import TaperStateError
+from hf_tapernorm.architectures import NormStyle
+from hf_tapernorm.layers import TaperNorm
+from hf_tapernorm.training import calibrate
 from hf_tapernorm.training.calibration import update_statistics
 
 
@@ -106,7 +109,7 @@ def test_statistics_and_c_match_an_independent_computation(style):
             model(h)
         update_statistics(model)
 
-    # Independent computation of METHOD section 3.
+    # Independent computation of docs/method.md, section 3.
     gamma = norm.weight.detach().double()
     a = b = 0.0
     for micro_batches in steps:

@@ -17,7 +17,8 @@ import torch
 
 from conversion_scripts.experiments.research.diagnostics import branch_distance, residual_scale_by_position
 from conversion_scripts.experiments.research.linear_fit import fit_linear_branch
-from hf_tapernorm import TaperNormConfig, patch_model, tapered_norms
+from hf_tapernorm import TaperNormConfig, patch_model
+from hf_tapernorm.layers import tapered_norms
 
 from .smollm2_fidelity import HERE, held_out_ce, load_smollm2, stdlib_blocks
 

@@ -1,4 +1,4 @@
-"""Reproduce the paper's from-scratch setting (METHOD sections 2, 4, 6) at CPU scale.
+"""Reproduce the paper's from-scratch setting (docs/method.md, sections 2, 4, 6) at CPU scale.
 
 Small Llama-style (RMSNorm, SwiGLU, RoPE) and GPT-2-style (LayerNorm) models are trained from
 scratch on the standard library's Python sources, read byte by byte (a 256-symbol vocabulary keeps
@@ -12,7 +12,7 @@ the models tiny, so the whole grid fits a 2-core CPU), in the paper's four varia
 - Baseline(+aux), no taper (not in the paper): every norm kept, the scale loss on from k_start, to
   separate what the scale anchor does to optimization from what tapering does.
 
-Pre-training recipe (METHOD 2): the learning-rate warmup and the gate's k_start are both 5% of the
+Pre-training recipe (docs/method.md, section 2): the learning-rate warmup and the gate's k_start are both 5% of the
 steps, the gate reaches exactly 0 at the last step. The report (Markdown + JSON + PNG) gives the
 held-out cross-entropy per variant (mean and spread over seeds), the gap to the baseline in %
 (paper, TinyStories: Internal-Taper +0.71% to +1.52%, All-Taper +0.78% to +1.82%), and the scale of
@@ -45,9 +45,10 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig
 from transformers.optimization import get_cosine_schedule_with_warmup
 
-from hf_tapernorm import TaperController, TaperDivergenceError, TaperNormConfig, TaperSchedule, patch_model, set_gate
-from hf_tapernorm.architectures.sites import norm_sites
-from hf_tapernorm.architectures.table import architecture_for
+from hf_tapernorm import TaperController, TaperDivergenceError, TaperNormConfig, patch_model
+from hf_tapernorm.architectures import architecture_of, norm_sites
+from hf_tapernorm.layers import set_gate
+from hf_tapernorm.training import TaperSchedule
 
 logger = logging.getLogger("from_scratch")
 
@@ -175,7 +176,7 @@ def model_config(arch: str, hidden: int, layers: int, heads: int, seq_len: int) 
 
 
 def final_norm_path(model: torch.nn.Module) -> str:
-    arch = architecture_for(model.config.model_type)
+    arch = architecture_of(model)
     return next(site.path for site in norm_sites(model, arch) if site.is_final)
 
 
@@ -257,7 +258,7 @@ def train_run(settings: RunSettings, corpus: Corpus) -> dict:
                 scope=variant.scope, ema_rate=settings.ema_rate, scale_loss_weight=variant.scale_loss_weight
             ),
         )
-        # METHOD 2, pre-training recipe: k_start = LR warmup, k_end = the last step. The scale watch
+        # docs/method.md, section 2, pre-training recipe: k_start = LR warmup, k_end = the last step. The scale watch
         # is off (an infinite ratio): without the anchor the pre-logit scale is meant to run away here,
         # and that growth is what the experiment measures; a non-finite loss still stops the run.
         schedule = TaperSchedule(k_start=warmup, k_end=settings.steps, total_steps=settings.steps)
@@ -523,7 +524,7 @@ def _markdown(report: dict) -> str:
         f"Training: {s['steps']} steps x {s['batch_size']} x {s['seq_len']} tokens, AdamW lr {s['lr']} "
         f"(betas 0.9/0.95, weight decay {s['weight_decay']}), clip {s['clip']}, linear warmup "
         f"{s['warmup_fraction']:.0%} then cosine to 0. Gate: k_start = warmup, k_end = last step "
-        f"(METHOD 2), mu_ema = {s['ema_rate']}, scale loss lambda = 0.1 where on. Held-out CE on "
+        f"(docs/method.md, section 2), mu_ema = {s['ema_rate']}, scale loss lambda = 0.1 where on. Held-out CE on "
         f"{s['valid_blocks']} blocks, at g = 0 for the tapered variants. Summed wall-clock time of the "
         f"runs {report['seconds_total'] / 60:.1f} min (one thread each, on a shared CPU).",
         "",

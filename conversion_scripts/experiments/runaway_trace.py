@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from conversion_scripts.experiments.research.diagnostics import _per_layer_inputs
-from hf_tapernorm import tapered_norms
+from hf_tapernorm.layers import tapered_norms
 
 from .smollm2_fidelity import load_saved_run, stdlib_blocks
 

@@ -20,7 +20,8 @@ import json
 import torch
 
 from conversion_scripts.experiments.research.linear_fit import fit_linear_branch
-from hf_tapernorm import TaperNormConfig, patch_model, set_sink_tokens, tapered_norms
+from hf_tapernorm import TaperNormConfig, patch_model
+from hf_tapernorm.layers import set_sink_tokens, tapered_norms
 
 from .smollm2_fidelity import HERE, bos_id, held_out_ce, load_smollm2, stdlib_blocks
 

@@ -3,7 +3,7 @@
 Once a norm is a fixed linear map, what it feeds sees each token at its own scale k (relative to the
 typical token) instead of at scale 1. A consumer whose contribution to the residual stream grows faster
 than k makes the fixed point k = 1 unstable as the gate falls, and above-typical tokens run away layer
-after layer (METHOD section 7; the evidence is in docs/fidelity.md):
+after layer (docs/method.md, section 7; the evidence is in docs/fidelity.md):
 
 - a **gated MLP** (SwiGLU/GeGLU) multiplies two projections of its input: degree 2. Its input norm stays
   (or, where it has none, as in OLMo2, the norm on its output that bounds it);

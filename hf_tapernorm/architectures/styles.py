@@ -1,7 +1,7 @@
 """The arithmetic of the norms hf_tapernorm replaces, and how to read a norm module's eps and size.
 
 Three arithmetics cover the families transformers ships; they differ in dtype handling, which is
-why TaperNorm must reproduce each exactly (METHOD section 1). A norm module that does not expose
+why TaperNorm must reproduce each exactly (docs/method.md, section 1). A norm module that does not expose
 its eps (OLMo's parameter-free LayerNorm hard-codes it) has it measured from one forward.
 """
 

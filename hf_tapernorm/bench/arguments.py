@@ -1,6 +1,6 @@
 """The benchmark's options and its grid of cases, checked before any model is loaded.
 
-``hf-tapernorm bench`` parses like every other subcommand (``cli/parsing.py``: transformers'
+``hf-tapernorm bench`` parses like every other subcommand (``hf_tapernorm/_parsing.py``: transformers'
 ``HfArgumentParser``, one-line usage errors, or a single JSON/YAML file of options). Lists are
 ``list[...]`` fields, whose choices argparse cannot check, so ``__post_init__`` checks them: a typo
 fails in a second, not after the minutes it takes to load a model and build its variants.
@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ..cli.parsing import parse
+from .._parsing import parse
 from ..errors import ConfigurationError
 
 PROG = "hf-tapernorm bench"

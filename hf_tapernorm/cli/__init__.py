@@ -1,4 +1,4 @@
-"""The ``hf-tapernorm`` command line: argument dataclasses (arguments.py), parsing (parsing.py), the
+"""The ``hf-tapernorm`` command line: argument dataclasses (arguments.py; parsing is hf_tapernorm/_parsing.py), the
 subcommands (commands.py; ``taper`` is pipeline/taper.py, ``bench`` is bench/) and the dispatcher (main.py)."""
 
 from .main import command, main

@@ -2,19 +2,24 @@
 
 Choices are ``Literal`` types (argparse refuses anything else) and ranges are checked in
 ``__post_init__``, so a bad value fails before anything is loaded, trained or deleted. The recipe's
-options default to ``None``, meaning "what ``TaperNormConfig.for_model`` (or ``--recipe paper``) says":
-one place for every default (hf_tapernorm/config.py). ``TaperTrainingArguments`` is
-``TrainingArguments`` with this command's defaults; every Trainer option passes through.
+options (``TaperArguments``) are generated from ``TaperNormConfig``'s fields: the same names, help texts
+and choices, the config's own checks, and default ``None``, meaning "what ``TaperNormConfig.for_model`` (or
+``--recipe paper``) says": one place for every default and every check (hf_tapernorm/config.py).
+``TaperTrainingArguments`` is ``TrainingArguments`` with this command's defaults; every Trainer option
+passes through.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from transformers import TrainingArguments
 
-from ..config import parse_step
+from .._parsing import as_flags
+from ..config import TaperNormConfig, parse_step
 from ..errors import ConfigurationError
 from ..pipeline.data import EMBEDDED_CORPUS
 
@@ -103,25 +108,21 @@ class DataArguments:
         _positive("eval_batch_size", self.eval_batch_size)
 
 
+#: TaperNormConfig fields the command line sets through options of its own: the preset is chosen with
+#: ``--recipe auto|paper`` (the config's ``recipe`` then records it), and the sink with ``--sink auto|bos|none``
+#: (the token id comes from the tokenizer).
+SET_BY_OTHER_OPTIONS = {"recipe": "recipe", "sink_token_ids": "sink"}
+
+
 @dataclass
-class TaperArguments:
-    """The recipe (a TaperNormConfig). Unset options take the recipe's value."""
+class TaperRunOptions:
+    """The ``taper`` options that are not TaperNormConfig fields."""
 
     recipe: Literal["auto", "paper"] = field(
         default="auto",
         metadata=_help(
             "auto: the recipe derived from the model's architecture (TaperNormConfig.for_model); "
             "paper: the published recipe (TaperNormConfig.paper)."
-        ),
-    )
-    scope: Optional[Literal["internal", "final", "all"]] = field(
-        default=None, metadata=_help("Which norms taper: internal (final norm kept) | final | all.")
-    )
-    keep_norms: Optional[str] = field(
-        default=None,
-        metadata=_help(
-            "Norms that stay real norms although --scope covers them: auto (the recipe's choice) | none | "
-            "comma-separated fnmatch patterns of module names, e.g. 'model.layers.*.post_attention_layernorm'."
         ),
     )
     sink: Optional[Literal["auto", "bos", "none"]] = field(
@@ -131,58 +132,71 @@ class TaperArguments:
             "prefix: bos (the tokenizer's BOS starts every block) | none | auto (the recipe's choice)."
         ),
     )
-    linear_fit: Optional[Literal["paper", "per_channel"]] = field(
-        default=None,
-        metadata=_help(
-            "Start of the linear branch: paper (scalar c from the warmup's EMA) | per_channel "
-            "(per-channel least squares over the same warmup statistics)."
-        ),
-    )
-    scale_loss_weight: Optional[float] = field(default=None, metadata=_help("lambda of the scale loss (0: off)."))
-    relative_scale_loss: Optional[bool] = field(
-        default=None, metadata=_help("Penalise (s / s_tgt - 1)^2 instead of the paper's (s - s_tgt)^2.")
-    )
-    ema_rate: Optional[float] = field(
-        default=None, metadata=_help("EMA rate of the calibration statistics, in (0, 1].")
-    )
-    calibration_scale: Optional[float] = field(
-        default=None, metadata=_help("Multiply every calibrated c by this (< 1: a conservative linear branch).")
-    )
-    distill_weight: Optional[float] = field(
-        default=None, metadata=_help("Weight of the KL term to the teacher (--distill_from; 0: off).")
-    )
-    distill_from: Optional[Literal["gate_start", "original", "current"]] = field(
-        default=None,
-        metadata=_help(
-            "Teacher: gate_start (a copy of the model when the gate first falls below 1) | original (a copy before "
-            "training) | current (the model itself at gate 1: no copy)."
-        ),
-    )
-    distill_until: Optional[Literal["end", "taper_end"]] = field(
-        default=None, metadata=_help("Distil to the end of the run, or only until the gate reaches 0 (taper_end).")
-    )
-    taper_start: Optional[str] = field(
-        default=None,
-        metadata=_help("Optimizer step (int) or fraction of the run (float) where the gate starts to fall."),
-    )
-    taper_end: Optional[str] = field(
-        default=None, metadata=_help("Optimizer step (int) or fraction of the run (float) where the gate reaches 0.")
-    )
     tied_head: Literal["untie", "scale"] = field(
         default="untie", metadata=_help("Folding a tapered final norm with tied embeddings: untie | scale.")
     )
 
-    def __post_init__(self) -> None:
-        _positive("scale_loss_weight", self.scale_loss_weight, allow_zero=True)
-        _positive("distill_weight", self.distill_weight, allow_zero=True)
-        _positive("calibration_scale", self.calibration_scale)
-        if self.ema_rate is not None and not 0.0 < self.ema_rate <= 1.0:
-            raise ConfigurationError(f"--ema_rate must be in (0, 1], got {self.ema_rate}")
-        for name in ("taper_start", "taper_end"):
-            if getattr(self, name) is not None:
-                parse_step(getattr(self, name), name)
-        if self.keep_norms is not None and not [p for p in self.keep_norms.split(",") if p.strip()]:
-            raise ConfigurationError("--keep_norms must be auto, none or comma-separated module-name patterns")
+
+def _kind(name: str) -> str:
+    """How the command line spells a TaperNormConfig field: ``list`` (comma-separated), ``step`` (an int or a
+    float, as text) or ``plain`` (a Literal's choices, a bool, a number, a string)."""
+    hint = typing.get_type_hints(TaperNormConfig)[name]
+    if typing.get_origin(hint) is list:
+        return "list"
+    return "step" if typing.get_origin(hint) is Union else "plain"
+
+
+def _flag(config_field: dataclasses.Field) -> tuple[str, Any, Any]:
+    """The override option of one TaperNormConfig field: its type as argparse can read it, default None (the
+    recipe's value), its help from the field."""
+    kind = _kind(config_field.name)
+    help_text = config_field.metadata["help"]
+    if kind == "list":
+        help_text += " Comma-separated; none: an empty list; auto: the recipe's."
+    flag_type = str if kind != "plain" else typing.get_type_hints(TaperNormConfig)[config_field.name]
+    return config_field.name, Optional[flag_type], field(default=None, metadata=_help(help_text))
+
+
+def _config_value(name: str, value: Any) -> Any:
+    """A flag's text as the config's value (None: the recipe's); values from a JSON file may be typed already."""
+    if not isinstance(value, str) or _kind(name) == "plain":
+        return value
+    if _kind(name) == "step":
+        return parse_step(value, name)
+    if value in ("auto", "none"):
+        return None if value == "auto" else []
+    items = [p.strip() for p in value.split(",") if p.strip()]
+    if not items:
+        raise ConfigurationError(f"TaperNormConfig.{name} must be auto, none or a comma-separated list, got {value!r}")
+    return items
+
+
+def _read_overrides(self) -> None:
+    """Each set flag as the config's value, checked by the config itself: a bad value fails at parse time,
+    named by its flag."""
+    names = [f.name for f in dataclasses.fields(TaperNormConfig) if f.name not in SET_BY_OTHER_OPTIONS]
+    try:
+        values = {name: _config_value(name, getattr(self, name)) for name in names}
+        checked = TaperNormConfig.check_values(**{k: v for k, v in values.items() if v is not None})
+    except ConfigurationError as error:
+        raise as_flags(error, [TaperArguments]) from None
+    for name in names:
+        setattr(self, name, checked.get(name))
+
+
+#: The recipe's options: one override per TaperNormConfig field (generated from its fields, with their help
+#: and choices; unset means the recipe's value), plus the options of ``TaperRunOptions``. After parsing,
+#: each field holds the config's type (a list, an int or float step), ready for ``TaperNormConfig``.
+TaperArguments = dataclasses.make_dataclass(
+    "TaperArguments",
+    [_flag(f) for f in dataclasses.fields(TaperNormConfig) if f.name not in SET_BY_OTHER_OPTIONS],
+    bases=(TaperRunOptions,),
+    namespace={
+        "__post_init__": _read_overrides,
+        "__doc__": "The recipe (a TaperNormConfig); unset options take the recipe's value.",
+        "__module__": __name__,  # make_dataclass's module= needs Python 3.12
+    },
+)
 
 
 @dataclass
@@ -313,6 +327,8 @@ __all__ = [
     "ModelArguments",
     "PushArguments",
     "RunArguments",
+    "SET_BY_OTHER_OPTIONS",
     "TaperArguments",
+    "TaperRunOptions",
     "TaperTrainingArguments",
 ]

@@ -1,7 +1,9 @@
 """The ``eval``, ``fold`` and ``push`` subcommands: each parses its arguments, checks them, then acts.
 
 ``taper`` lives in pipeline/taper.py (it is most of the package's orchestration) and ``bench`` in
-bench/; this module and cli/main.py are the only places that print for the user.
+bench/. What a command prints for the user (its result on stdout) is printed by the command itself: this
+module, cli/main.py (usage, one-line errors), pipeline/taper.py (the run's summary) and bench/runner.py
+(the results table); everything else in the package logs.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
+from .._parsing import UsageError, parse
 from ..errors import ConfigurationError, TaperStateError
 from ..export.folding import fold_model
 from ..export.hub import EXPORT_MANIFEST_NAME, export_manifest, push_export
@@ -26,7 +29,6 @@ from ..pipeline.taper import save_export
 from ..pipeline.validation import max_positions
 from ..training.checkpoints import tapered_config_of
 from .arguments import DataArguments, EvalArguments, FoldArguments, ModelArguments, PushArguments
-from .parsing import UsageError, parse
 
 logger = logging.getLogger("hf_tapernorm.cli")
 

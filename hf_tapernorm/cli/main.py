@@ -28,16 +28,19 @@ DEBUG_ENV = "HF_TAPERNORM_DEBUG"
 
 def taper_main(argv: Sequence[str]) -> int:
     """``hf-tapernorm taper``: continued pretraining with the recipe, then evaluate, fold, export, report."""
+    from .._parsing import as_flags, parse
     from ..pipeline.taper import TaperRequest, run_taper
     from .arguments import DataArguments, ModelArguments, RunArguments, TaperArguments, TaperTrainingArguments
-    from .parsing import parse
 
-    parsed = parse(
-        [ModelArguments, DataArguments, TaperArguments, RunArguments, TaperTrainingArguments],
-        argv,
-        "hf-tapernorm taper",
-    )
-    return run_taper(TaperRequest(*parsed))
+    options = [ModelArguments, DataArguments, TaperArguments, RunArguments, TaperTrainingArguments]
+    parsed = parse(options, argv, "hf-tapernorm taper")
+    try:
+        return run_taper(TaperRequest(*parsed))
+    except TaperNormError as error:  # the pipeline names fields (TaperNormConfig.taper_end): say --taper_end
+        translated = as_flags(error, options)
+        if translated is error:
+            raise
+        raise translated from error
 
 
 def eval_main(argv: Sequence[str]) -> int:

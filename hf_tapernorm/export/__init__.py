@@ -1,2 +1,41 @@
 """Export: fold a tapered model into a norm-free one, check it, register its classes, write and push it.
-``modeling_folded.py`` is copied next to every export and imports nothing from hf_tapernorm."""
+``modeling_folded.py`` is copied next to every export and imports nothing from hf_tapernorm.
+
+The public names beyond ``fold_model``/``export_folded`` (which the top level exports too):
+
+- :class:`FoldReport` (fold_check.py): what the fold check measured (``model.fold_report``);
+- :func:`push_export` (hub.py): upload an export and its model card to the Hub;
+- :func:`render_model_card`, :func:`attach_model_card` (model_card.py): the model card of an export;
+- :func:`register_folded_classes` (registration.py): register the folded classes with the Auto classes
+  by hand (``import hf_tapernorm`` already does it lazily).
+
+Names resolve on first use: registration.py is imported while transformers sets up its Auto classes,
+when its siblings could not be imported yet.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
+
+_EXPORTS = {
+    "fold_model": "folding",
+    "FoldReport": "fold_check",
+    "export_folded": "hub",
+    "push_export": "hub",
+    "render_model_card": "model_card",
+    "attach_model_card": "model_card",
+    "register_folded_classes": "registration",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:
+    from .fold_check import FoldReport
+    from .folding import fold_model
+    from .hub import export_folded, push_export
+    from .model_card import attach_model_card, render_model_card
+    from .registration import register_folded_classes

@@ -2,7 +2,7 @@
 
 At g = 0 every tapered norm is the fixed map h -> h A + beta with A = c D_gammat (RMS) or
 A = c (I - 11^T/d) D_gammat (LayerNorm), and folds into the modules the architecture table says
-read it (METHOD section 5). The algebra is one routine per site kind, driven by the table:
+read it (docs/method.md, section 5). The algebra is one routine per site kind, driven by the table:
 
 - ``"input"`` (a pre-norm): the consumers' input columns, W' = W A, bias' = bias + W beta;
 - ``"per_head"`` / ``"output"`` (a q/k norm or a post-norm on a branch output): the producers'
@@ -30,7 +30,7 @@ from ..architectures.styles import NormStyle
 from ..config import config_of
 from ..errors import CalibrationError, ConfigurationError, TaperStateError, UnsupportedModelError
 from ..layers.sink import sink_prefix, sink_token_ids_of
-from ..layers.taper_norm import TaperNorm, is_patched, tapered_norms
+from ..layers.taper_norm import TaperNorm, tapered_norms
 from ..training.distributed import sharding_engine
 from .fold_check import FoldReport, check_fold
 from .model_card import render_model_card
@@ -50,7 +50,7 @@ def _check_foldable(model: nn.Module, model_type: str) -> None:
             "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) loaded into an unsharded "
             "copy, or `hf-tapernorm fold --checkpoint` on a sharded checkpoint (docs/distributed.md)"
         )
-    if not is_patched(model):
+    if not any(tapered_norms(model, include_kept=True)):
         raise TaperStateError(
             f"{type(model).__name__} is not patched: fold_model needs a model patched with patch_model, "
             "calibrated and tapered to gate 0"

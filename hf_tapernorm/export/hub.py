@@ -88,7 +88,7 @@ def export_folded(
     """Save a folded model (from ``fold_model``) with its model card; returns the folder.
 
     Refuses a non-empty folder unless ``overwrite=True`` (then files of the same names are
-    replaced). ``facts`` fills the model card (see ``hf_tapernorm.model_card.FACT_KEYS``); the card
+    replaced). ``facts`` fills the model card (see ``hf_tapernorm.export.model_card.FACT_KEYS``); the card
     is attached to the model, so a later ``model.push_to_hub`` uploads the same README.md.
     """
     if not isinstance(model, FoldedModelMixin):

@@ -44,7 +44,7 @@ class FoldedConfigFields:
     added_biases: list[str] = field(default_factory=list)  # projections that gained a bias
     centred_norms: bool = False  # LayerNorm family: an explicit scale also centres, and has a bias
     tied_head: Optional[str] = None  # "untie" | "scale" when a tapered final norm met tied embeddings
-    # Attention-sink prefix (hf_tapernorm/sink.py): the token ids every training sequence started with,
+    # Attention-sink prefix (hf_tapernorm/layers/sink.py): the token ids every training sequence started with,
     # and the shape [layers, kv_heads, n, head_dim] of their stored keys/values (buffers sink_keys/values).
     sink_token_ids: list[int] = field(default_factory=list)
     sink_cache_shape: list[int] = field(default_factory=list)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -18,21 +17,9 @@ from ..errors import CalibrationError, ConfigurationError, TaperNormError, Taper
 from ..utils import replace_submodule
 from .scale_anchor import ScaleAnchor
 from .sink import set_sink_tokens
-from .taper_norm import TaperNorm, is_patched, taper_norms, tapered_norms
+from .taper_norm import TaperNorm, tapered_norms
 
 logger = logging.getLogger(__name__)
-
-#: The keyword options ``patch_model`` took before TaperNormConfig; still accepted, with a warning.
-_DEPRECATED_OPTIONS = (
-    "scope",
-    "ema_rate",
-    "scale_loss_weight",
-    "relative_scale_loss",
-    "sink_token_ids",
-    "calibration_scale",
-    "keep_norms",
-)
-_warned: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -63,7 +50,7 @@ def plan_patch(model: nn.Module, config: TaperNormConfig) -> list[_Replacement]:
     (the error names the module), a ``keep_norms`` pattern that matches nothing, or a config under which
     no norm would taper.
     """
-    existing = next((name for name, _ in taper_norms(model)), None)
+    existing = next((name for name, _ in tapered_norms(model, include_kept=True)), None)
     if existing is not None:
         raise TaperStateError(
             f"{type(model).__name__} is already patched (found a TaperNorm at '{existing}'); "
@@ -101,7 +88,6 @@ def patch_model(
     model: nn.Module,
     config: Optional[TaperNormConfig] = None,
     tokenizer: Any = None,
-    **deprecated_options: Any,
 ) -> nn.Module:
     """Replace the model's norms with TaperNorm at gate 1, in place; the outputs do not change.
 
@@ -116,9 +102,7 @@ def patch_model(
     a model type without an entry is described by automatic discovery (logged). The final norm is
     always wrapped, tapered or not, so its input scale can be observed and anchored (its ``anchor``).
     """
-    if isinstance(config, str) or deprecated_options:
-        config = _deprecated_config(config, deprecated_options)
-    elif config is None:
+    if config is None:
         config = TaperNormConfig.for_model(model, tokenizer)
     elif not isinstance(config, TaperNormConfig):
         raise ConfigurationError(f"patch_model expects a TaperNormConfig, got {type(config).__name__}")
@@ -160,27 +144,6 @@ def patch_model(
     return model
 
 
-def _deprecated_config(scope: Optional[str], options: dict[str, Any]) -> TaperNormConfig:
-    """The pre-TaperNormConfig keyword interface: the paper's recipe with the given options, and a warning."""
-    if scope is not None:
-        options = {"scope": scope, **options}
-    unknown = sorted(set(options) - set(_DEPRECATED_OPTIONS))
-    if unknown:
-        raise TypeError(f"patch_model() got unexpected keyword argument(s) {unknown}; pass a TaperNormConfig")
-    key = ",".join(sorted(options))
-    if key not in _warned:
-        _warned.add(key)
-        shown = ", ".join(f"{k}=..." for k in sorted(options))
-        warnings.warn(
-            f"patch_model(model, {shown}) is deprecated: pass patch_model(model, TaperNormConfig.paper({shown})) "
-            "for the same behaviour, or patch_model(model, tokenizer=tok) for the recipe of this model",
-            FutureWarning,
-            stacklevel=3,
-        )
-    options = {k: (v if v is not None else []) if k == "sink_token_ids" else v for k, v in options.items()}
-    return TaperNormConfig.paper(**options)
-
-
 def set_gate(model: nn.Module, gate: float) -> None:
     """Set the one global gate of every tapered layer, in place."""
     gate = float(gate)
@@ -207,4 +170,4 @@ def gate_of(model: nn.Module) -> float:
     raise TaperStateError(f"{type(model).__name__} has no tapered TaperNorm layers")
 
 
-__all__ = ["gate_of", "is_patched", "kept_norm_names", "patch_model", "plan_patch", "set_gate"]
+__all__ = ["gate_of", "kept_norm_names", "patch_model", "plan_patch", "set_gate"]

@@ -1,4 +1,4 @@
-"""The fixed-target scale anchor (METHOD section 4).
+"""The fixed-target scale anchor (docs/method.md, section 4).
 
 A :class:`ScaleAnchor` lives on the final TaperNorm (``final_norm.anchor``) and observes the
 residual stream that ENTERS the final norm. During the gate warmup it keeps a bias-corrected EMA

@@ -166,7 +166,7 @@ class TaperNorm(nn.Module):
         return 3 + (2 * self.hidden_size if self.per_channel else 0)
 
     def mark_calibrated(self, c: float, channel_ratio: Optional[torch.Tensor] = None) -> None:
-        """Freeze c and start the linear branch from the norm's current gain (METHOD section 3).
+        """Freeze c and start the linear branch from the norm's current gain (docs/method.md, section 3).
 
         ``channel_ratio``: per-channel least-squares factors a_j (sum x_j^2/r over sum x_j^2); the linear
         branch then starts at ``c * taper_weight_j = a_j * gain_j``, still one per-channel map.
@@ -245,7 +245,7 @@ class TaperNorm(nn.Module):
 def branch_statistics(
     h: torch.Tensor, gain: torch.Tensor, eps: float, *, centred: bool, per_channel: bool = False
 ) -> torch.Tensor:
-    """Sums over tokens of ||h g||^2 / r(h) and ||h g||^2, and the token count, in fp32 (METHOD section 3);
+    """Sums over tokens of ||h g||^2 / r(h) and ||h g||^2, and the token count, in fp32 (docs/method.md, section 3);
     with ``per_channel``, then the per-channel sums of x_j^2 / r(h) and of x_j^2 (shape ``3 + 2d``).
 
     ``centred`` selects the LayerNorm form (h - mu and sigma instead of h and the RMS).
@@ -263,16 +263,12 @@ def branch_statistics(
     return torch.cat([scalar, (squared / r[:, None]).sum(0), squared.sum(0)])
 
 
-def taper_norms(model: nn.Module) -> Iterator[tuple[str, TaperNorm]]:
-    """Every TaperNorm of the model with its qualified name, tapered or kept."""
+def tapered_norms(model: nn.Module, *, include_kept: bool = False) -> Iterator[tuple[str, TaperNorm]]:
+    """The TaperNorms of the model with their qualified names: those whose gate the schedule drives, and
+    with ``include_kept`` also those kept as real norms (a patched model has at least one tapered norm)."""
     for name, module in model.named_modules():
-        if isinstance(module, TaperNorm):
+        if isinstance(module, TaperNorm) and (include_kept or module.tapered):
             yield name, module
-
-
-def tapered_norms(model: nn.Module) -> Iterator[tuple[str, TaperNorm]]:
-    """The TaperNorms whose gate the schedule drives (kept norms excluded)."""
-    return ((n, m) for n, m in taper_norms(model) if m.tapered)
 
 
 @contextmanager
@@ -290,8 +286,4 @@ def normalized(model: nn.Module) -> Iterator[None]:
             layer._phase = phase
 
 
-def is_patched(model: nn.Module) -> bool:
-    return any(True for _ in taper_norms(model))
-
-
-__all__ = ["NormStyle", "TaperNorm", "branch_statistics", "is_patched", "normalized", "taper_norms", "tapered_norms"]
+__all__ = ["TaperNorm", "branch_statistics", "normalized", "tapered_norms"]

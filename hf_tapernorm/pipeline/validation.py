@@ -2,11 +2,13 @@
 
 The recipe is planned on a weightless (meta-device) copy of the model built from its config, so a bad
 ``keep_norms`` pattern, an unsupported layout, a schedule longer than the run, a block size beyond the
-model's positions or a resumed run that is not the saved one all fail in seconds, with the CLI's terms.
+model's positions or a resumed run that is not the saved one all fail in seconds. Errors about recipe
+and training fields name them (``TaperNormConfig.taper_end``); the CLI writes them as its flags.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -16,7 +18,7 @@ from typing import Any, Optional
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ..config import TaperNormConfig, parse_step
+from ..config import TaperNormConfig
 from ..errors import ConfigurationError, UnsupportedModelError
 from ..training.schedule import TaperSchedule
 from .data import EMBEDDED_CORPUS
@@ -37,29 +39,17 @@ class TaperRequest:
 
 
 def recipe_config(request: TaperRequest, model, tokenizer) -> TaperNormConfig:
-    """The TaperNormConfig of the flags: the recipe (``--recipe``), with every explicitly set flag on top."""
+    """The TaperNormConfig of the flags: the recipe (``--recipe``), with every explicitly set field on top.
+
+    ``request.taper`` holds one attribute per TaperNormConfig field (None: the recipe's value), already in
+    the config's types (cli/arguments.py generates them from the config's fields), plus ``recipe`` and
+    ``sink``, which the command line spells its own way."""
     flags = request.taper
-    overrides: dict[str, Any] = {}
-    for name in (
-        "scope",
-        "linear_fit",
-        "scale_loss_weight",
-        "relative_scale_loss",
-        "ema_rate",
-        "calibration_scale",
-        "distill_weight",
-        "distill_from",
-        "distill_until",
-    ):
-        if getattr(flags, name) is not None:
-            overrides[name] = getattr(flags, name)
-    for name in ("taper_start", "taper_end"):
-        if getattr(flags, name) is not None:
-            overrides[name] = parse_step(getattr(flags, name), name)
-    if flags.keep_norms not in (None, "auto"):
-        overrides["keep_norms"] = (
-            [] if flags.keep_norms == "none" else [p.strip() for p in flags.keep_norms.split(",") if p.strip()]
-        )
+    overrides: dict[str, Any] = {
+        f.name: getattr(flags, f.name)
+        for f in dataclasses.fields(TaperNormConfig)
+        if f.name not in ("recipe", "sink_token_ids") and getattr(flags, f.name, None) is not None
+    }
     if flags.sink == "none":
         overrides["sink_token_ids"] = []
     elif flags.sink == "bos":
@@ -73,21 +63,21 @@ def recipe_config(request: TaperRequest, model, tokenizer) -> TaperNormConfig:
 
 
 def check_schedule(config: TaperNormConfig, max_steps: int) -> TaperSchedule:
-    """The resolved schedule, or a usage error in the CLI's own terms."""
+    """The resolved schedule, or an error naming the fields (the CLI writes them as its flags)."""
     k_start, k_end = TaperSchedule.from_config(config).steps_for(max_steps)
+    start, end, steps = "TaperNormConfig.taper_start", "TaperNormConfig.taper_end", "TrainingArguments.max_steps"
     if k_start < 1:
         raise ConfigurationError(
-            f"--taper_start {config.taper_start} is step {k_start} of {max_steps}: calibration needs at least "
-            "one optimizer step at g = 1; raise --taper_start or --max_steps"
+            f"{start} {config.taper_start} is step {k_start} of {max_steps}: calibration needs at least "
+            f"one optimizer step at g = 1; raise {start} or {steps}"
         )
     if k_end <= k_start:
-        raise ConfigurationError(f"--taper_end (step {k_end}) must come after --taper_start (step {k_start})")
+        raise ConfigurationError(f"{end} (step {k_end}) must come after {start} (step {k_start})")
     if k_end > max_steps:
         gate = TaperSchedule(k_start, k_end).gate(max_steps)
         raise ConfigurationError(
-            f"--taper_end {config.taper_end} is step {k_end}, after the last step {max_steps} (--max_steps): "
-            f"the gate would end at g = {gate:.4f} and the model could not be folded; lower --taper_end or raise "
-            "--max_steps"
+            f"{end} {config.taper_end} is step {k_end}, after the last step {max_steps} ({steps}): "
+            f"the gate would end at g = {gate:.4f} and the model could not be folded; lower {end} or raise {steps}"
         )
     return TaperSchedule(k_start, k_end).resolve(max_steps)
 

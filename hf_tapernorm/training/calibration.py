@@ -1,4 +1,4 @@
-"""Calibration of the linear branch's scalar c (METHOD section 3).
+"""Calibration of the linear branch's scalar c (docs/method.md, section 3).
 
 Training-mode forwards add per-token sums to each layer's pending statistics; once per optimizer
 step ``update_statistics`` folds the step's mean (over all micro-batches and, when distributed, all
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import CalibrationError, TaperStateError
-from ..layers.taper_norm import TaperNorm, is_patched, tapered_norms
+from ..layers.taper_norm import TaperNorm, tapered_norms
 from ..utils import all_reduce_sum
 
 DELTA = 1e-12
@@ -96,7 +96,7 @@ def calibrate(model: nn.Module, layers: Iterable[TaperNorm] | None = None) -> di
     so the linear branch starts as the least-squares match of the norm. Returns ``{name: c}``.
     Raises before changing anything if any layer lacks usable statistics, and on an unpatched model.
     """
-    if not is_patched(model):
+    if not any(tapered_norms(model, include_kept=True)):
         raise TaperStateError(
             f"{type(model).__name__} has no TaperNorm layers to calibrate: call hf_tapernorm.patch_model(model) first"
         )

@@ -29,7 +29,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..config import CONFIG_NAME, Step, TaperNormConfig, config_of
 from ..errors import ConfigurationError, TaperStateError
-from ..layers.taper_norm import is_patched
+from ..layers.taper_norm import tapered_norms
 from .controller import TaperController
 from .distributed import refuse_unsupported_sharding, refuse_unsupported_trainer_sharding
 from .divergence import DivergenceThresholds
@@ -98,7 +98,7 @@ class TaperCallback(TrainerCallback):
     def on_init_end(self, args, state, control, model=None, **kwargs):
         # Fail inside Trainer(...): an unpatched model would otherwise reach the checkpoint loader first,
         # which drops the TaperNorm state (non-strict load) or fails on the optimizer's parameter groups.
-        if model is not None and not is_patched(model):
+        if model is not None and not any(tapered_norms(model, include_kept=True)):
             raise TaperStateError(
                 f"TaperCallback: {type(model).__name__} has no TaperNorm layers: call hf_tapernorm.patch_model(model) "
                 "before building the Trainer (also when resuming from a checkpoint)"

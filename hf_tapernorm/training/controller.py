@@ -23,7 +23,7 @@ from ..errors import ConfigurationError, TaperStateError
 from ..layers.loss_terms import loss_terms_of
 from ..layers.patching import set_gate
 from ..layers.scale_anchor import DEVIATION_SUM, SCALE_SUM, TOKENS, ScaleAnchor, scale_anchors
-from ..layers.taper_norm import is_patched, tapered_norms
+from ..layers.taper_norm import tapered_norms
 from ..utils import all_reduce_sum
 from .calibration import calibrate, update_statistics
 from .distillation import SHARDED_SNAPSHOT_NAME, SNAPSHOT_NAME, Distillation, frozen_copy
@@ -65,7 +65,7 @@ class TaperController:
         max_scale_ratio: Optional[float] = None,
         distillation: Union[Distillation, bool, None] = None,
     ) -> None:
-        if not is_patched(model):
+        if not any(tapered_norms(model, include_kept=True)):
             raise TaperStateError(
                 f"{type(model).__name__} has no TaperNorm layers: call hf_tapernorm.patch_model(model) before "
                 "training (and before resuming from a checkpoint, whose TaperNorm state would otherwise be dropped)"

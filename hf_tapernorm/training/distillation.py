@@ -26,7 +26,7 @@ from torch import nn
 from ..errors import ConfigurationError
 from ..layers.loss_terms import ForwardInputs, add_training_loss_term, remove_training_loss_term
 from ..layers.patching import gate_of
-from ..layers.taper_norm import normalized, taper_norms
+from ..layers.taper_norm import normalized, tapered_norms
 from .distributed import sharded_copy, sharding_engine
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def frozen_copy(model: nn.Module) -> nn.Module:
                 model.__dict__["_tapernorm_loss_terms"] = loss_terms
         teacher._forward_pre_hooks.clear()  # the sink marker: a teacher at gate 1 normalizes every position anyway
         teacher._forward_hooks.clear()
-    for _, layer in taper_norms(teacher):
+    for _, layer in tapered_norms(teacher, include_kept=True):
         layer.anchor = None
         if layer.tapered:
             layer.tapered = False  # the gate of a copy never moves

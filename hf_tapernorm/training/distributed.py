@@ -28,7 +28,7 @@ from torch import nn
 from ..config import config_of
 from ..errors import ConfigurationError, TaperStateError
 from ..layers.patching import patch_model
-from ..layers.taper_norm import taper_norms, tapered_norms
+from ..layers.taper_norm import tapered_norms
 
 _NAMES = {"deepspeed-zero3": "DeepSpeed ZeRO-3", "fsdp1": "FSDP (v1)"}
 
@@ -84,7 +84,7 @@ def _refuse_patching_after_sharding(model: nn.Module) -> None:
     forward would mix them with gathered tensors ("got mixed torch.Tensor and DTensor")."""
     from torch.distributed.tensor import DTensor
 
-    for name, layer in taper_norms(model):
+    for name, layer in tapered_norms(model, include_kept=True):
         managed = getattr(layer, "_is_fsdp_managed_module", False)  # set by fully_shard on every module it manages
         if not managed and any(isinstance(p, DTensor) for p in layer.parameters(recurse=False)):
             raise ConfigurationError(

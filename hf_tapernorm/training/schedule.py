@@ -1,4 +1,4 @@
-"""The gate schedule (METHOD section 2): a pure function of the optimizer step.
+"""The gate schedule (docs/method.md, section 2): a pure function of the optimizer step.
 
 Steps are counted from 1: step k is the k-th optimizer update, the one that runs while the
 Trainer's ``state.global_step == k - 1``. The gate is exactly 1 up to and including ``k_start``
@@ -19,7 +19,7 @@ from ..errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
 
-#: Our default for continued pretraining (METHOD section 2): calibrate over the first 5% of the
+#: Our default for continued pretraining (docs/method.md, section 2): calibrate over the first 5% of the
 #: run, reach g = 0 at 70%, and train the remaining 30% at g = 0 (TaperNormConfig's defaults).
 CONTINUED_PRETRAINING = (TaperNormConfig.taper_start, TaperNormConfig.taper_end)
 

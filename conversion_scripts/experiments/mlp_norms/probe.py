@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from hf_tapernorm import calibrate, tapered_norms
+from hf_tapernorm.layers import tapered_norms
+from hf_tapernorm.training import calibrate
 
 from .patching import patch
 

@@ -41,12 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_tapernorm import (
-    TaperController,
-    TaperDivergenceError,  # noqa: F401  (re-exported at the top level)
-    TaperSchedule,
-    tapered_norms,
-)
+from hf_tapernorm import TaperController
+from hf_tapernorm.layers import tapered_norms
+from hf_tapernorm.training import TaperSchedule
 
 from .patching import patch
 from .probe import ChannelStats, kind_of, layer_index, scale_stats

@@ -11,8 +11,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from hf_tapernorm.layers.taper_norm import TaperNorm, tapered_norms
-from hf_tapernorm.training.calibration import calibration_table
+from hf_tapernorm.layers import TaperNorm, tapered_norms
+from hf_tapernorm.training import calibration_table
 
 
 @torch.no_grad()

@@ -12,10 +12,11 @@ from collections.abc import Iterable
 
 import torch
 
-from hf_tapernorm.architectures.styles import NormStyle
-from hf_tapernorm.errors import CalibrationError
-from hf_tapernorm.layers.taper_norm import TaperNorm
-from hf_tapernorm.training.calibration import DELTA
+from hf_tapernorm import CalibrationError
+from hf_tapernorm.architectures import NormStyle
+from hf_tapernorm.layers import TaperNorm
+
+DELTA = 1e-12  # guards a division by an empty statistic, as the package's own calibration does
 
 
 @torch.no_grad()

@@ -12,10 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_tapernorm.errors import ConfigurationError, TaperStateError
-from hf_tapernorm.layers.loss_terms import ForwardInputs, add_training_loss_term, remove_training_loss_term
-from hf_tapernorm.layers.taper_norm import TaperNorm
-from hf_tapernorm.utils import in_backward_recompute
+from hf_tapernorm import ConfigurationError, TaperStateError
+from hf_tapernorm.layers import (
+    ForwardInputs,
+    TaperNorm,
+    add_training_loss_term,
+    in_backward_recompute,
+    remove_training_loss_term,
+)
 
 
 class TokenScalePenalty:

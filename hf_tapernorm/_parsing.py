@@ -1,14 +1,27 @@
-"""Argument parsing for every subcommand: ``HfArgumentParser`` whose errors are one-line usage errors."""
+"""Argument parsing for every command line of the package (``hf-tapernorm``'s subcommands in cli/, the
+benchmark in bench/): ``HfArgumentParser`` whose errors are one-line usage errors, and the translation of
+field names into flag names.
+
+It sits at the bottom of the layers so that cli/ and bench/ share it without importing each other.
+Below the command line, errors name fields as ``TaperNormConfig.taper_end`` or
+``TrainingArguments.max_steps`` (a Python caller sees the names it passed); :func:`as_flags` rewrites those
+into the flags of the command that was run (``--taper_end``).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
 from transformers import HfArgumentParser
 
-from ..errors import ConfigurationError
+from .errors import ConfigurationError, TaperNormError
+
+#: ``Class.field`` as the layers below the command line name a field in their errors.
+_FIELD = re.compile(r"\b(?:TaperNormConfig|TrainingArguments)\.([a-z_][a-z0-9_]*)")
 
 
 class UsageError(ConfigurationError):
@@ -47,4 +60,17 @@ def parse(dataclass_types: Sequence[type], argv: Sequence[str], prog: str) -> tu
         raise UsageError(message) from None
 
 
-__all__ = ["UsageError", "parse"]
+def as_flags(error: TaperNormError, dataclass_types: Iterable[type]) -> TaperNormError:
+    """``error`` with every field name that is an option of these dataclasses written as its flag
+    (``TaperNormConfig.ema_rate`` -> ``--ema_rate``); the same class, so the exit status stays the same."""
+    flags = {f.name for cls in dataclass_types for f in dataclasses.fields(cls)}
+    text = _FIELD.sub(lambda m: f"--{m[1]}" if m[1] in flags else m[0], str(error))
+    if text == str(error):
+        return error
+    try:
+        return type(error)(text)
+    except TypeError:  # an error class whose constructor takes more than the message
+        return error
+
+
+__all__ = ["UsageError", "as_flags", "parse"]

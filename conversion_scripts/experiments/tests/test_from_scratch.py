@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "conversion_scripts" / "experiments" / "from_scratch.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "from_scratch.py"
 
 
 @pytest.fixture(scope="module")

@@ -67,14 +67,15 @@ def _mark_sink_forwards(model: nn.Module, args: tuple, kwargs: dict) -> None:
 
     Looks the layers up on every call (not in a closure), so a deep-copied model marks its own.
     """
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    cache = kwargs.get("cache")
+    if cache is None:
+        cache = kwargs.get("past_key_values")  # the older name, which transformers 5 still accepts
     fresh = cache is None or not hasattr(cache, "get_seq_length") or cache.get_seq_length() == 0
     for module in model.modules():
         if isinstance(module, TaperNorm):
             module.sink_active = fresh
 
 
-@torch.no_grad()
 def sink_prefix(model: nn.Module, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of the sink tokens at every layer: two ``[layers, kv_heads, n, head_dim]`` tensors.
 
@@ -82,6 +83,13 @@ def sink_prefix(model: nn.Module, token_ids: Sequence[int]) -> tuple[torch.Tenso
     positions always take) and reads the cache; keys are stored as the cache holds them (after
     RoPE, at positions ``0 .. n-1``). Gates and training mode are restored.
     """
+    keys, values, _ = sink_outputs(model, token_ids)
+    return keys, values
+
+
+@torch.no_grad()
+def sink_outputs(model: nn.Module, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sink_prefix`'s keys and values, and the ``[n, vocab]`` logits at the sink positions (constants too)."""
     ids = torch.tensor([list(token_ids)], device=next(model.parameters()).device)
     if ids.shape[1] == 0:
         raise TaperStateError("sink_prefix needs at least one sink token id")
@@ -92,11 +100,12 @@ def sink_prefix(model: nn.Module, token_ids: Sequence[int]) -> tuple[torch.Tenso
     try:
         for layer in layers:
             layer.set_gate(1.0)
-        cache = model(input_ids=ids, use_cache=True).cache
+        output = model(input_ids=ids, use_cache=True)
     finally:
         for layer, gate in zip(layers, gates):
             layer.set_gate(gate)
         model.train(was_training)
+    cache = output.cache
     if cache is None or not getattr(cache, "layers", None):
         raise UnsupportedModelError(f"{type(model).__name__} returned no key/value cache; the sink prefix needs one")
     try:
@@ -107,7 +116,7 @@ def sink_prefix(model: nn.Module, token_ids: Sequence[int]) -> tuple[torch.Tenso
             f"{type(model).__name__}'s cache ({type(cache).__name__}) does not hold one key/value tensor per layer "
             f"of equal shape, so its sink prefix cannot be stored ({error})"
         ) from None
-    return keys, values
+    return keys, values, output.logits[0]
 
 
-__all__ = ["set_sink_tokens", "sink_prefix", "sink_token_ids_of"]
+__all__ = ["set_sink_tokens", "sink_outputs", "sink_prefix", "sink_token_ids_of"]

@@ -15,6 +15,7 @@ from hf_tapernorm import FoldCheckError, TaperNorm, TaperNormConfig, calibrate, 
 from hf_tapernorm.architectures.table import ARCHITECTURES, architecture_for
 from hf_tapernorm.pipeline.showcase import count_aten_ops
 from tests.conftest import FAMILY_CASES, build, random_batches, tiny_family_config
+from tests.test_sink_contract import word_tokenizer
 
 SINK = 1  # the tiny configs' bos_token_id
 GATED = [
@@ -216,6 +217,30 @@ def test_left_padded_batch_that_starts_each_row_with_the_sink(pair):
     out = folded(input_ids=padded, attention_mask=mask).logits
     assert relative(out[0, 2:], model(short).logits[0]) <= TOLERANCE
     assert relative(out[1], model(full).logits[0]) <= TOLERANCE
-    options = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)  # within the tiny sliding window
+    options = dict(max_new_tokens=2, do_sample=False, pad_token_id=0)
     batched = folded.generate(padded, attention_mask=mask, **options)
     assert torch.equal(batched[0, 2:], model.generate(short, **options)[0])
+
+
+@torch.no_grad()
+def test_model_on_tokenizer_output_equals_the_tapered_model_whether_or_not_the_tokenizer_adds_bos(pair):
+    model, folded, _ = pair
+    adds_bos, plain = word_tokenizer(adds_bos=True), word_tokenizer(adds_bos=False)
+    text = "the quick brown fox jumps over a lazy dog"
+    encoded = adds_bos(text, return_tensors="pt")
+    assert encoded.input_ids[0, 0] == SINK
+    assert relative(folded(**encoded).logits, model(**encoded).logits) <= TOLERANCE
+    encoded = plain(text, return_tensors="pt")
+    assert encoded.input_ids[0, 0] != SINK
+    assert relative(folded(**encoded).logits, model(with_sink(encoded.input_ids)).logits[:, 1:]) <= TOLERANCE
+    texts = ["a lazy dog jumps", "the quick fox"]  # left padding of one, within the tiny sliding window
+    for tokenizer in (adds_bos, plain):
+        tokenizer.padding_side = "left"
+        batch = tokenizer(texts, return_tensors="pt", padding=True)
+        generated = folded.generate(**batch, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        for row, alone in enumerate(texts):
+            ids = tokenizer(alone, return_tensors="pt").input_ids
+            reference = model.generate(
+                ids if tokenizer is adds_bos else with_sink(ids), max_new_tokens=2, do_sample=False
+            )
+            assert torch.equal(generated[row, -2:], reference[0, -2:]), (tokenizer is adds_bos, alone)

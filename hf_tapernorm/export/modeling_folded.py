@@ -170,9 +170,11 @@ def _prepend_sink(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, d
         kwargs["return_dict"] = True  # the output hook edits a ModelOutput, then returns the tuple
     if cache is None or cache.get_seq_length() == 0:
         columns = _sink_columns(model, kwargs)
-        offset = _left_padding(kwargs, length) if kwargs.get("position_ids") is None else None
+        padding = _left_padding(kwargs, length)
+        offset = padding if kwargs.get("position_ids") is None else None
+        order = None
         if columns is not None:
-            _take_sink_from_input(model, kwargs, columns)
+            order = _take_sink_from_input(model, kwargs, columns)
             batch, length = kwargs["input_ids"].shape
         if cache is None:
             from transformers import DynamicCache
@@ -185,16 +187,23 @@ def _prepend_sink(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, d
             values = model.sink_values[index].to(dtype).expand(batch, -1, -1, -1).contiguous()
             cache.update(keys, values, index)
         cache.sink_in_input, cache.sink_row_offset = columns is not None, offset
+        # Where each cache column came from in the caller's columns, when the sink was not in front of every row.
+        cache.sink_mask_order = order if padding is not None else None
         kwargs["cache"], kwargs["use_cache"] = cache, True
-        counts_without_sink = columns is None
+        counts_without_sink, order = columns is None, None
     else:
         counts_without_sink = not getattr(cache, "sink_in_input", False)
+        order = getattr(cache, "sink_mask_order", None)
     past = cache.get_seq_length()
     mask = kwargs.get("attention_mask")
     if mask is not None and mask.dim() == 2:
         counts_without_sink = mask.shape[-1] == past + length - n
         if counts_without_sink:
             kwargs["attention_mask"] = torch.cat([mask.new_ones(batch, n), mask], dim=-1)
+        elif order is not None and mask.shape[0] == order.shape[0] and mask.shape[-1] >= order.shape[1]:
+            # The caller's mask has each left-padded row's sink after its pads; the cache has it first.
+            head = mask[:, : order.shape[1]].gather(1, order)
+            kwargs["attention_mask"] = torch.cat([head, mask[:, order.shape[1] :]], dim=-1)
     positions = kwargs.get("position_ids")
     if positions is not None:
         if counts_without_sink:
@@ -206,8 +215,11 @@ def _prepend_sink(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, d
     return args, kwargs
 
 
-def _take_sink_from_input(model: nn.Module, kwargs: dict, columns: torch.Tensor) -> None:
-    """Drop the sink's columns from a fresh forward's inputs; record how to put the sink's logits back."""
+def _take_sink_from_input(model: nn.Module, kwargs: dict, columns: torch.Tensor) -> torch.Tensor:
+    """Drop the sink's columns from a fresh forward's inputs; record how to put the sink's logits back.
+
+    Returns the caller's column of every cache column (``[batch, length]``: the sink's first, then the rest).
+    """
     ids = kwargs["input_ids"]
     batch, length = ids.shape
     n = columns.shape[1]
@@ -236,6 +248,8 @@ def _take_sink_from_input(model: nn.Module, kwargs: dict, columns: torch.Tensor)
     if not passes:
         kwargs["logits_to_keep"] = 0
     model._sink_restore = (keep, None if passes else keep_logits, labels)
+    kept = torch.arange(length, device=ids.device).expand(batch, -1)[keep].view(batch, -1)
+    return torch.cat([columns, kept], dim=1)
 
 
 def _finish_sink_output(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:

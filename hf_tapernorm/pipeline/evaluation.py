@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..layers.sink import check_sink_first
+
 
 @torch.no_grad()
 def heldout_loss(
@@ -36,6 +38,9 @@ def heldout_loss(
     """
     if blocks.dim() != 2 or blocks.shape[0] == 0:
         raise ValueError(f"expected a non-empty [n, block_size] tensor of token ids, got shape {tuple(blocks.shape)}")
+    trained_sink = getattr(getattr(model, "tapernorm_config", None), "sink_token_ids", None)
+    if trained_sink:  # a patched model with a sink: every block must start with it
+        check_sink_first(blocks, trained_sink, "heldout_loss")
     held_sink = list(getattr(getattr(model, "config", None), "sink_token_ids", None) or [])
     if held_sink and (prefix_length != len(held_sink) or blocks[:, :prefix_length].ne(torch.tensor(held_sink)).any()):
         raise ValueError(

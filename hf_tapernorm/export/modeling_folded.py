@@ -87,7 +87,9 @@ def _sink_columns(model: nn.Module, kwargs: dict) -> Optional[torch.Tensor]:
     """Columns ``[batch, n]`` of a leading sink in ``input_ids`` (at each row's first attended column), else None.
 
     A tokenizer that adds BOS puts the sink in the input itself; those tokens are then the stored ones.
-    Every row starts with the sink or none does: a batch that mixes both has no single meaning.
+    Every row starts with the sink or none does: a batch that mixes both has no single meaning. Text that
+    itself starts with the sink id (an EOS sink after a document boundary) is read as starting with the
+    sink, as the tapered model reads position 0: pass the sink first to say so without doubt.
     """
     ids = kwargs.get("input_ids")
     sink = model.config.sink_token_ids
@@ -105,7 +107,7 @@ def _sink_columns(model: nn.Module, kwargs: dict) -> Optional[torch.Tensor]:
     if not bool(found.all()):
         raise ValueError(
             f"{type(model).__name__}: some rows of input_ids start with the sink token(s) {sink} and others do not; "
-            "tokenize every row the same way (all with the tokenizer's BOS, or all without)"
+            "start every row with the sink (unambiguous, also when the sink id occurs in text), or none"
         )
     return columns
 

@@ -33,8 +33,8 @@ def heldout_loss(
 
     ``prefix_length`` > 0: every block starts with that many sink tokens, and only the text tokens
     after the first are targets (``block_size - prefix_length - 1`` per block), the same for every
-    model. A folded model that holds the sink itself (``config.sink_token_ids``) reads the text
-    alone; the sink must then equal the blocks' prefix.
+    model. A folded model that holds the sink itself (``config.sink_token_ids``) reads the same blocks
+    (their leading sink stands for its stored one), so the sink must equal the blocks' prefix.
     """
     if blocks.dim() != 2 or blocks.shape[0] == 0:
         raise ValueError(f"expected a non-empty [n, block_size] tensor of token ids, got shape {tuple(blocks.shape)}")
@@ -53,10 +53,7 @@ def heldout_loss(
     total, count = 0.0, 0
     for start in tqdm(range(0, blocks.shape[0], batch_size), desc=desc, unit="batch", leave=False):
         ids = blocks[start : start + batch_size].to(device)
-        if held_sink:
-            logits = model(input_ids=ids[:, prefix_length:]).logits[:, :-1].float()
-        else:
-            logits = model(input_ids=ids).logits[:, prefix_length:-1].float()
+        logits = model(input_ids=ids).logits[:, prefix_length:-1].float()
         targets = ids[:, prefix_length + 1 :]
         loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
         total += float(loss)

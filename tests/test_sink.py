@@ -146,11 +146,11 @@ def test_heldout_loss_counts_the_same_targets_for_unfolded_and_folded_models():
         heldout_loss(folded, blocks[:, 1:], prefix_length=0)
 
 
-def test_model_card_tells_users_not_to_add_the_sink():
+def test_model_card_says_the_sink_is_stored_and_may_lead_the_input():
     folded = fold_model(sink_tapered("llama"))
     card = folded.model_card
     assert "| Attention-sink prefix | token id(s) [5]: keys/values of 1 position(s) stored per layer |" in card
-    assert "**Do not start the input with [5].**" in card
+    assert "**The attention sink [5] is stored.**" in card and "model(**tokenizer(text))" in card
 
 
 @pytest.mark.slow

@@ -66,8 +66,8 @@ def check_fold(
 ) -> FoldReport:
     """Compare the logits of ``folded`` and the unfolded g = 0 model on a probe batch; raise above tolerance.
 
-    With a sink prefix the unfolded model reads ``sink + probe`` and the folded one ``probe`` alone
-    (it holds the sink's keys/values); the logits of the probe positions are compared. When the check
+    With a sink prefix both models read ``sink + probe`` (the folded one holds the sink's keys/values and
+    takes the leading sink for them); the logits of the probe positions are compared. When the check
     fails at the default tolerance below float64 and ``refold`` (how ``folded`` was made) is given, a
     float64 copy of the unfolded model is folded again and compared: if those agree, the fold is exact
     and the difference is the model's own amplification of rounding (a g = 0 model on the edge of a
@@ -119,7 +119,7 @@ FLOAT64_RECHECK_TOLERANCE = 1e-6
 def _logit_difference(unfolded: nn.Module, folded: nn.Module, ids: torch.Tensor) -> tuple[float, float, bool]:
     """Max abs and relative logit difference on ``ids`` (the unfolded model reads the sink first), and finiteness.
 
-    With a sink prefix the unfolded model reads ``sink + ids`` and the folded one ``ids`` alone.
+    With a sink prefix both read ``sink + ids``: the folded model's leading sink stands for its stored one.
     """
     sink = torch.tensor(sink_token_ids_of(unfolded), dtype=ids.dtype, device=ids.device)
     modes = unfolded.training, folded.training
@@ -127,7 +127,8 @@ def _logit_difference(unfolded: nn.Module, folded: nn.Module, ids: torch.Tensor)
     try:
         with_sink = torch.cat([sink[None].expand(ids.shape[0], -1), ids], dim=1)
         reference = unfolded(input_ids=with_sink, use_cache=False).logits[:, len(sink) :].to(torch.float64)
-        output = folded(input_ids=ids, use_cache=False).logits.to(torch.float64)
+        # The folded model reads the same sink-first ids (unambiguous even when the sink id also occurs in text).
+        output = folded(input_ids=with_sink, use_cache=False).logits[:, len(sink) :].to(torch.float64)
     finally:
         unfolded.train(modes[0]), folded.train(modes[1])
     max_abs = float((output - reference).abs().max())

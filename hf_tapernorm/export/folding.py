@@ -29,7 +29,7 @@ from ..architectures.sites import architecture_of, model_type_of, norm_sites
 from ..architectures.styles import NormStyle
 from ..config import config_of
 from ..errors import CalibrationError, ConfigurationError, TaperStateError, UnsupportedModelError
-from ..layers.sink import sink_prefix, sink_token_ids_of
+from ..layers.sink import sink_outputs, sink_token_ids_of
 from ..layers.taper_norm import TaperNorm, tapered_norms
 from ..training.distributed import sharding_engine
 from .fold_check import FoldReport, check_fold
@@ -231,9 +231,11 @@ def fold_model(
 
     sink_ids = sink_token_ids_of(model)
     sink_shape: list[int] = []
+    sink_logits_shape: list[int] = []
     if sink_ids:
-        state["sink_keys"], state["sink_values"] = sink_prefix(model, sink_ids)
+        state["sink_keys"], state["sink_values"], state["sink_logits"] = sink_outputs(model, sink_ids)
         sink_shape = list(state["sink_keys"].shape)
+        sink_logits_shape = list(state["sink_logits"].shape)
         logger.info(
             "stored the keys/values of %d sink token(s) %s as a prefix of %s",
             len(sink_ids),
@@ -259,6 +261,7 @@ def fold_model(
         tied_head=head_choice,
         sink_token_ids=sink_ids,
         sink_cache_shape=sink_shape,
+        sink_logits_shape=sink_logits_shape,
         hf_tapernorm_version=__version__,
         tapernorm_config=config_of(model).to_dict(),
     )

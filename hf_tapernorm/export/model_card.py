@@ -1,4 +1,5 @@
-"""Model cards for folded models: the template in ``model_cards/`` filled from the config and run facts.
+"""Model cards for folded models: the package's template ``model_cards/folded_model.md`` filled from the config and
+run facts.
 
 What folding did (folded/kept norms, tied head, added biases, package version) is read from the
 folded config and ``fold_report``; what only the caller knows (base model id, license, schedule,
@@ -9,8 +10,8 @@ The YAML header is built with huggingface_hub's ``ModelCardData`` so the Hub und
 from __future__ import annotations
 
 import re
-import sysconfig
 from collections.abc import Mapping
+from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,20 +21,10 @@ from torch import nn
 TEMPLATE_NAME = "folded_model.md"
 
 
-def _template_path() -> Path:
-    """The template in the source tree's ``model_cards/`` (checkouts, editable installs), else the copy
-    that a wheel installs under ``<prefix>/share/hf_tapernorm/model_cards/`` (setup.cfg data_files)."""
-    candidates = [
-        Path(__file__).resolve().parents[2] / "model_cards" / TEMPLATE_NAME,
-        Path(sysconfig.get_path("data")) / "share" / "hf_tapernorm" / "model_cards" / TEMPLATE_NAME,
-    ]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(
-        f"model card template {TEMPLATE_NAME} not found (looked in {', '.join(str(c.parent) for c in candidates)}); "
-        "reinstall hf-tapernorm"
-    )
+def template_text() -> str:
+    """The card template, package data of hf_tapernorm (``hf_tapernorm/model_cards/``), read with
+    importlib.resources so every install scheme (wheel, ``--user``, editable, zip) finds it."""
+    return resources.files("hf_tapernorm").joinpath("model_cards", TEMPLATE_NAME).read_text(encoding="utf-8")
 
 
 # Keys a caller may pass in ``facts`` (all optional).
@@ -61,7 +52,6 @@ def render_model_card(model: nn.Module, facts: Optional[Mapping[str, Any]] = Non
     unknown = sorted(set(facts) - set(FACT_KEYS))
     if unknown:
         raise ValueError(f"unknown model card facts: {', '.join(unknown)}; expected some of {', '.join(FACT_KEYS)}")
-    template = _template_path()
     config = model.config
     base_model = str(facts.get("base_model") or config.name_or_path or config.base_model_type)
     repo_id = facts.get("repo_id") or "path/to/exported/folder"
@@ -88,7 +78,7 @@ def render_model_card(model: nn.Module, facts: Optional[Mapping[str, Any]] = Non
     report = getattr(model, "fold_report", None)
     card = ModelCard.from_template(
         card_data,
-        template_path=str(template),
+        template_str=template_text(),
         model_name=model_name,
         base_model=base_model,
         base_model_link=f"https://huggingface.co/{base_model}" if _is_hub_id(str(base_model)) else None,

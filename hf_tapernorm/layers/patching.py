@@ -16,7 +16,7 @@ from ..config import TaperNormConfig
 from ..errors import CalibrationError, ConfigurationError, TaperNormError, TaperStateError, UnsupportedModelError
 from ..utils import replace_submodule
 from .scale_anchor import ScaleAnchor
-from .sink import set_sink_tokens
+from .sink import set_sink_tokens, warn_if_tokenizer_omits_sink
 from .taper_norm import TaperNorm, tapered_norms
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,8 @@ def patch_model(
 
     ``config`` holds every choice of the recipe (:class:`~hf_tapernorm.TaperNormConfig`); without one,
     ``TaperNormConfig.for_model(model, tokenizer)``: the recipe derived from the model's architecture
-    (``tokenizer`` gives the BOS id kept as the attention sink). The config is attached to the model as
+    (``tokenizer`` gives the BOS id kept as the attention sink; a warning says when it does not add that BOS
+    itself, so the data must). The config is attached to the model as
     ``model.tapernorm_config``, where ``TaperCallback`` and ``TaperController`` read the schedule,
     distillation and scale loss, and saved with tapered checkpoints.
 
@@ -130,6 +131,8 @@ def patch_model(
         replace_submodule(model, site.path, layer)
     model.tapernorm_config = config
     set_sink_tokens(model, config.sink_token_ids)
+    if tokenizer is not None:
+        warn_if_tokenizer_omits_sink(tokenizer, config.sink_token_ids)
     tapered = sum(r.layer.tapered for r in plan)
     kept = sum(1 for r in plan if not r.layer.tapered and not r.site.is_final)
     logger.info(

@@ -17,14 +17,15 @@ those of the model with every gate at 1: :func:`sink_prefix` computes them that 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from ..config import config_of
-from ..errors import TaperStateError, UnsupportedModelError
+from ..errors import ConfigurationError, TaperStateError, UnsupportedModelError
 from .taper_norm import TaperNorm, tapered_norms
 
 
@@ -65,16 +66,73 @@ def set_sink_tokens(model: nn.Module, token_ids: Optional[Sequence[int]]) -> Non
 def _mark_sink_forwards(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """Only a forward that starts at position 0 holds the sink; one that continues a cache does not.
 
-    Looks the layers up on every call (not in a closure), so a deep-copied model marks its own.
+    A fresh forward in training mode must start with the sink tokens (:func:`check_sink_first`): this is
+    where every batch of TaperCallback, TaperController or a hand-written loop enters the model, before any
+    statistic is gathered or gradient computed. Looks the layers up on every call (not in a closure), so a
+    deep-copied model marks its own.
     """
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    cache = kwargs.get("cache")
+    if cache is None:
+        cache = kwargs.get("past_key_values")  # the older name, which transformers 5 still accepts
     fresh = cache is None or not hasattr(cache, "get_seq_length") or cache.get_seq_length() == 0
+    if fresh and model.training:
+        ids = args[0] if args else kwargs.get("input_ids")
+        if ids is not None:
+            check_sink_first(ids, model.tapernorm_config.sink_token_ids, f"training {type(model).__name__}")
     for module in model.modules():
         if isinstance(module, TaperNorm):
             module.sink_active = fresh
 
 
-@torch.no_grad()
+def check_sink_first(input_ids: torch.Tensor, token_ids: Sequence[int], where: str) -> None:
+    """Raise at a batch whose sequences do not all start with ``token_ids`` (one comparison of ``[:, :n]``).
+
+    A model patched with a sink keeps those positions normalized and leaves them out of calibration; a batch
+    that starts otherwise would treat its first text token as the sink, and the export would compute
+    something else than the trained model.
+    """
+    ids = [int(i) for i in token_ids]
+    n = len(ids)
+    if not n:
+        return
+    wrong = input_ids.dim() != 2 or input_ids.shape[1] < n
+    if not wrong:
+        wrong = bool(input_ids[:, :n].ne(torch.tensor(ids, device=input_ids.device)).any())
+    if wrong:
+        first = input_ids.reshape(-1)[:n].tolist() if input_ids.numel() else []
+        raise ConfigurationError(
+            f"{where}: a batch does not start with the sink token(s) {ids} (it starts {first}); prepend them to "
+            "every sequence (the tokenizer's BOS), pack with "
+            f"hf_tapernorm.pipeline.data.pack_documents(..., prefix_ids={ids}), or patch without a sink: "
+            "TaperNormConfig(sink_token_ids=[])"
+        )
+
+
+def warn_if_tokenizer_omits_sink(tokenizer: Any, token_ids: Sequence[int]) -> bool:
+    """Warn (once per call) when ``tokenizer`` does not itself start its output with the sink tokens; True if so.
+
+    Such a tokenizer (Qwen's adds no BOS) gives sequences that break the sink contract unless the data
+    pipeline prepends the sink.
+    """
+    ids = [int(i) for i in token_ids]
+    if not ids:
+        return False
+    try:
+        start = [int(i) for i in tokenizer("a")["input_ids"][: len(ids)]]
+    except Exception:  # noqa: BLE001 - any callable that is not a tokenizer: nothing to check
+        return False
+    if start == ids:
+        return False
+    warnings.warn(
+        f"the tokenizer does not start its output with the sink token(s) {ids} (it starts {start}): prepend them "
+        f"to every training and evaluation sequence (pack_documents(..., prefix_ids={ids})), or patch without a "
+        "sink: TaperNormConfig(sink_token_ids=[])",
+        UserWarning,
+        stacklevel=3,
+    )
+    return True
+
+
 def sink_prefix(model: nn.Module, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of the sink tokens at every layer: two ``[layers, kv_heads, n, head_dim]`` tensors.
 
@@ -82,6 +140,13 @@ def sink_prefix(model: nn.Module, token_ids: Sequence[int]) -> tuple[torch.Tenso
     positions always take) and reads the cache; keys are stored as the cache holds them (after
     RoPE, at positions ``0 .. n-1``). Gates and training mode are restored.
     """
+    keys, values, _ = sink_outputs(model, token_ids)
+    return keys, values
+
+
+@torch.no_grad()
+def sink_outputs(model: nn.Module, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sink_prefix`'s keys and values, and the ``[n, vocab]`` logits at the sink positions (constants too)."""
     ids = torch.tensor([list(token_ids)], device=next(model.parameters()).device)
     if ids.shape[1] == 0:
         raise TaperStateError("sink_prefix needs at least one sink token id")
@@ -92,11 +157,12 @@ def sink_prefix(model: nn.Module, token_ids: Sequence[int]) -> tuple[torch.Tenso
     try:
         for layer in layers:
             layer.set_gate(1.0)
-        cache = model(input_ids=ids, use_cache=True).cache
+        output = model(input_ids=ids, use_cache=True)
     finally:
         for layer, gate in zip(layers, gates):
             layer.set_gate(gate)
         model.train(was_training)
+    cache = output.cache
     if cache is None or not getattr(cache, "layers", None):
         raise UnsupportedModelError(f"{type(model).__name__} returned no key/value cache; the sink prefix needs one")
     try:
@@ -107,7 +173,14 @@ def sink_prefix(model: nn.Module, token_ids: Sequence[int]) -> tuple[torch.Tenso
             f"{type(model).__name__}'s cache ({type(cache).__name__}) does not hold one key/value tensor per layer "
             f"of equal shape, so its sink prefix cannot be stored ({error})"
         ) from None
-    return keys, values
+    return keys, values, output.logits[0]
 
 
-__all__ = ["set_sink_tokens", "sink_prefix", "sink_token_ids_of"]
+__all__ = [
+    "check_sink_first",
+    "set_sink_tokens",
+    "sink_outputs",
+    "sink_prefix",
+    "sink_token_ids_of",
+    "warn_if_tokenizer_omits_sink",
+]

@@ -3,8 +3,9 @@
 One computation for every model kind the CLI compares (original, normalized baseline, tapered at
 g = 0, folded export), so their numbers differ only by the model. Every model is scored on the same
 targets: with a sink prefix of ``n`` tokens, the text tokens after the first (the first text token's
-prediction is made at the sink position, which a folded model never computes). A folded model that
-holds the sink itself (``config.sink_token_ids``) reads the text alone.
+prediction is made at the sink position, which a folded model never computes). Every model reads the same
+blocks: a folded model that holds the sink itself (``config.sink_token_ids``) takes their leading sink for
+its stored one, and a patched model with a sink refuses blocks that do not start with it.
 
 Evaluation runs in eval mode, without gradients and with autocast off, in each model's own dtype: a
 model left under a mixed-precision context by its training must not score differently here.
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..layers.sink import check_sink_first
 from .heldout import EvaluationSet
 
 #: How many documents the per-document table of a report shows (those that lose most).
@@ -52,6 +54,9 @@ def _held_sink(model: nn.Module) -> list[int]:
 
 
 def _check_sink(model: nn.Module, blocks: torch.Tensor, prefix_length: int) -> None:
+    trained_sink = getattr(getattr(model, "tapernorm_config", None), "sink_token_ids", None)
+    if trained_sink:  # a patched model with a sink: every block must start with it
+        check_sink_first(blocks, trained_sink, "heldout evaluation")
     held_sink = _held_sink(model)
     if held_sink and (prefix_length != len(held_sink) or blocks[:, :prefix_length].ne(torch.tensor(held_sink)).any()):
         raise ValueError(
@@ -63,12 +68,7 @@ def _check_sink(model: nn.Module, blocks: torch.Tensor, prefix_length: int) -> N
 
 def _target_log_probs(model: nn.Module, ids: torch.Tensor, prefix_length: int) -> torch.Tensor:
     """Log-probabilities (fp32) predicting ``ids[:, prefix_length + 1:]``: ``[batch, targets, vocab]``."""
-    device = next(model.parameters()).device
-    ids = ids.to(device)
-    if _held_sink(model):
-        logits = model(input_ids=ids[:, prefix_length:]).logits[:, :-1]
-    else:
-        logits = model(input_ids=ids).logits[:, prefix_length:-1]
+    logits = model(input_ids=ids.to(next(model.parameters()).device)).logits[:, prefix_length:-1]
     return torch.log_softmax(logits.float(), dim=-1).cpu()
 
 

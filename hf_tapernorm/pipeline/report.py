@@ -9,6 +9,7 @@ module only renders them.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from .record import RunRecord
+
+logger = logging.getLogger(__name__)
 
 REPORT_KEYS = ("status", "model", "data", "taper", "training", "heldout", "gap", "fold", "export", "history")
 """Top-level keys of report.json (``baseline_history``, ``diagnostics`` and ``allowed_changes`` appear when
@@ -97,8 +100,22 @@ def _plot_heldout(ax, heldout: Mapping[str, Mapping[str, float]]) -> None:
     ax.set_title("Held-out loss")
 
 
+PLOTS_SKIPPED = "Plots skipped: matplotlib is not installed (pip install 'hf-tapernorm[demo]' to draw them)."
+
+
+def plotting_available() -> bool:
+    """Whether matplotlib can be imported: plots are optional, the ``demo`` extra installs it."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def write_plots(output_dir: str | Path, facts: Mapping[str, Any]) -> dict[str, str]:
-    """Render the four PNG plots into ``output_dir``; returns {plot: file name}."""
+    """Render the four PNG plots into ``output_dir``; returns {plot: file name} ({} without matplotlib)."""
+    if not plotting_available():
+        return {}
     import matplotlib
 
     matplotlib.use("Agg")
@@ -219,6 +236,8 @@ def render_markdown(facts: Mapping[str, Any], plots: Mapping[str, str]) -> str:
         ]
         parts += ["| " + " | ".join(_cell(row[k]) for k in ["prompt", *names]) + " |" for row in samples]
     parts += ["", "## Plots", ""]
+    if not plots:
+        parts += [PLOTS_SKIPPED, ""]
     titles = {"gate": "Gate schedule", "loss": "Training loss", "scale": "Residual scale", "heldout": "Held-out loss"}
     for key, name in plots.items():
         parts += [f"### {titles[key]}", "", f"![{titles[key]}]({name})", ""]
@@ -295,6 +314,9 @@ def write_report(output_dir: str | Path, facts: Union[Mapping[str, Any], RunReco
     plots = write_plots(output_dir, facts)
     data = dict(_json_safe(dict(facts)))
     data["plots"] = plots
+    if not plots:
+        data["plots_skipped"] = PLOTS_SKIPPED
+        logger.warning(PLOTS_SKIPPED)
     paths = {"json": output_dir / "report.json", "markdown": output_dir / "report.md"}
     for path, text in (
         (paths["json"], json.dumps(data, indent=2) + "\n"),

@@ -26,22 +26,17 @@ def count_aten_ops(run: Callable[[], Any], calls: int = 1) -> dict[str, float]:
     return {"aten_ops": len(events) / calls, "top_level_ops": len(top) / calls}
 
 
-def _holds_sink(model: nn.Module) -> int:
-    return len(getattr(model.config, "sink_token_ids", None) or [])
-
-
 @torch.no_grad()
 def ops_per_generated_token(model: nn.Module, prompt: torch.Tensor, new_tokens: int = 8) -> dict[str, float]:
     """aten ops of one cached greedy decoding step, averaged over ``new_tokens`` steps after an untimed prefill.
 
-    ``prompt`` ([1, T]) starts with the model's sink tokens when a folded model holds them itself; those
-    are then dropped for it, so every model decodes the same text.
+    ``prompt`` ([1, T]) starts with the sink tokens when the model has any: a folded model that holds them
+    takes the leading sink for its stored one, so every model decodes the same text.
     """
     model.eval()
-    prompt = prompt[:, _holds_sink(model) :]
     cache = DynamicCache(config=model.config)
     token = model(input_ids=prompt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-    start = prompt.shape[1] + _holds_sink(model)
+    start = prompt.shape[1]
 
     def decode() -> None:
         nonlocal token
@@ -62,7 +57,7 @@ def greedy_continuations(
         text = prompt[len(sink) :]
         row = {"prompt": tokenizer.decode(text, skip_special_tokens=True)}
         for name, model in models.items():
-            ids = (text if _holds_sink(model) else prompt)[None].to(next(model.parameters()).device)
+            ids = prompt[None].to(next(model.parameters()).device)  # a folded model takes the sink for its stored one
             out = model.eval().generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),

@@ -1,0 +1,116 @@
+"""The sink contract is enforced where data enters: a batch that does not start with the sink is refused at once."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast, Trainer, TrainingArguments
+
+from hf_tapernorm import ConfigurationError, TaperCallback, TaperController, TaperNormConfig, patch_model
+from hf_tapernorm.layers.taper_norm import tapered_norms
+from hf_tapernorm.pipeline.evaluation import heldout_loss
+from tests.conftest import build, tiny_llama_config
+
+SINK = [1]
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog"]
+FIX = (
+    r"does not start with the sink token\(s\) \[1\] \(it starts \[\d+\]\); prepend them .*"
+    r"pack_documents\(\.\.\., prefix_ids=\[1\]\).*TaperNormConfig\(sink_token_ids=\[\]\)"
+)
+
+
+def word_tokenizer(adds_bos: bool) -> PreTrainedTokenizerFast:
+    """An offline word-level tokenizer (ids 3..), with or without a post-processor that prepends <s> (id 1)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{word: 3 + index for index, word in enumerate(WORDS)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    if adds_bos:
+        backend.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+        )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="</s>"
+    )
+
+
+def sink_model():
+    return patch_model(build(tiny_llama_config()), TaperNormConfig.paper(sink_token_ids=SINK))
+
+
+def batches(first_token: int, n: int = 16) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 128, (n, 10), generator=generator)
+    ids[:, 0] = first_token
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def train(model, data, tmp_path, steps: int = 2):
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[TaperCallback(1, 2)]).train()
+
+
+def test_trainer_with_taper_callback_refuses_the_first_batch_without_the_sink_and_trains_nothing(tmp_path):
+    model = sink_model()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ConfigurationError, match=f"^training LlamaForCausalLM: a batch {FIX}"):
+        train(model, batches(first_token=7), tmp_path)
+    after = model.state_dict()
+    assert all(torch.equal(before[key], after[key]) for key in before)  # no step, no statistic
+    assert all(layer.pending is None for _, layer in tapered_norms(model))
+    good = sink_model()
+    train(good, batches(first_token=SINK[0]), tmp_path)  # the same data with the sink first trains
+    assert any(not torch.equal(before[key], value) for key, value in good.state_dict().items())
+
+
+def test_a_hand_written_loop_with_the_controller_is_refused_at_its_first_batch():
+    model = sink_model().train()
+    controller = TaperController(model, total_steps=40)
+    controller.step_begin(0)
+    bad = torch.stack([row["input_ids"] for row in batches(first_token=9, n=2)])
+    with pytest.raises(ConfigurationError, match=FIX):
+        model(input_ids=bad, labels=bad)
+    assert all(layer.pending is None for _, layer in tapered_norms(model))
+    good = bad.clone()
+    good[:, 0] = SINK[0]
+    model(input_ids=good, labels=good).loss.backward()  # sink-first passes
+    with torch.no_grad():  # a chunk that continues a cache starts with text, not the sink: allowed
+        cache = model(input_ids=good[:, :4], use_cache=True).cache
+        model(input_ids=good[:, 4:], past_key_values=cache)
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=bad)  # eval-mode forwards (generation) are the caller's business
+
+
+def test_heldout_loss_refuses_blocks_without_the_sink_before_evaluating():
+    model = sink_model()
+    blocks = torch.stack([row["input_ids"] for row in batches(first_token=4, n=3)])
+    with pytest.raises(ConfigurationError, match=f"^heldout_loss: a batch {FIX}"):
+        heldout_loss(model, blocks, prefix_length=1)
+    blocks[:, 0] = SINK[0]
+    assert heldout_loss(model, blocks, prefix_length=1)["tokens"] == 3 * 8
+
+
+def test_patch_model_warns_once_when_the_tokenizer_does_not_add_the_sink():
+    config = TaperNormConfig.paper(sink_token_ids=SINK)
+    with pytest.warns(
+        UserWarning, match=r"does not start its output with the sink token\(s\) \[1\] \(it starts \[9\]\)"
+    ) as seen:
+        patch_model(build(tiny_llama_config()), config, tokenizer=word_tokenizer(adds_bos=False))
+    assert len([w for w in seen if "sink token" in str(w.message)]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patch_model(build(tiny_llama_config()), config, tokenizer=word_tokenizer(adds_bos=True))

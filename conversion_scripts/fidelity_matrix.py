@@ -179,6 +179,7 @@ def reevaluate(folder: Path, baseline: Path, *, block_size: int) -> dict[str, An
     from transformers import AutoModelForCausalLM
 
     from hf_tapernorm.cli.arguments import DataArguments
+    from hf_tapernorm.export import fold_model
     from hf_tapernorm.layers.patching import set_gate
     from hf_tapernorm.pipeline.data import load_documents, prepare_data
     from hf_tapernorm.pipeline.evaluation import evaluate_set, per_document
@@ -201,13 +202,15 @@ def reevaluate(folder: Path, baseline: Path, *, block_size: int) -> dict[str, An
         prefix_ids=sink,
         heldout_seed=data.heldout_seed,
     )
+    set_gate(tapered, 0.0)
     models = {
         "original": load_model(source),
         "baseline": AutoModelForCausalLM.from_pretrained(baseline),
         "tapered": tapered,
-        "folded": AutoModelForCausalLM.from_pretrained(folder / "folded"),
+        # Folded again from the tapered checkpoint, as `hf-tapernorm fold` does: exports written before the
+        # sink logits were stored refuse sink-first input.
+        "folded": fold_model(tapered, probe=packed.heldout_set.blocks[:2, len(sink) :]),
     }
-    set_gate(tapered, 0.0)
     held = evaluate_set(models, packed.heldout_set, reference=models["original"])
     outside = evaluate_set(models, out_of_corpus_set(data, tokenizer, sink), reference=models["original"])
     return {

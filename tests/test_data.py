@@ -143,12 +143,27 @@ def test_heldout_blocks_are_drawn_from_every_part_of_the_heldout_documents(token
     assert starts == sorted(set(starts))
     assert max(starts) > len(stream) // 2  # not only the first documents
     assert len({start % 301 for start in starts}) > 8  # from many positions inside the documents, not their starts
+    first_documents = [owners[start] for start in starts]
+    assert len(set(first_documents)) == 16  # round-robin: 16 blocks from 16 documents, not a long one's windows
     # The document of every target token is recorded (the report's per-document table reads it).
     evaluation = packed.heldout_set
     assert evaluation.blocks.tolist() == blocks.tolist() and evaluation.target_documents.shape == (16, 31)
     for row, start in enumerate(starts):
         names = [evaluation.documents[int(k)] for k in evaluation.target_documents[row]]
         assert names == [f"document {owners[start + j]}" for j in range(1, 32)]
+
+
+def test_heldout_draw_is_balanced_over_documents_of_any_length(tokenizer):
+    from hf_tapernorm.pipeline.heldout import sample_blocks
+
+    rng = random.Random(1)
+    long_document = "".join(chr(rng.randrange(33, 123)) for _ in range(64 * 40))  # 80 windows of 32
+    short = ["".join(chr(rng.randrange(33, 123)) for _ in range(64 * 3)) for _ in range(4)]  # 6 windows each
+    documents = [("long", long_document)] + [(f"short {i}", text) for i, text in enumerate(short)]
+    evaluation = sample_blocks(documents, tokenizer, block_size=32, count=20, seed=0)
+    counts = torch.bincount(evaluation.target_documents[:, 0], minlength=5).tolist()
+    assert counts[0] <= 5 and sum(counts) == 20  # a uniform draw would give the long document about 16 of 20
+    assert min(counts[1:]) >= 3
 
 
 def test_heldout_draw_depends_on_its_seed_only(tokenizer):

@@ -4,8 +4,9 @@
 document reads mostly file headers (licence text, module docstrings, imports), which a fine-tuned model
 learns first; one evaluation then moves by about a point between neighbouring steps. Here the held-out
 documents are tokenized into one stream (each followed by EOS), the stream is cut into non-overlapping
-windows, and ``count`` windows are drawn at random with a fixed seed: every part of every document can be
-drawn, and every run, whatever its training seed, reads the same blocks.
+windows, and ``count`` windows are drawn with a fixed seed, round-robin over the documents (each document's
+windows in a random order): every part of every document can be drawn, no long file dominates the measure,
+and every run, whatever its training seed, reads the same blocks.
 
 **Out-of-corpus text.** A user converting a model wants it to stay good on what it was good at, not only on
 the tapering corpus. The default reference is the English prose of the Python documentation that every
@@ -111,15 +112,32 @@ def sample_blocks(
         logger.warning(
             "the %s text holds %d blocks of %d tokens (asked for %d): using them all", name, windows, block_size, count
         )
-    generator = torch.Generator().manual_seed(seed)
-    chosen = torch.randperm(windows, generator=generator)[:count].sort().values
     stream, stream_owners = torch.tensor(ids), torch.tensor(owners)
+    chosen = _balanced_draw(stream_owners[torch.arange(windows) * body], count, seed)
     starts = chosen * body
     offsets = torch.arange(body)
     text = stream[starts[:, None] + offsets]
     blocks = torch.cat([torch.tensor(prefix, dtype=text.dtype).expand(len(chosen), -1), text], dim=1)
     target_documents = stream_owners[starts[:, None] + offsets[1:]]
     return EvaluationSet(name, description, blocks, target_documents, names, len(prefix))
+
+
+def _balanced_draw(window_documents: torch.Tensor, count: int, seed: int) -> torch.Tensor:
+    """``count`` window indices, round-robin over the documents: each document's windows in a random order, the
+    documents in a random order, one window of each in turn; returned sorted.
+
+    A plain uniform draw over windows weights documents by their length, and one long, repetitive file (a
+    codec table) then dominates the measure; round-robin gives every document the same number of blocks, as
+    far as its length allows, while the positions inside each document stay random.
+    """
+    order = torch.randperm(len(window_documents), generator=torch.Generator().manual_seed(seed)).tolist()
+    taken: dict[int, int] = {}
+    rank = []
+    for window in order:
+        document = int(window_documents[window])
+        rank.append((taken.get(document, 0), len(rank), window))
+        taken[document] = taken.get(document, 0) + 1
+    return torch.tensor(sorted(window for _, _, window in sorted(rank)[:count]), dtype=torch.long)
 
 
 def python_docs_documents() -> list[tuple[str, str]]:

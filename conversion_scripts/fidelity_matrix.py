@@ -90,8 +90,15 @@ def run_folder(root: Path, steps: int, arm: str, seed: int) -> Path:
 
 
 def is_finished(folder: Path) -> bool:
+    """Trained to its last step with its tapered checkpoint written (the scores need nothing else: see scores_of)."""
     report = folder / "report.json"
-    return report.is_file() and json.loads(report.read_text()).get("status") == "finished"
+    if not report.is_file():
+        return False
+    facts = json.loads(report.read_text())
+    if facts.get("status") == "finished":
+        return True
+    training = facts.get("training") or {}
+    return (folder / "tapered").is_dir() and training.get("steps") == training.get("max_steps")
 
 
 def command_for(
@@ -159,7 +166,7 @@ def scores_of(folder: Path, default_baseline: Optional[Path]) -> Optional[dict[s
     the CLI's own evaluation code and default data arguments; the result is cached in ``evaluation.json``.
     """
     report = json.loads((folder / "report.json").read_text())
-    if report.get("out_of_corpus") and "baseline" in (report.get("heldout") or {}):
+    if report.get("status") == "finished" and report.get("out_of_corpus") and "baseline" in report["heldout"]:
         return report
     cached = folder / "evaluation.json"
     if cached.is_file():

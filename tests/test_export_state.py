@@ -11,7 +11,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_tapernorm import FoldCheckError, TaperNorm, TaperNormConfig, calibrate, fold_model, patch_model, set_gate
+from hf_tapernorm import FoldCheckError, TaperNormConfig, fold_model, patch_model
+from hf_tapernorm.layers import TaperNorm, set_gate
+from hf_tapernorm.training import calibrate
 from hf_tapernorm.architectures.table import ARCHITECTURES, architecture_for
 from hf_tapernorm.pipeline.showcase import count_aten_ops
 from tests.conftest import FAMILY_CASES, build, random_batches, tiny_family_config
@@ -276,7 +278,7 @@ def test_smollm2_export_decodes_alike_with_either_cache_name_at_the_same_op_coun
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_tapernorm import calibrate as calibrate_model
+    from hf_tapernorm.training import calibrate as calibrate_model
     from tests.conftest import smollm2_gguf
 
     gguf = smollm2_gguf()

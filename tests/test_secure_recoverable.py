@@ -26,8 +26,8 @@ from safetensors.torch import load_file
 
 from hf_tapernorm import TaperNormConfig, TaperStateError, load_tapered, patch_model, save_tapered
 from hf_tapernorm.layers import set_gate
-from hf_tapernorm.training import calibrate
 from hf_tapernorm.pipeline.run_folder import LOCK_NAME, MANIFEST_NAME, RunFolder, RunFolderError
+from hf_tapernorm.training import calibrate
 from hf_tapernorm.training.sharded import load_sharded_checkpoint, read_sharded_model_state
 from tests.conftest import build, char_tokenizer, random_batches, save_tiny_model, tiny_llama_config
 from tests.test_cli import REPO, run_main, taper_argv, workspace  # noqa: F401 - the CLI workspace fixture

@@ -131,7 +131,8 @@ def test_eval_on_the_three_model_kinds_matches_the_report(finished_run, workspac
     out, _ = finished_run
     report = json.loads((out / "report.json").read_text())
     data = ["--dataset_name", str(workspace / "corpus.txt"), "--block_size", "32", "--heldout_blocks", "4",
-            "--heldout_percentage", "10", "--data_cache_dir", str(workspace / "datasets_cache")]  # fmt: skip
+            "--heldout_percentage", "10", "--data_cache_dir", str(workspace / "datasets_cache"),
+            "--out_of_corpus_blocks", "16"]  # fmt: skip
     # The original model reads the same BOS-first blocks only when asked (--sink bos); the others know their sink.
     cases = (
         (workspace / "llama", "folder", "original", "bos"),
@@ -145,6 +146,9 @@ def test_eval_on_the_three_model_kinds_matches_the_report(finished_run, workspac
         assert result["kind"] == kind
         assert result["loss"] == pytest.approx(report["heldout"][key]["loss"], rel=1e-6)
         assert result["perplexity"] == pytest.approx(report["heldout"][key]["perplexity"], rel=1e-6)
+        # The out-of-corpus measure of eval is the report's, model by model.
+        assert result["out_of_corpus"]["loss"] == pytest.approx(report["out_of_corpus"][key]["loss"], rel=1e-6)
+        assert "pydoc_data.topics" in result["out_of_corpus"]["text"]
 
 
 def test_fold_command_exports_a_tapered_checkpoint(finished_run, tmp_path):

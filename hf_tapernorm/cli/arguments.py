@@ -95,7 +95,7 @@ class DataArguments:
     out_of_corpus_blocks: int = field(
         default=256, metadata=_help("Out-of-corpus blocks (0: no out-of-corpus measure).")
     )
-    eval_batch_size: int = field(default=4, metadata=_help("Blocks per forward when evaluating."))
+    eval_batch_size: int = field(default=8, metadata=_help("Blocks per forward when evaluating."))
     data_cache_dir: Optional[str] = field(default=None, metadata=_help("datasets cache folder."))
 
     def __post_init__(self) -> None:

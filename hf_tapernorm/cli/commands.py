@@ -22,8 +22,9 @@ from ..export.folding import fold_model
 from ..export.hub import EXPORT_MANIFEST_NAME, export_manifest, push_export
 from ..layers.patching import gate_of, set_gate
 from ..pipeline.data import EMBEDDED_CORPUS, blocks_tensor, load_documents, prepare_data
-from ..pipeline.evaluation import heldout_loss
+from ..pipeline.evaluation import evaluate_set, heldout_loss
 from ..pipeline.models import ModelSourceError, load_model, load_tokenizer, resolve_model
+from ..pipeline.out_of_corpus import out_of_corpus_set
 from ..pipeline.run_folder import write_folder
 from ..pipeline.taper import save_export
 from ..pipeline.validation import max_positions
@@ -109,6 +110,7 @@ def eval_main(argv: Sequence[str]) -> int:
         text_column=data_args.text_column,
         source=data_args.dataset_name or EMBEDDED_CORPUS,
         prefix_ids=sink_ids,
+        heldout_seed=data_args.heldout_seed,
     )
     result = {
         "model": source.describe(),
@@ -120,6 +122,10 @@ def eval_main(argv: Sequence[str]) -> int:
             model, blocks_tensor(packed.heldout), batch_size=data_args.eval_batch_size, prefix_length=len(sink_ids)
         ),
     }
+    reference_text = out_of_corpus_set(data_args, tokenizer, sink_ids)
+    if reference_text is not None:
+        scores = evaluate_set({"model": model}, reference_text, batch_size=data_args.eval_batch_size)["model"]
+        result["out_of_corpus"] = {**scores.summary(), "text": reference_text.description}
     print(json.dumps(result))
     if output_json is not None:
         check_result_file(output_json)  # again: the evaluation took a while

@@ -46,6 +46,7 @@ Scope = Literal["internal", "final", "all"]
 LinearFit = Literal["paper", "per_channel"]
 Teacher = Literal["gate_start", "original", "current"]
 DistillUntil = Literal["end", "taper_end"]
+DistillSchedule = Literal["constant", "gate"]
 Step = Union[int, float]  # int: an optimizer step; float in (0, 1]: a fraction of the run
 
 #: Marks the help of the options kept for research (docs/method.md): they work, but are not the recipe.
@@ -145,6 +146,11 @@ class TaperNormConfig:
         "end",
         "Distil to the end of the run, or only until the gate reaches 0 (taper_end): the teacher is then "
         "dropped and a step costs what a normalized step costs.",
+    )
+    distill_schedule: DistillSchedule = _option(
+        "constant",
+        "The KL term's weight over the run: constant (distill_weight throughout) | gate (distill_weight times the "
+        "current gate: full while the model is still normalized, fading to 0 as the gate closes).",
     )
     # The schedule
     taper_start: Step = _option(

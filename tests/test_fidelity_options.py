@@ -107,6 +107,38 @@ def test_attached_distillation_adds_the_kl_to_the_frozen_original_on_labelled_po
     torch.testing.assert_close(student(input_ids=batch, labels=labels).loss, plain.loss)
 
 
+def test_distillation_that_fades_with_the_gate_weighs_the_kl_by_the_gate():
+    batch = random_batches(n=1, batch=2)[0]
+    teacher = build(tiny_llama_config()).eval()
+    student = patch_model(build(tiny_llama_config()), TaperNormConfig.paper()).train()
+    student(input_ids=batch)  # the statistics the calibration reads
+    calibrate(student)
+    plain = student(input_ids=batch, labels=batch)
+    with torch.no_grad():
+        kl = distillation_loss(plain.logits[:, :-1], teacher(input_ids=batch).logits[:, :-1])
+    distillation = Distillation(teacher, weight=0.8, fade_with_gate=True).attach(student)
+    for gate in (1.0, 0.25, 0.0):
+        set_gate(student, gate)
+        base = student(input_ids=batch, labels=batch)
+        distillation.remove()
+        without = student(input_ids=batch, labels=batch)
+        distillation.attach(student)
+        if gate == 1.0:
+            torch.testing.assert_close(base.loss, plain.loss + 0.8 * kl)
+        else:
+            reference = teacher(input_ids=batch).logits.detach()
+            expected = distillation_loss(without.logits[:, :-1], reference[:, :-1])
+            torch.testing.assert_close(base.loss, without.loss + 0.8 * gate * expected)
+    # The config's field drives it: distill_schedule="gate" builds a fading term.
+    from hf_tapernorm import TaperController
+
+    config = TaperNormConfig.paper(distill_weight=0.5, distill_from="original", distill_schedule="gate")
+    controller = TaperController(patch_model(build(tiny_llama_config()), config), total_steps=100)
+    assert controller.distillation.fade_with_gate and controller.distillation.weight == 0.5
+    with pytest.raises(Exception, match="distill_schedule"):
+        TaperNormConfig(distill_schedule="linear")
+
+
 def test_distillation_from_the_gate_start_snapshots_the_model_when_the_gate_first_drops(caplog):
     batch = random_batches(n=1, batch=2)[0]
     original = build(tiny_llama_config()).eval()

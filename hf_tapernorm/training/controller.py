@@ -104,6 +104,7 @@ class TaperController:
             from_gate_start=source == "gate_start",
             live=source == "current",
             until_taper_end=self.config.distill_until == "taper_end",
+            fade_with_gate=self.config.distill_schedule == "gate",
         ).attach(self.model)
 
     # ------------------------------------------------------------------ checkpoints and resume

@@ -88,6 +88,7 @@ class Distillation:
         from_gate_start: bool = False,
         until_taper_end: bool = False,
         live: bool = False,
+        fade_with_gate: bool = False,
     ) -> None:
         if weight < 0:
             raise ConfigurationError(f"Distillation needs weight >= 0, got {weight}")
@@ -103,6 +104,7 @@ class Distillation:
         self.weight = float(weight)
         self.from_gate_start = from_gate_start
         self.until_taper_end = until_taper_end
+        self.fade_with_gate = fade_with_gate  # the weight times the current gate (distill_schedule="gate")
         self._saw_gate_one = False  # a step (or training forward) at g = 1 ran in this process
         self._teacher_final = not from_gate_start  # no later change of the teacher
         self._gate: Optional[float] = None  # the current step's gate, when a controller tells it
@@ -193,7 +195,7 @@ class Distillation:
     ) -> torch.Tensor:
         """``weight * KL`` (mean over the positions with a label) for one forward's logits on ``input_ids``."""
         teacher_logits = self._teacher_logits(self._model, input_ids, attention_mask)
-        summed, count = self._kl_sum(student_logits, teacher_logits, attention_mask, labels)
+        summed, count = self._kl_sum(student_logits, teacher_logits, attention_mask, labels, self._gate)
         return summed / count.clamp_min(1.0)
 
     @torch.no_grad()
@@ -211,7 +213,9 @@ class Distillation:
         finally:
             model.train(mode)
 
-    def _kl_sum(self, student_logits, teacher_logits, attention_mask, labels) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kl_sum(
+        self, student_logits, teacher_logits, attention_mask, labels, gate: Optional[float] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         device = student_logits.device
         if labels is not None:
             mask = labels[..., 1:] != -100
@@ -221,7 +225,8 @@ class Distillation:
             mask = torch.ones(student_logits.shape[:-1], dtype=torch.bool, device=device)[..., 1:]
         kl = _kl(student_logits[..., :-1, :], teacher_logits[..., :-1, :])
         mask = mask.to(kl.dtype)
-        return self.weight * (kl * mask).sum(), mask.sum()
+        weight = self.weight * (gate if self.fade_with_gate and gate is not None else 1.0)
+        return weight * (kl * mask).sum(), mask.sum()
 
     def attach(self, model: nn.Module) -> Distillation:
         """Add the term to ``outputs.loss`` of every training forward of ``model``."""
@@ -243,7 +248,7 @@ class Distillation:
             return None
         teacher_logits = self._teacher_logits(model, inputs.get("input_ids"), inputs.get("attention_mask"))
         labels = inputs.get("labels")
-        summed, count = self._kl_sum(output.logits, teacher_logits, inputs.get("attention_mask"), labels)
+        summed, count = self._kl_sum(output.logits, teacher_logits, inputs.get("attention_mask"), labels, gate)
         self._log((summed / count.clamp_min(1.0)).detach().float())
         return summed, count
 

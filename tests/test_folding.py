@@ -190,7 +190,8 @@ def test_save_and_reload_with_hf_tapernorm_imported(kind, tmp_path):
     folded = fold_model(tapered(kind, "all"))
     out = export_folded(folded, tmp_path / "out")
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["README.md", "config.json", "generation_config.json", "model.safetensors", "modeling_folded.py"]
+    assert files == [".hf_tapernorm_export.json", "README.md", "config.json", "generation_config.json",
+                     "model.safetensors", "modeling_folded.py"]  # fmt: skip
     config = json.loads((out / "config.json").read_text())
     cls = FOLDED[kind].__name__
     assert config["model_type"] == f"tapernorm_{kind}" and config["architectures"] == [cls]

@@ -598,3 +598,14 @@ def test_a_sharded_teacher_planted_in_a_trainer_checkpoint_is_not_unpickled(tmp_
     with pytest.raises(TaperStateError, match="distillation_teacher' is a sharded .*--trust_sharded_checkpoint"):
         controller.load_state(tmp_path / "checkpoint-4")  # what TaperCallback calls on a Trainer resume
     assert not marker.exists()
+
+
+def test_a_run_killed_during_its_export_can_be_overwritten(workspace, reference, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    shutil.move(run / "folded", run / ".folded.partial-99999")  # what a kill before the rename leaves
+    (run / LOCK_NAME).write_text(json.dumps({"pid": 2**22 + 12345, "host": os.uname().nodename}))  # no such process
+    code, _, stderr = run_main([*killable_argv(workspace, run), "--overwrite"])
+    assert code == 0, stderr
+    assert not list(run.glob(".*.partial-*")) and not (run / LOCK_NAME).exists()
+    assert_same_weights(run, reference)

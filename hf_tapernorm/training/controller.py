@@ -31,6 +31,7 @@ from .distributed import (
     is_main_process,
     load_sharded_module,
     refuse_unsupported_sharding,
+    refuse_untrusted_sharded_checkpoint,
     save_sharded_module,
     sharding_engine,
 )
@@ -138,8 +139,6 @@ class TaperController:
             return
         folder = Path(folder)
         if (folder / SHARDED_SNAPSHOT_NAME).is_dir():
-            from .sharded import refuse_untrusted_sharded_checkpoint
-
             refuse_untrusted_sharded_checkpoint(folder / SHARDED_SNAPSHOT_NAME, trust_sharded_checkpoint)
             load_sharded_module(folder / SHARDED_SNAPSHOT_NAME, self.distillation.restored_teacher(self.model))
         elif (folder / SNAPSHOT_NAME).is_file():

@@ -30,6 +30,7 @@ from ..errors import ConfigurationError, TaperStateError
 from ..layers.patching import patch_model
 from ..layers.taper_norm import tapered_norms
 
+METADATA_NAME = ".metadata"  # written by DCP; marks a sharded checkpoint
 _NAMES = {"deepspeed-zero3": "DeepSpeed ZeRO-3", "fsdp1": "FSDP (v1)"}
 
 
@@ -237,6 +238,16 @@ def save_sharded_module(folder: Union[str, os.PathLike], module: nn.Module) -> N
     dcp_save({"model": get_model_state_dict(module)}, folder)
 
 
+def refuse_untrusted_sharded_checkpoint(folder: Union[str, os.PathLike], trusted: bool) -> None:
+    """Raise unless ``trusted``: reading a DCP folder unpickles its ``.metadata`` (see the module docstring)."""
+    if not trusted:
+        raise TaperStateError(
+            f"'{folder}' is a sharded (torch.distributed.checkpoint) checkpoint, whose {METADATA_NAME} is a pickle "
+            "that can run code when read; pass --trust_sharded_checkpoint (trust_sharded_checkpoint=True) only "
+            "for a checkpoint you wrote or trust"
+        )
+
+
 def load_sharded_module(folder: Union[str, os.PathLike], module: nn.Module) -> None:
     """Read :func:`save_sharded_module`'s folder into ``module`` (sharded or not, any number of ranks)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -247,6 +258,7 @@ def load_sharded_module(folder: Union[str, os.PathLike], module: nn.Module) -> N
 
 
 __all__ = [
+    "METADATA_NAME",
     "dcp_load",
     "dcp_save",
     "has_process_group",
@@ -254,6 +266,7 @@ __all__ = [
     "load_sharded_module",
     "local_parameter_bytes",
     "refuse_unsupported_sharding",
+    "refuse_untrusted_sharded_checkpoint",
     "refuse_unsupported_trainer_sharding",
     "save_sharded_module",
     "sharded_copy",

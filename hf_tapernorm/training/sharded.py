@@ -31,24 +31,13 @@ from torch import nn
 from ..config import TaperNormConfig, config_of
 from ..errors import TaperStateError
 from .controller import TaperController
-from .distributed import dcp_load, dcp_save, is_main_process
+from .distributed import METADATA_NAME, dcp_load, dcp_save, is_main_process, refuse_untrusted_sharded_checkpoint
 
-METADATA_NAME = ".metadata"  # written by DCP; marks a sharded checkpoint
 _MODEL = "model"
 
 
 def is_sharded_checkpoint(folder: Union[str, os.PathLike]) -> bool:
     return (Path(folder) / METADATA_NAME).is_file()
-
-
-def refuse_untrusted_sharded_checkpoint(folder: Union[str, os.PathLike], trusted: bool) -> None:
-    """Raise unless ``trusted``: reading a DCP folder unpickles its ``.metadata`` (see the module docstring)."""
-    if not trusted:
-        raise TaperStateError(
-            f"'{folder}' is a sharded (torch.distributed.checkpoint) checkpoint, whose {METADATA_NAME} is a pickle "
-            "that can run code when read; pass --trust_sharded_checkpoint (trust_sharded_checkpoint=True) only "
-            "for a checkpoint you wrote or trust"
-        )
 
 
 def _watch_state(controller: TaperController) -> dict[str, Any]:

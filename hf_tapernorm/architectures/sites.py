@@ -34,6 +34,7 @@ class Site:
     role: str
     modules: tuple[str, ...]
     layer: Optional[int]  # None for the final norm
+    sequence_dim: int = -2  # the input's sequence axis (NormSite.sequence_dim)
 
     @property
     def is_final(self) -> bool:
@@ -92,7 +93,8 @@ def norm_sites(model: nn.Module, arch: Optional[Architecture] = None) -> list[Si
     for index in range(count):
         layer = f"{prefix}{arch.layers}.{index}."
         for site in arch.sites:
-            sites.append(Site(layer + site.path, site.kind, site.role, tuple(layer + m for m in site.consumers), index))
+            consumers = tuple(layer + m for m in site.consumers)
+            sites.append(Site(layer + site.path, site.kind, site.role, consumers, index, site.sequence_dim))
     sites.append(Site(prefix + arch.final_norm, "input", "final", (arch.lm_head,), None))
     return sites
 

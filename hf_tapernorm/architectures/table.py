@@ -37,6 +37,10 @@ class NormSite:
     consumers: tuple[str, ...]
     kind: SiteKind = "input"
     role: SiteRole = "attention"
+    #: The sequence axis of the norm's input, from the end: -2 for ``[batch, seq, hidden]`` and for q/k norms
+    #: applied after the head transpose (``[batch, heads, seq, head_dim]``), -3 for q/k norms applied before it
+    #: (``[batch, seq, heads, head_dim]``, Qwen 3). The sink positions are cut along it.
+    sequence_dim: int = -2
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,10 @@ _LLAMA_SITES = (
 _QK_NORM_SITES = (
     NormSite("self_attn.q_norm", ("self_attn.q_proj",), "per_head", "qk"),
     NormSite("self_attn.k_norm", ("self_attn.k_proj",), "per_head", "qk"),
+)
+# Qwen 3 normalizes each head before the transpose: its q/k norms see [batch, seq, heads, head_dim].
+_QK_NORM_SITES_BEFORE_TRANSPOSE = tuple(
+    NormSite(site.path, site.consumers, site.kind, site.role, sequence_dim=-3) for site in _QK_NORM_SITES
 )
 # Gemma 2/3: a pre-norm and a post-norm around each branch; the post-norms scale the branch outputs.
 _GEMMA2_SITES = (
@@ -130,7 +138,7 @@ ARCHITECTURES: dict[str, ArchitectureEntry] = {
     "llama": _llama_like("llama"),
     "mistral": _llama_like("mistral"),
     "qwen2": _llama_like("qwen2"),
-    "qwen3": _llama_like("qwen3", sites=_QK_NORM_SITES + _LLAMA_SITES),
+    "qwen3": _llama_like("qwen3", sites=_QK_NORM_SITES_BEFORE_TRANSPOSE + _LLAMA_SITES),
     "gemma": _llama_like("gemma", NormStyle.RMS_OFFSET),
     "gemma2": _llama_like("gemma2", NormStyle.RMS_OFFSET, _GEMMA2_SITES),
     "gemma3_text": _llama_like("gemma3_text", NormStyle.RMS_OFFSET, _QK_NORM_SITES + _GEMMA2_SITES),

@@ -73,6 +73,7 @@ def plan_patch(model: nn.Module, config: TaperNormConfig) -> list[_Replacement]:
         tapered = tapered and site.path not in kept
         try:
             layer = TaperNorm.from_norm(original, arch.style, tapered=tapered, ema_rate=config.ema_rate)
+            layer.sequence_dim = site.sequence_dim
         except TaperNormError as error:
             raise UnsupportedModelError(f"cannot replace '{site.path}' ({type(original).__name__}): {error}") from None
         plan.append(_Replacement(site, layer))

@@ -105,6 +105,7 @@ class TaperNorm(nn.Module):
         # sink.set_sink_tokens for forwards that continue a cache (their first token is no sink).
         self.sink_tokens = 0
         self.sink_active = True
+        self.sequence_dim = -2  # the input's sequence axis, where the sink positions are (NormSite.sequence_dim)
         # Multiplies the calibrated c (set by patch_model): < 1 makes the linear branch conservative.
         # A token k x the typical scale runs away through gated MLPs once the gate closes; a smaller c
         # moves that threshold up, at a cost in fidelity (docs/fidelity.md).
@@ -213,9 +214,10 @@ class TaperNorm(nn.Module):
         if phase is _Phase.NORM:
             return self._normalized(h)
         sink = self.sink_tokens if self.sink_active else 0
-        if sink and h.dim() >= 2 and h.shape[-2] > sink:
-            head, h = h[..., :sink, :], h[..., sink:, :]
-            return torch.cat([self._normalized(head), self._tapered(h, phase)], dim=-2)
+        dim = self.sequence_dim
+        if sink and h.dim() >= -dim and h.shape[dim] > sink:
+            head, rest = h.narrow(dim, 0, sink), h.narrow(dim, sink, h.shape[dim] - sink)
+            return torch.cat([self._normalized(head), self._tapered(rest, phase)], dim=dim)
         return self._tapered(h, phase)
 
     def _tapered(self, h: torch.Tensor, phase: _Phase) -> torch.Tensor:
@@ -225,8 +227,9 @@ class TaperNorm(nn.Module):
         return gate * self._normalized(h) + (1.0 - gate) * self._linear(h)
 
     def _accumulate(self, h: torch.Tensor) -> None:
-        if self.sink_tokens and self.sink_active and h.dim() >= 2 and h.shape[-2] > self.sink_tokens:
-            h = h[..., self.sink_tokens :, :]  # the sink stays normalized: the linear branch need not fit it
+        sink, dim = self.sink_tokens, self.sequence_dim
+        if sink and self.sink_active and h.dim() >= -dim and h.shape[dim] > sink:
+            h = h.narrow(dim, sink, h.shape[dim] - sink)  # the sink stays normalized: the linear branch need not fit it
         sums = branch_statistics(
             h, self.effective_gain(), self.eps, centred=self.style is NormStyle.LAYER, per_channel=self.per_channel
         )

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_tapernorm import FoldCheckError, TaperNormConfig, fold_model, patch_model
+from hf_tapernorm import TaperNormConfig, fold_model, patch_model
 from hf_tapernorm.architectures.table import ARCHITECTURES, architecture_for
 from hf_tapernorm.layers import TaperNorm, set_gate
 from hf_tapernorm.pipeline.showcase import count_aten_ops

@@ -100,12 +100,15 @@ def score_models(
         targets = ids[:, prefix_length + 1 :]
         with _autocast_off(ids):
             reference_log_probs = _target_log_probs(reference, ids, prefix_length) if reference is not None else None
+            reference_probs = reference_log_probs.exp() if reference_log_probs is not None else None
             for name, model in models.items():
-                log_probs = _target_log_probs(model, ids, prefix_length)
+                if model is reference:  # the original scored as one of the models: one forward, KL 0
+                    log_probs = reference_log_probs
+                else:
+                    log_probs = _target_log_probs(model, ids, prefix_length)
                 losses[name].append(-log_probs.gather(-1, targets[..., None]).squeeze(-1))
-                if reference_log_probs is not None:
-                    kl = (reference_log_probs.exp() * (reference_log_probs - log_probs)).sum(-1)
-                    kls[name].append(kl)
+                if reference_probs is not None:
+                    kls[name].append((reference_probs * (reference_log_probs - log_probs)).sum(-1))
     return {
         name: Scores(torch.cat(losses[name]), torch.cat(kls[name]) if reference is not None else None)
         for name in models

@@ -190,7 +190,7 @@ def reevaluate(folder: Path, baseline: Path, *, block_size: int) -> dict[str, An
     from hf_tapernorm.export import fold_model
     from hf_tapernorm.layers.patching import set_gate
     from hf_tapernorm.pipeline.data import load_documents, prepare_data
-    from hf_tapernorm.pipeline.evaluation import evaluate_set, per_document
+    from hf_tapernorm.pipeline.evaluation import broken_blocks, evaluate_set, per_document
     from hf_tapernorm.pipeline.models import embedded_model, load_model, load_tokenizer
     from hf_tapernorm.pipeline.out_of_corpus import out_of_corpus_set
     from hf_tapernorm.training.checkpoints import load_tapered
@@ -229,6 +229,7 @@ def reevaluate(folder: Path, baseline: Path, *, block_size: int) -> dict[str, An
         "heldout_documents": {
             "against": "baseline",
             "rows": per_document(held["tapered"], held["baseline"], packed.heldout_set),
+            "broken_blocks": broken_blocks(held["tapered"], held["baseline"]),
         },
         "reevaluated": True,
     }
@@ -269,8 +270,20 @@ def arm_rows(root: Path, steps: int, arms: list[str], seeds: list[int], preset_f
                 "ooc_folded_vs_baseline": _gap(ooc.get("folded"), ooc.get("baseline")),
                 "ooc_folded_vs_original": _gap(ooc.get("folded"), ooc.get("original")),
                 "final_gate": (report.get("training") or {}).get("final_gate"),
+                "broken_blocks": len(
+                    ((report.get("heldout_documents") or {}).get("broken_blocks") or {}).get("blocks", [])
+                ),
+                "gap_without_broken": ((report.get("heldout_documents") or {}).get("broken_blocks") or {}).get(
+                    "gap_without"
+                ),
             }
-        keys = ("tapered_vs_baseline", "folded_vs_baseline", "folded_vs_tapered", "ooc_folded_vs_baseline")
+        keys = (
+            "tapered_vs_baseline",
+            "folded_vs_baseline",
+            "folded_vs_tapered",
+            "ooc_folded_vs_baseline",
+            "gap_without_broken",
+        )
         rows.append(
             {
                 "arm": arm,
@@ -300,8 +313,8 @@ def write_table(root: Path, steps: int, rows: list[dict[str, Any]], seeds: list[
         "documentation's English topics. KL: to the original model, nats per token, out of corpus.",
         "",
         "| arm | what | seeds | tapered vs baseline | folded vs baseline | folded vs tapered | out of corpus, "
-        "folded vs baseline | KL to original (folded, ooc) |",
-        "|---|---|---|---|---|---|---|---|",
+        "folded vs baseline | KL to original (folded, ooc) | broken blocks | gap without them |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         kls = [r["out_of_corpus_kl"].get("folded") for r in row["seeds"].values()]
@@ -310,7 +323,9 @@ def write_table(root: Path, steps: int, rows: list[dict[str, Any]], seeds: list[
         lines.append(
             f"| {row['arm']} | {row['about']} | {len(row['seeds'])} | {_pct(row['tapered_vs_baseline'])} | "
             f"{_pct(row['folded_vs_baseline'])} | {_pct(row['folded_vs_tapered'])} | "
-            f"{_pct(row['ooc_folded_vs_baseline'])} | {kl} |"
+            f"{_pct(row['ooc_folded_vs_baseline'])} | {kl} | "
+            f"{'/'.join(str(r['broken_blocks']) for r in row['seeds'].values()) or '-'} | "
+            f"{_pct(row['gap_without_broken'])} |"
         )
     lines += [
         "",

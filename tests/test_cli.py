@@ -228,6 +228,10 @@ def test_baseline_runs_the_same_training_without_tapering(workspace, tmp_path):
     assert "held-out baseline" in stdout
     # The report reads the gap: the held-out documents that lose most, and the out-of-corpus measure.
     assert report["heldout_documents"]["against"] == "baseline" and report["heldout_documents"]["rows"]
+    broken = report["heldout_documents"]["broken_blocks"]
+    assert broken["threshold_nats"] == 2.0 and isinstance(broken["blocks"], list)
+    if not broken["blocks"]:
+        assert broken["gap_without"] == pytest.approx(report["gap"]["tapered_vs_baseline"], rel=1e-6)
     assert set(report["out_of_corpus"]) == {"original", "baseline", "tapered", "folded"}
     assert report["out_of_corpus"]["original"]["kl"] == pytest.approx(0.0, abs=1e-6)
     assert report["out_of_corpus"]["baseline"]["kl"] > 0

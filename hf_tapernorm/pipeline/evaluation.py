@@ -179,6 +179,24 @@ def per_document(
     return rows
 
 
+#: A block the tapered model loses by more than this many nats per token (mean over the block) against the
+#: reference is "broken": past some token the model's predictions are worse than chance. Such blocks are rare
+#: and dominate a mean; the report counts them and gives the gap without them, so the two can be told apart.
+BROKEN_BLOCK_NATS = 2.0
+
+
+def broken_blocks(model: Scores, reference: Scores, *, threshold: float = BROKEN_BLOCK_NATS) -> dict[str, object]:
+    """The blocks where ``model`` loses more than ``threshold`` nats per token against ``reference``, and the gap
+    of the mean loss over the other blocks (``gap_without``; None when every block is broken)."""
+    excess = model.cross_entropy.double().mean(1) - reference.cross_entropy.double().mean(1)
+    broken = excess > threshold
+    kept = ~broken
+    gap = None
+    if kept.any():
+        gap = float(model.cross_entropy[kept].double().mean() / reference.cross_entropy[kept].double().mean() - 1)
+    return {"threshold_nats": threshold, "blocks": torch.nonzero(broken).flatten().tolist(), "gap_without": gap}
+
+
 def heldout_loss(
     model: nn.Module,
     blocks: torch.Tensor,
@@ -196,4 +214,13 @@ def heldout_loss(
     ].summary()
 
 
-__all__ = ["DOCUMENTS_SHOWN", "Scores", "evaluate_set", "heldout_loss", "per_document", "score_models"]
+__all__ = [
+    "BROKEN_BLOCK_NATS",
+    "DOCUMENTS_SHOWN",
+    "Scores",
+    "broken_blocks",
+    "evaluate_set",
+    "heldout_loss",
+    "per_document",
+    "score_models",
+]

@@ -270,6 +270,15 @@ def _evaluation_sections(facts: Mapping[str, Any]) -> list[str]:
                 )
         parts.append("")
     documents = facts.get("heldout_documents") or {}
+    broken = documents.get("broken_blocks")
+    if broken:
+        parts += [
+            f"Held-out blocks where the tapered model loses more than {broken['threshold_nats']:g} nats per token "
+            f"against the {documents['against']} (it breaks past some token): {len(broken['blocks'])}"
+            + (f" (blocks {', '.join(map(str, broken['blocks'][:10]))})" if broken["blocks"] else "")
+            + f"; the gap without them: {_pct(broken['gap_without'])}.",
+            "",
+        ]
     if documents.get("rows"):
         against = documents["against"]
         parts += [

@@ -38,7 +38,7 @@ from ..training.checkpoints import save_tapered
 from ..training.schedule import decay_learning_rate_after_the_taper
 from ..utils import parameter_count
 from .data import EMBEDDED_CORPUS, PackedData, blocks_tensor, load_documents, prepare_data
-from .evaluation import evaluate_set, per_document
+from .evaluation import broken_blocks, evaluate_set, per_document
 from .heldout import EvaluationSet
 from .models import ModelSource, load_model, load_tokenizer, resolve_model
 from .out_of_corpus import out_of_corpus_set
@@ -371,6 +371,7 @@ class _Pipeline:
         record.heldout_documents = {
             "against": against,
             "rows": per_document(held["tapered"], held[against], self.packed.heldout_set),
+            "broken_blocks": broken_blocks(held["tapered"], held[against]),
         }
         losses = {"blocks": len(self.packed.heldout_set.blocks), **{name: s.per_block() for name, s in held.items()}}
         self.output.record(expect=[HELDOUT_LOSSES])

@@ -160,7 +160,9 @@ def run_matrix(
 
 
 # ----------------------------------------------------------------------------- evaluation of older runs
-def scores_of(folder: Path, default_baseline: Optional[Path]) -> Optional[dict[str, Any]]:
+def scores_of(
+    folder: Path, default_baseline: Optional[Path], data_flags: Optional[dict[str, int]] = None
+) -> Optional[dict[str, Any]]:
     """The run's held-out and out-of-corpus scores: its report's, or (older reports) computed again here.
 
     A report written before the random held-out draw and the out-of-corpus measure is re-scored with
@@ -177,12 +179,13 @@ def scores_of(folder: Path, default_baseline: Optional[Path]) -> Optional[dict[s
         baseline = default_baseline
     if baseline is None or not baseline.is_dir():
         return None
-    scores = reevaluate(folder, baseline, block_size=report["data"]["block_size"])
+    scores = reevaluate(folder, baseline, block_size=report["data"]["block_size"], **(data_flags or {}))
     cached.write_text(json.dumps(scores, indent=2) + "\n")
     return scores
 
 
-def reevaluate(folder: Path, baseline: Path, *, block_size: int) -> dict[str, Any]:
+def reevaluate(folder: Path, baseline: Path, *, block_size: int, **data_flags: int) -> dict[str, Any]:
+    """Score an older run's models with the CLI's evaluation (``data_flags``: the matrix's evaluation options)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -200,7 +203,7 @@ def reevaluate(folder: Path, baseline: Path, *, block_size: int) -> dict[str, An
     tokenizer = load_tokenizer(source)
     tapered = load_tapered(folder / "tapered")
     sink = list(tapered.tapernorm_config.sink_token_ids)
-    data = DataArguments(block_size=block_size)
+    data = DataArguments(block_size=block_size, **data_flags)
     packed = prepare_data(
         load_documents(data),
         tokenizer,
@@ -254,7 +257,9 @@ def arm_rows(root: Path, steps: int, arms: list[str], seeds: list[int], preset_f
             folder = run_folder(root, steps, arm, seed)
             if not is_finished(folder):
                 continue
-            report = scores_of(folder, run_folder(root, steps, "default", seed) / "baseline" / "model")
+            report = scores_of(
+                folder, run_folder(root, steps, "default", seed) / "baseline" / "model", evaluation_flags(extra)
+            )
             if report is None:
                 continue  # no baseline to compare with
             held, outside = report.get("heldout") or {}, report.get("out_of_corpus") or {}
@@ -294,6 +299,15 @@ def arm_rows(root: Path, steps: int, arms: list[str], seeds: list[int], preset_f
             }
         )
     return rows
+
+
+def evaluation_flags(extra: list[str]) -> dict[str, int]:
+    """The evaluation options among the CLI flags the matrix passes through, for re-scoring older runs alike."""
+    flags = {}
+    for name in ("heldout_blocks", "out_of_corpus_blocks", "heldout_seed", "eval_batch_size"):
+        if f"--{name}" in extra:
+            flags[name] = int(extra[extra.index(f"--{name}") + 1])
+    return flags
 
 
 def _pct(stats: dict[str, Optional[float]]) -> str:

@@ -387,7 +387,7 @@ KILLER = textwrap.dedent(
     elif POINT == "checkpoint_write":  # the step-6 checkpoint has weights and optimizer, no RNG state yet
         after(Trainer, "_save_optimizer_and_scheduler", lambda self, *a, **k: self.state.global_step == 6)
     elif POINT == "evaluation":
-        after(taper, "heldout_loss", lambda *a, desc="", **k: desc == "held-out (tapered)")
+        after(taper, "evaluate_set", lambda models, evaluation, **k: evaluation.name == "held-out")
     elif POINT == "export":  # the export is written into its temporary folder, not renamed yet
         after(taper, "save_export")
     elif POINT == "report":

@@ -25,7 +25,7 @@ from transformers.pytorch_utils import Conv1D
 
 from ..errors import UnsupportedModelError
 from ..utils import base_model_prefix
-from .probe import LINEAR_TYPES, Observations, probe_forward
+from .probe import LINEAR_TYPES, PROBE_LENGTH, Observations, probe_forward
 from .styles import NormStyle, norm_eps, norm_hidden_size, normalize
 from .table import Architecture, NormSite
 
@@ -99,6 +99,13 @@ def _out_features(module: nn.Module) -> int:
     return module.nf if isinstance(module, Conv1D) else module.out_features
 
 
+def _sequence_dim(shape: Optional[tuple[int, ...]]) -> int:
+    """-3 for a per-head norm fed ``[batch, seq, heads, head_dim]`` (before the head transpose), else -2."""
+    if shape is not None and len(shape) >= 4 and shape[-3] == PROBE_LENGTH and shape[-2] != PROBE_LENGTH:
+        return -3
+    return -2
+
+
 def _classify(name: str, seen: Observations, modules: dict[str, nn.Module], size: int, is_outside: bool) -> NormSite:
     """The norm's site (paths still absolute), or a DiscoveryError naming the norm and the reason."""
     if seen.calls[name] == 0:
@@ -116,7 +123,7 @@ def _classify(name: str, seen: Observations, modules: dict[str, nn.Module], size
             if out == size:
                 return NormSite(name, (producer,), "output")
             if out % size == 0:
-                return NormSite(name, (producer,), "per_head")
+                return NormSite(name, (producer,), "per_head", sequence_dim=_sequence_dim(seen.shapes.get(name)))
     if bad:
         reason = f"its output reaches {bad[0]}, which is not a linear projection"
         if producers != {None}:
@@ -243,7 +250,9 @@ def discover_architecture(model: nn.Module) -> Architecture:
             tuple(_relative(c, layer_prefix, name) for c in site.consumers),
             site.kind,
         )
-        per_layer[layer_prefix].append(NormSite(relative.path, relative.consumers, relative.kind, _role(relative)))
+        per_layer[layer_prefix].append(
+            NormSite(relative.path, relative.consumers, relative.kind, _role(relative), site.sequence_dim)
+        )
     final_site = sites[final]
     descriptions = {p: tuple(sorted(s, key=lambda x: x.path)) for p, s in per_layer.items()}
     first_prefix, layer_sites = next(iter(descriptions.items()))

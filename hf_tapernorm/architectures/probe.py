@@ -21,6 +21,9 @@ from ..errors import UnsupportedModelError
 LINEAR_TYPES = (nn.Linear, Conv1D)
 # Ops through which a tensor keeps its channels (last dimension) in place; they pass tracking on.
 _CASTS = {"to", "type", "type_as", "float", "half", "bfloat16", "double", "contiguous", "clone", "detach", "dropout"}
+#: Tokens of the probe forward; a norm input's sequence axis is the one of this length.
+PROBE_LENGTH = 8
+
 _RESHAPES = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze"}
 _TRANSPOSES = {"transpose", "swapaxes", "permute"}
 
@@ -41,6 +44,7 @@ class Observations:
     norm_inputs: dict[str, list[Optional[str]]] = field(default_factory=lambda: defaultdict(list))  # norm -> producer
     readers_of_linear: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))  # linear -> norms
     sizes: dict[str, int] = field(default_factory=dict)  # norm -> channels of its input (parameter-free norms)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # norm -> shape of its first input
 
 
 def _index_keeps_last_dim(index: Any, ndim: int) -> bool:
@@ -116,6 +120,7 @@ class _Probe(TorchFunctionMode):
                 self.seen.calls[name] += 1
                 if tensors and tensors[0].dim() > 0:
                     self.seen.sizes.setdefault(name, int(tensors[0].shape[-1]))
+                    self.seen.shapes.setdefault(name, tuple(tensors[0].shape))
                 self.seen.norm_inputs[name].append(source.name if source and source.kind == "linear" else None)
                 if source is not None and source.kind == "linear":
                     self.seen.readers_of_linear[source.name].append(name)
@@ -172,7 +177,7 @@ def probe_forward(model: nn.Module, norms: dict[nn.Module, str]) -> Observations
             f"{type(model).__name__} has no config.vocab_size; the probe forward needs token ids"
         )
     device = next(model.parameters()).device
-    ids = (torch.arange(1, 9, device=device) * 7 % vocab).unsqueeze(0)
+    ids = (torch.arange(1, PROBE_LENGTH + 1, device=device) * 7 % vocab).unsqueeze(0)
     was_training = model.training
     probe = _Probe(model, norms)
     model.eval()

@@ -53,10 +53,10 @@ def _held_sink(model: nn.Module) -> list[int]:
     return list(getattr(getattr(model, "config", None), "sink_token_ids", None) or [])
 
 
-def _check_sink(model: nn.Module, blocks: torch.Tensor, prefix_length: int) -> None:
+def _check_sink(model: nn.Module, blocks: torch.Tensor, prefix_length: int, where: str) -> None:
     trained_sink = getattr(getattr(model, "tapernorm_config", None), "sink_token_ids", None)
     if trained_sink:  # a patched model with a sink: every block must start with it
-        check_sink_first(blocks, trained_sink, "heldout evaluation")
+        check_sink_first(blocks, trained_sink, where)
     held_sink = _held_sink(model)
     if held_sink and (prefix_length != len(held_sink) or blocks[:, :prefix_length].ne(torch.tensor(held_sink)).any()):
         raise ValueError(
@@ -81,6 +81,7 @@ def score_models(
     reference: Optional[nn.Module] = None,
     batch_size: int = 4,
     desc: str = "evaluating",
+    where: str = "score_models",
 ) -> dict[str, Scores]:
     """Score every model on the same blocks in one pass (the reference's distribution computed once per batch).
 
@@ -91,7 +92,7 @@ def score_models(
     if blocks.dim() != 2 or blocks.shape[0] == 0:
         raise ValueError(f"expected a non-empty [n, block_size] tensor of token ids, got shape {tuple(blocks.shape)}")
     for model in [*models.values(), *([reference] if reference is not None else [])]:
-        _check_sink(model, blocks, prefix_length)
+        _check_sink(model, blocks, prefix_length, where)
         model.eval()
     losses: dict[str, list[torch.Tensor]] = {name: [] for name in models}
     kls: dict[str, list[torch.Tensor]] = {name: [] for name in models}
@@ -209,9 +210,10 @@ def heldout_loss(
 
     ``tokens`` counts predicted tokens (``block_size - prefix_length - 1`` per block; see the module docstring).
     """
-    return score_models({"model": model}, blocks, prefix_length=prefix_length, batch_size=batch_size, desc=desc)[
-        "model"
-    ].summary()
+    scores = score_models(
+        {"model": model}, blocks, prefix_length=prefix_length, batch_size=batch_size, desc=desc, where="heldout_loss"
+    )
+    return scores["model"].summary()
 
 
 __all__ = [

@@ -231,7 +231,7 @@ class TaperNormConfig:
 
     @staticmethod
     def _sink(model: nn.Module, tokenizer: Any) -> list[int]:
-        bos = _bos_token_id(model, tokenizer)
+        bos = sink_token_id(tokenizer, model)
         if bos is None:
             logger.warning(
                 "%s: no BOS token id (tokenizer BOS/EOS, or config.bos_token_id), so the recipe keeps no attention "
@@ -357,8 +357,9 @@ def _download(repo_id: str, revision: Optional[str], token: Union[str, bool, Non
         ) from None
 
 
-def _bos_token_id(model: nn.Module, tokenizer: Any) -> Optional[int]:
-    """The tokenizer's BOS (else its EOS, which GPT-2-style tokenizers use as both), else the config's BOS."""
+def sink_token_id(tokenizer: Any = None, model: Optional[nn.Module] = None) -> Optional[int]:
+    """The token every block starts with as the attention sink: the tokenizer's BOS, else its EOS (GPT-2-style
+    tokenizers use one token as both); without a tokenizer, the model config's BOS. None when there is none."""
     if tokenizer is not None:
         for name in ("bos_token_id", "eos_token_id"):
             if getattr(tokenizer, name, None) is not None:

@@ -584,10 +584,13 @@ def test_embedded_default_with_a_reduced_step_count(tmp_path):
     assert report["taper"]["recipe"] == "gated-mlp" and report["taper"]["sink_token_ids"] == [1]
     assert report["taper"]["tapered_norms"] == 30 and report["training"]["final_gate"] == 0.0
     assert 1.5 < report["heldout"]["original"]["loss"] < 4.0  # the real model on real text
-    # Tapered in 3 steps, the model is far from a trained fixed point (held-out CE twice the original's) and its
-    # logits amplify rounding: the two losses agree to 1e-2 here, the fold itself to 1e-4 (the fold check).
+    # Tapered in 3 steps, the model is far from a trained fixed point (held-out CE twice the original's) and on
+    # some blocks its logits amplify fp32 rounding: the two losses agree to 1e-2 here, and the fold is exact in
+    # fp32 on the probe or, where the probe is such a block, in the fold check's float64 repeat.
     assert report["heldout"]["folded"]["loss"] == pytest.approx(report["heldout"]["tapered"]["loss"], rel=1e-2)
-    assert report["export"]["reloaded"] is True and report["fold"]["max_rel_diff"] <= 1e-4
+    fold = report["fold"]
+    exact = fold["max_rel_diff"] if fold["float64_max_rel_diff"] is None else fold["float64_max_rel_diff"]
+    assert report["export"]["reloaded"] is True and exact <= 1e-4
     assert report["ops_per_token"]["folded"]["aten_ops"] < report["ops_per_token"]["original"]["aten_ops"]
     config = json.loads((out / "folded" / "config.json").read_text())
     assert config["model_type"] == "tapernorm_llama" and config["sink_token_ids"] == [1]

@@ -17,6 +17,7 @@ from pathlib import Path
 from transformers import AutoConfig
 
 from .._parsing import UsageError, parse
+from ..config import sink_token_id
 from ..errors import ConfigurationError, TaperStateError
 from ..export.folding import fold_model
 from ..export.hub import EXPORT_MANIFEST_NAME, export_manifest, push_export
@@ -82,10 +83,10 @@ def eval_main(argv: Sequence[str]) -> int:
     elif eval_args.sink == "none":
         sink_ids = []
     else:
-        bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        bos = sink_token_id(tokenizer)
         if bos is None:
             raise UsageError("--sink bos: the tokenizer has neither a BOS nor an EOS token; pass --sink none")
-        sink_ids = [int(bos)]
+        sink_ids = [bos]
     if own_sink and sink_ids != own_sink:
         raise UsageError(f"'{source.path}' was trained with the sink {own_sink}; evaluate it with --sink auto")
     if source.kind == "tapered":

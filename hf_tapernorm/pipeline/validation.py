@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ..config import TaperNormConfig
+from ..config import TaperNormConfig, sink_token_id
 from ..errors import ConfigurationError, UnsupportedModelError
 from ..training.schedule import TaperSchedule
 from .data import EMBEDDED_CORPUS
@@ -53,10 +53,10 @@ def recipe_config(request: TaperRequest, model, tokenizer) -> TaperNormConfig:
     if flags.sink == "none":
         overrides["sink_token_ids"] = []
     elif flags.sink == "bos":
-        bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        bos = sink_token_id(tokenizer)
         if bos is None:
             raise ConfigurationError("--sink bos: the tokenizer has neither a BOS nor an EOS token; pass --sink none")
-        overrides["sink_token_ids"] = [int(bos)]
+        overrides["sink_token_ids"] = [bos]
     if flags.recipe == "paper":
         return TaperNormConfig.paper(**overrides)
     return TaperNormConfig.for_model(model, tokenizer, **overrides)

@@ -157,3 +157,12 @@ def test_gradient_checkpointing_does_not_count_twice(use_reentrant):
         pending[checkpointing] = torch.stack([m.pending for _, m in tapered_norms(model)])
     assert pending[False][:, 2].tolist() == [ids.numel()] * 4
     torch.testing.assert_close(pending[True], pending[False], rtol=1e-6, atol=0)
+
+
+def test_patch_model_on_a_module_that_is_no_hugging_face_model_is_one_clear_error():
+    from torch import nn
+
+    from hf_tapernorm import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="Linear has no config.model_type; hf_tapernorm expects"):
+        patch_model(nn.Linear(2, 2))

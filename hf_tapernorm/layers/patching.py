@@ -104,6 +104,7 @@ def patch_model(
     a model type without an entry is described by automatic discovery (logged). The final norm is
     always wrapped, tapered or not, so its input scale can be observed and anchored (its ``anchor``).
     """
+    model_type_of(model)  # a module that is no Hugging Face model: one clear error before anything else
     if config is None:
         config = TaperNormConfig.for_model(model, tokenizer)
     elif not isinstance(config, TaperNormConfig):

@@ -26,7 +26,7 @@ from ..pipeline.data import EMBEDDED_CORPUS, blocks_tensor, load_documents, prep
 from ..pipeline.evaluation import evaluate_set, heldout_loss
 from ..pipeline.models import ModelSourceError, load_model, load_tokenizer, resolve_model
 from ..pipeline.out_of_corpus import out_of_corpus_set
-from ..pipeline.run_folder import write_folder
+from ..pipeline.run_folder import write_file, write_folder
 from ..pipeline.taper import save_export
 from ..pipeline.validation import max_positions
 from ..training.checkpoints import tapered_config_of
@@ -130,9 +130,7 @@ def eval_main(argv: Sequence[str]) -> int:
     print(json.dumps(result))
     if output_json is not None:
         check_result_file(output_json)  # again: the evaluation took a while
-        tmp = output_json.with_name(f".{output_json.name}.partial-{os.getpid()}")
-        tmp.write_text(json.dumps({**result, "written_by": RESULT_MARK}, indent=2) + "\n")
-        os.replace(tmp, output_json)
+        write_file(output_json, json.dumps({**result, "written_by": RESULT_MARK}, indent=2) + "\n")
     return 0
 
 

@@ -375,6 +375,14 @@ class RunLock:
             self.folder.rmdir()  # a command refused before it wrote anything leaves no folder behind
 
 
+def write_file(path: Path, text: str) -> None:
+    """Write ``text`` into a hidden ``.NAME.partial-PID`` sibling, then rename it to ``path``: a kill leaves the old
+    file or the new one, and the partial name is one the run folder knows as unfinished."""
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_folder(
     final: Path, write: Callable[[Path], None], *, before_rename: Optional[Callable[[list[str]], None]] = None
 ) -> None:
@@ -405,4 +413,13 @@ def write_folder(
         os.replace(tmp, final)
 
 
-__all__ = ["CHECKPOINT_PATTERN", "LOCK_NAME", "MANIFEST_NAME", "RunFolder", "RunFolderError", "RunLock", "write_folder"]
+__all__ = [
+    "CHECKPOINT_PATTERN",
+    "LOCK_NAME",
+    "MANIFEST_NAME",
+    "RunFolder",
+    "RunFolderError",
+    "RunLock",
+    "write_file",
+    "write_folder",
+]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
 import shutil
 import signal
 import time
@@ -46,7 +45,7 @@ from .preflight import check_trainer_options, check_training_blocks
 from .record import DataFacts, ModelFacts, RunRecord, TrainingFacts
 from .report import PLOTS, summary_lines, write_report
 from .resume_check import check_resumable
-from .run_folder import RunFolder
+from .run_folder import RunFolder, write_file
 from .showcase import greedy_continuations, ops_per_generated_token
 from .training_run import RecordCallback, recorded_identity, train
 from .validation import (
@@ -375,7 +374,7 @@ class _Pipeline:
         }
         losses = {"blocks": len(self.packed.heldout_set.blocks), **{name: s.per_block() for name, s in held.items()}}
         self.output.record(expect=[HELDOUT_LOSSES])
-        _write_json(self.output.path / HELDOUT_LOSSES, losses)
+        write_file(self.output.path / HELDOUT_LOSSES, json.dumps(losses) + "\n")
         if self.reference_text is not None:
             scores = evaluate_set(models, self.reference_text, reference=original, batch_size=batch)
             record.out_of_corpus = {name: s.summary() for name, s in scores.items()}
@@ -429,12 +428,6 @@ def write_run_report(output: RunFolder, record: RunRecord) -> None:
 def model_dtype_only(model):
     """No autocast around evaluation, folding, the fold check and the sink capture: they run in the model's dtype."""
     return torch.autocast(device_type=next(model.parameters()).device.type, enabled=False)
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    tmp.write_text(json.dumps(data) + "\n")
-    os.replace(tmp, path)
 
 
 def save_export(folded, tokenizer, folder: Path, facts: Optional[dict[str, Any]] = None) -> None:

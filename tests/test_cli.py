@@ -373,23 +373,31 @@ def test_a_json_file_configures_a_run(tmp_path):
 
 
 # ----------------------------------------------------------------------------- Ctrl-C and --resume
+def interrupt_cli(argv: list[str], env: dict[str, str], *, after_gates: int, signum: int) -> tuple[int, str]:
+    """Run the CLI in a subprocess, send ``signum`` once ``after_gates`` steps have logged their gate, and wait:
+    (exit status, output)."""
+    command = [sys.executable, "-m", "hf_tapernorm.cli", *argv]
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(iter(process.stdout.readline, "")), daemon=True)
+    reader.start()
+    deadline = time.time() + 120
+    while "".join(output).count("taper/gate") < after_gates and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signum)
+    code = process.wait(timeout=120)
+    reader.join(timeout=5)
+    return code, "".join(output)
+
+
 def test_ctrl_c_saves_a_checkpoint_and_resume_finishes_the_same_run(workspace, tmp_path):
     steps = 24
     reference = tmp_path / "reference"
     assert run_main(taper_argv(workspace, reference, steps=steps))[0] == 0
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "hf_tapernorm.cli", *taper_argv(workspace, out, steps=steps)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output: list[str] = []
-    reader = threading.Thread(target=lambda: output.extend(iter(process.stdout.readline, "")), daemon=True)
-    reader.start()
-    deadline = time.time() + 120
-    while "".join(output).count("taper/gate") < 3 and process.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    process.send_signal(signal.SIGINT)
-    assert process.wait(timeout=120) == 130, "".join(output)
-    reader.join(timeout=5)
+    code, output = interrupt_cli(taper_argv(workspace, out, steps=steps), env, after_gates=3, signum=signal.SIGINT)
+    assert code == 130, output
     checkpoints = sorted(out.glob("checkpoint-*"))
     assert len(checkpoints) == 1
     interrupted_at = int(checkpoints[0].name.split("-")[1])
@@ -397,7 +405,7 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_finishes_the_same_run(workspace, t
     # The default recipe distils from the model as it was at the gate's start (step 3 here): the checkpoint
     # carries that teacher, so the resumed run below distils from the same one.
     assert (checkpoints[0] / "distillation_teacher.safetensors").is_file()
-    assert "rerun the same command with --resume" in "".join(output)
+    assert "rerun the same command with --resume" in output
     report = json.loads((out / "report.json").read_text())
     assert report["status"].startswith(f"interrupted at step {interrupted_at}")
     assert not (out / "folded").exists() and not (out / "tapered").exists()

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,7 +29,7 @@ from hf_tapernorm.pipeline.run_folder import LOCK_NAME, MANIFEST_NAME, RunFolder
 from hf_tapernorm.training import calibrate
 from hf_tapernorm.training.sharded import load_sharded_checkpoint, read_sharded_model_state
 from tests.conftest import build, char_tokenizer, random_batches, save_tiny_model, tiny_llama_config
-from tests.test_cli import REPO, run_main, taper_argv, workspace  # noqa: F401 - the CLI workspace fixture
+from tests.test_cli import REPO, interrupt_cli, run_main, taper_argv, workspace  # noqa: F401 - the CLI workspace fixture
 from tests.test_reliability import error_of, snapshot
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -342,18 +341,9 @@ def test_resume_refuses_a_checkpoint_without_its_optimizer_state(workspace, refe
 # ============================================================================= 3. signals and kills
 def test_sigterm_saves_a_checkpoint_and_resume_is_bit_identical(workspace, reference, tmp_path):  # noqa: F811
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "hf_tapernorm.cli", *killable_argv(workspace, out)]
-    process = subprocess.Popen(argv, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output: list[str] = []
-    reader = threading.Thread(target=lambda: output.extend(iter(process.stdout.readline, "")), daemon=True)
-    reader.start()
-    deadline = time.time() + 120
-    while "".join(output).count("taper/gate") < 4 and process.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=120) == 143, "".join(output)
-    reader.join(timeout=5)
-    assert "SIGTERM: stopping after this step with a checkpoint" in "".join(output)
+    code, output = interrupt_cli(killable_argv(workspace, out), ENV, after_gates=4, signum=signal.SIGTERM)
+    assert code == 143, output
+    assert "SIGTERM: stopping after this step with a checkpoint" in output
     checkpoints = sorted(out.glob("checkpoint-*"))
     assert checkpoints and 4 <= int(checkpoints[-1].name.split("-")[1]) < 10
     assert not (out / LOCK_NAME).exists()

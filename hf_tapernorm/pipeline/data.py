@@ -194,6 +194,22 @@ def load_documents(data) -> AnyDataset:
     )
 
 
+def prepare_from_arguments(data, tokenizer, *, train_blocks: Optional[int], prefix_ids: Sequence[int]) -> PackedData:
+    """:func:`prepare_data` on the documents and options that a command's data arguments name (``taper``, ``eval``)."""
+    return prepare_data(
+        load_documents(data),
+        tokenizer,
+        block_size=data.block_size,
+        train_blocks=train_blocks,
+        heldout_blocks=data.heldout_blocks,
+        heldout_percentage=data.heldout_percentage,
+        text_column=data.text_column,
+        source=data.dataset_name or EMBEDDED_CORPUS,
+        prefix_ids=prefix_ids,
+        heldout_seed=data.heldout_seed,
+    )
+
+
 def text_column_of(dataset: AnyDataset, requested: Optional[str] = None) -> str:
     """The column holding the text: ``requested``, else ``text``, else the only string column."""
     features = dataset.features

@@ -36,7 +36,7 @@ from ..training.callback import TaperCallback
 from ..training.checkpoints import save_tapered
 from ..training.schedule import decay_learning_rate_after_the_taper
 from ..utils import parameter_count
-from .data import EMBEDDED_CORPUS, PackedData, blocks_tensor, load_documents, prepare_data
+from .data import PackedData, blocks_tensor, prepare_from_arguments
 from .evaluation import broken_blocks, evaluate_set, per_document
 from .heldout import EvaluationSet
 from .models import ModelSource, load_model, load_tokenizer, resolve_model
@@ -190,19 +190,8 @@ def _run_locked(request: TaperRequest, output: RunFolder) -> int:
 
 
 def _prepare_data(request: TaperRequest, tokenizer, sink_ids: list[int]) -> PackedData:
-    data = request.data
-    return prepare_data(
-        load_documents(data),
-        tokenizer,
-        block_size=data.block_size,
-        train_blocks=request.training.max_steps * _global_batch(request.training),
-        heldout_blocks=data.heldout_blocks,
-        heldout_percentage=data.heldout_percentage,
-        text_column=data.text_column,
-        source=data.dataset_name or EMBEDDED_CORPUS,
-        prefix_ids=sink_ids,
-        heldout_seed=data.heldout_seed,
-    )
+    train_blocks = request.training.max_steps * _global_batch(request.training)
+    return prepare_from_arguments(request.data, tokenizer, train_blocks=train_blocks, prefix_ids=sink_ids)
 
 
 def _baseline_source(path: Optional[str]) -> Optional[ModelSource]:

@@ -379,4 +379,13 @@ def config_of(model: nn.Module) -> TaperNormConfig:
     return config
 
 
-__all__ = ["CONFIG_NAME", "EXPERIMENTAL", "VERSION_KEY", "TaperNormConfig", "check_step", "config_of", "parse_step"]
+__all__ = [
+    "CONFIG_NAME",
+    "EXPERIMENTAL",
+    "VERSION_KEY",
+    "TaperNormConfig",
+    "check_step",
+    "config_of",
+    "parse_step",
+    "sink_token_id",
+]

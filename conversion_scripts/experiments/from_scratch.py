@@ -33,7 +33,6 @@ import json
 import logging
 import math
 import statistics
-import sysconfig
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -48,6 +47,7 @@ from transformers.optimization import get_cosine_schedule_with_warmup
 from hf_tapernorm import TaperController, TaperDivergenceError, TaperNormConfig, patch_model
 from hf_tapernorm.architectures import architecture_of, norm_sites
 from hf_tapernorm.layers import set_gate
+from hf_tapernorm.pipeline.data import embedded_corpus_files, stdlib_directory
 from hf_tapernorm.training import TaperSchedule
 
 logger = logging.getLogger("from_scratch")
@@ -91,20 +91,11 @@ class Corpus:
     files: int
 
 
-def corpus_files(root: Optional[Path] = None) -> list[Path]:
-    """The standard library's ``.py`` files in sorted order (installed packages excluded)."""
-    root = Path(sysconfig.get_paths()["stdlib"]) if root is None else Path(root)
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
-    if not files:
-        raise FileNotFoundError(f"from_scratch: no .py files under {root}; pass --corpus-root with Python sources")
-    return files
-
-
 def load_corpus(train_bytes: int, valid_bytes: int, *, valid_every: int = 10, root: Optional[Path] = None) -> Corpus:
     """Deterministic split by file: every ``valid_every``-th sorted file is held out."""
     train, valid = bytearray(), bytearray()
     used = 0
-    for index, path in enumerate(corpus_files(root)):
+    for index, path in enumerate(embedded_corpus_files(root)):
         if len(train) >= train_bytes and len(valid) >= valid_bytes:
             break
         held_out = index % valid_every == 0
@@ -601,7 +592,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[dict]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
     corpus = load_corpus(args.train_bytes, args.valid_bytes, root=args.corpus_root)
-    root = args.corpus_root or Path(sysconfig.get_paths()["stdlib"])
+    root = args.corpus_root or stdlib_directory()
     corpus_note = (
         f"Python standard library sources under `{root.name}` (sorted .py files, site-packages excluded, "
         f"every 10th file held out; {args.train_bytes:,} training bytes and {args.valid_bytes:,} held-out "

@@ -29,6 +29,7 @@ from conversion_scripts.experiments.research.diagnostics import diagnostics, res
 from conversion_scripts.experiments.research.linear_fit import fit_linear_branch
 from conversion_scripts.experiments.research.penalties import ScaleGrowthPenalty, TokenScalePenalty
 from hf_tapernorm import TaperNormConfig, patch_model
+from hf_tapernorm.config import sink_token_id
 from hf_tapernorm.layers import set_gate, set_sink_tokens, tapered_norms
 from hf_tapernorm.pipeline.models import load_model, load_tokenizer, resolve_model
 from hf_tapernorm.training import distillation_loss
@@ -43,11 +44,6 @@ def load_smollm2():
     return load_model(source, dtype="float32"), load_tokenizer(source)
 
 
-def bos_id(tok) -> int:
-    """The token every block starts with (the sink): BOS, or EOS for tokenizers without one."""
-    return tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
-
-
 def load_saved_run(checkpoint: Path):
     """(model, tokenizer, run config) of a run saved with --save: patched, trained state loaded, sink set."""
     saved = torch.load(checkpoint, weights_only=False)
@@ -57,7 +53,7 @@ def load_saved_run(checkpoint: Path):
     model, tok = load_smollm2()
     patch_model(model, TaperNormConfig.paper(keep_norms=ast.literal_eval(config.get("keep", "[]"))))
     model.load_state_dict(saved["state_dict"])
-    set_sink_tokens(model, [bos_id(tok)] if int(config["sink"]) else [])
+    set_sink_tokens(model, [sink_token_id(tok)] if int(config["sink"]) else [])
     return model, tok, config
 
 
@@ -82,7 +78,7 @@ def stdlib_blocks(tok, n_train: int, n_eval: int, seq: int, shuffle: bool = Fals
 
 def _pack(tok, paths, n: int | None, seq: int) -> torch.Tensor:
     """BOS + seq-1 tokens per block from the files in order (all of them when n is None)."""
-    bos = bos_id(tok)
+    bos = sink_token_id(tok)
     sep = tok.eos_token_id
     ids: list[int] = []
     for path in paths:

@@ -21,9 +21,10 @@ import torch
 
 from conversion_scripts.experiments.research.linear_fit import fit_linear_branch
 from hf_tapernorm import TaperNormConfig, patch_model
+from hf_tapernorm.config import sink_token_id
 from hf_tapernorm.layers import set_sink_tokens, tapered_norms
 
-from .smollm2_fidelity import HERE, bos_id, held_out_ce, load_smollm2, stdlib_blocks
+from .smollm2_fidelity import HERE, held_out_ce, load_smollm2, stdlib_blocks
 
 GRID = [(1.0, 1.0), (0.5, 1.0), (0.0, 1.0), (1.0, 0.5), (1.0, 0.0), (0.5, 0.5), (0.0, 0.0)]
 
@@ -39,7 +40,7 @@ def main() -> None:
     model, tok = load_smollm2()
     train, held = stdlib_blocks(tok, 8, args.eval_blocks, 128, shuffle=True)
     patch_model(model, TaperNormConfig.paper())
-    set_sink_tokens(model, [bos_id(tok)])
+    set_sink_tokens(model, [sink_token_id(tok)])
     fit_linear_branch(model, [train[i : i + 2] for i in range(0, 8, 2)], trim=None, per_channel=True)
     rows = [{"reference": "every norm at g = 1", "held_out_ce": held_out_ce(model, held, 2)}]
     if args.per_layer:

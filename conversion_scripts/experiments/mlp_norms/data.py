@@ -1,7 +1,8 @@
 """Byte-level corpus of the Python standard library sources, every block starting with a BOS token.
 
-Adapted from ``conversion_scripts/experiments/from_scratch.py`` (not imported: this package stands
-alone). Every 10th sorted ``.py`` file is held out. A block is ``[BOS] + (seq - 1)`` consecutive bytes
+Adapted from ``conversion_scripts/experiments/from_scratch.py``; the files are the product's
+embedded-corpus listing (``embedded_corpus_files``: tests and ``pydoc_data`` left out). Every 10th sorted
+``.py`` file is held out. A block is ``[BOS] + (seq - 1)`` consecutive bytes
 of the training (or held-out) stream, so position 0 is always the same token, as in the SmolLM2 runs
 (where every block starts with ``<|im_start|>``): that is what lets a pretrained model grow an
 attention sink with a massive activation on position 0, and what lets the sink stay normalized.
@@ -9,13 +10,14 @@ attention sink with a massive activation on position 0, and what lets the sink s
 
 from __future__ import annotations
 
-import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+from hf_tapernorm.pipeline.data import embedded_corpus_files
 
 BYTES = 256
 BOS = 256  # one extra symbol after the 256 byte values
@@ -31,14 +33,6 @@ class Corpus:
     vocab: int = VOCAB_SIZE
 
 
-def corpus_files(root: Optional[Path] = None) -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"]) if root is None else Path(root)
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
-    if not files:
-        raise FileNotFoundError(f"mlp_norms: no .py files under {root}")
-    return files
-
-
 _CACHE: dict = {}
 
 
@@ -49,7 +43,7 @@ def load_corpus(train_bytes: int = 24_000_000, valid_bytes: int = 400_000, root:
         return _CACHE[key]
     train, valid = bytearray(), bytearray()
     used = 0
-    for index, path in enumerate(corpus_files(root)):
+    for index, path in enumerate(embedded_corpus_files(root)):
         if len(train) >= train_bytes and len(valid) >= valid_bytes:
             break
         target, limit = (valid, valid_bytes) if index % 10 == 0 else (train, train_bytes)

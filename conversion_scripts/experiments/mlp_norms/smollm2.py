@@ -17,11 +17,9 @@ from pathlib import Path
 
 import torch
 
+from hf_tapernorm.config import sink_token_id
+
 ROOT = Path(os.environ.get("MLPNORMS_ROOT", "/tmp/mlpnorms"))
-
-
-def bos_id(tok) -> int:
-    return tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
 
 
 def stdlib_files(scope: str, max_bytes: int = 100_000_000) -> list[Path]:
@@ -57,7 +55,7 @@ def stdlib_files(scope: str, max_bytes: int = 100_000_000) -> list[Path]:
 
 def pack(tok, paths, seq: int) -> torch.Tensor:
     """[n, seq] blocks: BOS + seq - 1 tokens of the files' text in order (EOS between files)."""
-    bos, sep = bos_id(tok), tok.eos_token_id
+    bos, sep = sink_token_id(tok), tok.eos_token_id
     texts = []
     for path in paths:
         try:
@@ -115,7 +113,7 @@ def smollm2_source(cfg):
         raise RuntimeError(f"only {len(held)} held-out blocks of {cfg.seq} tokens")
     return Source(
         model=model,
-        sink_ids=[bos_id(tok)],
+        sink_ids=[sink_token_id(tok)],
         batches=shuffled_batches(train, cfg.batch, seed=cfg.seed),
         held=held_blocks,
         pretrain_tokens=None,

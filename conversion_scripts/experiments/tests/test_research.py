@@ -246,3 +246,22 @@ def test_the_product_per_channel_fit_is_these_least_squares_over_the_warmup():
             torch.testing.assert_close(
                 layer.c * layer.taper_weight, fitted[name].c * fitted[name].taper_weight, rtol=1e-5, atol=1e-6, msg=name
             )
+
+
+def test_the_research_corpora_read_the_products_listing(tmp_path):
+    """Both byte-level corpora list files as the product's embedded corpus does: tests and pydoc_data left out."""
+    from conversion_scripts.experiments import from_scratch
+    from conversion_scripts.experiments.mlp_norms import data as mlp_data
+
+    for index in range(10):
+        (tmp_path / f"module{index}.py").write_text(f"x = {index}\n" * 20)
+    for excluded in ("tests", "pydoc_data"):
+        (tmp_path / excluded).mkdir()
+        (tmp_path / excluded / "topics.py").write_text("EXCLUDED\n" * 200)
+    total = sum(len(f"x = {i}\n" * 20) + 1 for i in range(10))
+    for corpus in (
+        from_scratch.load_corpus(total - 121, 121, root=tmp_path),
+        mlp_data.load_corpus(total - 121, 121, root=tmp_path),
+    ):
+        assert corpus.files == 10
+        assert b"EXCLUDED" not in bytes(corpus.train.tolist()) + bytes(corpus.valid.tolist())

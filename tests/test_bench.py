@@ -92,6 +92,47 @@ def test_cuda_requested_without_cuda_is_a_clear_error():
         BenchArguments(devices=["cuda"])
 
 
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        ("npu", "--devices 'npu' is not a device torch knows"),
+        ("bogus:0", "--devices 'bogus:0' is not a device torch knows"),
+        ("xpu", "device 'xpu' requested but XPU is not available here"),
+    ],
+)
+def test_a_device_this_machine_lacks_is_refused_before_loading(device, message, capsys):
+    with pytest.raises(ConfigurationError, match=message):
+        BenchArguments(devices=[device])
+    assert cli_main(["bench", "--devices", "cpu", device]) == 2
+    assert capsys.readouterr().err.startswith("hf-tapernorm bench: error:")
+
+
+def test_an_output_dir_that_is_a_file_is_refused_before_the_benchmark(tmp_path, monkeypatch):
+    target = tmp_path / "results.txt"
+    target.write_text("keep me\n")
+    monkeypatch.setattr(runner, "run_benchmark", lambda *a, **k: pytest.fail("the benchmark ran"))
+    with pytest.raises(ConfigurationError, match=f"--output_dir '{target}' is a file"):
+        runner.main(["--model_name_or_path", str(save_tiny_model(tmp_path / "tiny")), "--output_dir", str(target)])
+    assert target.read_text() == "keep me\n"
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--modes", "last", "--seq_lens", "8", "65"], "--seq_lens 65 exceeds the model's 64 positions"),
+        (
+            ["--modes", "decode", "--seq_lens", "60", "--new_tokens", "5"],
+            r"--seq_lens 60 \+ --new_tokens 5 \(decode\) exceeds the model's 64 positions",
+        ),
+    ],
+)
+def test_cases_longer_than_the_models_positions_are_refused_before_loading(tmp_path, monkeypatch, options, message):
+    folder = save_tiny_model(tmp_path / "tiny")  # 64 positions
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(ConfigurationError, match=message):
+        runner.main(["--model_name_or_path", str(folder), "--output_dir", str(tmp_path / "out"), *options])
+
+
 def test_the_conversion_script_is_a_front_end_of_the_cli(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["benchmark.py", "--help"])
     with pytest.raises(SystemExit) as exit_info:

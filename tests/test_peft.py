@@ -66,3 +66,26 @@ def test_lora_round_trip(tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(folder)
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, folded(ids).logits)
+
+
+def test_lora_that_freezes_the_taper_parameters_is_named_once_at_the_first_step(caplog):
+    from hf_tapernorm import TaperController
+
+    def first_steps(model) -> list[str]:
+        controller = TaperController(model, total_steps=40)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="hf_tapernorm.training.controller"):
+            controller.step_begin(0)
+            controller.step_begin(1)
+        return [r.getMessage() for r in caplog.records if "TaperNorm parameter(s) are frozen" in r.getMessage()]
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    frozen = get_peft_model(patch_model(build(tiny_llama_config()), TaperNormConfig.paper()), lora)
+    (message,) = first_steps(frozen)
+    count = sum(1 for _ in tapered_norms(frozen)) * 2  # weight and taper_weight (RMSNorm: no bias)
+    assert message.startswith(f"{count} TaperNorm parameter(s) are frozen") and "input_layernorm.weight" in message
+    assert "requires_grad_(True)" in message
+
+    unfrozen = get_peft_model(patch_model(build(tiny_llama_config()), TaperNormConfig.paper()), lora)
+    _train_tapernorm_parameters(unfrozen)
+    assert first_steps(unfrozen) == []

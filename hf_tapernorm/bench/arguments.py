@@ -12,6 +12,7 @@ import itertools
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -26,6 +27,26 @@ MODES = ("last", "full", "decode", "train")
 TRAIN_WORKLOADS = ("normalized", "warmup", "taper", "tapered-distilled", "tapered")
 EXECUTIONS = ("eager", "compile")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_device(name: str) -> None:
+    """A device torch can name and this machine has: cpu, or the accelerator torch finds (cuda, xpu, mps, ...)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigurationError(f"--devices {name!r} is not a device torch knows (cpu, cuda, cuda:1, mps, ...)") from None
+    if device.type == "cpu":
+        return
+    if device.type == "cuda":
+        available, count = torch.cuda.is_available(), torch.cuda.device_count()
+    else:
+        accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+        available = accelerator is not None and accelerator.type == device.type
+        count = torch.accelerator.device_count() if available else 0
+    if not available:
+        raise ConfigurationError(f"device {name!r} requested but {device.type.upper()} is not available here")
+    if device.index is not None and device.index >= count:
+        raise ConfigurationError(f"device {name!r} requested but this machine has {count} {device.type} device(s)")
 
 
 def _help(text: str) -> dict:
@@ -142,8 +163,20 @@ class BenchArguments:
         if "train" in self.modes and any(s < 4 for s in self.seq_lens):
             raise ConfigurationError("--modes train packs text blocks of --seq_lens tokens: each must be at least 4")
         for device in self.devices:
-            if device.startswith("cuda") and not torch.cuda.is_available():
-                raise ConfigurationError(f"device {device!r} requested but CUDA is not available here")
+            check_device(device)
+        output = Path(self.output_dir)
+        if output.exists() and not output.is_dir():
+            raise ConfigurationError(f"--output_dir '{output}' is a file: name a folder for bench.json and bench.png")
+
+    def check_positions(self, positions: Optional[int]) -> None:
+        """Refuse a case longer than the model's positions (decode: prompt plus new tokens), before any loading."""
+        if positions is None:
+            return
+        extra = self.new_tokens if "decode" in self.modes else 0
+        longest = max(self.seq_lens) + extra
+        if longest > positions:
+            what = f"--seq_lens {max(self.seq_lens)}" + (f" + --new_tokens {extra} (decode)" if extra else "")
+            raise ConfigurationError(f"{what} exceeds the model's {positions} positions")
 
     @property
     def compile_options(self) -> dict[str, str]:

@@ -14,7 +14,6 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from transformers import AutoConfig
 
 from .._parsing import UsageError, parse
 from ..config import sink_token_id
@@ -24,7 +23,7 @@ from ..export.hub import EXPORT_MANIFEST_NAME, export_manifest, push_export
 from ..layers.patching import gate_of, set_gate
 from ..pipeline.data import blocks_tensor, prepare_from_arguments
 from ..pipeline.evaluation import evaluate_set, heldout_loss
-from ..pipeline.models import ModelSourceError, load_model, load_tokenizer, resolve_model
+from ..pipeline.models import ModelSourceError, load_model, load_tokenizer, model_config, resolve_model
 from ..pipeline.out_of_corpus import out_of_corpus_set
 from ..pipeline.run_folder import write_file, write_folder
 from ..pipeline.taper import save_export
@@ -61,7 +60,7 @@ def eval_main(argv: Sequence[str]) -> int:
     if output_json is not None:
         check_result_file(output_json)
     source = resolve_model(model_args.model_name_or_path, model_args.gguf_file)
-    positions = max_positions(_config_of(source, model_args.trust_remote_code))
+    positions = max_positions(model_config(source, model_args.trust_remote_code))
     if positions is not None and data_args.block_size > positions:
         raise UsageError(f"--block_size {data_args.block_size} exceeds the model's {positions} positions")
     tokenizer = load_tokenizer(source, trust_remote_code=model_args.trust_remote_code)
@@ -149,15 +148,6 @@ def check_result_file(path: Path) -> None:
             f"--output_json {path} exists and is not an earlier result of hf-tapernorm eval; it is left as it is, "
             "name a new file"
         )
-
-
-def _config_of(source, trust_remote_code: bool):
-    """The model's config (None when unreadable: loading the model then says why)."""
-    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    try:
-        return AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code, **kwargs)
-    except Exception:  # noqa: BLE001 - transformers raises many types; load_model reports them
-        return None
 
 
 def check_export_folder(folder: Path, overwrite: bool) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedConfig, PreTrainedModel
 
 from ..errors import ConfigurationError
 from ..training.checkpoints import is_tapered_checkpoint, load_tapered
@@ -137,6 +137,15 @@ def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False):
     if tokenizer.eos_token_id is None:
         logger.warning("tokenizer of %s has no EOS token: packed documents will not be separated", source.describe())
     return tokenizer
+
+
+def model_config(source: ModelSource, trust_remote_code: bool = False) -> Optional[PreTrainedConfig]:
+    """The model's config, read without its weights; None when unreadable (loading the model then says why)."""
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    try:
+        return AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code, **kwargs)
+    except Exception:  # noqa: BLE001 - transformers raises many types; load_model reports them
+        return None
 
 
 def load_model(

@@ -92,6 +92,7 @@ class TaperController:
         self.anchors: list[ScaleAnchor] = scale_anchors(model)
         self.distillation = self._distillation(distillation)
         self._window = torch.zeros(_ANCHOR_SIZE, dtype=torch.float64)  # anchor sums since the last log_metrics()
+        self._trainable_checked = False
 
     def _distillation(self, given: Union[Distillation, bool, None]) -> Optional[Distillation]:
         if isinstance(given, Distillation):
@@ -178,6 +179,9 @@ class TaperController:
         """Before the micro-batches of update ``step + 1``: calibrate at k_start, set and return its gate."""
         number = step + 1
         gate = self.schedule.gate(number)
+        if not self._trainable_checked:  # at the first step, when the loop has chosen what trains
+            self._trainable_checked = True
+            warn_if_taper_parameters_frozen(self.model)
         if number > self.schedule.k_start:
             uncalibrated = [layer for _, layer in tapered_norms(self.model) if not layer.is_calibrated]
             if uncalibrated or any(not a.is_frozen for a in self.anchors):
@@ -267,6 +271,31 @@ class TaperController:
 
 
 _ADVICE = "Lower the learning rate, taper more slowly (a later taper_end) or keep more norms (keep_norms)"
+
+
+def warn_if_taper_parameters_frozen(model: nn.Module) -> None:
+    """Warn when the model trains but its TaperNorms' own parameters do not (PEFT/LoRA freezes them).
+
+    The taper then runs with each linear map fixed at its calibration: the recipe lets those maps (and the
+    norm weights folded with them) adapt while the gate falls, and a frozen run ends worse without saying why.
+    """
+    if not any(p.requires_grad for p in model.parameters()):
+        return  # nothing trains (an evaluation loop): nothing to say
+    frozen = [
+        f"{name}.{attribute}"
+        for name, layer in tapered_norms(model)
+        for attribute in ("weight", "bias", "taper_weight")
+        if isinstance(getattr(layer, attribute, None), nn.Parameter) and not getattr(layer, attribute).requires_grad
+    ]
+    if frozen:
+        logger.warning(
+            "%d TaperNorm parameter(s) are frozen while the model trains (%s%s): the taper's linear maps cannot "
+            "adapt as the gate falls. PEFT/LoRA freezes them: call requires_grad_(True) on each TaperNorm's "
+            "weight, bias and taper_weight after get_peft_model (see the docs' 'LoRA / PEFT' section)",
+            len(frozen),
+            ", ".join(frozen[:2]),
+            ", ..." if len(frozen) > 2 else "",
+        )
 
 
 def _needs_culprit(loss: Optional[float], scales) -> bool:

@@ -34,7 +34,8 @@ def check_device(name: str) -> None:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ConfigurationError(f"--devices {name!r} is not a device torch knows (cpu, cuda, cuda:1, mps, ...)") from None
+        message = f"--devices {name!r} is not a device torch knows (cpu, cuda, cuda:1, mps, ...)"
+        raise ConfigurationError(message) from None
     if device.type == "cpu":
         return
     if device.type == "cuda":

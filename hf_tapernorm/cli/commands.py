@@ -14,7 +14,6 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-
 from .._parsing import UsageError, parse
 from ..config import sink_token_id
 from ..errors import ConfigurationError, TaperStateError

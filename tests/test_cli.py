@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import signal
 import subprocess
@@ -358,6 +359,7 @@ def test_divergence_stops_with_a_report_and_no_export(workspace, tmp_path):
     assert report["history"] and "summary (no export)" in stdout
     assert report["training"]["steps"] == report["history"][-1]["step"] < 8
     assert not (out / "folded").exists() and not (out / "tapered").exists()
+    assert "training diverged" in (out / "report.md").read_text()
 
 
 def test_a_json_file_configures_a_run(tmp_path):
@@ -571,6 +573,28 @@ def test_report_renders_the_facts(tmp_path):
     assert "gap: tapered vs baseline +2.00%, vs original -3.10%; folded vs tapered +0.00%" in lines
     assert "held-out baseline loss 1.9000  perplexity 2.000" in lines
     assert paths["markdown"].read_text().startswith("# hf_tapernorm run report")
+
+
+def test_a_report_of_a_run_that_went_non_finite_is_written_whole(tmp_path):
+    """A diverged run's last logged values are NaN or inf: the report, JSON and plots are still written."""
+    history = [
+        {"step": 1, "gate": 1.0, "loss": 2.0, "ce": 2.0, "residual_scale": 1.0, "grad_norm": 1.0},
+        {"step": 2, "gate": 0.5, "loss": math.inf, "ce": math.nan, "residual_scale": math.inf, "grad_norm": math.nan},
+        {"step": 3, "gate": 0.2, "loss": math.nan, "ce": math.nan, "residual_scale": math.nan, "grad_norm": math.inf},
+    ]
+    facts = {
+        "model": {"source": "m", "model_type": "llama", "parameters": 10},
+        "data": {"source": "d", "block_size": 8, "heldout_tokens": 70},
+        "taper": {"taper_start_step": 1, "taper_end_step": 4, "scale_target": math.nan},
+        "training": {"steps": 3, "max_steps": 8, "final_gate": 0.2},
+        "history": history,
+        "status": "failed: TaperDivergenceError: training diverged at optimizer step 3",
+    }
+    paths = write_report(tmp_path, facts)
+    data = json.loads(paths["json"].read_text())  # strict JSON: non-finite values written as null
+    assert data["history"][2]["loss"] is None and data["history"][0]["loss"] == 2.0
+    assert all(paths[key].read_bytes()[:8] == PNG_MAGIC for key in PLOTS)
+    assert "training diverged at optimizer step 3" in paths["markdown"].read_text()
 
 
 # ----------------------------------------------------------------------------- the embedded default

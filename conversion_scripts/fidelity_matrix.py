@@ -9,8 +9,8 @@ moves the WSD decay) trains its own. Runs go into ``<root>/steps<N>/<arm>/seed<S
 skipped, an interrupted one continues with ``--resume``, so the harness can be stopped and started again.
 Up to ``--jobs`` runs at a time, each with one thread (``OMP_NUM_THREADS=1``).
 
-Every model is then scored on the same held-out and out-of-corpus blocks (the CLI's own evaluation;
-runs whose report predates it are evaluated again with the same code) and the table goes to
+Every model is scored on the same held-out and out-of-corpus blocks by the CLI's own evaluation (the
+run's report) and the table goes to
 ``<root>/steps<N>/table.md`` and ``table.json``: per arm, the gap of the tapered and the folded model to
 the baseline on each seed, their mean and spread, the out-of-corpus gap and the KL to the original,
 and the command of every run::
@@ -20,8 +20,8 @@ and the command of every run::
     python -m conversion_scripts.fidelity_matrix --root runs/fidelity --steps 150 --table_only
 
 ``--preset gpu`` sizes the same matrix for one large accelerator (bf16, sequences of 512, at least 25M
-tokens per arm, shortened to fit ``--time_budget_s``); ``--preset toy`` is the CI smoke size on a tiny
-local model.
+tokens per arm, shortened to fit ``--time_budget_s``); the test suite runs it at toy size on a tiny local
+model (``--steps`` and the model's flags override the preset's).
 """
 
 from __future__ import annotations
@@ -159,78 +159,23 @@ def run_matrix(
         logger.warning("failed runs (see their logs): %s", failed)
 
 
-# ----------------------------------------------------------------------------- evaluation of older runs
-def scores_of(
-    folder: Path, default_baseline: Optional[Path], data_flags: Optional[dict[str, int]] = None
-) -> Optional[dict[str, Any]]:
-    """The run's held-out and out-of-corpus scores: its report's, or (older reports) computed again here.
+# ----------------------------------------------------------------------------- scores
+def scores_of(folder: Path) -> Optional[dict[str, Any]]:
+    """The run's held-out and out-of-corpus scores, from its report (the CLI's own evaluation).
 
-    A report written before the random held-out draw and the out-of-corpus measure is re-scored with
-    the CLI's own evaluation code and default data arguments; the result is cached in ``evaluation.json``.
+    A run whose report predates the out-of-corpus measure has no such scores, unless an earlier version of
+    this harness scored it into ``evaluation.json``; without either it is left out of the table (rerun it).
     """
     report = json.loads((folder / "report.json").read_text())
-    if report.get("status") == "finished" and report.get("out_of_corpus") and "baseline" in report["heldout"]:
+    if report.get("out_of_corpus") and "baseline" in (report.get("heldout") or {}):
         return report
     cached = folder / "evaluation.json"
     if cached.is_file():
         return json.loads(cached.read_text())
-    baseline = folder / "baseline" / "model"
-    if not baseline.is_dir():
-        baseline = default_baseline
-    if baseline is None or not baseline.is_dir():
-        return None
-    scores = reevaluate(folder, baseline, block_size=report["data"]["block_size"], **(data_flags or {}))
-    cached.write_text(json.dumps(scores, indent=2) + "\n")
-    return scores
+    logger.warning("%s: its report has no baseline or out-of-corpus scores; rerun it to put it in the table", folder)
+    return None
 
 
-def reevaluate(folder: Path, baseline: Path, *, block_size: int, **data_flags: int) -> dict[str, Any]:
-    """Score an older run's models with the CLI's evaluation (``data_flags``: the matrix's evaluation options)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from hf_tapernorm.cli.arguments import DataArguments
-    from hf_tapernorm.export import fold_model
-    from hf_tapernorm.layers.patching import set_gate
-    from hf_tapernorm.pipeline.data import prepare_from_arguments
-    from hf_tapernorm.pipeline.evaluation import broken_blocks, evaluate_set, per_document
-    from hf_tapernorm.pipeline.models import embedded_model, load_model, load_tokenizer
-    from hf_tapernorm.pipeline.out_of_corpus import out_of_corpus_set
-    from hf_tapernorm.training.checkpoints import load_tapered
-
-    torch.set_grad_enabled(False)
-    source = embedded_model()
-    tokenizer = load_tokenizer(source)
-    tapered = load_tapered(folder / "tapered")
-    sink = list(tapered.tapernorm_config.sink_token_ids)
-    data = DataArguments(block_size=block_size, **data_flags)
-    packed = prepare_from_arguments(data, tokenizer, train_blocks=0, prefix_ids=sink)
-    set_gate(tapered, 0.0)
-    models = {
-        "original": load_model(source),
-        "baseline": AutoModelForCausalLM.from_pretrained(baseline),
-        "tapered": tapered,
-        # Folded again from the tapered checkpoint, as `hf-tapernorm fold` does: exports written before the
-        # sink logits were stored refuse sink-first input.
-        "folded": fold_model(tapered, probe=packed.heldout_set.blocks[:2, len(sink) :]),
-    }
-    held = evaluate_set(models, packed.heldout_set, reference=models["original"])
-    outside = evaluate_set(models, out_of_corpus_set(data, tokenizer, sink), reference=models["original"])
-    return {
-        "status": "finished",
-        "training": json.loads((folder / "report.json").read_text()).get("training"),
-        "heldout": {k: v.summary() for k, v in held.items()},
-        "out_of_corpus": {k: v.summary() for k, v in outside.items()},
-        "heldout_documents": {
-            "against": "baseline",
-            "rows": per_document(held["tapered"], held["baseline"], packed.heldout_set),
-            "broken_blocks": broken_blocks(held["tapered"], held["baseline"]),
-        },
-        "reevaluated": True,
-    }
-
-
-# ----------------------------------------------------------------------------- the table
 def _stats(values: list[float]) -> dict[str, Optional[float]]:
     if not values:
         return {"mean": None, "spread": None}
@@ -249,12 +194,11 @@ def arm_rows(root: Path, steps: int, arms: list[str], seeds: list[int], preset_f
             folder = run_folder(root, steps, arm, seed)
             if not is_finished(folder):
                 continue
-            report = scores_of(
-                folder, run_folder(root, steps, "default", seed) / "baseline" / "model", evaluation_flags(extra)
-            )
+            report = scores_of(folder)
             if report is None:
-                continue  # no baseline to compare with
+                continue
             held, outside = report.get("heldout") or {}, report.get("out_of_corpus") or {}
+            broken = (report.get("heldout_documents") or {}).get("broken_blocks")
             loss = {k: v.get("loss") for k, v in held.items()}
             ooc = {k: v.get("loss") for k, v in outside.items()}
             per_seed[seed] = {
@@ -267,12 +211,8 @@ def arm_rows(root: Path, steps: int, arms: list[str], seeds: list[int], preset_f
                 "ooc_folded_vs_baseline": _gap(ooc.get("folded"), ooc.get("baseline")),
                 "ooc_folded_vs_original": _gap(ooc.get("folded"), ooc.get("original")),
                 "final_gate": (report.get("training") or {}).get("final_gate"),
-                "broken_blocks": len(
-                    ((report.get("heldout_documents") or {}).get("broken_blocks") or {}).get("blocks", [])
-                ),
-                "gap_without_broken": ((report.get("heldout_documents") or {}).get("broken_blocks") or {}).get(
-                    "gap_without"
-                ),
+                "broken_blocks": len(broken["blocks"]) if broken else None,  # None: a report without the count
+                "gap_without_broken": broken.get("gap_without") if broken else None,
             }
         keys = (
             "tapered_vs_baseline",
@@ -291,15 +231,6 @@ def arm_rows(root: Path, steps: int, arms: list[str], seeds: list[int], preset_f
             }
         )
     return rows
-
-
-def evaluation_flags(extra: list[str]) -> dict[str, int]:
-    """The evaluation options among the CLI flags the matrix passes through, for re-scoring older runs alike."""
-    flags = {}
-    for name in ("heldout_blocks", "out_of_corpus_blocks", "heldout_seed", "eval_batch_size"):
-        if f"--{name}" in extra:
-            flags[name] = int(extra[extra.index(f"--{name}") + 1])
-    return flags
 
 
 def _pct(stats: dict[str, Optional[float]]) -> str:
@@ -326,11 +257,12 @@ def write_table(root: Path, steps: int, rows: list[dict[str, Any]], seeds: list[
         kls = [r["out_of_corpus_kl"].get("folded") for r in row["seeds"].values()]
         kls = [k for k in kls if k is not None]
         kl = f"{statistics.fmean(kls):.4f}" if kls else "-"
+        broken = "/".join("-" if r["broken_blocks"] is None else str(r["broken_blocks"]) for r in row["seeds"].values())
         lines.append(
             f"| {row['arm']} | {row['about']} | {len(row['seeds'])} | {_pct(row['tapered_vs_baseline'])} | "
             f"{_pct(row['folded_vs_baseline'])} | {_pct(row['folded_vs_tapered'])} | "
             f"{_pct(row['ooc_folded_vs_baseline'])} | {kl} | "
-            f"{'/'.join(str(r['broken_blocks']) for r in row['seeds'].values()) or '-'} | "
+            f"{broken or '-'} | "
             f"{_pct(row['gap_without_broken'])} |"
         )
     lines += [

@@ -58,3 +58,19 @@ def test_matrix_runs_each_arm_and_seed_once_reuses_the_baseline_and_writes_the_t
     before = {p: p.stat().st_mtime_ns for p in root.glob("steps6/*/seed*/report.json")}
     assert fidelity_matrix.main(argv) == 0
     assert before == {p: p.stat().st_mtime_ns for p in root.glob("steps6/*/seed*/report.json")}
+
+
+def test_a_time_budget_shortens_the_matrix_from_a_timed_probe(workspace, caplog):
+    root = workspace / "budget"
+    argv = ["--root", str(root), "--preset", "gpu", "--steps", "60", "--seeds", "1", "--time_budget_s", "1"]
+    argv += ["--arms", "default", *tiny_flags(workspace)]
+    with caplog.at_level("INFO", logger="fidelity_matrix"):
+        assert fidelity_matrix.main(argv) == 0
+    # The probe (a tenth of the asked steps, with its baseline) already spends the budget: the runs take its length.
+    probe = json.loads((root / "probe" / "steps6" / "default" / "seed1" / "report.json").read_text())
+    assert probe["status"] == "finished" and probe["training"]["steps"] == 6
+    assert any("steps fit the budget (asked 60)" in r.getMessage() for r in caplog.records)
+    report = json.loads((root / "steps6" / "default" / "seed1" / "report.json").read_text())
+    assert report["status"] == "finished" and report["training"]["steps"] == 6
+    assert not (root / "steps60").exists()
+    assert [row["arm"] for row in json.loads((root / "steps6" / "table.json").read_text())] == ["default"]

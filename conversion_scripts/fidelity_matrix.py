@@ -199,6 +199,7 @@ def arm_rows(root: Path, steps: int, arms: list[str], seeds: list[int], preset_f
                 continue
             held, outside = report.get("heldout") or {}, report.get("out_of_corpus") or {}
             broken = (report.get("heldout_documents") or {}).get("broken_blocks")
+            outside_broken = (report.get("out_of_corpus_blocks") or {}).get("broken_blocks")
             loss = {k: v.get("loss") for k, v in held.items()}
             ooc = {k: v.get("loss") for k, v in outside.items()}
             per_seed[seed] = {
@@ -213,6 +214,7 @@ def arm_rows(root: Path, steps: int, arms: list[str], seeds: list[int], preset_f
                 "final_gate": (report.get("training") or {}).get("final_gate"),
                 "broken_blocks": len(broken["blocks"]) if broken else None,  # None: a report without the count
                 "gap_without_broken": broken.get("gap_without") if broken else None,
+                "ooc_broken_blocks": len(outside_broken["blocks"]) if outside_broken else None,
             }
         keys = (
             "tapered_vs_baseline",
@@ -250,19 +252,22 @@ def write_table(root: Path, steps: int, rows: list[dict[str, Any]], seeds: list[
         "documentation's English topics. KL: to the original model, nats per token, out of corpus.",
         "",
         "| arm | what | seeds | tapered vs baseline | folded vs baseline | folded vs tapered | out of corpus, "
-        "folded vs baseline | KL to original (folded, ooc) | broken blocks | gap without them |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "folded vs baseline | KL to original (folded, ooc) | broken blocks | broken out of corpus | gap without them |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         kls = [r["out_of_corpus_kl"].get("folded") for r in row["seeds"].values()]
         kls = [k for k in kls if k is not None]
         kl = f"{statistics.fmean(kls):.4f}" if kls else "-"
-        broken = "/".join("-" if r["broken_blocks"] is None else str(r["broken_blocks"]) for r in row["seeds"].values())
+        broken, ooc_broken = (
+            "/".join("-" if r[key] is None else str(r[key]) for r in row["seeds"].values()) or "-"
+            for key in ("broken_blocks", "ooc_broken_blocks")
+        )
         lines.append(
             f"| {row['arm']} | {row['about']} | {len(row['seeds'])} | {_pct(row['tapered_vs_baseline'])} | "
             f"{_pct(row['folded_vs_baseline'])} | {_pct(row['folded_vs_tapered'])} | "
             f"{_pct(row['ooc_folded_vs_baseline'])} | {kl} | "
-            f"{broken or '-'} | "
+            f"{broken} | {ooc_broken} | "
             f"{_pct(row['gap_without_broken'])} |"
         )
     lines += [

@@ -236,8 +236,15 @@ def test_baseline_runs_the_same_training_without_tapering(workspace, tmp_path):
     assert set(report["out_of_corpus"]) == {"original", "baseline", "tapered", "folded"}
     assert report["out_of_corpus"]["original"]["kl"] == pytest.approx(0.0, abs=1e-6)
     assert report["out_of_corpus"]["baseline"]["kl"] > 0
+    outside = report["out_of_corpus_blocks"]
+    assert outside["against"] == "baseline" and outside["broken_blocks"]["threshold_nats"] == 2.0
+    if not outside["broken_blocks"]["blocks"]:
+        tapered, baseline = report["out_of_corpus"]["tapered"]["loss"], report["out_of_corpus"]["baseline"]["loss"]
+        assert outside["broken_blocks"]["gap_without"] == pytest.approx(tapered / baseline - 1, rel=1e-6)
     markdown = (out / "report.md").read_text()
     assert "## Out-of-corpus loss" in markdown and "pydoc_data.topics" in markdown
+    assert "Out-of-corpus blocks where the tapered model loses more than 2 nats" in markdown
+    assert "Held-out blocks where the tapered model loses more than 2 nats" in markdown
     assert "## Held-out documents where the tapered model loses most (against the baseline)" in markdown
     losses = json.loads((out / "heldout_losses.json").read_text())
     assert len(losses["baseline"]) == losses["blocks"] == report["data"]["heldout_blocks"]

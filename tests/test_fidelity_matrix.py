@@ -51,6 +51,10 @@ def test_matrix_runs_each_arm_and_seed_once_reuses_the_baseline_and_writes_the_t
     gaps = [rows["default"]["seeds"][str(s)]["tapered_vs_baseline"] for s in (1, 2)]
     assert rows["default"]["tapered_vs_baseline"]["mean"] == pytest.approx(sum(gaps) / 2)
     assert rows["default"]["tapered_vs_baseline"]["spread"] == pytest.approx(abs(gaps[0] - gaps[1]) / 2)
+    for seed in ("1", "2"):  # both sets' broken blocks counted, from the reports
+        assert all(
+            isinstance(rows["default"]["seeds"][seed][key], int) for key in ("broken_blocks", "ooc_broken_blocks")
+        )
     assert "--bf16" in rows["no_distill"]["commands"][0] and "--baseline_from" in rows["no_distill"]["commands"][0]
     table = (root / "steps6" / "table.md").read_text()
     assert "| no_distill | no distillation term | 2 |" in table and "## Commands" in table

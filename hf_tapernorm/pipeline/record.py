@@ -63,6 +63,7 @@ class RunRecord:
     heldout: dict[str, dict[str, float]] = field(default_factory=dict)
     out_of_corpus: dict[str, dict[str, float]] = field(default_factory=dict)  # model -> CE and KL to the original
     heldout_documents: dict[str, Any] = field(default_factory=dict)  # the documents that lose most (evaluation.py)
+    out_of_corpus_blocks: dict[str, Any] = field(default_factory=dict)  # its broken blocks, as heldout_documents'
     evaluation_sets: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> description, blocks, tokens
     fold: dict[str, Any] = field(default_factory=dict)
     export: dict[str, Any] = field(default_factory=dict)
@@ -109,6 +110,7 @@ class RunRecord:
             "heldout": self.heldout,
             "out_of_corpus": self.out_of_corpus,
             "heldout_documents": self.heldout_documents,
+            "out_of_corpus_blocks": self.out_of_corpus_blocks,
             "gap": self.gap(),
             "fold": self.fold,
             "export": self.export,

@@ -249,6 +249,8 @@ def _evaluation_sections(facts: Mapping[str, Any]) -> list[str]:
     """Held-out and out-of-corpus tables (CE, KL to the original), and the documents that lose most."""
     sets = facts.get("evaluation_sets") or {}
     parts: list[str] = []
+    documents = facts.get("heldout_documents") or {}
+    broken_of = {"heldout": documents, "out_of_corpus": facts.get("out_of_corpus_blocks") or {}}
     for title, key, set_name in (
         ("Held-out loss", "heldout", "held-out"),
         ("Out-of-corpus loss", "out_of_corpus", "out-of-corpus"),
@@ -269,16 +271,16 @@ def _evaluation_sections(facts: Mapping[str, Any]) -> list[str]:
                     f"{r.get('tokens', '-')} |"
                 )
         parts.append("")
-    documents = facts.get("heldout_documents") or {}
-    broken = documents.get("broken_blocks")
-    if broken:
-        parts += [
-            f"Held-out blocks where the tapered model loses more than {broken['threshold_nats']:g} nats per token "
-            f"against the {documents['against']} (it breaks past some token): {len(broken['blocks'])}"
-            + (f" (blocks {', '.join(map(str, broken['blocks'][:10]))})" if broken["blocks"] else "")
-            + f"; the gap without them: {_pct(broken['gap_without'])}.",
-            "",
-        ]
+        found = broken_of[key]
+        broken = found.get("broken_blocks")
+        if broken:
+            parts += [
+                f"{set_name.capitalize()} blocks where the tapered model loses more than {broken['threshold_nats']:g} "
+                f"nats per token against the {found['against']} (it breaks past some token): {len(broken['blocks'])}"
+                + (f" (blocks {', '.join(map(str, broken['blocks'][:10]))})" if broken["blocks"] else "")
+                + f"; the gap without them: {_pct(broken['gap_without'])}.",
+                "",
+            ]
     if documents.get("rows"):
         against = documents["against"]
         parts += [

@@ -367,6 +367,10 @@ class _Pipeline:
         if self.reference_text is not None:
             scores = evaluate_set(models, self.reference_text, reference=original, batch_size=batch)
             record.out_of_corpus = {name: s.summary() for name, s in scores.items()}
+            record.out_of_corpus_blocks = {
+                "against": against,
+                "broken_blocks": broken_blocks(scores["tapered"], scores[against]),
+            }
         del original
 
     def export(self, folded, probe) -> None:

@@ -798,3 +798,13 @@ def test_an_export_killed_by_sigkill_leaves_no_partial_copy_for_ever(tmp_path):
     write_folder(tmp_path / "export", lambda tmp: (tmp.mkdir(), (tmp / "config.json").write_text("{}")))
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == [".export.partial-" + str(alive), ".other.partial-1", "export"], left
+
+
+@pytest.mark.parametrize("tolerance", [-1.0, float("nan"), float("inf"), "1e-4"])
+def test_fold_model_refuses_a_tolerance_that_is_no_positive_number(tmp_path, tolerance):
+    """-1 and NaN were reported as a failed fold check ("pass a larger tolerance"); inf passed any fold."""
+    from hf_tapernorm import fold_model
+
+    model = load_tapered(tapered_checkpoint(tmp_path / "saved"))
+    with pytest.raises(ConfigurationError, match=r"^fold_model: tolerance must be a positive finite number, got "):
+        fold_model(model, tolerance=tolerance)

@@ -23,8 +23,10 @@ import dataclasses
 import functools
 import json
 import logging
+import operator
 import os
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -251,6 +253,10 @@ class TaperNormConfig:
         """The config of ``values`` (``to_dict`` or a ``tapernorm_config.json``). Keys this version does not
         know (a file from a newer version) are dropped with one warning naming them, as PEFT does, so an
         older install still reads a newer file; the recorded package version is not a field."""
+        if not isinstance(values, Mapping):
+            raise ConfigurationError(
+                f"TaperNormConfig.from_dict expects a mapping of field names to values, got a {type(values).__name__}"
+            )
         values = dict(values)
         version = values.pop(VERSION_KEY, None)
         known = {f.name for f in dataclasses.fields(cls)}
@@ -296,9 +302,10 @@ class TaperNormConfig:
         else:
             path = Path(_download(str(name_or_path), revision, token))
         try:
-            return cls.from_dict(json.loads(path.read_text()))
-        except json.JSONDecodeError as error:
+            values = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
             raise ConfigurationError(f"{path} is not valid JSON: {error}") from None
+        return cls.from_dict(values)
 
     def replace(self, **changes: Any) -> TaperNormConfig:
         return dataclasses.replace(self, **changes)
@@ -308,30 +315,52 @@ def _checked(cls: type, name: str, value: Any) -> Any:
     """One field's value, normalized (a single pattern or id becomes a list), or a ConfigurationError."""
     label = f"TaperNormConfig.{name}"
     choices = cls.choices(name)
+    hint = _type_hints(cls)[name]
     if choices is not None:
         if value not in choices:
             raise ConfigurationError(f"{label} must be one of {', '.join(choices)}, got {value!r}")
     elif name == "keep_norms":
-        value = [] if value is None else [value] if isinstance(value, str) else [str(p) for p in value]
+        value = [] if value is None else [value] if isinstance(value, str) else value
+        if not isinstance(value, (list, tuple)) or not all(isinstance(p, str) for p in value):
+            raise ConfigurationError(f"{label} must be a list of fnmatch patterns (strings), got {value!r}")
+        value = list(value)
         if any(not p.strip() for p in value):
             raise ConfigurationError(f"{label} holds an empty pattern: {value!r}")
     elif name == "sink_token_ids":
         value = [] if value is None else [value] if isinstance(value, int) and not isinstance(value, bool) else value
         try:
-            value = [int(i) for i in value]
+            value = [_token_id(i) for i in value]
         except (TypeError, ValueError):
-            raise ConfigurationError(f"{label} must be token ids, got {value!r}") from None
+            raise ConfigurationError(f"{label} must be integer token ids, got {value!r}") from None
         if any(i < 0 for i in value):
             raise ConfigurationError(f"{label} must be non-negative, got {value}")
     elif name in ("taper_start", "taper_end"):
         check_step(label, value)
-    elif name == "ema_rate" and not 0.0 < value <= 1.0:
+    elif hint is bool:
+        if not isinstance(value, bool):  # bool("no") is True: a string or number here is a mistake, not a choice
+            raise ConfigurationError(f"{label} must be true or false, got {value!r}")
+    elif hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigurationError(f"{label} must be a number, got {value!r}")
+        value = float(value)
+    elif hint is str and not isinstance(value, str):
+        raise ConfigurationError(f"{label} must be a string, got {value!r}")
+    if name == "ema_rate" and not 0.0 < value <= 1.0:
         raise ConfigurationError(f"{label} must be in (0, 1], got {value}")
     elif name == "calibration_scale" and not value > 0:
         raise ConfigurationError(f"{label} must be positive, got {value}")
     elif name in ("scale_loss_weight", "distill_weight") and not value >= 0:
         raise ConfigurationError(f"{label} must be >= 0, got {value}")
     return value
+
+
+def _token_id(value: Any) -> int:
+    """An integer token id (an int, a NumPy/torch integer, or its digits); a float or bool is refused, not cut."""
+    if isinstance(value, bool):
+        raise TypeError(value)
+    if isinstance(value, str):
+        return int(value.strip())
+    return operator.index(value)
 
 
 @functools.cache

@@ -396,7 +396,8 @@ def test_non_finite_training_losses_make_the_run_fail(tmp_path, monkeypatch, cap
     fake = [{"case": case, "label": "train b1", "variants": {"tapered": entry}, "times_s": {}}]
     monkeypatch.setattr(runner, "run_benchmark", lambda load, arguments, text: (load(torch.float32), fake)[1])
     monkeypatch.setattr(runner, "_train_text", lambda arguments, source: None)
-    assert runner.main(["--model_name_or_path", str(folder), "--modes", "train", "--output_dir", str(tmp_path)]) == 1
+    argv = ["--model_name_or_path", str(folder), "--modes", "train", "--seq_lens", "32", "--output_dir", str(tmp_path)]
+    assert runner.main(argv) == 1  # --seq_lens within the tiny model's 64 positions (the default 128 is refused)
     assert "non-finite training losses in train b1: tapered" in capsys.readouterr().err
 
 

@@ -141,6 +141,7 @@ TIERS = [
     "hf_tapernorm.layers",
     "hf_tapernorm.training",
     "hf_tapernorm.export",
+    "hf_tapernorm.config",
 ]
 DOCS = PACKAGE.parent / "docs"
 

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from hf_tapernorm import TaperNormConfig, TaperStateError, load_tapered, patch_model, save_tapered
+from hf_tapernorm.errors import ConfigurationError
 from hf_tapernorm.layers import set_gate
 from hf_tapernorm.pipeline.run_folder import LOCK_NAME, MANIFEST_NAME, RunFolder, RunFolderError
 from hf_tapernorm.training import calibrate
@@ -431,6 +432,9 @@ def test_sigkill_at_any_point_then_resume_is_bit_identical(workspace, reference,
             "--resume_from_checkpoint is the Trainer's flag and taper does not read it",
         ),
         (["--label_smoothing_factor", "0.1"], "--label_smoothing_factor 0.1: the Trainer would compute its own loss"),
+        (["--seed", "-1"], "--seed must be in [0, 2**32 - 1], got -1"),  # was NumPy's traceback, after the load
+        (["--max_grad_norm", "-1"], "--max_grad_norm must be >= 0, got -1.0"),  # was clipping silently off
+        (["--weight_decay", "-1"], "--weight_decay must be >= 0, got -1.0"),  # was accepted: weights pushed to grow
         (["--lr_scheduler_kwargs", '{"num_decay_steps": 500}'], "more than --max_steps 10"),
         (["--warmup_steps", "5"], "--warmup_steps 5.0 is 5 steps, past the taper's start (step 2)"),
         (
@@ -599,3 +603,208 @@ def test_a_run_killed_during_its_export_can_be_overwritten(workspace, reference,
     assert code == 0, stderr
     assert not list(run.glob(".*.partial-*")) and not (run / LOCK_NAME).exists()
     assert_same_weights(run, reference)
+
+
+# ============================================================================= 5. cases of the re-probe
+def test_a_file_put_into_the_run_folder_while_it_runs_stays_the_users(workspace, tmp_path, monkeypatch):  # noqa: F811
+    """The manifest once adopted every file present at the end: a later --overwrite deleted the user's notes."""
+    import hf_tapernorm.pipeline.taper as taper_pipeline
+
+    out = tmp_path / "run"
+    original = taper_pipeline.save_export
+
+    def with_a_user_file(*args, **kwargs):
+        (out / "notes.txt").write_text("my notes, written while the run trained")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(taper_pipeline, "save_export", with_a_user_file)
+    argv = taper_argv(workspace, out, "--distill_weight", "0", "--out_of_corpus_blocks", "0", steps=6)
+    code, _, stderr = run_main(argv)
+    assert code == 0, stderr
+    manifest = json.loads((out / MANIFEST_NAME).read_text())["files"]
+    assert "notes.txt" not in manifest and "folded/model.safetensors" in manifest and "report.json" in manifest
+    monkeypatch.setattr(taper_pipeline, "save_export", original)
+    message = error_of([*argv, "--overwrite"])
+    assert message == (
+        f"hf-tapernorm taper: error: refusing to --overwrite '{out}': it holds files hf-tapernorm did not write "
+        "(notes.txt); move them away first"
+    )
+    assert (out / "notes.txt").read_text() == "my notes, written while the run trained"
+
+
+def test_bench_never_writes_over_result_files_it_did_not_write(tmp_path):
+    from hf_tapernorm.bench.arguments import parse_arguments
+
+    (tmp_path / "bench.json").write_text('{"mine": 1}')
+    (tmp_path / "bench.png").write_text("my picture")
+    with pytest.raises(ConfigurationError, match=r"holds bench.json, bench.png that no earlier hf-tapernorm bench"):
+        parse_arguments(["--output_dir", str(tmp_path)])
+    (tmp_path / "bench.json").unlink()
+    with pytest.raises(ConfigurationError, match=r"holds bench.png that no earlier"):
+        parse_arguments(["--output_dir", str(tmp_path)])
+    earlier = {"settings": {}, "results": [], "environment": {}}
+    (tmp_path / "bench.json").write_text(json.dumps(earlier))  # an earlier benchmark's pair is replaced
+    assert parse_arguments(["--output_dir", str(tmp_path)]).output_dir == str(tmp_path)
+    assert (tmp_path / "bench.png").read_text() == "my picture" and json.loads((tmp_path / "bench.json").read_text())
+
+
+def test_resume_refuses_other_weights_of_the_same_size(workspace, reference, tmp_path):  # noqa: F811
+    """The weights were identified by their size: a fine-tune saved over the base model resumed silently, with
+    the report's original-model figures (and a distillation teacher) of other weights."""
+    run, model = tmp_path / "run", tmp_path / "model"
+    shutil.copytree(reference, run)
+    shutil.copytree(workspace / "llama", model)
+    argv = killable_argv(workspace, run)
+    argv[argv.index("--model_name_or_path") + 1] = str(model)
+    for path in (run / MANIFEST_NAME, *run.glob("checkpoint-*/tapernorm_run.json")):
+        path.write_text(path.read_text().replace(str(workspace / "llama"), str(model)))  # as if it had read the copy
+    size = (model / "model.safetensors").stat().st_size
+    build(tiny_llama_config(), seed=7).save_pretrained(model)  # other weights, the same size
+    assert (model / "model.safetensors").stat().st_size == size
+    before = snapshot(run)
+    message = error_of([*argv, "--resume"])
+    assert "model_contents.model.safetensors: " in message and "--allow_changes" in message, message
+    assert snapshot(run) == before
+
+
+def test_a_legacy_weight_fingerprint_still_resumes():
+    from hf_tapernorm.pipeline.validation import _with_legacy_fingerprints
+
+    saved = {"model_contents": {"model.safetensors": "100 bytes", "config.json": "abc"}}
+    now = {"model_contents": {"model.safetensors": "100 bytes, sampled sha256 ff", "config.json": "abc"}}
+    assert _with_legacy_fingerprints(saved, now)["model_contents"] == saved["model_contents"]
+    other = {"model_contents": {"model.safetensors": "101 bytes, sampled sha256 ff", "config.json": "abc"}}
+    assert _with_legacy_fingerprints(saved, other) == other
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    path = folder / "tapernorm_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def test_a_tapered_checkpoint_whose_config_or_weights_were_edited_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    saved = tapered_checkpoint(tmp_path / "saved")
+    assert load_tapered(saved) is not None
+    kept = tmp_path / "kept"  # a trained (tapered, g = 0) norm declared kept: evaluated as a real norm, silently
+    shutil.copytree(saved, kept)
+    _edit_config(kept, keep_norms=["model.layers.0.input_layernorm"])
+    with pytest.raises(TaperStateError, match=r"model.layers.0.input_layernorm is kept as a norm by its tapernorm_"):
+        load_tapered(kept)
+    gates = tmp_path / "gates"
+    shutil.copytree(saved, gates)
+    state = load_file(str(gates / "model.safetensors"))
+    state["model.layers.1.input_layernorm.gate"].fill_(0.5)
+    save_file(state, str(gates / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(TaperStateError, match=r"tapered norms were saved at different gates \(0, 0.5\)"):
+        load_tapered(gates)
+    damaged = tmp_path / "nan"  # was folded, then "the fold check failed: pass a larger tolerance"
+    shutil.copytree(saved, damaged)
+    state = load_file(str(damaged / "model.safetensors"))
+    state["model.layers.0.mlp.up_proj.weight"][0, 0] = float("nan")
+    save_file(state, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(TaperStateError, match=r"non-finite values \(NaN or inf\) in model.layers.0.mlp.up_proj"):
+        load_tapered(damaged)
+    sink = tmp_path / "sink"  # was an IndexError traceback from the embedding
+    shutil.copytree(saved, sink)
+    _edit_config(sink, sink_token_ids=[100000])
+    with pytest.raises(ConfigurationError, match=r"sink_token_ids \[100000\] are not token ids of LlamaForCausalLM"):
+        load_tapered(sink)
+    listed = tmp_path / "listed"  # was a ValueError traceback from dict()
+    shutil.copytree(saved, listed)
+    (listed / "tapernorm_config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigurationError, match=r"holds a JSON list, not a TaperNormConfig"):
+        load_tapered(listed)
+    message = error_of(["fold", "--checkpoint", str(kept), "--output_dir", str(tmp_path / "export")])
+    assert message.startswith(f"hf-tapernorm fold: error: tapered checkpoint '{kept}': model.layers.0.input_layernorm")
+    assert not (tmp_path / "export").exists()
+
+
+@pytest.mark.parametrize(
+    "values, expected",
+    [
+        ({"relative_scale_loss": "no"}, "relative_scale_loss must be true or false, got 'no'"),  # was True
+        ({"sink_token_ids": [1.7]}, "sink_token_ids must be integer token ids, got [1.7]"),  # was cut to 1
+        ({"ema_rate": "0.5"}, "ema_rate must be a number, got '0.5'"),  # the next three were TypeErrors
+        ({"calibration_scale": None}, "calibration_scale must be a number, got None"),
+        ({"scale_loss_weight": [1]}, "scale_loss_weight must be a number, got [1]"),
+        ({"keep_norms": [1, 2]}, "keep_norms must be a list of fnmatch patterns (strings), got [1, 2]"),
+        ({"recipe": 3}, "recipe must be a string, got 3"),
+    ],
+)
+def test_a_tapernorm_config_of_the_wrong_types_is_refused(tmp_path, values, expected):
+    (tmp_path / "tapernorm_config.json").write_text(json.dumps(values))
+    with pytest.raises(ConfigurationError) as caught:
+        TaperNormConfig.from_pretrained(tmp_path)
+    assert str(caught.value) == f"TaperNormConfig.{expected}"
+
+
+def test_an_unreadable_tapernorm_config_is_one_configuration_error(tmp_path):
+    import numpy as np
+
+    (tmp_path / "tapernorm_config.json").write_bytes(b"\xff\xfe not utf-8")
+    with pytest.raises(ConfigurationError, match="is not valid JSON: 'utf-8' codec can't decode"):
+        TaperNormConfig.from_pretrained(tmp_path)
+    (tmp_path / "tapernorm_config.json").write_text("null")
+    with pytest.raises(
+        ConfigurationError, match="from_dict expects a mapping of field names to values, got a NoneType"
+    ):
+        TaperNormConfig.from_pretrained(tmp_path)
+    assert TaperNormConfig(sink_token_ids=[np.int64(5), torch.tensor(6), "7"]).sink_token_ids == [5, 6, 7]
+
+
+def test_corpus_that_is_not_utf8_or_one_long_line_is_explained(workspace, tmp_path, monkeypatch):  # noqa: F811
+    import hf_tapernorm.pipeline.taper as taper_pipeline
+
+    monkeypatch.setattr(taper_pipeline, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes(("caf\xe9 na\xefve r\xe9sum\xe9 " * 200).encode("latin-1"))
+    argv = taper_argv(workspace, tmp_path / "run", "--data_cache_dir", str(tmp_path / "cache"))
+    argv[argv.index("--dataset_name") + 1] = str(latin1)
+    message = error_of(argv)  # was "DatasetGenerationError: An error occurred while generating the dataset"
+    assert message.startswith(f"hf-tapernorm taper: error: dataset '{latin1}' is not UTF-8 text (invalid continu")
+    assert message.endswith("convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8), or pass a text file")
+    one_line = tmp_path / "one_line.txt"
+    one_line.write_text(" ".join(["the quick brown fox"] * 3000))
+    argv[argv.index("--dataset_name") + 1] = str(one_line)
+    message = error_of(argv)  # was only "too small", of a file of 12,000 words
+    assert (
+        "held-out split (10% of documents held out) does not fill one block of 32 tokens; it holds only 1 " in message
+    )
+    assert message.endswith("split the text into more (blank lines between paragraphs, or --sample_by line)")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_mistyped_model_path_is_named_as_such(workspace, tmp_path):  # noqa: F811
+    message = error_of(["fold", "--checkpoint", "no_such/folder", "--output_dir", str(tmp_path / "export")])
+    assert (
+        message == "hf-tapernorm fold: error: --checkpoint 'no_such/folder': no such folder; fold reads a local "
+        "tapered checkpoint"
+    )
+    status, _, stderr = run_main(["eval", "--model_name_or_path", "no_such/folder", "--dataset_name", "x.txt"])
+    lines = stderr.strip().splitlines()
+    assert status == 2 and len(lines) == 1, stderr  # transformers' message runs over two lines
+    assert "'no_such/folder' (no local folder of that name, so it was taken as a Hub id: check the path" in lines[0]
+
+
+def test_an_export_killed_by_sigkill_leaves_no_partial_copy_for_ever(tmp_path):
+    from hf_tapernorm.pipeline.run_folder import write_folder
+
+    dead, alive = 2**22 + 54321, os.getppid()  # no such process; this test's parent
+    for name in (f".export.partial-{dead}", f".export.old-{dead}", f".export.partial-{alive}", ".other.partial-1"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_text("a killed write's copy")
+    write_folder(tmp_path / "export", lambda tmp: (tmp.mkdir(), (tmp / "config.json").write_text("{}")))
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [".export.partial-" + str(alive), ".other.partial-1", "export"], left
+
+
+@pytest.mark.parametrize("tolerance", [-1.0, float("nan"), float("inf"), "1e-4"])
+def test_fold_model_refuses_a_tolerance_that_is_no_positive_number(tmp_path, tolerance):
+    """-1 and NaN were reported as a failed fold check ("pass a larger tolerance"); inf passed any fold."""
+    from hf_tapernorm import fold_model
+
+    model = load_tapered(tapered_checkpoint(tmp_path / "saved"))
+    with pytest.raises(ConfigurationError, match=r"^fold_model: tolerance must be a positive finite number, got "):
+        fold_model(model, tolerance=tolerance)

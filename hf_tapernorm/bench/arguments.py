@@ -9,6 +9,7 @@ fails in a second, not after the minutes it takes to load a model and build its 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -168,6 +169,7 @@ class BenchArguments:
         output = Path(self.output_dir)
         if output.exists() and not output.is_dir():
             raise ConfigurationError(f"--output_dir '{output}' is a file: name a folder for bench.json and bench.png")
+        check_earlier_results(output)
 
     def check_positions(self, positions: Optional[int]) -> None:
         """Refuse a case longer than the model's positions (decode: prompt plus new tokens), before any loading."""
@@ -183,6 +185,31 @@ class BenchArguments:
     def compile_options(self) -> dict[str, str]:
         """Keyword arguments of ``torch.compile`` (backend and mode, where given)."""
         return {k: v for k, v in (("backend", self.compile_backend), ("mode", self.compile_mode)) if v}
+
+
+#: The files a benchmark writes into --output_dir; bench.json is the one that says who wrote them.
+RESULT_FILES = ("bench.json", "bench.png")
+
+
+def check_earlier_results(output: Path) -> None:
+    """bench.json and bench.png are replaced only when they are an earlier benchmark's (checked before any model
+    loads): a user's file of the same name, or a symbolic link, is never written over."""
+    present = [output / name for name in RESULT_FILES if (output / name).exists() or (output / name).is_symlink()]
+    if not present:
+        return
+    links = [p for p in present if p.is_symlink() or not p.is_file()]
+    if links:
+        raise ConfigurationError(f"--output_dir: '{links[0]}' is a symbolic link or a folder; choose another folder")
+    try:
+        earlier = json.loads((output / "bench.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        earlier = None
+    if not (isinstance(earlier, dict) and {"settings", "results", "environment"} <= set(earlier)):
+        names = ", ".join(p.name for p in present)
+        raise ConfigurationError(
+            f"--output_dir '{output}' holds {names} that no earlier hf-tapernorm bench wrote; they are left as they "
+            "are: choose another --output_dir"
+        )
 
 
 def parse_arguments(argv: Sequence[str]) -> BenchArguments:

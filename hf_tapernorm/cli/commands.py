@@ -196,6 +196,10 @@ def fold_main(argv: Sequence[str]) -> int:
     """``hf-tapernorm fold``: a saved tapered checkpoint at g = 0 -> a folded export (numerically checked)."""
     (fold_args,) = parse([FoldArguments], argv, "hf-tapernorm fold")
     source = resolve_model(fold_args.checkpoint)
+    if source.kind == "hub":
+        raise UsageError(
+            f"--checkpoint '{fold_args.checkpoint}': no such folder; fold reads a local tapered checkpoint"
+        )
     if source.kind != "tapered":
         raise UsageError(
             f"'{fold_args.checkpoint}' is not a tapered checkpoint (no tapernorm_config.json); "

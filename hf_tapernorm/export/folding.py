@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from typing import Literal, Optional
 
 import torch
@@ -165,6 +166,8 @@ def fold_model(
     """
     if tied_head not in TIED_HEAD_CHOICES:
         raise ConfigurationError(f"tied_head must be 'untie' or 'scale', got {tied_head!r}")
+    if tolerance is not None and not (isinstance(tolerance, (int, float)) and 0 < tolerance < math.inf):
+        raise ConfigurationError(f"fold_model: tolerance must be a positive finite number, got {tolerance!r}")
     model_type = model_type_of(model)
     _check_foldable(model, model_type)
     arch = architecture_of(model)  # the table entry, else automatic discovery (logged)

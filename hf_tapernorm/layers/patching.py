@@ -47,8 +47,8 @@ def plan_patch(model: nn.Module, config: TaperNormConfig) -> list[_Replacement]:
     """Every replacement ``patch_model`` would make, built and checked without touching the model.
 
     Raises before any change: an unsupported layout, a norm whose arithmetic or eps cannot be read
-    (the error names the module), a ``keep_norms`` pattern that matches nothing, or a config under which
-    no norm would taper.
+    (the error names the module), a ``keep_norms`` pattern that matches nothing, a sink token id outside the
+    vocabulary, or a config under which no norm would taper.
     """
     existing = next((name for name, _ in tapered_norms(model, include_kept=True)), None)
     if existing is not None:
@@ -77,6 +77,16 @@ def plan_patch(model: nn.Module, config: TaperNormConfig) -> list[_Replacement]:
         except TaperNormError as error:
             raise UnsupportedModelError(f"cannot replace '{site.path}' ({type(original).__name__}): {error}") from None
         plan.append(_Replacement(site, layer))
+    try:
+        vocab = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    except (AttributeError, NotImplementedError):
+        vocab = None
+    outside = [i for i in config.sink_token_ids if vocab is not None and i >= vocab]
+    if outside:
+        raise ConfigurationError(
+            f"sink_token_ids {outside} are not token ids of {type(model).__name__}, whose vocabulary has {vocab} "
+            "tokens; use the tokenizer's BOS id"
+        )
     if not any(r.layer.tapered for r in plan):
         raise ConfigurationError(
             f"nothing would taper in {type(model).__name__}: scope={config.scope!r} with keep_norms "

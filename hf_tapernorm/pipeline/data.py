@@ -178,8 +178,24 @@ def load_text_dataset(
     except DataError:
         raise
     except Exception as error:  # datasets raises many types (FileNotFoundError, ArrowInvalid, HF errors)
+        cause = _root_cause(error)
+        if isinstance(cause, UnicodeDecodeError):
+            raise DataError(
+                f"dataset '{source}' is not UTF-8 text ({cause.reason} at byte {cause.start} of a file); convert it "
+                "to UTF-8 (e.g. iconv -f latin1 -t utf-8), or pass a text file"
+            ) from error
         where = "local file or folder" if path.exists() else "Hub dataset (offline or missing?)"
-        raise DataError(f"could not load dataset '{source}' as a {where}: {type(error).__name__}: {error}") from error
+        reason = (str(cause).strip().splitlines() or [""])[0]
+        raise DataError(f"could not load dataset '{source}' as a {where}: {type(cause).__name__}: {reason}") from error
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    """The innermost exception of a chain: datasets wraps what went wrong in "An error occurred while generating"."""
+    seen = {id(error)}
+    while (inner := error.__cause__ or error.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        error = inner
+    return error
 
 
 def load_documents(data) -> AnyDataset:
@@ -373,9 +389,17 @@ def prepare_data(
         )
     for name, blocks in (("training", train), ("held-out", heldout)):
         if not blocks and not (name == "training" and train_blocks == 0):
+            count = len(dataset) if isinstance(dataset, datasets.Dataset) else None
+            few = name == "held-out" and count is not None and count < 100.0 / heldout_percentage
             raise DataError(
                 f"dataset '{source}' is too small: its {name} split ({heldout_percentage:g}% of documents held "
-                f"out) does not fill one block of {block_size} tokens; use more text or a smaller --block_size"
+                f"out) does not fill one block of {block_size} tokens; "
+                + (
+                    f"it holds only {count} document(s) and the split takes whole documents: split the text into "
+                    "more (blank lines between paragraphs, or --sample_by line)"
+                    if few
+                    else "use more text or a smaller --block_size"
+                )
             )
     if train_blocks and len(train) < train_blocks:
         logger.warning(

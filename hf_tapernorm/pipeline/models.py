@@ -116,6 +116,19 @@ def resolve_model(model_name_or_path: Optional[str] = None, gguf_file: Optional[
     return ModelSource(model_name_or_path, gguf_file, "hub")
 
 
+def _hub_hint(source: ModelSource) -> str:
+    """For a name that is no local folder: say that it was taken as a Hub id (a mistyped path reads as one)."""
+    if source.kind != "hub":
+        return ""
+    return " (no local folder of that name, so it was taken as a Hub id: check the path, or the network and cache)"
+
+
+def _first_line(error: BaseException) -> str:
+    """``Type: first line`` of an error: transformers' messages run over several lines; the CLI prints one."""
+    text = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {text}".rstrip(": ")
+
+
 def _dtype(name: Optional[str]) -> Any:
     if name in (None, "auto"):
         return "auto" if name == "auto" else None
@@ -132,7 +145,7 @@ def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False):
         tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code, **kwargs)
     except Exception as error:
         raise ModelSourceError(
-            f"cannot load a tokenizer from '{source.describe()}': {type(error).__name__}: {error}"
+            f"cannot load a tokenizer from '{source.describe()}'{_hub_hint(source)}: {_first_line(error)}"
         ) from error
     if tokenizer.eos_token_id is None:
         logger.warning("tokenizer of %s has no EOS token: packed documents will not be separated", source.describe())
@@ -178,9 +191,8 @@ def load_model(
     try:  # folded exports load through the Auto classes: importing hf_tapernorm registered them
         model, loading = AutoModelForCausalLM.from_pretrained(source.path, output_loading_info=True, **kwargs)
     except Exception as error:
-        hint = " (no network? a Hub id needs to be reachable or cached)" if source.kind == "hub" else ""
         raise ModelSourceError(
-            f"cannot load model '{source.describe()}'{hint}: {type(error).__name__}: {error}"
+            f"cannot load model '{source.describe()}'{_hub_hint(source)}: {_first_line(error)}"
         ) from error
     missing = sorted(loading.get("missing_keys") or ())
     if missing:  # transformers initialises them randomly and only logs a table: a model nobody trained

@@ -89,6 +89,12 @@ def _require_positive_counts(args) -> None:
         value = getattr(args, name)
         if not isinstance(value, int) or value < 1:
             raise ConfigurationError(f"--{name} must be a positive integer, got {value}")
+    if not 0 <= args.seed < 2**32:  # NumPy's range: the Trainer seeds NumPy with it after the model has loaded
+        raise ConfigurationError(f"--seed must be in [0, 2**32 - 1], got {args.seed}")
+    if args.max_grad_norm is not None and args.max_grad_norm < 0:  # the Trainer clips only above 0: silently off
+        raise ConfigurationError(f"--max_grad_norm must be >= 0, got {args.max_grad_norm} (0 turns clipping off)")
+    if args.weight_decay < 0:  # passed per parameter group, which torch's optimizers do not range-check
+        raise ConfigurationError(f"--weight_decay must be >= 0, got {args.weight_decay}")
 
 
 def _check_optimizer(args) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import fnmatch
+import glob
 import json
 import logging
 import os
@@ -64,11 +65,22 @@ def _is_checkpoint_file(relative: str) -> bool:
     return bool(folders) and fnmatch.fnmatch(folders[0], CHECKPOINT_PATTERN)
 
 
-class RunFolder:
-    """The output folder of one command, with its manifest and lock."""
+def _is_output(relative: str, outputs: Iterable[str]) -> bool:
+    """``relative`` is one of ``outputs`` (a file name) or lies in one of its folders (names ending in "/")."""
+    return any(relative == o or (o.endswith("/") and relative.startswith(o)) for o in outputs)
 
-    def __init__(self, path: str | os.PathLike) -> None:
+
+class RunFolder:
+    """The output folder of one command, with its manifest and lock.
+
+    ``outputs``: the names the command writes besides its checkpoints (files, or folders ending in "/"). Only
+    these, the checkpoints and the files a write registers are ever recorded as the command's: a file someone
+    else puts into the folder while the command runs stays foreign, so no later ``--overwrite`` deletes it.
+    """
+
+    def __init__(self, path: str | os.PathLike, outputs: Iterable[str] = ()) -> None:
         self.path = Path(path)
+        self.outputs = tuple(outputs)
         self.manifest_path = self.path / MANIFEST_NAME
         self._lock: Optional[RunLock] = None
 
@@ -149,13 +161,13 @@ class RunFolder:
         resume: bool,
         has_checkpoint: Callable[[], bool],
         recorded_identity: Callable[[], Optional[dict[str, Any]]] = lambda: None,
-        outputs: Iterable[str] = (),
+        outputs: Optional[Iterable[str]] = None,
     ) -> bool:
         """Refuse a folder this command may not use; True when it must be emptied (after validation).
 
         Checked before anything slow; the emptying itself waits until the model and data have loaded.
         ``recorded_identity``: the identity a checkpoint of the run recorded, to rebuild a lost manifest on
-        ``--resume``; ``outputs``: the names the run writes (files, or folders ending in "/"), then taken as its.
+        ``--resume``; ``outputs``: the names the run writes (default: the folder's own ``outputs``).
         """
         for parent in [self.path, *self.path.parents]:
             if parent.exists() and not parent.is_dir():
@@ -170,7 +182,7 @@ class RunFolder:
             )
         manifest = self.manifest()
         if resume and manifest is None and has_checkpoint():
-            manifest = self._rebuild(recorded_identity(), tuple(outputs))
+            manifest = self._rebuild(recorded_identity(), tuple(self.outputs if outputs is None else outputs))
         self.owned_files()  # every entry inside the folder, before anything else is decided
         foreign = self.foreign_files()
         listing = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
@@ -215,11 +227,7 @@ class RunFolder:
                 f"'{self.path}' records the run; start over with --overwrite in a new --output_dir"
             )
         logger.warning("rebuilding the lost manifest of %s from its last checkpoint's record", self.path)
-        ours = [
-            f
-            for f in self.files()
-            if _is_checkpoint_file(f) or f in outputs or any(f.startswith(o) for o in outputs if o.endswith("/"))
-        ]
+        ours = [f for f in self.files() if _is_checkpoint_file(f) or _is_output(f, outputs)]
         self._write_manifest({"tool": "hf-tapernorm", "identity": identity, "files": ours})
         return self.manifest()
 
@@ -260,7 +268,9 @@ class RunFolder:
 
     # ------------------------------------------------------------------ record
     def record(self, *, expect: Iterable[str] = (), **fields: Any) -> None:
-        """Rewrite the manifest with every file now in the folder (they are this run's: it started empty).
+        """Rewrite the manifest with the command's files now in the folder: those it listed before, its checkpoints
+        and ``outputs`` (the folder started empty, but another process may have added files since: they stay
+        foreign).
 
         ``expect``: files about to be written (registered before they exist, so a kill while they are written
         leaves nothing foreign).
@@ -268,7 +278,13 @@ class RunFolder:
         self.path.mkdir(parents=True, exist_ok=True)
         manifest = self.manifest() or {"tool": "hf-tapernorm"}
         manifest.update(fields)
-        manifest["files"] = sorted({*(f for f in self.files() if not _is_partial(f)), *expect})
+        listed = {entry for entry in manifest.get("files", []) if isinstance(entry, str)}
+        ours = [
+            f
+            for f in self.files()
+            if not _is_partial(f) and (f in listed or _is_checkpoint_file(f) or _is_output(f, self.outputs))
+        ]
+        manifest["files"] = sorted({*ours, *expect})
         self._write_manifest(manifest)
 
     def _write_manifest(self, manifest: dict[str, Any]) -> None:
@@ -397,6 +413,7 @@ def write_folder(
     tmp = final.with_name(f".{final.name}.partial-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
+    _remove_abandoned(final, ".partial-")  # a write of ``final`` killed earlier (SIGKILL, power loss) left these
     try:
         write(tmp)
         if before_rename is not None:
@@ -411,6 +428,21 @@ def write_folder(
         shutil.rmtree(old)
     else:
         os.replace(tmp, final)
+    _remove_abandoned(final, ".old-")  # earlier copies a killed rewrite set aside: ``final`` is whole again
+
+
+def _remove_abandoned(final: Path, marker: str) -> None:
+    """Delete the ``.NAME<marker>PID`` folders beside ``final`` whose process is gone (a live one is still writing)."""
+    prefix = f".{final.name}{marker}"
+    for sibling in final.parent.glob(glob.escape(prefix) + "*") if final.parent.is_dir() else ():
+        pid = sibling.name[len(prefix) :]
+        if pid.isdigit() and int(pid) != os.getpid() and sibling.is_dir() and not sibling.is_symlink():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                shutil.rmtree(sibling, ignore_errors=True)
+            except PermissionError:
+                pass  # alive, another user's
 
 
 __all__ = [

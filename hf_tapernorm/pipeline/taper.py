@@ -66,13 +66,22 @@ def run_taper(request: TaperRequest) -> int:
     """The whole ``taper`` command on parsed arguments; returns the exit status (0, or 128 + the signal's number
     when SIGINT/SIGTERM stopped it with a checkpoint: 130, 143)."""
     state = PartialState()
-    output = RunFolder(request.training.output_dir)
+    output = RunFolder(request.training.output_dir, outputs=(*RUN_OUTPUTS, *_cache_inside(request)))
     if state.is_main_process:
         output.lock()  # a second command on this folder is refused until this one ends
     try:
         return _run_locked(request, output)
     finally:
         output.unlock()
+
+
+def _cache_inside(request: TaperRequest) -> tuple[str, ...]:
+    """A --data_cache_dir inside the run folder, as one of the run's outputs (a folder name ending in "/")."""
+    cache = request.data.data_cache_dir
+    if not cache:
+        return ()
+    folder, root = Path(cache).expanduser().resolve(), Path(request.training.output_dir).expanduser().resolve()
+    return (folder.relative_to(root).as_posix() + "/",) if folder != root and folder.is_relative_to(root) else ()
 
 
 def _run_locked(request: TaperRequest, output: RunFolder) -> int:
@@ -89,7 +98,6 @@ def _run_locked(request: TaperRequest, output: RunFolder) -> int:
         resume=run.resume,
         has_checkpoint=lambda: bool(list(output.path.glob("**/checkpoint-*"))),
         recorded_identity=lambda: recorded_identity(output.path),
-        outputs=RUN_OUTPUTS,
     )
     stale_checkpoints = (
         check_resumable(output.path, trust_sharded_checkpoint=request.model.trust_sharded_checkpoint)
@@ -405,10 +413,10 @@ class _Pipeline:
         return 128 + int(getattr(signal, signal_name))
 
 
-#: What a taper run writes besides its checkpoints (folders end in "/").
+#: What a taper run writes besides its checkpoints (folders end in "/"; runs/: the Trainer's TensorBoard logs).
 REPORT_FILES = ("report.json", "report.md", *PLOTS.values())
 HELDOUT_LOSSES = "heldout_losses.json"
-RUN_OUTPUTS = (*REPORT_FILES, HELDOUT_LOSSES, "tapered/", "folded/", "baseline/")
+RUN_OUTPUTS = (*REPORT_FILES, HELDOUT_LOSSES, "tapered/", "folded/", "baseline/", "runs/")
 
 
 def write_run_report(output: RunFolder, record: RunRecord) -> None:

@@ -135,10 +135,28 @@ IGNORED_ON_RESUME = frozenset({"learning_rate", "adam_beta1", "adam_beta2", "ada
 _HASHED_BYTES = 1 << 30
 
 
+#: A large file's fingerprint reads this many evenly spaced chunks of _SAMPLE_BYTES (the whole file when smaller).
+_SAMPLES, _SAMPLE_BYTES = 32, 1 << 18
+
+
+def _sampled_digest(file: Path, size: int) -> str:
+    """SHA-256 of evenly spaced chunks of ``file``: other weights of the same size (a fine-tune of the same model
+    saved over it) change every tensor, so they differ here too, at the cost of a few MiB read, not the file."""
+    digest = hashlib.sha256()
+    with file.open("rb") as handle:
+        if size <= _SAMPLES * _SAMPLE_BYTES:
+            digest.update(handle.read())
+        else:
+            for index in range(_SAMPLES):
+                handle.seek((size - _SAMPLE_BYTES) * index // (_SAMPLES - 1))
+                digest.update(handle.read(_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
 def fingerprint(path: Optional[str], *, weights_by_size: bool = False) -> Optional[dict[str, Any]]:
     """What a local file or folder holds (relative name -> SHA-256, or size): the same path with other contents is
     another dataset or model. None for a Hub name. ``weights_by_size``: identify ``*.safetensors``/``*.bin``/``*.gguf``
-    by size (hashing a model's weights at every start costs more than it proves; its config.json is hashed)."""
+    by size and a hash of evenly spaced chunks (hashing a model's weights whole at every start costs minutes)."""
     if not path or not Path(path).expanduser().exists():
         return None
     root = Path(path).expanduser()
@@ -149,7 +167,7 @@ def fingerprint(path: Optional[str], *, weights_by_size: bool = False) -> Option
         info = file.stat()
         by_size = info.st_size > _HASHED_BYTES or (weights_by_size and file.suffix in (".safetensors", ".bin", ".gguf"))
         if by_size:
-            found[name] = f"{info.st_size} bytes"
+            found[name] = f"{info.st_size} bytes, sampled sha256 {_sampled_digest(file, info.st_size)}"
         else:
             with file.open("rb") as handle:
                 found[name] = hashlib.file_digest(handle, "sha256").hexdigest()
@@ -185,12 +203,27 @@ def run_identity(request: TaperRequest, source: ModelSource, config: TaperNormCo
     }
 
 
+def _with_legacy_fingerprints(saved: dict[str, Any], identity: dict[str, Any]) -> dict[str, Any]:
+    """``identity`` with each sampled weight fingerprint cut to the "N bytes" that runs of older versions recorded
+    for the same file, so such a run still resumes (its weights were identified by size only)."""
+    old, new = saved.get("model_contents"), identity.get("model_contents")
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return identity
+    contents = {
+        name: old[name]
+        if isinstance(old.get(name), str) and old[name].endswith(" bytes") and str(value).startswith(old[name] + ",")
+        else value
+        for name, value in new.items()
+    }
+    return {**identity, "model_contents": contents}
+
+
 def check_resume_identity(folder: RunFolder, identity: dict[str, Any], allowed: set[str]) -> dict[str, Any]:
     """Refuse a ``--resume`` whose options differ from the saved run's, except the ``--allow_changes`` ones."""
     saved = (folder.manifest() or {}).get("identity")
     if saved is None:
         raise ConfigurationError(f"--resume: '{folder.path}' records no run identity; it cannot be checked, start over")
-    changed = differences(saved, identity)
+    changed = differences(saved, _with_legacy_fingerprints(saved, identity))
     refused = {k: v for k, v in changed.items() if k.rsplit(".", 1)[-1] not in allowed and k not in allowed}
     if refused:
         listing = "; ".join(f"{k}: {old!r} in the run, {new!r} now" for k, (old, new) in list(refused.items())[:6])

@@ -24,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from ..config import CONFIG_NAME, TaperNormConfig, config_of
 from ..errors import ConfigurationError, TaperStateError
 from ..layers.patching import patch_model
+from ..layers.taper_norm import tapered_norms
 from .sharded import is_sharded_checkpoint, read_sharded_model_state
 
 #: The file of tapered checkpoints written before TaperNormConfig (patch_model's options): still read.
@@ -60,8 +61,10 @@ def tapered_config_of(folder: Union[str, os.PathLike]) -> TaperNormConfig:
         raise ConfigurationError(f"'{folder}' is not a tapered checkpoint: no {CONFIG_NAME} in it")
     try:
         values = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ConfigurationError(f"cannot read {path}: {error}") from None
+    if not isinstance(values, dict):
+        raise ConfigurationError(f"{path} holds a JSON {type(values).__name__}, not a TaperNormConfig; re-save it")
     return TaperNormConfig.from_dict(values)
 
 
@@ -111,8 +114,40 @@ def load_tapered(
             f"{CONFIG_NAME}: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected "
             f"{result.unexpected_keys[:5]}"
         )
+    _check_loaded_state(model, folder, state)
     model.tie_weights()
     return model.eval()
+
+
+def _check_loaded_state(model: nn.Module, folder: Path, state: dict[str, torch.Tensor]) -> None:
+    """Refuse weights that are not finite, and a tapernorm_config.json that no longer describes the weights.
+
+    A kept norm's gate never leaves 1 and every tapered norm shares the one global gate: a kept norm saved at
+    another gate, or tapered norms at different gates, mean the config's ``keep_norms``/``scope`` were edited
+    after training, and the model would compute another function than the one trained (evaluated, folded and
+    checked consistently wrong).
+    """
+    bad = next(
+        (name for name, tensor in state.items() if tensor.is_floating_point() and not tensor.isfinite().all()), None
+    )
+    if bad is not None:
+        raise TaperStateError(
+            f"tapered checkpoint '{folder}' holds non-finite values (NaN or inf) in {bad}; it is damaged or its run "
+            "diverged: use an earlier checkpoint"
+        )
+    layers = list(tapered_norms(model, include_kept=True))
+    moved = [(name, float(layer.gate)) for name, layer in layers if not layer.tapered and float(layer.gate) != 1.0]
+    gates = sorted({float(layer.gate) for _, layer in layers if layer.tapered})
+    if moved or len(gates) > 1:
+        what = (
+            f"{moved[0][0]} is kept as a norm by its {CONFIG_NAME} but was saved at gate {moved[0][1]:.4g}"
+            if moved
+            else f"its tapered norms were saved at different gates ({', '.join(f'{g:.4g}' for g in gates[:4])})"
+        )
+        raise TaperStateError(
+            f"tapered checkpoint '{folder}': {what}; {CONFIG_NAME} (keep_norms, scope) no longer matches the weights "
+            "it was saved with: restore the file the run wrote"
+        )
 
 
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -279,6 +279,23 @@ def test_a_second_command_is_locked_out_and_a_dead_owner_lock_is_taken_over(work
     assert error_of([*taper_argv(workspace, file / "run", steps=5)]).endswith(f"'{file}' is a file")
 
 
+def test_fold_and_eval_never_write_into_a_folder_a_running_command_owns(workspace, reference, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_NAME).write_text(json.dumps({"pid": os.getppid(), "host": os.uname().nodename}))  # a live taper
+    fold = ["fold", "--checkpoint", str(reference / "tapered"), "--output_dir", str(run / "folded")]
+    message = error_of(fold)
+    assert message.startswith(f"hf-tapernorm fold: error: output folder '{run / 'folded'}' lies in '{run}', which a")
+    assert message.endswith("wait for it to finish, or choose a folder outside it")
+    corpus = str(workspace / "corpus.txt")
+    evaluate = ["eval", "--model_name_or_path", str(workspace / "llama"), "--dataset_name", corpus,
+                "--block_size", "32", "--heldout_blocks", "2", "--heldout_percentage", "10"]  # fmt: skip
+    assert "which a running hf-tapernorm command owns" in error_of([*evaluate, "--output_json", str(run / "r.json")])
+    assert sorted(p.name for p in run.iterdir()) == [LOCK_NAME]  # nothing written
+    (run / LOCK_NAME).unlink()  # the command finished
+    assert run_main(fold)[0] == 0 and (run / "folded" / "config.json").is_file()
+
+
 def test_a_refused_resume_keeps_the_recorded_identity(workspace, reference, tmp_path):  # noqa: F811
     run = tmp_path / "run"
     shutil.copytree(reference, run)

@@ -24,7 +24,7 @@ from ..pipeline.data import blocks_tensor, prepare_from_arguments
 from ..pipeline.evaluation import evaluate_set, heldout_loss
 from ..pipeline.models import ModelSourceError, load_model, load_tokenizer, model_config, resolve_model
 from ..pipeline.out_of_corpus import out_of_corpus_set
-from ..pipeline.run_folder import write_file, write_folder
+from ..pipeline.run_folder import running_command_around, write_file, write_folder
 from ..pipeline.taper import save_export
 from ..pipeline.validation import max_positions
 from ..training.checkpoints import tapered_config_of
@@ -134,6 +134,12 @@ def check_result_file(path: Path) -> None:
         raise UsageError(f"--output_json {path}: the folder '{path.parent}' does not exist; create it first")
     if path.is_symlink() or (path.exists() and not path.is_file()):
         raise UsageError(f"--output_json {path} is a symbolic link or a folder; name a new file")
+    running = running_command_around(path.parent)
+    if running is not None:
+        raise UsageError(
+            f"--output_json {path} lies in '{running[0]}', which a running hf-tapernorm command owns "
+            f"({running[1]}); name a file outside it"
+        )
     if not path.exists():
         if not os.access(path.parent, os.W_OK):
             raise UsageError(f"--output_json {path}: the folder '{path.parent}' is not writable")
@@ -161,6 +167,12 @@ def check_export_folder(folder: Path, overwrite: bool) -> None:
     for parent in [folder, *folder.parents]:
         if parent.exists() and not parent.is_dir():
             raise UsageError(f"output folder '{folder}': '{parent}' is a file")
+    running = running_command_around(folder)
+    if running is not None:  # that command may write the same folder (a taper's own export): one would be lost
+        raise UsageError(
+            f"output folder '{folder}' lies in '{running[0]}', which a running hf-tapernorm command owns "
+            f"({running[1]}); wait for it to finish, or choose a folder outside it"
+        )
     if not folder.is_dir() or not any(folder.iterdir()):
         return
     if not overwrite:

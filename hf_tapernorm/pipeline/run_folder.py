@@ -382,6 +382,12 @@ class RunLock:
             return False
         return False
 
+    def held_by_another(self) -> Optional[str]:
+        """Who holds this folder's lock, when another live process does (None: free, or its owner is gone)."""
+        if self.held or not self.path.is_file() or self._owner_is_gone():
+            return None
+        return self._owner_text()
+
     def release(self) -> None:
         if not self.held:
             return
@@ -389,6 +395,16 @@ class RunLock:
         self.held = False
         if self.created_folder and self.folder.is_dir() and not any(self.folder.iterdir()):
             self.folder.rmdir()  # a command refused before it wrote anything leaves no folder behind
+
+
+def running_command_around(path: Path) -> Optional[tuple[Path, str]]:
+    """The run folder at or above ``path`` that a live hf-tapernorm command holds, with its owner; or None."""
+    resolved = Path(os.path.abspath(path))
+    for folder in [resolved, *resolved.parents]:
+        owner = RunLock(folder).held_by_another()
+        if owner is not None:
+            return folder, owner
+    return None
 
 
 def write_file(path: Path, text: str) -> None:
@@ -452,6 +468,7 @@ __all__ = [
     "RunFolder",
     "RunFolderError",
     "RunLock",
+    "running_command_around",
     "write_file",
     "write_folder",
 ]

@@ -499,7 +499,7 @@ def test_defaults_are_the_embedded_recipe():
         [ModelArguments, DataArguments, TaperArguments, RunArguments, TaperTrainingArguments]
     ).parse_args_into_dataclasses(args=[])
     assert model.model_name_or_path is None and data.dataset_name is None  # embedded model and corpus
-    assert (training.max_steps, training.per_device_train_batch_size, data.block_size) == (60, 4, 256)
+    assert (training.max_steps, training.per_device_train_batch_size, data.block_size) == (300, 4, 256)
     # Every recipe option is unset: TaperNormConfig.for_model decides (one place for every default).
     assert taper.recipe == "auto"
     assert all(

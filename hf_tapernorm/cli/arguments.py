@@ -240,7 +240,13 @@ class TaperTrainingArguments(TrainingArguments):
     """TrainingArguments with this recipe's defaults (sized for the embedded default on a 2-core CPU)."""
 
     output_dir: Optional[str] = field(default="runs/taper", metadata=_help("Run folder (checkpoints, export, report)."))
-    max_steps: int = field(default=60, metadata=_help("Optimizer steps."))
+    max_steps: int = field(
+        default=300,
+        metadata=_help(
+            "Optimizer steps. The default is the shortest run measured to bring the embedded model within the "
+            "target of its normalized run (docs/fidelity.md); fewer steps leave a larger gap."
+        ),
+    )
     per_device_train_batch_size: int = field(default=4, metadata=_help("Blocks per device and micro-batch."))
     learning_rate: float = field(default=1e-4, metadata=_help("Peak learning rate."))
     lr_scheduler_type: str = field(

@@ -9,6 +9,13 @@ the operation), so ``except ValueError`` in user code keeps working.
 from __future__ import annotations
 
 
+def first_line(error: BaseException) -> str:
+    """``Type: first line`` of an error raised by a dependency: their messages run over several lines, and the
+    package's own errors are one line."""
+    text = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {text}".rstrip(": ")
+
+
 class TaperNormError(Exception):
     """Base class of every error hf_tapernorm raises on purpose."""
 

@@ -20,6 +20,7 @@ import torch
 
 from .._parsing import parse
 from ..errors import ConfigurationError
+from ..pipeline.validation import check_within_positions
 
 PROG = "hf-tapernorm bench"
 NORMS = ("recipe", "internal", "all")
@@ -171,15 +172,11 @@ class BenchArguments:
             raise ConfigurationError(f"--output_dir '{output}' is a file: name a folder for bench.json and bench.png")
         check_earlier_results(output)
 
-    def check_positions(self, positions: Optional[int]) -> None:
+    def check_positions(self, hf_config) -> None:
         """Refuse a case longer than the model's positions (decode: prompt plus new tokens), before any loading."""
-        if positions is None:
-            return
         extra = self.new_tokens if "decode" in self.modes else 0
-        longest = max(self.seq_lens) + extra
-        if longest > positions:
-            what = f"--seq_lens {max(self.seq_lens)}" + (f" + --new_tokens {extra} (decode)" if extra else "")
-            raise ConfigurationError(f"{what} exceeds the model's {positions} positions")
+        what = f"--seq_lens {max(self.seq_lens)}" + (f" + --new_tokens {extra} (decode)" if extra else "")
+        check_within_positions(what, max(self.seq_lens) + extra, hf_config)
 
     @property
     def compile_options(self) -> dict[str, str]:

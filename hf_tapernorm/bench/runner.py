@@ -27,7 +27,6 @@ from ..config import TaperNormConfig
 from ..errors import ConfigurationError
 from ..pipeline.data import EMBEDDED_CORPUS, AnyDataset, load_text_dataset
 from ..pipeline.models import ModelSource, load_model, load_tokenizer, model_config, resolve_model
-from ..pipeline.validation import max_positions
 from .arguments import DTYPES, BenchArguments, Case, cases, parse_arguments
 from .measure import interleaved_times, op_counts, summarize
 from .report import environment, format_table, plot
@@ -202,7 +201,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"'{source.path}' is a {source.kind} model; the benchmark builds its variants "
             "from an ordinary (normalized) model"
         )
-    arguments.check_positions(max_positions(model_config(source)))
+    arguments.check_positions(model_config(source))
     text = _train_text(arguments, source) if "train" in arguments.modes else None
     model_types = set()
 

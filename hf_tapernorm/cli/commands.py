@@ -26,7 +26,7 @@ from ..pipeline.models import ModelSourceError, load_model, load_tokenizer, mode
 from ..pipeline.out_of_corpus import out_of_corpus_set
 from ..pipeline.run_folder import running_command_around, write_file, write_folder
 from ..pipeline.taper import save_export
-from ..pipeline.validation import max_positions
+from ..pipeline.validation import check_within_positions
 from ..training.checkpoints import tapered_config_of
 from .arguments import DataArguments, EvalArguments, FoldArguments, ModelArguments, PushArguments
 
@@ -59,9 +59,8 @@ def eval_main(argv: Sequence[str]) -> int:
     if output_json is not None:
         check_result_file(output_json)
     source = resolve_model(model_args.model_name_or_path, model_args.gguf_file)
-    positions = max_positions(model_config(source, model_args.trust_remote_code))
-    if positions is not None and data_args.block_size > positions:
-        raise UsageError(f"--block_size {data_args.block_size} exceeds the model's {positions} positions")
+    block_size = data_args.block_size
+    check_within_positions(f"--block_size {block_size}", block_size, model_config(source, model_args.trust_remote_code))
     tokenizer = load_tokenizer(source, trust_remote_code=model_args.trust_remote_code)
     if source.kind == "tapered":  # checked before the weights load: a checkpoint that cannot go to g = 0
         tapered_config_of(source.path)

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedConfig, PreTrainedModel
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, first_line
 from ..training.checkpoints import is_tapered_checkpoint, load_tapered
 
 logger = logging.getLogger(__name__)
@@ -123,12 +123,6 @@ def _hub_hint(source: ModelSource) -> str:
     return " (no local folder of that name, so it was taken as a Hub id: check the path, or the network and cache)"
 
 
-def _first_line(error: BaseException) -> str:
-    """``Type: first line`` of an error: transformers' messages run over several lines; the CLI prints one."""
-    text = (str(error).strip().splitlines() or [""])[0]
-    return f"{type(error).__name__}: {text}".rstrip(": ")
-
-
 def _dtype(name: Optional[str]) -> Any:
     if name in (None, "auto"):
         return "auto" if name == "auto" else None
@@ -145,19 +139,29 @@ def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False):
         tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code, **kwargs)
     except Exception as error:
         raise ModelSourceError(
-            f"cannot load a tokenizer from '{source.describe()}'{_hub_hint(source)}: {_first_line(error)}"
+            f"cannot load a tokenizer from '{source.describe()}'{_hub_hint(source)}: {first_line(error)}"
         ) from error
     if tokenizer.eos_token_id is None:
         logger.warning("tokenizer of %s has no EOS token: packed documents will not be separated", source.describe())
     return tokenizer
 
 
-def model_config(source: ModelSource, trust_remote_code: bool = False) -> Optional[PreTrainedConfig]:
-    """The model's config, read without its weights; None when unreadable (loading the model then says why)."""
+def read_model_config(source: ModelSource, trust_remote_code: bool = False) -> PreTrainedConfig:
+    """The model's config, read without its weights; a ConfigurationError when it cannot be read."""
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
         return AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code, **kwargs)
-    except Exception:  # noqa: BLE001 - transformers raises many types; load_model reports them
+    except Exception as error:  # noqa: BLE001 - transformers raises many types; all mean "unreadable config"
+        raise ConfigurationError(
+            f"cannot read the config of '{source.describe()}': {type(error).__name__}: {error}"
+        ) from None
+
+
+def model_config(source: ModelSource, trust_remote_code: bool = False) -> Optional[PreTrainedConfig]:
+    """:func:`read_model_config`, or None when unreadable (loading the model then says why)."""
+    try:
+        return read_model_config(source, trust_remote_code)
+    except ConfigurationError:
         return None
 
 
@@ -192,7 +196,7 @@ def load_model(
         model, loading = AutoModelForCausalLM.from_pretrained(source.path, output_loading_info=True, **kwargs)
     except Exception as error:
         raise ModelSourceError(
-            f"cannot load model '{source.describe()}'{_hub_hint(source)}: {_first_line(error)}"
+            f"cannot load model '{source.describe()}'{_hub_hint(source)}: {first_line(error)}"
         ) from error
     missing = sorted(loading.get("missing_keys") or ())
     if missing:  # transformers initialises them randomly and only logs a table: a model nobody trained

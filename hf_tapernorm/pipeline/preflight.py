@@ -20,7 +20,7 @@ from transformers import Trainer, get_scheduler
 from transformers.integrations import get_reporting_integration_callbacks
 
 from ..config import TaperNormConfig
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, first_line
 from ..training.schedule import TaperSchedule
 
 
@@ -34,7 +34,7 @@ def check_trainer_options(training_args, schedule: TaperSchedule, config: TaperN
     try:  # each integration checks that its package is installed when it is made
         [callback() for callback in get_reporting_integration_callbacks(training_args.report_to)]
     except (ImportError, RuntimeError, ValueError) as error:
-        raise ConfigurationError(f"--report_to {training_args.report_to}: {_first_line(error)}") from None
+        raise ConfigurationError(f"--report_to {training_args.report_to}: {first_line(error)}") from None
 
 
 def check_training_blocks(training_args, train_blocks: int) -> None:
@@ -103,7 +103,7 @@ def _check_optimizer(args) -> None:
         optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
         optimizer_class([torch.nn.Parameter(torch.zeros(2, 2, device=args.device))], **kwargs)
     except (ImportError, ValueError, TypeError, RuntimeError) as error:
-        raise ConfigurationError(f"--optim {_value(args.optim)} with these options: {_first_line(error)}") from None
+        raise ConfigurationError(f"--optim {_value(args.optim)} with these options: {first_line(error)}") from None
 
 
 def _check_scheduler(args, schedule: TaperSchedule) -> None:
@@ -142,7 +142,7 @@ def _check_scheduler(args, schedule: TaperSchedule) -> None:
     except (TypeError, ValueError, ZeroDivisionError) as error:
         raise ConfigurationError(
             f"--lr_scheduler_type {_value(args.lr_scheduler_type)} with --lr_scheduler_kwargs {kwargs}: "
-            f"{_first_line(error)}"
+            f"{first_line(error)}"
         ) from None
     if not all(math.isfinite(rate) and rate >= 0 for rate in rates):
         raise ConfigurationError(f"--lr_scheduler_kwargs {kwargs}: the learning rate is not finite over the run")
@@ -150,11 +150,6 @@ def _check_scheduler(args, schedule: TaperSchedule) -> None:
 
 def _value(option: Any) -> str:
     return str(getattr(option, "value", option))
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
 __all__ = ["check_trainer_options", "check_training_blocks"]

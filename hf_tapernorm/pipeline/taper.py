@@ -52,7 +52,7 @@ from .validation import (
     TaperRequest,
     check_resume_identity,
     check_schedule,
-    max_positions,
+    check_within_positions,
     recipe_config,
     run_identity,
     weightless_model,
@@ -112,9 +112,7 @@ def _run_locked(request: TaperRequest, output: RunFolder) -> int:
     schedule = check_schedule(config, training_args.max_steps)
     decay_learning_rate_after_the_taper(training_args, schedule)  # the baseline trains with the same schedule
     check_trainer_options(training_args, schedule, config)
-    positions = max_positions(skeleton.config)
-    if positions is not None and request.data.block_size > positions:
-        raise ConfigurationError(f"--block_size {request.data.block_size} exceeds the model's {positions} positions")
+    check_within_positions(f"--block_size {request.data.block_size}", request.data.block_size, skeleton.config)
     identity = run_identity(request, source, config)
     allowed_changes = {}
     if run.resume:

@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from ..config import TaperNormConfig, sink_token_id
 from ..errors import ConfigurationError, UnsupportedModelError
 from ..training.schedule import TaperSchedule
 from .data import EMBEDDED_CORPUS
-from .models import ModelSource
+from .models import ModelSource, read_model_config
 from .record import differences
 from .run_folder import RunFolder
 
@@ -84,13 +84,7 @@ def check_schedule(config: TaperNormConfig, max_steps: int) -> TaperSchedule:
 
 def weightless_model(source: ModelSource, trust_remote_code: bool):
     """The model's structure on the meta device, from its config alone (seconds, no weights)."""
-    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    try:
-        hf_config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code, **kwargs)
-    except Exception as error:  # noqa: BLE001 - transformers raises many types; all mean "unreadable config"
-        raise ConfigurationError(
-            f"cannot read the config of '{source.describe()}': {type(error).__name__}: {error}"
-        ) from None
+    hf_config = read_model_config(source, trust_remote_code)
     try:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
@@ -99,6 +93,13 @@ def weightless_model(source: ModelSource, trust_remote_code: bool):
             f"'{source.describe()}' is a {getattr(hf_config, 'model_type', '?')} model without a causal-LM class in "
             f"transformers ({str(error).splitlines()[0][:160]}); taper needs a decoder-only language model"
         ) from None
+
+
+def check_within_positions(what: str, length: int, hf_config) -> None:
+    """Refuse ``length`` tokens (``what``: the options that ask for them) beyond the model's positions."""
+    positions = max_positions(hf_config)
+    if positions is not None and length > positions:
+        raise ConfigurationError(f"{what} exceeds the model's {positions} positions")
 
 
 def max_positions(hf_config) -> Optional[int]:
@@ -247,6 +248,7 @@ __all__ = [
     "check_resume_identity",
     "check_schedule",
     "fingerprint",
+    "check_within_positions",
     "max_positions",
     "recipe_config",
     "run_identity",

@@ -49,6 +49,7 @@ class Arm:
     flags: tuple[str, ...] = ()
     own_baseline: bool = False
     about: str = ""
+    script: Optional[str] = None  # a module that takes the taper options, run instead of hf-tapernorm taper
 
 
 ARMS: dict[str, Arm] = {
@@ -61,6 +62,12 @@ ARMS: dict[str, Arm] = {
     "no_scale_loss": Arm(("--scale_loss_weight", "0"), False, "scale loss off"),
     "constant_lr": Arm(("--lr_scheduler_type", "constant_with_warmup"), True, "constant LR after warmup"),
     "long_taper": Arm(("--taper_start", "0.05", "--taper_end", "0.9"), True, "taper from 5% to 90% of the run"),
+    "kl_control": Arm(
+        (),
+        False,
+        "no taper: the default recipe with the gate held at 1 (its model in the tapered and folded columns)",
+        script="conversion_scripts.kl_control",
+    ),
 }
 
 
@@ -105,10 +112,11 @@ def is_finished(folder: Path) -> bool:
 def command_for(
     root: Path, steps: int, arm_name: str, seed: int, preset_flags: tuple[str, ...], extra: list[str]
 ) -> list[str]:
-    """The ``hf-tapernorm taper`` command line of one run (without ``--resume``)."""
+    """The command line of one run (without ``--resume``): ``hf-tapernorm taper``, or the arm's script."""
     arm = ARMS[arm_name]
     folder = run_folder(root, steps, arm_name, seed)
-    command = ["hf-tapernorm", "taper", "--output_dir", str(folder), "--max_steps", str(steps), "--seed", str(seed)]
+    program = ["python", "-m", arm.script] if arm.script else ["hf-tapernorm", "taper"]
+    command = [*program, "--output_dir", str(folder), "--max_steps", str(steps), "--seed", str(seed)]
     command += [*preset_flags, *extra, *arm.flags]
     if arm.own_baseline:
         command.append("--baseline")
@@ -120,7 +128,11 @@ def command_for(
 def launch(command: list[str], folder: Path, env: dict[str, str]) -> int:
     """Run one command (``--resume`` when an earlier attempt left its folder), logging to ``<folder>.log``."""
     folder.parent.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "hf_tapernorm.cli", *command[1:]]
+    argv = (
+        [sys.executable, *command[1:]]
+        if command[0] == "python"
+        else [sys.executable, "-m", "hf_tapernorm.cli", *command[1:]]
+    )
     if folder.exists() and (folder / ".hf_tapernorm_run.json").exists():
         argv.append("--resume")
     log = folder.with_name(folder.name + ".log")
@@ -202,13 +214,17 @@ def arm_rows(root: Path, steps: int, arms: list[str], seeds: list[int], preset_f
             outside_broken = (report.get("out_of_corpus_blocks") or {}).get("broken_blocks")
             loss = {k: v.get("loss") for k, v in held.items()}
             ooc = {k: v.get("loss") for k, v in outside.items()}
+            kl = {k: v.get("kl") for k, v in outside.items()}
+            for scores in (loss, ooc, kl):  # a control (kl_control.py) has one model where a run has two
+                if "control" in scores:
+                    scores["tapered"] = scores["folded"] = scores.pop("control")
             per_seed[seed] = {
                 "heldout": loss,
                 "out_of_corpus": ooc,
-                "out_of_corpus_kl": {k: v.get("kl") for k, v in outside.items()},
+                "out_of_corpus_kl": kl,
                 "tapered_vs_baseline": _gap(loss.get("tapered"), loss.get("baseline")),
                 "folded_vs_baseline": _gap(loss.get("folded"), loss.get("baseline")),
-                "folded_vs_tapered": _gap(loss.get("folded"), loss.get("tapered")),
+                "folded_vs_tapered": None if ARMS[arm].script else _gap(loss.get("folded"), loss.get("tapered")),
                 "ooc_folded_vs_baseline": _gap(ooc.get("folded"), ooc.get("baseline")),
                 "ooc_folded_vs_original": _gap(ooc.get("folded"), ooc.get("original")),
                 "final_gate": (report.get("training") or {}).get("final_gate"),

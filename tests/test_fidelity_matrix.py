@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+import hf_tapernorm
 from conversion_scripts import fidelity_matrix
 from tests.conftest import corpus_documents, save_tiny_model
 
@@ -78,3 +79,46 @@ def test_a_time_budget_shortens_the_matrix_from_a_timed_probe(workspace, caplog)
     assert report["status"] == "finished" and report["training"]["steps"] == 6
     assert not (root / "steps60").exists()
     assert [row["arm"] for row in json.loads((root / "steps6" / "table.json").read_text())] == ["default"]
+
+
+def test_the_control_holds_the_gate_at_1_and_without_the_loss_terms_is_the_baseline(workspace):
+    root = workspace / "control"
+    argv = ["--root", str(root), "--preset", "gpu", "--steps", "6", "--seeds", "1", "--jobs", "1"]
+    assert fidelity_matrix.main([*argv, "--arms", "default", "kl_control", *tiny_flags(workspace)]) == 0
+    default = json.loads((root / "steps6" / "default" / "seed1" / "report.json").read_text())
+    folder = root / "steps6" / "kl_control" / "seed1"
+    control = json.loads((folder / "report.json").read_text())
+    assert control["status"] == "finished" and control["training"]["steps"] == 6
+    assert not list(folder.glob("checkpoint-*"))  # scored once, its checkpoints removed
+    for key in ("heldout", "out_of_corpus"):  # the same blocks and the same baseline as the run it controls
+        for name in ("original", "baseline"):
+            assert control[key][name]["loss"] == pytest.approx(default[key][name]["loss"], rel=1e-6)
+    assert control["taper"]["distill_weight"] == default["taper"]["distill_weight"] > 0
+    rows = {row["arm"]: row for row in json.loads((root / "steps6" / "table.json").read_text())}
+    held = control["heldout"]
+    assert rows["kl_control"]["tapered_vs_baseline"]["mean"] == pytest.approx(
+        held["control"]["loss"] / held["baseline"]["loss"] - 1
+    )
+    assert rows["kl_control"]["folded_vs_tapered"]["mean"] is None
+    assert "python -m conversion_scripts.kl_control" in rows["kl_control"]["commands"][0]
+
+    # Without the distillation and the scale loss, the control trains what the baseline trains: gate 1 is the norm.
+    from conversion_scripts import kl_control
+
+    plain = workspace / "control_plain"
+    flags = ["--output_dir", str(plain), "--max_steps", "6", "--seed", "1", *tiny_flags(workspace)]
+    flags += [
+        "--distill_weight",
+        "0",
+        "--scale_loss_weight",
+        "0",
+        "--baseline_from",
+        str(folder.parent.parent / "default" / "seed1"),
+    ]
+    assert kl_control.main(flags) == 0
+    plain_held = json.loads((plain / "report.json").read_text())["heldout"]
+    assert plain_held["control"]["loss"] == pytest.approx(plain_held["baseline"]["loss"], rel=1e-4)
+    assert control["scheduled_gates"][0] == 1.0 and control["scheduled_gates"][-1] == 0.0
+    assert any(step.get("distill", 0.0) > 0 for step in control["history"])  # the term acted on the control
+    with pytest.raises(hf_tapernorm.ConfigurationError, match="already holds a report: pass --overwrite"):
+        kl_control.main(flags)

@@ -14,7 +14,7 @@ from typing import Optional
 
 from safetensors import SafetensorError, safe_open
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, first_line
 from ..training.sharded import METADATA_NAME, refuse_untrusted_sharded_checkpoint
 from .training_run import IDENTITY_NAME, incomplete_checkpoints, last_checkpoint
 
@@ -83,7 +83,7 @@ def _unreadable(path: Path) -> Optional[str]:
             for key in handle.keys():  # noqa: SIM118 - safe_open has keys(), no __iter__
                 handle.get_tensor(key)
     except (SafetensorError, OSError, RuntimeError, ValueError) as error:
-        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
+        return first_line(error)
     return None
 
 

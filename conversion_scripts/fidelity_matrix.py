@@ -215,16 +215,16 @@ def arm_rows(root: Path, steps: int, arms: list[str], seeds: list[int], preset_f
             loss = {k: v.get("loss") for k, v in held.items()}
             ooc = {k: v.get("loss") for k, v in outside.items()}
             kl = {k: v.get("kl") for k, v in outside.items()}
-            for scores in (loss, ooc, kl):  # a control (kl_control.py) has one model where a run has two
-                if "control" in scores:
-                    scores["tapered"] = scores["folded"] = scores.pop("control")
+            control = "control" in loss  # a control (kl_control.py) has one model where a run has two
+            for scores in (loss, ooc, kl) if control else ():
+                scores["tapered"] = scores["folded"] = scores.pop("control")
             per_seed[seed] = {
                 "heldout": loss,
                 "out_of_corpus": ooc,
                 "out_of_corpus_kl": kl,
                 "tapered_vs_baseline": _gap(loss.get("tapered"), loss.get("baseline")),
                 "folded_vs_baseline": _gap(loss.get("folded"), loss.get("baseline")),
-                "folded_vs_tapered": None if ARMS[arm].script else _gap(loss.get("folded"), loss.get("tapered")),
+                "folded_vs_tapered": None if control else _gap(loss.get("folded"), loss.get("tapered")),
                 "ooc_folded_vs_baseline": _gap(ooc.get("folded"), ooc.get("baseline")),
                 "ooc_folded_vs_original": _gap(ooc.get("folded"), ooc.get("original")),
                 "final_gate": (report.get("training") or {}).get("final_gate"),

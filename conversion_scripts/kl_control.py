@@ -43,10 +43,10 @@ from hf_tapernorm.cli.arguments import (
     TaperTrainingArguments,
 )
 from hf_tapernorm.layers.patching import gate_of, set_gate
-from hf_tapernorm.pipeline.data import prepare_from_arguments
 from hf_tapernorm.pipeline.evaluation import broken_blocks, evaluate_set
 from hf_tapernorm.pipeline.models import load_model, load_tokenizer, resolve_model
 from hf_tapernorm.pipeline.out_of_corpus import out_of_corpus_set
+from hf_tapernorm.pipeline.taper import prepare_run_data, resolve_baseline
 from hf_tapernorm.pipeline.training_run import train
 from hf_tapernorm.pipeline.validation import TaperRequest, check_schedule, recipe_config, weightless_model
 from hf_tapernorm.training.schedule import decay_learning_rate_after_the_taper
@@ -73,9 +73,7 @@ def run_control(request: TaperRequest) -> dict[str, Any]:
     output = Path(request.training.output_dir)
     if request.run.baseline_from is None:
         raise ConfigurationError("the control compares with a normalized run: pass --baseline_from <run folder>")
-    baseline_folder = Path(request.run.baseline_from)
-    if (baseline_folder / "baseline" / "model").is_dir():
-        baseline_folder = baseline_folder / "baseline" / "model"
+    baseline = resolve_baseline(request.run.baseline_from)
     if (output / "report.json").is_file() and not request.run.overwrite:
         raise ConfigurationError(f"{output} already holds a report: pass --overwrite to train the control again")
 
@@ -84,11 +82,7 @@ def run_control(request: TaperRequest) -> dict[str, Any]:
     config = recipe_config(request, weightless_model(source, False), tokenizer)
     schedule = check_schedule(config, request.training.max_steps)
     decay_learning_rate_after_the_taper(request.training, schedule)  # the baseline's schedule, as in taper
-    train_blocks = request.training.max_steps * request.training.per_device_train_batch_size
-    train_blocks *= request.training.gradient_accumulation_steps
-    packed = prepare_from_arguments(
-        request.data, tokenizer, train_blocks=train_blocks, prefix_ids=config.sink_token_ids
-    )
+    packed = prepare_run_data(request, tokenizer, config.sink_token_ids)
     outside = out_of_corpus_set(request.data, tokenizer, config.sink_token_ids)
 
     model = patch_model(load_model(source, dtype=request.model.dtype), config)
@@ -102,14 +96,17 @@ def run_control(request: TaperRequest) -> dict[str, Any]:
     if gate_of(model) != 1.0 or min(hold.scheduled_gates) != 0.0:
         raise RuntimeError("the control must train at gate 1 while the schedule reaches 0")
 
-    models = {"original": load_model(source, dtype=request.model.dtype)}
-    models.update(baseline=load_model(resolve_model(str(baseline_folder)), dtype=request.model.dtype))
-    models[CONTROL] = model
+    dtype = request.model.dtype
+    models = {
+        "original": load_model(source, dtype=dtype),
+        "baseline": load_model(baseline, dtype=dtype),
+        CONTROL: model,
+    }
     batch = request.data.eval_batch_size
     report: dict[str, Any] = {
         "status": "finished",
         "what": "the default recipe with the gate held at 1: the loss terms without the taper",
-        "baseline_model": str(baseline_folder),
+        "baseline_model": str(baseline.path),
         "training": {"steps": trainer.state.global_step, "max_steps": request.training.max_steps, "final_gate": 1.0},
         "taper": {"distill_weight": config.distill_weight, "scale_loss_weight": config.scale_loss_weight},
         "scheduled_gates": hold.scheduled_gates,  # what the taper would have set; the model trained at 1

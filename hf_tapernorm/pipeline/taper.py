@@ -120,10 +120,10 @@ def _run_locked(request: TaperRequest, output: RunFolder) -> int:
         allowed_changes = check_resume_identity(output, identity, allowed)
     del skeleton
 
-    packed = _prepare_data(request, tokenizer, config.sink_token_ids)
+    packed = prepare_run_data(request, tokenizer, config.sink_token_ids)
     check_training_blocks(training_args, len(packed.train))
     reference_text = out_of_corpus_set(request.data, tokenizer, config.sink_token_ids)
-    baseline_source = _baseline_source(request.run.baseline_from)
+    baseline_source = resolve_baseline(request.run.baseline_from)
     model = load_model(source, dtype=request.model.dtype, trust_remote_code=request.model.trust_remote_code)
     if state.is_main_process:
         if must_empty:
@@ -195,12 +195,13 @@ def _run_locked(request: TaperRequest, output: RunFolder) -> int:
         logger.info("taper: %.0f s in all", time.time() - started)
 
 
-def _prepare_data(request: TaperRequest, tokenizer, sink_ids: list[int]) -> PackedData:
+def prepare_run_data(request: TaperRequest, tokenizer, sink_ids: list[int]) -> PackedData:
+    """The training blocks for ``max_steps`` global batches and the held-out set, from the data options."""
     train_blocks = request.training.max_steps * _global_batch(request.training)
     return prepare_from_arguments(request.data, tokenizer, train_blocks=train_blocks, prefix_ids=sink_ids)
 
 
-def _baseline_source(path: Optional[str]) -> Optional[ModelSource]:
+def resolve_baseline(path: Optional[str]) -> Optional[ModelSource]:
     """The normalized model that ``--baseline_from`` names: a run folder's ``baseline/model``, or a model folder."""
     if path is None:
         return None
@@ -437,4 +438,4 @@ def save_export(folded, tokenizer, folder: Path, facts: Optional[dict[str, Any]]
             tokenizer.save_pretrained(folder)
 
 
-__all__ = ["TaperRequest", "recipe_config", "run_taper", "save_export"]
+__all__ = ["TaperRequest", "prepare_run_data", "recipe_config", "resolve_baseline", "run_taper", "save_export"]

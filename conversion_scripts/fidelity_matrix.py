@@ -68,6 +68,12 @@ ARMS: dict[str, Arm] = {
         "no taper: the default recipe with the gate held at 1 (its model in the tapered and folded columns)",
         script="conversion_scripts.kl_control",
     ),
+    "sink_attention": Arm(
+        (),
+        False,
+        "the default plus a term keeping each head's attention to the sink near the teacher's (weight 1)",
+        script="conversion_scripts.sink_attention",
+    ),
 }
 
 

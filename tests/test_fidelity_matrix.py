@@ -122,3 +122,39 @@ def test_the_control_holds_the_gate_at_1_and_without_the_loss_terms_is_the_basel
     assert any(step.get("distill", 0.0) > 0 for step in control["history"])  # the term acted on the control
     with pytest.raises(hf_tapernorm.ConfigurationError, match="already holds a report: pass --overwrite"):
         kl_control.main(flags)
+
+
+def test_the_sink_attention_arm_adds_its_term_after_the_snapshot_and_exports_a_plain_model(workspace):
+    root = workspace / "sink"
+    argv = ["--root", str(root), "--preset", "gpu", "--steps", "6", "--seeds", "1", "--jobs", "1"]
+    assert fidelity_matrix.main([*argv, "--arms", "default", "sink_attention", *tiny_flags(workspace)]) == 0
+    folder = root / "steps6" / "sink_attention" / "seed1"
+    report = json.loads((folder / "report.json").read_text())
+    assert report["status"] == "finished" and report["training"]["steps"] == 6
+    logged = [
+        entry["taper/sink_attention"]
+        for entry in json.loads((folder / "checkpoint-6" / "trainer_state.json").read_text())["log_history"]
+        if "taper/sink_attention" in entry
+    ]
+    assert logged and max(logged) > 0  # the term acted once the teacher existed
+    for export in ("folded", "tapered"):  # trained with eager attention and attentions out; saved without
+        config = json.loads((folder / export / "config.json").read_text())
+        assert not config.get("output_attentions", False)
+    rows = {row["arm"]: row for row in json.loads((root / "steps6" / "table.json").read_text())}
+    assert "python -m conversion_scripts.sink_attention" in rows["sink_attention"]["commands"][0]
+    assert rows["sink_attention"]["folded_vs_tapered"]["mean"] == pytest.approx(0.0, abs=1e-4)
+
+
+def test_the_sink_attention_term_is_the_bernoulli_kl_of_the_sink_shares():
+    import torch
+
+    from conversion_scripts.sink_attention import bernoulli_kl, sink_shares
+
+    torch.manual_seed(0)
+    teacher = [torch.softmax(torch.randn(2, 3, 5, 5), dim=-1) for _ in range(4)]
+    assert sink_shares(teacher).shape == (4, 2, 3, 4)  # layers, batch, heads, the queries after the sink
+    assert torch.equal(sink_shares(teacher)[1, 0, 2], teacher[1][0, 2, 1:, 0])
+    assert bernoulli_kl(sink_shares(teacher), sink_shares(teacher)).abs().max() < 1e-6
+    p, q = torch.tensor([0.7]), torch.tensor([0.2])
+    expected = 0.7 * torch.log(torch.tensor(0.7 / 0.2)) + 0.3 * torch.log(torch.tensor(0.3 / 0.8))
+    assert bernoulli_kl(p, q) == pytest.approx(float(expected), rel=1e-5)

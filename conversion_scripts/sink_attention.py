@@ -108,9 +108,9 @@ class SinkAttentionCallback(TaperCallback):
     weight = 1.0
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        result = super().on_train_begin(args, state, control, model=model, **kwargs)
-        model.set_attn_implementation("eager")
+        model.set_attn_implementation("eager")  # first: a teacher copied now or restored by a resume copies it
         model.config.output_attentions = True
+        result = super().on_train_begin(args, state, control, model=model, **kwargs)
         self.term = SinkAttentionTerm(self, self.weight)
         add_training_loss_term(model, TERM, self.term)
         logger.info("sink-attention term attached (weight %g, eager attention)", self.weight)

@@ -57,6 +57,7 @@ ARMS: dict[str, Arm] = {
     "no_distill": Arm(("--distill_weight", "0"), False, "no distillation term"),
     "kl_0.1": Arm(("--distill_weight", "0.1"), False, "KL weight 0.1"),
     "kl_0.3": Arm(("--distill_weight", "0.3"), False, "KL weight 0.3"),
+    "kl_3": Arm(("--distill_weight", "3"), False, "KL weight 3"),
     "kl_until_taper_end": Arm(("--distill_until", "taper_end"), False, "the KL term only while the gate falls"),
     "kl_fades_with_gate": Arm(("--distill_schedule", "gate"), False, "KL weight times the gate (0 at g = 0)"),
     "no_scale_loss": Arm(("--scale_loss_weight", "0"), False, "scale loss off"),

@@ -825,3 +825,57 @@ def test_fold_model_refuses_a_tolerance_that_is_no_positive_number(tmp_path, tol
     model = load_tapered(tapered_checkpoint(tmp_path / "saved"))
     with pytest.raises(ConfigurationError, match=r"^fold_model: tolerance must be a positive finite number, got "):
         fold_model(model, tolerance=tolerance)
+
+
+def test_a_run_the_disk_cannot_hold_is_refused_before_the_model_loads(workspace, tmp_path, monkeypatch):  # noqa: F811
+    import hf_tapernorm.pipeline.preflight as preflight
+    import hf_tapernorm.pipeline.taper as taper_pipeline
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(taper_pipeline, "load_model", no_load)
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
+    out = tmp_path / "run"
+    message = error_of(taper_argv(workspace, out, "--baseline"))
+    assert "--output_dir" in message and "its disk has 0.00 GB free, and this run writes at least" in message
+    assert "the baseline run" in message and "another disk" in message, message
+    assert not out.exists()
+
+
+def test_the_disk_check_counts_every_copy_the_run_writes(workspace):  # noqa: F811
+    from hf_tapernorm.pipeline.preflight import check_disk_space
+
+    model = build(tiny_llama_config())
+    weights = sum(p.numel() for p in model.parameters())
+    adam, sgd = SimpleNamespace(optim="adamw_torch"), SimpleNamespace(optim="sgd")
+    distilled, plain = TaperNormConfig.paper(), TaperNormConfig.paper()
+    distilled.distill_weight, plain.distill_weight = 1.0, 0.0
+    here = Path(workspace)
+
+    def needed(args, config, **kw) -> int:
+        return check_disk_space(here / "not_yet" / "run", model, args, config, **kw)
+
+    # checkpoint (weights, 2 Adam moments, the teacher) + tapered + folded; the baseline adds 1 + 2 + its model.
+    assert needed(adam, distilled, dtype="float32", baseline=True) == weights * 4 * (4 + 2 + 4)
+    assert needed(adam, plain, dtype="float32", baseline=False) == weights * 4 * (3 + 2)
+    assert needed(sgd, plain, dtype="bfloat16", baseline=False) == weights * 2 * (1 + 2)
+    assert needed(adam, plain, dtype=None, baseline=False) == weights * 2 * (3 + 2)  # at least half precision
+
+
+def test_overwrite_counts_the_old_run_as_free_space(reference, tmp_path):
+    folder = tmp_path / "old"
+    shutil.copytree(reference, folder)
+    run = RunFolder(folder)
+    reclaimable = run.reclaimable_bytes()
+
+    def total() -> int:
+        return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+    listed = set(run.files())  # the run's files; the bookkeeping files (manifest, record) are not counted
+    bookkeeping = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and
+                      p.relative_to(folder).as_posix() not in listed)  # fmt: skip
+    before = total()
+    assert reclaimable == before - bookkeeping > 0
+    run.empty()
+    assert before - total() >= reclaimable  # empty() frees at least what the disk check counted

@@ -6,14 +6,17 @@ stand-in: the optimizer is built the way the Trainer builds it (torch's own rang
 rate, betas, eps and weight decay; the import of an ``--optim`` that needs a missing package), the
 learning-rate scheduler likewise, and ``--report_to`` is resolved by transformers' integration table (which
 imports the integration). What only this recipe knows is checked by name: options that bypass its loss or
-its schedule, a Trainer evaluation without an evaluation set, and a Hub push from inside the run.
+its schedule, a Trainer evaluation without an evaluation set, and a Hub push from inside the run. And the
+disk: a run whose folder cannot hold the checkpoint and the exports it will write is refused before it trains.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+import shutil
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 from transformers import Trainer, get_scheduler
@@ -153,3 +156,48 @@ def _value(option: Any) -> str:
 
 
 __all__ = ["check_trainer_options", "check_training_blocks"]
+
+
+def check_disk_space(
+    output_dir: Path,
+    model: torch.nn.Module,
+    training_args,
+    config: TaperNormConfig,
+    *,
+    dtype: Optional[str],
+    baseline: bool,
+    reclaimable: int = 0,
+) -> int:
+    """Refuse a run whose folder's disk cannot hold what the run is sure to write; returns that lower bound.
+
+    A full disk is found when a checkpoint or an export is written: after the whole training, and the
+    half-written checkpoint cannot be resumed. So the weights' copies the run certainly writes are counted
+    first, from the model's structure (``model`` may be on the meta device): the final checkpoint (the
+    weights, two moments per weight for an Adam-family ``--optim``, the distillation teacher), the tapered
+    checkpoint and the folded export, and with ``--baseline`` the baseline's checkpoint and model. Weights
+    count at ``dtype``'s size, or at 2 bytes (half precision) when the dtype is left to the checkpoint, so the
+    bound is never more than the run writes. ``reclaimable``: bytes the run deletes first (``--overwrite``).
+    """
+    weights = sum(p.numel() for p in model.parameters())
+    size = getattr(torch, dtype).itemsize if dtype not in (None, "auto") else 2
+    adam = "adam" in str(getattr(training_args.optim, "value", training_args.optim)).lower()
+    moments = 2 if adam else 0
+    checkpoint = 1 + moments + (1 if config.distill_weight > 0 else 0)
+    copies = checkpoint + 2 + ((1 + moments) + 1 if baseline else 0)
+    needed = weights * size * copies
+    folder = Path(output_dir).expanduser().resolve()
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    free = shutil.disk_usage(existing).free + reclaimable
+    if free < needed:
+        raise ConfigurationError(
+            f"--output_dir {output_dir}: its disk has {_gigabytes(free)} free, and this run writes at least "
+            f"{_gigabytes(needed)} ({copies} copies of the model's {weights:,} weights: the final checkpoint with "
+            f"the optimizer's state{' and the distillation teacher' if config.distill_weight > 0 else ''}, the "
+            f"tapered checkpoint, the folded export{', the baseline run' if baseline else ''}); free space or "
+            "choose an --output_dir on another disk"
+        )
+    return needed
+
+
+def _gigabytes(count: int) -> str:
+    return f"{count / 1e9:.2f} GB"

@@ -252,6 +252,12 @@ class RunFolder:
                     folder.rmdir()
         self.manifest_path.unlink(missing_ok=True)
 
+    def reclaimable_bytes(self) -> int:
+        """The bytes :meth:`empty` would delete: what the manifest lists, and the checkpoints."""
+        checkpoints = [f for f in self.files() if _is_checkpoint_file(f)]
+        targets = {self.path / relative for relative in [*self.owned_files(), *checkpoints]}
+        return sum(target.stat().st_size for target in targets if target.is_file() and not target.is_symlink())
+
     def remove_partials(self) -> None:
         """Delete what an interrupted write left (``.NAME.partial-PID``/``.old-PID`` folders, ``*.tmp`` files).
 

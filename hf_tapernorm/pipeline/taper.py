@@ -41,7 +41,7 @@ from .evaluation import broken_blocks, evaluate_set, per_document
 from .heldout import EvaluationSet
 from .models import ModelSource, load_model, load_tokenizer, resolve_model
 from .out_of_corpus import out_of_corpus_set
-from .preflight import check_trainer_options, check_training_blocks
+from .preflight import check_disk_space, check_trainer_options, check_training_blocks
 from .record import DataFacts, ModelFacts, RunRecord, TrainingFacts
 from .report import PLOTS, summary_lines, write_report
 from .resume_check import check_resumable
@@ -113,6 +113,16 @@ def _run_locked(request: TaperRequest, output: RunFolder) -> int:
     decay_learning_rate_after_the_taper(training_args, schedule)  # the baseline trains with the same schedule
     check_trainer_options(training_args, schedule, config)
     check_within_positions(f"--block_size {request.data.block_size}", request.data.block_size, skeleton.config)
+    if not run.resume:  # a resumed run has written part of it already: no lower bound to check
+        check_disk_space(
+            output.path,
+            skeleton,
+            training_args,
+            config,
+            dtype=request.model.dtype,
+            baseline=run.baseline,
+            reclaimable=output.reclaimable_bytes() if must_empty else 0,
+        )
     identity = run_identity(request, source, config)
     allowed_changes = {}
     if run.resume:

@@ -155,9 +155,6 @@ def _value(option: Any) -> str:
     return str(getattr(option, "value", option))
 
 
-__all__ = ["check_trainer_options", "check_training_blocks"]
-
-
 def check_disk_space(
     output_dir: Path,
     model: torch.nn.Module,
@@ -201,3 +198,6 @@ def check_disk_space(
 
 def _gigabytes(count: int) -> str:
     return f"{count / 1e9:.2f} GB"
+
+
+__all__ = ["check_disk_space", "check_trainer_options", "check_training_blocks"]

@@ -238,12 +238,8 @@ class RunFolder:
         """
         if self.symlinks():
             raise RunFolderError(f"output folder '{self.path}' holds symbolic links; nothing was deleted")
-        owned = self.owned_files()
-        checkpoints = [f for f in self.files() if _is_checkpoint_file(f)]
-        for relative in [*owned, *checkpoints]:
-            target = self.path / relative
-            if target.is_file():
-                target.unlink()
+        for target in self._emptied_files():
+            target.unlink()
         self.remove_partials()
         for root, dirs, _ in sorted(os.walk(self.path), key=lambda item: -len(item[0])):
             for name in dirs:
@@ -254,9 +250,13 @@ class RunFolder:
 
     def reclaimable_bytes(self) -> int:
         """The bytes :meth:`empty` would delete: what the manifest lists, and the checkpoints."""
+        return sum(target.stat().st_size for target in self._emptied_files() if not target.is_symlink())
+
+    def _emptied_files(self) -> list[Path]:
+        """The files :meth:`empty` deletes (each entry checked by owned_files), once each."""
         checkpoints = [f for f in self.files() if _is_checkpoint_file(f)]
-        targets = {self.path / relative for relative in [*self.owned_files(), *checkpoints]}
-        return sum(target.stat().st_size for target in targets if target.is_file() and not target.is_symlink())
+        targets = dict.fromkeys(self.path / relative for relative in [*self.owned_files(), *checkpoints])
+        return [target for target in targets if target.is_file()]
 
     def remove_partials(self) -> None:
         """Delete what an interrupted write left (``.NAME.partial-PID``/``.old-PID`` folders, ``*.tmp`` files).

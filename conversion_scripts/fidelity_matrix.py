@@ -7,7 +7,9 @@ baseline per seed is trained once, by the ``default`` arm's ``--baseline`` run, 
 (``--baseline_from``); an arm that changes the schedule (another LR policy, another taper window, which
 moves the WSD decay) trains its own. Runs go into ``<root>/steps<N>/<arm>/seed<S>``; a finished run is
 skipped, an interrupted one continues with ``--resume``, so the harness can be stopped and started again.
-Up to ``--jobs`` runs at a time, each with one thread (``OMP_NUM_THREADS=1``).
+Up to ``--jobs`` runs at a time, each with one thread (``OMP_NUM_THREADS=1``). A run that finishes
+loses its ``checkpoint-*`` folders (its baseline's too), which hold the optimizer's state and are only
+needed to resume it; its scores, models and baseline stay (``--keep_checkpoints`` keeps them all).
 
 Every model is scored on the same held-out and out-of-corpus blocks by the CLI's own evaluation (the
 run's report) and the table goes to
@@ -30,6 +32,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -73,6 +76,12 @@ ARMS: dict[str, Arm] = {
         (),
         False,
         "the default plus a term keeping each head's attention to the sink near the teacher's (weight 1)",
+        script="conversion_scripts.sink_attention",
+    ),
+    "sink_attention_0.3": Arm(
+        ("--sink_attention_weight", "0.3"),
+        False,
+        "the default plus the sink-attention term at weight 0.3",
         script="conversion_scripts.sink_attention",
     ),
 }
@@ -152,8 +161,32 @@ def launch(command: list[str], folder: Path, env: dict[str, str]) -> int:
     return code
 
 
+def remove_checkpoints(folder: Path) -> int:
+    """Delete the finished run's ``checkpoint-*`` folders and its baseline's; the bytes freed.
+
+    Only real folders whose resolved parent is the run folder (or its ``baseline/``) go: never a link.
+    """
+    freed = 0
+    for parent in (folder, folder / "baseline"):
+        if not parent.is_dir() or parent.is_symlink():
+            continue
+        for checkpoint in sorted(parent.glob("checkpoint-*")):
+            if checkpoint.is_symlink() or not checkpoint.is_dir() or checkpoint.resolve().parent != parent.resolve():
+                continue
+            freed += sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file() and not f.is_symlink())
+            shutil.rmtree(checkpoint)
+    return freed
+
+
 def run_matrix(
-    root: Path, steps: int, arms: list[str], seeds: list[int], jobs: int, preset_flags, extra: list[str]
+    root: Path,
+    steps: int,
+    arms: list[str],
+    seeds: list[int],
+    jobs: int,
+    preset_flags,
+    extra: list[str],
+    keep_checkpoints: bool = False,
 ) -> None:
     """Every (arm, seed) not yet finished, the baselines first (the other arms of a seed read them)."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -168,7 +201,10 @@ def run_matrix(
     def one(job):
         arm, seed = job
         folder = run_folder(root, steps, arm, seed)
-        return launch(command_for(root, steps, arm, seed, preset_flags, extra), folder, env)
+        code = launch(command_for(root, steps, arm, seed, preset_flags, extra), folder, env)
+        if code == 0 and is_finished(folder) and not keep_checkpoints:
+            logger.info("%s: finished, %.1f GB of checkpoints removed", folder, remove_checkpoints(folder) / 1e9)
+        return code
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         codes = list(pool.map(one, first))
@@ -331,6 +367,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="Runs at a time.")
     parser.add_argument("--table_only", action="store_true", help="Only write the table of the finished runs.")
     parser.add_argument(
+        "--keep_checkpoints",
+        action="store_true",
+        help="Keep a finished run's checkpoint-* folders (by default removed: they only serve --resume).",
+    )
+    parser.add_argument(
         "--time_budget_s",
         type=float,
         default=None,
@@ -344,7 +385,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.time_budget_s and not args.table_only:
         steps = fit_steps(root, steps, args, preset, extra)
     if not args.table_only:
-        run_matrix(root, steps, args.arms, args.seeds, args.jobs, preset.flags, extra)
+        run_matrix(root, steps, args.arms, args.seeds, args.jobs, preset.flags, extra, args.keep_checkpoints)
     rows = arm_rows(root, steps, args.arms, args.seeds, preset.flags, extra)
     print(write_table(root, steps, rows, args.seeds, preset.about).read_text())
     return 0

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 import hf_tapernorm.pipeline.taper as taper_pipeline
+import hf_tapernorm.pipeline.training_run as training_run
 from hf_tapernorm import TaperCallback
 from hf_tapernorm.cli.main import main as cli_main
 from hf_tapernorm.layers.loss_terms import ForwardInputs, add_training_loss_term
@@ -138,6 +139,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise SystemExit(f"--sink_attention_weight must be >= 0, got {known.sink_attention_weight}")
     SinkAttentionCallback.weight = known.sink_attention_weight
     taper_pipeline.TaperCallback = SinkAttentionCallback  # the one callback the taper run builds
+    training_run.LOG_KEYS[f"taper/{TERM}"] = TERM  # in the report's history, and out of its ``ce``
+    training_run.LOSS_TERM_KEYS.append(TERM)
     return cli_main(["taper", *rest])
 
 

@@ -40,6 +40,8 @@ def test_matrix_runs_each_arm_and_seed_once_reuses_the_baseline_and_writes_the_t
             assert report["status"] == "finished" and report["training"]["steps"] == 6
             assert (folder / "folded" / "config.json").is_file()
             assert (folder / "baseline").exists() == (arm == "default")  # trained once per seed
+            assert not list(folder.glob("checkpoint-*")) and not list(folder.glob("baseline/checkpoint-*"))
+    assert (root / "steps6" / "default" / "seed1" / "baseline" / "model" / "config.json").is_file()  # read later
     # The reused baseline is the default arm's, seed by seed: the same baseline loss in both arms.
     for seed in (1, 2):
         default = json.loads((root / "steps6" / "default" / f"seed{seed}" / "report.json").read_text())
@@ -68,7 +70,7 @@ def test_matrix_runs_each_arm_and_seed_once_reuses_the_baseline_and_writes_the_t
 def test_a_time_budget_shortens_the_matrix_from_a_timed_probe(workspace, caplog):
     root = workspace / "budget"
     argv = ["--root", str(root), "--preset", "gpu", "--steps", "60", "--seeds", "1", "--time_budget_s", "1"]
-    argv += ["--arms", "default", *tiny_flags(workspace)]
+    argv += ["--arms", "default", "--keep_checkpoints", *tiny_flags(workspace)]
     with caplog.at_level("INFO", logger="fidelity_matrix"):
         assert fidelity_matrix.main(argv) == 0
     # The probe (a tenth of the asked steps, with its baseline) already spends the budget: the runs take its length.
@@ -78,6 +80,8 @@ def test_a_time_budget_shortens_the_matrix_from_a_timed_probe(workspace, caplog)
     report = json.loads((root / "steps6" / "default" / "seed1" / "report.json").read_text())
     assert report["status"] == "finished" and report["training"]["steps"] == 6
     assert not (root / "steps60").exists()
+    folder = root / "steps6" / "default" / "seed1"
+    assert (folder / "checkpoint-6").is_dir() and (folder / "baseline" / "checkpoint-6").is_dir()  # kept
     assert [row["arm"] for row in json.loads((root / "steps6" / "table.json").read_text())] == ["default"]
 
 
@@ -131,18 +135,34 @@ def test_the_sink_attention_arm_adds_its_term_after_the_snapshot_and_exports_a_p
     folder = root / "steps6" / "sink_attention" / "seed1"
     report = json.loads((folder / "report.json").read_text())
     assert report["status"] == "finished" and report["training"]["steps"] == 6
-    logged = [
-        entry["taper/sink_attention"]
-        for entry in json.loads((folder / "checkpoint-6" / "trainer_state.json").read_text())["log_history"]
-        if "taper/sink_attention" in entry
-    ]
+    logged = [entry["sink_attention"] for entry in report["history"] if "sink_attention" in entry]
     assert logged and max(logged) > 0  # the term acted once the teacher existed
+    last = report["history"][-1]  # its ce is the cross-entropy alone, every term taken out
+    terms = sum(last.get(key, 0.0) for key in ("scale_loss", "distill", "sink_attention"))
+    assert last["sink_attention"] > 0 and last["ce"] == pytest.approx(last["loss"] - terms, rel=1e-6)
     for export in ("folded", "tapered"):  # trained with eager attention and attentions out; saved without
         config = json.loads((folder / export / "config.json").read_text())
         assert not config.get("output_attentions", False)
     rows = {row["arm"]: row for row in json.loads((root / "steps6" / "table.json").read_text())}
     assert "python -m conversion_scripts.sink_attention" in rows["sink_attention"]["commands"][0]
     assert rows["sink_attention"]["folded_vs_tapered"]["mean"] == pytest.approx(0.0, abs=1e-4)
+
+
+def test_removing_checkpoints_deletes_only_the_run_s_own_checkpoint_folders(tmp_path):
+    run = tmp_path / "run"
+    for checkpoint in (run / "checkpoint-3", run / "baseline" / "checkpoint-3"):
+        checkpoint.mkdir(parents=True)
+        (checkpoint / "optimizer.pt").write_bytes(b"x" * 100)
+    (run / "tapered").mkdir()
+    (run / "tapered" / "model.safetensors").write_bytes(b"y")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "optimizer.pt").write_bytes(b"z")
+    (run / "checkpoint-9").symlink_to(elsewhere, target_is_directory=True)
+    assert fidelity_matrix.remove_checkpoints(run) == 200
+    assert not (run / "checkpoint-3").exists() and not (run / "baseline" / "checkpoint-3").exists()
+    assert (run / "tapered" / "model.safetensors").is_file() and (elsewhere / "optimizer.pt").is_file()
+    assert (run / "checkpoint-9").is_symlink()  # a link is never followed nor removed
 
 
 def test_the_sink_attention_term_is_the_bernoulli_kl_of_the_sink_shares():

@@ -42,6 +42,9 @@ LOG_KEYS = {
     "taper/distill": "distill",
 }
 
+#: The report keys of LOG_KEYS that are loss terms added to the cross-entropy (each logged as its mean).
+LOSS_TERM_KEYS = ["scale_loss", "distill"]
+
 
 #: The signals that stop a run with a checkpoint.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -188,11 +191,11 @@ def train(
 
 
 def training_history(trainer: Trainer) -> list[dict[str, Any]]:
-    """Per-step records of a run; ``ce`` is the logged objective minus the scale loss and distillation."""
+    """Per-step records of a run; ``ce`` is the logged objective minus its loss terms (LOSS_TERM_KEYS)."""
     records = history_from_log(trainer.state.log_history, LOG_KEYS)
     for record in records:
         if "loss" in record:
-            record["ce"] = record["loss"] - record.get("scale_loss", 0.0) - record.get("distill", 0.0)
+            record["ce"] = record["loss"] - sum(record.get(key, 0.0) for key in LOSS_TERM_KEYS)
     return records
 
 
@@ -200,6 +203,7 @@ __all__ = [
     "IDENTITY_NAME",
     "InterruptCallback",
     "LOG_KEYS",
+    "LOSS_TERM_KEYS",
     "RecordCallback",
     "STOP_SIGNALS",
     "complete_checkpoints",

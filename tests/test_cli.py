@@ -610,10 +610,12 @@ def test_a_report_of_a_run_that_went_non_finite_is_written_whole(tmp_path):
 def test_embedded_default_with_a_reduced_step_count(tmp_path):
     # The whole default pipeline on the real model and corpus, with the default recipe (GGUF load, stdlib
     # corpus, Trainer, calibration, distillation, the 30 attention norms to g = 0, fold with the BOS prefix,
-    # export, reload, report), in 4 steps: a pipeline test, not a fidelity measurement (docs/fidelity.md).
+    # export, reload, report), in 8 steps: a pipeline test, not a fidelity measurement (docs/fidelity.md). The
+    # steps after the gate reaches 0 (step 3) keep the model off a runaway: with one, held-out CE was 9.4 and
+    # the folded and tapered losses 5% apart on two chaotic blocks (each computation exact, their rounding amplified).
     out = tmp_path / "demo"
     code, stdout, stderr = run_main(
-        ["taper", "--output_dir", str(out), "--max_steps", "4", "--taper_start", "1", "--taper_end", "3",
+        ["taper", "--output_dir", str(out), "--max_steps", "8", "--taper_start", "1", "--taper_end", "3",
          "--heldout_blocks", "2", "--out_of_corpus_blocks", "2", "--block_size", "128", "--per_device_train_batch_size",
          "2", "--disable_tqdm", "true"]
     )  # fmt: skip
@@ -623,7 +625,7 @@ def test_embedded_default_with_a_reduced_step_count(tmp_path):
     assert report["taper"]["recipe"] == "gated-mlp" and report["taper"]["sink_token_ids"] == [1]
     assert report["taper"]["tapered_norms"] == 30 and report["training"]["final_gate"] == 0.0
     assert 1.5 < report["heldout"]["original"]["loss"] < 4.0  # the real model on real text
-    # Tapered in 3 steps, the model is far from a trained fixed point (held-out CE twice the original's) and on
+    # Tapered in 3 steps, the model is far from a trained fixed point (held-out CE above the original's) and on
     # some blocks its logits amplify fp32 rounding: the two losses agree to 1e-2 here, and the fold is exact in
     # fp32 on the probe or, where the probe is such a block, in the fold check's float64 repeat.
     assert report["heldout"]["folded"]["loss"] == pytest.approx(report["heldout"]["tapered"]["loss"], rel=1e-2)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any, Optional
 
 from transformers import TrainerCallback
 
+from conversion_scripts.fidelity_matrix import remove_checkpoints
 from hf_tapernorm import ConfigurationError, TaperCallback, patch_model
 from hf_tapernorm._parsing import parse
 from hf_tapernorm.cli.arguments import (
@@ -122,8 +122,7 @@ def run_control(request: TaperRequest) -> dict[str, Any]:
             "against": "baseline",
             "broken_blocks": broken_blocks(scores[CONTROL], scores["baseline"]),
         }
-    for checkpoint in output.glob("checkpoint-*"):
-        shutil.rmtree(checkpoint)
+    remove_checkpoints(output)
     (output / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import time
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -65,3 +68,38 @@ __all__ = [
     "parameter_count",
     "replace_submodule",
 ]
+
+
+def accelerator_available() -> bool:
+    """Whether torch sees an accelerator (CUDA, XPU, MPS, ...) that the Trainer would train on."""
+    if torch.cuda.is_available():
+        return True
+    current = getattr(torch, "accelerator", None)
+    return current is not None and current.current_accelerator() is not None
+
+
+@functools.cache
+def cpu_has_fast_bf16() -> bool:
+    """Whether bf16 matrix products on this CPU are at least as fast as fp32 ones, measured.
+
+    CPUs with AVX-512 BF16 or AMX run bf16 autocast faster than fp32; on others (AVX2 only) oneDNN converts every
+    operand and a bf16 training step can be many times slower. Timing one small product of each kind (a few
+    milliseconds) tells the two apart without naming instruction sets.
+    """
+    a, b = torch.randn(512, 512), torch.randn(512, 512)  # small products take other kernels: too small says nothing
+
+    def timed(x: torch.Tensor, y: torch.Tensor) -> float:
+        start = time.perf_counter()
+        torch.mm(x, y)
+        return time.perf_counter() - start
+
+    timed(a, b)  # warm-up: kernels are chosen on the first call
+    fp32 = min(timed(a, b) for _ in range(3))
+    x, y = a.bfloat16(), b.bfloat16()
+    timed(x, y)
+    bf16 = float("inf")
+    for _ in range(3):
+        bf16 = min(bf16, timed(x, y))
+        if bf16 > 3 * fp32:  # far slower: no need to look again
+            break
+    return bf16 <= fp32

@@ -133,7 +133,7 @@ def test_eval_on_the_three_model_kinds_matches_the_report(finished_run, workspac
     report = json.loads((out / "report.json").read_text())
     data = ["--dataset_name", str(workspace / "corpus.txt"), "--block_size", "32", "--heldout_blocks", "4",
             "--heldout_percentage", "10", "--data_cache_dir", str(workspace / "datasets_cache"),
-            "--out_of_corpus_blocks", "16"]  # fmt: skip
+            "--out_of_corpus_blocks", "16", "--scan_windows", "0"]  # fmt: skip
     # The original model reads the same BOS-first blocks only when asked (--sink bos); the others know their sink.
     cases = (
         (workspace / "llama", "folder", "original", "bos"),
@@ -152,6 +152,46 @@ def test_eval_on_the_three_model_kinds_matches_the_report(finished_run, workspac
         assert "pydoc_data.topics" in result["out_of_corpus"]["text"]
 
 
+def test_the_robustness_scan_is_in_the_report_the_export_eval_and_push(finished_run, workspace, monkeypatch):
+    import huggingface_hub
+
+    out, stdout = finished_run
+    report = json.loads((out / "report.json").read_text())
+    scan = report["robustness_scan"]
+    assert scan["reference"] == "original"  # this run has no baseline
+    lengths = {(row["text"], row["length"]): row["windows"] for row in scan["rows"]}
+    # 32 windows at the block size, as many tokens at twice it; 4x is beyond the tiny model's 64 positions.
+    assert lengths == {("held-out", 32): 32, ("held-out", 64): 16, ("out-of-corpus", 32): 32, ("out-of-corpus", 64): 16}
+    assert scan["windows"] == 96 and len(scan["worst"]) == 10
+    assert "## Robustness scan" in (out / "report.md").read_text() and "robustness scan:" in stdout
+    export = out / "folded"
+    assert json.loads((export / "robustness_scan.json").read_text()) == scan
+    assert "robustness_scan.json" in json.loads((export / ".hf_tapernorm_export.json").read_text())["files"]
+    assert "## Robustness scan" in (export / "README.md").read_text()
+    # eval reads the same windows of the same models: the run's folded export against its recorded original.
+    data = ["--dataset_name", str(workspace / "corpus.txt"), "--block_size", "32", "--heldout_blocks", "4",
+            "--heldout_percentage", "10", "--data_cache_dir", str(workspace / "datasets_cache"),
+            "--out_of_corpus_blocks", "16"]  # fmt: skip
+    code, stdout, stderr = run_main(["eval", "--model_name_or_path", str(export), *data])
+    assert code == 0, stderr
+    result = json.loads(next(line for line in stdout.splitlines() if line.startswith("{")))
+    assert result["robustness_scan"]["reference"] == str(workspace / "llama")
+    for mine, theirs in zip(result["robustness_scan"]["rows"], scan["rows"]):
+        assert (mine["text"], mine["length"], mine["broken"]) == (theirs["text"], theirs["length"], theirs["broken"])
+        assert mine["model_loss"] == pytest.approx(theirs["model_loss"], rel=1e-5)
+    # An ordinary model has nothing to be compared with unless told.
+    code, stdout, _ = run_main(["eval", "--model_name_or_path", str(workspace / "llama"), "--sink", "bos", *data])
+    assert code == 0 and "robustness_scan" not in json.loads(stdout.strip().splitlines()[-1])
+    # push says it before it uploads.
+    monkeypatch.setattr(
+        huggingface_hub.HfApi, "create_repo", lambda self, repo_id, **kw: SimpleNamespace(repo_id=repo_id)
+    )
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, **kw: None)
+    code, stdout, stderr = run_main(["push", "--export_dir", str(export), "--repo_id", "me/tiny-normfree"])
+    assert code == 0, stderr
+    assert f"robustness scan: {scan['broken']} broken of 96 windows" in stdout
+
+
 def test_fold_command_exports_a_tapered_checkpoint(finished_run, tmp_path):
     out, _ = finished_run
     target = tmp_path / "export"
@@ -160,6 +200,15 @@ def test_fold_command_exports_a_tapered_checkpoint(finished_run, tmp_path):
     assert json.loads(stdout.strip().splitlines()[-1])["fold"]["max_rel_diff"] <= 1e-4
     reference = AutoModelForCausalLM.from_pretrained(out / "folded")
     assert torch.allclose(_logits(AutoModelForCausalLM.from_pretrained(target)), _logits(reference), atol=1e-6)
+    # Inside its run folder, fold scans the export on the run's texts against the run's reference, as taper did.
+    scan, recorded = (
+        json.loads((target / "robustness_scan.json").read_text()),
+        json.loads((out / "report.json").read_text()),
+    )
+    assert [(r["text"], r["length"], r["windows"], r["broken"]) for r in scan["rows"]] == [
+        (r["text"], r["length"], r["windows"], r["broken"]) for r in recorded["robustness_scan"]["rows"]
+    ]
+    assert "## Robustness scan" in (target / "README.md").read_text()
     code, _, stderr = run_main(["fold", "--checkpoint", str(out / "tapered"), "--output_dir", str(target)])
     assert code == 2 and f"output folder '{target}' is not empty; pass --overwrite" in stderr
     code, _, stderr = run_main(["fold", "--checkpoint", str(out / "folded"), "--output_dir", str(tmp_path / "x")])

@@ -12,6 +12,7 @@ passes through.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
@@ -22,6 +23,9 @@ from .._parsing import as_flags
 from ..config import TaperNormConfig, parse_step
 from ..errors import ConfigurationError
 from ..pipeline.data import EMBEDDED_CORPUS
+from ..utils import accelerator_available, cpu_has_fast_bf16
+
+logger = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 
@@ -95,6 +99,14 @@ class DataArguments:
     out_of_corpus_blocks: int = field(
         default=256, metadata=_help("Out-of-corpus blocks (0: no out-of-corpus measure).")
     )
+    scan_windows: int = field(
+        default=32,
+        metadata=_help(
+            "Robustness scan: windows per evaluation text at the block size, drawn at any token offset; as many "
+            "tokens again at 2x, 4x and 8x the block size (0: no scan). A window is broken when a stretch of "
+            "block_size tokens loses more than 2 nats per token against the reference model."
+        ),
+    )
     eval_batch_size: int = field(default=8, metadata=_help("Blocks per forward when evaluating."))
     data_cache_dir: Optional[str] = field(default=None, metadata=_help("datasets cache folder."))
 
@@ -105,6 +117,7 @@ class DataArguments:
             raise ConfigurationError(f"--heldout_percentage must be in (0, 100), got {self.heldout_percentage}")
         _positive("heldout_blocks", self.heldout_blocks)
         _positive("out_of_corpus_blocks", self.out_of_corpus_blocks, allow_zero=True)
+        _positive("scan_windows", self.scan_windows, allow_zero=True)
         _positive("eval_batch_size", self.eval_batch_size)
 
 
@@ -269,12 +282,29 @@ class TaperTrainingArguments(TrainingArguments):
             raise ConfigurationError(
                 "--max_steps must be a positive number of optimizer steps (the taper schedule is defined on it)"
             )
+        if (self.bf16 or self.bf16_full_eval) and not self.use_cpu and not accelerator_available():
+            # transformers would stop with "Your setup doesn't support bf16/gpu": on a CPU-only machine --bf16 means
+            # bf16 autocast on the CPU.
+            logger.info("--bf16 and no accelerator: training on the CPU with bf16 autocast (--use_cpu true)")
+            self.use_cpu = True
+        if self.bf16 and (self.use_cpu or not accelerator_available()) and not cpu_has_fast_bf16():
+            logger.warning(
+                "--bf16: this CPU has no fast bf16 matrix products (no AVX-512 BF16 or AMX), so bf16 autocast "
+                "trains slower than fp32 here; drop --bf16 to train in fp32"
+            )
         super().__post_init__()
 
 
 @dataclass
 class EvalArguments:
     output_json: Optional[str] = field(default=None, metadata=_help("Also write the result to this JSON file."))
+    scan_reference: Optional[str] = field(
+        default=None,
+        metadata=_help(
+            "The model the robustness scan compares with (the original or a normalized baseline: a folder, Hub id "
+            "or .gguf). Default: for a run's tapered/ or folded/ folder, that run's baseline, else its original."
+        ),
+    )
     sink: Literal["auto", "bos", "none"] = field(
         default="auto",
         metadata=_help(
@@ -294,9 +324,17 @@ class FoldArguments:
     tolerance: Optional[float] = field(default=None, metadata=_help("Relative logit tolerance of the fold check."))
     overwrite: bool = field(default=False, metadata=_help("Replace --output_dir if it is an earlier export."))
     trust_sharded_checkpoint: bool = field(default=False, metadata=_help(_TRUST_SHARDED_HELP))
+    scan_windows: int = field(
+        default=32,
+        metadata=_help(
+            "Robustness scan of the export (as taper's --scan_windows) on the run's own evaluation texts, against "
+            "its baseline or original: for a checkpoint inside a taper run folder (0: no scan)."
+        ),
+    )
 
     def __post_init__(self) -> None:
         _positive("tolerance", self.tolerance)
+        _positive("scan_windows", self.scan_windows, allow_zero=True)
 
 
 @dataclass

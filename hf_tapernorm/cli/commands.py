@@ -13,6 +13,7 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Optional
 
 from .._parsing import UsageError, parse
 from ..config import sink_token_id
@@ -20,13 +21,21 @@ from ..errors import ConfigurationError, TaperStateError
 from ..export.folding import fold_model
 from ..export.hub import EXPORT_MANIFEST_NAME, export_manifest, push_export
 from ..layers.patching import gate_of, set_gate
-from ..pipeline.data import blocks_tensor, prepare_from_arguments
+from ..pipeline.data import EMBEDDED_CORPUS, blocks_tensor, prepare_from_arguments
 from ..pipeline.evaluation import evaluate_set, heldout_loss
-from ..pipeline.models import ModelSourceError, load_model, load_tokenizer, model_config, resolve_model
+from ..pipeline.models import (
+    ModelSource,
+    ModelSourceError,
+    load_model,
+    load_tokenizer,
+    model_config,
+    resolve_model,
+)
 from ..pipeline.out_of_corpus import out_of_corpus_set
 from ..pipeline.run_folder import running_command_around, write_file, write_folder
+from ..pipeline.scan import SCAN_FILE, robustness_scan, scan_line, scan_summary
 from ..pipeline.taper import save_export
-from ..pipeline.validation import check_within_positions
+from ..pipeline.validation import check_within_positions, max_positions
 from ..training.checkpoints import tapered_config_of
 from .arguments import DataArguments, EvalArguments, FoldArguments, ModelArguments, PushArguments
 
@@ -48,6 +57,7 @@ EXPORT_FILES = (
     "merges.txt",
     "tokenizer.model",
     "added_tokens.json",
+    SCAN_FILE,
 )
 
 
@@ -62,6 +72,7 @@ def eval_main(argv: Sequence[str]) -> int:
     block_size = data_args.block_size
     check_within_positions(f"--block_size {block_size}", block_size, model_config(source, model_args.trust_remote_code))
     tokenizer = load_tokenizer(source, trust_remote_code=model_args.trust_remote_code)
+    scan_reference = scan_reference_of(source, eval_args.scan_reference) if data_args.scan_windows else None
     if source.kind == "tapered":  # checked before the weights load: a checkpoint that cannot go to g = 0
         tapered_config_of(source.path)
     model = load_model(
@@ -113,11 +124,46 @@ def eval_main(argv: Sequence[str]) -> int:
     if reference_text is not None:
         scores = evaluate_set({"model": model}, reference_text, batch_size=data_args.eval_batch_size)["model"]
         result["out_of_corpus"] = {**scores.summary(), "text": reference_text.description}
+    if scan_reference is not None:
+        reference = load_model(scan_reference, dtype=model_args.dtype, trust_remote_code=model_args.trust_remote_code)
+        texts = [t for t in (packed.heldout_set, reference_text) if t is not None]
+        scan = robustness_scan(
+            model,
+            reference,
+            texts,
+            block_size=block_size,
+            windows=data_args.scan_windows,
+            max_positions=_common_positions(model, reference),
+            tokenizer=tokenizer,
+            reference_name=scan_reference.describe(),
+            seed=data_args.heldout_seed,
+            batch_tokens=data_args.eval_batch_size * block_size,
+        ).to_dict()
+        result["robustness_scan"] = scan
     print(json.dumps(result))
+    warning = scan_line(result.get("robustness_scan") or {}, where="robustness_scan in the result")
+    if warning:
+        print(warning)
     if output_json is not None:
         check_result_file(output_json)  # again: the evaluation took a while
         write_file(output_json, json.dumps({**result, "written_by": RESULT_MARK}, indent=2) + "\n")
     return 0
+
+
+def scan_reference_of(source, named: Optional[str]) -> Optional[ModelSource]:
+    """The model the scan compares with: ``--scan_reference``, else the recorded baseline (or original) of the run
+    whose tapered/ or folded/ folder ``source`` is; None (with a log line) when there is none to compare with."""
+    if named is not None:
+        return resolve_model(named)
+    if source.kind not in ("tapered", "folded"):
+        return None
+    reference = _recorded_reference(_run_report(Path(source.path).resolve().parent))
+    if reference is None:
+        logger.warning(
+            "no robustness scan: %s is not in a run folder that names its baseline or original; pass --scan_reference",
+            source.path,
+        )
+    return reference
 
 
 #: Marks a result file of ``eval --output_json``: the only kind of existing file it replaces.
@@ -231,9 +277,79 @@ def fold_main(argv: Sequence[str]) -> int:
     except ModelSourceError:
         logger.warning("no tokenizer found with %s: the export has none", fold_args.checkpoint)
         tokenizer = None
-    write_folder(output_dir, lambda tmp: save_export(folded, tokenizer, tmp))  # replaces an earlier export whole
+    scan = _fold_scan(source, folded, tokenizer, fold_args.scan_windows)
+    facts = {"robustness_scan": scan} if scan else None
+    write_folder(output_dir, lambda tmp: save_export(folded, tokenizer, tmp, facts))  # replaces an earlier export
     print(json.dumps({"export": str(output_dir), "fold": folded.fold_report.to_dict()}))
+    warning = scan_line(scan or {}, where=str(output_dir / SCAN_FILE))
+    if warning:
+        print(warning)
     return 0
+
+
+def _fold_scan(source: ModelSource, folded, tokenizer, windows: int) -> Optional[dict]:
+    """The robustness scan of a fresh export, on the texts and against the reference its run recorded."""
+    if not windows:
+        return None
+    facts = _run_report(Path(source.path).resolve().parent)
+    reference = _recorded_reference(facts)
+    if facts is None or reference is None or tokenizer is None:
+        logger.warning(
+            "no robustness scan: %s is not in a taper run folder that names its data and baseline or original "
+            "(or has no tokenizer); scan the export with hf-tapernorm eval --scan_reference",
+            source.path,
+        )
+        return None
+    recorded, sets = facts.get("data") or {}, facts.get("evaluation_sets") or {}
+    data = DataArguments(
+        dataset_name=None if recorded.get("source") in (None, EMBEDDED_CORPUS) else recorded["source"],
+        text_column=recorded.get("text_column"),
+        block_size=int(recorded.get("block_size", 256)),
+        heldout_percentage=float(recorded.get("heldout_percentage", 5.0)),
+        heldout_blocks=int((sets.get("held-out") or {}).get("blocks", 256)),
+        out_of_corpus_blocks=int((sets.get("out-of-corpus") or {}).get("blocks", 0)),
+        scan_windows=windows,
+    )
+    sink = list(getattr(folded.config, "sink_token_ids", None) or [])
+    packed = prepare_from_arguments(data, tokenizer, train_blocks=0, prefix_ids=sink)
+    texts = [t for t in (packed.heldout_set, out_of_corpus_set(data, tokenizer, sink)) if t is not None]
+    model = load_model(reference)
+    return robustness_scan(
+        folded,
+        model,
+        texts,
+        block_size=data.block_size,
+        windows=windows,
+        max_positions=_common_positions(folded, model),
+        tokenizer=tokenizer,
+        reference_name="baseline" if reference.path.rstrip("/").endswith("baseline/model") else "original",
+        seed=data.heldout_seed,
+        batch_tokens=data.eval_batch_size * data.block_size,
+    ).to_dict()
+
+
+def _common_positions(*models) -> Optional[int]:
+    limits = [n for n in (max_positions(m.config) for m in models) if n]
+    return min(limits) if limits else None
+
+
+def _run_report(folder: Path) -> Optional[dict]:
+    """The report.json of the taper run folder ``folder``, or None."""
+    try:
+        facts = json.loads((folder / "report.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return facts if isinstance(facts, dict) else None
+
+
+def _recorded_reference(facts: Optional[dict]) -> Optional[ModelSource]:
+    """The run's normalized baseline if it saved one, else its original model (when either still exists)."""
+    if facts is None:
+        return None
+    for candidate in ((facts.get("export") or {}).get("baseline_model"), (facts.get("model") or {}).get("source")):
+        if isinstance(candidate, str) and candidate and Path(candidate).exists():
+            return resolve_model(candidate)
+    return None
 
 
 def push_main(argv: Sequence[str]) -> int:
@@ -248,6 +364,7 @@ def push_main(argv: Sequence[str]) -> int:
         raise UsageError(
             f"'{push_args.export_dir}' has no README.md model card; re-export it with hf-tapernorm taper or fold"
         )
+    print(_export_scan(Path(source.path)))
     try:
         commit = push_export(
             source.path,
@@ -267,6 +384,18 @@ def push_main(argv: Sequence[str]) -> int:
         ) from None
     print(f"pushed {source.path} to {getattr(commit, 'commit_url', push_args.repo_id)}")
     return 0
+
+
+def _export_scan(folder: Path) -> str:
+    """The export's robustness scan in one line (``robustness_scan.json``), or why there is none."""
+    path = folder / SCAN_FILE
+    if not path.is_file():
+        return f"{folder}: not scanned (hf-tapernorm eval --scan_reference <the base model> scans it)"
+    try:
+        scan = json.loads(path.read_text())
+        return ("WARNING: " if scan["broken"] else "") + f"{folder}: robustness scan: {scan_summary(scan)}"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
+        return f"{folder}: {SCAN_FILE} is unreadable ({type(error).__name__})"
 
 
 __all__ = ["EXPORT_FILES", "eval_main", "fold_main", "push_main"]

@@ -38,6 +38,7 @@ FACT_KEYS = (
     "schedule",  # mapping, e.g. {"taper start (step)": 25, "taper end (step)": 100, "total steps": 300}
     "eval_loss",  # mapping, e.g. {"base": 3.01, "tapered (g = 0)": 3.05, "folded": 3.05}
     "speed",  # mapping of measured figures, e.g. {"folded / base tokens per s (bf16, batch 1)": "1.12x"}
+    "robustness_scan",  # the robustness scan's result (hf_tapernorm.pipeline.scan.ScanResult.to_dict())
     "tags",  # extra Hub tags
 )
 
@@ -102,6 +103,7 @@ def render_model_card(model: nn.Module, facts: Optional[Mapping[str, Any]] = Non
         schedule=dict(facts.get("schedule") or {}),
         eval_loss=dict(facts.get("eval_loss") or {}),
         speed=dict(facts.get("speed") or {}),
+        robustness=dict(facts.get("robustness_scan") or {}),
         fold_report=report.to_dict() if report is not None else None,
         repo_id=repo_id,
     )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -48,6 +49,9 @@ class EvaluationSet:
     """``[n, block_size]`` token ids, each block ``prefix`` + text, with the document of every target token.
 
     ``target_documents[i, j]`` indexes ``documents`` for the target ``blocks[i, prefix_length + 1 + j]``.
+    ``stream`` is the tokenized text the blocks were cut from (the documents in order, each followed by EOS)
+    and ``stream_documents`` the document of each of its tokens: the robustness scan (pipeline/scan.py) draws
+    windows of other lengths, at any token offset, from it.
     """
 
     name: str
@@ -56,6 +60,8 @@ class EvaluationSet:
     target_documents: torch.Tensor
     documents: list[str]
     prefix_length: int
+    stream: Optional[torch.Tensor] = None
+    stream_documents: Optional[torch.Tensor] = None
 
     @property
     def tokens(self) -> int:
@@ -119,7 +125,7 @@ def sample_blocks(
     text = stream[starts[:, None] + offsets]
     blocks = torch.cat([torch.tensor(prefix, dtype=text.dtype).expand(len(chosen), -1), text], dim=1)
     target_documents = stream_owners[starts[:, None] + offsets[1:]]
-    return EvaluationSet(name, description, blocks, target_documents, names, len(prefix))
+    return EvaluationSet(name, description, blocks, target_documents, names, len(prefix), stream, stream_owners)
 
 
 def _balanced_draw(window_documents: torch.Tensor, count: int, seed: int) -> torch.Tensor:

@@ -47,6 +47,7 @@ class TrainingFacts:
     seconds: Optional[float] = None
     final_gate: Optional[float] = None
     wall_seconds: Optional[float] = None
+    mixed_precision: Optional[str] = None  # "bf16" or "fp16" autocast (fp32 master weights); None: the weights' dtype
 
 
 @dataclass
@@ -64,6 +65,7 @@ class RunRecord:
     out_of_corpus: dict[str, dict[str, float]] = field(default_factory=dict)  # model -> CE and KL to the original
     heldout_documents: dict[str, Any] = field(default_factory=dict)  # the documents that lose most (evaluation.py)
     out_of_corpus_blocks: dict[str, Any] = field(default_factory=dict)  # its broken blocks, as heldout_documents'
+    robustness_scan: dict[str, Any] = field(default_factory=dict)  # the folded model's scan (pipeline/scan.py)
     evaluation_sets: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> description, blocks, tokens
     fold: dict[str, Any] = field(default_factory=dict)
     export: dict[str, Any] = field(default_factory=dict)
@@ -111,6 +113,7 @@ class RunRecord:
             "out_of_corpus": self.out_of_corpus,
             "heldout_documents": self.heldout_documents,
             "out_of_corpus_blocks": self.out_of_corpus_blocks,
+            "robustness_scan": self.robustness_scan,
             "gap": self.gap(),
             "fold": self.fold,
             "export": self.export,
@@ -147,6 +150,8 @@ class RunRecord:
         }
         if self.training.tokens:
             card["tokens"] = int(self.training.tokens)
+        if self.robustness_scan:
+            card["robustness_scan"] = self.robustness_scan
         return card
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from .record import RunRecord
+from .scan import scan_summary
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +170,8 @@ def summary_lines(facts: Mapping[str, Any]) -> list[str]:
         f"data: {data.get('source', '-')}, blocks of {_fmt(data.get('block_size'))} tokens, "
         f"held-out {_fmt(data.get('heldout_tokens'))} tokens",
         f"training: {_fmt(training.get('steps'))} steps, {_fmt(training.get('tokens'))} tokens, "
-        f"{_fmt(training.get('seconds'), '.0f')} s, final gate {_fmt(training.get('final_gate'), 'g')}",
+        f"{_fmt(training.get('seconds'), '.0f')} s, final gate {_fmt(training.get('final_gate'), 'g')}"
+        + (f", {training['mixed_precision']} autocast" if training.get("mixed_precision") else ""),
     ]
     for kind in MODEL_KINDS:
         if heldout.get(kind):
@@ -187,6 +189,9 @@ def summary_lines(facts: Mapping[str, Any]) -> list[str]:
             f"{_fmt(outside['folded'].get('kl'))}), vs baseline {_pct(gap.get('out_of_corpus_folded_vs_baseline'))}, "
             f"vs original {_pct(gap.get('out_of_corpus_folded_vs_original'))}"
         )
+    scan = facts.get("robustness_scan") or {}
+    if scan:
+        lines.append(f"robustness scan: {scan_summary(scan)}")
     if fold:
         lines.append(
             f"fold check: max |logit diff| {_fmt(fold.get('max_abs_diff'), '.3g')}, "
@@ -209,6 +214,7 @@ def render_markdown(facts: Mapping[str, Any], plots: Mapping[str, str]) -> str:
     taper = facts.get("taper") or {}
     parts = ["# hf_tapernorm run report", "", "```", *summary_lines(facts), "```", ""]
     parts += _evaluation_sections(facts)
+    parts += _scan_section(facts.get("robustness_scan") or {})
     parts += ["## Tapering", "", "| setting | value |", "|---|---|"]
     parts += [f"| {key} | {_fmt(value, 'g')} |" for key, value in sorted(taper.items())]
     calibration = (facts.get("diagnostics") or {}).get("calibration") or {}
@@ -296,6 +302,46 @@ def _evaluation_sections(facts: Mapping[str, Any]) -> list[str]:
         ]
         parts.append("")
     return parts
+
+
+def _scan_section(scan: Mapping[str, Any]) -> list[str]:
+    """The robustness scan: broken windows per text and length, and the worst windows with where they break."""
+    if not scan:
+        return []
+    parts = [
+        "## Robustness scan",
+        "",
+        f"The folded model against the {scan['reference']} on windows drawn at any token offset of each text, the "
+        f"sink first, at the block size and longer (seed {scan['seed']}). A window is broken when a stretch of "
+        f"{scan['stretch_tokens']} tokens loses more than {scan['threshold_nats']:g} nats per token. "
+        f"{scan['broken']} of {scan['windows']} windows are broken.",
+        "",
+        f"| text | window tokens | windows | {scan['reference']} loss | folded loss | gap | broken | "
+        "gap without them |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    parts += [
+        f"| {row['text']} | {row['length']} | {row['windows']} | {row['reference_loss']:.4f} | "
+        f"{row['model_loss']:.4f} | {_pct(row['gap'])} | {row['broken']} | {_pct(row['gap_without_broken'])} |"
+        for row in scan["rows"]
+    ]
+    if scan.get("worst"):
+        parts += [
+            "",
+            "The worst windows (excess: nats per token over the reference on the window's worst stretch; the layer "
+            "where the folded model's share of attention on the sink falls below half the reference's):",
+            "",
+            "| text | tokens | offset | excess | folded / reference loss | sink share falls at layer | first tokens |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for window in scan["worst"]:
+            fall = (window.get("sink_share") or {}).get("falls_at_layer")
+            parts.append(
+                f"| {window['text']} | {window['length']} | {window['offset']} | {window['worst_excess']:+.2f} | "
+                f"{window['model_loss']:.3f} / {window['reference_loss']:.3f} | {'-' if fall is None else fall} | "
+                f"{_cell(window['first_tokens'], 60)} |"
+            )
+    return [*parts, ""]
 
 
 def _cell(text: str, limit: int = 160) -> str:

@@ -46,6 +46,7 @@ from .record import DataFacts, ModelFacts, RunRecord, TrainingFacts
 from .report import PLOTS, summary_lines, write_report
 from .resume_check import check_resumable
 from .run_folder import RunFolder, write_file
+from .scan import SCAN_FILE, robustness_scan, scan_line
 from .showcase import greedy_continuations, ops_per_generated_token
 from .training_run import RecordCallback, recorded_identity, train
 from .validation import (
@@ -53,6 +54,7 @@ from .validation import (
     check_resume_identity,
     check_schedule,
     check_within_positions,
+    max_positions,
     recipe_config,
     run_identity,
     weightless_model,
@@ -173,6 +175,7 @@ def _run_locked(request: TaperRequest, output: RunFolder) -> int:
             training_args.learning_rate,
             str(getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type)),
             training_args.world_size,
+            mixed_precision="bf16" if training_args.bf16 else "fp16" if training_args.fp16 else None,
         ),
         taper_start_step=schedule.k_start,
         taper_end_step=schedule.k_end,
@@ -359,6 +362,9 @@ class _Pipeline:
                 ]
             )
         )
+        warning = scan_line(record.robustness_scan, where=str(self.output.path / "report.md"))
+        if warning:
+            print(warning)
 
     def evaluate_all(self, model, baseline, folded) -> None:
         """Every model on the held-out and the out-of-corpus blocks in one pass each, with the KL to the original.
@@ -388,7 +394,28 @@ class _Pipeline:
                 "against": against,
                 "broken_blocks": broken_blocks(scores["tapered"], scores[against]),
             }
+        self.scan(folded, models[against], against)
         del original
+
+    def scan(self, folded, reference, reference_name: str) -> None:
+        """The robustness scan of the folded model against ``reference`` (pipeline/scan.py), on both sets."""
+        data = self.request.data
+        texts = [t for t in (self.packed.heldout_set, self.reference_text) if t is not None]
+        if not data.scan_windows or not texts:
+            return
+        result = robustness_scan(
+            folded,
+            reference,
+            texts,
+            block_size=self.packed.block_size,
+            windows=data.scan_windows,
+            max_positions=max_positions(folded.config),
+            tokenizer=self.tokenizer,
+            reference_name=reference_name,
+            seed=data.heldout_seed,
+            batch_tokens=data.eval_batch_size * self.packed.block_size,
+        )
+        self.record.robustness_scan = result.to_dict()
 
     def export(self, folded, probe) -> None:
         """Write the export atomically, reload it and compare it with the folded model in memory."""
@@ -441,11 +468,15 @@ def model_dtype_only(model):
 
 
 def save_export(folded, tokenizer, folder: Path, facts: Optional[dict[str, Any]] = None) -> None:
-    """Weights, config, modeling code and model card (export_folded), plus the tokenizer; all in its manifest."""
+    """Weights, config, modeling code and model card (export_folded), plus the tokenizer and the robustness scan
+    (``robustness_scan.json``, when ``facts`` holds one: ``push`` reports it); all in its manifest."""
     export_folded(folded, folder, facts=facts)
-    if tokenizer is not None:
-        with recording_export(folder):
+    scan = (facts or {}).get("robustness_scan")
+    with recording_export(folder):
+        if tokenizer is not None:
             tokenizer.save_pretrained(folder)
+        if scan:
+            write_file(folder / SCAN_FILE, json.dumps(scan, indent=2) + "\n")
 
 
 __all__ = ["TaperRequest", "prepare_run_data", "recipe_config", "resolve_baseline", "run_taper", "save_export"]

@@ -329,6 +329,15 @@ def _named_texts(dataset: AnyDataset, column: str, *, heldout: bool, percentage:
             yield (name if isinstance(name, str) else f"document {index}"), text
 
 
+def heldout_documents(
+    dataset: AnyDataset, *, percentage: float = 5.0, text_column: Optional[str] = None
+) -> list[tuple[str, str]]:
+    """``(name, text)`` of the documents a run holds out of ``dataset`` (by a hash of their text), in corpus order:
+    the documents its held-out blocks are drawn from (``prepare_data``)."""
+    column = text_column_of(dataset, text_column)
+    return list(_named_texts(dataset, column, heldout=True, percentage=percentage))
+
+
 def _as_dataset(blocks: list[list[int]], prefix_length: int = 0) -> datasets.Dataset:
     # With a sink prefix the first text token's prediction (made at the sink position) is not a
     # target: a folded model never computes the sink position, so no loss may depend on it.

@@ -66,6 +66,15 @@ ARMS: dict[str, Arm] = {
     "no_scale_loss": Arm(("--scale_loss_weight", "0"), False, "scale loss off"),
     "constant_lr": Arm(("--lr_scheduler_type", "constant_with_warmup"), True, "constant LR after warmup"),
     "long_taper": Arm(("--taper_start", "0.05", "--taper_end", "0.9"), True, "taper from 5% to 90% of the run"),
+    "keep_attn_4_13": Arm(
+        (
+            "--keep_norms",
+            "model.layers.*.post_attention_layernorm,model.layers.[4-9].input_layernorm,"
+            "model.layers.1[0-3].input_layernorm",
+        ),
+        False,
+        "the default, keeping the attention input norms of layers 4-13 (where a broken window's runaway starts)",
+    ),
     "kl_control": Arm(
         (),
         False,

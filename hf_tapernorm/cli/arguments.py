@@ -100,7 +100,7 @@ class DataArguments:
         default=256, metadata=_help("Out-of-corpus blocks (0: no out-of-corpus measure).")
     )
     scan_windows: int = field(
-        default=32,
+        default=16,
         metadata=_help(
             "Robustness scan: windows per evaluation text at the block size, drawn at any token offset; as many "
             "tokens again at 2x, 4x and 8x the block size (0: no scan). A window is broken when a stretch of "
@@ -325,7 +325,7 @@ class FoldArguments:
     overwrite: bool = field(default=False, metadata=_help("Replace --output_dir if it is an earlier export."))
     trust_sharded_checkpoint: bool = field(default=False, metadata=_help(_TRUST_SHARDED_HELP))
     scan_windows: int = field(
-        default=32,
+        default=16,
         metadata=_help(
             "Robustness scan of the export (as taper's --scan_windows) on the run's own evaluation texts, against "
             "its baseline or original: for a checkpoint inside a taper run folder (0: no scan)."

@@ -196,6 +196,8 @@ RESEARCH_MAY_IMPORT = {
     "hf_tapernorm.pipeline.data",
     "hf_tapernorm.pipeline.models",
     "hf_tapernorm.pipeline.evaluation",
+    "hf_tapernorm.pipeline.heldout",
+    "hf_tapernorm.pipeline.scan",
     "hf_tapernorm.cli.arguments",
 }
 EXPERIMENTS = PACKAGE.parent / "conversion_scripts" / "experiments"

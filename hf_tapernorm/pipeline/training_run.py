@@ -23,6 +23,7 @@ from accelerate.utils import extract_model_from_parallel
 from transformers import Trainer, TrainerCallback, default_data_collator
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..training.callback import TaperCallback, place_first
 from ..utils import all_reduce_max
 from .report import history_from_log
 from .run_folder import RunFolder
@@ -176,6 +177,8 @@ def train(
         data_collator=default_data_collator,
         callbacks=[*callbacks, interrupt],
     )
+    if any(isinstance(callback, TaperCallback) for callback in callbacks):
+        place_first(trainer)  # the TensorBoard logs (report_to) get the taper/* keys
     checkpoint = last_checkpoint(output_dir) if resume else None  # validated before the model loaded
     if resume and checkpoint is None:
         logger.info("no checkpoint in %s: starting this training from step 0", output_dir)

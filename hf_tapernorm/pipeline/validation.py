@@ -4,6 +4,11 @@ The recipe is planned on a weightless (meta-device) copy of the model built from
 ``keep_norms`` pattern, an unsupported layout, a schedule longer than the run, a block size beyond the
 model's positions or a resumed run that is not the saved one all fail in seconds. Errors about recipe
 and training fields name them (``TaperNormConfig.taper_end``); the CLI writes them as its flags.
+
+The checks ``taper`` runs before work starts are split by what they read, so each has one place:
+validation.py the request and the model's config (the recipe, schedule, positions, the run's identity);
+preflight.py the Trainer's options and the disk; resume_check.py the files of a checkpoint to resume.
+A new check goes where its input is: this module, for a check on an option of the recipe or the model's config.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ The public names beyond the drivers and checkpoints (which the top level exports
 - :class:`Distillation`, :func:`distillation_loss` (distillation.py): the KL term to a frozen teacher;
 - :class:`DivergenceThresholds` (divergence.py): when a run counts as diverged
   (``TaperCallback(thresholds=...)``);
-- :func:`place_first` (callback.py): put the Trainer's TaperCallback before its reporting callbacks.
+- :func:`place_first` (callback.py): put the Trainer's TaperCallback before its reporting callbacks;
+  :func:`add_to_training_log`: add keys to a training log from ``on_log`` (and to ``trainer_state.json``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ _EXPORTS = {
     "TaperController": "controller",
     "TaperCallback": "callback",
     "place_first": "callback",
+    "add_to_training_log": "callback",
     "save_tapered": "checkpoints",
     "load_tapered": "checkpoints",
     "save_sharded_checkpoint": "sharded",
@@ -41,7 +43,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
     from .calibration import calibrate, calibration_table, update_statistics
-    from .callback import TaperCallback, place_first
+    from .callback import TaperCallback, add_to_training_log, place_first
     from .checkpoints import load_tapered, save_tapered
     from .controller import TaperController
     from .distillation import Distillation, distillation_loss

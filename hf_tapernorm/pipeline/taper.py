@@ -35,7 +35,6 @@ from ..layers.taper_norm import tapered_norms
 from ..training.calibration import calibration_table
 from ..training.checkpoints import save_tapered
 from ..training.schedule import decay_learning_rate_after_the_taper
-from ..utils import parameter_count
 from .data import PackedData, blocks_tensor, prepare_from_arguments
 from .evaluation import broken_blocks, evaluate_set, per_document
 from .extension import TaperExtension
@@ -43,7 +42,7 @@ from .heldout import EvaluationSet
 from .models import ModelSource, load_model, load_tokenizer, resolve_model
 from .out_of_corpus import out_of_corpus_set
 from .preflight import check_disk_space, check_trainer_options, check_training_blocks
-from .record import DataFacts, ModelFacts, RunRecord, TrainingFacts
+from .record import RunRecord, global_batch_blocks, new_run_record
 from .report import PLOTS, summary_lines, write_report
 from .resume_check import check_resumable
 from .run_folder import RunFolder, write_file
@@ -140,58 +139,11 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
     baseline_source = resolve_baseline(request.run.baseline_from)
     model = load_model(source, dtype=request.model.dtype, trust_remote_code=request.model.trust_remote_code)
     if state.is_main_process:
-        if must_empty:
-            output.empty()
-        if run.resume:  # the identity is rewritten once the resumed run has trained (RecordCallback)
-            output.remove_partials()
-            for checkpoint in stale_checkpoints:
-                logger.warning("removing %s: it was being written when the run stopped (incomplete)", checkpoint)
-                shutil.rmtree(checkpoint)
-            output.record()
-        else:
-            output.record(identity=identity)
+        _prepare_folder(output, must_empty, stale_checkpoints if run.resume else None, identity)
     state.wait_for_everyone()
 
-    record = RunRecord(
-        model=ModelFacts(
-            source.describe(),
-            source.name,
-            source.kind,
-            model.config.model_type,
-            parameter_count(model),
-            str(next(model.parameters()).dtype).removeprefix("torch."),
-        ),
-        data=DataFacts(
-            packed.source,
-            packed.text_column,
-            packed.block_size,
-            len(packed.train),
-            len(packed.heldout),
-            packed.heldout_tokens,
-            request.data.heldout_percentage,
-        ),
-        config=config,
-        training=TrainingFacts(
-            training_args.max_steps,
-            _global_batch(training_args),
-            training_args.learning_rate,
-            str(getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type)),
-            training_args.world_size,
-            mixed_precision="bf16" if training_args.bf16 else "fp16" if training_args.fp16 else None,
-        ),
-        taper_start_step=schedule.k_start,
-        taper_end_step=schedule.k_end,
-        allowed_changes=allowed_changes,
-    )
-    record.evaluation_sets = {
-        evaluation.name: {
-            "description": evaluation.description,
-            "blocks": len(evaluation.blocks),
-            "tokens": evaluation.tokens,
-        }
-        for evaluation in (packed.heldout_set, reference_text)
-        if evaluation is not None
-    }
+    record = new_run_record(request, source, model, packed, config, schedule, allowed_changes)
+    record.add_evaluation_sets(packed.heldout_set, reference_text)
     if baseline_source is not None:
         record.export["baseline_model"] = str(baseline_source.path)
     pipeline = _Pipeline(request, record, packed, tokenizer, output, identity, source, reference_text, baseline_source)
@@ -211,9 +163,24 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
         logger.info("taper: %.0f s in all", time.time() - started)
 
 
+def _prepare_folder(output: RunFolder, must_empty: bool, stale_checkpoints: Optional[list[Path]], identity) -> None:
+    """Empty the folder (``must_empty``), or, resuming (``stale_checkpoints`` not None), remove what a stopped run
+    was writing; then record the folder's files (a resumed run's identity is rewritten once it has trained)."""
+    if must_empty:
+        output.empty()
+    if stale_checkpoints is None:
+        output.record(identity=identity)
+        return
+    output.remove_partials()
+    for checkpoint in stale_checkpoints:
+        logger.warning("removing %s: it was being written when the run stopped (incomplete)", checkpoint)
+        shutil.rmtree(checkpoint)
+    output.record()
+
+
 def prepare_run_data(request: TaperRequest, tokenizer, sink_ids: list[int]) -> PackedData:
     """The training blocks for ``max_steps`` global batches and the held-out set, from the data options."""
-    train_blocks = request.training.max_steps * _global_batch(request.training)
+    train_blocks = request.training.max_steps * global_batch_blocks(request.training)
     return prepare_from_arguments(request.data, tokenizer, train_blocks=train_blocks, prefix_ids=sink_ids)
 
 
@@ -236,12 +203,6 @@ def resolve_baseline(path: Optional[str]) -> Optional[ModelSource]:
             "(or its baseline/model folder)"
         )
     return source
-
-
-def _global_batch(training_args) -> int:
-    return (
-        training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * training_args.world_size
-    )
 
 
 class _Pipeline:

@@ -44,10 +44,10 @@ class TaperRequest:
 
 
 def recipe_config(request: TaperRequest, model, tokenizer) -> TaperNormConfig:
-    """The TaperNormConfig of the flags: the recipe (``--recipe``), with every explicitly set field on top.
+    """The TaperNormConfig of the flags: the preset (``--preset``), with every explicitly set field on top.
 
     ``request.taper`` holds one attribute per TaperNormConfig field (None: the recipe's value), already in
-    the config's types (cli/arguments.py generates them from the config's fields), plus ``recipe`` and
+    the config's types (cli/arguments.py generates them from the config's fields), plus ``preset`` and
     ``sink``, which the command line spells its own way."""
     flags = request.taper
     overrides: dict[str, Any] = {
@@ -62,7 +62,7 @@ def recipe_config(request: TaperRequest, model, tokenizer) -> TaperNormConfig:
         if bos is None:
             raise ConfigurationError("--sink bos: the tokenizer has neither a BOS nor an EOS token; pass --sink none")
         overrides["sink_token_ids"] = [bos]
-    if flags.recipe == "paper":
+    if flags.preset == "paper":
         return TaperNormConfig.paper(**overrides)
     return TaperNormConfig.for_model(model, tokenizer, **overrides)
 

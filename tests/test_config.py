@@ -216,7 +216,7 @@ def test_round_trips_dict_json_checkpoint_and_export(tmp_path):
     TaperController(model, total_steps=10, distillation=False).step_begin(2)  # calibrates
     save_tapered(model, tmp_path / "ckpt")
     written = json.loads((tmp_path / "ckpt" / "tapernorm_config.json").read_text())
-    assert written == {**config.to_dict(), "hf_tapernorm_version": hf_tapernorm.__version__}
+    assert written == {**config.to_dict(), "hf_tapernorm_version": hf_tapernorm.__version__, "config_version": 2}
     reloaded = load_tapered(tmp_path / "ckpt")
     assert reloaded.tapernorm_config == config
     for (name, layer), (_, original) in zip(

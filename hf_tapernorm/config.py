@@ -43,6 +43,10 @@ logger = logging.getLogger(__name__)
 CONFIG_NAME = "tapernorm_config.json"
 #: The key of ``tapernorm_config.json`` (and of an export's ``config.json``) that records the package version.
 VERSION_KEY = "hf_tapernorm_version"
+#: The key of ``tapernorm_config.json`` that records the layout of its fields (absent: version 1).
+CONFIG_VERSION_KEY = "config_version"
+#: The layout this version writes. ``from_dict`` migrates an older one step by step (MIGRATIONS) and says so.
+CONFIG_VERSION = 2
 
 Scope = Literal["internal", "final", "all"]
 LinearFit = Literal["paper", "per_channel"]
@@ -99,8 +103,11 @@ class TaperNormConfig:
     the field); each field's ``metadata["help"]`` is its documentation, and the CLI's ``--help``.
 
     Fields marked experimental (``linear_fit="per_channel"``, ``calibration_scale``, ``distill_from`` other
-    than ``"gate_start"``) are kept for the research in conversion_scripts/experiments; no preset uses them.
-    Presets: :meth:`paper` and :meth:`for_model`. The method behind the fields: docs/method.md.
+    than ``"gate_start"``, ``distill_schedule="gate"``) are kept for the research in
+    conversion_scripts/experiments; no preset uses them. Presets: :meth:`paper` and :meth:`for_model`. A bare
+    ``TaperNormConfig()`` holds the paper's values (``recipe="custom"``: nothing derived from a model), while
+    ``patch_model(model)`` without a config applies :meth:`for_model` and logs that it did. The method
+    behind the fields: docs/method.md.
     """
 
     # Which norms taper
@@ -151,8 +158,9 @@ class TaperNormConfig:
     )
     distill_schedule: DistillSchedule = _option(
         "constant",
-        "The KL term's weight over the run: constant (distill_weight throughout) | gate (distill_weight times the "
-        "current gate: full while the model is still normalized, fading to 0 as the gate closes).",
+        f"The KL term's weight over the run: constant (distill_weight throughout) | gate {EXPERIMENTAL} "
+        "(distill_weight times the current gate: full while the model is still normalized, fading to 0 as the "
+        "gate closes).",
     )
     # The schedule
     taper_start: Step = _option(
@@ -259,6 +267,7 @@ class TaperNormConfig:
             )
         values = dict(values)
         version = values.pop(VERSION_KEY, None)
+        values = _migrated(values, values.pop(CONFIG_VERSION_KEY, 1))
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -271,8 +280,9 @@ class TaperNormConfig:
         return cls(**{k: v for k, v in values.items() if k in known})
 
     def to_json_string(self) -> str:
-        """``tapernorm_config.json``: every field, and the package version that wrote it."""
-        return json.dumps({**self.to_dict(), VERSION_KEY: __version__}, indent=2, sort_keys=True) + "\n"
+        """``tapernorm_config.json``: every field, the package version that wrote it and the layout's version."""
+        values = {**self.to_dict(), VERSION_KEY: __version__, CONFIG_VERSION_KEY: CONFIG_VERSION}
+        return json.dumps(values, indent=2, sort_keys=True) + "\n"
 
     def save_pretrained(self, folder: Union[str, os.PathLike]) -> Path:
         """Write ``tapernorm_config.json`` into ``folder`` (created if missing); returns the file."""
@@ -309,6 +319,46 @@ class TaperNormConfig:
 
     def replace(self, **changes: Any) -> TaperNormConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _from_version_1(values: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 (files without ``config_version``) could lack the distillation and linear-branch fields
+    added later; an absent one meant what version 1 did, which is written in now, so that a later change of a
+    default cannot change what an old checkpoint means."""
+    implied = {"distill_until": "end", "distill_schedule": "constant", "linear_fit": "paper", "calibration_scale": 1.0}
+    return {**{k: v for k, v in implied.items() if k not in values}, **values}
+
+
+#: Migration steps: ``MIGRATIONS[n]`` turns the fields of version n into those of version n + 1.
+MIGRATIONS = {1: _from_version_1}
+
+
+def _migrated(values: dict[str, Any], version: Any) -> dict[str, Any]:
+    """``values`` of layout ``version`` migrated to CONFIG_VERSION, with one log line naming what changed."""
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ConfigurationError(f"TaperNormConfig: {CONFIG_VERSION_KEY} must be a positive integer, got {version!r}")
+    if version > CONFIG_VERSION:
+        logger.warning(
+            "TaperNormConfig: written with %s %d, newer than this version's %d; reading the fields it knows",
+            CONFIG_VERSION_KEY,
+            version,
+            CONFIG_VERSION,
+        )
+        return values
+    migrated = dict(values)
+    for step in range(version, CONFIG_VERSION):
+        migrated = MIGRATIONS[step](migrated)
+    added = {k: v for k, v in migrated.items() if k not in values or values[k] != v}
+    if added:
+        logger.warning(
+            "TaperNormConfig: migrated a %s %d config to %d: %s (what version %d meant); save it again to keep it",
+            CONFIG_VERSION_KEY,
+            version,
+            CONFIG_VERSION,
+            ", ".join(f"{k}={v!r}" for k, v in sorted(added.items())),
+            version,
+        )
+    return migrated
 
 
 def _checked(cls: type, name: str, value: Any) -> Any:
@@ -410,6 +460,8 @@ def config_of(model: nn.Module) -> TaperNormConfig:
 
 __all__ = [
     "CONFIG_NAME",
+    "CONFIG_VERSION",
+    "CONFIG_VERSION_KEY",
     "EXPERIMENTAL",
     "VERSION_KEY",
     "TaperNormConfig",

@@ -292,3 +292,14 @@ def run_without_hf_tapernorm(
     done = subprocess.run([sys.executable, "-I", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(tmp_path / "out.pt")
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A folder with tiny saved Llama and GPT-2 models and a small corpus: the CLI tests' inputs
+    (tests/helpers.py's ``taper_argv`` builds a run on it)."""
+    root = tmp_path_factory.mktemp("cli")
+    save_tiny_model(root / "llama", "llama")
+    save_tiny_model(root / "gpt2", "gpt2")
+    (root / "corpus.txt").write_text("\n\n".join(corpus_documents(150)))
+    return root

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
 
 import hf_tapernorm.training.controller as controller_module
 from hf_tapernorm import (
@@ -20,7 +23,7 @@ from hf_tapernorm import (
     patch_model,
 )
 from hf_tapernorm.layers import gate_of, tapered_norms
-from hf_tapernorm.training import TaperSchedule
+from hf_tapernorm.training import TaperSchedule, place_first
 from tests.conftest import build, tiny_llama_config
 
 STEPS, K_START, K_END = 12, 3, 9
@@ -63,10 +66,12 @@ def run_trainer(
     accumulation: int = 1,
     checkpointing: bool = False,
     save_steps: int | None = None,
-    resume: str | None = None,
+    resume: str | bool | None = None,
+    resume_argument: str | None = None,
     patched: bool = True,
     callbacks: tuple = (),
     taper: TaperCallback | None = None,
+    first: bool = True,
 ):
     model = build(tiny_llama_config(), seed=0)
     if patched:
@@ -86,6 +91,7 @@ def run_trainer(
         train_sampling_strategy="sequential",
         disable_tqdm=True,
         seed=0,
+        resume_from_checkpoint=resume_argument,
     )
     recorder = GateRecorder()
     trainer = Trainer(
@@ -94,6 +100,8 @@ def run_trainer(
         train_dataset=_dataset(STEPS * 8),
         callbacks=[*callbacks, taper or TaperCallback(K_START, K_END), recorder],
     )
+    if first:
+        place_first(trainer)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, model, recorder.trace
 
@@ -152,10 +160,7 @@ def test_taper_metrics_reach_reporters_listed_before_the_callback(reference):
     assert [h["taper/gate"] for h in history] == gates
 
 
-def test_resume_mid_taper_equals_the_uninterrupted_run(reference, tmp_path):
-    checkpoint = reference["out"] / "checkpoint-6"
-    assert checkpoint.is_dir()
-    _, resumed, trace = run_trainer(tmp_path, resume=str(checkpoint))
+def _assert_same_run(reference, resumed, trace) -> None:
     assert trace == reference["trace"][6:]
     expected = reference["model"].state_dict()
     actual = resumed.state_dict()
@@ -163,6 +168,74 @@ def test_resume_mid_taper_equals_the_uninterrupted_run(reference, tmp_path):
     assert any(k.endswith("anchor.target") for k in actual)
     for key in expected:
         torch.testing.assert_close(actual[key], expected[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
+def _copy_checkpoint(reference, folder: Path) -> Path:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    return Path(shutil.copytree(reference["out"] / "checkpoint-6", folder))
+
+
+@pytest.mark.parametrize("how", ["path", "true", "callbacks_first"])
+def test_resume_mid_taper_equals_the_uninterrupted_run(reference, tmp_path, how):
+    """``train(resume_from_checkpoint=<path>)`` and ``=True`` into the run's output_dir; and with another
+    callback listed before TaperCallback and no place_first (the resume does not depend on the order)."""
+    checkpoint = _copy_checkpoint(reference, tmp_path / "checkpoint-6")
+    if how == "true":
+        _, resumed, trace = run_trainer(tmp_path, resume=True)
+    elif how == "path":
+        _, resumed, trace = run_trainer(tmp_path, resume=str(checkpoint))
+    else:
+        reporter = Reporter()
+        _, resumed, trace = run_trainer(tmp_path, resume=str(checkpoint), callbacks=(reporter,), first=False)
+        assert [logs["taper/gate"] for logs in reporter.seen if "taper/gate" in logs] == []  # listed before it
+    _assert_same_run(reference, resumed, trace)
+
+
+def test_resume_from_a_checkpoint_outside_the_output_dir_needs_it_named_in_the_arguments(reference, tmp_path):
+    checkpoint = _copy_checkpoint(reference, tmp_path / "elsewhere" / "checkpoint-6")
+    expected = (
+        r"TaperCallback: resuming at step 6, but no checkpoint with that state is in .*run[/\\]checkpoint-6; "
+        r"a checkpoint outside output_dir must also be named in TrainingArguments\(resume_from_checkpoint=\.\.\.\)"
+    )
+    with pytest.raises(TaperStateError, match=expected):
+        run_trainer(tmp_path / "run", resume=str(checkpoint))
+    _, resumed, trace = run_trainer(tmp_path / "run2", resume=str(checkpoint), resume_argument=str(checkpoint))
+    _assert_same_run(reference, resumed, trace)
+
+
+def test_a_checkpoint_folder_of_another_state_is_not_taken(reference, tmp_path):
+    """output_dir/checkpoint-6 exists but is not what the Trainer restored (another run's log history)."""
+    checkpoint = _copy_checkpoint(reference, tmp_path / "elsewhere" / "checkpoint-6")
+    other = _copy_checkpoint(reference, tmp_path / "run" / "checkpoint-6")
+    state = json.loads((other / "trainer_state.json").read_text())
+    state["log_history"][0]["loss"] += 1.0
+    (other / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(TaperStateError, match=r"resuming at step 6, but no checkpoint with that state"):
+        run_trainer(tmp_path / "run", resume=str(checkpoint))
+
+
+def test_reporting_integrations_without_place_first_are_warned_about(caplog):
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper())
+    state = TrainerState(max_steps=STEPS)
+    args = SimpleNamespace(report_to=["wandb"], output_dir="unused")
+    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.training.callback"):
+        TaperCallback(K_START, K_END).on_train_begin(args, state, None, model=model)
+    assert "report_to=['wandb'] run before it and miss the taper/* log keys" in caplog.text
+    assert "hf_tapernorm.training.place_first(trainer)" in caplog.text
+    caplog.clear()
+    placed = TaperCallback(K_START, K_END)
+    placed.placed_first = True
+    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.training.callback"):
+        placed.on_train_begin(args, state, None, model=model)
+    assert "miss the taper/* log keys" not in caplog.text
+
+
+def test_place_first_needs_exactly_one_taper_callback(tmp_path):
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper())
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=STEPS, report_to=[], use_cpu=True)
+    trainer = Trainer(model=model, args=args, train_dataset=_dataset(8), callbacks=[Reporter()])
+    with pytest.raises(ConfigurationError, match=r"place_first: the Trainer holds 0 TaperCallback\(s\)"):
+        place_first(trainer)
 
 
 def test_resume_without_patching_fails_clearly(reference, tmp_path):

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import math
 import os
 import signal
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,36 +30,10 @@ from hf_tapernorm.layers.patching import gate_of, patch_model
 from hf_tapernorm.pipeline.models import ModelSourceError, resolve_model
 from hf_tapernorm.pipeline.report import PLOTS, REPORT_KEYS, summary_lines, write_report
 from hf_tapernorm.training.checkpoints import load_tapered, save_tapered
-from tests.conftest import corpus_documents, save_tiny_model, smollm2_gguf
+from tests.conftest import save_tiny_model, smollm2_gguf
+from tests.helpers import REPO, run_main, signal_at_step, taper_argv
 
-REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli")
-    save_tiny_model(root / "llama", "llama")
-    save_tiny_model(root / "gpt2", "gpt2")
-    (root / "corpus.txt").write_text("\n\n".join(corpus_documents(150)))
-    return root
-
-
-def taper_argv(ws: Path, out: Path, *extra: str, model: str = "llama", steps: int = 10) -> list[str]:
-    return [
-        "taper", "--model_name_or_path", str(ws / model), "--dataset_name", str(ws / "corpus.txt"),
-        "--block_size", "32", "--heldout_blocks", "4", "--heldout_percentage", "10",
-        "--max_steps", str(steps), "--per_device_train_batch_size", "2", "--taper_start", "2",
-        "--taper_end", str(int(steps * 0.6)), "--output_dir", str(out), "--use_cpu", "--disable_tqdm", "true",
-        "--data_cache_dir", str(ws / "datasets_cache"), "--out_of_corpus_blocks", "16", *extra,
-    ]  # fmt: skip
-
-
-def run_main(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -431,35 +400,19 @@ def test_a_json_file_configures_a_run(tmp_path):
 
 
 # ----------------------------------------------------------------------------- Ctrl-C and --resume
-def interrupt_cli(argv: list[str], env: dict[str, str], *, after_gates: int, signum: int) -> tuple[int, str]:
-    """Run the CLI in a subprocess, send ``signum`` once ``after_gates`` steps have logged their gate, and wait:
-    (exit status, output)."""
-    command = [sys.executable, "-m", "hf_tapernorm.cli", *argv]
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output: list[str] = []
-    reader = threading.Thread(target=lambda: output.extend(iter(process.stdout.readline, "")), daemon=True)
-    reader.start()
-    deadline = time.time() + 120
-    while "".join(output).count("taper/gate") < after_gates and process.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    process.send_signal(signum)
-    code = process.wait(timeout=120)
-    reader.join(timeout=5)
-    return code, "".join(output)
-
-
 def test_ctrl_c_saves_a_checkpoint_and_resume_finishes_the_same_run(workspace, tmp_path):
     steps = 24
     reference = tmp_path / "reference"
     assert run_main(taper_argv(workspace, reference, steps=steps))[0] == 0
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    code, output = interrupt_cli(taper_argv(workspace, out, steps=steps), env, after_gates=3, signum=signal.SIGINT)
+    interrupted_at = 5  # Ctrl-C arrives at the end of optimizer step 5 (a hook in the subprocess sends it)
+    code, output = signal_at_step(
+        taper_argv(workspace, out, steps=steps), env, step=interrupted_at, signum=signal.SIGINT
+    )
     assert code == 130, output
     checkpoints = sorted(out.glob("checkpoint-*"))
-    assert len(checkpoints) == 1
-    interrupted_at = int(checkpoints[0].name.split("-")[1])
-    assert 3 <= interrupted_at < steps
+    assert [c.name for c in checkpoints] == [f"checkpoint-{interrupted_at}"]
     # The default recipe distils from the model as it was at the gate's start (step 3 here): the checkpoint
     # carries that teacher, so the resumed run below distils from the same one.
     assert (checkpoints[0] / "distillation_teacher.safetensors").is_file()
@@ -550,7 +503,7 @@ def test_defaults_are_the_embedded_recipe():
     assert model.model_name_or_path is None and data.dataset_name is None  # embedded model and corpus
     assert (training.max_steps, training.per_device_train_batch_size, data.block_size) == (300, 4, 256)
     # Every recipe option is unset: TaperNormConfig.for_model decides (one place for every default).
-    assert taper.recipe == "auto"
+    assert taper.preset == "auto" and taper.recipe is None
     assert all(
         getattr(taper, name) is None
         for name in (
@@ -596,7 +549,7 @@ def test_flags_override_the_recipe_of_the_model():
     assert taper_pipeline.recipe_config(_request("--keep_norms", "none"), llama, tokenizer).keep_norms == []
     final = taper_pipeline.recipe_config(_request("--scope", "final"), llama, tokenizer)
     assert (final.keep_norms, final.sink_token_ids, final.distill_weight) == ([], [], 0.0)  # nothing internal tapers
-    paper = taper_pipeline.recipe_config(_request("--recipe", "paper"), llama, tokenizer)
+    paper = taper_pipeline.recipe_config(_request("--preset", "paper"), llama, tokenizer)
     assert paper == TaperNormConfig.paper()
     gpt2 = taper_pipeline.recipe_config(_request(), build(tiny_gpt2_config()), tokenizer)
     assert gpt2.recipe == "paper" and gpt2.keep_norms == [] and gpt2.distill_weight == 0.0

@@ -216,7 +216,7 @@ def test_round_trips_dict_json_checkpoint_and_export(tmp_path):
     TaperController(model, total_steps=10, distillation=False).step_begin(2)  # calibrates
     save_tapered(model, tmp_path / "ckpt")
     written = json.loads((tmp_path / "ckpt" / "tapernorm_config.json").read_text())
-    assert written == {**config.to_dict(), "hf_tapernorm_version": hf_tapernorm.__version__}
+    assert written == {**config.to_dict(), "hf_tapernorm_version": hf_tapernorm.__version__, "config_version": 2}
     reloaded = load_tapered(tmp_path / "ckpt")
     assert reloaded.tapernorm_config == config
     for (name, layer), (_, original) in zip(
@@ -301,9 +301,9 @@ def test_the_cli_declares_each_config_field_once():
     config_fields = {f.name: f for f in dataclasses.fields(TaperNormConfig)}
     flags = {f.name: f for f in dataclasses.fields(TaperArguments)}
     run_options = {f.name for f in dataclasses.fields(TaperRunOptions)}
-    assert run_options == {"recipe", "sink", "tied_head"}
+    assert run_options == {"preset", "recipe", "sink", "tied_head"}  # recipe: the old name of preset
     assert set(flags) == (set(config_fields) - set(SET_BY_OTHER_OPTIONS)) | run_options
-    assert set(SET_BY_OTHER_OPTIONS.values()) <= run_options  # recipe and sink_token_ids: --recipe, --sink
+    assert set(SET_BY_OTHER_OPTIONS.values()) <= run_options  # recipe and sink_token_ids: --preset, --sink
     for name in set(config_fields) - set(SET_BY_OTHER_OPTIONS):
         assert flags[name].default is None, name  # unset: the recipe's value
         assert flags[name].metadata["help"].startswith(config_fields[name].metadata["help"]), name
@@ -313,7 +313,7 @@ def test_the_cli_declares_each_config_field_once():
             assert typing.get_args(typing.get_args(flag_type)[0]) == choices, name
 
 
-@pytest.mark.parametrize("name", ["linear_fit", "calibration_scale", "distill_from"])
+@pytest.mark.parametrize("name", ["linear_fit", "calibration_scale", "distill_from", "distill_schedule"])
 def test_research_options_are_marked_experimental(name):
     field = next(f for f in dataclasses.fields(TaperNormConfig) if f.name == name)
     assert "[experimental]" in field.metadata["help"]
@@ -351,7 +351,7 @@ def test_recipe_config_takes_every_set_field(tmp_path):
     from hf_tapernorm.pipeline.validation import recipe_config
 
     model, tokenizer = build(tiny_llama_config()), char_tokenizer()
-    argv = ["--recipe", "paper", "--sink", "bos", "--linear_fit", "per_channel", "--calibration_scale", "0.9",
+    argv = ["--preset", "paper", "--sink", "bos", "--linear_fit", "per_channel", "--calibration_scale", "0.9",
             "--distill_weight", "0.5", "--distill_from", "original", "--distill_until", "taper_end",
             "--scale_loss_weight", "0.2", "--relative_scale_loss", "true", "--ema_rate", "0.05",
             "--keep_norms", "model.layers.0.*", "--scope", "all",
@@ -395,3 +395,104 @@ def test_below_the_cli_errors_name_fields_and_the_cli_writes_flags():
     assert str(as_flags(error.value, [TaperTrainingArguments])).startswith("TaperNormConfig.taper_end 20")
     untouched = ConfigurationError("nothing to translate")
     assert as_flags(untouched, [TaperArguments]) is untouched
+
+
+# ----------------------------------------------------------------------------- versions, vocabulary, docs
+def test_an_old_config_file_loads_migrated_and_says_so(tmp_path, caplog):
+    """A version-1 tapernorm_config.json (no config_version; before distill_until and distill_schedule)."""
+    from hf_tapernorm.config import CONFIG_NAME, CONFIG_VERSION, CONFIG_VERSION_KEY
+
+    current = TaperNormConfig.paper(distill_weight=0.5, distill_from="gate_start").to_dict()
+    old = {k: v for k, v in current.items() if k not in ("distill_until", "distill_schedule")}
+    (tmp_path / CONFIG_NAME).write_text(json.dumps({**old, "hf_tapernorm_version": "0.1.0"}))
+    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.config"):
+        config = TaperNormConfig.from_pretrained(tmp_path)
+    assert config.distill_until == "end" and config.distill_schedule == "constant" and config.distill_weight == 0.5
+    assert (
+        "migrated a config_version 1 config to 2: distill_schedule='constant', distill_until='end' "
+        "(what version 1 meant); save it again to keep it" in caplog.text
+    )
+    saved = json.loads(config.save_pretrained(tmp_path / "again").read_text())
+    assert saved[CONFIG_VERSION_KEY] == CONFIG_VERSION == 2
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.config"):
+        assert TaperNormConfig.from_pretrained(tmp_path / "again") == config
+    assert "migrated" not in caplog.text  # a current file is read as written
+    with pytest.raises(ConfigurationError, match=r"config_version must be a positive integer, got 'two'"):
+        TaperNormConfig.from_dict({**current, CONFIG_VERSION_KEY: "two"})
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.config"):
+        TaperNormConfig.from_dict({**current, CONFIG_VERSION_KEY: 3})
+    assert "written with config_version 3, newer than this version's 2" in caplog.text
+
+
+def test_the_old_recipe_flag_still_chooses_the_preset_and_warns(caplog):
+    from hf_tapernorm._parsing import parse
+    from hf_tapernorm.cli.arguments import TaperArguments
+
+    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.cli.arguments"):
+        (flags,) = parse([TaperArguments], ["--recipe", "paper"], "hf-tapernorm taper")
+    assert flags.preset == "paper" and flags.recipe is None
+    assert "--recipe is deprecated and will be removed: use --preset paper" in caplog.text
+    with pytest.raises(ConfigurationError, match=r"--recipe auto and --preset paper: pass --preset alone"):
+        parse([TaperArguments], ["--recipe", "auto", "--preset", "paper"], "hf-tapernorm taper")
+
+
+def test_patch_model_without_a_config_says_which_recipe_it_derived(caplog):
+    with caplog.at_level(logging.INFO, logger="hf_tapernorm.layers.patching"):
+        model = patch_model(build(tiny_llama_config()))
+    assert model.tapernorm_config.recipe == "gated-mlp"
+    assert "no config given, so the recipe derived for LlamaForCausalLM (TaperNormConfig.for_model: gated-mlp)" in (
+        caplog.text
+    )
+    assert TaperNormConfig() == TaperNormConfig.paper(recipe="custom")  # a bare config: the paper's values
+
+
+def test_distillation_speaks_the_config_s_vocabulary():
+    from hf_tapernorm.training import Distillation
+
+    config = TaperNormConfig.paper(distill_weight=0.3, distill_from="gate_start", distill_until="taper_end",
+                                   distill_schedule="gate")  # fmt: skip
+    term = Distillation.from_config(config)
+    assert (term.weight, term.distill_from, term.distill_until, term.distill_schedule) == (
+        0.3, "gate_start", "taper_end", "gate"
+    )  # fmt: skip
+    with pytest.raises(ConfigurationError, match=r"Distillation: distill_until must be one of end, taper_end, got 'x'"):
+        Distillation(distill_from="gate_start", distill_until="x")
+    with pytest.raises(ConfigurationError, match=r'distill_from="current"\) uses the model itself: pass no teacher'):
+        Distillation(build(tiny_llama_config()), distill_from="current")
+    with pytest.raises(ConfigurationError, match=r"needs a teacher unless distill_from is \"gate_start\""):
+        Distillation()
+
+
+def _field_table() -> dict[str, tuple[str, str]]:
+    """docs/usage.md's TaperNormConfig table: field name -> (default cell, meaning cell)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "usage.md").read_text()
+    start = text.index("| field | default | meaning |")
+    rows = {}
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        names, defaults, meaning = (cell.strip() for cell in line.strip("|").split(" | ", 2))
+        names = [n.strip().strip("`") for n in names.split(",")]
+        defaults = [d.strip().strip("`") for d in defaults.split(",")] if len(names) > 1 else [defaults.strip("`")]
+        assert len(names) == len(defaults), line
+        for name, default in zip(names, defaults):
+            rows[name] = (default, meaning)
+    return rows
+
+
+def test_the_usage_field_table_matches_the_fields():
+    """Every field has a row (no stale rows), with its default, and experimental fields say so."""
+    import ast
+
+    rows = _field_table()
+    fields = {f.name: f for f in dataclasses.fields(TaperNormConfig)}
+    assert set(rows) == set(fields), f"undocumented: {set(fields) - set(rows)}; stale: {set(rows) - set(fields)}"
+    defaults = TaperNormConfig()
+    for name, (default, meaning) in rows.items():
+        assert ast.literal_eval(default) == getattr(defaults, name), name
+        if "[experimental]" in fields[name].metadata["help"]:
+            assert "experimental" in meaning, f"{name}: its help says [experimental], its row does not"

@@ -11,7 +11,7 @@ from huggingface_hub import HfApi
 
 from hf_tapernorm import ConfigurationError, TaperStateError, export_folded, fold_model
 from hf_tapernorm.export.hub import export_manifest
-from tests.test_folding import tapered
+from tests.helpers import tapered
 
 
 @pytest.fixture(scope="module")

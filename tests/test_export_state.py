@@ -17,7 +17,7 @@ from hf_tapernorm.layers import TaperNorm, set_gate
 from hf_tapernorm.pipeline.showcase import count_aten_ops
 from hf_tapernorm.training import calibrate
 from tests.conftest import FAMILY_CASES, build, random_batches, tiny_family_config
-from tests.test_sink_contract import word_tokenizer
+from tests.helpers import word_tokenizer
 
 SINK = 1  # the tiny configs' bos_token_id
 GATED = [

@@ -116,7 +116,7 @@ def test_distillation_that_fades_with_the_gate_weighs_the_kl_by_the_gate():
     plain = student(input_ids=batch, labels=batch)
     with torch.no_grad():
         kl = distillation_loss(plain.logits[:, :-1], teacher(input_ids=batch).logits[:, :-1])
-    distillation = Distillation(teacher, weight=0.8, fade_with_gate=True).attach(student)
+    distillation = Distillation(teacher, weight=0.8, distill_schedule="gate").attach(student)
     for gate in (1.0, 0.25, 0.0):
         set_gate(student, gate)
         base = student(input_ids=batch, labels=batch)
@@ -134,7 +134,7 @@ def test_distillation_that_fades_with_the_gate_weighs_the_kl_by_the_gate():
 
     config = TaperNormConfig.paper(distill_weight=0.5, distill_from="original", distill_schedule="gate")
     controller = TaperController(patch_model(build(tiny_llama_config()), config), total_steps=100)
-    assert controller.distillation.fade_with_gate and controller.distillation.weight == 0.5
+    assert controller.distillation.distill_schedule == "gate" and controller.distillation.weight == 0.5
     with pytest.raises(Exception, match="distill_schedule"):
         TaperNormConfig(distill_schedule="linear")
 
@@ -146,7 +146,7 @@ def test_distillation_from_the_gate_start_snapshots_the_model_when_the_gate_firs
     with torch.no_grad():
         student.model.layers[0].mlp.down_proj.weight.mul_(1.5)  # trained during the warmup at g = 1
     plain_at_one = student(input_ids=batch, labels=batch).loss  # also the calibration statistics
-    distillation = Distillation(copy.deepcopy(original), weight=0.7, from_gate_start=True).attach(student)
+    distillation = Distillation(copy.deepcopy(original), weight=0.7, distill_from="gate_start").attach(student)
     torch.testing.assert_close(student(input_ids=batch, labels=batch).loss, plain_at_one)  # no teacher yet
     calibrate(student)
     with torch.no_grad():
@@ -167,7 +167,7 @@ def test_distillation_from_the_gate_start_snapshots_the_model_when_the_gate_firs
     distillation.remove()
 
     # A run resumed below g = 1 never saw the gate-start weights: it keeps the given teacher, and says so.
-    resumed = Distillation(copy.deepcopy(original), weight=0.7, from_gate_start=True).attach(student)
+    resumed = Distillation(copy.deepcopy(original), weight=0.7, distill_from="gate_start").attach(student)
     with caplog.at_level(logging.WARNING, logger="hf_tapernorm"):
         student(input_ids=batch, labels=batch)
     assert "the snapshot taken at the start of the taper is not in the checkpoint" in caplog.text

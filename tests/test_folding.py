@@ -30,62 +30,14 @@ from hf_tapernorm.layers import TaperNorm, set_gate
 from hf_tapernorm.training import calibrate
 from tests.conftest import (
     build,
-    random_batches,
     run_without_hf_tapernorm,
     smollm2_gguf,
     tiny_gpt2_config,
-    tiny_llama_config,
 )
+from tests.helpers import IDS, logits, relative_error, tapered
 
-CONFIGS = {"llama": tiny_llama_config, "gpt2": tiny_gpt2_config}
 FOLDED = {"llama": TaperNormLlamaForCausalLM, "gpt2": TaperNormGPT2LMHeadModel}
 FINAL = {"llama": "model.norm", "gpt2": "transformer.ln_f"}
-
-
-def tapered(
-    kind: str,
-    scope: str = "internal",
-    dtype: torch.dtype = torch.float32,
-    sink_token_ids=None,
-    keep_norms=(),
-    **overrides,
-) -> nn.Module:
-    """A patched tiny model at g = 0 with non-trivial gammat, beta and c (perturbed after calibration).
-
-    With ``sink_token_ids`` those positions stay normalized and every calibration batch starts with them.
-    """
-    model = patch_model(
-        build(CONFIGS[kind](**overrides), dtype=dtype),
-        TaperNormConfig.paper(scope=scope, sink_token_ids=sink_token_ids, keep_norms=keep_norms),
-    )
-    sink = torch.tensor(list(sink_token_ids or []), dtype=torch.long)
-    model.train()
-    with torch.no_grad():
-        for ids in random_batches():
-            model(torch.cat([sink.expand(ids.shape[0], -1), ids], dim=1))
-    calibrate(model)
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for layer in (m for m in model.modules() if isinstance(m, TaperNorm) and m.tapered):
-            noise = torch.randn(layer.taper_weight.shape, generator=generator)
-            layer.taper_weight.mul_((1 + 0.3 * noise).to(dtype))
-            layer.c.mul_(1.0 + 0.5 * torch.rand((), generator=generator))
-            if layer.bias is not None:
-                layer.bias.add_((0.2 * torch.randn(layer.bias.shape, generator=generator)).to(dtype))
-    set_gate(model, 0.0)
-    return model.eval()
-
-
-def logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids).logits
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual.double() - expected.double()).abs().max() / expected.double().abs().max())
-
-
-IDS = random_batches(n=1, batch=2, length=12, seed=3)[0]
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])

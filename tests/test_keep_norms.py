@@ -20,7 +20,7 @@ from tests.conftest import (
     tiny_gpt2_config,
     tiny_llama_config,
 )
-from tests.test_folding import IDS, logits, relative_error, tapered
+from tests.helpers import IDS, logits, relative_error, tapered
 
 MLP_NORMS = ["model.layers.0.post_attention_layernorm", "model.layers.1.post_attention_layernorm"]
 

@@ -7,7 +7,7 @@ from huggingface_hub import ModelCard
 
 from hf_tapernorm import fold_model
 from hf_tapernorm.export import render_model_card
-from tests.test_folding import tapered
+from tests.helpers import tapered
 
 FACTS = {
     "base_model": "HuggingFaceTB/SmolLM2-135M",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,23 +30,11 @@ from hf_tapernorm import (
 from hf_tapernorm.layers import set_gate, tapered_norms
 from hf_tapernorm.training import DivergenceThresholds, TaperSchedule, calibrate
 from tests.conftest import build, random_batches, tiny_llama_config
-from tests.test_cli import run_main, taper_argv, workspace  # noqa: F401 - the CLI workspace fixture
-
-
-def snapshot(folder: Path) -> dict[str, bytes]:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def error_of(argv: list[str], code: int = 2) -> str:
-    status, _, stderr = run_main(argv)
-    assert status == code, stderr[-2000:]
-    lines = [line for line in stderr.strip().splitlines() if line.startswith("hf-tapernorm")]
-    assert lines, stderr[-2000:]
-    return lines[-1]
+from tests.helpers import error_of, run_main, snapshot, taper_argv
 
 
 @pytest.fixture(scope="module")
-def finished(workspace, tmp_path_factory):  # noqa: F811
+def finished(workspace, tmp_path_factory):
     out = tmp_path_factory.mktemp("reliability") / "run"
     code, _, stderr = run_main(taper_argv(workspace, out, "--distill_weight", "0", steps=8))
     assert code == 0, stderr
@@ -55,7 +42,7 @@ def finished(workspace, tmp_path_factory):  # noqa: F811
 
 
 # ----------------------------------------------------------------------------- the output folder
-def test_resume_without_a_checkpoint_refuses_a_folder_with_files(workspace, tmp_path):  # noqa: F811
+def test_resume_without_a_checkpoint_refuses_a_folder_with_files(workspace, tmp_path):
     out = tmp_path / "x"
     (out / "folded").mkdir(parents=True)
     (out / "folded" / "IMPORTANT.txt").write_text("mine")
@@ -70,7 +57,7 @@ def test_resume_without_a_checkpoint_refuses_a_folder_with_files(workspace, tmp_
     assert snapshot(out) == before
 
 
-def test_overwrite_checks_every_value_before_it_deletes_anything(workspace, finished):  # noqa: F811
+def test_overwrite_checks_every_value_before_it_deletes_anything(workspace, finished):
     before = snapshot(finished)
     for flags, expected in (
         (["--scope", "inner"], "argument --scope: invalid choice: 'inner'"),
@@ -88,7 +75,7 @@ def test_overwrite_checks_every_value_before_it_deletes_anything(workspace, fini
         assert snapshot(finished) == before, flags
 
 
-def test_overwrite_replaces_only_a_folder_of_our_own(workspace, finished, tmp_path):  # noqa: F811
+def test_overwrite_replaces_only_a_folder_of_our_own(workspace, finished, tmp_path):
     copy = tmp_path / "run"
     import shutil
 
@@ -107,7 +94,7 @@ def test_overwrite_replaces_only_a_folder_of_our_own(workspace, finished, tmp_pa
     assert json.loads((copy / "report.json").read_text())["status"] == "finished"
 
 
-def test_resume_refuses_a_different_run_and_names_what_differs(workspace, finished):  # noqa: F811
+def test_resume_refuses_a_different_run_and_names_what_differs(workspace, finished):
     before = snapshot(finished)
     message = error_of([*taper_argv(workspace, finished, "--distill_weight", "0", steps=9), "--resume"])
     assert message.startswith("hf-tapernorm taper: error: --resume: these options differ from the run in")
@@ -148,7 +135,7 @@ def test_a_schedule_change_that_moves_the_gate_is_refused_on_resume():
 
 
 # ----------------------------------------------------------------------------- one-line errors
-def test_fold_refuses_a_checkpoint_above_gate_zero(workspace, tmp_path):  # noqa: F811
+def test_fold_refuses_a_checkpoint_above_gate_zero(workspace, tmp_path):
     model = patch_model(AutoModelForCausalLM.from_pretrained(workspace / "llama"), TaperNormConfig.paper()).train()
     for ids in random_batches():
         model(input_ids=ids)
@@ -169,19 +156,19 @@ def test_push_without_network_is_one_line(finished, monkeypatch):
     assert "check the network" in message
 
 
-def test_data_errors_say_what_is_wrong(workspace, tmp_path):  # noqa: F811
+def test_data_errors_say_what_is_wrong(workspace, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     message = error_of([*taper_argv(workspace, tmp_path / "o"), "--dataset_name", str(empty)])
     assert message == f"hf-tapernorm taper: error: dataset '{empty}' is empty: the file holds no text"
 
 
-def test_debug_shows_the_traceback(workspace, tmp_path):  # noqa: F811
+def test_debug_shows_the_traceback(workspace, tmp_path):
     with pytest.raises(ConfigurationError, match="--ema_rate must be in"):
         run_main([*taper_argv(workspace, tmp_path / "o"), "--ema_rate", "0", "--debug"])
 
 
-def test_damaged_checkpoints_name_the_file(workspace, finished, tmp_path):  # noqa: F811
+def test_damaged_checkpoints_name_the_file(workspace, finished, tmp_path):
     import shutil
 
     tapered = tmp_path / "tapered"

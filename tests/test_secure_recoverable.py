@@ -30,14 +30,13 @@ from hf_tapernorm.pipeline.run_folder import LOCK_NAME, MANIFEST_NAME, RunFolder
 from hf_tapernorm.training import calibrate
 from hf_tapernorm.training.sharded import load_sharded_checkpoint, read_sharded_model_state
 from tests.conftest import build, char_tokenizer, random_batches, save_tiny_model, tiny_llama_config
-from tests.test_cli import REPO, interrupt_cli, run_main, taper_argv, workspace  # noqa: F401 - the CLI workspace fixture
-from tests.test_reliability import error_of, snapshot
+from tests.helpers import REPO, error_of, run_main, signal_at_step, snapshot, taper_argv
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
 @pytest.fixture(scope="module")
-def reference(workspace, tmp_path_factory):  # noqa: F811
+def reference(workspace, tmp_path_factory):
     """An uninterrupted run of the command the interruption tests kill (no distillation: faster, same paths)."""
     out = tmp_path_factory.mktemp("secure") / "reference"
     code, _, stderr = run_main(killable_argv(workspace, out))
@@ -45,7 +44,7 @@ def reference(workspace, tmp_path_factory):  # noqa: F811
     return out
 
 
-def killable_argv(workspace, out: Path) -> list[str]:  # noqa: F811
+def killable_argv(workspace, out: Path) -> list[str]:
     """A 10-step run with checkpoints every 3 steps (the last two kept)."""
     extra = ("--distill_weight", "0", "--save_steps", "3", "--save_total_limit", "2")
     return taper_argv(workspace, out, *extra, steps=10)
@@ -126,7 +125,7 @@ def test_resume_refuses_a_sharded_folder_planted_in_a_checkpoint(reference, tmp_
 
 # ============================================================================= 1b. the manifest is no list of paths
 @pytest.mark.parametrize("entry", ["../victim/thesis.tex", "ABSOLUTE"])
-def test_overwrite_never_deletes_a_manifest_entry_outside_the_folder(workspace, tmp_path, entry):  # noqa: F811
+def test_overwrite_never_deletes_a_manifest_entry_outside_the_folder(workspace, tmp_path, entry):
     victim = tmp_path / "victim" / "thesis.tex"
     victim.parent.mkdir()
     victim.write_text("years of work")
@@ -145,7 +144,7 @@ def test_overwrite_never_deletes_a_manifest_entry_outside_the_folder(workspace, 
     assert victim.read_text() == "years of work" and snapshot(out) == before
 
 
-def test_symbolic_links_in_a_run_folder_are_refused_before_any_work(workspace, tmp_path):  # noqa: F811
+def test_symbolic_links_in_a_run_folder_are_refused_before_any_work(workspace, tmp_path):
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "thesis.tex").write_text("years of work")
@@ -214,7 +213,7 @@ def test_push_refuses_an_export_without_a_manifest(reference, tmp_path):
 
 
 # ============================================================================= 2. data loss
-def test_fold_overwrite_replaces_only_an_earlier_export(workspace, tmp_path):  # noqa: F811
+def test_fold_overwrite_replaces_only_an_earlier_export(workspace, tmp_path):
     checkpoint = tapered_checkpoint(tmp_path / "tapered")
     model_folder = save_tiny_model(tmp_path / "my_model")  # only names an export also writes
     (model_folder / "README.md").write_text("my model card")
@@ -239,7 +238,7 @@ def test_fold_overwrite_replaces_only_an_earlier_export(workspace, tmp_path):  #
     assert "is a symbolic link" in error_of([*fold, str(link), "--overwrite"])
 
 
-def test_eval_output_json_never_writes_over_a_file_it_did_not_create(workspace, tmp_path):  # noqa: F811
+def test_eval_output_json_never_writes_over_a_file_it_did_not_create(workspace, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(workspace / "llama", model)
     before = snapshot(model)
@@ -262,7 +261,7 @@ def test_eval_output_json_never_writes_over_a_file_it_did_not_create(workspace, 
     assert run_main([*evaluate, str(result)])[0] == 0  # an earlier result is replaced
 
 
-def test_a_second_command_is_locked_out_and_a_dead_owner_lock_is_taken_over(workspace, tmp_path, caplog):  # noqa: F811
+def test_a_second_command_is_locked_out_and_a_dead_owner_lock_is_taken_over(workspace, tmp_path, caplog):
     out = tmp_path / "run"
     out.mkdir()
     (out / LOCK_NAME).write_text(json.dumps({"pid": os.getppid(), "host": os.uname().nodename}))  # a live process
@@ -279,7 +278,7 @@ def test_a_second_command_is_locked_out_and_a_dead_owner_lock_is_taken_over(work
     assert error_of([*taper_argv(workspace, file / "run", steps=5)]).endswith(f"'{file}' is a file")
 
 
-def test_fold_and_eval_never_write_into_a_folder_a_running_command_owns(workspace, reference, tmp_path):  # noqa: F811
+def test_fold_and_eval_never_write_into_a_folder_a_running_command_owns(workspace, reference, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / LOCK_NAME).write_text(json.dumps({"pid": os.getppid(), "host": os.uname().nodename}))  # a live taper
@@ -296,7 +295,7 @@ def test_fold_and_eval_never_write_into_a_folder_a_running_command_owns(workspac
     assert run_main(fold)[0] == 0 and (run / "folded" / "config.json").is_file()
 
 
-def test_a_refused_resume_keeps_the_recorded_identity(workspace, reference, tmp_path):  # noqa: F811
+def test_a_refused_resume_keeps_the_recorded_identity(workspace, reference, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(reference, run)
     for folder in ("checkpoint-10", "tapered", "folded"):  # back to the run's state at its step-9 checkpoint
@@ -314,7 +313,7 @@ def test_a_refused_resume_keeps_the_recorded_identity(workspace, reference, tmp_
     assert_same_weights(run, reference)
 
 
-def test_a_lost_manifest_is_rebuilt_from_the_checkpoint_record(workspace, reference, tmp_path, caplog):  # noqa: F811
+def test_a_lost_manifest_is_rebuilt_from_the_checkpoint_record(workspace, reference, tmp_path, caplog):
     run = tmp_path / "run"
     shutil.copytree(reference, run)
     shutil.rmtree(run / "folded")
@@ -334,7 +333,7 @@ def test_a_lost_manifest_is_rebuilt_from_the_checkpoint_record(workspace, refere
     assert "is missing or unreadable and no checkpoint" in message or "incomplete" in message, message
 
 
-def test_resume_refuses_a_checkpoint_without_its_optimizer_state(workspace, reference, tmp_path):  # noqa: F811
+def test_resume_refuses_a_checkpoint_without_its_optimizer_state(workspace, reference, tmp_path):
     for name, expected in (
         ("optimizer.pt", "has no optimizer.pt, which holds the optimizer's moments"),
         ("scheduler.pt", "has no scheduler.pt"),
@@ -357,13 +356,13 @@ def test_resume_refuses_a_checkpoint_without_its_optimizer_state(workspace, refe
 
 
 # ============================================================================= 3. signals and kills
-def test_sigterm_saves_a_checkpoint_and_resume_is_bit_identical(workspace, reference, tmp_path):  # noqa: F811
+def test_sigterm_saves_a_checkpoint_and_resume_is_bit_identical(workspace, reference, tmp_path):
     out = tmp_path / "run"
-    code, output = interrupt_cli(killable_argv(workspace, out), ENV, after_gates=4, signum=signal.SIGTERM)
+    code, output = signal_at_step(killable_argv(workspace, out), ENV, step=4, signum=signal.SIGTERM)
     assert code == 143, output
     assert "SIGTERM: stopping after this step with a checkpoint" in output
-    checkpoints = sorted(out.glob("checkpoint-*"))
-    assert checkpoints and 4 <= int(checkpoints[-1].name.split("-")[1]) < 10
+    checkpoints = sorted(out.glob("checkpoint-*"), key=lambda c: int(c.name.split("-")[1]))
+    assert [c.name for c in checkpoints] == ["checkpoint-3", "checkpoint-4"]  # every 3 steps, and the signal's
     assert not (out / LOCK_NAME).exists()
     code, _, stderr = run_main([*killable_argv(workspace, out), "--resume"])
     assert code == 0, stderr
@@ -407,7 +406,7 @@ KILLER = textwrap.dedent(
 
 
 @pytest.mark.parametrize("point", ["after_checkpoint", "checkpoint_write", "evaluation", "export", "report"])
-def test_sigkill_at_any_point_then_resume_is_bit_identical(workspace, reference, tmp_path, point, caplog):  # noqa: F811
+def test_sigkill_at_any_point_then_resume_is_bit_identical(workspace, reference, tmp_path, point, caplog):
     out = tmp_path / "run"
     script = tmp_path / "killer.py"
     script.write_text(KILLER)
@@ -460,7 +459,7 @@ def test_sigkill_at_any_point_then_resume_is_bit_identical(workspace, reference,
         ),
     ],
 )
-def test_trainer_options_are_refused_before_the_model_loads(workspace, tmp_path, monkeypatch, flags, expected):  # noqa: F811
+def test_trainer_options_are_refused_before_the_model_loads(workspace, tmp_path, monkeypatch, flags, expected):
     import hf_tapernorm.pipeline.taper as taper_pipeline
 
     def no_load(*args, **kwargs):
@@ -475,7 +474,7 @@ def test_trainer_options_are_refused_before_the_model_loads(workspace, tmp_path,
 
 
 # ============================================================================= 4. mixed precision is contained
-def test_bf16_training_leaves_no_autocast_on_evaluation_fold_or_export(workspace, tmp_path):  # noqa: F811
+def test_bf16_training_leaves_no_autocast_on_evaluation_fold_or_export(workspace, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
@@ -505,7 +504,7 @@ def test_the_fold_check_under_autocast_fails_instead_of_calling_the_fold_exact()
 
 
 # ============================================================================= 4. models that are not what they say
-def test_models_that_are_not_what_their_config_says_are_refused(workspace, tmp_path):  # noqa: F811
+def test_models_that_are_not_what_their_config_says_are_refused(workspace, tmp_path):
     from safetensors.torch import save_file
     from transformers import T5Config, T5ForConditionalGeneration
 
@@ -553,7 +552,7 @@ def test_models_that_are_not_what_their_config_says_are_refused(workspace, tmp_p
 
 
 # ============================================================================= 4. a resumed run is the same run
-def test_resume_checks_the_data_contents_and_every_option_that_shapes_the_result(workspace, reference, tmp_path):  # noqa: F811
+def test_resume_checks_the_data_contents_and_every_option_that_shapes_the_result(workspace, reference, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(reference, run)
     corpus = tmp_path / "corpus.txt"
@@ -611,7 +610,7 @@ def test_a_sharded_teacher_planted_in_a_trainer_checkpoint_is_not_unpickled(tmp_
     assert not marker.exists()
 
 
-def test_a_run_killed_during_its_export_can_be_overwritten(workspace, reference, tmp_path):  # noqa: F811
+def test_a_run_killed_during_its_export_can_be_overwritten(workspace, reference, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(reference, run)
     shutil.move(run / "folded", run / ".folded.partial-99999")  # what a kill before the rename leaves
@@ -623,7 +622,7 @@ def test_a_run_killed_during_its_export_can_be_overwritten(workspace, reference,
 
 
 # ============================================================================= 5. cases of the re-probe
-def test_a_file_put_into_the_run_folder_while_it_runs_stays_the_users(workspace, tmp_path, monkeypatch):  # noqa: F811
+def test_a_file_put_into_the_run_folder_while_it_runs_stays_the_users(workspace, tmp_path, monkeypatch):
     """The manifest once adopted every file present at the end: a later --overwrite deleted the user's notes."""
     import hf_tapernorm.pipeline.taper as taper_pipeline
 
@@ -665,7 +664,7 @@ def test_bench_never_writes_over_result_files_it_did_not_write(tmp_path):
     assert (tmp_path / "bench.png").read_text() == "my picture" and json.loads((tmp_path / "bench.json").read_text())
 
 
-def test_resume_refuses_other_weights_of_the_same_size(workspace, reference, tmp_path):  # noqa: F811
+def test_resume_refuses_other_weights_of_the_same_size(workspace, reference, tmp_path):
     """The weights were identified by their size: a fine-tune saved over the base model resumed silently, with
     the report's original-model figures (and a distillation teacher) of other weights."""
     run, model = tmp_path / "run", tmp_path / "model"
@@ -771,7 +770,7 @@ def test_an_unreadable_tapernorm_config_is_one_configuration_error(tmp_path):
     assert TaperNormConfig(sink_token_ids=[np.int64(5), torch.tensor(6), "7"]).sink_token_ids == [5, 6, 7]
 
 
-def test_corpus_that_is_not_utf8_or_one_long_line_is_explained(workspace, tmp_path, monkeypatch):  # noqa: F811
+def test_corpus_that_is_not_utf8_or_one_long_line_is_explained(workspace, tmp_path, monkeypatch):
     import hf_tapernorm.pipeline.taper as taper_pipeline
 
     monkeypatch.setattr(taper_pipeline, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
@@ -793,7 +792,7 @@ def test_corpus_that_is_not_utf8_or_one_long_line_is_explained(workspace, tmp_pa
     assert not (tmp_path / "run").exists()
 
 
-def test_a_mistyped_model_path_is_named_as_such(workspace, tmp_path):  # noqa: F811
+def test_a_mistyped_model_path_is_named_as_such(workspace, tmp_path):
     message = error_of(["fold", "--checkpoint", "no_such/folder", "--output_dir", str(tmp_path / "export")])
     assert (
         message == "hf-tapernorm fold: error: --checkpoint 'no_such/folder': no such folder; fold reads a local "
@@ -827,7 +826,7 @@ def test_fold_model_refuses_a_tolerance_that_is_no_positive_number(tmp_path, tol
         fold_model(model, tolerance=tolerance)
 
 
-def test_a_run_the_disk_cannot_hold_is_refused_before_the_model_loads(workspace, tmp_path, monkeypatch):  # noqa: F811
+def test_a_run_the_disk_cannot_hold_is_refused_before_the_model_loads(workspace, tmp_path, monkeypatch):
     import hf_tapernorm.pipeline.preflight as preflight
     import hf_tapernorm.pipeline.taper as taper_pipeline
 
@@ -843,7 +842,7 @@ def test_a_run_the_disk_cannot_hold_is_refused_before_the_model_loads(workspace,
     assert not out.exists()
 
 
-def test_the_disk_check_counts_every_copy_the_run_writes(workspace):  # noqa: F811
+def test_the_disk_check_counts_every_copy_the_run_writes(workspace):
     from hf_tapernorm.pipeline.preflight import check_disk_space
 
     model = build(tiny_llama_config())

@@ -12,7 +12,7 @@ from hf_tapernorm import TaperNormConfig, TaperStateError, export_folded, fold_m
 from hf_tapernorm.layers.sink import set_sink_tokens, sink_prefix, sink_token_ids_of
 from hf_tapernorm.layers.taper_norm import tapered_norms
 from tests.conftest import build, random_batches, run_without_hf_tapernorm, tiny_llama_config
-from tests.test_folding import tapered
+from tests.helpers import tapered
 
 SINK = [5]
 

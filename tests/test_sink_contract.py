@@ -7,35 +7,19 @@ import warnings
 
 import pytest
 import torch
-from transformers import PreTrainedTokenizerFast, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from hf_tapernorm import ConfigurationError, TaperCallback, TaperController, TaperNormConfig, patch_model
 from hf_tapernorm.layers.taper_norm import tapered_norms
 from hf_tapernorm.pipeline.evaluation import heldout_loss
 from tests.conftest import build, tiny_llama_config
+from tests.helpers import word_tokenizer
 
 SINK = [1]
-WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog"]
 FIX = (
     r"does not start with the sink token\(s\) \[1\] \(it starts \[\d+\]\); prepend them .*"
     r"pack_documents\(\.\.\., prefix_ids=\[1\]\).*TaperNormConfig\(sink_token_ids=\[\]\)"
 )
-
-
-def word_tokenizer(adds_bos: bool) -> PreTrainedTokenizerFast:
-    """An offline word-level tokenizer (ids 3..), with or without a post-processor that prepends <s> (id 1)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{word: 3 + index for index, word in enumerate(WORDS)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    if adds_bos:
-        backend.post_processor = processors.TemplateProcessing(
-            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
-        )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="</s>"
-    )
 
 
 def sink_model():

@@ -4,7 +4,7 @@ Choices are ``Literal`` types (argparse refuses anything else) and ranges are ch
 ``__post_init__``, so a bad value fails before anything is loaded, trained or deleted. The recipe's
 options (``TaperArguments``) are generated from ``TaperNormConfig``'s fields: the same names, help texts
 and choices, the config's own checks, and default ``None``, meaning "what ``TaperNormConfig.for_model`` (or
-``--recipe paper``) says": one place for every default and every check (hf_tapernorm/config.py).
+``--preset paper``) says": one place for every default and every check (hf_tapernorm/config.py).
 ``TaperTrainingArguments`` is ``TrainingArguments`` with this command's defaults; every Trainer option
 passes through.
 """
@@ -122,20 +122,26 @@ class DataArguments:
 
 
 #: TaperNormConfig fields the command line sets through options of its own: the preset is chosen with
-#: ``--recipe auto|paper`` (the config's ``recipe`` then records it), and the sink with ``--sink auto|bos|none``
-#: (the token id comes from the tokenizer).
-SET_BY_OTHER_OPTIONS = {"recipe": "recipe", "sink_token_ids": "sink"}
+#: ``--preset auto|paper`` (the config's ``recipe`` field then records where the values came from), and the sink
+#: with ``--sink auto|bos|none`` (the token id comes from the tokenizer).
+SET_BY_OTHER_OPTIONS = {"recipe": "preset", "sink_token_ids": "sink"}
 
 
 @dataclass
 class TaperRunOptions:
     """The ``taper`` options that are not TaperNormConfig fields."""
 
-    recipe: Literal["auto", "paper"] = field(
+    preset: Literal["auto", "paper"] = field(
         default="auto",
         metadata=_help(
-            "auto: the recipe derived from the model's architecture (TaperNormConfig.for_model); "
-            "paper: the published recipe (TaperNormConfig.paper)."
+            "The recipe the other options override: auto: derived from the model's architecture "
+            "(TaperNormConfig.for_model); paper: the published recipe (TaperNormConfig.paper)."
+        ),
+    )
+    recipe: Optional[Literal["auto", "paper"]] = field(
+        default=None,
+        metadata=_help(
+            "[deprecated] The old name of --preset (the config's recipe field records where the values came from)."
         ),
     )
     sink: Optional[Literal["auto", "bos", "none"]] = field(
@@ -187,6 +193,11 @@ def _config_value(name: str, value: Any) -> Any:
 def _read_overrides(self) -> None:
     """Each set flag as the config's value, checked by the config itself: a bad value fails at parse time,
     named by its flag."""
+    if self.recipe is not None:  # the old spelling of --preset, which the config's recipe field shares
+        if self.preset != "auto" and self.preset != self.recipe:
+            raise ConfigurationError(f"--recipe {self.recipe} and --preset {self.preset}: pass --preset alone")
+        logger.warning("--recipe is deprecated and will be removed: use --preset %s", self.recipe)
+        self.preset, self.recipe = self.recipe, None
     names = [f.name for f in dataclasses.fields(TaperNormConfig) if f.name not in SET_BY_OTHER_OPTIONS]
     try:
         values = {name: _config_value(name, getattr(self, name)) for name in names}

@@ -18,16 +18,20 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from ..errors import FoldCheckError, TaperDivergenceError, TaperNormError
+
+if TYPE_CHECKING:
+    from ..pipeline.extension import TaperExtension
 
 DEBUG_FLAG = "--debug"
 DEBUG_ENV = "HF_TAPERNORM_DEBUG"
 
 
-def taper_main(argv: Sequence[str]) -> int:
-    """``hf-tapernorm taper``: continued pretraining with the recipe, then evaluate, fold, export, report."""
+def taper_main(argv: Sequence[str], extension: Optional[TaperExtension] = None) -> int:
+    """``hf-tapernorm taper``: continued pretraining with the recipe, then evaluate, fold, export, report.
+    ``extension``: an experiment's ``pipeline.extension.TaperExtension`` (its extra callback, terms, log keys)."""
     from .._parsing import as_flags, parse
     from ..pipeline.taper import TaperRequest, run_taper
     from .arguments import DataArguments, ModelArguments, RunArguments, TaperArguments, TaperTrainingArguments
@@ -35,7 +39,7 @@ def taper_main(argv: Sequence[str]) -> int:
     options = [ModelArguments, DataArguments, TaperArguments, RunArguments, TaperTrainingArguments]
     parsed = parse(options, argv, "hf-tapernorm taper")
     try:
-        return run_taper(TaperRequest(*parsed))
+        return run_taper(TaperRequest(*parsed), extension)
     except TaperNormError as error:  # the pipeline names fields (TaperNormConfig.taper_end): say --taper_end
         translated = as_flags(error, options)
         if translated is error:
@@ -85,8 +89,9 @@ USAGE = (
 )
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of the ``hf-tapernorm`` console script; returns the exit status."""
+def main(argv: Optional[Sequence[str]] = None, *, extension: Optional[TaperExtension] = None) -> int:
+    """Entry point of the ``hf-tapernorm`` console script; returns the exit status. ``extension`` (a
+    ``TaperExtension``, for ``taper`` only) is how an experiment runs the command with its own training parts."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     argv = [a for a in argv if a != DEBUG_FLAG]
@@ -103,6 +108,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _terminate)
     try:
+        if extension is not None:
+            if command != "taper":
+                raise ValueError(f"main(extension=...) applies to the taper command, not '{command}'")
+            return taper_main(rest, extension)
         return COMMANDS[command][0](rest)
     except KeyboardInterrupt as interruption:
         terminated = isinstance(interruption, Terminated)

@@ -115,8 +115,14 @@ def patch_model(
     always wrapped, tapered or not, so its input scale can be observed and anchored (its ``anchor``).
     """
     model_type_of(model)  # a module that is no Hugging Face model: one clear error before anything else
-    if config is None:
+    if config is None:  # not TaperNormConfig(), which holds the paper's values: say which recipe applies
         config = TaperNormConfig.for_model(model, tokenizer)
+        logger.info(
+            "patch_model: no config given, so the recipe derived for %s (TaperNormConfig.for_model: %s); pass "
+            "TaperNormConfig.paper() for the published one",
+            type(model).__name__,
+            config.recipe,
+        )
     elif not isinstance(config, TaperNormConfig):
         raise ConfigurationError(f"patch_model expects a TaperNormConfig, got {type(config).__name__}")
     plan = plan_patch(model, config)

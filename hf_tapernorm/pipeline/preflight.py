@@ -8,6 +8,12 @@ learning-rate scheduler likewise, and ``--report_to`` is resolved by transformer
 imports the integration). What only this recipe knows is checked by name: options that bypass its loss or
 its schedule, a Trainer evaluation without an evaluation set, and a Hub push from inside the run. And the
 disk: a run whose folder cannot hold the checkpoint and the exports it will write is refused before it trains.
+
+The checks ``taper`` runs before work starts are split by what they read, so each has one place:
+validation.py the request and the model's config (the recipe, schedule, positions, the run's identity);
+preflight.py the Trainer's options and the disk; resume_check.py the files of a checkpoint to resume.
+A new check goes where its input is: this module, for a check on a TrainingArguments option or on a resource
+the run needs.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..config import TaperNormConfig
+from ..utils import parameter_count
 
 
 @dataclass
@@ -100,6 +101,16 @@ class RunRecord:
             values["distill_from"] = values["distill_until"] = None
         return values
 
+    def add_evaluation_sets(self, *evaluations: Any) -> None:
+        """Name, description, blocks and tokens of each evaluation set (an EvaluationSet; None: absent)."""
+        for evaluation in evaluations:
+            if evaluation is not None:
+                self.evaluation_sets[evaluation.name] = {
+                    "description": evaluation.description,
+                    "blocks": len(evaluation.blocks),
+                    "tokens": evaluation.tokens,
+                }
+
     def to_dict(self) -> dict[str, Any]:
         """report.json."""
         data: dict[str, Any] = {
@@ -155,6 +166,50 @@ class RunRecord:
         return card
 
 
+def global_batch_blocks(training_args) -> int:
+    """Blocks per optimizer step over every process: per device x accumulation x processes."""
+    return (
+        training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * training_args.world_size
+    )
+
+
+def new_run_record(request, source, model, packed, config: TaperNormConfig, schedule, allowed_changes) -> RunRecord:
+    """The record of a taper run about to train: its model (``source``, the loaded ``model``), data
+    (``packed``: the PackedData), recipe, schedule (resolved) and the TrainingArguments of ``request``."""
+    training_args = request.training
+    return RunRecord(
+        model=ModelFacts(
+            source.describe(),
+            source.name,
+            source.kind,
+            model.config.model_type,
+            parameter_count(model),
+            str(next(model.parameters()).dtype).removeprefix("torch."),
+        ),
+        data=DataFacts(
+            packed.source,
+            packed.text_column,
+            packed.block_size,
+            len(packed.train),
+            len(packed.heldout),
+            packed.heldout_tokens,
+            request.data.heldout_percentage,
+        ),
+        config=config,
+        training=TrainingFacts(
+            training_args.max_steps,
+            global_batch_blocks(training_args),
+            training_args.learning_rate,
+            str(getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type)),
+            training_args.world_size,
+            mixed_precision="bf16" if training_args.bf16 else "fp16" if training_args.fp16 else None,
+        ),
+        taper_start_step=schedule.k_start,
+        taper_end_step=schedule.k_end,
+        allowed_changes=allowed_changes,
+    )
+
+
 def relative_gap(value: Optional[float], reference: Optional[float]) -> Optional[float]:
     """``value / reference - 1`` (e.g. +0.012 = 1.2% worse), or None when either is missing."""
     if value is None or reference is None or reference == 0:
@@ -174,4 +229,13 @@ def differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = ""
     return changed
 
 
-__all__ = ["DataFacts", "ModelFacts", "RunRecord", "TrainingFacts", "differences", "relative_gap"]
+__all__ = [
+    "DataFacts",
+    "ModelFacts",
+    "RunRecord",
+    "TrainingFacts",
+    "differences",
+    "global_batch_blocks",
+    "new_run_record",
+    "relative_gap",
+]

@@ -5,6 +5,11 @@ A resumed run is the same run only if every piece of state the Trainer saved com
 warmup, without ``rng_state.pth`` the dropout and data order differ. The Trainer resumes silently in each
 case, so each missing or unreadable file is refused here with its name. A checkpoint that holds a sharded
 (torch.distributed.checkpoint) folder is read only when the user trusts it (its index is a pickle).
+
+The checks ``taper`` runs before work starts are split by what they read, so each has one place:
+validation.py the request and the model's config (the recipe, schedule, positions, the run's identity);
+preflight.py the Trainer's options and the disk; resume_check.py the files of a checkpoint to resume.
+A new check goes where its input is: this module, for a check on a file a resumed checkpoint must hold.
 """
 
 from __future__ import annotations

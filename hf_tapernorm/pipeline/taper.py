@@ -7,7 +7,8 @@ seconds), the schedule against ``max_steps``, the block size against the model's
 identity of a resumed run, and the data. Only then are the weights loaded and the output folder
 emptied (the checks: validation.py). The run itself is the library path: ``patch_model(model, config)``
 + ``Trainer`` + ``TaperCallback()``, with two bookkeeping callbacks (Ctrl-C, the run record) that do not
-touch training.
+touch training. An experiment adds its own callback, loss terms and log keys through a ``TaperExtension``
+(extension.py), passed to ``run_taper``.
 """
 
 from __future__ import annotations
@@ -32,23 +33,22 @@ from ..layers.patching import gate_of, patch_model, plan_patch
 from ..layers.scale_anchor import scale_anchors
 from ..layers.taper_norm import tapered_norms
 from ..training.calibration import calibration_table
-from ..training.callback import TaperCallback
 from ..training.checkpoints import save_tapered
 from ..training.schedule import decay_learning_rate_after_the_taper
-from ..utils import parameter_count
 from .data import PackedData, blocks_tensor, prepare_from_arguments
 from .evaluation import broken_blocks, evaluate_set, per_document
+from .extension import TaperExtension
 from .heldout import EvaluationSet
 from .models import ModelSource, load_model, load_tokenizer, resolve_model
 from .out_of_corpus import out_of_corpus_set
 from .preflight import check_disk_space, check_trainer_options, check_training_blocks
-from .record import DataFacts, ModelFacts, RunRecord, TrainingFacts
+from .record import RunRecord, global_batch_blocks, new_run_record
 from .report import PLOTS, summary_lines, write_report
 from .resume_check import check_resumable
 from .run_folder import RunFolder, write_file
 from .scan import SCAN_FILE, robustness_scan, scan_line
 from .showcase import greedy_continuations, ops_per_generated_token
-from .training_run import RecordCallback, recorded_identity, train
+from .training_run import LOG_KEYS, LOSS_TERM_KEYS, RecordCallback, recorded_identity, train
 from .validation import (
     TaperRequest,
     check_resume_identity,
@@ -64,15 +64,16 @@ logger = logging.getLogger(__name__)
 
 
 # ============================================================================= the run
-def run_taper(request: TaperRequest) -> int:
+def run_taper(request: TaperRequest, extension: Optional[TaperExtension] = None) -> int:
     """The whole ``taper`` command on parsed arguments; returns the exit status (0, or 128 + the signal's number
-    when SIGINT/SIGTERM stopped it with a checkpoint: 130, 143)."""
+    when SIGINT/SIGTERM stopped it with a checkpoint: 130, 143). ``extension``: an experiment's extra training
+    parts (extension.py)."""
     state = PartialState()
     output = RunFolder(request.training.output_dir, outputs=(*RUN_OUTPUTS, *_cache_inside(request)))
     if state.is_main_process:
         output.lock()  # a second command on this folder is refused until this one ends
     try:
-        return _run_locked(request, output)
+        return _run_locked(request, output, extension or TaperExtension())
     finally:
         output.unlock()
 
@@ -86,7 +87,7 @@ def _cache_inside(request: TaperRequest) -> tuple[str, ...]:
     return (folder.relative_to(root).as_posix() + "/",) if folder != root and folder.is_relative_to(root) else ()
 
 
-def _run_locked(request: TaperRequest, output: RunFolder) -> int:
+def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtension) -> int:
     started = time.time()
     state = PartialState()
     training_args, run = request.training, request.run
@@ -138,61 +139,15 @@ def _run_locked(request: TaperRequest, output: RunFolder) -> int:
     baseline_source = resolve_baseline(request.run.baseline_from)
     model = load_model(source, dtype=request.model.dtype, trust_remote_code=request.model.trust_remote_code)
     if state.is_main_process:
-        if must_empty:
-            output.empty()
-        if run.resume:  # the identity is rewritten once the resumed run has trained (RecordCallback)
-            output.remove_partials()
-            for checkpoint in stale_checkpoints:
-                logger.warning("removing %s: it was being written when the run stopped (incomplete)", checkpoint)
-                shutil.rmtree(checkpoint)
-            output.record()
-        else:
-            output.record(identity=identity)
+        _prepare_folder(output, must_empty, stale_checkpoints if run.resume else None, identity)
     state.wait_for_everyone()
 
-    record = RunRecord(
-        model=ModelFacts(
-            source.describe(),
-            source.name,
-            source.kind,
-            model.config.model_type,
-            parameter_count(model),
-            str(next(model.parameters()).dtype).removeprefix("torch."),
-        ),
-        data=DataFacts(
-            packed.source,
-            packed.text_column,
-            packed.block_size,
-            len(packed.train),
-            len(packed.heldout),
-            packed.heldout_tokens,
-            request.data.heldout_percentage,
-        ),
-        config=config,
-        training=TrainingFacts(
-            training_args.max_steps,
-            _global_batch(training_args),
-            training_args.learning_rate,
-            str(getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type)),
-            training_args.world_size,
-            mixed_precision="bf16" if training_args.bf16 else "fp16" if training_args.fp16 else None,
-        ),
-        taper_start_step=schedule.k_start,
-        taper_end_step=schedule.k_end,
-        allowed_changes=allowed_changes,
-    )
-    record.evaluation_sets = {
-        evaluation.name: {
-            "description": evaluation.description,
-            "blocks": len(evaluation.blocks),
-            "tokens": evaluation.tokens,
-        }
-        for evaluation in (packed.heldout_set, reference_text)
-        if evaluation is not None
-    }
+    record = new_run_record(request, source, model, packed, config, schedule, allowed_changes)
+    record.add_evaluation_sets(packed.heldout_set, reference_text)
     if baseline_source is not None:
         record.export["baseline_model"] = str(baseline_source.path)
     pipeline = _Pipeline(request, record, packed, tokenizer, output, identity, source, reference_text, baseline_source)
+    pipeline.extension = extension  # the tapered run's extra parts (the baseline trains without them)
     try:
         return pipeline.run(model)
     except BaseException as error:  # divergence, fold check, Ctrl-C outside training: say so, export nothing
@@ -208,9 +163,24 @@ def _run_locked(request: TaperRequest, output: RunFolder) -> int:
         logger.info("taper: %.0f s in all", time.time() - started)
 
 
+def _prepare_folder(output: RunFolder, must_empty: bool, stale_checkpoints: Optional[list[Path]], identity) -> None:
+    """Empty the folder (``must_empty``), or, resuming (``stale_checkpoints`` not None), remove what a stopped run
+    was writing; then record the folder's files (a resumed run's identity is rewritten once it has trained)."""
+    if must_empty:
+        output.empty()
+    if stale_checkpoints is None:
+        output.record(identity=identity)
+        return
+    output.remove_partials()
+    for checkpoint in stale_checkpoints:
+        logger.warning("removing %s: it was being written when the run stopped (incomplete)", checkpoint)
+        shutil.rmtree(checkpoint)
+    output.record()
+
+
 def prepare_run_data(request: TaperRequest, tokenizer, sink_ids: list[int]) -> PackedData:
     """The training blocks for ``max_steps`` global batches and the held-out set, from the data options."""
-    train_blocks = request.training.max_steps * _global_batch(request.training)
+    train_blocks = request.training.max_steps * global_batch_blocks(request.training)
     return prepare_from_arguments(request.data, tokenizer, train_blocks=train_blocks, prefix_ids=sink_ids)
 
 
@@ -235,12 +205,6 @@ def resolve_baseline(path: Optional[str]) -> Optional[ModelSource]:
     return source
 
 
-def _global_batch(training_args) -> int:
-    return (
-        training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * training_args.world_size
-    )
-
-
 class _Pipeline:
     """(Baseline,) tapered training, fold, export, evaluation and report of one run."""
 
@@ -261,9 +225,15 @@ class _Pipeline:
         self.reference_text, self.baseline_source = reference_text, baseline_source
         self.state = PartialState()
         self.heldout = blocks_tensor(packed.heldout)
+        self.extension = TaperExtension()
 
-    def train(self, model, folder: Path, callbacks: list, history: list):
+    def train(self, model, folder: Path, callbacks: list, history: list, extended: bool = False):
+        """One training into ``folder``; ``extended``: with the extension's log keys and loss terms."""
         callbacks = [*callbacks, RecordCallback(self.output, self.identity)]
+        keys, terms = LOG_KEYS, LOSS_TERM_KEYS
+        if extended:
+            keys = {**LOG_KEYS, **self.extension.log_keys}
+            terms = (*LOSS_TERM_KEYS, *self.extension.loss_terms)
         return train(
             model,
             self.request.training,
@@ -272,6 +242,8 @@ class _Pipeline:
             callbacks,
             resume=self.request.run.resume,
             history=history,
+            log_keys=keys,
+            loss_terms=terms,
         )
 
     def prompts(self, count: int = 3, length: int = 32) -> torch.Tensor:
@@ -286,10 +258,11 @@ class _Pipeline:
         patch_model(model, record.config)
         record.tapered_norms = sum(1 for _ in tapered_norms(model))
         allowed = {key.rsplit(".", 1)[-1] for key in record.allowed_changes if key.startswith("taper.")}
-        callback = TaperCallback(
+        callback = self.extension.taper_callback(
             allow_changes=allowed, trust_sharded_checkpoint=self.request.model.trust_sharded_checkpoint
         )
-        trainer, interrupted = self.train(model, self.output.path, [callback], record.history)
+        callbacks = [callback, *self.extension.callbacks]
+        trainer, interrupted = self.train(model, self.output.path, callbacks, record.history, extended=True)
         if interrupted:
             return self.interrupted(f"interrupted at step {trainer.state.global_step}", interrupted)
         steps = trainer.state.global_step
@@ -479,4 +452,12 @@ def save_export(folded, tokenizer, folder: Path, facts: Optional[dict[str, Any]]
             write_file(folder / SCAN_FILE, json.dumps(scan, indent=2) + "\n")
 
 
-__all__ = ["TaperRequest", "prepare_run_data", "recipe_config", "resolve_baseline", "run_taper", "save_export"]
+__all__ = [
+    "TaperExtension",
+    "TaperRequest",
+    "prepare_run_data",
+    "recipe_config",
+    "resolve_baseline",
+    "run_taper",
+    "save_export",
+]

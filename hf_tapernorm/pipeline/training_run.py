@@ -15,7 +15,9 @@ import json
 import logging
 import os
 import signal
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Optional
 
 import torch
@@ -23,6 +25,7 @@ from accelerate.utils import extract_model_from_parallel
 from transformers import Trainer, TrainerCallback, default_data_collator
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..training.callback import TaperCallback, place_first
 from ..utils import all_reduce_max
 from .report import history_from_log
 from .run_folder import RunFolder
@@ -31,19 +34,21 @@ logger = logging.getLogger(__name__)
 
 IDENTITY_NAME = "tapernorm_run.json"
 
-# Logged keys of TaperCallback -> report keys.
-LOG_KEYS = {
-    "loss": "loss",
-    "learning_rate": "learning_rate",
-    "grad_norm": "grad_norm",
-    "taper/gate": "gate",
-    "taper/scale_loss": "scale_loss",
-    "taper/residual_scale": "residual_scale",
-    "taper/distill": "distill",
-}
+#: Logged keys of TaperCallback -> report keys (read-only: an experiment adds its own with a TaperExtension).
+LOG_KEYS: Mapping[str, str] = MappingProxyType(
+    {
+        "loss": "loss",
+        "learning_rate": "learning_rate",
+        "grad_norm": "grad_norm",
+        "taper/gate": "gate",
+        "taper/scale_loss": "scale_loss",
+        "taper/residual_scale": "residual_scale",
+        "taper/distill": "distill",
+    }
+)
 
 #: The report keys of LOG_KEYS that are loss terms added to the cross-entropy (each logged as its mean).
-LOSS_TERM_KEYS = ["scale_loss", "distill"]
+LOSS_TERM_KEYS: tuple[str, ...] = ("scale_loss", "distill")
 
 
 #: The signals that stop a run with a checkpoint.
@@ -160,11 +165,13 @@ def train(
     *,
     resume: bool,
     history: list,
+    log_keys: Mapping[str, str] = LOG_KEYS,
+    loss_terms: tuple[str, ...] = LOSS_TERM_KEYS,
 ) -> tuple[Trainer, Optional[str]]:
     """One Trainer run into ``output_dir``; returns (trainer, the name of the signal that stopped it or None).
 
     ``history`` receives the per-step records even when training fails (a divergence report needs
-    the curve up to the failure).
+    the curve up to the failure), with the logged keys ``log_keys`` names (training_history).
     """
     args = copy.copy(training_args)
     args.output_dir = str(output_dir)
@@ -176,6 +183,8 @@ def train(
         data_collator=default_data_collator,
         callbacks=[*callbacks, interrupt],
     )
+    if any(isinstance(callback, TaperCallback) for callback in callbacks):
+        place_first(trainer)  # the TensorBoard logs (report_to) get the taper/* keys
     checkpoint = last_checkpoint(output_dir) if resume else None  # validated before the model loaded
     if resume and checkpoint is None:
         logger.info("no checkpoint in %s: starting this training from step 0", output_dir)
@@ -183,19 +192,22 @@ def train(
         trainer.train(resume_from_checkpoint=checkpoint)
     finally:
         interrupt.uninstall()
-        history[:] = training_history(trainer)
+        history[:] = training_history(trainer, log_keys, loss_terms)
         # Mixed precision (--bf16/--fp16) leaves an autocast wrapper on the model's forward; without removing it
         # every later evaluation, the fold, its check and the sink capture would run in the autocast dtype.
         extract_model_from_parallel(model, keep_fp32_wrapper=False)
     return trainer, (interrupt.signal_name or "SIGINT") if interrupt.requested else None  # another rank's signal
 
 
-def training_history(trainer: Trainer) -> list[dict[str, Any]]:
-    """Per-step records of a run; ``ce`` is the logged objective minus its loss terms (LOSS_TERM_KEYS)."""
-    records = history_from_log(trainer.state.log_history, LOG_KEYS)
+def training_history(
+    trainer: Trainer, log_keys: Mapping[str, str] = LOG_KEYS, loss_terms: tuple[str, ...] = LOSS_TERM_KEYS
+) -> list[dict[str, Any]]:
+    """Per-step records of a run (``log_keys``: logged key -> record key); ``ce`` is the logged objective minus
+    its loss terms (``loss_terms``)."""
+    records = history_from_log(trainer.state.log_history, log_keys)
     for record in records:
         if "loss" in record:
-            record["ce"] = record["loss"] - sum(record.get(key, 0.0) for key in LOSS_TERM_KEYS)
+            record["ce"] = record["loss"] - sum(record.get(key, 0.0) for key in loss_terms)
     return records
 
 

@@ -4,6 +4,11 @@ The recipe is planned on a weightless (meta-device) copy of the model built from
 ``keep_norms`` pattern, an unsupported layout, a schedule longer than the run, a block size beyond the
 model's positions or a resumed run that is not the saved one all fail in seconds. Errors about recipe
 and training fields name them (``TaperNormConfig.taper_end``); the CLI writes them as its flags.
+
+The checks ``taper`` runs before work starts are split by what they read, so each has one place:
+validation.py the request and the model's config (the recipe, schedule, positions, the run's identity);
+preflight.py the Trainer's options and the disk; resume_check.py the files of a checkpoint to resume.
+A new check goes where its input is: this module, for a check on an option of the recipe or the model's config.
 """
 
 from __future__ import annotations
@@ -39,10 +44,10 @@ class TaperRequest:
 
 
 def recipe_config(request: TaperRequest, model, tokenizer) -> TaperNormConfig:
-    """The TaperNormConfig of the flags: the recipe (``--recipe``), with every explicitly set field on top.
+    """The TaperNormConfig of the flags: the preset (``--preset``), with every explicitly set field on top.
 
     ``request.taper`` holds one attribute per TaperNormConfig field (None: the recipe's value), already in
-    the config's types (cli/arguments.py generates them from the config's fields), plus ``recipe`` and
+    the config's types (cli/arguments.py generates them from the config's fields), plus ``preset`` and
     ``sink``, which the command line spells its own way."""
     flags = request.taper
     overrides: dict[str, Any] = {
@@ -57,7 +62,7 @@ def recipe_config(request: TaperRequest, model, tokenizer) -> TaperNormConfig:
         if bos is None:
             raise ConfigurationError("--sink bos: the tokenizer has neither a BOS nor an EOS token; pass --sink none")
         overrides["sink_token_ids"] = [bos]
-    if flags.recipe == "paper":
+    if flags.preset == "paper":
         return TaperNormConfig.paper(**overrides)
     return TaperNormConfig.for_model(model, tokenizer, **overrides)
 

@@ -8,7 +8,9 @@ The public names beyond the drivers and checkpoints (which the top level exports
   branch's c from the warmup's statistics (for a loop that drives the gate itself), and a per-layer table;
 - :class:`Distillation`, :func:`distillation_loss` (distillation.py): the KL term to a frozen teacher;
 - :class:`DivergenceThresholds` (divergence.py): when a run counts as diverged
-  (``TaperCallback(thresholds=...)``).
+  (``TaperCallback(thresholds=...)``);
+- :func:`place_first` (callback.py): put the Trainer's TaperCallback before its reporting callbacks;
+  :func:`add_to_training_log`: add keys to a training log from ``on_log`` (and to ``trainer_state.json``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ _EXPORTS = {
     "DivergenceThresholds": "divergence",
     "TaperController": "controller",
     "TaperCallback": "callback",
+    "place_first": "callback",
+    "add_to_training_log": "callback",
     "save_tapered": "checkpoints",
     "load_tapered": "checkpoints",
     "save_sharded_checkpoint": "sharded",
@@ -39,7 +43,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
     from .calibration import calibrate, calibration_table, update_statistics
-    from .callback import TaperCallback
+    from .callback import TaperCallback, add_to_training_log, place_first
     from .checkpoints import load_tapered, save_tapered
     from .controller import TaperController
     from .distillation import Distillation, distillation_loss

@@ -18,13 +18,12 @@ divergence stops training before a broken state is saved.
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from transformers import TrainerCallback
-from transformers.trainer_callback import CallbackHandler
+from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..config import CONFIG_NAME, Step, TaperNormConfig, config_of
@@ -37,18 +36,8 @@ from .schedule import TaperSchedule, decay_learning_rate_after_the_taper
 
 logger = logging.getLogger(__name__)
 
-
-def _caller_local(name: str, kind: type, depth: int = 12) -> Any:
-    """A local variable of the Trainer frames that dispatch the current event (found on the call stack)."""
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return None
-        value = frame.f_locals.get(name)
-        if isinstance(value, kind):
-            return value
-        frame = frame.f_back
-    return None
+#: The Trainer's state file in every checkpoint (``transformers.trainer.TRAINER_STATE_NAME``).
+TRAINER_STATE_NAME = "trainer_state.json"
 
 
 class TaperCallback(TrainerCallback):
@@ -61,9 +50,17 @@ class TaperCallback(TrainerCallback):
     resumed run may change on purpose (any other difference from the checkpoint's config is refused).
 
     Logs ``taper/gate``, ``taper/scale_loss``, ``taper/residual_scale`` and ``taper/distill`` with every
-    training log. The Trainer places reporting callbacks (TensorBoard, W&B, ...) before user callbacks
-    and passes them one shared ``logs`` dict, so at ``on_train_begin`` this callback moves itself to the
-    front of the Trainer's callback list: its ``on_log`` then adds the keys before any reporter reads them.
+    training log. The order it needs: the Trainer lists its reporting callbacks (``report_to``:
+    TensorBoard, W&B, ...) before the ones passed as ``callbacks=`` and hands them one shared ``logs`` dict
+    in that order, so only the callbacks after this one read the keys. :func:`place_first` (after building
+    the Trainer) moves it to the front; ``on_train_begin`` warns when ``report_to`` names reporters and it
+    was not placed first (``trainer_state.json`` gets the keys either way).
+
+    Resuming reads the checkpoint the Trainer restored: ``TrainingArguments.resume_from_checkpoint`` when
+    set, else ``<output_dir>/checkpoint-<global_step>`` (where ``resume_from_checkpoint=True`` and the
+    Trainer's own checkpoints point); the folder's ``trainer_state.json`` must be the restored state, or
+    the run is refused (a checkpoint outside ``output_dir``: set ``resume_from_checkpoint`` in the
+    arguments too).
     """
 
     def __init__(
@@ -89,6 +86,7 @@ class TaperCallback(TrainerCallback):
         if taper_start is not None or taper_end is not None:  # checked now, not at the first step
             TaperSchedule(taper_start if taper_start is not None else 0.05, taper_end if taper_end is not None else 0.7)
         self.controller: Optional[TaperController] = None
+        self.placed_first = False  # set by place_first(trainer)
 
     def _schedule(self, config: TaperNormConfig) -> TaperSchedule:
         start = config.taper_start if self.taper_start is None else self.taper_start
@@ -128,16 +126,13 @@ class TaperCallback(TrainerCallback):
             )
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        handler = _caller_local("self", CallbackHandler, depth=4)
-        if handler is None:
+        reporters = [name for name in (args.report_to or []) if name != "none"]
+        if reporters and not self.placed_first:
             logger.warning(
-                "TaperCallback could not find the Trainer's callback list; reporting callbacks listed before it "
-                "will not receive the taper/* log keys"
+                "TaperCallback: the reporting callbacks of report_to=%s run before it and miss the taper/* log keys; "
+                "call hf_tapernorm.training.place_first(trainer) before trainer.train()",
+                reporters,
             )
-        elif handler.callbacks[0] is not self:
-            # Index-safe while the handler iterates: the callbacks after us keep their positions.
-            handler.callbacks.remove(self)
-            handler.callbacks.insert(0, self)
         config = config_of(model)
         self.controller = TaperController(model, self._schedule(config), state.max_steps, thresholds=self.thresholds)
         if state.global_step > 0:
@@ -155,10 +150,7 @@ class TaperCallback(TrainerCallback):
         )
 
     def _resume(self, args, state, config: TaperNormConfig) -> None:
-        checkpoint = _caller_local("resume_from_checkpoint", str)
-        folder = (
-            Path(checkpoint) if checkpoint else Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-        )
+        folder = resumed_checkpoint(args, state)
         saved = folder / CONFIG_NAME
         if saved.is_file():
             previous = TaperNormConfig.from_pretrained(folder)
@@ -204,6 +196,47 @@ class TaperCallback(TrainerCallback):
             self.controller.save_state(folder)
 
 
+def resumed_checkpoint(args, state: TrainerState) -> Path:
+    """The checkpoint folder the Trainer restored ``state`` from, found through public state only.
+
+    Candidates: ``args.resume_from_checkpoint`` (a path), then ``<output_dir>/checkpoint-<global_step>``
+    (``resume_from_checkpoint=True`` takes the last of those). A candidate is the one when its
+    ``trainer_state.json`` holds the restored step and log history: a folder of another run is not taken.
+    """
+    candidates = []
+    if isinstance(getattr(args, "resume_from_checkpoint", None), str):
+        candidates.append(Path(args.resume_from_checkpoint))
+    candidates.append(Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+    for folder in candidates:
+        saved = folder / TRAINER_STATE_NAME
+        if not saved.is_file():
+            continue
+        restored = TrainerState.load_from_json(str(saved))
+        if restored.global_step == state.global_step and restored.log_history == state.log_history:
+            return folder
+    raise TaperStateError(
+        f"TaperCallback: resuming at step {state.global_step}, but no checkpoint with that state is in "
+        f"{' or '.join(str(c) for c in candidates)}; a checkpoint outside output_dir must also be named in "
+        "TrainingArguments(resume_from_checkpoint=...), where TaperCallback reads the recipe's state"
+    )
+
+
+def place_first(trainer) -> TaperCallback:
+    """Move the trainer's TaperCallback to the front of its callbacks, so that every callback (reporters
+    included) reads the ``taper/*`` log keys; returns it. Call it after building the Trainer, before
+    ``train()``: ``Trainer.callback_handler.callbacks`` is the list the Trainer calls in order."""
+    callbacks = trainer.callback_handler.callbacks
+    found = [callback for callback in callbacks if isinstance(callback, TaperCallback)]
+    if len(found) != 1:
+        raise ConfigurationError(
+            f"place_first: the Trainer holds {len(found)} TaperCallback(s); pass one in Trainer(callbacks=[...])"
+        )
+    callbacks.remove(found[0])
+    callbacks.insert(0, found[0])
+    found[0].placed_first = True
+    return found[0]
+
+
 def add_to_training_log(state, logs: dict, metrics: dict[str, float]) -> None:
     """Add ``metrics`` to a training log from ``on_log``: to ``logs`` and to its copy in ``state.log_history``.
 
@@ -215,4 +248,4 @@ def add_to_training_log(state, logs: dict, metrics: dict[str, float]) -> None:
         state.log_history[-1].update(metrics)
 
 
-__all__ = ["TaperCallback", "add_to_training_log"]
+__all__ = ["TaperCallback", "add_to_training_log", "place_first", "resumed_checkpoint"]

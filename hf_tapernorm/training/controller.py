@@ -99,15 +99,8 @@ class TaperController:
             return given if given._model is self.model else given.attach(self.model)
         if given is False or self.config.distill_weight == 0:
             return None
-        source = self.config.distill_from
-        return Distillation(
-            frozen_copy(self.model) if source == "original" else None,
-            weight=self.config.distill_weight,
-            from_gate_start=source == "gate_start",
-            live=source == "current",
-            until_taper_end=self.config.distill_until == "taper_end",
-            fade_with_gate=self.config.distill_schedule == "gate",
-        ).attach(self.model)
+        teacher = frozen_copy(self.model) if self.config.distill_from == "original" else None
+        return Distillation.from_config(self.config, teacher).attach(self.model)
 
     # ------------------------------------------------------------------ checkpoints and resume
     @property

@@ -2,11 +2,11 @@
 
 The term is ``weight * KL(teacher || student)`` on the next-token distributions, added to training
 losses through ``layers/loss_terms.py``. The teacher is the model itself, frozen at one moment:
-when the gate first falls below 1 (``from_gate_start``, the default: the model has then already
+when the gate first falls below 1 (``distill_from="gate_start"``, the default: the model has then already
 adapted to the new data at g = 1, so the KL repairs only what tapering breaks) or before training.
 It costs a second copy of the weights (no gradients, no optimizer state; under FSDP2 a second shard per
 rank) and a teacher forward per training forward; with
-``until_taper_end`` the teacher is released once the gate reaches 0, and later steps cost what a
+``distill_until="taper_end"`` the teacher is released once the gate reaches 0, and later steps cost what a
 normalized step costs. ``TaperController`` (and so ``TaperCallback``) builds it from the model's
 TaperNormConfig and saves the snapshot with checkpoints; nobody needs to build one by hand.
 """
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_model, save_model
 from torch import nn
 
+from ..config import DistillSchedule, DistillUntil, TaperNormConfig, Teacher
 from ..errors import ConfigurationError
 from ..layers.loss_terms import ForwardInputs, add_training_loss_term, remove_training_loss_term
 from ..layers.patching import gate_of
@@ -67,49 +68,71 @@ def frozen_copy(model: nn.Module) -> nn.Module:
 class Distillation:
     """``weight * KL(teacher || student)`` added to every training loss of the model it is attached to.
 
-    ``teacher``: a frozen model with the student's parameter names (``frozen_copy(model)``); with
-    ``from_gate_start`` it may be None, and the teacher is then made at the snapshot. With
-    ``from_gate_start`` the teacher's weights are replaced by the student's at the first step whose gate
-    is below 1 (:meth:`step_begin`, or the first training forward below 1 when no controller drives it);
-    the term is 0 before that. ``until_taper_end``: the term ends, and the teacher is released, at the
-    first step with gate 0. Positions whose next label is -100 (padding, the sink's first-token
-    prediction) are left out.
+    The keywords are TaperNormConfig's fields of the same names, with the same values (:meth:`from_config`).
+    ``teacher``: a frozen model with the student's parameter names (``frozen_copy(model)``), fixed for the
+    run with ``distill_from="original"``. With ``"gate_start"`` it may be None, and the teacher is then
+    made at the snapshot: its weights are replaced by the student's at the first step whose gate is below 1
+    (:meth:`step_begin`, or the first training forward below 1 when no controller drives it); the term is 0
+    before that. ``distill_until="taper_end"``: the term ends, and the teacher is released, at the first
+    step with gate 0. ``distill_schedule="gate"``: the weight times the current gate. Positions whose next
+    label is -100 (padding, the sink's first-token prediction) are left out.
 
-    ``live``: no copy at all; the teacher is the model itself with every gate at 1, evaluated on the same
-    batch without gradient. It follows what the normalized model learns from the data while the gate
-    falls (a snapshot stays where it was), and costs a forward but no memory.
+    ``distill_from="current"``: no copy at all; the teacher is the model itself with every gate at 1,
+    evaluated on the same batch without gradient. It follows what the normalized model learns from the data
+    while the gate falls (a snapshot stays where it was), and costs a forward but no memory.
     """
 
     def __init__(
         self,
-        teacher: Optional[nn.Module],
+        teacher: Optional[nn.Module] = None,
         *,
         weight: float = 1.0,
-        from_gate_start: bool = False,
-        until_taper_end: bool = False,
-        live: bool = False,
-        fade_with_gate: bool = False,
+        distill_from: Teacher = "original",
+        distill_until: DistillUntil = "end",
+        distill_schedule: DistillSchedule = "constant",
     ) -> None:
+        for name, value in (
+            ("distill_from", distill_from),
+            ("distill_until", distill_until),
+            ("distill_schedule", distill_schedule),
+        ):
+            if value not in TaperNormConfig.choices(name):
+                choices = ", ".join(TaperNormConfig.choices(name))
+                raise ConfigurationError(f"Distillation: {name} must be one of {choices}, got {value!r}")
         if weight < 0:
             raise ConfigurationError(f"Distillation needs weight >= 0, got {weight}")
-        if live and (teacher is not None or from_gate_start):
+        if distill_from == "current" and teacher is not None:
+            raise ConfigurationError('Distillation(distill_from="current") uses the model itself: pass no teacher')
+        if teacher is None and distill_from == "original":
             raise ConfigurationError(
-                "Distillation(live=True) uses the model itself: pass no teacher, no from_gate_start"
+                'Distillation needs a teacher unless distill_from is "gate_start" (which snapshots one) or "current"'
             )
-        if teacher is None and not (from_gate_start or live):
-            raise ConfigurationError("Distillation needs a teacher unless from_gate_start=True (which snapshots one)")
-        self.live = live
+        self.distill_from, self.distill_until, self.distill_schedule = distill_from, distill_until, distill_schedule
+        live, from_gate_start = distill_from == "current", distill_from == "gate_start"
+        self._live = live
         self._released = False
         self.teacher: Optional[nn.Module] = teacher.eval().requires_grad_(False) if teacher is not None else None
         self.weight = float(weight)
-        self.from_gate_start = from_gate_start
-        self.until_taper_end = until_taper_end
-        self.fade_with_gate = fade_with_gate  # the weight times the current gate (distill_schedule="gate")
+        self._from_gate_start = from_gate_start
+        self._until_taper_end = distill_until == "taper_end"
+        self._fade_with_gate = distill_schedule == "gate"
         self._saw_gate_one = False  # a step (or training forward) at g = 1 ran in this process
         self._teacher_final = not from_gate_start  # no later change of the teacher
         self._gate: Optional[float] = None  # the current step's gate, when a controller tells it
         self._window = torch.zeros(2)  # sum of the terms added to training losses, forwards (since the last log)
         self._model: Optional[nn.Module] = None
+
+    @classmethod
+    def from_config(cls, config: TaperNormConfig, teacher: Optional[nn.Module] = None) -> Distillation:
+        """The term a TaperNormConfig asks for (``distill_weight``, ``distill_from``, ``distill_until``,
+        ``distill_schedule``); ``teacher``: the frozen copy for ``distill_from="original"``."""
+        return cls(
+            teacher,
+            weight=config.distill_weight,
+            distill_from=config.distill_from,
+            distill_until=config.distill_until,
+            distill_schedule=config.distill_schedule,
+        )
 
     # ------------------------------------------------------------------ the teacher
     def load_teacher_from(self, model: nn.Module) -> None:
@@ -153,12 +176,12 @@ class Distillation:
         self._update_teacher(model, gate)
 
     def _update_teacher(self, model: nn.Module, gate: float) -> None:
-        if self.live:
-            if self.until_taper_end and gate <= 0.0 and not self._released:
+        if self._live:
+            if self._until_taper_end and gate <= 0.0 and not self._released:
                 self._released = True
                 logger.info("Distillation: the gate reached 0; the term ends")
             return
-        if self.until_taper_end and gate <= 0.0:
+        if self._until_taper_end and gate <= 0.0:
             if self.teacher is not None:
                 logger.info("Distillation: the gate reached 0; the teacher is released and the term ends")
             self.teacher, self._teacher_final = None, True
@@ -170,7 +193,7 @@ class Distillation:
             return
         if not self._saw_gate_one:
             logger.warning(
-                "Distillation(from_gate_start=True): training started with the gate already below 1 (a resumed "
+                'Distillation(distill_from="gate_start"): training started with the gate already below 1 (a resumed '
                 "run?) and the snapshot taken at the start of the taper is not in the checkpoint; this run "
                 "distils from %s",
                 "the teacher as given" if self.teacher is not None else "the model as resumed",
@@ -200,7 +223,7 @@ class Distillation:
 
     @torch.no_grad()
     def _teacher_logits(self, model: Optional[nn.Module], input_ids, attention_mask) -> torch.Tensor:
-        if not self.live:
+        if not self._live:
             device = input_ids.device
             if next(self.teacher.parameters()).device != device:
                 self.teacher.to(device)
@@ -225,7 +248,7 @@ class Distillation:
             mask = torch.ones(student_logits.shape[:-1], dtype=torch.bool, device=device)[..., 1:]
         kl = _kl(student_logits[..., :-1, :], teacher_logits[..., :-1, :])
         mask = mask.to(kl.dtype)
-        weight = self.weight * (gate if self.fade_with_gate and gate is not None else 1.0)
+        weight = self.weight * (gate if self._fade_with_gate and gate is not None else 1.0)
         return weight * (kl * mask).sum(), mask.sum()
 
     def attach(self, model: nn.Module) -> Distillation:
@@ -239,7 +262,7 @@ class Distillation:
             return None
         gate = self._gate if self._gate is not None else gate_of(model)
         self._update_teacher(model, gate)
-        if self.live:
+        if self._live:
             idle = self._released or gate >= 1.0
         else:
             idle = self.teacher is None or not self._teacher_final

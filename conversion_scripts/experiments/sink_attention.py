@@ -12,10 +12,11 @@ distillation teacher (the model at the start of the taper); the term is 0 until 
 
 Both models run eager attention with ``output_attentions`` during training (the teacher is a copy of the
 student, so it returns its attentions too, and a forward hook keeps them: no extra teacher forward). The
-script runs the CLI's ``taper`` command itself, so the run folder, the report and ``--resume`` are the
-CLI's; the normalized baseline trains without the term::
+script runs the CLI's ``taper`` command with a ``TaperExtension`` (the callback below, the term's log key),
+so the run folder, the report and ``--resume`` are the CLI's; the normalized baseline trains without the
+term::
 
-    python -m conversion_scripts.sink_attention --output_dir runs/fidelity/steps300/sink_attention/seed42 \\
+    python -m conversion_scripts.experiments.sink_attention --output_dir runs/fidelity/steps300/sink_attention/seed42 \\
         --max_steps 300 --seed 42 --per_device_train_batch_size 2 --block_size 128 \\
         --baseline_from runs/fidelity/steps300/default/seed42 --sink_attention_weight 1
 
@@ -25,6 +26,7 @@ CLI's; the normalized baseline trains without the term::
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 from collections.abc import Sequence
@@ -33,12 +35,11 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-import hf_tapernorm.pipeline.taper as taper_pipeline
-import hf_tapernorm.pipeline.training_run as training_run
 from hf_tapernorm import TaperCallback
 from hf_tapernorm.cli.main import main as cli_main
-from hf_tapernorm.layers.loss_terms import ForwardInputs, add_training_loss_term
-from hf_tapernorm.training.callback import add_to_training_log
+from hf_tapernorm.layers import ForwardInputs, add_training_loss_term
+from hf_tapernorm.pipeline.taper import TaperExtension
+from hf_tapernorm.training import add_to_training_log
 
 logger = logging.getLogger("sink_attention")
 
@@ -106,7 +107,9 @@ class SinkAttentionTerm:
 class SinkAttentionCallback(TaperCallback):
     """``TaperCallback`` that also attaches the sink-attention term (and logs it as ``taper/sink_attention``)."""
 
-    weight = 1.0
+    def __init__(self, *args: Any, weight: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.weight = weight
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         model.set_attn_implementation("eager")  # first: a teacher copied now or restored by a resume copies it
@@ -137,11 +140,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     known, rest = own.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     if not known.sink_attention_weight >= 0:
         raise SystemExit(f"--sink_attention_weight must be >= 0, got {known.sink_attention_weight}")
-    SinkAttentionCallback.weight = known.sink_attention_weight
-    taper_pipeline.TaperCallback = SinkAttentionCallback  # the one callback the taper run builds
-    training_run.LOG_KEYS[f"taper/{TERM}"] = TERM  # in the report's history, and out of its ``ce``
-    training_run.LOSS_TERM_KEYS.append(TERM)
-    return cli_main(["taper", *rest])
+    return cli_main(["taper", *rest], extension=extension(known.sink_attention_weight))
+
+
+def extension(weight: float) -> TaperExtension:
+    """The taper run's callback with the term, its log key in the report's history, and out of its ``ce``."""
+    return TaperExtension(
+        taper_callback=functools.partial(SinkAttentionCallback, weight=weight),
+        log_keys={f"taper/{TERM}": TERM},
+        loss_terms=(TERM,),
+    )
 
 
 if __name__ == "__main__":

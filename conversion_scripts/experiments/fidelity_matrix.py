@@ -17,9 +17,9 @@ run's report) and the table goes to
 the baseline on each seed, their mean and spread, the out-of-corpus gap and the KL to the original,
 and the command of every run::
 
-    python -m conversion_scripts.fidelity_matrix --root runs/fidelity --steps 150 --seeds 42 7 \\
+    python -m conversion_scripts.experiments.fidelity_matrix --root runs/fidelity --steps 150 --seeds 42 7 \\
         --arms default no_distill kl_0.1 --jobs 2
-    python -m conversion_scripts.fidelity_matrix --root runs/fidelity --steps 150 --table_only
+    python -m conversion_scripts.experiments.fidelity_matrix --root runs/fidelity --steps 150 --table_only
 
 ``--preset gpu`` sizes the same matrix for one large accelerator (bf16, sequences of 512, at least 25M
 tokens per arm, shortened to fit ``--time_budget_s``); the test suite runs it at toy size on a tiny local
@@ -79,19 +79,19 @@ ARMS: dict[str, Arm] = {
         (),
         False,
         "no taper: the default recipe with the gate held at 1 (its model in the tapered and folded columns)",
-        script="conversion_scripts.kl_control",
+        script="conversion_scripts.experiments.kl_control",
     ),
     "sink_attention": Arm(
         (),
         False,
         "the default plus a term keeping each head's attention to the sink near the teacher's (weight 1)",
-        script="conversion_scripts.sink_attention",
+        script="conversion_scripts.experiments.sink_attention",
     ),
     "sink_attention_0.3": Arm(
         ("--sink_attention_weight", "0.3"),
         False,
         "the default plus the sink-attention term at weight 0.3",
-        script="conversion_scripts.sink_attention",
+        script="conversion_scripts.experiments.sink_attention",
     ),
 }
 

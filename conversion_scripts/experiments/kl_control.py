@@ -14,7 +14,7 @@ with (an earlier ``--baseline`` run of the same data and seed), and writes ``rep
 ``--output_dir``: the held-out and out-of-corpus scores of the original, the baseline and the control (the
 same evaluation as the CLI's report), under the keys the fidelity harness reads::
 
-    python -m conversion_scripts.kl_control --output_dir runs/fidelity/steps150/kl_control/seed42 \\
+    python -m conversion_scripts.experiments.kl_control --output_dir runs/fidelity/steps150/kl_control/seed42 \\
         --max_steps 150 --seed 42 --per_device_train_batch_size 2 --block_size 128 \\
         --baseline_from runs/fidelity/steps150/default/seed42
 
@@ -30,11 +30,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from transformers import TrainerCallback
+from transformers import HfArgumentParser, TrainerCallback
 
-from conversion_scripts.fidelity_matrix import remove_checkpoints
+from conversion_scripts.experiments.fidelity_matrix import remove_checkpoints
 from hf_tapernorm import ConfigurationError, TaperCallback, patch_model
-from hf_tapernorm._parsing import parse
 from hf_tapernorm.cli.arguments import (
     DataArguments,
     ModelArguments,
@@ -42,14 +41,12 @@ from hf_tapernorm.cli.arguments import (
     TaperArguments,
     TaperTrainingArguments,
 )
-from hf_tapernorm.layers.patching import gate_of, set_gate
+from hf_tapernorm.layers import gate_of, set_gate
 from hf_tapernorm.pipeline.evaluation import broken_blocks, evaluate_set
 from hf_tapernorm.pipeline.models import load_model, load_tokenizer, resolve_model
 from hf_tapernorm.pipeline.out_of_corpus import out_of_corpus_set
-from hf_tapernorm.pipeline.taper import prepare_run_data, resolve_baseline
+from hf_tapernorm.pipeline.taper import TaperRequest, prepare_run_data, recipe_config, resolve_baseline
 from hf_tapernorm.pipeline.training_run import train
-from hf_tapernorm.pipeline.validation import TaperRequest, check_schedule, recipe_config, weightless_model
-from hf_tapernorm.training.schedule import decay_learning_rate_after_the_taper
 
 logger = logging.getLogger("kl_control")
 
@@ -79,13 +76,14 @@ def run_control(request: TaperRequest) -> dict[str, Any]:
 
     source = resolve_model(request.model.model_name_or_path, request.model.gguf_file)
     tokenizer = load_tokenizer(source)
-    config = recipe_config(request, weightless_model(source, False), tokenizer)
-    schedule = check_schedule(config, request.training.max_steps)
-    decay_learning_rate_after_the_taper(request.training, schedule)  # the baseline's schedule, as in taper
+    model = load_model(source, dtype=request.model.dtype)
+    config = recipe_config(request, model, tokenizer)
     packed = prepare_run_data(request, tokenizer, config.sink_token_ids)
     outside = out_of_corpus_set(request.data, tokenizer, config.sink_token_ids)
 
-    model = patch_model(load_model(source, dtype=request.model.dtype), config)
+    # TaperCallback checks the schedule against max_steps and decays a WSD learning rate after the taper
+    # when the Trainer is built, as in taper (the baseline's schedule).
+    patch_model(model, config)
     hold, history = HoldGateAtOne(), []
     callbacks = [TaperCallback(), hold]
     trainer, interrupted = train(
@@ -130,7 +128,8 @@ def run_control(request: TaperRequest) -> dict[str, Any]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     options = [ModelArguments, DataArguments, TaperArguments, RunArguments, TaperTrainingArguments]
-    request = TaperRequest(*parse(options, list(sys.argv[1:] if argv is None else argv), "kl_control"))
+    parser = HfArgumentParser(options, prog="kl_control")
+    request = TaperRequest(*parser.parse_args_into_dataclasses(args=list(sys.argv[1:] if argv is None else argv)))
     report = run_control(request)
     held = report["heldout"]
     logger.info(

@@ -7,7 +7,7 @@ import json
 import pytest
 
 import hf_tapernorm
-from conversion_scripts import fidelity_matrix
+from conversion_scripts.experiments import fidelity_matrix
 from tests.conftest import corpus_documents, save_tiny_model
 
 
@@ -104,10 +104,10 @@ def test_the_control_holds_the_gate_at_1_and_without_the_loss_terms_is_the_basel
         held["control"]["loss"] / held["baseline"]["loss"] - 1
     )
     assert rows["kl_control"]["folded_vs_tapered"]["mean"] is None
-    assert "python -m conversion_scripts.kl_control" in rows["kl_control"]["commands"][0]
+    assert "python -m conversion_scripts.experiments.kl_control" in rows["kl_control"]["commands"][0]
 
     # Without the distillation and the scale loss, the control trains what the baseline trains: gate 1 is the norm.
-    from conversion_scripts import kl_control
+    from conversion_scripts.experiments import kl_control
 
     plain = workspace / "control_plain"
     flags = ["--output_dir", str(plain), "--max_steps", "6", "--seed", "1", *tiny_flags(workspace)]
@@ -144,7 +144,7 @@ def test_the_sink_attention_arm_adds_its_term_after_the_snapshot_and_exports_a_p
         config = json.loads((folder / export / "config.json").read_text())
         assert not config.get("output_attentions", False)
     rows = {row["arm"]: row for row in json.loads((root / "steps6" / "table.json").read_text())}
-    assert "python -m conversion_scripts.sink_attention" in rows["sink_attention"]["commands"][0]
+    assert "python -m conversion_scripts.experiments.sink_attention" in rows["sink_attention"]["commands"][0]
     assert rows["sink_attention"]["folded_vs_tapered"]["mean"] == pytest.approx(0.0, abs=1e-4)
 
 
@@ -168,7 +168,7 @@ def test_removing_checkpoints_deletes_only_the_run_s_own_checkpoint_folders(tmp_
 def test_the_sink_attention_term_is_the_bernoulli_kl_of_the_sink_shares():
     import torch
 
-    from conversion_scripts.sink_attention import bernoulli_kl, sink_shares
+    from conversion_scripts.experiments.sink_attention import bernoulli_kl, sink_shares
 
     torch.manual_seed(0)
     teacher = [torch.softmax(torch.randn(2, 3, 5, 5), dim=-1) for _ in range(4)]

@@ -35,6 +35,7 @@ def test_export_refuses_a_non_empty_folder_without_overwrite(folded, tmp_path):
         ".hf_tapernorm_export.json",
         "README.md",
         "config.json",
+        "folded_sink.py",
         "generation_config.json",
         "model.safetensors",
         "modeling_folded.py",
@@ -43,6 +44,7 @@ def test_export_refuses_a_non_empty_folder_without_overwrite(folded, tmp_path):
     assert export_manifest(tmp_path) == [  # what the export wrote, not the user's notes.txt
         "README.md",
         "config.json",
+        "folded_sink.py",
         "generation_config.json",
         "model.safetensors",
         "modeling_folded.py",
@@ -83,6 +85,7 @@ def test_push_to_hub_uploads_exactly_the_export(folded, tmp_path):
         == [
             "README.md",
             "config.json",
+            "folded_sink.py",
             "generation_config.json",
             "model.safetensors",
             "modeling_folded.py",

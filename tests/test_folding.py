@@ -142,8 +142,8 @@ def test_save_and_reload_with_hf_tapernorm_imported(kind, tmp_path):
     folded = fold_model(tapered(kind, "all"))
     out = export_folded(folded, tmp_path / "out")
     files = sorted(p.name for p in out.iterdir())
-    assert files == [".hf_tapernorm_export.json", "README.md", "config.json", "generation_config.json",
-                     "model.safetensors", "modeling_folded.py"]  # fmt: skip
+    assert files == [".hf_tapernorm_export.json", "README.md", "config.json", "folded_sink.py",
+                     "generation_config.json", "model.safetensors", "modeling_folded.py"]  # fmt: skip
     config = json.loads((out / "config.json").read_text())
     cls = FOLDED[kind].__name__
     assert config["model_type"] == f"tapernorm_{kind}" and config["architectures"] == [cls]
@@ -151,7 +151,9 @@ def test_save_and_reload_with_hf_tapernorm_imported(kind, tmp_path):
         "AutoConfig": f"modeling_folded.{type(folded.config).__name__}",
         "AutoModelForCausalLM": f"modeling_folded.{cls}",
     }
-    assert (out / "modeling_folded.py").read_bytes() == Path(hf_tapernorm.export.modeling_folded.__file__).read_bytes()
+    code = Path(hf_tapernorm.export.modeling_folded.__file__).parent
+    for name in ("modeling_folded.py", "folded_sink.py"):  # the modeling code and the sibling it imports
+        assert (out / name).read_bytes() == (code / name).read_bytes()
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     assert type(reloaded) is FOLDED[kind]
     assert torch.equal(logits(reloaded, IDS), logits(folded, IDS))

@@ -42,7 +42,8 @@ def test_the_wheel_without_extras_runs_taper_eval_and_fold_in_a_fresh_venv(tmp_p
     source.mkdir()
     for name in ("setup.cfg", "pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
-    shutil.copytree(REPO / "hf_tapernorm", source / "hf_tapernorm", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("hf_tapernorm", "model_cards"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     _run(
         [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "wheels"), str(source)], tmp_path, env
@@ -76,6 +77,8 @@ def test_the_wheel_without_extras_runs_taper_eval_and_fold_in_a_fresh_venv(tmp_p
     )
     installed = _run([str(python), str(probe)], tmp_path, env).stdout.strip()
     assert installed.startswith(str(site)), installed  # the wheel's copy, not the checkout
+    template = Path(installed).parent / "model_cards" / "folded_model.md"  # model_cards/, mapped into the package
+    assert template.read_text() == (REPO / "model_cards" / "folded_model.md").read_text()
 
     work = tmp_path / "work"
     save_tiny_model(work / "llama", "llama")
@@ -100,6 +103,21 @@ def test_the_wheel_without_extras_runs_taper_eval_and_fold_in_a_fresh_venv(tmp_p
     folded = _run([cli, "fold", "--checkpoint", str(run / "tapered"), "--output_dir", str(work / "export")], work, env)
     assert json.loads(folded.stdout.strip().splitlines()[-1])["fold"]["max_rel_diff"] <= 1e-4
     assert (work / "export" / "README.md").is_file() and (work / "export" / "model.safetensors").is_file()
+
+
+def test_setup_cfg_lists_every_subpackage_and_maps_model_cards_into_the_package():
+    """setup.cfg names the packages (find: cannot see the mapped model_cards/): a new subpackage must be listed."""
+    import configparser
+
+    setup = configparser.ConfigParser()
+    setup.read(REPO / "setup.cfg")
+    listed = set(setup["options"]["packages"].split())
+    on_disk = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "hf_tapernorm").rglob("__init__.py")}
+    assert listed == on_disk | {"hf_tapernorm.model_cards"}
+    mapping = dict(line.split(" = ") for line in setup["options"]["package_dir"].strip().splitlines())
+    assert mapping == {"hf_tapernorm.model_cards": "model_cards"}
+    assert (REPO / "model_cards" / "folded_model.md").is_file() and not (REPO / "hf_tapernorm" / "model_cards").exists()
+    assert setup["options.package_data"]["hf_tapernorm.model_cards"].strip() == "*.md"
 
 
 def test_the_report_without_matplotlib_writes_everything_else_and_says_so_in_one_line(tmp_path, monkeypatch):

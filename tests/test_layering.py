@@ -113,9 +113,12 @@ def test_no_import_cycles():
         assert not cycle, " -> ".join(cycle)
 
 
-def test_the_folded_modeling_file_stands_alone():
-    path = PACKAGE / "export" / "modeling_folded.py"
-    assert not _imports("hf_tapernorm.export.modeling_folded", path), "modeling_folded.py is copied next to exports"
+def test_the_folded_modeling_files_stand_alone():
+    """modeling_folded.py and the sibling it imports (folded_sink.py) are copied next to every export."""
+    copied = {"hf_tapernorm.export.modeling_folded", "hf_tapernorm.export.folded_sink"}
+    for name in copied:
+        path = PACKAGE / "export" / f"{name.rpartition('.')[2]}.py"
+        assert _imports(name, path) <= copied - {name}, f"{path.name} is copied next to exports"
 
 
 def test_import_costs_little_over_torch_and_transformers():

@@ -1,31 +1,29 @@
 """PEFT: a patched model wrapped with LoRA trains the TaperNorm parameters with the adapters, tapers to
 g = 0 under TaperCallback, and after merge_and_unload() folds and exports like any other model."""
 
+import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from hf_tapernorm import TaperCallback, TaperNormConfig, export_folded, fold_model, patch_model
-from hf_tapernorm.layers import gate_of, tapered_norms
+from hf_tapernorm.layers import gate_of, tapered_norms, train_tapernorm_parameters
 from tests.conftest import build, random_batches, tiny_llama_config
-
-
-def _train_tapernorm_parameters(model) -> None:
-    """The recipe's extra step: LoRA freezes the base model, the norms' own parameters train too."""
-    for _, layer in tapered_norms(model, include_kept=True):
-        names = ("weight", "bias", "taper_weight") if layer.tapered else ("weight", "bias")
-        for name in names:
-            if getattr(layer, name) is not None:
-                getattr(layer, name).requires_grad_(True)
 
 
 def test_lora_round_trip(tmp_path):
     model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper())
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
-    _train_tapernorm_parameters(peft_model)
+    made = train_tapernorm_parameters(peft_model)
     trainable = {n for n, p in peft_model.named_parameters() if p.requires_grad}
     assert any("lora_A" in n for n in trainable) and any(n.endswith("input_layernorm.taper_weight") for n in trainable)
     assert not any(n.endswith("q_proj.base_layer.weight") for n in trainable)
+    expected = {
+        f"{name}.{attribute}"
+        for name, layer in tapered_norms(peft_model, include_kept=True)
+        for attribute in (("weight", "taper_weight") if layer.tapered else ("weight",))  # RMSNorm: no bias
+    }
+    assert set(made) == expected and expected <= trainable
     start = {name: p.detach().clone() for name, p in peft_model.named_parameters() if p.requires_grad}
 
     data = [{"input_ids": ids, "labels": ids} for ids in random_batches(n=16, batch=1, length=16, seed=4)]
@@ -84,8 +82,13 @@ def test_lora_that_freezes_the_taper_parameters_is_named_once_at_the_first_step(
     (message,) = first_steps(frozen)
     count = sum(1 for _ in tapered_norms(frozen)) * 2  # weight and taper_weight (RMSNorm: no bias)
     assert message.startswith(f"{count} TaperNorm parameter(s) are frozen") and "input_layernorm.weight" in message
-    assert "requires_grad_(True)" in message
+    assert "train_tapernorm_parameters(model)" in message
 
     unfrozen = get_peft_model(patch_model(build(tiny_llama_config()), TaperNormConfig.paper()), lora)
-    _train_tapernorm_parameters(unfrozen)
+    train_tapernorm_parameters(unfrozen)
     assert first_steps(unfrozen) == []
+
+
+def test_train_tapernorm_parameters_refuses_an_unpatched_model():
+    with pytest.raises(ValueError, match="has no TaperNorm; call patch_model before get_peft_model"):
+        train_tapernorm_parameters(build(tiny_llama_config()))

@@ -48,6 +48,7 @@ EXPORT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
     "modeling_folded.py",
+    "folded_sink.py",
     "README.md",
     "tokenizer.json",
     "tokenizer_config.json",

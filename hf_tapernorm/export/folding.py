@@ -18,7 +18,8 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from typing import Literal, Optional
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
 
 import torch
 from torch import nn
@@ -142,6 +143,147 @@ def _linear_map(layer: TaperNorm) -> tuple[torch.Tensor, Optional[torch.Tensor],
     return scale, beta, centred
 
 
+def _learned_positions(model: PreTrainedModel) -> int:
+    """The size of the model's learned position table (GPT-2's ``wpe``, OPT's ``embed_positions``), else 0.
+
+    A sink export stores its sink at the first positions: with a table, sink and text share its rows.
+    """
+    limit = getattr(model.config, "max_position_embeddings", None)
+    embeddings = model.get_input_embeddings()
+    if not isinstance(limit, int):
+        return 0
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) and module is not embeddings and module.num_embeddings >= limit:
+            return limit
+    return 0
+
+
+@dataclass
+class _Fold:
+    """What folding the norm sites produced: the folded model's state dict and the structure its config records."""
+
+    state: dict[str, torch.Tensor]
+    folded_norms: list[str] = field(default_factory=list)
+    kept_norms: list[str] = field(default_factory=list)
+    scaled_norms: list[str] = field(default_factory=list)
+    added_biases: list[str] = field(default_factory=list)
+    head_choice: Optional[str] = None  # the tied-head policy applied, when a tapered final norm met tied embeddings
+    projections: int = 0
+
+
+def _is_tied(model: PreTrainedModel, arch) -> bool:
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and embeddings is not None and head.weight is embeddings.weight
+    return tied and model.get_submodule(arch.lm_head) is head  # OPT's project_out reads the final norm, not the head
+
+
+def _keep_final_scale(fold: _Fold, path: str, layer: TaperNorm, scale, beta, centred: bool) -> None:
+    """tied_head="scale": the final norm stays as one explicit per-channel map, so the tie survives."""
+    fold.scaled_norms.append(path)
+    fold.state[f"{path}.weight"] = scale.to(layer.taper_weight.dtype)
+    if centred:
+        shift = beta if beta is not None else torch.zeros_like(scale)
+        fold.state[f"{path}.bias"] = shift.to(layer.taper_weight.dtype)
+    logger.warning(
+        "tapered final norm %s meets tied embeddings: kept as one explicit per-channel scale so the "
+        "tie survives (tied_head='scale')",
+        path,
+    )
+
+
+def _fold_sites(model: PreTrainedModel, sites, tied: bool, tied_head: TiedHead) -> _Fold:
+    """Fold every tapered site into the projections that read it; keep the kept norms; apply the tied-head policy."""
+    fold = _Fold(state=dict(model.state_dict()))
+    working: dict[str, _Working] = {}
+    for site in sites:
+        layer = model.get_submodule(site.path)
+        if not isinstance(layer, TaperNorm):
+            raise TaperStateError(f"{site.path} is a {type(layer).__name__}, not a TaperNorm: patch the whole model")
+        for key in [k for k in fold.state if k.startswith(site.path + ".")]:
+            del fold.state[key]
+        if not layer.tapered:
+            fold.kept_norms.append(site.path)
+            for name in ("weight", "bias"):
+                if getattr(layer, name) is not None:
+                    fold.state[f"{site.path}.{name}"] = getattr(layer, name).detach()
+            continue
+        scale, beta, centred = _linear_map(layer)
+        if site.is_final and tied:
+            fold.head_choice = tied_head
+            if tied_head == "scale":
+                _keep_final_scale(fold, site.path, layer, scale, beta, centred)
+                continue
+            logger.warning(
+                "tapered final norm %s folds into a tied lm_head: the head is untied and saved with "
+                "tie_word_embeddings=False (pass tied_head='scale' to keep the tie)",
+                site.path,
+            )
+        fold.folded_norms.append(site.path)
+        for path in site.modules:
+            if path not in working:
+                working[path] = _Working(model.get_submodule(path), path)
+            if site.kind == "input":
+                working[path].fold_input(scale, beta, centred)
+            else:
+                working[path].fold_output(scale, beta, centred)
+    for path, work in working.items():
+        weight, bias = work.tensors()
+        fold.state[f"{path}.weight"] = weight
+        if bias is not None:
+            fold.state[f"{path}.bias"] = bias
+            if not work.had_bias:
+                fold.added_biases.append(path)
+    fold.projections = len(working)
+    return fold
+
+
+def _store_sink(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Put the sink's keys/values and logits in ``state``; returns the config fields that describe them."""
+    sink_ids = sink_token_ids_of(model)
+    if not sink_ids:
+        return {"sink_token_ids": [], "sink_cache_shape": [], "sink_logits_shape": [], "sink_max_positions": 0}
+    state["sink_keys"], state["sink_values"], state["sink_logits"] = sink_outputs(model, sink_ids)
+    shape = list(state["sink_keys"].shape)
+    logger.info(
+        "stored the keys/values of %d sink token(s) %s as a prefix of %s",
+        len(sink_ids),
+        sink_ids,
+        "x".join(map(str, shape)),
+    )
+    return {
+        "sink_token_ids": sink_ids,
+        "sink_cache_shape": shape,
+        "sink_logits_shape": list(state["sink_logits"].shape),
+        "sink_max_positions": _learned_positions(model),
+    }
+
+
+def _folded_config(model: PreTrainedModel, config_class: type, model_type: str, arch, sites, fold: _Fold, sink: dict):
+    """The folded config: the base config (less what does not carry over) plus what folding did."""
+    values = model.config.to_dict()
+    # quantization_config: GGUF checkpoints are dequantized at load, and quantized weights are refused above.
+    for key in ("model_type", "architectures", "auto_map", "transformers_version", "quantization_config"):
+        values.pop(key, None)
+    if fold.head_choice == "untie":
+        values["tie_word_embeddings"] = False
+    # A Trainer sets use_cache=False on the model it trains (gradient checkpointing): not a property of the model.
+    values["use_cache"] = type(model.config)().use_cache
+    return config_class(
+        **values,
+        base_model_type=model_type,
+        final_norm=next(site.path for site in sites if site.is_final),
+        folded_norms=fold.folded_norms,
+        kept_norms=fold.kept_norms,
+        scaled_norms=fold.scaled_norms,
+        added_biases=fold.added_biases,
+        centred_norms=arch.style is NormStyle.LAYER,
+        tied_head=fold.head_choice,
+        **sink,
+        hf_tapernorm_version=__version__,
+        tapernorm_config=config_of(model).to_dict(),
+    )
+
+
 def fold_model(
     model: PreTrainedModel,
     *,
@@ -174,117 +316,25 @@ def fold_model(
     config_class, model_class = folded_classes(model_type)
     register_folded_classes([model_type])
     sites = norm_sites(model, arch)
-    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
-    tied = head is not None and embeddings is not None and head.weight is embeddings.weight
-    tied = tied and model.get_submodule(arch.lm_head) is head  # OPT's project_out reads the final norm, not the head
-
-    state = {key: value for key, value in model.state_dict().items()}
-    working: dict[str, _Working] = {}
-    folded_norms, kept_norms, scaled_norms = [], [], []
-    head_choice: Optional[str] = None
-    for site in sites:
-        layer = model.get_submodule(site.path)
-        if not isinstance(layer, TaperNorm):
-            raise TaperStateError(f"{site.path} is a {type(layer).__name__}, not a TaperNorm: patch the whole model")
-        for key in [k for k in state if k.startswith(site.path + ".")]:
-            del state[key]
-        if not layer.tapered:
-            kept_norms.append(site.path)
-            for name in ("weight", "bias"):
-                if getattr(layer, name) is not None:
-                    state[f"{site.path}.{name}"] = getattr(layer, name).detach()
-            continue
-        scale, beta, centred = _linear_map(layer)
-        if site.is_final and tied:
-            head_choice = tied_head
-            if tied_head == "scale":
-                scaled_norms.append(site.path)
-                state[f"{site.path}.weight"] = scale.to(layer.taper_weight.dtype)
-                if centred:
-                    shift = beta if beta is not None else torch.zeros_like(scale)
-                    state[f"{site.path}.bias"] = shift.to(layer.taper_weight.dtype)
-                logger.warning(
-                    "tapered final norm %s meets tied embeddings: kept as one explicit per-channel scale so the "
-                    "tie survives (tied_head='scale')",
-                    site.path,
-                )
-                continue
-            logger.warning(
-                "tapered final norm %s folds into a tied lm_head: the head is untied and saved with "
-                "tie_word_embeddings=False (pass tied_head='scale' to keep the tie)",
-                site.path,
-            )
-        folded_norms.append(site.path)
-        for path in site.modules:
-            if path not in working:
-                working[path] = _Working(model.get_submodule(path), path)
-            if site.kind == "input":
-                working[path].fold_input(scale, beta, centred)
-            else:
-                working[path].fold_output(scale, beta, centred)
-
-    added_biases = []
-    for path, work in working.items():
-        weight, bias = work.tensors()
-        state[f"{path}.weight"] = weight
-        if bias is not None:
-            state[f"{path}.bias"] = bias
-            if not work.had_bias:
-                added_biases.append(path)
-
-    sink_ids = sink_token_ids_of(model)
-    sink_shape: list[int] = []
-    sink_logits_shape: list[int] = []
-    if sink_ids:
-        state["sink_keys"], state["sink_values"], state["sink_logits"] = sink_outputs(model, sink_ids)
-        sink_shape = list(state["sink_keys"].shape)
-        sink_logits_shape = list(state["sink_logits"].shape)
-        logger.info(
-            "stored the keys/values of %d sink token(s) %s as a prefix of %s",
-            len(sink_ids),
-            sink_ids,
-            "x".join(map(str, sink_shape)),
-        )
-
-    values = model.config.to_dict()
-    # quantization_config: GGUF checkpoints are dequantized at load, and quantized weights are refused above.
-    for key in ("model_type", "architectures", "auto_map", "transformers_version", "quantization_config"):
-        values.pop(key, None)
-    if head_choice == "untie":
-        values["tie_word_embeddings"] = False
-    config = config_class(
-        **values,
-        base_model_type=model_type,
-        final_norm=next(site.path for site in sites if site.is_final),
-        folded_norms=folded_norms,
-        kept_norms=kept_norms,
-        scaled_norms=scaled_norms,
-        added_biases=added_biases,
-        centred_norms=arch.style is NormStyle.LAYER,
-        tied_head=head_choice,
-        sink_token_ids=sink_ids,
-        sink_cache_shape=sink_shape,
-        sink_logits_shape=sink_logits_shape,
-        hf_tapernorm_version=__version__,
-        tapernorm_config=config_of(model).to_dict(),
-    )
-    device = next(model.parameters()).device
+    fold = _fold_sites(model, sites, _is_tied(model, arch), tied_head)
+    sink = _store_sink(model, fold.state)
+    config = _folded_config(model, config_class, model_type, arch, sites, fold, sink)
     folded = model_class.from_pretrained(
         None,
         config=config,
-        state_dict=state,
+        state_dict=fold.state,
         dtype=model.dtype,
         attn_implementation=model.config._attn_implementation,
-    ).to(device)
+    ).to(next(model.parameters()).device)
     folded.generation_config = copy.deepcopy(model.generation_config)
     folded.config.name_or_path = model.config.name_or_path
     logger.info(
         "folded %d norm(s) of %s into %d projection(s); kept %d norm(s)%s",
-        len(folded_norms),
+        len(fold.folded_norms),
         model_type,
-        len(working),
-        len(kept_norms),
-        f"; added a bias to {', '.join(added_biases)}" if added_biases else "",
+        fold.projections,
+        len(fold.kept_norms),
+        f"; added a bias to {', '.join(fold.added_biases)}" if fold.added_biases else "",
     )
     refold = lambda unfolded: fold_model(unfolded, check=False, tied_head=tied_head)  # noqa: E731
     folded.fold_report = check_fold(model, folded, probe=probe, tolerance=tolerance, refold=refold) if check else None

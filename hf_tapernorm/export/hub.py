@@ -82,19 +82,26 @@ def export_folded(
     model: PreTrainedModel,
     save_directory: str | os.PathLike,
     *,
+    tokenizer: Any = None,
     overwrite: bool = False,
     facts: Optional[Mapping[str, Any]] = None,
 ) -> Path:
-    """Save a folded model (from ``fold_model``) with its model card; returns the folder.
+    """Save a folded model (from ``fold_model``) with its model card, and its tokenizer when given; returns the folder.
 
     Refuses a non-empty folder unless ``overwrite=True`` (then files of the same names are
     replaced). ``facts`` fills the model card (see ``hf_tapernorm.export.model_card.FACT_KEYS``); the card
-    is attached to the model, so a later ``model.push_to_hub`` uploads the same README.md.
+    is attached to the model, so a later ``model.push_to_hub`` uploads the same README.md. Every file written
+    (the tokenizer's too) is in the export's manifest, so ``push_export`` uploads it.
     """
     if not isinstance(model, FoldedModelMixin):
         raise TaperStateError(
             f"export_folded expects a folded model from fold_model, got {type(model).__name__}; "
             "call fold_model(model) after tapering to gate 0"
+        )
+    if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
+        raise ConfigurationError(
+            f"export_folded: tokenizer= must be a transformers tokenizer (with save_pretrained), got "
+            f"{type(tokenizer).__name__}"
         )
     folder = Path(save_directory)
     if folder.exists() and not folder.is_dir():
@@ -107,8 +114,22 @@ def export_folded(
         attach_model_card(model, facts)
     with recording_export(folder):
         model.save_pretrained(folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+            _log_sink_handling(model, tokenizer)
     logger.info("exported %s to %s", type(model).__name__, folder)
     return folder
+
+
+def _log_sink_handling(model: PreTrainedModel, tokenizer: Any) -> None:
+    """Say (info) how a sink export reads the tokenizer's output: a leading sink stands for the stored one."""
+    sink = list(getattr(model.config, "sink_token_ids", None) or [])
+    if sink and tokenizer("a")["input_ids"][: len(sink)] == sink:
+        logger.info(
+            "the tokenizer adds the sink token(s) %s itself: the export reads a leading sink as its stored one, so "
+            "model(**tokenizer(text)) and the text tokenized with add_special_tokens=False give the same logits",
+            sink,
+        )
 
 
 def files_to_push(folder: str | os.PathLike, include: Sequence[str] = ()) -> list[str]:

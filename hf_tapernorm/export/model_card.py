@@ -1,5 +1,5 @@
-"""Model cards for folded models: the package's template ``model_cards/folded_model.md`` filled from the config and
-run facts.
+"""Model cards for folded models: the project's template ``model_cards/folded_model.md`` filled from the config
+and run facts.
 
 What folding did (folded/kept norms, tied head, added biases, package version) is read from the
 folded config and ``fold_report``; what only the caller knows (base model id, license, schedule,
@@ -22,9 +22,22 @@ TEMPLATE_NAME = "folded_model.md"
 
 
 def template_text() -> str:
-    """The card template, package data of hf_tapernorm (``hf_tapernorm/model_cards/``), read with
-    importlib.resources so every install scheme (wheel, ``--user``, editable, zip) finds it."""
-    return resources.files("hf_tapernorm").joinpath("model_cards", TEMPLATE_NAME).read_text(encoding="utf-8")
+    """The card template ``folded_model.md``: the project's top-level ``model_cards/`` folder.
+
+    A built wheel ships that folder inside the package as ``hf_tapernorm/model_cards/`` (setup.cfg maps it),
+    read with importlib.resources so every install scheme (wheel, ``--user``, zip) finds it; a source checkout
+    (the package on ``PYTHONPATH`` or installed editable) has it beside the package instead.
+    """
+    packaged = resources.files("hf_tapernorm").joinpath("model_cards", TEMPLATE_NAME)
+    if packaged.is_file():
+        return packaged.read_text(encoding="utf-8")
+    checkout = Path(__file__).resolve().parents[2] / "model_cards" / TEMPLATE_NAME
+    if checkout.is_file():
+        return checkout.read_text(encoding="utf-8")
+    raise FileNotFoundError(
+        f"hf_tapernorm: the model card template {TEMPLATE_NAME} is neither package data (hf_tapernorm/model_cards/) "
+        f"nor in the checkout ({checkout.parent}); reinstall hf_tapernorm from a wheel or a full clone"
+    )
 
 
 # Keys a caller may pass in ``facts`` (all optional).

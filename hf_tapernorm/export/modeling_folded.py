@@ -1,9 +1,9 @@
 """Norm-free ("folded") versions of supported causal LMs, loadable without hf_tapernorm.
 
-This file is copied next to every exported checkpoint and loaded by
-``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` where hf_tapernorm is not
-installed, so it imports only torch and transformers (huggingface_hub, a transformers dependency,
-is imported lazily for ``push_to_hub``).
+This file and ``folded_sink.py`` (the attention-sink prefix, imported relatively) are copied next to every
+exported checkpoint and loaded by ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``
+where hf_tapernorm is not installed, so they import only torch and transformers (huggingface_hub, a
+transformers dependency, is imported lazily for ``push_to_hub``).
 
 A folded model is the base architecture with the folded norms replaced by ``nn.Identity`` and a
 zero bias added to the projections that absorbed a LayerNorm beta; weights keep their usual names
@@ -19,14 +19,17 @@ family's configuration module; its model class (and modeling module) is built, a
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch import nn
 from transformers import initialization as init
+
+from .folded_sink import attention_modules, finish_sink_call, give_back_sink_cache, prepare_sink_call
 
 
 @dataclass(kw_only=True)
@@ -50,6 +53,8 @@ class FoldedConfigFields:
     sink_cache_shape: list[int] = field(default_factory=list)
     # [n, vocab]: the logits at the sink positions (constants too), returned when the input starts with the sink.
     sink_logits_shape: list[int] = field(default_factory=list)
+    # With a learned position table: its size, which the stored sink's positions count against (0: no table).
+    sink_max_positions: int = 0
     hf_tapernorm_version: str = ""
     tapernorm_config: dict = field(default_factory=dict)  # the TaperNormConfig of the run (to_dict)
 
@@ -83,205 +88,6 @@ def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, child, module)
 
 
-def _sink_columns(model: nn.Module, kwargs: dict) -> Optional[torch.Tensor]:
-    """Columns ``[batch, n]`` of a leading sink in ``input_ids`` (at each row's first attended column), else None.
-
-    A tokenizer that adds BOS puts the sink in the input itself; those tokens are then the stored ones.
-    Every row starts with the sink or none does: a batch that mixes both has no single meaning. Text that
-    itself starts with the sink id (an EOS sink after a document boundary) is read as starting with the
-    sink, as the tapered model reads position 0: pass the sink first to say so without doubt.
-    """
-    ids = kwargs.get("input_ids")
-    sink = model.config.sink_token_ids
-    if ids is None or ids.dim() != 2 or ids.shape[1] < len(sink):
-        return None
-    mask = kwargs.get("attention_mask")
-    if mask is not None and mask.dim() == 2 and mask.shape[-1] == ids.shape[1]:
-        start = mask.ne(0).int().argmax(dim=1)  # left padding: the first attended column
-    else:
-        start = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
-    columns = (start[:, None] + torch.arange(len(sink), device=ids.device)).clamp(max=ids.shape[1] - 1)
-    found = ids.gather(1, columns).eq(torch.tensor(sink, device=ids.device)).all(dim=1)
-    if not bool(found.any()):
-        return None
-    if not bool(found.all()):
-        raise ValueError(
-            f"{type(model).__name__}: some rows of input_ids start with the sink token(s) {sink} and others do not; "
-            "start every row with the sink (unambiguous, also when the sink id occurs in text), or none"
-        )
-    return columns
-
-
-def _left_padding(kwargs: dict, length: int) -> Optional[torch.Tensor]:
-    """Per-row count of leading masked columns of a 2D ``attention_mask`` (None without left padding)."""
-    mask = kwargs.get("attention_mask")
-    if mask is None or mask.dim() != 2 or mask.shape[-1] != length:
-        return None
-    start = mask.ne(0).int().argmax(dim=1)
-    return start if bool(start.any()) else None
-
-
-def _drop_columns(tensor: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``tensor[b, keep[b]]`` for a ``[batch, length, ...]`` tensor, keeping as many columns in every row."""
-    if tensor.shape[0] != keep.shape[0]:
-        tensor = tensor.expand(keep.shape[0], *tensor.shape[1:])
-    return tensor[keep].view(keep.shape[0], -1, *tensor.shape[2:])
-
-
-def _prepend_sink(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Give the forward the stored sink keys/values as the start of its cache, whichever way the caller passes state.
-
-    - The cache comes as ``cache=`` or the older ``past_key_values=`` (transformers renames it; both are the same
-      object here, so a decode step costs the same either way).
-    - A fresh forward (no cache, or an empty one) either starts with the sink tokens, as a tokenizer that adds BOS
-      gives them: those columns are dropped and stand for the stored ones (positions count from the sink, the
-      returned logits include the sink's, stored as well); or it is the text alone: ``position_ids`` count from the
-      first text token and a 2D ``attention_mask`` may leave out the sink's columns.
-    - A continued cache already holds the sink. A 2D mask one sink shorter than cache + input marks a caller
-      that counts without the sink (its positions are shifted); the cache remembers how it was started.
-    - A compileable (static) cache is refused: its masks are built before this hook can put the sink in it.
-    """
-    if len(args) > 1:
-        raise TypeError(
-            f"{type(model).__name__} with a sink prefix takes its inputs by keyword (got {len(args)} positional)"
-        )
-    if args:
-        kwargs["input_ids"], args = args[0], ()
-    legacy = kwargs.pop("past_key_values", None)
-    if legacy is not None:
-        if kwargs.get("cache") is not None:
-            raise TypeError(f"{type(model).__name__}: pass the cache once, as cache= (or the older past_key_values=)")
-        kwargs["cache"] = legacy
-    cache = kwargs.get("cache")
-    if cache is not None and getattr(cache, "is_compileable", False):
-        raise ValueError(
-            f"{type(model).__name__} holds its attention sink as a cache prefix and cannot fill a static "
-            f"({type(cache).__name__}) cache; use the default dynamic cache (generate() without "
-            "cache_implementation='static', or cache=DynamicCache(config=model.config))"
-        )
-    inputs = kwargs.get("input_ids")
-    if inputs is None:
-        inputs = kwargs["inputs_embeds"]
-    batch, length = inputs.shape[0], inputs.shape[1]
-    n = model.sink_keys.shape[2]
-    model._sink_cache_only = False
-    model._sink_restore = None
-    wants_tuple = kwargs.get("return_dict", getattr(model.config, "return_dict", True)) is False
-    model._sink_wants_tuple = wants_tuple
-    if wants_tuple:
-        kwargs["return_dict"] = True  # the output hook edits a ModelOutput, then returns the tuple
-    if cache is None or cache.get_seq_length() == 0:
-        columns = _sink_columns(model, kwargs)
-        padding = _left_padding(kwargs, length)
-        offset = padding if kwargs.get("position_ids") is None else None
-        order = None
-        if columns is not None:
-            order = _take_sink_from_input(model, kwargs, columns)
-            batch, length = kwargs["input_ids"].shape
-        if cache is None:
-            from transformers import DynamicCache
-
-            cache = DynamicCache(config=model.config)
-            model._sink_cache_only = kwargs.get("use_cache", model.config.use_cache) is False
-        dtype = model.get_input_embeddings().weight.dtype
-        for index in range(model.sink_keys.shape[0]):
-            keys = model.sink_keys[index].to(dtype).expand(batch, -1, -1, -1).contiguous()
-            values = model.sink_values[index].to(dtype).expand(batch, -1, -1, -1).contiguous()
-            cache.update(keys, values, index)
-        cache.sink_in_input, cache.sink_row_offset = columns is not None, offset
-        # Where each cache column came from in the caller's columns, when the sink was not in front of every row.
-        cache.sink_mask_order = order if padding is not None else None
-        kwargs["cache"], kwargs["use_cache"] = cache, True
-        counts_without_sink, order = columns is None, None
-    else:
-        counts_without_sink = not getattr(cache, "sink_in_input", False)
-        order = getattr(cache, "sink_mask_order", None)
-    past = cache.get_seq_length()
-    mask = kwargs.get("attention_mask")
-    if mask is not None and mask.dim() == 2:
-        counts_without_sink = mask.shape[-1] == past + length - n
-        if counts_without_sink:
-            kwargs["attention_mask"] = torch.cat([mask.new_ones(batch, n), mask], dim=-1)
-        elif order is not None and mask.shape[0] == order.shape[0] and mask.shape[-1] >= order.shape[1]:
-            # The caller's mask has each left-padded row's sink after its pads; the cache has it first.
-            head = mask[:, : order.shape[1]].gather(1, order)
-            kwargs["attention_mask"] = torch.cat([head, mask[:, order.shape[1] :]], dim=-1)
-    positions = kwargs.get("position_ids")
-    if positions is not None:
-        if counts_without_sink:
-            kwargs["position_ids"] = positions + n
-    elif getattr(cache, "sink_row_offset", None) is not None and cache.sink_row_offset.shape[0] == batch:
-        # Left padding without position_ids: each row counts from its own first token, as generate() does.
-        steps = torch.arange(past, past + length, device=cache.sink_row_offset.device)
-        kwargs["position_ids"] = steps[None, :] - cache.sink_row_offset[:, None]
-    return args, kwargs
-
-
-def _take_sink_from_input(model: nn.Module, kwargs: dict, columns: torch.Tensor) -> torch.Tensor:
-    """Drop the sink's columns from a fresh forward's inputs; record how to put the sink's logits back.
-
-    Returns the caller's column of every cache column (``[batch, length]``: the sink's first, then the rest).
-    """
-    ids = kwargs["input_ids"]
-    batch, length = ids.shape
-    n = columns.shape[1]
-    if not hasattr(model, "sink_logits"):
-        raise ValueError(
-            f"{type(model).__name__}: input_ids start with the sink token(s) {model.config.sink_token_ids}, which "
-            "this export (from an older hf_tapernorm) holds as stored keys/values only; pass the text without them "
-            "(tokenizer(..., add_special_tokens=False)) or re-export the model"
-        )
-    keep = torch.ones_like(ids, dtype=torch.bool).scatter_(1, columns, False)
-    kwargs["input_ids"] = _drop_columns(ids, keep)
-    mask = kwargs.get("attention_mask")
-    if mask is not None and mask.dim() == 2 and mask.shape[-1] == length:
-        kwargs["attention_mask"] = torch.cat([mask.new_ones(batch, n), _drop_columns(mask, keep)], dim=-1)
-    positions = kwargs.get("position_ids")
-    if positions is None:
-        positions = torch.arange(length, device=ids.device).expand(batch, -1)
-    if positions.dim() == 2:
-        positions = positions.expand(batch, -1) if positions.shape[0] != batch else positions
-        # The stored keys sit at positions 0..n-1: each row counts from its own first sink token.
-        kwargs["position_ids"] = _drop_columns(positions - positions.gather(1, columns[:, :1]), keep)
-    labels = kwargs.pop("labels", None)
-    keep_logits = kwargs.get("logits_to_keep", 0)
-    # The last k columns come out of the model unchanged when no row's sink is among them.
-    passes = isinstance(keep_logits, int) and keep_logits > 0 and length - keep_logits > int(columns.max())
-    if not passes:
-        kwargs["logits_to_keep"] = 0
-    model._sink_restore = (keep, None if passes else keep_logits, labels)
-    kept = torch.arange(length, device=ids.device).expand(batch, -1)[keep].view(batch, -1)
-    return torch.cat([columns, kept], dim=1)
-
-
-def _finish_sink_output(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    """Put the sink's stored logits back in their columns, compute a loss on the full sequence, honour the
-    caller's ``use_cache=False`` and ``return_dict=False``."""
-    if model._sink_restore is not None:
-        keep, keep_logits, labels = model._sink_restore
-        model._sink_restore = None
-        if keep_logits is not None:
-            logits = output.logits
-            full = logits.new_empty(*keep.shape, logits.shape[-1])
-            full[keep] = logits.reshape(-1, logits.shape[-1])
-            full[~keep] = model.sink_logits.to(logits.dtype).repeat(keep.shape[0], 1)
-            if isinstance(keep_logits, int):
-                full = full[:, -keep_logits:] if keep_logits > 0 else full
-            else:
-                full = full[:, keep_logits]
-            output["logits"] = full
-        if labels is not None:
-            loss_kwargs = {key: kwargs[key] for key in ("num_items_in_batch", "ignore_index") if key in kwargs}
-            output["loss"] = model.loss_function(
-                logits=output.logits, labels=labels, vocab_size=model.config.vocab_size, **loss_kwargs
-            )
-    if model._sink_cache_only and getattr(output, "cache", None) is not None:
-        output["cache"] = None  # item, not attribute: ModelOutput ignores setting an attribute to None
-    if model._sink_wants_tuple:  # in field order, as ModelOutput.to_tuple gives it, without the None fields
-        return tuple(getattr(output, item.name) for item in fields(output) if getattr(output, item.name) is not None)
-    return output
-
-
 class FoldedModelMixin:
     """Rebuilds the folded structure from the config, loads strictly, and carries the model card."""
 
@@ -293,6 +99,16 @@ class FoldedModelMixin:
 
     def _apply_fold_structure(self) -> None:
         config = self.config
+        for field_name in ("folded_norms", "scaled_norms", "added_biases"):
+            for path in getattr(config, field_name):
+                try:
+                    self.get_submodule(path)
+                except AttributeError:
+                    raise ValueError(
+                        f"{type(self).__name__}: config.json's {field_name} names {path}, which this architecture "
+                        f"lacks (num_hidden_layers={getattr(config, 'num_hidden_layers', '?')}): the config was edited "
+                        "or belongs to another export; restore the config.json the export wrote"
+                    ) from None
         for path in config.folded_norms:
             _set_submodule(self, path, nn.Identity())
         for path in config.scaled_norms:
@@ -314,8 +130,49 @@ class FoldedModelMixin:
             self.register_buffer("sink_values", torch.zeros(config.sink_cache_shape))
             if config.sink_logits_shape:
                 self.register_buffer("sink_logits", torch.zeros(config.sink_logits_shape))
-            self.register_forward_pre_hook(_prepend_sink, with_kwargs=True)
-            self.register_forward_hook(_finish_sink_output, with_kwargs=True)
+            for module in attention_modules(self):  # under gradient checkpointing: folded_sink.SinkPrefixCache
+                module.register_forward_pre_hook(give_back_sink_cache, with_kwargs=True)
+
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args: Any, **kwargs: Any) -> dict:
+        """transformers' own, counting a continued sink cache without its stored sink.
+
+        ``generate(ids, cache=previous)`` slices off the tokens the cache already holds, ``len(ids)`` minus the
+        cache's length; a cache this model started without the sink in the input holds the sink too, so the
+        slice would drop the last generated token(s). Decode steps (one new token) are left as they are.
+        """
+        cache = kwargs.get("cache")
+        length = kwargs.get("next_sequence_length")
+        restarted = cache is not None and length is not None and length != 1
+        restarted = restarted and getattr(cache, "sink_in_input", True) is False
+        if self.config.sink_token_ids and restarted and length == input_ids.shape[1] - cache.get_seq_length():
+            kwargs["next_sequence_length"] = length + self.sink_keys.shape[2]
+        return super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+
+    def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> nn.Embedding:
+        """``PreTrainedModel.resize_token_embeddings``, with the stored sink logits resized to the new vocabulary.
+
+        The sink's final hidden state is recovered from its stored logits (least squares through the old head,
+        exact while the head has full column rank) and read by the new head, so a new token's logit at the
+        sink is what the model would compute.
+        """
+        sink_logits = getattr(self, "sink_logits", None)
+        old_head = self.get_output_embeddings()
+        old_weight = old_head.weight.detach().to(torch.float64).clone() if sink_logits is not None else None
+        old_bias = getattr(old_head, "bias", None)
+        old_bias = (
+            old_bias.detach().to(torch.float64).clone() if sink_logits is not None and old_bias is not None else None
+        )
+        embeddings = super().resize_token_embeddings(*args, **kwargs)
+        if sink_logits is not None:
+            head = self.get_output_embeddings()
+            target = sink_logits.to(torch.float64) - (old_bias if old_bias is not None else 0.0)
+            hidden = torch.linalg.lstsq(old_weight, target.T).solution.T  # [n, hidden]
+            logits = hidden @ head.weight.detach().to(torch.float64).T
+            if getattr(head, "bias", None) is not None:
+                logits = logits + head.bias.detach().to(torch.float64)
+            self.sink_logits = logits.to(sink_logits.dtype)
+            self.config.sink_logits_shape = list(self.sink_logits.shape)
+        return embeddings
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
@@ -338,6 +195,8 @@ class FoldedModelMixin:
             model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         except Exception as error:  # noqa: BLE001 - safetensors and torch raise their own types; re-raised unless known
             text = str(error)
+            if "config.json's" in text and "which this architecture lacks" in text:
+                raise OSError(f"{source}: {text}") from None
             if "ignore_mismatched_sizes" in text or "size mismatch" in text:
                 raise OSError(
                     f"{cls.__name__}: a tensor in {source} has another shape than the folded architecture declares "
@@ -507,11 +366,29 @@ def folded_model_class(base_model_type: str) -> type:
         model_class = type(
             f"TaperNorm{base_model.__name__}",
             (FoldedModelMixin, base_model),
-            {"config_class": folded_config_class(base_model_type), "__module__": __name__},
+            {
+                "config_class": folded_config_class(base_model_type),
+                "__module__": __name__,
+                "forward": _sink_forward(base_model.forward),
+            },
         )
         model_class.register_for_auto_class("AutoModelForCausalLM")
         _MODEL_CLASSES[base_model_type] = model_class
     return _MODEL_CLASSES[base_model_type]
+
+
+def _sink_forward(base_forward):
+    """The base class's forward, with the stored sink put in front of a fresh cache (folded_sink.py) when the
+    config has one; ``functools.wraps`` keeps its signature, which transformers inspects."""
+
+    @functools.wraps(base_forward)
+    def forward(self, *args: Any, **kwargs: Any):
+        if not self.config.sink_token_ids:
+            return base_forward(self, *args, **kwargs)
+        args, kwargs, call = prepare_sink_call(self, args, kwargs)
+        return finish_sink_call(self, kwargs, base_forward(self, *args, **kwargs), call)
+
+    return forward
 
 
 def folded_classes(base_model_type: str) -> tuple[type, type]:

@@ -5,6 +5,7 @@ The public names, for looking inside a patched model or driving the gate by hand
 
 - :class:`TaperNorm` (taper_norm.py): the layer, ``g * norm(h) + (1 - g) * c * gain * h``;
 - :func:`tapered_norms` (taper_norm.py): the TaperNorms of a model (``include_kept=True``: the kept ones too);
+- :func:`train_tapernorm_parameters` (taper_norm.py): make their parameters trainable under PEFT/LoRA;
 - :func:`patch_model`, :func:`set_gate`, :func:`gate_of` (patching.py): patch a model, set or read its gate;
 - :class:`ScaleAnchor` (scale_anchor.py): the fixed-target scale loss on the final norm's input;
 - :func:`set_sink_tokens`, :func:`sink_token_ids_of`, :func:`sink_prefix` (sink.py): the attention-sink
@@ -24,6 +25,7 @@ from .._lazy import lazy_exports
 _EXPORTS = {
     "TaperNorm": "taper_norm",
     "tapered_norms": "taper_norm",
+    "train_tapernorm_parameters": "taper_norm",
     "patch_model": "patching",
     "set_gate": "patching",
     "gate_of": "patching",
@@ -47,4 +49,4 @@ if TYPE_CHECKING:
     from .patching import gate_of, patch_model, set_gate
     from .scale_anchor import ScaleAnchor
     from .sink import set_sink_tokens, sink_prefix, sink_token_ids_of
-    from .taper_norm import TaperNorm, tapered_norms
+    from .taper_norm import TaperNorm, tapered_norms, train_tapernorm_parameters

@@ -274,6 +274,29 @@ def tapered_norms(model: nn.Module, *, include_kept: bool = False) -> Iterator[t
             yield name, module
 
 
+def train_tapernorm_parameters(model: nn.Module) -> list[str]:
+    """Make the TaperNorms' own parameters trainable again after PEFT/LoRA froze the base model; returns their names.
+
+    A tapered norm trains ``weight``, ``bias`` and ``taper_weight`` (its linear map adapts while the gate falls), a
+    kept norm ``weight`` and ``bias``. Call it after ``get_peft_model``: without it the taper runs with every linear
+    map fixed at its calibration (``TaperController`` warns). Do not list the norms in ``modules_to_save`` instead:
+    PEFT then trains a copy and keeps the original, the one that runs, frozen.
+    """
+    names = []
+    for prefix, layer in tapered_norms(model, include_kept=True):
+        for attribute in ("weight", "bias", "taper_weight") if layer.tapered else ("weight", "bias"):
+            parameter = getattr(layer, attribute, None)
+            if isinstance(parameter, nn.Parameter):
+                parameter.requires_grad_(True)
+                names.append(f"{prefix}.{attribute}")
+    if not names:
+        raise ValueError(
+            f"train_tapernorm_parameters: {type(model).__name__} has no TaperNorm; call patch_model before "
+            "get_peft_model"
+        )
+    return names
+
+
 @contextmanager
 def normalized(model: nn.Module) -> Iterator[None]:
     """Run ``model`` as if every gate were 1 (each TaperNorm computes its norm), without touching the gate
@@ -289,4 +312,4 @@ def normalized(model: nn.Module) -> Iterator[None]:
             layer._phase = phase
 
 
-__all__ = ["TaperNorm", "branch_statistics", "normalized", "tapered_norms"]
+__all__ = ["TaperNorm", "branch_statistics", "normalized", "tapered_norms", "train_tapernorm_parameters"]

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedConfig, PreTrainedModel
 
 from ..errors import ConfigurationError, first_line
-from ..training.checkpoints import is_tapered_checkpoint, load_tapered
+from ..training.checkpoints import is_tapered_checkpoint, load_tapered, tapered_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +148,8 @@ def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False):
 
 def read_model_config(source: ModelSource, trust_remote_code: bool = False) -> PreTrainedConfig:
     """The model's config, read without its weights; a ConfigurationError when it cannot be read."""
+    if source.kind == "tapered":  # its config.json names its own model type (save_tapered)
+        return tapered_model_config(source.path)
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
         return AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code, **kwargs)

@@ -393,13 +393,6 @@ class _Pipeline:
     def export(self, folded, probe) -> None:
         """Write the export atomically, reload it and compare it with the folded model in memory."""
         record, folded_dir = self.record, self.output.path / "folded"
-        sink = list(folded.config.sink_token_ids)
-        if sink and self.tokenizer("a")["input_ids"][: len(sink)] == sink:
-            logger.warning(
-                "the tokenizer adds the sink token(s) %s itself, but the folded model already holds them as "
-                "a cache prefix: tokenize with add_special_tokens=False for it",
-                sink,
-            )
         logger.info("saving the folded export to %s", folded_dir)
         self.output.write_output("folded", lambda tmp: save_export(folded, self.tokenizer, tmp, record.card_facts()))
         reloaded = AutoModelForCausalLM.from_pretrained(folded_dir).eval()
@@ -441,14 +434,12 @@ def model_dtype_only(model):
 
 
 def save_export(folded, tokenizer, folder: Path, facts: Optional[dict[str, Any]] = None) -> None:
-    """Weights, config, modeling code and model card (export_folded), plus the tokenizer and the robustness scan
+    """Weights, config, modeling code, model card and tokenizer (export_folded), plus the robustness scan
     (``robustness_scan.json``, when ``facts`` holds one: ``push`` reports it); all in its manifest."""
-    export_folded(folded, folder, facts=facts)
+    export_folded(folded, folder, tokenizer=tokenizer, facts=facts)
     scan = (facts or {}).get("robustness_scan")
-    with recording_export(folder):
-        if tokenizer is not None:
-            tokenizer.save_pretrained(folder)
-        if scan:
+    if scan:
+        with recording_export(folder):
             write_file(folder / SCAN_FILE, json.dumps(scan, indent=2) + "\n")
 
 

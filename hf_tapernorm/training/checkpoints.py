@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from ..config import CONFIG_NAME, TaperNormConfig, config_of
 from ..errors import ConfigurationError, TaperStateError
@@ -29,17 +29,60 @@ from .sharded import is_sharded_checkpoint, read_sharded_model_state
 
 #: The file of tapered checkpoints written before TaperNormConfig (patch_model's options): still read.
 LEGACY_CONFIG_NAME = "tapernorm.json"
+#: The ``model_type`` prefix of a tapered checkpoint's config.json. transformers knows no such type, so
+#: ``AutoModelForCausalLM.from_pretrained`` refuses the folder instead of loading a plain model with its norms back
+#: (the TaperNorm tensors reported as unexpected, the tapered function lost); ``load_tapered`` restores the base type.
+TAPERED_TYPE_PREFIX = "hf_tapernorm_tapered_"
+TAPERED_NOTE_KEY = "hf_tapernorm_note"
 
 
 def save_tapered(model: nn.Module, folder: Union[str, os.PathLike], tokenizer: Any = None) -> Path:
-    """Save a patched model (weights, taper state, base config) and its TaperNormConfig; returns the folder."""
+    """Save a patched model (weights, taper state, base config) and its TaperNormConfig; returns the folder.
+
+    Its config.json names the model type ``hf_tapernorm_tapered_<type>``, so the folder cannot be mistaken for a
+    plain checkpoint of the base model: read it with ``load_tapered``.
+    """
     folder = Path(folder)
     config = config_of(model)
     model.save_pretrained(folder)
+    _mark_tapered(folder / "config.json")
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     config.save_pretrained(folder)
     return folder
+
+
+def _mark_tapered(path: Path) -> None:
+    values = json.loads(path.read_text())
+    values["model_type"] = TAPERED_TYPE_PREFIX + values["model_type"]
+    values[TAPERED_NOTE_KEY] = (
+        "a tapered checkpoint (its norms are TaperNorm layers), not a plain model: load it with "
+        "hf_tapernorm.load_tapered(folder), or pass it to hf-tapernorm eval / fold"
+    )
+    path.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+
+
+def tapered_model_config(folder: Union[str, os.PathLike]) -> PreTrainedConfig:
+    """The base model's config of a tapered checkpoint: config.json with its base ``model_type`` restored.
+
+    A Trainer checkpoint of a taper run (or one saved by an older version) has the base type already.
+    """
+    folder = Path(folder)
+    try:
+        values = json.loads((folder / "config.json").read_text())
+        model_type = str(values.get("model_type", ""))
+        if not model_type.startswith(TAPERED_TYPE_PREFIX):
+            return AutoConfig.from_pretrained(folder)
+        base = model_type[len(TAPERED_TYPE_PREFIX) :]
+        for key in ("model_type", TAPERED_NOTE_KEY):
+            values.pop(key, None)
+        config = CONFIG_MAPPING[base].from_dict(values)
+    except Exception as error:  # noqa: BLE001 - JSON, a missing file, an unknown base type: all an unreadable config
+        raise ConfigurationError(
+            f"cannot read the config of tapered checkpoint '{folder}': {type(error).__name__}: {error}"
+        ) from None
+    config.name_or_path = str(folder)
+    return config
 
 
 def is_tapered_checkpoint(folder: Union[str, os.PathLike]) -> bool:
@@ -86,10 +129,7 @@ def load_tapered(
         state = read_sharded_model_state(folder, trust_sharded_checkpoint=trust_sharded_checkpoint)
     else:
         state = _read_safetensors(folder)
-    try:
-        config = AutoConfig.from_pretrained(folder)
-    except Exception as error:
-        raise ConfigurationError(f"cannot read the config of tapered checkpoint '{folder}': {error}") from error
+    config = tapered_model_config(folder)
     weights = [t.dtype for t in state.values() if t.is_floating_point() and t.dim() >= 2]
     torch_dtype = dtype if dtype is not None else max(set(weights), key=weights.count)
     model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
@@ -166,4 +206,12 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-__all__ = ["LEGACY_CONFIG_NAME", "is_tapered_checkpoint", "load_tapered", "save_tapered", "tapered_config_of"]
+__all__ = [
+    "LEGACY_CONFIG_NAME",
+    "TAPERED_TYPE_PREFIX",
+    "is_tapered_checkpoint",
+    "load_tapered",
+    "save_tapered",
+    "tapered_config_of",
+    "tapered_model_config",
+]

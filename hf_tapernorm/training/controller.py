@@ -283,8 +283,8 @@ def warn_if_taper_parameters_frozen(model: nn.Module) -> None:
     if frozen:
         logger.warning(
             "%d TaperNorm parameter(s) are frozen while the model trains (%s%s): the taper's linear maps cannot "
-            "adapt as the gate falls. PEFT/LoRA freezes them: call requires_grad_(True) on each TaperNorm's "
-            "weight, bias and taper_weight after get_peft_model (see the docs' 'LoRA / PEFT' section)",
+            "adapt as the gate falls. PEFT/LoRA freezes them: call "
+            "hf_tapernorm.layers.train_tapernorm_parameters(model) after get_peft_model (docs: 'LoRA / PEFT')",
             len(frozen),
             ", ".join(frozen[:2]),
             ", ..." if len(frozen) > 2 else "",

@@ -197,3 +197,41 @@ def test_onnx_export_refuses_a_used_folder(exports, tmp_path):
     pytest.importorskip("onnxruntime")
     with pytest.raises(ConfigurationError, match="holds no model.onnx"):
         OnnxCausalLM(tmp_path / "taken")
+
+
+# ----------------------------------------------------------------------------- the real SmolLM2
+@pytest.mark.slow
+def test_smollm2_export_reads_the_same_in_transformer_lens_nnsight_and_onnx_runtime(tmp_path):
+    """SmolLM2-135M cut to 4 layers (untrained at g = 0 the full model is not finite), every internal norm patched
+    with the BOS sink, the gate set to 0 by hand, folded and exported: the three tools give the export's logits."""
+    pytest.importorskip("transformer_lens")
+    pytest.importorskip("nnsight")
+    pytest.importorskip("onnxruntime")
+    from hf_tapernorm.integrations.nnsight_model import nnsight_model
+    from hf_tapernorm.integrations.onnx_runtime import OnnxCausalLM, export_onnx
+    from hf_tapernorm.integrations.tl_bridge import transformer_bridge
+    from tests.conftest import smollm2_sink_model
+
+    model, tokenizer, tokens, bos = smollm2_sink_model()
+    folder = export_folded(fold_model(model, probe=tokens[None, 800:864]), tmp_path / "export")
+    tokenizer.save_pretrained(folder)
+    ids = tokens[None, 1000:1032]
+    expected = export_logits(folder, ids)
+    with torch.no_grad():
+        lens = transformer_bridge(folder, tokenizer=tokenizer)(ids)
+    wrapped = nnsight_model(folder)
+    with wrapped.trace(input_ids=ids):
+        traced = wrapped.output.logits.save()
+    runtime = OnnxCausalLM(export_onnx(folder, tmp_path / "onnx"))
+    onnx_logits, _ = runtime.forward(ids.numpy())
+    differences = {
+        "transformer_lens": (lens - expected).abs().max().item(),
+        "nnsight": (traced - expected).abs().max().item(),
+        "onnxruntime": float(abs(onnx_logits - expected.numpy()).max()),
+    }
+    print(f"\nSmolLM2-135M 4 layers, BOS sink (fp32): max abs logit difference to the export {differences}")
+    assert all(value <= 1e-4 for value in differences.values()), differences
+    plain = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        greedy = plain.generate(ids, max_new_tokens=32, do_sample=False)
+    assert (runtime.generate(ids.numpy(), 32) == greedy.numpy()).all()

@@ -17,8 +17,8 @@ as those are imported (export/registration.py).
 
 Layers, each importing only those above it in this list (tests/test_layering.py keeps it so):
 ``errors``/``utils`` -> ``architectures`` -> ``config`` -> ``layers`` (TaperNorm, patching) ->
-``training`` -> ``export`` -> ``pipeline`` -> ``bench`` -> ``cli``. Research code lives outside the
-package (conversion_scripts/experiments) and uses only these documented names.
+``training`` -> ``export`` -> ``pipeline`` -> ``integrations`` -> ``bench`` -> ``cli``. Research code lives
+outside the package (conversion_scripts/experiments) and uses only these documented names.
 """
 
 from __future__ import annotations

@@ -428,3 +428,87 @@ def test_bf16_variants_are_loaded_not_cast_so_folded_matches_the_limit(tmp_path)
     assert ops["folded"] == ops["limit"] < ops["original"]
     # c is kept in the weight dtype, so no cast: two multiplications per tapered norm, as in fp32.
     assert ops["explicit"] == ops["limit"] + 2 * 2 * LAYERS
+
+
+# ----------------------------------------------------------------------------- bf16 autocast and ONNX Runtime
+@pytest.mark.parametrize("argv, message", [
+    (["--train_precisions", "bf16"], "--train_precisions must include fp32"),
+    (["--train_precisions", "fp32", "fp16"], "'fp16' not among fp32, bf16"),
+    (["--runtimes", "tensorrt"], "--runtimes: 'tensorrt' not among torch, onnxruntime"),
+    (["--runtimes", "onnxruntime", "--variants", "explicit", "limit"], "runs the original and folded variants"),
+    (["--runtimes", "onnxruntime", "--dtypes", "bf16"], "use --dtypes fp32 --devices cpu"),
+    (["--runtimes", "onnxruntime", "--modes", "train"], "times inference"),
+])  # fmt: skip
+def test_bad_precisions_and_runtimes_fail_before_anything_loads(argv, message):
+    with pytest.raises(ConfigurationError, match=message):
+        parse_arguments(argv)
+
+
+def test_onnxruntime_without_its_extra_is_one_line_naming_it(monkeypatch, capsys):
+    from hf_tapernorm.integrations.extras import MissingExtraError
+
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    with pytest.raises(
+        MissingExtraError, match=r"needs onnxruntime, which is not installed: pip install 'hf-tapernorm\[onnx\]'"
+    ):
+        parse_arguments(["--runtimes", "onnxruntime"])
+    assert cli_main(["bench", "--runtimes", "torch", "onnxruntime"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "hf-tapernorm[onnx]" in err
+
+
+def test_bf16_workloads_repeat_each_phase_under_autocast(tiny_llama, corpus):
+    recipe = TaperNormConfig.for_model(tiny_llama, char_tokenizer())
+    built = train.train_workloads(
+        tiny_llama,
+        _text_batches(corpus, recipe.sink_token_ids, count=2),
+        recipe,
+        learning_rate=1e-4,
+        names=["normalized", "tapered"],
+        precisions=["fp32", "bf16"],
+    )
+    assert list(built) == ["normalized", "tapered", "normalized+bf16", "tapered+bf16"]
+    assert train.fp32_counterpart("tapered+bf16") == "tapered" and train.fp32_counterpart("tapered") is None
+    for name, workload in built.items():
+        seen: list[torch.dtype] = []
+        handle = workload.model.lm_head.register_forward_hook(
+            lambda module, args, output, seen=seen: seen.append(output.dtype)
+        )
+        workload.run(workload.prepare())
+        handle.remove()
+        # Autocast computes in bf16; the master weights stay fp32.
+        assert seen == [torch.bfloat16 if name.endswith("+bf16") else torch.float32], name
+        assert all(p.dtype == torch.float32 for p in workload.model.parameters())
+        assert workload.facts()["losses_finite"], name
+
+
+def test_benchmark_in_onnx_runtime_and_bf16_side_by_side(tmp_path, capsys, corpus):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    folder = save_tiny_model(tmp_path / "tiny")
+    output = tmp_path / "out"
+    status = runner.main(
+        ["--model_name_or_path", str(folder), "--modes", "last", "decode", "train", "--runtimes", "torch",
+         "onnxruntime", "--train_precisions", "fp32", "bf16", "--train_workloads", "normalized", "tapered",
+         "--seq_lens", "16", "--new_tokens", "3", "--warmup", "1", "--repeats", "2", "--calibration_batches", "1",
+         "--threads", "1", "--dataset_name", corpus, "--output_dir", str(output)]
+    )  # fmt: skip
+    assert status == 0
+    report = json.loads((output / "bench.json").read_text())
+    for result in report["results"][:2]:
+        entries = result["variants"]
+        assert {"ort-original", "ort-folded"} <= set(entries)
+        for name in ("ort-original", "ort-folded"):
+            assert entries[name]["runtime"] == "onnxruntime" and len(result["times_s"][name]) == 2
+            assert entries[name]["speedup_vs_ort-original"] > 0 and entries[name]["speedup_vs_original"] > 0
+            assert result["agreement"][f"{name}_vs_{name[4:]}"]["max_abs"] <= 1e-4
+        # The folded graph has fewer nodes than the original's: the recipe's norms are gone.
+        assert 0 < entries["ort-folded"]["onnx_nodes"] < entries["ort-original"]["onnx_nodes"]
+        assert 0 < entries["ort-folded"]["ort_nodes"] <= entries["ort-original"]["ort_nodes"]
+        assert "aten_ops" not in entries["ort-folded"] and entries["folded"]["aten_ops"] > 0
+    train_result = report["results"][2]
+    assert list(train_result["variants"]) == ["normalized", "tapered", "normalized+bf16", "tapered+bf16"]
+    assert train_result["variants"]["tapered+bf16"]["speedup_vs_fp32"] > 0
+    assert isinstance(train_result["cpu_has_fast_bf16"], bool)
+    out = capsys.readouterr().out
+    assert "onnxruntime: speedup = ort-original" in out and "ort-folded" in out and "vs fp32" in out

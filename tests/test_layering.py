@@ -19,7 +19,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "hf_tapernorm"
 #: Layer of each top-level module or subpackage; a module may import its own layer and those below. Every
 #: layer above 0 is one subpackage, so "its own layer" is its own subpackage: the benchmark has a layer of its
 #: own under the command line (cli/main.py dispatches to it; bench/ imports nothing of cli/), and both parse
-#: their options with _parsing.py.
+#: their options with _parsing.py. The integrations (TransformerLens, nnsight, ONNX Runtime: optional extras)
+#: read exports and sit under the benchmark, which runs ONNX Runtime through them.
 LAYERS = {
     "errors": 0, "utils": 0, "_import_hooks": 0, "_version": 0, "_lazy": 0, "_parsing": 0,
     "architectures": 1,
@@ -28,8 +29,9 @@ LAYERS = {
     "training": 4,
     "export": 5,
     "pipeline": 6,
-    "bench": 7,
-    "cli": 8,
+    "integrations": 7,
+    "bench": 8,
+    "cli": 9,
 }  # fmt: skip
 
 

@@ -28,6 +28,8 @@ KINDS = ("original", "explicit", "folded", "limit")
 MODES = ("last", "full", "decode", "train")
 TRAIN_WORKLOADS = ("normalized", "warmup", "taper", "tapered-distilled", "tapered")
 EXECUTIONS = ("eager", "compile")
+RUNTIMES = ("torch", "onnxruntime")
+TRAIN_PRECISIONS = ("fp32", "bf16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -108,6 +110,22 @@ class BenchArguments:
             "of the model and its AdamW state: list fewer where memory is short."
         ),
     )
+    train_precisions: list[str] = field(
+        default_factory=lambda: ["fp32"],
+        metadata=_help(
+            "The train mode's arithmetic: fp32, and bf16 (autocast over fp32 master weights, as taper --bf16 "
+            "trains). Each value beyond fp32 adds every workload again (named workload+bf16), interleaved with "
+            "the fp32 ones; its ratio to the same workload in fp32 is printed."
+        ),
+    )
+    runtimes: list[str] = field(
+        default_factory=lambda: ["torch"],
+        metadata=_help(
+            "Where the inference variants run: torch, and onnxruntime (the original and folded variants "
+            "exported to ONNX with their KV cache, run in ONNX Runtime on the CPU; named ort-<variant>, with "
+            "their graph node counts; needs the onnx extra)."
+        ),
+    )
     batch_sizes: list[int] = field(default_factory=lambda: [1], metadata=_help("Sequences per batch."))
     seq_lens: list[int] = field(default_factory=lambda: [128], metadata=_help("Sequence (decode: prompt) length."))
     new_tokens: int = field(default=32, metadata=_help("Decoded tokens per decode run."))
@@ -151,6 +169,12 @@ class BenchArguments:
         _check_list("train_workloads", self.train_workloads, TRAIN_WORKLOADS)
         if "normalized" not in self.train_workloads:
             raise ConfigurationError("--train_workloads must include normalized: every train ratio is taken against it")
+        _check_list("train_precisions", self.train_precisions, TRAIN_PRECISIONS)
+        if "fp32" not in self.train_precisions:
+            raise ConfigurationError("--train_precisions must include fp32: every train ratio is taken against it")
+        _check_list("runtimes", self.runtimes, RUNTIMES)
+        if "onnxruntime" in self.runtimes:
+            self._check_onnxruntime()
         _check_list("dtypes", self.dtypes, tuple(DTYPES))
         _check_list("execution", self.execution, EXECUTIONS)
         for name in ("batch_sizes", "seq_lens", "threads", "devices"):
@@ -171,6 +195,21 @@ class BenchArguments:
         if output.exists() and not output.is_dir():
             raise ConfigurationError(f"--output_dir '{output}' is a file: name a folder for bench.json and bench.png")
         check_earlier_results(output)
+
+    def _check_onnxruntime(self) -> None:
+        """ONNX Runtime runs fp32 graphs of the original and folded variants on the CPU, in the inference modes."""
+        if not {"original", "folded"} & set(self.variants):
+            raise ConfigurationError("--runtimes onnxruntime runs the original and folded variants: list one of them")
+        if self.dtypes != ["fp32"] or self.devices != ["cpu"]:
+            raise ConfigurationError(
+                "--runtimes onnxruntime runs fp32 graphs on the CPU: use --dtypes fp32 --devices cpu"
+            )
+        if self.modes == ["train"]:
+            raise ConfigurationError("--runtimes onnxruntime times inference: add --modes last, full or decode")
+        from ..integrations.extras import require
+
+        require("onnxruntime", "hf-tapernorm bench --runtimes onnxruntime")
+        require("onnxscript", "hf-tapernorm bench --runtimes onnxruntime")
 
     def check_positions(self, hf_config) -> None:
         """Refuse a case longer than the model's positions (decode: prompt plus new tokens), before any loading."""
@@ -247,4 +286,16 @@ def cases(arguments: BenchArguments, dtype: str, device: str) -> Iterator[Case]:
         yield Case(mode, batch, seq_len, arguments.new_tokens, dtype, device, threads, execution == "compile")
 
 
-__all__ = ["DTYPES", "KINDS", "MODES", "NORMS", "TRAIN_WORKLOADS", "BenchArguments", "Case", "cases", "parse_arguments"]
+__all__ = [
+    "DTYPES",
+    "KINDS",
+    "MODES",
+    "NORMS",
+    "RUNTIMES",
+    "TRAIN_PRECISIONS",
+    "TRAIN_WORKLOADS",
+    "BenchArguments",
+    "Case",
+    "cases",
+    "parse_arguments",
+]

@@ -28,6 +28,8 @@ def _inference_table(results: Sequence[Result]) -> list[str]:
     lines = ["inference: speedup = original time / variant time (median of paired repeats)", header, "-" * len(header)]
     for result in results:
         for name, entry in result["variants"].items():
+            if entry.get("runtime") == "onnxruntime":
+                continue  # in the runtime table
             lines.append(
                 f"{result['label']:<44} {name:<18} {entry['median_ms']:>10.2f} "
                 f"{_ratio(entry.get('speedup_vs_original')):>12} {_ratio(entry.get('speed_vs_limit')):>9} "
@@ -36,13 +38,38 @@ def _inference_table(results: Sequence[Result]) -> list[str]:
     return lines
 
 
+def _runtime_table(results: Sequence[Result]) -> list[str]:
+    """The variants run in ONNX Runtime: time, speedup over ort-original and over torch's original, graph nodes."""
+    header = (
+        f"{'case':<44} {'variant':<18} {'median ms':>10} {'vs ort-orig':>12} {'vs original':>12} "
+        f"{'onnx nodes':>11} {'ort nodes':>10}"
+    )
+    lines = [
+        "onnxruntime: speedup = ort-original (or torch original) time / variant time; nodes of the exported "
+        "graph and of the graph ONNX Runtime runs after its optimizations",
+        header,
+        "-" * len(header),
+    ]
+    for result in results:
+        for name, entry in result["variants"].items():
+            if entry.get("runtime") != "onnxruntime":
+                continue
+            lines.append(
+                f"{result['label']:<44} {name:<18} {entry['median_ms']:>10.2f} "
+                f"{_ratio(entry.get('speedup_vs_ort-original')):>12} {_ratio(entry.get('speedup_vs_original')):>12} "
+                f"{entry['onnx_nodes']:>11} {entry['ort_nodes']:>10}"
+            )
+    return lines
+
+
 def _train_table(results: Sequence[Result]) -> list[str]:
     header = (
-        f"{'case':<36} {'workload':<18} {'median ms':>10} {'vs normalized':>14} {'aten ops':>9} "
+        f"{'case':<36} {'workload':<23} {'median ms':>10} {'vs normalized':>14} {'vs fp32':>8} {'aten ops':>9} "
         f"{'gates':<26} {'teacher':<7} {'losses'}"
     )
     lines = [
-        "train: cost = workload step time / normalized step time (median of paired repeats)",
+        "train: cost = workload step time / normalized step time (median of paired repeats); vs fp32 = the same "
+        "workload's fp32 step time / its autocast step time",
         header,
         "-" * len(header),
     ]
@@ -53,18 +80,24 @@ def _train_table(results: Sequence[Result]) -> list[str]:
             if entry.get("divergence"):
                 finite += " (the divergence watch would stop this run)"
             lines.append(
-                f"{result['label']:<36} {name:<18} {entry['median_ms']:>10.2f} "
-                f"{_ratio(entry.get('cost_vs_normalized')):>14} {entry.get('aten_ops', float('nan')):>9.0f} "
+                f"{result['label']:<36} {name:<23} {entry['median_ms']:>10.2f} "
+                f"{_ratio(entry.get('cost_vs_normalized')):>14} {_ratio(entry.get('speedup_vs_fp32')):>8} "
+                f"{entry.get('aten_ops', float('nan')):>9.0f} "
                 f"{gates:<26} {('yes' if entry['teacher'] else 'no'):<7} {finite}"
             )
     return lines
 
 
 def format_table(results: Sequence[Result]) -> str:
-    """The inference table, then the train table (each only when the run has such cases)."""
+    """The inference table, the ONNX Runtime table, then the train table (each only when the run has such cases)."""
     inference = [r for r in results if r["case"]["mode"] != "train"]
     train = [r for r in results if r["case"]["mode"] == "train"]
-    blocks = ([_inference_table(inference)] if inference else []) + ([_train_table(train)] if train else [])
+    runtime = [r for r in inference if any(e.get("runtime") == "onnxruntime" for e in r["variants"].values())]
+    blocks = ([_inference_table(inference)] if inference else []) + ([_runtime_table(runtime)] if runtime else [])
+    blocks += [_train_table(train)] if train else []
+    notes = [r for r in train if r.get("cpu_has_fast_bf16") is False]
+    if notes:
+        blocks.append(["note: this CPU has no fast bf16 matrix products (utils.cpu_has_fast_bf16): bf16 is slower"])
     return "\n\n".join("\n".join(block) for block in blocks)
 
 

@@ -2,8 +2,10 @@
 
 The pieces, one job each: arguments.py (the options and the grid of cases), variants.py (the inference
 variants of one set of weights), workloads.py and train_workloads.py (what is timed), measure.py
-(interleaved timing, op counts, summaries) and report.py (tables, figure, environment). This module
-only wires them together, so a reader sees the whole run in ``run_benchmark`` and ``main``.
+(interleaved timing, op counts, summaries) and report.py (tables, figure, environment); with
+``--runtimes onnxruntime``, hf_tapernorm.integrations.onnx_runtime exports the original and folded
+variants to ONNX and runs them. This module only wires them together, so a reader sees the whole run in
+``run_benchmark`` and ``main``.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from ..config import TaperNormConfig
 from ..errors import ConfigurationError
 from ..pipeline.data import EMBEDDED_CORPUS, AnyDataset, load_text_dataset
 from ..pipeline.models import ModelSource, load_model, load_tokenizer, model_config, resolve_model
+from ..utils import cpu_has_fast_bf16
 from .arguments import DTYPES, BenchArguments, Case, cases, parse_arguments
-from .measure import interleaved_times, op_counts, summarize
+from .measure import interleaved_times, median_ratio, op_counts, summarize
 from .report import environment, format_table, plot
-from .train_workloads import text_batches, train_workloads
+from .train_workloads import fp32_counterpart, text_batches, train_workloads
 from .variants import (
     QUALITY_NOTE,
     agreement,
@@ -41,7 +44,7 @@ from .variants import (
     removed_norms,
     variant_specs,
 )
-from .workloads import inference_workload
+from .workloads import inference_workload, onnx_workload
 
 logger = logging.getLogger(__name__)
 
@@ -70,20 +73,71 @@ def _dynamo_counts() -> dict[str, int]:
     return {"unique_graphs": int(counters["stats"]["unique_graphs"]), "graph_breaks": breaks}
 
 
+ORT_PREFIX = "ort-"  # the name of a variant run in ONNX Runtime: ort-original, ort-folded, ...
+
+
 def _time(workloads: dict, case: Case, arguments: BenchArguments) -> tuple[dict, dict]:
     times = interleaved_times(workloads, warmup=arguments.warmup, repeats=arguments.repeats, device=case.device)
-    ops = {name: op_counts(w) for name, w in workloads.items()} if arguments.op_counts else {}
+    counted = {name: w for name, w in workloads.items() if not name.startswith(ORT_PREFIX)}  # aten: torch's only
+    ops = {name: op_counts(w) for name, w in counted.items()} if arguments.op_counts else {}
     return times, ops
 
 
-def _inference_case(case: Case, variants: dict[str, nn.Module], specs: list, arguments: BenchArguments) -> Result:
+def _onnx_graphs(variants: dict[str, nn.Module], specs: list, workdir: Path) -> dict[str, tuple[Path, dict]]:
+    """The original and folded variants exported to ONNX: ``{label: (folder, node counts)}``."""
+    from ..integrations.onnx_runtime import export_onnx, node_counts
+
+    graphs = {}
+    for spec in specs:
+        if spec.kind in ("original", "folded"):
+            logger.info("exporting %s to ONNX", spec.label)
+            folder = export_onnx(variants[spec.label], workdir / f"onnx-{spec.label}")
+            graphs[spec.label] = (folder, node_counts(folder))
+    return graphs
+
+
+def _add_onnx_runtime(
+    case: Case, graphs: dict[str, tuple[Path, dict]], variants: dict[str, nn.Module], ids: torch.Tensor
+) -> tuple[dict, dict]:
+    """ONNX Runtime workloads of the exported variants, and each one's logits against torch's on ``ids``."""
+    from ..integrations.onnx_runtime import OnnxCausalLM
+
+    workloads, agreement_ = {}, {}
+    for label, (folder, _) in graphs.items():
+        runtime = OnnxCausalLM(folder, threads=case.threads)
+        workloads[ORT_PREFIX + label] = onnx_workload(runtime, case, ids)
+        with torch.no_grad():
+            expected = variants[label](input_ids=ids, use_cache=False).logits.float().cpu()
+        difference = (torch.from_numpy(runtime.forward(ids.cpu().numpy())[0]) - expected).abs()
+        agreement_[f"{ORT_PREFIX}{label}_vs_{label}"] = {"max_abs": difference.max().item()}
+    return workloads, agreement_
+
+
+def _inference_case(
+    case: Case,
+    variants: dict[str, nn.Module],
+    specs: list,
+    arguments: BenchArguments,
+    graphs: Optional[dict[str, tuple[Path, dict]]] = None,
+) -> Result:
     vocab = next(iter(variants.values())).config.get_text_config().vocab_size
     ids = _random_ids(vocab, case, arguments.seed)
     options = arguments.compile_options if case.compiled else None
     workloads = {label: inference_workload(model, case, ids, options) for label, model in variants.items()}
+    runtime_agreement = {}
+    if graphs and not case.compiled:
+        runtime_workloads, runtime_agreement = _add_onnx_runtime(case, graphs, variants, ids)
+        workloads.update(runtime_workloads)
     times, ops = _time(workloads, case, arguments)
     result = summarize(case, times, ops, baseline="original", limits=limit_labels(specs))
-    result["agreement"] = agreement(variants, specs, ids)
+    result["agreement"] = {**agreement(variants, specs, ids), **runtime_agreement}
+    baseline = ORT_PREFIX + "original"
+    for label, (_, counts) in (graphs or {}).items():
+        entry = result["variants"].get(ORT_PREFIX + label)
+        if entry is not None:
+            entry.update(counts, runtime="onnxruntime")
+            if baseline in times:
+                entry[f"speedup_vs_{baseline}"] = median_ratio(times[baseline], times[ORT_PREFIX + label])
     return result
 
 
@@ -108,12 +162,18 @@ def _train_case(case: Case, base: nn.Module, text: TrainText, arguments: BenchAr
         learning_rate=arguments.learning_rate,
         names=arguments.train_workloads,
         compile_options=options,
+        precisions=arguments.train_precisions,
     )
     times, ops = _time(workloads, case, arguments)
     result = summarize(case, times, ops, baseline="normalized")
     for name, workload in workloads.items():
         result["variants"][name].update(workload.facts())
+        fp32 = fp32_counterpart(name)
+        if fp32 in times:  # above 1: the autocast step is faster than the same workload's fp32 step
+            result["variants"][name]["speedup_vs_fp32"] = median_ratio(times[fp32], times[name])
     result["recipe"] = recipe.to_dict()
+    if "bf16" in arguments.train_precisions and case.device == "cpu":
+        result["cpu_has_fast_bf16"] = cpu_has_fast_bf16()
     return result
 
 
@@ -141,8 +201,11 @@ def _run_group(
     """Every case of one dtype and device; the inference variants are built once, from ``base``."""
     results = []
     with tempfile.TemporaryDirectory(prefix="hf_tapernorm_bench_") as workdir:
+        graphs = None
         if any(mode != "train" for mode in arguments.modes):
             specs, variants, facts = _inference_variants(base, arguments, Path(workdir))
+            if "onnxruntime" in arguments.runtimes:
+                graphs = _onnx_graphs(variants, specs, Path(workdir))
         for case in cases(arguments, dtype, device):
             torch.set_num_threads(case.threads)
             logger.info("benchmark case: %s", case.label())
@@ -152,7 +215,7 @@ def _run_group(
             if case.mode == "train":
                 result = _train_case(case, base, text, arguments)
             else:
-                result = {**_inference_case(case, variants, specs, arguments), **facts}
+                result = {**_inference_case(case, variants, specs, arguments, graphs), **facts}
             if case.compiled:
                 result["dynamo"] = _dynamo_counts()
             results.append(result)

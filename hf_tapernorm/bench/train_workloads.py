@@ -13,6 +13,10 @@ batch and interleaved (every one a full optimizer step: forward, backward, AdamW
   that distil;
 - ``tapered``: g = 0 after the teacher was released (``distill_until="taper_end"``).
 
+With a precision beyond fp32 (``--train_precisions fp32 bf16``) every workload is built again as
+``<name>+bf16``: the same step under ``torch.autocast`` in bf16 over fp32 master weights (what
+``taper --bf16`` trains with), interleaved with the fp32 ones so their ratio is taken under the same load.
+
 The patched workloads are driven by ``TaperController`` (``step_begin``/``step_end`` around every
 step, inside the timed region as in a real loop), so the gate, the calibration, the teacher's snapshot
 and release are the library's own. Each workload is its own copy of the model with its own optimizer.
@@ -41,6 +45,8 @@ from ..training.schedule import TaperSchedule
 from .arguments import TRAIN_WORKLOADS
 from .workloads import Workload, compiled
 
+#: The autocast dtype of each ``--train_precisions`` value (None: plain fp32).
+PRECISIONS: dict[str, Optional[torch.dtype]] = {"fp32": None, "bf16": torch.bfloat16}
 TAPER_STEPS = 5  # optimizer steps strictly inside the taper window: the gate values the taper workload cycles
 
 Batch = dict[str, torch.Tensor]
@@ -95,8 +101,9 @@ class TrainStep(Workload):
         controller: Optional[TaperController] = None,
         steps: Sequence[int] = (0,),
         compile_options: Optional[dict[str, Any]] = None,
+        autocast: Optional[torch.dtype] = None,
     ) -> None:
-        self.model, self.batch, self.controller = model, batch, controller
+        self.model, self.batch, self.controller, self.autocast = model, batch, controller, autocast
         self.call = compiled(model, compile_options)
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=learning_rate)
         self._steps = itertools.cycle(steps)
@@ -107,7 +114,9 @@ class TrainStep(Workload):
     def step(self, step: int, batch: Batch) -> torch.Tensor:
         """Optimizer step number ``step + 1`` of the schedule on ``batch``, with the controller's calls around it."""
         gate = self.controller.step_begin(step) if self.controller is not None else None
-        loss = self.call(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
+        device = batch["input_ids"].device.type
+        with torch.autocast(device, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            loss = self.call(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -154,6 +163,7 @@ def _patched(
     *,
     setup: Sequence[int],
     steps: Sequence[int],
+    autocast: Optional[torch.dtype] = None,
 ) -> TrainStep:
     """A patched copy under a controller, taken untimed through the optimizer steps ``setup`` (numbers + 1).
 
@@ -166,7 +176,13 @@ def _patched(
     patched = patch_model(copy.deepcopy(model), config).train()
     controller = TaperController(patched, TaperSchedule(k_start, k_end), total_steps=k_end)
     workload = TrainStep(
-        patched, batches[0], learning_rate, controller=controller, steps=steps, compile_options=compile_options
+        patched,
+        batches[0],
+        learning_rate,
+        controller=controller,
+        steps=steps,
+        compile_options=compile_options,
+        autocast=autocast,
     )
     for i, step in enumerate(setup):
         workload.step(step, calibration[i % len(calibration)])
@@ -182,8 +198,10 @@ def train_workloads(
     learning_rate: float,
     names: Sequence[str] = TRAIN_WORKLOADS,
     compile_options: Optional[dict[str, Any]] = None,
+    precisions: Sequence[str] = ("fp32",),
 ) -> dict[str, TrainStep]:
-    """The workloads ``names`` of the module docstring for ``model`` (left unchanged) under the recipe ``config``.
+    """The workloads ``names`` of the module docstring for ``model`` (left unchanged) under the recipe ``config``,
+    for each of ``precisions`` (fp32 keeps the plain names; bf16 adds ``<name>+bf16``, under autocast).
 
     ``batches``: the timed batch, then at least one calibration batch (optimizer steps at g = 1).
     ``tapered-distilled`` is left out when the recipe does not distil: it would be ``tapered`` again.
@@ -203,23 +221,45 @@ def train_workloads(
         "tapered": ("taper_end", [*warm, k_end - 1], [k_end - 1]),
     }
     workloads = {}
-    for name in (n for n in TRAIN_WORKLOADS if n in names):
-        if name == "normalized":
-            workloads[name] = TrainStep(
-                copy.deepcopy(model).train(), batches[0], learning_rate, compile_options=compile_options
-            )
-        elif name != "tapered-distilled" or config.distill_weight > 0:
-            until, setup, steps = phases[name]
-            workloads[name] = _patched(
-                model,
-                config.replace(distill_until=until),
-                batches,
-                learning_rate,
-                compile_options,
-                setup=setup,
-                steps=steps,
-            )
+    for precision in precisions:
+        autocast = PRECISIONS[precision]
+        suffix = "" if autocast is None else f"+{precision}"
+        for name in (n for n in TRAIN_WORKLOADS if n in names):
+            if name == "normalized":
+                workloads[name + suffix] = TrainStep(
+                    copy.deepcopy(model).train(),
+                    batches[0],
+                    learning_rate,
+                    compile_options=compile_options,
+                    autocast=autocast,
+                )
+            elif name != "tapered-distilled" or config.distill_weight > 0:
+                until, setup, steps = phases[name]
+                workloads[name + suffix] = _patched(
+                    model,
+                    config.replace(distill_until=until),
+                    batches,
+                    learning_rate,
+                    compile_options,
+                    setup=setup,
+                    steps=steps,
+                    autocast=autocast,
+                )
     return workloads
 
 
-__all__ = ["TAPER_STEPS", "TRAIN_WORKLOADS", "TrainStep", "text_batches", "train_workloads"]
+def fp32_counterpart(name: str) -> Optional[str]:
+    """The fp32 workload a ``<name>+<precision>`` workload repeats under autocast (None for an fp32 one)."""
+    base, _, precision = name.rpartition("+")
+    return base if base and precision in PRECISIONS else None
+
+
+__all__ = [
+    "PRECISIONS",
+    "TAPER_STEPS",
+    "TRAIN_WORKLOADS",
+    "TrainStep",
+    "fp32_counterpart",
+    "text_batches",
+    "train_workloads",
+]

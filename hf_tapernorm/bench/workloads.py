@@ -1,7 +1,8 @@
 """What is timed: one unit of work per variant, split into an untimed ``prepare`` and a timed ``run``.
 
 The split lets decoding be timed without its prefill, and lets every workload be driven by the same
-interleaving loop (measure.py). The training workloads live in train_workloads.py.
+interleaving loop (measure.py), ONNX Runtime's (``OrtLogits``, ``OrtDecode``) with torch's. The training
+workloads live in train_workloads.py.
 """
 
 from __future__ import annotations
@@ -72,6 +73,44 @@ class Decode(Workload):
         return torch.cat(tokens, 1)
 
 
+class OrtLogits(Workload):
+    """One ONNX Runtime forward of the whole batch from the start state (the graph returns every position's
+    logits; ``last`` and ``full`` differ only in what torch computes)."""
+
+    def __init__(self, runtime: Any, ids: torch.Tensor) -> None:
+        self.runtime, self.ids = runtime, ids.cpu().numpy()
+
+    def run(self, state: Any) -> Any:
+        return self.runtime.forward(self.ids)[0]
+
+
+class OrtDecode(Workload):
+    """Greedy decoding in ONNX Runtime with its KV cache; the prefill is untimed, as in ``Decode``."""
+
+    def __init__(self, runtime: Any, ids: torch.Tensor, new_tokens: int) -> None:
+        self.runtime, self.ids, self.steps = runtime, ids.cpu().numpy(), new_tokens
+
+    def prepare(self) -> tuple[Any, Any]:
+        logits, state = self.runtime.forward(self.ids)
+        return state, logits[:, -1:].argmax(-1)
+
+    def run(self, state: tuple[Any, Any]) -> Any:
+        cache, token = state
+        tokens = []
+        for _ in range(self.steps):
+            logits, cache = self.runtime.forward(token, cache)
+            token = logits[:, -1:].argmax(-1)
+            tokens.append(token)
+        return tokens
+
+
+def onnx_workload(runtime: Any, case: Case, ids: torch.Tensor) -> Workload:
+    """The ONNX Runtime workload of an inference mode for one exported variant (``OnnxCausalLM``)."""
+    if case.mode == "decode":
+        return OrtDecode(runtime, ids, case.new_tokens)
+    return OrtLogits(runtime, ids)
+
+
 def compiled(model: nn.Module, options: Optional[dict[str, Any]]) -> Callable:
     """``torch.compile(model, **options)``, or the model itself (eager) when ``options`` is None."""
     return model if options is None else torch.compile(model, **options)
@@ -87,4 +126,13 @@ def inference_workload(
     return Logits(call, ids, last_only=case.mode == "last")
 
 
-__all__ = ["Decode", "Logits", "Workload", "compiled", "inference_workload"]
+__all__ = [
+    "Decode",
+    "Logits",
+    "OrtDecode",
+    "OrtLogits",
+    "Workload",
+    "compiled",
+    "inference_workload",
+    "onnx_workload",
+]

@@ -1,0 +1,38 @@
+"""Optional packages of the integrations: import one, or fail in one line naming the extra that installs it."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from ..errors import TaperNormError
+
+#: The pip extra of hf-tapernorm that installs each optional package (setup.cfg, [options.extras_require]).
+EXTRAS = {
+    "transformer_lens": "interpretability",
+    "nnsight": "interpretability",
+    "onnx": "onnx",
+    "onnxruntime": "onnx",
+    "onnxscript": "onnx",
+    "numpy": "onnx",
+}
+
+
+class MissingExtraError(TaperNormError, ImportError):
+    """An integration was used without its optional package installed."""
+
+
+def require(module: str, feature: str) -> ModuleType:
+    """``import module``, or raise MissingExtraError: '<feature> needs <module>: pip install hf-tapernorm[<extra>]'."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        top = module.split(".")[0]
+        if error.name is not None and error.name.split(".")[0] != top:
+            raise  # the package is there but one of its own imports failed: show that error as it is
+        raise MissingExtraError(
+            f"{feature} needs {top}, which is not installed: pip install 'hf-tapernorm[{EXTRAS[top]}]'"
+        ) from None
+
+
+__all__ = ["EXTRAS", "MissingExtraError", "require"]

@@ -1,0 +1,25 @@
+"""A folded export wrapped by nnsight (``NNsight``): trace, save and edit any module's output.
+
+nnsight runs the wrapped module itself, so the export's own forward hooks (the stored sink put in front of
+the text) run inside every trace, and the traced logits are the export's. Module paths are the base
+family's (``model.layers.{i}.mlp`` for Llama, ``transformer.h.{i}.mlp`` for GPT-2); a folded norm is an
+``nn.Identity`` there, its output its input.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .exports import ExportSource, load_export
+from .extras import require
+
+FEATURE = "hf_tapernorm.integrations.nnsight_model"
+
+
+def nnsight_model(source: ExportSource, *, dtype: torch.dtype = torch.float32):
+    """``nnsight.NNsight`` over the folded export ``source`` (a folder or a folded model), in eval mode."""
+    nnsight = require("nnsight", FEATURE)
+    return nnsight.NNsight(load_export(source, dtype=dtype))
+
+
+__all__ = ["nnsight_model"]

@@ -1,0 +1,78 @@
+"""A folded export in TransformerLens: its ``TransformerBridge`` (TransformerLens 4 has no ``HookedTransformer``).
+
+The bridge wraps the export's own module, so its forward is the export's, hooks on every component
+(``blocks.{i}.hook_resid_pre``, ``blocks.{i}.attn.hook_pattern``, ...). Two things make its logits the export's:
+
+- a folded norm is an ``nn.Identity`` in the export, but the bridge's normalization component recomputes a
+  norm from scratch by default; on those slots it is switched to the wrapped module's own forward, whose
+  ``hook_scale`` then reads 1 and ``hook_normalized`` its input (kept norms stay real norms, hooks and all);
+- the export holds its attention sink as a cache prefix, which its forward puts in front of the text; the
+  bridge's attention components read the cache from ``past_key_values`` while transformers passes it as
+  ``cache``, so each attention component is handed it under both names. Attention patterns then have one
+  column per sink position before the text's.
+
+The bridge runs eager attention (for its pattern hooks); an export compared with it should too.
+Do not call ``enable_compatibility_mode()`` on it: that folds the (absent) norms into the weights again.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..export.modeling_folded import FoldedChannelScale
+from .exports import ExportSource, base_class, load_export
+from .extras import require
+
+FEATURE = "hf_tapernorm.integrations.tl_bridge (TransformerLens)"
+
+
+def _cache_under_both_names(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if kwargs.get("past_key_values") is None and kwargs.get("cache") is not None:
+        kwargs["past_key_values"] = kwargs["cache"]
+    return args, kwargs
+
+
+def transformer_bridge(
+    source: ExportSource,
+    *,
+    tokenizer: Optional[Any] = None,
+    device: Optional[str] = None,
+    dtype: torch.dtype = torch.float32,
+):
+    """A ``TransformerBridge`` over the folded export ``source`` (a folder or a folded model) whose logits are
+    the export's on the same text (the sink, when the export has one, stays in place).
+
+    ``tokenizer``: the bridge's tokenizer (default: the one saved in the folder); needed only for text input.
+    """
+    model_bridge = require("transformer_lens.model_bridge", FEATURE)
+    normalization = require("transformer_lens.model_bridge.generalized_components.normalization", FEATURE)
+    attention = require("transformer_lens.model_bridge.generalized_components.attention", FEATURE)
+    model = load_export(source, dtype=dtype)
+    name = str(model.config.name_or_path or source)
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(source if not isinstance(source, nn.Module) else name)
+    bridge = model_bridge.TransformerBridge.boot_transformers(
+        name,
+        hf_model=model,
+        # The adapter is chosen by architecture: the folded class extends this one and keeps its module names.
+        hf_config_overrides={"architectures": [base_class(model).__name__]},
+        tokenizer=tokenizer,
+        device=device or str(next(model.parameters()).device),
+        dtype=dtype,
+    )
+    for module in bridge.modules():
+        if isinstance(module, normalization.NormalizationBridge) and isinstance(
+            module.original_component, (nn.Identity, FoldedChannelScale)
+        ):
+            module.use_native_layernorm_autograd = True  # the wrapped module's forward, not a recomputed norm
+        elif isinstance(module, attention.AttentionBridge):
+            module.register_forward_pre_hook(_cache_under_both_names, with_kwargs=True)
+    return bridge
+
+
+__all__ = ["transformer_bridge"]

@@ -1,0 +1,237 @@
+"""The integrations on tiny random exports: TransformerLens, nnsight and ONNX Runtime give the export's logits.
+
+Two exports: GPT-2 from the paper preset over every norm (``TaperNormConfig.paper(scope="all")``: no norm
+left, the final one folded into an untied head), and Llama (a gated MLP) with the internal norms folded and
+a sink token stored as its cache prefix. Each test of a tool skips when its extra is absent; the errors
+without them are tested by hiding the packages.
+"""
+
+from __future__ import annotations
+
+import configparser
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_tapernorm import export_folded, fold_model
+from hf_tapernorm.errors import ConfigurationError
+from hf_tapernorm.integrations.extras import MissingExtraError
+from tests.conftest import char_tokenizer, random_batches
+from tests.test_folding import tapered
+
+REPO = Path(__file__).resolve().parent.parent
+SINK = [5]
+IDS = random_batches(n=1, batch=2, length=10, seed=3)[0]
+KINDS = ["gpt2-all", "llama-sink"]
+
+
+def make_export(kind: str, folder: Path) -> Path:
+    """A tiny folded export (see the module docstring), saved with the character tokenizer."""
+    if kind == "gpt2-all":
+        model = tapered("gpt2", scope="all")
+    else:
+        model = tapered("llama", sink_token_ids=SINK)
+    export_folded(fold_model(model), folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("exports")
+    return {kind: make_export(kind, root / kind) for kind in KINDS}
+
+
+def export_logits(folder: Path, ids: torch.Tensor = IDS) -> torch.Tensor:
+    """The export's own logits of ``ids`` (text without the sink), eager attention as the bridge runs it."""
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+# ----------------------------------------------------------------------------- the extras
+def test_a_plain_install_pulls_no_integration_and_each_extra_names_its_packages():
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    required = config["options"]["install_requires"]
+    extras = config["options.extras_require"]
+    for package in ("transformer-lens", "nnsight", "onnx", "onnxruntime", "onnxscript"):
+        assert package not in required
+    assert {"transformer-lens", "nnsight"} <= {
+        line.split(">")[0].split("=")[0] for line in extras["interpretability"].split()
+    }
+    assert {"onnx", "onnxruntime", "onnxscript"} <= {
+        line.split(">")[0].split("=")[0] for line in extras["onnx"].split()
+    }
+
+
+def _call(function: str, folder: Path):
+    module, _, name = function.rpartition(".")
+    target = getattr(importlib.import_module(module), name)
+    return target(folder, folder.parent / "onnx") if name == "export_onnx" else target(folder)
+
+
+@pytest.mark.parametrize("hidden, function, extra", [
+    ("transformer_lens", "hf_tapernorm.integrations.tl_bridge.transformer_bridge", "interpretability"),
+    ("nnsight", "hf_tapernorm.integrations.nnsight_model.nnsight_model", "interpretability"),
+    ("onnxscript", "hf_tapernorm.integrations.onnx_runtime.export_onnx", "onnx"),
+    ("onnxruntime", "hf_tapernorm.integrations.onnx_runtime.OnnxCausalLM", "onnx"),
+])  # fmt: skip
+def test_a_missing_extra_is_one_line_naming_it(monkeypatch, tmp_path, hidden, function, extra):
+    for name in [n for n in sys.modules if n == hidden or n.startswith(hidden + ".")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, hidden, None)  # `import hidden` now fails as if it were not installed
+    with pytest.raises(MissingExtraError) as error:
+        _call(function, tmp_path / "export")
+    message = str(error.value)
+    assert "\n" not in message and f"needs {hidden}, which is not installed" in message
+    assert f"pip install 'hf-tapernorm[{extra}]'" in message
+    assert isinstance(error.value, ImportError)
+
+
+def test_an_ordinary_model_is_refused_as_an_export(tmp_path):
+    from hf_tapernorm.integrations.exports import load_export
+    from tests.conftest import save_tiny_model
+
+    with pytest.raises(ConfigurationError, match="no config.json"):
+        load_export(tmp_path)
+    with pytest.raises(ConfigurationError, match="LlamaForCausalLM is not a folded export"):
+        load_export(save_tiny_model(tmp_path / "plain"))
+
+
+# ----------------------------------------------------------------------------- TransformerLens
+@pytest.mark.parametrize("kind", KINDS)
+def test_transformer_bridge_gives_the_exports_logits_with_its_sink(exports, kind):
+    pytest.importorskip("transformer_lens")
+    from hf_tapernorm.integrations.tl_bridge import transformer_bridge
+
+    bridge = transformer_bridge(exports[kind], tokenizer=char_tokenizer())
+    expected = export_logits(exports[kind])
+    with torch.no_grad():
+        logits = bridge(IDS)
+    assert (logits - expected).abs().max().item() <= 1e-4
+    logits, cache = bridge.run_with_cache(IDS)
+    assert (logits - expected).abs().max().item() <= 1e-4
+    sink = len(SINK) if kind == "llama-sink" else 0
+    # Every query attends to the stored sink column(s) and then the text: the sink is in place.
+    pattern = cache["blocks.0.attn.hook_pattern"]
+    assert pattern.shape[-2:] == (IDS.shape[1], IDS.shape[1] + sink)
+    assert torch.allclose(pattern.sum(-1), torch.ones(()), atol=1e-5)
+    # A folded norm is the identity: its scale reads 1 and its output is its input.
+    assert torch.equal(cache["blocks.1.ln1.hook_scale"], torch.ones_like(cache["blocks.1.ln1.hook_scale"]))
+    assert torch.equal(cache["blocks.1.ln1.hook_out"], cache["blocks.1.hook_resid_pre"])
+
+
+# ----------------------------------------------------------------------------- nnsight
+@pytest.mark.parametrize("kind", KINDS)
+def test_nnsight_traces_and_intervenes_on_the_export(exports, kind):
+    pytest.importorskip("nnsight")
+    from hf_tapernorm.integrations.nnsight_model import nnsight_model
+
+    wrapped = nnsight_model(exports[kind])
+    plain = AutoModelForCausalLM.from_pretrained(exports[kind]).eval()
+    blocks = (lambda m: m.transformer.h) if kind.startswith("gpt2") else (lambda m: m.model.layers)
+    with torch.no_grad():
+        expected = plain(input_ids=IDS).logits
+    with wrapped.trace(input_ids=IDS):
+        hidden = blocks(wrapped)[0].output.save()
+        logits = wrapped.output.logits.save()
+    assert (logits - expected).abs().max().item() <= 1e-4
+    assert hidden.shape[:2] == IDS.shape  # the text's positions only: the sink is a cache prefix
+    # An intervention (block 1's MLP output zeroed) equals the same edit made with a torch hook.
+    with wrapped.trace(input_ids=IDS):
+        blocks(wrapped)[1].mlp.output[:] = 0
+        edited = wrapped.output.logits.save()
+    handle = blocks(plain)[1].mlp.register_forward_hook(lambda module, args, output: torch.zeros_like(output))
+    with torch.no_grad():
+        reference = plain(input_ids=IDS).logits
+    handle.remove()
+    assert (edited - reference).abs().max().item() <= 1e-5
+    assert (edited - expected).abs().max().item() > 1e-3
+
+
+# ----------------------------------------------------------------------------- ONNX Runtime
+@pytest.fixture(scope="module")
+def onnx_graphs(exports, tmp_path_factory) -> dict[str, Path]:
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from hf_tapernorm.integrations.onnx_runtime import export_onnx
+
+    root = tmp_path_factory.mktemp("onnx")
+    return {kind: export_onnx(folder, root / kind) for kind, folder in exports.items()}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_onnx_runtime_gives_the_exports_logits_and_greedy_tokens(exports, onnx_graphs, kind):
+    from hf_tapernorm.integrations.onnx_runtime import OnnxCausalLM, node_counts
+
+    runtime = OnnxCausalLM(onnx_graphs[kind], threads=1)
+    model = AutoModelForCausalLM.from_pretrained(exports[kind]).eval()
+    with torch.no_grad():
+        expected = model(input_ids=IDS).logits
+        greedy = model.generate(IDS, max_new_tokens=32, do_sample=False)
+    logits, state = runtime.forward(IDS.numpy())
+    assert abs(logits - expected.numpy()).max() <= 1e-4
+    assert (onnx_graphs[kind] / "sink.npz").is_file() == (kind == "llama-sink")
+    # The cache continues: the last 4 tokens fed after the first 6 give the same logits.
+    first, state = runtime.forward(IDS[:, :6].numpy())
+    rest, _ = runtime.forward(IDS[:, 6:].numpy(), state)
+    assert abs(rest - expected[:, 6:].numpy()).max() <= 1e-4
+    assert (runtime.generate(IDS.numpy(), 32) == greedy.numpy()).all()
+    counts = node_counts(onnx_graphs[kind])
+    assert counts["onnx_nodes"] > 0 and counts["ort_nodes"] > 0
+
+
+def test_onnx_export_refuses_a_used_folder(exports, tmp_path):
+    pytest.importorskip("onnxscript")
+    from hf_tapernorm.integrations.onnx_runtime import OnnxCausalLM, export_onnx
+
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigurationError, match="exists and is not an empty folder"):
+        export_onnx(exports["llama-sink"], tmp_path / "taken")
+    pytest.importorskip("onnxruntime")
+    with pytest.raises(ConfigurationError, match="holds no model.onnx"):
+        OnnxCausalLM(tmp_path / "taken")
+
+
+# ----------------------------------------------------------------------------- the real SmolLM2
+@pytest.mark.slow
+def test_smollm2_export_reads_the_same_in_transformer_lens_nnsight_and_onnx_runtime(tmp_path):
+    """SmolLM2-135M cut to 4 layers (untrained at g = 0 the full model is not finite), every internal norm patched
+    with the BOS sink, the gate set to 0 by hand, folded and exported: the three tools give the export's logits."""
+    pytest.importorskip("transformer_lens")
+    pytest.importorskip("nnsight")
+    pytest.importorskip("onnxruntime")
+    from hf_tapernorm.integrations.nnsight_model import nnsight_model
+    from hf_tapernorm.integrations.onnx_runtime import OnnxCausalLM, export_onnx
+    from hf_tapernorm.integrations.tl_bridge import transformer_bridge
+    from tests.conftest import smollm2_sink_model
+
+    model, tokenizer, tokens, bos = smollm2_sink_model()
+    folder = export_folded(fold_model(model, probe=tokens[None, 800:864]), tmp_path / "export")
+    tokenizer.save_pretrained(folder)
+    ids = tokens[None, 1000:1032]
+    expected = export_logits(folder, ids)
+    with torch.no_grad():
+        lens = transformer_bridge(folder, tokenizer=tokenizer)(ids)
+    wrapped = nnsight_model(folder)
+    with wrapped.trace(input_ids=ids):
+        traced = wrapped.output.logits.save()
+    runtime = OnnxCausalLM(export_onnx(folder, tmp_path / "onnx"))
+    onnx_logits, _ = runtime.forward(ids.numpy())
+    differences = {
+        "transformer_lens": (lens - expected).abs().max().item(),
+        "nnsight": (traced - expected).abs().max().item(),
+        "onnxruntime": float(abs(onnx_logits - expected.numpy()).max()),
+    }
+    print(f"\nSmolLM2-135M 4 layers, BOS sink (fp32): max abs logit difference to the export {differences}")
+    assert all(value <= 1e-4 for value in differences.values()), differences
+    plain = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        greedy = plain.generate(ids, max_new_tokens=32, do_sample=False)
+    assert (runtime.generate(ids.numpy(), 32) == greedy.numpy()).all()

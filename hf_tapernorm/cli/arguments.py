@@ -278,9 +278,10 @@ class TaperTrainingArguments(TrainingArguments):
     dataloader_drop_last: bool = field(default=True, metadata=_help("Only full batches."))
 
     def __post_init__(self) -> None:
-        if self.max_steps is None or self.max_steps <= 0:
+        if self.max_steps is None or self.max_steps < 2:
             raise ConfigurationError(
-                "--max_steps must be a positive number of optimizer steps (the taper schedule is defined on it)"
+                f"--max_steps must be at least 2 optimizer steps, got {self.max_steps} (the taper schedule is defined "
+                "on it: one step at g = 1 to calibrate, one at g = 0)"
             )
         if (self.bf16 or self.bf16_full_eval) and not self.use_cpu and not accelerator_available():
             # transformers would stop with "Your setup doesn't support bf16/gpu": on a CPU-only machine --bf16 means

@@ -102,6 +102,12 @@ def resolve_model(model_name_or_path: Optional[str] = None, gguf_file: Optional[
             if not (path / gguf_file).is_file():
                 raise ModelSourceError(f"GGUF file '{gguf_file}' not found in '{model_name_or_path}'")
             return ModelSource(str(path), gguf_file, "gguf")
+        if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
+            raise ModelSourceError(
+                f"'{model_name_or_path}' holds PEFT adapters (adapter_config.json), not a whole model: merge them into "
+                "their base model (PeftModel.from_pretrained(base, folder).merge_and_unload().save_pretrained(...)) "
+                "and pass the merged folder"
+            )
         if not (path / "config.json").is_file():
             raise ModelSourceError(
                 f"'{model_name_or_path}' is a folder without config.json: not a saved Hugging Face model "

@@ -49,7 +49,10 @@ def parse(dataclass_types: Sequence[type], argv: Sequence[str], prog: str) -> tu
         except (ValueError, TypeError) as error:
             if isinstance(error, ConfigurationError):
                 raise
-            raise UsageError(f"{argv[0]}: {error}") from None
+            message = str(error)
+            if message.startswith("Some keys are not used"):  # HfArgumentParser.parse_dict on unknown keys
+                message = f"unknown options {message.split(':', 1)[1].strip()} (see {prog} --help)"
+            raise UsageError(f"{argv[0]}: {message}") from None
     try:
         return tuple(parser.parse_args_into_dataclasses(args=list(argv)))
     except ValueError as error:

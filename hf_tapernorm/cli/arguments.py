@@ -12,6 +12,7 @@ passes through.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import typing
 from dataclasses import dataclass, field
@@ -278,6 +279,13 @@ class TaperTrainingArguments(TrainingArguments):
     dataloader_drop_last: bool = field(default=True, metadata=_help("Only full batches."))
 
     def __post_init__(self) -> None:
+        for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):  # TrainingArguments json.loads them
+            value = getattr(self, name, None)
+            if isinstance(value, str) and value.strip().startswith("{"):
+                try:
+                    json.loads(value)
+                except json.JSONDecodeError as error:
+                    raise ConfigurationError(f"--{name} {value}: not a JSON object ({error})") from None
         if self.max_steps is None or self.max_steps < 2:
             raise ConfigurationError(
                 f"--max_steps must be at least 2 optimizer steps, got {self.max_steps} (the taper schedule is defined "

@@ -12,6 +12,7 @@ passes through.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import typing
 from dataclasses import dataclass, field
@@ -289,9 +290,17 @@ class TaperTrainingArguments(TrainingArguments):
     dataloader_drop_last: bool = field(default=True, metadata=_help("Only full batches."))
 
     def __post_init__(self) -> None:
-        if self.max_steps is None or self.max_steps <= 0:
+        for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):  # TrainingArguments json.loads them
+            value = getattr(self, name, None)
+            if isinstance(value, str) and value.strip().startswith("{"):
+                try:
+                    json.loads(value)
+                except json.JSONDecodeError as error:
+                    raise ConfigurationError(f"--{name} {value}: not a JSON object ({error})") from None
+        if self.max_steps is None or self.max_steps < 2:
             raise ConfigurationError(
-                "--max_steps must be a positive number of optimizer steps (the taper schedule is defined on it)"
+                f"--max_steps must be at least 2 optimizer steps, got {self.max_steps} (the taper schedule is defined "
+                "on it: one step at g = 1 to calibrate, one at g = 0)"
             )
         if (self.bf16 or self.bf16_full_eval) and not self.use_cpu and not accelerator_available():
             # transformers would stop with "Your setup doesn't support bf16/gpu": on a CPU-only machine --bf16 means

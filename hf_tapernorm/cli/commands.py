@@ -32,10 +32,10 @@ from ..pipeline.models import (
     resolve_model,
 )
 from ..pipeline.out_of_corpus import out_of_corpus_set
-from ..pipeline.run_folder import running_command_around, write_file, write_folder
+from ..pipeline.run_folder import RunFolder, running_command_around, write_file, write_folder
 from ..pipeline.scan import SCAN_FILE, robustness_scan, scan_line, scan_summary
 from ..pipeline.taper import save_export
-from ..pipeline.validation import check_within_positions, max_positions
+from ..pipeline.validation import check_vocabulary, check_within_positions, max_positions
 from ..training.checkpoints import tapered_config_of
 from .arguments import DataArguments, EvalArguments, FoldArguments, ModelArguments, PushArguments
 
@@ -71,8 +71,11 @@ def eval_main(argv: Sequence[str]) -> int:
         check_result_file(output_json)
     source = resolve_model(model_args.model_name_or_path, model_args.gguf_file)
     block_size = data_args.block_size
-    check_within_positions(f"--block_size {block_size}", block_size, model_config(source, model_args.trust_remote_code))
-    tokenizer = load_tokenizer(source, trust_remote_code=model_args.trust_remote_code)
+    hf_config = model_config(source, model_args.trust_remote_code)
+    check_within_positions(f"--block_size {block_size}", block_size, hf_config)
+    tokenizer = tokenizer_of(source, trust_remote_code=model_args.trust_remote_code)
+    if hf_config is not None:
+        check_vocabulary(tokenizer, hf_config, source.describe())
     scan_reference = scan_reference_of(source, eval_args.scan_reference) if data_args.scan_windows else None
     if source.kind == "tapered":  # checked before the weights load: a checkpoint that cannot go to g = 0
         tapered_config_of(source.path)
@@ -151,6 +154,41 @@ def eval_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def tokenizer_of(source: ModelSource, *, trust_remote_code: bool = False):
+    """The model's tokenizer; for a Trainer ``checkpoint-N`` of a taper run (the Trainer saves none there) the run's:
+    its tapered/ export's, else the original model's that the run recorded. ModelSourceError when there is none."""
+    try:
+        return load_tokenizer(source, trust_remote_code=trust_remote_code)
+    except ModelSourceError as error:
+        folder = Path(source.path).resolve()
+        if not folder.name.startswith("checkpoint-"):
+            raise
+        runs = [folder.parent, folder.parent.parent] if folder.parent.name == "baseline" else [folder.parent]
+        for candidate in _run_tokenizer_sources(runs):
+            try:
+                tokenizer = load_tokenizer(candidate, trust_remote_code=trust_remote_code)
+            except ModelSourceError:
+                continue
+            logger.info("%s holds no tokenizer: using its run's, from %s", source.path, candidate.describe())
+            return tokenizer
+        raise ModelSourceError(f"{error}; nor does its run folder hold one (tapered/, or the recorded model)") from None
+
+
+def _run_tokenizer_sources(runs: list[Path]) -> list[ModelSource]:
+    """Where a taper run's tokenizer is: each run folder's tapered/ export, then the original model it recorded."""
+    sources = []
+    for run in runs:
+        if (run / "tapered" / "config.json").is_file():
+            sources.append(resolve_model(str(run / "tapered")))
+        recorded = ((RunFolder(run).manifest() or {}).get("identity") or {}).get("model")
+        if isinstance(recorded, str) and Path(recorded).expanduser().exists():
+            try:
+                sources.append(resolve_model(recorded))
+            except ModelSourceError:
+                continue
+    return sources
+
+
 def scan_reference_of(source, named: Optional[str]) -> Optional[ModelSource]:
     """The model the scan compares with: ``--scan_reference``, else the recorded baseline (or original) of the run
     whose tapered/ or folded/ folder ``source`` is; None (with a log line) when there is none to compare with."""
@@ -219,6 +257,9 @@ def check_export_folder(folder: Path, overwrite: bool) -> None:
             f"output folder '{folder}' lies in '{running[0]}', which a running hf-tapernorm command owns "
             f"({running[1]}); wait for it to finish, or choose a folder outside it"
         )
+    writable_from = next(p for p in (folder.parent, *folder.parents) if p.exists())  # the export is renamed in there
+    if not os.access(writable_from, os.W_OK | os.X_OK):
+        raise UsageError(f"output folder '{folder}': '{writable_from}' is not writable; choose a writable --output_dir")
     if not folder.is_dir() or not any(folder.iterdir()):
         return
     if not overwrite:
@@ -274,7 +315,7 @@ def fold_main(argv: Sequence[str]) -> int:
         )
     folded = fold_model(model, tied_head=fold_args.tied_head, tolerance=fold_args.tolerance)
     try:
-        tokenizer = load_tokenizer(source)
+        tokenizer = tokenizer_of(source)
     except ModelSourceError:
         logger.warning("no tokenizer found with %s: the export has none", fold_args.checkpoint)
         tokenizer = None

@@ -59,7 +59,9 @@ def _check_foldable(model: nn.Module, model_type: str) -> None:
         )
     base_class = folded_classes(model_type)[1].__bases__[-1]
     if not isinstance(model, base_class):
-        raise UnsupportedModelError(f"fold_model expects a {base_class.__name__}, got {type(model).__name__}")
+        peft = hasattr(model, "merge_and_unload")
+        unmerged = "; merge its PEFT adapters first: fold_model(model.merge_and_unload())" if peft else ""
+        raise UnsupportedModelError(f"fold_model expects a {base_class.__name__}, got {type(model).__name__}{unmerged}")
     layers = list(tapered_norms(model))
     uncalibrated = [name for name, layer in layers if not layer.is_calibrated]
     if uncalibrated:

@@ -53,6 +53,7 @@ FACT_KEYS = (
     "speed",  # mapping of measured figures, e.g. {"folded / base tokens per s (bf16, batch 1)": "1.12x"}
     "robustness_scan",  # the robustness scan's result (hf_tapernorm.pipeline.scan.ScanResult.to_dict())
     "tags",  # extra Hub tags
+    "warning",  # one line shown first: the run's model ended far worse than its reference (pipeline/record.py)
 )
 
 
@@ -119,6 +120,7 @@ def render_model_card(model: nn.Module, facts: Optional[Mapping[str, Any]] = Non
         robustness=dict(facts.get("robustness_scan") or {}),
         fold_report=report.to_dict() if report is not None else None,
         repo_id=repo_id,
+        warning=facts.get("warning"),
     )
     return re.sub(r"\n{3,}", "\n\n", str(card))  # optional sections leave blank runs
 

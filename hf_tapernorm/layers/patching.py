@@ -56,6 +56,11 @@ def plan_patch(model: nn.Module, config: TaperNormConfig) -> list[_Replacement]:
             f"{type(model).__name__} is already patched (found a TaperNorm at '{existing}'); "
             "call patch_model once per model"
         )
+    if getattr(model, "peft_config", None) is not None and hasattr(model, "merge_and_unload"):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} wraps the model in PEFT adapters: patch the base model before get_peft_model "
+            "(docs/usage.md, LoRA / PEFT), or merge the adapters first: model = model.merge_and_unload()"
+        )
     arch = architecture_of(model)  # the table entry, else automatic discovery (logged)
     sites = norm_sites(model, arch)
     kept = set(kept_norm_names(model, config.keep_norms, sites))

@@ -323,7 +323,14 @@ def _texts(dataset: AnyDataset, column: str, *, heldout: bool, percentage: float
 def _named_texts(dataset: AnyDataset, column: str, *, heldout: bool, percentage: float) -> Iterator[tuple[str, str]]:
     """``(name, text)`` of one split's documents; the name is the ``path`` column where the corpus has one."""
     for index, row in enumerate(dataset):
-        text = row[column]
+        text = row.get(column)
+        if text is None:  # JSON rows that name their text otherwise: training on the others would skip them unsaid
+            others = [k for k, v in row.items() if isinstance(v, str) and v]
+            raise DataError(
+                f"row {index} of the dataset has no '{column}' value"
+                + (f" (it has {', '.join(others[:4])})" if others else "")
+                + f": every row needs its text in '{column}'; fix the data, or pass --text_column"
+            )
         if isinstance(text, str) and is_heldout(text, percentage) == heldout:
             name = row.get("path")
             yield (name if isinstance(name, str) else f"document {index}"), text

@@ -102,6 +102,12 @@ def resolve_model(model_name_or_path: Optional[str] = None, gguf_file: Optional[
             if not (path / gguf_file).is_file():
                 raise ModelSourceError(f"GGUF file '{gguf_file}' not found in '{model_name_or_path}'")
             return ModelSource(str(path), gguf_file, "gguf")
+        if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
+            raise ModelSourceError(
+                f"'{model_name_or_path}' holds PEFT adapters (adapter_config.json), not a whole model: merge them into "
+                "their base model (PeftModel.from_pretrained(base, folder).merge_and_unload().save_pretrained(...)) "
+                "and pass the merged folder"
+            )
         if not (path / "config.json").is_file():
             raise ModelSourceError(
                 f"'{model_name_or_path}' is a folder without config.json: not a saved Hugging Face model "
@@ -111,6 +117,11 @@ def resolve_model(model_name_or_path: Optional[str] = None, gguf_file: Optional[
             return ModelSource(str(path), None, _kind_of_folder(path))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
             raise ModelSourceError(f"cannot read the config of '{model_name_or_path}': {error}") from error
+    if path.is_file():
+        raise ModelSourceError(
+            f"model '{model_name_or_path}' is a file, not a model: pass a saved model's folder (with config.json), a "
+            ".gguf file or a Hub id"
+        )
     if path.exists() or model_name_or_path.startswith((".", "/", "~")) or model_name_or_path.count("/") > 1:
         raise ModelSourceError(f"model '{model_name_or_path}' not found: no such folder or file")
     return ModelSource(model_name_or_path, gguf_file, "hub")

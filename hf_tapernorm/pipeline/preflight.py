@@ -74,6 +74,11 @@ def _refuse_recipe_bypasses(args) -> None:
             f"--eval_strategy {strategy}: taper gives the Trainer no evaluation set (it evaluates the held-out "
             "blocks itself, before and after training); leave it at 'no'"
         )
+    if getattr(args, "use_liger_kernel", False):
+        raise ConfigurationError(
+            "--use_liger_kernel replaces the model's norm modules with Liger's fused kernels, so the TaperNorms would "
+            "be bypassed (nothing would taper, nothing could fold); leave it off"
+        )
     if getattr(args, "push_to_hub", False):
         raise ConfigurationError(
             "--push_to_hub would upload the run folder from inside training; push the folded export afterwards "

@@ -163,6 +163,9 @@ class RunRecord:
             card["tokens"] = int(self.training.tokens)
         if self.robustness_scan:
             card["robustness_scan"] = self.robustness_scan
+        warning = far_worse_warning(self.to_dict())
+        if warning:
+            card["warning"] = warning
         return card
 
 
@@ -210,6 +213,39 @@ def new_run_record(request, source, model, packed, config: TaperNormConfig, sche
     )
 
 
+#: A tapered or folded model this much worse (relative held-out CE) than its reference is a failed run, not a gap.
+FAR_WORSE = 0.10
+#: The budget docs/fidelity.md measured the default recipe with (its figures are there, not here).
+MEASURED_BUDGET = "300 steps of 2 x 128 tokens or more (docs/fidelity.md)"
+
+
+def far_worse_warning(facts: dict[str, Any]) -> Optional[str]:
+    """One line when the tapered or folded model ends far worse on held-out text than the baseline (or, without one,
+    the original), with the likely cause (the training budget) and the budget that measured well; else None."""
+    heldout = facts.get("heldout") or {}
+    against = "baseline" if heldout.get("baseline") else "original"
+    reference = (heldout.get(against) or {}).get("loss")
+    gaps = {
+        kind: relative_gap((heldout.get(kind) or {}).get("loss"), reference)
+        for kind in ("tapered", "folded")
+        if heldout.get(kind)
+    }
+    worst = max(((gap, kind) for kind, gap in gaps.items() if gap is not None), default=None)
+    if worst is None or worst[0] <= FAR_WORSE:
+        return None
+    gap, kind = worst
+    training, data = facts.get("training") or {}, facts.get("data") or {}
+    budget = (
+        f"{training.get('steps') or training.get('max_steps')} steps of {training.get('global_batch_blocks')} x "
+        f"{data.get('block_size')} tokens"
+    )
+    return (
+        f"WARNING: the run failed to keep the model: the {kind} model is {100 * gap:+.1f}% worse than the {against} on "
+        f"held-out text ({heldout[kind]['loss']:.4f} against {reference:.4f} nats per token); the likely cause is the "
+        f"training budget ({budget}): the default recipe measured well with {MEASURED_BUDGET}"
+    )
+
+
 def relative_gap(value: Optional[float], reference: Optional[float]) -> Optional[float]:
     """``value / reference - 1`` (e.g. +0.012 = 1.2% worse), or None when either is missing."""
     if value is None or reference is None or reference == 0:
@@ -230,6 +266,7 @@ def differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = ""
 
 
 __all__ = [
+    "FAR_WORSE",
     "DataFacts",
     "ModelFacts",
     "RunRecord",
@@ -237,5 +274,6 @@ __all__ = [
     "differences",
     "global_batch_blocks",
     "new_run_record",
+    "far_worse_warning",
     "relative_gap",
 ]

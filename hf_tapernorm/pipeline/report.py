@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from .record import RunRecord
+from .record import RunRecord, far_worse_warning
 from .scan import scan_summary
 
 logger = logging.getLogger(__name__)
@@ -164,7 +164,9 @@ def summary_lines(facts: Mapping[str, Any]) -> list[str]:
     gap = facts.get("gap") or {}
     fold = facts.get("fold") or {}
     export = facts.get("export") or {}
+    warning = far_worse_warning(dict(facts))
     lines = [
+        *([warning] if warning else []),
         f"model: {model.get('source', '-')} ({model.get('model_type', '-')}, "
         f"{_fmt(model.get('parameters'))} parameters)",
         f"data: {data.get('source', '-')}, blocks of {_fmt(data.get('block_size'))} tokens, "
@@ -213,6 +215,18 @@ def summary_lines(facts: Mapping[str, Any]) -> list[str]:
 def render_markdown(facts: Mapping[str, Any], plots: Mapping[str, str]) -> str:
     taper = facts.get("taper") or {}
     parts = ["# hf_tapernorm run report", "", "```", *summary_lines(facts), "```", ""]
+    changes = facts.get("allowed_changes") or {}
+    if changes:  # --resume --allow_changes: the run is not one run with one set of options
+        parts += [
+            "## Options changed on --resume (--allow_changes)",
+            "",
+            "| option | in the run | now |",
+            "|---|---|---|",
+        ]
+        parts += [
+            f"| {key} | {_cell(repr(c.get('run')))} | {_cell(repr(c.get('now')))} |" for key, c in changes.items()
+        ]
+        parts += [""]
     parts += _evaluation_sections(facts)
     parts += _scan_section(facts.get("robustness_scan") or {})
     parts += ["## Tapering", "", "| setting | value |", "|---|---|"]

@@ -14,10 +14,13 @@ A new check goes where its input is: this module, for a check on a file a resume
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Optional
 
+import torch
 from safetensors import SafetensorError, safe_open
+from transformers.trainer_pt_utils import safe_globals
 
 from ..errors import ConfigurationError, first_line
 from ..training.sharded import METADATA_NAME, refuse_untrusted_sharded_checkpoint
@@ -65,11 +68,19 @@ def check_checkpoint(checkpoint: Path, *, trust_sharded_checkpoint: bool = False
         present = (checkpoint / name).is_file() or (name == "optimizer.pt" and any(checkpoint.glob("optimizer_*")))
         if not present:
             raise ResumeCheckError(f"--resume: {checkpoint} has no {name}, which holds {what}{restart}")
-    if not list(checkpoint.glob("rng_state*.pth")):
+    rng_files = sorted(checkpoint.glob("rng_state*.pth"))
+    if not rng_files:
         raise ResumeCheckError(
             f"--resume: {checkpoint} has no rng_state.pth (the random state: dropout and data order would differ)"
             f"{restart}"
         )
+    for state in [*(checkpoint / n for n in ("optimizer.pt", "scheduler.pt", "scaler.pt")), *rng_files]:
+        problem = _unloadable(state) if state.is_file() else None
+        if problem:
+            raise ResumeCheckError(
+                f"--resume: cannot read {state} ({problem}): the Trainer loads it as tensors only (weights_only), "
+                f"so a file that is damaged or holds other pickled objects stops the resume{restart}"
+            )
     for sharded in [p.parent for p in checkpoint.rglob(METADATA_NAME)]:
         refuse_untrusted_sharded_checkpoint(sharded, trust_sharded_checkpoint)
     weights = [p for p in checkpoint.glob("*.safetensors") if not p.name.startswith("distillation_")]
@@ -79,6 +90,19 @@ def check_checkpoint(checkpoint: Path, *, trust_sharded_checkpoint: bool = False
         problem = _unreadable(path)
         if problem:
             raise ResumeCheckError(f"--resume: cannot read {path} ({problem}: truncated or damaged){restart}")
+
+
+def _unloadable(path: Path) -> Optional[str]:
+    """Why the Trainer's ``torch.load(path, weights_only=True)`` (numpy's RNG state allowed, as the Trainer allows it)
+    would fail, or None. Memory-mapped: an optimizer state as large as the model is not read whole."""
+    try:
+        with safe_globals():
+            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        return "it holds pickled Python objects besides tensors, which torch refuses to load"
+    except Exception as error:  # noqa: BLE001 - zipfile and torch raise many types; all mean "unloadable"
+        return first_line(error)
+    return None
 
 
 def _unreadable(path: Path) -> Optional[str]:

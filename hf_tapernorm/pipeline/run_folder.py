@@ -173,6 +173,11 @@ class RunFolder:
             if parent.exists() and not parent.is_dir():
                 raise RunFolderError(f"output folder '{self.path}': '{parent}' is a file")
         if self.is_empty():
+            if resume:
+                raise RunFolderError(
+                    f"--resume: '{self.path}' holds no run to continue (it is empty or new); start the run without "
+                    "--resume, or name the folder of the interrupted run"
+                )
             return False
         links = self.symlinks()
         if links:

@@ -42,7 +42,7 @@ from .heldout import EvaluationSet
 from .models import ModelSource, load_model, load_tokenizer, resolve_model
 from .out_of_corpus import out_of_corpus_set
 from .preflight import check_disk_space, check_trainer_options, check_training_blocks
-from .record import RunRecord, global_batch_blocks, new_run_record
+from .record import RunRecord, far_worse_warning, global_batch_blocks, new_run_record
 from .report import PLOTS, summary_lines, write_report
 from .resume_check import check_resumable
 from .run_folder import RunFolder, write_file
@@ -51,9 +51,14 @@ from .showcase import greedy_continuations, ops_per_generated_token
 from .training_run import LOG_KEYS, LOSS_TERM_KEYS, RecordCallback, recorded_identity, train
 from .validation import (
     TaperRequest,
+    check_baseline_identity,
+    check_inputs_outside,
     check_resume_identity,
     check_schedule,
+    check_vocabulary,
     check_within_positions,
+    fit_default_schedule,
+    fit_default_warmup,
     max_positions,
     recipe_config,
     run_identity,
@@ -102,6 +107,14 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
         has_checkpoint=lambda: bool(list(output.path.glob("**/checkpoint-*"))),
         recorded_identity=lambda: recorded_identity(output.path),
     )
+    if must_empty or run.resume:  # nothing this run reads may lie in what it deletes or rewrites
+        inputs = {
+            "--model_name_or_path": source.describe() if source.kind != "hub" else None,
+            "--dataset_name": request.data.dataset_name,
+            "--out_of_corpus_dataset": request.data.out_of_corpus_dataset,
+            "--baseline_from": run.baseline_from,
+        }
+        check_inputs_outside(output.path, inputs, "--overwrite" if run.overwrite else "--resume")
     stale_checkpoints = (
         check_resumable(output.path, trust_sharded_checkpoint=request.model.trust_sharded_checkpoint)
         if run.resume
@@ -110,9 +123,11 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
 
     tokenizer = load_tokenizer(source, trust_remote_code=request.model.trust_remote_code)
     skeleton = weightless_model(source, request.model.trust_remote_code)
-    config = recipe_config(request, skeleton, tokenizer)
+    check_vocabulary(tokenizer, skeleton.config, source.describe())
+    config = fit_default_schedule(recipe_config(request, skeleton, tokenizer), request.taper, training_args.max_steps)
     plan_patch(skeleton, config)  # every keep pattern, every norm: refused now, not after the load
     schedule = check_schedule(config, training_args.max_steps)
+    fit_default_warmup(training_args, schedule)
     decay_learning_rate_after_the_taper(training_args, schedule)  # the baseline trains with the same schedule
     check_trainer_options(training_args, schedule, config)
     check_within_positions(f"--block_size {request.data.block_size}", request.data.block_size, skeleton.config)
@@ -127,6 +142,9 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
             reclaimable=output.reclaimable_bytes() if must_empty else 0,
         )
     identity = run_identity(request, source, config)
+    baseline_source = resolve_baseline(request.run.baseline_from)
+    if baseline_source is not None:
+        check_baseline_identity(baseline_source, identity)
     allowed_changes = {}
     if run.resume:
         allowed = {name.strip() for name in (run.allow_changes or "").split(",") if name.strip()}
@@ -136,7 +154,6 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
     packed = prepare_run_data(request, tokenizer, config.sink_token_ids)
     check_training_blocks(training_args, len(packed.train))
     reference_text = out_of_corpus_set(request.data, tokenizer, config.sink_token_ids)
-    baseline_source = resolve_baseline(request.run.baseline_from)
     model = load_model(source, dtype=request.model.dtype, trust_remote_code=request.model.trust_remote_code)
     if state.is_main_process:
         _prepare_folder(output, must_empty, stale_checkpoints if run.resume else None, identity)
@@ -338,6 +355,9 @@ class _Pipeline:
         warning = scan_line(record.robustness_scan, where=str(self.output.path / "report.md"))
         if warning:
             print(warning)
+        failed = far_worse_warning(record.to_dict())
+        if failed:
+            print(failed)
 
     def evaluate_all(self, model, baseline, folded) -> None:
         """Every model on the held-out and the out-of-corpus blocks in one pass each, with the KL to the original.

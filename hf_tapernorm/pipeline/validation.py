@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -30,6 +31,8 @@ from .data import EMBEDDED_CORPUS
 from .models import ModelSource, read_model_config
 from .record import differences
 from .run_folder import RunFolder
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -87,6 +90,47 @@ def check_schedule(config: TaperNormConfig, max_steps: int) -> TaperSchedule:
     return TaperSchedule(k_start, k_end).resolve(max_steps)
 
 
+def fit_default_schedule(config: TaperNormConfig, flags: Any, max_steps: int) -> TaperNormConfig:
+    """The recipe's fractional taper window made to fit a short run: a window the user left to the recipe (flag
+    unset) whose fraction rounds to step 0, or to an end at or before the start, moves to the nearest steps that
+    work (start at step 1, end one step after the start), so the defaults agree with every ``--max_steps`` >= 2.
+    A window the user set is left alone (check_schedule names what is wrong with it)."""
+    k_start, k_end = TaperSchedule.from_config(config).steps_for(max_steps)
+    changes: dict[str, int] = {}
+    if getattr(flags, "taper_start", None) is None and k_start < 1:
+        changes["taper_start"] = k_start = 1
+    if getattr(flags, "taper_end", None) is None and k_end <= k_start < max_steps:
+        changes["taper_end"] = k_start + 1
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+def fit_default_warmup(training_args, schedule: TaperSchedule) -> None:
+    """The default ``--warmup_steps`` (a fraction of the run) cut to end at the taper's start when it would end
+    after it (short runs: the fraction rounds up, the taper start down); an explicit warmup is left as set (the
+    preflight refuses one that ends after the taper starts)."""
+    default = next(f.default for f in dataclasses.fields(training_args) if f.name == "warmup_steps")
+    if (
+        training_args.warmup_steps == default
+        and training_args.get_warmup_steps(schedule.total_steps) > schedule.k_start
+    ):
+        training_args.warmup_steps = schedule.k_start
+
+
+def check_inputs_outside(output_dir: Path, inputs: dict[str, Optional[str]], verb: str) -> None:
+    """Refuse an input (option -> local path) that lies inside the run folder that ``verb`` (``--overwrite``,
+    ``--resume``) deletes or rewrites: the run would delete the model, data or baseline it reads."""
+    root = Path(output_dir).expanduser().resolve()
+    for option, value in inputs.items():
+        if not value or not Path(value).expanduser().exists():
+            continue  # a Hub name, or nothing
+        path = Path(value).expanduser().resolve()
+        if path.is_relative_to(root):
+            raise ConfigurationError(
+                f"{option} '{value}' lies inside --output_dir '{output_dir}', which {verb} deletes or rewrites: "
+                "copy it out of the run folder first, or choose another --output_dir"
+            )
+
+
 def weightless_model(source: ModelSource, trust_remote_code: bool):
     """The model's structure on the meta device, from its config alone (seconds, no weights)."""
     hf_config = read_model_config(source, trust_remote_code)
@@ -105,6 +149,18 @@ def check_within_positions(what: str, length: int, hf_config) -> None:
     positions = max_positions(hf_config)
     if positions is not None and length > positions:
         raise ConfigurationError(f"{what} exceeds the model's {positions} positions")
+
+
+def check_vocabulary(tokenizer, hf_config, model_name: str) -> None:
+    """Refuse a tokenizer with more tokens than the model has embeddings: its higher ids would index past them
+    (an IndexError once the data, whatever the sink, reaches the model)."""
+    vocab = getattr(getattr(hf_config, "get_text_config", lambda: hf_config)(), "vocab_size", None)
+    if isinstance(vocab, int) and vocab > 0 and len(tokenizer) > vocab:
+        raise ConfigurationError(
+            f"the tokenizer of '{model_name}' has {len(tokenizer)} tokens, more than the model's vocab_size {vocab}: "
+            "its higher ids have no embedding; use the model's own tokenizer, or resize the embeddings "
+            "(model.resize_token_embeddings(len(tokenizer))) and save the model again"
+        )
 
 
 def max_positions(hf_config) -> Optional[int]:
@@ -192,6 +248,7 @@ def run_identity(request: TaperRequest, source: ModelSource, config: TaperNormCo
     trainer_options["lr_scheduler_type"] = str(getattr(training.lr_scheduler_type, "value", training.lr_scheduler_type))
     return {
         "model": source.describe(),
+        "dtype": request.model.dtype,  # None (as transformers loads it): absent from the runs of older versions
         "model_contents": fingerprint(source.describe() if source.gguf_file else source.path, weights_by_size=True),
         "data": {
             "dataset": data.dataset_name or EMBEDDED_CORPUS,
@@ -224,12 +281,59 @@ def _with_legacy_fingerprints(saved: dict[str, Any], identity: dict[str, Any]) -
     return {**identity, "model_contents": contents}
 
 
+def _same_contents_same_name(saved: dict[str, Any], identity: dict[str, Any]) -> dict[str, Any]:
+    """``identity`` with the model's and the dataset's names taken from ``saved`` where their recorded contents are
+    the same files: ``./corpus.txt`` and ``/home/me/corpus.txt`` (or a moved copy) are the same data."""
+    identity = {**identity}
+    if saved.get("model_contents") and saved.get("model_contents") == identity.get("model_contents"):
+        identity["model"] = saved.get("model")
+    old, new = saved.get("data"), identity.get("data")
+    if (
+        isinstance(old, dict)
+        and isinstance(new, dict)
+        and old.get("contents")
+        and old["contents"] == new.get("contents")
+    ):
+        identity["data"] = {**new, "dataset": old.get("dataset")}
+    return identity
+
+
+#: The parts of a run's identity a ``--baseline_from`` baseline must share (its recipe is not one: it never tapered).
+BASELINE_IDENTITY = ("model", "dtype", "model_contents", "data", "training")
+
+
+def check_baseline_identity(baseline: ModelSource, identity: dict[str, Any]) -> None:
+    """Refuse a ``--baseline_from`` baseline trained from another model, data or training options than this run
+    (the gap against it would measure those differences, not the taper); one that records no run is used with a
+    warning."""
+    folder = Path(baseline.path)
+    manifest = RunFolder(folder.parent.parent).manifest() if folder.parent.name == "baseline" else None
+    saved = (manifest or {}).get("identity")
+    if not isinstance(saved, dict):
+        logger.warning(
+            "--baseline_from %s is not the baseline/model of a recorded taper run: it cannot be checked to match this "
+            "run's model, data and training options",
+            baseline.path,
+        )
+        return
+    saved = {k: saved.get(k) for k in BASELINE_IDENTITY}
+    current = _same_contents_same_name(saved, {k: identity.get(k) for k in BASELINE_IDENTITY})
+    changed = differences(saved, current)
+    if changed:
+        listing = "; ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in list(changed.items())[:6])
+        raise ConfigurationError(
+            f"--baseline_from '{baseline.path}' was trained with other options than this run ({listing}"
+            f"{' ...' if len(changed) > 6 else ''}): the gap would measure those; pass the same options, or train a "
+            "baseline with this run (--baseline)"
+        )
+
+
 def check_resume_identity(folder: RunFolder, identity: dict[str, Any], allowed: set[str]) -> dict[str, Any]:
     """Refuse a ``--resume`` whose options differ from the saved run's, except the ``--allow_changes`` ones."""
     saved = (folder.manifest() or {}).get("identity")
     if saved is None:
         raise ConfigurationError(f"--resume: '{folder.path}' records no run identity; it cannot be checked, start over")
-    changed = differences(saved, _with_legacy_fingerprints(saved, identity))
+    changed = differences(saved, _same_contents_same_name(saved, _with_legacy_fingerprints(saved, identity)))
     refused = {k: v for k, v in changed.items() if k.rsplit(".", 1)[-1] not in allowed and k not in allowed}
     if refused:
         listing = "; ".join(f"{k}: {old!r} in the run, {new!r} now" for k, (old, new) in list(refused.items())[:6])
@@ -249,11 +353,17 @@ def check_resume_identity(folder: RunFolder, identity: dict[str, Any], allowed: 
 __all__ = [
     "IGNORED_ON_RESUME",
     "RESULT_NEUTRAL_OPTIONS",
+    "BASELINE_IDENTITY",
     "TaperRequest",
+    "check_baseline_identity",
     "check_resume_identity",
     "check_schedule",
+    "check_inputs_outside",
+    "check_vocabulary",
     "check_within_positions",
     "fingerprint",
+    "fit_default_schedule",
+    "fit_default_warmup",
     "max_positions",
     "recipe_config",
     "run_identity",

@@ -101,25 +101,7 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
         raise ConfigurationError(
             f"'{source.path}' is already a {source.kind} model; taper starts from an ordinary model"
         )
-    must_empty = output.check(
-        overwrite=run.overwrite,
-        resume=run.resume,
-        has_checkpoint=lambda: bool(list(output.path.glob("**/checkpoint-*"))),
-        recorded_identity=lambda: recorded_identity(output.path),
-    )
-    if must_empty or run.resume:  # nothing this run reads may lie in what it deletes or rewrites
-        inputs = {
-            "--model_name_or_path": source.describe() if source.kind != "hub" else None,
-            "--dataset_name": request.data.dataset_name,
-            "--out_of_corpus_dataset": request.data.out_of_corpus_dataset,
-            "--baseline_from": run.baseline_from,
-        }
-        check_inputs_outside(output.path, inputs, "--overwrite" if run.overwrite else "--resume")
-    stale_checkpoints = (
-        check_resumable(output.path, trust_sharded_checkpoint=request.model.trust_sharded_checkpoint)
-        if run.resume
-        else []
-    )
+    must_empty, stale_checkpoints = _check_folder(request, output, source)
 
     tokenizer = load_tokenizer(source, trust_remote_code=request.model.trust_remote_code)
     skeleton = weightless_model(source, request.model.trust_remote_code)
@@ -178,6 +160,31 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
         raise
     finally:
         logger.info("taper: %.0f s in all", time.time() - started)
+
+
+def _check_folder(request: TaperRequest, output: RunFolder, source: ModelSource) -> tuple[bool, list[Path]]:
+    """Whether the run folder must be emptied (``--overwrite``) and the checkpoints a resumed run must drop, after
+    checking that nothing the run reads lies in what it deletes or rewrites."""
+    must_empty = output.check(
+        overwrite=request.run.overwrite,
+        resume=request.run.resume,
+        has_checkpoint=lambda: bool(list(output.path.glob("**/checkpoint-*"))),
+        recorded_identity=lambda: recorded_identity(output.path),
+    )
+    if must_empty or request.run.resume:  # nothing this run reads may lie in what it deletes or rewrites
+        inputs = {
+            "--model_name_or_path": source.describe() if source.kind != "hub" else None,
+            "--dataset_name": request.data.dataset_name,
+            "--out_of_corpus_dataset": request.data.out_of_corpus_dataset,
+            "--baseline_from": request.run.baseline_from,
+        }
+        check_inputs_outside(output.path, inputs, "--overwrite" if request.run.overwrite else "--resume")
+    stale_checkpoints = (
+        check_resumable(output.path, trust_sharded_checkpoint=request.model.trust_sharded_checkpoint)
+        if request.run.resume
+        else []
+    )
+    return must_empty, stale_checkpoints
 
 
 def _prepare_folder(output: RunFolder, must_empty: bool, stale_checkpoints: Optional[list[Path]], identity) -> None:

@@ -19,6 +19,8 @@ import torch
 
 from hf_tapernorm.config import sink_token_id
 
+from .source import Source
+
 ROOT = Path(os.environ.get("MLPNORMS_ROOT", "/tmp/mlpnorms"))
 
 
@@ -104,8 +106,6 @@ def load_smollm2(path: str | None = None):
 
 
 def smollm2_source(cfg):
-    from .taper_run import Source
-
     model, tok = load_smollm2(cfg.model_path or None)
     train, held = token_blocks(tok, cfg.seq, getattr(cfg, "data_scope", "top"))
     held_blocks = held[: cfg.eval_blocks]
@@ -124,7 +124,6 @@ def smollm2_source(cfg):
 def tiny_source(cfg):
     """A tiny random Llama on stdlib bytes: for smoke tests (no download, seconds)."""
     from .data import held_out_blocks, load_corpus, training_batches
-    from .taper_run import Source
     from .testbed import build_model
 
     corpus = load_corpus(train_bytes=400_000, valid_bytes=40_000)

@@ -32,7 +32,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -47,6 +47,7 @@ from hf_tapernorm.training import TaperSchedule
 
 from .patching import patch
 from .probe import ChannelStats, kind_of, layer_index, scale_stats
+from .source import Source
 from .testbed import param_groups
 
 ROOT = Path(os.environ.get("MLPNORMS_ROOT", "/tmp/mlpnorms"))
@@ -106,16 +107,6 @@ class RunConfig:
 
 
 # ------------------------------------------------------------------------------------------- sources
-@dataclass
-class Source:
-    model: nn.Module
-    sink_ids: list
-    batches: Iterator[torch.Tensor]
-    held: torch.Tensor
-    pretrain_tokens: Optional[int]
-    params: int
-
-
 def make_source(cfg: RunConfig) -> Source:
     if cfg.tiny:
         from .smollm2 import tiny_source

@@ -182,6 +182,38 @@ def _has_gated_mlp(layer: nn.Module) -> bool:
     return any(isinstance(m, LINEAR_TYPES) and _leaf(n).startswith("gate_") for n, m in layer.named_modules())
 
 
+def _one_style(model: nn.Module, modules: dict, norms: dict, seen) -> NormStyle:
+    """The arithmetic every norm of ``model`` shares (one style per model; rounding-only matches are logged)."""
+    detected = {name: detect_style(module, name, seen.sizes.get(name)) for module, name in norms.items()}
+    styles = {name: style for name, (style, _, _) in detected.items()}
+    rounded = sorted({type(modules[name]).__name__ for name, (_, exact, _) in detected.items() if not exact})
+    if rounded:
+        logger.warning(
+            "norm class(es) %s match the TaperNorm arithmetic only up to rounding in this dtype: at g = 1 the "
+            "patched model equals the original within rounding, not bit for bit",
+            ", ".join(rounded),
+        )
+    if len(set(styles.values())) > 1:
+        listing = ", ".join(f"{n}: {s.value}" for n, s in styles.items())
+        raise DiscoveryError(
+            f"{type(model).__name__} mixes norm arithmetics ({listing}); one style per model is supported"
+        )
+    return next(iter(styles.values()))
+
+
+def _decoder_layer_of_each_norm(norms: dict, prefix: str, base: nn.Module) -> dict[str, str]:
+    """``{norm name: its decoder layer's prefix}``: the ModuleList of the base model whose items hold the norms."""
+    layers_of: dict[str, str] = {}
+    for name in norms.values():
+        parts = name[len(prefix) :].split(".") if name.startswith(prefix) else []
+        for cut in range(len(parts) - 1, 0, -1):
+            head = ".".join(parts[:cut])
+            if parts[cut].isdigit() and isinstance(base.get_submodule(head), nn.ModuleList):
+                layers_of[name] = f"{prefix}{head}.{parts[cut]}."
+                break
+    return layers_of
+
+
 def discover_architecture(model: nn.Module) -> Architecture:
     """Build the table-style description of ``model``'s norms from one probe forward.
 
@@ -199,30 +231,9 @@ def discover_architecture(model: nn.Module) -> Architecture:
         seen = probe_forward(model, norms)
     except UnsupportedModelError as error:
         raise DiscoveryError(str(error)) from error.__cause__
-    detected = {name: detect_style(module, name, seen.sizes.get(name)) for module, name in norms.items()}
-    styles = {name: style for name, (style, _, _) in detected.items()}
-    rounded = sorted({type(modules[name]).__name__ for name, (_, exact, _) in detected.items() if not exact})
-    if rounded:
-        logger.warning(
-            "norm class(es) %s match the TaperNorm arithmetic only up to rounding in this dtype: at g = 1 the "
-            "patched model equals the original within rounding, not bit for bit",
-            ", ".join(rounded),
-        )
-    if len(set(styles.values())) > 1:
-        listing = ", ".join(f"{n}: {s.value}" for n, s in styles.items())
-        raise DiscoveryError(
-            f"{type(model).__name__} mixes norm arithmetics ({listing}); one style per model is supported"
-        )
+    style = _one_style(model, modules, norms, seen)
 
-    # The decoder layers: the ModuleList of the base model whose items hold the norms.
-    layers_of: dict[str, str] = {}
-    for name in norms.values():
-        parts = name[len(prefix) :].split(".") if name.startswith(prefix) else []
-        for cut in range(len(parts) - 1, 0, -1):
-            head = ".".join(parts[:cut])
-            if parts[cut].isdigit() and isinstance(base.get_submodule(head), nn.ModuleList):
-                layers_of[name] = f"{prefix}{head}.{parts[cut]}."
-                break
+    layers_of = _decoder_layer_of_each_norm(norms, prefix, base)
     # Every norm must be foldable on its own before the layout as a whole is checked.
     sites = {
         name: _classify(name, seen, modules, norm_hidden_size(module, seen.sizes.get(name)), name not in layers_of)
@@ -267,7 +278,7 @@ def discover_architecture(model: nn.Module) -> Architecture:
     head = final_site.consumers[0] if final_site.consumers else "lm_head"
     return Architecture(
         model_type=model_type,
-        style=next(iter(styles.values())),
+        style=style,
         layers=layers,
         sites=layer_sites,
         final_norm=final[len(prefix) :],

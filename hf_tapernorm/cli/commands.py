@@ -62,6 +62,42 @@ EXPORT_FILES = (
 )
 
 
+def _evaluation_sink(model, tokenizer, sink: str, source) -> list[int]:
+    """The sink every evaluation block starts with: a model trained with one is evaluated on blocks that start with
+    it (a folded one holds it itself); ``--sink bos`` or ``none`` only where the model has no sink of its own."""
+    taper_config = getattr(model, "tapernorm_config", None)
+    own_sink = list(
+        getattr(model.config, "sink_token_ids", None) or (taper_config.sink_token_ids if taper_config else [])
+    )
+    if sink == "auto":
+        sink_ids = own_sink
+    elif sink == "none":
+        sink_ids = []
+    else:
+        bos = sink_token_id(tokenizer)
+        if bos is None:
+            raise UsageError("--sink bos: the tokenizer has neither a BOS nor an EOS token; pass --sink none")
+        sink_ids = [bos]
+    if own_sink and sink_ids != own_sink:
+        raise UsageError(f"'{source.path}' was trained with the sink {own_sink}; evaluate it with --sink auto")
+    return sink_ids
+
+
+def _to_gate_zero(model, source) -> None:
+    """A tapered checkpoint is evaluated at g = 0, as the folded model would be (with a warning if saved above it)."""
+    trained_gate = gate_of(model)
+    try:
+        set_gate(model, 0.0)
+    except TaperStateError as error:
+        raise UsageError(f"cannot evaluate '{source.path}' at g = 0: {error}") from None
+    if trained_gate > 0.0:
+        logger.warning(
+            "%s was saved at gate %.4g; evaluating it at g = 0 as the folded model would be",
+            source.path,
+            trained_gate,
+        )
+
+
 def eval_main(argv: Sequence[str]) -> int:
     """``hf-tapernorm eval``: held-out loss and perplexity of an original model, a tapered checkpoint
     (evaluated at g = 0) or a folded export, on the same held-out blocks as ``taper`` builds."""
@@ -85,34 +121,9 @@ def eval_main(argv: Sequence[str]) -> int:
         trust_remote_code=model_args.trust_remote_code,
         trust_sharded_checkpoint=model_args.trust_sharded_checkpoint,
     )
-    # A model trained with a sink is evaluated on blocks that start with it (a folded one holds it itself).
-    taper_config = getattr(model, "tapernorm_config", None)
-    own_sink = list(
-        getattr(model.config, "sink_token_ids", None) or (taper_config.sink_token_ids if taper_config else [])
-    )
-    if eval_args.sink == "auto":
-        sink_ids = own_sink
-    elif eval_args.sink == "none":
-        sink_ids = []
-    else:
-        bos = sink_token_id(tokenizer)
-        if bos is None:
-            raise UsageError("--sink bos: the tokenizer has neither a BOS nor an EOS token; pass --sink none")
-        sink_ids = [bos]
-    if own_sink and sink_ids != own_sink:
-        raise UsageError(f"'{source.path}' was trained with the sink {own_sink}; evaluate it with --sink auto")
+    sink_ids = _evaluation_sink(model, tokenizer, eval_args.sink, source)
     if source.kind == "tapered":
-        trained_gate = gate_of(model)
-        try:
-            set_gate(model, 0.0)
-        except TaperStateError as error:
-            raise UsageError(f"cannot evaluate '{source.path}' at g = 0: {error}") from None
-        if trained_gate > 0.0:
-            logger.warning(
-                "%s was saved at gate %.4g; evaluating it at g = 0 as the folded model would be",
-                source.path,
-                trained_gate,
-            )
+        _to_gate_zero(model, source)
     packed = prepare_from_arguments(data_args, tokenizer, train_blocks=0, prefix_ids=sink_ids)
     result = {
         "model": source.describe(),

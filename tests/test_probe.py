@@ -6,8 +6,6 @@ late errors and wrong refusals. Each test would fail on the code before its fix.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import logging
 import os
@@ -21,7 +19,6 @@ from transformers import AutoModelForCausalLM
 
 from hf_tapernorm import TaperNormConfig, patch_model
 from hf_tapernorm._parsing import UsageError, parse
-from hf_tapernorm.cli import main
 from hf_tapernorm.cli.arguments import (
     DataArguments,
     ModelArguments,
@@ -48,6 +45,7 @@ from hf_tapernorm.pipeline.validation import (
 from hf_tapernorm.training import calibrate
 from hf_tapernorm.training.schedule import decay_learning_rate_after_the_taper
 from tests.conftest import build, char_tokenizer, corpus_documents, save_tiny_model, tiny_llama_config
+from tests.helpers import run_main
 
 TAPER_OPTIONS = [ModelArguments, DataArguments, TaperArguments, RunArguments, TaperTrainingArguments]
 
@@ -70,16 +68,9 @@ def argv(ws: Path, out: Path, *extra: str, steps: int = 6, model: str | None = N
     ]  # fmt: skip
 
 
-def run(arguments: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(arguments)
-    return code, out.getvalue(), err.getvalue()
-
-
 def refused(arguments: list[str], *expected: str) -> str:
     """Run a command that must stop with one line (exit 2) holding every ``expected`` fragment."""
-    code, _, stderr = run(arguments)
+    code, _, stderr = run_main(arguments)
     line = stderr.strip().splitlines()[-1] if stderr.strip() else ""
     assert code == 2 and line.startswith("hf-tapernorm "), stderr
     for fragment in expected:
@@ -91,7 +82,7 @@ def refused(arguments: list[str], *expected: str) -> str:
 def baseline_run(ws) -> Path:
     """A finished run with --baseline (its baseline/model and checkpoint-6 are what the cases below point at)."""
     out = ws / "run"
-    code, _, stderr = run(argv(ws, out, "--baseline"))
+    code, _, stderr = run_main(argv(ws, out, "--baseline"))
     assert code == 0, stderr
     return out
 
@@ -131,7 +122,7 @@ def test_baseline_from_a_run_with_other_options_is_refused_with_what_differs(ws,
     assert "training.seed: 42 there, 7 now" in line
     refused(argv(ws, tmp_path / "b", "--baseline_from", str(baseline_run), steps=8), "training.max_steps: 6 there")
     # The recipe is not part of a baseline's identity (it never tapered); the same data and training options are.
-    code, _, stderr = run(argv(ws, tmp_path / "c", "--baseline_from", str(baseline_run), "--distill_weight", "0"))
+    code, _, stderr = run_main(argv(ws, tmp_path / "c", "--baseline_from", str(baseline_run), "--distill_weight", "0"))
     assert code == 0, stderr
     report = json.loads((tmp_path / "c" / "report.json").read_text())
     assert report["export"]["baseline_model"] == str(baseline_run / "baseline" / "model")
@@ -230,7 +221,7 @@ def test_resume_names_the_same_model_and_data_by_another_path(ws, baseline_run, 
     monkeypatch.chdir(ws)  # the run recorded absolute paths; name them relative now
     arguments = argv(ws, copy, "--resume", "--baseline", model="llama")
     arguments[arguments.index("--dataset_name") + 1] = "corpus.txt"
-    code, _, stderr = run(arguments)
+    code, _, stderr = run_main(arguments)
     assert code == 0, stderr
     # Another file under the same name is still another dataset.
     (tmp_path / "corpus.txt").write_text("\n\n".join(corpus_documents(150, seed=3)))
@@ -243,7 +234,7 @@ def test_resume_names_the_same_model_and_data_by_another_path(ws, baseline_run, 
 def test_eval_and_fold_of_a_trainer_checkpoint_find_the_runs_tokenizer(ws, baseline_run, tmp_path):
     checkpoint = next(baseline_run.glob("checkpoint-*"))
     assert not (checkpoint / "tokenizer.json").exists()
-    code, stdout, stderr = run(
+    code, stdout, stderr = run_main(
         ["eval", "--model_name_or_path", str(checkpoint), "--dataset_name", str(ws / "corpus.txt"),
          "--block_size", "32", "--heldout_blocks", "4", "--heldout_percentage", "10", "--out_of_corpus_blocks", "0",
          "--scan_windows", "0"]
@@ -253,7 +244,9 @@ def test_eval_and_fold_of_a_trainer_checkpoint_find_the_runs_tokenizer(ws, basel
     report = json.loads((baseline_run / "report.json").read_text())
     assert result["kind"] == "tapered" and result["loss"] == pytest.approx(report["heldout"]["tapered"]["loss"], 1e-5)
     export = tmp_path / "export"
-    code, _, stderr = run(["fold", "--checkpoint", str(checkpoint), "--output_dir", str(export), "--scan_windows", "0"])
+    code, _, stderr = run_main(
+        ["fold", "--checkpoint", str(checkpoint), "--output_dir", str(export), "--scan_windows", "0"]
+    )
     assert code == 0, stderr
     assert load_tokenizer(resolve_model(str(export)))("ab")["input_ids"] == [97, 98]
 
@@ -329,7 +322,7 @@ def test_a_failed_tiny_run_prints_the_warning_last(ws, tmp_path, monkeypatch):
     import hf_tapernorm.pipeline.taper as taper
 
     monkeypatch.setattr(taper, "far_worse_warning", lambda facts: "WARNING: the run failed (test)")
-    code, stdout, stderr = run(argv(ws, tmp_path / "out", steps=4))
+    code, stdout, stderr = run_main(argv(ws, tmp_path / "out", steps=4))
     assert code == 0, stderr
     assert stdout.strip().splitlines()[-1] == "WARNING: the run failed (test)"
 
@@ -375,7 +368,7 @@ def test_taper_with_24_steps_and_every_default_runs(ws, tmp_path):
         "--use_cpu", "--disable_tqdm", "true", "--data_cache_dir", str(ws / "cache"), "--out_of_corpus_blocks", "0",
         "--scan_windows", "0", "--per_device_train_batch_size", "1",
     ]  # fmt: skip
-    code, _, stderr = run(arguments)
+    code, _, stderr = run_main(arguments)
     assert code == 0, stderr
     report = json.loads((out / "report.json").read_text())
     assert report["taper"]["taper_start_step"] == 1 and report["training"]["final_gate"] == 0.0

@@ -75,6 +75,16 @@ ARMS: dict[str, Arm] = {
         False,
         "the default, keeping the attention input norms of layers 4-13 (where a broken window's runaway starts)",
     ),
+    "keep_attn_4_13_sink_attention": Arm(
+        (
+            "--keep_norms",
+            "model.layers.*.post_attention_layernorm,model.layers.[4-9].input_layernorm,"
+            "model.layers.1[0-3].input_layernorm",
+        ),
+        False,
+        "keep_attn_4_13 plus the sink-attention term at weight 1 (each arm mended one break the other did not)",
+        script="conversion_scripts.experiments.sink_attention",
+    ),
     "kl_control": Arm(
         (),
         False,

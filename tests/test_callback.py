@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainerState, TrainingArguments
 
 import hf_tapernorm.training.controller as controller_module
 from hf_tapernorm import (
@@ -20,6 +20,7 @@ from hf_tapernorm import (
     TaperDivergenceError,
     TaperNormConfig,
     TaperStateError,
+    load_tapered,
     patch_model,
 )
 from hf_tapernorm.layers import gate_of, tapered_norms
@@ -168,6 +169,16 @@ def _assert_same_run(reference, resumed, trace) -> None:
     assert any(k.endswith("anchor.target") for k in actual)
     for key in expected:
         torch.testing.assert_close(actual[key], expected[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_trainer_checkpoints_are_tapered_checkpoints_automodel_refuses(reference):
+    """The Trainer saves through the patched model's save_pretrained: checkpoint-N names the tapered type, so
+    AutoModelForCausalLM refuses it instead of loading the base model with its norms back; load_tapered reads it."""
+    checkpoint = reference["out"] / "checkpoint-6"
+    assert json.loads((checkpoint / "config.json").read_text())["model_type"] == "hf_tapernorm_tapered_llama"
+    with pytest.raises(ValueError, match="hf_tapernorm_tapered_llama"):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert gate_of(load_tapered(checkpoint)) < 1.0
 
 
 def _copy_checkpoint(reference, folder: Path) -> Path:

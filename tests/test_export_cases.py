@@ -170,3 +170,32 @@ def test_a_tapered_folder_cannot_be_loaded_as_a_plain_model_and_load_tapered_rea
     source = resolve_model(str(folder))
     assert source.kind == "tapered" and read_model_config(source).num_hidden_layers == model.config.num_hidden_layers
     assert AutoTokenizer.from_pretrained(folder)("ab")["input_ids"] == [97, 98]
+
+
+@pytest.mark.parametrize("how", ["save_pretrained", "deepcopy_then_save_pretrained"])
+def test_a_patched_models_own_save_pretrained_writes_a_tapered_checkpoint(tmp_path, how):
+    """A plain ``model.save_pretrained`` of a patched model (not only save_tapered) is refused by AutoModel and read
+    exactly by load_tapered; a deep copy (the distillation teacher is one) saves itself, not the original."""
+    import copy
+
+    from hf_tapernorm import load_tapered
+
+    original = sink_tapered("llama")
+    model = copy.deepcopy(original) if how.startswith("deepcopy") else original
+    if how.startswith("deepcopy"):
+        with torch.no_grad():
+            model.lm_head.weight.mul_(2.0)  # the copy computes another function than the original
+    model.save_pretrained(tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["model_type"] == "hf_tapernorm_tapered_llama" and "load_tapered" in config["hf_tapernorm_note"]
+    assert (tmp_path / "saved" / "tapernorm_config.json").is_file()
+    with pytest.raises(ValueError, match="hf_tapernorm_tapered_llama"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    reloaded = load_tapered(tmp_path / "saved")
+    with torch.no_grad():
+        expected = model(input_ids=with_sink(TEXT)).logits
+        assert torch.equal(reloaded(input_ids=with_sink(TEXT)).logits, expected)
+        if how.startswith("deepcopy"):
+            assert not torch.allclose(expected, original(input_ids=with_sink(TEXT)).logits)
+    model.save_pretrained(tmp_path / "saved")  # saved twice into one folder: marked once
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["model_type"] == "hf_tapernorm_tapered_llama"

@@ -15,6 +15,7 @@ from ..architectures.styles import NormStyle
 from ..config import TaperNormConfig
 from ..errors import CalibrationError, ConfigurationError, TaperNormError, TaperStateError, UnsupportedModelError
 from ..utils import replace_submodule
+from .saving import mark_saves_as_tapered
 from .scale_anchor import ScaleAnchor
 from .sink import set_sink_tokens, warn_if_tokenizer_omits_sink
 from .taper_norm import TaperNorm, tapered_norms
@@ -112,7 +113,9 @@ def patch_model(
     (``tokenizer`` gives the BOS id kept as the attention sink; a warning says when it does not add that BOS
     itself, so the data must). The config is attached to the model as
     ``model.tapernorm_config``, where ``TaperCallback`` and ``TaperController`` read the schedule,
-    distillation and scale loss, and saved with tapered checkpoints.
+    distillation and scale loss, and saved with tapered checkpoints. From then on the model's
+    ``save_pretrained`` (and so every Trainer checkpoint) writes a tapered checkpoint, which
+    ``AutoModelForCausalLM`` refuses and ``load_tapered`` reads (layers/saving.py).
 
     Every replacement is planned and checked before the model is touched, so a failure (the error names
     the module) leaves the model as it was. Which modules are norms comes from the architecture table;
@@ -153,6 +156,7 @@ def patch_model(
             layer.anchor.attach(model)
         replace_submodule(model, site.path, layer)
     model.tapernorm_config = config
+    mark_saves_as_tapered(model)
     set_sink_tokens(model, config.sink_token_ids)
     if tokenizer is not None:
         warn_if_tokenizer_omits_sink(tokenizer, config.sink_token_ids)

@@ -24,42 +24,29 @@ from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PreTr
 from ..config import CONFIG_NAME, TaperNormConfig, config_of
 from ..errors import ConfigurationError, TaperStateError
 from ..layers.patching import patch_model
+from ..layers.saving import TAPERED_NOTE_KEY, TAPERED_TYPE_PREFIX, mark_config_as_tapered
 from ..layers.taper_norm import tapered_norms
 from .sharded import is_sharded_checkpoint, read_sharded_model_state
 
 #: The file of tapered checkpoints written before TaperNormConfig (patch_model's options): still read.
 LEGACY_CONFIG_NAME = "tapernorm.json"
-#: The ``model_type`` prefix of a tapered checkpoint's config.json. transformers knows no such type, so
-#: ``AutoModelForCausalLM.from_pretrained`` refuses the folder instead of loading a plain model with its norms back
-#: (the TaperNorm tensors reported as unexpected, the tapered function lost); ``load_tapered`` restores the base type.
-TAPERED_TYPE_PREFIX = "hf_tapernorm_tapered_"
-TAPERED_NOTE_KEY = "hf_tapernorm_note"
 
 
 def save_tapered(model: nn.Module, folder: Union[str, os.PathLike], tokenizer: Any = None) -> Path:
     """Save a patched model (weights, taper state, base config) and its TaperNormConfig; returns the folder.
 
     Its config.json names the model type ``hf_tapernorm_tapered_<type>``, so the folder cannot be mistaken for a
-    plain checkpoint of the base model: read it with ``load_tapered``.
+    plain checkpoint of the base model: read it with ``load_tapered``. (A patched model's own ``save_pretrained``
+    writes the same folder without the tokenizer: layers/saving.py.)
     """
     folder = Path(folder)
     config = config_of(model)
     model.save_pretrained(folder)
-    _mark_tapered(folder / "config.json")
+    mark_config_as_tapered(folder / "config.json")  # a model whose save_pretrained was replaced after patching
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     config.save_pretrained(folder)
     return folder
-
-
-def _mark_tapered(path: Path) -> None:
-    values = json.loads(path.read_text())
-    values["model_type"] = TAPERED_TYPE_PREFIX + values["model_type"]
-    values[TAPERED_NOTE_KEY] = (
-        "a tapered checkpoint (its norms are TaperNorm layers), not a plain model: load it with "
-        "hf_tapernorm.load_tapered(folder), or pass it to hf-tapernorm eval / fold"
-    )
-    path.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
 
 
 def tapered_model_config(folder: Union[str, os.PathLike]) -> PreTrainedConfig:

@@ -45,6 +45,16 @@ def test_fp32_asks_nothing_of_the_cpu(monkeypatch, tmp_path):
     assert not args.bf16
 
 
+def test_memory_is_not_pinned_without_an_accelerator(cpu_only, tmp_path, recwarn):
+    """Pinning needs an accelerator: on a CPU the option is off, and the data loader does not warn on every run."""
+    import torch
+
+    (args,) = parse([TaperTrainingArguments], ["--output_dir", str(tmp_path)], "hf-tapernorm taper")
+    assert args.dataloader_pin_memory is False
+    list(torch.utils.data.DataLoader(list(range(4)), batch_size=2, pin_memory=args.dataloader_pin_memory))
+    assert not [w for w in recwarn if "pin_memory" in str(w.message)]
+
+
 def test_the_bf16_check_measures_this_machine():
     assert isinstance(cpu_has_fast_bf16(), bool) and cpu_has_fast_bf16() is cpu_has_fast_bf16()  # measured once
     assert isinstance(accelerator_available(), bool)

@@ -312,6 +312,8 @@ class TaperTrainingArguments(TrainingArguments):
                 "--bf16: this CPU has no fast bf16 matrix products (no AVX-512 BF16 or AMX), so bf16 autocast "
                 "trains slower than fp32 here; drop --bf16 to train in fp32"
             )
+        if self.dataloader_pin_memory and (self.use_cpu or not accelerator_available()):
+            self.dataloader_pin_memory = False  # nothing to pin for: torch would warn on every run that it is unused
         super().__post_init__()
 
 

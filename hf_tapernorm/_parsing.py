@@ -39,7 +39,12 @@ class _Parser(HfArgumentParser):
 def parse(dataclass_types: Sequence[type], argv: Sequence[str], prog: str) -> tuple[Any, ...]:
     """Parse ``argv`` (or one JSON/YAML file of all options, as transformers' example scripts accept)."""
     parser = _Parser(list(dataclass_types), prog=prog)
-    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
+    if argv and _is_options_file(argv[0]) and len(argv) > 1:  # argparse would call it an unrecognized argument
+        raise UsageError(
+            f"the options file {argv[0]} is read alone: put {argv[1]} and the other options into it, or pass every "
+            f"option as a flag (see {prog} --help)"
+        )
+    if len(argv) == 1 and _is_options_file(argv[0]):
         path = os.path.abspath(argv[0])
         if not os.path.isfile(path):
             raise UsageError(f"options file '{argv[0]}' not found")
@@ -65,11 +70,16 @@ def parse(dataclass_types: Sequence[type], argv: Sequence[str], prog: str) -> tu
         raise UsageError(message) from None
 
 
+def _is_options_file(argument: str) -> bool:
+    """Whether a command-line argument names an options file (run.json, RUN.YAML), not a flag or its value."""
+    return not argument.startswith("-") and argument.lower().endswith((".json", ".yaml", ".yml"))
+
+
 def _read_options_file(path: str, name: str) -> dict[str, Any]:
     """The object of an options file (JSON or YAML), or a UsageError naming the file."""
     try:
         with open(path, encoding="utf-8") as handle:
-            values = json.load(handle) if path.endswith(".json") else yaml.safe_load(handle)
+            values = json.load(handle) if path.lower().endswith(".json") else yaml.safe_load(handle)
     except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as error:
         raise UsageError(
             f"{name}: cannot read it ({str(error).splitlines()[0] if str(error) else type(error).__name__})"

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import operator
 import os
 import typing
@@ -393,6 +394,8 @@ def _checked(cls: type, name: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigurationError(f"{label} must be a number, got {value!r}")
         value = float(value)
+        if math.isinf(value):  # an infinite loss weight makes the first step's loss inf
+            raise ConfigurationError(f"{label} must be a finite number, got {value}")
     elif hint is str and not isinstance(value, str):
         raise ConfigurationError(f"{label} must be a string, got {value!r}")
     if name == "ema_rate" and not 0.0 < value <= 1.0:
@@ -439,6 +442,10 @@ def _download(repo_id: str, revision: Optional[str], token: Union[str, bool, Non
 def sink_token_id(tokenizer: Any = None, model: Optional[nn.Module] = None) -> Optional[int]:
     """The token every block starts with as the attention sink: the tokenizer's BOS, else its EOS (GPT-2-style
     tokenizers use one token as both); without a tokenizer, the model config's BOS. None when there is none."""
+    if isinstance(tokenizer, (str, os.PathLike)):  # a name has no BOS: the recipe would silently lose its sink
+        raise ConfigurationError(
+            f"tokenizer= must be a tokenizer, got the name {str(tokenizer)!r}: pass AutoTokenizer.from_pretrained(name)"
+        )
     if tokenizer is not None:
         for name in ("bos_token_id", "eos_token_id"):
             if getattr(tokenizer, name, None) is not None:

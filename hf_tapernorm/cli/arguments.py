@@ -14,10 +14,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from transformers import TrainingArguments
 
 from .._parsing import as_flags
@@ -335,6 +338,10 @@ class EvalArguments:
         ),
     )
 
+    def __post_init__(self) -> None:
+        if self.output_json:  # a quoted '~/r.json' (or one in an options file) too
+            self.output_json = os.path.expanduser(self.output_json)
+
 
 @dataclass
 class FoldArguments:
@@ -357,6 +364,7 @@ class FoldArguments:
     def __post_init__(self) -> None:
         _positive("tolerance", self.tolerance)
         _positive("scan_windows", self.scan_windows, allow_zero=True)
+        self.output_dir = os.path.expanduser(self.output_dir)  # a quoted '~/x' (or one in an options file) too
 
 
 @dataclass
@@ -383,6 +391,12 @@ class PushArguments:
     def __post_init__(self) -> None:
         if self.repo_id.count("/") != 1 or not all(self.repo_id.split("/")):
             raise ConfigurationError(f"--repo_id must look like 'owner/name', got {self.repo_id!r}")
+        try:  # the Hub's own rules (letters, digits, '-', '_', '.'), checked before the export is read
+            validate_repo_id(self.repo_id)
+        except HFValidationError as error:
+            raise ConfigurationError(
+                f"--repo_id {self.repo_id!r} is not a valid Hub repository name: {error}"
+            ) from None
 
 
 __all__ = [

@@ -29,6 +29,7 @@ from ..pipeline.models import (
     load_model,
     load_tokenizer,
     model_config,
+    read_model_config,
     resolve_model,
 )
 from ..pipeline.out_of_corpus import out_of_corpus_set
@@ -107,7 +108,8 @@ def eval_main(argv: Sequence[str]) -> int:
         check_result_file(output_json)
     source = resolve_model(model_args.model_name_or_path, model_args.gguf_file)
     block_size = data_args.block_size
-    hf_config = model_config(source, model_args.trust_remote_code)
+    local = source.kind in ("folder", "folded")  # its unreadable config.json is the error, not the tokenizer's
+    hf_config = (read_model_config if local else model_config)(source, model_args.trust_remote_code)
     check_within_positions(f"--block_size {block_size}", block_size, hf_config)
     tokenizer = tokenizer_of(source, trust_remote_code=model_args.trust_remote_code)
     if hf_config is not None:
@@ -316,6 +318,11 @@ def fold_main(argv: Sequence[str]) -> int:
             f"it is a {source.kind} model"
         )
     output_dir = Path(fold_args.output_dir)
+    if output_dir.resolve().is_relative_to(Path(source.path).resolve()):  # the export would become part of it
+        raise UsageError(
+            f"--output_dir '{output_dir}' lies inside --checkpoint '{fold_args.checkpoint}', which fold reads; "
+            "choose a folder outside the checkpoint"
+        )
     check_export_folder(output_dir, fold_args.overwrite)
     model = load_model(source, trust_sharded_checkpoint=fold_args.trust_sharded_checkpoint)
     gate = gate_of(model)

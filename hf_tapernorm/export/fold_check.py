@@ -11,12 +11,12 @@ import copy
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from ..errors import FoldCheckError
+from ..errors import ConfigurationError, FoldCheckError
 from ..layers.sink import sink_token_ids_of
 from ..utils import parameter_count
 
@@ -44,6 +44,22 @@ class FoldReport:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def check_probe(model: nn.Module, probe: Any) -> None:
+    """Refuse a probe the model cannot read (before the fold): a batch of token ids, (batch, tokens), inside the
+    vocabulary; the embedding would otherwise fail with an index or dtype error after the work."""
+    if probe is None:
+        return
+    vocab = model.get_input_embeddings().weight.shape[0]
+    valid = isinstance(probe, torch.Tensor) and probe.dim() == 2 and probe.numel() > 0
+    valid = valid and not probe.is_floating_point() and not probe.is_complex() and probe.dtype is not torch.bool
+    if not valid or int(probe.min()) < 0 or int(probe.max()) >= vocab:
+        shape = tuple(probe.shape) if isinstance(probe, torch.Tensor) else type(probe).__name__
+        raise ConfigurationError(
+            f"fold_model: probe must be a (batch, tokens) tensor of token ids in [0, {vocab}), got {shape}"
+            + (f" {probe.dtype}" if isinstance(probe, torch.Tensor) else "")
+        )
 
 
 def _probe_batch(model: nn.Module, probe: Optional[torch.Tensor]) -> torch.Tensor:

@@ -34,9 +34,9 @@ from ..errors import CalibrationError, ConfigurationError, TaperStateError, Unsu
 from ..layers.sink import sink_outputs, sink_token_ids_of
 from ..layers.taper_norm import TaperNorm, tapered_norms
 from ..training.distributed import sharding_engine
-from .fold_check import FoldReport, check_fold
+from .fold_check import FoldReport, check_fold, check_probe
 from .model_card import render_model_card
-from .modeling_folded import folded_classes
+from .modeling_folded import PREFIX, folded_classes
 from .registration import register_folded_classes
 
 logger = logging.getLogger(__name__)
@@ -52,12 +52,22 @@ def _check_foldable(model: nn.Module, model_type: str) -> None:
             "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) loaded into an unsharded "
             "copy, or `hf-tapernorm fold --checkpoint` on a sharded checkpoint (docs/distributed.md)"
         )
+    if model_type.startswith(PREFIX):  # a loaded export (remote code too): its norms are gone already
+        raise TaperStateError(
+            f"{type(model).__name__} is already folded (a norm-free export): use it as it is; fold_model reads a "
+            "patched model tapered to gate 0 (load_tapered(folder) for a tapered checkpoint)"
+        )
     if not any(tapered_norms(model, include_kept=True)):
         raise TaperStateError(
             f"{type(model).__name__} is not patched: fold_model needs a model patched with patch_model, "
             "calibrated and tapered to gate 0"
         )
     base_class = folded_classes(model_type)[1].__bases__[-1]
+    if hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule around the model
+        raise UnsupportedModelError(
+            f"fold_model expects a {base_class.__name__}, got torch.compile's {type(model).__name__}: fold the "
+            "module it wraps, fold_model(model._orig_mod)"
+        )
     if not isinstance(model, base_class):
         peft = hasattr(model, "merge_and_unload")
         unmerged = "; merge its PEFT adapters first: fold_model(model.merge_and_unload())" if peft else ""
@@ -310,10 +320,12 @@ def fold_model(
     """
     if tied_head not in TIED_HEAD_CHOICES:
         raise ConfigurationError(f"tied_head must be 'untie' or 'scale', got {tied_head!r}")
-    if tolerance is not None and not (isinstance(tolerance, (int, float)) and 0 < tolerance < math.inf):
+    number = isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool)  # True would be 1.0: no check
+    if tolerance is not None and not (number and 0 < tolerance < math.inf):
         raise ConfigurationError(f"fold_model: tolerance must be a positive finite number, got {tolerance!r}")
     model_type = model_type_of(model)
     _check_foldable(model, model_type)
+    check_probe(model, probe)
     arch = architecture_of(model)  # the table entry, else automatic discovery (logged)
     config_class, model_class = folded_classes(model_type)
     register_folded_classes([model_type])

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 
 from ..errors import ConfigurationError, TaperStateError
 from .model_card import attach_model_card
-from .modeling_folded import FoldedModelMixin, upload_export
+from .modeling_folded import PREFIX, FoldedModelMixin, upload_export
 
 logger = logging.getLogger(__name__)
 
@@ -103,12 +103,11 @@ def export_folded(
             f"export_folded: tokenizer= must be a transformers tokenizer (with save_pretrained), got "
             f"{type(tokenizer).__name__}"
         )
-    folder = Path(save_directory)
-    if folder.exists() and not folder.is_dir():
-        raise ConfigurationError(f"cannot export into {folder}: it is a file")
-    if folder.is_dir() and any(folder.iterdir()) and not overwrite:
+    folder = Path(save_directory).expanduser()  # "~/out" is the home folder's, not a folder named "~"
+    _check_export_folder(folder, overwrite)
+    if facts is not None and not isinstance(facts, Mapping):
         raise ConfigurationError(
-            f"{folder} is not empty; choose a new folder or pass overwrite=True to replace its files"
+            f"export_folded: facts= must be a mapping of model card facts, got {type(facts).__name__}"
         )
     if facts is not None or model.model_card is None:
         attach_model_card(model, facts)
@@ -119,6 +118,35 @@ def export_folded(
             _log_sink_handling(model, tokenizer)
     logger.info("exported %s to %s", type(model).__name__, folder)
     return folder
+
+
+def _check_export_folder(folder: Path, overwrite: bool) -> None:
+    """Refuse, before anything is written: a file on the way to ``folder``, a non-empty folder without
+    ``overwrite``, and (even with it) a folder holding another model, whose config.json and weights the export
+    would replace."""
+    for path in (folder, *folder.parents):
+        if path.exists() and not path.is_dir():
+            raise ConfigurationError(f"cannot export into {folder}: {'it' if path == folder else path} is a file")
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return
+    if not overwrite:
+        raise ConfigurationError(
+            f"{folder} is not empty; choose a new folder or pass overwrite=True to replace its files"
+        )
+    config = folder / "config.json"
+    if export_manifest(folder) is None and config.is_file() and not _is_folded_config(config):
+        raise ConfigurationError(
+            f"refusing overwrite=True of {folder}: it holds a model that is not an earlier export ({config.name} "
+            "without a tapernorm_* model_type), which the export would replace; choose a new folder"
+        )
+
+
+def _is_folded_config(path: Path) -> bool:
+    try:
+        model_type = json.loads(path.read_text()).get("model_type")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return False
+    return isinstance(model_type, str) and model_type.startswith(PREFIX)
 
 
 def _log_sink_handling(model: PreTrainedModel, tokenizer: Any) -> None:
@@ -139,6 +167,7 @@ def files_to_push(folder: str | os.PathLike, include: Sequence[str] = ()) -> lis
     one missing a file of its manifest, and one holding a file neither the manifest nor ``include`` names.
     """
     folder = Path(folder)
+    include = [include] if isinstance(include, str) else list(include)  # a string's letters would be patterns: "*"
     manifest = export_manifest(folder)
     if manifest is None:
         raise ConfigurationError(
@@ -167,7 +196,10 @@ def files_to_push(folder: str | os.PathLike, include: Sequence[str] = ()) -> lis
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(Path(name).name, p) for p in patterns)
+    """Whether an --include pattern names ``name`` (its path or file name), literally too: ``[v2].txt`` is a
+    file name as well as a character class."""
+    names = (name, Path(name).name)
+    return any(p in names or any(fnmatch.fnmatchcase(n, p) for n in names) for p in patterns)
 
 
 def push_export(folder: str | os.PathLike, repo_id: str, *, include: Sequence[str] = (), **options: Any):

@@ -57,6 +57,11 @@ def plan_patch(model: nn.Module, config: TaperNormConfig) -> list[_Replacement]:
             f"{type(model).__name__} is already patched (found a TaperNorm at '{existing}'); "
             "call patch_model once per model"
         )
+    if str(model_type_of(model)).startswith("tapernorm_"):  # a loaded folded export: discovery would blame the layout
+        raise TaperStateError(
+            f"{type(model).__name__} is a folded export ({model_type_of(model)}): its norms are folded away already, "
+            "so there is nothing to patch; patch the original model (or load_tapered a tapered checkpoint)"
+        )
     if getattr(model, "peft_config", None) is not None and hasattr(model, "merge_and_unload"):
         raise UnsupportedModelError(
             f"{type(model).__name__} wraps the model in PEFT adapters: patch the base model before get_peft_model "

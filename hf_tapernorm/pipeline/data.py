@@ -126,7 +126,15 @@ def _builder_for(path: Path) -> str:
 
 
 def _local_files(folder: Path) -> list[Path]:
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in _BUILDERS)
+    """The data files of a folder; hidden files and folders (``.ipynb_checkpoints/``, ``.git/``) are skipped, as
+    ``datasets`` skips them: they hold copies of the data or tool state, not more of the corpus."""
+    files = sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file()
+        and p.suffix.lower() in _BUILDERS
+        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
     if not files:
         raise DataError(f"the dataset folder '{folder}' holds no {'/'.join(sorted(_BUILDERS))} files")
     builders = {_builder_for(p) for p in files}
@@ -165,7 +173,8 @@ def load_text_dataset(
                     f"dataset '{source}' is empty: {'its files hold' if path.is_dir() else 'the file holds'} no text"
                 )
             builder = _builder_for(files[0])
-            kwargs = {"sample_by": sample_by} if builder == "text" else {}
+            # utf-8-sig: a byte-order mark (Windows editors write one) is not text of the first document
+            kwargs = {"sample_by": sample_by, "encoding": "utf-8-sig"} if builder == "text" else {}
             return datasets.load_dataset(
                 builder,
                 data_files=[str(f) for f in files],

@@ -215,6 +215,12 @@ class RunFolder:
             raise RunFolderError(
                 f"refusing to --overwrite '{self.path}': it is the current, home or root folder or contains it"
             )
+        if manifest is None and self.manifest_path.is_file():  # damaged: which files are the run's is unknown
+            raise RunFolderError(
+                f"refusing to --overwrite '{self.path}': its manifest {self.manifest_path.name} is unreadable, so "
+                "which files the run wrote is unknown; --resume rebuilds it from the last checkpoint, or delete the "
+                "folder yourself"
+            )
         if manifest is None or foreign:
             what = "was not written by hf-tapernorm" if manifest is None else "holds files hf-tapernorm did not write"
             raise RunFolderError(f"refusing to --overwrite '{self.path}': it {what} ({listing}); move them away first")

@@ -155,11 +155,23 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
             if record.history and record.training.steps is None:  # how far training got
                 last = record.history[-1]
                 record.training.steps, record.training.final_gate = last["step"], last.get("gate")
-            write_run_report(output, record)
+            if run.resume and _finished(output.path):  # its results stand: only this --resume failed
+                logger.warning("the run in %s had finished: its report stays as it was", output.path)
+            else:
+                write_run_report(output, record)
             print("\n".join(["", "hf-tapernorm taper: summary (no export)", *summary_lines(record.to_dict())]))
         raise
     finally:
         logger.info("taper: %.0f s in all", time.time() - started)
+
+
+def _finished(folder: Path) -> bool:
+    """Whether ``folder`` holds the report of a finished run (a failed --resume of it must not replace that report,
+    whose tapered/ and folded/ outputs are still there)."""
+    try:
+        return json.loads((folder / "report.json").read_text()).get("status") == "finished"
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return False
 
 
 def _check_folder(request: TaperRequest, output: RunFolder, source: ModelSource) -> tuple[bool, list[Path]]:

@@ -76,7 +76,7 @@ class TaperCallback(TrainerCallback):
     ) -> None:
         self.taper_start, self.taper_end = taper_start, taper_end
         self.trust_sharded_checkpoint = trust_sharded_checkpoint  # a sharded teacher's index is a pickle
-        self.allow_changes = set(allow_changes)
+        self.allow_changes = {allow_changes} if isinstance(allow_changes, str) else set(allow_changes)  # not letters
         self.allow_incomplete = allow_incomplete
         if thresholds is None:
             thresholds = DivergenceThresholds(**({"max_scale_ratio": max_scale_ratio} if max_scale_ratio else {}))

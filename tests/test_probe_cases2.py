@@ -9,7 +9,6 @@ same ``allow_patterns`` filter as ``upload_folder``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -772,28 +771,21 @@ def test_a_loaded_export_samples_and_beam_searches(export):
     assert sampled.shape == beams.shape == (1, 8) and torch.equal(sampled[:, :5], prompt)
 
 
-# ============================================================================= found, not fixed (checkpoints.py)
-# Another engineer is changing checkpoints.py (how a patched model's save marks its config.json), so these stay
-# open here: each test states the right behaviour and fails today (strict xfail: it says so when fixed).
-@pytest.mark.xfail(strict=True, reason="save_tapered: raw NotADirectoryError for a file path (checkpoints.py)")
+# ============================================================================= tapered checkpoints (checkpoints.py)
 def test_save_tapered_into_a_file_path_is_refused_in_one_line(tmp_path):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(ConfigurationError, match="is a file"):
         save_tapered(tapered("llama"), tmp_path / "afile")
 
 
-@pytest.mark.xfail(strict=True, reason="save_tapered replaces another model's weights (checkpoints.py)")
 def test_save_tapered_refuses_a_folder_holding_another_model(tmp_path):
     folder = save_tiny_model(tmp_path / "my_model")
     before = snapshot(folder)
-    with contextlib.suppress(ConfigurationError):
+    with pytest.raises(ConfigurationError, match="holds another model"):
         save_tapered(tapered("llama"), folder)
     assert snapshot(folder) == before
 
 
-@pytest.mark.xfail(
-    strict=True, reason="load_tapered calls a missing folder 'not a tapered checkpoint' (checkpoints.py)"
-)
 def test_load_tapered_of_a_missing_folder_says_not_found(tmp_path):
     with pytest.raises(ConfigurationError, match="not found|does not exist|no such folder"):
         load_tapered(tmp_path / "nothing")

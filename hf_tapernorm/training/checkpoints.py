@@ -39,14 +39,36 @@ def save_tapered(model: nn.Module, folder: Union[str, os.PathLike], tokenizer: A
     plain checkpoint of the base model: read it with ``load_tapered``. (A patched model's own ``save_pretrained``
     writes the same folder without the tokenizer: layers/saving.py.)
     """
-    folder = Path(folder)
+    folder = Path(folder).expanduser()
     config = config_of(model)
+    _check_tapered_destination(folder)
     model.save_pretrained(folder)
     mark_config_as_tapered(folder / "config.json")  # a model whose save_pretrained was replaced after patching
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     config.save_pretrained(folder)
     return folder
+
+
+def _check_tapered_destination(folder: Path) -> None:
+    """Refuse, before anything is written, a file on the way to ``folder`` and a folder holding another model (a
+    config.json of no tapered checkpoint), whose weights and config the save would replace."""
+    for path in (folder, *folder.parents):
+        if path.exists() and not path.is_dir():
+            raise ConfigurationError(
+                f"cannot save a tapered checkpoint into {folder}: {'it' if path == folder else path} is a file"
+            )
+    config = folder / "config.json"
+    if config.is_file():
+        try:
+            model_type = str(json.loads(config.read_text()).get("model_type", ""))
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            model_type = ""
+        if not model_type.startswith(TAPERED_TYPE_PREFIX):
+            raise ConfigurationError(
+                f"refusing to save a tapered checkpoint into {folder}: it holds another model ({config.name} of "
+                f"type {model_type or 'unknown'!r}), whose weights the save would replace; choose a new folder"
+            )
 
 
 def tapered_model_config(folder: Union[str, os.PathLike]) -> PreTrainedConfig:
@@ -86,6 +108,9 @@ def _config_file(folder: Path) -> Optional[Path]:
 def tapered_config_of(folder: Union[str, os.PathLike]) -> TaperNormConfig:
     """The TaperNormConfig a tapered checkpoint was saved with."""
     folder = Path(folder)
+    if not folder.is_dir():
+        what = "it is a file, not a folder" if folder.exists() else "no such folder"
+        raise ConfigurationError(f"tapered checkpoint '{folder}' not found: {what}")
     path = _config_file(folder)
     if path is None:
         raise ConfigurationError(f"'{folder}' is not a tapered checkpoint: no {CONFIG_NAME} in it")

@@ -14,6 +14,7 @@ A new check goes where its input is: this module, for a check on a file a resume
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 from typing import Optional
@@ -22,6 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers.trainer_pt_utils import safe_globals
 
+from ..config import CONFIG_NAME
 from ..errors import ConfigurationError, first_line
 from ..training.sharded import METADATA_NAME, refuse_untrusted_sharded_checkpoint
 from .training_run import IDENTITY_NAME, incomplete_checkpoints, last_checkpoint
@@ -90,6 +92,28 @@ def check_checkpoint(checkpoint: Path, *, trust_sharded_checkpoint: bool = False
         problem = _unreadable(path)
         if problem:
             raise ResumeCheckError(f"--resume: cannot read {path} ({problem}: truncated or damaged){restart}")
+    _check_recipe_unedited(checkpoint, restart)
+
+
+def _check_recipe_unedited(checkpoint: Path, restart: str) -> None:
+    """The checkpoint's tapernorm_config.json still says what the run recorded in its identity when it wrote it.
+
+    TaperCallback compares the file with the run's recipe too, but only once the model has loaded; an edited
+    file is a damaged checkpoint, refused here before any work."""
+    saved, identity = checkpoint / CONFIG_NAME, checkpoint / IDENTITY_NAME
+    if not (saved.is_file() and identity.is_file()):
+        return  # a baseline's checkpoint (no recipe), or one of an older version: TaperCallback checks it
+    try:
+        values, recorded = json.loads(saved.read_text()), json.loads(identity.read_text()).get("taper")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as error:
+        raise ResumeCheckError(f"--resume: cannot read {saved} ({first_line(error)}){restart}") from None
+    if not isinstance(values, dict) or not isinstance(recorded, dict):
+        raise ResumeCheckError(f"--resume: {saved} holds no TaperNormConfig{restart}")
+    edited = [f"{k}: {values.get(k)!r} in the file, {v!r} recorded" for k, v in recorded.items() if values.get(k) != v]
+    if edited:
+        raise ResumeCheckError(
+            f"--resume: {saved} was edited after the run wrote it ({'; '.join(edited[:3])}){restart}"
+        )
 
 
 def _unloadable(path: Path) -> Optional[str]:

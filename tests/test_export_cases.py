@@ -172,17 +172,25 @@ def test_a_tapered_folder_cannot_be_loaded_as_a_plain_model_and_load_tapered_rea
     assert AutoTokenizer.from_pretrained(folder)("ab")["input_ids"] == [97, 98]
 
 
-@pytest.mark.parametrize("how", ["save_pretrained", "deepcopy_then_save_pretrained"])
+@pytest.mark.parametrize("how", ["save_pretrained", "deepcopy", "pickle"])
 def test_a_patched_models_own_save_pretrained_writes_a_tapered_checkpoint(tmp_path, how):
     """A plain ``model.save_pretrained`` of a patched model (not only save_tapered) is refused by AutoModel and read
-    exactly by load_tapered; a deep copy (the distillation teacher is one) saves itself, not the original."""
+    exactly by load_tapered; a deep copy (the distillation teacher is one) and a whole-module ``torch.save`` round
+    trip save themselves, not the original."""
     import copy
+    import io
 
     from hf_tapernorm import load_tapered
 
     original = sink_tapered("llama")
-    model = copy.deepcopy(original) if how.startswith("deepcopy") else original
-    if how.startswith("deepcopy"):
+    model = original
+    if how == "deepcopy":
+        model = copy.deepcopy(original)
+    elif how == "pickle":
+        buffer = io.BytesIO()
+        torch.save(original, buffer)
+        model = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)  # our own object, in this test
+    if how != "save_pretrained":
         with torch.no_grad():
             model.lm_head.weight.mul_(2.0)  # the copy computes another function than the original
     model.save_pretrained(tmp_path / "saved")
@@ -195,7 +203,7 @@ def test_a_patched_models_own_save_pretrained_writes_a_tapered_checkpoint(tmp_pa
     with torch.no_grad():
         expected = model(input_ids=with_sink(TEXT)).logits
         assert torch.equal(reloaded(input_ids=with_sink(TEXT)).logits, expected)
-        if how.startswith("deepcopy"):
+        if how != "save_pretrained":
             assert not torch.allclose(expected, original(input_ids=with_sink(TEXT)).logits)
     model.save_pretrained(tmp_path / "saved")  # saved twice into one folder: marked once
     assert json.loads((tmp_path / "saved" / "config.json").read_text())["model_type"] == "hf_tapernorm_tapered_llama"

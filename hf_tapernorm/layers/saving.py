@@ -9,15 +9,15 @@ accelerate binds its autocast ``forward``): it runs the class's method, then nam
 reads the folder) and writes the run's ``tapernorm_config.json`` beside it. Every save goes through it: a user's
 ``model.save_pretrained``, the Trainer's ``checkpoint-N`` folders and ``save_model``, and ``save_tapered``.
 
-The override is a bound method rather than a closure, so ``copy.deepcopy`` of the model (the distillation teacher
-is one) rebinds it to the copy instead of saving the original.
+The override is an object holding the model rather than a closure, so ``copy.deepcopy`` of the model (the
+distillation teacher is one) gives the copy its own, which saves the copy, and a pickled model (``torch.save`` of
+the whole module) loads back with it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import types
 from pathlib import Path
 from typing import Any, Union
 
@@ -36,17 +36,22 @@ TAPERED_NOTE = (
 )
 
 
-def save_marked_as_tapered(model: nn.Module, save_directory: Union[str, os.PathLike], *args: Any, **kwargs: Any):
+class TaperedSavePretrained:
     """``save_pretrained`` of a patched model: the class's own, then ``config.json`` marked and the config beside it.
 
     Only the process that writes ``config.json`` (``is_main_process``, the Trainer's rank 0) marks it.
     """
-    result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
-    folder = Path(save_directory)
-    if kwargs.get("is_main_process", True) and (folder / "config.json").is_file():
-        mark_config_as_tapered(folder / "config.json")
-        config_of(model).save_pretrained(folder)
-    return result
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, save_directory: Union[str, os.PathLike], *args: Any, **kwargs: Any):
+        result = type(self.model).save_pretrained(self.model, save_directory, *args, **kwargs)
+        folder = Path(save_directory)
+        if kwargs.get("is_main_process", True) and (folder / "config.json").is_file():
+            mark_config_as_tapered(folder / "config.json")
+            config_of(self.model).save_pretrained(folder)
+        return result
 
 
 def mark_config_as_tapered(path: Path) -> None:
@@ -61,7 +66,7 @@ def mark_config_as_tapered(path: Path) -> None:
 def mark_saves_as_tapered(model: nn.Module) -> None:
     """Make ``model.save_pretrained`` write a tapered checkpoint (see the module's docstring)."""
     if hasattr(type(model), "save_pretrained"):
-        model.save_pretrained = types.MethodType(save_marked_as_tapered, model)
+        model.save_pretrained = TaperedSavePretrained(model)
 
 
 __all__ = ["TAPERED_NOTE_KEY", "TAPERED_TYPE_PREFIX", "mark_config_as_tapered", "mark_saves_as_tapered"]

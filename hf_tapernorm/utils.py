@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import time
+from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -59,7 +61,17 @@ def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def file_in_the_way(folder: Path) -> Optional[str]:
+    """What blocks writing into ``folder``: "it" when ``folder`` is a file, the path of a file among its parents,
+    or None (checked before anything is written, so the error names the file instead of a NotADirectoryError)."""
+    for path in (folder, *folder.parents):
+        if path.exists() and not path.is_dir():
+            return "it" if path == folder else str(path)
+    return None
+
+
 __all__ = [
+    "file_in_the_way",
     "all_reduce_max",
     "all_reduce_sum",
     "base_model_prefix",

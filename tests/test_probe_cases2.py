@@ -120,26 +120,25 @@ def _eval_folded_config_float(ws, run, tmp):
     return evaluate(folder / "folded", data=ws / "corpus.txt")
 
 
-def _tapered_config_string(command):
+def _edited_tapered(command, edit):
+    """eval or fold of a copy of the run whose tapered/ folder ``edit`` changed."""
+
     def make(ws, run, tmp):
         folder = copy_of(run, tmp)
-        edit_json(folder / "tapered" / "config.json", num_hidden_layers="2")
+        edit(folder / "tapered")
         if command == "eval":
             return evaluate(folder / "tapered", data=ws / "corpus.txt")
         return fold(folder / "tapered", tmp / "export")
 
     return make
+
+
+def _tapered_config_string(command):
+    return _edited_tapered(command, lambda tapered: edit_json(tapered / "config.json", num_hidden_layers="2"))
 
 
 def _truncated_tapernorm_config(command):
-    def make(ws, run, tmp):
-        folder = copy_of(run, tmp)
-        truncate(folder / "tapered" / "tapernorm_config.json")
-        if command == "eval":
-            return evaluate(folder / "tapered", data=ws / "corpus.txt")
-        return fold(folder / "tapered", tmp / "export")
-
-    return make
+    return _edited_tapered(command, lambda tapered: truncate(tapered / "tapernorm_config.json"))
 
 
 def _edited_manifest(entry):

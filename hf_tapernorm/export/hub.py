@@ -24,6 +24,7 @@ from typing import Any, Optional
 from transformers import PreTrainedModel
 
 from ..errors import ConfigurationError, TaperStateError
+from ..utils import file_in_the_way
 from .model_card import attach_model_card
 from .modeling_folded import PREFIX, FoldedModelMixin, upload_export
 
@@ -124,9 +125,9 @@ def _check_export_folder(folder: Path, overwrite: bool) -> None:
     """Refuse, before anything is written: a file on the way to ``folder``, a non-empty folder without
     ``overwrite``, and (even with it) a folder holding another model, whose config.json and weights the export
     would replace."""
-    for path in (folder, *folder.parents):
-        if path.exists() and not path.is_dir():
-            raise ConfigurationError(f"cannot export into {folder}: {'it' if path == folder else path} is a file")
+    blocking = file_in_the_way(folder)
+    if blocking:
+        raise ConfigurationError(f"cannot export into {folder}: {blocking} is a file")
     if not folder.is_dir() or not any(folder.iterdir()):
         return
     if not overwrite:

@@ -26,6 +26,7 @@ from ..errors import ConfigurationError, TaperStateError
 from ..layers.patching import patch_model
 from ..layers.saving import TAPERED_NOTE_KEY, TAPERED_TYPE_PREFIX, mark_config_as_tapered
 from ..layers.taper_norm import tapered_norms
+from ..utils import file_in_the_way
 from .sharded import is_sharded_checkpoint, read_sharded_model_state
 
 #: The file of tapered checkpoints written before TaperNormConfig (patch_model's options): still read.
@@ -53,11 +54,9 @@ def save_tapered(model: nn.Module, folder: Union[str, os.PathLike], tokenizer: A
 def _check_tapered_destination(folder: Path) -> None:
     """Refuse, before anything is written, a file on the way to ``folder`` and a folder holding another model (a
     config.json of no tapered checkpoint), whose weights and config the save would replace."""
-    for path in (folder, *folder.parents):
-        if path.exists() and not path.is_dir():
-            raise ConfigurationError(
-                f"cannot save a tapered checkpoint into {folder}: {'it' if path == folder else path} is a file"
-            )
+    blocking = file_in_the_way(folder)
+    if blocking:
+        raise ConfigurationError(f"cannot save a tapered checkpoint into {folder}: {blocking} is a file")
     config = folder / "config.json"
     if config.is_file():
         try:

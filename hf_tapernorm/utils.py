@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import time
 from pathlib import Path
 from typing import Optional
@@ -70,8 +71,19 @@ def file_in_the_way(folder: Path) -> Optional[str]:
     return None
 
 
+def saved_model_type(config_file: Path) -> str:
+    """The ``model_type`` a saved ``config.json`` names; "" when the file is missing, unreadable or names none."""
+    try:
+        values = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return ""
+    model_type = values.get("model_type") if isinstance(values, dict) else None
+    return model_type if isinstance(model_type, str) else ""
+
+
 __all__ = [
     "file_in_the_way",
+    "saved_model_type",
     "all_reduce_max",
     "all_reduce_sum",
     "base_model_prefix",

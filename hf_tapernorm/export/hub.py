@@ -24,7 +24,7 @@ from typing import Any, Optional
 from transformers import PreTrainedModel
 
 from ..errors import ConfigurationError, TaperStateError
-from ..utils import file_in_the_way
+from ..utils import file_in_the_way, saved_model_type
 from .model_card import attach_model_card
 from .modeling_folded import PREFIX, FoldedModelMixin, upload_export
 
@@ -135,19 +135,11 @@ def _check_export_folder(folder: Path, overwrite: bool) -> None:
             f"{folder} is not empty; choose a new folder or pass overwrite=True to replace its files"
         )
     config = folder / "config.json"
-    if export_manifest(folder) is None and config.is_file() and not _is_folded_config(config):
+    if export_manifest(folder) is None and config.is_file() and not saved_model_type(config).startswith(PREFIX):
         raise ConfigurationError(
             f"refusing overwrite=True of {folder}: it holds a model that is not an earlier export ({config.name} "
             "without a tapernorm_* model_type), which the export would replace; choose a new folder"
         )
-
-
-def _is_folded_config(path: Path) -> bool:
-    try:
-        model_type = json.loads(path.read_text()).get("model_type")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        return False
-    return isinstance(model_type, str) and model_type.startswith(PREFIX)
 
 
 def _log_sink_handling(model: PreTrainedModel, tokenizer: Any) -> None:

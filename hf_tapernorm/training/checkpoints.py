@@ -26,7 +26,7 @@ from ..errors import ConfigurationError, TaperStateError
 from ..layers.patching import patch_model
 from ..layers.saving import TAPERED_NOTE_KEY, TAPERED_TYPE_PREFIX, mark_config_as_tapered
 from ..layers.taper_norm import tapered_norms
-from ..utils import file_in_the_way
+from ..utils import file_in_the_way, saved_model_type
 from .sharded import is_sharded_checkpoint, read_sharded_model_state
 
 #: The file of tapered checkpoints written before TaperNormConfig (patch_model's options): still read.
@@ -59,10 +59,7 @@ def _check_tapered_destination(folder: Path) -> None:
         raise ConfigurationError(f"cannot save a tapered checkpoint into {folder}: {blocking} is a file")
     config = folder / "config.json"
     if config.is_file():
-        try:
-            model_type = str(json.loads(config.read_text()).get("model_type", ""))
-        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-            model_type = ""
+        model_type = saved_model_type(config)
         if not model_type.startswith(TAPERED_TYPE_PREFIX):
             raise ConfigurationError(
                 f"refusing to save a tapered checkpoint into {folder}: it holds another model ({config.name} of "

@@ -11,9 +11,10 @@ Two presets:
   warmup's EMA, the absolute fixed-target scale loss, no sink, no distillation);
 - :meth:`TaperNormConfig.for_model` derives the recipe for a pretrained model from its structure
   (``architectures/recipe_rules.py``): models with a gated (SwiGLU/GeGLU) MLP get the recipe measured on
-  SmolLM2 (the norms in front of the gated MLPs and any q/k norms kept, the BOS kept normalized as the
-  attention sink, the relative scale loss, distillation from the model as it was when the gate
-  started to fall); GELU families (GPT-2) get the paper's recipe, minus any q/k norms.
+  SmolLM2 (the norms in front of the gated MLPs, any q/k norms and the attention norms of the layers
+  where a runaway starts kept, the BOS kept normalized as the attention sink, the relative scale loss,
+  distillation from the model as it was when the gate started to fall, with the sink-attention term);
+  GELU families (GPT-2) get the paper's recipe, minus any q/k norms.
   The evidence is in docs/fidelity.md.
 """
 
@@ -37,6 +38,7 @@ from torch import nn
 from ._version import __version__
 from .architectures.recipe_rules import norms_to_keep
 from .architectures.sites import architecture_of
+from .config_migrations import CONFIG_VERSION, CONFIG_VERSION_KEY, migrated
 from .errors import ConfigurationError, TaperStateError
 
 logger = logging.getLogger(__name__)
@@ -44,10 +46,6 @@ logger = logging.getLogger(__name__)
 CONFIG_NAME = "tapernorm_config.json"
 #: The key of ``tapernorm_config.json`` (and of an export's ``config.json``) that records the package version.
 VERSION_KEY = "hf_tapernorm_version"
-#: The key of ``tapernorm_config.json`` that records the layout of its fields (absent: version 1).
-CONFIG_VERSION_KEY = "config_version"
-#: The layout this version writes. ``from_dict`` migrates an older one step by step (MIGRATIONS) and says so.
-CONFIG_VERSION = 2
 
 Scope = Literal["internal", "final", "all"]
 LinearFit = Literal["paper", "per_channel"]
@@ -163,6 +161,12 @@ class TaperNormConfig:
         "(distill_weight times the current gate: full while the model is still normalized, fading to 0 as the "
         "gate closes).",
     )
+    sink_attention_weight: float = _option(
+        0.0,
+        "Weight of the sink-attention term, >= 0 (0: off): KL between the teacher's and the model's share of "
+        "attention on the sink tokens (sink_token_ids), per layer, head and position. It reads the distillation's "
+        "teacher forward (needs distill_weight > 0) and trains with eager attention.",
+    )
     # The schedule
     taper_start: Step = _option(
         0.05,
@@ -181,6 +185,12 @@ class TaperNormConfig:
             **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         ).items():
             setattr(self, name, value)
+        if self.sink_attention_weight > 0 and (self.distill_weight == 0 or not self.sink_token_ids):
+            missing = "distill_weight > 0 (its teacher)" if self.distill_weight == 0 else "sink_token_ids (the sink)"
+            raise ConfigurationError(
+                f"TaperNormConfig.sink_attention_weight={self.sink_attention_weight:g} needs {missing}; "
+                "set sink_attention_weight=0 to train without the term"
+            )
         if type(self.taper_start) is type(self.taper_end) and not self.taper_end > self.taper_start:
             raise ConfigurationError(
                 f"TaperNormConfig.taper_end ({self.taper_end}) must come after taper_start ({self.taper_start})"
@@ -233,12 +243,24 @@ class TaperNormConfig:
                 "relative_scale_loss": True,
                 "distill_weight": 1.0,
                 "distill_from": "gate_start",
+                "sink_attention_weight": 1.0,
             }
         if overrides.get("scope") == "final":  # no internal norm tapers: nothing to keep, no sink, no teacher
             values.update(
-                recipe=f"{values['recipe']} (final norm)", keep_norms=[], sink_token_ids=[], distill_weight=0.0
+                recipe=f"{values['recipe']} (final norm)",
+                keep_norms=[],
+                sink_token_ids=[],
+                distill_weight=0.0,
+                sink_attention_weight=0.0,
             )
-        return cls(**{**values, **overrides})
+        values = {**values, **overrides}
+        if "sink_attention_weight" not in overrides and values.get("sink_attention_weight", 0.0) > 0:
+            # The term follows what it needs: without a teacher or a sink (overridden away), it is off, not refused.
+            lacking = [name for name in ("distill_weight", "sink_token_ids") if not values.get(name)]
+            if lacking:
+                logger.info("recipe: no sink-attention term (%s overridden to none)", " and ".join(lacking))
+                values["sink_attention_weight"] = 0.0
+        return cls(**values)
 
     @staticmethod
     def _sink(model: nn.Module, tokenizer: Any) -> list[int]:
@@ -268,7 +290,7 @@ class TaperNormConfig:
             )
         values = dict(values)
         version = values.pop(VERSION_KEY, None)
-        values = _migrated(values, values.pop(CONFIG_VERSION_KEY, 1))
+        values = migrated(values, values.pop(CONFIG_VERSION_KEY, 1))
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -322,46 +344,6 @@ class TaperNormConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _from_version_1(values: dict[str, Any]) -> dict[str, Any]:
-    """Version 1 (files without ``config_version``) could lack the distillation and linear-branch fields
-    added later; an absent one meant what version 1 did, which is written in now, so that a later change of a
-    default cannot change what an old checkpoint means."""
-    implied = {"distill_until": "end", "distill_schedule": "constant", "linear_fit": "paper", "calibration_scale": 1.0}
-    return {**{k: v for k, v in implied.items() if k not in values}, **values}
-
-
-#: Migration steps: ``MIGRATIONS[n]`` turns the fields of version n into those of version n + 1.
-MIGRATIONS = {1: _from_version_1}
-
-
-def _migrated(values: dict[str, Any], version: Any) -> dict[str, Any]:
-    """``values`` of layout ``version`` migrated to CONFIG_VERSION, with one log line naming what changed."""
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise ConfigurationError(f"TaperNormConfig: {CONFIG_VERSION_KEY} must be a positive integer, got {version!r}")
-    if version > CONFIG_VERSION:
-        logger.warning(
-            "TaperNormConfig: written with %s %d, newer than this version's %d; reading the fields it knows",
-            CONFIG_VERSION_KEY,
-            version,
-            CONFIG_VERSION,
-        )
-        return values
-    migrated = dict(values)
-    for step in range(version, CONFIG_VERSION):
-        migrated = MIGRATIONS[step](migrated)
-    added = {k: v for k, v in migrated.items() if k not in values or values[k] != v}
-    if added:
-        logger.warning(
-            "TaperNormConfig: migrated a %s %d config to %d: %s (what version %d meant); save it again to keep it",
-            CONFIG_VERSION_KEY,
-            version,
-            CONFIG_VERSION,
-            ", ".join(f"{k}={v!r}" for k, v in sorted(added.items())),
-            version,
-        )
-    return migrated
-
-
 def _checked(cls: type, name: str, value: Any) -> Any:
     """One field's value, normalized (a single pattern or id becomes a list), or a ConfigurationError."""
     label = f"TaperNormConfig.{name}"
@@ -402,7 +384,7 @@ def _checked(cls: type, name: str, value: Any) -> Any:
         raise ConfigurationError(f"{label} must be in (0, 1], got {value}")
     elif name == "calibration_scale" and not value > 0:
         raise ConfigurationError(f"{label} must be positive, got {value}")
-    elif name in ("scale_loss_weight", "distill_weight") and not value >= 0:
+    elif name in ("scale_loss_weight", "distill_weight", "sink_attention_weight") and not value >= 0:
         raise ConfigurationError(f"{label} must be >= 0, got {value}")
     return value
 

@@ -248,10 +248,16 @@ def trainer_run(out: Path, sharded: bool) -> dict:
 
     model = build_model(sharded)
     trace: list[list[float]] = []
+    teacher: list[str] = []
 
     class Recorder(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
             trace.append([state.global_step + 1, gate_of(model)])
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == STEPS:  # the teacher is released at the end of training: look at it before
+                teacher.append(type(callback.controller.distillation.teacher).__name__)
+                callback.on_save(args, state, control)  # the teacher snapshot, as at a checkpoint
 
     rows = [global_batch(step) for step in range(STEPS)]
     data = [{k: v[i] for k, v in batch.items()} for batch in rows for i in range(GLOBAL_BATCH)]
@@ -273,14 +279,13 @@ def trainer_run(out: Path, sharded: bool) -> dict:
     callback = TaperCallback()
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback, Recorder()])
     trainer.train()
-    controller = callback.controller
     folder = Path(args.output_dir) / f"checkpoint-{STEPS}"
-    callback.on_save(args, trainer.state, trainer.control)  # the teacher snapshot, as at a checkpoint
+    assert callback.controller.distillation is None  # released by on_train_end
     return {
         "gates": trace,
         "c": {name: float(layer.c) for name, layer in tapered_norms(model)},
         "state": full_state(model),
-        "teacher": type(controller.distillation.teacher).__name__,
+        "teacher": teacher[0],
         "saved": sorted(p.name for p in folder.iterdir()) if folder.is_dir() else [],
     }
 

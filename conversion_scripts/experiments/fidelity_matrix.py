@@ -55,9 +55,33 @@ class Arm:
     script: Optional[str] = None  # a module that takes the taper options, run instead of hf-tapernorm taper
 
 
+#: The gated-MLP norms alone: the default's keep_norms before the runaway layers' attention norms joined it.
+GATED_MLP_NORMS = ("--keep_norms", "model.layers.*.post_attention_layernorm")
+
 ARMS: dict[str, Arm] = {
-    "default": Arm((), True, "every option at its default (trains the seed's baseline)"),
-    "no_distill": Arm(("--distill_weight", "0"), False, "no distillation term"),
+    "default": Arm(
+        (),
+        True,
+        "every option at its default: the runaway layers' attention norms kept, the sink-attention term (trains "
+        "the seed's baseline)",
+    ),
+    "no_runaway_remedy": Arm(
+        (*GATED_MLP_NORMS, "--sink_attention_weight", "0"),
+        False,
+        "the default before the remedy: only the gated-MLP norms kept, no sink-attention term",
+    ),
+    "keep_attn_4_13": Arm(
+        ("--sink_attention_weight", "0"), False, "the default without the sink-attention term (layers 4-13 kept)"
+    ),
+    "sink_attention": Arm(
+        GATED_MLP_NORMS, False, "the default without the runaway layers' attention norms (the term at weight 1)"
+    ),
+    "sink_attention_0.3": Arm(
+        (*GATED_MLP_NORMS, "--sink_attention_weight", "0.3"),
+        False,
+        "the sink_attention arm with the term at weight 0.3",
+    ),
+    "no_distill": Arm(("--distill_weight", "0"), False, "no distillation term (so no sink-attention term)"),
     "kl_0.1": Arm(("--distill_weight", "0.1"), False, "KL weight 0.1"),
     "kl_0.3": Arm(("--distill_weight", "0.3"), False, "KL weight 0.3"),
     "kl_3": Arm(("--distill_weight", "3"), False, "KL weight 3"),
@@ -66,42 +90,11 @@ ARMS: dict[str, Arm] = {
     "no_scale_loss": Arm(("--scale_loss_weight", "0"), False, "scale loss off"),
     "constant_lr": Arm(("--lr_scheduler_type", "constant_with_warmup"), True, "constant LR after warmup"),
     "long_taper": Arm(("--taper_start", "0.05", "--taper_end", "0.9"), True, "taper from 5% to 90% of the run"),
-    "keep_attn_4_13": Arm(
-        (
-            "--keep_norms",
-            "model.layers.*.post_attention_layernorm,model.layers.[4-9].input_layernorm,"
-            "model.layers.1[0-3].input_layernorm",
-        ),
-        False,
-        "the default, keeping the attention input norms of layers 4-13 (where a broken window's runaway starts)",
-    ),
-    "keep_attn_4_13_sink_attention": Arm(
-        (
-            "--keep_norms",
-            "model.layers.*.post_attention_layernorm,model.layers.[4-9].input_layernorm,"
-            "model.layers.1[0-3].input_layernorm",
-        ),
-        False,
-        "keep_attn_4_13 plus the sink-attention term at weight 1 (each arm mended one break the other did not)",
-        script="conversion_scripts.experiments.sink_attention",
-    ),
     "kl_control": Arm(
         (),
         False,
         "no taper: the default recipe with the gate held at 1 (its model in the tapered and folded columns)",
         script="conversion_scripts.experiments.kl_control",
-    ),
-    "sink_attention": Arm(
-        (),
-        False,
-        "the default plus a term keeping each head's attention to the sink near the teacher's (weight 1)",
-        script="conversion_scripts.experiments.sink_attention",
-    ),
-    "sink_attention_0.3": Arm(
-        ("--sink_attention_weight", "0.3"),
-        False,
-        "the default plus the sink-attention term at weight 0.3",
-        script="conversion_scripts.experiments.sink_attention",
     ),
 }
 

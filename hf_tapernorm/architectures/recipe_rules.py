@@ -11,7 +11,11 @@ after layer (docs/method.md, section 7; the evidence is in docs/fidelity.md):
   linear too, a logit grows like k_query * k_key, and one scalar c per layer cannot fit per-head scales
   that the model learned to normalize away. They stay;
 - attention's own update is a mix of other positions' values (degree 0-1 in k), a plain (GELU) MLP is
-  degree 1, and a norm on a branch output whose input is already normalized is degree 0: those taper.
+  degree 1, and a norm on a branch output whose input is already normalized is degree 0: those taper,
+  except in a gated-MLP model the attention input norms of the layers where a runaway starts
+  (RUNAWAY_BAND of the depth). Once their residual has grown, a linear attention input lets a grown token
+  outbid the sink for attention, which mixes content into every position and grows the residual further;
+  on SmolLM2 (layers 4-13 of 30) keeping them removed every broken window measured (docs/fidelity.md).
 
 The rules read only the architecture table's roles (or discovery's), so they apply to every family.
 """
@@ -29,6 +33,12 @@ QK_NORM = (
     "a query/key norm: with the attention input linear too, a logit grows like k_query * k_key, and one c per layer "
     "cannot fit per-head scales"
 )
+RUNAWAY_LAYER = (
+    "feeds attention in a layer where a grown residual starts to outbid the sink for attention (RUNAWAY_BAND)"
+)
+#: The layers (as fractions of the depth, by each layer's centre) whose attention input norms a gated-MLP
+#: model keeps: 4-13 of SmolLM2's 30 layers, where a broken window's residual starts to grow.
+RUNAWAY_BAND = (0.13, 0.47)
 GATED_MLP_OUTPUT = (
     "the only norm bounding a gated MLP that has no input norm (its output grows with the square of the token's scale)"
 )
@@ -39,6 +49,7 @@ def norms_to_keep(model: nn.Module) -> dict[str, str]:
     arch = architecture_of(model)
     sites = [site for site in norm_sites(model, arch) if not site.is_final]
     has_mlp_input = {site.layer for site in sites if site.role in ("mlp", "attention_mlp")}
+    depth = len({site.layer for site in sites})
     keep = {}
     for site in sites:
         if arch.gated_mlp and site.role in ("mlp", "attention_mlp"):
@@ -47,7 +58,15 @@ def norms_to_keep(model: nn.Module) -> dict[str, str]:
             keep[site.path] = QK_NORM
         elif arch.gated_mlp and site.role == "mlp_output" and site.layer not in has_mlp_input:
             keep[site.path] = GATED_MLP_OUTPUT
+        elif arch.gated_mlp and site.role == "attention" and in_runaway_band(site.layer, depth):
+            keep[site.path] = RUNAWAY_LAYER
     return keep
+
+
+def in_runaway_band(layer: int, depth: int) -> bool:
+    """Whether decoder layer ``layer`` (0-based) of ``depth`` lies in RUNAWAY_BAND, by its centre."""
+    low, high = RUNAWAY_BAND
+    return low <= (layer + 0.5) / depth < high
 
 
 def norms_feeding_gated_mlps(model: nn.Module) -> list[str]:
@@ -55,4 +74,4 @@ def norms_feeding_gated_mlps(model: nn.Module) -> list[str]:
     return [path for path, reason in norms_to_keep(model).items() if reason == GATED_MLP_INPUT]
 
 
-__all__ = ["norms_feeding_gated_mlps", "norms_to_keep"]
+__all__ = ["RUNAWAY_BAND", "in_runaway_band", "norms_feeding_gated_mlps", "norms_to_keep"]

@@ -44,11 +44,12 @@ LOG_KEYS: Mapping[str, str] = MappingProxyType(
         "taper/scale_loss": "scale_loss",
         "taper/residual_scale": "residual_scale",
         "taper/distill": "distill",
+        "taper/sink_attention": "sink_attention",
     }
 )
 
 #: The report keys of LOG_KEYS that are loss terms added to the cross-entropy (each logged as its mean).
-LOSS_TERM_KEYS: tuple[str, ...] = ("scale_loss", "distill")
+LOSS_TERM_KEYS: tuple[str, ...] = ("scale_loss", "distill", "sink_attention")
 
 
 #: The signals that stop a run with a checkpoint.

@@ -187,6 +187,10 @@ class TaperCallback(TrainerCallback):
             self.controller.check(state.global_step - 1, grad_norm=float(logs["grad_norm"]))
         add_to_training_log(state, logs, self.controller.log_metrics())
 
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.controller is not None:  # after the final checkpoint: the teacher goes, the model's attention is back
+            self.controller.end()
+
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         if self.controller is None:

@@ -248,6 +248,14 @@ class TaperController:
                 return f"First layer with non-finite parameters: {layer.site_name} (c={float(layer.c):.4g}). {_ADVICE}"
         return f"All TaperNorm parameters are still finite. {_ADVICE}"
 
+    def end(self) -> None:
+        """After the last step: the distillation's terms leave the model, its teacher is released and the model
+        has its own attention implementation back (the sink-attention term trains with eager attention).
+        Call it once training is over and the last checkpoint saved; the controller drives nothing after it."""
+        if self.distillation is not None:
+            self.distillation.remove()
+            self.distillation = None
+
     # ------------------------------------------------------------------ logging
     def log_metrics(self) -> dict[str, float]:
         """Gate, scale loss, residual scale and distillation term averaged since the previous call (then reset)."""

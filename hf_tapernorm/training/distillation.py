@@ -29,6 +29,7 @@ from ..layers.loss_terms import ForwardInputs, add_training_loss_term, remove_tr
 from ..layers.patching import gate_of
 from ..layers.taper_norm import normalized, tapered_norms
 from .distributed import sharded_copy, sharding_engine
+from .sink_attention import SinkAttention
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,9 @@ class Distillation:
     (:meth:`step_begin`, or the first training forward below 1 when no controller drives it); the term is 0
     before that. ``distill_until="taper_end"``: the term ends, and the teacher is released, at the first
     step with gate 0. ``distill_schedule="gate"``: the weight times the current gate. Positions whose next
-    label is -100 (padding, the sink's first-token prediction) are left out.
+    label is -100 (padding, the sink's first-token prediction) are left out. ``sink_attention_weight`` > 0
+    adds the sink-attention term (:mod:`.sink_attention`) on the same teacher forward, over the first
+    ``sink_length`` positions (the sink tokens).
 
     ``distill_from="current"``: no copy at all; the teacher is the model itself with every gate at 1,
     evaluated on the same batch without gradient. It follows what the normalized model learns from the data
@@ -90,6 +93,8 @@ class Distillation:
         distill_from: Teacher = "original",
         distill_until: DistillUntil = "end",
         distill_schedule: DistillSchedule = "constant",
+        sink_attention_weight: float = 0.0,
+        sink_length: int = 0,
     ) -> None:
         for name, value in (
             ("distill_from", distill_from),
@@ -99,8 +104,10 @@ class Distillation:
             if value not in TaperNormConfig.choices(name):
                 choices = ", ".join(TaperNormConfig.choices(name))
                 raise ConfigurationError(f"Distillation: {name} must be one of {choices}, got {value!r}")
-        if weight < 0:
-            raise ConfigurationError(f"Distillation needs weight >= 0, got {weight}")
+        if weight < 0 or sink_attention_weight < 0:
+            raise ConfigurationError(
+                f"Distillation needs weight >= 0 and sink_attention_weight >= 0, got {weight}, {sink_attention_weight}"
+            )
         if distill_from == "current" and teacher is not None:
             raise ConfigurationError('Distillation(distill_from="current") uses the model itself: pass no teacher')
         if teacher is None and distill_from == "original":
@@ -121,17 +128,21 @@ class Distillation:
         self._gate: Optional[float] = None  # the current step's gate, when a controller tells it
         self._window = torch.zeros(2)  # sum of the terms added to training losses, forwards (since the last log)
         self._model: Optional[nn.Module] = None
+        self.sink_attention = SinkAttention(sink_attention_weight, sink_length) if sink_attention_weight > 0 else None
 
     @classmethod
     def from_config(cls, config: TaperNormConfig, teacher: Optional[nn.Module] = None) -> Distillation:
         """The term a TaperNormConfig asks for (``distill_weight``, ``distill_from``, ``distill_until``,
-        ``distill_schedule``); ``teacher``: the frozen copy for ``distill_from="original"``."""
+        ``distill_schedule``, ``sink_attention_weight`` over ``sink_token_ids``); ``teacher``: the frozen copy
+        for ``distill_from="original"``."""
         return cls(
             teacher,
             weight=config.distill_weight,
             distill_from=config.distill_from,
             distill_until=config.distill_until,
             distill_schedule=config.distill_schedule,
+            sink_attention_weight=config.sink_attention_weight,
+            sink_length=len(config.sink_token_ids),
         )
 
     # ------------------------------------------------------------------ the teacher
@@ -223,18 +234,24 @@ class Distillation:
 
     @torch.no_grad()
     def _teacher_logits(self, model: Optional[nn.Module], input_ids, attention_mask) -> torch.Tensor:
+        teacher = model if self._live else self.teacher
+        extra = self.sink_attention.teacher_call_arguments(teacher) if self.sink_attention is not None else {}
         if not self._live:
             device = input_ids.device
-            if next(self.teacher.parameters()).device != device:
-                self.teacher.to(device)
-            return self.teacher(input_ids=input_ids, attention_mask=attention_mask).logits
-        mode = model.training
-        model.eval()  # no statistics, no scale loss, no checkpointing: a plain forward at gate 1
-        try:
-            with normalized(model):
-                return model(input_ids=input_ids, attention_mask=attention_mask).logits
-        finally:
-            model.train(mode)
+            if next(teacher.parameters()).device != device:
+                teacher.to(device)
+            output = teacher(input_ids=input_ids, attention_mask=attention_mask, **extra)
+        else:
+            mode = model.training
+            model.eval()  # no statistics, no scale loss, no checkpointing: a plain forward at gate 1
+            try:
+                with normalized(model):
+                    output = model(input_ids=input_ids, attention_mask=attention_mask, **extra)
+            finally:
+                model.train(mode)
+        if self.sink_attention is not None:
+            self.sink_attention.keep_teacher_attentions(output.attentions)
+        return output.logits
 
     def _kl_sum(
         self, student_logits, teacher_logits, attention_mask, labels, gate: Optional[float] = None
@@ -255,6 +272,8 @@ class Distillation:
         """Add the term to ``outputs.loss`` of every training forward of ``model``."""
         self._model = model
         add_training_loss_term(model, _TERM, self._term)
+        if self.sink_attention is not None:  # after the distillation term, whose teacher forward it reads
+            self.sink_attention.attach(model)
         return self
 
     def _term(self, model: nn.Module, inputs: ForwardInputs, output: Any):
@@ -285,12 +304,18 @@ class Distillation:
         the teacher was released. The part of the logged training loss that is not cross-entropy."""
         total, forwards = self._window.tolist()
         self._window.zero_()
-        return {"taper/distill": total / forwards} if forwards else {}
+        metrics = {"taper/distill": total / forwards} if forwards else {}
+        if self.sink_attention is not None:
+            metrics.update(self.sink_attention.log_metrics())
+        return metrics
 
     def remove(self) -> None:
-        """Detach from the model: later training forwards return the plain loss."""
+        """Detach from the model: later training forwards return the plain loss (and, with the sink-attention
+        term, the model has its own attention implementation back)."""
         if self._model is not None:
             remove_training_loss_term(self._model, _TERM)
+            if self.sink_attention is not None:
+                self.sink_attention.detach()
             self._model = None
 
 

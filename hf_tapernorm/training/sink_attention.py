@@ -50,6 +50,7 @@ def bernoulli_kl(teacher: torch.Tensor, student: torch.Tensor, eps: float = 1e-6
 def use_eager_attention(model: nn.Module) -> Optional[str]:
     """Switch ``model`` to eager attention (``PreTrainedModel.set_attn_implementation``); returns the one it had."""
     config = getattr(model, "config", None)
+    # transformers has a public setter (set_attn_implementation) but reads the current one only from this property.
     previous = getattr(config, "_attn_implementation", None)
     if previous == EAGER:
         return previous

@@ -166,3 +166,26 @@ def test_a_trainer_run_logs_the_term_and_ends_with_the_model_s_own_attention(tmp
     assert logged and all(value >= 0 for value in logged) and max(logged) > 0
     assert model.config._attn_implementation == "sdpa" and not model.config.output_attentions
     assert model.eval()(input_ids=data[0]["input_ids"][None]).attentions is None
+
+
+def test_the_term_leaves_with_the_teacher_when_the_distillation_ends_at_the_taper_end():
+    """distill_until="taper_end": once the gate reaches 0 the sink-attention term has no teacher, so the training
+    forwards go back to the model's own attention implementation instead of eager attention returning weights."""
+    batch = sink_first_batches()[0]
+    model = build(tiny_llama_config(num_hidden_layers=4))
+    model = patch_model(model, TaperNormConfig.for_model(model, distill_until="taper_end", taper_start=1, taper_end=3))
+    controller = TaperController(model, total_steps=6)
+    model.train()
+    step = 0
+    while controller.gate > 0.0 or step < 2:
+        controller.step_begin(step)
+        assert model.config._attn_implementation == ("eager" if controller.gate > 0.0 else "sdpa")
+        output = model(input_ids=batch, labels=batch)
+        assert (output.attentions is not None) == (controller.gate > 0.0)
+        controller.step_end(step)
+        step += 1
+    controller.log_metrics()  # the window of the steps that still had the term
+    controller.step_begin(step)
+    model(input_ids=batch, labels=batch)
+    controller.step_end(step)
+    assert controller.gate == 0.0 and "taper/sink_attention" not in controller.log_metrics()

@@ -73,6 +73,15 @@ ARMS: dict[str, Arm] = {
     "keep_attn_4_13": Arm(
         ("--sink_attention_weight", "0"), False, "the default without the sink-attention term (layers 4-13 kept)"
     ),
+    "keep_attn_0_13": Arm(
+        (
+            "--keep_norms",
+            "model.layers.*.post_attention_layernorm,model.layers.[0-9].input_layernorm,"
+            "model.layers.1[0-3].input_layernorm",
+        ),
+        False,
+        "the default with the attention input norms of layers 0-3 kept too (layers 0-13; the term at weight 1)",
+    ),
     "sink_attention": Arm(
         GATED_MLP_NORMS, False, "the default without the runaway layers' attention norms (the term at weight 1)"
     ),

@@ -9,7 +9,7 @@ where the break starts; that decides which norms a remedy keeps. No training: ea
 the sets once::
 
     python -m conversion_scripts.experiments.restore_norms runs/fidelity/steps600/default/seed42 \\
-        --restore 0-3 1 2 14-17 --blocks 64
+        --restore 0-3 1 2 14-17 --blocks 0   # the broken blocks alone
 """
 
 from __future__ import annotations
@@ -88,7 +88,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", type=Path, help="A finished taper run folder (tapered/, report.json, a baseline).")
     parser.add_argument("--restore", nargs="+", default=["0-3"], help="Layer groups, e.g. 0-3 1 14-17.")
-    parser.add_argument("--blocks", type=int, default=None, help="Score the first N blocks of each set (all).")
+    parser.add_argument(
+        "--blocks", type=int, default=None, help="Score the first N blocks of each set and its broken ones (all)."
+    )
     parser.add_argument("--eval_batch_size", type=int, default=8)
     parser.add_argument("--output", type=Path, default=None, help="JSON of the results (<run>/restore_norms.json).")
     args = parser.parse_args(argv)
@@ -101,8 +103,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     for evaluation in evaluation_sets(report, tokenizer):
         count = len(evaluation.blocks) if args.blocks is None else min(args.blocks, len(evaluation.blocks))
         # the report's broken blocks are scored even when --blocks leaves them out
-        indices[evaluation.name] = sorted(set(range(count)) | set(broken[evaluation.name]))
-        sets.append(subset(evaluation, indices[evaluation.name]))
+        chosen = sorted(set(range(count)) | set(broken[evaluation.name]))
+        if chosen:  # --blocks 0 scores the broken blocks alone
+            indices[evaluation.name] = chosen
+            sets.append(subset(evaluation, chosen))
     result: dict[str, Any] = {
         "run": str(args.run),
         "threshold_nats": BROKEN_BLOCK_NATS,

@@ -1,4 +1,4 @@
-"""restore_norms (conversion_scripts/experiments/restore_norms.py) on a tiny model: which norms it switches back."""
+"""restore_norms.py (which norms it switches back) and sink_takeover.py (what it reads), on tiny models."""
 
 import copy
 
@@ -44,3 +44,25 @@ def test_broken_blocks_are_read_from_both_sets_of_the_report():
     }
     assert broken_of(report) == {"held-out": [3], "out-of-corpus": [207, 9]}
     assert broken_of({}) == {"held-out": [], "out-of-corpus": []}
+
+
+def test_the_takeover_trace_reads_each_layer_s_output_and_follows_the_most_grown_token():
+    from conversion_scripts.experiments.sink_takeover import trace
+
+    model = tapered_tiny_model("llama", keep_norms=MLP_NORMS, sink_token_ids=[0], num_hidden_layers=4)
+    reference = copy.deepcopy(model)
+    set_gate(reference, 1.0)
+    ids = torch.cat([torch.zeros(1, 1, dtype=torch.long), random_batches(n=1, batch=1)[0]], dim=1)
+    result = trace(model, reference, ids, position=None)
+    with torch.no_grad():
+        mine = model(ids, output_hidden_states=True).hidden_states
+        theirs = reference(ids, output_hidden_states=True).hidden_states
+    rms = [h[0].double().pow(2).mean(-1).sqrt() for h in mine[1:-1]]
+    ref = [h[0].double().pow(2).mean(-1).sqrt() for h in theirs[1:-1]]
+    assert [row["layer"] for row in result["layers"]] == list(range(len(model.model.layers) - 1))
+    ratio = torch.stack([a[1:] / b[1:] for a, b in zip(rms, ref)]).max(0).values
+    assert result["position"] == int(ratio.argmax()) + 1
+    for row, a, b in zip(result["layers"], rms, ref):
+        assert row["sink"] == pytest.approx([float(a[0]), float(b[0])])
+        assert row["token"] == pytest.approx([float(a[result["position"]]), float(b[result["position"]])])
+        assert 0.0 <= row["sink_share"][0] <= 1.0 and row["mlp_update"][0] > 0

@@ -7,8 +7,8 @@ on three texts: the run's held-out documents, the Python documentation topics (t
 every report), and a text none of the runs has seen: the English text files that ship with IDLE in every
 CPython (``idlelib/*.txt``: change logs, read-me, credits), which neither the embedded corpus (``.py`` files)
 nor the documentation topics contain. The scan's windows depend on the texts and ``--seed`` only, so every
-run reads the same ones. Results go to ``<run>/scan.json``; the table of every run to stdout and
-``--table``::
+run reads the same ones. Results go to ``<run>/scan.json`` (``--texts`` scans some of the three, into
+``<run>/scan_<texts>.json``); the table of every run to stdout and ``--table``::
 
     python -m conversion_scripts.experiments.scan_runs runs/fidelity/steps300/default/seed42 \\
         runs/fidelity/steps300/default/seed7 --windows 64 --table runs/fidelity/steps300/default/scan.md
@@ -43,16 +43,25 @@ def idle_documents() -> list[tuple[str, str]]:
     return documents
 
 
-def texts(report: dict[str, Any], tokenizer, sink: list[int], blocks: int) -> list[EvaluationSet]:
-    """The held-out, out-of-corpus and unseen texts of one run, sampled as its report's sets are."""
+TEXTS = ("held-out", "out-of-corpus", IDLE)
+
+
+def texts(report: dict[str, Any], tokenizer, sink: list[int], blocks: int, names=TEXTS) -> list[EvaluationSet]:
+    """The held-out, out-of-corpus and unseen texts of one run (those of ``names``), sampled as its report's sets
+    are."""
     data = report["data"]
     if data["source"] != "python-stdlib":
         raise SystemExit(f"scan_runs reads runs on the embedded corpus; this one read {data['source']}")
-    held = heldout_documents(embedded_corpus(), percentage=data["heldout_percentage"])
-    sources = {"held-out": held, "out-of-corpus": python_docs_documents(), IDLE: idle_documents()}
+    sources = {
+        "held-out": lambda: heldout_documents(embedded_corpus(), percentage=data["heldout_percentage"]),
+        "out-of-corpus": python_docs_documents,
+        IDLE: idle_documents,
+    }
     return [
-        sample_blocks(docs, tokenizer, block_size=data["block_size"], count=blocks, prefix_ids=sink, name=name)
-        for name, docs in sources.items()
+        sample_blocks(
+            sources[name](), tokenizer, block_size=data["block_size"], count=blocks, prefix_ids=sink, name=name
+        )
+        for name in names
     ]
 
 
@@ -61,8 +70,9 @@ def reference_of(run: Path, report: dict[str, Any]) -> Path:
     return own if own.is_dir() else Path(report["export"]["baseline_model"])
 
 
-def scan_run(run: Path, windows: int, blocks: int, seed: int, batch: int) -> dict[str, Any]:
-    result_file = run / "scan.json"
+def scan_run(run: Path, windows: int, blocks: int, seed: int, batch: int, names=TEXTS) -> dict[str, Any]:
+    names = list(names)
+    result_file = run / ("scan.json" if names == list(TEXTS) else f"scan_{'_'.join(names)}.json")
     if result_file.is_file():
         cached = json.loads(result_file.read_text())
         if cached.get("windows_asked") == windows and cached.get("seed") == seed:
@@ -76,7 +86,7 @@ def scan_run(run: Path, windows: int, blocks: int, seed: int, batch: int) -> dic
     result = robustness_scan(
         folded,
         reference,
-        texts(report, tokenizer, sink, blocks),
+        texts(report, tokenizer, sink, blocks, names),
         block_size=block_size,
         windows=windows,
         max_positions=folded.config.max_position_embeddings,
@@ -108,13 +118,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="Seed of the windows' offsets.")
     parser.add_argument("--eval_batch_size", type=int, default=8, help="Blocks of the block size per forward.")
     parser.add_argument("--table", type=Path, default=None, help="Also write the table to this Markdown file.")
+    parser.add_argument(
+        "--texts",
+        nargs="+",
+        choices=TEXTS,
+        default=list(TEXTS),
+        help="The texts to scan (all three; results in scan.json, a subset in scan_<texts>.json).",
+    )
     args = parser.parse_args(argv)
     lines = [
         "| run | text | window tokens | windows | folded vs baseline | broken | gap without them |",
         "|---|---|---|---|---|---|---|",
     ]
     for run in args.runs:
-        result = scan_run(run, args.windows, args.blocks, args.seed, args.eval_batch_size)
+        result = scan_run(run, args.windows, args.blocks, args.seed, args.eval_batch_size, args.texts)
         lines += rows(run, result)
         print("\n".join(rows(run, result)), flush=True)
     table = "\n".join(lines) + "\n"

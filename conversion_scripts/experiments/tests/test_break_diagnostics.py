@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from conversion_scripts.experiments.restore_norms import broken_of, layer_range, set_norms
+from conversion_scripts.experiments.scan_runs import IDLE, idle_documents, texts
+from conversion_scripts.experiments.sink_takeover import trace
 from hf_tapernorm.layers import set_gate
-from tests.conftest import random_batches
+from tests.conftest import char_tokenizer, random_batches
 from tests.helpers import tapered as tapered_tiny_model
 
 pytestmark = pytest.mark.experiments
@@ -47,8 +49,6 @@ def test_broken_blocks_are_read_from_both_sets_of_the_report():
 
 
 def test_the_takeover_trace_reads_each_layer_s_output_and_follows_the_most_grown_token():
-    from conversion_scripts.experiments.sink_takeover import trace
-
     model = tapered_tiny_model("llama", keep_norms=MLP_NORMS, sink_token_ids=[0], num_hidden_layers=4)
     reference = copy.deepcopy(model)
     set_gate(reference, 1.0)
@@ -66,3 +66,11 @@ def test_the_takeover_trace_reads_each_layer_s_output_and_follows_the_most_grown
         assert row["sink"] == pytest.approx([float(a[0]), float(b[0])])
         assert row["token"] == pytest.approx([float(a[result["position"]]), float(b[result["position"]])])
         assert 0.0 <= row["sink_share"][0] <= 1.0 and row["mlp_update"][0] > 0
+
+
+def test_the_scan_reads_only_the_texts_asked_for():
+
+    report = {"data": {"source": "python-stdlib", "block_size": 32, "heldout_percentage": 5.0}}
+    (unseen,) = texts(report, char_tokenizer(), [], 4, names=[IDLE])
+    assert unseen.name == IDLE and tuple(unseen.blocks.shape) == (4, 32)
+    assert unseen.documents[0] == idle_documents()[0][0]  # IDLE's first paragraph, and no other text read

@@ -80,7 +80,8 @@ ARMS: dict[str, Arm] = {
             "model.layers.1[0-3].input_layernorm",
         ),
         False,
-        "the default with the attention input norms of layers 0-3 kept too (layers 0-13; the term at weight 1)",
+        "the default with the attention input norms of layers 0-3 kept too (layers 0-13; the term at weight 1); "
+        "worse at 600 steps on both seeds (docs/fidelity.md)",
     ),
     "sink_attention": Arm(
         GATED_MLP_NORMS, False, "the default without the runaway layers' attention norms (the term at weight 1)"

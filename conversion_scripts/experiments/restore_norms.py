@@ -27,7 +27,7 @@ from hf_tapernorm.layers import tapered_norms
 from hf_tapernorm.pipeline.data import embedded_corpus, heldout_documents
 from hf_tapernorm.pipeline.evaluation import BROKEN_BLOCK_NATS, evaluate_set
 from hf_tapernorm.pipeline.heldout import EvaluationSet, python_docs_documents, sample_blocks
-from hf_tapernorm.training.checkpoints import load_tapered
+from hf_tapernorm.training import load_tapered
 
 from .scan_runs import reference_of
 

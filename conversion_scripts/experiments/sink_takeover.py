@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_tapernorm.pipeline.heldout import python_docs_documents, sample_blocks
 from hf_tapernorm.pipeline.scan import sink_shares
-from hf_tapernorm.training.checkpoints import load_tapered
+from hf_tapernorm.training import load_tapered
 
 from .scan_runs import reference_of
 

@@ -24,12 +24,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_tapernorm.layers import tapered_norms
-from hf_tapernorm.pipeline.data import embedded_corpus, heldout_documents
 from hf_tapernorm.pipeline.evaluation import BROKEN_BLOCK_NATS, evaluate_set
-from hf_tapernorm.pipeline.heldout import EvaluationSet, python_docs_documents, sample_blocks
+from hf_tapernorm.pipeline.heldout import EvaluationSet
 from hf_tapernorm.training import load_tapered
 
-from .scan_runs import reference_of
+from .scan_runs import reference_of, text_set
 
 NORM = "input_layernorm"
 
@@ -42,20 +41,10 @@ def layer_range(text: str) -> list[int]:
 
 def evaluation_sets(report: dict[str, Any], tokenizer) -> list[EvaluationSet]:
     """The run's held-out and out-of-corpus sets, drawn as its report's were."""
-    data = report["data"]
     sink = report["taper"]["sink_token_ids"] or []
-    held = heldout_documents(embedded_corpus(), percentage=data["heldout_percentage"])
-    sources = {"held-out": held, "out-of-corpus": python_docs_documents()}
     return [
-        sample_blocks(
-            docs,
-            tokenizer,
-            block_size=data["block_size"],
-            count=report["evaluation_sets"][name]["blocks"],
-            prefix_ids=sink,
-            name=name,
-        )
-        for name, docs in sources.items()
+        text_set(report, tokenizer, name, report["evaluation_sets"][name]["blocks"], sink)
+        for name in ("held-out", "out-of-corpus")
     ]
 
 

@@ -46,23 +46,24 @@ def idle_documents() -> list[tuple[str, str]]:
 TEXTS = ("held-out", "out-of-corpus", IDLE)
 
 
-def texts(report: dict[str, Any], tokenizer, sink: list[int], blocks: int, names=TEXTS) -> list[EvaluationSet]:
-    """The held-out, out-of-corpus and unseen texts of one run (those of ``names``), sampled as its report's sets
-    are."""
+def text_set(report: dict[str, Any], tokenizer, name: str, count: int, sink: list[int]) -> EvaluationSet:
+    """``count`` blocks of one of the TEXTS of a run on the embedded corpus, sampled as its report's sets are."""
     data = report["data"]
     if data["source"] != "python-stdlib":
-        raise SystemExit(f"scan_runs reads runs on the embedded corpus; this one read {data['source']}")
+        raise SystemExit(f"these scripts read runs on the embedded corpus; this one read {data['source']}")
     sources = {
         "held-out": lambda: heldout_documents(embedded_corpus(), percentage=data["heldout_percentage"]),
         "out-of-corpus": python_docs_documents,
         IDLE: idle_documents,
     }
-    return [
-        sample_blocks(
-            sources[name](), tokenizer, block_size=data["block_size"], count=blocks, prefix_ids=sink, name=name
-        )
-        for name in names
-    ]
+    return sample_blocks(
+        sources[name](), tokenizer, block_size=data["block_size"], count=count, prefix_ids=sink, name=name
+    )
+
+
+def texts(report: dict[str, Any], tokenizer, sink: list[int], blocks: int, names=TEXTS) -> list[EvaluationSet]:
+    """The held-out, out-of-corpus and unseen texts of one run (those of ``names``), ``blocks`` blocks each."""
+    return [text_set(report, tokenizer, name, blocks, sink) for name in names]
 
 
 def reference_of(run: Path, report: dict[str, Any]) -> Path:

@@ -24,11 +24,10 @@ from typing import Any, Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_tapernorm.pipeline.heldout import python_docs_documents, sample_blocks
 from hf_tapernorm.pipeline.scan import sink_shares
 from hf_tapernorm.training import load_tapered
 
-from .scan_runs import reference_of
+from .scan_runs import reference_of, text_set
 
 
 def rms(x: torch.Tensor) -> torch.Tensor:
@@ -90,14 +89,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     report: dict[str, Any] = json.loads((args.run / "report.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(args.run / "folded")
-    ooc = sample_blocks(
-        python_docs_documents(),
-        tokenizer,
-        block_size=report["data"]["block_size"],
-        count=report["evaluation_sets"]["out-of-corpus"]["blocks"],
-        prefix_ids=report["taper"]["sink_token_ids"] or [],
-        name="out-of-corpus",
-    )
+    name = "out-of-corpus"
+    sink = report["taper"]["sink_token_ids"] or []
+    ooc = text_set(report, tokenizer, name, report["evaluation_sets"][name]["blocks"], sink)
     ids = ooc.blocks[args.block : args.block + 1]
     tapered = load_tapered(args.run / "tapered").eval()
     baseline = AutoModelForCausalLM.from_pretrained(reference_of(args.run, report)).eval()

@@ -83,6 +83,21 @@ ARMS: dict[str, Arm] = {
         "the default with the attention input norms of layers 0-3 kept too (layers 0-13; the term at weight 1); "
         "worse at 600 steps on both seeds (docs/fidelity.md)",
     ),
+    "block_256": Arm(
+        (
+            "--block_size",
+            "256",
+            "--per_device_train_batch_size",
+            "1",
+            "--heldout_blocks",
+            "128",
+            "--out_of_corpus_blocks",
+            "128",
+        ),
+        True,
+        "the default on 256-token blocks, one per step (the same tokens per step as 2 x 128), against its own "
+        "baseline trained the same way; 128 blocks of each evaluation set (the same tokens as 256 x 128)",
+    ),
     "sink_attention": Arm(
         GATED_MLP_NORMS, False, "the default without the runaway layers' attention norms (the term at weight 1)"
     ),

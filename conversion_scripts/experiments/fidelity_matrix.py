@@ -162,6 +162,16 @@ def is_finished(folder: Path) -> bool:
     return (folder / "tapered").is_dir() and training.get("steps") == training.get("max_steps")
 
 
+def without_options(flags: tuple[str, ...], overridden: tuple[str, ...]) -> list[str]:
+    """``flags`` (option/value pairs) less the options ``overridden`` sets, so a run's command states each once."""
+    taken = {flag for flag in overridden if flag.startswith("--")}
+    kept: list[str] = []
+    for option, value in zip(flags[::2], flags[1::2]):
+        if option not in taken:
+            kept += [option, value]
+    return kept
+
+
 def command_for(
     root: Path, steps: int, arm_name: str, seed: int, preset_flags: tuple[str, ...], extra: list[str]
 ) -> list[str]:
@@ -170,7 +180,7 @@ def command_for(
     folder = run_folder(root, steps, arm_name, seed)
     program = ["python", "-m", arm.script] if arm.script else ["hf-tapernorm", "taper"]
     command = [*program, "--output_dir", str(folder), "--max_steps", str(steps), "--seed", str(seed)]
-    command += [*preset_flags, *extra, *arm.flags]
+    command += [*without_options(preset_flags, arm.flags), *extra, *arm.flags]
     if arm.own_baseline:
         command.append("--baseline")
     else:

@@ -161,3 +161,15 @@ def test_removing_checkpoints_deletes_only_the_run_s_own_checkpoint_folders(tmp_
     assert not (run / "checkpoint-3").exists() and not (run / "baseline" / "checkpoint-3").exists()
     assert (run / "tapered" / "model.safetensors").is_file() and (elsewhere / "optimizer.pt").is_file()
     assert (run / "checkpoint-9").is_symlink()  # a link is never followed nor removed
+
+
+def test_an_arm_s_flags_replace_the_preset_s_so_each_option_appears_once(tmp_path):
+    preset = fidelity_matrix.PRESETS["cpu"].flags
+    command = fidelity_matrix.command_for(tmp_path, 300, "block_256", 42, preset, ["--eval_batch_size", "4"])
+    options = [word for word in command if word.startswith("--")]
+    assert len(options) == len(set(options))
+    value = {option: command[command.index(option) + 1] for option in ("--block_size", "--per_device_train_batch_size")}
+    assert value == {"--block_size": "256", "--per_device_train_batch_size": "1"}
+    assert command[-1] == "--baseline" and "--eval_batch_size" in command  # own baseline; extra flags kept
+    plain = fidelity_matrix.command_for(tmp_path, 300, "default", 42, preset, [])
+    assert plain[plain.index("--block_size") + 1] == "128"  # an arm that sets nothing keeps the preset

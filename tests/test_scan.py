@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hf_tapernorm.pipeline.heldout import EvaluationSet, sample_blocks
+from hf_tapernorm.pipeline.report import render_markdown
 from hf_tapernorm.pipeline.scan import (
     MIN_WINDOWS,
     ScanResult,
@@ -146,3 +147,19 @@ def test_the_scan_refuses_a_set_without_its_stream(text, model):
     bare.stream = None
     with pytest.raises(ValueError, match="no token stream"):
         robustness_scan(model, model, [bare], block_size=16, windows=2, max_positions=64)
+
+
+def test_the_report_says_which_worst_windows_were_traced_and_where_the_sink_share_fell(text, model):
+    tokenizer = char_tokenizer()
+    trigger = int(text.stream[len(text.stream) // 2])
+    result = robustness_scan(
+        Saboteur(model, trigger), model, [text], block_size=16, windows=8, max_positions=64, tokenizer=tokenizer
+    ).to_dict()
+    broken, intact = copy.deepcopy(result["worst"][0]), copy.deepcopy(result["worst"][0])
+    intact["sink_share"] = {}  # as the scan leaves a window under the threshold
+    broken["sink_share"] = {"model": [0.5, 0.1], "reference": [0.5, 0.6], "falls_at_layer": 1}
+    held = dict(broken, sink_share={"model": [0.5], "reference": [0.5], "falls_at_layer": None})
+    result["worst"] = [broken, held, intact]
+    section = render_markdown({"status": "finished", "robustness_scan": result}, {})
+    rows = [line for line in section.splitlines() if line.startswith(f"| {text.name} | ") and "`" in line]
+    assert [row.split(" | ")[5] for row in rows] == ["1", "none", "not traced"]

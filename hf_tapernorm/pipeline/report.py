@@ -342,20 +342,29 @@ def _scan_section(scan: Mapping[str, Any]) -> list[str]:
     if scan.get("worst"):
         parts += [
             "",
-            "The worst windows (excess: nats per token over the reference on the window's worst stretch; the layer "
-            "where the folded model's share of attention on the sink falls below half the reference's):",
+            "The worst windows (excess: nats per token over the reference on the window's worst stretch; for a "
+            "broken window, the layer where the folded model's share of attention on the sink falls below half the "
+            "reference's, 'none' when no layer's does; the others are not traced):",
             "",
             "| text | tokens | offset | excess | folded / reference loss | sink share falls at layer | first tokens |",
             "|---|---|---|---|---|---|---|",
         ]
         for window in scan["worst"]:
-            fall = (window.get("sink_share") or {}).get("falls_at_layer")
             parts.append(
                 f"| {window['text']} | {window['length']} | {window['offset']} | {window['worst_excess']:+.2f} | "
-                f"{window['model_loss']:.3f} / {window['reference_loss']:.3f} | {'-' if fall is None else fall} | "
+                f"{window['model_loss']:.3f} / {window['reference_loss']:.3f} | {_sink_share_fall(window)} | "
                 f"{_cell(window['first_tokens'], 60)} |"
             )
     return [*parts, ""]
+
+
+def _sink_share_fall(window: Mapping[str, Any]) -> str:
+    """The layer where a window's sink share falls; the scan traces only broken windows (a forward per layer)."""
+    traced = window.get("sink_share") or {}
+    if not traced:
+        return "not traced"
+    fall = traced.get("falls_at_layer")
+    return "none" if fall is None else str(fall)
 
 
 def _cell(text: str, limit: int = 160) -> str:

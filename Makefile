@@ -19,13 +19,12 @@ install: $(STAMP)
 
 # The demo runs the default recipe on SmolLM2's internal norms (20 of the 30 attention norms taper and fold;
 # see README), with a normalized baseline trained on the same data for the gap; sized for a 2-core CPU. Scoring
-# four models on a block costs about what training costs on it, so the demo reads 48 of the default 256 held-out
-# blocks and 24 of the 256 out-of-corpus ones (the robustness scan at its default size) to finish within 20 minutes
-# from a fresh clone; measurements use the defaults (docs/fidelity.md).
+# four models on a block costs about what training costs on it, so the demo reads 96 of the default 256 held-out
+# blocks and 48 of the 256 out-of-corpus ones; measurements use the defaults (docs/fidelity.md).
 demo: $(STAMP)
 	$(VENV)/bin/hf-tapernorm taper --output_dir runs/demo --overwrite --baseline \
 		--max_steps 150 --per_device_train_batch_size 2 --block_size 128 \
-		--heldout_blocks 48 --out_of_corpus_blocks 24
+		--heldout_blocks 96 --out_of_corpus_blocks 48
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -359,7 +359,10 @@ def _scan_section(scan: Mapping[str, Any]) -> list[str]:
 
 
 def _sink_share_fall(window: Mapping[str, Any]) -> str:
-    """The layer where a window's sink share falls; the scan traces only broken windows (a forward per layer)."""
+    """The layer where a window's sink share falls.
+
+    The scan traces only broken windows: each trace is an eager-attention forward of both models.
+    """
     traced = window.get("sink_share") or {}
     if not traced:
         return "not traced"

@@ -163,12 +163,15 @@ def is_finished(folder: Path) -> bool:
 
 
 def without_options(flags: tuple[str, ...], overridden: tuple[str, ...]) -> list[str]:
-    """``flags`` (option/value pairs) less the options ``overridden`` sets, so a run's command states each once."""
+    """``flags`` less the options ``overridden`` sets (each with its values, if any), so a command states each once."""
     taken = {flag for flag in overridden if flag.startswith("--")}
     kept: list[str] = []
-    for option, value in zip(flags[::2], flags[1::2]):
-        if option not in taken:
-            kept += [option, value]
+    dropping = False
+    for word in flags:
+        if word.startswith("--"):
+            dropping = word in taken
+        if not dropping:
+            kept.append(word)
     return kept
 
 

@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,7 +163,7 @@ def is_finished(folder: Path) -> bool:
     return (folder / "tapered").is_dir() and training.get("steps") == training.get("max_steps")
 
 
-def without_options(flags: tuple[str, ...], overridden: tuple[str, ...]) -> list[str]:
+def without_options(flags: Sequence[str], overridden: Sequence[str]) -> list[str]:
     """``flags`` less the options ``overridden`` sets (each with its values, if any), so a command states each once."""
     taken = {flag for flag in overridden if flag.startswith("--")}
     kept: list[str] = []
@@ -183,7 +184,8 @@ def command_for(
     folder = run_folder(root, steps, arm_name, seed)
     program = ["python", "-m", arm.script] if arm.script else ["hf-tapernorm", "taper"]
     command = [*program, "--output_dir", str(folder), "--max_steps", str(steps), "--seed", str(seed)]
-    command += [*without_options(preset_flags, arm.flags), *extra, *arm.flags]
+    # Later layers win (preset < the caller's extra flags < the arm's); each option is written once.
+    command += [*without_options(preset_flags, (*extra, *arm.flags)), *without_options(extra, arm.flags), *arm.flags]
     if arm.own_baseline:
         command.append("--baseline")
     else:

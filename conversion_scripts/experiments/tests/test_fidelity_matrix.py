@@ -173,6 +173,8 @@ def test_an_arm_s_flags_replace_the_preset_s_so_each_option_appears_once(tmp_pat
     assert command[-1] == "--baseline" and "--eval_batch_size" in command  # own baseline; extra flags kept
     plain = fidelity_matrix.command_for(tmp_path, 300, "default", 42, preset, [])
     assert plain[plain.index("--block_size") + 1] == "128"  # an arm that sets nothing keeps the preset
+    mine = fidelity_matrix.command_for(tmp_path, 300, "default", 42, preset, ["--block_size", "64"])
+    assert mine.count("--block_size") == 1 and mine[mine.index("--block_size") + 1] == "64"  # extra over preset
 
 
 def test_an_arm_that_overrides_one_option_keeps_the_preset_s_value_less_flags():

@@ -408,7 +408,7 @@ def test_a_json_file_configures_a_run(tmp_path):
         "hf-tapernorm taper",
     )
     assert (training.output_dir, training.max_steps, taper.taper_end, data.block_size) == ("runs/x", 7, 5, 64)
-    assert training.per_device_train_batch_size == 4  # unspecified keys keep the recipe defaults
+    assert training.per_device_train_batch_size == 2  # unspecified keys keep the recipe defaults
 
 
 # ----------------------------------------------------------------------------- Ctrl-C and --resume
@@ -512,7 +512,11 @@ def test_defaults_are_the_embedded_recipe():
         [ModelArguments, DataArguments, TaperArguments, RunArguments, TaperTrainingArguments]
     ).parse_args_into_dataclasses(args=[])
     assert model.model_name_or_path is None and data.dataset_name is None  # embedded model and corpus
-    assert (training.max_steps, training.per_device_train_batch_size, data.block_size) == (300, 4, 256)
+    assert (training.max_steps, training.per_device_train_batch_size, data.block_size) == (
+        300,
+        2,
+        128,
+    )  # the measured recipe
     # Every recipe option is unset: TaperNormConfig.for_model decides (one place for every default).
     assert taper.preset == "auto" and taper.recipe is None
     assert all(

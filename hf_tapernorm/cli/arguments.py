@@ -84,7 +84,13 @@ class DataArguments:
     sample_by: Literal["line", "paragraph", "document"] = field(
         default="paragraph", metadata=_help("Documents in text files: one per line, paragraph or file.")
     )
-    block_size: int = field(default=256, metadata=_help("Tokens per packed training/evaluation block."))
+    block_size: int = field(
+        default=128,
+        metadata=_help(
+            "Tokens per packed training/evaluation block (the robustness scan also reads 2x, 4x and 8x it). The "
+            "default is the block of the measured recipe (docs/fidelity.md)."
+        ),
+    )
     heldout_percentage: float = field(default=5.0, metadata=_help("Percent of documents held out (by hash)."))
     heldout_blocks: int = field(
         default=256,
@@ -271,11 +277,14 @@ class TaperTrainingArguments(TrainingArguments):
     max_steps: int = field(
         default=300,
         metadata=_help(
-            "Optimizer steps. The default is the shortest run measured to bring the embedded model within the "
-            "target of its normalized run (docs/fidelity.md); fewer steps leave a larger gap."
+            "Optimizer steps. With the default block size and batch, the default is the shortest run measured to "
+            "bring the embedded model within the target of its normalized run (docs/fidelity.md); fewer steps "
+            "leave a larger gap."
         ),
     )
-    per_device_train_batch_size: int = field(default=4, metadata=_help("Blocks per device and micro-batch."))
+    per_device_train_batch_size: int = field(
+        default=2, metadata=_help("Blocks per device and micro-batch (the default: the measured recipe's).")
+    )
     learning_rate: float = field(default=1e-4, metadata=_help("Peak learning rate."))
     lr_scheduler_type: str = field(
         default="warmup_stable_decay",

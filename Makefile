@@ -23,8 +23,7 @@ install: $(STAMP)
 # blocks and 48 of the 256 out-of-corpus ones; measurements use the defaults (docs/fidelity.md).
 demo: $(STAMP)
 	$(VENV)/bin/hf-tapernorm taper --output_dir runs/demo --overwrite --baseline \
-		--max_steps 150 --per_device_train_batch_size 2 --block_size 128 \
-		--heldout_blocks 96 --out_of_corpus_blocks 48
+		--max_steps 150 --heldout_blocks 96 --out_of_corpus_blocks 48
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -27,6 +27,7 @@ from .._parsing import as_flags
 from ..config import TaperNormConfig, parse_step
 from ..errors import ConfigurationError
 from ..pipeline.data import EMBEDDED_CORPUS
+from ..pipeline.long_blocks import LengthMix
 from ..utils import accelerator_available, cpu_has_fast_bf16
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,17 @@ class DataArguments:
             "default is the block of the measured recipe (docs/fidelity.md)."
         ),
     )
+    long_block_size: int = field(
+        default=0,
+        metadata=_help(
+            "taper: every --long_block_every-th optimizer step trains on blocks of this many tokens instead of "
+            "--block_size (as many blocks per step), so the taper also sees long inputs' positions (0: every step "
+            "reads --block_size)."
+        ),
+    )
+    long_block_every: int = field(
+        default=16, metadata=_help("taper: with --long_block_size, which optimizer steps read long blocks: every Nth.")
+    )
     heldout_percentage: float = field(default=5.0, metadata=_help("Percent of documents held out (by hash)."))
     heldout_blocks: int = field(
         default=256,
@@ -123,6 +135,9 @@ class DataArguments:
     def __post_init__(self) -> None:
         if self.block_size < 4:
             raise ConfigurationError(f"--block_size must be at least 4 tokens, got {self.block_size}")
+        _positive("long_block_size", self.long_block_size, allow_zero=True)
+        if self.long_block_size:
+            LengthMix(self.block_size, self.long_block_size, self.long_block_every)  # refuses a mix that is none
         if not 0.0 < self.heldout_percentage < 100.0:
             raise ConfigurationError(f"--heldout_percentage must be in (0, 100), got {self.heldout_percentage}")
         _positive("heldout_blocks", self.heldout_blocks)

@@ -34,6 +34,9 @@ class DataFacts:
     heldout_blocks: int
     heldout_tokens: int
     heldout_percentage: float
+    long_block_size: Optional[int] = None  # every long_block_every-th step reads blocks of this size (long_blocks.py)
+    long_block_every: Optional[int] = None
+    long_train_blocks: Optional[int] = None
 
 
 @dataclass
@@ -197,6 +200,7 @@ def new_run_record(request, source, model, packed, config: TaperNormConfig, sche
             len(packed.heldout),
             packed.heldout_tokens,
             request.data.heldout_percentage,
+            **_long_block_facts(request.data, packed),
         ),
         config=config,
         training=TrainingFacts(
@@ -211,6 +215,16 @@ def new_run_record(request, source, model, packed, config: TaperNormConfig, sche
         taper_end_step=schedule.k_end,
         allowed_changes=allowed_changes,
     )
+
+
+def _long_block_facts(data, packed) -> dict[str, int]:
+    if packed.long_train is None:
+        return {}
+    return {
+        "long_block_size": packed.long_block_size,
+        "long_block_every": data.long_block_every,
+        "long_train_blocks": len(packed.long_train),
+    }
 
 
 #: A tapered or folded model this much worse (relative held-out CE) than its reference is a failed run, not a gap.

@@ -169,8 +169,13 @@ def summary_lines(facts: Mapping[str, Any]) -> list[str]:
         *([warning] if warning else []),
         f"model: {model.get('source', '-')} ({model.get('model_type', '-')}, "
         f"{_fmt(model.get('parameters'))} parameters)",
-        f"data: {data.get('source', '-')}, blocks of {_fmt(data.get('block_size'))} tokens, "
-        f"held-out {_fmt(data.get('heldout_tokens'))} tokens",
+        f"data: {data.get('source', '-')}, blocks of {_fmt(data.get('block_size'))} tokens"
+        + (
+            f" ({_fmt(data['long_block_size'])} every {data['long_block_every']} steps)"
+            if data.get("long_block_size")
+            else ""
+        )
+        + f", held-out {_fmt(data.get('heldout_tokens'))} tokens",
         f"training: {_fmt(training.get('steps'))} steps, {_fmt(training.get('tokens'))} tokens, "
         f"{_fmt(training.get('seconds'), '.0f')} s, final gate {_fmt(training.get('final_gate'), 'g')}"
         + (f", {training['mixed_precision']} autocast" if training.get("mixed_precision") else ""),

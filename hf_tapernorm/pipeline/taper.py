@@ -39,6 +39,7 @@ from .data import PackedData, blocks_tensor, prepare_from_arguments
 from .evaluation import broken_blocks, evaluate_set, per_document
 from .extension import TaperExtension
 from .heldout import EvaluationSet
+from .long_blocks import trained_tokens, training_blocks, training_dataset
 from .models import ModelSource, load_model, load_tokenizer, resolve_model
 from .out_of_corpus import out_of_corpus_set
 from .preflight import check_disk_space, check_trainer_options, check_training_blocks
@@ -112,7 +113,9 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
     fit_default_warmup(training_args, schedule)
     decay_learning_rate_after_the_taper(training_args, schedule)  # the baseline trains with the same schedule
     check_trainer_options(training_args, schedule, config)
-    check_within_positions(f"--block_size {request.data.block_size}", request.data.block_size, skeleton.config)
+    for flag, size in (("--block_size", request.data.block_size), ("--long_block_size", request.data.long_block_size)):
+        if size:  # 0: no long steps
+            check_within_positions(f"{flag} {size}", size, skeleton.config)
     if not run.resume:  # a resumed run has written part of it already: no lower bound to check
         check_disk_space(
             output.path,
@@ -215,9 +218,12 @@ def _prepare_folder(output: RunFolder, must_empty: bool, stale_checkpoints: Opti
 
 
 def prepare_run_data(request: TaperRequest, tokenizer, sink_ids: list[int]) -> PackedData:
-    """The training blocks for ``max_steps`` global batches and the held-out set, from the data options."""
-    train_blocks = request.training.max_steps * global_batch_blocks(request.training)
-    return prepare_from_arguments(request.data, tokenizer, train_blocks=train_blocks, prefix_ids=sink_ids)
+    """The training blocks for ``max_steps`` global batches (short and long: ``--long_block_size``) and the
+    held-out set, from the data options."""
+    short, long = training_blocks(request.data, request.training.max_steps, global_batch_blocks(request.training))
+    return prepare_from_arguments(
+        request.data, tokenizer, train_blocks=short, prefix_ids=sink_ids, long_train_blocks=long
+    )
 
 
 def resolve_baseline(path: Optional[str]) -> Optional[ModelSource]:
@@ -273,7 +279,7 @@ class _Pipeline:
         return train(
             model,
             self.request.training,
-            self.packed.train,
+            training_dataset(self.request.data, self.request.training, self.packed),
             folder,
             callbacks,
             resume=self.request.run.resume,
@@ -303,7 +309,7 @@ class _Pipeline:
             return self.interrupted(f"interrupted at step {trainer.state.global_step}", interrupted)
         steps = trainer.state.global_step
         record.training.steps = steps
-        record.training.tokens = steps * record.training.global_batch_blocks * self.packed.block_size
+        record.training.tokens = trained_tokens(self.request.data, steps, record.training.global_batch_blocks)
         record.training.seconds = (
             trainer.state.log_history[-1].get("train_runtime") if trainer.state.log_history else None
         )

@@ -259,6 +259,12 @@ def run_identity(request: TaperRequest, source: ModelSource, config: TaperNormCo
             "sample_by": data.sample_by,
             "block_size": data.block_size,
             "heldout_percentage": data.heldout_percentage,
+            # only with long steps: the runs of versions without them resume unchanged
+            **(
+                {"long_block_size": data.long_block_size, "long_block_every": data.long_block_every}
+                if data.long_block_size
+                else {}
+            ),
         },
         "taper": config.to_dict(),
         "training": json.loads(json.dumps(trainer_options, default=str)),

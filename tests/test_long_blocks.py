@@ -153,3 +153,7 @@ def test_clear_errors_for_the_long_block_options(workspace, tmp_path):
         "--long_block_every must be at least 2, got 1 (every step long: raise --block_size)"
     )
     assert not out.exists()
+    assert error_of(["eval", "--model_name_or_path", str(workspace / "llama"), "--long_block_size", "512"]) == (
+        "hf-tapernorm eval: error: --long_block_size 512 is a taper option (its long training steps); eval reads "
+        "blocks of --block_size and scans longer windows with --scan_windows: leave it out"
+    )

@@ -138,6 +138,7 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
 
     packed = prepare_run_data(request, tokenizer, config.sink_token_ids)
     check_training_blocks(training_args, len(packed.train))
+    train_dataset = training_dataset(request.data, training_args, packed)  # too few long blocks: refused now
     reference_text = out_of_corpus_set(request.data, tokenizer, config.sink_token_ids)
     model = load_model(source, dtype=request.model.dtype, trust_remote_code=request.model.trust_remote_code)
     if state.is_main_process:
@@ -150,6 +151,7 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
         record.export["baseline_model"] = str(baseline_source.path)
     pipeline = _Pipeline(request, record, packed, tokenizer, output, identity, source, reference_text, baseline_source)
     pipeline.extension = extension  # the tapered run's extra parts (the baseline trains without them)
+    pipeline.train_dataset = train_dataset  # what both trainings read
     try:
         return pipeline.run(model)
     except BaseException as error:  # divergence, fold check, Ctrl-C outside training: say so, export nothing
@@ -218,8 +220,7 @@ def _prepare_folder(output: RunFolder, must_empty: bool, stale_checkpoints: Opti
 
 
 def prepare_run_data(request: TaperRequest, tokenizer, sink_ids: list[int]) -> PackedData:
-    """The training blocks for ``max_steps`` global batches (short and long: ``--long_block_size``) and the
-    held-out set, from the data options."""
+    """The training blocks for ``max_steps`` global batches (and ``--long_block_size``'s) and the held-out set."""
     short, long = training_blocks(request.data, request.training.max_steps, global_batch_blocks(request.training))
     return prepare_from_arguments(
         request.data, tokenizer, train_blocks=short, prefix_ids=sink_ids, long_train_blocks=long
@@ -266,7 +267,7 @@ class _Pipeline:
         self.output, self.identity, self.source = output, identity, source
         self.reference_text, self.baseline_source = reference_text, baseline_source
         self.state = PartialState()
-        self.heldout = blocks_tensor(packed.heldout)
+        self.heldout, self.train_dataset = blocks_tensor(packed.heldout), packed.train
         self.extension = TaperExtension()
 
     def train(self, model, folder: Path, callbacks: list, history: list, extended: bool = False):
@@ -279,7 +280,7 @@ class _Pipeline:
         return train(
             model,
             self.request.training,
-            training_dataset(self.request.data, self.request.training, self.packed),
+            self.train_dataset,
             folder,
             callbacks,
             resume=self.request.run.resume,

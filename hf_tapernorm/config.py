@@ -165,7 +165,8 @@ class TaperNormConfig:
         0.0,
         "Weight of the sink-attention term, >= 0 (0: off): KL between the teacher's and the model's share of "
         "attention on the sink tokens (sink_token_ids), per layer, head and position. It reads the distillation's "
-        "teacher forward (needs distill_weight > 0) and trains with eager attention.",
+        "teacher forward (needs distill_weight > 0); training forwards report the sink's share through sdpa (eager "
+        "attention for models sdpa cannot serve).",
     )
     # The schedule
     taper_start: Step = _option(

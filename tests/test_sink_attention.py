@@ -12,9 +12,16 @@ from hf_tapernorm.architectures.recipe_rules import RUNAWAY_LAYER, in_runaway_ba
 from hf_tapernorm.layers import remove_training_loss_term, set_gate
 from hf_tapernorm.training import TaperController
 from hf_tapernorm.training.distillation import Distillation
-from hf_tapernorm.training.sink_attention import bernoulli_kl, sink_shares
+from hf_tapernorm.training.sink_attention import (
+    bernoulli_kl,
+    sink_share_attention,
+    sink_shares,
+    use_sink_share_attention,
+)
 
-from .conftest import build, random_batches, tiny_gpt2_config, tiny_llama_config
+from .conftest import build, random_batches, tiny_family_config, tiny_gpt2_config, tiny_llama_config
+
+SINK_SHARE = sink_share_attention(1)  # the training forwards' attention with one sink token
 
 BOS = tiny_llama_config().bos_token_id
 
@@ -78,19 +85,26 @@ def test_the_term_follows_what_it_needs_and_a_contradiction_is_refused():
         TaperNormConfig(sink_attention_weight=float("inf"))
 
 
-def _expected_term(student, teacher, batch, sink_length=1):
-    """The term computed apart: both models' attentions on ``batch``, the Bernoulli KL of the sink shares."""
+def _eager_attentions(model, batch):
+    """``model``'s full attention weights on ``batch`` from an eager copy (the term's own attention is not used)."""
+    copied = copy.deepcopy(model).eval()
+    copied.__dict__.pop("_tapernorm_loss_terms", None)
+    copied._forward_pre_hooks.clear()
+    copied._forward_hooks.clear()
+    copied.set_attn_implementation("eager")
     with torch.no_grad():
-        mode = student.training
-        s = student.eval()(input_ids=batch, output_attentions=True).attentions
-        student.train(mode)
-        t = teacher(input_ids=batch, output_attentions=True).attentions
+        return copied(input_ids=batch, output_attentions=True).attentions
+
+
+def _expected_term(student, teacher, batch, sink_length=1):
+    """The term computed apart: both models' eager attentions on ``batch``, the Bernoulli KL of the sink shares."""
+    s, t = _eager_attentions(student, batch), _eager_attentions(teacher, batch)
     kl = bernoulli_kl(sink_shares(t, sink_length), sink_shares(s, sink_length)).mean(dim=(0, 2))
     return float(kl.mean())
 
 
 @pytest.mark.parametrize("distill_from", ["gate_start", "original", "current"])
-def test_the_term_adds_the_sink_share_kl_to_the_training_loss_with_eager_attention(distill_from):
+def test_the_term_adds_the_sink_share_kl_to_the_training_loss(distill_from):
     torch.manual_seed(0)
     batch = sink_first_batches()[0]
     model = build(tiny_llama_config(num_hidden_layers=4))
@@ -103,7 +117,7 @@ def test_the_term_adds_the_sink_share_kl_to_the_training_loss_with_eager_attenti
     )
     controller = TaperController(model, total_steps=10)  # the gate starts to fall after step 1
     distillation = controller.distillation
-    assert model.config._attn_implementation == "eager" and distillation.sink_attention.weight == 5.0
+    assert model.config._attn_implementation == SINK_SHARE and distillation.sink_attention.weight == 5.0
     model.train()
     controller.step_begin(0)
     model(input_ids=batch, labels=batch)  # gate 1: the statistics for calibration; no teacher yet
@@ -121,7 +135,7 @@ def test_the_term_adds_the_sink_share_kl_to_the_training_loss_with_eager_attenti
         teacher = copy.deepcopy(model).eval()
         set_gate(teacher, 1.0)
     else:
-        assert teacher.config._attn_implementation == "eager" or distill_from == "original"
+        assert teacher.config._attn_implementation == SINK_SHARE or distill_from == "original"
     expected = _expected_term(model, teacher, batch)
     assert expected > (1e-5 if distill_from == "current" else 5e-4)
     with_term = model(input_ids=batch, labels=batch).loss
@@ -170,7 +184,7 @@ def test_a_trainer_run_logs_the_term_and_ends_with_the_model_s_own_attention(tmp
 
 def test_the_term_leaves_with_the_teacher_when_the_distillation_ends_at_the_taper_end():
     """distill_until="taper_end": once the gate reaches 0 the sink-attention term has no teacher, so the training
-    forwards go back to the model's own attention implementation instead of eager attention returning weights."""
+    forwards go back to the model's own attention implementation instead of one returning the sink's share."""
     batch = sink_first_batches()[0]
     model = build(tiny_llama_config(num_hidden_layers=4))
     model = patch_model(model, TaperNormConfig.for_model(model, distill_until="taper_end", taper_start=1, taper_end=3))
@@ -179,7 +193,7 @@ def test_the_term_leaves_with_the_teacher_when_the_distillation_ends_at_the_tape
     step = 0
     while controller.gate > 0.0 or step < 2:
         controller.step_begin(step)
-        assert model.config._attn_implementation == ("eager" if controller.gate > 0.0 else "sdpa")
+        assert model.config._attn_implementation == (SINK_SHARE if controller.gate > 0.0 else "sdpa")
         output = model(input_ids=batch, labels=batch)
         assert (output.attentions is not None) == (controller.gate > 0.0)
         controller.step_end(step)
@@ -189,3 +203,46 @@ def test_the_term_leaves_with_the_teacher_when_the_distillation_ends_at_the_tape
     model(input_ids=batch, labels=batch)
     controller.step_end(step)
     assert controller.gate == 0.0 and "taper/sink_attention" not in controller.log_metrics()
+
+
+@pytest.mark.parametrize("sink_length", [1, 2])
+def test_the_sink_share_attention_is_eager_attention_s_sink_columns_in_linear_memory(sink_length):
+    """The training forwards' attention (sdpa, and sdpa on values marking the sink) gives the logits, the attention
+    on each sink token and their gradients that eager attention gives, with GQA and a padded row."""
+    torch.manual_seed(0)
+    batch = random_batches(batch=2, length=12)[0]
+    mask = torch.ones_like(batch)
+    mask[1, -3:] = 0  # a row padded on the right, as the collator pads
+    results = {}
+    for implementation in ("eager", sink_share_attention(sink_length)):
+        model = build(tiny_llama_config(num_hidden_layers=3)).train()  # GQA: 4 query heads, 2 key/value heads
+        model.set_attn_implementation(implementation)
+        output = model(input_ids=batch, attention_mask=mask, output_attentions=True)
+        shares = sink_shares(output.attentions, sink_length)
+        per_token = torch.stack([layer[..., :sink_length] for layer in output.attentions])
+        (shares * mask[None, :, None, sink_length:]).sum().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        results[implementation] = output.logits.detach(), per_token.detach(), grads
+    (logits, per_token, grads), (logits_s, per_token_s, grads_s) = results.values()
+    assert per_token_s.shape == per_token.shape == (3, 2, 4, 12, sink_length)
+    torch.testing.assert_close(logits_s, logits, atol=1e-5, rtol=1e-5)
+    valid = mask[None, :, None, :, None].bool().expand_as(per_token)  # padded queries attend to nothing real
+    torch.testing.assert_close(per_token_s[valid], per_token[valid], atol=1e-6, rtol=1e-5)
+    assert grads.keys() == grads_s.keys() and max(float(g.abs().max()) for n, g in grads.items() if "q_proj" in n) > 0
+    for name in grads:
+        torch.testing.assert_close(grads_s[name], grads[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize(
+    "case, overrides",
+    [("gemma2", {}), ("gemma3_text", {"attn_logit_softcapping": 50.0})],  # no sdpa support; a soft-cap sdpa lacks
+)
+def test_models_sdpa_cannot_serve_report_their_sink_share_through_eager_attention(case, overrides):
+    llama = build(tiny_llama_config())
+    assert use_sink_share_attention(llama, 1) == "sdpa" and llama.config._attn_implementation == SINK_SHARE
+    model = build(tiny_family_config(case, **overrides))
+    before = model.config._attn_implementation
+    assert use_sink_share_attention(model, 1) == before and model.config._attn_implementation == "eager"
+    batch = sink_first_batches()[0]
+    attentions = model.train()(input_ids=batch, output_attentions=True).attentions
+    assert attentions[0].shape[-1] == batch.shape[1]  # eager's full weights, which sink_shares reads the same way

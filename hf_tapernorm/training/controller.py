@@ -250,8 +250,9 @@ class TaperController:
 
     def end(self) -> None:
         """After the last step: the distillation's terms leave the model, its teacher is released and the model
-        has its own attention implementation back (the sink-attention term trains with eager attention).
-        Call it once training is over and the last checkpoint saved; the controller drives nothing after it."""
+        has its own attention implementation back (the sink-attention term trains with an attention that reports
+        the sink's share). Call it once training is over and the last checkpoint saved; the controller drives
+        nothing after it."""
         if self.distillation is not None:
             self.distillation.remove()
             self.distillation = None

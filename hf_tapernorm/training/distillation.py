@@ -189,7 +189,7 @@ class Distillation:
     def _update_teacher(self, model: nn.Module, gate: float) -> None:
         if self._until_taper_end and gate <= 0.0 and self.sink_attention is not None:
             # The term ends here, so the sink-attention term (which reads its teacher) is idle from now on: the
-            # model gets its own attention implementation back instead of eager attention returning weights.
+            # model gets its own attention implementation back instead of the one that reports the sink's share.
             self.sink_attention.detach()
         if self._live:
             if self._until_taper_end and gate <= 0.0 and not self._released:

@@ -103,9 +103,7 @@ ARMS: dict[str, Arm] = {
         ("--long_block_size", "512", "--long_block_every", "8"),
         True,
         "the default with every 8th step on blocks of 512 tokens (2 per step, 37.5% more tokens in all), against "
-        "its own baseline trained the same way: the taper sees the positions of 4x the block length (1024-token "
-        "steps need about 12 GiB each with the eager attention the sink-attention term reads: two seeds side by "
-        "side do not fit in 24 GiB)",
+        "its own baseline trained the same way: the taper sees the positions of 4x the block length",
     ),
     "sink_attention": Arm(
         GATED_MLP_NORMS, False, "the default without the runaway layers' attention norms (the term at weight 1)"
@@ -130,6 +128,12 @@ ARMS: dict[str, Arm] = {
         "falls over twice the steps of a 300-step run while the weights move about as far",
     ),
     "long_taper": Arm(("--taper_start", "0.05", "--taper_end", "0.9"), True, "taper from 5% to 90% of the run"),
+    "short_taper": Arm(
+        ("--taper_end", "0.5"),
+        True,
+        "the gate reaches 0 at 50% of the run instead of 70%: half the run repairs at g = 0 with a decaying LR "
+        "(against its own baseline, whose LR decays from the same step)",
+    ),
     "kl_control": Arm(
         (),
         False,

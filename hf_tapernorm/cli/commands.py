@@ -366,13 +366,14 @@ def _fold_scan(source: ModelSource, folded, tokenizer, windows: int) -> Optional
         )
         return None
     recorded, sets = facts.get("data") or {}, facts.get("evaluation_sets") or {}
+    default = DataArguments()  # what the run used for anything its report does not record
     data = DataArguments(
         dataset_name=None if recorded.get("source") in (None, EMBEDDED_CORPUS) else recorded["source"],
         text_column=recorded.get("text_column"),
-        block_size=int(recorded.get("block_size", 256)),
-        heldout_percentage=float(recorded.get("heldout_percentage", 5.0)),
-        heldout_blocks=int((sets.get("held-out") or {}).get("blocks", 256)),
-        out_of_corpus_blocks=int((sets.get("out-of-corpus") or {}).get("blocks", 0)),
+        block_size=int(recorded.get("block_size", default.block_size)),
+        heldout_percentage=float(recorded.get("heldout_percentage", default.heldout_percentage)),
+        heldout_blocks=int((sets.get("held-out") or {}).get("blocks", default.heldout_blocks)),
+        out_of_corpus_blocks=int((sets.get("out-of-corpus") or {}).get("blocks", 0)),  # no set recorded: none read
         scan_windows=windows,
     )
     sink = list(getattr(folded.config, "sink_token_ids", None) or [])

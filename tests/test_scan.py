@@ -16,6 +16,7 @@ from hf_tapernorm.pipeline.scan import (
     ScanResult,
     _worst_stretch,
     draw_offsets,
+    gap_interval,
     robustness_scan,
     scan_lengths,
     scan_line,
@@ -81,12 +82,28 @@ def test_worst_stretch_is_the_largest_mean_of_consecutive_tokens():
     assert torch.allclose(_worst_stretch(excess, 100), excess.double().mean(1))  # a stretch longer than the window
 
 
+def test_the_gap_interval_resamples_windows_and_widens_when_one_window_carries_the_gap():
+    generator = torch.Generator().manual_seed(5)
+    reference = 2 + torch.rand(8, 30, generator=generator)
+    even = reference * 1.05  # every window 5% worse: no doubt about the gap
+    low, high = gap_interval(even, reference)
+    assert low == pytest.approx(0.05, abs=1e-6) and high == pytest.approx(0.05, abs=1e-6)
+    one = reference.clone()
+    one[3] *= 1.4  # one window carries the whole gap
+    gap = float(one.sum() / reference.sum() - 1)
+    low, high = gap_interval(one, reference)
+    assert low < 0.01 < gap < high  # resamples without that window see no gap at all
+    assert gap_interval(one, reference) == (low, high)  # seeded: a report's interval can be read again
+    assert gap_interval(one[:1], reference[:1]) is None  # one window: no interval
+
+
 def test_a_model_scanned_against_itself_has_no_broken_window(text, model):
     result = robustness_scan(model, model, [text], block_size=16, windows=8, max_positions=64)
     assert [(row.length, row.windows) for row in result.rows] == [(16, 8), (32, 4), (64, 2)]  # 128 > 64 positions
     for row in result.rows:
         assert row.broken == 0 and abs(row.gap) < 1e-6 and row.gap_without_broken == pytest.approx(row.gap)
         assert row.tokens == row.windows * (row.length - 2)  # sink and first text token are no targets
+        assert row.gap_interval == pytest.approx((0.0, 0.0), abs=1e-6)
     assert result.broken == 0 and result.windows == 14
     assert len(result.worst) == 10 and all(abs(w.worst_excess) < 1e-5 for w in result.worst)
     assert all(w.sink_share == {} for w in result.worst)  # only broken windows get the attention diagnostic
@@ -102,6 +119,7 @@ def test_a_model_that_breaks_after_a_token_is_caught_at_every_offset(text, model
     )
     for row in result.rows:
         assert row.broken > 0 and row.gap > 0.5
+        assert row.gap_interval[0] <= row.gap <= row.gap_interval[1]
         assert row.gap_without_broken is None or row.gap_without_broken < row.gap
     worst = result.worst[0]
     assert worst.worst_excess > 2.0 and worst.document.startswith("doc ")
@@ -163,3 +181,6 @@ def test_the_report_says_which_worst_windows_were_traced_and_where_the_sink_shar
     section = render_markdown({"status": "finished", "robustness_scan": result}, {})
     rows = [line for line in section.splitlines() if line.startswith(f"| {text.name} | ") and "`" in line]
     assert [row.split(" | ")[5] for row in rows] == ["1", "none", "not traced"]
+    length_rows = [line for line in section.splitlines() if line.startswith(f"| {text.name} | 16 | 8 |")]
+    low, high = result["rows"][0]["gap_interval"]
+    assert length_rows and f" | {100 * low:+.2f}% to {100 * high:+.2f}% | " in length_rows[0]

@@ -103,9 +103,10 @@ def scan_run(run: Path, windows: int, blocks: int, seed: int, batch: int, names=
 def rows(run: Path, result: dict[str, Any]) -> list[str]:
     out = []
     for row in result["rows"]:
-        without = row["gap_without_broken"]
+        without, interval = row["gap_without_broken"], row.get("gap_interval")
         out.append(
             f"| {run} | {row['text']} | {row['length']} | {row['windows']} | {100 * row['gap']:+.2f}% | "
+            f"{'-' if not interval else f'{100 * interval[0]:+.1f}% to {100 * interval[1]:+.1f}%'} | "
             f"{row['broken']} | {'-' if without is None else f'{100 * without:+.2f}%'} |"
         )
     return out
@@ -128,8 +129,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     args = parser.parse_args(argv)
     lines = [
-        "| run | text | window tokens | windows | folded vs baseline | broken | gap without them |",
-        "|---|---|---|---|---|---|---|",
+        "| run | text | window tokens | windows | folded vs baseline | 90% interval | broken | gap without them |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for run in args.runs:
         result = scan_run(run, args.windows, args.blocks, args.seed, args.eval_batch_size, args.texts)

@@ -90,6 +90,8 @@ class ScanRow:
     reference_loss: float
     broken: int
     gap_without_broken: Optional[float]
+    #: 90% interval of the gap over resamples of the windows: a gap read on a few windows is rough, and says so
+    gap_interval: Optional[tuple[float, float]] = None
 
     @property
     def gap(self) -> float:
@@ -139,9 +141,36 @@ class ScanResult:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ScanResult:
-        rows = [ScanRow(**{k: v for k, v in row.items() if k != "gap"}) for row in data["rows"]]
+        rows = []
+        for row in data["rows"]:
+            fields = {k: v for k, v in row.items() if k != "gap"}
+            if fields.get("gap_interval") is not None:  # JSON holds the pair as a list
+                fields["gap_interval"] = tuple(fields["gap_interval"])
+            rows.append(ScanRow(**fields))
         worst = [ScanWindow(**window) for window in data["worst"]]
         return cls(data["reference"], data["threshold_nats"], data["stretch_tokens"], data["seed"], rows, worst)
+
+
+#: Resamples of the windows behind a row's gap interval, and the interval's coverage.
+GAP_RESAMPLES = 2000
+GAP_COVERAGE = 0.9
+
+
+def gap_interval(model_ce: torch.Tensor, reference_ce: torch.Tensor, seed: int = 0) -> Optional[tuple[float, float]]:
+    """A bootstrap interval of the relative gap over windows (rows of ``[windows, targets]`` losses).
+
+    Windows, not tokens, are resampled: the tokens of one window are not independent draws of the text, and a
+    gap carried by one unusual window should read as uncertain. None for a single window.
+    """
+    if model_ce.shape[0] < 2:
+        return None
+    mine, theirs = model_ce.double().sum(1), reference_ce.double().sum(1)
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, len(mine), (GAP_RESAMPLES, len(mine)), generator=generator)
+    gaps = mine[picks].sum(1) / theirs[picks].sum(1) - 1
+    tail = (1 - GAP_COVERAGE) / 2
+    low, high = torch.quantile(gaps, torch.tensor([tail, 1 - tail], dtype=gaps.dtype)).tolist()
+    return (low, high)
 
 
 def _worst_stretch(excess: torch.Tensor, stretch: int) -> torch.Tensor:
@@ -243,6 +272,7 @@ def _scan_length(
         float(reference_ce.double().mean()),
         int((~kept).sum()),
         gap_without,
+        gap_interval(model_ce, reference_ce),
     )
     windows = [
         _Scored(float(worst[i]), text, length, int(offsets[i]), ids[i], model_ce[i], reference_ce[i])
@@ -357,6 +387,7 @@ __all__ = [
     "ScanRow",
     "ScanWindow",
     "draw_offsets",
+    "gap_interval",
     "robustness_scan",
     "scan_lengths",
     "scan_line",

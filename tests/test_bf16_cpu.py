@@ -1,4 +1,5 @@
-"""``--bf16`` on a machine without an accelerator: bf16 autocast on the CPU, said when the CPU is slow at it."""
+"""``--bf16`` on a machine without an accelerator: bf16 autocast on the CPU, said when the CPU is slow at it; by
+default, bf16 exactly where it is fast."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import logging
 
 import pytest
+from transformers import HfArgumentParser, TrainingArguments
 
 import hf_tapernorm.cli.arguments as arguments
 from hf_tapernorm._parsing import parse
@@ -39,10 +41,40 @@ def test_bf16_on_a_cpu_without_fast_bf16_says_so_in_one_line(cpu_only, monkeypat
     assert "no fast bf16 matrix products" in warning and "drop --bf16" in warning and "\n" not in warning
 
 
-def test_fp32_asks_nothing_of_the_cpu(monkeypatch, tmp_path):
-    monkeypatch.setattr(arguments, "cpu_has_fast_bf16", lambda: pytest.fail("timed bf16 without --bf16"))
-    (args,) = parse([TaperTrainingArguments], ["--output_dir", str(tmp_path)], "hf-tapernorm taper")
-    assert not args.bf16
+def test_fp32_asked_for_asks_nothing_of_the_cpu(monkeypatch, tmp_path):
+    monkeypatch.setattr(arguments, "cpu_has_fast_bf16", lambda: pytest.fail("timed bf16 with --bf16 false"))
+    (args,) = parse([TaperTrainingArguments], ["--bf16", "false", "--output_dir", str(tmp_path)], "hf-tapernorm taper")
+    assert args.bf16 is False
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_by_default_a_cpu_trains_in_bf16_exactly_where_bf16_is_fast(cpu_only, monkeypatch, tmp_path, caplog, fast):
+    monkeypatch.setattr(arguments, "cpu_has_fast_bf16", lambda: fast)
+    with caplog.at_level(logging.INFO, logger="hf_tapernorm"):
+        (args,) = parse([TaperTrainingArguments], ["--output_dir", str(tmp_path)], "hf-tapernorm taper")
+    assert args.bf16 is fast and args.use_cpu is fast
+    assert ("bf16 autocast: this machine runs bf16 faster than fp32 (--bf16 false" in caplog.text) is fast
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # fp32 on a slow CPU is no warning
+
+
+def test_fp16_asked_for_is_not_joined_by_bf16(cpu_only, monkeypatch, tmp_path):
+    monkeypatch.setattr(arguments, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(TrainingArguments, "__post_init__", lambda self: None)  # fp16 needs a GPU in transformers
+    (args,) = parse([TaperTrainingArguments], ["--fp16", "--output_dir", str(tmp_path)], "hf-tapernorm taper")
+    assert args.fp16 and not args.bf16
+
+
+def test_a_bare_bf16_flag_and_its_values_still_parse_in_any_script(cpu_only, monkeypatch, tmp_path):
+    """Scripts of their own parse these arguments with transformers' HfArgumentParser (the experiments do)."""
+    monkeypatch.setattr(arguments, "cpu_has_fast_bf16", lambda: False)
+    cases = (([], False), (["--bf16"], True), (["--bf16", "true"], True), (["--bf16", "no"], False))
+    for argv, expected in cases:
+        (ours,) = parse([TaperTrainingArguments], [*argv, "--output_dir", str(tmp_path)], "hf-tapernorm taper")
+        (theirs,) = HfArgumentParser([TaperTrainingArguments]).parse_args_into_dataclasses(
+            args=[*argv, "--output_dir", str(tmp_path)]
+        )
+        assert ours.bf16 is expected and theirs.bf16 is expected, argv
+    assert TaperTrainingArguments(output_dir=str(tmp_path)).bf16 is False  # in Python too
 
 
 def test_memory_is_not_pinned_without_an_accelerator(cpu_only, tmp_path, recwarn):
@@ -53,6 +85,27 @@ def test_memory_is_not_pinned_without_an_accelerator(cpu_only, tmp_path, recwarn
     assert args.dataloader_pin_memory is False
     list(torch.utils.data.DataLoader(list(range(4)), batch_size=2, pin_memory=args.dataloader_pin_memory))
     assert not [w for w in recwarn if "pin_memory" in str(w.message)]
+
+
+def test_the_cpu_s_flags_decide_where_the_kernel_lists_them(tmp_path, monkeypatch):
+    import hf_tapernorm.utils as utils
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f amx_bf16\nbogomips\t: 4000\n")
+    assert utils.cpu_flags(info) == {"fpu", "sse", "avx2", "avx512f", "amx_bf16"}
+    info.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")  # an arm64 kernel: no x86 flag list
+    assert utils.cpu_flags(info) is None
+    assert utils.cpu_flags(tmp_path / "missing") is None  # another operating system
+    for flags, fast in (({"avx2", "avx512_bf16"}, True), ({"avx2", "amx_bf16"}, True), ({"avx2", "avx512f"}, False)):
+        monkeypatch.setattr(utils, "cpu_flags", lambda flags=flags: frozenset(flags))
+        monkeypatch.setattr(utils, "_bf16_products_timed_faster", lambda: pytest.fail("timed with flags listed"))
+        utils.cpu_has_fast_bf16.cache_clear()
+        assert utils.cpu_has_fast_bf16() is fast, flags
+    monkeypatch.setattr(utils, "cpu_flags", lambda: None)
+    monkeypatch.setattr(utils, "_bf16_products_timed_faster", lambda: True)
+    utils.cpu_has_fast_bf16.cache_clear()
+    assert utils.cpu_has_fast_bf16() is True  # no flags: timed
+    utils.cpu_has_fast_bf16.cache_clear()  # the next caller measures this machine again
 
 
 def test_the_bf16_check_measures_this_machine():

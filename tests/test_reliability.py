@@ -94,6 +94,17 @@ def test_overwrite_replaces_only_a_folder_of_our_own(workspace, finished, tmp_pa
     assert json.loads((copy / "report.json").read_text())["status"] == "finished"
 
 
+def test_resume_in_another_precision_is_refused_with_the_flag_that_resumes_it(workspace, finished):
+    """taper picks bf16 by itself where it is fast, so a run of another precision may not be the user's doing."""
+    trained_in_bf16 = json.loads((finished / "report.json").read_text())["training"]["mixed_precision"] == "bf16"
+    before = snapshot(finished)
+    other = "false" if trained_in_bf16 else "true"
+    message = error_of([*taper_argv(workspace, finished, "--bf16", other, steps=8), "--resume"])
+    assert f"training.bf16: {trained_in_bf16} in the run, {not trained_in_bf16} now" in message
+    assert f"(--bf16 {str(trained_in_bf16).lower()} resumes it in its own precision)" in message
+    assert snapshot(finished) == before
+
+
 def test_resume_refuses_a_different_run_and_names_what_differs(workspace, finished):
     before = snapshot(finished)
     message = error_of([*taper_argv(workspace, finished, "--distill_weight", "0", steps=9), "--resume"])

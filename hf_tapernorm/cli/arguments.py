@@ -19,6 +19,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+import torch
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import TrainingArguments
@@ -39,6 +40,19 @@ _TRUST_SHARDED_HELP = (
     "Read a sharded (torch.distributed.checkpoint) checkpoint: its .metadata index is a pickle that can run "
     "code, so only for checkpoints you wrote or trust. Off: such a folder is refused unread."
 )
+
+
+class _Automatic:
+    """The default of an option that the run decides when it starts (``--bf16``: on where bf16 is fast).
+
+    Not None: transformers' ``HfArgumentParser`` lets a bool option with a default other than None stand alone
+    (``--bf16`` means true), so the flag keeps working bare in any script that parses these arguments."""
+
+    def __repr__(self) -> str:
+        return "auto"
+
+
+AUTOMATIC = _Automatic()
 
 
 def _help(text: str, **metadata) -> dict:
@@ -300,6 +314,14 @@ class TaperTrainingArguments(TrainingArguments):
     per_device_train_batch_size: int = field(
         default=2, metadata=_help("Blocks per device and micro-batch (the default: the measured recipe's).")
     )
+    bf16: Optional[bool] = field(
+        default=AUTOMATIC,
+        metadata=_help(
+            "bf16 autocast over fp32 master weights (evaluation and export stay fp32). Default: on where bf16 is "
+            "fast (a CUDA GPU that supports it; a CPU whose bf16 matrix products beat fp32, as with AMX or AVX-512 "
+            "BF16), else off; --bf16 false trains in fp32 everywhere."
+        ),
+    )
     learning_rate: float = field(default=1e-4, metadata=_help("Peak learning rate."))
     lr_scheduler_type: str = field(
         default="warmup_stable_decay",
@@ -329,6 +351,10 @@ class TaperTrainingArguments(TrainingArguments):
                 f"--max_steps must be at least 2 optimizer steps, got {self.max_steps} (the taper schedule is defined "
                 "on it: one step at g = 1 to calibrate, one at g = 0)"
             )
+        if self.bf16 is None or self.bf16 is AUTOMATIC:
+            self.bf16 = not self.fp16 and _bf16_is_fast(self.use_cpu)
+            if self.bf16:
+                logger.info("bf16 autocast: this machine runs bf16 faster than fp32 (--bf16 false trains in fp32)")
         if (self.bf16 or self.bf16_full_eval) and not self.use_cpu and not accelerator_available():
             # transformers would stop with "Your setup doesn't support bf16/gpu": on a CPU-only machine --bf16 means
             # bf16 autocast on the CPU.
@@ -342,6 +368,14 @@ class TaperTrainingArguments(TrainingArguments):
         if self.dataloader_pin_memory and (self.use_cpu or not accelerator_available()):
             self.dataloader_pin_memory = False  # nothing to pin for: torch would warn on every run that it is unused
         super().__post_init__()
+
+
+def _bf16_is_fast(use_cpu: bool) -> bool:
+    """Whether bf16 autocast trains faster than fp32 where this run trains: a CUDA GPU that supports bf16, or a CPU
+    whose bf16 matrix products are measured to beat fp32 ones (other accelerators: not assumed)."""
+    if not use_cpu and accelerator_available():
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return cpu_has_fast_bf16()
 
 
 @dataclass

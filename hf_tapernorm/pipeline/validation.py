@@ -343,9 +343,15 @@ def check_resume_identity(folder: RunFolder, identity: dict[str, Any], allowed: 
     refused = {k: v for k, v in changed.items() if k.rsplit(".", 1)[-1] not in allowed and k not in allowed}
     if refused:
         listing = "; ".join(f"{k}: {old!r} in the run, {new!r} now" for k, (old, new) in list(refused.items())[:6])
+        precision = refused.get("training.bf16")
+        hint = (  # taper chooses bf16 by itself where it is fast: a run of another precision was not asked for
+            f" (--bf16 {str(precision[0]).lower()} resumes it in its own precision)"
+            if precision and isinstance(precision[0], bool)
+            else ""
+        )
         raise ConfigurationError(
             f"--resume: these options differ from the run in '{folder.path}': {listing}. Rerun with the original "
-            "options, or name the ones to change with --allow_changes"
+            f"options{hint}, or name the ones to change with --allow_changes"
         )
     ignored = sorted(k for k in changed if k.rsplit(".", 1)[-1] in IGNORED_ON_RESUME)
     if ignored:

@@ -17,10 +17,13 @@ run's report) and the table goes to
 the baseline on each seed, their mean and spread, the out-of-corpus gap and the KL to the original,
 and the command of every run::
 
-    python -m conversion_scripts.experiments.fidelity_matrix --root runs/fidelity --steps 150 --seeds 42 7 \\
+    python -m conversion_scripts.experiments.fidelity_matrix --steps 150 --seeds 42 7 \\
         --arms default no_distill kl_0.1 --jobs 2
     python -m conversion_scripts.experiments.fidelity_matrix --root runs/fidelity --steps 150 --table_only
 
+The ``cpu`` preset trains in fp32 whatever the CPU (every CPU figure before bf16 was measured so), ``cpu_bf16``
+the same budget under bf16 autocast (what ``taper`` trains by default on a CPU with fast bf16); each preset
+but ``cpu`` keeps its runs under ``runs/fidelity_<preset>``, so two presets never share a run folder.
 ``--preset gpu`` sizes the same matrix for one large accelerator (bf16, sequences of 512, at least 25M
 tokens per arm, shortened to fit ``--time_budget_s``); the test suite runs it at toy size on a tiny local
 model (``--steps`` and the model's flags override the preset's).

@@ -1,4 +1,5 @@
-"""restore_norms.py (which norms it switches back) and sink_takeover.py (what it reads), on tiny models."""
+"""restore_norms.py (which norms it switches back), sink_takeover.py and length_profile.py (what they read), on tiny
+models."""
 
 import copy
 
@@ -74,3 +75,24 @@ def test_the_scan_reads_only_the_texts_asked_for():
     (unseen,) = texts(report, char_tokenizer(), [], 4, names=[IDLE])
     assert unseen.name == IDLE and tuple(unseen.blocks.shape) == (4, 32)
     assert unseen.documents[0] == idle_documents()[0][0]  # IDLE's first paragraph, and no other text read
+
+
+def test_the_length_profile_bins_positions_and_reads_each_layer_s_sink_share_and_residual():
+    from conversion_scripts.experiments.length_profile import attention_and_residuals, position_bins
+
+    assert position_bins(1024, 128) == [(1, 128), (128, 256), (256, 512), (512, 1024)]
+    assert position_bins(300, 128) == [(1, 128), (128, 256), (256, 300)]
+    model = tapered_tiny_model("llama", keep_norms=MLP_NORMS, sink_token_ids=[0], num_hidden_layers=4)
+    ids = torch.cat([torch.zeros(1, 1, dtype=torch.long), random_batches(n=1, batch=1)[0]], dim=1)
+    before = model.config._attn_implementation
+    shares, residual = attention_and_residuals(model, ids)
+    assert model.config._attn_implementation == before  # eager only for the trace
+    layers, positions = 4, ids.shape[1]
+    assert shares.shape == (layers, positions) and residual.shape == (layers - 1, positions)
+    assert torch.allclose(shares[:, 0], torch.ones(layers, dtype=shares.dtype))  # the sink sees only itself
+    assert bool(((shares >= 0) & (shares <= 1 + 1e-6)).all())
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        output = model(ids, output_attentions=True, output_hidden_states=True)
+    assert torch.allclose(shares[2], output.attentions[2][0, :, :, 0].double().mean(0), atol=1e-6)
+    assert torch.allclose(residual[1], output.hidden_states[2][0].double().pow(2).mean(-1).sqrt(), atol=1e-6)

@@ -114,6 +114,13 @@ ARMS: dict[str, Arm] = {
         "the default with every 16th step on blocks of 1024 tokens (2 per step, 42% more tokens in all), against "
         "its own baseline trained the same way: the taper sees the positions of 8x the block length",
     ),
+    "position_span_1024": Arm(
+        ("--position_span", "1024"),
+        True,
+        "the default with each training block's positions spread over 1024 (PoSE: two random skips, the tokens "
+        "unchanged), against its own baseline trained on the same positions: the distances of 8x the block length "
+        "at no extra tokens",
+    ),
     "sink_attention": Arm(
         GATED_MLP_NORMS, False, "the default without the runaway layers' attention norms (the term at weight 1)"
     ),

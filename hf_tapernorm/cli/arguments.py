@@ -117,6 +117,14 @@ class DataArguments:
     long_block_every: int = field(
         default=16, metadata=_help("taper: with --long_block_size, which optimizer steps read long blocks: every Nth.")
     )
+    position_span: int = field(
+        default=0,
+        metadata=_help(
+            "taper: spread each training block's position ids over this many positions (PoSE): the text keeps its "
+            "tokens and order, and two random skips, after the sink and at a random cut, make its distances reach "
+            "the span, so the taper sees long inputs' distances at a short block's cost (0: contiguous positions)."
+        ),
+    )
     heldout_percentage: float = field(default=5.0, metadata=_help("Percent of documents held out (by hash)."))
     heldout_blocks: int = field(
         default=256,
@@ -152,6 +160,12 @@ class DataArguments:
         _positive("long_block_size", self.long_block_size, allow_zero=True)
         if self.long_block_size:
             LengthMix(self.block_size, self.long_block_size, self.long_block_every)  # refuses a mix that is none
+        _positive("position_span", self.position_span, allow_zero=True)
+        if self.position_span and self.position_span <= self.block_size:
+            raise ConfigurationError(
+                f"--position_span {self.position_span} must be longer than --block_size {self.block_size} (0 keeps "
+                "the positions contiguous)"
+            )
         if not 0.0 < self.heldout_percentage < 100.0:
             raise ConfigurationError(f"--heldout_percentage must be in (0, 100), got {self.heldout_percentage}")
         _positive("heldout_blocks", self.heldout_blocks)

@@ -103,11 +103,15 @@ def eval_main(argv: Sequence[str]) -> int:
     """``hf-tapernorm eval``: held-out loss and perplexity of an original model, a tapered checkpoint
     (evaluated at g = 0) or a folded export, on the same held-out blocks as ``taper`` builds."""
     model_args, data_args, eval_args = parse([ModelArguments, DataArguments, EvalArguments], argv, "hf-tapernorm eval")
-    if data_args.long_block_size:
-        raise ConfigurationError(
-            f"--long_block_size {data_args.long_block_size} is a taper option (its long training steps); eval reads "
-            "blocks of --block_size and scans longer windows with --scan_windows: leave it out"
-        )
+    for flag, value, what in (
+        ("--long_block_size", data_args.long_block_size, "its long training steps"),
+        ("--position_span", data_args.position_span, "the positions of its training blocks"),
+    ):
+        if value:
+            raise ConfigurationError(
+                f"{flag} {value} is a taper option ({what}); eval reads blocks of --block_size and scans longer "
+                "windows with --scan_windows: leave it out"
+            )
     output_json = Path(eval_args.output_json) if eval_args.output_json else None
     if output_json is not None:
         check_result_file(output_json)

@@ -28,6 +28,7 @@ from torch.utils.data import IterableDataset
 
 from ..errors import ConfigurationError
 from .data import PackedData
+from .position_span import with_spread_positions
 from .record import global_batch_blocks
 
 
@@ -87,14 +88,18 @@ def trained_tokens(data, steps: int, per_step: int) -> int:
 
 
 def training_dataset(data, training_args, packed: PackedData) -> Union[datasets.Dataset, MixedLengthBlocks]:
-    """What the Trainer reads: the packed blocks, or with long steps their mix, in the order of the Trainer's seed
-    (``--data_seed``, else ``--seed``)."""
+    """What the Trainer reads: the packed blocks (with ``--position_span``, their positions spread:
+    pipeline/position_span.py), or with long steps their mix, in the order of the Trainer's seed (``--data_seed``,
+    else ``--seed``)."""
+    seed = training_args.data_seed if training_args.data_seed is not None else training_args.seed
+    short = packed.train
+    if getattr(data, "position_span", 0):
+        short = with_spread_positions(short, data.position_span, len(packed.prefix_ids), seed)
     mix = length_mix(data)
     if mix is None or packed.long_train is None:
-        return packed.train
-    seed = training_args.data_seed if training_args.data_seed is not None else training_args.seed
+        return short
     return MixedLengthBlocks(
-        packed.train, packed.long_train, mix, blocks_per_step=global_batch_blocks(training_args), seed=seed
+        short, packed.long_train, mix, blocks_per_step=global_batch_blocks(training_args), seed=seed
     )
 
 

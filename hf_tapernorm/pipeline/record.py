@@ -37,6 +37,7 @@ class DataFacts:
     long_block_size: Optional[int] = None  # every long_block_every-th step reads blocks of this size (long_blocks.py)
     long_block_every: Optional[int] = None
     long_train_blocks: Optional[int] = None
+    position_span: Optional[int] = None  # training blocks' positions spread over this many (position_span.py)
 
 
 @dataclass
@@ -201,6 +202,7 @@ def new_run_record(request, source, model, packed, config: TaperNormConfig, sche
             packed.heldout_tokens,
             request.data.heldout_percentage,
             **_long_block_facts(request.data, packed),
+            position_span=request.data.position_span or None,
         ),
         config=config,
         training=TrainingFacts(

@@ -175,6 +175,7 @@ def summary_lines(facts: Mapping[str, Any]) -> list[str]:
             if data.get("long_block_size")
             else ""
         )
+        + (f" (positions spread over {_fmt(data['position_span'])})" if data.get("position_span") else "")
         + f", held-out {_fmt(data.get('heldout_tokens'))} tokens",
         f"training: {_fmt(training.get('steps'))} steps, {_fmt(training.get('tokens'))} tokens, "
         f"{_fmt(training.get('seconds'), '.0f')} s, final gate {_fmt(training.get('final_gate'), 'g')}"

@@ -54,10 +54,10 @@ from .validation import (
     TaperRequest,
     check_baseline_identity,
     check_inputs_outside,
+    check_lengths_within_positions,
     check_resume_identity,
     check_schedule,
     check_vocabulary,
-    check_within_positions,
     fit_default_schedule,
     fit_default_warmup,
     max_positions,
@@ -113,9 +113,7 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
     fit_default_warmup(training_args, schedule)
     decay_learning_rate_after_the_taper(training_args, schedule)  # the baseline trains with the same schedule
     check_trainer_options(training_args, schedule, config)
-    for flag, size in (("--block_size", request.data.block_size), ("--long_block_size", request.data.long_block_size)):
-        if size:  # 0: no long steps
-            check_within_positions(f"{flag} {size}", size, skeleton.config)
+    check_lengths_within_positions(request.data, skeleton.config)
     if not run.resume:  # a resumed run has written part of it already: no lower bound to check
         check_disk_space(
             output.path,

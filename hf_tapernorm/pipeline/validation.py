@@ -151,6 +151,15 @@ def check_within_positions(what: str, length: int, hf_config) -> None:
         raise ConfigurationError(f"{what} exceeds the model's {positions} positions")
 
 
+def check_lengths_within_positions(data, hf_config) -> None:
+    """Refuse the lengths a taper's data options ask for (blocks, long blocks, position spans) beyond the model's
+    positions (``data``: the command's data arguments; a length of 0 is an option that is off)."""
+    for flag in ("block_size", "long_block_size", "position_span"):
+        size = getattr(data, flag, 0)
+        if size:
+            check_within_positions(f"--{flag} {size}", size, hf_config)
+
+
 def check_vocabulary(tokenizer, hf_config, model_name: str) -> None:
     """Refuse a tokenizer with more tokens than the model has embeddings: its higher ids would index past them
     (an IndexError once the data, whatever the sink, reaches the model)."""
@@ -265,6 +274,7 @@ def run_identity(request: TaperRequest, source: ModelSource, config: TaperNormCo
                 if data.long_block_size
                 else {}
             ),
+            **({"position_span": data.position_span} if data.position_span else {}),
         },
         "taper": config.to_dict(),
         "training": json.loads(json.dumps(trainer_options, default=str)),
@@ -371,6 +381,7 @@ __all__ = [
     "check_resume_identity",
     "check_schedule",
     "check_inputs_outside",
+    "check_lengths_within_positions",
     "check_vocabulary",
     "check_within_positions",
     "fingerprint",

@@ -230,16 +230,20 @@ class Distillation:
         input_ids: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """``weight * KL`` (mean over the positions with a label) for one forward's logits on ``input_ids``."""
-        teacher_logits = self._teacher_logits(self._model, input_ids, attention_mask)
+        """``weight * KL`` (mean over the positions with a label) for one forward's logits on ``input_ids`` (at
+        ``position_ids``, when the student's forward had them)."""
+        teacher_logits = self._teacher_logits(self._model, input_ids, attention_mask, position_ids)
         summed, count = self._kl_sum(student_logits, teacher_logits, attention_mask, labels, self._gate)
         return summed / count.clamp_min(1.0)
 
     @torch.no_grad()
-    def _teacher_logits(self, model: Optional[nn.Module], input_ids, attention_mask) -> torch.Tensor:
+    def _teacher_logits(self, model: Optional[nn.Module], input_ids, attention_mask, position_ids=None) -> torch.Tensor:
         teacher = model if self._live else self.teacher
         extra = self.sink_attention.teacher_call_arguments(teacher) if self.sink_attention is not None else {}
+        if position_ids is not None:  # the teacher reads the student's positions (pipeline/position_span.py)
+            extra["position_ids"] = position_ids
         if not self._live:
             device = input_ids.device
             if next(teacher.parameters()).device != device:
@@ -292,7 +296,9 @@ class Distillation:
         if idle:  # before the gate moves (or the snapshot), after the release: a 0 term
             self._log(torch.zeros((), device=output.loss.device))
             return None
-        teacher_logits = self._teacher_logits(model, inputs.get("input_ids"), inputs.get("attention_mask"))
+        teacher_logits = self._teacher_logits(
+            model, inputs.get("input_ids"), inputs.get("attention_mask"), inputs.get("position_ids")
+        )
         labels = inputs.get("labels")
         summed, count = self._kl_sum(output.logits, teacher_logits, inputs.get("attention_mask"), labels, gate)
         self._log((summed / count.clamp_min(1.0)).detach().float())

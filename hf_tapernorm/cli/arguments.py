@@ -386,7 +386,7 @@ class TaperTrainingArguments(TrainingArguments):
 
 def _bf16_is_fast(use_cpu: bool) -> bool:
     """Whether bf16 autocast trains faster than fp32 where this run trains: a CUDA GPU that supports bf16, or a CPU
-    whose bf16 matrix products are measured to beat fp32 ones (other accelerators: not assumed)."""
+    with fast bf16 matrix products (``utils.cpu_has_fast_bf16``); other accelerators: not assumed."""
     if not use_cpu and accelerator_available():
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     return cpu_has_fast_bf16()

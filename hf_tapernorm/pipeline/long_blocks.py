@@ -93,7 +93,7 @@ def training_dataset(data, training_args, packed: PackedData) -> Union[datasets.
     else ``--seed``)."""
     seed = training_args.data_seed if training_args.data_seed is not None else training_args.seed
     short = packed.train
-    if getattr(data, "position_span", 0):
+    if data.position_span:
         short = with_spread_positions(short, data.position_span, len(packed.prefix_ids), seed)
     mix = length_mix(data)
     if mix is None or packed.long_train is None:

@@ -512,7 +512,7 @@ def test_defaults_are_the_embedded_recipe():
         [ModelArguments, DataArguments, TaperArguments, RunArguments, TaperTrainingArguments]
     ).parse_args_into_dataclasses(args=[])
     assert model.model_name_or_path is None and data.dataset_name is None  # embedded model and corpus
-    measured_recipe = (300, 2, 128)  # steps, blocks per step, tokens per block: docs/fidelity.md
+    measured_recipe = (600, 2, 128)  # steps, blocks per step, tokens per block: docs/fidelity.md
     assert (training.max_steps, training.per_device_train_batch_size, data.block_size) == measured_recipe
     # Every recipe option is unset: TaperNormConfig.for_model decides (one place for every default).
     assert taper.preset == "auto" and taper.recipe is None

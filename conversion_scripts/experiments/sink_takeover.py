@@ -35,10 +35,13 @@ def rms(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def residuals(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def residuals(
+    model: torch.nn.Module, ids: torch.Tensor, prefix_length: int = 1
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
     """``[layers, positions]``: every position's residual RMS after each layer but the last (transformers returns
-    the last layer's output through the final norm); and ``{"attention", "mlp"}``: ``[layers, positions]``, the
-    RMS of each layer's two updates."""
+    the last layer's output through the final norm); ``{"attention", "mlp"}``: ``[layers, positions]``, the
+    RMS of each layer's two updates; and the block's cross-entropy on the targets after the first one that follows
+    the ``prefix_length`` sink tokens, as the report's broken-block check reads it."""
     updates: dict[str, list[torch.Tensor]] = {"attention": [], "mlp": []}
     handles = []
     for layer in model.model.layers:
@@ -49,15 +52,27 @@ def residuals(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, 
                 )
             )
     try:
-        hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[1:-1]
+        output = model(input_ids=ids, output_hidden_states=True)
     finally:
         for handle in handles:
             handle.remove()
-    return torch.stack([rms(h[0]) for h in hidden]), {k: torch.stack(v) for k, v in updates.items()}
+    log_probs = output.logits[0, prefix_length:-1].double().log_softmax(-1)
+    cross_entropy = float(-log_probs.gather(-1, ids[0, prefix_length + 1 :, None]).mean())
+    hidden = output.hidden_states[1:-1]
+    return torch.stack([rms(h[0]) for h in hidden]), {k: torch.stack(v) for k, v in updates.items()}, cross_entropy
 
 
-def trace(tapered: torch.nn.Module, baseline: torch.nn.Module, ids: torch.Tensor, position: Optional[int]) -> dict:
-    (mine, my_updates), (theirs, their_updates) = residuals(tapered, ids), residuals(baseline, ids)
+def trace(
+    tapered: torch.nn.Module,
+    baseline: torch.nn.Module,
+    ids: torch.Tensor,
+    position: Optional[int],
+    prefix_length: int = 1,
+) -> dict:
+    (mine, my_updates, my_loss), (theirs, their_updates, their_loss) = (
+        residuals(tapered, ids, prefix_length),
+        residuals(baseline, ids, prefix_length),
+    )
     if position is None:  # the content token whose residual grew most over the baseline's, at any layer
         position = int((mine[:, 1:] / theirs[:, 1:]).max(0).values.argmax()) + 1
     shares = sink_shares(tapered, ids), sink_shares(baseline, ids)
@@ -77,7 +92,7 @@ def trace(tapered: torch.nn.Module, baseline: torch.nn.Module, ids: torch.Tensor
                 "sink_share": [shares[0][layer], shares[1][layer]] if len(shares[0]) > layer else None,
             }
         )
-    return {"position": position, "layers": rows}
+    return {"position": position, "cross_entropy": [my_loss, their_loss], "layers": rows}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -95,9 +110,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ids = ooc.blocks[args.block : args.block + 1]
     tapered = load_tapered(args.run / "tapered").eval()
     baseline = AutoModelForCausalLM.from_pretrained(reference_of(args.run, report)).eval()
-    result = trace(tapered, baseline, ids, args.position)
+    result = trace(tapered, baseline, ids, args.position, len(sink))
     result["token_text"] = tokenizer.decode(ids[0, result["position"] : result["position"] + 1])
     print(f"block {args.block}: {tokenizer.decode(ids[0, :24])!r}")
+    loss, reference_loss = result["cross_entropy"]
+    print(
+        f"cross-entropy: tapered {loss:.3f} / baseline {reference_loss:.3f} "
+        f"({loss - reference_loss:+.3f} nats per token)"
+    )
     print(f"content token at position {result['position']}: {result['token_text']!r} (tapered / baseline)")
     print("layer | sink RMS | median RMS | token RMS | its attention update | its MLP update | sink's share")
     for row in result["layers"]:

@@ -67,6 +67,10 @@ def test_the_takeover_trace_reads_each_layer_s_output_and_follows_the_most_grown
         assert row["sink"] == pytest.approx([float(a[0]), float(b[0])])
         assert row["token"] == pytest.approx([float(a[result["position"]]), float(b[result["position"]])])
         assert 0.0 <= row["sink_share"][0] <= 1.0 and row["mlp_update"][0] > 0
+    for model_, loss in zip((model, reference), result["cross_entropy"]):  # the report's reading: targets 2..n-1
+        with torch.no_grad():
+            logits = model_(ids).logits[0, 1:-1]
+        assert loss == pytest.approx(float(torch.nn.functional.cross_entropy(logits.double(), ids[0, 2:])), rel=1e-6)
 
 
 def test_the_scan_reads_only_the_texts_asked_for():

@@ -1,5 +1,6 @@
 """Helpers shared by several test modules (fixtures live in conftest.py): the CLI runs on the tiny workspace,
-a signal sent at a known optimizer step, tapered tiny models for the folding tests, an offline tokenizer."""
+a signal sent at a known optimizer step, a spy callback on each training of a run, tapered tiny models for the
+folding tests, an offline tokenizer."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import contextlib
 import io
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast, TrainerCallback
 
+import hf_tapernorm.pipeline.training_run as training_run
 from hf_tapernorm import TaperNormConfig, patch_model
 from hf_tapernorm.cli import main
 from hf_tapernorm.layers import TaperNorm, set_gate
@@ -93,6 +96,20 @@ def signal_at_step(argv: list[str], env: dict[str, str], *, step: int, signum: i
         timeout=600,
     )
     return done.returncode, done.stdout
+
+
+def spy_on_trainings(monkeypatch, new_spy: Callable[[], TrainerCallback]) -> list[TrainerCallback]:
+    """Give every training a ``taper`` run starts (the tapered one, then the baseline) a fresh ``new_spy()`` callback;
+    the spies, in that order, fill the list returned."""
+    spies: list[TrainerCallback] = []
+    original = training_run.train
+
+    def recording(model, training_args, train_dataset, output_dir, callbacks, **kwargs):
+        spies.append(new_spy())
+        return original(model, training_args, train_dataset, output_dir, [*callbacks, spies[-1]], **kwargs)
+
+    monkeypatch.setattr("hf_tapernorm.pipeline.taper.train", recording)
+    return spies
 
 
 # ----------------------------------------------------------------------------- tapered tiny models

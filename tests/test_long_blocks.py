@@ -14,10 +14,9 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 from transformers import TrainerCallback, default_data_collator
 
-import hf_tapernorm.pipeline.training_run as training_run
 from hf_tapernorm.errors import ConfigurationError
 from hf_tapernorm.pipeline.long_blocks import LengthMix, MixedLengthBlocks
-from tests.helpers import error_of, run_main, signal_at_step, taper_argv
+from tests.helpers import error_of, run_main, signal_at_step, spy_on_trainings, taper_argv
 
 
 def _blocks(count: int, length: int, start: int = 0) -> datasets.Dataset:
@@ -91,15 +90,7 @@ class _Lengths(TrainerCallback):
 
 
 def test_a_taper_run_trains_long_steps_and_records_them(workspace, tmp_path, monkeypatch):
-    seen = []
-    original = training_run.train
-
-    def recording(model, training_args, train_dataset, output_dir, callbacks, **kwargs):
-        lengths = _Lengths()
-        seen.append(lengths)
-        return original(model, training_args, train_dataset, output_dir, [*callbacks, lengths], **kwargs)
-
-    monkeypatch.setattr("hf_tapernorm.pipeline.taper.train", recording)
+    seen = spy_on_trainings(monkeypatch, _Lengths)
     out = tmp_path / "run"
     argv = taper_argv(workspace, out, "--long_block_size", "64", "--long_block_every", "4", "--baseline")
     code, stdout, stderr = run_main(argv)

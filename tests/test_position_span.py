@@ -10,13 +10,12 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-import hf_tapernorm.pipeline.training_run as training_run
 from hf_tapernorm import TaperNormConfig, patch_model
 from hf_tapernorm.errors import ConfigurationError
 from hf_tapernorm.pipeline.position_span import spread_positions, with_spread_positions
 from hf_tapernorm.training.distillation import Distillation, distillation_loss
 from tests.conftest import build, random_batches, tiny_llama_config
-from tests.helpers import error_of, run_main, taper_argv
+from tests.helpers import error_of, run_main, spy_on_trainings, taper_argv
 
 
 def _sharp(model):
@@ -110,15 +109,7 @@ class _Positions(TrainerCallback):
 
 
 def test_a_taper_run_trains_on_spread_positions_and_records_them(workspace, tmp_path, monkeypatch):
-    seen = []
-    original = training_run.train
-
-    def recording(model, training_args, train_dataset, output_dir, callbacks, **kwargs):
-        spy = _Positions()
-        seen.append(spy)
-        return original(model, training_args, train_dataset, output_dir, [*callbacks, spy], **kwargs)
-
-    monkeypatch.setattr("hf_tapernorm.pipeline.taper.train", recording)
+    seen = spy_on_trainings(monkeypatch, _Positions)
     out = tmp_path / "run"
     code, stdout, stderr = run_main(taper_argv(workspace, out, "--position_span", "64", "--baseline"))
     assert code == 0, stderr[-3000:]

@@ -41,31 +41,20 @@ def position_bins(length: int, block_size: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Each decoder layer's attention module (``self_attn``, as Llama-style models name it)."""
-    return [layer.self_attn for layer in model.model.layers]
-
-
 @torch.no_grad()
 def attention_and_residuals(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[layers, positions]`` each: the mean (over heads) share of attention on position 0 of every query, and
-    every position's residual RMS after each layer (the last one before the final norm)."""
-    shares: list[torch.Tensor] = []
-
-    def record(module, args, output):
-        shares.append(output[1][0, :, :, 0].double().mean(0))
-
+    every position's residual RMS after each layer (the last one before the final norm). One forward in eager
+    attention, whose weights transformers returns (the implementation is restored)."""
     previous = model.config._attn_implementation
-    handles = [m.register_forward_hook(record) for m in attention_modules(model)]
     try:
         model.set_attn_implementation("eager")
-        hidden = model.eval()(input_ids=ids, output_hidden_states=True).hidden_states[1:-1]
+        output = model.eval()(input_ids=ids, output_attentions=True, output_hidden_states=True)
     finally:
-        for handle in handles:
-            handle.remove()
         model.set_attn_implementation(previous)
-    residual = torch.stack([h[0].double().pow(2).mean(-1).sqrt() for h in hidden])
-    return torch.stack(shares), residual
+    shares = torch.stack([weights[0, :, :, 0].double().mean(0) for weights in output.attentions])
+    residual = torch.stack([h[0].double().pow(2).mean(-1).sqrt() for h in output.hidden_states[1:-1]])
+    return shares, residual
 
 
 def profile(

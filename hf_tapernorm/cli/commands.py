@@ -33,7 +33,7 @@ from ..pipeline.models import (
     resolve_model,
 )
 from ..pipeline.out_of_corpus import out_of_corpus_set
-from ..pipeline.run_folder import RunFolder, running_command_around, write_file, write_folder
+from ..pipeline.run_folder import LOCK_NAME, RunFolder, running_command_around, write_file, write_folder
 from ..pipeline.scan import SCAN_FILE, robustness_scan, scan_line, scan_summary
 from ..pipeline.taper import save_export
 from ..pipeline.validation import check_vocabulary, check_within_positions, max_positions
@@ -261,32 +261,40 @@ def check_result_file(path: Path) -> None:
         )
 
 
-def check_export_folder(folder: Path, overwrite: bool) -> None:
+def check_export_folder(folder: Path, overwrite: bool, *, locked: bool = False) -> None:
     """An export may replace only an empty folder or, with ``--overwrite``, an earlier export and nothing else.
 
     An earlier export is a folder whose export manifest lists every file in it, or (exports written before
     the manifest) a folded model's folder (config.json with a ``tapernorm_*`` model_type) holding only the
     files an export writes. An ordinary model folder uses the same file names, so names alone never decide.
+    The folder's lock file is no content; ``locked``: this command holds it (only the folders above are checked
+    for another command's).
     """
     if folder.is_symlink():
         raise UsageError(f"output folder '{folder}' is a symbolic link; pass the folder it points to")
     for parent in [folder, *folder.parents]:
         if parent.exists() and not parent.is_dir():
             raise UsageError(f"output folder '{folder}': '{parent}' is a file")
-    running = running_command_around(folder)
-    if running is not None:  # that command may write the same folder (a taper's own export): one would be lost
+    running = running_command_around(folder.parent if locked else folder)
+    if running is not None:  # that command may write the same folder (another fold, a taper's export): one is lost
+        owner = "a running hf-tapernorm command owns"
+        where = (
+            f"is in use: {owner} it"
+            if running[0] == Path(os.path.abspath(folder))
+            else f"lies in '{running[0]}', which {owner}"
+        )
         raise UsageError(
-            f"output folder '{folder}' lies in '{running[0]}', which a running hf-tapernorm command owns "
-            f"({running[1]}); wait for it to finish, or choose a folder outside it"
+            f"output folder '{folder}' {where} ({running[1]}); wait for it to finish, or choose a folder outside it"
         )
     writable_from = next(p for p in (folder.parent, *folder.parents) if p.exists())  # the export is renamed in there
     if not os.access(writable_from, os.W_OK | os.X_OK):
         raise UsageError(f"output folder '{folder}': '{writable_from}' is not writable; choose a writable --output_dir")
-    if not folder.is_dir() or not any(folder.iterdir()):
+    if not folder.is_dir() or not any(p.name != LOCK_NAME for p in folder.iterdir()):
         return
     if not overwrite:
         raise UsageError(f"output folder '{folder}' is not empty; pass --overwrite to replace an earlier export")
     present = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink())
+    present = [f for f in present if f != LOCK_NAME]
     manifest = export_manifest(folder)
     if manifest is not None:
         foreign = [f for f in present if f not in manifest and f != EXPORT_MANIFEST_NAME]
@@ -333,6 +341,17 @@ def fold_main(argv: Sequence[str]) -> int:
             "choose a folder outside the checkpoint"
         )
     check_export_folder(output_dir, fold_args.overwrite)
+    export = RunFolder(output_dir)
+    export.lock()  # held until the export is written: a second command into this folder is refused meanwhile
+    try:
+        check_export_folder(output_dir, fold_args.overwrite, locked=True)  # another command may have written it
+        return _fold_into(output_dir, source, fold_args)
+    finally:
+        export.unlock()
+
+
+def _fold_into(output_dir: Path, source: ModelSource, fold_args: FoldArguments) -> int:
+    """Fold the checkpoint ``source`` and write its export into ``output_dir`` (whose lock fold holds)."""
     model = load_model(source, trust_sharded_checkpoint=fold_args.trust_sharded_checkpoint)
     gate = gate_of(model)
     if gate > 0.0:
@@ -434,12 +453,12 @@ def push_main(argv: Sequence[str]) -> int:
         raise UsageError(
             f"'{push_args.export_dir}' has no README.md model card; re-export it with hf-tapernorm taper or fold"
         )
-    print(_export_scan(Path(source.path)))
     try:
         commit = push_export(
             source.path,
             push_args.repo_id,
             include=push_args.include,
+            before_upload=lambda files: print(_export_scan(Path(source.path))),  # once the export passed its checks
             token=push_args.token,
             private=push_args.private,
             commit_message=push_args.commit_message,

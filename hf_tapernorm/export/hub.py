@@ -8,15 +8,21 @@ An export records the files it wrote in ``.hf_tapernorm_export.json`` (its manif
 exactly those files (``modeling_folded.upload_export``, also behind ``folded.push_to_hub``): anything else
 in the folder (a ``.env`` with a token, notes) is listed and refused unless ``include`` names it, because
 ``upload_folder`` publishes whatever a folder holds.
+
+The model card and the robustness scan state figures of the weights they were written with, so the manifest
+also records the sha256 of each weight file (``*.safetensors``) as the export wrote it, and a push verifies it:
+weights edited, or a fine-tuned model saved over the export, would otherwise be published under a card and a
+scan that describe other weights.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
@@ -31,6 +37,8 @@ from .modeling_folded import PREFIX, FoldedModelMixin, upload_export
 logger = logging.getLogger(__name__)
 
 EXPORT_MANIFEST_NAME = ".hf_tapernorm_export.json"
+#: The manifest's record of the weights the card and the scan describe: weight file -> its sha256.
+WEIGHTS_KEY = "weights_sha256"
 
 
 def _folder_files(folder: Path) -> dict[str, tuple[int, int]]:
@@ -46,37 +54,99 @@ def _folder_files(folder: Path) -> dict[str, tuple[int, int]]:
     return found
 
 
-def export_manifest(folder: str | os.PathLike) -> Optional[list[str]]:
-    """The files an export wrote (its manifest), each a relative path inside ``folder``; None without one."""
-    path = Path(folder) / EXPORT_MANIFEST_NAME
+def _read_manifest(folder: Path) -> Optional[dict[str, Any]]:
+    """The export manifest of ``folder`` (checked: every entry a relative path inside it), or None without one."""
+    path = folder / EXPORT_MANIFEST_NAME
     if not path.is_file():
         return None
     try:
-        entries = json.loads(path.read_text()).get("files")
+        manifest = json.loads(path.read_text())
+        entries, weights = manifest.get("files"), manifest.get(WEIGHTS_KEY, {})
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        entries = None
-    valid = isinstance(entries, list) and all(
-        isinstance(e, str) and e and not os.path.isabs(e) and ".." not in Path(e).parts and "\\" not in e
-        for e in entries
+        entries = weights = None
+    valid = (
+        isinstance(entries, list)
+        and all(
+            isinstance(e, str) and e and not os.path.isabs(e) and ".." not in Path(e).parts and "\\" not in e
+            for e in entries
+        )
+        and isinstance(weights, dict)
+        and all(name in entries and isinstance(digest, str) for name, digest in weights.items())
     )
     if not valid:
         raise ConfigurationError(f"the export manifest {path} is damaged or was edited; re-export the model")
-    return list(entries)
+    return manifest
+
+
+def export_manifest(folder: str | os.PathLike) -> Optional[list[str]]:
+    """The files an export wrote (its manifest), each a relative path inside ``folder``; None without one."""
+    manifest = _read_manifest(Path(folder))
+    return None if manifest is None else list(manifest["files"])
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _is_weights(name: str) -> bool:
+    return name.endswith(".safetensors")
 
 
 @contextmanager
 def recording_export(folder: str | os.PathLike) -> Iterator[Path]:
-    """Add every file written or rewritten inside the ``with`` block to ``folder``'s export manifest."""
+    """Add every file written or rewritten inside the ``with`` block to ``folder``'s export manifest, with the
+    sha256 of each weight file written (one left untouched keeps the digest recorded when it was written)."""
     folder = Path(folder)
     before = _folder_files(folder) if folder.is_dir() else {}
     yield folder
     after = _folder_files(folder)
-    previous = export_manifest(folder) or []
+    previous = _read_manifest(folder) or {"files": []}
     written = {name for name, stamp in after.items() if before.get(name) != stamp}
-    files = sorted({*(name for name in previous if name in after), *written})
+    files = sorted({*(name for name in previous["files"] if name in after), *written})
+    recorded = previous.get(WEIGHTS_KEY, {})
+    weights = {
+        name: recorded[name] if name in recorded and name not in written else _sha256(folder / name)
+        for name in files
+        if _is_weights(name)
+    }
     (folder / EXPORT_MANIFEST_NAME).write_text(
-        json.dumps({"tool": "hf-tapernorm", "files": files}, indent=2, sort_keys=True) + "\n"
+        json.dumps({"tool": "hf-tapernorm", "files": files, WEIGHTS_KEY: weights}, indent=2, sort_keys=True) + "\n"
     )
+
+
+def check_export_weights(folder: str | os.PathLike) -> None:
+    """Refuse (ConfigurationError) an export whose weight files are not the ones its card and scan were written
+    with: each ``*.safetensors`` of the manifest must still have the sha256 the export recorded."""
+    folder = Path(folder)
+    manifest = _read_manifest(folder)
+    if manifest is None:
+        return  # files_to_push refuses it
+    if WEIGHTS_KEY not in manifest:
+        logger.warning(
+            "%s was exported by an earlier version, which recorded no digest of its weights: push cannot check that "
+            "its model card and robustness scan describe them; re-export it with hf-tapernorm fold to have them "
+            "checked",
+            folder,
+        )
+        return
+    recorded = manifest[WEIGHTS_KEY]
+    changed = [
+        name
+        for name in manifest["files"]
+        if _is_weights(name) and (folder / name).is_file() and recorded.get(name) != _sha256(folder / name)
+    ]
+    if changed:
+        raise ConfigurationError(
+            f"'{folder}': {', '.join(changed[:4])} changed after the export wrote its model card and robustness scan "
+            f"(its sha256 is not the one {EXPORT_MANIFEST_NAME} recorded: edited, or a model saved over the export), "
+            "so README.md and the scan describe other weights; write a fresh export with hf-tapernorm fold "
+            "--overwrite from the tapered checkpoint, whose card and scan are of its weights (weights changed on "
+            "purpose need a card of their own: hf-tapernorm eval --scan_reference measures them)"
+        )
 
 
 def export_folded(
@@ -157,7 +227,8 @@ def files_to_push(folder: str | os.PathLike, include: Sequence[str] = ()) -> lis
     """The files ``push_export`` uploads: the export's manifest, plus the other files ``include`` names.
 
     Refuses (ConfigurationError, the files listed) a folder without a manifest, one holding a symbolic link,
-    one missing a file of its manifest, and one holding a file neither the manifest nor ``include`` names.
+    one missing a file of its manifest, one holding a file neither the manifest nor ``include`` names, and one
+    whose weights are not those its card and scan were written with (check_export_weights).
     """
     folder = Path(folder)
     include = [include] if isinstance(include, str) else list(include)  # a string's letters would be patterns: "*"
@@ -185,6 +256,7 @@ def files_to_push(folder: str | os.PathLike, include: Sequence[str] = ()) -> lis
             f"{f' and {len(refused) - 8} more' if len(refused) > 8 else ''}); they are not uploaded: move them "
             "away, or name the ones to publish with --include PATTERN"
         )
+    check_export_weights(folder)
     return sorted([*manifest, *included])
 
 
@@ -195,9 +267,21 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
     return any(p in names or any(fnmatch.fnmatchcase(n, p) for n in names) for p in patterns)
 
 
-def push_export(folder: str | os.PathLike, repo_id: str, *, include: Sequence[str] = (), **options: Any):
-    """Upload the files of a folded export (``files_to_push``: its manifest, plus ``include``) to ``repo_id``."""
+def push_export(
+    folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    include: Sequence[str] = (),
+    before_upload: Optional[Callable[[list[str]], None]] = None,
+    **options: Any,
+):
+    """Upload the files of a folded export (``files_to_push``: its manifest, plus ``include``) to ``repo_id``.
+
+    ``before_upload`` receives those files once the folder has passed every check, before anything is sent (the
+    command line says there what the export's scan found)."""
     files = files_to_push(folder, include)
+    if before_upload is not None:
+        before_upload(files)
     logger.info("uploading %d files of %s: %s", len(files), folder, ", ".join(files))
     return upload_export(folder, repo_id, allow_patterns=[glob_escape(name) for name in files], **options)
 
@@ -209,6 +293,8 @@ def glob_escape(name: str) -> str:
 
 __all__ = [
     "EXPORT_MANIFEST_NAME",
+    "WEIGHTS_KEY",
+    "check_export_weights",
     "export_folded",
     "export_manifest",
     "files_to_push",

@@ -166,6 +166,44 @@ def _value(option: Any) -> str:
     return str(getattr(option, "value", option))
 
 
+def run_writes(
+    model: torch.nn.Module, training_args, config: TaperNormConfig, *, dtype: Optional[str], baseline: bool
+) -> dict[str, int]:
+    """The bytes a taper run is sure to write, by what writes them: the one place that knows them.
+
+    Read from the model's structure (``model`` may be on the meta device, where its parameters carry the dtype
+    its checkpoint loads in): each copy of the weights at their element size (``dtype``'s when one is asked for);
+    the optimizer's two moments per trainable weight for an Adam-family ``--optim`` (torch keeps them in the
+    weight's dtype; 8-bit and 4-bit variants in 1 and 0.5 bytes; low-rank ones such as GaLore are not counted); the
+    distillation teacher's snapshot when the final checkpoint holds one; the tapered checkpoint and the folded
+    export; and with ``--baseline`` the baseline's final checkpoint and its model. Never more than the run writes
+    (one checkpoint, no file headers, no tokenizer), so a run refused by it could not have finished.
+    """
+    parameters = list(model.parameters())
+    size = getattr(torch, dtype).itemsize if dtype not in (None, "auto") else None
+    weights = sum(p.numel() * (size or p.element_size()) for p in parameters)
+    trainable = [p for p in parameters if p.requires_grad]
+    moments = int(sum(p.numel() * _moment_bytes(training_args, size or p.element_size()) for p in trainable) * 2)
+    writes = {"the final checkpoint's weights": weights}
+    if moments:
+        writes["its optimizer state (two moments per weight)"] = moments
+    teacher_kept = config.distill_from != "current" and config.distill_until != "taper_end"  # else none is saved
+    if config.distill_weight > 0 and teacher_kept:
+        writes["its distillation teacher"] = weights
+    writes.update({"the tapered checkpoint": weights, "the folded export": weights})
+    if baseline:
+        writes.update({"the baseline run's final checkpoint": weights + moments, "the baseline run's model": weights})
+    return writes
+
+
+def _moment_bytes(training_args, element: int) -> float:
+    """The bytes of one Adam moment of a weight of ``element`` bytes under ``--optim`` (0: not an Adam state)."""
+    optim = _value(training_args.optim).lower()
+    if "adam" not in optim or any(low_rank in optim for low_rank in ("galore", "apollo", "lomo")):
+        return 0
+    return 0.5 if "4bit" in optim else 1 if "8bit" in optim else element
+
+
 def check_disk_space(
     output_dir: Path,
     model: torch.nn.Module,
@@ -176,33 +214,21 @@ def check_disk_space(
     baseline: bool,
     reclaimable: int = 0,
 ) -> int:
-    """Refuse a run whose folder's disk cannot hold what the run is sure to write; returns that lower bound.
+    """Refuse a run whose folder's disk cannot hold what the run is sure to write (run_writes); returns that sum.
 
     A full disk is found when a checkpoint or an export is written: after the whole training, and the
-    half-written checkpoint cannot be resumed. So the weights' copies the run certainly writes are counted
-    first, from the model's structure (``model`` may be on the meta device): the final checkpoint (the
-    weights, two moments per weight for an Adam-family ``--optim``, the distillation teacher), the tapered
-    checkpoint and the folded export, and with ``--baseline`` the baseline's checkpoint and model. Weights
-    count at ``dtype``'s size, or at 2 bytes (half precision) when the dtype is left to the checkpoint, so the
-    bound is never more than the run writes. ``reclaimable``: bytes the run deletes first (``--overwrite``).
+    half-written checkpoint cannot be resumed. ``reclaimable``: bytes the run deletes first (``--overwrite``).
     """
-    weights = sum(p.numel() for p in model.parameters())
-    size = getattr(torch, dtype).itemsize if dtype not in (None, "auto") else 2
-    adam = "adam" in str(getattr(training_args.optim, "value", training_args.optim)).lower()
-    moments = 2 if adam else 0
-    checkpoint = 1 + moments + (1 if config.distill_weight > 0 else 0)
-    copies = checkpoint + 2 + ((1 + moments) + 1 if baseline else 0)
-    needed = weights * size * copies
+    writes = run_writes(model, training_args, config, dtype=dtype, baseline=baseline)
+    needed = sum(writes.values())
     folder = Path(output_dir).expanduser().resolve()
     existing = next(p for p in (folder, *folder.parents) if p.exists())
     free = shutil.disk_usage(existing).free + reclaimable
     if free < needed:
+        listing = ", ".join(f"{what} {_gigabytes(count)}" for what, count in writes.items())
         raise ConfigurationError(
             f"--output_dir {output_dir}: its disk has {_gigabytes(free)} free, and this run writes at least "
-            f"{_gigabytes(needed)} ({copies} copies of the model's {weights:,} weights: the final checkpoint with "
-            f"the optimizer's state{' and the distillation teacher' if config.distill_weight > 0 else ''}, the "
-            f"tapered checkpoint, the folded export{', the baseline run' if baseline else ''}); free space or "
-            "choose an --output_dir on another disk"
+            f"{_gigabytes(needed)} ({listing}); free space or choose an --output_dir on another disk"
         )
     return needed
 
@@ -211,4 +237,4 @@ def _gigabytes(count: int) -> str:
     return f"{count / 1e9:.2f} GB"
 
 
-__all__ = ["check_disk_space", "check_trainer_options", "check_training_blocks"]
+__all__ = ["check_disk_space", "check_trainer_options", "check_training_blocks", "run_writes"]

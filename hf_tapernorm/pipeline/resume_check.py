@@ -2,9 +2,13 @@
 
 A resumed run is the same run only if every piece of state the Trainer saved comes back: without
 ``optimizer.pt`` Adam restarts from zero moments, without ``scheduler.pt`` the learning rate restarts its
-warmup, without ``rng_state.pth`` the dropout and data order differ. The Trainer resumes silently in each
-case, so each missing or unreadable file is refused here with its name. A checkpoint that holds a sharded
-(torch.distributed.checkpoint) folder is read only when the user trusts it (its index is a pickle).
+warmup, without ``rng_state.pth`` the dropout and data order differ, without the distillation teacher's
+snapshot the run distils from another teacher. The Trainer resumes silently in each case, so each missing or
+unreadable file is refused here with its name: the files the Trainer reads, and every file the checkpoint held
+when it was written (listed in its ``tapernorm_run.json``). ``trainer_state.json`` is read too: the step it
+holds must be the one in the checkpoint's name (a renamed checkpoint fails late, naming a folder that does not
+exist). A checkpoint that holds a sharded (torch.distributed.checkpoint) folder is read only when the user
+trusts it (its index is a pickle).
 
 The checks ``taper`` runs before work starts are split by what they read, so each has one place:
 validation.py the request and the model's config (the recipe, schedule, positions, the run's identity);
@@ -25,8 +29,9 @@ from transformers.trainer_pt_utils import safe_globals
 
 from ..config import CONFIG_NAME
 from ..errors import ConfigurationError, first_line
+from ..training.distillation import SNAPSHOT_NAME
 from ..training.sharded import METADATA_NAME, refuse_untrusted_sharded_checkpoint
-from .training_run import IDENTITY_NAME, incomplete_checkpoints, last_checkpoint
+from .training_run import CHECKPOINT_FILES_KEY, IDENTITY_NAME, incomplete_checkpoints, last_checkpoint
 
 #: The Trainer's files a resume restores, and what is lost without each.
 REQUIRED_STATE = {
@@ -34,6 +39,8 @@ REQUIRED_STATE = {
     "optimizer.pt": "the optimizer's moments (Adam would restart from zero)",
     "scheduler.pt": "the learning-rate schedule's position",
 }
+#: What is lost without a file a checkpoint listed (besides REQUIRED_STATE): said when it is missing.
+LISTED_STATE = {SNAPSHOT_NAME: "the distillation teacher (the run cannot take it again: its model has trained since)"}
 
 
 class ResumeCheckError(ConfigurationError):
@@ -70,6 +77,7 @@ def check_checkpoint(checkpoint: Path, *, trust_sharded_checkpoint: bool = False
         present = (checkpoint / name).is_file() or (name == "optimizer.pt" and any(checkpoint.glob("optimizer_*")))
         if not present:
             raise ResumeCheckError(f"--resume: {checkpoint} has no {name}, which holds {what}{restart}")
+    _check_trainer_state(checkpoint, restart)
     rng_files = sorted(checkpoint.glob("rng_state*.pth"))
     if not rng_files:
         raise ResumeCheckError(
@@ -92,7 +100,48 @@ def check_checkpoint(checkpoint: Path, *, trust_sharded_checkpoint: bool = False
         problem = _unreadable(path)
         if problem:
             raise ResumeCheckError(f"--resume: cannot read {path} ({problem}: truncated or damaged){restart}")
+    _check_listed_files(checkpoint, restart)
     _check_recipe_unedited(checkpoint, restart)
+
+
+def _check_trainer_state(checkpoint: Path, restart: str) -> None:
+    """``trainer_state.json`` is a readable state whose step is the one the folder's name says (the Trainer and
+    TaperCallback look for ``checkpoint-<its global_step>``)."""
+    path = checkpoint / "trainer_state.json"
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ResumeCheckError(
+            f"--resume: cannot read {path} ({first_line(error)}: truncated or damaged){restart}"
+        ) from None
+    step = state.get("global_step") if isinstance(state, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise ResumeCheckError(f"--resume: {path} holds no Trainer state (no integer global_step){restart}")
+    named = int(checkpoint.name.split("-")[-1])
+    if step != named:
+        raise ResumeCheckError(
+            f"--resume: {checkpoint} holds the state of step {step} ({path.name}: global_step {step}), not of step "
+            f"{named} as its name says: it was renamed; rename it back to {checkpoint.with_name(f'checkpoint-{step}')}"
+            ", or start over with --overwrite"
+        )
+
+
+def _check_listed_files(checkpoint: Path, restart: str) -> None:
+    """Every file the checkpoint held when it was written (its record's list) is still there."""
+    try:
+        listed = json.loads((checkpoint / IDENTITY_NAME).read_text()).get(CHECKPOINT_FILES_KEY)
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as error:
+        raise ResumeCheckError(
+            f"--resume: cannot read {checkpoint / IDENTITY_NAME} ({first_line(error)}){restart}"
+        ) from None
+    listed = listed if isinstance(listed, list) else []  # a checkpoint of an older version lists nothing
+    missing = [name for name in listed if isinstance(name, str) and not (checkpoint / name).is_file()]
+    if missing:
+        what = LISTED_STATE.get(missing[0], "a file the run wrote into it")
+        raise ResumeCheckError(
+            f"--resume: {checkpoint} has no {missing[0]}{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}"
+            f", which holds {what}{restart}"
+        )
 
 
 def _check_recipe_unedited(checkpoint: Path, restart: str) -> None:

@@ -9,31 +9,27 @@ named, and nothing is deleted before every argument, the model and the data have
 
 The manifest is data a user can edit, so it is never trusted as a list of paths: an entry that is absolute,
 climbs with ``..``, passes through a symbolic link or resolves outside the folder is refused before anything
-is deleted, and a folder holding symbolic links is refused before any work. ``.hf_tapernorm_run.lock`` keeps
-a second command out of a folder in use (a lock whose process is gone is taken over). A half-written output
-never carries its final name.
+is deleted, and a folder holding symbolic links is refused before any work. ``.hf_tapernorm_run.lock``
+(run_lock.py) keeps a second command out of a folder in use. A half-written output never carries its final name.
 """
 
 from __future__ import annotations
 
-import errno
 import fnmatch
 import glob
 import json
 import logging
 import os
 import shutil
-import socket
 from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
-from ..errors import ConfigurationError
+from .run_lock import LOCK_NAME, RunFolderError, RunLock, running_command_around
 
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = ".hf_tapernorm_run.json"
-LOCK_NAME = ".hf_tapernorm_run.lock"
 #: Bookkeeping files of the folder itself: never listed, never foreign.
 _BOOKKEEPING = (MANIFEST_NAME, MANIFEST_NAME + ".tmp", LOCK_NAME)
 #: Temporary siblings written by write_folder (``.NAME.partial-PID``, ``.NAME.old-PID``); a crash can leave one
@@ -43,10 +39,6 @@ _PARTIAL_MARKERS = (".partial-", ".old-")
 _TEMPORARY_FILES = ("report.json.tmp", "report.md.tmp")
 #: Folders a Trainer writes into a run folder (the run's own, whether or not a kill let it record them).
 CHECKPOINT_PATTERN = "checkpoint-*"
-
-
-class RunFolderError(ConfigurationError):
-    """The output folder cannot be used as asked (the message says why and lists foreign files)."""
 
 
 def _is_partial(relative: str) -> bool:
@@ -331,97 +323,6 @@ class RunFolder:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
-
-
-class RunLock:
-    """``.hf_tapernorm_run.lock``: created with O_EXCL and the owner's pid; a dead owner's lock is taken over."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.path = folder / LOCK_NAME
-        self.created_folder = False
-        self.held = False
-
-    def acquire(self) -> None:
-        for parent in [self.folder, *self.folder.parents]:
-            if parent.exists() and not parent.is_dir():
-                raise RunFolderError(f"output folder '{self.folder}': '{parent}' is a file")
-        try:
-            self.created_folder = not self.folder.exists()
-            self.folder.mkdir(parents=True, exist_ok=True)
-            for _ in range(2):
-                try:
-                    descriptor = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                except FileExistsError:
-                    if not self._owner_is_gone():
-                        raise RunFolderError(
-                            f"output folder '{self.folder}' is in use by another hf-tapernorm command "
-                            f"({self._owner_text()}); wait for it to finish, or choose another --output_dir"
-                        ) from None
-                    logger.warning("taking over the lock of %s: its process is gone", self.folder)
-                    self.path.unlink(missing_ok=True)
-                    continue
-                with os.fdopen(descriptor, "w") as handle:
-                    json.dump({"pid": os.getpid(), "host": socket.gethostname()}, handle)
-                self.held = True
-                return
-        except OSError as error:
-            reason = errno.errorcode.get(error.errno, "") if error.errno else ""
-            raise RunFolderError(
-                f"cannot write into output folder '{self.folder}': {error.strerror or error} {reason}".rstrip()
-                + "; choose a writable --output_dir"
-            ) from None
-        raise RunFolderError(f"output folder '{self.folder}': cannot take its lock {self.path}")
-
-    def _owner(self) -> dict[str, Any]:
-        try:
-            owner = json.loads(self.path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            return {}
-        return owner if isinstance(owner, dict) else {}
-
-    def _owner_text(self) -> str:
-        owner = self._owner()
-        return f"pid {owner.get('pid')} on {owner.get('host')}, lock {self.path}"
-
-    def _owner_is_gone(self) -> bool:
-        owner = self._owner()
-        pid, host = owner.get("pid"), owner.get("host")
-        if not isinstance(pid, int) or host != socket.gethostname():
-            return False  # another machine's (shared disk) or unreadable: not ours to break
-        if pid == os.getpid():
-            return False
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
-
-    def held_by_another(self) -> Optional[str]:
-        """Who holds this folder's lock, when another live process does (None: free, or its owner is gone)."""
-        if self.held or not self.path.is_file() or self._owner_is_gone():
-            return None
-        return self._owner_text()
-
-    def release(self) -> None:
-        if not self.held:
-            return
-        self.path.unlink(missing_ok=True)
-        self.held = False
-        if self.created_folder and self.folder.is_dir() and not any(self.folder.iterdir()):
-            self.folder.rmdir()  # a command refused before it wrote anything leaves no folder behind
-
-
-def running_command_around(path: Path) -> Optional[tuple[Path, str]]:
-    """The run folder at or above ``path`` that a live hf-tapernorm command holds, with its owner; or None."""
-    resolved = Path(os.path.abspath(path))
-    for folder in [resolved, *resolved.parents]:
-        owner = RunLock(folder).held_by_another()
-        if owner is not None:
-            return folder, owner
-    return None
 
 
 def write_file(path: Path, text: str) -> None:

@@ -4,8 +4,10 @@ First Ctrl-C (SIGINT) or SIGTERM (what ``docker stop``, Slurm and Kubernetes sen
 optimizer step, save a checkpoint (the Trainer's own: model, optimizer, scheduler, RNG, trainer state, plus
 what TaperCallback adds), stop; ``--resume`` continues it. A second signal aborts without one. Each
 checkpoint also gets the run's identity (``tapernorm_run.json``), written last, so its presence marks a
-complete checkpoint (a kill while one is written leaves an incomplete one, which ``--resume`` skips), and the
-run folder's manifest is refreshed, so a later command knows these files are the run's.
+complete checkpoint (a kill while one is written leaves an incomplete one, which ``--resume`` skips), with the
+list of the files the checkpoint holds then (a resume refuses one that lost a file: the distillation teacher's
+snapshot, say, which the run cannot rebuild), and the run folder's manifest is refreshed, so a later command
+knows these files are the run's.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from .run_folder import RunFolder
 logger = logging.getLogger(__name__)
 
 IDENTITY_NAME = "tapernorm_run.json"
+#: The key of IDENTITY_NAME that lists the checkpoint's files (relative paths); the rest is the run's identity.
+CHECKPOINT_FILES_KEY = "checkpoint_files"
 
 #: Logged keys of TaperCallback -> report keys (read-only: an experiment adds its own with a TaperExtension).
 LOG_KEYS: Mapping[str, str] = MappingProxyType(
@@ -110,8 +114,10 @@ class RecordCallback(TrainerCallback):
             return
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         if folder.is_dir():
+            files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
             tmp = folder / (IDENTITY_NAME + ".tmp")
-            tmp.write_text(json.dumps(self.identity, indent=2, sort_keys=True) + "\n")
+            record = {**self.identity, CHECKPOINT_FILES_KEY: files}
+            tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
             os.replace(tmp, folder / IDENTITY_NAME)
         self.run_folder.record(identity=self.identity)  # a resumed run's identity, once it has trained
 
@@ -154,7 +160,10 @@ def recorded_identity(folder: Path) -> Optional[dict[str, Any]]:
         identity = json.loads((complete[-1] / IDENTITY_NAME).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
-    return identity if isinstance(identity, dict) else None
+    if not isinstance(identity, dict):
+        return None
+    identity.pop(CHECKPOINT_FILES_KEY, None)
+    return identity
 
 
 def train(
@@ -213,6 +222,7 @@ def training_history(
 
 
 __all__ = [
+    "CHECKPOINT_FILES_KEY",
     "IDENTITY_NAME",
     "InterruptCallback",
     "LOG_KEYS",

@@ -1,6 +1,7 @@
 """Argument parsing for every command line of the package (``hf-tapernorm``'s subcommands in cli/, the
-benchmark in bench/): ``HfArgumentParser`` whose errors are one-line usage errors, and the translation of
-field names into flag names.
+benchmark in bench/): ``HfArgumentParser`` whose errors are one-line usage errors, an options file read as the
+flags it stands for (one parse, one set of checks, whatever the source), and the translation of field names into
+flag names.
 
 It sits at the bottom of the layers so that cli/ and bench/ share it without importing each other.
 Below the command line, errors name fields as ``TaperNormConfig.taper_end`` or
@@ -10,13 +11,13 @@ into the flags of the command that was run (``--taper_end``).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
 import re
-import typing
 from collections.abc import Iterable, Sequence
-from typing import Any, NoReturn, Optional, Union
+from typing import Any, NoReturn, Optional
 
 import yaml
 from transformers import HfArgumentParser
@@ -32,32 +33,45 @@ class UsageError(ConfigurationError):
 
 
 class _Parser(HfArgumentParser):
+    """transformers' parser, with one-line errors and each field's option at hand (``options``): an options file is
+    read through it as the flags it stands for."""
+
+    def __init__(self, dataclass_types: Sequence[type], prog: str, source: Optional[str] = None) -> None:
+        #: field name -> its argparse action (the option named after the field, not its ``--no_`` complement)
+        self.options: dict[str, argparse.Action] = {}
+        self.source = source  # the options file being read, named in every error
+        super().__init__(list(dataclass_types), prog=prog)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        if f"--{action.dest}" in action.option_strings:
+            self.options[action.dest] = action
+        return action
+
     def error(self, message: str) -> NoReturn:  # argparse would print the usage block and exit
-        raise UsageError(f"{message} (see {self.prog} --help)")
+        raise UsageError(f"{f'{self.source}: ' if self.source else ''}{message} (see {self.prog} --help)")
 
 
 def parse(dataclass_types: Sequence[type], argv: Sequence[str], prog: str) -> tuple[Any, ...]:
-    """Parse ``argv`` (or one JSON/YAML file of all options, as transformers' example scripts accept)."""
-    parser = _Parser(list(dataclass_types), prog=prog)
-    if argv and _is_options_file(argv[0]) and len(argv) > 1:  # argparse would call it an unrecognized argument
-        raise UsageError(
-            f"the options file {argv[0]} is read alone: put {argv[1]} and the other options into it, or pass every "
-            f"option as a flag (see {prog} --help)"
-        )
-    if len(argv) == 1 and _is_options_file(argv[0]):
-        path = os.path.abspath(argv[0])
+    """Parse ``argv``, or one JSON/YAML file of all options (as transformers' example scripts accept).
+
+    A file is read as the flags it stands for (:func:`_command_line`) by the same argparse parse, so its values get
+    the command line's types, choices and checks: ``"trust_remote_code": "false"`` is false, ``sink: bogus`` is
+    refused, whatever the source."""
+    source = None
+    if argv and _is_options_file(argv[0]):
+        if len(argv) > 1:  # argparse would call it an unrecognized argument
+            raise UsageError(
+                f"the options file {argv[0]} is read alone: put {argv[1]} and the other options into it, or pass "
+                f"every option as a flag (see {prog} --help)"
+            )
+        source = argv[0]
+    parser = _Parser(dataclass_types, prog, source)
+    if source is not None:
+        path = os.path.abspath(source)
         if not os.path.isfile(path):
-            raise UsageError(f"options file '{argv[0]}' not found")
-        values = _read_options_file(path, argv[0])
-        try:
-            return tuple(parser.parse_dict(_numbers_from_text(values, dataclass_types, argv[0])))
-        except (ValueError, TypeError) as error:
-            if isinstance(error, ConfigurationError):
-                raise
-            message = str(error)
-            if message.startswith("Some keys are not used"):  # HfArgumentParser.parse_dict on unknown keys
-                message = f"unknown options {message.split(':', 1)[1].strip()} (see {prog} --help)"
-            raise UsageError(f"{argv[0]}: {message}") from None
+            raise UsageError(f"options file '{source}' not found")
+        argv = _command_line(parser, _read_options_file(path, source), dataclass_types)
     try:
         return tuple(parser.parse_args_into_dataclasses(args=list(argv)))
     except ValueError as error:
@@ -89,33 +103,49 @@ def _read_options_file(path: str, name: str) -> dict[str, Any]:
     return values
 
 
-def _numeric_type(hint: Any) -> Optional[type]:
-    """float or int when ``hint`` is one of them, alone or with None; else None."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) is Union else [hint]
-    return args[0] if len(args) == 1 and args[0] in (float, int) else None
-
-
-def _numbers_from_text(values: dict[str, Any], dataclass_types: Sequence[type], name: str) -> dict[str, Any]:
-    """``values`` with the numbers YAML reads as text (``1e-1``, ``3e-4``: YAML 1.1 wants a dot in a float) as
-    numbers, for the options that take one; text that is no number, or a fraction for an integer option, is refused
-    with its option (the file's values reach the dataclasses unconverted)."""
-    kinds: dict[str, type] = {}
-    for cls in dataclass_types:
-        hints = typing.get_type_hints(cls)
-        kinds.update({f.name: kind for f in dataclasses.fields(cls) if (kind := _numeric_type(hints.get(f.name)))})
-    converted = dict(values)
+def _command_line(parser: _Parser, values: dict[str, Any], dataclass_types: Sequence[type]) -> list[str]:
+    """The command line an options file stands for: ``--key=value`` for each key (a list: several values; null:
+    the option left at its default). Keys that are no option are refused together, named."""
+    fields = {f.name for cls in dataclass_types for f in dataclasses.fields(cls) if f.init}
+    unknown = [key for key in values if key not in fields or key not in parser.options]
+    if unknown:
+        raise UsageError(f"{parser.source}: unknown options {unknown} (see {parser.prog} --help)")
+    argv: list[str] = []
     for key, value in values.items():
-        kind = kinds.get(key)
-        if kind is None or isinstance(value, bool) or not isinstance(value, (str, float)):
+        action = parser.options[key]
+        if value is None:
             continue
+        if not isinstance(value, list):
+            argv.append(f"--{key}={_as_text(value, key, action, parser.source)}")
+        elif action.nargs in ("+", "*"):
+            argv += [f"--{key}", *(_as_text(item, key, action, parser.source) for item in value)]
+        else:
+            raise UsageError(
+                f"{parser.source}: {key} takes one value, got the list {value!r} (see {parser.prog} --help)"
+            )
+    return argv
+
+
+def _as_text(value: Any, key: str, action: argparse.Action, name: Optional[str]) -> str:
+    """One value of an options file as the command line writes it: bools as true/false, objects as JSON text, and
+    numbers as numbers however YAML read them (``1e-1``, ``3e-4``: YAML 1.1 wants a dot in a float, so it reads
+    them as text; ``2e1`` for an integer option is 20); text that is no number, or a fraction for an integer
+    option, is refused naming the option."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return json.dumps(value)
+    if action.type in (int, float) and isinstance(value, (str, float)):
         try:
             number = float(value)
         except ValueError:
             raise UsageError(f"{name}: {key} must be a number, got {value!r}") from None
-        if kind is int and not number.is_integer():
+        if action.type is float:
+            return str(value)
+        if not number.is_integer():
             raise UsageError(f"{name}: {key} must be an integer, got {value!r}")
-        converted[key] = int(number) if kind is int else number
-    return converted
+        return value if isinstance(value, str) and value.strip().lstrip("+-").isdigit() else str(int(number))
+    return str(value)
 
 
 def as_flags(error: TaperNormError, dataclass_types: Iterable[type]) -> TaperNormError:

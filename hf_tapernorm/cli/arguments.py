@@ -230,7 +230,8 @@ def _flag(config_field: dataclasses.Field) -> tuple[str, Any, Any]:
 
 
 def _config_value(name: str, value: Any) -> Any:
-    """A flag's text as the config's value (None: the recipe's); values from a JSON file may be typed already."""
+    """A flag's text as the config's value (None: the recipe's); a Python caller's TaperArguments may hold the config's
+    value already (a list, a number)."""
     if not isinstance(value, str) or _kind(name) == "plain":
         return value
     if _kind(name) == "step":

@@ -36,7 +36,7 @@ from ..pipeline.out_of_corpus import out_of_corpus_set
 from ..pipeline.run_folder import LOCK_NAME, RunFolder, running_command_around, write_file, write_folder
 from ..pipeline.scan import SCAN_FILE, robustness_scan, scan_line, scan_summary
 from ..pipeline.taper import save_export
-from ..pipeline.validation import check_vocabulary, check_within_positions, max_positions
+from ..pipeline.validation import check_same_tokenizer, check_vocabulary, check_within_positions, max_positions
 from ..training.checkpoints import tapered_config_of
 from .arguments import DataArguments, EvalArguments, FoldArguments, ModelArguments, PushArguments
 
@@ -124,6 +124,10 @@ def eval_main(argv: Sequence[str]) -> int:
     if hf_config is not None:
         check_vocabulary(tokenizer, hf_config, source.describe())
     scan_reference = scan_reference_of(source, eval_args.scan_reference) if data_args.scan_windows else None
+    if scan_reference is not None:
+        check_same_tokenizer(
+            tokenizer, source.describe(), scan_reference, trust_remote_code=model_args.trust_remote_code
+        )
     if source.kind == "tapered":  # checked before the weights load: a checkpoint that cannot go to g = 0
         tapered_config_of(source.path)
     model = load_model(

@@ -55,6 +55,7 @@ from .validation import (
     check_baseline_identity,
     check_inputs_outside,
     check_lengths_within_positions,
+    check_long_steps,
     check_resume_identity,
     check_schedule,
     check_vocabulary,
@@ -114,6 +115,7 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
     decay_learning_rate_after_the_taper(training_args, schedule)  # the baseline trains with the same schedule
     check_trainer_options(training_args, schedule, config)
     check_lengths_within_positions(request.data, skeleton.config)
+    check_long_steps(request.data, training_args.max_steps)
     if not run.resume:  # a resumed run has written part of it already: no lower bound to check
         check_disk_space(
             output.path,

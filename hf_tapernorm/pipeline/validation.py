@@ -28,7 +28,8 @@ from ..config import TaperNormConfig, sink_token_id
 from ..errors import ConfigurationError, UnsupportedModelError
 from ..training.schedule import TaperSchedule
 from .data import EMBEDDED_CORPUS
-from .models import ModelSource, read_model_config
+from .long_blocks import length_mix
+from .models import ModelSource, ModelSourceError, load_tokenizer, read_model_config
 from .record import differences
 from .run_folder import RunFolder
 
@@ -37,13 +38,51 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TaperRequest:
-    """The parsed arguments of one ``taper`` command (cli/arguments.py)."""
+    """The parsed arguments of one ``taper`` command (cli/arguments.py). Each argument class checks its own options
+    as it is built; where the run folder may be, which depends on the model's and the data's, is checked here,
+    before the command reads or writes anything (its lock is a file in that folder)."""
 
     model: Any
     data: Any
     taper: Any
     run: Any
     training: Any
+
+    def __post_init__(self) -> None:
+        check_output_outside_inputs(
+            self.training.output_dir,
+            {
+                "--model_name_or_path": self.model.model_name_or_path,
+                "--dataset_name": self.data.dataset_name,
+                "--out_of_corpus_dataset": self.data.out_of_corpus_dataset,
+            },
+        )
+
+
+def check_long_steps(data, max_steps: int) -> None:
+    """Refuse ``--long_block_size`` in a run too short to reach its first long step (step ``--long_block_every``):
+    no step would read long blocks, and the run would report none of the options it was given."""
+    mix = length_mix(data)
+    if mix is not None and mix.long_steps(max_steps) == 0:
+        raise ConfigurationError(
+            f"--long_block_size {mix.long_size} --long_block_every {mix.every}: the first long step is step "
+            f"{mix.every}, and this run has {max_steps} (--max_steps), so no step would read long blocks; a long "
+            f"step needs --max_steps {mix.every} or more, or --long_block_every {max_steps} or less"
+        )
+
+
+def check_output_outside_inputs(output_dir: str, inputs: dict[str, Optional[str]]) -> None:
+    """Refuse an ``--output_dir`` inside a local folder the run reads whole (option -> path): its checkpoints and
+    reports would become part of that model or dataset, which would then differ at every ``--resume``."""
+    output = Path(output_dir).expanduser().resolve()
+    for option, value in inputs.items():
+        folder = Path(value).expanduser() if value else None
+        if folder is not None and folder.is_dir() and output.is_relative_to(folder.resolve()):
+            raise ConfigurationError(
+                f"--output_dir '{output_dir}' lies inside {option} '{value}', which the run reads: its checkpoints "
+                "and reports would become part of that input (and a --resume would find it changed); choose an "
+                "--output_dir outside it"
+            )
 
 
 def recipe_config(request: TaperRequest, model, tokenizer) -> TaperNormConfig:
@@ -169,6 +208,28 @@ def check_vocabulary(tokenizer, hf_config, model_name: str) -> None:
             f"the tokenizer of '{model_name}' has {len(tokenizer)} tokens, more than the model's vocab_size {vocab}: "
             "its higher ids have no embedding; use the model's own tokenizer, or resize the embeddings "
             "(model.resize_token_embeddings(len(tokenizer))) and save the model again"
+        )
+
+
+def check_same_tokenizer(
+    tokenizer, model_name: str, reference: ModelSource, *, trust_remote_code: bool = False
+) -> None:
+    """Refuse a reference model (the robustness scan's) whose tokenizer is another than the evaluated model's: the
+    same ids would be other text for it, so its losses on the model's blocks measure nothing, whatever the sizes of
+    the two vocabularies. A reference without a tokenizer of its own cannot be checked (a log line says so)."""
+    try:
+        other = load_tokenizer(reference, trust_remote_code=trust_remote_code)
+    except ModelSourceError:
+        logger.warning("the scan reference %s has no tokenizer: it is assumed to share the model's", reference.path)
+        return
+    ours, theirs = tokenizer.get_vocab(), other.get_vocab()
+    if ours != theirs:
+        texts, other_texts = {i: t for t, i in ours.items()}, {i: t for t, i in theirs.items()}
+        differ = sum(texts.get(i) != other_texts.get(i) for i in texts.keys() | other_texts.keys())
+        raise ConfigurationError(
+            f"the scan reference '{reference.describe()}' has another tokenizer than '{model_name}' ({differ} of "
+            f"{max(len(texts), len(other_texts))} token ids are other text): it would be scored on text it does not "
+            "read; pass a --scan_reference with the model's own tokenizer (its original, or a baseline trained from it)"
         )
 
 
@@ -379,9 +440,12 @@ __all__ = [
     "TaperRequest",
     "check_baseline_identity",
     "check_resume_identity",
+    "check_same_tokenizer",
     "check_schedule",
     "check_inputs_outside",
     "check_lengths_within_positions",
+    "check_long_steps",
+    "check_output_outside_inputs",
     "check_vocabulary",
     "check_within_positions",
     "fingerprint",

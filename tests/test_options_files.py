@@ -1,0 +1,220 @@
+"""Options files (``hf-tapernorm taper run.json``, ``run.yaml``): read as the flags they stand for, by the same parse.
+
+A file's values get the command line's types, choices and checks whatever the source: ``"trust_remote_code":
+"false"`` is false (it never runs a model's code), ``sink: bogus`` is refused as ``--sink bogus`` is, and a value the
+command line would refuse only after training (``tied_head: scal``) is refused before anything is read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hf_tapernorm._parsing import UsageError, parse
+from hf_tapernorm.bench.arguments import BenchArguments
+from hf_tapernorm.cli.arguments import (
+    DataArguments,
+    EvalArguments,
+    FoldArguments,
+    ModelArguments,
+    PushArguments,
+    RunArguments,
+    TaperArguments,
+    TaperTrainingArguments,
+)
+from tests.conftest import corpus_documents, save_tiny_model
+from tests.helpers import error_of, run_main, snapshot
+
+COMMANDS = {
+    "taper": [ModelArguments, DataArguments, TaperArguments, RunArguments, TaperTrainingArguments],
+    "eval": [ModelArguments, DataArguments, EvalArguments],
+    "fold": [FoldArguments],
+    "push": [PushArguments],
+    "bench": [BenchArguments],
+}
+
+
+def write_options(folder: Path, name: str, values: dict) -> Path:
+    """``values`` as the options file ``folder/name`` (JSON or YAML by its suffix)."""
+    path = folder / name
+    path.write_text(json.dumps(values) if name.endswith(".json") else yaml.safe_dump(values))
+    return path
+
+
+def parsed(command: str, argv: list[str]) -> tuple:
+    return parse(COMMANDS[command], argv, f"hf-tapernorm {command}")
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("options_files")
+    save_tiny_model(root / "llama", "llama")
+    (root / "corpus.txt").write_text("\n\n".join(corpus_documents(150)))
+    return root
+
+
+# ----------------------------------------------------------------------------- one parse for both sources
+#: command -> (the options file's object, the command line it stands for)
+SAME_AS_FLAGS = {
+    "taper": (
+        {
+            "trust_remote_code": "false", "bf16": "false", "baseline": "no", "overwrite": "False", "sink": "none",
+            "preset": "paper", "tied_head": "scale", "sample_by": "line", "max_steps": "2e1", "learning_rate": "3e-4",
+            "taper_end": 5, "keep_norms": "a.*,b.*", "lr_scheduler_kwargs": {"min_lr": 0.0}, "block_size": 64,
+            "dataset_name": None, "output_dir": "runs/x",
+        },
+        [
+            "--trust_remote_code", "false", "--bf16", "false", "--baseline", "no", "--overwrite", "False",
+            "--sink", "none", "--preset", "paper", "--tied_head", "scale", "--sample_by", "line", "--max_steps", "20",
+            "--learning_rate", "3e-4", "--taper_end", "5", "--keep_norms", "a.*,b.*",
+            "--lr_scheduler_kwargs", '{"min_lr": 0.0}', "--block_size", "64", "--output_dir", "runs/x",
+        ],
+    ),
+    "eval": (
+        {"trust_remote_code": "no", "sink": "bos", "scan_windows": 0, "streaming": True},
+        ["--trust_remote_code", "no", "--sink", "bos", "--scan_windows", "0", "--streaming"],
+    ),
+    "fold": (
+        {"checkpoint": "run/tapered", "output_dir": "export", "tied_head": "scale", "overwrite": "true"},
+        ["--checkpoint", "run/tapered", "--output_dir", "export", "--tied_head", "scale", "--overwrite", "true"],
+    ),
+    "push": (
+        {"export_dir": "e", "repo_id": "me/x", "private": "false", "include": ["a/*", "b.txt"]},
+        ["--export_dir", "e", "--repo_id", "me/x", "--private", "false", "--include", "a/*", "b.txt"],
+    ),
+    "bench": (
+        {"modes": ["last", "full"], "batch_sizes": [1, 2.0], "op_counts": "no", "execution": "eager"},
+        ["--modes", "last", "full", "--batch_sizes", "1", "2", "--op_counts", "no", "--execution", "eager"],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+@pytest.mark.parametrize("command", list(SAME_AS_FLAGS))
+def test_an_options_file_parses_as_the_flags_it_stands_for(command, suffix, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # bench checks its default output folder
+    values, argv = SAME_AS_FLAGS[command]
+    from_file = parsed(command, [str(write_options(tmp_path, "run" + suffix, values))])
+    assert from_file == parsed(command, argv)
+
+
+def test_file_values_have_the_command_line_s_types(tmp_path):
+    """The cases a file used to get wrong: text read as true, a typo read as the default."""
+    options = write_options(
+        tmp_path,
+        "run.json",
+        {
+            "trust_remote_code": "false",
+            "bf16": "false",
+            "baseline": "no",
+            "overwrite": "false",
+            "save_total_limit": None,
+        },
+    )
+    model, _, _, run, training = parsed("taper", [str(options)])
+    assert model.trust_remote_code is False and training.bf16 is False  # fp32, whatever this CPU is
+    assert run.baseline is False and run.overwrite is False
+    assert training.save_total_limit == 1  # null: the option's default
+    (tmp_path / "run.yaml").write_text("trust_remote_code: 'no'\nsink: null\n")
+    model, _, taper, *_ = parsed("taper", [str(tmp_path / "run.yaml")])
+    assert model.trust_remote_code is False and taper.sink is None
+    (tmp_path / "eval.yaml").write_text("trust_remote_code: 'false'\n")
+    assert parsed("eval", [str(tmp_path / "eval.yaml")])[0].trust_remote_code is False
+
+
+#: name -> (command, options file name, its text, fragments of the one-line error)
+REFUSED = {
+    "sink bogus": ("taper", "run.yaml", "sink: bogus\n", ["run.yaml: argument --sink", "choice: 'bogus'", "bos"]),
+    "sink None (text)": ("taper", "run.yaml", "sink: None\n", ["--sink", "invalid choice: 'None'"]),
+    "eval sink NONE": ("eval", "eval.yaml", "sink: NONE\n", ["--sink", "invalid choice: 'NONE'", "auto"]),
+    "preset papper": ("taper", "run.json", '{"preset": "papper"}', ["--preset", "invalid choice: 'papper'", "paper"]),
+    "tied_head scal": ("taper", "run.yaml", "tied_head: scal\n", ["--tied_head", "invalid choice: 'scal'", "untie"]),
+    "fold tied_head scal": ("fold", "f.yaml", "checkpoint: c\noutput_dir: o\ntied_head: scal\n", ["--tied_head"]),
+    "sample_by lines": ("taper", "run.yaml", "sample_by: lines\n", ["--sample_by", "invalid choice: 'lines'", "line"]),
+    "a bool that is no bool word": (
+        "taper", "run.json", '{"trust_remote_code": "maybe"}', ["--trust_remote_code", "maybe", "true/false"],
+    ),
+    "a list for a one-value option": ("taper", "run.yaml", "keep_norms: [a, b]\n", ["keep_norms takes one value"]),
+    "a bench choice": ("bench", "b.yaml", "modes: [last, lats]\n", ["--modes", "'lats'", "decode"]),
+    "text for a number": ("taper", "run.yaml", "learning_rate: fast\n", ["learning_rate must be a number"]),
+    "a fraction for an integer": ("taper", "run.yaml", "max_steps: 2.5\n", ["max_steps must be an integer"]),
+    "a required option missing": ("push", "p.yaml", "repo_id: me/x\n", ["--export_dir"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_a_bad_value_in_an_options_file_is_refused_as_on_the_command_line(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    command, file_name, text, fragments = REFUSED[name]
+    values = json.loads(text) if file_name.endswith(".json") else yaml.safe_load(text)
+    if command in ("taper", "eval"):  # were the value read, the command would stop at once, not train a default
+        values["model_name_or_path"] = str(tmp_path / "no_model")
+    write_options(tmp_path, file_name, values)
+    line = error_of([command, str(tmp_path / file_name)])
+    assert line.startswith(f"hf-tapernorm {command}: error: "), line
+    for fragment in fragments:
+        assert fragment in line, line
+    assert not (tmp_path / "runs").exists()  # refused before anything was written
+
+
+def test_unknown_keys_are_refused_together_and_named(tmp_path):
+    options = write_options(tmp_path, "run.yaml", {"max_steps": 4, "bogus": 1, "per-device-train-batch-size": 2})
+    with pytest.raises(UsageError, match=r"run.yaml: unknown options \['bogus', 'per-device-train-batch-size'\]"):
+        parsed("taper", [str(options)])
+
+
+# ----------------------------------------------------------------------------- end to end
+def _remote_code_model(folder: Path, marker: Path) -> Path:
+    """A model folder whose config names custom code; importing that code writes ``marker``."""
+    save_tiny_model(folder, "llama")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(
+        model_type="marker_llama",
+        auto_map={"AutoConfig": "marker.MarkerConfig", "AutoModelForCausalLM": "marker.MarkerModel"},
+    )
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "marker.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n\n\n"
+        "class MarkerConfig(LlamaConfig):\n    model_type = 'marker_llama'\n\n\n"
+        "class MarkerModel(LlamaForCausalLM):\n    config_class = MarkerConfig\n"
+    )
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("command", "file_name", "value"),
+    [("taper", "run.json", "false"), ("taper", "run.yaml", "no"), ("eval", "eval.json", "false")],
+)
+def test_remote_code_runs_only_when_the_file_says_true(ws, tmp_path, command, file_name, value):
+    marker = tmp_path / "remote_code_ran"
+    model = _remote_code_model(tmp_path / "custom", marker)
+    values = {"model_name_or_path": str(model), "dataset_name": str(ws / "corpus.txt"), "trust_remote_code": value}
+    values.update(block_size=32, heldout_blocks=4, scan_windows=0, out_of_corpus_blocks=0)
+    if command == "taper":
+        values.update(output_dir=str(tmp_path / "out"), max_steps=2, use_cpu=True)
+    path = write_options(tmp_path, file_name, values)
+    assert f"trust_remote_code: '{value}'" in path.read_text() or file_name.endswith(".json")  # YAML: text, quoted
+    line = error_of([command, str(path)])
+    assert "contains custom code" in line, line
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_overwrite_false_in_a_file_keeps_a_finished_run(ws, tmp_path):
+    out = tmp_path / "run"
+    values = {
+        "model_name_or_path": str(ws / "llama"), "dataset_name": str(ws / "corpus.txt"), "block_size": 32,
+        "heldout_blocks": 4, "heldout_percentage": 10, "max_steps": 2, "output_dir": str(out), "use_cpu": True,
+        "disable_tqdm": True, "out_of_corpus_blocks": 0, "scan_windows": 0,
+    }  # fmt: skip
+    argv = ["taper", *(text for key, value in values.items() for text in (f"--{key}", str(value).lower()))]
+    code, _, stderr = run_main(argv)
+    assert code == 0, stderr[-2000:]
+    before = snapshot(out)
+    refusal = error_of([*argv, "--overwrite", "false"])
+    assert "is not empty; pass --overwrite" in refusal
+    assert error_of(["taper", str(write_options(tmp_path, "run.json", {**values, "overwrite": "false"}))]) == refusal
+    assert snapshot(out) == before

@@ -55,7 +55,7 @@ def corpus(tmp_path) -> str:
 # ----------------------------------------------------------------------------- arguments
 def test_defaults_compare_what_the_default_recipe_exports():
     args = parse_arguments([])
-    assert args.norms == ["recipe"] and args.variants == ["original", "explicit", "folded", "limit"]
+    assert args.norms == ["recipe"] and args.variants == ["original", "flashnorm", "explicit", "folded", "limit"]
     assert args.modes == ["last", "decode"] and args.dtypes == ["fp32"] and args.execution == ["eager"]
     assert args.model_name_or_path is None and args.dataset_name is None  # the embedded model and corpus
     several = parse_arguments(["--norms", "recipe", "internal", "all", "--modes", "train", "--threads", "1"])
@@ -142,11 +142,12 @@ def test_the_conversion_script_is_a_front_end_of_the_cli(monkeypatch, capsys):
 
 # ----------------------------------------------------------------------------- inference variants
 def test_variant_labels_carry_the_norms_only_when_several_are_compared():
-    kinds = ["original", "explicit", "folded", "limit"]
+    kinds = ["original", "flashnorm", "explicit", "folded", "limit"]
     assert [s.label for s in var.variant_specs(kinds, ["recipe"])] == kinds
     labels = [s.label for s in var.variant_specs(kinds, ["recipe", "all"])]
-    assert labels == [
+    assert labels == [  # the original and its FlashNorm fold once: they remove no norm
         "original",
+        "flashnorm",
         "recipe-explicit",
         "recipe-folded",
         "recipe-limit",
@@ -364,7 +365,9 @@ def test_benchmark_end_to_end_writes_json_plot_and_tables(tmp_path, capsys, corp
     assert report["model_type"] == "llama" and "not meaningful" in report["note"]
     assert report["settings"]["norms"] == ["recipe", "all"] and report["environment"]["loadavg_1m"] is not None
     assert [r["case"]["mode"] for r in report["results"]] == ["last", "full", "decode", "train"]
-    labels = [s.label for s in var.variant_specs(["original", "explicit", "folded", "limit"], ["recipe", "all"])]
+    labels = [
+        s.label for s in var.variant_specs(["original", "flashnorm", "explicit", "folded", "limit"], ["recipe", "all"])
+    ]
     for result in report["results"][:3]:
         entries = result["variants"]
         assert list(entries) == labels and all(len(result["times_s"][n]) == 2 for n in labels)
@@ -373,12 +376,18 @@ def test_benchmark_end_to_end_writes_json_plot_and_tables(tmp_path, capsys, corp
             "all": {"removed": 2 * LAYERS + 1, "kept": 0},
         }
         ops = {name: entry["aten_ops"] for name, entry in entries.items()}
-        assert ops["recipe-folded"] == ops["recipe-limit"] < ops["original"]
-        assert ops["all-folded"] == ops["all-limit"] < ops["recipe-limit"]
+        # The export's LAYERS + 2 kept RMS norms are weightless: one product fewer each than in the limit.
+        assert ops["recipe-folded"] == ops["recipe-limit"] - (LAYERS + 2) < ops["flashnorm"] < ops["original"]
+        assert ops["all-folded"] == ops["all-limit"] < ops["recipe-folded"]
         assert ops["recipe-explicit"] <= ops["recipe-limit"] + 2 * LAYERS  # RMS at g = 0: two products per norm
-        assert sorted(result["agreement"]) == ["all-folded_vs_all-explicit", "recipe-folded_vs_recipe-explicit"]
+        assert sorted(result["agreement"]) == [
+            "all-folded_vs_all-explicit",
+            "flashnorm_vs_original",
+            "recipe-folded_vs_recipe-explicit",
+        ]
         assert all(v["max_rel"] <= 1e-5 for v in result["agreement"].values())
         assert entries["recipe-folded"]["speedup_vs_original"] > 0 and "speed_vs_limit" in entries["all-folded"]
+        assert entries["recipe-folded"]["speedup_vs_flashnorm"] > 0 and "speedup_vs_flashnorm" in entries["original"]
     train_result = report["results"][3]
     assert list(train_result["variants"]) == list(train.TRAIN_WORKLOADS)
     assert train_result["recipe"]["recipe"] == "gated-mlp" and train_result["recipe"]["sink_token_ids"] == [127]
@@ -388,6 +397,7 @@ def test_benchmark_end_to_end_writes_json_plot_and_tables(tmp_path, capsys, corp
     assert ops["tapered-distilled"] > ops["tapered"] and ops["taper"] > ops["warmup"]
     out = capsys.readouterr().out
     assert "speedup = original time" in out and "cost = workload step time" in out and "tapered-distilled" in out
+    assert "vs flashnorm" in out and " flashnorm " in out
 
 
 def test_non_finite_training_losses_make_the_run_fail(tmp_path, monkeypatch, capsys):
@@ -417,7 +427,7 @@ def test_compiled_execution_goes_through_dynamo(tmp_path):
         assert result["dynamo"]["unique_graphs"] >= 2 and result["dynamo"]["graph_breaks"] == 0
 
 
-def test_bf16_variants_are_loaded_not_cast_so_folded_matches_the_limit(tmp_path):
+def test_bf16_variants_are_loaded_not_cast_so_folded_adds_no_cast(tmp_path):
     folder = save_tiny_model(tmp_path / "tiny")
     output = tmp_path / "out"
     runner.main(
@@ -426,7 +436,7 @@ def test_bf16_variants_are_loaded_not_cast_so_folded_matches_the_limit(tmp_path)
     )  # fmt: skip
     (result,) = json.loads((output / "bench.json").read_text())["results"]
     ops = {name: entry["aten_ops"] for name, entry in result["variants"].items()}
-    assert ops["folded"] == ops["limit"] < ops["original"]
+    assert ops["folded"] == ops["limit"] - 1 < ops["original"]  # the kept final norm is weightless in the export
     # c is kept in the weight dtype, so no cast: two multiplications per tapered norm, as in fp32.
     assert ops["explicit"] == ops["limit"] + 2 * 2 * LAYERS
 

@@ -23,7 +23,8 @@ from hf_tapernorm import (
     load_tapered,
     patch_model,
 )
-from hf_tapernorm.layers import gate_of, tapered_norms
+from hf_tapernorm.layers import TaperNorm, gate_of, tapered_norms
+from hf_tapernorm.layers.taper_norm import refuse_replaced_forward
 from hf_tapernorm.training import TaperSchedule, place_first
 from tests.conftest import build, tiny_llama_config
 
@@ -368,3 +369,71 @@ def test_ddp_without_unused_parameter_detection_is_refused_early(find_unused, ch
             callback.on_init_end(args, None, None, model=model)
     else:
         callback.on_init_end(args, None, None, model=model)
+
+
+def _trainer(tmp_path: Path, model, **options) -> Trainer:
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=8, report_to=[], use_cpu=True,
+        disable_tqdm=True, **{"save_strategy": "no", **options},
+    )  # fmt: skip
+    return Trainer(model=model, args=args, train_dataset=_dataset(STEPS * 8), eval_dataset=_dataset(8),
+                   callbacks=[TaperCallback(K_START, K_END)])  # fmt: skip
+
+
+def test_load_best_model_at_end_is_refused_when_the_trainer_is_built(tmp_path):
+    """The Trainer would load its best checkpoint (one of gate 1, whose loss is lower) over the tapered model."""
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper())
+    options = dict(eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=4)
+    with pytest.raises(
+        ConfigurationError, match=r"^TaperCallback: load_best_model_at_end=True .*set load_best_model_at_end=False"
+    ):
+        _trainer(tmp_path, model, **options, load_best_model_at_end=True)
+
+
+class LigerRMSNorm(torch.nn.Module):
+    """Stands for liger-kernel's RMSNorm, whose forward liger binds to every norm module it patches."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        variance = hidden_states.float().pow(2).mean(-1, keepdim=True)
+        return (hidden_states * torch.rsqrt(variance + 1e-6)).to(hidden_states.dtype) * self.weight
+
+
+def liger_rebinds_every_norm(model) -> None:
+    """What liger's ``_patch_rms_norm_module`` does to each norm of the model: bind its forward to the instance."""
+    for _, layer in tapered_norms(model, include_kept=True):
+        layer.__dict__["forward"] = LigerRMSNorm.forward.__get__(layer, type(layer))
+
+
+LIGER = (
+    r"^TaperCallback: TaperNorm model\.\S+ runs tests\.test_callback\.LigerRMSNorm\.forward instead of its own.*liger"
+)
+
+
+@pytest.mark.parametrize("when", ["before the Trainer", "after the Trainer", "on the class"])
+def test_a_kernel_patch_that_replaces_the_norms_forward_is_refused_before_training(tmp_path, monkeypatch, when):
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper())
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    if when == "before the Trainer":
+        liger_rebinds_every_norm(model)
+        with pytest.raises(TaperStateError, match=LIGER):
+            _trainer(tmp_path, model)
+    else:
+        trainer = _trainer(tmp_path, model)
+        if when == "after the Trainer":  # as TrainingArguments(use_liger_kernel=True) does inside train()
+            liger_rebinds_every_norm(model)
+        else:
+            monkeypatch.setattr(TaperNorm, "forward", LigerRMSNorm.forward)
+        with pytest.raises(TaperStateError, match=LIGER):
+            trainer.train()
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())  # not one step
+
+
+def test_a_wrapper_that_calls_the_norms_own_forward_is_not_a_replacement(tmp_path):
+    """accelerate's device hooks wrap a module's forward (functools.wraps) and call it: the taper still runs."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper())
+    for _, layer in tapered_norms(model, include_kept=True):
+        add_hook_to_module(layer, ModelHook())
+    refuse_replaced_forward(model, "test")
+    _trainer(tmp_path, model)

@@ -13,7 +13,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import hf_tapernorm
 from hf_tapernorm import (
@@ -25,7 +24,12 @@ from hf_tapernorm import (
     fold_model,
     patch_model,
 )
-from hf_tapernorm.export.modeling_folded import FoldedChannelScale, TaperNormGPT2LMHeadModel, TaperNormLlamaForCausalLM
+from hf_tapernorm.export.modeling_folded import (
+    FoldedChannelScale,
+    TaperNormGPT2LMHeadModel,
+    TaperNormLlamaForCausalLM,
+    WeightlessRMSNorm,
+)
 from hf_tapernorm.layers import TaperNorm, set_gate
 from hf_tapernorm.training import calibrate
 from tests.conftest import (
@@ -65,10 +69,12 @@ def test_no_norm_modules_at_folded_sites(kind, scope):
     assert len(internal) == 4 and all(isinstance(folded.get_submodule(s), nn.Identity) for s in internal)
     assert folded.config.folded_norms == internal + ([final] if scope == "all" else [])
     kept = folded.get_submodule(final)
-    if scope == "internal":
-        assert folded.config.kept_norms == [final]
-        assert isinstance(kept, LlamaRMSNorm if kind == "llama" else nn.LayerNorm)
-        assert torch.equal(kept.weight, model.get_submodule(final).weight)
+    if scope == "internal" and kind == "llama":  # a kept RMS final norm's weight moves into lm_head (FlashNorm)
+        assert folded.config.kept_norms == [final] and folded.config.weightless_norms == {final: 1e-6}
+        assert isinstance(kept, WeightlessRMSNorm) and not list(kept.parameters())
+    elif scope == "internal":  # a LayerNorm applies its affine in the same kernel: it keeps it
+        assert folded.config.kept_norms == [final] and folded.config.weightless_norms == {}
+        assert isinstance(kept, nn.LayerNorm) and torch.equal(kept.weight, model.get_submodule(final).weight)
     else:
         assert folded.config.kept_norms == [] and isinstance(kept, nn.Identity)
     keys = folded.state_dict().keys()

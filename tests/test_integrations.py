@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import configparser
 import importlib
+import subprocess
 import sys
 from pathlib import Path
 
@@ -78,6 +79,7 @@ def _call(function: str, folder: Path):
 @pytest.mark.parametrize("hidden, function, extra", [
     ("transformer_lens", "hf_tapernorm.integrations.tl_bridge.transformer_bridge", "interpretability"),
     ("nnsight", "hf_tapernorm.integrations.nnsight_model.nnsight_model", "interpretability"),
+    ("onnx", "hf_tapernorm.integrations.onnx_runtime.export_onnx", "onnx"),
     ("onnxscript", "hf_tapernorm.integrations.onnx_runtime.export_onnx", "onnx"),
     ("onnxruntime", "hf_tapernorm.integrations.onnx_runtime.OnnxCausalLM", "onnx"),
 ])  # fmt: skip
@@ -235,3 +237,166 @@ def test_smollm2_export_reads_the_same_in_transformer_lens_nnsight_and_onnx_runt
     with torch.no_grad():
         greedy = plain.generate(ids, max_new_tokens=32, do_sample=False)
     assert (runtime.generate(ids.numpy(), 32) == greedy.numpy()).all()
+
+
+# ----------------------------------------------------------------------------- the export's input contract
+EOS = 127  # the character tokenizer's <eos>: GPT-2's sink
+
+
+@pytest.fixture(scope="module")
+def gpt2_sink(tmp_path_factory):
+    """A GPT-2 export with its EOS sink stored (a learned position table of 64), and the tapered model it folds."""
+    model = tapered("gpt2", sink_token_ids=[EOS]).eval()
+    folder = export_folded(fold_model(model), tmp_path_factory.mktemp("gpt2-sink") / "export")
+    char_tokenizer().save_pretrained(folder)
+    return folder, model
+
+
+def left_padded(texts: list[str], sink_first: bool = False) -> dict[str, torch.Tensor]:
+    tokenizer = char_tokenizer()
+    tokenizer.pad_token, tokenizer.padding_side = "<unk>", "left"
+    return dict(tokenizer([("<eos>" if sink_first else "") + t for t in texts], padding=True, return_tensors="pt"))
+
+
+TEXTS = ["hello world", "hi", "a longer line of text"]
+
+
+def test_nnsight_traces_a_left_padded_batch_of_a_gpt2_sink_export(gpt2_sink):
+    pytest.importorskip("nnsight")
+    from hf_tapernorm.integrations.nnsight_model import nnsight_model
+
+    folder, model = gpt2_sink
+    batch = left_padded(TEXTS)
+    wrapped = nnsight_model(folder)
+    with wrapped.trace(**batch):
+        logits = wrapped.output.logits.save()
+    for row, text in enumerate(TEXTS):
+        with torch.no_grad():  # the tapered model on this row alone, after the sink
+            expected = model(input_ids=torch.tensor([[EOS, *map(ord, text)]])).logits[0, 1:]
+        assert (logits[row, batch["attention_mask"][row].bool()] - expected).abs().max().item() <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def gpt2_sink_graph(gpt2_sink, tmp_path_factory):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from hf_tapernorm.integrations.onnx_runtime import export_onnx
+
+    return export_onnx(gpt2_sink[0], tmp_path_factory.mktemp("gpt2-sink-onnx") / "graph")
+
+
+def test_onnx_runtime_reads_a_leading_sink_as_the_torch_export_does(exports, onnx_graphs):
+    """``tokenizer(text)`` of Llama starts with the sink: the sink is not fed twice, the logits are the export's."""
+    from hf_tapernorm.integrations.onnx_runtime import OnnxCausalLM
+
+    runtime = OnnxCausalLM(onnx_graphs["llama-sink"], threads=1)
+    model = AutoModelForCausalLM.from_pretrained(exports["llama-sink"]).eval()
+    ids = torch.cat([torch.tensor(SINK).expand(IDS.shape[0], -1), IDS], dim=1)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        greedy = model.generate(ids, max_new_tokens=8, do_sample=False)
+    logits, _ = runtime.forward(ids.numpy())
+    assert logits.shape == tuple(expected.shape) and abs(logits - expected.numpy()).max() <= 1e-4
+    assert abs(logits[:, 1:] - runtime.forward(IDS.numpy())[0]).max() <= 1e-4  # with or without the sink: one text
+    assert (runtime.generate(ids.numpy(), 8) == greedy.numpy()).all()
+
+
+@pytest.mark.parametrize("sink_first", [False, True], ids=["text", "sink-first"])
+def test_onnx_runtime_reads_a_left_padded_batch_as_the_torch_export_does(gpt2_sink, gpt2_sink_graph, sink_first):
+    from hf_tapernorm.integrations.onnx_runtime import OnnxCausalLM
+
+    runtime = OnnxCausalLM(gpt2_sink_graph, threads=1)
+    model = AutoModelForCausalLM.from_pretrained(gpt2_sink[0]).eval()
+    batch = left_padded(TEXTS, sink_first=sink_first)
+    with torch.no_grad():
+        expected = model(**batch).logits
+        continued = model(**batch, use_cache=True)
+        mask = torch.cat([batch["attention_mask"], torch.ones(3, 1, dtype=torch.long)], dim=1)
+        following = model(input_ids=torch.full((3, 1), 104), attention_mask=mask, cache=continued.cache).logits
+    logits, state = runtime.forward(batch["input_ids"].numpy(), attention_mask=batch["attention_mask"].numpy())
+    attended = batch["attention_mask"].bool()
+    assert abs(logits[attended.numpy()] - expected[attended].numpy()).max() <= 1e-4
+    following_onnx, _ = runtime.forward([[104]] * 3, state)  # each row's positions continue its own count
+    assert abs(following_onnx - following.numpy()).max() <= 1e-4
+    with torch.no_grad():
+        greedy = model.generate(**batch, max_new_tokens=5, do_sample=False, pad_token_id=0).numpy()
+    assert (
+        runtime.generate(batch["input_ids"].numpy(), 5, attention_mask=batch["attention_mask"].numpy()) == greedy
+    ).all()
+
+
+def test_onnx_runtime_refuses_past_the_position_table_as_the_torch_export_does(gpt2_sink, gpt2_sink_graph):
+    from hf_tapernorm.integrations.onnx_runtime import OnnxCausalLM
+
+    runtime = OnnxCausalLM(gpt2_sink_graph, threads=1)
+    model = AutoModelForCausalLM.from_pretrained(gpt2_sink[0]).eval()
+    ids = torch.randint(1, 120, (1, 64))
+    with pytest.raises(ValueError) as torch_error, torch.no_grad():
+        model(input_ids=ids)
+    with pytest.raises(ValueError) as onnx_error:
+        runtime.forward(ids.numpy())
+    said = str(torch_error.value).split(": ", 1)[1]
+    assert "0..0 of this model's 64 learned positions" in said and str(onnx_error.value).endswith(": " + said)
+    _, state = runtime.forward(ids[:, :60].numpy())
+    with pytest.raises(ValueError, match="this call reaches 65: shorten the input or crop the cache"):
+        runtime.forward(ids[:, 60:].numpy(), state)
+
+
+def test_export_onnx_of_a_bf16_model_traces_an_fp32_graph_that_runs(exports, tmp_path):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from hf_tapernorm.integrations.onnx_runtime import OnnxCausalLM, export_onnx
+
+    model = AutoModelForCausalLM.from_pretrained(exports["llama-sink"], dtype=torch.bfloat16).eval()
+    runtime = OnnxCausalLM(export_onnx(model, tmp_path / "graph"), threads=1)
+    assert next(model.parameters()).dtype == torch.bfloat16  # the caller's model is left as it was
+    with torch.no_grad():  # the same weights (bf16 values) in fp32
+        expected = AutoModelForCausalLM.from_pretrained(exports["llama-sink"], dtype=torch.bfloat16).float()(IDS)
+    assert abs(runtime.forward(IDS.numpy())[0] - expected.logits.numpy()).max() <= 1e-4
+
+
+def test_export_onnx_takes_a_plain_model_folder(tmp_path):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from hf_tapernorm.integrations.onnx_runtime import OnnxCausalLM, export_onnx
+    from tests.conftest import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "plain")
+    runtime = OnnxCausalLM(export_onnx(folder, tmp_path / "graph"), threads=1)
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(folder).eval()(IDS).logits
+    assert abs(runtime.forward(IDS.numpy())[0] - expected.numpy()).max() <= 1e-4
+
+
+def test_a_half_installed_onnx_extra_names_the_missing_package(tmp_path):
+    """onnxscript installed without onnx (its dependency): the error names onnx and the extra, in one line."""
+    code = (
+        "import sys\n"
+        "sys.modules['onnx'] = None\n"
+        "from hf_tapernorm.integrations.extras import MissingExtraError, require\n"
+        "try:\n"
+        "    require('onnxscript', 'feature')\n"
+        "except MissingExtraError as error:\n"
+        "    print(error)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert done.stdout.strip() == "feature needs onnx, which is not installed: pip install 'hf-tapernorm[onnx]'", (
+        done.stderr[-2000:]
+    )
+
+
+# ----------------------------------------------------------------------------- TransformerLens: the tokenizer
+def test_transformer_bridge_takes_the_tokenizer_saved_with_the_export_or_asks_for_one(exports, tmp_path):
+    pytest.importorskip("transformer_lens")
+    from hf_tapernorm.integrations.tl_bridge import transformer_bridge
+
+    loaded = AutoModelForCausalLM.from_pretrained(exports["llama-sink"])
+    bridge = transformer_bridge(loaded)  # loaded from the export's folder: its tokenizer is there
+    assert bridge.to_tokens("ab", prepend_bos=False).tolist() == [[97, 98]]
+    with pytest.raises(ConfigurationError, match=r"names no tokenizer; pass tokenizer= \(the tokenizer of the model"):
+        transformer_bridge(fold_model(tapered("llama", sink_token_ids=SINK)))
+    bare = export_folded(fold_model(tapered("llama", sink_token_ids=SINK)), tmp_path / "bare")
+    with pytest.raises(
+        ConfigurationError, match=rf"no tokenizer could be loaded from '{bare}' \(.*\); pass tokenizer="
+    ):
+        transformer_bridge(bare)

@@ -24,7 +24,7 @@ from ..pipeline.validation import check_within_positions
 
 PROG = "hf-tapernorm bench"
 NORMS = ("recipe", "internal", "all")
-KINDS = ("original", "explicit", "folded", "limit")
+KINDS = ("original", "flashnorm", "explicit", "folded", "limit")
 MODES = ("last", "full", "decode", "train")
 TRAIN_WORKLOADS = ("normalized", "warmup", "taper", "tapered-distilled", "tapered")
 EXECUTIONS = ("eager", "compile")
@@ -52,6 +52,17 @@ def check_device(name: str) -> None:
         raise ConfigurationError(f"device {name!r} requested but {device.type.upper()} is not available here")
     if device.index is not None and device.index >= count:
         raise ConfigurationError(f"device {name!r} requested but this machine has {count} {device.type} device(s)")
+
+
+def check_compile_backend(name: str) -> None:
+    """A ``torch.compile`` backend torch has registered (its own and those of installed plugins): a typo fails here,
+    not at the first compiled forward, after the model was loaded and calibrated."""
+    if name not in torch.compiler.list_backends(exclude_tags=()):
+        raise ConfigurationError(
+            f"--compile_backend {name!r} is not a torch.compile backend torch knows: "
+            f"{', '.join(torch.compiler.list_backends())} (and the debug ones torch.compiler.list_backends("
+            "exclude_tags=()) lists, such as eager and aot_eager)"
+        )
 
 
 def _help(text: str) -> dict:
@@ -88,9 +99,11 @@ class BenchArguments:
     variants: list[str] = field(
         default_factory=lambda: list(KINDS),
         metadata=_help(
-            "Inference variants: original (unpatched), explicit (patched at g = 0, the per-channel maps as "
-            "operations), folded (the exported norm-free model, reloaded), limit (the removed norms "
-            "replaced by identity: the ceiling)."
+            "Inference variants: original (unpatched), flashnorm (the original with every pre-norm's weight "
+            "folded into the modules it reads, weightless norms left: the exact peer without training, "
+            "reloaded), explicit (patched at g = 0, the per-channel maps as operations), folded (the exported "
+            "norm-free model, its kept RMS pre-norms weightless as in flashnorm, reloaded), limit (the original "
+            "with the removed norms replaced by identity)."
         ),
     )
     modes: list[str] = field(
@@ -177,6 +190,8 @@ class BenchArguments:
             self._check_onnxruntime()
         _check_list("dtypes", self.dtypes, tuple(DTYPES))
         _check_list("execution", self.execution, EXECUTIONS)
+        if self.compile_backend is not None:
+            check_compile_backend(self.compile_backend)
         for name in ("batch_sizes", "seq_lens", "threads", "devices"):
             _check_list(name, getattr(self, name))
         for name in ("batch_sizes", "seq_lens", "threads"):

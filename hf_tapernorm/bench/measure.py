@@ -67,11 +67,13 @@ def summarize(
     *,
     baseline: str,
     limits: Optional[Mapping[str, str]] = None,
+    peer: Optional[str] = None,
 ) -> dict[str, Any]:
-    """Median times, the paired ratio to ``baseline``, to each variant's limit, and op counts, per workload.
+    """Median times, the paired ratio to ``baseline``, to ``peer``, to each variant's limit, and op counts.
 
-    Inference modes report ``speedup_vs_<baseline>`` (baseline time / variant time: above 1 is faster);
-    the train mode reports ``cost_vs_<baseline>`` (workload time / baseline time: the price of a step).
+    Inference modes report ``speedup_vs_<baseline>`` (baseline time / variant time: above 1 is faster) and,
+    when the peer ran, ``speedup_vs_<peer>`` the same way; the train mode reports ``cost_vs_<baseline>``
+    (workload time / baseline time: the price of a step).
     """
     limits = limits or {}
     entries = {}
@@ -84,6 +86,8 @@ def summarize(
                 entry[f"cost_vs_{baseline}"] = median_ratio(series, times[baseline])
             else:
                 entry[f"speedup_vs_{baseline}"] = median_ratio(times[baseline], series)
+        if peer in times and case.mode != "train":
+            entry[f"speedup_vs_{peer}"] = median_ratio(times[peer], series)
         if limits.get(name) in times:
             entry["speed_vs_limit"] = median_ratio(times[limits[name]], series)
         entries[name] = entry

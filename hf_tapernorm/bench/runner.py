@@ -129,7 +129,7 @@ def _inference_case(
         runtime_workloads, runtime_agreement = _add_onnx_runtime(case, graphs, variants, ids)
         workloads.update(runtime_workloads)
     times, ops = _time(workloads, case, arguments)
-    result = summarize(case, times, ops, baseline="original", limits=limit_labels(specs))
+    result = summarize(case, times, ops, baseline="original", limits=limit_labels(specs), peer="flashnorm")
     result["agreement"] = {**agreement(variants, specs, ids), **runtime_agreement}
     baseline = ORT_PREFIX + "original"
     for label, (_, counts) in (graphs or {}).items():

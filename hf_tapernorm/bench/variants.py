@@ -1,4 +1,4 @@
-"""The inference variants: one set of weights, the chosen norms removed in three ways, and the original.
+"""The inference variants: one set of weights, the chosen norms removed in three ways, the original and its peer.
 
 ``--norms`` names a ``TaperNormConfig``: ``recipe`` is ``TaperNormConfig.for_model(model)``, the
 recipe ``hf-tapernorm taper`` runs by default (on a gated-MLP model it keeps the norms that feed the
@@ -10,6 +10,12 @@ No sink tokens (``sink_token_ids=[]``) for these speed-only variants: a folded m
 the BOS as a cached key/value prefix and must be fed one token fewer than the others, and its only
 cost is one more attended position; without a sink every variant reads the same ids, so the timings
 and operation counts compare the per-token norm work alone.
+
+``flashnorm`` is the peer a user who wants speed without training picks: the original with every
+pre-norm's weight folded into the modules it feeds (FlashNorm, ``export.folding.flashnorm_model``), exact,
+so it is compared with the original in ``agreement``. A ``folded`` export's kept RMS pre-norms are made
+weightless the same way, so it never runs more operations than ``flashnorm``; it can run fewer than
+``limit``, which removes the same norms from the original and leaves the kept ones as they are.
 
 The patched variants are calibrated on random tokens, untrained: their speed and operation counts
 are meaningful, their outputs are not (see ``QUALITY_NOTE``).
@@ -29,7 +35,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from ..config import TaperNormConfig
-from ..export.folding import fold_model
+from ..export.folding import flashnorm_model, fold_model
 from ..layers.patching import patch_model, plan_patch, set_gate
 from ..training.calibration import calibrate
 from ..utils import replace_submodule
@@ -48,15 +54,19 @@ class VariantSpec:
 
     label: str
     kind: str
-    norms: Optional[str] = None  # None: the original keeps every norm
+    norms: Optional[str] = None  # None: the original and flashnorm keep every norm
+
+
+#: The variants of the original itself: one each, whatever ``--norms`` says.
+OF_THE_ORIGINAL = ("original", "flashnorm")
 
 
 def variant_specs(kinds: Sequence[str], norms: Sequence[str]) -> list[VariantSpec]:
     """The variants of ``kinds`` for each ``--norms`` value; labels carry the norms only when there are several."""
-    specs = [VariantSpec("original", "original")] if "original" in kinds else []
+    specs = [VariantSpec(kind, kind) for kind in OF_THE_ORIGINAL if kind in kinds]
     for choice in norms:
         for kind in kinds:
-            if kind != "original":
+            if kind not in OF_THE_ORIGINAL:
                 specs.append(VariantSpec(f"{choice}-{kind}" if len(norms) > 1 else kind, kind, choice))
     return specs
 
@@ -102,6 +112,12 @@ def finite_logits(model: nn.Module) -> bool:
     return bool(torch.isfinite(model(input_ids=ids, use_cache=False).logits).all())
 
 
+def _reloaded(model: nn.Module, folder: Path, dtype: torch.dtype, device: str) -> nn.Module:
+    """Save ``model`` and load it back from disk through ``AutoModelForCausalLM``, as a user would."""
+    model.save_pretrained(folder)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+
+
 def folded_reload(explicit: nn.Module, folder: Path, dtype: torch.dtype, device: str) -> nn.Module:
     """Fold a g = 0 model, save it, and reload it from disk through ``AutoModelForCausalLM``, as a user would."""
     check = finite_logits(explicit)
@@ -111,8 +127,12 @@ def folded_reload(explicit: nn.Module, folder: Path, dtype: torch.dtype, device:
             "folding without the numerical check: speed and operation counts are unaffected",
             type(explicit).__name__,
         )
-    fold_model(explicit, check=check).save_pretrained(folder)
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    return _reloaded(fold_model(explicit, check=check), folder, dtype, device)
+
+
+def flashnorm_reload(model: nn.Module, folder: Path, dtype: torch.dtype, device: str) -> nn.Module:
+    """The FlashNorm fold of the original (checked against it), saved and reloaded like ``folded``."""
+    return _reloaded(flashnorm_model(model), folder, dtype, device)
 
 
 def build_variants(
@@ -129,6 +149,9 @@ def build_variants(
     for spec in specs:
         if spec.kind == "original":
             built[spec.label] = model
+            continue
+        if spec.kind == "flashnorm":
+            built[spec.label] = flashnorm_reload(model, workdir / spec.label, dtype, device)
             continue
         config = removal_config(model, spec.norms)
         if spec.kind == "limit":
@@ -149,11 +172,16 @@ def limit_labels(specs: Sequence[VariantSpec]) -> dict[str, str]:
     return {s.label: limits[s.norms] for s in specs if s.norms in limits and s.kind != "limit"}
 
 
+#: What each fold is compared with in ``agreement``: the model it was folded from.
+SOURCES = {"folded": "explicit", "flashnorm": "original"}
+
+
 @torch.no_grad()
 def agreement(
     variants: dict[str, nn.Module], specs: Sequence[VariantSpec], ids: torch.Tensor
 ) -> dict[str, dict[str, float]]:
-    """Last-position logits of each folded variant against its explicit (unfolded g = 0) source.
+    """Last-position logits of each folded variant against its explicit (unfolded g = 0) source, and of
+    flashnorm against the original: each fold is exact, so these are rounding.
 
     Differences are taken over the entries finite in both (an untrained g = 0 model may overflow);
     ``same_nonfinite`` says whether both overflow at exactly the same entries.
@@ -161,8 +189,8 @@ def agreement(
     by_kind = {(spec.norms, spec.kind): spec.label for spec in specs}
     result = {}
     for (norms, kind), folded in by_kind.items():
-        source = by_kind.get((norms, "explicit"))
-        if kind != "folded" or source is None:
+        source = by_kind.get((norms, SOURCES[kind])) if kind in SOURCES else None
+        if source is None:
             continue
         a = variants[folded](input_ids=ids, use_cache=False, logits_to_keep=1).logits.float()
         b = variants[source](input_ids=ids, use_cache=False, logits_to_keep=1).logits.float()
@@ -179,12 +207,15 @@ def agreement(
 
 
 __all__ = [
+    "OF_THE_ORIGINAL",
     "QUALITY_NOTE",
+    "SOURCES",
     "VariantSpec",
     "agreement",
     "build_variants",
     "calibrated_copy",
     "finite_logits",
+    "flashnorm_reload",
     "folded_reload",
     "limit_copy",
     "limit_labels",

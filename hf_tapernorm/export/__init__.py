@@ -3,6 +3,8 @@
 
 The public names beyond ``fold_model``/``export_folded`` (which the top level exports too):
 
+- :func:`flashnorm_model` (folding.py): FlashNorm of an unpatched model (its norm weights folded, exact),
+  the peer ``hf-tapernorm bench`` measures exports against;
 - :class:`FoldReport` (fold_check.py): what the fold check measured (``model.fold_report``);
 - :func:`push_export` (hub.py): upload an export and its model card to the Hub;
 - :func:`render_model_card`, :func:`attach_model_card` (model_card.py): the model card of an export;
@@ -21,6 +23,7 @@ from .._lazy import lazy_exports
 
 _EXPORTS = {
     "fold_model": "folding",
+    "flashnorm_model": "folding",
     "FoldReport": "fold_check",
     "export_folded": "hub",
     "push_export": "hub",
@@ -35,7 +38,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
     from .fold_check import FoldReport
-    from .folding import fold_model
+    from .folding import flashnorm_model, fold_model
     from .hub import export_folded, push_export
     from .model_card import attach_model_card, render_model_card
     from .registration import register_folded_classes

@@ -1,15 +1,26 @@
-"""The attention-sink prefix of a folded export: its stored keys/values start every fresh cache.
+"""The attention-sink prefix of a folded export, and how an export reads its input, in one place.
 
-Copied next to every export with ``modeling_folded.py`` (which imports it relatively), so it imports only torch
-and transformers. ``modeling_folded`` calls ``prepare_sink_call`` before and ``finish_sink_call`` after the
-base model's forward; everything one call needs travels in its own ``SinkCall``, so concurrent calls of one
-model do not share state.
+Copied next to every export with ``modeling_folded.py`` (which imports it relatively), so it imports only torch and
+transformers (huggingface_hub, their dependency, lazily). ``modeling_folded`` calls ``prepare_sink_call`` before
+and ``finish_sink_call`` after the base model's forward; what one call needs travels in its own ``SinkCall``, so
+concurrent calls of one model do not share state.
+
+The input contract (a leading sink, left padding, 2D and 4D masks, positions, a learned position table) is
+``read_input`` over a ``SinkContract``: the export's forward uses it, and so does every integration that runs the
+export's weights another way (hf_tapernorm.integrations.onnx_runtime). An export loaded as its plain base class
+(config.json's ``model_type`` edited) is refused at load (``plain_load_of_export``, on transformers' load report).
 """
 
 from __future__ import annotations
 
 import inspect
+import json
+import logging
+import os
+import re
+import warnings
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -18,6 +29,8 @@ from transformers import DynamicCache
 
 #: The keyword that carries a read-only sink cache past the decoder layers under gradient checkpointing.
 SINK_CACHE_KEY = "tapernorm_sink_cache"
+#: The start of every folded model_type (``tapernorm_llama``); modeling_folded builds the classes under it.
+PREFIX = "tapernorm_"
 
 
 @dataclass
@@ -27,6 +40,54 @@ class SinkCall:
     restore: Optional[tuple] = None  # (kept columns, logits_to_keep to apply, labels) when the input held the sink
     cache_only: bool = False  # the caller asked for no cache: the one made for the sink is not returned
     wants_tuple: bool = False  # the caller asked for return_dict=False
+
+
+@dataclass(frozen=True)
+class SinkContract:
+    """What a model's input must be read against: its stored sink and its learned position table.
+
+    ``owner`` names the model in messages; ``token_ids`` are the stored sink's tokens (empty: no sink);
+    ``max_positions`` is the learned position table's size (0: none); ``has_logits`` says whether the sink's
+    logits are stored (exports of an earlier hf_tapernorm hold its keys/values only).
+    """
+
+    owner: str
+    token_ids: tuple[int, ...] = ()
+    max_positions: int = 0
+    has_logits: bool = True
+
+    @classmethod
+    def of(cls, model: nn.Module) -> SinkContract:
+        """The contract of a loaded model: a folded export's from its config and buffers, any other model's from
+        its position table."""
+        config = model.config
+        sink = tuple(getattr(config, "sink_token_ids", None) or ())
+        limit = (getattr(config, "sink_max_positions", 0) or 0) if sink else learned_positions(model)
+        return cls(type(model).__name__, sink, int(limit), getattr(model, "sink_logits", None) is not None)
+
+
+@dataclass
+class SinkState:
+    """What the first call of a cache leaves for the calls that continue it (kept on the cache as ``sink_state``)."""
+
+    in_input: bool = False  # the first call's input started with the sink: its masks and positions count it
+    row_offset: Optional[torch.Tensor] = None  # per-row left padding of the first call (positions not given)
+    mask_order: Optional[torch.Tensor] = None  # caller's column of each cache column (left-padded sink-first input)
+
+
+def learned_positions(model: nn.Module) -> int:
+    """The size of the model's learned position table (GPT-2's ``wpe``, OPT's ``embed_positions``), else 0.
+
+    A sink export stores its sink at the first positions: with a table, sink and text share its rows.
+    """
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return 0
+    embeddings = model.get_input_embeddings()
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) and module is not embeddings and module.num_embeddings >= limit:
+            return limit
+    return 0
 
 
 class SinkPrefixCache(DynamicCache):
@@ -75,62 +136,14 @@ def give_back_sink_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[
     return args, kwargs
 
 
-def _sink_columns(model: nn.Module, kwargs: dict) -> Optional[torch.Tensor]:
-    """Columns ``[batch, n]`` of a leading sink in ``input_ids`` (at each row's first attended column), else None.
-
-    A tokenizer that adds BOS puts the sink in the input itself; those tokens are then the stored ones.
-    Every row starts with the sink or none does: a batch that mixes both has no single meaning. Text that
-    itself starts with the sink id (an EOS sink after a document boundary) is read as starting with the
-    sink, as the tapered model reads position 0: pass the sink first to say so without doubt.
-    """
-    ids = kwargs.get("input_ids")
-    sink = model.config.sink_token_ids
-    if ids is None or ids.dim() != 2 or ids.shape[1] < len(sink):
-        return None
-    mask = kwargs.get("attention_mask")
-    if mask is not None and mask.dim() == 2 and mask.shape[-1] == ids.shape[1]:
-        start = mask.ne(0).int().argmax(dim=1)  # left padding: the first attended column
-    else:
-        start = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
-    columns = (start[:, None] + torch.arange(len(sink), device=ids.device)).clamp(max=ids.shape[1] - 1)
-    found = ids.gather(1, columns).eq(torch.tensor(sink, device=ids.device)).all(dim=1)
-    if not bool(found.any()):
-        return None
-    if not bool(found.all()):
-        raise ValueError(
-            f"{type(model).__name__}: some rows of input_ids start with the sink token(s) {sink} and others do not; "
-            "start every row with the sink (unambiguous, also when the sink id occurs in text), or none"
-        )
-    return columns
-
-
-def _left_padding(kwargs: dict, length: int) -> Optional[torch.Tensor]:
-    """Per-row count of leading masked columns of a 2D ``attention_mask`` (None without left padding)."""
-    mask = kwargs.get("attention_mask")
-    if mask is None or mask.dim() != 2 or mask.shape[-1] != length:
-        return None
-    start = mask.ne(0).int().argmax(dim=1)
-    return start if bool(start.any()) else None
-
-
-def _drop_columns(tensor: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``tensor[b, keep[b]]`` for a ``[batch, length, ...]`` tensor, keeping as many columns in every row."""
-    if tensor.shape[0] != keep.shape[0]:
-        tensor = tensor.expand(keep.shape[0], *tensor.shape[1:])
-    return tensor[keep].view(keep.shape[0], -1, *tensor.shape[2:])
-
-
 def prepare_sink_call(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict, SinkCall]:
     """Give the forward the stored sink keys/values as the start of its cache, whichever way the caller passes state.
 
     - The cache comes as ``cache=`` or the older ``past_key_values=`` (transformers renames it; both are the same
       object here, so a decode step costs the same either way).
-    - A fresh forward (no cache, or an empty one) either starts with the sink tokens, as a tokenizer that adds BOS
-      gives them: those columns are dropped and stand for the stored ones (positions count from the sink, the
-      returned logits include the sink's, stored as well); or it is the text alone: ``position_ids`` count from the
-      first text token and a 2D ``attention_mask`` may leave out the sink's columns.
-    - A continued cache already holds the sink. A 2D mask one sink shorter than cache + input marks a caller
-      that counts without the sink (its positions are shifted); the cache remembers how it was started.
+    - A fresh forward (no cache, or an empty one) gets a cache that starts with the stored sink; a continued cache
+      already holds it, and remembers how its first call was read (``SinkState``).
+    - The input itself (a leading sink, padding, masks, positions) is read by ``read_input``.
     - A compileable (static) cache is refused: its masks are built before this hook can put the sink in it.
     - A training forward under gradient checkpointing gets a read-only prefix (``SinkPrefixCache``): the
       checkpointed layers may read it, and their replay in the backward pass reads the same states.
@@ -147,8 +160,6 @@ def prepare_sink_call(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
     inputs = kwargs.get("input_ids")
     if inputs is None:
         inputs = kwargs["inputs_embeds"]
-    batch, length = inputs.shape[0], inputs.shape[1]
-    n = model.sink_keys.shape[2]
     checkpointing = model.training and model.is_gradient_checkpointing and torch.is_grad_enabled()
     if checkpointing and cache is not None:
         raise ValueError(
@@ -158,47 +169,18 @@ def prepare_sink_call(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
     call = SinkCall(wants_tuple=kwargs.get("return_dict", getattr(model.config, "return_dict", True)) is False)
     if call.wants_tuple:
         kwargs["return_dict"] = True  # the output hook edits a ModelOutput, then returns the tuple
+    state = None
     if cache is None or cache.get_seq_length() == 0:
-        columns = _sink_columns(model, kwargs)
-        padding = _left_padding(kwargs, length)
-        offset = padding if kwargs.get("position_ids") is None else None
-        order = None
-        if columns is not None:
-            order = _take_sink_from_input(model, kwargs, columns, call)
-            batch, length = kwargs["input_ids"].shape
         if cache is None:
             call.cache_only = checkpointing or kwargs.get("use_cache", model.config.use_cache) is False
             cache = SinkPrefixCache(config=model.config, read_only=checkpointing)
             if checkpointing:
                 kwargs[SINK_CACHE_KEY] = cache
-        _fill_sink(model, cache, batch)
-        cache.sink_in_input, cache.sink_row_offset = columns is not None, offset
-        # Where each cache column came from in the caller's columns, when the sink was not in front of every row.
-        cache.sink_mask_order = order if padding is not None else None
+        _fill_sink(model, cache, inputs.shape[0])
         kwargs["cache"], kwargs["use_cache"] = cache, True
-        counts_without_sink, order = columns is None, None
     else:
-        counts_without_sink = not getattr(cache, "sink_in_input", False)
-        order = getattr(cache, "sink_mask_order", None)
-    past = cache.get_seq_length()
-    _check_positions(model, past + length, n)
-    mask = kwargs.get("attention_mask")
-    if mask is not None and mask.dim() == 2:
-        counts_without_sink = mask.shape[-1] == past + length - n
-        if counts_without_sink:
-            kwargs["attention_mask"] = torch.cat([mask.new_ones(batch, n), mask], dim=-1)
-        elif order is not None and mask.shape[0] == order.shape[0] and mask.shape[-1] >= order.shape[1]:
-            # The caller's mask has each left-padded row's sink after its pads; the cache has it first.
-            head = mask[:, : order.shape[1]].gather(1, order)
-            kwargs["attention_mask"] = torch.cat([head, mask[:, order.shape[1] :]], dim=-1)
-    positions = kwargs.get("position_ids")
-    if positions is not None:
-        if counts_without_sink:
-            kwargs["position_ids"] = positions + n
-    elif getattr(cache, "sink_row_offset", None) is not None and cache.sink_row_offset.shape[0] == batch:
-        # Left padding without position_ids: each row counts from its own first token, as generate() does.
-        steps = torch.arange(past, past + length, device=cache.sink_row_offset.device)
-        kwargs["position_ids"] = steps[None, :] - cache.sink_row_offset[:, None]
+        state = getattr(cache, "sink_state", None) or SinkState()
+    cache.sink_state, call.restore = read_input(SinkContract.of(model), kwargs, cache.get_seq_length(), state)
     return args, kwargs, call
 
 
@@ -232,52 +214,208 @@ def _fill_sink(model: nn.Module, cache: Any, batch: int) -> None:
         cache.holds_sink = True
 
 
-def _check_positions(model: nn.Module, end: int, n: int) -> None:
-    """Refuse a sequence past a learned position table: the stored sink holds its first ``n`` positions."""
-    limit = getattr(model.config, "sink_max_positions", 0) or 0
-    if limit and end > limit:
-        raise ValueError(
-            f"{type(model).__name__}: the stored sink takes position(s) 0..{n - 1} of this model's {limit} learned "
-            f"positions, so the sink and the text together hold at most {limit} tokens ({limit - n} of text; "
-            f"sink_max_positions in config.json); this call reaches {end}: shorten the input or crop the cache"
+def read_input(
+    contract: SinkContract, kwargs: dict, past: int, state: Optional[SinkState] = None
+) -> tuple[SinkState, Optional[tuple]]:
+    """Rewrite one call's keyword inputs, in place, into what the base model computes after the stored sink.
+
+    ``past``: the columns the cache holds before this call, the sink's included; ``state``: None for a fresh call
+    (the cache holds the sink alone), else what the fresh call returned. Returns the state for the calls that
+    continue the cache and, when the input carried the sink, what ``restore_logits`` needs.
+
+    - A fresh call either starts every row with the sink tokens, as a tokenizer that adds BOS gives them (at each
+      row's first attended column under left padding): those columns are dropped and stand for the stored ones
+      (positions count from the sink, the sink's logits come back from the stored ones); or it is the text alone:
+      positions count from the first text token, and a mask may leave out the sink's columns.
+    - A mask (2D ``[batch, keys]`` or 4D ``[batch, heads, queries, keys]``, boolean or additive) one sink shorter
+      than cache + input counts without the sink: the sink's columns are put in front, attended by every query.
+    - Without ``position_ids``, each left-padded row counts from its own first token, as ``generate()`` does; the
+      pads before it get position 0 (they are masked, and a learned position table has no negative rows).
+    - A call that reaches past a learned position table is refused (``max_positions``).
+    """
+    inputs = kwargs.get("input_ids")
+    if inputs is None:
+        inputs = kwargs["inputs_embeds"]
+    batch, length = inputs.shape[0], inputs.shape[1]
+    n = len(contract.token_ids)
+    restore = None
+    if state is None:
+        columns = _sink_columns(contract, kwargs)
+        padding = _first_attended(kwargs, length)  # per row, the leading masked columns
+        padding = padding if padding is not None and bool(padding.any()) else None
+        offset = padding if kwargs.get("position_ids") is None else None
+        order = None
+        if columns is not None:
+            order, restore = _take_sink_from_input(contract, kwargs, columns)
+            batch, length = kwargs["input_ids"].shape
+        # Where each cache column came from in the caller's columns, when the sink was not in front of every row.
+        state = SinkState(columns is not None, offset, order if padding is not None else None)
+        counts_without_sink, order = columns is None, None
+    else:
+        counts_without_sink, order = not state.in_input, state.mask_order
+    _check_positions(contract, past + length)
+    mask = kwargs.get("attention_mask")
+    if mask is not None and mask.dim() in (2, 4):
+        counts_without_sink = mask.shape[-1] == past + length - n
+        if counts_without_sink and n:
+            kwargs["attention_mask"] = _with_sink_columns(mask, n)
+        elif order is not None and mask.shape[0] == order.shape[0] and mask.shape[-1] >= order.shape[1]:
+            # The caller's mask has each left-padded row's sink after its pads; the cache has it first.
+            kwargs["attention_mask"] = _reorder_keys(mask, order)
+    positions = kwargs.get("position_ids")
+    if positions is not None:
+        if counts_without_sink and n:
+            kwargs["position_ids"] = positions + n
+    elif state.row_offset is not None and state.row_offset.shape[0] == batch:
+        steps = torch.arange(past, past + length, device=state.row_offset.device)
+        kwargs["position_ids"] = (steps[None, :] - state.row_offset[:, None]).clamp(min=0)
+    return state, restore
+
+
+def restore_logits(
+    logits: torch.Tensor, keep: torch.Tensor, keep_logits: Any, sink_logits: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """The logits of every column of an input that carried the sink: the text's where ``keep``, the stored sink's
+    elsewhere (NaN for an export that does not store them), then ``logits_to_keep`` applied."""
+    full = logits.new_empty(*keep.shape, logits.shape[-1])
+    full[keep] = logits.reshape(-1, logits.shape[-1])
+    if sink_logits is None:
+        warnings.warn(
+            "This export (from an earlier hf_tapernorm) stores its sink's keys/values but not its logits: the "
+            "logits at the sink's columns are NaN, the text's are exact (fold the tapered model again to store them)",
+            stacklevel=2,
         )
+        full[~keep] = float("nan")
+    else:
+        full[~keep] = sink_logits.to(logits.dtype).repeat(keep.shape[0], 1)
+    if isinstance(keep_logits, int):
+        return full[:, -keep_logits:] if keep_logits > 0 else full
+    return full[:, keep_logits]
 
 
-def _take_sink_from_input(model: nn.Module, kwargs: dict, columns: torch.Tensor, call: SinkCall) -> torch.Tensor:
-    """Drop the sink's columns from a fresh forward's inputs; record how to put the sink's logits back.
+def _attended(mask: torch.Tensor) -> torch.Tensor:
+    """``[batch, keys]``: True where a 2D mask is non-zero, or where some query of a 4D mask (first head) attends
+    (True in a boolean mask, above the dtype's minimum in an additive one): a pad is a key no query reads."""
+    if mask.dim() == 2:
+        return mask.ne(0)
+    rows = mask[:, 0]
+    if rows.dtype != torch.bool:
+        rows = rows > torch.finfo(rows.dtype).min / 2 if rows.is_floating_point() else rows.ne(0)
+    return rows.any(dim=1)
 
-    Returns the caller's column of every cache column (``[batch, length]``: the sink's first, then the rest).
+
+def _first_attended(kwargs: dict, length: int) -> Optional[torch.Tensor]:
+    """Per row, the first column a 2D or 4D ``attention_mask`` over ``length`` columns attends (None without one)."""
+    mask = kwargs.get("attention_mask")
+    if mask is None or mask.dim() not in (2, 4) or mask.shape[-1] != length:
+        return None
+    return _attended(mask).int().argmax(dim=1)
+
+
+def _sink_columns(contract: SinkContract, kwargs: dict) -> Optional[torch.Tensor]:
+    """Columns ``[batch, n]`` of a leading sink in ``input_ids`` (at each row's first attended column), else None.
+
+    A tokenizer that adds BOS puts the sink in the input itself; those tokens are then the stored ones.
+    Every row starts with the sink or none does: a batch that mixes both has no single meaning. Text that
+    itself starts with the sink id (an EOS sink after a document boundary) is read as starting with the
+    sink, as the tapered model reads position 0: pass the sink first to say so without doubt.
+    """
+    ids = kwargs.get("input_ids")
+    sink = contract.token_ids
+    if not sink or ids is None or ids.dim() != 2 or ids.shape[1] < len(sink):
+        return None
+    start = _first_attended(kwargs, ids.shape[1])
+    if start is None:
+        start = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
+    columns = (start[:, None] + torch.arange(len(sink), device=ids.device)).clamp(max=ids.shape[1] - 1)
+    found = ids.gather(1, columns).eq(torch.tensor(sink, device=ids.device)).all(dim=1)
+    if not bool(found.any()):
+        return None
+    if not bool(found.all()):
+        raise ValueError(
+            f"{contract.owner}: some rows of input_ids start with the sink token(s) {list(sink)} and others do not; "
+            "start every row with the sink (unambiguous, also when the sink id occurs in text), or none"
+        )
+    return columns
+
+
+def _drop_columns(tensor: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``tensor[b, keep[b]]`` for a ``[batch, length, ...]`` tensor, keeping as many columns in every row."""
+    if tensor.shape[0] != keep.shape[0]:
+        tensor = tensor.expand(keep.shape[0], *tensor.shape[1:])
+    return tensor[keep].view(keep.shape[0], -1, *tensor.shape[2:])
+
+
+def _with_sink_columns(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """``mask`` with ``n`` leading key columns that every query attends: 1 (2D, or a boolean or integer 4D mask)
+    or 0 (an additive 4D mask)."""
+    head = mask.new_zeros if mask.dim() == 4 and mask.is_floating_point() else mask.new_ones
+    return torch.cat([head(*mask.shape[:-1], n), mask], dim=-1)
+
+
+def _reorder_keys(mask: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``mask`` with its first ``order.shape[1]`` key columns taken in ``order`` (``[batch, columns]``), row by row."""
+    width = order.shape[1]
+    index = order.view(order.shape[0], *([1] * (mask.dim() - 2)), width).expand(*mask.shape[:-1], width)
+    return torch.cat([mask[..., :width].gather(-1, index), mask[..., width:]], dim=-1)
+
+
+def _take_sink_from_input(contract: SinkContract, kwargs: dict, columns: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """Drop the sink's columns from a fresh call's inputs (ids, mask rows and columns, positions, labels).
+
+    Returns the caller's column of every cache column (``[batch, n + length]``: the sink's first, then the
+    rest) and what ``restore_logits`` needs: (kept columns, logits_to_keep still to apply, labels).
     """
     ids = kwargs["input_ids"]
     batch, length = ids.shape
     n = columns.shape[1]
-    if not hasattr(model, "sink_logits"):
+    labels = kwargs.pop("labels", None)
+    if labels is not None and not contract.has_logits:
         raise ValueError(
-            f"{type(model).__name__}: input_ids start with the sink token(s) {model.config.sink_token_ids}, which "
-            "this export (from an older hf_tapernorm) holds as stored keys/values only; pass the text without them "
-            "(tokenizer(..., add_special_tokens=False)) or re-export the model"
+            f"{contract.owner}: input_ids start with the sink token(s) {list(contract.token_ids)}, whose logits this "
+            "export (from an earlier hf_tapernorm) does not store, so a loss over them cannot be computed; pass the "
+            "text and its labels without the sink (tokenizer(..., add_special_tokens=False)) or fold the model again"
         )
     keep = torch.ones_like(ids, dtype=torch.bool).scatter_(1, columns, False)
+    kept = torch.arange(length, device=ids.device).expand(batch, -1)[keep].view(batch, -1)
+    order = torch.cat([columns, kept], dim=1)
     kwargs["input_ids"] = _drop_columns(ids, keep)
     mask = kwargs.get("attention_mask")
     if mask is not None and mask.dim() == 2 and mask.shape[-1] == length:
         kwargs["attention_mask"] = torch.cat([mask.new_ones(batch, n), _drop_columns(mask, keep)], dim=-1)
+    elif mask is not None and mask.dim() == 4 and mask.shape[-2:] == (length, length):
+        # The sink's query rows go (its logits are stored); its key columns move to the front, as in the cache.
+        mask = mask.expand(batch, *mask.shape[1:])
+        rows = mask.gather(2, kept[:, None, :, None].expand(-1, mask.shape[1], -1, length))
+        kwargs["attention_mask"] = _reorder_keys(rows, order)
     positions = kwargs.get("position_ids")
     if positions is None:
         positions = torch.arange(length, device=ids.device).expand(batch, -1)
     if positions.dim() == 2:
         positions = positions.expand(batch, -1) if positions.shape[0] != batch else positions
-        # The stored keys sit at positions 0..n-1: each row counts from its own first sink token.
-        kwargs["position_ids"] = _drop_columns(positions - positions.gather(1, columns[:, :1]), keep)
-    labels = kwargs.pop("labels", None)
+        # The stored keys sit at positions 0..n-1: each row counts from its own first sink token (pads before it: 0).
+        counted = positions - positions.gather(1, columns[:, :1])
+        kwargs["position_ids"] = _drop_columns(counted, keep).clamp(min=0)
     keep_logits = kwargs.get("logits_to_keep", 0)
     # The last k columns come out of the model unchanged when no row's sink is among them.
     passes = isinstance(keep_logits, int) and keep_logits > 0 and length - keep_logits > int(columns.max())
     if not passes:
         kwargs["logits_to_keep"] = 0
-    call.restore = (keep, None if passes else keep_logits, labels)
-    kept = torch.arange(length, device=ids.device).expand(batch, -1)[keep].view(batch, -1)
-    return torch.cat([columns, kept], dim=1)
+    return order, (keep, None if passes else keep_logits, labels)
+
+
+def _check_positions(contract: SinkContract, end: int) -> None:
+    """Refuse a call past a learned position table (with a sink, its first ``n`` positions are the sink's)."""
+    limit, n = contract.max_positions, len(contract.token_ids)
+    if limit and end > limit:
+        held = (
+            f"the stored sink takes position(s) 0..{n - 1} of this model's {limit} learned positions, so the sink "
+            f"and the text together hold at most {limit} tokens ({limit - n} of text; sink_max_positions in "
+            "config.json)"
+            if n
+            else f"this model has {limit} learned positions"
+        )
+        raise ValueError(f"{contract.owner}: {held}; this call reaches {end}: shorten the input or crop the cache")
 
 
 def finish_sink_call(model: nn.Module, kwargs: dict, output: Any, call: SinkCall) -> Any:
@@ -286,15 +424,7 @@ def finish_sink_call(model: nn.Module, kwargs: dict, output: Any, call: SinkCall
     if call.restore is not None:
         keep, keep_logits, labels = call.restore
         if keep_logits is not None:
-            logits = output.logits
-            full = logits.new_empty(*keep.shape, logits.shape[-1])
-            full[keep] = logits.reshape(-1, logits.shape[-1])
-            full[~keep] = model.sink_logits.to(logits.dtype).repeat(keep.shape[0], 1)
-            if isinstance(keep_logits, int):
-                full = full[:, -keep_logits:] if keep_logits > 0 else full
-            else:
-                full = full[:, keep_logits]
-            output["logits"] = full
+            output["logits"] = restore_logits(output.logits, keep, keep_logits, getattr(model, "sink_logits", None))
         if labels is not None:
             loss_kwargs = {key: kwargs[key] for key in ("num_items_in_batch", "ignore_index") if key in kwargs}
             output["loss"] = model.loss_function(
@@ -305,3 +435,53 @@ def finish_sink_call(model: nn.Module, kwargs: dict, output: Any, call: SinkCall
     if call.wants_tuple:  # in field order, as ModelOutput.to_tuple gives it, without the None fields
         return tuple(getattr(output, item.name) for item in fields(output) if getattr(output, item.name) is not None)
     return output
+
+
+# ---------------------------------------------------------------------------------------- an export loaded as its base
+def plain_load_of_export(class_name: str, config: Any) -> Optional[str]:
+    """What is wrong when a model of class ``class_name`` and ``config`` (a config, or config.json's dict) is a
+    folded export loaded as its plain base class, else None.
+
+    An export's config.json edited to its base ``model_type`` (to load without remote code) keeps the fields only
+    folding writes; the base class then runs the folded norms as norms of ones and drops the stored sink.
+    """
+    get = config.get if isinstance(config, dict) else lambda name, default: getattr(config, name, default)
+    base, model_type = get("base_model_type", None), str(get("model_type", ""))
+    if not base or get("hf_tapernorm_version", None) is None or model_type.startswith(PREFIX):
+        return None
+    return (
+        f"{class_name}: '{get('name_or_path', '')}' is a folded export whose config.json names model_type "
+        f"'{model_type}' instead of '{PREFIX}{base}'; loaded as a plain model it runs its folded norms as norms of "
+        f'ones and drops its stored sink, so its logits are not the export\'s. Restore "model_type": '
+        f'"{PREFIX}{base}" and load it where hf_tapernorm is imported, or with trust_remote_code=True'
+    )
+
+
+class _RefusePlainLoad(logging.Filter):
+    """Raise ``plain_load_of_export``'s error on transformers' load report of a folded export loaded as its base
+    class: the report (logged while transformers' warnings are on) is the only public trace of such a load."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        found = re.search(r"([A-Z]\w*) LOAD REPORT\S* from: (.+)", str(record.msg))
+        if found is None:
+            return True
+        source = found.group(2).strip()
+        try:
+            config = Path(source, "config.json")
+            if not config.is_file():  # a Hub id: its config.json as the load just cached it
+                from huggingface_hub import try_to_load_from_cache
+
+                cached = try_to_load_from_cache(source, "config.json")
+                config = Path(cached if isinstance(cached, str) else os.devnull)
+            values = json.loads(config.read_text() or "{}")
+        except (OSError, ValueError):  # not a folder or a valid Hub id, or an unreadable config: nothing to check
+            return True
+        problem = plain_load_of_export(found.group(1), {**values, "name_or_path": source})
+        if problem is not None:
+            raise OSError(problem)
+        return True
+
+
+_REPORTS = logging.getLogger("transformers.modeling_utils")
+if not any(type(existing).__name__ == _RefusePlainLoad.__name__ for existing in _REPORTS.filters):
+    _REPORTS.addFilter(_RefusePlainLoad())  # once, also when this file is loaded again as an export's remote code

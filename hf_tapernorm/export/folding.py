@@ -8,9 +8,13 @@ read it (docs/method.md, section 5). The algebra is one routine per site kind, d
 - ``"per_head"`` / ``"output"`` (a q/k norm or a post-norm on a branch output): the producers'
   output rows, repeated per group of ``d`` rows, W' = A^T W, bias' = A^T bias + beta.
 
-Everything is computed in float64 on working copies (so a projection that absorbs two norms is
-folded exactly) and cast once to each weight's own dtype. Conv1D ([in, out]) weights are handled
-by transposing into nn.Linear layout and back.
+A kept pre-norm's own weight folds the same way (FlashNorm, arXiv 2407.09577): its consumers absorb the
+gain, W' = W diag(gain) (and, for a LayerNorm, b' = b + W beta), and the norm stays without weight.
+``fold_model`` does it for the kept norms of an export whose weight is an operation of its own (the RMS
+families); ``flashnorm_model`` does it for every pre-norm of an unpatched model, the peer the benchmark
+measures an export against.
+
+The algebra, in float64 on working copies of the projections (Conv1D included), is projections.py.
 """
 
 from __future__ import annotations
@@ -18,13 +22,11 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.pytorch_utils import Conv1D
 
 from .._version import __version__
 from ..architectures.sites import architecture_of, model_type_of, norm_sites
@@ -37,6 +39,7 @@ from ..training.distributed import sharding_engine
 from .fold_check import FoldReport, check_fold, check_probe
 from .model_card import render_model_card
 from .modeling_folded import PREFIX, folded_classes
+from .projections import FoldState, WorkingProjection, fold_into, make_weightless, store_projections
 from .registration import register_folded_classes
 
 logger = logging.getLogger(__name__)
@@ -45,33 +48,39 @@ TiedHead = Literal["untie", "scale"]
 TIED_HEAD_CHOICES = ("untie", "scale")
 
 
-def _check_foldable(model: nn.Module, model_type: str) -> None:
+def _check_model(model: nn.Module, model_type: str, caller: str) -> None:
+    """What ``fold_model`` and ``flashnorm_model`` both refuse: a sharded, folded, compiled or wrapped model."""
     if sharding_engine(model) is not None:
         raise TaperStateError(
-            f"{type(model).__name__} is sharded ({sharding_engine(model)}): fold the gathered model, e.g. "
+            f"{type(model).__name__} is sharded ({sharding_engine(model)}): {caller} needs the gathered model, e.g. "
             "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) loaded into an unsharded "
             "copy, or `hf-tapernorm fold --checkpoint` on a sharded checkpoint (docs/distributed.md)"
         )
     if model_type.startswith(PREFIX):  # a loaded export (remote code too): its norms are gone already
         raise TaperStateError(
             f"{type(model).__name__} is already folded (a norm-free export): use it as it is; fold_model reads a "
-            "patched model tapered to gate 0 (load_tapered(folder) for a tapered checkpoint)"
-        )
-    if not any(tapered_norms(model, include_kept=True)):
-        raise TaperStateError(
-            f"{type(model).__name__} is not patched: fold_model needs a model patched with patch_model, "
-            "calibrated and tapered to gate 0"
+            "patched model tapered to gate 0 (load_tapered(folder) for a tapered checkpoint), flashnorm_model an "
+            "unpatched one"
         )
     base_class = folded_classes(model_type)[1].__bases__[-1]
     if hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule around the model
         raise UnsupportedModelError(
-            f"fold_model expects a {base_class.__name__}, got torch.compile's {type(model).__name__}: fold the "
-            "module it wraps, fold_model(model._orig_mod)"
+            f"{caller} expects a {base_class.__name__}, got torch.compile's {type(model).__name__}: pass the "
+            f"module it wraps, {caller}(model._orig_mod)"
         )
     if not isinstance(model, base_class):
         peft = hasattr(model, "merge_and_unload")
-        unmerged = "; merge its PEFT adapters first: fold_model(model.merge_and_unload())" if peft else ""
-        raise UnsupportedModelError(f"fold_model expects a {base_class.__name__}, got {type(model).__name__}{unmerged}")
+        unmerged = f"; merge its PEFT adapters first: {caller}(model.merge_and_unload())" if peft else ""
+        raise UnsupportedModelError(f"{caller} expects a {base_class.__name__}, got {type(model).__name__}{unmerged}")
+
+
+def _check_foldable(model: nn.Module, model_type: str) -> None:
+    _check_model(model, model_type, "fold_model")
+    if not any(tapered_norms(model, include_kept=True)):
+        raise TaperStateError(
+            f"{type(model).__name__} is not patched: fold_model needs a model patched with patch_model, "
+            "calibrated and tapered to gate 0 (flashnorm_model folds the norm weights of an unpatched model)"
+        )
     layers = list(tapered_norms(model))
     uncalibrated = [name for name, layer in layers if not layer.is_calibrated]
     if uncalibrated:
@@ -86,63 +95,6 @@ def _check_foldable(model: nn.Module, model_type: str) -> None:
             "only a model at g = 0 is a fixed linear map "
             "(set_gate(model, 0.0) or finish the taper schedule)"
         )
-
-
-class _Working:
-    """A float64 working copy of one projection in nn.Linear layout ([out, in])."""
-
-    def __init__(self, module: nn.Module, path: str) -> None:
-        if isinstance(module, nn.Linear):
-            self.transposed = False
-        elif isinstance(module, Conv1D):
-            self.transposed = True
-        else:
-            raise UnsupportedModelError(
-                f"cannot fold into {path}: {type(module).__name__} is neither nn.Linear nor Conv1D"
-            )
-        weight = module.weight.detach()
-        if not weight.is_floating_point():
-            raise UnsupportedModelError(
-                f"cannot fold into {path}: its weight is {weight.dtype} (a quantized model?); load the model in a "
-                "floating dtype, fold, then quantize the folded model"
-            )
-        self.weight = (weight.t() if self.transposed else weight).to(torch.float64).clone()
-        self.bias = module.bias.detach().to(torch.float64).clone() if module.bias is not None else None
-        self.had_bias = module.bias is not None
-        self.weight_dtype = module.weight.dtype
-        self.bias_dtype = module.bias.dtype if module.bias is not None else module.weight.dtype
-
-    def fold_input(self, scale: torch.Tensor, beta: Optional[torch.Tensor], centred: bool) -> None:
-        """The projection reads ``(h - mu) * scale + beta`` (or ``h * scale``): W' = W A, b' = b + W beta."""
-        if beta is not None:
-            shift = self.weight @ beta
-            self.bias = shift if self.bias is None else self.bias + shift
-        self.weight = self.weight * scale[None, :]
-        if centred:
-            self.weight = self.weight - self.weight.mean(dim=1, keepdim=True)
-
-    def fold_output(self, scale: torch.Tensor, beta: Optional[torch.Tensor], centred: bool) -> None:
-        """The projection's output, in groups of ``len(scale)`` rows, is normalized at g = 0 then scaled."""
-        group = scale.numel()
-        out_features = self.weight.shape[0]
-        if out_features % group:
-            raise UnsupportedModelError(f"cannot fold a norm of size {group} into {out_features} output rows")
-        rows = self.weight.view(out_features // group, group, -1)
-        bias = self.bias.view(-1, group) if self.bias is not None else None
-        if centred:
-            rows = rows - rows.mean(dim=1, keepdim=True)
-            bias = bias - bias.mean(dim=1, keepdim=True) if bias is not None else None
-        self.weight = (rows * scale[None, :, None]).reshape(out_features, -1)
-        if bias is not None:
-            bias = bias * scale[None, :]
-        if beta is not None:
-            bias = beta[None, :].expand(out_features // group, group) + (bias if bias is not None else 0.0)
-        self.bias = bias.reshape(-1) if bias is not None else None
-
-    def tensors(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        weight = self.weight.t() if self.transposed else self.weight
-        bias = self.bias.to(self.bias_dtype) if self.bias is not None else None
-        return weight.to(self.weight_dtype).contiguous(), bias
 
 
 def _linear_map(layer: TaperNorm) -> tuple[torch.Tensor, Optional[torch.Tensor], bool]:
@@ -170,26 +122,13 @@ def _learned_positions(model: PreTrainedModel) -> int:
     return 0
 
 
-@dataclass
-class _Fold:
-    """What folding the norm sites produced: the folded model's state dict and the structure its config records."""
-
-    state: dict[str, torch.Tensor]
-    folded_norms: list[str] = field(default_factory=list)
-    kept_norms: list[str] = field(default_factory=list)
-    scaled_norms: list[str] = field(default_factory=list)
-    added_biases: list[str] = field(default_factory=list)
-    head_choice: Optional[str] = None  # the tied-head policy applied, when a tapered final norm met tied embeddings
-    projections: int = 0
-
-
 def _is_tied(model: PreTrainedModel, arch) -> bool:
     head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
     tied = head is not None and embeddings is not None and head.weight is embeddings.weight
     return tied and model.get_submodule(arch.lm_head) is head  # OPT's project_out reads the final norm, not the head
 
 
-def _keep_final_scale(fold: _Fold, path: str, layer: TaperNorm, scale, beta, centred: bool) -> None:
+def _keep_final_scale(fold: FoldState, path: str, layer: TaperNorm, scale, beta, centred: bool) -> None:
     """tied_head="scale": the final norm stays as one explicit per-channel map, so the tie survives."""
     fold.scaled_norms.append(path)
     fold.state[f"{path}.weight"] = scale.to(layer.taper_weight.dtype)
@@ -203,49 +142,55 @@ def _keep_final_scale(fold: _Fold, path: str, layer: TaperNorm, scale, beta, cen
     )
 
 
-def _fold_sites(model: PreTrainedModel, sites, tied: bool, tied_head: TiedHead) -> _Fold:
-    """Fold every tapered site into the projections that read it; keep the kept norms; apply the tied-head policy."""
-    fold = _Fold(state=dict(model.state_dict()))
-    working: dict[str, _Working] = {}
+def _untie_warning(path: str, what: str, advice: str = "pass tied_head='scale' to keep the tie") -> None:
+    logger.warning(
+        "%s final norm %s folds into a tied lm_head: the head is untied and saved with tie_word_embeddings=False (%s)",
+        what,
+        path,
+        advice,
+    )
+
+
+def _weight_is_an_operation(site, layer: TaperNorm) -> bool:
+    """Whether a kept norm's weight can leave it and save an operation: a pre-norm (its consumers read it
+    linearly) of the RMS families. A LayerNorm applies its affine in the same kernel, so moving it saves
+    nothing and could add a bias; a q/k norm or a post-norm has RoPE or the residual sum after it."""
+    return site.kind == "input" and layer.style is not NormStyle.LAYER and layer.weight is not None
+
+
+def _fold_sites(model: PreTrainedModel, sites, tied: bool, tied_head: TiedHead) -> FoldState:
+    """Fold every tapered site into the projections that read it; make the kept pre-norms weightless where that
+    saves an operation, keep the other kept norms as they are; apply the tied-head policy."""
+    fold = FoldState(state=dict(model.state_dict()))
+    working: dict[str, WorkingProjection] = {}
     for site in sites:
         layer = model.get_submodule(site.path)
         if not isinstance(layer, TaperNorm):
             raise TaperStateError(f"{site.path} is a {type(layer).__name__}, not a TaperNorm: patch the whole model")
         for key in [k for k in fold.state if k.startswith(site.path + ".")]:
             del fold.state[key]
+        meets_tied_head = site.is_final and tied and (layer.tapered or _weight_is_an_operation(site, layer))
+        fold.head_choice = tied_head if meets_tied_head else fold.head_choice
         if not layer.tapered:
             fold.kept_norms.append(site.path)
+            if _weight_is_an_operation(site, layer) and not (meets_tied_head and tied_head == "scale"):
+                if meets_tied_head:
+                    _untie_warning(site.path, "kept (weightless)")
+                make_weightless(model, fold, working, site, layer, layer.style)
+                continue
             for name in ("weight", "bias"):
                 if getattr(layer, name) is not None:
                     fold.state[f"{site.path}.{name}"] = getattr(layer, name).detach()
             continue
         scale, beta, centred = _linear_map(layer)
-        if site.is_final and tied:
-            fold.head_choice = tied_head
+        if meets_tied_head:
             if tied_head == "scale":
                 _keep_final_scale(fold, site.path, layer, scale, beta, centred)
                 continue
-            logger.warning(
-                "tapered final norm %s folds into a tied lm_head: the head is untied and saved with "
-                "tie_word_embeddings=False (pass tied_head='scale' to keep the tie)",
-                site.path,
-            )
+            _untie_warning(site.path, "tapered")
         fold.folded_norms.append(site.path)
-        for path in site.modules:
-            if path not in working:
-                working[path] = _Working(model.get_submodule(path), path)
-            if site.kind == "input":
-                working[path].fold_input(scale, beta, centred)
-            else:
-                working[path].fold_output(scale, beta, centred)
-    for path, work in working.items():
-        weight, bias = work.tensors()
-        fold.state[f"{path}.weight"] = weight
-        if bias is not None:
-            fold.state[f"{path}.bias"] = bias
-            if not work.had_bias:
-                fold.added_biases.append(path)
-    fold.projections = len(working)
+        fold_into(model, working, site, scale, beta, centred)
+    store_projections(fold, working)
     return fold
 
 
@@ -270,8 +215,11 @@ def _store_sink(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> dict[
     }
 
 
-def _folded_config(model: PreTrainedModel, config_class: type, model_type: str, arch, sites, fold: _Fold, sink: dict):
-    """The folded config: the base config (less what does not carry over) plus what folding did."""
+def _folded_config(model: PreTrainedModel, model_type: str, arch, sites, fold: FoldState, tapernorm_config: dict):
+    """The folded config: the base config (less what does not carry over) plus what folding did, the sink (its
+    tensors go into ``fold.state``) and the run's TaperNormConfig (``to_dict``; empty for a FlashNorm fold)."""
+    config_class = folded_classes(model_type)[0]
+    sink = _store_sink(model, fold.state)
     values = model.config.to_dict()
     # quantization_config: GGUF checkpoints are dequantized at load, and quantized weights are refused above.
     for key in ("model_type", "architectures", "auto_map", "transformers_version", "quantization_config"):
@@ -286,14 +234,58 @@ def _folded_config(model: PreTrainedModel, config_class: type, model_type: str, 
         final_norm=next(site.path for site in sites if site.is_final),
         folded_norms=fold.folded_norms,
         kept_norms=fold.kept_norms,
+        weightless_norms=fold.weightless_norms,
         scaled_norms=fold.scaled_norms,
         added_biases=fold.added_biases,
         centred_norms=arch.style is NormStyle.LAYER,
         tied_head=fold.head_choice,
         **sink,
         hf_tapernorm_version=__version__,
-        tapernorm_config=config_of(model).to_dict(),
+        tapernorm_config=tapernorm_config,
     )
+
+
+def _check_tolerance(caller: str, tolerance: Optional[float]) -> None:
+    number = isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool)  # True would be 1.0: no check
+    if tolerance is not None and not (number and 0 < tolerance < math.inf):
+        raise ConfigurationError(f"{caller}: tolerance must be a positive finite number, got {tolerance!r}")
+
+
+def _folded_model(model: PreTrainedModel, model_type: str, arch, sites, fold: FoldState, tapernorm_config: dict):
+    """The folded model of ``fold``: its registered class, loaded strictly from the folded state dict, on the
+    source's device and in its dtype, with its generation config and name."""
+    config = _folded_config(model, model_type, arch, sites, fold, tapernorm_config)
+    folded = (
+        folded_classes(model_type)[1]
+        .from_pretrained(
+            None,
+            config=config,
+            state_dict=fold.state,
+            dtype=model.dtype,
+            attn_implementation=model.config._attn_implementation,
+        )
+        .to(next(model.parameters()).device)
+    )
+    folded.generation_config = copy.deepcopy(model.generation_config)
+    folded.config.name_or_path = model.config.name_or_path
+    logger.info(
+        "folded %d norm(s) of %s into %d projection(s); kept %d norm(s), %d of them weightless%s",
+        len(fold.folded_norms),
+        model_type,
+        fold.projections,
+        len(fold.kept_norms),
+        len(fold.weightless_norms),
+        f"; added a bias to {', '.join(fold.added_biases)}" if fold.added_biases else "",
+    )
+    return folded
+
+
+def _fold_report(model, folded, check: bool, probe, tolerance, refold) -> Optional[FoldReport]:
+    if not check:
+        return None
+    report = check_fold(model, folded, probe=probe, tolerance=tolerance, refold=refold)
+    logger.info("fold check: max abs logit diff %.3g, max relative %.3g", report.max_abs_diff, report.max_rel_diff)
+    return report
 
 
 def fold_model(
@@ -308,10 +300,14 @@ def fold_model(
 
     Returns a new model of the registered folded class (``tapernorm_<model_type>``) on the same
     device and in the same dtype; ``model`` is not modified. Kept norms (``tapered=False``) stay
-    real norms of the base class; the scale anchor is training-only state and is dropped. A tapered
-    final norm folds into ``lm_head``; with tied embeddings ``tied_head="untie"`` (default) gives the
-    head its own weights and saves ``tie_word_embeddings=False``, ``"scale"`` keeps the tie and one
-    explicit per-channel scale (``FoldedChannelScale``) in place of the final norm.
+    real norms; a kept pre-norm of the RMS families (the final norm too) loses its weight to the modules
+    it feeds, as ``flashnorm_model`` does (exact; one operation fewer per norm and token), so an export
+    never runs more operations than the FlashNorm fold of its original; the other kept norms keep their
+    weights. The scale anchor is training-only state and is dropped. A tapered final norm folds into
+    ``lm_head``; with tied embeddings ``tied_head="untie"`` (default) gives the head its own weights and
+    saves ``tie_word_embeddings=False`` (a kept RMS final norm's weight unties it the same way), ``"scale"``
+    keeps the tie and one explicit per-channel scale (``FoldedChannelScale``) in place of a tapered final
+    norm, or a kept final norm with its weight.
 
     With ``check`` (default) the folded logits are compared to the unfolded model's on ``probe``
     (default: a fixed random batch of 2 x 32 tokens); the result is ``folded.fold_report`` and a
@@ -320,46 +316,70 @@ def fold_model(
     """
     if tied_head not in TIED_HEAD_CHOICES:
         raise ConfigurationError(f"tied_head must be 'untie' or 'scale', got {tied_head!r}")
-    number = isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool)  # True would be 1.0: no check
-    if tolerance is not None and not (number and 0 < tolerance < math.inf):
-        raise ConfigurationError(f"fold_model: tolerance must be a positive finite number, got {tolerance!r}")
+    _check_tolerance("fold_model", tolerance)
     model_type = model_type_of(model)
     _check_foldable(model, model_type)
     check_probe(model, probe)
     arch = architecture_of(model)  # the table entry, else automatic discovery (logged)
-    config_class, model_class = folded_classes(model_type)
     register_folded_classes([model_type])
     sites = norm_sites(model, arch)
     fold = _fold_sites(model, sites, _is_tied(model, arch), tied_head)
-    sink = _store_sink(model, fold.state)
-    config = _folded_config(model, config_class, model_type, arch, sites, fold, sink)
-    folded = model_class.from_pretrained(
-        None,
-        config=config,
-        state_dict=fold.state,
-        dtype=model.dtype,
-        attn_implementation=model.config._attn_implementation,
-    ).to(next(model.parameters()).device)
-    folded.generation_config = copy.deepcopy(model.generation_config)
-    folded.config.name_or_path = model.config.name_or_path
-    logger.info(
-        "folded %d norm(s) of %s into %d projection(s); kept %d norm(s)%s",
-        len(fold.folded_norms),
-        model_type,
-        fold.projections,
-        len(fold.kept_norms),
-        f"; added a bias to {', '.join(fold.added_biases)}" if fold.added_biases else "",
-    )
+    folded = _folded_model(model, model_type, arch, sites, fold, config_of(model).to_dict())
     refold = lambda unfolded: fold_model(unfolded, check=False, tied_head=tied_head)  # noqa: E731
-    folded.fold_report = check_fold(model, folded, probe=probe, tolerance=tolerance, refold=refold) if check else None
-    if folded.fold_report is not None:
-        logger.info(
-            "fold check: max abs logit diff %.3g, max relative %.3g",
-            folded.fold_report.max_abs_diff,
-            folded.fold_report.max_rel_diff,
-        )
+    folded.fold_report = _fold_report(model, folded, check, probe, tolerance, refold)
     folded.model_card = render_model_card(folded)
     return folded
 
 
-__all__ = ["FoldReport", "TIED_HEAD_CHOICES", "check_fold", "fold_model"]
+def flashnorm_model(
+    model: PreTrainedModel,
+    *,
+    check: bool = True,
+    probe: Optional[torch.Tensor] = None,
+    tolerance: Optional[float] = None,
+) -> PreTrainedModel:
+    """FlashNorm (arXiv 2407.09577) of an unpatched model: exact, without training.
+
+    Every pre-norm with parameters (the final norm too) gives its gain (``1 + w`` for Gemma) to the modules
+    it feeds, W' = W diag(gain), and a LayerNorm its bias too, b' = b + W beta; the norm stays, weightless
+    (``WeightlessRMSNorm``, or a LayerNorm without affine). A tied head is untied (its copy absorbs the final
+    norm's weight). q/k norms and post-norms keep their weights: RoPE or the residual sum sits between them
+    and any linear module. This is what a user who wants speed without training picks, so the benchmark
+    measures every export against it.
+
+    Returns a model of the registered folded class with no folded norm, every norm in ``kept_norms`` and the
+    weightless ones in ``weightless_norms``; it saves and loads like an export (no model card). ``check``,
+    ``probe`` and ``tolerance`` are those of ``fold_model``, against ``model``'s logits.
+    """
+    _check_tolerance("flashnorm_model", tolerance)
+    model_type = model_type_of(model)
+    _check_model(model, model_type, "flashnorm_model")
+    if any(tapered_norms(model, include_kept=True)):
+        raise TaperStateError(
+            f"{type(model).__name__} is patched: flashnorm_model reads an unpatched model; fold_model folds a "
+            "patched one at g = 0, its kept pre-norms made weightless the same way"
+        )
+    check_probe(model, probe)
+    arch = architecture_of(model)
+    register_folded_classes([model_type])
+    sites = norm_sites(model, arch)
+    tied = _is_tied(model, arch)
+    fold = FoldState(state=dict(model.state_dict()))
+    working: dict[str, WorkingProjection] = {}
+    for site in sites:
+        fold.kept_norms.append(site.path)
+        norm = model.get_submodule(site.path)
+        if site.kind != "input" or not any(isinstance(p, nn.Parameter) for p in norm.parameters(recurse=False)):
+            continue
+        if site.is_final and tied:
+            fold.head_choice = "untie"
+            _untie_warning(site.path, "FlashNorm: the", "its weight has nowhere else to go")
+        make_weightless(model, fold, working, site, norm, arch.style)
+    store_projections(fold, working)
+    folded = _folded_model(model, model_type, arch, sites, fold, {})
+    refold = lambda unfolded: flashnorm_model(unfolded, check=False)  # noqa: E731
+    folded.fold_report = _fold_report(model, folded, check, probe, tolerance, refold)
+    return folded
+
+
+__all__ = ["FoldReport", "TIED_HEAD_CHOICES", "check_fold", "flashnorm_model", "fold_model"]

@@ -1,4 +1,5 @@
-"""Open a folded export for the integrations: the loaded model, and the transformers class it is built on."""
+"""Open a folded export (or, where an integration takes any causal LM, a plain one) for the integrations: the
+loaded model, and the transformers class it is built on."""
 
 from __future__ import annotations
 
@@ -10,16 +11,20 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ..errors import ConfigurationError
+from ..export.folded_sink import plain_load_of_export
 from ..export.modeling_folded import FoldedModelMixin
 
 ExportSource = Union[str, os.PathLike, PreTrainedModel]
 
 
-def load_export(source: ExportSource, *, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def load_export(
+    source: ExportSource, *, dtype: torch.dtype = torch.float32, folded_only: bool = True
+) -> PreTrainedModel:
     """The folded model of ``source`` (a folder ``export_folded`` wrote, or a folded model), in eval mode.
 
-    Refuses a folder without a config, and a model that is not folded: the integrations rely on the export's
-    structure (folded norms as identities, the stored sink).
+    Refuses a folder without a config, and (``folded_only``) a model that is not folded: the integrations that
+    need the export's structure (folded norms as identities, the stored sink) set it. Refuses an export loaded
+    as its plain base class (its config.json's ``model_type`` edited): its sink and folded norms would be lost.
     """
     if isinstance(source, PreTrainedModel):
         model = source
@@ -28,7 +33,10 @@ def load_export(source: ExportSource, *, dtype: torch.dtype = torch.float32) -> 
         if not (folder / "config.json").is_file():
             raise ConfigurationError(f"'{folder}' holds no config.json: name the folder export_folded wrote")
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    if not isinstance(model, FoldedModelMixin):
+    problem = plain_load_of_export(type(model).__name__, model.config)
+    if problem is not None:
+        raise ConfigurationError(problem)
+    if folded_only and not isinstance(model, FoldedModelMixin):
         raise ConfigurationError(
             f"{type(model).__name__} is not a folded export: fold_model and export_folded make one "
             "(hf-tapernorm fold, or the folded/ folder of hf-tapernorm taper)"
@@ -37,8 +45,9 @@ def load_export(source: ExportSource, *, dtype: torch.dtype = torch.float32) -> 
 
 
 def base_class(model: PreTrainedModel) -> type:
-    """The transformers ``*ForCausalLM`` class a folded model class extends (``LlamaForCausalLM``, ...)."""
-    return next(c for c in type(model).__mro__[1:] if c.__module__.startswith("transformers.models."))
+    """The transformers ``*ForCausalLM`` class of ``model``: the one a folded model class extends
+    (``LlamaForCausalLM``, ...), or the model's own class."""
+    return next(c for c in type(model).__mro__ if c.__module__.startswith("transformers.models."))
 
 
 __all__ = ["ExportSource", "base_class", "load_export"]

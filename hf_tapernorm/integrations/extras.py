@@ -28,7 +28,10 @@ def require(module: str, feature: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as error:
         top = module.split(".")[0]
-        if error.name is not None and error.name.split(".")[0] != top:
+        missing = (error.name or top).split(".")[0]
+        if missing != top and missing in EXTRAS:
+            top = missing  # the extra is half installed: the package is there, another of the extra's is not
+        elif missing != top:
             raise  # the package is there but one of its own imports failed: show that error as it is
         raise MissingExtraError(
             f"{feature} needs {top}, which is not installed: pip install 'hf-tapernorm[{EXTRAS[top]}]'"

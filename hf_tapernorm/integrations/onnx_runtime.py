@@ -1,22 +1,22 @@
 """A causal LM (a folded export, or any transformers causal LM) as one ONNX graph with its KV cache, run in
 ONNX Runtime.
 
-The graph is the model's own forward (``torch.onnx.export``, the dynamo exporter) called with an explicit
-cache: inputs ``input_ids`` [batch, seq], ``attention_mask`` [batch, past + seq], ``position_ids``
+The graph is the base model's forward (``torch.onnx.export``, the dynamo exporter) called with an explicit
+cache, in fp32: inputs ``input_ids`` [batch, seq], ``attention_mask`` [batch, past + seq], ``position_ids``
 [batch, seq] and ``past.{i}.key``/``past.{i}.value`` [batch, kv_heads, past, head_dim] per layer; outputs
 ``logits`` and ``present.{i}.key``/``present.{i}.value``. The same graph prefills and decodes.
 
-A folded export's stored sink is the start of every cache: ``OnnxCausalLM`` feeds the sink keys/values
-(``sink.npz``, written next to the graph) as the first past, its columns unmasked, and counts positions from
-the sink as the export does; the text is passed without the sink tokens. A model without a sink starts
-from one zero column masked out (the graph's past length is at least 1). The export's forward hooks are
-bypassed while tracing (the class's ``forward`` is called directly): the graph takes the cache as given.
-
-Batches are unpadded (every row the same length); greedy decoding is ``OnnxCausalLM.generate``.
+The graph takes its cache and positions as given; what the export's own forward does around it (its stored
+sink at the start of every cache, a leading sink in the input read as that sink, left padding, masks and
+positions, its learned position table) ``OnnxCausalLM`` does with the export's own code
+(``folded_sink.read_input``, over the contract ``onnx_layout.json`` records), so both read one input alike.
+The sink's keys, values and logits are in ``sink.npz``. A model without a sink starts from one zero column
+masked out (the graph's past length is at least 1).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -29,7 +29,8 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from ..errors import ConfigurationError
-from .exports import load_export
+from ..export.folded_sink import SinkContract, read_input, restore_logits
+from .exports import base_class, load_export
 from .extras import require
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ MAX_LENGTH = 1 << 16  # the largest past + seq the exported dynamic shapes admit
 
 
 class _CachedForward(nn.Module):
-    """The model's forward with the cache as flat tensors in and out (what an ONNX graph can carry)."""
+    """The base model's forward with the cache as flat tensors in and out (what an ONNX graph can carry)."""
 
     def __init__(self, model: PreTrainedModel, layers: int) -> None:
         super().__init__()
@@ -52,8 +53,7 @@ class _CachedForward(nn.Module):
         cache = DynamicCache(config=self.model.config)
         for index in range(self.layers):
             cache.update(past[2 * index], past[2 * index + 1], index)
-        # The class's forward, not the module's __call__: a folded export's sink hooks must not add the sink again.
-        out = type(self.model).forward(
+        out = _base_forward(
             self.model,
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -65,40 +65,61 @@ class _CachedForward(nn.Module):
         return (out.logits, *present)
 
 
+def _base_forward(model: PreTrainedModel, **kwargs: Any) -> Any:
+    """The transformers class's forward: a folded export's own forward would put its stored sink in the cache
+    again; here the cache (and the input contract, in ``OnnxCausalLM``) is given explicitly."""
+    return base_class(model).forward(model, **kwargs)
+
+
 def _cache_layout(model: PreTrainedModel) -> dict[str, int]:
     """Layers, kv heads and head size of the model's cache, read off one forward of two tokens."""
     ids = torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device)
     with torch.no_grad():
-        cache = type(model).forward(model, input_ids=ids, use_cache=True).cache
+        cache = _base_forward(model, input_ids=ids, use_cache=True).cache
     keys = cache.layers[0].keys
     return {"layers": len(cache.layers), "kv_heads": int(keys.shape[1]), "head_dim": int(keys.shape[3])}
 
 
+def _in_fp32(model: PreTrainedModel) -> PreTrainedModel:
+    """The model in eval mode and fp32: ONNX Runtime's CPU kernels lack bf16 for several of the graph's operators,
+    so a graph traced in bf16 would not run; a model in another dtype is copied (the caller's is left as it is)."""
+    if all(p.dtype == torch.float32 for p in model.parameters()):
+        return model.eval()
+    logger.info("export_onnx: tracing an fp32 copy of %s (its weights are not fp32)", type(model).__name__)
+    return copy.deepcopy(model).float().eval()
+
+
 def export_onnx(source: Union[str, os.PathLike, PreTrainedModel], output_dir: Union[str, os.PathLike]) -> Path:
-    """Export ``source`` (a folded export's folder, a folded model, or any causal LM) to ``output_dir``:
-    ``model.onnx``, ``onnx_layout.json`` (the cache layout) and, for an export with a sink, ``sink.npz``.
+    """Export ``source`` (a folded export's folder, a folded model, or any causal LM's folder or model) to
+    ``output_dir``: ``model.onnx`` (fp32), ``onnx_layout.json`` (the cache layout and the input contract) and, for
+    an export with a sink, ``sink.npz``.
 
     Returns the folder. Refuses a non-empty folder (an earlier graph would be mixed with this one's files).
     """
-    require("onnxscript", FEATURE)  # the dynamo exporter translates through onnxscript
+    require("onnx", FEATURE)  # torch.onnx.export writes through onnx, and translates through onnxscript
+    require("onnxscript", FEATURE)
     numpy = require("numpy", FEATURE)
-    model = load_export(source) if not isinstance(source, PreTrainedModel) else source.eval()
     folder = Path(output_dir)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise ConfigurationError(f"cannot export ONNX into '{folder}': it exists and is not an empty folder")
+    model = _in_fp32(source if isinstance(source, PreTrainedModel) else load_export(source, folded_only=False))
     folder.mkdir(parents=True, exist_ok=True)
     layout = _cache_layout(model)
-    sink = bool(getattr(model.config, "sink_token_ids", None))
-    layout.update(sink_positions=int(model.sink_keys.shape[2]) if sink else 0, vocab_size=_vocab(model))
+    contract = SinkContract.of(model)
+    layout.update(
+        sink_positions=len(contract.token_ids),
+        sink_token_ids=list(contract.token_ids),
+        max_positions=contract.max_positions,
+        vocab_size=int(model.config.get_text_config().vocab_size),
+    )
     device = next(model.parameters()).device
-    dtype = model.get_input_embeddings().weight.dtype
     batch, seq, past = 2, 3, 4
     example = (
         torch.zeros(batch, seq, dtype=torch.long, device=device),
         torch.ones(batch, past + seq, dtype=torch.long, device=device),
         torch.arange(past, past + seq, device=device).expand(batch, -1).contiguous(),
         *[
-            torch.zeros(batch, layout["kv_heads"], past, layout["head_dim"], dtype=dtype, device=device)
+            torch.zeros(batch, layout["kv_heads"], past, layout["head_dim"], device=device)
             for _ in range(2 * layout["layers"])
         ],
     )
@@ -123,23 +144,19 @@ def export_onnx(source: Union[str, os.PathLike, PreTrainedModel], output_dir: Un
             dynamo=True,
             optimize=True,
         )
-    if sink:
-        numpy.savez(
-            folder / SINK_NAME,
-            keys=model.sink_keys.detach().float().cpu().numpy(),
-            values=model.sink_values.detach().float().cpu().numpy(),
-        )
+    if contract.token_ids:
+        stored = {"keys": model.sink_keys, "values": model.sink_values}
+        if contract.has_logits:
+            stored["logits"] = model.sink_logits
+        numpy.savez(folder / SINK_NAME, **{k: v.detach().float().cpu().numpy() for k, v in stored.items()})
     (folder / LAYOUT_NAME).write_text(json.dumps(layout, indent=2) + "\n")
     logger.info("exported %s to %s", type(model).__name__, folder / GRAPH_NAME)
     return folder
 
 
-def _vocab(model: PreTrainedModel) -> int:
-    return int(model.config.get_text_config().vocab_size)
-
-
 class OnnxCausalLM:
-    """An ``export_onnx`` folder in an ONNX Runtime session: logits of unpadded batches, greedy decoding.
+    """An ``export_onnx`` folder in an ONNX Runtime session: logits and greedy decoding, reading its input as the
+    torch export does (a leading sink, left padding with ``attention_mask``, its position table).
 
     ``threads``: the session's intra-op threads (default: ONNX Runtime's). ``optimized_path``: where ONNX
     Runtime writes the graph after its optimizations (to count its nodes).
@@ -159,6 +176,11 @@ class OnnxCausalLM:
             raise ConfigurationError(f"'{folder}' holds no {GRAPH_NAME} and {LAYOUT_NAME}: export it with export_onnx")
         self.folder = folder
         self.layout = json.loads((folder / LAYOUT_NAME).read_text())
+        if self.layout["sink_positions"] and "sink_token_ids" not in self.layout:
+            raise ConfigurationError(
+                f"'{folder}' was exported by an earlier hf_tapernorm: {LAYOUT_NAME} does not name the sink tokens, so "
+                "an input that starts with them would be read with the sink twice; export it again with export_onnx"
+            )
         options = ort.SessionOptions()
         if threads is not None:
             options.intra_op_num_threads = threads
@@ -167,13 +189,21 @@ class OnnxCausalLM:
         self.session = ort.InferenceSession(str(folder / GRAPH_NAME), options, providers=["CPUExecutionProvider"])
         self.past_names = [i.name for i in self.session.get_inputs() if i.name.startswith("past.")]
         self.dtype = self.np.float32
-        self.sink = None
+        self.sink, self.sink_logits = None, None
         if self.layout["sink_positions"]:
             with self.np.load(folder / SINK_NAME) as stored:
                 self.sink = (stored["keys"].astype(self.dtype), stored["values"].astype(self.dtype))
+                if "logits" in stored:
+                    self.sink_logits = torch.from_numpy(stored["logits"].astype(self.dtype))
+        self.contract = SinkContract(
+            f"OnnxCausalLM('{folder}')",
+            tuple(self.layout.get("sink_token_ids", ())),
+            int(self.layout.get("max_positions", 0)),
+            self.sink_logits is not None,
+        )
 
     def start(self, batch: int) -> dict[str, Any]:
-        """The state before any text: the sink's keys/values (positions counted from it), else one masked column."""
+        """The state before any text: the sink's keys/values, else one masked zero column (the graph's past)."""
         np = self.np
         if self.sink is not None:
             keys, values = self.sink
@@ -183,29 +213,51 @@ class OnnxCausalLM:
                 for i in range(len(keys))
                 for t in (keys, values)
             ]
-            return {"past": past, "mask": np.ones((batch, n), dtype=np.int64), "position": n}
+            return {"past": past, "mask": np.ones((batch, n), dtype=np.int64), "length": n, "sink": None}
         shape = (batch, self.layout["kv_heads"], 1, self.layout["head_dim"])
         past = [np.zeros(shape, dtype=self.dtype) for _ in self.past_names]
-        return {"past": past, "mask": np.zeros((batch, 1), dtype=np.int64), "position": 0}
+        return {"past": past, "mask": np.zeros((batch, 1), dtype=np.int64), "length": 0, "sink": None}
 
-    def forward(self, input_ids: Any, state: Optional[dict[str, Any]] = None) -> tuple[Any, dict[str, Any]]:
-        """Logits [batch, seq, vocab] of ``input_ids`` after ``state`` (default: ``start``), and the next state."""
+    def forward(
+        self, input_ids: Any, state: Optional[dict[str, Any]] = None, attention_mask: Any = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """Logits [batch, seq, vocab] of ``input_ids`` after ``state`` (default: ``start``), and the next state.
+
+        ``input_ids`` may start with the sink (as a tokenizer that adds it gives them) or not, as for the torch
+        export; ``attention_mask`` (optional, over the state's tokens and these, with or without the sink) marks
+        padding.
+        """
         np = self.np
-        ids = np.asarray(input_ids, dtype=np.int64)
+        kwargs = {"input_ids": torch.from_numpy(np.asarray(input_ids, dtype=np.int64))}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = torch.from_numpy(np.asarray(attention_mask, dtype=np.int64))
+        state = state or self.start(kwargs["input_ids"].shape[0])
+        past = state["length"]
+        sink_state, restore = read_input(self.contract, kwargs, past, state["sink"])
+        ids = kwargs["input_ids"].numpy()
         batch, length = ids.shape
-        state = state or self.start(batch)
-        mask = np.concatenate([state["mask"], np.ones((batch, length), dtype=np.int64)], axis=1)
-        positions = np.broadcast_to(np.arange(state["position"], state["position"] + length), (batch, length))
-        feed = {"input_ids": ids, "attention_mask": mask, "position_ids": np.ascontiguousarray(positions)}
+        extra = 0 if self.sink is not None else 1  # the masked zero column of a graph without a sink
+        if "attention_mask" in kwargs:
+            mask = np.concatenate([state["mask"][:, :extra], kwargs["attention_mask"].numpy()], axis=1)
+        else:
+            mask = np.concatenate([state["mask"], np.ones((batch, length), dtype=np.int64)], axis=1)
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(past, past + length).expand(batch, -1)
+        feed = {"input_ids": ids, "attention_mask": mask, "position_ids": np.ascontiguousarray(positions.numpy())}
         feed.update(zip(self.past_names, state["past"]))
         logits, *present = self.session.run(None, feed)
-        return logits, {"past": present, "mask": mask, "position": state["position"] + length}
+        if restore is not None:
+            keep, keep_logits, _ = restore
+            logits = restore_logits(torch.from_numpy(logits), keep, keep_logits, self.sink_logits).numpy()
+        return logits, {"past": present, "mask": mask, "length": past + length, "sink": sink_state}
 
-    def generate(self, input_ids: Any, max_new_tokens: int) -> Any:
-        """Greedy continuation: ``input_ids`` followed by ``max_new_tokens`` argmax tokens (KV-cached)."""
+    def generate(self, input_ids: Any, max_new_tokens: int, attention_mask: Any = None) -> Any:
+        """Greedy continuation: ``input_ids`` (left padding marked by ``attention_mask``) followed by
+        ``max_new_tokens`` argmax tokens (KV-cached)."""
         np = self.np
         ids = np.asarray(input_ids, dtype=np.int64)
-        logits, state = self.forward(ids)
+        logits, state = self.forward(ids, attention_mask=attention_mask)
         tokens = [ids]
         for step in range(max_new_tokens):
             token = logits[:, -1:].argmax(-1).astype(np.int64)

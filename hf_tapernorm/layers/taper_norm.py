@@ -10,6 +10,7 @@ run or a reloaded model needs no side channel.
 from __future__ import annotations
 
 import enum
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Optional
@@ -244,6 +245,34 @@ class TaperNorm(nn.Module):
         )
 
 
+#: The forward every TaperNorm must run (``refuse_replaced_forward`` compares against it).
+_TAPER_FORWARD = TaperNorm.forward
+
+
+def refuse_replaced_forward(model: nn.Module, where: str) -> None:
+    """Refuse a model whose TaperNorms do not run ``TaperNorm.forward``.
+
+    A kernel patch applied after ``patch_model`` (liger-kernel's ``apply_liger_kernel_to_*``, or the Trainer's
+    ``use_liger_kernel=True``) binds its own forward to every norm it finds, or swaps the class's: the gate and
+    the calibration statistics then never run, and calibration later fails without naming the cause. A wrapper
+    that calls the original forward (``functools.wraps``, as accelerate's device hooks) is not a replacement.
+    """
+    for name, layer in tapered_norms(model, include_kept=True):
+        forward = inspect.unwrap(layer.__dict__.get("forward", type(layer).forward))
+        function = getattr(forward, "__func__", forward)
+        if function is not _TAPER_FORWARD:
+            owner = (
+                f"{getattr(function, '__module__', None)}.{getattr(function, '__qualname__', type(function).__name__)}"
+            )
+            raise TaperStateError(
+                f"{where}: TaperNorm {layer.site_name or name} runs {owner} instead of its own forward, so its gate "
+                "and calibration statistics never run: a kernel patch (liger-kernel's apply_liger_kernel_to_*, or "
+                "TrainingArguments(use_liger_kernel=True)) was applied after patch_model. Leave the norms out of it "
+                "(apply_liger_kernel_to_*(rms_norm=False, layer_norm=False), or "
+                "liger_kernel_config={'rms_norm': False, 'layer_norm': False})"
+            )
+
+
 @torch.no_grad()
 def branch_statistics(
     h: torch.Tensor, gain: torch.Tensor, eps: float, *, centred: bool, per_channel: bool = False
@@ -312,4 +341,11 @@ def normalized(model: nn.Module) -> Iterator[None]:
             layer._phase = phase
 
 
-__all__ = ["TaperNorm", "branch_statistics", "normalized", "tapered_norms", "train_tapernorm_parameters"]
+__all__ = [
+    "TaperNorm",
+    "branch_statistics",
+    "normalized",
+    "refuse_replaced_forward",
+    "tapered_norms",
+    "train_tapernorm_parameters",
+]

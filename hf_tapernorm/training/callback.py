@@ -28,7 +28,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..config import CONFIG_NAME, Step, TaperNormConfig, config_of
 from ..errors import ConfigurationError, TaperStateError
-from ..layers.taper_norm import tapered_norms
+from ..layers.taper_norm import refuse_replaced_forward, tapered_norms
 from .controller import TaperController
 from .distributed import refuse_unsupported_sharding, refuse_unsupported_trainer_sharding
 from .divergence import DivergenceThresholds
@@ -61,6 +61,9 @@ class TaperCallback(TrainerCallback):
     Trainer's own checkpoints point); the folder's ``trainer_state.json`` must be the restored state, or
     the run is refused (a checkpoint outside ``output_dir``: set ``resume_from_checkpoint`` in the
     arguments too).
+
+    Refused before the first step: ``load_best_model_at_end=True`` (the Trainer would put a checkpoint of a
+    higher gate back over the tapered model), and TaperNorms whose forward a kernel patch (liger-kernel) replaced.
     """
 
     def __init__(
@@ -101,10 +104,17 @@ class TaperCallback(TrainerCallback):
                 f"TaperCallback: {type(model).__name__} has no TaperNorm layers: call hf_tapernorm.patch_model(model) "
                 "before building the Trainer (also when resuming from a checkpoint)"
             )
+        if getattr(args, "load_best_model_at_end", False):
+            raise ConfigurationError(
+                "TaperCallback: load_best_model_at_end=True makes the Trainer load its best checkpoint over the "
+                "tapered model at the end, which can be one saved before the gate reached 0 (a normalized model, "
+                "which fold_model refuses); set load_best_model_at_end=False (the last step's model is the tapered one)"
+            )
         # DeepSpeed ZeRO-3 and FSDP v1 (asked for, or already applied to the model) fail here, before training.
         refuse_unsupported_trainer_sharding(args)
         if model is not None:
             refuse_unsupported_sharding(model)
+            refuse_replaced_forward(model, "TaperCallback")  # a kernel patch applied after patch_model
             # A schedule that does not fit the run fails here, not after the first steps.
             max_steps = getattr(args, "max_steps", None)
             max_steps = max_steps if max_steps and max_steps > 0 else None
@@ -126,6 +136,7 @@ class TaperCallback(TrainerCallback):
             )
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        refuse_replaced_forward(model, "TaperCallback")  # the Trainer applies use_liger_kernel in train()
         reporters = [name for name in (args.report_to or []) if name != "none"]
         if reporters and not self.placed_first:
             logger.warning(

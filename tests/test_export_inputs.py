@@ -1,0 +1,151 @@
+"""An export's input contract: a leading sink, left padding, 2D and 4D masks and positions read as the tapered model
+reads them, and an export from an earlier hf_tapernorm (a sink without stored logits) still evaluates.
+
+The reference is the tapered model at g = 0 on ``sink + text``, each row alone (no padding): the export holds the
+sink itself, so it reads the text alone or after the sink, padded or not, to the same logits.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from hf_tapernorm import export_folded, fold_model
+from tests.conftest import char_tokenizer, random_batches
+from tests.helpers import run_main, tapered
+
+EOS = 127  # the character tokenizer's <eos>: GPT-2's sink is its EOS
+TOLERANCE = 1e-4
+
+
+@functools.cache
+def tapered_and_folded(kind: str, sink: int = EOS):
+    """A tiny tapered model with a one-token sink at g = 0, and its fold (built once per kind)."""
+    model = tapered(kind, sink_token_ids=[sink]).eval()
+    return model, fold_model(model)
+
+
+def left_padding_tokenizer():
+    tokenizer = char_tokenizer()
+    tokenizer.pad_token, tokenizer.padding_side = "<unk>", "left"
+    return tokenizer
+
+
+def alone(model, ids: list[int]) -> torch.Tensor:
+    """The tapered model's logits of one unpadded row that starts with the sink."""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0]
+
+
+# ----------------------------------------------------------------------------- left padding
+@pytest.mark.parametrize("sink_first", [False, True], ids=["text", "sink-first"])
+def test_a_left_padded_batch_on_a_gpt2_sink_export_reads_each_row_as_the_tapered_model_does(sink_first):
+    """``model(**tokenizer(texts, padding=True))`` with left padding: GPT-2's learned positions never see a pad's
+    negative position, and every row's text (and sink) has the logits the tapered model gives it alone."""
+    model, folded = tapered_and_folded("gpt2")
+    tokenizer = left_padding_tokenizer()
+    texts = ["hello world", "hi", "a longer line of text"]
+    batch = tokenizer([("<eos>" if sink_first else "") + text for text in texts], padding=True, return_tensors="pt")
+    assert batch.attention_mask[:, 0].eq(0).any()  # left padded
+    with torch.no_grad():
+        logits = folded(**batch).logits
+    for row, text in enumerate(texts):
+        expected = alone(model, [EOS, *tokenizer(text).input_ids])
+        got = logits[row, batch.attention_mask[row].bool()]
+        assert (got - (expected if sink_first else expected[1:])).abs().max().item() <= TOLERANCE
+
+
+def test_a_left_padded_batch_generates_on_a_gpt2_sink_export_as_each_row_alone():
+    _, folded = tapered_and_folded("gpt2")
+    tokenizer = left_padding_tokenizer()
+    texts = ["hello world", "hi"]
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        together = folded.generate(**batch, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        for row, text in enumerate(texts):
+            single = folded.generate(**tokenizer(text, return_tensors="pt"), max_new_tokens=6, do_sample=False)
+            assert torch.equal(together[row, -6:], single[0, -6:])
+
+
+# ----------------------------------------------------------------------------- 4D masks
+def custom_mask(length: int, *, additive: bool) -> torch.Tensor:
+    """A 4D mask over ``sink + text`` that is not plain causal (later tokens skip some text), boolean or additive."""
+    allowed = torch.tril(torch.ones(length, length, dtype=torch.bool)).expand(2, 1, length, length).clone()
+    allowed[:, :, 6:, 1:4] = False
+    allowed[1, :, 8:, 4:6] = False
+    if not additive:
+        return allowed
+    return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("additive", [False, True], ids=["bool", "additive"])
+@pytest.mark.parametrize("sink_first", [False, True], ids=["text", "sink-first"])
+def test_a_4d_mask_on_a_sink_export_gives_the_tapered_models_logits(kind, additive, sink_first):
+    """The caller's 4D mask covers what the caller passes: ``sink + text`` (the sink's query rows go, its key columns
+    lead) or the text alone (the sink's columns are put in front, attended by every query)."""
+    model, folded = tapered_and_folded(kind, sink=5)
+    text = random_batches(vocab=120, n=1, batch=2, length=10, seed=3)[0] + 6
+    ids = torch.cat([torch.full((2, 1), 5), text], dim=1)
+    mask = custom_mask(ids.shape[1], additive=additive)
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        assert (expected - model(input_ids=ids).logits).abs().max().item() > 1e-2  # the mask matters
+        if sink_first:
+            logits = folded(input_ids=ids, attention_mask=mask).logits
+        else:
+            logits, expected = folded(input_ids=text, attention_mask=mask[:, :, 1:, 1:]).logits, expected[:, 1:]
+    assert (logits - expected).abs().max().item() <= TOLERANCE
+
+
+# ----------------------------------------------------------------------------- an export from an earlier version
+@pytest.fixture(scope="module")
+def exports_with_and_without_sink_logits(tmp_path_factory):
+    """A Llama sink export, and the same export as an earlier hf_tapernorm wrote it: no stored sink logits."""
+    root = tmp_path_factory.mktemp("earlier")
+    _, folded = tapered_and_folded("llama")
+    current = export_folded(folded, root / "current", tokenizer=char_tokenizer())
+    earlier = export_folded(folded, root / "earlier", tokenizer=char_tokenizer())
+    weights = load_file(earlier / "model.safetensors")
+    del weights["sink_logits"]
+    save_file(weights, earlier / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((earlier / "config.json").read_text())
+    del config["sink_logits_shape"]
+    (earlier / "config.json").write_text(json.dumps(config, indent=2))
+    return current, earlier
+
+
+def test_an_earlier_export_reads_a_sink_first_input_with_the_texts_exact_logits(exports_with_and_without_sink_logits):
+    current, earlier = exports_with_and_without_sink_logits
+    text = random_batches(vocab=120, n=1, batch=2, length=10, seed=3)[0] + 6
+    ids = torch.cat([torch.full((2, 1), EOS), text], dim=1)
+    old = AutoModelForCausalLM.from_pretrained(earlier).eval()
+    new = AutoModelForCausalLM.from_pretrained(current).eval()
+    assert not hasattr(old, "sink_logits")
+    with torch.no_grad(), pytest.warns(UserWarning, match="stores its sink's keys/values but not its logits"):
+        logits, reference = old(input_ids=ids).logits, new(input_ids=ids).logits
+        # The sink's logits are not stored: NaN says so; the text's are the export's.
+        assert torch.isnan(logits[:, 0]).all() and torch.equal(logits[:, 1:], reference[:, 1:])
+        assert torch.equal(old.generate(ids, max_new_tokens=4, do_sample=False), new.generate(ids, max_new_tokens=4))
+        with pytest.raises(ValueError, match=r"whose logits this export \(from an earlier hf_tapernorm\) does not"):
+            old(input_ids=ids, labels=ids)
+
+
+def test_eval_of_an_earlier_export_gives_the_current_exports_loss(exports_with_and_without_sink_logits, workspace):
+    current, earlier = exports_with_and_without_sink_logits
+    data = ["--dataset_name", str(workspace / "corpus.txt"), "--block_size", "32", "--heldout_blocks", "4",
+            "--heldout_percentage", "10", "--data_cache_dir", str(workspace / "datasets_cache"),
+            "--out_of_corpus_blocks", "16", "--scan_windows", "0", "--sink", "auto"]  # fmt: skip
+    results = {}
+    for folder in (current, earlier):
+        code, stdout, stderr = run_main(["eval", "--model_name_or_path", str(folder), *data])
+        assert code == 0, stderr
+        results[folder.name] = json.loads(stdout.strip().splitlines()[-1])
+    assert results["earlier"]["sink_token_ids"] == [EOS]
+    assert results["earlier"]["loss"] == pytest.approx(results["current"]["loss"], rel=1e-6)
+    assert results["earlier"]["out_of_corpus"]["loss"] == pytest.approx(results["current"]["out_of_corpus"]["loss"])

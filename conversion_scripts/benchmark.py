@@ -8,7 +8,7 @@ A front end over ``hf-tapernorm bench``, with the same arguments (``--help``) an
     python conversion_scripts/benchmark.py --modes train --calibration_batches 2 --repeats 6
 """
 
-from hf_tapernorm.cli import bench_command
+from hf_tapernorm.cli.main import command
 
 if __name__ == "__main__":
-    bench_command()
+    command("bench")()

@@ -7,7 +7,7 @@ A Hugging Face-style front end over ``hf-tapernorm eval``; the held-out blocks a
     python conversion_scripts/eval.py --model_name_or_path runs/demo/folded
 """
 
-from hf_tapernorm.cli import eval_command
+from hf_tapernorm.cli.main import command
 
 if __name__ == "__main__":
-    eval_command()
+    command("eval")()

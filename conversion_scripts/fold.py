@@ -6,7 +6,7 @@ A Hugging Face-style front end over ``hf-tapernorm fold``::
     python conversion_scripts/fold.py --checkpoint runs/demo/tapered --output_dir exports/demo
 """
 
-from hf_tapernorm.cli import fold_command
+from hf_tapernorm.cli.main import command
 
 if __name__ == "__main__":
-    fold_command()
+    command("fold")()

@@ -32,9 +32,8 @@ from typing import Any
 
 import torch
 
-from hf_tapernorm.integrations.extras import require
-from hf_tapernorm.integrations.tl_bridge import transformer_bridge
-from hf_tapernorm.pipeline.models import load_model, load_tokenizer, resolve_model
+from hf_tapernorm.evaluation import load_model, load_tokenizer, resolve_model
+from hf_tapernorm.integrations import require, transformer_bridge
 
 
 def components(cache: Any, layers: int) -> tuple[list[str], torch.Tensor]:

@@ -6,7 +6,7 @@ A front end over ``hf-tapernorm push``::
     python conversion_scripts/push.py --export_dir runs/demo/folded --repo_id me/smollm2-135m-normfree
 """
 
-from hf_tapernorm.cli import push_command
+from hf_tapernorm.cli.main import command
 
 if __name__ == "__main__":
-    push_command()
+    command("push")()

@@ -9,7 +9,7 @@ passes through, and a single ``.json``/``.yaml`` argument is read as the whole c
         --dataset_name my_corpus.jsonl --max_steps 300 --baseline --output_dir runs/360m
 """
 
-from hf_tapernorm.cli import taper_command
+from hf_tapernorm.cli.main import command
 
 if __name__ == "__main__":
-    taper_command()
+    command("taper")()

@@ -16,8 +16,8 @@ Names resolve on first use (PEP 562), so ``import hf_tapernorm`` costs almost no
 as those are imported (export/registration.py).
 
 Layers, each importing only those above it in this list (tests/test_layering.py keeps it so):
-``errors``/``utils`` -> ``architectures`` -> ``config`` -> ``layers`` (TaperNorm, patching) ->
-``training`` -> ``export`` -> ``pipeline`` -> ``integrations`` -> ``bench`` -> ``cli``. Research code lives
+``errors``/``utils`` -> ``architectures`` -> ``data`` -> ``config`` -> ``layers`` (TaperNorm, patching) ->
+``training`` -> ``export`` -> ``evaluation`` -> ``app`` -> ``integrations`` -> ``bench`` -> ``cli``. Research code lives
 outside the package (conversion_scripts/experiments) and uses only these documented names.
 """
 

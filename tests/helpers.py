@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerFast, TrainerCallback
 
-import hf_tapernorm.pipeline.training_run as training_run
+import hf_tapernorm.app.training_run as training_run
 from hf_tapernorm import TaperNormConfig, patch_model
 from hf_tapernorm.cli import main
 from hf_tapernorm.layers import TaperNorm, set_gate
@@ -64,7 +64,7 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 #: run at exactly that step, however busy the machine is.
 SIGNALLER = """
 import os, sys, time
-import hf_tapernorm.pipeline.training_run as training_run
+import hf_tapernorm.app.training_run as training_run
 STEP, SIGNUM = int(sys.argv[1]), int(sys.argv[2])
 original = training_run.InterruptCallback.on_step_end
 
@@ -108,7 +108,7 @@ def spy_on_trainings(monkeypatch, new_spy: Callable[[], TrainerCallback]) -> lis
         spies.append(new_spy())
         return original(model, training_args, train_dataset, output_dir, [*callbacks, spies[-1]], **kwargs)
 
-    monkeypatch.setattr("hf_tapernorm.pipeline.taper.train", recording)
+    monkeypatch.setattr("hf_tapernorm.app.taper.train", recording)
     return spies
 
 

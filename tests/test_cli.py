@@ -15,9 +15,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import hf_tapernorm.pipeline.taper as taper_pipeline
+import hf_tapernorm.app.taper as taper_pipeline
 from hf_tapernorm import TaperNormConfig
 from hf_tapernorm._parsing import parse
+from hf_tapernorm.app.report import PLOTS, REPORT_KEYS, summary_lines, write_report
 from hf_tapernorm.cli import main
 from hf_tapernorm.cli.arguments import (
     DataArguments,
@@ -26,9 +27,8 @@ from hf_tapernorm.cli.arguments import (
     TaperArguments,
     TaperTrainingArguments,
 )
+from hf_tapernorm.evaluation.models import ModelSourceError, resolve_model
 from hf_tapernorm.layers.patching import gate_of, patch_model
-from hf_tapernorm.pipeline.models import ModelSourceError, resolve_model
-from hf_tapernorm.pipeline.report import PLOTS, REPORT_KEYS, summary_lines, write_report
 from hf_tapernorm.training.checkpoints import load_tapered, save_tapered
 from tests.conftest import save_tiny_model, smollm2_gguf
 from tests.helpers import REPO, run_main, signal_at_step, taper_argv
@@ -660,7 +660,7 @@ def test_the_library_path_trains_exactly_what_the_cli_trains(workspace, default_
     from transformers import Trainer, default_data_collator
 
     from hf_tapernorm import TaperCallback
-    from hf_tapernorm.pipeline.data import load_text_dataset, prepare_data
+    from hf_tapernorm.data.corpus import load_text_dataset, prepare_data
 
     out = default_run  # the CLI's 10-step run of the default recipe
     model = AutoModelForCausalLM.from_pretrained(workspace / "llama")

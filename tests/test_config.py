@@ -353,8 +353,8 @@ def test_recipe_config_takes_every_set_field(tmp_path):
     from types import SimpleNamespace
 
     from hf_tapernorm._parsing import parse
+    from hf_tapernorm.app.validation import recipe_config
     from hf_tapernorm.cli.arguments import TaperArguments
-    from hf_tapernorm.pipeline.validation import recipe_config
 
     model, tokenizer = build(tiny_llama_config()), char_tokenizer()
     argv = ["--preset", "paper", "--sink", "bos", "--linear_fit", "per_channel", "--calibration_scale", "0.9",
@@ -385,8 +385,8 @@ def test_recipe_config_takes_every_set_field(tmp_path):
 
 def test_below_the_cli_errors_name_fields_and_the_cli_writes_flags():
     from hf_tapernorm._parsing import as_flags
+    from hf_tapernorm.app.validation import check_schedule
     from hf_tapernorm.cli.arguments import TaperArguments, TaperTrainingArguments
-    from hf_tapernorm.pipeline.validation import check_schedule
 
     with pytest.raises(ConfigurationError) as error:
         check_schedule(TaperNormConfig.paper(taper_start=2, taper_end=20), 10)

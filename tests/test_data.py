@@ -10,7 +10,7 @@ import datasets
 import pytest
 import torch
 
-from hf_tapernorm.pipeline.data import (
+from hf_tapernorm.data.corpus import (
     EMBEDDED_CORPUS,
     DataError,
     blocks_tensor,
@@ -123,7 +123,7 @@ def test_split_is_by_document_hash_disjoint_and_order_independent(tokenizer):
 
 
 def test_heldout_blocks_are_drawn_from_every_part_of_the_heldout_documents(tokenizer):
-    from hf_tapernorm.pipeline.heldout import STREAM_WINDOWS_PER_BLOCK
+    from hf_tapernorm.data.heldout import STREAM_WINDOWS_PER_BLOCK
 
     rng = random.Random(0)
     docs = ["".join(chr(rng.randrange(33, 123)) for _ in range(300)) for _ in range(200)]  # unique windows
@@ -154,7 +154,7 @@ def test_heldout_blocks_are_drawn_from_every_part_of_the_heldout_documents(token
 
 
 def test_heldout_draw_is_balanced_over_documents_of_any_length(tokenizer):
-    from hf_tapernorm.pipeline.heldout import sample_blocks
+    from hf_tapernorm.data.heldout import sample_blocks
 
     rng = random.Random(1)
     long_document = "".join(chr(rng.randrange(33, 123)) for _ in range(64 * 40))  # 80 windows of 32
@@ -178,8 +178,8 @@ def test_heldout_draw_depends_on_its_seed_only(tokenizer):
 def test_out_of_corpus_default_is_the_python_documentation_and_never_in_the_corpus(tokenizer):
     from types import SimpleNamespace
 
-    from hf_tapernorm.pipeline.heldout import PYTHON_DOCS
-    from hf_tapernorm.pipeline.out_of_corpus import out_of_corpus_set
+    from hf_tapernorm.data.heldout import PYTHON_DOCS
+    from hf_tapernorm.data.out_of_corpus import out_of_corpus_set
 
     data = SimpleNamespace(
         out_of_corpus_blocks=8,

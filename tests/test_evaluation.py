@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_tapernorm.pipeline.evaluation import Scores, broken_blocks
+from hf_tapernorm.evaluation.scores import Scores, broken_blocks
 
 
 def test_broken_blocks_are_counted_and_left_out_of_the_second_gap():

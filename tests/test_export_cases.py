@@ -154,7 +154,7 @@ def test_fine_tuning_a_sink_export_with_gradient_checkpointing_matches_without(t
 
 def test_a_tapered_folder_cannot_be_loaded_as_a_plain_model_and_load_tapered_reads_it(tmp_path):
     from hf_tapernorm import load_tapered, save_tapered
-    from hf_tapernorm.pipeline.models import read_model_config, resolve_model
+    from hf_tapernorm.evaluation.models import read_model_config, resolve_model
     from tests.conftest import char_tokenizer
 
     model = sink_tapered("llama")

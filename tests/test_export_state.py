@@ -12,9 +12,9 @@ import torch
 from transformers import DynamicCache
 
 from hf_tapernorm import TaperNormConfig, fold_model, patch_model
+from hf_tapernorm.app.showcase import count_aten_ops
 from hf_tapernorm.architectures.table import ARCHITECTURES, architecture_for
 from hf_tapernorm.layers import TaperNorm, set_gate
-from hf_tapernorm.pipeline.showcase import count_aten_ops
 from hf_tapernorm.training import calibrate
 from tests.conftest import FAMILY_CASES, build, random_batches, tiny_family_config
 from tests.helpers import word_tokenizer

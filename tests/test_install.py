@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_tapernorm.pipeline.report import PLOTS, PLOTS_SKIPPED
+from hf_tapernorm.app.report import PLOTS, PLOTS_SKIPPED
 from tests.conftest import corpus_documents, save_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -121,7 +121,7 @@ def test_setup_cfg_lists_every_subpackage_and_maps_model_cards_into_the_package(
 
 
 def test_the_report_without_matplotlib_writes_everything_else_and_says_so_in_one_line(tmp_path, monkeypatch):
-    from hf_tapernorm.pipeline.report import write_report
+    from hf_tapernorm.app.report import write_report
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     facts = {"status": "finished", "history": [{"step": 1, "gate": 1.0, "loss": 2.0}], "heldout": {}}

@@ -24,14 +24,16 @@ PACKAGE = Path(__file__).resolve().parent.parent / "hf_tapernorm"
 LAYERS = {
     "errors": 0, "utils": 0, "_import_hooks": 0, "_version": 0, "_lazy": 0, "_parsing": 0, "config_migrations": 0,
     "architectures": 1,
-    "config": 2,
-    "layers": 3,
-    "training": 4,
-    "export": 5,
-    "pipeline": 6,
-    "integrations": 7,
-    "bench": 8,
-    "cli": 9,
+    "data": 2,
+    "config": 3,
+    "layers": 4,
+    "training": 5,
+    "export": 6,
+    "evaluation": 7,
+    "app": 8,
+    "integrations": 9,
+    "bench": 10,
+    "cli": 11,
 }  # fmt: skip
 
 
@@ -147,6 +149,9 @@ TIERS = [
     "hf_tapernorm.training",
     "hf_tapernorm.export",
     "hf_tapernorm.config",
+    "hf_tapernorm.data",
+    "hf_tapernorm.evaluation",
+    "hf_tapernorm.integrations",
 ]
 DOCS = PACKAGE.parent / "docs"
 
@@ -195,17 +200,12 @@ def test_an_unknown_name_is_an_attribute_error():
         hf_tapernorm.layers.is_patched  # noqa: B018
 
 
-#: What the research code may import beyond the tiers: the taper command's helpers it reuses and its extension
-#: point (documented in docs/usage.md's API section); from a module with an ``__all__``, only those names.
+#: What the research code (every script under conversion_scripts/) may import beyond the tiers: four modules of
+#: the application, the taper command's helpers it reuses and its extension point (documented in docs/usage.md's
+#: API section); from a module with an ``__all__``, only those names.
 RESEARCH_MAY_IMPORT = {
-    "hf_tapernorm.pipeline.data",
-    "hf_tapernorm.pipeline.models",
-    "hf_tapernorm.pipeline.evaluation",
-    "hf_tapernorm.pipeline.heldout",
-    "hf_tapernorm.pipeline.scan",
-    "hf_tapernorm.pipeline.out_of_corpus",
-    "hf_tapernorm.pipeline.taper",
-    "hf_tapernorm.pipeline.training_run",
+    "hf_tapernorm.app.taper",
+    "hf_tapernorm.app.training_run",
     "hf_tapernorm.cli.arguments",
     "hf_tapernorm.cli.main",
 }
@@ -240,17 +240,19 @@ def test_the_experiments_use_only_the_documented_api():
     section = _api_section()
     assert all(f"`{module}`" in section for module in RESEARCH_MAY_IMPORT)
     offending = []
-    for path in sorted(EXPERIMENTS.rglob("*.py")):
+    assert len(RESEARCH_MAY_IMPORT) <= 4, "the research reaches the application through at most four modules"
+    for path in sorted(CONVERSION_SCRIPTS.rglob("*.py")):
+        where = path.relative_to(CONVERSION_SCRIPTS)
         for module, names in _imported(path):
             if not module.startswith("hf_tapernorm"):
                 continue
             if module not in TIERS and module not in RESEARCH_MAY_IMPORT:
-                offending.append(f"{path.relative_to(EXPERIMENTS)}: {module}")
+                offending.append(f"{where}: {module}")
                 continue
             public = getattr(importlib.import_module(module), "__all__", None)
             if public is None:
                 continue
-            offending += [f"{path.relative_to(EXPERIMENTS)}: {module}.{n}" for n in names if n not in public]
+            offending += [f"{where}: {module}.{n}" for n in names if n not in public]
     assert not offending, "\n".join(offending)
 
 
@@ -314,10 +316,10 @@ def product_globals_assigned(source: str) -> list[str]:
 
 def test_the_check_for_assigned_product_globals_finds_each_form():
     patched = (
-        "import hf_tapernorm.pipeline.taper as taper_pipeline\n"
-        "import hf_tapernorm.pipeline.training_run as training_run\n"
+        "import hf_tapernorm.app.taper as taper_pipeline\n"
+        "import hf_tapernorm.app.training_run as training_run\n"
         "from hf_tapernorm import TaperCallback\n"
-        "from hf_tapernorm.pipeline import taper\n"
+        "from hf_tapernorm.app import taper\n"
         "taper_pipeline.TaperCallback = object\n"
         "training_run.LOG_KEYS['x'] = 'x'\n"
         "training_run.LOSS_TERM_KEYS.append('x')\n"
@@ -384,7 +386,7 @@ def test_modules_and_functions_are_short():
 PRINTING = {
     "hf_tapernorm.cli.commands",
     "hf_tapernorm.cli.main",
-    "hf_tapernorm.pipeline.taper",
+    "hf_tapernorm.app.taper",
     "hf_tapernorm.bench.runner",
 }
 

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 from transformers import TrainerCallback, default_data_collator
 
+from hf_tapernorm.app.long_blocks import LengthMix, MixedLengthBlocks
 from hf_tapernorm.errors import ConfigurationError
-from hf_tapernorm.pipeline.long_blocks import LengthMix, MixedLengthBlocks
 from tests.helpers import error_of, run_main, signal_at_step, spy_on_trainings, taper_argv
 
 

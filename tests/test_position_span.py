@@ -11,8 +11,8 @@ import torch
 from transformers import TrainerCallback
 
 from hf_tapernorm import TaperNormConfig, patch_model
+from hf_tapernorm.app.position_span import spread_positions, with_spread_positions
 from hf_tapernorm.errors import ConfigurationError
-from hf_tapernorm.pipeline.position_span import spread_positions, with_spread_positions
 from hf_tapernorm.training.distillation import Distillation, distillation_loss
 from tests.conftest import build, random_batches, tiny_llama_config
 from tests.helpers import error_of, run_main, spy_on_trainings, taper_argv

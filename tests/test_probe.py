@@ -19,6 +19,17 @@ from transformers import AutoModelForCausalLM
 
 from hf_tapernorm import TaperNormConfig, patch_model
 from hf_tapernorm._parsing import UsageError, parse
+from hf_tapernorm.app.preflight import check_trainer_options
+from hf_tapernorm.app.record import FAR_WORSE, far_worse_warning
+from hf_tapernorm.app.report import render_markdown, summary_lines
+from hf_tapernorm.app.validation import (
+    TaperRequest,
+    check_schedule,
+    fit_default_schedule,
+    fit_default_warmup,
+    recipe_config,
+    weightless_model,
+)
 from hf_tapernorm.cli.arguments import (
     DataArguments,
     ModelArguments,
@@ -27,21 +38,10 @@ from hf_tapernorm.cli.arguments import (
     TaperTrainingArguments,
 )
 from hf_tapernorm.errors import ConfigurationError, UnsupportedModelError
+from hf_tapernorm.evaluation.models import ModelSourceError, load_tokenizer, resolve_model
 from hf_tapernorm.export.folding import fold_model
 from hf_tapernorm.export.model_card import render_model_card
 from hf_tapernorm.layers.patching import set_gate
-from hf_tapernorm.pipeline.models import ModelSourceError, load_tokenizer, resolve_model
-from hf_tapernorm.pipeline.preflight import check_trainer_options
-from hf_tapernorm.pipeline.record import FAR_WORSE, far_worse_warning
-from hf_tapernorm.pipeline.report import render_markdown, summary_lines
-from hf_tapernorm.pipeline.validation import (
-    TaperRequest,
-    check_schedule,
-    fit_default_schedule,
-    fit_default_warmup,
-    recipe_config,
-    weightless_model,
-)
 from hf_tapernorm.training import calibrate
 from hf_tapernorm.training.schedule import decay_learning_rate_after_the_taper
 from tests.conftest import build, char_tokenizer, corpus_documents, save_tiny_model, tiny_llama_config
@@ -319,7 +319,7 @@ def test_the_model_card_shows_the_warning(ws):
 
 
 def test_a_failed_tiny_run_prints_the_warning_last(ws, tmp_path, monkeypatch):
-    import hf_tapernorm.pipeline.taper as taper
+    import hf_tapernorm.app.taper as taper
 
     monkeypatch.setattr(taper, "far_worse_warning", lambda facts: "WARNING: the run failed (test)")
     code, stdout, stderr = run_main(argv(ws, tmp_path / "out", steps=4))

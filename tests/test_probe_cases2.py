@@ -33,10 +33,10 @@ from hf_tapernorm import (
     patch_model,
     save_tapered,
 )
+from hf_tapernorm.app.training_run import IDENTITY_NAME
+from hf_tapernorm.data.corpus import load_text_dataset
 from hf_tapernorm.export.hub import files_to_push
 from hf_tapernorm.layers import set_gate
-from hf_tapernorm.pipeline.data import load_text_dataset
-from hf_tapernorm.pipeline.training_run import IDENTITY_NAME
 from tests.conftest import build, char_tokenizer, corpus_documents, random_batches, save_tiny_model, tiny_llama_config
 from tests.helpers import IDS, logits, relative_error, run_main, snapshot, tapered
 

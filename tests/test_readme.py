@@ -32,9 +32,9 @@ def quickstart() -> str:
 def swapped(code: str, model_folder: Path) -> str:
     swaps = {
         '"HuggingFaceTB/SmolLM2-135M"': repr(str(model_folder)),
-        "max_steps=1000": "max_steps=20, report_to=[], use_cpu=True, disable_tqdm=True, save_strategy='no'",
+        "max_steps=600": "max_steps=20, report_to=[], use_cpu=True, disable_tqdm=True, save_strategy='no'",
         "max_blocks=8000": "max_blocks=24",
-        "pack_documents(texts, tokenizer, 256,": "pack_documents(texts, tokenizer, 32,",
+        "pack_documents(texts, tokenizer, 128,": "pack_documents(texts, tokenizer, 32,",
     }
     for old, new in swaps.items():
         assert old in code, f"README quickstart: expected {old!r} to swap it for the test"

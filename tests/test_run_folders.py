@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoModelForCausalLM
 
-from hf_tapernorm.pipeline.run_folder import LOCK_NAME, RunFolder, RunFolderError
-from hf_tapernorm.pipeline.run_lock import process_start_time
+from hf_tapernorm.app.run_folder import LOCK_NAME, RunFolder, RunFolderError
+from hf_tapernorm.app.run_lock import process_start_time
 from hf_tapernorm.training.checkpoints import tapered_config_of
 from tests.conftest import save_tiny_model
 from tests.helpers import error_of, run_main, snapshot, taper_argv
@@ -50,7 +50,7 @@ def copy_of(run: Path, tmp_path: Path) -> Path:
 def no_loading(monkeypatch, *names: str) -> None:
     """Make the taper pipeline fail if it loads the model or its data (and ``names``): the refusal must come
     before."""
-    import hf_tapernorm.pipeline.taper as taper_pipeline
+    import hf_tapernorm.app.taper as taper_pipeline
 
     def refuse(*args, **kwargs):
         raise AssertionError("loaded the model or the data before refusing")
@@ -163,7 +163,7 @@ def test_a_lock_whose_pid_now_names_another_process_is_taken_over(run, tmp_path,
 def test_an_fp32_run_the_disk_cannot_hold_is_refused_before_the_model_loads(workspace, tmp_path, monkeypatch):
     """The check counted 2 bytes per weight when --dtype was left out: an fp32 model (SmolLM2 with 2 GB free)
     passed, trained, and died writing its final checkpoint (weights, optimizer, teacher)."""
-    import hf_tapernorm.pipeline.preflight as preflight
+    import hf_tapernorm.app.preflight as preflight
 
     model = tmp_path / "fp32"
     save_tiny_model(model)
@@ -191,7 +191,7 @@ def test_an_fp32_run_the_disk_cannot_hold_is_refused_before_the_model_loads(work
 def test_what_the_disk_check_counts_is_what_a_run_writes(workspace, run):
     """run_writes, part by part, against the files of a finished fp32 run: never more, and the same bytes up to
     file headers and the TaperNorm state (the tiny model's weights are few, so those weigh a few percent)."""
-    from hf_tapernorm.pipeline.preflight import run_writes
+    from hf_tapernorm.app.preflight import run_writes
 
     model = AutoModelForCausalLM.from_pretrained(workspace / "llama")
     config = tapered_config_of(run / "checkpoint-10")
@@ -254,7 +254,7 @@ def test_resume_refuses_a_renamed_checkpoint_naming_its_step(workspace, run, tmp
 
 
 def test_a_checkpoint_record_lists_its_files_but_is_not_part_of_the_run_identity(run):
-    from hf_tapernorm.pipeline.training_run import CHECKPOINT_FILES_KEY, IDENTITY_NAME, recorded_identity
+    from hf_tapernorm.app.training_run import CHECKPOINT_FILES_KEY, IDENTITY_NAME, recorded_identity
 
     record = json.loads((run / "checkpoint-10" / IDENTITY_NAME).read_text())
     assert set(record[CHECKPOINT_FILES_KEY]) == {

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from hf_tapernorm.pipeline.heldout import EvaluationSet, sample_blocks
-from hf_tapernorm.pipeline.report import render_markdown
-from hf_tapernorm.pipeline.scan import (
+from hf_tapernorm.app.report import render_markdown
+from hf_tapernorm.data.heldout import EvaluationSet, sample_blocks
+from hf_tapernorm.evaluation.scan import (
     MIN_WINDOWS,
     ScanResult,
     _worst_stretch,

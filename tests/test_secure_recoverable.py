@@ -24,9 +24,9 @@ import torch
 from safetensors.torch import load_file
 
 from hf_tapernorm import TaperNormConfig, TaperStateError, load_tapered, patch_model, save_tapered
+from hf_tapernorm.app.run_folder import LOCK_NAME, MANIFEST_NAME, RunFolder, RunFolderError
 from hf_tapernorm.errors import ConfigurationError
 from hf_tapernorm.layers import set_gate
-from hf_tapernorm.pipeline.run_folder import LOCK_NAME, MANIFEST_NAME, RunFolder, RunFolderError
 from hf_tapernorm.training import calibrate
 from hf_tapernorm.training.sharded import load_sharded_checkpoint, read_sharded_model_state
 from tests.conftest import build, char_tokenizer, random_batches, save_tiny_model, tiny_llama_config
@@ -116,7 +116,7 @@ def test_resume_refuses_a_sharded_folder_planted_in_a_checkpoint(reference, tmp_
     planted = run / "checkpoint-10" / "distillation_teacher"
     planted.mkdir()
     (planted / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
-    from hf_tapernorm.pipeline.resume_check import check_resumable
+    from hf_tapernorm.app.resume_check import check_resumable
 
     with pytest.raises(TaperStateError, match=r"distillation_teacher' is a sharded .*--trust_sharded_checkpoint"):
         check_resumable(run)
@@ -372,8 +372,8 @@ def test_sigterm_saves_a_checkpoint_and_resume_is_bit_identical(workspace, refer
 KILLER = textwrap.dedent(
     """
     import os, signal, sys
-    import hf_tapernorm.pipeline.taper as taper
-    import hf_tapernorm.pipeline.training_run as training_run
+    import hf_tapernorm.app.taper as taper
+    import hf_tapernorm.app.training_run as training_run
     from transformers import Trainer
     POINT = sys.argv[1]
 
@@ -461,7 +461,7 @@ def test_sigkill_at_any_point_then_resume_is_bit_identical(workspace, reference,
     ],
 )
 def test_trainer_options_are_refused_before_the_model_loads(workspace, tmp_path, monkeypatch, flags, expected):
-    import hf_tapernorm.pipeline.taper as taper_pipeline
+    import hf_tapernorm.app.taper as taper_pipeline
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded")
@@ -625,7 +625,7 @@ def test_a_run_killed_during_its_export_can_be_overwritten(workspace, reference,
 # ============================================================================= 5. cases of the re-probe
 def test_a_file_put_into_the_run_folder_while_it_runs_stays_the_users(workspace, tmp_path, monkeypatch):
     """The manifest once adopted every file present at the end: a later --overwrite deleted the user's notes."""
-    import hf_tapernorm.pipeline.taper as taper_pipeline
+    import hf_tapernorm.app.taper as taper_pipeline
 
     out = tmp_path / "run"
     original = taper_pipeline.save_export
@@ -685,7 +685,7 @@ def test_resume_refuses_other_weights_of_the_same_size(workspace, reference, tmp
 
 
 def test_a_legacy_weight_fingerprint_still_resumes():
-    from hf_tapernorm.pipeline.validation import _with_legacy_fingerprints
+    from hf_tapernorm.app.validation import _with_legacy_fingerprints
 
     saved = {"model_contents": {"model.safetensors": "100 bytes", "config.json": "abc"}}
     now = {"model_contents": {"model.safetensors": "100 bytes, sampled sha256 ff", "config.json": "abc"}}
@@ -772,7 +772,7 @@ def test_an_unreadable_tapernorm_config_is_one_configuration_error(tmp_path):
 
 
 def test_corpus_that_is_not_utf8_or_one_long_line_is_explained(workspace, tmp_path, monkeypatch):
-    import hf_tapernorm.pipeline.taper as taper_pipeline
+    import hf_tapernorm.app.taper as taper_pipeline
 
     monkeypatch.setattr(taper_pipeline, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     latin1 = tmp_path / "latin1.txt"
@@ -806,7 +806,7 @@ def test_a_mistyped_model_path_is_named_as_such(workspace, tmp_path):
 
 
 def test_an_export_killed_by_sigkill_leaves_no_partial_copy_for_ever(tmp_path):
-    from hf_tapernorm.pipeline.run_folder import write_folder
+    from hf_tapernorm.app.run_folder import write_folder
 
     dead, alive = 2**22 + 54321, os.getppid()  # no such process; this test's parent
     for name in (f".export.partial-{dead}", f".export.old-{dead}", f".export.partial-{alive}", ".other.partial-1"):
@@ -828,8 +828,8 @@ def test_fold_model_refuses_a_tolerance_that_is_no_positive_number(tmp_path, tol
 
 
 def test_a_run_the_disk_cannot_hold_is_refused_before_the_model_loads(workspace, tmp_path, monkeypatch):
-    import hf_tapernorm.pipeline.preflight as preflight
-    import hf_tapernorm.pipeline.taper as taper_pipeline
+    import hf_tapernorm.app.preflight as preflight
+    import hf_tapernorm.app.taper as taper_pipeline
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded")
@@ -844,7 +844,7 @@ def test_a_run_the_disk_cannot_hold_is_refused_before_the_model_loads(workspace,
 
 
 def test_the_disk_check_counts_every_copy_the_run_writes(workspace):
-    from hf_tapernorm.pipeline.preflight import check_disk_space
+    from hf_tapernorm.app.preflight import check_disk_space
 
     model = build(tiny_llama_config())
     weights = sum(p.numel() for p in model.parameters())

@@ -126,7 +126,7 @@ def test_left_padded_batch_generation_with_sink():
 
 
 def test_heldout_loss_counts_the_same_targets_for_unfolded_and_folded_models():
-    from hf_tapernorm.pipeline.evaluation import heldout_loss
+    from hf_tapernorm.evaluation.scores import heldout_loss
 
     model = sink_tapered("llama")
     folded = fold_model(model)

@@ -10,8 +10,8 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from hf_tapernorm import ConfigurationError, TaperCallback, TaperController, TaperNormConfig, patch_model
+from hf_tapernorm.evaluation.scores import heldout_loss
 from hf_tapernorm.layers.taper_norm import tapered_norms
-from hf_tapernorm.pipeline.evaluation import heldout_loss
 from tests.conftest import build, tiny_llama_config
 from tests.helpers import word_tokenizer
 

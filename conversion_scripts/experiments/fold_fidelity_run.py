@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_tapernorm import export_folded, fold_model
-from hf_tapernorm.pipeline.evaluation import heldout_loss
+from hf_tapernorm.evaluation import heldout_loss
 
 from .smollm2_fidelity import load_saved_run, stdlib_blocks
 

@@ -46,8 +46,8 @@ from transformers.optimization import get_cosine_schedule_with_warmup
 
 from hf_tapernorm import TaperController, TaperDivergenceError, TaperNormConfig, patch_model
 from hf_tapernorm.architectures import architecture_of, norm_sites
+from hf_tapernorm.data import embedded_corpus_files, stdlib_directory
 from hf_tapernorm.layers import set_gate
-from hf_tapernorm.pipeline.data import embedded_corpus_files, stdlib_directory
 from hf_tapernorm.training import TaperSchedule
 
 logger = logging.getLogger("from_scratch")

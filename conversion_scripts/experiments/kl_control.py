@@ -34,6 +34,8 @@ from transformers import HfArgumentParser, TrainerCallback
 
 from conversion_scripts.experiments.fidelity_matrix import remove_checkpoints
 from hf_tapernorm import ConfigurationError, TaperCallback, patch_model
+from hf_tapernorm.app.taper import TaperRequest, prepare_run_data, recipe_config, resolve_baseline
+from hf_tapernorm.app.training_run import train
 from hf_tapernorm.cli.arguments import (
     DataArguments,
     ModelArguments,
@@ -41,12 +43,9 @@ from hf_tapernorm.cli.arguments import (
     TaperArguments,
     TaperTrainingArguments,
 )
+from hf_tapernorm.data import out_of_corpus_set
+from hf_tapernorm.evaluation import broken_blocks, evaluate_set, load_model, load_tokenizer, resolve_model
 from hf_tapernorm.layers import gate_of, set_gate
-from hf_tapernorm.pipeline.evaluation import broken_blocks, evaluate_set
-from hf_tapernorm.pipeline.models import load_model, load_tokenizer, resolve_model
-from hf_tapernorm.pipeline.out_of_corpus import out_of_corpus_set
-from hf_tapernorm.pipeline.taper import TaperRequest, prepare_run_data, recipe_config, resolve_baseline
-from hf_tapernorm.pipeline.training_run import train
 
 logger = logging.getLogger("kl_control")
 

@@ -11,7 +11,7 @@ so a loss at far positions can be traced to the sink losing its share there or t
     python -m conversion_scripts.experiments.length_profile runs/fidelity/steps300/default/seed42 \\
         --text held-out --length 1024 --windows 16
 
-Windows are drawn with the scan's ``hf_tapernorm.pipeline.scan.draw_offsets`` from the text and ``--seed``
+Windows are drawn with the scan's ``hf_tapernorm.evaluation.scan.draw_offsets`` from the text and ``--seed``
 alone, so every run reads the same windows. Writes ``<run>/length_profile_<text>_<length>.json`` and prints the tables.
 """
 
@@ -26,8 +26,7 @@ from typing import Any, Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_tapernorm.pipeline.evaluation import score_models
-from hf_tapernorm.pipeline.scan import draw_offsets
+from hf_tapernorm.evaluation import draw_offsets, score_models
 from hf_tapernorm.training import load_tapered
 
 from .scan_runs import TEXTS, reference_of, text_set

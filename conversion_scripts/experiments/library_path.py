@@ -17,9 +17,8 @@ from transformers import Trainer, default_data_collator
 
 from hf_tapernorm import TaperCallback, patch_model
 from hf_tapernorm.cli.arguments import TaperTrainingArguments
-from hf_tapernorm.pipeline.data import blocks_tensor, load_text_dataset, prepare_data
-from hf_tapernorm.pipeline.evaluation import heldout_loss
-from hf_tapernorm.pipeline.models import load_model, load_tokenizer, resolve_model
+from hf_tapernorm.data import blocks_tensor, load_text_dataset, prepare_data
+from hf_tapernorm.evaluation import heldout_loss, load_model, load_tokenizer, resolve_model
 
 
 def main() -> None:

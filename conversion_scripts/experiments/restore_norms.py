@@ -23,9 +23,9 @@ from typing import Any, Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from hf_tapernorm.data import EvaluationSet
+from hf_tapernorm.evaluation import BROKEN_BLOCK_NATS, evaluate_set
 from hf_tapernorm.layers import tapered_norms
-from hf_tapernorm.pipeline.evaluation import BROKEN_BLOCK_NATS, evaluate_set
-from hf_tapernorm.pipeline.heldout import EvaluationSet
 from hf_tapernorm.training import load_tapered
 
 from .scan_runs import reference_of, text_set

@@ -2,7 +2,7 @@
 """The robustness scan of finished ``taper`` runs, on their own evaluation texts and on a text none has seen.
 
 Each run folder's folded export is scanned against the run's normalized baseline (``baseline/model`` of the
-run, or the ``--baseline_from`` model its report names) with ``hf_tapernorm.pipeline.scan.robustness_scan``,
+run, or the ``--baseline_from`` model its report names) with ``hf_tapernorm.evaluation.scan.robustness_scan``,
 on three texts: the run's held-out documents, the Python documentation topics (the out-of-corpus text of
 every report), and a text none of the runs has seen: the English text files that ship with IDLE in every
 CPython (``idlelib/*.txt``: change logs, read-me, credits), which neither the embedded corpus (``.py`` files)
@@ -27,9 +27,8 @@ from typing import Any, Optional
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_tapernorm  # noqa: F401  (registers the folded model classes)
-from hf_tapernorm.pipeline.data import embedded_corpus, heldout_documents
-from hf_tapernorm.pipeline.heldout import EvaluationSet, python_docs_documents, sample_blocks
-from hf_tapernorm.pipeline.scan import robustness_scan
+from hf_tapernorm.data import EvaluationSet, embedded_corpus, heldout_documents, python_docs_documents, sample_blocks
+from hf_tapernorm.evaluation import robustness_scan
 
 IDLE = "idle"
 

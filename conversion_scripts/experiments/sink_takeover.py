@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_tapernorm.pipeline.scan import sink_shares
+from hf_tapernorm.evaluation import sink_shares
 from hf_tapernorm.training import load_tapered
 
 from .scan_runs import reference_of, text_set

@@ -30,8 +30,8 @@ from conversion_scripts.experiments.research.linear_fit import fit_linear_branch
 from conversion_scripts.experiments.research.penalties import ScaleGrowthPenalty, TokenScalePenalty
 from hf_tapernorm import TaperNormConfig, patch_model
 from hf_tapernorm.config import sink_token_id
+from hf_tapernorm.evaluation import load_model, load_tokenizer, resolve_model
 from hf_tapernorm.layers import set_gate, set_sink_tokens, tapered_norms
-from hf_tapernorm.pipeline.models import load_model, load_tokenizer, resolve_model
 from hf_tapernorm.training import distillation_loss
 
 HERE = Path(__file__).resolve().parent

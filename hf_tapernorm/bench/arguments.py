@@ -19,8 +19,8 @@ from typing import Optional
 import torch
 
 from .._parsing import parse
+from ..app.validation import check_within_positions
 from ..errors import ConfigurationError
-from ..pipeline.validation import check_within_positions
 
 PROG = "hf-tapernorm bench"
 NORMS = ("recipe", "internal", "all")

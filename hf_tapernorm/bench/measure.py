@@ -4,7 +4,7 @@ Timing one model after another on a shared machine gives false ratios (a load sp
 variant only), so every repeat runs each workload once in a rotating order and ratios are medians of
 the per-repeat ratios: a spike that hits both members of a pair cancels. Operation counts
 (``torch.profiler``) do not depend on the load at all, and on a GPU at small batch each operation is a
-kernel launch; they are counted with the same helper the run reports use (``pipeline.showcase``).
+kernel launch; they are counted with the same helper the run reports use (``app.showcase``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 from tqdm.auto import tqdm
 
-from ..pipeline.showcase import count_aten_ops
+from ..app.showcase import count_aten_ops
 from .arguments import Case
 from .workloads import Workload
 

@@ -26,9 +26,9 @@ from torch import nn
 
 from ..architectures.sites import model_type_of, norm_sites
 from ..config import TaperNormConfig
+from ..data.corpus import EMBEDDED_CORPUS, AnyDataset, load_text_dataset
 from ..errors import ConfigurationError
-from ..pipeline.data import EMBEDDED_CORPUS, AnyDataset, load_text_dataset
-from ..pipeline.models import ModelSource, load_model, load_tokenizer, model_config, resolve_model
+from ..evaluation.models import ModelSource, load_model, load_tokenizer, model_config, resolve_model
 from ..utils import cpu_has_fast_bf16
 from .arguments import DTYPES, BenchArguments, Case, cases, parse_arguments
 from .measure import interleaved_times, median_ratio, op_counts, summarize

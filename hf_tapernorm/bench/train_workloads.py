@@ -37,9 +37,9 @@ import torch
 from torch import nn
 
 from ..config import TaperNormConfig
+from ..data.corpus import AnyDataset, DataError, prepare_data
 from ..errors import TaperDivergenceError
 from ..layers.patching import patch_model
-from ..pipeline.data import AnyDataset, DataError, prepare_data
 from ..training.controller import TaperController
 from ..training.schedule import TaperSchedule
 from .arguments import TRAIN_WORKLOADS

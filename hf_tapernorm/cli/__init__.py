@@ -1,5 +1,5 @@
 """The ``hf-tapernorm`` command line: argument dataclasses (arguments.py; parsing is hf_tapernorm/_parsing.py), the
-subcommands (commands.py; ``taper`` is pipeline/taper.py, ``bench`` is bench/) and the dispatcher (main.py)."""
+subcommands (commands.py; ``taper`` is app/taper.py, ``bench`` is bench/) and the dispatcher (main.py)."""
 
 from .main import command, main
 

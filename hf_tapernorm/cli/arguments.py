@@ -25,10 +25,10 @@ from huggingface_hub.utils import validate_repo_id
 from transformers import TrainingArguments
 
 from .._parsing import as_flags
+from ..app.long_blocks import LengthMix
 from ..config import TaperNormConfig, parse_step
+from ..data.corpus import EMBEDDED_CORPUS
 from ..errors import ConfigurationError
-from ..pipeline.data import EMBEDDED_CORPUS
-from ..pipeline.long_blocks import LengthMix
 from ..utils import accelerator_available, cpu_has_fast_bf16
 
 logger = logging.getLogger(__name__)

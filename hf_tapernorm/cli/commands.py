@@ -1,8 +1,8 @@
 """The ``eval``, ``fold`` and ``push`` subcommands: each parses its arguments, checks them, then acts.
 
-``taper`` lives in pipeline/taper.py (it is most of the package's orchestration) and ``bench`` in
+``taper`` lives in app/taper.py (it is most of the package's orchestration) and ``bench`` in
 bench/. What a command prints for the user (its result on stdout) is printed by the command itself: this
-module, cli/main.py (usage, one-line errors), pipeline/taper.py (the run's summary) and bench/runner.py
+module, cli/main.py (usage, one-line errors), app/taper.py (the run's summary) and bench/runner.py
 (the results table); everything else in the package logs.
 """
 
@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Optional
 
 from .._parsing import UsageError, parse
+from ..app.run_folder import LOCK_NAME, RunFolder, running_command_around, write_file, write_folder
+from ..app.taper import save_export
+from ..app.validation import check_same_tokenizer, check_vocabulary, check_within_positions, max_positions
 from ..config import sink_token_id
+from ..data.corpus import EMBEDDED_CORPUS, blocks_tensor, prepare_from_arguments
+from ..data.out_of_corpus import out_of_corpus_set
 from ..errors import ConfigurationError, TaperStateError
-from ..export.folding import fold_model
-from ..export.hub import EXPORT_MANIFEST_NAME, export_manifest, push_export
-from ..layers.patching import gate_of, set_gate
-from ..pipeline.data import EMBEDDED_CORPUS, blocks_tensor, prepare_from_arguments
-from ..pipeline.evaluation import evaluate_set, heldout_loss
-from ..pipeline.models import (
+from ..evaluation.models import (
     ModelSource,
     ModelSourceError,
     load_model,
@@ -32,11 +32,11 @@ from ..pipeline.models import (
     read_model_config,
     resolve_model,
 )
-from ..pipeline.out_of_corpus import out_of_corpus_set
-from ..pipeline.run_folder import LOCK_NAME, RunFolder, running_command_around, write_file, write_folder
-from ..pipeline.scan import SCAN_FILE, robustness_scan, scan_line, scan_summary
-from ..pipeline.taper import save_export
-from ..pipeline.validation import check_same_tokenizer, check_vocabulary, check_within_positions, max_positions
+from ..evaluation.scan import SCAN_FILE, robustness_scan, scan_line, scan_summary
+from ..evaluation.scores import evaluate_set, heldout_loss
+from ..export.folding import fold_model
+from ..export.hub import EXPORT_MANIFEST_NAME, export_manifest, push_export
+from ..layers.patching import gate_of, set_gate
 from ..training.checkpoints import tapered_config_of
 from .arguments import DataArguments, EvalArguments, FoldArguments, ModelArguments, PushArguments
 

@@ -6,7 +6,7 @@ fold check failed: the run was valid, its result is not, and nothing was exporte
 on the command line) or ``HF_TAPERNORM_DEBUG=1`` shows the traceback instead.
 
 SIGTERM (``docker stop``, Slurm, Kubernetes) is Ctrl-C: during training both save a checkpoint and stop
-(pipeline/training_run.py); anywhere else both unwind the command, so a half-written output is removed, the
+(app/training_run.py); anywhere else both unwind the command, so a half-written output is removed, the
 run folder's lock released and the report says how far the run got (exit 143 for SIGTERM, 130 for Ctrl-C).
 """
 
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Optional
 from ..errors import FoldCheckError, TaperDivergenceError, TaperNormError
 
 if TYPE_CHECKING:
-    from ..pipeline.extension import TaperExtension
+    from ..app.extension import TaperExtension
 
 DEBUG_FLAG = "--debug"
 DEBUG_ENV = "HF_TAPERNORM_DEBUG"
@@ -31,9 +31,9 @@ DEBUG_ENV = "HF_TAPERNORM_DEBUG"
 
 def taper_main(argv: Sequence[str], extension: Optional[TaperExtension] = None) -> int:
     """``hf-tapernorm taper``: continued pretraining with the recipe, then evaluate, fold, export, report.
-    ``extension``: an experiment's ``pipeline.extension.TaperExtension`` (its extra callback, terms, log keys)."""
+    ``extension``: an experiment's ``app.extension.TaperExtension`` (its extra callback, terms, log keys)."""
     from .._parsing import as_flags, parse
-    from ..pipeline.taper import TaperRequest, run_taper
+    from ..app.taper import TaperRequest, run_taper
     from .arguments import DataArguments, ModelArguments, RunArguments, TaperArguments, TaperTrainingArguments
 
     options = [ModelArguments, DataArguments, TaperArguments, RunArguments, TaperTrainingArguments]

@@ -51,9 +51,9 @@ FACT_KEYS = (
     "schedule",  # mapping, e.g. {"taper start (step)": 25, "taper end (step)": 100, "total steps": 300}
     "eval_loss",  # mapping, e.g. {"base": 3.01, "tapered (g = 0)": 3.05, "folded": 3.05}
     "speed",  # mapping of measured figures, e.g. {"folded / base tokens per s (bf16, batch 1)": "1.12x"}
-    "robustness_scan",  # the robustness scan's result (hf_tapernorm.pipeline.scan.ScanResult.to_dict())
+    "robustness_scan",  # the robustness scan's result (hf_tapernorm.evaluation.scan.ScanResult.to_dict())
     "tags",  # extra Hub tags
-    "warning",  # one line shown first: the run's model ended far worse than its reference (pipeline/record.py)
+    "warning",  # one line shown first: the run's model ended far worse than its reference (app/record.py)
 )
 
 

@@ -50,7 +50,7 @@ def set_sink_tokens(model: nn.Module, token_ids: Optional[Sequence[int]]) -> Non
     """Keep the first ``len(token_ids)`` positions normalized in every tapered layer; ``None``/``[]``: off.
 
     Every training and evaluation sequence must then start with exactly ``token_ids`` (prepend them
-    when packing, see ``pipeline.data.pack_documents(prefix_ids=...)``); the ids are recorded in the
+    when packing, see ``data.corpus.pack_documents(prefix_ids=...)``); the ids are recorded in the
     model's TaperNormConfig, so a saved checkpoint and the folded export know them.
     """
     ids = [int(i) for i in (token_ids or [])]
@@ -103,7 +103,7 @@ def check_sink_first(input_ids: torch.Tensor, token_ids: Sequence[int], where: s
         raise ConfigurationError(
             f"{where}: a batch does not start with the sink token(s) {ids} (it starts {first}); prepend them to "
             "every sequence (the tokenizer's BOS), pack with "
-            f"hf_tapernorm.pipeline.data.pack_documents(..., prefix_ids={ids}), or patch without a sink: "
+            f"hf_tapernorm.data.corpus.pack_documents(..., prefix_ids={ids}), or patch without a sink: "
             "TaperNormConfig(sink_token_ids=[])"
         )
 

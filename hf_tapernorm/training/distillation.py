@@ -242,7 +242,7 @@ class Distillation:
     def _teacher_logits(self, model: Optional[nn.Module], input_ids, attention_mask, position_ids=None) -> torch.Tensor:
         teacher = model if self._live else self.teacher
         extra = self.sink_attention.teacher_call_arguments(teacher) if self.sink_attention is not None else {}
-        if position_ids is not None:  # the teacher reads the student's positions (pipeline/position_span.py)
+        if position_ids is not None:  # the teacher reads the student's positions (app/position_span.py)
             extra["position_ids"] = position_ids
         if not self._live:
             device = input_ids.device

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from hf_tapernorm.pipeline.data import embedded_corpus_files
+from hf_tapernorm.data import embedded_corpus_files
 
 BYTES = 256
 BOS = 256  # one extra symbol after the 256 byte values
@@ -111,7 +111,7 @@ def load_bpe_corpus(vocab: int = 4096, train_bytes: int = 24_000_000, valid_byte
         corpus = Corpus(saved["train"], saved["valid"], saved["files"], bos=vocab - 1, vocab=vocab)
         _CACHE[key] = corpus
         return corpus
-    from hf_tapernorm.pipeline.models import load_tokenizer, resolve_model
+    from hf_tapernorm.evaluation import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model(None))
     raw = load_corpus(train_bytes, valid_bytes)

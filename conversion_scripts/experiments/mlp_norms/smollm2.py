@@ -97,7 +97,7 @@ def shuffled_batches(pool: torch.Tensor, batch: int, seed: int) -> Iterator[torc
 
 
 def load_smollm2(path: str | None = None):
-    from hf_tapernorm.pipeline.models import load_model, load_tokenizer, resolve_model
+    from hf_tapernorm.evaluation import load_model, load_tokenizer, resolve_model
 
     source = resolve_model(path)
     model = load_model(source)

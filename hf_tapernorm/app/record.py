@@ -70,7 +70,7 @@ class RunRecord:
     out_of_corpus: dict[str, dict[str, float]] = field(default_factory=dict)  # model -> CE and KL to the original
     heldout_documents: dict[str, Any] = field(default_factory=dict)  # the documents that lose most (evaluation.py)
     out_of_corpus_blocks: dict[str, Any] = field(default_factory=dict)  # its broken blocks, as heldout_documents'
-    robustness_scan: dict[str, Any] = field(default_factory=dict)  # the folded model's scan (pipeline/scan.py)
+    robustness_scan: dict[str, Any] = field(default_factory=dict)  # the folded model's scan (evaluation/scan.py)
     evaluation_sets: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> description, blocks, tokens
     fold: dict[str, Any] = field(default_factory=dict)
     export: dict[str, Any] = field(default_factory=dict)

@@ -26,7 +26,13 @@ import torch
 from accelerate import PartialState
 from transformers import AutoModelForCausalLM
 
+from ..data.corpus import PackedData, blocks_tensor, prepare_from_arguments
+from ..data.heldout import EvaluationSet
+from ..data.out_of_corpus import out_of_corpus_set
 from ..errors import ConfigurationError, TaperStateError
+from ..evaluation.models import ModelSource, load_model, load_tokenizer, resolve_model
+from ..evaluation.scan import SCAN_FILE, robustness_scan, scan_line
+from ..evaluation.scores import broken_blocks, evaluate_set, per_document
 from ..export.folding import fold_model
 from ..export.hub import export_folded, recording_export
 from ..layers.patching import gate_of, patch_model, plan_patch
@@ -35,19 +41,13 @@ from ..layers.taper_norm import tapered_norms
 from ..training.calibration import calibration_table
 from ..training.checkpoints import save_tapered
 from ..training.schedule import decay_learning_rate_after_the_taper
-from .data import PackedData, blocks_tensor, prepare_from_arguments
-from .evaluation import broken_blocks, evaluate_set, per_document
 from .extension import TaperExtension
-from .heldout import EvaluationSet
 from .long_blocks import trained_tokens, training_blocks, training_dataset
-from .models import ModelSource, load_model, load_tokenizer, resolve_model
-from .out_of_corpus import out_of_corpus_set
 from .preflight import check_disk_space, check_trainer_options, check_training_blocks
 from .record import RunRecord, far_worse_warning, global_batch_blocks, new_run_record
 from .report import PLOTS, summary_lines, write_report
 from .resume_check import check_resumable
 from .run_folder import RunFolder, write_file
-from .scan import SCAN_FILE, robustness_scan, scan_line
 from .showcase import greedy_continuations, ops_per_generated_token
 from .training_run import LOG_KEYS, LOSS_TERM_KEYS, RecordCallback, recorded_identity, train
 from .validation import (
@@ -417,7 +417,7 @@ class _Pipeline:
         del original
 
     def scan(self, folded, reference, reference_name: str) -> None:
-        """The robustness scan of the folded model against ``reference`` (pipeline/scan.py), on both sets."""
+        """The robustness scan of the folded model against ``reference`` (evaluation/scan.py), on both sets."""
         data = self.request.data
         texts = [t for t in (self.packed.heldout_set, self.reference_text) if t is not None]
         if not data.scan_windows or not texts:

@@ -15,7 +15,7 @@ them): real English, offline everywhere, and of another kind than source code. T
 ``pydoc_data`` out, so the reference is never trained on.
 
 Each block keeps the index of the document every target token comes from, so a report can show which
-documents a gap comes from (:func:`hf_tapernorm.pipeline.evaluation.per_document`).
+documents a gap comes from (:func:`hf_tapernorm.evaluation.scores.per_document`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class EvaluationSet:
 
     ``target_documents[i, j]`` indexes ``documents`` for the target ``blocks[i, prefix_length + 1 + j]``.
     ``stream`` is the tokenized text the blocks were cut from (the documents in order, each followed by EOS)
-    and ``stream_documents`` the document of each of its tokens: the robustness scan (pipeline/scan.py) draws
+    and ``stream_documents`` the document of each of its tokens: the robustness scan (evaluation/scan.py) draws
     windows of other lengths, at any token offset, from it.
     """
 

@@ -1,6 +1,6 @@
 """The out-of-corpus evaluation set of a command: its data arguments' reference text, sampled into blocks.
 
-Why a second text, and why the Python documentation by default: pipeline/heldout.py.
+Why a second text, and why the Python documentation by default: data/heldout.py.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Optional
 
-from .data import load_text_dataset, text_column_of
+from .corpus import load_text_dataset, text_column_of
 from .heldout import PYTHON_DOCS, PYTHON_DOCS_DESCRIPTION, EvaluationSet, python_docs_documents, sample_blocks
 
 

@@ -16,8 +16,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from ..evaluation.scan import scan_summary
 from .record import RunRecord, far_worse_warning
-from .scan import scan_summary
 
 logger = logging.getLogger(__name__)
 

@@ -25,11 +25,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ..config import TaperNormConfig, sink_token_id
+from ..data.corpus import EMBEDDED_CORPUS
 from ..errors import ConfigurationError, UnsupportedModelError
+from ..evaluation.models import ModelSource, ModelSourceError, load_tokenizer, read_model_config
 from ..training.schedule import TaperSchedule
-from .data import EMBEDDED_CORPUS
 from .long_blocks import length_mix
-from .models import ModelSource, ModelSourceError, load_tokenizer, read_model_config
 from .record import differences
 from .run_folder import RunFolder
 

@@ -32,8 +32,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .evaluation import BROKEN_BLOCK_NATS, score_models
-from .heldout import EvaluationSet
+from ..data.heldout import EvaluationSet
+from .scores import BROKEN_BLOCK_NATS, score_models
 
 logger = logging.getLogger(__name__)
 

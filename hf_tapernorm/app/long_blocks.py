@@ -26,8 +26,8 @@ import datasets
 import torch
 from torch.utils.data import IterableDataset
 
+from ..data.corpus import PackedData
 from ..errors import ConfigurationError
-from .data import PackedData
 from .position_span import with_spread_positions
 from .record import global_batch_blocks
 
@@ -89,7 +89,7 @@ def trained_tokens(data, steps: int, per_step: int) -> int:
 
 def training_dataset(data, training_args, packed: PackedData) -> Union[datasets.Dataset, MixedLengthBlocks]:
     """What the Trainer reads: the packed blocks (with ``--position_span``, their positions spread:
-    pipeline/position_span.py), or with long steps their mix, in the order of the Trainer's seed (``--data_seed``,
+    app/position_span.py), or with long steps their mix, in the order of the Trainer's seed (``--data_seed``,
     else ``--seed``)."""
     seed = training_args.data_seed if training_args.data_seed is not None else training_args.seed
     short = packed.train

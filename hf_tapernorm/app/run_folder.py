@@ -35,7 +35,7 @@ _BOOKKEEPING = (MANIFEST_NAME, MANIFEST_NAME + ".tmp", LOCK_NAME)
 #: Temporary siblings written by write_folder (``.NAME.partial-PID``, ``.NAME.old-PID``); a crash can leave one
 #: behind, which is ours.
 _PARTIAL_MARKERS = (".partial-", ".old-")
-#: The report's atomic writes (pipeline/report.py: ``report.json.tmp``, ``report.md.tmp``).
+#: The report's atomic writes (app/report.py: ``report.json.tmp``, ``report.md.tmp``).
 _TEMPORARY_FILES = ("report.json.tmp", "report.md.tmp")
 #: Folders a Trainer writes into a run folder (the run's own, whether or not a kill let it record them).
 CHECKPOINT_PATTERN = "checkpoint-*"

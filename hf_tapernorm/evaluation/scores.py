@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..data.heldout import EvaluationSet
 from ..layers.sink import check_sink_first
-from .heldout import EvaluationSet
 
 #: How many documents the per-document table of a report shows (those that lose most).
 DOCUMENTS_SHOWN = 10

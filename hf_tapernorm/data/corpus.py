@@ -33,7 +33,7 @@ EMBEDDED_CORPUS = "python-stdlib"
 
 # Folder names under the standard library that are not part of the library proper (installed third-
 # party packages vary between machines), hold deliberately malformed test inputs, or hold the English
-# documentation that serves as the out-of-corpus reference text (pipeline/heldout.py: pydoc_data).
+# documentation that serves as the out-of-corpus reference text (data/heldout.py: pydoc_data).
 _EXCLUDED_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "pydoc_data"}
 )
@@ -66,7 +66,7 @@ class PackedData:
     text_column: str
     prefix_ids: list[int] = field(default_factory=list)  # sink tokens starting every block
     heldout_set: Optional[EvaluationSet] = None  # the held-out blocks with the document of every target
-    long_train: Optional[datasets.Dataset] = None  # training blocks of long_block_size (pipeline/long_blocks.py)
+    long_train: Optional[datasets.Dataset] = None  # training blocks of long_block_size (app/long_blocks.py)
     long_block_size: int = 0
 
     @property
@@ -412,7 +412,7 @@ def prepare_data(
     ``train_blocks``: how many training blocks to build (None: all the corpus holds; 0: none, for
     evaluation only). ``prefix_ids`` start every block (see ``pack_documents``); the label of the
     first text token is then -100. The ``heldout_blocks`` held-out blocks are drawn at random positions
-    of the held-out documents with ``heldout_seed`` (``pipeline.heldout.sample_blocks``), the same for
+    of the held-out documents with ``heldout_seed`` (``data.heldout.sample_blocks``), the same for
     every training seed. With ``long_train_blocks``, that many training blocks of ``long_block_size`` tokens
     are packed too, from the training documents after the short blocks' (no text in both). Raises ``DataError``
     when a needed split cannot fill a single block.

@@ -18,6 +18,8 @@ from typing import Any, Optional
 from huggingface_hub import ModelCard, ModelCardData
 from torch import nn
 
+from .readout import readout_summary
+
 TEMPLATE_NAME = "folded_model.md"
 
 
@@ -88,8 +90,18 @@ def render_model_card(model: nn.Module, facts: Optional[Mapping[str, Any]] = Non
             if config.tied_head == "untie"
             else ""
         )
+    elif config.final_norm in (getattr(config, "weightless_norms", None) or {}):
+        final_summary = "kept as a real norm (Internal-Taper), its weight folded into `lm_head`" + (
+            " (the head was untied from the embeddings)" if not getattr(config, "tie_word_embeddings", True) else ""
+        )
     else:
         final_summary = "kept as a real norm (Internal-Taper)"
+    readout = (
+        "affine: the logits are a linear map of the residual stream plus a constant, so direct logit attribution "
+        "is exact"
+        if readout_summary(config)["affine"]
+        else "through the final norm: each token's logits depend on its scale (attributions need that scale frozen)"
+    )
     report = getattr(model, "fold_report", None)
     card = ModelCard.from_template(
         card_data,
@@ -103,6 +115,7 @@ def render_model_card(model: nn.Module, facts: Optional[Mapping[str, Any]] = Non
         folded_example=config.folded_norms[0] if config.folded_norms else "",
         kept_summary=f"{len(config.kept_norms)}" + (f" (e.g. `{config.kept_norms[0]}`)" if config.kept_norms else ""),
         final_norm_summary=final_summary,
+        readout_summary=readout,
         added_biases_summary=", ".join(f"`{p}`" for p in config.added_biases) or "none",
         sink_ids=list(getattr(config, "sink_token_ids", None) or []),
         sink_summary=(

@@ -1,0 +1,106 @@
+"""Whether a model's readout is affine: the logits a linear map of the residual stream plus one constant.
+
+This is the interpretability payoff of folding the final norm. Through a real final norm the logits depend on
+each token's scale, so the direct effect of one part of the residual stream (an attention or MLP output)
+on a logit is not its attribution; with the final norm folded into ``lm_head`` (``scope="all"``) the readout
+is affine, direct logit attribution is exact and the parts add up to the logit (docs/interpretability.md).
+
+:func:`readout_summary` says it from what an export's config records; :func:`readout_additivity_error`
+measures it on real hidden states, for any causal LM: the readout R (final norm, then head) of two parts of
+the stream, less the constant R(0), against R of their sum.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..architectures.sites import norm_sites
+from ..errors import ConfigurationError
+
+
+def final_norm_path(model: nn.Module) -> Optional[str]:
+    """The path of ``model``'s final norm (relative to the ``*ForCausalLM`` model), or None without one.
+
+    A folded export records it in its config (the module may be an identity now); any other model is read
+    from the architecture table or discovery."""
+    recorded = getattr(model.config, "final_norm", None)
+    if recorded:
+        return recorded
+    try:
+        sites = norm_sites(model)
+    except ConfigurationError:
+        return None
+    return next((site.path for site in sites if site.is_final), None)
+
+
+def readout_summary(config: Any) -> dict[str, Any]:
+    """What an export's config says of its readout: ``affine`` (the final norm folded into the head, or kept as
+    one explicit per-channel scale) and how the final norm was treated, beside the folded and kept norm counts."""
+    final = getattr(config, "final_norm", "")
+    folded, scaled = list(getattr(config, "folded_norms", [])), list(getattr(config, "scaled_norms", []))
+    kept, weightless = list(getattr(config, "kept_norms", [])), dict(getattr(config, "weightless_norms", {}) or {})
+    if final and final in folded:
+        how = "folded into lm_head"
+    elif final and final in scaled:
+        how = "an explicit per-channel scale (tied head kept)"
+    elif final in weightless:
+        how = "kept as a real norm, its weight folded into lm_head"
+    else:
+        how = "kept as a real norm"
+    return {
+        "affine": bool(final) and (final in folded or final in scaled),
+        "final_norm": how,
+        "folded_norms": len(folded),
+        "kept_norms": len(kept),
+    }
+
+
+@torch.no_grad()
+def readout_additivity_error(model: nn.Module, input_ids: torch.Tensor, *, seed: int = 0) -> Optional[float]:
+    """max |R(a) + R(b) - R(0) - R(a + b)| / max |R(a + b)| over the positions of ``input_ids``, where a + b is
+    the residual stream entering the final norm, split at random channel by channel, and R is the final norm
+    followed by the head. About float precision for an affine readout; of the order of the logits through a
+    real norm. None for a model without a final norm this package can find."""
+    path = final_norm_path(model)
+    head = model.get_output_embeddings()
+    if path is None or head is None:
+        return None
+    norm = model.get_submodule(path)
+    captured: list[torch.Tensor] = []
+    handle = norm.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+    try:
+        model(input_ids=input_ids)
+    finally:
+        handle.remove()
+    if not captured:
+        return None
+    stream = captured[-1]
+    generator = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(stream.shape, generator=generator) < 0.5).to(stream.dtype)
+    part_a, part_b = stream * mask, stream * (1 - mask)
+
+    def readout(hidden: torch.Tensor) -> torch.Tensor:
+        return head(norm(hidden)).float()
+
+    whole = readout(stream)
+    summed = readout(part_a) + readout(part_b) - readout(torch.zeros_like(stream))
+    return float((summed - whole).abs().max() / whole.abs().max().clamp_min(1e-30))
+
+
+#: The largest additivity error, relative to the largest logit, that counts as an affine readout.
+AFFINE_TOLERANCE = 1e-3
+
+
+def readout_facts(model: nn.Module, input_ids: torch.Tensor) -> dict[str, Any]:
+    """What ``hf-tapernorm eval`` reports of a model's readout, measured on ``input_ids`` (one block of real text):
+    ``affine`` (the additivity error at most AFFINE_TOLERANCE), the error, and for an export what its config
+    says of its final norm."""
+    error = readout_additivity_error(model, input_ids) if len(input_ids) else None
+    facts = readout_summary(model.config) if getattr(model.config, "final_norm", None) else {}
+    return {**facts, "affine": error is not None and error <= AFFINE_TOLERANCE, "additivity_error": error}
+
+
+__all__ = ["AFFINE_TOLERANCE", "final_norm_path", "readout_additivity_error", "readout_facts", "readout_summary"]

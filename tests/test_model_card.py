@@ -46,7 +46,10 @@ def test_card_body_carries_the_run_facts_and_both_ways_to_load(internal):
         "| Base architecture | `llama` (exported as `tapernorm_llama`) |",
         "| Norms folded away | 4 (e.g. `model.layers.0.input_layernorm`) |",
         "| Norms kept | 1 (e.g. `model.norm`) |",
-        "| Final norm | kept as a real norm (Internal-Taper) |",
+        "| Final norm | kept as a real norm (Internal-Taper), its weight folded into `lm_head` (the head was untied "
+        "from the embeddings) |",
+        "| Readout | through the final norm: each token's logits depend on its scale (attributions need that scale "
+        "frozen) |",
         "| Projections that gained a bias | none |",
         "| Training data | Python standard library source |",
         "| Training tokens | 1,234,567 |",

@@ -36,6 +36,7 @@ from ..evaluation.scan import SCAN_FILE, robustness_scan, scan_line, scan_summar
 from ..evaluation.scores import evaluate_set, heldout_loss
 from ..export.folding import fold_model
 from ..export.hub import EXPORT_MANIFEST_NAME, export_manifest, push_export
+from ..export.readout import readout_facts
 from ..layers.patching import gate_of, set_gate
 from ..training.checkpoints import tapered_config_of
 from .arguments import DataArguments, EvalArguments, FoldArguments, ModelArguments, PushArguments
@@ -150,6 +151,7 @@ def eval_main(argv: Sequence[str]) -> int:
             model, blocks_tensor(packed.heldout), batch_size=data_args.eval_batch_size, prefix_length=len(sink_ids)
         ),
     }
+    result["readout"] = readout_facts(model, blocks_tensor(packed.heldout)[:1])
     reference_text = out_of_corpus_set(data_args, tokenizer, sink_ids)
     if reference_text is not None:
         scores = evaluate_set({"model": model}, reference_text, batch_size=data_args.eval_batch_size)["model"]

@@ -80,3 +80,16 @@ def test_eval_refuses_it_in_one_line(edited, workspace, warnings_on):
     data = ["--dataset_name", str(workspace / "corpus.txt"), "--block_size", "32", "--scan_windows", "0"]
     message = error_of(["eval", "--model_name_or_path", str(edited), *data])
     assert message.startswith("hf-tapernorm eval: error: ") and 'Restore "model_type": "tapernorm_llama"' in message
+
+
+def test_eval_refuses_it_in_one_line_with_transformers_warnings_off(edited, workspace):
+    """The CLI's own model loading names the cause whatever transformers' log level (TransformerLens, once imported,
+    sets it to errors only for the whole process)."""
+    data = ["--dataset_name", str(workspace / "corpus.txt"), "--block_size", "32", "--scan_windows", "0"]
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        message = error_of(["eval", "--model_name_or_path", str(edited), *data])
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    assert message.startswith("hf-tapernorm eval: error: ") and 'Restore "model_type": "tapernorm_llama"' in message

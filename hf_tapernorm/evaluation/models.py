@@ -22,6 +22,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedConfig, PreTrainedModel
 
 from ..errors import ConfigurationError, first_line
+from ..export.folded_sink import plain_load_of_export
 from ..training.checkpoints import is_tapered_checkpoint, load_tapered, tapered_model_config
 
 logger = logging.getLogger(__name__)
@@ -211,6 +212,9 @@ def load_model(
         raise ModelSourceError(
             f"cannot load model '{source.describe()}'{_hub_hint(source)}: {first_line(error)}"
         ) from error
+    plain_load = plain_load_of_export(type(model).__name__, model.config)
+    if plain_load is not None:  # said whatever transformers' log level (the load report may be silenced)
+        raise ModelSourceError(plain_load)
     missing = sorted(loading.get("missing_keys") or ())
     if missing:  # transformers initialises them randomly and only logs a table: a model nobody trained
         raise ModelSourceError(

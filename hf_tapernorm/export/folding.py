@@ -37,6 +37,7 @@ from ..layers.sink import sink_outputs, sink_token_ids_of
 from ..layers.taper_norm import TaperNorm, tapered_norms
 from ..training.distributed import sharding_engine
 from .fold_check import FoldReport, check_fold, check_probe
+from .folded_sink import learned_positions
 from .model_card import render_model_card
 from .modeling_folded import PREFIX, folded_classes
 from .projections import FoldState, WorkingProjection, fold_into, make_weightless, store_projections
@@ -105,21 +106,6 @@ def _linear_map(layer: TaperNorm) -> tuple[torch.Tensor, Optional[torch.Tensor],
     if centred and layer.bias is not None and bool(layer.bias.detach().ne(0).any()):
         beta = layer.bias.detach().to(torch.float64)
     return scale, beta, centred
-
-
-def _learned_positions(model: PreTrainedModel) -> int:
-    """The size of the model's learned position table (GPT-2's ``wpe``, OPT's ``embed_positions``), else 0.
-
-    A sink export stores its sink at the first positions: with a table, sink and text share its rows.
-    """
-    limit = getattr(model.config, "max_position_embeddings", None)
-    embeddings = model.get_input_embeddings()
-    if not isinstance(limit, int):
-        return 0
-    for module in model.modules():
-        if isinstance(module, nn.Embedding) and module is not embeddings and module.num_embeddings >= limit:
-            return limit
-    return 0
 
 
 def _is_tied(model: PreTrainedModel, arch) -> bool:
@@ -211,7 +197,7 @@ def _store_sink(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> dict[
         "sink_token_ids": sink_ids,
         "sink_cache_shape": shape,
         "sink_logits_shape": list(state["sink_logits"].shape),
-        "sink_max_positions": _learned_positions(model),
+        "sink_max_positions": learned_positions(model),
     }
 
 

@@ -13,19 +13,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import json
 import os
 import re
+import types
+import typing
 from collections.abc import Iterable, Sequence
-from typing import Any, NoReturn, Optional
+from typing import Any, NoReturn, Optional, Union
 
 import yaml
 from transformers import HfArgumentParser
 
 from .errors import ConfigurationError, TaperNormError
 
-#: ``Class.field`` as the layers below the command line name a field in their errors.
-_FIELD = re.compile(r"\b(?:TaperNormConfig|TrainingArguments)\.([a-z_][a-z0-9_]*)")
+#: ``Class.field`` (or ``Class.group.field``) as the layers below the command line name a field in their errors.
+_FIELD = re.compile(r"\b(?:TaperNormConfig|TrainingArguments)\.([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)?)")
 
 
 class UsageError(ConfigurationError):
@@ -69,6 +72,8 @@ def parse(dataclass_types: Sequence[type], argv: Sequence[str], prog: str) -> tu
     parser = _Parser(dataclass_types, prog, source)
     if source is not None:
         path = os.path.abspath(source)
+        if os.path.isdir(path):
+            raise UsageError(f"options file '{source}' is a folder; name a JSON or YAML file of options")
         if not os.path.isfile(path):
             raise UsageError(f"options file '{source}' not found")
         argv = _command_line(parser, _read_options_file(path, source), dataclass_types)
@@ -90,9 +95,10 @@ def _is_options_file(argument: str) -> bool:
 
 
 def _read_options_file(path: str, name: str) -> dict[str, Any]:
-    """The object of an options file (JSON or YAML), or a UsageError naming the file."""
+    """The object of an options file (JSON or YAML), or a UsageError naming the file. A leading byte order mark
+    (what some editors write into UTF-8) is no part of the text."""
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8-sig") as handle:
             values = json.load(handle) if path.lower().endswith(".json") else yaml.safe_load(handle)
     except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as error:
         raise UsageError(
@@ -104,21 +110,32 @@ def _read_options_file(path: str, name: str) -> dict[str, Any]:
 
 
 def _command_line(parser: _Parser, values: dict[str, Any], dataclass_types: Sequence[type]) -> list[str]:
-    """The command line an options file stands for: ``--key=value`` for each key (a list: several values; null:
-    the option left at its default). Keys that are no option are refused together, named."""
-    fields = {f.name for cls in dataclass_types for f in dataclasses.fields(cls) if f.init}
-    unknown = [key for key in values if key not in fields or key not in parser.options]
+    """The command line an options file stands for: ``--key=value`` for each key (null: the option left at its
+    default). A list gives a several-value option its values (an empty one, the option's empty default), and a
+    one-value option its one element, or its items joined by its separator (a class's ``SEPARATORS``: option ->
+    the text between the items of an option that lists several things in one value, ``--keep_norms a,b``). Keys
+    that are no option are refused together, named."""
+    hints, separators = {}, {}  # option -> its type as declared (HfArgumentParser rewrites each Field's); -> text
+    for cls in dataclass_types:
+        declared = typing.get_type_hints(cls)
+        hints.update({f.name: declared[f.name] for f in dataclasses.fields(cls) if f.init})
+        separators.update(getattr(cls, "SEPARATORS", {}))
+    unknown = [key for key in values if key not in hints or key not in parser.options]
     if unknown:
         raise UsageError(f"{parser.source}: unknown options {unknown} (see {parser.prog} --help)")
     argv: list[str] = []
     for key, value in values.items():
-        action = parser.options[key]
-        if value is None:
+        action, hint = parser.options[key], hints[key]
+        if value is None or (value == [] and action.nargs in ("+", "*") and not action.default):
             continue
         if not isinstance(value, list):
-            argv.append(f"--{key}={_as_text(value, key, action, parser.source)}")
+            argv.append(f"--{key}={_as_text(value, key, hint, action, parser)}")
         elif action.nargs in ("+", "*"):
-            argv += [f"--{key}", *(_as_text(item, key, action, parser.source) for item in value)]
+            item = next((typing.get_args(m)[0] for m in _members(hint) if typing.get_origin(m) is list), Any)
+            argv += [f"--{key}", *(_as_text(v, key, item, action, parser) for v in value)]
+        elif len(value) == 1 or (value and key in separators):
+            items = [_as_text(v, key, hint, action, parser) for v in value]
+            argv.append(f"--{key}={separators.get(key, '').join(items)}")
         else:
             raise UsageError(
                 f"{parser.source}: {key} takes one value, got the list {value!r} (see {parser.prog} --help)"
@@ -126,11 +143,25 @@ def _command_line(parser: _Parser, values: dict[str, Any], dataclass_types: Sequ
     return argv
 
 
-def _as_text(value: Any, key: str, action: argparse.Action, name: Optional[str]) -> str:
-    """One value of an options file as the command line writes it: bools as true/false, objects as JSON text, and
-    numbers as numbers however YAML read them (``1e-1``, ``3e-4``: YAML 1.1 wants a dot in a float, so it reads
-    them as text; ``2e1`` for an integer option is 20); text that is no number, or a fraction for an integer
-    option, is refused naming the option."""
+def _as_text(value: Any, key: str, hint: Any, action: argparse.Action, parser: _Parser) -> str:
+    """One value of an options file as the command line writes it: bools as true/false and objects as JSON text
+    where the field's type takes them (a bool, a dict), and numbers as numbers however YAML read them (``1e-1``,
+    ``3e-4``: YAML 1.1 wants a dot in a float, so it reads them as text; ``2e1`` for an integer option is 20). A
+    bool or an object for an option of another type (``"output_dir": true`` would be a folder named true), a list
+    in a list, text that is no number, or a fraction for an integer option, is refused naming the option."""
+    name = parser.source
+    members = _members(hint)
+    takes = {
+        bool: Any in members or bool in members,
+        dict: Any in members or any(m is dict or typing.get_origin(m) is dict for m in members),
+        list: False,  # a list inside the file's list
+    }
+    kind = next((kind for kind in takes if isinstance(value, kind)), None)
+    if kind is not None and not takes[kind]:
+        raise UsageError(
+            f"{name}: {key} takes {_type_text(hint)}, got {json.dumps(value)}; write it as the command line "
+            f"does (see {parser.prog} --help)"
+        )
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, dict):
@@ -148,11 +179,40 @@ def _as_text(value: Any, key: str, action: argparse.Action, name: Optional[str])
     return str(value)
 
 
+def _members(hint: Any) -> list[Any]:
+    """The types a field's type hint allows: the members of a Union (``X | None``: X), or the hint itself."""
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        return [m for m in typing.get_args(hint) if m is not type(None)]
+    return [hint]
+
+
+def _type_text(hint: Any) -> str:
+    """A field's type as its --help reader knows it: ``text``, ``an integer``, ``one of auto, bos, none``."""
+    texts = []
+    for member in _members(hint):
+        origin = typing.get_origin(member)
+        if origin is typing.Literal:
+            texts.append("one of " + ", ".join(map(str, typing.get_args(member))))
+        elif isinstance(member, type) and issubclass(member, enum.Enum):
+            texts.append("one of " + ", ".join(str(item.value) for item in member))
+        elif origin is list:
+            texts.append("a list of " + _type_text(typing.get_args(member)[0]))
+        else:
+            plain = {str: "text", bool: "true or false", int: "an integer", float: "a number", dict: "an object"}
+            texts.append(plain.get(origin or member, getattr(member, "__name__", str(member))))
+    return " or ".join(texts)
+
+
 def as_flags(error: TaperNormError, dataclass_types: Iterable[type]) -> TaperNormError:
     """``error`` with every field name that is an option of these dataclasses written as its flag
-    (``TaperNormConfig.ema_rate`` -> ``--ema_rate``); the same class, so the exit status stays the same."""
-    flags = {f.name for cls in dataclass_types for f in dataclasses.fields(cls)}
-    text = _FIELD.sub(lambda m: f"--{m[1]}" if m[1] in flags else m[0], str(error))
+    (``TaperNormConfig.ema_rate`` -> ``--ema_rate``; a class's ``FLAGS_OF_FIELDS`` names the flags of fields spelled
+    otherwise: ``TaperNormConfig.distillation.weight`` -> ``--distill_weight``); the same class, so the exit
+    status stays the same."""
+    classes = list(dataclass_types)
+    flags = {f.name: f.name for cls in classes for f in dataclasses.fields(cls)}
+    for cls in classes:
+        flags.update(getattr(cls, "FLAGS_OF_FIELDS", {}))
+    text = _FIELD.sub(lambda m: f"--{flags[m[1]]}" if m[1] in flags else m[0], str(error))
     if text == str(error):
         return error
     try:

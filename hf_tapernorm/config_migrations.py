@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 #: The key of ``tapernorm_config.json`` that records the layout of its fields (absent: version 1).
 CONFIG_VERSION_KEY = "config_version"
 #: The layout this version writes. ``TaperNormConfig.from_dict`` migrates an older one step by step.
-CONFIG_VERSION = 2
+CONFIG_VERSION = 3
 
 
 def _from_version_1(values: dict[str, Any]) -> dict[str, Any]:
@@ -29,8 +29,37 @@ def _from_version_1(values: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in implied.items() if k not in values}, **values}
 
 
+#: Version 3's closed set of recipe names (version 2 recorded any text): the names its presets wrote, and custom.
+_RECIPES_3 = (
+    "paper",
+    "paper+keep_qk_norms",
+    "gated-mlp",
+    "paper (final norm)",
+    "paper+keep_qk_norms (final norm)",
+    "gated-mlp (final norm)",
+    "custom",
+)
+
+
+def _from_version_2(values: dict[str, Any]) -> dict[str, Any]:
+    """Version 3 groups the teacher's settings (``distill_weight``, ``distill_until`` and
+    ``sink_attention_weight`` become ``distillation``'s ``weight``, ``until`` and ``sink_attention_weight``), moves
+    the research options (``linear_fit``, ``calibration_scale``, ``distill_from``, ``distill_schedule``) into
+    ``experimental`` under their names, and names the recipe from a closed set: a name no preset wrote (version 2
+    took any text) is ``custom``, which is what such a name meant (values set by hand); a value that is no text
+    is left for the config to refuse."""
+    result = dict(values)
+    grouped = {"distill_weight": "weight", "distill_until": "until", "sink_attention_weight": "sink_attention_weight"}
+    result["distillation"] = {new: result.pop(old) for old, new in grouped.items() if old in result}
+    research = ("linear_fit", "calibration_scale", "distill_from", "distill_schedule")
+    result["experimental"] = {name: result.pop(name) for name in research if name in result}
+    if isinstance(result.get("recipe"), str) and result["recipe"] not in _RECIPES_3:
+        result["recipe"] = "custom"
+    return result
+
+
 #: Migration steps: ``MIGRATIONS[n]`` turns the fields of version n into those of version n + 1.
-MIGRATIONS = {1: _from_version_1}
+MIGRATIONS = {1: _from_version_1, 2: _from_version_2}
 
 
 def migrated(values: dict[str, Any], version: Any) -> dict[str, Any]:

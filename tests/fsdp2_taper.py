@@ -167,7 +167,7 @@ def refusals() -> dict[str, str]:
     patch_model(fully_shard(patched_late), taper_config())
     found = {}
     for name, model in (
-        ("per_channel", build_model(True, taper_config().replace(linear_fit="per_channel"))),
+        ("per_channel", build_model(True, taper_config().replace(experimental={"linear_fit": "per_channel"}))),
         ("patched_after_fully_shard", patched_late),
     ):
         try:

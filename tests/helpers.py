@@ -1,26 +1,40 @@
 """Helpers shared by several test modules (fixtures live in conftest.py): the CLI runs on the tiny workspace,
 a signal sent at a known optimizer step, a spy callback on each training of a run, tapered tiny models for the
-folding tests, an offline tokenizer."""
+folding tests, an offline tokenizer, short runs on a one-model workspace (and the run the interruption tests kill),
+and sink models of every gated family."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
+import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 from transformers import PreTrainedTokenizerFast, TrainerCallback
 
 import hf_tapernorm.app.training_run as training_run
-from hf_tapernorm import TaperNormConfig, patch_model
+from hf_tapernorm import TaperNormConfig, patch_model, save_tapered
 from hf_tapernorm.cli import main
 from hf_tapernorm.layers import TaperNorm, set_gate
 from hf_tapernorm.training import calibrate
-from tests.conftest import build, random_batches, tiny_gpt2_config, tiny_llama_config
+from tests.conftest import (
+    build,
+    char_tokenizer,
+    corpus_documents,
+    random_batches,
+    save_tiny_model,
+    tiny_family_config,
+    tiny_gpt2_config,
+    tiny_llama_config,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -178,3 +192,199 @@ def word_tokenizer(adds_bos: bool) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="</s>"
     )
+
+
+# ----------------------------------------------------------------------------- a short run on a one-model workspace
+def one_model_workspace(root: Path) -> Path:
+    """``root`` with a tiny saved Llama (``llama/``) and a 150-document corpus (``corpus.txt``)."""
+    save_tiny_model(root / "llama", "llama")
+    (root / "corpus.txt").write_text("\n\n".join(corpus_documents(150)))
+    return root
+
+
+def short_taper_argv(
+    ws: Path, out, *extra: str, steps: int = 6, data: str = "corpus.txt", model: str | None = None
+) -> list[str]:
+    """``taper`` for ``steps`` steps (the gate falls over steps 2..4) on ``one_model_workspace``, without the
+    out-of-corpus set and the robustness scan."""
+    return [
+        "taper", "--model_name_or_path", model or str(ws / "llama"), "--dataset_name", str(ws / data),
+        "--block_size", "32", "--heldout_blocks", "4", "--heldout_percentage", "10", "--max_steps", str(steps),
+        "--per_device_train_batch_size", "2", "--taper_start", "2", "--taper_end", "4", "--output_dir", str(out),
+        "--use_cpu", "--disable_tqdm", "true", "--data_cache_dir", str(ws / "cache"), "--out_of_corpus_blocks", "0",
+        "--scan_windows", "0", *extra,
+    ]  # fmt: skip
+
+
+def short_eval_argv(model: Path, *extra: str, data: Path | None = None) -> list[str]:
+    """``eval`` of ``model`` (by default on the corpus of the workspace two folders up), without the scan."""
+    return [
+        "eval", "--model_name_or_path", str(model), "--dataset_name", str(data or model.parent.parent / "corpus.txt"),
+        "--block_size", "32", "--heldout_blocks", "4", "--out_of_corpus_blocks", "0", "--scan_windows", "0", *extra,
+    ]  # fmt: skip
+
+
+def short_fold_argv(checkpoint: Path, output_dir, *extra: str) -> list[str]:
+    return ["fold", "--checkpoint", str(checkpoint), "--output_dir", str(output_dir), "--scan_windows", "0", *extra]
+
+
+def finished_run(argv: list[str]) -> Path:
+    """Run ``argv`` (a ``taper`` command) to its end and return its output folder."""
+    code, _, stderr = run_main(argv)
+    assert code == 0, stderr
+    return Path(argv[argv.index("--output_dir") + 1])
+
+
+def copy_run(run: Path, tmp_path: Path, name: str = "run") -> Path:
+    """A copy of the finished ``run`` (symbolic links kept) for a case to edit."""
+    target = tmp_path / name
+    shutil.copytree(run, target, symlinks=True)
+    return target
+
+
+def edit_json(path: Path, **values) -> None:
+    data = json.loads(path.read_text())
+    data.update(values)
+    path.write_text(json.dumps(data))
+
+
+def truncate(path: Path, keep: int = 30) -> None:
+    path.write_text(path.read_text()[:keep])
+
+
+def error_line(argv: list[str]) -> str:
+    """The last ``hf-tapernorm`` line of a command that must stop with exit 2 and ``: error: ``."""
+    code, _, stderr = run_main(argv)
+    lines = [line for line in stderr.strip().splitlines() if line.startswith("hf-tapernorm")]
+    assert code == 2 and lines and ": error: " in lines[-1], stderr[-2000:]
+    return lines[-1]
+
+
+def refused(arguments: list[str], *expected: str) -> str:
+    """Run a command that must stop with one line (exit 2) holding every ``expected`` fragment."""
+    code, _, stderr = run_main(arguments)
+    line = stderr.strip().splitlines()[-1] if stderr.strip() else ""
+    assert code == 2 and line.startswith("hf-tapernorm "), stderr
+    for fragment in expected:
+        assert fragment in line, line
+    return line
+
+
+# ----------------------------------------------------------------------------- a run to interrupt, and its reference
+#: The environment of a CLI run in a subprocess (unbuffered, one thread, this checkout importable).
+SUBPROCESS_ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def killable_argv(workspace, out: Path) -> list[str]:
+    """A 10-step run with checkpoints every 3 steps (the last two kept)."""
+    extra = ("--distill_weight", "0", "--save_steps", "3", "--save_total_limit", "2")
+    return taper_argv(workspace, out, *extra, steps=10)
+
+
+def uninterrupted_run(workspace: Path, out: Path) -> Path:
+    """An uninterrupted run of the command the interruption tests kill (no distillation: faster, same paths)."""
+    return finished_run(killable_argv(workspace, out))
+
+
+def assert_same_weights(run: Path, reference: Path) -> None:
+    for folder in ("tapered", "folded"):
+        got, expected = (
+            load_file(str(run / folder / "model.safetensors")),
+            load_file(str(reference / folder / "model.safetensors")),
+        )
+        assert got.keys() == expected.keys()
+        for key in got:
+            assert torch.equal(got[key], expected[key]), (folder, key)
+
+
+def tapered_checkpoint(folder: Path) -> Path:
+    """A tapered checkpoint (calibrated, g = 0) of a tiny Llama with the character tokenizer, saved to ``folder``."""
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper()).train()
+    for ids in random_batches():
+        model(input_ids=ids)
+    calibrate(model)
+    set_gate(model, 0.0)
+    save_tapered(model, folder, char_tokenizer())
+    return folder
+
+
+class Payload:
+    """Unpickling this creates the marker file: proof that code from the checkpoint ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+# ----------------------------------------------------------------------------- sink models of every family
+SINK = 1  # the tiny configs' bos_token_id
+TEXT = random_batches(vocab=120, n=1, batch=2, length=12, seed=5)[0] + 3  # never the sink, pad or eos id
+
+
+def with_sink(ids: torch.Tensor) -> torch.Tensor:
+    return torch.cat([torch.full((ids.shape[0], 1), SINK), ids], dim=1)
+
+
+# Qwen 3's q/k norms stay real norms, as in the default recipe (tapered with a sink they fold too:
+# test_export_state.py).
+KEEP = {"qwen3": ["*.q_norm", "*.k_norm"]}
+
+
+def sink_tapered(case: str, keep_norms=None) -> torch.nn.Module:
+    """A tiny patched model at g = 0 with the BOS sink, calibrated on sink-first batches, then perturbed."""
+    keep = KEEP.get(case, []) if keep_norms is None else keep_norms
+    config = TaperNormConfig.paper(sink_token_ids=[SINK], keep_norms=keep)
+    model = patch_model(build(tiny_family_config(case)), config)
+    model.train()
+    with torch.no_grad():
+        for ids in random_batches(vocab=120, n=3):
+            model(with_sink(ids + 3))
+    calibrate(model)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for layer in (m for m in model.modules() if isinstance(m, TaperNorm) and m.tapered):
+            layer.taper_weight.mul_(1 + 0.3 * torch.randn(layer.taper_weight.shape, generator=generator))
+            layer.c.mul_(1.0 + 0.5 * torch.rand((), generator=generator))
+    set_gate(model, 0.0)
+    return model.eval()
+
+
+def relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    return float((actual.double() - expected.double()).abs().max() / expected.double().abs().max())
+
+
+# ----------------------------------------------------------------------------- the documented API
+#: The documented tiers: the facade (the stable API) and the subpackages that hold everything else.
+TIERS = [
+    "hf_tapernorm",
+    "hf_tapernorm.architectures",
+    "hf_tapernorm.layers",
+    "hf_tapernorm.training",
+    "hf_tapernorm.export",
+    "hf_tapernorm.config",
+    "hf_tapernorm.data",
+    "hf_tapernorm.evaluation",
+    "hf_tapernorm.integrations",
+]
+
+
+def api_section() -> str:
+    """The API section of docs/usage.md: what it presents is the documented API."""
+    text = (REPO / "docs" / "usage.md").read_text()
+    start = text.index("\n## API")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else None]
+
+
+#: What the research code (every script under conversion_scripts/) may import beyond the tiers: four modules of
+#: the application, the taper command's helpers it reuses and its extension point (documented in docs/usage.md's
+#: API section); from a module with an ``__all__``, only those names.
+RESEARCH_MAY_IMPORT = {
+    "hf_tapernorm.app.taper",
+    "hf_tapernorm.app.training_run",
+    "hf_tapernorm.cli.arguments",
+    "hf_tapernorm.cli.main",
+}

@@ -283,7 +283,7 @@ def test_text_batches_are_packed_real_text_starting_with_the_sink(corpus):
 
 def test_train_workloads_run_the_recipes_phases_through_the_controller(tiny_llama, corpus):
     recipe = TaperNormConfig.for_model(tiny_llama, char_tokenizer())
-    assert recipe.distill_weight > 0 and recipe.sink_token_ids == [127]
+    assert recipe.distillation.weight > 0 and recipe.sink_token_ids == [127]
     batches = _text_batches(corpus, recipe.sink_token_ids)
     built = train.train_workloads(tiny_llama, batches, recipe, learning_rate=1e-4)
     assert list(built) == list(train.TRAIN_WORKLOADS)
@@ -523,3 +523,19 @@ def test_benchmark_in_onnx_runtime_and_bf16_side_by_side(tmp_path, capsys, corpu
     assert isinstance(train_result["cpu_has_fast_bf16"], bool)
     out = capsys.readouterr().out
     assert "onnxruntime: speedup = ort-original" in out and "ort-folded" in out and "vs fp32" in out
+
+
+def test_bench_never_writes_over_result_files_it_did_not_write(tmp_path):
+    from hf_tapernorm.bench.arguments import parse_arguments
+
+    (tmp_path / "bench.json").write_text('{"mine": 1}')
+    (tmp_path / "bench.png").write_text("my picture")
+    with pytest.raises(ConfigurationError, match=r"holds bench.json, bench.png that no earlier hf-tapernorm bench"):
+        parse_arguments(["--output_dir", str(tmp_path)])
+    (tmp_path / "bench.json").unlink()
+    with pytest.raises(ConfigurationError, match=r"holds bench.png that no earlier"):
+        parse_arguments(["--output_dir", str(tmp_path)])
+    earlier = {"settings": {}, "results": [], "environment": {}}
+    (tmp_path / "bench.json").write_text(json.dumps(earlier))  # an earlier benchmark's pair is replaced
+    assert parse_arguments(["--output_dir", str(tmp_path)]).output_dir == str(tmp_path)
+    assert (tmp_path / "bench.png").read_text() == "my picture" and json.loads((tmp_path / "bench.json").read_text())

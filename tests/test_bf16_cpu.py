@@ -1,5 +1,5 @@
 """``--bf16`` on a machine without an accelerator: bf16 autocast on the CPU, said when the CPU is slow at it; by
-default, bf16 exactly where it is fast."""
+default, bf16 exactly where it is fast; and bf16 training leaves no autocast on evaluation, fold or export."""
 
 from __future__ import annotations
 
@@ -9,14 +9,19 @@ import json
 import logging
 
 import pytest
+import torch
 from transformers import HfArgumentParser, TrainingArguments
 
 import hf_tapernorm.cli.arguments as arguments
+from hf_tapernorm import TaperNormConfig, patch_model
 from hf_tapernorm._parsing import parse
 from hf_tapernorm.cli import main
 from hf_tapernorm.cli.arguments import TaperTrainingArguments
+from hf_tapernorm.layers import set_gate
+from hf_tapernorm.training import calibrate
 from hf_tapernorm.utils import accelerator_available, cpu_has_fast_bf16
-from tests.conftest import corpus_documents, save_tiny_model
+from tests.conftest import build, corpus_documents, random_batches, save_tiny_model, tiny_llama_config
+from tests.helpers import run_main, taper_argv
 
 
 @pytest.fixture
@@ -130,3 +135,33 @@ def test_a_bf16_run_on_the_cpu_records_its_precision(tmp_path):
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["training"]["mixed_precision"] == "bf16" and report["model"]["dtype"] == "float32"
     assert "bf16 autocast" in out.getvalue()
+
+
+# ============================================================================= mixed precision is contained
+def test_bf16_training_leaves_no_autocast_on_evaluation_fold_or_export(workspace, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    code, _, stderr = run_main(taper_argv(workspace, out, "--distill_weight", "0", "--bf16", steps=8))
+    assert code == 0, stderr
+    fold = json.loads((out / "report.json").read_text())["fold"]
+    assert fold["max_rel_diff"] <= 1e-5 and fold["float64_max_rel_diff"] is None, fold  # no float64 rescue
+    assert run_main(["fold", "--checkpoint", str(out / "tapered"), "--output_dir", str(tmp_path / "refold")])[0] == 0
+    ids = torch.randint(0, 127, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        exported = AutoModelForCausalLM.from_pretrained(out / "folded").eval()(input_ids=ids).logits
+        refolded = AutoModelForCausalLM.from_pretrained(tmp_path / "refold").eval()(input_ids=ids).logits
+    assert float((exported - refolded).abs().max()) <= 1e-6
+
+
+def test_the_fold_check_under_autocast_fails_instead_of_calling_the_fold_exact():
+    from hf_tapernorm import FoldCheckError, fold_model
+
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper()).train()
+    for ids in random_batches():
+        model(input_ids=ids)
+    calibrate(model)
+    set_gate(model, 0.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(FoldCheckError, match="autocast is on"):
+        fold_model(model.eval())
+    assert fold_model(model).fold_report.max_rel_diff <= 1e-5  # the same model, autocast off

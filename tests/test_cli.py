@@ -194,27 +194,10 @@ def test_fold_command_exports_a_tapered_checkpoint(finished_run, tmp_path):
     assert code == 2 and "is not a tapered checkpoint (no tapernorm_config.json); it is a folded model" in stderr
 
 
-def test_distillation_adds_the_kl_to_the_frozen_original(finished_run, workspace, tmp_path):
-    out = tmp_path / "distilled"
-    code, _, stderr = run_main(taper_argv(workspace, out, "--distill_weight", "1.0", "--distill_from", "original"))
-    assert code == 0, stderr
-    report = json.loads((out / "report.json").read_text())
-    plain = json.loads((finished_run[0] / "report.json").read_text())
-    assert report["taper"]["distill_weight"] == 1.0 and plain["taper"]["distill_weight"] == 0.0
-    assert report["taper"]["distill_from"] == "original" and plain["taper"]["distill_from"] is None
-    assert plain["taper"]["linear_fit"] == "paper"  # the default: the paper's EMA c
-    losses = [r["loss"] for r in report["history"]]
-    # Steps 1-2: student and teacher are the same function (gate 1; the one warmup step has lr 0), so the KL and
-    # its gradient are 0 and step 3 starts from the plain run's weights: it adds a positive KL to the same CE.
-    assert losses[:2] == pytest.approx([r["loss"] for r in plain["history"][:2]], rel=1e-6)
-    assert losses[2] > plain["history"][2]["loss"]
-    assert report["heldout"]["folded"]["loss"] == pytest.approx(report["heldout"]["tapered"]["loss"], rel=1e-5)
-
-
 def test_distillation_from_the_gate_start_snapshot_is_off_until_the_gate_drops(finished_run, default_run):
     out = default_run  # the default recipe distils, from the gate-start snapshot
     report = json.loads((out / "report.json").read_text())
-    assert report["taper"]["distill_weight"] == 1.0 and report["taper"]["distill_from"] == "gate_start"
+    assert report["taper"]["distill_weight"] == 1.0 and report["taper"]["experimental"] == {}  # gate-start teacher
     plain_history = json.loads((finished_run[0] / "report.json").read_text())["history"]
     plain = [r["loss"] for r in plain_history]
     losses = [r["loss"] for r in report["history"]]
@@ -350,11 +333,11 @@ def test_clear_errors(workspace, tmp_path):
     assert "--distill_weight must be >= 0, got -1.0" in error_of(
         [*taper_argv(workspace, fresh), "--distill_weight", "-1"]
     )
-    assert "argument --linear_fit/--linear-fit: invalid choice: 'mean'" in error_of(
-        [*taper_argv(workspace, fresh), "--linear_fit", "mean"]
+    assert "argument --distill_until/--distill-until: invalid choice: 'never'" in error_of(
+        [*taper_argv(workspace, fresh), "--distill_until", "never"]
     )
-    assert "argument --distill_from/--distill-from: invalid choice: 'teacher'" in error_of(
-        [*taper_argv(workspace, fresh), "--distill_from", "teacher"]
+    assert "unrecognized arguments: ['--distill_from', 'original']" in error_of(  # experimental: no product flag
+        [*taper_argv(workspace, fresh), "--distill_from", "original"]
     )
     assert not fresh.exists()
     uncalibrated = tmp_path / "uncalibrated"
@@ -522,8 +505,9 @@ def test_defaults_are_the_embedded_recipe():
             "scope",
             "keep_norms",
             "sink",
-            "linear_fit",
             "distill_weight",
+            "distill_until",
+            "sink_attention_weight",
             "taper_start",
             "taper_end",
             "relative_scale_loss",
@@ -550,22 +534,23 @@ def test_flags_override_the_recipe_of_the_model():
     kept = ["model.layers.0.input_layernorm"] + [f"model.layers.{i}.post_attention_layernorm" for i in range(2)]
     config = taper_pipeline.recipe_config(_request(), llama, tokenizer)
     assert (config.recipe, config.keep_norms, config.sink_token_ids) == ("gated-mlp", kept, [127])
-    assert config.distill_weight == 1.0 and config.relative_scale_loss and config.sink_attention_weight == 1.0
+    assert config.distillation.weight == 1.0 and config.relative_scale_loss
+    assert config.distillation.sink_attention_weight == 1.0
     config = taper_pipeline.recipe_config(
         _request("--keep_norms", " model.layers.1.*, *.input_layernorm ", "--sink", "none", "--taper_end", "40"),
         llama,
         tokenizer,
     )
     assert config.keep_norms == ["model.layers.1.*", "*.input_layernorm"] and config.sink_token_ids == []
-    assert config.taper_end == 40 and config.distill_weight == 1.0  # the rest stays the recipe's
-    assert config.sink_attention_weight == 0.0  # without a sink, the sink-attention term is off
+    assert config.taper_end == 40 and config.distillation.weight == 1.0  # the rest stays the recipe's
+    assert config.distillation.sink_attention_weight == 0.0  # without a sink, the sink-attention term is off
     assert taper_pipeline.recipe_config(_request("--keep_norms", "none"), llama, tokenizer).keep_norms == []
     final = taper_pipeline.recipe_config(_request("--scope", "final"), llama, tokenizer)
-    assert (final.keep_norms, final.sink_token_ids, final.distill_weight) == ([], [], 0.0)  # nothing internal tapers
+    assert (final.keep_norms, final.sink_token_ids, final.distillation.weight) == ([], [], 0.0)  # none tapers
     paper = taper_pipeline.recipe_config(_request("--preset", "paper"), llama, tokenizer)
     assert paper == TaperNormConfig.paper()
     gpt2 = taper_pipeline.recipe_config(_request(), build(tiny_gpt2_config()), tokenizer)
-    assert gpt2.recipe == "paper" and gpt2.keep_norms == [] and gpt2.distill_weight == 0.0
+    assert gpt2.recipe == "paper" and gpt2.keep_norms == [] and gpt2.distillation.weight == 0.0
 
 
 def test_report_renders_the_facts(tmp_path):

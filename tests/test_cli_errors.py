@@ -1,19 +1,27 @@
-"""Arguments the CLI refuses before it loads, trains or writes anything: one line on stderr, exit status 2.
+"""Arguments the CLI refuses before it loads a model, trains or writes anything: one line on stderr, exit status 2.
 
-Each row is a command (a function of the workspace) with its exit status and a fragment of its one-line error;
-a new early refusal is a new row. Every row also checks that the workspace is left as it was.
+Each row is a command (a function of the workspace, and of the fixtures the row names) with its exit status and
+fragments of its one-line error; a new early refusal is a new row. Every row also checks that the workspace (and
+every folder fixture it names) is left as it was, byte for byte, and that ``taper`` did not load the model.
+conversion_scripts/experiments/reports/probe.md lists where the rows came from, with the outcome before and after.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import yaml
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from tests.conftest import build, corpus_documents, save_tiny_model, tiny_llama_config
-from tests.helpers import run_main, taper_argv
+from tests.conftest import build, char_tokenizer, corpus_documents, tiny_llama_config
+from tests.helpers import copy_run as copy_of
+from tests.helpers import edit_json, error_of, finished_run, one_model_workspace, run_main, taper_argv, truncate
+from tests.helpers import short_eval_argv as evaluate
+from tests.helpers import short_fold_argv as fold
+from tests.helpers import short_taper_argv as taper
 
 
 def _reordered_tokenizer() -> PreTrainedTokenizerFast:
@@ -29,15 +37,36 @@ def _reordered_tokenizer() -> PreTrainedTokenizerFast:
 
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("cli_errors")
-    save_tiny_model(root / "llama", "llama")
-    (root / "corpus.txt").write_text("\n\n".join(corpus_documents(150)))
+    root = one_model_workspace(tmp_path_factory.mktemp("cli_errors"))
     (root / "texts").mkdir()
     for index in range(3):
         (root / "texts" / f"part{index}.txt").write_text("\n\n".join(corpus_documents(60, seed=index)))
     build(tiny_llama_config(), seed=1).save_pretrained(root / "other_tokenizer")
     _reordered_tokenizer().save_pretrained(root / "other_tokenizer")
+    build(tiny_llama_config(vocab_size=100)).save_pretrained(root / "small_vocab")
+    char_tokenizer().save_pretrained(root / "small_vocab")  # 128 tokens
+    (root / "empty.txt").write_text("")
+    (root / "binary.txt").write_bytes(bytes(range(128, 256)) * 20)
+    (root / "emptydir").mkdir()
+    (root / "nocol.csv").write_text("a,b\n1,2\n")
+    (root / "tiny.txt").write_text("short\n\nx\n")
+    (root / "nulls.jsonl").write_text(
+        "".join(json.dumps({"text": None if i % 2 else f"document {i} " * 8}) + "\n" for i in range(200))
+    )
+    mixed = [{"text" if i % 2 else "content": text} for i, text in enumerate(corpus_documents(60))]
+    (root / "mixed.jsonl").write_text("".join(json.dumps(row) + "\n" for row in mixed))
+    (root / "list.yaml").write_text("- a\n- b\n")
+    (root / "empty.yaml").write_text("")
+    (root / "unknown.yaml").write_text("max_steps: 4\nbogus_option: 3\n")
+    (root / "badjson").mkdir()
+    (root / "badjson" / "config.json").write_text("{bad")
     return root
+
+
+@pytest.fixture(scope="module")
+def short_run(ws) -> Path:
+    """A finished 6-step run (checkpoint-6, tapered/, folded/, report.json); the rows that name it edit copies."""
+    return finished_run(taper(ws, ws / "run"))
 
 
 def _eval(ws: Path, *extra: str) -> list[str]:
@@ -56,18 +85,119 @@ def _bench(ws: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-#: name -> (the command's arguments, a function of the workspace; its exit status; a fragment of its error line)
+def _trainer(flags: list[str]):
+    """``taper`` with Trainer ``flags`` on the workspace (10 steps, the taper over steps 2..6)."""
+    return lambda ws: taper_argv(ws, ws / "out", *flags)
+
+
+def _taper(ws: Path, *extra: str, model: str = "llama", data: str = "corpus.txt") -> list[str]:
+    return [
+        "taper", "--model_name_or_path", str(ws / model), "--dataset_name", str(ws / data), "--block_size", "32",
+        "--heldout_blocks", "4", "--heldout_percentage", "10", "--max_steps", "4", "--per_device_train_batch_size", "2",
+        "--output_dir", str(ws / "out"), "--use_cpu", "--disable_tqdm", "true", "--out_of_corpus_blocks", "0",
+        "--scan_windows", "0", *extra,
+    ]  # fmt: skip
+
+
+def _options_with_a_flag(ws, run, tmp):
+    (tmp / "run.yaml").write_text(yaml.safe_dump({"max_steps": 6, "output_dir": str(tmp / "out")}))
+    return ["taper", str(tmp / "run.yaml"), "--max_steps", "4"]
+
+
+def _options_folder(ws, tmp):
+    (tmp / "run.json").mkdir()
+    return ["taper", str(tmp / "run.json")]
+
+
+def _overwrite_damaged_manifest(ws, run, tmp):
+    folder = copy_of(run, tmp)
+    truncate(folder / ".hf_tapernorm_run.json", 50)
+    return taper(ws, folder, "--overwrite")
+
+
+def _eval_folded_config_float(ws, run, tmp):
+    folder = copy_of(run, tmp)
+    edit_json(folder / "folded" / "config.json", hidden_size=32.0)
+    return evaluate(folder / "folded", data=ws / "corpus.txt")
+
+
+def _edited_tapered(command, edit):
+    """eval or fold of a copy of the run whose tapered/ folder ``edit`` changed."""
+
+    def make(ws, run, tmp):
+        folder = copy_of(run, tmp)
+        edit(folder / "tapered")
+        if command == "eval":
+            return evaluate(folder / "tapered", data=ws / "corpus.txt")
+        return fold(folder / "tapered", tmp / "export")
+
+    return make
+
+
+def _tapered_config_string(command):
+    return _edited_tapered(command, lambda tapered: edit_json(tapered / "config.json", num_hidden_layers="2"))
+
+
+def _truncated_tapernorm_config(command):
+    return _edited_tapered(command, lambda tapered: truncate(tapered / "tapernorm_config.json"))
+
+
+def _edited_manifest(entry):
+    def make(ws, run, tmp):
+        folder = copy_of(run, tmp)
+        manifest = folder / "folded" / ".hf_tapernorm_export.json"
+        files = json.loads(manifest.read_text())["files"]
+        manifest.write_text(json.dumps({"tool": "hf-tapernorm", "files": [*files, entry]}))
+        return ["push", "--export_dir", str(folder / "folded"), "--repo_id", "me/x"]
+
+    return make
+
+
+def _push_with(relative: str):
+    def make(ws, run, tmp):
+        folder = copy_of(run, tmp)
+        (folder / "folded" / relative).parent.mkdir(parents=True, exist_ok=True)
+        (folder / "folded" / relative).write_text("hf_not_a_real_token")
+        return ["push", "--export_dir", str(folder / "folded"), "--repo_id", "me/x"]
+
+    return make
+
+
+def _resume_with_edited_checkpoint_config(ws, run, tmp):
+    folder = copy_of(run, tmp)
+    edit_json(folder / "checkpoint-6" / "tapernorm_config.json", ema_rate=0.5)
+    return taper(ws, folder, "--resume")
+
+
+def _data(name: str, text: str):
+    def make(ws, run, tmp):
+        (tmp / name).write_text(text)
+        return taper(ws, tmp / "out", data=str(tmp / name))
+
+    return make
+
+
+#: the fixtures a row of a finished run needs (besides the workspace): the run, and a folder to copy it into
+NEEDS_RUN = ("short_run", "tmp_path")
+
+#: name -> (the command's arguments, a function of the workspace and of the fixtures named last; its exit status;
+#: a fragment, or fragments, of its error line; the fixtures, if any)
 CASES = {
     "bench: a compile backend torch does not know": (
         lambda ws: _bench(ws, "--execution", "compile", "--compile_backend", "bogus"),
         2,
         "--compile_backend 'bogus' is not a torch.compile backend torch knows: ",
     ),
-    "taper: long steps that come after the last step": (
-        lambda ws: taper_argv(ws, ws / "out", "--long_block_size", "64", "--long_block_every", "100"),
+    # measured and rejected: research arms (conversion_scripts/experiments/length_arms.py), not product options
+    "taper: long steps are no option": (
+        lambda ws: taper_argv(ws, ws / "out", "--long_block_size", "64", "--long_block_every", "4"),
         2,
-        "the first long step is step 100, and this run has 10 (--max_steps), so no step would read long blocks; "
-        "a long step needs --max_steps 100 or more",
+        ["unrecognized arguments", "--long_block_size"],
+    ),
+    "eval: position spans are no option": (
+        lambda ws: ["eval", "--model_name_or_path", str(ws / "llama"), "--position_span", "256"],
+        2,
+        ["unrecognized arguments", "--position_span"],
     ),
     "taper: the output folder inside the dataset folder": (
         lambda ws: [*taper_argv(ws, ws / "texts" / "run"), "--dataset_name", str(ws / "texts")],
@@ -84,20 +214,439 @@ CASES = {
         2,
         "has another tokenizer than '{ws}/llama' (126 of 128 token ids are other text)",
     ),
+    # Trainer options: refused before the model loads
+    "taper: --adam_beta2 2": (
+        _trainer(["--adam_beta2", "2"]),
+        2,
+        "with these options: ValueError: Invalid beta parameter at index 1: 2.0",
+    ),
+    "taper: --learning_rate nan": (
+        _trainer(["--learning_rate", "nan"]),
+        2,
+        "--learning_rate must be a finite number, got nan",
+    ),
+    "taper: --learning_rate -1": (_trainer(["--learning_rate", "-1"]), 2, "ValueError: Invalid learning rate: -1.0"),
+    "taper: --max_grad_norm inf": (
+        _trainer(["--max_grad_norm", "inf"]),
+        2,
+        "--max_grad_norm must be a finite number, got inf (0 turns clipping off)",
+    ),
+    # a reporter whose package is absent (wandb comes with the interpretability extra's TransformerLens)
+    "taper: --report_to clearml": (
+        _trainer(["--report_to", "clearml"]),
+        2,
+        "--report_to ['clearml']: RuntimeError: ClearMLCallback requires 'clearml'",
+    ),
+    "taper: --optim adamw_bnb_8bit": (
+        _trainer(["--optim", "adamw_bnb_8bit"]),
+        2,
+        "--optim adamw_bnb_8bit with these options:",
+    ),
+    "taper: --eval_strategy steps": (
+        _trainer(["--eval_strategy", "steps"]),
+        2,
+        "--eval_strategy steps: taper gives the Trainer no evaluation set",
+    ),
+    "taper: --push_to_hub": (
+        _trainer(["--push_to_hub"]),
+        2,
+        "--push_to_hub would upload the run folder from inside training",
+    ),
+    "taper: --gradient_accumulation_steps 0": (
+        _trainer(["--gradient_accumulation_steps", "0"]),
+        2,
+        "--gradient_accumulation_steps must be a positive integer, got 0",
+    ),
+    "taper: --per_device_train_batch_size 0": (
+        _trainer(["--per_device_train_batch_size", "0"]),
+        2,
+        "--per_device_train_batch_size must be a positive integer, got 0",
+    ),
+    "taper: --sink_attention_weight inf": (
+        _trainer(["--sink_attention_weight", "inf"]),
+        2,
+        "--sink_attention_weight must be a finite number, got inf",
+    ),
+    "taper: --scale_loss_weight inf": (_trainer(["--scale_loss_weight", "inf"]), 2, ["scale_loss_weight", "inf"]),
+    "taper: --distill_weight inf": (_trainer(["--distill_weight", "inf"]), 2, ["distill_weight", "inf"]),
+    "taper: --resume_from_checkpoint x": (
+        _trainer(["--resume_from_checkpoint", "x"]),
+        2,
+        "--resume_from_checkpoint is the Trainer's flag and taper does not read it",
+    ),
+    "taper: --label_smoothing_factor 0.1": (
+        _trainer(["--label_smoothing_factor", "0.1"]),
+        2,
+        "--label_smoothing_factor 0.1: the Trainer would compute its own loss",
+    ),
+    "taper: --seed -1": (
+        _trainer(["--seed", "-1"]),
+        2,
+        "--seed must be in [0, 2**32 - 1], got -1",
+    ),  # was NumPy's traceback, after the load
+    "taper: --max_grad_norm -1": (
+        _trainer(["--max_grad_norm", "-1"]),
+        2,
+        "--max_grad_norm must be >= 0, got -1.0",
+    ),  # was clipping silently off
+    "taper: --weight_decay -1": (
+        _trainer(["--weight_decay", "-1"]),
+        2,
+        "--weight_decay must be >= 0, got -1.0",
+    ),  # was accepted: weights pushed to grow
+    "taper: --lr_scheduler_kwargs num_decay_steps 500": (
+        _trainer(["--lr_scheduler_kwargs", '{"num_decay_steps": 500}']),
+        2,
+        "more than --max_steps 10",
+    ),
+    "taper: --warmup_steps 5": (
+        _trainer(["--warmup_steps", "5"]),
+        2,
+        "--warmup_steps 5.0 is 5 steps, past the taper's start (step 2)",
+    ),
+    "taper: --per_device_train_batch_size 5000": (
+        _trainer(
+            ["--per_device_train_batch_size", "5000", "--max_steps", "2", "--taper_start", "1", "--taper_end", "2"]
+        ),
+        2,
+        "fewer than one batch (5000: --per_device_train_batch_size x processes): training would run 0 steps",
+    ),
+    # a first user's mistakes (issue 34's probe)
+    "taper: a jsonl whose rows name their text differently": (
+        lambda ws: [*taper(ws, ws / "out"), "--dataset_name", str(ws / "mixed.jsonl")],
+        2,
+        ["has no 'text' value", "content", "--text_column"],
+    ),
+    "taper: a tokenizer larger than the vocabulary": (
+        lambda ws: taper(ws, ws / "out", "--sink", "none", model=str(ws / "small_vocab")),
+        2,
+        ["128 tokens", "vocab_size 100", "resize_token_embeddings"],
+    ),
+    "eval: a tokenizer larger than the vocabulary": (
+        lambda ws: [
+            "eval",
+            "--model_name_or_path",
+            str(ws / "small_vocab"),
+            "--dataset_name",
+            str(ws / "corpus.txt"),
+            "--sink",
+            "none",
+            "--block_size",
+            "32",
+            "--out_of_corpus_blocks",
+            "0",
+        ],  # fmt: skip
+        2,
+        ["vocab_size 100"],
+    ),
+    "taper: --use_liger_kernel": (
+        lambda ws: taper(ws, ws / "out", "--use_liger_kernel", "true"),
+        2,
+        ["--use_liger_kernel", "bypassed"],
+    ),
+    # the hostile probe: what a new user hands the CLI
+    "empty data file": (lambda ws: _taper(ws, data="empty.txt"), 2, ["empty.txt", "is empty"]),
+    "binary data file": (lambda ws: _taper(ws, data="binary.txt"), 2, ["not UTF-8", "convert it"]),
+    "data folder without text files": (lambda ws: _taper(ws, data="emptydir"), 2, ["holds no", ".txt"]),
+    "csv without a text column": (lambda ws: _taper(ws, data="nocol.csv"), 2, ["--text_column"]),
+    "jsonl rows without text": (lambda ws: _taper(ws, data="nulls.jsonl"), 2, ["row 1", "no 'text' value"]),
+    "data smaller than a block": (lambda ws: _taper(ws, data="tiny.txt"), 2, ["too small", "--block_size"]),
+    "options file holding a list": (lambda ws: ["taper", str(ws / "list.yaml")], 2, ["one object"]),
+    "empty options file": (lambda ws: ["taper", str(ws / "empty.yaml")], 2, ["one object"]),
+    "unknown option in a file": (
+        lambda ws: ["taper", str(ws / "unknown.yaml")],
+        2,
+        ["unknown options", "bogus_option"],
+    ),
+    "model is a text file": (lambda ws: _taper(ws, model="corpus.txt"), 2, ["is a file, not a model", "config.json"]),
+    "model config not JSON": (lambda ws: _taper(ws, model="badjson"), 2, ["cannot read the config", "badjson"]),
+    "block size beyond positions": (lambda ws: _taper(ws, "--block_size", "100000"), 2, ["64 positions"]),
+    "batch size 0": (lambda ws: _taper(ws, "--per_device_train_batch_size", "0"), 2, ["--per_device_train_batch_size"]),
+    "held out 100%": (lambda ws: _taper(ws, "--heldout_percentage", "100"), 2, ["--heldout_percentage"]),
+    "taper end before start": (lambda ws: _taper(ws, "--taper_start", "0.9", "--taper_end", "0.5"), 2, ["--taper_end"]),
+    "keep_norms matching nothing": (lambda ws: _taper(ws, "--keep_norms", "nope.*"), 2, ["match no norm"]),
+    "negative seed": (lambda ws: _taper(ws, "--seed", "-1"), 2, ["--seed"]),
+    "gradient accumulation 0": (lambda ws: _taper(ws, "--gradient_accumulation_steps", "0"), 2, ["accumulation"]),
+    "scheduler kwargs not JSON": (
+        lambda ws: _taper(ws, "--lr_scheduler_kwargs", "{nope"),
+        2,
+        ["--lr_scheduler_kwargs", "not a JSON object"],
+    ),
+    "scheduler kwargs of the wrong type": (
+        lambda ws: _taper(
+            ws, "--lr_scheduler_type", "cosine_with_restarts", "--lr_scheduler_kwargs", '{"num_cycles": "x"}'
+        ),
+        2,
+        ["--lr_scheduler_type cosine_with_restarts"],
+    ),
+    "resume of a new folder": (lambda ws: _taper(ws, "--resume"), 2, ["--resume", "holds no run to continue"]),
+    "output_dir is a file": (
+        lambda ws: [*_taper(ws), "--output_dir", str(ws / "corpus.txt")],
+        2,
+        ["corpus.txt' is a file"],
+    ),
+    "text column not in the data": (lambda ws: _taper(ws, "--text_column", "body", data="nulls.jsonl"), 2, ["'body'"]),
+    "eval batch size 0": (lambda ws: _taper(ws, "--eval_batch_size", "0"), 2, ["--eval_batch_size"]),
+    "out-of-corpus data missing": (
+        lambda ws: _taper(ws, "--out_of_corpus_dataset", str(ws / "nope.txt"), "--out_of_corpus_blocks", "4"),
+        2,
+        ["nope.txt", "not found"],
+    ),
+    "allow_changes without resume": (lambda ws: _taper(ws, "--allow_changes", "seed"), 2, ["--resume only"]),
+    "gguf_file without a model": (
+        lambda ws: ["taper", "--gguf_file", "x.gguf", "--output_dir", str(ws / "out")],
+        2,
+        ["--model_name_or_path"],
+    ),
+    "batch larger than the data": (
+        lambda ws: _taper(ws, "--per_device_train_batch_size", "100000"),
+        2,
+        ["fewer than one batch"],
+    ),
+    "negative learning rate": (lambda ws: _taper(ws, "--learning_rate", "-1"), 2, ["learning rate"]),
+    "NaN learning rate": (lambda ws: _taper(ws, "--learning_rate", "nan"), 2, ["--learning_rate must be a finite"]),
+    "explicit warmup past the taper start": (lambda ws: _taper(ws, "--warmup_steps", "2.5"), 2, ["--warmup_steps 2.5"]),
+    "logging_steps 0": (lambda ws: _taper(ws, "--logging_steps", "0"), 2, ["--logging_steps"]),
+    "negative distillation weight": (lambda ws: _taper(ws, "--distill_weight", "-1"), 2, ["--distill_weight"]),
+    "max_steps 1": (lambda ws: [*_taper(ws), "--max_steps", "1"], 2, ["--max_steps must be at least 2"]),
+    "unknown flag": (lambda ws: _taper(ws, "--bogus", "1"), 2, ["unrecognized arguments", "--bogus"]),
+    "eval result in a missing folder": (
+        lambda ws: ["eval", "--model_name_or_path", str(ws / "llama"), "--output_json", str(ws / "no" / "r.json")],
+        2,
+        ["does not exist"],
+    ),
+    "eval result over a model's config": (
+        lambda ws: ["eval", "--model_name_or_path", str(ws / "llama"), "--output_json", str(ws / "llama/config.json")],
+        2,
+        ["not an earlier result"],
+    ),
+    "eval of a missing model": (lambda ws: ["eval", "--model_name_or_path", str(ws / "nothing")], 2, ["not found"]),
+    "fold of an original model": (
+        lambda ws: ["fold", "--checkpoint", str(ws / "llama"), "--output_dir", str(ws / "x")],
+        2,
+        ["not a tapered checkpoint"],
+    ),
+    "fold tolerance 0": (
+        lambda ws: ["fold", "--checkpoint", str(ws / "llama"), "--output_dir", str(ws / "x"), "--tolerance", "0"],
+        2,
+        ["--tolerance must be positive"],
+    ),
+    "push of a missing export": (
+        lambda ws: ["push", "--export_dir", str(ws / "nothing"), "--repo_id", "me/x"],
+        2,
+        ["not found"],
+    ),
+    "push to a malformed repo id": (
+        lambda ws: ["push", "--export_dir", str(ws / "llama"), "--repo_id", "me/x/y"],
+        2,
+        ["--repo_id 'me/x/y' is not a valid Hub repository name", "'namespace/repo_name'"],
+    ),
+    "an options file that is a folder": (
+        _options_folder,
+        2,
+        ["options file '", "run.json' is a folder; name a JSON or YAML file"],
+        ("tmp_path",),
+    ),
+    # the hostile probe, round 2: odd paths, edited run and export folders
+    "options file followed by a flag": (
+        _options_with_a_flag,
+        2,
+        ["run.yaml is read alone", "put --max_steps"],
+        NEEDS_RUN,
+    ),
+    "repo id with a space": (
+        lambda ws, run, tmp: ["push", "--export_dir", str(run / "folded"), "--repo_id", "me/has space"],
+        2,
+        ["--repo_id 'me/has space' is not a valid Hub repository name"],
+        NEEDS_RUN,
+    ),
+    "repo id with '..'": (
+        lambda ws, run, tmp: ["push", "--export_dir", str(run / "folded"), "--repo_id", "me/a..b"],
+        2,
+        ["not a valid Hub repository name"],
+        NEEDS_RUN,
+    ),
+    "fold into a folder inside the checkpoint": (
+        lambda ws, run, tmp: fold(copy_of(run, tmp) / "tapered", tmp / "run" / "tapered" / "sub"),
+        2,
+        ["lies inside --checkpoint", "choose a folder outside the checkpoint"],
+        NEEDS_RUN,
+    ),
+    "overwrite of a run whose manifest is damaged": (
+        _overwrite_damaged_manifest,
+        2,
+        ["manifest .hf_tapernorm_run.json is unreadable", "--resume rebuilds it"],
+        NEEDS_RUN,
+    ),
+    "eval of an export whose config has hidden_size 32.0": (
+        _eval_folded_config_float,
+        2,
+        ["cannot read the config of", "hidden_size"],
+        NEEDS_RUN,
+    ),
+    "eval of a tapered checkpoint whose config has a string layer count": (
+        _tapered_config_string("eval"),
+        2,
+        ["cannot read the config of tapered checkpoint", "num_hidden_layers"],
+        NEEDS_RUN,
+    ),
+    "fold of a tapered checkpoint whose config has a string layer count": (
+        _tapered_config_string("fold"),
+        2,
+        ["cannot read the config of tapered checkpoint", "num_hidden_layers"],
+        NEEDS_RUN,
+    ),
+    "eval of a truncated tapernorm_config.json": (
+        _truncated_tapernorm_config("eval"),
+        2,
+        ["cannot read", "tapernorm_config.json"],
+        NEEDS_RUN,
+    ),
+    "fold of a truncated tapernorm_config.json": (
+        _truncated_tapernorm_config("fold"),
+        2,
+        ["cannot read", "tapernorm_config.json"],
+        NEEDS_RUN,
+    ),
+    "eval of the run folder itself": (
+        lambda ws, run, tmp: evaluate(run, data=ws / "corpus.txt"),
+        2,
+        ["folder without config.json"],
+        NEEDS_RUN,
+    ),
+    "fold of the run folder itself": (
+        lambda ws, run, tmp: fold(run, tmp / "x"),
+        2,
+        ["folder without config.json"],
+        NEEDS_RUN,
+    ),
+    "fold --overwrite onto the run folder": (
+        lambda ws, run, tmp: fold(copy_of(run, tmp) / "tapered", tmp / "run", "--overwrite"),
+        2,
+        ["refusing to --overwrite", "not an earlier export"],
+        NEEDS_RUN,
+    ),
+    "eval --output_json naming a folder": (
+        lambda ws, run, tmp: evaluate(run / "folded", "--output_json", str(tmp), data=ws / "corpus.txt"),
+        2,
+        ["is a symbolic link or a folder; name a new file"],
+        NEEDS_RUN,
+    ),
+    "eval --scan_reference missing": (
+        lambda ws, run, tmp: (
+            [*evaluate(run / "folded", data=ws / "corpus.txt")[:-2], "--scan_windows", "4"]
+            + ["--scan_reference", str(tmp / "nope")]
+        ),
+        2,
+        ["nope' not found"],
+        NEEDS_RUN,
+    ),
+    "eval --sink none of a sink-trained export": (
+        lambda ws, run, tmp: evaluate(run / "folded", "--sink", "none", data=ws / "corpus.txt"),
+        2,
+        ["was trained with the sink [127]", "--sink auto"],
+        NEEDS_RUN,
+    ),
+    "push of tapered/": (
+        lambda ws, run, tmp: ["push", "--export_dir", str(run / "tapered"), "--repo_id", "me/x"],
+        2,
+        ["is not a folded export"],
+        NEEDS_RUN,
+    ),
+    "push of the run folder": (
+        lambda ws, run, tmp: ["push", "--export_dir", str(run), "--repo_id", "me/x"],
+        2,
+        ["folder without config.json"],
+        NEEDS_RUN,
+    ),
+    "push of a manifest edited to name ../report.json": (
+        _edited_manifest("../report.json"),
+        2,
+        ["is damaged or was edited"],
+        NEEDS_RUN,
+    ),
+    "push of a manifest edited to name '*'": (_edited_manifest("*"), 2, ["lacks files of its export (*)"], NEEDS_RUN),
+    "push with a hidden .cache/token": (
+        _push_with(".cache/token"),
+        2,
+        ["did not write (.cache/token)", "--include"],
+        NEEDS_RUN,
+    ),
+    "push with a file named like a pattern": (
+        _push_with("[tokenizer].json"),
+        2,
+        ["did not write ([tokenizer].json)"],
+        NEEDS_RUN,
+    ),
+    "resume after editing the checkpoint's tapernorm_config.json": (
+        _resume_with_edited_checkpoint_config,
+        2,
+        ["tapernorm_config.json was edited after the run wrote it", "ema_rate: 0.5 in the file, 0.01 recorded"],
+        NEEDS_RUN,
+    ),
+    "data of blank lines only": (_data("blank.txt", "\n\n   \n\t\n\n"), 2, ["blank.txt' is too small"], NEEDS_RUN),
+    "data of one huge line": (
+        _data("line.txt", " ".join(corpus_documents(150))),
+        2,
+        ["holds only 1 document(s)", "--sample_by line"],
+        NEEDS_RUN,
+    ),
+    "scan_windows -1": (
+        lambda ws, run, tmp: taper(ws, tmp / "o", "--scan_windows", "-1"),
+        2,
+        ["--scan_windows"],
+        NEEDS_RUN,
+    ),
+    "out_of_corpus_blocks -1": (
+        lambda ws, run, tmp: taper(ws, tmp / "o", "--out_of_corpus_blocks", "-1"),
+        2,
+        ["--out_of_corpus_blocks must be >= 0"],
+        NEEDS_RUN,
+    ),
+    "heldout_percentage 0": (
+        lambda ws, run, tmp: taper(ws, tmp / "o", "--heldout_percentage", "0"),
+        2,
+        ["--heldout_percentage must be in (0, 100)"],
+        NEEDS_RUN,
+    ),
 }
 
 
-def _files(folder: Path) -> set[str]:
-    return {p.relative_to(folder).as_posix() for p in folder.rglob("*")}
+#: the data caches of the workspace's commands: a refusal made after reading the data may fill them (a read cache,
+#: not an output)
+DATA_CACHES = ("cache", "datasets_cache")
+
+
+def _state(folder: Path) -> dict[str, bytes | None]:
+    """Every file of ``folder`` with its bytes, and every folder (``None``), the data caches left out."""
+    paths = (p for p in folder.rglob("*") if p.relative_to(folder).parts[0] not in DATA_CACHES)
+    return {p.relative_to(folder).as_posix(): p.read_bytes() if p.is_file() else None for p in paths}
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_a_refused_command_stops_with_one_line_and_writes_nothing(ws, name):
-    make_argv, code, fragment = CASES[name]
-    before = _files(ws)
-    status, _, stderr = run_main(make_argv(ws))
+def test_a_refused_command_stops_with_one_line_and_writes_nothing(ws, name, request, monkeypatch):
+    make_argv, code, fragments, *needs = CASES[name]
+    fixtures = [request.getfixturevalue(fixture) for fixture in (needs[0] if needs else ())]
+    argv = make_argv(ws, *fixtures)
+    folders = [ws, *(f for f in fixtures if isinstance(f, Path))]
+    before = [_state(folder) for folder in folders]
+    monkeypatch.setattr("hf_tapernorm.app.taper.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    status, _, stderr = run_main(argv)
     first = next((line for line in stderr.splitlines() if line.startswith("hf-tapernorm ")), stderr[-2000:])
     assert status == code, stderr[-2000:]
-    assert first.startswith(f"hf-tapernorm {make_argv(ws)[0]}: error: "), first
-    assert fragment.format(ws=ws) in first, first
-    assert _files(ws) == before
+    assert first.startswith(f"hf-tapernorm {argv[0]}: error: "), first
+    for fragment in [fragments] if isinstance(fragments, str) else fragments:
+        assert fragment.format(ws=ws) in first, first
+    assert [_state(folder) for folder in folders] == before
+
+
+def test_a_mistyped_model_path_is_named_as_such(workspace, tmp_path):
+    message = error_of(["fold", "--checkpoint", "no_such/folder", "--output_dir", str(tmp_path / "export")])
+    assert (
+        message == "hf-tapernorm fold: error: --checkpoint 'no_such/folder': no such folder; fold reads a local "
+        "tapered checkpoint"
+    )
+    status, _, stderr = run_main(["eval", "--model_name_or_path", "no_such/folder", "--dataset_name", "x.txt"])
+    lines = stderr.strip().splitlines()
+    assert status == 2 and len(lines) == 1, stderr  # transformers' message runs over two lines
+    assert "'no_such/folder' (no local folder of that name, so it was taken as a Hub id: check the path" in lines[0]

@@ -1,31 +1,28 @@
-"""TaperNormConfig: one object for every choice, its presets, its round trips, and the recipe of every family."""
+"""TaperNormConfig: one object for every choice, its groups and options, its presets, the CLI generated from it, and
+the recipe of every family (its file, versions and migrations: test_config_files.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import inspect
 import logging
-import os
-import subprocess
-import sys
+import re
 import typing
 
 import pytest
 import torch
 
-import hf_tapernorm
 from hf_tapernorm import (
     ConfigurationError,
     TaperController,
     TaperNormConfig,
     TaperStateError,
-    export_folded,
     fold_model,
-    load_tapered,
     patch_model,
-    save_tapered,
 )
-from hf_tapernorm.layers import gate_of, tapered_norms
+from hf_tapernorm.config import DistillationConfig, ExperimentalOptions
+from hf_tapernorm.layers import gate_of
+from hf_tapernorm.training.distillation import Distillation
 from tests.conftest import (
     DISCOVERED_CASES,
     FAMILY_CASES,
@@ -70,11 +67,11 @@ def test_for_model_derives_the_recipe_from_the_structure(case):
         expected["input_layernorm"] = {0}
     assert layers_kept == expected
     if family in GATED:
-        assert config.recipe == "gated-mlp" and config.distill_weight == 1.0 and config.relative_scale_loss
-        assert config.sink_attention_weight == 1.0
+        assert config.recipe == "gated-mlp" and config.distillation.weight == 1.0 and config.relative_scale_loss
+        assert config.distillation.sink_attention_weight == 1.0
         assert config.sink_token_ids == [model.config.bos_token_id]  # the config's BOS without a tokenizer
     else:
-        assert config.recipe.startswith("paper") and config.distill_weight == 0.0 and config.sink_token_ids == []
+        assert config.recipe.startswith("paper") and config.distillation.weight == 0.0 and config.sink_token_ids == []
         assert config == TaperNormConfig.paper(keep_norms=config.keep_norms, recipe=config.recipe)
 
 
@@ -105,7 +102,7 @@ def test_the_default_recipe_of_every_family_reaches_gate_zero_and_folds(case):
         optimizer.zero_grad()
         controller.step_end(step)  # raises TaperDivergenceError if the watch fires
     assert gate_of(model) == 0.0
-    assert (controller.distillation is not None) == (config.distill_weight > 0)
+    assert (controller.distillation is not None) == (config.distillation.weight > 0)
     folded = fold_model(model)
     assert folded.fold_report.max_rel_diff <= 1e-4
     assert set(folded.config.kept_norms) == set(config.keep_norms) | {folded.config.final_norm}
@@ -115,127 +112,80 @@ def test_validation_names_the_field():
     for kwargs, message in (
         ({"scope": "inner"}, "TaperNormConfig.scope must be one of internal, final, all, got 'inner'"),
         ({"ema_rate": 0}, "TaperNormConfig.ema_rate must be in (0, 1], got 0"),
-        ({"calibration_scale": 0}, "TaperNormConfig.calibration_scale must be positive"),
+        ({"experimental": {"calibration_scale": 0}}, "TaperNormConfig.experimental.calibration_scale must be positive"),
         ({"scale_loss_weight": -1}, "TaperNormConfig.scale_loss_weight must be >= 0"),
-        ({"linear_fit": "mean"}, "TaperNormConfig.linear_fit must be one of paper, per_channel"),
-        ({"distill_until": "never"}, "TaperNormConfig.distill_until must be one of end, taper_end"),
+        ({"experimental": {"linear_fit": "mean"}}, "TaperNormConfig.experimental.linear_fit must be one of paper, per"),
+        ({"distillation": {"until": "never"}}, "TaperNormConfig.distillation.until must be one of end, taper_end"),
+        ({"distillation": {"weigth": 1}}, "TaperNormConfig.distillation has no field 'weigth'; known: weight, until"),
+        ({"distillation": 1.0}, "TaperNormConfig.distillation must be a DistillationConfig or a mapping of its fields"),
+        ({"recipe": "mine"}, "TaperNormConfig.recipe must be one of paper, paper+keep_qk_norms, gated-mlp, paper ("),
         ({"taper_start": 0.5, "taper_end": 0.4}, "taper_end (0.4) must come after taper_start (0.5)"),
         ({"taper_end": 1.5}, "a float is a fraction of the run and must be in (0, 1]"),
         ({"keep_norms": [""]}, "keep_norms holds an empty pattern"),
     ):
-        with pytest.raises(ConfigurationError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        with pytest.raises(ConfigurationError, match=re.escape(message)):
             TaperNormConfig(**kwargs)
     with pytest.raises(ConfigurationError, match=r"TaperNormConfig.ema_rate must be in \(0, 1\], got 2"):
-        TaperNormConfig.check_values(ema_rate=2)
-    assert TaperNormConfig.check_values(keep_norms="a.*", taper_end=3) == {"keep_norms": ["a.*"], "taper_end": 3}
+        TaperNormConfig.check_options(ema_rate=2)
+    with pytest.raises(ConfigurationError, match=r"TaperNormConfig.distillation.weight must be >= 0, got -1.0"):
+        TaperNormConfig.check_options(distill_weight=-1)
+    with pytest.raises(ConfigurationError, match=r"TaperNormConfig has no option 'linear_fit'; options: scope, "):
+        TaperNormConfig.check_options(linear_fit="paper")  # experimental: no option of the stable recipe
+    assert TaperNormConfig.check_options(keep_norms="a.*", taper_end=3) == {"keep_norms": ["a.*"], "taper_end": 3}
+
+
+def test_the_teacher_s_settings_are_one_group_and_the_options_name_them_by_their_flags():
+    config = TaperNormConfig(distillation={"weight": 0.5, "until": "taper_end"})
+    assert config.distillation == DistillationConfig(weight=0.5, until="taper_end", sink_attention_weight=0.0)
+    assert config == TaperNormConfig.from_options({"distill_weight": 0.5, "distill_until": "taper_end"})
+    assert config.replace(distill_weight=1.0).distillation.weight == 1.0 and config.distillation.weight == 0.5
+    options = config.options()
+    assert [name for name in options if "distill" in name] == ["distill_weight", "distill_until"]
+    assert options["sink_attention_weight"] == 0.0 and options["experimental"] == {}
+    assert TaperNormConfig.from_options(options) == config
+    with pytest.raises(ConfigurationError, match=r"TaperNormConfig has no option 'distillation'; options: "):
+        TaperNormConfig.paper(distillation={"weight": 1.0})  # the presets speak options
+    with pytest.raises(AttributeError, match=r"TaperNormConfig has no field 'distill_weight'; fields: scope, "):
+        config.distill_weight = 1.0  # the old flat field: an error, not an attribute nothing reads
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.distillation.weight = 1.0  # a group changes through replace (it may be shared by several configs)
+
+
+def test_experimental_options_are_apart_and_change_nothing_by_default():
+    assert TaperNormConfig().experimental == ExperimentalOptions()
+    assert ExperimentalOptions().to_dict() == {} and TaperNormConfig().options()["experimental"] == {}
+    config = TaperNormConfig.paper(experimental={"distill_schedule": "gate", "calibration_scale": 0.5})
+    assert config.experimental == ExperimentalOptions(calibration_scale=0.5, distill_schedule="gate")
+    assert config.to_dict()["experimental"] == {"calibration_scale": 0.5, "distill_schedule": "gate"}
+    assert config.replace(experimental={}).experimental == ExperimentalOptions()
+    assert not set(ExperimentalOptions.__dataclass_fields__) & set(TaperNormConfig.option_fields())
+    # Distillation's defaults are the config's: one default wherever the teacher's settings are read.
+    defaults = inspect.signature(Distillation).parameters
+    assert defaults["distill_from"].default == ExperimentalOptions().distill_from == "gate_start"
+    assert defaults["distill_schedule"].default == ExperimentalOptions().distill_schedule
+    assert defaults["distill_until"].default == DistillationConfig().until
+    assert defaults["sink_attention_weight"].default == DistillationConfig().sink_attention_weight
+
+
+def test_the_recipe_is_one_of_the_presets_names():
+    names = set(TaperNormConfig.choices("recipe"))
+    model = build(tiny_llama_config())
+    gpt2 = build(tiny_family_config("gpt2"))
+    written = {TaperNormConfig.paper().recipe, TaperNormConfig().recipe}
+    for preset in (lambda **o: TaperNormConfig.for_model(model, **o), lambda **o: TaperNormConfig.for_model(gpt2, **o)):
+        written |= {preset().recipe, preset(scope="final").recipe}
+    assert written <= names and {"gated-mlp", "paper", "custom", "gated-mlp (final norm)"} <= written
 
 
 def test_choices_come_from_the_literal_types():
     assert TaperNormConfig.choices("scope") == ("internal", "final", "all")
-    assert TaperNormConfig.choices("distill_from") == ("gate_start", "original", "current")
-    assert TaperNormConfig.choices("distill_until") == ("end", "taper_end")
-    assert TaperNormConfig.choices("linear_fit") == ("paper", "per_channel")
+    assert ExperimentalOptions.choices("distill_from") == ("gate_start", "original", "current")
+    assert DistillationConfig.choices("until") == ("end", "taper_end")
+    assert ExperimentalOptions.choices("linear_fit") == ("paper", "per_channel")
     assert TaperNormConfig.choices("ema_rate") is None
-    for field in dataclasses.fields(TaperNormConfig):
-        assert field.metadata["help"].strip(), f"{field.name} has no help text"
-
-
-def test_a_file_from_a_newer_version_loads_with_one_warning(tmp_path, caplog):
-    config = TaperNormConfig.paper(keep_norms=["model.layers.1.*"], taper_start=2)
-    path = config.save_pretrained(tmp_path)
-    values = json.loads(path.read_text())
-    assert values.pop("hf_tapernorm_version") == hf_tapernorm.__version__
-    path.write_text(json.dumps({**values, "hf_tapernorm_version": "99.0", "future_knob": 3, "another": "x"}))
-    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.config"):
-        loaded = TaperNormConfig.from_pretrained(tmp_path)
-    assert loaded == config
-    warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warned) == 1, [r.getMessage() for r in warned]
-    assert "another, future_knob" in warned[0].getMessage() and "99.0" in warned[0].getMessage()
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.config"):
-        assert TaperNormConfig.from_pretrained(config.save_pretrained(tmp_path / "same").parent) == config
-    assert not caplog.records  # a file of this version: no warning
-
-
-def test_from_pretrained_reads_a_hub_repository(tmp_path, monkeypatch):
-    import huggingface_hub
-
-    config = TaperNormConfig.paper(sink_token_ids=[1])
-    config.save_pretrained(tmp_path / "cache")
-    calls = []
-
-    def download(repo_id, filename, **kwargs):
-        calls.append((repo_id, filename, kwargs.get("revision")))
-        return str(tmp_path / "cache" / filename)
-
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
-    assert TaperNormConfig.from_pretrained("me/tapered-model", revision="v1") == config
-    assert calls == [("me/tapered-model", "tapernorm_config.json", "v1")]
-
-    def offline(repo_id, filename, **kwargs):
-        raise huggingface_hub.errors.OfflineModeIsEnabled("Cannot reach https://huggingface.co: offline mode is on.")
-
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
-    with pytest.raises(ConfigurationError) as error:
-        TaperNormConfig.from_pretrained("me/tapered-model")
-    assert "\n" not in str(error.value)
-    assert str(error.value).startswith("TaperNormConfig.from_pretrained('me/tapered-model'): not a local folder")
-    assert "OfflineModeIsEnabled" in str(error.value)
-    with pytest.raises(ConfigurationError, match="no folder 'runs/missing/tapered'"):
-        TaperNormConfig.from_pretrained("runs/missing/tapered")  # a path, not a repository id: no download
-    with pytest.raises(ConfigurationError, match="no tapernorm_config.json in"):
-        TaperNormConfig.from_pretrained(tmp_path)
-
-
-def test_from_pretrained_offline_is_a_one_line_error(tmp_path):
-    """With HF_HUB_OFFLINE=1 (read when huggingface_hub is imported: a fresh interpreter) and an empty cache."""
-    code = (
-        "from hf_tapernorm import TaperNormConfig, ConfigurationError\n"
-        "try:\n"
-        "    TaperNormConfig.from_pretrained('someone/not-cached')\n"
-        "except ConfigurationError as error:\n"
-        "    print(error)\n"
-    )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    lines = result.stdout.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("TaperNormConfig.from_pretrained('someone/not-cached'): not a local")
-
-
-def test_round_trips_dict_json_checkpoint_and_export(tmp_path):
-    config = TaperNormConfig.paper(
-        keep_norms=["model.layers.1.*"],
-        sink_token_ids=[5],
-        taper_start=2,
-        taper_end=0.5,
-        linear_fit="per_channel",
-        distill_weight=0.5,
-        distill_until="taper_end",
-    )
-    assert TaperNormConfig.from_dict(config.to_dict()) == config
-    assert TaperNormConfig.from_dict(json.loads(config.to_json_string())) == config
-    assert TaperNormConfig.from_pretrained(config.save_pretrained(tmp_path / "json").parent) == config
-    model = patch_model(build(tiny_llama_config()), config).train()
-    for ids in random_batches():
-        model(input_ids=torch.cat([torch.full((2, 1), 5), ids], 1))
-    TaperController(model, total_steps=10, distillation=False).step_begin(2)  # calibrates
-    save_tapered(model, tmp_path / "ckpt")
-    written = json.loads((tmp_path / "ckpt" / "tapernorm_config.json").read_text())
-    assert written == {**config.to_dict(), "hf_tapernorm_version": hf_tapernorm.__version__, "config_version": 2}
-    reloaded = load_tapered(tmp_path / "ckpt")
-    assert reloaded.tapernorm_config == config
-    for (name, layer), (_, original) in zip(
-        tapered_norms(reloaded, include_kept=True), tapered_norms(model, include_kept=True)
-    ):
-        assert layer.per_channel == original.per_channel and layer.tapered == original.tapered, name
-    from hf_tapernorm.layers import set_gate
-
-    set_gate(reloaded, 0.0)
-    export = export_folded(fold_model(reloaded), tmp_path / "export")
-    exported = json.loads((export / "config.json").read_text())
-    assert exported["tapernorm_config"] == config.to_dict()
-    assert exported["hf_tapernorm_version"] == hf_tapernorm.__version__
+    for cls in (TaperNormConfig, DistillationConfig, ExperimentalOptions):
+        for field in dataclasses.fields(cls):
+            assert field.metadata["help"].strip(), f"{cls.__name__}.{field.name} has no help text"
 
 
 def test_patch_model_takes_a_config_object_only():
@@ -299,30 +249,42 @@ def test_a_warmup_stable_decay_schedule_decays_only_after_the_gate_reaches_zero(
 
 
 # ----------------------------------------------------------------------------- one declaration per field
-def test_the_cli_declares_each_config_field_once():
-    """The taper command's recipe options are the config's fields (generated from them, help and choices
-    included) plus the options it spells its own way; nothing else."""
+def test_the_cli_declares_each_stable_option_once():
+    """The taper command's recipe options are the config's stable options (generated from its fields, help and
+    choices included; the distillation group's by their flags) plus the options it spells its own way; nothing
+    else: no experimental option is a flag."""
     from hf_tapernorm.cli.arguments import SET_BY_OTHER_OPTIONS, TaperArguments, TaperRunOptions
 
-    config_fields = {f.name: f for f in dataclasses.fields(TaperNormConfig)}
+    options = TaperNormConfig.option_fields()
     flags = {f.name: f for f in dataclasses.fields(TaperArguments)}
     run_options = {f.name for f in dataclasses.fields(TaperRunOptions)}
     assert run_options == {"preset", "recipe", "sink", "tied_head"}  # recipe: the old name of preset
-    assert set(flags) == (set(config_fields) - set(SET_BY_OTHER_OPTIONS)) | run_options
+    assert set(flags) == (set(options) - set(SET_BY_OTHER_OPTIONS)) | run_options
     assert set(SET_BY_OTHER_OPTIONS.values()) <= run_options  # recipe and sink_token_ids: --preset, --sink
-    for name in set(config_fields) - set(SET_BY_OTHER_OPTIONS):
+    assert {"distill_weight", "distill_until", "sink_attention_weight"} <= set(flags)
+    assert not {f.name for f in dataclasses.fields(ExperimentalOptions)} & set(flags)
+    assert TaperArguments.FLAGS_OF_FIELDS["distillation.weight"] == "distill_weight"  # errors name the flag
+    for name in set(options) - set(SET_BY_OTHER_OPTIONS):
         assert flags[name].default is None, name  # unset: the recipe's value
-        assert flags[name].metadata["help"].startswith(config_fields[name].metadata["help"]), name
-        choices = TaperNormConfig.choices(name)
+        assert flags[name].metadata["help"].startswith(options[name].field.metadata["help"]), name
+        choices = options[name].owner.choices(options[name].field.name)
         if choices is not None:
             flag_type = typing.get_type_hints(TaperArguments)[name]  # HfArgumentParser rewrites Field.type
             assert typing.get_args(typing.get_args(flag_type)[0]) == choices, name
 
 
-@pytest.mark.parametrize("name", ["linear_fit", "calibration_scale", "distill_from", "distill_schedule"])
-def test_research_options_are_marked_experimental(name):
-    field = next(f for f in dataclasses.fields(TaperNormConfig) if f.name == name)
-    assert "[experimental]" in field.metadata["help"]
+def test_taper_help_offers_no_experimental_option(capsys):
+    """What the project measured and rejected is no product option: no flag for it, no [experimental] in --help."""
+    from hf_tapernorm.cli.main import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["taper", "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert "--distill_weight" in text and "--sink_attention_weight" in text and "--distill_until" in text
+    assert "experimental" not in text.lower()
+    for name in (f.name for f in dataclasses.fields(ExperimentalOptions)):
+        assert f"--{name}" not in text, name
 
 
 def test_cli_values_are_checked_by_the_config_and_named_by_their_flag():
@@ -332,16 +294,21 @@ def test_cli_values_are_checked_by_the_config_and_named_by_their_flag():
     def taper(*argv):
         return parse([TaperArguments], list(argv), "hf-tapernorm taper")[0]
 
-    flags = taper("--keep_norms", "a.*, b.*", "--taper_start", "3", "--taper_end", "0.5", "--distill_from", "original")
+    flags = taper(
+        "--keep_norms", "a.*, b.*", "--taper_start", "3", "--taper_end", "0.5", "--distill_until", "taper_end"
+    )
     assert (flags.keep_norms, flags.taper_start, flags.taper_end) == (["a.*", "b.*"], 3, 0.5)
+    assert flags.distill_until == "taper_end"
     assert taper("--keep_norms", "none").keep_norms == [] and taper("--keep_norms", "auto").keep_norms is None
     for argv, message in (
         (["--ema_rate", "2"], "--ema_rate must be in (0, 1], got 2.0"),
         (["--distill_weight", "-1"], "--distill_weight must be >= 0, got -1.0"),
-        (["--calibration_scale", "0"], "--calibration_scale must be positive, got 0.0"),
+        (["--sink_attention_weight", "nan"], "--sink_attention_weight must be >= 0, got nan"),
         (["--taper_end", "1.5"], "--taper_end=1.5: a float is a fraction of the run and must be in (0, 1]"),
         (["--taper_start", "x"], "--taper_start must be an optimizer step (int) or a fraction of the run (float)"),
         (["--keep_norms", ","], "--keep_norms must be auto, none or a comma-separated list"),
+        (["--distill_from", "original"], "unrecognized arguments: ['--distill_from', 'original']"),
+        (["--calibration_scale", "0.5"], "unrecognized arguments: ['--calibration_scale', '0.5']"),
     ):
         with pytest.raises(ConfigurationError) as error:
             taper(*argv)
@@ -357,8 +324,8 @@ def test_recipe_config_takes_every_set_field(tmp_path):
     from hf_tapernorm.cli.arguments import TaperArguments
 
     model, tokenizer = build(tiny_llama_config()), char_tokenizer()
-    argv = ["--preset", "paper", "--sink", "bos", "--linear_fit", "per_channel", "--calibration_scale", "0.9",
-            "--distill_weight", "0.5", "--distill_from", "original", "--distill_until", "taper_end",
+    argv = ["--preset", "paper", "--sink", "bos", "--sink_attention_weight", "0.3",
+            "--distill_weight", "0.5", "--distill_until", "taper_end",
             "--scale_loss_weight", "0.2", "--relative_scale_loss", "true", "--ema_rate", "0.05",
             "--keep_norms", "model.layers.0.*", "--scope", "all",
             "--taper_start", "2", "--taper_end", "0.5"]  # fmt: skip
@@ -366,10 +333,8 @@ def test_recipe_config_takes_every_set_field(tmp_path):
     config = recipe_config(SimpleNamespace(taper=flags), model, tokenizer)
     assert config == TaperNormConfig.paper(
         sink_token_ids=[tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id],
-        linear_fit="per_channel",
-        calibration_scale=0.9,
+        sink_attention_weight=0.3,
         distill_weight=0.5,
-        distill_from="original",
         distill_until="taper_end",
         scale_loss_weight=0.2,
         relative_scale_loss=True,
@@ -379,6 +344,7 @@ def test_recipe_config_takes_every_set_field(tmp_path):
         taper_start=2,
         taper_end=0.5,
     )
+    assert config.distillation == DistillationConfig(weight=0.5, until="taper_end", sink_attention_weight=0.3)
     (unset,) = parse([TaperArguments], [], "hf-tapernorm taper")
     assert recipe_config(SimpleNamespace(taper=unset), model, tokenizer) == TaperNormConfig.for_model(model, tokenizer)
 
@@ -403,35 +369,7 @@ def test_below_the_cli_errors_name_fields_and_the_cli_writes_flags():
     assert as_flags(untouched, [TaperArguments]) is untouched
 
 
-# ----------------------------------------------------------------------------- versions, vocabulary, docs
-def test_an_old_config_file_loads_migrated_and_says_so(tmp_path, caplog):
-    """A version-1 tapernorm_config.json (no config_version; before distill_until and distill_schedule)."""
-    from hf_tapernorm.config import CONFIG_NAME, CONFIG_VERSION, CONFIG_VERSION_KEY
-
-    current = TaperNormConfig.paper(distill_weight=0.5, distill_from="gate_start").to_dict()
-    old = {k: v for k, v in current.items() if k not in ("distill_until", "distill_schedule")}
-    (tmp_path / CONFIG_NAME).write_text(json.dumps({**old, "hf_tapernorm_version": "0.1.0"}))
-    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.config"):
-        config = TaperNormConfig.from_pretrained(tmp_path)
-    assert config.distill_until == "end" and config.distill_schedule == "constant" and config.distill_weight == 0.5
-    assert (
-        "migrated a config_version 1 config to 2: distill_schedule='constant', distill_until='end' "
-        "(what version 1 meant); save it again to keep it" in caplog.text
-    )
-    saved = json.loads(config.save_pretrained(tmp_path / "again").read_text())
-    assert saved[CONFIG_VERSION_KEY] == CONFIG_VERSION == 2
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.config"):
-        assert TaperNormConfig.from_pretrained(tmp_path / "again") == config
-    assert "migrated" not in caplog.text  # a current file is read as written
-    with pytest.raises(ConfigurationError, match=r"config_version must be a positive integer, got 'two'"):
-        TaperNormConfig.from_dict({**current, CONFIG_VERSION_KEY: "two"})
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.config"):
-        TaperNormConfig.from_dict({**current, CONFIG_VERSION_KEY: 3})
-    assert "written with config_version 3, newer than this version's 2" in caplog.text
-
-
+# ----------------------------------------------------------------------------- vocabulary, docs
 def test_the_old_recipe_flag_still_chooses_the_preset_and_warns(caplog):
     from hf_tapernorm._parsing import parse
     from hf_tapernorm.cli.arguments import TaperArguments
@@ -457,26 +395,27 @@ def test_patch_model_without_a_config_says_which_recipe_it_derived(caplog):
 def test_distillation_speaks_the_config_s_vocabulary():
     from hf_tapernorm.training import Distillation
 
-    config = TaperNormConfig.paper(distill_weight=0.3, distill_from="gate_start", distill_until="taper_end",
-                                   distill_schedule="gate")  # fmt: skip
+    config = TaperNormConfig.paper(distill_weight=0.3, distill_until="taper_end",
+                                   experimental={"distill_schedule": "gate"})  # fmt: skip
     term = Distillation.from_config(config)
     assert (term.weight, term.distill_from, term.distill_until, term.distill_schedule) == (
         0.3, "gate_start", "taper_end", "gate"
     )  # fmt: skip
     with pytest.raises(ConfigurationError, match=r"Distillation: distill_until must be one of end, taper_end, got 'x'"):
-        Distillation(distill_from="gate_start", distill_until="x")
+        Distillation(distill_until="x")
     with pytest.raises(ConfigurationError, match=r'distill_from="current"\) uses the model itself: pass no teacher'):
         Distillation(build(tiny_llama_config()), distill_from="current")
     with pytest.raises(ConfigurationError, match=r"needs a teacher unless distill_from is \"gate_start\""):
-        Distillation()
+        Distillation(distill_from="original")
+    assert Distillation().teacher is None  # the default teacher, the gate-start snapshot: taken when due
 
 
-def _field_table() -> dict[str, tuple[str, str]]:
-    """docs/usage.md's TaperNormConfig table: field name -> (default cell, meaning cell)."""
+def _usage_table(header: str) -> dict[str, tuple[str, str]]:
+    """A table of docs/usage.md under ``header``: name -> (default cell, meaning cell)."""
     from pathlib import Path
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "usage.md").read_text()
-    start = text.index("| field | default | meaning |")
+    start = text.index(header)
     rows = {}
     for line in text[start:].splitlines()[2:]:
         if not line.startswith("|"):
@@ -490,15 +429,18 @@ def _field_table() -> dict[str, tuple[str, str]]:
     return rows
 
 
-def test_the_usage_field_table_matches_the_fields():
-    """Every field has a row (no stale rows), with its default, and experimental fields say so."""
+def test_the_usage_tables_match_the_options():
+    """Every option has a row (no stale rows), with its default; so has every experimental option, in its own
+    table."""
     import ast
 
-    rows = _field_table()
-    fields = {f.name: f for f in dataclasses.fields(TaperNormConfig)}
-    assert set(rows) == set(fields), f"undocumented: {set(fields) - set(rows)}; stale: {set(rows) - set(fields)}"
-    defaults = TaperNormConfig()
-    for name, (default, meaning) in rows.items():
-        assert ast.literal_eval(default) == getattr(defaults, name), name
-        if "[experimental]" in fields[name].metadata["help"]:
-            assert "experimental" in meaning, f"{name}: its help says [experimental], its row does not"
+    rows = _usage_table("| option | default | meaning |")
+    defaults = TaperNormConfig().options()
+    assert set(rows) == set(defaults), f"undocumented: {set(defaults) - set(rows)}; stale: {set(rows) - set(defaults)}"
+    for name, (default, _) in rows.items():
+        assert ast.literal_eval(default) == defaults[name], name
+    rows = _usage_table("| experimental option | default | meaning |")
+    research = {f.name: f.default for f in dataclasses.fields(ExperimentalOptions)}
+    assert set(rows) == set(research)
+    for name, (default, _) in rows.items():
+        assert ast.literal_eval(default) == research[name], name

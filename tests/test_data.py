@@ -1,4 +1,5 @@
-"""Data: local formats, streaming, packing, the hash split, the embedded corpus, and its errors."""
+"""Data: local formats, streaming, packing, the hash split, the embedded corpus, what a document is (a byte order
+mark, CRLF, NUL bytes, hidden copies in a folder), and its errors."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from hf_tapernorm.data.corpus import (
     stdlib_directory,
 )
 from tests.conftest import char_tokenizer, corpus_documents
+from tests.helpers import error_of, one_model_workspace, taper_argv
 
 
 @pytest.fixture(scope="module")
@@ -252,3 +254,76 @@ def test_errors_name_the_dataset_and_the_fix(tmp_path, tokenizer):
         DataError, match=r"is too small: its (training|held-out) split .* does not fill one block of 4096 tokens"
     ):
         _prepare(tiny, tokenizer, block_size=4096)
+
+
+# ============================================================================= what a document is
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> Path:
+    return one_model_workspace(tmp_path_factory.mktemp("data"))
+
+
+def _documents(path: Path, tmp: Path) -> list[str]:
+    return load_text_dataset(str(path), cache_dir=str(tmp / "cache"))["text"]
+
+
+def test_a_byte_order_mark_is_not_text_of_the_first_document(ws, tmp_path):
+    plain = _documents(ws / "corpus.txt", tmp_path)
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + (ws / "corpus.txt").read_bytes())
+    assert _documents(tmp_path / "bom.txt", tmp_path) == plain
+
+
+def test_crlf_nul_bytes_and_an_upper_case_suffix_read_as_the_same_documents(ws, tmp_path):
+    text = (ws / "corpus.txt").read_text()
+    plain = _documents(ws / "corpus.txt", tmp_path)
+    (tmp_path / "crlf.txt").write_bytes(text.replace("\n", "\r\n").encode())
+    (tmp_path / "UPPER.TXT").write_text(text)
+    (tmp_path / "nul.txt").write_text(text[:3000] + "\0" + text[3000:])
+    assert _documents(tmp_path / "crlf.txt", tmp_path) == plain
+    assert _documents(tmp_path / "UPPER.TXT", tmp_path) == plain
+    with_nul = _documents(tmp_path / "nul.txt", tmp_path)
+    assert len(with_nul) == len(plain) and sum("\0" in d for d in with_nul) == 1
+
+
+def test_a_data_folder_skips_hidden_copies_and_accepts_a_trailing_slash(ws, tmp_path):
+    folder = tmp_path / "data"
+    (folder / ".ipynb_checkpoints").mkdir(parents=True)
+    (folder / "a.txt").write_text((ws / "corpus.txt").read_text())
+    (folder / ".ipynb_checkpoints" / "a-checkpoint.txt").write_text((ws / "corpus.txt").read_text())
+    (folder / ".notes.txt").write_text("a private note\n\nnot corpus")
+    expected = _documents(ws / "corpus.txt", tmp_path)
+    assert _documents(folder, tmp_path) == expected
+    assert _documents(Path(str(folder) + "/"), tmp_path) == expected
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "csv"])
+def test_a_byte_order_mark_in_jsonl_or_csv_leaves_the_text_column(tmp_path, suffix):
+    docs = corpus_documents(20)
+    if suffix == "jsonl":
+        body = "".join(json.dumps({"text": d}) + "\n" for d in docs)
+    else:
+        body = "text\n" + "".join(f'"{d}"\n' for d in docs)
+    (tmp_path / f"bom.{suffix}").write_bytes(b"\xef\xbb\xbf" + body.encode())
+    dataset = load_text_dataset(str(tmp_path / f"bom.{suffix}"), cache_dir=str(tmp_path / "cache"))
+    assert dataset.column_names == ["text"] and dataset["text"] == docs
+
+
+def test_corpus_that_is_not_utf8_or_one_long_line_is_explained(workspace, tmp_path, monkeypatch):
+    import hf_tapernorm.app.taper as taper_pipeline
+
+    monkeypatch.setattr(taper_pipeline, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes(("caf\xe9 na\xefve r\xe9sum\xe9 " * 200).encode("latin-1"))
+    argv = taper_argv(workspace, tmp_path / "run", "--data_cache_dir", str(tmp_path / "cache"))
+    argv[argv.index("--dataset_name") + 1] = str(latin1)
+    message = error_of(argv)  # was "DatasetGenerationError: An error occurred while generating the dataset"
+    assert message.startswith(f"hf-tapernorm taper: error: dataset '{latin1}' is not UTF-8 text (invalid continu")
+    assert message.endswith("convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8), or pass a text file")
+    one_line = tmp_path / "one_line.txt"
+    one_line.write_text(" ".join(["the quick brown fox"] * 3000))
+    argv[argv.index("--dataset_name") + 1] = str(one_line)
+    message = error_of(argv)  # was only "too small", of a file of 12,000 words
+    assert (
+        "held-out split (10% of documents held out) does not fill one block of 32 tokens; it holds only 1 " in message
+    )
+    assert message.endswith("split the text into more (blank lines between paragraphs, or --sample_by line)")
+    assert not (tmp_path / "run").exists()

@@ -1,17 +1,22 @@
-"""export_folded (overwrite protection, model card) and push_to_hub at the huggingface_hub client boundary."""
+"""export_folded (overwrite protection, model card, the tokenizer, use_cache, fine-tuning a sink export) and
+push_to_hub at the huggingface_hub client boundary."""
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
 import pytest
+import torch
 from huggingface_hub import HfApi
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from hf_tapernorm import ConfigurationError, TaperStateError, export_folded, fold_model
 from hf_tapernorm.export.hub import export_manifest
-from tests.helpers import tapered
+from tests.helpers import TEXT, relative, sink_tapered, tapered, with_sink, word_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +40,7 @@ def test_export_refuses_a_non_empty_folder_without_overwrite(folded, tmp_path):
         ".hf_tapernorm_export.json",
         "README.md",
         "config.json",
+        "folded_input.py",
         "folded_sink.py",
         "generation_config.json",
         "model.safetensors",
@@ -44,6 +50,7 @@ def test_export_refuses_a_non_empty_folder_without_overwrite(folded, tmp_path):
     assert export_manifest(tmp_path) == [  # what the export wrote, not the user's notes.txt
         "README.md",
         "config.json",
+        "folded_input.py",
         "folded_sink.py",
         "generation_config.json",
         "model.safetensors",
@@ -85,6 +92,7 @@ def test_push_to_hub_uploads_exactly_the_export(folded, tmp_path):
         == [
             "README.md",
             "config.json",
+            "folded_input.py",
             "folded_sink.py",
             "generation_config.json",
             "model.safetensors",
@@ -114,3 +122,59 @@ def test_an_export_loads_through_the_auto_classes_in_a_fresh_process(folded, tmp
                           env=env, cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == type(folded).__name__
+
+
+# ============================================================================= a sink export and its users
+def test_export_folded_writes_the_tokenizer_into_the_manifest_and_says_how_a_leading_sink_is_read(tmp_path, caplog):
+    model = sink_tapered("llama")
+    folded = fold_model(model)
+    tokenizer = word_tokenizer(adds_bos=True)
+    with caplog.at_level(logging.INFO, logger="hf_tapernorm.export.hub"):
+        folder = export_folded(folded, tmp_path / "out", tokenizer=tokenizer)
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(export_manifest(folder))
+    messages = [r for r in caplog.records if "adds the sink token(s)" in r.getMessage()]
+    assert [r.levelno for r in messages] == [logging.INFO]
+    assert "the same logits" in messages[0].getMessage()
+    # What the message says holds: with and without the tokenizer's BOS, the text's logits agree.
+    reloaded = AutoModelForCausalLM.from_pretrained(folder).eval()
+    loaded_tokenizer = AutoTokenizer.from_pretrained(folder)
+    text = "the quick brown fox jumps over a lazy dog"
+    with torch.no_grad():
+        with_bos = reloaded(**loaded_tokenizer(text, return_tensors="pt")).logits
+        without = reloaded(**loaded_tokenizer(text, return_tensors="pt", add_special_tokens=False)).logits
+    assert relative(without, with_bos[:, 1:]) <= 1e-6
+
+
+def test_export_folded_refuses_a_tokenizer_that_is_not_one(tmp_path):
+    from hf_tapernorm import ConfigurationError
+
+    folded = fold_model(sink_tapered("llama"))
+    with pytest.raises(ConfigurationError, match="tokenizer= must be a transformers tokenizer"):
+        export_folded(folded, tmp_path / "out", tokenizer="gpt2")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_export_restores_use_cache_that_a_trainer_turned_off(tmp_path):
+    model = sink_tapered("llama")
+    model.config.use_cache = False  # what Trainer leaves on a model it trained with gradient checkpointing
+    folder = export_folded(fold_model(model), tmp_path / "out")
+    assert json.loads((folder / "config.json").read_text())["use_cache"] is True
+    reloaded = AutoModelForCausalLM.from_pretrained(folder)
+    assert reloaded(input_ids=TEXT).cache is not None
+
+
+def test_fine_tuning_a_sink_export_with_gradient_checkpointing_matches_without(tmp_path):
+    folded = fold_model(sink_tapered("llama"))
+    folded.train()
+    labels = with_sink(TEXT)
+    plain = folded(input_ids=labels, labels=labels)
+    plain.loss.backward()
+    grads = {n: p.grad.clone() for n, p in folded.named_parameters() if p.grad is not None}
+    folded.zero_grad()
+    folded.gradient_checkpointing_enable()
+    checkpointed = folded(input_ids=labels, labels=labels)
+    checkpointed.loss.backward()
+    assert torch.allclose(checkpointed.loss, plain.loss, atol=1e-6)
+    assert all(torch.allclose(p.grad, grads[n], atol=1e-6) for n, p in folded.named_parameters() if n in grads)
+    with pytest.raises(ValueError, match="a cache cannot be passed while training with gradient checkpointing"):
+        folded(input_ids=labels, cache=DynamicCache(config=folded.config))

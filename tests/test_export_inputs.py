@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import warnings
 
 import pytest
 import torch
@@ -106,16 +107,17 @@ def test_a_4d_mask_on_a_sink_export_gives_the_tapered_models_logits(kind, additi
 # ----------------------------------------------------------------------------- an export from an earlier version
 @pytest.fixture(scope="module")
 def exports_with_and_without_sink_logits(tmp_path_factory):
-    """A Llama sink export, and the same export as an earlier hf_tapernorm wrote it: no stored sink logits."""
+    """A Llama sink export, and the same export as an earlier hf_tapernorm wrote it: no stored sink logits, hidden
+    states or attention rows."""
     root = tmp_path_factory.mktemp("earlier")
     _, folded = tapered_and_folded("llama")
     current = export_folded(folded, root / "current", tokenizer=char_tokenizer())
     earlier = export_folded(folded, root / "earlier", tokenizer=char_tokenizer())
     weights = load_file(earlier / "model.safetensors")
-    del weights["sink_logits"]
-    save_file(weights, earlier / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((earlier / "config.json").read_text())
-    del config["sink_logits_shape"]
+    for name in ("logits", "hidden_states", "attentions"):
+        del weights[f"sink_{name}"], config[f"sink_{name}_shape"]
+    save_file(weights, earlier / "model.safetensors", metadata={"format": "pt"})
     (earlier / "config.json").write_text(json.dumps(config, indent=2))
     return current, earlier
 
@@ -149,3 +151,89 @@ def test_eval_of_an_earlier_export_gives_the_current_exports_loss(exports_with_a
     assert results["earlier"]["sink_token_ids"] == [EOS]
     assert results["earlier"]["loss"] == pytest.approx(results["current"]["loss"], rel=1e-6)
     assert results["earlier"]["out_of_corpus"]["loss"] == pytest.approx(results["current"]["out_of_corpus"]["loss"])
+
+
+# ----------------------------------------------------------------------------- hidden states and attentions
+def eager_outputs(model, **inputs):
+    """``model``'s outputs with hidden states and attention weights, in eager attention (restored after)."""
+    previous = model.config._attn_implementation  # transformers exposes the setter only
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            return model(**inputs, output_hidden_states=True, output_attentions=True)
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_sink_first_input_gives_hidden_states_and_attentions_at_every_column_of_the_input(kind, tmp_path):
+    """The sink's hidden states and attention rows are constants stored at fold time and put back in its columns:
+    every output has one column per input id, and equals the tapered model's at g = 0. The last hidden state's text
+    columns are the export's own (the final norm's map went into its head), those of the text without the sink."""
+    model, folded = tapered_and_folded(kind)
+    export = AutoModelForCausalLM.from_pretrained(export_folded(folded, tmp_path / "export"))
+    assert (
+        model.config._attn_implementation == "sdpa"
+    )  # folding read the sink's attentions and left the model as it was
+    text = torch.tensor([[104, 101, 108, 108, 111], [119, 111, 114, 108, 100]])
+    ids = torch.cat([torch.full((2, 1), EOS), text], dim=1)
+    expected, got = eager_outputs(model, input_ids=ids), eager_outputs(export, input_ids=ids)
+    alone = eager_outputs(export, input_ids=text)
+    assert got.logits.shape[:2] == ids.shape and len(got.hidden_states) == len(expected.hidden_states)
+    for index, (hidden, reference) in enumerate(zip(got.hidden_states, expected.hidden_states)):
+        assert hidden.shape == reference.shape
+        assert (hidden[:, 0] - reference[:, 0]).abs().max().item() <= TOLERANCE  # the sink's column
+        last = index == len(got.hidden_states) - 1
+        texts = alone.hidden_states[index] if last else reference[:, 1:]
+        assert (hidden[:, 1:] - texts).abs().max().item() <= TOLERANCE
+    for weights, reference in zip(got.attentions, expected.attentions, strict=True):
+        assert weights.shape == reference.shape == (2, reference.shape[1], 6, 6)
+        assert (weights - reference).abs().max().item() <= TOLERANCE
+
+
+def test_a_left_padded_sink_first_batch_gives_each_rows_hidden_states_and_attentions():
+    """With left padding each row's sink sits after its pads: its stored rows go there, attention keys come back in
+    the caller's column order (the cache holds the sink first), also for the call that continues the cache."""
+    model, folded = tapered_and_folded("gpt2")
+    tokenizer = left_padding_tokenizer()
+    texts = ["hello world", "hi", "a longer line of text"]
+    batch = tokenizer(["<eos>" + text for text in texts], padding=True, return_tensors="pt")
+    got = eager_outputs(folded, **batch, use_cache=True)
+    mask = torch.cat([batch.attention_mask, torch.ones(3, 1, dtype=torch.long)], dim=1)
+    following = eager_outputs(folded, input_ids=torch.full((3, 1), 104), attention_mask=mask, cache=got.cache)
+    for row, text in enumerate(texts):
+        expected = eager_outputs(model, input_ids=torch.tensor([[EOS, *tokenizer(text).input_ids, 104]]))
+        kept, seen = batch.attention_mask[row].bool(), mask[row].bool()
+        for hidden, reference in zip(got.hidden_states, expected.hidden_states, strict=True):
+            assert (hidden[row, kept] - reference[0, :-1]).abs().max().item() <= TOLERANCE
+        for weights, reference in zip(got.attentions, expected.attentions, strict=True):
+            assert (weights[row][:, kept][:, :, kept] - reference[0, :, :-1, :-1]).abs().max().item() <= TOLERANCE
+        for weights, reference in zip(following.attentions, expected.attentions, strict=True):
+            assert (weights[row, :, -1, seen] - reference[0, :, -1]).abs().max().item() <= TOLERANCE
+
+
+def test_an_earlier_export_gives_nan_sink_columns_in_hidden_states_and_attentions_with_one_warning(
+    exports_with_and_without_sink_logits,
+):
+    current, earlier = exports_with_and_without_sink_logits
+    ids = torch.cat([torch.full((2, 1), EOS), random_batches(vocab=120, n=1, batch=2, length=10, seed=3)[0] + 6], 1)
+    old = AutoModelForCausalLM.from_pretrained(earlier).eval()
+    new = AutoModelForCausalLM.from_pretrained(current).eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = eager_outputs(old, input_ids=ids)
+    said = [str(w.message) for w in caught if "stores its sink's keys/values" in str(w.message)]
+    assert len(said) == 1 and "not its logits, hidden states and attentions: " in said[0], said
+    reference = eager_outputs(new, input_ids=ids)
+    for mine, theirs in [*zip(got.hidden_states, reference.hidden_states), *zip(got.attentions, reference.attentions)]:
+        assert mine.shape == theirs.shape
+    for hidden, expected in zip(got.hidden_states, reference.hidden_states, strict=True):
+        assert torch.isnan(hidden[:, 0]).all() and torch.equal(hidden[:, 1:], expected[:, 1:])
+    for weights, expected in zip(got.attentions, reference.attentions, strict=True):
+        assert torch.isnan(weights[:, :, 0]).all() and torch.equal(weights[:, :, 1:], expected[:, :, 1:])
+
+
+def test_one_dimensional_ids_are_refused_in_one_line_naming_the_shape():
+    _, folded = tapered_and_folded("llama")
+    with pytest.raises(ValueError, match=r"input_ids must be \[batch, seq\], got shape \[3\]; pass one sequence as a"):
+        folded(input_ids=torch.tensor([104, 101, 108]))

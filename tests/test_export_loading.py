@@ -1,5 +1,8 @@
-"""An export loaded as its plain base class (config.json's ``model_type`` edited, to load without remote code) is
-refused at load: as a plain Llama it would drop its stored sink and run its folded norms as norms of ones.
+"""Loading an export or a tapered checkpoint: a loaded export computes the tapered model's logits (after a save, in
+bf16, padded left or right, sampling and beam search); an export loaded as its plain base class (config.json's
+``model_type`` edited, to load without remote code) or whose config lost layers is refused at load, as is a tapered
+checkpoint loaded as a plain model (load_tapered reads it): as a plain Llama an export would drop its stored sink and
+run its folded norms as norms of ones.
 
 The refusal is raised on transformers' load report, which transformers logs while its warnings are on (its default;
 TransformerLens turns them off for the whole process when imported, so the tests that need them set them)."""
@@ -11,13 +14,14 @@ import subprocess
 import sys
 
 import pytest
-from transformers import AutoModelForCausalLM
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from hf_tapernorm import export_folded, fold_model
 from hf_tapernorm.errors import ConfigurationError
 from tests.conftest import char_tokenizer
-from tests.helpers import REPO, error_of, tapered
+from tests.helpers import IDS, REPO, TEXT, error_of, relative_error, sink_tapered, tapered, with_sink
 
 REFUSAL = (
     r"LlamaForCausalLM: '{folder}' is a folded export whose config.json names model_type 'llama' instead of "
@@ -93,3 +97,130 @@ def test_eval_refuses_it_in_one_line_with_transformers_warnings_off(edited, work
     finally:
         transformers_logging.set_verbosity(verbosity)
     assert message.startswith("hf-tapernorm eval: error: ") and 'Restore "model_type": "tapernorm_llama"' in message
+
+
+# ============================================================================= what loads an export, and what does not
+def test_an_export_whose_config_lost_layers_is_refused_naming_folder_and_field(tmp_path):
+    folder = export_folded(fold_model(sink_tapered("llama")), tmp_path / "out")
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        OSError, match=r"out: .*config.json's folded_norms names model\.layers\.1\..*num_hidden_layers=1"
+    ):
+        AutoModelForCausalLM.from_pretrained(folder)
+
+
+def test_a_tapered_folder_cannot_be_loaded_as_a_plain_model_and_load_tapered_reads_it(tmp_path):
+    from hf_tapernorm import load_tapered, save_tapered
+    from hf_tapernorm.evaluation.models import read_model_config, resolve_model
+    from tests.conftest import char_tokenizer
+
+    model = sink_tapered("llama")
+    folder = save_tapered(model, tmp_path / "tapered", char_tokenizer())
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "hf_tapernorm_tapered_llama" and "load_tapered" in config["hf_tapernorm_note"]
+    with pytest.raises(ValueError, match="hf_tapernorm_tapered_llama"):  # not silently a LlamaForCausalLM
+        AutoModelForCausalLM.from_pretrained(folder)
+    reloaded = load_tapered(folder)
+    assert type(reloaded).__name__ == "LlamaForCausalLM" and reloaded.config.model_type == "llama"
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=with_sink(TEXT)).logits, model(input_ids=with_sink(TEXT)).logits)
+    source = resolve_model(str(folder))
+    assert source.kind == "tapered" and read_model_config(source).num_hidden_layers == model.config.num_hidden_layers
+    assert AutoTokenizer.from_pretrained(folder)("ab")["input_ids"] == [97, 98]
+
+
+@pytest.mark.parametrize("how", ["save_pretrained", "deepcopy", "pickle"])
+def test_a_patched_models_own_save_pretrained_writes_a_tapered_checkpoint(tmp_path, how):
+    """A plain ``model.save_pretrained`` of a patched model (not only save_tapered) is refused by AutoModel and read
+    exactly by load_tapered; a deep copy (the distillation teacher is one) and a whole-module ``torch.save`` round
+    trip save themselves, not the original."""
+    import copy
+    import io
+
+    from hf_tapernorm import load_tapered
+
+    original = sink_tapered("llama")
+    model = original
+    if how == "deepcopy":
+        model = copy.deepcopy(original)
+    elif how == "pickle":
+        buffer = io.BytesIO()
+        torch.save(original, buffer)
+        model = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)  # our own object, in this test
+    if how != "save_pretrained":
+        with torch.no_grad():
+            model.lm_head.weight.mul_(2.0)  # the copy computes another function than the original
+    model.save_pretrained(tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["model_type"] == "hf_tapernorm_tapered_llama" and "load_tapered" in config["hf_tapernorm_note"]
+    assert (tmp_path / "saved" / "tapernorm_config.json").is_file()
+    with pytest.raises(ValueError, match="hf_tapernorm_tapered_llama"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    reloaded = load_tapered(tmp_path / "saved")
+    with torch.no_grad():
+        expected = model(input_ids=with_sink(TEXT)).logits
+        assert torch.equal(reloaded(input_ids=with_sink(TEXT)).logits, expected)
+        if how != "save_pretrained":
+            assert not torch.allclose(expected, original(input_ids=with_sink(TEXT)).logits)
+    model.save_pretrained(tmp_path / "saved")  # saved twice into one folder: marked once
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["model_type"] == "hf_tapernorm_tapered_llama"
+
+
+# ============================================================================= a loaded export
+@pytest.fixture(scope="module", params=["llama", "gpt2", "llama-sink"])
+def export(request, tmp_path_factory):
+    kind = request.param.split("-")[0]
+    model = tapered(kind, sink_token_ids=[1] if request.param.endswith("sink") else None)
+    folder = export_folded(fold_model(model), tmp_path_factory.mktemp("export") / "out", tokenizer=char_tokenizer())
+    return model, folder, AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+def _reference(model, ids: torch.Tensor) -> torch.Tensor:
+    sink = list(model.tapernorm_config.sink_token_ids)
+    with torch.no_grad():
+        if not sink:
+            return model(input_ids=ids).logits
+        return model(input_ids=torch.cat([torch.tensor([sink] * len(ids)), ids], 1)).logits[:, len(sink) :]
+
+
+def test_a_loaded_export_matches_the_tapered_model_and_survives_a_save(export, tmp_path):
+    model, folder, folded = export
+    with torch.no_grad():
+        assert relative_error(folded(input_ids=IDS).logits, _reference(model, IDS)) <= 1e-5
+        folded.save_pretrained(tmp_path / "again")
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / "again")
+        assert torch.equal(again(input_ids=IDS).logits, folded(input_ids=IDS).logits)
+    remote = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)  # with hf_tapernorm imported
+    assert type(remote).__name__ == type(folded).__name__
+    assert (
+        AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)(input_ids=IDS).logits.dtype == torch.bfloat16
+    )
+    assert (export_folded(AutoModelForCausalLM.from_pretrained(folder), tmp_path / "re") / "config.json").is_file()
+
+
+def test_a_loaded_export_pads_left_and_right_like_single_rows(export):
+    _, _, folded = export
+    ids = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(5))
+    left = ids.clone()
+    left[0, :3] = 0
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    batched = folded.generate(input_ids=left, attention_mask=mask, **options)
+    assert torch.equal(batched[0, -4:], folded.generate(input_ids=ids[:1, 3:], **options)[0, -4:])
+    right = torch.ones_like(ids)
+    right[1, 5:] = 0
+    with torch.no_grad():
+        padded = folded(input_ids=ids, attention_mask=right).logits[1, :5]
+        assert relative_error(padded, folded(input_ids=ids[1:, :5]).logits[0]) <= 1e-5
+
+
+def test_a_loaded_export_samples_and_beam_searches(export):
+    _, _, folded = export
+    prompt = torch.randint(3, 100, (1, 5), generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    sampled = folded.generate(prompt, do_sample=True, temperature=0.7, top_k=5, max_new_tokens=3)
+    beams = folded.generate(prompt, num_beams=2, max_new_tokens=3, do_sample=False)
+    assert sampled.shape == beams.shape == (1, 8) and torch.equal(sampled[:, :5], prompt)

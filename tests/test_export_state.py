@@ -7,19 +7,18 @@ the BOS sink (docs/usage.md has the table of these ways).
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_tapernorm import TaperNormConfig, fold_model, patch_model
+from hf_tapernorm import fold_model
 from hf_tapernorm.app.showcase import count_aten_ops
 from hf_tapernorm.architectures.table import ARCHITECTURES, architecture_for
-from hf_tapernorm.layers import TaperNorm, set_gate
-from hf_tapernorm.training import calibrate
-from tests.conftest import FAMILY_CASES, build, random_batches, tiny_family_config
-from tests.helpers import word_tokenizer
+from tests.conftest import FAMILY_CASES, tiny_family_config
+from tests.helpers import SINK, TEXT, relative, sink_tapered, tapered, with_sink, word_tokenizer
 
-SINK = 1  # the tiny configs' bos_token_id
 GATED = [
     case
     for case, (model_type, _) in FAMILY_CASES.items()
@@ -27,7 +26,6 @@ GATED = [
     and model_type in ARCHITECTURES
     and architecture_for(model_type, tiny_family_config(case)).gated_mlp
 ]
-TEXT = random_batches(vocab=120, n=1, batch=2, length=12, seed=5)[0] + 3  # never the sink, pad or eos id
 TOLERANCE = 1e-5
 # gemma3_text's fp32 fold alone rounds to 2.2e-5 on TEXT (4e-7 in float64): the same with every way of passing state.
 FOLD_ROUNDING = {"gemma3_text": 4e-5}
@@ -35,38 +33,6 @@ FOLD_ROUNDING = {"gemma3_text": 4e-5}
 
 def test_every_gated_family_is_covered():
     assert set(GATED) == {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3"}
-
-
-def with_sink(ids: torch.Tensor) -> torch.Tensor:
-    return torch.cat([torch.full((ids.shape[0], 1), SINK), ids], dim=1)
-
-
-# Qwen 3's q/k norms stay real norms, as in the default recipe (tapered with a sink they fold too: tested below).
-KEEP = {"qwen3": ["*.q_norm", "*.k_norm"]}
-
-
-def sink_tapered(case: str, keep_norms=None) -> torch.nn.Module:
-    """A tiny patched model at g = 0 with the BOS sink, calibrated on sink-first batches, then perturbed."""
-    keep = KEEP.get(case, []) if keep_norms is None else keep_norms
-    config = TaperNormConfig.paper(sink_token_ids=[SINK], keep_norms=keep)
-    model = patch_model(build(tiny_family_config(case)), config)
-    model.train()
-    with torch.no_grad():
-        for ids in random_batches(vocab=120, n=3):
-            model(with_sink(ids + 3))
-    calibrate(model)
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for layer in (m for m in model.modules() if isinstance(m, TaperNorm) and m.tapered):
-            layer.taper_weight.mul_(1 + 0.3 * torch.randn(layer.taper_weight.shape, generator=generator))
-            layer.c.mul_(1.0 + 0.5 * torch.rand((), generator=generator))
-    set_gate(model, 0.0)
-    return model.eval()
-
-
-def relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    return float((actual.double() - expected.double()).abs().max() / expected.double().abs().max())
 
 
 @pytest.fixture(scope="module", params=GATED)
@@ -297,3 +263,74 @@ def test_smollm2_export_decodes_alike_with_either_cache_name_at_the_same_op_coun
     with_bos = torch.cat([torch.tensor([[bos]]), encoded.input_ids], dim=1)
     assert relative(folded(input_ids=with_bos, attention_mask=torch.ones_like(with_bos)).logits, reference) <= 1e-5
     print(f"\nSmolLM2 4 layers: aten ops per decode step {steps}")
+
+
+# ============================================================================= called again, by threads, resized
+def test_generate_again_with_the_returned_cache_matches_a_fresh_generate_and_the_base_model():
+    """Multi-turn reuse: the cache a first generate() returned continues without skipping its last token."""
+    model = sink_tapered("llama")
+    folded = fold_model(model)
+    options = dict(max_new_tokens=3, do_sample=False)
+    for name, m, prompt in (("tapered", model, with_sink(TEXT[:1])), ("folded", folded, TEXT[:1])):
+        first = m.generate(prompt, return_dict_in_generate=True, **options)
+        turn = torch.cat([first.sequences, torch.tensor([[5, 6]])], dim=1)
+        again = m.generate(turn, cache=first.past_key_values, **options)
+        assert torch.equal(again, m.generate(turn, **options)), name
+    assert torch.equal(again[0, -3:], model.generate(with_sink(turn), **options)[0, -3:])
+
+
+def test_two_threads_calling_one_sink_export_get_their_own_shapes():
+    folded = fold_model(sink_tapered("llama"))
+    inputs = [TEXT[:1, :5], with_sink(TEXT), TEXT, with_sink(TEXT[:1, :7])]
+    with torch.no_grad():
+        expected = [folded(input_ids=ids).logits for ids in inputs]
+    failures = []
+
+    def worker(index: int) -> None:
+        for _ in range(10):
+            with torch.no_grad():
+                got = folded(input_ids=inputs[index]).logits
+            if got.shape != expected[index].shape or not torch.allclose(got, expected[index], atol=1e-6):
+                failures.append((index, tuple(got.shape)))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+    assert not [name for name in vars(folded) if name.startswith("_sink")]  # no per-call state on the module
+
+
+def test_a_sink_first_input_works_after_resize_token_embeddings():
+    model = sink_tapered("llama")
+    folded = fold_model(model)
+    with torch.no_grad():
+        before = folded(input_ids=with_sink(TEXT)).logits
+    folded.resize_token_embeddings(140)
+    with torch.no_grad():
+        after = folded(input_ids=with_sink(TEXT)).logits
+        head = folded.get_output_embeddings().weight
+        assert after.shape[-1] == 140
+        assert relative(after[..., :128], before) <= 1e-5  # the old vocabulary's logits, the sink's included
+        # A new token's logit at the sink is the new head row read from the sink's (recovered) final state.
+        hidden = torch.linalg.lstsq(head[:128].double(), before[0, :1].double().T).solution
+        assert torch.allclose(after[0, 0, 128:].double(), (head[128:].double() @ hidden)[:, 0], atol=1e-4)
+
+
+def test_a_gpt2_eos_sink_export_records_its_positions_and_refuses_past_them_in_one_line():
+    def gpt2_sink_tapered(kind):  # test_sink.py's sink_tapered: the sink [5], kept normalized
+        return tapered(kind, "internal", sink_token_ids=[5])
+
+    model = gpt2_sink_tapered("gpt2")
+    folded = fold_model(model)
+    limit = model.config.n_positions
+    assert folded.config.sink_max_positions == limit
+    n = len(folded.config.sink_token_ids)
+    text = torch.randint(3, 100, (1, limit - n))
+    with torch.no_grad():
+        expected = model(input_ids=torch.cat([torch.tensor([folded.config.sink_token_ids]), text], 1)).logits[:, n:]
+        assert relative(folded(input_ids=text).logits, expected) <= 1e-4  # the full context, less the sink
+        with pytest.raises(ValueError, match=rf"the stored sink takes position\(s\) 0..{n - 1} .* {limit} tokens"):
+            folded(input_ids=torch.randint(3, 100, (1, limit)))
+    assert fold_model(sink_tapered("llama")).config.sink_max_positions == 0  # rotary: no table

@@ -1,5 +1,7 @@
-"""Fidelity options of the product: sink positions, calibration_scale, distillation (the research fits,
-penalties and diagnostics are tested in conversion_scripts/experiments/tests)."""
+"""Fidelity options of the library: sink positions, distillation, and the experimental options the config keeps
+for the research (``calibration_scale``, the teachers and the gate schedule of ``config.experimental``); the
+research fits, penalties, diagnostics and the script that runs ``taper`` with experimental options are tested in
+conversion_scripts/experiments/tests."""
 
 import copy
 import logging
@@ -9,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from hf_tapernorm import TaperNormConfig, patch_model
+from hf_tapernorm import ConfigurationError, TaperNormConfig, patch_model
 from hf_tapernorm.architectures import NormStyle
 from hf_tapernorm.layers import TaperNorm, set_gate, tapered_norms
 from hf_tapernorm.layers.taper_norm import branch_statistics
@@ -77,7 +79,7 @@ def test_attached_distillation_adds_the_kl_to_the_frozen_original_on_labelled_po
     with torch.no_grad():
         student.model.layers[0].mlp.down_proj.weight.mul_(1.5)  # now it computes something else
     plain = student(input_ids=batch, labels=labels)
-    distillation = Distillation(teacher, weight=0.7).attach(student)
+    distillation = Distillation(teacher, weight=0.7, distill_from="original").attach(student)
     out = student(input_ids=batch, labels=labels)
     with torch.no_grad():
         reference = teacher(input_ids=batch).logits
@@ -107,6 +109,32 @@ def test_attached_distillation_adds_the_kl_to_the_frozen_original_on_labelled_po
     torch.testing.assert_close(student(input_ids=batch, labels=labels).loss, plain.loss)
 
 
+def test_the_teacher_reads_the_positions_the_student_reads():
+    """A batch that carries ``position_ids`` (training data whose positions are not 0..n-1: TaperExtension's
+    training_data may build such): the teacher's logits are taken at the same positions, in a direct call and in
+    the term a training forward adds, so the KL compares the two models where the student reads."""
+    batch = random_batches(n=1, batch=2, length=24)[0]
+    positions = torch.stack([torch.arange(24) * 5, torch.arange(24) + 200])
+    teacher = build(tiny_llama_config(max_position_embeddings=512)).eval()
+    with torch.no_grad():  # a random tiny model attends almost uniformly, so positions barely show: sharpen it
+        for layer in teacher.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8.0)
+            layer.self_attn.k_proj.weight.mul_(8.0)
+    student = patch_model(copy.deepcopy(teacher), TaperNormConfig.paper()).train()  # at g = 1: the teacher
+    plain = student(input_ids=batch, labels=batch, position_ids=positions)
+    distillation = Distillation(teacher, weight=1.0, distill_from="original").attach(student)
+    with torch.no_grad():
+        at_positions = teacher(input_ids=batch, position_ids=positions).logits
+        contiguous = teacher(input_ids=batch).logits
+        against_contiguous = float(distillation_loss(at_positions[:, :-1], contiguous[:, :-1]))
+        assert against_contiguous > 1e-6
+        assert float(distillation(at_positions, batch, position_ids=positions)) == pytest.approx(0.0, abs=1e-9)
+        assert float(distillation(at_positions, batch)) == pytest.approx(against_contiguous, rel=1e-4)
+        trained = student(input_ids=batch, labels=batch, position_ids=positions)
+    torch.testing.assert_close(trained.loss, plain.loss, rtol=0, atol=1e-6)  # no KL at the student's positions
+    distillation.remove()
+
+
 def test_distillation_that_fades_with_the_gate_weighs_the_kl_by_the_gate():
     batch = random_batches(n=1, batch=2)[0]
     teacher = build(tiny_llama_config()).eval()
@@ -116,7 +144,7 @@ def test_distillation_that_fades_with_the_gate_weighs_the_kl_by_the_gate():
     plain = student(input_ids=batch, labels=batch)
     with torch.no_grad():
         kl = distillation_loss(plain.logits[:, :-1], teacher(input_ids=batch).logits[:, :-1])
-    distillation = Distillation(teacher, weight=0.8, distill_schedule="gate").attach(student)
+    distillation = Distillation(teacher, weight=0.8, distill_from="original", distill_schedule="gate").attach(student)
     for gate in (1.0, 0.25, 0.0):
         set_gate(student, gate)
         base = student(input_ids=batch, labels=batch)
@@ -129,14 +157,15 @@ def test_distillation_that_fades_with_the_gate_weighs_the_kl_by_the_gate():
             reference = teacher(input_ids=batch).logits.detach()
             expected = distillation_loss(without.logits[:, :-1], reference[:, :-1])
             torch.testing.assert_close(base.loss, without.loss + 0.8 * gate * expected)
-    # The config's field drives it: distill_schedule="gate" builds a fading term.
+    # The config's experimental option drives it: distill_schedule="gate" builds a fading term.
     from hf_tapernorm import TaperController
 
-    config = TaperNormConfig.paper(distill_weight=0.5, distill_from="original", distill_schedule="gate")
+    experimental = {"distill_from": "original", "distill_schedule": "gate"}
+    config = TaperNormConfig.paper(distill_weight=0.5, experimental=experimental)
     controller = TaperController(patch_model(build(tiny_llama_config()), config), total_steps=100)
     assert controller.distillation.distill_schedule == "gate" and controller.distillation.weight == 0.5
-    with pytest.raises(Exception, match="distill_schedule"):
-        TaperNormConfig(distill_schedule="linear")
+    with pytest.raises(ConfigurationError, match="TaperNormConfig.experimental.distill_schedule must be one of"):
+        TaperNormConfig(experimental={"distill_schedule": "linear"})
 
 
 def test_distillation_from_the_gate_start_snapshots_the_model_when_the_gate_first_drops(caplog):
@@ -180,7 +209,9 @@ def test_distillation_from_the_gate_start_snapshots_the_model_when_the_gate_firs
 def test_calibration_scale_multiplies_the_linear_branch_of_every_fit():
     batches = random_batches(n=2)
     plain = patch_model(build(tiny_llama_config()), TaperNormConfig.paper()).train()
-    scaled = patch_model(build(tiny_llama_config()), TaperNormConfig.paper(calibration_scale=0.5)).train()
+    scaled = patch_model(
+        build(tiny_llama_config()), TaperNormConfig.paper(experimental={"calibration_scale": 0.5})
+    ).train()
     with torch.no_grad():
         for ids in batches:
             plain(ids)
@@ -190,5 +221,7 @@ def test_calibration_scale_multiplies_the_linear_branch_of_every_fit():
     for (name, a), (_, b) in zip(tapered_norms(plain), tapered_norms(scaled)):
         assert float(b.c) == pytest.approx(0.5 * values[name], rel=1e-6)
         torch.testing.assert_close(b.taper_weight, a.taper_weight)
-    with pytest.raises(ValueError, match="calibration_scale must be positive, got 0"):
-        patch_model(build(tiny_llama_config()), TaperNormConfig.paper(calibration_scale=0))
+    with pytest.raises(
+        ConfigurationError, match="TaperNormConfig.experimental.calibration_scale must be positive, got 0"
+    ):
+        patch_model(build(tiny_llama_config()), TaperNormConfig.paper(experimental={"calibration_scale": 0}))

@@ -148,7 +148,7 @@ def test_save_and_reload_with_hf_tapernorm_imported(kind, tmp_path):
     folded = fold_model(tapered(kind, "all"))
     out = export_folded(folded, tmp_path / "out")
     files = sorted(p.name for p in out.iterdir())
-    assert files == [".hf_tapernorm_export.json", "README.md", "config.json", "folded_sink.py",
+    assert files == [".hf_tapernorm_export.json", "README.md", "config.json", "folded_input.py", "folded_sink.py",
                      "generation_config.json", "model.safetensors", "modeling_folded.py"]  # fmt: skip
     config = json.loads((out / "config.json").read_text())
     cls = FOLDED[kind].__name__
@@ -158,7 +158,7 @@ def test_save_and_reload_with_hf_tapernorm_imported(kind, tmp_path):
         "AutoModelForCausalLM": f"modeling_folded.{cls}",
     }
     code = Path(hf_tapernorm.export.modeling_folded.__file__).parent
-    for name in ("modeling_folded.py", "folded_sink.py"):  # the modeling code and the sibling it imports
+    for name in ("modeling_folded.py", "folded_sink.py", "folded_input.py"):  # the modeling code and its siblings
         assert (out / name).read_bytes() == (code / name).read_bytes()
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     assert type(reloaded) is FOLDED[kind]

@@ -22,7 +22,7 @@ from hf_tapernorm import export_folded, fold_model
 from hf_tapernorm.errors import ConfigurationError
 from hf_tapernorm.integrations.extras import MissingExtraError
 from tests.conftest import char_tokenizer, random_batches
-from tests.test_folding import tapered
+from tests.helpers import tapered
 
 REPO = Path(__file__).resolve().parent.parent
 SINK = [5]
@@ -400,3 +400,63 @@ def test_transformer_bridge_takes_the_tokenizer_saved_with_the_export_or_asks_fo
         ConfigurationError, match=rf"no tokenizer could be loaded from '{bare}' \(.*\); pass tokenizer="
     ):
         transformer_bridge(bare)
+
+
+# ----------------------------------------------------------------------------- outputs line up with a sink-first input
+def test_nnsight_returns_hidden_states_at_every_column_of_a_sink_first_input(exports):
+    """The model's outputs (logits and hidden states) have one column per input id, the sink's included (its hidden
+    states are stored constants); the modules' own outputs are the columns the export computes (the text's)."""
+    pytest.importorskip("nnsight")
+    from hf_tapernorm.integrations.nnsight_model import nnsight_model
+
+    ids = torch.cat([torch.tensor(SINK).expand(IDS.shape[0], -1), IDS], dim=1)
+    plain = AutoModelForCausalLM.from_pretrained(exports["llama-sink"]).eval()
+    with torch.no_grad():
+        expected = plain(input_ids=ids, output_hidden_states=True)
+    wrapped = nnsight_model(exports["llama-sink"])
+    with wrapped.trace(input_ids=ids, output_hidden_states=True):
+        output = wrapped.output.save()
+    assert output.logits.shape[:2] == ids.shape
+    assert [tuple(h.shape[:2]) for h in output.hidden_states] == [tuple(ids.shape)] * len(expected.hidden_states)
+    for hidden, reference in zip(output.hidden_states, expected.hidden_states, strict=True):
+        assert (hidden - reference).abs().max().item() <= 1e-5
+
+
+# ----------------------------------------------------------------------------- ONNX Runtime: what it cannot take
+def test_export_onnx_refuses_a_file_on_the_way_before_loading_the_model(exports, tmp_path, monkeypatch):
+    import hf_tapernorm.integrations.onnx_runtime as onnx_runtime
+
+    monkeypatch.setattr(onnx_runtime, "load_export", lambda *a, **k: pytest.fail("the model was loaded"))
+    (tmp_path / "afile").write_text("notes")
+    for target, blocking in ((tmp_path / "afile" / "sub", tmp_path / "afile"), (tmp_path / "afile", "it")):
+        with pytest.raises(ConfigurationError) as error:
+            onnx_runtime.export_onnx(exports["llama-sink"], target)
+        assert str(error.value) == f"cannot export ONNX into '{target}': {blocking} is a file; choose a folder"
+    assert (tmp_path / "afile").read_text() == "notes"
+
+
+@pytest.mark.parametrize("call, said", [
+    (lambda r: r.forward([5, 6, 7]), r"input_ids must be \[batch, seq\] integers with a column in each row, got "
+                                     r"int64 of shape \[3\]; pass one sequence as a batch of one: \[ids\]$"),
+    (lambda r: r.generate([5, 6, 7], 2), r"of shape \[3\]; pass one sequence as a batch of one"),
+    (lambda r: r.forward([[5, 6], [7]]), r"input_ids must be \[batch, seq\] integers \(ValueError: "),
+    (lambda r: r.forward([[5.0, 6.0]]), r"got float64 of shape \[1, 2\]$"),
+    (lambda r: r.forward([[5, 128]]), r"token ids of the model's vocabulary \(0\.\.127\), got ids from 5 to 128$"),
+    (lambda r: r.forward(r.np.array([[5], [6]]), r.forward(r.np.array([[5, 6, 7]]))[1]),
+     r"the state continues 1 row\(s\) and input_ids has 2: continue a state with as many rows as the call that made"),
+    (lambda r: r.forward([[5, 6]], attention_mask=[[1, 1], [1, 1]]), r"attention_mask has 2 row\(s\) and input_ids 1"),
+    (lambda r: r.forward([[5, 6]], attention_mask=[[1, 1, 1, 1]]),
+     r"attention_mask has 4 columns; it must cover the tokens the state holds and these input_ids: 2 columns$"),
+    (lambda r: r.forward([[5]], r.forward([[6, 7, 8]])[1], attention_mask=[[1, 1]]),
+     r"attention_mask has 2 columns; .*: 4 columns \(5 counting the stored sink\)$"),
+    (lambda r: r.forward([[5, 6], [7, 8]]), r"some rows of input_ids start with the sink token\(s\) \[5\] and others"),
+], ids=["1d", "generate-1d", "ragged", "float", "vocab", "state-batch", "mask-rows", "mask-columns",
+        "continued-mask", "mixed-sink"])  # fmt: skip
+def test_onnx_runtime_refuses_what_its_graph_cannot_take_in_one_line(onnx_graphs, call, said):
+    from hf_tapernorm.errors import TaperNormError
+    from hf_tapernorm.integrations.onnx_runtime import OnnxCausalLM
+
+    runtime = OnnxCausalLM(onnx_graphs["llama-sink"], threads=1)
+    with pytest.raises(TaperNormError, match=said) as error:
+        call(runtime)
+    assert "\n" not in str(error.value) and str(error.value).startswith("OnnxCausalLM(")

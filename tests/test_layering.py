@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import RESEARCH_MAY_IMPORT, TIERS, api_section
+
 PACKAGE = Path(__file__).resolve().parent.parent / "hf_tapernorm"
 
 #: Layer of each top-level module or subpackage; a module may import its own layer and those below. Every
@@ -23,6 +25,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "hf_tapernorm"
 #: read exports and sit under the benchmark, which runs ONNX Runtime through them.
 LAYERS = {
     "errors": 0, "utils": 0, "_import_hooks": 0, "_version": 0, "_lazy": 0, "_parsing": 0, "config_migrations": 0,
+    "config_fields": 0,
     "architectures": 1,
     "data": 2,
     "config": 3,
@@ -118,8 +121,13 @@ def test_no_import_cycles():
 
 
 def test_the_folded_modeling_files_stand_alone():
-    """modeling_folded.py and the sibling it imports (folded_sink.py) are copied next to every export."""
-    copied = {"hf_tapernorm.export.modeling_folded", "hf_tapernorm.export.folded_sink"}
+    """modeling_folded.py and the siblings it imports (folded_sink.py, folded_input.py) are copied next to every
+    export."""
+    copied = {
+        "hf_tapernorm.export.modeling_folded",
+        "hf_tapernorm.export.folded_sink",
+        "hf_tapernorm.export.folded_input",
+    }
     for name in copied:
         path = PACKAGE / "export" / f"{name.rpartition('.')[2]}.py"
         assert _imports(name, path) <= copied - {name}, f"{path.name} is copied next to exports"
@@ -141,28 +149,6 @@ def test_import_costs_little_over_torch_and_transformers():
     assert min(seconds) < 0.5, f"import hf_tapernorm took {min(seconds):.2f} s over torch + transformers"
 
 
-#: The documented tiers: the facade (the stable API) and the subpackages that hold everything else.
-TIERS = [
-    "hf_tapernorm",
-    "hf_tapernorm.architectures",
-    "hf_tapernorm.layers",
-    "hf_tapernorm.training",
-    "hf_tapernorm.export",
-    "hf_tapernorm.config",
-    "hf_tapernorm.data",
-    "hf_tapernorm.evaluation",
-    "hf_tapernorm.integrations",
-]
-DOCS = PACKAGE.parent / "docs"
-
-
-def _api_section() -> str:
-    text = (DOCS / "usage.md").read_text()
-    start = text.index("\n## API")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end != -1 else None]
-
-
 def test_the_stable_api_is_small():
     import hf_tapernorm
 
@@ -177,7 +163,7 @@ def test_every_public_name_resolves_and_is_documented(tier):
     import importlib
 
     package = importlib.import_module(tier)
-    section = _api_section()
+    section = api_section()
     assert f"`{tier}`" in section, f"docs/usage.md's API section does not present {tier}"
     undocumented = []
     for name in package.__all__:
@@ -200,15 +186,6 @@ def test_an_unknown_name_is_an_attribute_error():
         hf_tapernorm.layers.is_patched  # noqa: B018
 
 
-#: What the research code (every script under conversion_scripts/) may import beyond the tiers: four modules of
-#: the application, the taper command's helpers it reuses and its extension point (documented in docs/usage.md's
-#: API section); from a module with an ``__all__``, only those names.
-RESEARCH_MAY_IMPORT = {
-    "hf_tapernorm.app.taper",
-    "hf_tapernorm.app.training_run",
-    "hf_tapernorm.cli.arguments",
-    "hf_tapernorm.cli.main",
-}
 CONVERSION_SCRIPTS = PACKAGE.parent / "conversion_scripts"
 EXPERIMENTS = CONVERSION_SCRIPTS / "experiments"
 
@@ -237,7 +214,7 @@ def test_the_product_suite_imports_no_research_code():
 def test_the_experiments_use_only_the_documented_api():
     import importlib
 
-    section = _api_section()
+    section = api_section()
     assert all(f"`{module}`" in section for module in RESEARCH_MAY_IMPORT)
     offending = []
     assert len(RESEARCH_MAY_IMPORT) <= 4, "the research reaches the application through at most four modules"

@@ -27,6 +27,7 @@ from hf_tapernorm.cli.arguments import (
 )
 from tests.conftest import corpus_documents, save_tiny_model
 from tests.helpers import error_of, run_main, snapshot
+from tests.helpers import short_taper_argv as taper
 
 COMMANDS = {
     "taper": [ModelArguments, DataArguments, TaperArguments, RunArguments, TaperTrainingArguments],
@@ -35,6 +36,7 @@ COMMANDS = {
     "push": [PushArguments],
     "bench": [BenchArguments],
 }
+TAPER_OPTIONS = COMMANDS["taper"]
 
 
 def write_options(folder: Path, name: str, values: dict) -> Path:
@@ -137,7 +139,13 @@ REFUSED = {
     "a bool that is no bool word": (
         "taper", "run.json", '{"trust_remote_code": "maybe"}', ["--trust_remote_code", "maybe", "true/false"],
     ),
-    "a list for a one-value option": ("taper", "run.yaml", "keep_norms: [a, b]\n", ["keep_norms takes one value"]),
+    "a list for a one-value option": ("taper", "run.yaml", "sink: [bos, none]\n", ["sink takes one value"]),
+    "a list in a list": ("taper", "run.yaml", "keep_norms: [[a]]\n", ["keep_norms takes text, got [\"a\"]"]),
+    "a bool for a path": ("taper", "run.json", '{"output_dir": true}', ["run.json: output_dir takes text, got true"]),
+    "an object for a path": ("taper", "run.json", '{"output_dir": {"a": 1}}', ['output_dir takes text, got {"a": 1}']),
+    "eval output_json true": ("eval", "eval.json", '{"output_json": true}', ["output_json takes text, got true"]),
+    "a YAML bool for a choice": ("taper", "run.yaml", "sink: no\n", ["sink takes one of auto, bos, none, got false"]),
+    "an empty list for a non-empty default": ("bench", "b.json", '{"batch_sizes": []}', ["--batch_sizes", "expected"]),
     "a bench choice": ("bench", "b.yaml", "modes: [last, lats]\n", ["--modes", "'lats'", "decode"]),
     "text for a number": ("taper", "run.yaml", "learning_rate: fast\n", ["learning_rate must be a number"]),
     "a fraction for an integer": ("taper", "run.yaml", "max_steps: 2.5\n", ["max_steps must be an integer"]),
@@ -157,7 +165,7 @@ def test_a_bad_value_in_an_options_file_is_refused_as_on_the_command_line(name, 
     assert line.startswith(f"hf-tapernorm {command}: error: "), line
     for fragment in fragments:
         assert fragment in line, line
-    assert not (tmp_path / "runs").exists()  # refused before anything was written
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "true").exists()  # refused before any write
 
 
 def test_unknown_keys_are_refused_together_and_named(tmp_path):
@@ -218,3 +226,72 @@ def test_overwrite_false_in_a_file_keeps_a_finished_run(ws, tmp_path):
     assert "is not empty; pass --overwrite" in refusal
     assert error_of(["taper", str(write_options(tmp_path, "run.json", {**values, "overwrite": "false"}))]) == refusal
     assert snapshot(out) == before
+
+
+# ============================================================================= numbers, case and paths
+def test_yaml_numbers_without_a_dot_are_numbers(ws, tmp_path):
+    options = tmp_path / "run.yaml"
+    options.write_text("max_grad_norm: 1e-1\nlearning_rate: 3e-4\nmax_steps: 2e1\noutput_dir: out\n")
+    assert isinstance(yaml.safe_load(options.read_text())["learning_rate"], str)  # YAML 1.1: text, not a float
+    *_, training = parse(TAPER_OPTIONS, [str(options)], "hf-tapernorm taper")
+    assert (training.max_grad_norm, training.learning_rate, training.max_steps) == (0.1, 3e-4, 20)
+    options.write_text("learning_rate: fast\n")
+    with pytest.raises(UsageError, match="learning_rate must be a number, got 'fast'"):
+        parse(TAPER_OPTIONS, [str(options)], "hf-tapernorm taper")
+    options.write_text("max_steps: 2.5\n")
+    with pytest.raises(UsageError, match="max_steps must be an integer"):
+        parse(TAPER_OPTIONS, [str(options)], "hf-tapernorm taper")
+    options.write_text("max_steps: [1\n")
+    with pytest.raises(UsageError, match="cannot read it"):
+        parse(TAPER_OPTIONS, [str(options)], "hf-tapernorm taper")
+
+
+def test_an_upper_case_options_file_with_a_home_output_dir_and_a_symlinked_model(ws, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    (tmp_path / "model_link").symlink_to(ws / "llama", target_is_directory=True)
+    argv = taper(ws, "~/run/", model=str(tmp_path / "model_link"))
+    options = {argv[i][2:]: argv[i + 1] for i in range(1, len(argv) - 1) if argv[i].startswith("--")}
+    options.pop("use_cpu")
+    (tmp_path / "RUN.YAML").write_text(yaml.safe_dump({**options, "use_cpu": True}))
+    code, _, stderr = run_main(["taper", str(tmp_path / "RUN.YAML")])
+    assert code == 0, stderr[-2000:]
+    report = json.loads((tmp_path / "home" / "run" / "report.json").read_text())
+    assert report["status"] == "finished" and not (tmp_path / "~").exists()
+
+
+# ============================================================================= lists, byte order marks
+#: command -> (an options file's object with lists, the command line it stands for)
+LISTS_AS_FLAGS = {
+    "a one-element list for a one-value option": (
+        "taper",
+        {"report_to": ["none"], "keep_norms": ["model.norm"], "output_dir": "runs/x"},
+        ["--report_to", "none", "--keep_norms", "model.norm", "--output_dir", "runs/x"],
+    ),
+    "a list for a comma-separated option": (
+        "taper",
+        {"keep_norms": ["a.*", "b.*"], "resume": True, "allow_changes": ["learning_rate", "seed"]},
+        ["--keep_norms", "a.*,b.*", "--resume", "--allow_changes", "learning_rate,seed"],
+    ),
+    "an empty list for an option whose default is empty": (
+        "push",
+        {"export_dir": "e", "repo_id": "me/x", "include": []},
+        ["--export_dir", "e", "--repo_id", "me/x"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(LISTS_AS_FLAGS))
+def test_a_list_reads_as_the_command_line_writes_it(name, tmp_path):
+    """They were refused: "takes one value, got the list ['none']"; push's {"include": []} (its default) as
+    "expected at least one argument"."""
+    command, values, argv = LISTS_AS_FLAGS[name]
+    assert parsed(command, [str(write_options(tmp_path, "run.json", values))]) == parsed(command, argv)
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_an_options_file_with_a_byte_order_mark(tmp_path, suffix):
+    """Editors that write UTF-8 with a BOM: the file was refused as unreadable."""
+    path = tmp_path / f"run{suffix}"
+    path.write_text("\ufeff" + (json.dumps({"max_steps": 7}) if suffix == ".json" else "max_steps: 7\n"))
+    assert parsed("taper", [str(path)])[-1].max_steps == 7

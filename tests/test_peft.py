@@ -1,14 +1,21 @@
 """PEFT: a patched model wrapped with LoRA trains the TaperNorm parameters with the adapters, tapers to
 g = 0 under TaperCallback, and after merge_and_unload() folds and exports like any other model."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from hf_tapernorm import TaperCallback, TaperNormConfig, export_folded, fold_model, patch_model
+from hf_tapernorm.errors import UnsupportedModelError
+from hf_tapernorm.evaluation.models import ModelSourceError, resolve_model
 from hf_tapernorm.layers import gate_of, tapered_norms, train_tapernorm_parameters
+from hf_tapernorm.layers.patching import set_gate
+from hf_tapernorm.training import calibrate
 from tests.conftest import build, random_batches, tiny_llama_config
+from tests.helpers import one_model_workspace
 
 
 def test_lora_round_trip(tmp_path):
@@ -92,3 +99,27 @@ def test_lora_that_freezes_the_taper_parameters_is_named_once_at_the_first_step(
 def test_train_tapernorm_parameters_refuses_an_unpatched_model():
     with pytest.raises(ValueError, match="has no TaperNorm; call patch_model before get_peft_model"):
         train_tapernorm_parameters(build(tiny_llama_config()))
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> Path:
+    return one_model_workspace(tmp_path_factory.mktemp("peft"))
+
+
+def test_unmerged_peft_models_are_refused_with_merge_and_unload(ws, tmp_path):
+    peft = pytest.importorskip("peft")
+    model = AutoModelForCausalLM.from_pretrained(ws / "llama")
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(target_modules=["q_proj"], r=2))
+    with pytest.raises(UnsupportedModelError, match=r"merge_and_unload\(\)"):
+        patch_model(wrapped, TaperNormConfig(sink_token_ids=[]))
+    wrapped.save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ModelSourceError, match="PEFT adapters.*merge_and_unload"):
+        resolve_model(str(tmp_path / "adapter"))
+    patched = patch_model(AutoModelForCausalLM.from_pretrained(ws / "llama"), TaperNormConfig(sink_token_ids=[]))
+    patched.train()
+    patched(torch.randint(1, 127, (2, 16)))
+    calibrate(patched)
+    set_gate(patched, 0.0)
+    lora = peft.get_peft_model(patched, peft.LoraConfig(target_modules=["q_proj"], r=2))
+    with pytest.raises(UnsupportedModelError, match=r"fold_model\(model.merge_and_unload\(\)\)"):
+        fold_model(lora)

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import save_tiny_model
-from tests.test_layering import RESEARCH_MAY_IMPORT, TIERS, _api_section
+from tests.helpers import RESEARCH_MAY_IMPORT, TIERS, api_section
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -43,7 +43,7 @@ def swapped(code: str, model_folder: Path) -> str:
 
 
 def test_the_quickstart_imports_only_documented_names():
-    section = _api_section()
+    section = api_section()
     for node in ast.walk(ast.parse(quickstart())):
         if isinstance(node, ast.ImportFrom) and node.module.startswith("hf_tapernorm"):
             assert node.module in TIERS or node.module in RESEARCH_MAY_IMPORT, node.module

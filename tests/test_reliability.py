@@ -62,7 +62,7 @@ def test_overwrite_checks_every_value_before_it_deletes_anything(workspace, fini
     for flags, expected in (
         (["--scope", "inner"], "argument --scope: invalid choice: 'inner'"),
         (["--ema_rate", "0"], "--ema_rate must be in (0, 1], got 0.0"),
-        (["--calibration_scale", "0"], "--calibration_scale must be positive, got 0.0"),
+        (["--distill_weight", "-1"], "--distill_weight must be >= 0, got -1.0"),
         (["--scale_loss_weight", "-1"], "--scale_loss_weight must be >= 0, got -1.0"),
         (["--tied_head", "bogus"], "argument --tied_head/--tied-head: invalid choice: 'bogus'"),
         (["--keep_norms", "*norm*"], "nothing would taper in LlamaForCausalLM"),

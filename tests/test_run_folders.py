@@ -1,5 +1,7 @@
-"""Run and export folders: one command at a time in a folder (and a stale lock said to be stale), the disk a run
-needs counted before it trains, and a resume refused early when its checkpoint lost a file or its name.
+"""Run and export folders: one command at a time in a folder (and a stale lock said to be stale), nothing deleted or
+written over that the command did not write (the manifest is no list of paths, symbolic links are refused), no
+partial copy left by a kill, the disk a run needs counted before it trains, and a resume refused early when its
+checkpoint lost a file or its name.
 
 Each case checks the exit code, the first line of the error, and the files on disk.
 """
@@ -10,17 +12,20 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from transformers import AutoModelForCausalLM
 
-from hf_tapernorm.app.run_folder import LOCK_NAME, RunFolder, RunFolderError
+from hf_tapernorm import TaperNormConfig
+from hf_tapernorm.app.run_folder import LOCK_NAME, MANIFEST_NAME, RunFolder, RunFolderError
 from hf_tapernorm.app.run_lock import process_start_time
 from hf_tapernorm.training.checkpoints import tapered_config_of
-from tests.conftest import save_tiny_model
-from tests.helpers import error_of, run_main, snapshot, taper_argv
+from tests.conftest import build, save_tiny_model, tiny_llama_config
+from tests.helpers import error_of, run_main, snapshot, taper_argv, tapered_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +37,12 @@ def run(workspace, tmp_path_factory) -> Path:
     assert code == 0, stderr
     assert (out / "checkpoint-10" / "distillation_teacher.safetensors").is_file()
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(run) -> Path:
+    """The finished run, as the cases that only read its tapered checkpoint or count its files call it."""
+    return run
 
 
 def run_argv(workspace: Path, out: Path, *extra: str) -> list[str]:
@@ -188,14 +199,15 @@ def test_an_fp32_run_the_disk_cannot_hold_is_refused_before_the_model_loads(work
     assert "loaded the model or the data" in str(pytest.raises(AssertionError, run_main, argv).value)  # passes
 
 
-def test_what_the_disk_check_counts_is_what_a_run_writes(workspace, run):
+def test_what_the_disk_check_counts_is_what_a_run_writes(workspace, run, tmp_path):
     """run_writes, part by part, against the files of a finished fp32 run: never more, and the same bytes up to
     file headers and the TaperNorm state (the tiny model's weights are few, so those weigh a few percent)."""
     from hf_tapernorm.app.preflight import run_writes
 
     model = AutoModelForCausalLM.from_pretrained(workspace / "llama")
     config = tapered_config_of(run / "checkpoint-10")
-    writes = run_writes(model, SimpleNamespace(optim="adamw_torch"), config, dtype=None, baseline=False)
+    one_save = _trainer_options(tmp_path, optim="adamw_torch", max_steps=10)  # checkpoint-10 alone: no earlier one
+    writes = run_writes(model, one_save, config, dtype=None, baseline=False)
     written = {
         "the final checkpoint's weights": run / "checkpoint-10" / "model.safetensors",
         "its optimizer state (two moments per weight)": run / "checkpoint-10" / "optimizer.pt",
@@ -206,9 +218,9 @@ def test_what_the_disk_check_counts_is_what_a_run_writes(workspace, run):
     assert writes.keys() == written.keys()
     for what, path in written.items():
         assert 0.85 * path.stat().st_size <= writes[what] <= path.stat().st_size, what
-    gone = SimpleNamespace(**{**vars(config), "distill_until": "taper_end"})  # the teacher is released at g = 0
-    assert "its distillation teacher" not in run_writes(model, SimpleNamespace(optim="sgd"), gone, dtype=None,
-                                                        baseline=False)  # fmt: skip
+    gone = config.replace(distill_until="taper_end")  # the teacher is released at g = 0
+    sgd = _trainer_options(tmp_path, optim="sgd", max_steps=10)
+    assert "its distillation teacher" not in run_writes(model, sgd, gone, dtype=None, baseline=False)
 
 
 # ============================================================================= resume: every file, early
@@ -262,3 +274,294 @@ def test_a_checkpoint_record_lists_its_files_but_is_not_part_of_the_run_identity
     }
     manifest = json.loads((run / ".hf_tapernorm_run.json").read_text())
     assert recorded_identity(run) == manifest["identity"]
+
+
+# ============================================================================= only what the command wrote
+@pytest.mark.parametrize("entry", ["../victim/thesis.tex", "ABSOLUTE"])
+def test_overwrite_never_deletes_a_manifest_entry_outside_the_folder(workspace, tmp_path, entry):
+    victim = tmp_path / "victim" / "thesis.tex"
+    victim.parent.mkdir()
+    victim.write_text("years of work")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "report.md").write_text("ours")
+    listed = str(victim) if entry == "ABSOLUTE" else entry
+    (out / MANIFEST_NAME).write_text(json.dumps({"tool": "hf-tapernorm", "files": ["report.md", listed]}))
+    before = snapshot(out)
+    message = error_of([*taper_argv(workspace, out), "--overwrite"])
+    assert message.startswith(f"hf-tapernorm taper: error: the manifest {out / MANIFEST_NAME} lists {listed!r}")
+    assert "nothing was deleted" in message
+    assert victim.read_text() == "years of work" and snapshot(out) == before
+    with pytest.raises(RunFolderError):
+        RunFolder(out).empty()
+    assert victim.read_text() == "years of work" and snapshot(out) == before
+
+
+def test_symbolic_links_in_a_run_folder_are_refused_before_any_work(workspace, tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "thesis.tex").write_text("years of work")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "folded").symlink_to(victim, target_is_directory=True)
+    (out / MANIFEST_NAME).write_text(json.dumps({"tool": "hf-tapernorm", "files": ["folded/thesis.tex"]}))
+    for flag in ("--overwrite", "--resume"):
+        message = error_of([*taper_argv(workspace, out), flag])
+        assert message.startswith(f"hf-tapernorm taper: error: output folder '{out}' holds symbolic links (folded)")
+        assert (victim / "thesis.tex").read_text() == "years of work"
+    with pytest.raises(RunFolderError, match="passes through the symbolic link"):
+        RunFolder(out).owned_files()
+
+
+def test_fold_overwrite_replaces_only_an_earlier_export(workspace, tmp_path):
+    checkpoint = tapered_checkpoint(tmp_path / "tapered")
+    model_folder = save_tiny_model(tmp_path / "my_model")  # only names an export also writes
+    (model_folder / "README.md").write_text("my model card")
+    before = snapshot(model_folder)
+    fold = ["fold", "--checkpoint", str(checkpoint), "--output_dir"]
+    message = error_of([*fold, str(model_folder), "--overwrite"])
+    assert message == (
+        f"hf-tapernorm fold: error: refusing to --overwrite '{model_folder}': it is not an earlier export (no "
+        ".hf_tapernorm_export.json, and its config.json is not a folded model's); choose another --output_dir"
+    )
+    assert snapshot(model_folder) == before
+    export = tmp_path / "export"
+    assert run_main([*fold, str(export)])[0] == 0
+    (export / "mine.txt").write_text("user file")
+    assert "holds files an export does not write (mine.txt)" in error_of([*fold, str(export), "--overwrite"])
+    (export / "mine.txt").unlink()
+    assert run_main([*fold, str(export), "--overwrite"])[0] == 0  # an earlier export is replaced
+    (export / ".hf_tapernorm_export.json").unlink()  # an export written before the manifest existed
+    assert run_main([*fold, str(export), "--overwrite"])[0] == 0
+    link = tmp_path / "link"
+    link.symlink_to(export, target_is_directory=True)
+    assert "is a symbolic link" in error_of([*fold, str(link), "--overwrite"])
+
+
+def test_eval_output_json_never_writes_over_a_file_it_did_not_create(workspace, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(workspace / "llama", model)
+    before = snapshot(model)
+    corpus = str(workspace / "corpus.txt")
+    evaluate = ["eval", "--model_name_or_path", str(model), "--dataset_name", corpus, "--block_size", "32",
+                "--heldout_blocks", "2", "--heldout_percentage", "10", "--output_json"]  # fmt: skip
+    message = error_of([*evaluate, str(model / "config.json")])
+    assert message == (
+        f"hf-tapernorm eval: error: --output_json {model / 'config.json'} exists and is not an earlier result of "
+        "hf-tapernorm eval; it is left as it is, name a new file"
+    )
+    assert snapshot(model) == before
+    missing = tmp_path / "no_such_folder" / "result.json"
+    assert error_of([*evaluate, str(missing)]).endswith(
+        f"the folder '{missing.parent}' does not exist; create it first"
+    )
+    result = tmp_path / "result.json"
+    assert run_main([*evaluate, str(result)])[0] == 0
+    assert json.loads(result.read_text())["written_by"] == "hf-tapernorm eval"
+    assert run_main([*evaluate, str(result)])[0] == 0  # an earlier result is replaced
+
+
+def test_a_file_put_into_the_run_folder_while_it_runs_stays_the_users(workspace, tmp_path, monkeypatch):
+    """The manifest once adopted every file present at the end: a later --overwrite deleted the user's notes."""
+    import hf_tapernorm.app.taper as taper_pipeline
+
+    out = tmp_path / "run"
+    original = taper_pipeline.save_export
+
+    def with_a_user_file(*args, **kwargs):
+        (out / "notes.txt").write_text("my notes, written while the run trained")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(taper_pipeline, "save_export", with_a_user_file)
+    argv = taper_argv(workspace, out, "--distill_weight", "0", "--out_of_corpus_blocks", "0", steps=6)
+    code, _, stderr = run_main(argv)
+    assert code == 0, stderr
+    manifest = json.loads((out / MANIFEST_NAME).read_text())["files"]
+    assert "notes.txt" not in manifest and "folded/model.safetensors" in manifest and "report.json" in manifest
+    monkeypatch.setattr(taper_pipeline, "save_export", original)
+    message = error_of([*argv, "--overwrite"])
+    assert message == (
+        f"hf-tapernorm taper: error: refusing to --overwrite '{out}': it holds files hf-tapernorm did not write "
+        "(notes.txt); move them away first"
+    )
+    assert (out / "notes.txt").read_text() == "my notes, written while the run trained"
+
+
+def test_an_export_killed_by_sigkill_leaves_no_partial_copy_for_ever(tmp_path):
+    from hf_tapernorm.app.run_folder import write_folder
+
+    dead, alive = 2**22 + 54321, os.getppid()  # no such process; this test's parent
+    for name in (f".export.partial-{dead}", f".export.old-{dead}", f".export.partial-{alive}", ".other.partial-1"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_text("a killed write's copy")
+    write_folder(tmp_path / "export", lambda tmp: (tmp.mkdir(), (tmp / "config.json").write_text("{}")))
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [".export.partial-" + str(alive), ".other.partial-1", "export"], left
+
+
+# ============================================================================= a live owner's lock, a dead owner's lock
+def test_a_second_command_is_locked_out_and_a_dead_owner_lock_is_taken_over(workspace, tmp_path, caplog):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / LOCK_NAME).write_text(json.dumps({"pid": os.getppid(), "host": os.uname().nodename}))  # a live process
+    message = error_of([*taper_argv(workspace, out, steps=5), "--overwrite"])
+    assert message.startswith(f"hf-tapernorm taper: error: output folder '{out}' is in use by another hf-tapernorm")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (out / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename}))
+    code, _, stderr = run_main(taper_argv(workspace, out, "--distill_weight", "0", steps=5))
+    assert code == 0, stderr
+    assert "taking over the lock" in caplog.text and not (out / LOCK_NAME).exists()
+    file = tmp_path / "a_file"
+    file.write_text("x")
+    assert error_of([*taper_argv(workspace, file / "run", steps=5)]).endswith(f"'{file}' is a file")
+
+
+def test_fold_and_eval_never_write_into_a_folder_a_running_command_owns(workspace, reference, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_NAME).write_text(json.dumps({"pid": os.getppid(), "host": os.uname().nodename}))  # a live taper
+    fold = ["fold", "--checkpoint", str(reference / "tapered"), "--output_dir", str(run / "folded")]
+    message = error_of(fold)
+    assert message.startswith(f"hf-tapernorm fold: error: output folder '{run / 'folded'}' lies in '{run}', which a")
+    assert message.endswith("wait for it to finish, or choose a folder outside it")
+    corpus = str(workspace / "corpus.txt")
+    evaluate = ["eval", "--model_name_or_path", str(workspace / "llama"), "--dataset_name", corpus,
+                "--block_size", "32", "--heldout_blocks", "2", "--heldout_percentage", "10"]  # fmt: skip
+    assert "which a running hf-tapernorm command owns" in error_of([*evaluate, "--output_json", str(run / "r.json")])
+    assert sorted(p.name for p in run.iterdir()) == [LOCK_NAME]  # nothing written
+    (run / LOCK_NAME).unlink()  # the command finished
+    assert run_main(fold)[0] == 0 and (run / "folded" / "config.json").is_file()
+
+
+# ============================================================================= the disk check counts every copy
+def test_a_run_the_disk_cannot_hold_is_refused_before_the_model_loads(workspace, tmp_path, monkeypatch):
+    import hf_tapernorm.app.preflight as preflight
+    import hf_tapernorm.app.taper as taper_pipeline
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(taper_pipeline, "load_model", no_load)
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
+    out = tmp_path / "run"
+    message = error_of(taper_argv(workspace, out, "--baseline"))
+    assert "--output_dir" in message and "its disk has 0.00 GB free, and this run writes at least" in message
+    assert "the baseline run" in message and "another disk" in message, message
+    assert not out.exists()
+
+
+def test_the_disk_check_counts_every_copy_the_run_writes(workspace, tmp_path):
+    from hf_tapernorm.app.preflight import check_disk_space
+
+    model = build(tiny_llama_config())
+    weights = sum(p.numel() for p in model.parameters())
+    adam, sgd = (_trainer_options(tmp_path, optim=optim, max_steps=10) for optim in ("adamw_torch", "sgd"))
+    distilled, plain = TaperNormConfig.paper(distill_weight=1.0), TaperNormConfig.paper(distill_weight=0.0)
+    here = Path(workspace)
+
+    def needed(args, config, **kw) -> int:
+        return check_disk_space(here / "not_yet" / "run", model, args, config, **kw)
+
+    # checkpoint (weights, 2 Adam moments, the teacher) + tapered + folded; the baseline adds 1 + 2 + its model.
+    assert needed(adam, distilled, dtype="float32", baseline=True) == weights * 4 * (4 + 2 + 4)
+    assert needed(adam, plain, dtype="float32", baseline=False) == weights * 4 * (3 + 2)
+    assert needed(sgd, plain, dtype="bfloat16", baseline=False) == weights * 2 * (1 + 2)
+    assert needed(adam, plain, dtype=None, baseline=False) == weights * 4 * (3 + 2)  # the model's own dtype: fp32
+
+
+def test_overwrite_counts_the_old_run_as_free_space(reference, tmp_path):
+    folder = tmp_path / "old"
+    shutil.copytree(reference, folder)
+    run = RunFolder(folder)
+    reclaimable = run.reclaimable_bytes()
+
+    def total() -> int:
+        return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+    listed = set(run.files())  # the run's files; the bookkeeping files (manifest, record) are not counted
+    bookkeeping = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and
+                      p.relative_to(folder).as_posix() not in listed)  # fmt: skip
+    before = total()
+    assert reclaimable == before - bookkeeping > 0
+    run.empty()
+    assert before - total() >= reclaimable  # empty() frees at least what the disk check counted
+
+
+# ============================================================================= the peak a run writes, any length
+def _trainer_options(tmp_path: Path, **options):
+    from hf_tapernorm.cli.arguments import TaperTrainingArguments
+
+    return TaperTrainingArguments(output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, **options)
+
+
+def test_the_disk_check_counts_the_checkpoints_that_coexist_while_the_last_is_written(tmp_path):
+    """With --save_steps 500 < --max_steps 600 (the defaults) the checkpoint of step 500 is still on disk while the
+    one of step 600 is written (--save_total_limit 1 deletes it only after): the check counted one."""
+    from hf_tapernorm.app.preflight import run_writes
+
+    model = build(tiny_llama_config())
+    weights = sum(p.numel() for p in model.parameters()) * 4  # fp32
+    checkpoint = weights * (1 + 2 + 1)  # its weights, two Adam moments, the distillation teacher
+    config = TaperNormConfig.paper(distill_weight=1.0)
+
+    def needed(**options) -> dict[str, int]:
+        args = _trainer_options(tmp_path, optim="adamw_torch", **options)
+        return run_writes(model, args, config, dtype=None, baseline=False)
+
+    defaults = needed(max_steps=600)  # saves at 500 and 600
+    assert defaults["1 earlier checkpoint(s) still on disk while it is written"] == checkpoint
+    assert sum(defaults.values()) == 2 * checkpoint  # more than the end: 1 checkpoint + the tapered + the folded
+    assert sum(needed(max_steps=500).values()) == checkpoint + 2 * weights  # one save: the end is the peak
+    assert sum(needed(max_steps=10, save_steps=3, save_total_limit=2).values()) == 3 * checkpoint  # 6, 9 and 10
+    all_kept = needed(max_steps=10, save_steps=3, save_total_limit=None)  # none deleted: all four at the end
+    assert sum(all_kept.values()) == 4 * checkpoint + 2 * weights
+    assert sum(needed(max_steps=10, save_steps=0.5, save_total_limit=1).values()) == 2 * checkpoint  # at 5 and 10
+    assert sum(needed(max_steps=10, save_strategy="no").values()) == 2 * weights  # the tapered and the folded
+
+
+def test_a_run_s_checkpoints_coexist_as_the_disk_check_counts(workspace, tmp_path, monkeypatch):
+    """What the check assumes of the Trainer, on a run: at each save, one checkpoint more than --save_total_limit
+    is on disk until the oldest is deleted."""
+    import transformers.trainer
+
+    from hf_tapernorm.app.preflight import run_writes
+
+    rotate, seen = transformers.trainer.rotate_checkpoints, []
+
+    def counting(output_dir, **kwargs):
+        seen.append(len(list(Path(output_dir).glob("checkpoint-*"))))
+        return rotate(output_dir=output_dir, **kwargs)
+
+    monkeypatch.setattr(transformers.trainer, "rotate_checkpoints", counting)
+    out = tmp_path / "run"
+    code, _, stderr = run_main(taper_argv(workspace, out, "--save_steps", "2", "--out_of_corpus_blocks", "0", steps=6))
+    assert code == 0, stderr
+    assert seen == [1, 2, 2]  # steps 2, 4 and 6, --save_total_limit 1 (the default)
+    args = _trainer_options(tmp_path, max_steps=6, save_steps=2)
+    model = AutoModelForCausalLM.from_pretrained(workspace / "llama")
+    writes = run_writes(model, args, tapered_config_of(out / "tapered"), dtype=None, baseline=False)
+    assert "1 earlier checkpoint(s) still on disk while it is written" in writes
+
+
+def test_an_absurd_max_steps_is_checked_at_once(workspace, tmp_path, monkeypatch):
+    """``"max_steps": 1e20`` in run.json (or --max_steps 100000000000000000000) parsed, then the preflight stepped
+    the learning-rate schedule once per training step: the command hung before loading anything."""
+    import signal
+
+    def too_long(signum, frame):
+        raise TimeoutError("the checks before loading took over a minute")
+
+    argv = taper_argv(workspace, tmp_path / "run", "--taper_start", "0.05", "--taper_end", "0.7")
+    options = {argv[i][2:]: argv[i + 1] for i in range(1, len(argv) - 1) if argv[i].startswith("--")}
+    options.update(max_steps=1e20, use_cpu=True)
+    (tmp_path / "run.json").write_text(json.dumps(options))
+    no_loading(monkeypatch)
+    previous = signal.signal(signal.SIGALRM, too_long)
+    signal.alarm(60)
+    try:
+        with pytest.raises(AssertionError, match="loaded the model or the data"):  # every check passed
+            run_main(["taper", str(tmp_path / "run.json")])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

@@ -1,10 +1,32 @@
+import json
 import logging
 import math
+from pathlib import Path
 
 import pytest
 
 from hf_tapernorm import ConfigurationError, TaperNormConfig
+from hf_tapernorm._parsing import parse
+from hf_tapernorm.app.preflight import check_trainer_options
+from hf_tapernorm.app.validation import (
+    TaperRequest,
+    check_schedule,
+    fit_default_schedule,
+    fit_default_warmup,
+    recipe_config,
+    weightless_model,
+)
+from hf_tapernorm.cli.arguments import (
+    DataArguments,
+    ModelArguments,
+    RunArguments,
+    TaperArguments,
+    TaperTrainingArguments,
+)
+from hf_tapernorm.evaluation.models import load_tokenizer, resolve_model
 from hf_tapernorm.training import TaperSchedule
+from hf_tapernorm.training.schedule import decay_learning_rate_after_the_taper
+from tests.helpers import one_model_workspace, run_main
 
 
 def _cosine(k, start, end):
@@ -73,3 +95,58 @@ def test_a_schedule_built_for_one_run_length_refuses_another():
     assert schedule.resolve(100) == schedule
     with pytest.raises(ValueError, match=r"built for total_steps=100, but the run has 200 optimizer steps"):
         schedule.resolve(200)
+
+
+# ============================================================================= the CLI's defaults fit every run length
+TAPER_OPTIONS = [ModelArguments, DataArguments, TaperArguments, RunArguments, TaperTrainingArguments]
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> Path:
+    return one_model_workspace(tmp_path_factory.mktemp("schedule"))
+
+
+def _validate(source, tokenizer, skeleton, *flags: str) -> None:
+    """What taper checks before it loads the weights, on these flags (raises what it would refuse)."""
+    request = TaperRequest(*parse(TAPER_OPTIONS, ["--use_cpu", *flags], "hf-tapernorm taper"))
+    steps = request.training.max_steps
+    config = fit_default_schedule(recipe_config(request, skeleton, tokenizer), request.taper, steps)
+    schedule = check_schedule(config, steps)
+    fit_default_warmup(request.training, schedule)
+    decay_learning_rate_after_the_taper(request.training, schedule)
+    check_trainer_options(request.training, schedule, config)
+    return request, schedule
+
+
+def test_defaults_agree_for_every_max_steps(ws, caplog):
+    source = resolve_model(str(ws / "llama"))
+    tokenizer, skeleton = load_tokenizer(source), weightless_model(source, False)
+    caplog.set_level(logging.ERROR)
+    for steps in [*range(2, 130), 150, 299, 300, 301, 1000, 4096]:
+        for recipe in ("auto", "paper"):
+            request, schedule = _validate(source, tokenizer, skeleton, "--max_steps", str(steps), "--recipe", recipe)
+            assert 1 <= schedule.k_start < schedule.k_end <= steps, steps
+            assert request.training.get_warmup_steps(steps) <= schedule.k_start, steps
+    request, schedule = _validate(source, tokenizer, skeleton, "--max_steps", "24")
+    assert (schedule.k_start, request.training.get_warmup_steps(24)) == (1, 1)
+    request, schedule = _validate(source, tokenizer, skeleton, "--max_steps", "300")  # the fractions, untouched
+    assert (schedule.k_start, schedule.k_end, request.training.warmup_steps) == (15, 210, 0.05)
+    # What the user sets is not moved: an explicit warmup past the taper start is still refused.
+    with pytest.raises(ConfigurationError, match="--warmup_steps 5"):
+        _validate(source, tokenizer, skeleton, "--max_steps", "24", "--warmup_steps", "5")
+    with pytest.raises(ConfigurationError, match="--max_steps must be at least 2"):
+        parse(TAPER_OPTIONS, ["--max_steps", "1"], "hf-tapernorm taper")
+
+
+def test_taper_with_24_steps_and_every_default_runs(ws, tmp_path):
+    out = tmp_path / "out"
+    arguments = [
+        "taper", "--model_name_or_path", str(ws / "llama"), "--dataset_name", str(ws / "corpus.txt"), "--block_size",
+        "32", "--heldout_blocks", "2", "--heldout_percentage", "10", "--max_steps", "24", "--output_dir", str(out),
+        "--use_cpu", "--disable_tqdm", "true", "--data_cache_dir", str(ws / "cache"), "--out_of_corpus_blocks", "0",
+        "--scan_windows", "0", "--per_device_train_batch_size", "1",
+    ]  # fmt: skip
+    code, _, stderr = run_main(arguments)
+    assert code == 0, stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["taper"]["taper_start_step"] == 1 and report["training"]["final_gate"] == 0.0

@@ -64,25 +64,29 @@ def test_a_gated_model_s_recipe_keeps_the_runaway_layers_attention_norms_and_add
     measured = {f"model.layers.{i}.post_attention_layernorm" for i in range(30)}
     measured |= {f"model.layers.{i}.input_layernorm" for i in range(4, 14)}
     assert set(config.keep_norms) == measured
-    assert config.sink_attention_weight == 1.0 and config.sink_token_ids == [model.config.bos_token_id]
+    assert config.distillation.sink_attention_weight == 1.0 and config.sink_token_ids == [model.config.bos_token_id]
     gpt2 = TaperNormConfig.for_model(build(tiny_gpt2_config()))  # the paper's recipe: nothing of the remedy
-    assert gpt2.sink_attention_weight == 0.0 and gpt2.keep_norms == []
+    assert gpt2.distillation.sink_attention_weight == 0.0 and gpt2.keep_norms == []
 
 
 def test_the_term_follows_what_it_needs_and_a_contradiction_is_refused():
     model = build(tiny_llama_config())
-    assert TaperNormConfig.for_model(model, distill_weight=0.0).sink_attention_weight == 0.0  # derived, not refused
-    assert TaperNormConfig.for_model(model, sink_token_ids=[]).sink_attention_weight == 0.0
-    assert TaperNormConfig.for_model(model, scope="final").sink_attention_weight == 0.0
-    assert TaperNormConfig.for_model(model, sink_attention_weight=0.3).sink_attention_weight == 0.3
-    with pytest.raises(ConfigurationError, match=r"sink_attention_weight=1 needs distill_weight > 0"):
+
+    def term(**options):
+        return TaperNormConfig.for_model(model, **options).distillation.sink_attention_weight
+
+    assert term(distill_weight=0.0) == 0.0  # derived, not refused
+    assert term(sink_token_ids=[]) == 0.0 and term(scope="final") == 0.0 and term(sink_attention_weight=0.3) == 0.3
+    with pytest.raises(
+        ConfigurationError, match=r"sink_attention_weight=1 needs TaperNormConfig.distillation.weight > 0"
+    ):
         TaperNormConfig.for_model(model, distill_weight=0.0, sink_attention_weight=1.0)
     with pytest.raises(ConfigurationError, match=r"sink_attention_weight=0.5 needs sink_token_ids"):
-        TaperNormConfig(distill_weight=1.0, sink_attention_weight=0.5)
-    with pytest.raises(ConfigurationError, match=r"sink_attention_weight must be >= 0"):
-        TaperNormConfig(sink_attention_weight=-1.0)
+        TaperNormConfig(distillation={"weight": 1.0, "sink_attention_weight": 0.5})
+    with pytest.raises(ConfigurationError, match=r"TaperNormConfig.distillation.sink_attention_weight must be >= 0"):
+        TaperNormConfig.paper(sink_attention_weight=-1.0)
     with pytest.raises(ConfigurationError, match=r"sink_attention_weight must be a finite number"):
-        TaperNormConfig(sink_attention_weight=float("inf"))
+        TaperNormConfig(distillation={"sink_attention_weight": float("inf")})
 
 
 def _eager_attentions(model, batch):
@@ -112,7 +116,7 @@ def test_the_term_adds_the_sink_share_kl_to_the_training_loss(distill_from):
     model = patch_model(
         model,
         TaperNormConfig.for_model(
-            model, sink_attention_weight=5.0, distill_from=distill_from, taper_start=1, taper_end=5
+            model, sink_attention_weight=5.0, experimental={"distill_from": distill_from}, taper_start=1, taper_end=5
         ),
     )
     controller = TaperController(model, total_steps=10)  # the gate starts to fall after step 1

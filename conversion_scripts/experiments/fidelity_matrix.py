@@ -59,6 +59,12 @@ class Arm:
     script: Optional[str] = None  # a module that takes the taper options, run instead of hf-tapernorm taper
 
 
+#: The script of the arms that train on other lengths or positions (options the product does not offer).
+LENGTH_ARMS = "conversion_scripts.experiments.length_arms"
+
+#: The script of the arms that set the recipe's experimental options (the taper command has no flag for them).
+EXPERIMENTAL_TAPER = "conversion_scripts.experiments.experimental_taper"
+
 #: The gated-MLP norms alone: the default's keep_norms before the runaway layers' attention norms joined it.
 GATED_MLP_NORMS = ("--keep_norms", "model.layers.*.post_attention_layernorm")
 
@@ -107,12 +113,14 @@ ARMS: dict[str, Arm] = {
         True,
         "the default with every 8th step on blocks of 512 tokens (2 per step, 37.5% more tokens in all), against "
         "its own baseline trained the same way: the taper sees the positions of 4x the block length",
+        script=LENGTH_ARMS,
     ),
     "long_1024_every_16": Arm(
         ("--long_block_size", "1024", "--long_block_every", "16"),
         True,
         "the default with every 16th step on blocks of 1024 tokens (2 per step, 42% more tokens in all), against "
         "its own baseline trained the same way: the taper sees the positions of 8x the block length",
+        script=LENGTH_ARMS,
     ),
     "position_span_1024": Arm(
         ("--position_span", "1024"),
@@ -120,6 +128,7 @@ ARMS: dict[str, Arm] = {
         "the default with each training block's positions spread over 1024 (PoSE: two random skips, the tokens "
         "unchanged), against its own baseline trained on the same positions: the distances of 8x the block length "
         "at no extra tokens",
+        script=LENGTH_ARMS,
     ),
     "final_norm": Arm(
         ("--scope", "all"),
@@ -145,7 +154,12 @@ ARMS: dict[str, Arm] = {
     "kl_0.3": Arm(("--distill_weight", "0.3"), False, "KL weight 0.3"),
     "kl_3": Arm(("--distill_weight", "3"), False, "KL weight 3"),
     "kl_until_taper_end": Arm(("--distill_until", "taper_end"), False, "the KL term only while the gate falls"),
-    "kl_fades_with_gate": Arm(("--distill_schedule", "gate"), False, "KL weight times the gate (0 at g = 0)"),
+    "kl_fades_with_gate": Arm(
+        ("--distill_schedule", "gate"),
+        False,
+        "KL weight times the gate (0 at g = 0; an experimental option)",
+        script=EXPERIMENTAL_TAPER,
+    ),
     "no_scale_loss": Arm(("--scale_loss_weight", "0"), False, "scale loss off"),
     "constant_lr": Arm(("--lr_scheduler_type", "constant_with_warmup"), True, "constant LR after warmup"),
     "half_lr": Arm(

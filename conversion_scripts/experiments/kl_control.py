@@ -105,7 +105,7 @@ def run_control(request: TaperRequest) -> dict[str, Any]:
         "what": "the default recipe with the gate held at 1: the loss terms without the taper",
         "baseline_model": str(baseline.path),
         "training": {"steps": trainer.state.global_step, "max_steps": request.training.max_steps, "final_gate": 1.0},
-        "taper": {"distill_weight": config.distill_weight, "scale_loss_weight": config.scale_loss_weight},
+        "taper": {"distill_weight": config.distillation.weight, "scale_loss_weight": config.scale_loss_weight},
         "scheduled_gates": hold.scheduled_gates,  # what the taper would have set; the model trained at 1
         "history": history,  # per step: the loss with its terms (distill, scale_loss) and the cross-entropy (ce)
     }

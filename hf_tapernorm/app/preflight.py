@@ -93,7 +93,7 @@ def _require_finite(args, config: TaperNormConfig) -> None:
         if isinstance(value, float) and not math.isfinite(value):
             hint = " (0 turns clipping off)" if field.name == "max_grad_norm" else ""
             raise ConfigurationError(f"--{field.name} must be a finite number, got {value}{hint}")
-    for name, value in config.to_dict().items():
+    for name, value in config.options().items():  # by option names: the flags
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigurationError(f"--{name} must be a finite number, got {value}")
 
@@ -121,8 +121,8 @@ def _check_optimizer(args) -> None:
 
 
 def _check_scheduler(args, schedule: TaperSchedule) -> None:
-    """Build the scheduler (on a stand-in optimizer) and run it over the run's steps; refuse one that outlasts the
-    run, or a warmup still rising when the taper starts."""
+    """Build the scheduler (on a stand-in optimizer) and read its learning rate at the steps that matter; refuse one
+    that outlasts the run, one whose rate is not finite, or a warmup still rising when the taper starts."""
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.learning_rate)
     total = schedule.total_steps
     warmup = args.get_warmup_steps(total)
@@ -140,6 +140,7 @@ def _check_scheduler(args, schedule: TaperSchedule) -> None:
                 f"--lr_scheduler_kwargs {kwargs}: warmup ({warmup}) + stable + decay steps = {phases}, more than "
                 f"--max_steps {total}: the schedule would be cut short and start decayed"
             )
+    described = f"--lr_scheduler_type {_value(args.lr_scheduler_type)} with --lr_scheduler_kwargs {kwargs}"
     try:
         scheduler = get_scheduler(
             args.lr_scheduler_type,
@@ -148,18 +149,29 @@ def _check_scheduler(args, schedule: TaperSchedule) -> None:
             num_training_steps=total,
             scheduler_specific_kwargs=kwargs,
         )
-        rates = []
-        for _ in range(total):
-            rates.append(scheduler.get_last_lr()[0])
-            optimizer.step()
-            scheduler.step()
-    except (TypeError, ValueError, ZeroDivisionError) as error:
-        raise ConfigurationError(
-            f"--lr_scheduler_type {_value(args.lr_scheduler_type)} with --lr_scheduler_kwargs {kwargs}: "
-            f"{first_line(error)}"
-        ) from None
+        rates = [  # a LambdaLR: schedules that follow evaluation metrics need an eval strategy, refused first
+            base * rate(step)
+            for step in _steps_that_matter(total, warmup, schedule)
+            for base, rate in zip(scheduler.base_lrs, scheduler.lr_lambdas)
+        ]
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError) as error:
+        raise ConfigurationError(f"{described}: {first_line(error)}") from None
     if not all(math.isfinite(rate) and rate >= 0 for rate in rates):
         raise ConfigurationError(f"--lr_scheduler_kwargs {kwargs}: the learning rate is not finite over the run")
+
+
+#: Evenly spaced steps read besides the phase boundaries (a schedule's value between them: a cosine's trough).
+_GRID = 64
+
+
+def _steps_that_matter(total: int, warmup: int, schedule: TaperSchedule) -> list[int]:
+    """The scheduler's step indices (0: the first optimizer step) where a schedule changes phase, and either side:
+    the start, the warmup's end, the taper's start and end, the last step, and an even grid between. Reading
+    these, not every step, keeps the check instant whatever --max_steps is."""
+    boundaries = (0, warmup, schedule.k_start, schedule.k_end, total)
+    steps = {step + offset for step in boundaries for offset in (-1, 0)}
+    steps.update(total * index // _GRID for index in range(_GRID))
+    return sorted(step for step in steps if 0 <= step < total)
 
 
 def _value(option: Any) -> str:
@@ -169,31 +181,71 @@ def _value(option: Any) -> str:
 def run_writes(
     model: torch.nn.Module, training_args, config: TaperNormConfig, *, dtype: Optional[str], baseline: bool
 ) -> dict[str, int]:
-    """The bytes a taper run is sure to write, by what writes them: the one place that knows them.
+    """The bytes a taper run is sure to have on disk at once, at its peak, by what writes them: the one place that
+    knows them.
 
     Read from the model's structure (``model`` may be on the meta device, where its parameters carry the dtype
     its checkpoint loads in): each copy of the weights at their element size (``dtype``'s when one is asked for);
     the optimizer's two moments per trainable weight for an Adam-family ``--optim`` (torch keeps them in the
     weight's dtype; 8-bit and 4-bit variants in 1 and 0.5 bytes; low-rank ones such as GaLore are not counted); the
-    distillation teacher's snapshot when the final checkpoint holds one; the tapered checkpoint and the folded
-    export; and with ``--baseline`` the baseline's final checkpoint and its model. Never more than the run writes
-    (one checkpoint, no file headers, no tokenizer), so a run refused by it could not have finished.
+    distillation teacher's snapshot when a checkpoint holds one; the tapered checkpoint and the folded export; and
+    with ``--baseline`` the baseline's checkpoints and its model. A Trainer checkpoint is deleted only after the
+    next one is written (``--save_total_limit``), so the checkpoints that coexist then are counted (_checkpoints);
+    the peak is the larger of the moments the last checkpoint of a training is written and the run's end. Never
+    more than the run writes (no file headers, no tokenizer), so a run refused by it could not have finished.
     """
     parameters = list(model.parameters())
     size = getattr(torch, dtype).itemsize if dtype not in (None, "auto") else None
     weights = sum(p.numel() * (size or p.element_size()) for p in parameters)
     trainable = [p for p in parameters if p.requires_grad]
     moments = int(sum(p.numel() * _moment_bytes(training_args, size or p.element_size()) for p in trainable) * 2)
-    writes = {"the final checkpoint's weights": weights}
+    final = {"the final checkpoint's weights": weights}
     if moments:
-        writes["its optimizer state (two moments per weight)"] = moments
-    teacher_kept = config.distill_from != "current" and config.distill_until != "taper_end"  # else none is saved
-    if config.distill_weight > 0 and teacher_kept:
-        writes["its distillation teacher"] = weights
-    writes.update({"the tapered checkpoint": weights, "the folded export": weights})
+        final["its optimizer state (two moments per weight)"] = moments
+    teacher = config.distillation
+    teacher_kept = config.experimental.distill_from != "current" and teacher.until != "taper_end"  # else none saved
+    if teacher.weight > 0 and teacher_kept:
+        final["its distillation teacher"] = weights
+    checkpoint = sum(final.values())
+    at_peak, kept = _checkpoints(training_args)
+    if not at_peak:  # --save_strategy no (or best, which needs evaluations): no checkpoint is sure to be written
+        final = {}
+
+    def older(count: int, why: str) -> dict[str, int]:
+        return {f"{count} earlier checkpoint(s) {why}": count * checkpoint} if count > 0 else {}
+
+    after = {**final, **older(kept - 1, "that --save_total_limit keeps")}
+    moments_of_the_run = [{**final, **older(at_peak - 1, "still on disk while it is written")}]
     if baseline:
-        writes.update({"the baseline run's final checkpoint": weights + moments, "the baseline run's model": weights})
-    return writes
+        baseline_checkpoint = weights + moments
+        moments_of_the_run.append(
+            {**after, "the baseline run's checkpoints while its last is written": at_peak * baseline_checkpoint}
+        )
+        after = {
+            **after,
+            "the baseline run's checkpoints": kept * baseline_checkpoint,
+            "the baseline run's model": weights,
+        }
+    moments_of_the_run.append({**after, "the tapered checkpoint": weights, "the folded export": weights})
+    return max(moments_of_the_run, key=lambda moment: sum(moment.values()))
+
+
+def _checkpoints(training_args) -> tuple[int, int]:
+    """How many checkpoints of one training are on disk at once: while its last is written, and after.
+
+    ``--save_strategy steps`` saves every ``--save_steps`` (a fraction of the run when < 1) and at the last step;
+    ``--save_total_limit`` deletes the oldest only once a new one is written, so at that moment one more than the
+    limit coexist. ``epoch``: at least the last; ``no`` and ``best`` (which needs evaluations): none for sure."""
+    strategy = _value(training_args.save_strategy)
+    if strategy != "steps":
+        return (1, 1) if strategy == "epoch" else (0, 0)
+    total, every = training_args.max_steps, training_args.save_steps
+    every = math.ceil(total * every) if every < 1 else int(every)
+    saves = -(-total // every) if every > 0 else 1  # 0: at the last step only
+    limit = training_args.save_total_limit
+    if limit is None or limit <= 0:  # the Trainer deletes none
+        return saves, saves
+    return min(saves, limit + 1), min(saves, limit)
 
 
 def _moment_bytes(training_args, element: int) -> float:

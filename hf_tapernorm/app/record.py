@@ -34,10 +34,13 @@ class DataFacts:
     heldout_blocks: int
     heldout_tokens: int
     heldout_percentage: float
-    long_block_size: Optional[int] = None  # every long_block_every-th step reads blocks of this size (long_blocks.py)
-    long_block_every: Optional[int] = None
-    long_train_blocks: Optional[int] = None
-    position_span: Optional[int] = None  # training blocks' positions spread over this many (position_span.py)
+    #: An extension's facts of its training data (extension.py), over the ones above where they share a key.
+    extension: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report's ``data`` section: the fields, with the extension's facts among them."""
+        facts = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extension"}
+        return {**facts, **self.extension}
 
 
 @dataclass
@@ -94,15 +97,16 @@ class RunRecord:
         }
 
     def taper(self) -> dict[str, Any]:
-        """The recipe as the report shows it: every TaperNormConfig field, plus the resolved schedule."""
-        values = self.config.to_dict()
+        """The recipe as the report shows it: every TaperNormConfig option (the flags' names; ``experimental``: the
+        experimental options set), plus the resolved schedule."""
+        values = self.config.options()
         values.update(taper_start_step=self.taper_start_step, taper_end_step=self.taper_end_step)
         if self.tapered_norms is not None:
             values["tapered_norms"] = self.tapered_norms
         if self.scale_target is not None:
             values["scale_target"] = self.scale_target
-        if self.config.distill_weight == 0:
-            values["distill_from"] = values["distill_until"] = None
+        if self.config.distillation.weight == 0:
+            values["distill_until"] = None
         return values
 
     def add_evaluation_sets(self, *evaluations: Any) -> None:
@@ -120,7 +124,7 @@ class RunRecord:
         data: dict[str, Any] = {
             "status": self.status,
             "model": dataclasses.asdict(self.model),
-            "data": dataclasses.asdict(self.data),
+            "data": self.data.to_dict(),
             "taper": self.taper(),
             "training": dataclasses.asdict(self.training),
             "evaluation_sets": self.evaluation_sets,
@@ -158,7 +162,7 @@ class RunRecord:
                 "recipe": self.config.recipe,
                 "scope": self.config.scope,
                 "kept norms": len(self.config.keep_norms),
-                "distillation weight": self.config.distill_weight,
+                "distillation weight": self.config.distillation.weight,
                 "learning rate": self.training.learning_rate,
             },
             "eval_loss": {kind: round(values["loss"], 4) for kind, values in self.heldout.items() if values},
@@ -201,8 +205,6 @@ def new_run_record(request, source, model, packed, config: TaperNormConfig, sche
             len(packed.heldout),
             packed.heldout_tokens,
             request.data.heldout_percentage,
-            **_long_block_facts(request.data, packed),
-            position_span=request.data.position_span or None,
         ),
         config=config,
         training=TrainingFacts(
@@ -217,16 +219,6 @@ def new_run_record(request, source, model, packed, config: TaperNormConfig, sche
         taper_end_step=schedule.k_end,
         allowed_changes=allowed_changes,
     )
-
-
-def _long_block_facts(data, packed) -> dict[str, int]:
-    if packed.long_train is None:
-        return {}
-    return {
-        "long_block_size": packed.long_block_size,
-        "long_block_every": data.long_block_every,
-        "long_train_blocks": len(packed.long_train),
-    }
 
 
 #: A tapered or folded model this much worse (relative held-out CE) than its reference is a failed run, not a gap.

@@ -8,6 +8,7 @@ module only renders them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from ..evaluation.scan import scan_summary
-from .record import RunRecord, far_worse_warning
+from .record import DataFacts, RunRecord, far_worse_warning
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +156,17 @@ def _pct(value: Optional[float]) -> str:
     return "-" if value is None else f"{100 * value:+.2f}%"
 
 
+#: The keys of the report's ``data`` section that the pipeline itself records (record.DataFacts).
+DATA_KEYS = frozenset(f.name for f in dataclasses.fields(DataFacts)) - {"extension"}
+
+
+def _other_facts(data: Mapping[str, Any]) -> str:
+    """The ``data`` section's other facts, " (key value, ...)": an extension's (extension.py), or the options of
+    older versions' runs."""
+    other = [f"{key} {_fmt(value)}" for key, value in data.items() if key not in DATA_KEYS and value is not None]
+    return f" ({', '.join(other)})" if other else ""
+
+
 def summary_lines(facts: Mapping[str, Any]) -> list[str]:
     """The short summary printed on the terminal and placed at the top of report.md / the model card."""
     model = facts.get("model") or {}
@@ -169,13 +181,7 @@ def summary_lines(facts: Mapping[str, Any]) -> list[str]:
         *([warning] if warning else []),
         f"model: {model.get('source', '-')} ({model.get('model_type', '-')}, "
         f"{_fmt(model.get('parameters'))} parameters)",
-        f"data: {data.get('source', '-')}, blocks of {_fmt(data.get('block_size'))} tokens"
-        + (
-            f" ({_fmt(data['long_block_size'])} every {data['long_block_every']} steps)"
-            if data.get("long_block_size")
-            else ""
-        )
-        + (f" (positions spread over {_fmt(data['position_span'])})" if data.get("position_span") else "")
+        f"data: {data.get('source', '-')}, blocks of {_fmt(data.get('block_size'))} tokens{_other_facts(data)}"
         + f", held-out {_fmt(data.get('heldout_tokens'))} tokens",
         f"training: {_fmt(training.get('steps'))} steps, {_fmt(training.get('tokens'))} tokens, "
         f"{_fmt(training.get('seconds'), '.0f')} s, final gate {_fmt(training.get('final_gate'), 'g')}"

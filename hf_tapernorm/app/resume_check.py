@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers.trainer_pt_utils import safe_globals
 
-from ..config import CONFIG_NAME
+from ..config import CONFIG_NAME, TaperNormConfig
 from ..errors import ConfigurationError, first_line
 from ..training.distillation import SNAPSHOT_NAME
 from ..training.sharded import METADATA_NAME, refuse_untrusted_sharded_checkpoint
@@ -158,6 +158,15 @@ def _check_recipe_unedited(checkpoint: Path, restart: str) -> None:
         raise ResumeCheckError(f"--resume: cannot read {saved} ({first_line(error)}){restart}") from None
     if not isinstance(values, dict) or not isinstance(recorded, dict):
         raise ResumeCheckError(f"--resume: {saved} holds no TaperNormConfig{restart}")
+    try:  # both by option names, whichever layout each was written in
+        values, recorded = (
+            TaperNormConfig.from_dict(values).options(),
+            TaperNormConfig.from_recorded(recorded).options(),
+        )
+    except ConfigurationError as error:
+        raise ResumeCheckError(
+            f"--resume: {saved} holds no TaperNormConfig this version reads ({error}){restart}"
+        ) from None
     edited = [f"{k}: {values.get(k)!r} in the file, {v!r} recorded" for k, v in recorded.items() if values.get(k) != v]
     if edited:
         raise ResumeCheckError(

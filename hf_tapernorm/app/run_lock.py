@@ -164,4 +164,27 @@ def running_command_around(path: Path) -> Optional[tuple[Path, str]]:
     return None
 
 
-__all__ = ["LOCK_NAME", "RunFolderError", "RunLock", "process_start_time", "running_command_around"]
+def refuse_while_running(path: Path, what: str) -> None:
+    """Refuse (RunFolderError) to read ``path`` (``what``: the option naming it) while a live hf-tapernorm command
+    holds it or a folder around it: that command is writing it (a taper run its export, a fold its folder), so
+    what is read now may be half one export, half another."""
+    running = running_command_around(path)
+    if running is None:
+        return
+    folder, owner = running
+    where = (
+        "is in use: a running hf-tapernorm command owns it"
+        if folder == Path(os.path.abspath(path))
+        else f"lies in '{folder}', which a running hf-tapernorm command owns"
+    )
+    raise RunFolderError(f"{what} {where} ({owner}); wait for it to finish, then run this again")
+
+
+__all__ = [
+    "LOCK_NAME",
+    "RunFolderError",
+    "RunLock",
+    "process_start_time",
+    "refuse_while_running",
+    "running_command_around",
+]

@@ -7,8 +7,8 @@ seconds), the schedule against ``max_steps``, the block size against the model's
 identity of a resumed run, and the data. Only then are the weights loaded and the output folder
 emptied (the checks: validation.py). The run itself is the library path: ``patch_model(model, config)``
 + ``Trainer`` + ``TaperCallback()``, with two bookkeeping callbacks (Ctrl-C, the run record) that do not
-touch training. An experiment adds its own callback, loss terms and log keys through a ``TaperExtension``
-(extension.py), passed to ``run_taper``.
+touch training. An experiment adds its own callback, loss terms, log keys and training data through a
+``TaperExtension`` (extension.py), passed to ``run_taper``.
 """
 
 from __future__ import annotations
@@ -41,8 +41,7 @@ from ..layers.taper_norm import tapered_norms
 from ..training.calibration import calibration_table
 from ..training.checkpoints import save_tapered
 from ..training.schedule import decay_learning_rate_after_the_taper
-from .extension import TaperExtension
-from .long_blocks import trained_tokens, training_blocks, training_dataset
+from .extension import TaperExtension, TrainingData, TrainingInputs
 from .preflight import check_disk_space, check_trainer_options, check_training_blocks
 from .record import RunRecord, far_worse_warning, global_batch_blocks, new_run_record
 from .report import PLOTS, summary_lines, write_report
@@ -55,7 +54,6 @@ from .validation import (
     check_baseline_identity,
     check_inputs_outside,
     check_lengths_within_positions,
-    check_long_steps,
     check_resume_identity,
     check_schedule,
     check_vocabulary,
@@ -108,14 +106,14 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
     tokenizer = load_tokenizer(source, trust_remote_code=request.model.trust_remote_code)
     skeleton = weightless_model(source, request.model.trust_remote_code)
     check_vocabulary(tokenizer, skeleton.config, source.describe())
-    config = fit_default_schedule(recipe_config(request, skeleton, tokenizer), request.taper, training_args.max_steps)
+    config = extension.recipe(recipe_config(request, skeleton, tokenizer))
+    config = fit_default_schedule(config, request.taper, training_args.max_steps)
     plan_patch(skeleton, config)  # every keep pattern, every norm: refused now, not after the load
     schedule = check_schedule(config, training_args.max_steps)
     fit_default_warmup(training_args, schedule)
     decay_learning_rate_after_the_taper(training_args, schedule)  # the baseline trains with the same schedule
     check_trainer_options(training_args, schedule, config)
     check_lengths_within_positions(request.data, skeleton.config)
-    check_long_steps(request.data, training_args.max_steps)
     if not run.resume:  # a resumed run has written part of it already: no lower bound to check
         check_disk_space(
             output.path,
@@ -126,7 +124,7 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
             baseline=run.baseline,
             reclaimable=output.reclaimable_bytes() if must_empty else 0,
         )
-    identity = run_identity(request, source, config)
+    identity = run_identity(request, source, config, extension.data_facts)
     baseline_source = resolve_baseline(request.run.baseline_from)
     if baseline_source is not None:
         check_baseline_identity(baseline_source, identity)
@@ -134,11 +132,12 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
     if run.resume:
         allowed = {name.strip() for name in (run.allow_changes or "").split(",") if name.strip()}
         allowed_changes = check_resume_identity(output, identity, allowed)
-    del skeleton
 
     packed = prepare_run_data(request, tokenizer, config.sink_token_ids)
     check_training_blocks(training_args, len(packed.train))
-    train_dataset = training_dataset(request.data, training_args, packed)  # too few long blocks: refused now
+    inputs = TrainingInputs(packed, request.data, training_args, tokenizer, skeleton.config)
+    training_data = extension.build_training_data(inputs)  # what both trainings read; its refusals come now
+    del skeleton
     reference_text = out_of_corpus_set(request.data, tokenizer, config.sink_token_ids)
     model = load_model(source, dtype=request.model.dtype, trust_remote_code=request.model.trust_remote_code)
     if state.is_main_process:
@@ -146,12 +145,12 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
     state.wait_for_everyone()
 
     record = new_run_record(request, source, model, packed, config, schedule, allowed_changes)
+    record.data.extension.update({**extension.data_facts, **training_data.facts})
     record.add_evaluation_sets(packed.heldout_set, reference_text)
     if baseline_source is not None:
         record.export["baseline_model"] = str(baseline_source.path)
     pipeline = _Pipeline(request, record, packed, tokenizer, output, identity, source, reference_text, baseline_source)
-    pipeline.extension = extension  # the tapered run's extra parts (the baseline trains without them)
-    pipeline.train_dataset = train_dataset  # what both trainings read
+    pipeline.extension, pipeline.training_data = extension, training_data  # the baseline: its data, no parts
     try:
         return pipeline.run(model)
     except BaseException as error:  # divergence, fold check, Ctrl-C outside training: say so, export nothing
@@ -220,11 +219,9 @@ def _prepare_folder(output: RunFolder, must_empty: bool, stale_checkpoints: Opti
 
 
 def prepare_run_data(request: TaperRequest, tokenizer, sink_ids: list[int]) -> PackedData:
-    """The training blocks for ``max_steps`` global batches (and ``--long_block_size``'s) and the held-out set."""
-    short, long = training_blocks(request.data, request.training.max_steps, global_batch_blocks(request.training))
-    return prepare_from_arguments(
-        request.data, tokenizer, train_blocks=short, prefix_ids=sink_ids, long_train_blocks=long
-    )
+    """The training blocks for ``max_steps`` global batches and the held-out set."""
+    blocks = request.training.max_steps * global_batch_blocks(request.training)
+    return prepare_from_arguments(request.data, tokenizer, train_blocks=blocks, prefix_ids=sink_ids)
 
 
 def resolve_baseline(path: Optional[str]) -> Optional[ModelSource]:
@@ -267,7 +264,7 @@ class _Pipeline:
         self.output, self.identity, self.source = output, identity, source
         self.reference_text, self.baseline_source = reference_text, baseline_source
         self.state = PartialState()
-        self.heldout, self.train_dataset = blocks_tensor(packed.heldout), packed.train
+        self.heldout, self.training_data = blocks_tensor(packed.heldout), TrainingData(packed.train)
         self.extension = TaperExtension()
 
     def train(self, model, folder: Path, callbacks: list, history: list, extended: bool = False):
@@ -280,7 +277,7 @@ class _Pipeline:
         return train(
             model,
             self.request.training,
-            self.train_dataset,
+            self.training_data.dataset,
             folder,
             callbacks,
             resume=self.request.run.resume,
@@ -310,7 +307,8 @@ class _Pipeline:
             return self.interrupted(f"interrupted at step {trainer.state.global_step}", interrupted)
         steps = trainer.state.global_step
         record.training.steps = steps
-        record.training.tokens = trained_tokens(self.request.data, steps, record.training.global_batch_blocks)
+        per_step = record.training.global_batch_blocks * self.packed.block_size  # unless the data says otherwise
+        record.training.tokens = self.training_data.tokens(steps) if self.training_data.tokens else steps * per_step
         record.training.seconds = (
             trainer.state.log_history[-1].get("train_runtime") if trainer.state.log_history else None
         )
@@ -492,6 +490,8 @@ def save_export(folded, tokenizer, folder: Path, facts: Optional[dict[str, Any]]
 __all__ = [
     "TaperExtension",
     "TaperRequest",
+    "TrainingData",
+    "TrainingInputs",
     "prepare_run_data",
     "recipe_config",
     "resolve_baseline",

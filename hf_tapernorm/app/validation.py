@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -29,7 +30,6 @@ from ..data.corpus import EMBEDDED_CORPUS
 from ..errors import ConfigurationError, UnsupportedModelError
 from ..evaluation.models import ModelSource, ModelSourceError, load_tokenizer, read_model_config
 from ..training.schedule import TaperSchedule
-from .long_blocks import length_mix
 from .record import differences
 from .run_folder import RunFolder
 
@@ -59,18 +59,6 @@ class TaperRequest:
         )
 
 
-def check_long_steps(data, max_steps: int) -> None:
-    """Refuse ``--long_block_size`` in a run too short to reach its first long step (step ``--long_block_every``):
-    no step would read long blocks, and the run would report none of the options it was given."""
-    mix = length_mix(data)
-    if mix is not None and mix.long_steps(max_steps) == 0:
-        raise ConfigurationError(
-            f"--long_block_size {mix.long_size} --long_block_every {mix.every}: the first long step is step "
-            f"{mix.every}, and this run has {max_steps} (--max_steps), so no step would read long blocks; a long "
-            f"step needs --max_steps {mix.every} or more, or --long_block_every {max_steps} or less"
-        )
-
-
 def check_output_outside_inputs(output_dir: str, inputs: dict[str, Optional[str]]) -> None:
     """Refuse an ``--output_dir`` inside a local folder the run reads whole (option -> path): its checkpoints and
     reports would become part of that model or dataset, which would then differ at every ``--resume``."""
@@ -86,16 +74,16 @@ def check_output_outside_inputs(output_dir: str, inputs: dict[str, Optional[str]
 
 
 def recipe_config(request: TaperRequest, model, tokenizer) -> TaperNormConfig:
-    """The TaperNormConfig of the flags: the preset (``--preset``), with every explicitly set field on top.
+    """The TaperNormConfig of the flags: the preset (``--preset``), with every explicitly set option on top.
 
-    ``request.taper`` holds one attribute per TaperNormConfig field (None: the recipe's value), already in
-    the config's types (cli/arguments.py generates them from the config's fields), plus ``preset`` and
+    ``request.taper`` holds one attribute per stable TaperNormConfig option (None: the recipe's value), already in
+    the config's types (cli/arguments.py generates them from the config's options), plus ``preset`` and
     ``sink``, which the command line spells its own way."""
     flags = request.taper
     overrides: dict[str, Any] = {
-        f.name: getattr(flags, f.name)
-        for f in dataclasses.fields(TaperNormConfig)
-        if f.name not in ("recipe", "sink_token_ids") and getattr(flags, f.name, None) is not None
+        name: getattr(flags, name)
+        for name in TaperNormConfig.option_fields()
+        if name not in ("recipe", "sink_token_ids") and getattr(flags, name, None) is not None
     }
     if flags.sink == "none":
         overrides["sink_token_ids"] = []
@@ -191,12 +179,8 @@ def check_within_positions(what: str, length: int, hf_config) -> None:
 
 
 def check_lengths_within_positions(data, hf_config) -> None:
-    """Refuse the lengths a taper's data options ask for (blocks, long blocks, position spans) beyond the model's
-    positions (``data``: the command's data arguments; a length of 0 is an option that is off)."""
-    for flag in ("block_size", "long_block_size", "position_span"):
-        size = getattr(data, flag, 0)
-        if size:
-            check_within_positions(f"--{flag} {size}", size, hf_config)
+    """Refuse a taper's blocks (``data``: the command's data arguments) longer than the model's positions."""
+    check_within_positions(f"--block_size {data.block_size}", data.block_size, hf_config)
 
 
 def check_vocabulary(tokenizer, hf_config, model_name: str) -> None:
@@ -306,17 +290,20 @@ def fingerprint(path: Optional[str], *, weights_by_size: bool = False) -> Option
     return found
 
 
-def run_identity(request: TaperRequest, source: ModelSource, config: TaperNormConfig) -> dict[str, Any]:
+def run_identity(
+    request: TaperRequest, source: ModelSource, config: TaperNormConfig, data_facts: Optional[Mapping[str, Any]] = None
+) -> dict[str, Any]:
     """What makes this run this run: a resumed run must match it (checked option by option).
 
     The model and the data are identified by their contents as well as their names; the Trainer's options by all
-    of them except the RESULT_NEUTRAL_OPTIONS.
+    of them except the RESULT_NEUTRAL_OPTIONS. ``data_facts`` (an extension's ``data_facts``: the options of its
+    training data) join the data's, which they must not rename.
     """
     training, data = request.training, request.data
     trainer_options = {k: v for k, v in training.to_dict().items() if k not in RESULT_NEUTRAL_OPTIONS}
     trainer_options["world_size"] = training.world_size
     trainer_options["lr_scheduler_type"] = str(getattr(training.lr_scheduler_type, "value", training.lr_scheduler_type))
-    return {
+    identity = {
         "model": source.describe(),
         "dtype": request.model.dtype,  # None (as transformers loads it): absent from the runs of older versions
         "model_contents": fingerprint(source.describe() if source.gguf_file else source.path, weights_by_size=True),
@@ -329,18 +316,16 @@ def run_identity(request: TaperRequest, source: ModelSource, config: TaperNormCo
             "sample_by": data.sample_by,
             "block_size": data.block_size,
             "heldout_percentage": data.heldout_percentage,
-            # only with long steps: the runs of versions without them resume unchanged
-            **(
-                {"long_block_size": data.long_block_size, "long_block_every": data.long_block_every}
-                if data.long_block_size
-                else {}
-            ),
-            **({"position_span": data.position_span} if data.position_span else {}),
         },
-        "taper": config.to_dict(),
+        "taper": config.options(),  # by option names: --allow_changes names them
         "training": json.loads(json.dumps(trainer_options, default=str)),
         "baseline": request.run.baseline,
     }
+    taken = sorted(set(data_facts or {}) & set(identity["data"]))
+    if taken:
+        raise ValueError(f"TaperExtension: data_facts {taken} are keys of the run's own data identity")
+    identity["data"].update(json.loads(json.dumps(dict(data_facts or {}), default=str)))
+    return identity
 
 
 def _with_legacy_fingerprints(saved: dict[str, Any], identity: dict[str, Any]) -> dict[str, Any]:
@@ -356,6 +341,18 @@ def _with_legacy_fingerprints(saved: dict[str, Any], identity: dict[str, Any]) -
         for name, value in new.items()
     }
     return {**identity, "model_contents": contents}
+
+
+def _with_current_recipe(saved: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` with its recipe by this version's option names (a run of an earlier version recorded the fields of
+    its tapernorm_config.json: ``TaperNormConfig.from_recorded`` reads both)."""
+    taper = saved.get("taper")
+    if not isinstance(taper, dict):
+        return saved
+    try:
+        return {**saved, "taper": TaperNormConfig.from_recorded(taper).options()}
+    except ConfigurationError:  # not a recipe this version reads: the comparison names what differs
+        return saved
 
 
 def _same_contents_same_name(saved: dict[str, Any], identity: dict[str, Any]) -> dict[str, Any]:
@@ -410,6 +407,7 @@ def check_resume_identity(folder: RunFolder, identity: dict[str, Any], allowed: 
     saved = (folder.manifest() or {}).get("identity")
     if saved is None:
         raise ConfigurationError(f"--resume: '{folder.path}' records no run identity; it cannot be checked, start over")
+    saved = _with_current_recipe(saved)
     changed = differences(saved, _same_contents_same_name(saved, _with_legacy_fingerprints(saved, identity)))
     refused = {k: v for k, v in changed.items() if k.rsplit(".", 1)[-1] not in allowed and k not in allowed}
     if refused:
@@ -444,7 +442,6 @@ __all__ = [
     "check_schedule",
     "check_inputs_outside",
     "check_lengths_within_positions",
-    "check_long_steps",
     "check_output_outside_inputs",
     "check_vocabulary",
     "check_within_positions",

@@ -215,8 +215,8 @@ def train_workloads(
     # is the first at g = 0, where a teacher kept only until the taper's end is released.
     warm = [*range(k_start), k_start]
     phases = {  # name: (distill_until, setup steps, timed steps)
-        "warmup": (config.distill_until, [], [0]),
-        "taper": (config.distill_until, warm, range(k_start, k_end - 1)),
+        "warmup": (config.distillation.until, [], [0]),
+        "taper": (config.distillation.until, warm, range(k_start, k_end - 1)),
         "tapered-distilled": ("end", [*warm, k_end - 1], [k_end - 1]),
         "tapered": ("taper_end", [*warm, k_end - 1], [k_end - 1]),
     }
@@ -233,7 +233,7 @@ def train_workloads(
                     compile_options=compile_options,
                     autocast=autocast,
                 )
-            elif name != "tapered-distilled" or config.distill_weight > 0:
+            elif name != "tapered-distilled" or config.distillation.weight > 0:
                 until, setup, steps = phases[name]
                 workloads[name + suffix] = _patched(
                     model,

@@ -2,9 +2,10 @@
 
 Choices are ``Literal`` types (argparse refuses anything else) and ranges are checked in
 ``__post_init__``, so a bad value fails before anything is loaded, trained or deleted. The recipe's
-options (``TaperArguments``) are generated from ``TaperNormConfig``'s fields: the same names, help texts
-and choices, the config's own checks, and default ``None``, meaning "what ``TaperNormConfig.for_model`` (or
-``--preset paper``) says": one place for every default and every check (hf_tapernorm/config.py).
+options (``TaperArguments``) are generated from ``TaperNormConfig``'s stable options (its fields, the
+distillation group's by their flags): the same names, help texts and choices, the config's own checks, and
+default ``None``, meaning "what ``TaperNormConfig.for_model`` (or ``--preset paper``) says": one place for every
+default and every check (hf_tapernorm/config.py, config_fields.py). The experimental options have no flag.
 ``TaperTrainingArguments`` is ``TrainingArguments`` with this command's defaults; every Trainer option
 passes through.
 """
@@ -17,7 +18,7 @@ import logging
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 import torch
 from huggingface_hub.errors import HFValidationError
@@ -25,8 +26,7 @@ from huggingface_hub.utils import validate_repo_id
 from transformers import TrainingArguments
 
 from .._parsing import as_flags
-from ..app.long_blocks import LengthMix
-from ..config import TaperNormConfig, parse_step
+from ..config import OptionField, TaperNormConfig, parse_step
 from ..data.corpus import EMBEDDED_CORPUS
 from ..errors import ConfigurationError
 from ..utils import accelerator_available, cpu_has_fast_bf16
@@ -106,25 +106,6 @@ class DataArguments:
             "default is the block of the measured recipe (docs/fidelity.md)."
         ),
     )
-    long_block_size: int = field(
-        default=0,
-        metadata=_help(
-            "taper: every --long_block_every-th optimizer step trains on blocks of this many tokens instead of "
-            "--block_size (as many blocks per step), so the taper also sees long inputs' positions (0: every step "
-            "reads --block_size)."
-        ),
-    )
-    long_block_every: int = field(
-        default=16, metadata=_help("taper: with --long_block_size, which optimizer steps read long blocks: every Nth.")
-    )
-    position_span: int = field(
-        default=0,
-        metadata=_help(
-            "taper: spread each training block's position ids over this many positions (PoSE): the text keeps its "
-            "tokens and order, and two random skips, after the sink and at a random cut, make its distances reach "
-            "the span, so the taper sees long inputs' distances at a short block's cost (0: contiguous positions)."
-        ),
-    )
     heldout_percentage: float = field(default=5.0, metadata=_help("Percent of documents held out (by hash)."))
     heldout_blocks: int = field(
         default=256,
@@ -157,15 +138,6 @@ class DataArguments:
     def __post_init__(self) -> None:
         if self.block_size < 4:
             raise ConfigurationError(f"--block_size must be at least 4 tokens, got {self.block_size}")
-        _positive("long_block_size", self.long_block_size, allow_zero=True)
-        if self.long_block_size:
-            LengthMix(self.block_size, self.long_block_size, self.long_block_every)  # refuses a mix that is none
-        _positive("position_span", self.position_span, allow_zero=True)
-        if self.position_span and self.position_span <= self.block_size:
-            raise ConfigurationError(
-                f"--position_span {self.position_span} must be longer than --block_size {self.block_size} (0 keeps "
-                "the positions contiguous)"
-            )
         if not 0.0 < self.heldout_percentage < 100.0:
             raise ConfigurationError(f"--heldout_percentage must be in (0, 100), got {self.heldout_percentage}")
         _positive("heldout_blocks", self.heldout_blocks)
@@ -174,7 +146,7 @@ class DataArguments:
         _positive("eval_batch_size", self.eval_batch_size)
 
 
-#: TaperNormConfig fields the command line sets through options of its own: the preset is chosen with
+#: TaperNormConfig options the command line sets through options of its own: the preset is chosen with
 #: ``--preset auto|paper`` (the config's ``recipe`` field then records where the values came from), and the sink
 #: with ``--sink auto|bos|none`` (the token id comes from the tokenizer).
 SET_BY_OTHER_OPTIONS = {"recipe": "preset", "sink_token_ids": "sink"}
@@ -210,23 +182,23 @@ class TaperRunOptions:
 
 
 def _kind(name: str) -> str:
-    """How the command line spells a TaperNormConfig field: ``list`` (comma-separated), ``step`` (an int or a
-    float, as text) or ``plain`` (a Literal's choices, a bool, a number, a string)."""
-    hint = typing.get_type_hints(TaperNormConfig)[name]
+    """How the command line spells a recipe option: ``list`` (comma-separated), ``step`` (an int or a float, as
+    text) or ``plain`` (a Literal's choices, a bool, a number)."""
+    hint = TaperNormConfig.option_fields()[name].hint
     if typing.get_origin(hint) is list:
         return "list"
     return "step" if typing.get_origin(hint) is Union else "plain"
 
 
-def _flag(config_field: dataclasses.Field) -> tuple[str, Any, Any]:
-    """The override option of one TaperNormConfig field: its type as argparse can read it, default None (the
-    recipe's value), its help from the field."""
-    kind = _kind(config_field.name)
-    help_text = config_field.metadata["help"]
+def _flag(name: str, option: OptionField) -> tuple[str, Any, Any]:
+    """The override flag of one recipe option: its type as argparse can read it, default None (the recipe's
+    value), its help from the config's field."""
+    kind = _kind(name)
+    help_text = option.field.metadata["help"]
     if kind == "list":
         help_text += " Comma-separated; none: an empty list; auto: the recipe's."
-    flag_type = str if kind != "plain" else typing.get_type_hints(TaperNormConfig)[config_field.name]
-    return config_field.name, Optional[flag_type], field(default=None, metadata=_help(help_text))
+    flag_type = str if kind != "plain" else option.hint
+    return name, Optional[flag_type], field(default=None, metadata=_help(help_text))
 
 
 def _config_value(name: str, value: Any) -> Any:
@@ -244,6 +216,10 @@ def _config_value(name: str, value: Any) -> Any:
     return items
 
 
+#: The recipe's options the command line has a flag for (the stable ones: the experimental options have none).
+RECIPE_OPTIONS = [name for name in TaperNormConfig.option_fields() if name not in SET_BY_OTHER_OPTIONS]
+
+
 def _read_overrides(self) -> None:
     """Each set flag as the config's value, checked by the config itself: a bad value fails at parse time,
     named by its flag."""
@@ -252,25 +228,29 @@ def _read_overrides(self) -> None:
             raise ConfigurationError(f"--recipe {self.recipe} and --preset {self.preset}: pass --preset alone")
         logger.warning("--recipe is deprecated and will be removed: use --preset %s", self.recipe)
         self.preset, self.recipe = self.recipe, None
-    names = [f.name for f in dataclasses.fields(TaperNormConfig) if f.name not in SET_BY_OTHER_OPTIONS]
     try:
-        values = {name: _config_value(name, getattr(self, name)) for name in names}
-        checked = TaperNormConfig.check_values(**{k: v for k, v in values.items() if v is not None})
+        values = {name: _config_value(name, getattr(self, name)) for name in RECIPE_OPTIONS}
+        checked = TaperNormConfig.check_options(**{k: v for k, v in values.items() if v is not None})
     except ConfigurationError as error:
         raise as_flags(error, [TaperArguments]) from None
-    for name in names:
+    for name in RECIPE_OPTIONS:
         setattr(self, name, checked.get(name))
 
 
-#: The recipe's options: one override per TaperNormConfig field (generated from its fields, with their help
-#: and choices; unset means the recipe's value), plus the options of ``TaperRunOptions``. After parsing,
-#: each field holds the config's type (a list, an int or float step), ready for ``TaperNormConfig``.
+#: The recipe's options: one override per stable option of TaperNormConfig (generated from its fields, with their
+#: help and choices; unset means the recipe's value), plus the options of ``TaperRunOptions``. After parsing,
+#: each holds the config's type (a list, an int or float step), ready for ``TaperNormConfig.for_model``.
 TaperArguments = dataclasses.make_dataclass(
     "TaperArguments",
-    [_flag(f) for f in dataclasses.fields(TaperNormConfig) if f.name not in SET_BY_OTHER_OPTIONS],
+    [_flag(name, TaperNormConfig.option_fields()[name]) for name in RECIPE_OPTIONS],
     bases=(TaperRunOptions,),
     namespace={
         "__post_init__": _read_overrides,
+        # the flags of grouped fields, for errors that name the field (TaperNormConfig.distillation.weight)
+        "FLAGS_OF_FIELDS": {
+            option.path: name for name in RECIPE_OPTIONS if (option := TaperNormConfig.option_fields()[name]).group
+        },
+        "SEPARATORS": {name: "," for name in RECIPE_OPTIONS if _kind(name) == "list"},  # an options file's lists
         "__doc__": "The recipe (a TaperNormConfig); unset options take the recipe's value.",
         "__module__": __name__,  # make_dataclass's module= needs Python 3.12
     },
@@ -303,6 +283,7 @@ class RunArguments:
             "report records them), e.g. 'learning_rate'."
         ),
     )
+    SEPARATORS: ClassVar[dict[str, str]] = {"allow_changes": ","}  # an options file's list joins with it
 
     def __post_init__(self) -> None:
         if self.overwrite and self.resume:
@@ -444,7 +425,11 @@ class FoldArguments:
 @dataclass
 class PushArguments:
     export_dir: str = field(metadata=_help("A folded export written by taper or fold."))
-    repo_id: str = field(metadata=_help("Hub repository, e.g. me/smollm2-135m-normfree."))
+    repo_id: str = field(
+        metadata=_help(
+            "Hub repository, e.g. me/smollm2-135m-normfree; a name without an owner goes under the token's user."
+        )
+    )
     private: bool = field(
         default=True,
         metadata=_help(
@@ -463,9 +448,7 @@ class PushArguments:
     commit_message: str = field(default="Upload norm-free model (hf_tapernorm)", metadata=_help("Commit message."))
 
     def __post_init__(self) -> None:
-        if self.repo_id.count("/") != 1 or not all(self.repo_id.split("/")):
-            raise ConfigurationError(f"--repo_id must look like 'owner/name', got {self.repo_id!r}")
-        try:  # the Hub's own rules (letters, digits, '-', '_', '.'), checked before the export is read
+        try:  # the Hub's own rules ('name' or 'owner/name'; letters, digits, '-', '_', '.'), before the export is read
             validate_repo_id(self.repo_id)
         except HFValidationError as error:
             raise ConfigurationError(
@@ -480,6 +463,7 @@ __all__ = [
     "FoldArguments",
     "ModelArguments",
     "PushArguments",
+    "RECIPE_OPTIONS",
     "RunArguments",
     "SET_BY_OTHER_OPTIONS",
     "TaperArguments",

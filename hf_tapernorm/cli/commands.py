@@ -17,6 +17,7 @@ from typing import Optional
 
 from .._parsing import UsageError, parse
 from ..app.run_folder import LOCK_NAME, RunFolder, running_command_around, write_file, write_folder
+from ..app.run_lock import refuse_while_running
 from ..app.taper import save_export
 from ..app.validation import check_same_tokenizer, check_vocabulary, check_within_positions, max_positions
 from ..config import sink_token_id
@@ -51,6 +52,7 @@ EXPORT_FILES = (
     "model.safetensors.index.json",
     "modeling_folded.py",
     "folded_sink.py",
+    "folded_input.py",
     "README.md",
     "tokenizer.json",
     "tokenizer_config.json",
@@ -104,15 +106,6 @@ def eval_main(argv: Sequence[str]) -> int:
     """``hf-tapernorm eval``: held-out loss and perplexity of an original model, a tapered checkpoint
     (evaluated at g = 0) or a folded export, on the same held-out blocks as ``taper`` builds."""
     model_args, data_args, eval_args = parse([ModelArguments, DataArguments, EvalArguments], argv, "hf-tapernorm eval")
-    for flag, value, what in (
-        ("--long_block_size", data_args.long_block_size, "its long training steps"),
-        ("--position_span", data_args.position_span, "the positions of its training blocks"),
-    ):
-        if value:
-            raise ConfigurationError(
-                f"{flag} {value} is a taper option ({what}); eval reads blocks of --block_size and scans longer "
-                "windows with --scan_windows: leave it out"
-            )
     output_json = Path(eval_args.output_json) if eval_args.output_json else None
     if output_json is not None:
         check_result_file(output_json)
@@ -450,6 +443,7 @@ def _recorded_reference(facts: Optional[dict]) -> Optional[ModelSource]:
 def push_main(argv: Sequence[str]) -> int:
     """``hf-tapernorm push``: upload the files an export wrote (its manifest) and the ``--include`` ones."""
     (push_args,) = parse([PushArguments], argv, "hf-tapernorm push")
+    refuse_while_running(Path(push_args.export_dir), f"--export_dir '{push_args.export_dir}'")
     source = resolve_model(push_args.export_dir)
     if source.kind != "folded":
         raise UsageError(

@@ -66,13 +66,10 @@ class PackedData:
     text_column: str
     prefix_ids: list[int] = field(default_factory=list)  # sink tokens starting every block
     heldout_set: Optional[EvaluationSet] = None  # the held-out blocks with the document of every target
-    long_train: Optional[datasets.Dataset] = None  # training blocks of long_block_size (app/long_blocks.py)
-    long_block_size: int = 0
 
     @property
     def train_tokens(self) -> int:
-        long = len(self.long_train) * self.long_block_size if self.long_train is not None else 0
-        return len(self.train) * self.block_size + long
+        return len(self.train) * self.block_size
 
     @property
     def heldout_tokens(self) -> int:
@@ -222,9 +219,7 @@ def load_documents(data) -> AnyDataset:
     )
 
 
-def prepare_from_arguments(
-    data, tokenizer, *, train_blocks: Optional[int], prefix_ids: Sequence[int], long_train_blocks: int = 0
-) -> PackedData:
+def prepare_from_arguments(data, tokenizer, *, train_blocks: Optional[int], prefix_ids: Sequence[int]) -> PackedData:
     """:func:`prepare_data` on the documents and options that a command's data arguments name (``taper``, ``eval``)."""
     return prepare_data(
         load_documents(data),
@@ -237,8 +232,6 @@ def prepare_from_arguments(
         source=data.dataset_name or EMBEDDED_CORPUS,
         prefix_ids=prefix_ids,
         heldout_seed=data.heldout_seed,
-        long_block_size=data.long_block_size,
-        long_train_blocks=long_train_blocks,
     )
 
 
@@ -371,27 +364,6 @@ def _as_dataset(blocks: list[list[int]], prefix_length: int = 0) -> datasets.Dat
     return dataset.with_format("torch")
 
 
-def _long_blocks(
-    texts: Iterator[str], tokenizer, size: int, count: int, prefix_ids: Sequence[int], source: str, short: int
-) -> list[list[int]]:
-    """``count`` training blocks of ``size`` tokens from ``texts``, the documents after the ``short`` blocks'."""
-    long = pack_documents(texts, tokenizer, size, max_blocks=count, desc="long training blocks", prefix_ids=prefix_ids)
-    if not long:
-        raise DataError(
-            f"dataset '{source}' has no text left for one training block of {size} tokens after the {short} "
-            "shorter blocks: use more text or a smaller --long_block_size"
-        )
-    if len(long) < count:
-        logger.warning(
-            "dataset '%s' holds %d long training blocks of %d tokens, fewer than the %d the run reads: some repeat",
-            source,
-            len(long),
-            size,
-            count,
-        )
-    return long
-
-
 def prepare_data(
     dataset: AnyDataset,
     tokenizer,
@@ -404,8 +376,6 @@ def prepare_data(
     source: str = EMBEDDED_CORPUS,
     prefix_ids: Sequence[int] = (),
     heldout_seed: int = 0,
-    long_block_size: int = 0,
-    long_train_blocks: int = 0,
 ) -> PackedData:
     """Split documents into train/held-out, tokenize and pack each into blocks (``labels = input_ids``).
 
@@ -413,9 +383,7 @@ def prepare_data(
     evaluation only). ``prefix_ids`` start every block (see ``pack_documents``); the label of the
     first text token is then -100. The ``heldout_blocks`` held-out blocks are drawn at random positions
     of the held-out documents with ``heldout_seed`` (``data.heldout.sample_blocks``), the same for
-    every training seed. With ``long_train_blocks``, that many training blocks of ``long_block_size`` tokens
-    are packed too, from the training documents after the short blocks' (no text in both). Raises ``DataError``
-    when a needed split cannot fill a single block.
+    every training seed. Raises ``DataError`` when a needed split cannot fill a single block.
     """
     if not 0.0 < heldout_percentage < 100.0:
         raise DataError(f"heldout_percentage must be in (0, 100), got {heldout_percentage}")
@@ -434,14 +402,16 @@ def prepare_data(
     except ConfigurationError:
         heldout_set = None
     heldout = heldout_set.blocks.tolist() if heldout_set is not None else []
-    train, long = [], []
-    texts = _texts(dataset, column, heldout=False, percentage=heldout_percentage)  # one pass: long blocks follow
+    train = []
     if train_blocks != 0:
         train = pack_documents(
-            texts, tokenizer, block_size, max_blocks=train_blocks, desc="training blocks", prefix_ids=prefix_ids
+            _texts(dataset, column, heldout=False, percentage=heldout_percentage),
+            tokenizer,
+            block_size,
+            max_blocks=train_blocks,
+            desc="training blocks",
+            prefix_ids=prefix_ids,
         )
-    if long_train_blocks:
-        long = _long_blocks(texts, tokenizer, long_block_size, long_train_blocks, prefix_ids, source, len(train))
     for name, blocks in (("training", train), ("held-out", heldout)):
         if not blocks and not (name == "training" and train_blocks == 0):
             count = len(dataset) if isinstance(dataset, datasets.Dataset) else None
@@ -465,12 +435,9 @@ def prepare_data(
             train_blocks,
         )
     n = len(prefix_ids)
-    packed = PackedData(
+    return PackedData(
         _as_dataset(train, n), _as_dataset(heldout, n), source, block_size, column, list(prefix_ids), heldout_set
     )
-    if long:
-        packed.long_train, packed.long_block_size = _as_dataset(long, n), long_block_size
-    return packed
 
 
 def blocks_tensor(dataset: datasets.Dataset) -> torch.Tensor:

@@ -34,10 +34,10 @@ from ..architectures.styles import NormStyle
 from ..config import config_of
 from ..errors import CalibrationError, ConfigurationError, TaperStateError, UnsupportedModelError
 from ..layers.sink import sink_outputs, sink_token_ids_of
-from ..layers.taper_norm import TaperNorm, tapered_norms
+from ..layers.taper_norm import TaperNorm, normalized, tapered_norms
 from ..training.distributed import sharding_engine
 from .fold_check import FoldReport, check_fold, check_probe
-from .folded_sink import learned_positions
+from .folded_input import learned_positions
 from .model_card import render_model_card
 from .modeling_folded import PREFIX, folded_classes
 from .projections import FoldState, WorkingProjection, fold_into, make_weightless, store_projections
@@ -180,12 +180,42 @@ def _fold_sites(model: PreTrainedModel, sites, tied: bool, tied_head: TiedHead) 
     return fold
 
 
+@torch.no_grad()
+def _sink_activations(model: PreTrainedModel, sink_ids: list[int]) -> dict[str, torch.Tensor]:
+    """The sink's hidden states (``[entries, n, hidden]``) and attention rows (``[layers, heads, n, n]``): constants,
+    as its keys and values are (its positions take the normalized branch at every gate and attend only to
+    themselves), which the export returns in the sink's columns of an input that starts with it.
+
+    One forward of the sink alone, every norm computed (``normalized``), in eager attention (the one that returns
+    its weights; the model's own is restored). A model that returns no attention weights stores none (its export
+    gives NaN rows there).
+    """
+    ids = torch.tensor([sink_ids], device=next(model.parameters()).device)
+    previous = model.config._attn_implementation  # transformers exposes the setter only (set_attn_implementation)
+    was_training = model.training
+    try:
+        model.eval().set_attn_implementation("eager")
+        with normalized(model):
+            output = model(input_ids=ids, output_hidden_states=True, output_attentions=True)
+    finally:
+        model.set_attn_implementation(previous)
+        model.train(was_training)
+    stored = {"sink_hidden_states": torch.stack([entry[0] for entry in output.hidden_states])}
+    if output.attentions and all(weights is not None for weights in output.attentions):
+        stored["sink_attentions"] = torch.stack([weights[0] for weights in output.attentions])
+    return stored
+
+
 def _store_sink(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Put the sink's keys/values and logits in ``state``; returns the config fields that describe them."""
+    """Put the sink's keys/values, logits, hidden states and attention rows in ``state``; returns the config fields
+    that describe them."""
+    names = ("logits", "hidden_states", "attentions")
     sink_ids = sink_token_ids_of(model)
     if not sink_ids:
-        return {"sink_token_ids": [], "sink_cache_shape": [], "sink_logits_shape": [], "sink_max_positions": 0}
+        empty = {"sink_token_ids": [], "sink_cache_shape": [], "sink_max_positions": 0}
+        return {**empty, **{f"sink_{name}_shape": [] for name in names}}
     state["sink_keys"], state["sink_values"], state["sink_logits"] = sink_outputs(model, sink_ids)
+    state.update(_sink_activations(model, sink_ids))
     shape = list(state["sink_keys"].shape)
     logger.info(
         "stored the keys/values of %d sink token(s) %s as a prefix of %s",
@@ -196,7 +226,9 @@ def _store_sink(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> dict[
     return {
         "sink_token_ids": sink_ids,
         "sink_cache_shape": shape,
-        "sink_logits_shape": list(state["sink_logits"].shape),
+        **{
+            f"sink_{name}_shape": list(state[f"sink_{name}"].shape) if f"sink_{name}" in state else [] for name in names
+        },
         "sink_max_positions": learned_positions(model),
     }
 

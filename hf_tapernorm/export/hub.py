@@ -7,12 +7,14 @@ on top: no silent overwrite of an existing folder, and the model card filled wit
 An export records the files it wrote in ``.hf_tapernorm_export.json`` (its manifest). Pushing uploads
 exactly those files (``modeling_folded.upload_export``, also behind ``folded.push_to_hub``): anything else
 in the folder (a ``.env`` with a token, notes) is listed and refused unless ``include`` names it, because
-``upload_folder`` publishes whatever a folder holds.
+``upload_folder`` publishes whatever a folder holds. The package's own bookkeeping files (``.hf_tapernorm_*``:
+a command's lock with its pid and host, a manifest) are never uploaded, whatever ``include`` says.
 
-The model card and the robustness scan state figures of the weights they were written with, so the manifest
-also records the sha256 of each weight file (``*.safetensors``) as the export wrote it, and a push verifies it:
-weights edited, or a fine-tuned model saved over the export, would otherwise be published under a card and a
-scan that describe other weights.
+The model card and the robustness scan state figures of the files they were written with, so the manifest
+also records the sha256 of every file as the export wrote it (a writer that rewrites one inside
+``recording_export``, the scan or the card, records its new digest), and a push verifies them: weights edited, a
+fine-tuned model saved over the export, an edited config.json, modeling code or scan would otherwise be
+published under a card and a scan that describe another model.
 """
 
 from __future__ import annotations
@@ -37,18 +39,26 @@ from .modeling_folded import PREFIX, FoldedModelMixin, upload_export
 logger = logging.getLogger(__name__)
 
 EXPORT_MANIFEST_NAME = ".hf_tapernorm_export.json"
-#: The manifest's record of the weights the card and the scan describe: weight file -> its sha256.
-WEIGHTS_KEY = "weights_sha256"
+#: The manifest's record of the files the card and the scan describe: file -> its sha256 as the export wrote it.
+DIGESTS_KEY = "files_sha256"
+#: The model card: written with the export, but prose its owner may edit by hand before a push.
+CARD_NAME = "README.md"
+#: The start of the names of the package's bookkeeping files (the manifest, a command's lock): no export content.
+BOOKKEEPING_PREFIX = ".hf_tapernorm_"
+
+
+def _is_bookkeeping(relative: str) -> bool:
+    return "/" not in relative and relative.startswith(BOOKKEEPING_PREFIX)
 
 
 def _folder_files(folder: Path) -> dict[str, tuple[int, int]]:
-    """Every file under ``folder`` (relative posix path -> (size, mtime_ns)), the manifest excluded."""
+    """Every file under ``folder`` (relative posix path -> (size, mtime_ns)), the bookkeeping files excluded."""
     found = {}
     for root, dirs, names in os.walk(folder):
         for name in [*names, *(d for d in dirs if Path(root, d).is_symlink())]:
             path = Path(root, name)
             relative = path.relative_to(folder).as_posix()
-            if relative != EXPORT_MANIFEST_NAME:
+            if not _is_bookkeeping(relative):
                 info = path.lstat()
                 found[relative] = (info.st_size, info.st_mtime_ns)
     return found
@@ -61,17 +71,17 @@ def _read_manifest(folder: Path) -> Optional[dict[str, Any]]:
         return None
     try:
         manifest = json.loads(path.read_text())
-        entries, weights = manifest.get("files"), manifest.get(WEIGHTS_KEY, {})
+        entries, digests = manifest.get("files"), manifest.get(DIGESTS_KEY, {})
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        entries = weights = None
+        entries = digests = None
     valid = (
         isinstance(entries, list)
         and all(
             isinstance(e, str) and e and not os.path.isabs(e) and ".." not in Path(e).parts and "\\" not in e
             for e in entries
         )
-        and isinstance(weights, dict)
-        and all(name in entries and isinstance(digest, str) for name, digest in weights.items())
+        and isinstance(digests, dict)
+        and all(name in entries and isinstance(digest, str) for name, digest in digests.items())
     )
     if not valid:
         raise ConfigurationError(f"the export manifest {path} is damaged or was edited; re-export the model")
@@ -92,14 +102,10 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _is_weights(name: str) -> bool:
-    return name.endswith(".safetensors")
-
-
 @contextmanager
 def recording_export(folder: str | os.PathLike) -> Iterator[Path]:
-    """Add every file written or rewritten inside the ``with`` block to ``folder``'s export manifest, with the
-    sha256 of each weight file written (one left untouched keeps the digest recorded when it was written)."""
+    """Add every file written or rewritten inside the ``with`` block to ``folder``'s export manifest, with its
+    sha256 (a file left untouched keeps the digest recorded when it was written)."""
     folder = Path(folder)
     before = _folder_files(folder) if folder.is_dir() else {}
     yield folder
@@ -107,45 +113,47 @@ def recording_export(folder: str | os.PathLike) -> Iterator[Path]:
     previous = _read_manifest(folder) or {"files": []}
     written = {name for name, stamp in after.items() if before.get(name) != stamp}
     files = sorted({*(name for name in previous["files"] if name in after), *written})
-    recorded = previous.get(WEIGHTS_KEY, {})
-    weights = {
+    recorded = previous.get(DIGESTS_KEY, {})
+    digests = {
         name: recorded[name] if name in recorded and name not in written else _sha256(folder / name)
         for name in files
-        if _is_weights(name)
+        if (folder / name).is_file() and not (folder / name).is_symlink()  # push refuses a link
     }
     (folder / EXPORT_MANIFEST_NAME).write_text(
-        json.dumps({"tool": "hf-tapernorm", "files": files, WEIGHTS_KEY: weights}, indent=2, sort_keys=True) + "\n"
+        json.dumps({"tool": "hf-tapernorm", "files": files, DIGESTS_KEY: digests}, indent=2, sort_keys=True) + "\n"
     )
 
 
-def check_export_weights(folder: str | os.PathLike) -> None:
-    """Refuse (ConfigurationError) an export whose weight files are not the ones its card and scan were written
-    with: each ``*.safetensors`` of the manifest must still have the sha256 the export recorded."""
+def check_export_files(folder: str | os.PathLike) -> None:
+    """Refuse (ConfigurationError, the files named) an export whose files are not the ones its card and scan were
+    written with: each file of the manifest but the card itself must still have the sha256 the export recorded."""
     folder = Path(folder)
     manifest = _read_manifest(folder)
     if manifest is None:
         return  # files_to_push refuses it
-    if WEIGHTS_KEY not in manifest:
+    if DIGESTS_KEY not in manifest:
         logger.warning(
-            "%s was exported by an earlier version, which recorded no digest of its weights: push cannot check that "
+            "%s was exported by an earlier version, which recorded no digest of its files: push cannot check that "
             "its model card and robustness scan describe them; re-export it with hf-tapernorm fold to have them "
             "checked",
             folder,
         )
         return
-    recorded = manifest[WEIGHTS_KEY]
+    recorded = manifest[DIGESTS_KEY]
     changed = [
         name
         for name in manifest["files"]
-        if _is_weights(name) and (folder / name).is_file() and recorded.get(name) != _sha256(folder / name)
+        if name != CARD_NAME  # the card is prose its owner may edit; what it is about is checked
+        and (not (folder / name).is_file() or recorded.get(name) != _sha256(folder / name))
     ]
     if changed:
+        listed = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
         raise ConfigurationError(
-            f"'{folder}': {', '.join(changed[:4])} changed after the export wrote its model card and robustness scan "
-            f"(its sha256 is not the one {EXPORT_MANIFEST_NAME} recorded: edited, or a model saved over the export), "
-            "so README.md and the scan describe other weights; write a fresh export with hf-tapernorm fold "
-            "--overwrite from the tapered checkpoint, whose card and scan are of its weights (weights changed on "
-            "purpose need a card of their own: hf-tapernorm eval --scan_reference measures them)"
+            f"'{folder}': {listed} changed after the export wrote {'it' if len(changed) == 1 else 'them'} (the "
+            f"sha256 {EXPORT_MANIFEST_NAME} recorded differs: edited, or a model saved over the export), so the "
+            "upload would not be the model its README.md and robustness scan describe; write a fresh export with "
+            "hf-tapernorm fold --overwrite from the tapered checkpoint, whose card and scan are of its files "
+            "(weights changed on purpose need a card of their own: hf-tapernorm eval --scan_reference measures them)"
         )
 
 
@@ -228,7 +236,8 @@ def files_to_push(folder: str | os.PathLike, include: Sequence[str] = ()) -> lis
 
     Refuses (ConfigurationError, the files listed) a folder without a manifest, one holding a symbolic link,
     one missing a file of its manifest, one holding a file neither the manifest nor ``include`` names, and one
-    whose weights are not those its card and scan were written with (check_export_weights).
+    whose files are not those its card and scan were written with (check_export_files). The bookkeeping files
+    (``.hf_tapernorm_*``: a lock, a manifest) are never uploaded, whatever ``include`` names.
     """
     folder = Path(folder)
     include = [include] if isinstance(include, str) else list(include)  # a string's letters would be patterns: "*"
@@ -256,7 +265,7 @@ def files_to_push(folder: str | os.PathLike, include: Sequence[str] = ()) -> lis
             f"{f' and {len(refused) - 8} more' if len(refused) > 8 else ''}); they are not uploaded: move them "
             "away, or name the ones to publish with --include PATTERN"
         )
-    check_export_weights(folder)
+    check_export_files(folder)
     return sorted([*manifest, *included])
 
 
@@ -278,11 +287,20 @@ def push_export(
     """Upload the files of a folded export (``files_to_push``: its manifest, plus ``include``) to ``repo_id``.
 
     ``before_upload`` receives those files once the folder has passed every check, before anything is sent (the
-    command line says there what the export's scan found)."""
+    command line says there what the export's scan found). A ``repo_id`` without an owner (``name``) is the
+    token's user's, as on the Hub; the log names the repository it becomes."""
     files = files_to_push(folder, include)
     if before_upload is not None:
         before_upload(files)
-    logger.info("uploading %d files of %s: %s", len(files), folder, ", ".join(files))
+    if "/" not in repo_id:
+        from huggingface_hub import HfApi
+
+        owner = HfApi(token=options.get("token")).whoami()["name"]
+        logger.info(
+            "repo id %s names no owner: the Hub puts it under the token's user, as %s/%s", repo_id, owner, repo_id
+        )
+        repo_id = f"{owner}/{repo_id}"
+    logger.info("uploading %d files of %s to %s: %s", len(files), folder, repo_id, ", ".join(files))
     return upload_export(folder, repo_id, allow_patterns=[glob_escape(name) for name in files], **options)
 
 
@@ -293,8 +311,9 @@ def glob_escape(name: str) -> str:
 
 __all__ = [
     "EXPORT_MANIFEST_NAME",
-    "WEIGHTS_KEY",
-    "check_export_weights",
+    "BOOKKEEPING_PREFIX",
+    "DIGESTS_KEY",
+    "check_export_files",
     "export_folded",
     "export_manifest",
     "files_to_push",

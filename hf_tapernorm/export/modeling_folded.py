@@ -1,9 +1,10 @@
 """Norm-free ("folded") versions of supported causal LMs, loadable without hf_tapernorm.
 
-This file and ``folded_sink.py`` (the attention-sink prefix, imported relatively) are copied next to every
-exported checkpoint and loaded by ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``
-where hf_tapernorm is not installed, so they import only torch and transformers (huggingface_hub, a
-transformers dependency, is imported lazily for ``push_to_hub``).
+This file, ``folded_sink.py`` (the attention-sink prefix, imported relatively) and ``folded_input.py`` (how the
+sink export reads its input, imported by ``folded_sink.py``) are copied next to every exported checkpoint and loaded
+by ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` where hf_tapernorm is not installed, so
+they import only torch and transformers (huggingface_hub, a transformers dependency, is imported lazily for
+``push_to_hub``).
 
 A folded model is the base architecture with the folded norms replaced by ``nn.Identity`` and a
 zero bias added to the projections that absorbed a LayerNorm beta; a kept norm whose weight was folded into
@@ -56,8 +57,12 @@ class FoldedConfigFields:
     # and the shape [layers, kv_heads, n, head_dim] of their stored keys/values (buffers sink_keys/values).
     sink_token_ids: list[int] = field(default_factory=list)
     sink_cache_shape: list[int] = field(default_factory=list)
-    # [n, vocab]: the logits at the sink positions (constants too), returned when the input starts with the sink.
+    # [n, vocab]: the logits at the sink positions (constants too), returned when the input starts with the sink;
+    # with them, the sink's hidden states [entries, n, hidden] and attention rows [layers, heads, n, n] (absent in
+    # older exports: NaN there).
     sink_logits_shape: list[int] = field(default_factory=list)
+    sink_hidden_states_shape: list[int] = field(default_factory=list)
+    sink_attentions_shape: list[int] = field(default_factory=list)
     # With a learned position table: its size, which the stored sink's positions count against (0: no table).
     sink_max_positions: int = 0
     hf_tapernorm_version: str = ""
@@ -165,8 +170,10 @@ class FoldedModelMixin:
         if config.sink_token_ids:
             self.register_buffer("sink_keys", torch.zeros(config.sink_cache_shape))
             self.register_buffer("sink_values", torch.zeros(config.sink_cache_shape))
-            if config.sink_logits_shape:
-                self.register_buffer("sink_logits", torch.zeros(config.sink_logits_shape))
+            for name in ("logits", "hidden_states", "attentions"):
+                shape = getattr(config, f"sink_{name}_shape")
+                if shape:
+                    self.register_buffer(f"sink_{name}", torch.zeros(shape))
             for module in attention_modules(self):  # under gradient checkpointing: folded_sink.SinkPrefixCache
                 module.register_forward_pre_hook(give_back_sink_cache, with_kwargs=True)
 

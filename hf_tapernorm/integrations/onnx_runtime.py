@@ -9,7 +9,9 @@ cache, in fp32: inputs ``input_ids`` [batch, seq], ``attention_mask`` [batch, pa
 The graph takes its cache and positions as given; what the export's own forward does around it (its stored
 sink at the start of every cache, a leading sink in the input read as that sink, left padding, masks and
 positions, its learned position table) ``OnnxCausalLM`` does with the export's own code
-(``folded_sink.read_input``, over the contract ``onnx_layout.json`` records), so both read one input alike.
+(``folded_input.read_input``, over the contract ``onnx_layout.json`` records), so both read one input alike;
+what the graph cannot take (ids that are not ``[batch, seq]`` token ids of its vocabulary, a mask of another shape
+than the call needs, a state of another batch) is refused in one line before ONNX Runtime sees it.
 The sink's keys, values and logits are in ``sink.npz``. A model without a sink starts from one zero column
 masked out (the graph's past length is at least 1).
 """
@@ -28,8 +30,10 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from ..errors import ConfigurationError
-from ..export.folded_sink import SinkContract, read_input, restore_logits
+from ..errors import ConfigurationError, first_line
+from ..export.folded_input import SinkContract, read_input
+from ..export.folded_sink import restore_logits
+from ..utils import file_in_the_way
 from .exports import base_class, load_export
 from .extras import require
 
@@ -94,14 +98,18 @@ def export_onnx(source: Union[str, os.PathLike, PreTrainedModel], output_dir: Un
     ``output_dir``: ``model.onnx`` (fp32), ``onnx_layout.json`` (the cache layout and the input contract) and, for
     an export with a sink, ``sink.npz``.
 
-    Returns the folder. Refuses a non-empty folder (an earlier graph would be mixed with this one's files).
+    Returns the folder. Refuses, before loading anything, a file on the way to it and a non-empty folder (an
+    earlier graph would be mixed with this one's files).
     """
+    folder = Path(output_dir)
+    blocking = file_in_the_way(folder)
+    if blocking:
+        raise ConfigurationError(f"cannot export ONNX into '{folder}': {blocking} is a file; choose a folder")
+    if folder.is_dir() and any(folder.iterdir()):
+        raise ConfigurationError(f"cannot export ONNX into '{folder}': it exists and is not an empty folder")
     require("onnx", FEATURE)  # torch.onnx.export writes through onnx, and translates through onnxscript
     require("onnxscript", FEATURE)
     numpy = require("numpy", FEATURE)
-    folder = Path(output_dir)
-    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-        raise ConfigurationError(f"cannot export ONNX into '{folder}': it exists and is not an empty folder")
     model = _in_fp32(source if isinstance(source, PreTrainedModel) else load_export(source, folded_only=False))
     folder.mkdir(parents=True, exist_ok=True)
     layout = _cache_layout(model)
@@ -228,14 +236,28 @@ class OnnxCausalLM:
         padding.
         """
         np = self.np
-        kwargs = {"input_ids": torch.from_numpy(np.asarray(input_ids, dtype=np.int64))}
+        kwargs = {"input_ids": torch.from_numpy(self._rows("input_ids", input_ids))}
         if attention_mask is not None:
-            kwargs["attention_mask"] = torch.from_numpy(np.asarray(attention_mask, dtype=np.int64))
+            kwargs["attention_mask"] = torch.from_numpy(self._rows("attention_mask", attention_mask))
         state = state or self.start(kwargs["input_ids"].shape[0])
+        self._check_batch(kwargs, state)
         past = state["length"]
-        sink_state, restore = read_input(self.contract, kwargs, past, state["sink"])
+        # The mask columns every call takes: the state's tokens and these, without the stored sink.
+        needed = past - len(self.contract.token_ids) + kwargs["input_ids"].shape[1]
+        given = kwargs["attention_mask"].shape[1] if "attention_mask" in kwargs else needed
+        try:
+            sink_state, restore = read_input(self.contract, kwargs, past, state["sink"])
+        except ValueError as error:  # the export's own reading refused the input: the same words, one line
+            raise ConfigurationError(str(error)) from None
         ids = kwargs["input_ids"].numpy()
         batch, length = ids.shape
+        if "attention_mask" in kwargs and kwargs["attention_mask"].shape[1] != past + length:
+            n = len(self.contract.token_ids)
+            also = f" ({needed + n} counting the stored sink)" if n and state["sink"] is not None else ""
+            raise ConfigurationError(
+                f"{self.contract.owner}: attention_mask has {given} columns; it must cover the tokens the state holds "
+                f"and these input_ids: {needed} columns{also}"
+            )
         extra = 0 if self.sink is not None else 1  # the masked zero column of a graph without a sink
         if "attention_mask" in kwargs:
             mask = np.concatenate([state["mask"][:, :extra], kwargs["attention_mask"].numpy()], axis=1)
@@ -248,9 +270,50 @@ class OnnxCausalLM:
         feed.update(zip(self.past_names, state["past"]))
         logits, *present = self.session.run(None, feed)
         if restore is not None:
-            keep, keep_logits, _ = restore
-            logits = restore_logits(torch.from_numpy(logits), keep, keep_logits, self.sink_logits).numpy()
+            logits = restore_logits(torch.from_numpy(logits), restore, self.sink_logits).numpy()
         return logits, {"past": present, "mask": mask, "length": past + length, "sink": sink_state}
+
+    def _rows(self, name: str, values: Any) -> Any:
+        """``values`` (``input_ids`` or ``attention_mask``) as an int64 ``[batch, columns]`` array, or a one-line
+        refusal naming what the graph takes: 2-D integers with a column in each row, ids of its vocabulary.
+
+        A 1-D sequence is refused, not read as one row: the logits and the state answer the batch given, as the
+        torch export's forward does, so one sequence is passed as ``[ids]`` (what ``tokenizer(text)["input_ids"]``
+        needs around it) and its logits come back as ``[1, seq, vocab]`` on purpose, not by a guess.
+        """
+        np, owner = self.np, self.contract.owner
+        try:
+            array = np.asarray(values)
+        except ValueError as error:  # rows of unequal length
+            raise ConfigurationError(f"{owner}: {name} must be [batch, seq] integers ({first_line(error)})") from None
+        if array.ndim != 2 or 0 in array.shape or array.dtype.kind not in "biu":
+            advice = "; pass one sequence as a batch of one: [ids]" if array.ndim == 1 else ""
+            raise ConfigurationError(
+                f"{owner}: {name} must be [batch, seq] integers with a column in each row, got {array.dtype} of "
+                f"shape {list(array.shape)}{advice}"
+            )
+        vocab = self.layout.get("vocab_size")
+        if name == "input_ids" and vocab and (array.min() < 0 or array.max() >= vocab):
+            raise ConfigurationError(
+                f"{owner}: input_ids must be token ids of the model's vocabulary (0..{vocab - 1}), got ids from "
+                f"{array.min()} to {array.max()}"
+            )
+        return array.astype(np.int64)
+
+    def _check_batch(self, kwargs: dict[str, Any], state: dict[str, Any]) -> None:
+        """Refuse a mask or a state (from ``start`` or an earlier ``forward``) for another number of rows."""
+        rows, owner = kwargs["input_ids"].shape[0], self.contract.owner
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.shape[0] != rows:
+            raise ConfigurationError(
+                f"{owner}: attention_mask has {mask.shape[0]} row(s) and input_ids {rows}: give one mask row per row"
+            )
+        held = state["mask"].shape[0]
+        if held != rows:
+            raise ConfigurationError(
+                f"{owner}: the state continues {held} row(s) and input_ids has {rows}: continue a state with as many "
+                "rows as the call that made it, or start a new one (forward(ids) without a state)"
+            )
 
     def generate(self, input_ids: Any, max_new_tokens: int, attention_mask: Any = None) -> Any:
         """Greedy continuation: ``input_ids`` (left padding marked by ``attention_mask``) followed by

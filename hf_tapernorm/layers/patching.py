@@ -144,8 +144,8 @@ def patch_model(
         site, layer = replacement.site, replacement.layer
         original = model.get_submodule(site.path)
         layer.site_name = site.path
-        layer.calibration_scale = float(config.calibration_scale)
-        if layer.tapered and config.linear_fit == "per_channel":
+        layer.calibration_scale = float(config.experimental.calibration_scale)
+        if layer.tapered and config.experimental.linear_fit == "per_channel":
             layer.enable_per_channel_fit()
         layer.train(original.training)
         if site.is_final:

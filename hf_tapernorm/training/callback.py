@@ -46,7 +46,7 @@ class TaperCallback(TrainerCallback):
     ``taper_start``/``taper_end``: optimizer steps (int) or fractions of ``max_steps`` (float);
     None means the model's TaperNormConfig. ``allow_incomplete=True`` lets a run end before g reaches
     0 (warning instead of error). ``thresholds``: the divergence watch (:class:`DivergenceThresholds`;
-    ``max_scale_ratio`` is a shortcut for its first field). ``allow_changes``: TaperNormConfig fields a
+    ``max_scale_ratio`` is a shortcut for its first field). ``allow_changes``: TaperNormConfig options a
     resumed run may change on purpose (any other difference from the checkpoint's config is refused).
 
     Logs ``taper/gate``, ``taper/scale_loss``, ``taper/residual_scale`` and ``taper/distill`` with every
@@ -155,7 +155,7 @@ class TaperCallback(TrainerCallback):
             schedule.k_start,
             schedule.k_end,
             schedule.total_steps,
-            f"; distilling (weight {config.distill_weight:g}, teacher: {config.distill_from})"
+            f"; distilling (weight {config.distillation.weight:g}, teacher: {config.experimental.distill_from})"
             if self.controller.distillation is not None
             else "",
         )
@@ -164,12 +164,8 @@ class TaperCallback(TrainerCallback):
         folder = resumed_checkpoint(args, state)
         saved = folder / CONFIG_NAME
         if saved.is_file():
-            previous = TaperNormConfig.from_pretrained(folder)
-            differences = {
-                k: (v, getattr(config, k))
-                for k, v in previous.to_dict().items()
-                if getattr(config, k) != v and k not in self.allow_changes
-            }
+            old, new = TaperNormConfig.from_pretrained(folder).options(), config.options()
+            differences = {k: (v, new[k]) for k, v in old.items() if new[k] != v and k not in self.allow_changes}
             if differences:
                 listing = "; ".join(
                     f"{k}: {old!r} in the checkpoint, {new!r} now" for k, (old, new) in differences.items()

@@ -53,7 +53,7 @@ class TaperController:
 
     ``schedule``: default, the taper window of the model's TaperNormConfig. ``thresholds``: the
     divergence watch (:class:`DivergenceThresholds`). ``distillation``: default, built from the config
-    when ``distill_weight > 0`` (``False`` turns it off; a :class:`Distillation` replaces it).
+    when ``config.distillation.weight > 0`` (``False`` turns it off; a :class:`Distillation` replaces it).
     """
 
     def __init__(
@@ -97,9 +97,9 @@ class TaperController:
     def _distillation(self, given: Union[Distillation, bool, None]) -> Optional[Distillation]:
         if isinstance(given, Distillation):
             return given if given._model is self.model else given.attach(self.model)
-        if given is False or self.config.distill_weight == 0:
+        if given is False or self.config.distillation.weight == 0:
             return None
-        teacher = frozen_copy(self.model) if self.config.distill_from == "original" else None
+        teacher = frozen_copy(self.model) if self.config.experimental.distill_from == "original" else None
         return Distillation.from_config(self.config, teacher).attach(self.model)
 
     # ------------------------------------------------------------------ checkpoints and resume

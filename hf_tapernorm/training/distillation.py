@@ -3,7 +3,8 @@
 The term is ``weight * KL(teacher || student)`` on the next-token distributions, added to training
 losses through ``layers/loss_terms.py``. The teacher is the model itself, frozen at one moment:
 when the gate first falls below 1 (``distill_from="gate_start"``, the default: the model has then already
-adapted to the new data at g = 1, so the KL repairs only what tapering breaks) or before training.
+adapted to the new data at g = 1, so the KL repairs only what tapering breaks) or, as an experimental option
+(``TaperNormConfig.experimental``), before training.
 It costs a second copy of the weights (no gradients, no optimizer state; under FSDP2 a second shard per
 rank) and a teacher forward per training forward; with
 ``distill_until="taper_end"`` the teacher is released once the gate reaches 0, and later steps cost what a
@@ -23,7 +24,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from ..config import DistillSchedule, DistillUntil, TaperNormConfig, Teacher
+from ..config import DistillationConfig, ExperimentalOptions, TaperNormConfig
+from ..config_fields import DistillSchedule, DistillUntil, Teacher
 from ..errors import ConfigurationError
 from ..layers.loss_terms import ForwardInputs, add_training_loss_term, remove_training_loss_term
 from ..layers.patching import gate_of
@@ -69,9 +71,11 @@ def frozen_copy(model: nn.Module) -> nn.Module:
 class Distillation:
     """``weight * KL(teacher || student)`` added to every training loss of the model it is attached to.
 
-    The keywords are TaperNormConfig's fields of the same names, with the same values (:meth:`from_config`).
+    The keywords are TaperNormConfig's options of the same names (``weight`` is ``distill_weight``), with the
+    same values and, but for ``weight``, the same defaults (:meth:`from_config`). ``distill_from`` and
+    ``distill_schedule`` other than their defaults are experimental options (``config.experimental``).
     ``teacher``: a frozen model with the student's parameter names (``frozen_copy(model)``), fixed for the
-    run with ``distill_from="original"``. With ``"gate_start"`` it may be None, and the teacher is then
+    run with ``distill_from="original"``. With ``"gate_start"`` (the default) it may be None, and the teacher is then
     made at the snapshot: its weights are replaced by the student's at the first step whose gate is below 1
     (:meth:`step_begin`, or the first training forward below 1 when no controller drives it); the term is 0
     before that. ``distill_until="taper_end"``: the term ends, and the teacher is released, at the first
@@ -90,20 +94,19 @@ class Distillation:
         teacher: Optional[nn.Module] = None,
         *,
         weight: float = 1.0,
-        distill_from: Teacher = "original",
-        distill_until: DistillUntil = "end",
-        distill_schedule: DistillSchedule = "constant",
-        sink_attention_weight: float = 0.0,
+        distill_from: Teacher = ExperimentalOptions.distill_from,
+        distill_until: DistillUntil = DistillationConfig.until,
+        distill_schedule: DistillSchedule = ExperimentalOptions.distill_schedule,
+        sink_attention_weight: float = DistillationConfig.sink_attention_weight,
         sink_length: int = 0,
     ) -> None:
-        for name, value in (
-            ("distill_from", distill_from),
-            ("distill_until", distill_until),
-            ("distill_schedule", distill_schedule),
+        for name, value, allowed in (
+            ("distill_from", distill_from, ExperimentalOptions.choices("distill_from")),
+            ("distill_until", distill_until, DistillationConfig.choices("until")),
+            ("distill_schedule", distill_schedule, ExperimentalOptions.choices("distill_schedule")),
         ):
-            if value not in TaperNormConfig.choices(name):
-                choices = ", ".join(TaperNormConfig.choices(name))
-                raise ConfigurationError(f"Distillation: {name} must be one of {choices}, got {value!r}")
+            if value not in allowed:
+                raise ConfigurationError(f"Distillation: {name} must be one of {', '.join(allowed)}, got {value!r}")
         if weight < 0 or sink_attention_weight < 0:
             raise ConfigurationError(
                 f"Distillation needs weight >= 0 and sink_attention_weight >= 0, got {weight}, {sink_attention_weight}"
@@ -132,16 +135,16 @@ class Distillation:
 
     @classmethod
     def from_config(cls, config: TaperNormConfig, teacher: Optional[nn.Module] = None) -> Distillation:
-        """The term a TaperNormConfig asks for (``distill_weight``, ``distill_from``, ``distill_until``,
-        ``distill_schedule``, ``sink_attention_weight`` over ``sink_token_ids``); ``teacher``: the frozen copy
-        for ``distill_from="original"``."""
+        """The term a TaperNormConfig asks for (its ``distillation``, the sink-attention term over
+        ``sink_token_ids``, and the experimental ``distill_from`` and ``distill_schedule``); ``teacher``: the
+        frozen copy for ``distill_from="original"``."""
         return cls(
             teacher,
-            weight=config.distill_weight,
-            distill_from=config.distill_from,
-            distill_until=config.distill_until,
-            distill_schedule=config.distill_schedule,
-            sink_attention_weight=config.sink_attention_weight,
+            weight=config.distillation.weight,
+            distill_from=config.experimental.distill_from,
+            distill_until=config.distillation.until,
+            distill_schedule=config.experimental.distill_schedule,
+            sink_attention_weight=config.distillation.sink_attention_weight,
             sink_length=len(config.sink_token_ids),
         )
 
@@ -242,7 +245,7 @@ class Distillation:
     def _teacher_logits(self, model: Optional[nn.Module], input_ids, attention_mask, position_ids=None) -> torch.Tensor:
         teacher = model if self._live else self.teacher
         extra = self.sink_attention.teacher_call_arguments(teacher) if self.sink_attention is not None else {}
-        if position_ids is not None:  # the teacher reads the student's positions (app/position_span.py)
+        if position_ids is not None:  # a batch that carries positions: the teacher reads the student's
             extra["position_ids"] = position_ids
         if not self._live:
             device = input_ids.device

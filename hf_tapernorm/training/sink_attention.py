@@ -109,7 +109,7 @@ def use_sink_share_attention(model: nn.Module, sink_length: int) -> Optional[str
         return previous
     if not hasattr(model, "set_attn_implementation"):
         raise ConfigurationError(
-            f"TaperNormConfig.sink_attention_weight needs each head's attention on the sink, and "
+            f"TaperNormConfig.distillation.sink_attention_weight needs each head's attention on the sink, and "
             f"{type(model).__name__} cannot switch its attention implementation (no set_attn_implementation); set "
             "sink_attention_weight=0"
         )
@@ -130,8 +130,8 @@ class SinkAttention:
     def __init__(self, weight: float, sink_length: int) -> None:
         if sink_length < 1:
             raise ConfigurationError(
-                "TaperNormConfig.sink_attention_weight > 0 needs sink_token_ids (the tokens whose share of attention "
-                "it keeps); set sink_token_ids or sink_attention_weight=0"
+                "TaperNormConfig.distillation.sink_attention_weight > 0 needs sink_token_ids (the tokens whose share "
+                "of attention it keeps); set sink_token_ids or sink_attention_weight=0"
             )
         self.weight, self.sink_length = float(weight), int(sink_length)
         self._model: Optional[nn.Module] = None

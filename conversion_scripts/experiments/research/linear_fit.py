@@ -1,8 +1,9 @@
 """Fitting the linear branches from explicit batches, robustly to outlier tokens: the fidelity experiments' fit.
 
 The product calibrates from the EMA of the warmup's training forwards (training/calibration.py; per channel
-with ``TaperNormConfig(linear_fit="per_channel")``). This fit, on held-out batches, with outlier trimming
-and a sequential layer-by-layer mode, was measured no better (docs/fidelity.md) and stays experimental.
+with the experimental option ``TaperNormConfig(experimental={"linear_fit": "per_channel"})``). This fit, on
+held-out batches, with outlier trimming and a sequential layer-by-layer mode, was measured no better
+(docs/fidelity.md) and stays experimental.
 """
 
 from __future__ import annotations

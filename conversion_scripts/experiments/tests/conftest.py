@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_gpt2, tiny_llama, tiny_model  # noqa: F401 - fixtures
+from tests.conftest import tiny_gpt2, tiny_llama, tiny_model, workspace  # noqa: F401 - fixtures
 
 HERE = Path(__file__).resolve().parent
 

@@ -220,7 +220,7 @@ def test_calibration_scale_multiplies_the_per_channel_fit():
     batches = random_batches(n=2)
     plain, scaled = (
         patch_model(build(tiny_llama_config()), TaperNormConfig.paper()),
-        patch_model(build(tiny_llama_config()), TaperNormConfig.paper(calibration_scale=0.5)),
+        patch_model(build(tiny_llama_config()), TaperNormConfig.paper(experimental={"calibration_scale": 0.5})),
     )
     fit_linear_branch(plain, batches, per_channel=True)
     fit_linear_branch(scaled, batches, per_channel=True)
@@ -231,7 +231,9 @@ def test_calibration_scale_multiplies_the_per_channel_fit():
 def test_the_product_per_channel_fit_is_these_least_squares_over_the_warmup():
     """linear_fit="per_channel" (TaperController at taper_start) agrees with the research fit on the same batches."""
     batches = random_batches(n=2, batch=2, length=16)
-    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper(linear_fit="per_channel")).train()
+    model = patch_model(
+        build(tiny_llama_config()), TaperNormConfig.paper(experimental={"linear_fit": "per_channel"})
+    ).train()
     reference = patch_model(build(tiny_llama_config()), TaperNormConfig.paper())
     controller = TaperController(model, TaperSchedule(1, 3), total_steps=3, distillation=False)
     controller.step_begin(0)

@@ -1,0 +1,315 @@
+"""The public library API at its edges: each misuse (a wrong type, an already folded model, a wrapper, a probe out of
+range, a schedule run backwards) is one clear error of the right type, and odd but valid input gives the right result.
+
+Tiny models only (hidden 32, 2 layers).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_tapernorm import (
+    CalibrationError,
+    ConfigurationError,
+    TaperCallback,
+    TaperController,
+    TaperNormConfig,
+    TaperStateError,
+    UnsupportedModelError,
+    export_folded,
+    fold_model,
+    load_tapered,
+    patch_model,
+    save_tapered,
+)
+from hf_tapernorm.layers import set_gate
+from tests.conftest import build, char_tokenizer, random_batches, save_tiny_model, tiny_llama_config
+from tests.helpers import IDS, logits, relative_error, snapshot, tapered, tapered_checkpoint
+
+
+# ============================================================================= misuse: one clear error
+def _llama(**overrides):
+    return build(tiny_llama_config(**overrides))
+
+
+def _paper(**overrides):
+    return patch_model(_llama(), TaperNormConfig.paper(**overrides))
+
+
+def _loaded_export(kind: str, tmp: Path):
+    folder = export_folded(fold_model(tapered(kind)), tmp / f"{kind}_export")
+    return AutoModelForCausalLM.from_pretrained(folder)
+
+
+def _export_over_a_model(tmp: Path):
+    save_tiny_model(tmp / "my_model")
+    return export_folded(fold_model(tapered("llama")), tmp / "my_model", overwrite=True)
+
+
+def _export_under_a_file(tmp: Path):
+    (tmp / "afile").write_text("x")
+    return export_folded(fold_model(tapered("llama")), tmp / "afile" / "sub")
+
+
+def _controller_loop(train: bool):
+    model = _paper(taper_start=2, taper_end=4).train(train)
+    controller = TaperController(model, total_steps=6)
+    for step in range(6):
+        controller.step_begin(step)
+        ids = random_batches(n=1, seed=step)[0]
+        model(input_ids=ids, labels=ids).loss.backward()
+        controller.step_end(step)
+
+
+def _trainer_with_reversed_window(tmp: Path):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp / "t"), max_steps=6, use_cpu=True, report_to=[], save_strategy="no")
+    Trainer(model=_paper(), args=args, callbacks=[TaperCallback(taper_start=0.8, taper_end=0.2)])
+
+
+#: name -> (call (tmp_path), error type, fragment of its message)
+LIBRARY_REFUSALS = {
+    "fold_model(tolerance=True)": (
+        lambda tmp: fold_model(tapered("llama"), tolerance=True),
+        ConfigurationError,
+        "tolerance must be a positive finite number, got True",
+    ),
+    "fold_model(tolerance='1e-3')": (
+        lambda tmp: fold_model(tapered("llama"), tolerance="1e-3"),
+        ConfigurationError,
+        "got '1e-3'",
+    ),
+    "fold_model of a loaded llama export": (
+        lambda tmp: fold_model(_loaded_export("llama", tmp)),
+        TaperStateError,
+        "is already folded (a norm-free export)",
+    ),
+    "fold_model of a loaded gpt2 export": (
+        lambda tmp: fold_model(_loaded_export("gpt2", tmp)),
+        TaperStateError,
+        "is already folded",
+    ),
+    "patch_model of a loaded export": (
+        lambda tmp: patch_model(_loaded_export("llama", tmp), TaperNormConfig.paper()),
+        TaperStateError,
+        "is a folded export (tapernorm_llama): its norms are folded away already",
+    ),
+    "fold_model of torch.compile's wrapper": (
+        lambda tmp: fold_model(torch.compile(tapered("llama"))),
+        UnsupportedModelError,
+        "fold_model(model._orig_mod)",
+    ),
+    "fold_model of the base LlamaModel": (
+        lambda tmp: fold_model(tapered("llama").model),
+        UnsupportedModelError,
+        "expects a LlamaForCausalLM, got LlamaModel",
+    ),
+    "fold_model probe beyond the vocabulary": (
+        lambda tmp: fold_model(tapered("llama"), probe=torch.randint(200, 300, (1, 5))),
+        ConfigurationError,
+        "probe must be a (batch, tokens) tensor of token ids in [0, 128)",
+    ),
+    "fold_model float probe": (
+        lambda tmp: fold_model(tapered("llama"), probe=torch.rand(1, 5)),
+        ConfigurationError,
+        "torch.float32",
+    ),
+    "fold_model 1-D probe": (
+        lambda tmp: fold_model(tapered("llama"), probe=torch.arange(5)),
+        ConfigurationError,
+        "got (5,)",
+    ),
+    "export_folded under a file": (_export_under_a_file, ConfigurationError, "afile is a file"),
+    "export_folded overwrite=True onto an original model": (
+        _export_over_a_model,
+        ConfigurationError,
+        "refusing overwrite=True",
+    ),
+    "export_folded facts as a list": (
+        lambda tmp: export_folded(fold_model(tapered("llama")), tmp / "e", facts=["x"]),
+        ConfigurationError,
+        "facts= must be a mapping",
+    ),
+    "scale_loss_weight inf": (
+        lambda tmp: TaperNormConfig(scale_loss_weight=float("inf")),
+        ConfigurationError,
+        "scale_loss_weight must be a finite number",
+    ),
+    "distill_weight inf": (
+        lambda tmp: TaperNormConfig.paper(distill_weight=float("inf")),
+        ConfigurationError,
+        "TaperNormConfig.distillation.weight must be a finite number",
+    ),
+    "calibration_scale inf": (
+        lambda tmp: TaperNormConfig(experimental={"calibration_scale": float("inf")}),
+        ConfigurationError,
+        "TaperNormConfig.experimental.calibration_scale must be a finite number",
+    ),
+    "distill_weight nan": (
+        lambda tmp: TaperNormConfig(distillation={"weight": float("nan")}),
+        ConfigurationError,
+        "TaperNormConfig.distillation.weight must be >= 0",
+    ),
+    "sink id -1": (lambda tmp: TaperNormConfig(sink_token_ids=[-1]), ConfigurationError, "must be non-negative"),
+    "for_model with a tokenizer name": (
+        lambda tmp: TaperNormConfig.for_model(_llama(), tokenizer="gpt2"),
+        ConfigurationError,
+        "got the name 'gpt2': pass AutoTokenizer.from_pretrained(name)",
+    ),
+    "patch_model with a tokenizer name": (
+        lambda tmp: patch_model(_llama(), tokenizer="gpt2"),
+        ConfigurationError,
+        "tokenizer= must be a tokenizer",
+    ),
+    "TaperController total_steps 0": (
+        lambda tmp: TaperController(_paper(), total_steps=0),
+        ConfigurationError,
+        "total_steps must be a positive int, got 0",
+    ),
+    "TaperController total_steps 2.5": (
+        lambda tmp: TaperController(_paper(), total_steps=2.5),
+        ConfigurationError,
+        "got 2.5",
+    ),
+    "TaperController total_steps True": (
+        lambda tmp: TaperController(_paper(), total_steps=True),
+        ConfigurationError,
+        "got True",
+    ),
+    "TaperController total_steps '10'": (
+        lambda tmp: TaperController(_paper(), total_steps="10"),
+        ConfigurationError,
+        "got '10'",
+    ),
+    "TaperController loop with the model in eval mode": (
+        lambda tmp: _controller_loop(train=False),
+        CalibrationError,
+        "run training-mode forwards (model.train())",
+    ),
+    "TaperController jumping past k_start untrained": (
+        lambda tmp: TaperController(_paper(taper_start=2, taper_end=4), total_steps=6).step_begin(4),
+        CalibrationError,
+        "has no calibration statistics",
+    ),
+    "TaperCallback with taper_start after taper_end": (
+        _trainer_with_reversed_window,
+        ConfigurationError,
+        "k_end must be greater than k_start",
+    ),
+    "patch_model of DataParallel": (
+        lambda tmp: patch_model(torch.nn.DataParallel(_llama()), TaperNormConfig.paper()),
+        UnsupportedModelError,
+        "DataParallel has no config.model_type",
+    ),
+    "set_gate nan": (lambda tmp: set_gate(tapered("llama"), float("nan")), ConfigurationError, "got nan"),
+    "load_tapered of a folded export": (
+        lambda tmp: load_tapered(export_folded(fold_model(tapered("llama")), tmp / "e")),
+        ConfigurationError,
+        "is not a tapered checkpoint",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(LIBRARY_REFUSALS))
+def test_a_library_misuse_is_refused_with_one_clear_error(tmp_path, name):
+    call, error_type, fragment = LIBRARY_REFUSALS[name]
+    with pytest.raises(error_type) as caught:
+        call(tmp_path)
+    assert fragment in str(caught.value)
+
+
+def test_export_folded_overwrite_true_onto_a_model_leaves_it_as_it_was(tmp_path):
+    with pytest.raises(ConfigurationError):
+        _export_over_a_model(tmp_path)
+    assert json.loads((tmp_path / "my_model" / "config.json").read_text())["model_type"] == "llama"
+    assert not (tmp_path / "my_model" / ".hf_tapernorm_export.json").exists()
+    export = export_folded(fold_model(tapered("llama")), tmp_path / "export")
+    export_folded(fold_model(tapered("llama")), export, overwrite=True)  # an earlier export is still replaced
+
+
+@pytest.mark.parametrize("tolerance", [-1.0, float("nan"), float("inf"), "1e-4"])
+def test_fold_model_refuses_a_tolerance_that_is_no_positive_number(tmp_path, tolerance):
+    """-1 and NaN were reported as a failed fold check ("pass a larger tolerance"); inf passed any fold."""
+    from hf_tapernorm import fold_model
+
+    model = load_tapered(tapered_checkpoint(tmp_path / "saved"))
+    with pytest.raises(ConfigurationError, match=r"^fold_model: tolerance must be a positive finite number, got "):
+        fold_model(model, tolerance=tolerance)
+
+
+def test_save_tapered_into_a_file_path_is_refused_in_one_line(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConfigurationError, match="is a file"):
+        save_tapered(tapered("llama"), tmp_path / "afile")
+
+
+def test_save_tapered_refuses_a_folder_holding_another_model(tmp_path):
+    folder = save_tiny_model(tmp_path / "my_model")
+    before = snapshot(folder)
+    with pytest.raises(ConfigurationError, match="holds another model"):
+        save_tapered(tapered("llama"), folder)
+    assert snapshot(folder) == before
+
+
+def test_load_tapered_of_a_missing_folder_says_not_found(tmp_path):
+    with pytest.raises(ConfigurationError, match="not found|does not exist|no such folder"):
+        load_tapered(tmp_path / "nothing")
+
+
+# ============================================================================= odd but valid input
+def test_fold_model_leaves_the_tapered_model_as_it_was():
+    model = tapered("llama")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    expected = logits(model, IDS)
+    folded = fold_model(model)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(logits(model, IDS), expected) and relative_error(logits(folded, IDS), expected) <= 1e-5
+
+
+def test_fold_model_of_a_gpt2_left_in_train_mode_checks_without_dropout():
+    model = tapered("gpt2").train()  # GPT-2's dropout is 0.1: a check in train mode would fail at random
+    folded = fold_model(model)
+    assert model.training and not folded.training and folded.fold_report.max_rel_diff <= 1e-5
+
+
+def test_fold_model_in_float16_uses_its_own_tolerance():
+    folded = fold_model(tapered("llama", dtype=torch.float16))
+    assert folded.dtype == torch.float16
+    assert folded.fold_report.dtype == "float16" and folded.fold_report.max_rel_diff <= folded.fold_report.tolerance
+
+
+def test_a_probe_longer_than_the_models_positions_is_fine_for_rotary():
+    assert fold_model(tapered("llama"), probe=torch.randint(0, 128, (1, 200))).fold_report.probe_shape == (1, 200)
+
+
+def test_a_tokenizer_without_bos_gives_the_eos_as_the_sink():
+    with pytest.warns(UserWarning, match=r"does not start its output with the sink token\(s\) \[127\]"):
+        model = patch_model(_llama(), tokenizer=char_tokenizer())
+    assert model.tapernorm_config.sink_token_ids == [127]
+
+
+def test_callback_allow_changes_given_as_one_string_is_one_field():
+    assert TaperCallback(allow_changes="scope").allow_changes == {"scope"}
+
+
+def test_a_new_controller_on_a_tapered_model_starts_its_schedule_at_gate_1():
+    model = tapered("llama")
+    controller = TaperController(model, total_steps=100)
+    assert controller.step_begin(-5) == 1.0 and controller.step_begin(0) == 1.0
+    assert all(float(layer.gate) == 1.0 for layer in model.modules() if getattr(layer, "tapered", False))
+
+
+def test_an_empty_input_fails_in_the_export_as_in_the_original(tmp_path):
+    empty = torch.zeros((1, 0), dtype=torch.long)
+    folded = _loaded_export("llama", tmp_path)
+    with pytest.raises(RuntimeError) as original:
+        _llama()(input_ids=empty)
+    with pytest.raises(RuntimeError) as export:
+        folded(input_ids=empty)
+    assert str(export.value) == str(original.value)  # transformers' own error, not one of the fold's

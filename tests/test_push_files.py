@@ -1,0 +1,148 @@
+"""Which files ``push`` uploads: exactly the export's manifest (by a symbolic link or a trailing slash too), files the
+export did not write only when ``--include`` names them (a pattern or a literal name), nothing from an export without
+a manifest.
+
+The Hub is never reached: ``HfApi`` is replaced by a stand-in that applies the same ``allow_patterns`` filter as
+``upload_folder``. test_publishing.py checks the weights pushed are the ones the export wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from hf_tapernorm.errors import ConfigurationError
+from hf_tapernorm.export.hub import files_to_push
+from tests.helpers import copy_run as copy_of
+from tests.helpers import error_of, finished_run, one_model_workspace, run_main
+from tests.helpers import short_taper_argv as taper
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> Path:
+    return one_model_workspace(tmp_path_factory.mktemp("push_files"))
+
+
+@pytest.fixture(scope="module")
+def run(ws) -> Path:
+    """A finished 6-step run; the cases push its folded/ export, or a copy they edit."""
+    return finished_run(taper(ws, ws / "run"))
+
+
+@pytest.fixture(scope="module")
+def reference(run) -> Path:
+    """The finished run, as the cases that copy its export call it."""
+    return run
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    """huggingface_hub.HfApi stand-in: records, per repository, the files upload_folder's filter would send."""
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    uploads: dict[str, list[str]] = {}
+
+    def upload_folder(self, *, repo_id, folder_path, allow_patterns=None, **options):
+        files = [p.relative_to(folder_path).as_posix() for p in Path(folder_path).rglob("*") if p.is_file()]
+        uploads[repo_id] = sorted(filter_repo_objects(files, allow_patterns=allow_patterns))
+        return SimpleNamespace(commit_url=f"https://example.invalid/{repo_id}")
+
+    monkeypatch.setattr(
+        huggingface_hub.HfApi, "create_repo", lambda self, repo_id, **kw: SimpleNamespace(repo_id=repo_id)
+    )
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
+    return uploads
+
+
+def _push(folder, repo: str, *extra: str) -> int:
+    return run_main(["push", "--export_dir", str(folder), "--repo_id", repo, *extra])[0]
+
+
+def test_push_uploads_exactly_the_manifest_by_a_symlink_or_a_trailing_slash(run, tmp_path, hub):
+    manifest = json.loads((run / "folded" / ".hf_tapernorm_export.json").read_text())["files"]
+    (tmp_path / "link").symlink_to(run / "folded", target_is_directory=True)
+    assert _push(run / "folded", "me/plain") == 0
+    assert _push(tmp_path / "link", "me/link") == 0
+    assert _push(str(run / "folded") + "/", "me/slash") == 0
+    assert hub["me/plain"] == hub["me/link"] == hub["me/slash"] == sorted(manifest)
+
+
+def test_push_include_names_a_file_literally_and_star_means_everything(run, tmp_path, hub):
+    folder = copy_of(run, tmp_path)
+    (folder / "folded" / "[tokenizer].json").write_text("{}")
+    (folder / "folded" / "samples").mkdir()
+    (folder / "folded" / "samples" / "a.txt").write_text("sample")
+    assert _push(folder / "folded", "me/literal", "--include", "[tokenizer].json", "samples/*") == 0
+    assert {"[tokenizer].json", "samples/a.txt"} <= set(hub["me/literal"])
+    assert _push(folder / "folded", "me/all", "--include", "*") == 0
+    assert set(hub["me/all"]) == set(hub["me/literal"])
+
+
+def test_files_to_push_reads_one_include_string_as_one_pattern(run, tmp_path):
+    folder = copy_of(run, tmp_path)
+    (folder / "folded" / "secret.env").write_text("HF_TOKEN=x")
+    with pytest.raises(ConfigurationError, match=r"did not write \(secret\.env\)"):
+        files_to_push(folder / "folded", include="README*")  # its letters were patterns, "*" among them
+    assert "secret.env" in files_to_push(folder / "folded", include="secret.env")
+
+
+def test_push_of_an_export_whose_model_card_was_emptied_uploads_it_as_is(run, tmp_path, hub):
+    folder = copy_of(run, tmp_path)
+    (folder / "folded" / "README.md").write_text("")
+    assert _push(folder / "folded", "me/empty_card") == 0 and "README.md" in hub["me/empty_card"]
+
+
+def test_push_uploads_only_the_files_of_the_export(reference, tmp_path, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    export = tmp_path / "folded"
+    shutil.copytree(reference / "folded", export)
+    written = sorted(p.relative_to(export).as_posix() for p in export.rglob("*") if p.is_file())
+    manifest = json.loads((export / ".hf_tapernorm_export.json").read_text())["files"]
+    assert {"model.safetensors", "config.json", "README.md", "tokenizer.json"} <= set(manifest)
+    assert set(manifest) == set(written) - {".hf_tapernorm_export.json"}
+    (export / ".env").write_text("HF_TOKEN=hf_secret")
+    (export / "notes").mkdir()
+    (export / "notes" / "private.txt").write_text("private")
+    calls = []
+    monkeypatch.setattr(
+        huggingface_hub.HfApi,
+        "create_repo",
+        lambda self, repo_id, **kw: calls.append(("create", repo_id, kw)) or SimpleNamespace(repo_id=repo_id),
+    )
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, **kw: calls.append(("upload", kw)))
+    push = ["push", "--export_dir", str(export), "--repo_id", "me/tiny-normfree"]
+    message = error_of(push)
+    assert message == (
+        f"hf-tapernorm push: error: '{export}' holds files the export did not write (.env, notes/private.txt); they "
+        "are not uploaded: move them away, or name the ones to publish with --include PATTERN"
+    )
+    assert "HF_TOKEN" not in message and calls == []
+    assert error_of([*push, "--include", "notes/*"]).endswith("did not write (.env); they are not uploaded: "
+                                                               "move them away, or name the ones to publish with "
+                                                               "--include PATTERN")  # fmt: skip
+    (export / ".env").unlink()
+    code, _, stderr = run_main([*push, "--include", "notes/*"])
+    assert code == 0, stderr
+    assert calls[0] == ("create", "me/tiny-normfree", {"private": True, "exist_ok": True, "repo_type": "model"})
+    uploaded = set(filter_repo_objects(written + ["notes/private.txt"], allow_patterns=calls[1][1]["allow_patterns"]))
+    assert uploaded == set(manifest) | {"notes/private.txt"}
+    calls.clear()
+    assert run_main([*push, "--no_private"])[0] == 2  # notes/ is refused again without --include
+    shutil.rmtree(export / "notes")
+    assert run_main([*push, "--no_private"])[0] == 0 and calls[0][2]["private"] is False
+    assert set(filter_repo_objects(written, allow_patterns=calls[1][1]["allow_patterns"])) == set(manifest)
+
+
+def test_push_refuses_an_export_without_a_manifest(reference, tmp_path):
+    export = tmp_path / "folded"
+    shutil.copytree(reference / "folded", export)
+    (export / ".hf_tapernorm_export.json").unlink()
+    message = error_of(["push", "--export_dir", str(export), "--repo_id", "me/x"])
+    assert message.startswith(f"hf-tapernorm push: error: '{export}' has no export manifest")

@@ -1,0 +1,361 @@
+"""Continuing, replacing or reusing a run: --resume of an interrupted or finished run is the same run (bit-identical
+after SIGTERM or SIGKILL at any point) or is refused early naming what differs; --overwrite and --baseline_from
+refuse what would lose or mix data.
+
+Each case checks the exit code, the first line of the error, and the files on disk.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from hf_tapernorm.app.run_folder import LOCK_NAME, MANIFEST_NAME
+from hf_tapernorm.app.training_run import IDENTITY_NAME
+from tests.conftest import build, corpus_documents, tiny_llama_config
+from tests.helpers import (
+    REPO,
+    assert_same_weights,
+    edit_json,
+    error_line,
+    error_of,
+    finished_run,
+    killable_argv,
+    one_model_workspace,
+    refused,
+    run_main,
+    signal_at_step,
+    snapshot,
+    truncate,
+    uninterrupted_run,
+)
+from tests.helpers import SUBPROCESS_ENV as ENV
+from tests.helpers import copy_run as copy_of
+from tests.helpers import short_taper_argv as taper
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> Path:
+    return one_model_workspace(tmp_path_factory.mktemp("resume"))
+
+
+@pytest.fixture(scope="module")
+def baseline_run(ws) -> Path:
+    """A finished 6-step run with --baseline (its baseline/model and checkpoint-6 are what the cases point at)."""
+    return finished_run(taper(ws, ws / "baseline_run", "--baseline"))
+
+
+@pytest.fixture(scope="module")
+def run(ws) -> Path:
+    """A finished 6-step run (checkpoint-6, tapered/, folded/, report.json); cases edit copies of it."""
+    return finished_run(taper(ws, ws / "run"))
+
+
+@pytest.fixture(scope="module")
+def reference(workspace, tmp_path_factory) -> Path:
+    """An uninterrupted run of the command the interruption tests kill (helpers.killable_argv)."""
+    return uninterrupted_run(workspace, tmp_path_factory.mktemp("resume") / "reference")
+
+
+def _files(folder: Path) -> dict[str, float]:
+    return {p.relative_to(folder).as_posix(): p.stat().st_mtime for p in folder.rglob("*") if p.is_file()}
+
+
+# ============================================================================= --overwrite, --baseline_from
+def test_overwrite_refuses_a_model_or_baseline_inside_the_folder_it_deletes(ws, baseline_run, tmp_path):
+    before = _files(baseline_run)
+    inner = str(baseline_run / "baseline" / "model")
+    refused(taper(ws, baseline_run, "--overwrite", model=inner), "--model_name_or_path", "inside --output_dir")
+    refused(
+        taper(ws, baseline_run, "--overwrite", "--baseline_from", str(baseline_run)), "--baseline_from", "--overwrite"
+    )
+    refused(taper(ws, baseline_run, "--resume", "--baseline", model=inner), "--model_name_or_path", "--resume")
+    assert _files(baseline_run) == before  # nothing deleted, nothing rewritten
+
+
+def test_baseline_from_a_run_with_other_options_is_refused_with_what_differs(ws, baseline_run, tmp_path):
+    line = refused(taper(ws, tmp_path / "a", "--baseline_from", str(baseline_run), "--seed", "7"), "--baseline_from")
+    assert "training.seed: 42 there, 7 now" in line
+    refused(taper(ws, tmp_path / "b", "--baseline_from", str(baseline_run), steps=8), "training.max_steps: 6 there")
+    # The recipe is not part of a baseline's identity (it never tapered); the same data and training options are.
+    code, _, stderr = run_main(taper(ws, tmp_path / "c", "--baseline_from", str(baseline_run), "--distill_weight", "0"))
+    assert code == 0, stderr
+    report = json.loads((tmp_path / "c" / "report.json").read_text())
+    assert report["export"]["baseline_model"] == str(baseline_run / "baseline" / "model")
+    assert report["gap"]["tapered_vs_baseline"] is not None
+
+
+def test_a_run_killed_during_its_export_can_be_overwritten(workspace, reference, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    shutil.move(run / "folded", run / ".folded.partial-99999")  # what a kill before the rename leaves
+    (run / LOCK_NAME).write_text(json.dumps({"pid": 2**22 + 12345, "host": os.uname().nodename}))  # no such process
+    code, _, stderr = run_main([*killable_argv(workspace, run), "--overwrite"])
+    assert code == 0, stderr
+    assert not list(run.glob(".*.partial-*")) and not (run / LOCK_NAME).exists()
+    assert_same_weights(run, reference)
+
+
+# ============================================================================= --resume: the same run, or refused
+def test_resume_with_another_dtype_is_refused(ws, baseline_run):
+    refused(taper(ws, baseline_run, "--resume", "--baseline", "--dtype", "bfloat16"), "dtype", "None in the run")
+
+
+def test_resume_names_the_same_model_and_data_by_another_path(ws, baseline_run, tmp_path, monkeypatch):
+    copy = tmp_path / "run"
+    shutil.copytree(baseline_run, copy)
+    monkeypatch.chdir(ws)  # the run recorded absolute paths; name them relative now
+    arguments = taper(ws, copy, "--resume", "--baseline", model="llama")
+    arguments[arguments.index("--dataset_name") + 1] = "corpus.txt"
+    code, _, stderr = run_main(arguments)
+    assert code == 0, stderr
+    # Another file under the same name is still another dataset.
+    (tmp_path / "corpus.txt").write_text("\n\n".join(corpus_documents(150, seed=3)))
+    monkeypatch.chdir(tmp_path)
+    arguments = taper(ws, copy, "--resume", "--baseline")
+    arguments[arguments.index("--dataset_name") + 1] = "corpus.txt"
+    refused(arguments, "data.contents")
+
+
+def test_a_refused_resume_keeps_the_recorded_identity(workspace, reference, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    for folder in ("checkpoint-10", "tapered", "folded"):  # back to the run's state at its step-9 checkpoint
+        shutil.rmtree(run / folder)
+    assert (run / "checkpoint-9").is_dir()
+    identity = json.loads((run / MANIFEST_NAME).read_text())["identity"]
+    # The gate was 0 at step 9; a taper that starts at step 9 says 1 there: the resume is refused in training.
+    changed = [*killable_argv(workspace, run), "--taper_start", "9", "--taper_end", "10"]
+    allowed = "taper_start,taper_end,lr_scheduler_kwargs,num_decay_steps"
+    message = error_of([*changed, "--resume", "--allow_changes", allowed], code=2)
+    assert "resuming at step 9" in message, message
+    assert json.loads((run / MANIFEST_NAME).read_text())["identity"] == identity
+    code, _, stderr = run_main([*killable_argv(workspace, run), "--resume"])
+    assert code == 0, stderr
+    assert_same_weights(run, reference)
+
+
+def test_a_lost_manifest_is_rebuilt_from_the_checkpoint_record(workspace, reference, tmp_path, caplog):
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    shutil.rmtree(run / "folded")
+    (run / MANIFEST_NAME).write_text('{"tool": "hf-tap')  # truncated
+    code, _, stderr = run_main([*killable_argv(workspace, run), "--resume"])
+    assert code == 0, stderr
+    assert "rebuilding the lost manifest" in caplog.text
+    assert_same_weights(run, reference)
+    (run / MANIFEST_NAME).unlink()
+    (run / "mine.txt").write_text("user file")
+    message = error_of([*killable_argv(workspace, run), "--resume"])
+    assert "holds files this command did not write (mine.txt)" in message
+    for checkpoint in run.glob("checkpoint-*"):
+        (checkpoint / "tapernorm_run.json").unlink()
+    (run / MANIFEST_NAME).unlink(missing_ok=True)
+    message = error_of([*killable_argv(workspace, run), "--resume"])
+    assert "is missing or unreadable and no checkpoint" in message or "incomplete" in message, message
+
+
+def test_resume_refuses_a_checkpoint_without_its_optimizer_state(workspace, reference, tmp_path):
+    for name, expected in (
+        ("optimizer.pt", "has no optimizer.pt, which holds the optimizer's moments"),
+        ("scheduler.pt", "has no scheduler.pt"),
+        ("rng_state.pth", "has no rng_state.pth"),
+        ("model.safetensors", "has no model.safetensors"),
+    ):
+        run = tmp_path / name
+        shutil.copytree(reference, run)
+        (run / "checkpoint-10" / name).unlink()
+        before = snapshot(run)
+        message = error_of([*killable_argv(workspace, run), "--resume"])
+        assert message.startswith(f"hf-tapernorm taper: error: --resume: {run / 'checkpoint-10'} {expected}"), message
+        assert message.endswith("restore it from a copy, or start over with --overwrite")
+        assert snapshot(run) == before
+    run = tmp_path / "truncated"
+    shutil.copytree(reference, run)
+    weights = run / "checkpoint-10" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert "cannot read" in error_of([*killable_argv(workspace, run), "--resume"])
+
+
+def test_resume_checks_the_data_contents_and_every_option_that_shapes_the_result(workspace, reference, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    corpus = tmp_path / "corpus.txt"
+    shutil.copy(workspace / "corpus.txt", corpus)
+    argv = killable_argv(workspace, run)
+    argv[argv.index("--dataset_name") + 1] = str(corpus)
+    (run / MANIFEST_NAME).write_text(  # the run as if it had read this copy (same bytes, another path)
+        (run / MANIFEST_NAME).read_text().replace(str(workspace / "corpus.txt"), str(corpus))
+    )
+    corpus.write_text(corpus.read_text() + "\n\nanother document at the end")
+    before = snapshot(run)
+    message = error_of([*argv, "--resume"])
+    assert "data.contents.corpus.txt: '" in message and "--allow_changes" in message, message
+    shutil.copy(workspace / "corpus.txt", corpus)
+    message = error_of([*argv, "--resume", "--adam_beta2", "0.9"])
+    assert "training.adam_beta2: 0.95 in the run, 0.9 now" in message
+    assert snapshot(run) == before
+    code, _, stderr = run_main([*argv, "--resume", "--save_steps", "5", "--logging_steps", "2"])  # bookkeeping only
+    assert code == 0, stderr
+    message = error_of([*argv, "--resume", "--adam_beta2", "0.9", "--allow_changes", "adam_beta2"])
+    assert "a resumed Trainer restores training.adam_beta2 from the checkpoint's optimizer" in message
+    assert json.loads((run / MANIFEST_NAME).read_text())["identity"]["training"]["adam_beta2"] == 0.95
+    code, _, stderr = run_main([*argv, "--resume", "--max_grad_norm", "0.5", "--allow_changes", "max_grad_norm"])
+    assert code == 0, stderr
+    report = json.loads((run / "report.json").read_text())
+    assert report["allowed_changes"]["training.max_grad_norm"] == {"run": 1.0, "now": 0.5}
+
+
+def test_resume_refuses_other_weights_of_the_same_size(workspace, reference, tmp_path):
+    """The weights were identified by their size: a fine-tune saved over the base model resumed silently, with
+    the report's original-model figures (and a distillation teacher) of other weights."""
+    run, model = tmp_path / "run", tmp_path / "model"
+    shutil.copytree(reference, run)
+    shutil.copytree(workspace / "llama", model)
+    argv = killable_argv(workspace, run)
+    argv[argv.index("--model_name_or_path") + 1] = str(model)
+    for path in (run / MANIFEST_NAME, *run.glob("checkpoint-*/tapernorm_run.json")):
+        path.write_text(path.read_text().replace(str(workspace / "llama"), str(model)))  # as if it had read the copy
+    size = (model / "model.safetensors").stat().st_size
+    build(tiny_llama_config(), seed=7).save_pretrained(model)  # other weights, the same size
+    assert (model / "model.safetensors").stat().st_size == size
+    before = snapshot(run)
+    message = error_of([*argv, "--resume"])
+    assert "model_contents.model.safetensors: " in message and "--allow_changes" in message, message
+    assert snapshot(run) == before
+
+
+def test_a_legacy_weight_fingerprint_still_resumes():
+    from hf_tapernorm.app.validation import _with_legacy_fingerprints
+
+    saved = {"model_contents": {"model.safetensors": "100 bytes", "config.json": "abc"}}
+    now = {"model_contents": {"model.safetensors": "100 bytes, sampled sha256 ff", "config.json": "abc"}}
+    assert _with_legacy_fingerprints(saved, now)["model_contents"] == saved["model_contents"]
+    other = {"model_contents": {"model.safetensors": "101 bytes, sampled sha256 ff", "config.json": "abc"}}
+    assert _with_legacy_fingerprints(saved, other) == other
+
+
+@pytest.mark.parametrize("edit", ["delete tapered/", "truncate report.json", "edit tapered/tapernorm_config.json"])
+def test_resume_of_a_finished_run_edited_by_hand_restores_its_outputs(ws, run, tmp_path, edit):
+    folder = copy_of(run, tmp_path)
+    if edit == "delete tapered/":
+        shutil.rmtree(folder / "tapered")
+    elif edit == "truncate report.json":
+        truncate(folder / "report.json", 100)
+    else:
+        edit_json(folder / "tapered" / "tapernorm_config.json", scope="all")
+    code, _, stderr = run_main(taper(ws, folder, "--resume"))
+    assert code == 0, stderr[-2000:]
+    assert json.loads((folder / "report.json").read_text())["status"] == "finished"
+    assert json.loads((folder / "tapered" / "tapernorm_config.json").read_text())["scope"] == "internal"
+    assert (folder / "tapered" / "model.safetensors").read_bytes() == (
+        run / "tapered" / "model.safetensors"
+    ).read_bytes()
+
+
+def test_a_refused_resume_of_a_finished_run_keeps_its_report(ws, run, tmp_path):
+    folder = copy_of(run, tmp_path)
+    # a checkpoint of another recipe, its identity record edited alike: only TaperCallback, after loading, sees it
+    edit_json(folder / "checkpoint-6" / "tapernorm_config.json", ema_rate=0.5)
+    identity = json.loads((folder / "checkpoint-6" / IDENTITY_NAME).read_text())
+    identity["taper"]["ema_rate"] = 0.5
+    (folder / "checkpoint-6" / IDENTITY_NAME).write_text(json.dumps(identity))
+    report = (folder / "report.json").read_bytes()
+    assert "another TaperNormConfig" in error_line(taper(ws, folder, "--resume"))
+    assert (folder / "report.json").read_bytes() == report  # was replaced by a "failed" report without results
+
+
+# ============================================================================= signals and kills
+def test_sigterm_saves_a_checkpoint_and_resume_is_bit_identical(workspace, reference, tmp_path):
+    out = tmp_path / "run"
+    code, output = signal_at_step(killable_argv(workspace, out), ENV, step=4, signum=signal.SIGTERM)
+    assert code == 143, output
+    assert "SIGTERM: stopping after this step with a checkpoint" in output
+    checkpoints = sorted(out.glob("checkpoint-*"), key=lambda c: int(c.name.split("-")[1]))
+    assert [c.name for c in checkpoints] == ["checkpoint-3", "checkpoint-4"]  # every 3 steps, and the signal's
+    assert not (out / LOCK_NAME).exists()
+    code, _, stderr = run_main([*killable_argv(workspace, out), "--resume"])
+    assert code == 0, stderr
+    assert_same_weights(out, reference)
+
+
+KILLER = textwrap.dedent(
+    """
+    import os, signal, sys
+    import hf_tapernorm.app.taper as taper
+    import hf_tapernorm.app.training_run as training_run
+    from transformers import Trainer
+    POINT = sys.argv[1]
+
+    def kill():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def after(owner, name, when=lambda *a, **k: True):
+        original = getattr(owner, name)
+        def wrapped(*args, **kwargs):
+            result = original(*args, **kwargs)
+            if when(*args, **kwargs):
+                kill()
+            return result
+        setattr(owner, name, wrapped)
+
+    if POINT == "after_checkpoint":  # the step-6 checkpoint is whole and recorded
+        after(training_run.RecordCallback, "on_save", lambda self, args, state, *a, **k: state.global_step == 6)
+    elif POINT == "checkpoint_write":  # the step-6 checkpoint has weights and optimizer, no RNG state yet
+        after(Trainer, "_save_optimizer_and_scheduler", lambda self, *a, **k: self.state.global_step == 6)
+    elif POINT == "evaluation":
+        after(taper, "evaluate_set", lambda models, evaluation, **k: evaluation.name == "held-out")
+    elif POINT == "export":  # the export is written into its temporary folder, not renamed yet
+        after(taper, "save_export")
+    elif POINT == "report":
+        after(taper, "write_report", lambda output_dir, record: record.status == "finished")
+    from hf_tapernorm.cli import main
+    sys.exit(main(sys.argv[2:]))
+    """
+)
+
+
+@pytest.mark.parametrize("point", ["after_checkpoint", "checkpoint_write", "evaluation", "export", "report"])
+def test_sigkill_at_any_point_then_resume_is_bit_identical(workspace, reference, tmp_path, point, caplog):
+    out = tmp_path / "run"
+    script = tmp_path / "killer.py"
+    script.write_text(KILLER)
+    done = subprocess.run(
+        [sys.executable, str(script), point, *killable_argv(workspace, out)], cwd=REPO, env=ENV, capture_output=True
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    assert (out / LOCK_NAME).exists()  # the killed process could not release it
+    if point == "export":
+        assert list(out.glob(".folded.partial-*"))
+    code, _, stderr = run_main([*killable_argv(workspace, out), "--resume"])
+    assert code == 0, stderr
+    assert "taking over the lock" in caplog.text
+    assert not list(out.glob(".*.partial-*")) and not (out / LOCK_NAME).exists()
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "finished" and [r["step"] for r in report["history"]] == list(range(1, 11))
+    assert_same_weights(out, reference)
+
+
+def test_sigterm_outside_training_unwinds_the_command(monkeypatch):
+    cli = importlib.import_module("hf_tapernorm.cli.main")  # the package exports main(), which hides the module
+
+    def busy(argv):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+        return 0
+
+    original = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setitem(cli.COMMANDS, "fold", (busy, "stand-in"))
+    code, _, stderr = run_main(["fold"])
+    assert code == 143 and stderr.strip().endswith("hf-tapernorm fold: terminated")
+    assert signal.getsignal(signal.SIGTERM) is original

@@ -15,6 +15,8 @@ from transformers import HfArgumentParser, TrainingArguments
 import hf_tapernorm.cli.arguments as arguments
 from hf_tapernorm import TaperNormConfig, patch_model
 from hf_tapernorm._parsing import parse
+from hf_tapernorm.app.record import precision_line
+from hf_tapernorm.app.report import render_markdown
 from hf_tapernorm.cli import main
 from hf_tapernorm.cli.arguments import TaperTrainingArguments
 from hf_tapernorm.layers import set_gate
@@ -58,8 +60,18 @@ def test_by_default_a_cpu_trains_in_bf16_exactly_where_bf16_is_fast(cpu_only, mo
     with caplog.at_level(logging.INFO, logger="hf_tapernorm"):
         (args,) = parse([TaperTrainingArguments], ["--output_dir", str(tmp_path)], "hf-tapernorm taper")
     assert args.bf16 is fast and args.use_cpu is fast
-    assert ("bf16 autocast: this machine runs bf16 faster than fp32 (--bf16 false" in caplog.text) is fast
+    line = precision_line(args)  # the first line of the run's log and of its report
+    expected = "bf16 autocast, chosen by this machine, where bf16 is fast" if fast else "fp32, chosen by this machine"
+    assert line.startswith(f"precision: {expected}"), line
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # fp32 on a slow CPU is no warning
+
+
+def test_precision_asked_for_is_said_to_be_asked_and_opens_the_report(tmp_path):
+    (args,) = parse([TaperTrainingArguments], ["--bf16", "false", "--output_dir", str(tmp_path)], "hf-tapernorm taper")
+    line = precision_line(args)
+    assert line == "precision: fp32, as asked; evaluation and export in fp32"
+    report = render_markdown({"status": "finished", "training": {"precision": line}}, {})
+    assert report.splitlines()[:3] == ["# hf_tapernorm run report", "", "**" + line.capitalize() + "**"]
 
 
 def test_fp16_asked_for_is_not_joined_by_bf16(cpu_only, monkeypatch, tmp_path):

@@ -56,6 +56,22 @@ class TrainingFacts:
     final_gate: Optional[float] = None
     wall_seconds: Optional[float] = None
     mixed_precision: Optional[str] = None  # "bf16" or "fp16" autocast (fp32 master weights); None: the weights' dtype
+    precision: Optional[str] = None  # precision_line: what the run trained in and who chose it
+
+
+def precision_line(training_args: Any) -> str:
+    """What the run trains in and why, for the top of its log and report: the same command trains in bf16 on a
+    machine where bf16 is fast and in fp32 elsewhere, so a reader must see which, and whether it was asked."""
+    kind = "bf16 autocast" if training_args.bf16 else "fp16 autocast" if training_args.fp16 else "fp32"
+    chosen = getattr(training_args, "precision_chosen_by_machine", False)
+    why = (
+        "chosen by this machine, where bf16 is fast (--bf16 false trains in fp32)"
+        if chosen and training_args.bf16
+        else "chosen by this machine, where bf16 is not faster than fp32 (--bf16 true trains in bf16)"
+        if chosen
+        else "as asked"
+    )
+    return f"precision: {kind}, {why}; evaluation and export in fp32"
 
 
 @dataclass
@@ -214,6 +230,7 @@ def new_run_record(request, source, model, packed, config: TaperNormConfig, sche
             str(getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type)),
             training_args.world_size,
             mixed_precision="bf16" if training_args.bf16 else "fp16" if training_args.fp16 else None,
+            precision=precision_line(training_args),
         ),
         taper_start_step=schedule.k_start,
         taper_end_step=schedule.k_end,
@@ -274,6 +291,7 @@ def differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = ""
 
 
 __all__ = [
+    "precision_line",
     "FAR_WORSE",
     "DataFacts",
     "ModelFacts",

@@ -226,7 +226,9 @@ def summary_lines(facts: Mapping[str, Any]) -> list[str]:
 
 def render_markdown(facts: Mapping[str, Any], plots: Mapping[str, str]) -> str:
     taper = facts.get("taper") or {}
-    parts = ["# hf_tapernorm run report", "", "```", *summary_lines(facts), "```", ""]
+    precision = (facts.get("training") or {}).get("precision")  # what the run trained in, first
+    parts = ["# hf_tapernorm run report", "", *([f"**{precision.capitalize()}**", ""] if precision else [])]
+    parts += ["```", *summary_lines(facts), "```", ""]
     changes = facts.get("allowed_changes") or {}
     if changes:  # --resume --allow_changes: the run is not one run with one set of options
         parts += [

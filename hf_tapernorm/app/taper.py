@@ -1,14 +1,13 @@
 """The ``taper`` pipeline: validate everything, then train, evaluate, fold, export and report.
 
-Order matters for a user's time and files. Everything that can be checked without the weights is
-checked first: the arguments, the output folder, the model's config and tokenizer (the recipe is
-planned on a weightless copy of the model, so a bad ``keep_norms`` or an unsupported layout fails in
-seconds), the schedule against ``max_steps``, the block size against the model's positions, the
-identity of a resumed run, and the data. Only then are the weights loaded and the output folder
-emptied (the checks: validation.py). The run itself is the library path: ``patch_model(model, config)``
-+ ``Trainer`` + ``TaperCallback()``, with two bookkeeping callbacks (Ctrl-C, the run record) that do not
-touch training. An experiment adds its own callback, loss terms, log keys and training data through a
-``TaperExtension`` (extension.py), passed to ``run_taper``.
+Order matters for a user's time and files. Everything that can be checked without the weights is checked first:
+the arguments, the output folder, the model's config and tokenizer (the recipe is planned on a weightless copy of
+the model, so a bad ``keep_norms`` or an unsupported layout fails in seconds), the schedule against ``max_steps``,
+the block size against the model's positions, the identity of a resumed run, and the data. Only then are the
+weights loaded and the output folder emptied (the checks: validation.py). The run itself is the library path:
+``patch_model(model, config)`` + ``Trainer`` + ``TaperCallback()``, with two bookkeeping callbacks (Ctrl-C, the run
+record) that do not touch training. An experiment adds its own callback, loss terms, log keys and training data
+through a ``TaperExtension`` (extension.py), passed to ``run_taper``.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ from ..training.checkpoints import save_tapered
 from ..training.schedule import decay_learning_rate_after_the_taper
 from .extension import TaperExtension, TrainingData, TrainingInputs
 from .preflight import check_disk_space, check_trainer_options, check_training_blocks
-from .record import RunRecord, far_worse_warning, global_batch_blocks, new_run_record
+from .record import RunRecord, far_worse_warning, global_batch_blocks, new_run_record, precision_line
 from .report import PLOTS, summary_lines, write_report
 from .resume_check import check_resumable
 from .run_folder import RunFolder, write_file
@@ -73,6 +72,7 @@ def run_taper(request: TaperRequest, extension: Optional[TaperExtension] = None)
     """The whole ``taper`` command on parsed arguments; returns the exit status (0, or 128 + the signal's number
     when SIGINT/SIGTERM stopped it with a checkpoint: 130, 143). ``extension``: an experiment's extra training
     parts (extension.py)."""
+    logger.info("%s", precision_line(request.training))  # first: the same command trains otherwise elsewhere
     state = PartialState()
     output = RunFolder(request.training.output_dir, outputs=(*RUN_OUTPUTS, *_cache_inside(request)))
     if state.is_main_process:

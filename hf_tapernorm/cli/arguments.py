@@ -348,10 +348,10 @@ class TaperTrainingArguments(TrainingArguments):
                 f"--max_steps must be at least 2 optimizer steps, got {self.max_steps} (the taper schedule is defined "
                 "on it: one step at g = 1 to calibrate, one at g = 0)"
             )
-        if self.bf16 is None or self.bf16 is AUTOMATIC:
-            self.bf16 = not self.fp16 and _bf16_is_fast(self.use_cpu)
-            if self.bf16:
-                logger.info("bf16 autocast: this machine runs bf16 faster than fp32 (--bf16 false trains in fp32)")
+        # Read by the run's record: the same command trains in another precision on another machine.
+        self.precision_chosen_by_machine = self.bf16 is None or self.bf16 is AUTOMATIC
+        if self.precision_chosen_by_machine:
+            self.bf16 = not self.fp16 and _bf16_is_fast(self.use_cpu)  # taper logs it first (record.precision_line)
         if (self.bf16 or self.bf16_full_eval) and not self.use_cpu and not accelerator_available():
             # transformers would stop with "Your setup doesn't support bf16/gpu": on a CPU-only machine --bf16 means
             # bf16 autocast on the CPU.

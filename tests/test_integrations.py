@@ -78,7 +78,7 @@ def _call(function: str, folder: Path):
 
 @pytest.mark.parametrize("hidden, function, extra", [
     ("transformer_lens", "hf_tapernorm.integrations.tl_bridge.transformer_bridge", "interpretability"),
-    ("nnsight", "hf_tapernorm.integrations.nnsight_model.nnsight_model", "interpretability"),
+    ("nnsight", "hf_tapernorm.integrations.nnsight_tracing.nnsight_model", "interpretability"),
     ("onnx", "hf_tapernorm.integrations.onnx_runtime.export_onnx", "onnx"),
     ("onnxscript", "hf_tapernorm.integrations.onnx_runtime.export_onnx", "onnx"),
     ("onnxruntime", "hf_tapernorm.integrations.onnx_runtime.OnnxCausalLM", "onnx"),
@@ -132,7 +132,7 @@ def test_transformer_bridge_gives_the_exports_logits_with_its_sink(exports, kind
 @pytest.mark.parametrize("kind", KINDS)
 def test_nnsight_traces_and_intervenes_on_the_export(exports, kind):
     pytest.importorskip("nnsight")
-    from hf_tapernorm.integrations.nnsight_model import nnsight_model
+    from hf_tapernorm.integrations.nnsight_tracing import nnsight_model
 
     wrapped = nnsight_model(exports[kind])
     plain = AutoModelForCausalLM.from_pretrained(exports[kind]).eval()
@@ -209,7 +209,7 @@ def test_smollm2_export_reads_the_same_in_transformer_lens_nnsight_and_onnx_runt
     pytest.importorskip("transformer_lens")
     pytest.importorskip("nnsight")
     pytest.importorskip("onnxruntime")
-    from hf_tapernorm.integrations.nnsight_model import nnsight_model
+    from hf_tapernorm.integrations.nnsight_tracing import nnsight_model
     from hf_tapernorm.integrations.onnx_runtime import OnnxCausalLM, export_onnx
     from hf_tapernorm.integrations.tl_bridge import transformer_bridge
     from tests.conftest import smollm2_sink_model
@@ -263,7 +263,7 @@ TEXTS = ["hello world", "hi", "a longer line of text"]
 
 def test_nnsight_traces_a_left_padded_batch_of_a_gpt2_sink_export(gpt2_sink):
     pytest.importorskip("nnsight")
-    from hf_tapernorm.integrations.nnsight_model import nnsight_model
+    from hf_tapernorm.integrations.nnsight_tracing import nnsight_model
 
     folder, model = gpt2_sink
     batch = left_padded(TEXTS)
@@ -407,7 +407,7 @@ def test_nnsight_returns_hidden_states_at_every_column_of_a_sink_first_input(exp
     """The model's outputs (logits and hidden states) have one column per input id, the sink's included (its hidden
     states are stored constants); the modules' own outputs are the columns the export computes (the text's)."""
     pytest.importorskip("nnsight")
-    from hf_tapernorm.integrations.nnsight_model import nnsight_model
+    from hf_tapernorm.integrations.nnsight_tracing import nnsight_model
 
     ids = torch.cat([torch.tensor(SINK).expand(IDS.shape[0], -1), IDS], dim=1)
     plain = AutoModelForCausalLM.from_pretrained(exports["llama-sink"]).eval()

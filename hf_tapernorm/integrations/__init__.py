@@ -2,7 +2,7 @@
 
 - :func:`transformer_bridge` (tl_bridge.py): a folded export in TransformerLens (``TransformerBridge``), its sink
   in place (extra ``interpretability``);
-- :func:`nnsight_model` (nnsight_model.py): a folded export wrapped by nnsight for tracing and interventions
+- :func:`nnsight_model` (nnsight_tracing.py): a folded export wrapped by nnsight for tracing and interventions
   (extra ``interpretability``);
 - :func:`export_onnx`, :class:`OnnxCausalLM` (onnx_runtime.py): the export (or any causal LM) as an ONNX graph
   with its KV cache and stored sink, run in ONNX Runtime (extra ``onnx``);
@@ -21,7 +21,7 @@ from .._lazy import lazy_exports
 
 _EXPORTS = {
     "transformer_bridge": "tl_bridge",
-    "nnsight_model": "nnsight_model",
+    "nnsight_model": "nnsight_tracing",
     "OnnxCausalLM": "onnx_runtime",
     "export_onnx": "onnx_runtime",
     "load_export": "exports",
@@ -36,6 +36,6 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 if TYPE_CHECKING:
     from .exports import load_export
     from .extras import MissingExtraError, require
-    from .nnsight_model import nnsight_model
+    from .nnsight_tracing import nnsight_model
     from .onnx_runtime import OnnxCausalLM, export_onnx
     from .tl_bridge import transformer_bridge

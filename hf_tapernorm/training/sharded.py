@@ -116,10 +116,9 @@ def load_sharded_checkpoint(
         )
     refuse_untrusted_sharded_checkpoint(folder, trust_sharded_checkpoint)
     saved, current = TaperNormConfig.from_pretrained(folder), config_of(model)
+    now = current.to_dict()
     differences = [
-        f"{k}: {v!r} in the checkpoint, {getattr(current, k)!r} now"
-        for k, v in saved.to_dict().items()
-        if getattr(current, k) != v
+        f"{k}: {v!r} in the checkpoint, {now.get(k)!r} now" for k, v in saved.to_dict().items() if now.get(k) != v
     ]
     if differences:
         raise TaperStateError(

@@ -13,7 +13,7 @@ import torch
 from .exports import ExportSource, load_export
 from .extras import require
 
-FEATURE = "hf_tapernorm.integrations.nnsight_model"
+FEATURE = "hf_tapernorm.integrations.nnsight_tracing"
 
 
 def nnsight_model(source: ExportSource, *, dtype: torch.dtype = torch.float32):

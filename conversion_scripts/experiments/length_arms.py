@@ -38,7 +38,7 @@ from torch.utils.data import IterableDataset
 from hf_tapernorm import ConfigurationError
 from hf_tapernorm.app.taper import TaperExtension, TrainingData, TrainingInputs
 from hf_tapernorm.cli.main import main as hf_tapernorm_main
-from hf_tapernorm.data import is_heldout, load_text_dataset, pack_documents
+from hf_tapernorm.data import is_heldout, load_documents, pack_documents
 
 logger = logging.getLogger("length_arms")
 
@@ -126,14 +126,7 @@ def long_training_blocks(inputs: TrainingInputs, short_blocks: int, size: int, c
     """``count`` training blocks of ``size`` tokens, from the training documents after the first ``short_blocks``
     short blocks' (no text in both): the documents are read again and packed as the run packed them."""
     data, packed = inputs.data, inputs.packed
-    documents = load_text_dataset(
-        data.dataset_name,
-        config_name=data.dataset_config_name,
-        split=data.dataset_split,
-        streaming=data.streaming,
-        sample_by=data.sample_by,
-        cache_dir=data.data_cache_dir,
-    )
+    documents = load_documents(data)
     texts = (
         text
         for text in (row.get(packed.text_column) for row in documents)

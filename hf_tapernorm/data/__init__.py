@@ -5,9 +5,9 @@ README's quickstart and by the research scripts alike, so each reads the same bl
 
 - :func:`embedded_corpus`, :func:`embedded_corpus_files`, :func:`stdlib_directory` (corpus.py): the embedded
   default corpus, one document per Python standard-library source file;
-- :func:`load_text_dataset`, :func:`text_column_of`, :func:`pack_documents`, :func:`prepare_data`,
-  :class:`PackedData`, :func:`blocks_tensor` (corpus.py): documents to packed blocks that each start with the
-  sink, the held-out documents chosen by a hash of their text (:func:`is_heldout`, :func:`heldout_documents`);
+- :func:`load_text_dataset`, :func:`load_documents`, :func:`text_column_of`, :func:`pack_documents`,
+  :func:`prepare_data`, :class:`PackedData`, :func:`blocks_tensor` (corpus.py): documents to packed blocks that
+  each start with the sink, the held-out documents chosen by a hash of their text (:func:`is_heldout`, :func:`heldout_documents`);
 - :class:`EvaluationSet`, :func:`sample_blocks`, :func:`python_docs_documents` (heldout.py): blocks drawn
   from random positions of held-out text, and the out-of-corpus text (the Python documentation);
 - :func:`out_of_corpus_set` (out_of_corpus.py): that out-of-corpus set for a tokenizer and sink.
@@ -27,6 +27,7 @@ _EXPORTS = {
     "embedded_corpus_files": "corpus",
     "heldout_documents": "corpus",
     "is_heldout": "corpus",
+    "load_documents": "corpus",
     "load_text_dataset": "corpus",
     "pack_documents": "corpus",
     "prepare_data": "corpus",
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
         embedded_corpus_files,
         heldout_documents,
         is_heldout,
+        load_documents,
         load_text_dataset,
         pack_documents,
         prepare_data,

@@ -7,7 +7,8 @@ README's quickstart and by the research scripts alike, so each reads the same bl
   default corpus, one document per Python standard-library source file;
 - :func:`load_text_dataset`, :func:`load_documents`, :func:`text_column_of`, :func:`pack_documents`,
   :func:`prepare_data`, :class:`PackedData`, :func:`blocks_tensor` (corpus.py): documents to packed blocks that
-  each start with the sink, the held-out documents chosen by a hash of their text (:func:`is_heldout`, :func:`heldout_documents`);
+  each start with the sink, the held-out documents chosen by a hash of their text (:func:`is_heldout`,
+  :func:`heldout_documents`);
 - :class:`EvaluationSet`, :func:`sample_blocks`, :func:`python_docs_documents` (heldout.py): blocks drawn
   from random positions of held-out text, and the out-of-corpus text (the Python documentation);
 - :func:`out_of_corpus_set` (out_of_corpus.py): that out-of-corpus set for a tokenizer and sink.

@@ -120,6 +120,7 @@ def _command_line(parser: _Parser, values: dict[str, Any], dataclass_types: Sequ
         declared = typing.get_type_hints(cls)
         hints.update({f.name: declared[f.name] for f in dataclasses.fields(cls) if f.init})
         separators.update(getattr(cls, "SEPARATORS", {}))
+    values = {key.replace("-", "_"): value for key, value in values.items()}  # --model-name-or-path is a flag too
     unknown = [key for key in values if key not in hints or key not in parser.options]
     if unknown:
         raise UsageError(f"{parser.source}: unknown options {unknown} (see {parser.prog} --help)")

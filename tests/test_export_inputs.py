@@ -237,3 +237,12 @@ def test_one_dimensional_ids_are_refused_in_one_line_naming_the_shape():
     _, folded = tapered_and_folded("llama")
     with pytest.raises(ValueError, match=r"input_ids must be \[batch, seq\], got shape \[3\]; pass one sequence as a"):
         folded(input_ids=torch.tensor([104, 101, 108]))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_an_input_of_the_sink_alone_is_refused_in_one_line(kind):
+    """The model runs on the text after its sink: the sink alone (a tokenizer's BOS for empty text) was a reshape
+    error from inside attention."""
+    _, folded = tapered_and_folded(kind)
+    with pytest.raises(ValueError, match=r"the input is only the stored sink \[127\]: its logits are stored"):
+        folded(input_ids=torch.tensor([[EOS]]))

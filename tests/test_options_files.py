@@ -295,3 +295,10 @@ def test_an_options_file_with_a_byte_order_mark(tmp_path, suffix):
     path = tmp_path / f"run{suffix}"
     path.write_text("\ufeff" + (json.dumps({"max_steps": 7}) if suffix == ".json" else "max_steps: 7\n"))
     assert parsed("taper", [str(path)])[-1].max_steps == 7
+
+
+def test_a_key_spelled_like_the_dash_flag_is_that_option(tmp_path):
+    """--model-name-or-path works on the command line; the same spelling in a file was an unknown option."""
+    values = {"model-name-or-path": "some/model", "max-steps": 7}
+    model, *_, training = parsed("taper", [str(write_options(tmp_path, "run.json", values))])
+    assert model.model_name_or_path == "some/model" and training.max_steps == 7

@@ -192,6 +192,9 @@ def test_push_refuses_an_export_a_running_command_owns(export, tmp_path, hub):
     (folder / LOCK_NAME).unlink()
     _live_lock(tmp_path)  # the run folder around the export
     assert f"lies in '{tmp_path}', which a running hf-tapernorm command owns" in error_of(push(folder))
+    link = tmp_path.parent / f"{tmp_path.name}-link"  # a link to the export, outside the held run folder
+    link.symlink_to(folder)
+    assert "which a running hf-tapernorm command owns" in error_of(push(link))  # the link was not followed
     assert hub == []
 
 

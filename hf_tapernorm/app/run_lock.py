@@ -168,13 +168,14 @@ def refuse_while_running(path: Path, what: str) -> None:
     """Refuse (RunFolderError) to read ``path`` (``what``: the option naming it) while a live hf-tapernorm command
     holds it or a folder around it: that command is writing it (a taper run its export, a fold its folder), so
     what is read now may be half one export, half another."""
+    path = Path(path).expanduser().resolve()  # a link into a held folder is that folder
     running = running_command_around(path)
     if running is None:
         return
     folder, owner = running
     where = (
         "is in use: a running hf-tapernorm command owns it"
-        if folder == Path(os.path.abspath(path))
+        if folder == path
         else f"lies in '{folder}', which a running hf-tapernorm command owns"
     )
     raise RunFolderError(f"{what} {where} ({owner}); wait for it to finish, then run this again")

@@ -115,6 +115,11 @@ def read_input(
         if columns is not None:
             order, restore = _take_sink_from_input(contract, kwargs, columns)
             batch, length = kwargs["input_ids"].shape
+            if length == 0:  # the model would run on no token: say what to do instead of a reshape error
+                raise ValueError(
+                    f"the input is only the stored sink {list(contract.token_ids)}: its logits are stored "
+                    "(model.sink_logits) and the model reads the text after it; pass at least one token after the sink"
+                )
         # Where each cache column came from in the caller's columns, when the sink was not in front of every row.
         state = SinkState(columns is not None, offset, order if padding is not None else None)
         counts_without_sink, order = columns is None, None

@@ -120,6 +120,9 @@ def _command_line(parser: _Parser, values: dict[str, Any], dataclass_types: Sequ
         declared = typing.get_type_hints(cls)
         hints.update({f.name: declared[f.name] for f in dataclasses.fields(cls) if f.init})
         separators.update(getattr(cls, "SEPARATORS", {}))
+    texts = [key for key in values if not isinstance(key, str)]
+    if texts:  # YAML reads `1:` or `~:` as a number or null
+        raise UsageError(f"{parser.source}: option names are text, got {texts[0]!r} (see {parser.prog} --help)")
     values = {key.replace("-", "_"): value for key, value in values.items()}  # --model-name-or-path is a flag too
     unknown = [key for key in values if key not in hints or key not in parser.options]
     if unknown:

@@ -409,6 +409,11 @@ CASES = {
     "logging_steps 0": (lambda ws: _taper(ws, "--logging_steps", "0"), 2, ["--logging_steps"]),
     "negative distillation weight": (lambda ws: _taper(ws, "--distill_weight", "-1"), 2, ["--distill_weight"]),
     "max_steps 1": (lambda ws: [*_taper(ws), "--max_steps", "1"], 2, ["--max_steps must be at least 2"]),
+    "negative data loader workers": (
+        lambda ws: [*_taper(ws), "--dataloader_num_workers", "-1"],
+        2,
+        ["--dataloader_num_workers must be >= 0"],
+    ),
     "unknown flag": (lambda ws: _taper(ws, "--bogus", "1"), 2, ["unrecognized arguments", "--bogus"]),
     "eval result in a missing folder": (
         lambda ws: ["eval", "--model_name_or_path", str(ws / "llama"), "--output_json", str(ws / "no" / "r.json")],

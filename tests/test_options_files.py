@@ -169,8 +169,8 @@ def test_a_bad_value_in_an_options_file_is_refused_as_on_the_command_line(name, 
 
 
 def test_unknown_keys_are_refused_together_and_named(tmp_path):
-    options = write_options(tmp_path, "run.yaml", {"max_steps": 4, "bogus": 1, "per-device-train-batch-size": 2})
-    with pytest.raises(UsageError, match=r"run.yaml: unknown options \['bogus', 'per-device-train-batch-size'\]"):
+    options = write_options(tmp_path, "run.yaml", {"max_steps": 4, "bogus": 1, "per_device_batch": 2})
+    with pytest.raises(UsageError, match=r"run.yaml: unknown options \['bogus', 'per_device_batch'\]"):
         parsed("taper", [str(options)])
 
 
@@ -302,3 +302,11 @@ def test_a_key_spelled_like_the_dash_flag_is_that_option(tmp_path):
     values = {"model-name-or-path": "some/model", "max-steps": 7}
     model, *_, training = parsed("taper", [str(write_options(tmp_path, "run.json", values))])
     assert model.model_name_or_path == "some/model" and training.max_steps == 7
+
+
+@pytest.mark.parametrize("text", ["model_name_or_path: x\n1: 2\n", "~: 2\n"])
+def test_an_option_name_that_is_not_text_is_one_line(tmp_path, text):
+    """YAML reads `1:` and `~:` as a number and a null: an AttributeError from inside the parser."""
+    (tmp_path / "run.yaml").write_text(text)
+    with pytest.raises(UsageError, match=r"run.yaml: option names are text, got (1|None)"):
+        parsed("eval", [str(tmp_path / "run.yaml")])

@@ -178,7 +178,10 @@ def test_resume_refuses_a_checkpoint_without_its_optimizer_state(workspace, refe
         before = snapshot(run)
         message = error_of([*killable_argv(workspace, run), "--resume"])
         assert message.startswith(f"hf-tapernorm taper: error: --resume: {run / 'checkpoint-10'} {expected}"), message
-        assert message.endswith("restore it from a copy, or start over with --overwrite")
+        assert message.endswith(
+            "restore it from a copy, move it out of the run folder to resume from the checkpoint before it, "
+            "or start over with --overwrite"
+        )
         assert snapshot(run) == before
     run = tmp_path / "truncated"
     shutil.copytree(reference, run)

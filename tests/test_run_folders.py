@@ -234,7 +234,8 @@ def test_resume_refuses_a_checkpoint_that_lost_its_distillation_teacher(workspac
     assert message == (
         f"hf-tapernorm taper: error: --resume: {folder / 'checkpoint-10'} has no distillation_teacher.safetensors, "
         "which holds the distillation teacher (the run cannot take it again: its model has trained since); restore "
-        "it from a copy, or start over with --overwrite"
+        "it from a copy, move it out of the run folder to resume from the checkpoint before it, or start over with "
+        "--overwrite"
     )
     assert snapshot(folder) == before
 
@@ -247,7 +248,10 @@ def test_resume_refuses_a_truncated_trainer_state_before_loading_anything(worksp
     no_loading(monkeypatch, "load_tokenizer")
     message = error_of([*run_argv(workspace, folder), "--resume"])
     assert message.startswith(f"hf-tapernorm taper: error: --resume: cannot read {state} (JSONDecodeError: ")
-    assert message.endswith("truncated or damaged); restore it from a copy, or start over with --overwrite")
+    assert message.endswith(
+        "truncated or damaged); restore it from a copy, move it out of the run folder to resume from the checkpoint "
+        "before it, or start over with --overwrite"
+    )
     assert snapshot(folder) == before
 
 

@@ -71,7 +71,10 @@ def check_resumable(run_folder: Path, *, trust_sharded_checkpoint: bool = False)
 
 def check_checkpoint(checkpoint: Path, *, trust_sharded_checkpoint: bool = False) -> None:
     """Every file a Trainer resume reads is present and readable (see the module docstring)."""
-    restart = "; restore it from a copy, or start over with --overwrite"
+    restart = (
+        "; restore it from a copy, move it out of the run folder to resume from the checkpoint before it, or start "
+        "over with --overwrite"
+    )
     for name, what in REQUIRED_STATE.items():
         # FSDP writes its optimizer state as a sharded folder (optimizer_0/) instead of optimizer.pt
         present = (checkpoint / name).is_file() or (name == "optimizer.pt" and any(checkpoint.glob("optimizer_*")))

@@ -343,6 +343,11 @@ class TaperTrainingArguments(TrainingArguments):
                     json.loads(value)
                 except json.JSONDecodeError as error:
                     raise ConfigurationError(f"--{name} {value}: not a JSON object ({error})") from None
+        if self.dataloader_num_workers < 0:  # torch refuses it only once the data loader is built, after loading
+            raise ConfigurationError(
+                "--dataloader_num_workers must be >= 0 (0: load in the main process), "
+                f"got {self.dataloader_num_workers}"
+            )
         if self.max_steps is None or self.max_steps < 2:
             raise ConfigurationError(
                 f"--max_steps must be at least 2 optimizer steps, got {self.max_steps} (the taper schedule is defined "

@@ -92,16 +92,18 @@ def on_step_end(self, args, state, control, **kwargs):
     return original(self, args, state, control, **kwargs)
 
 training_run.InterruptCallback.on_step_end = on_step_end
-from hf_tapernorm.cli import main
+from {entry} import main
 sys.exit(main(sys.argv[3:]))
 """
 
 
-def signal_at_step(argv: list[str], env: dict[str, str], *, step: int, signum: int) -> tuple[int, str]:
-    """The CLI in a subprocess that receives ``signum`` at the end of optimizer step ``step``: (exit status,
-    stdout and stderr)."""
+def signal_at_step(
+    argv: list[str], env: dict[str, str], *, step: int, signum: int, entry: str = "hf_tapernorm.cli"
+) -> tuple[int, str]:
+    """The CLI (or another ``main(argv)`` of module ``entry``) in a subprocess that receives ``signum`` at the end of
+    optimizer step ``step``: (exit status, stdout and stderr)."""
     done = subprocess.run(
-        [sys.executable, "-c", SIGNALLER, str(step), str(int(signum)), *argv],
+        [sys.executable, "-c", SIGNALLER.format(entry=entry), str(step), str(int(signum)), *argv],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,

@@ -28,7 +28,7 @@ from conversion_scripts.experiments.length_arms import (
 )
 from hf_tapernorm import ConfigurationError
 from tests.conftest import build, corpus_documents, random_batches, save_tiny_model, tiny_llama_config
-from tests.helpers import REPO, error_of, spy_on_trainings, taper_argv
+from tests.helpers import REPO, error_of, signal_at_step, spy_on_trainings, taper_argv
 
 SCRIPT = "conversion_scripts.experiments.length_arms"
 
@@ -144,29 +144,6 @@ def test_a_taper_run_trains_long_steps_and_records_them(workspace, tmp_path, mon
     assert (identity["long_block_size"], identity["long_block_every"]) == (64, 4)
 
 
-#: The script in a subprocess that receives SIGNUM at the end of optimizer step STEP (tests/helpers.SIGNALLER, with
-#: this script's main instead of the CLI's).
-SIGNALLER = """
-import os, sys, time
-import hf_tapernorm.app.training_run as training_run
-STEP, SIGNUM = int(sys.argv[1]), int(sys.argv[2])
-original = training_run.InterruptCallback.on_step_end
-
-def on_step_end(self, args, state, control, **kwargs):
-    if state.global_step == STEP and not self.requested:
-        os.kill(os.getpid(), SIGNUM)
-        for _ in range(10000):
-            if self.requested:
-                break
-            time.sleep(0.001)
-    return original(self, args, state, control, **kwargs)
-
-training_run.InterruptCallback.on_step_end = on_step_end
-from conversion_scripts.experiments.length_arms import main
-sys.exit(main(sys.argv[3:]))
-"""
-
-
 def test_a_run_with_long_steps_resumes_to_the_same_weights(workspace, tmp_path):
     """The Trainer fast-forwards an iterable dataset by the steps trained: the resumed run reads what the
     uninterrupted one read (and the long steps stay at their places)."""
@@ -176,9 +153,9 @@ def test_a_run_with_long_steps_resumes_to_the_same_weights(workspace, tmp_path):
     assert code == 0, stderr[-3000:]
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-c", SIGNALLER, "4", str(int(signal.SIGINT)), *arms_argv(workspace, out, *flags)]
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 130, (done.stdout + done.stderr)[-3000:]
+    arms = "conversion_scripts.experiments.length_arms"
+    code, output = signal_at_step(arms_argv(workspace, out, *flags), env, step=4, signum=signal.SIGINT, entry=arms)
+    assert code == 130, output[-3000:]
     code, _, stderr = run_arms([*arms_argv(workspace, out, *flags), "--resume"])
     assert code == 0, stderr[-3000:]
     resumed = load_file(str(out / "tapered" / "model.safetensors"))

@@ -1,107 +1,261 @@
 #!/usr/bin/env python
-"""Direct logit attribution on a folded export against the normalized model it came from.
+"""Direct logit attribution and the logit lens on a folded export, beside the normalized model it came from.
 
-Both models are opened in TransformerLens (``TransformerBridge``; the export through
-``hf_tapernorm.integrations.tl_bridge``). The residual stream entering the final norm is split into its
-components, the embedding and every attention and MLP output (``blocks.0.hook_resid_pre``,
-``blocks.{i}.hook_attn_out``, ``blocks.{i}.hook_mlp_out``), and each position's logit of its next token is
-attributed to them in two ways:
+Each position's logit of its next token is split over the residual stream's parts entering the final norm (the
+embedding, every attention and MLP output) in two ways:
 
-- the attribution: the component through the readout as TransformerLens's DLA reads it, the final norm's
-  scale frozen at its value on the whole stream (on a folded final norm there is no scale: the readout is
-  affine, and the attribution is exact);
-- the direct effect: how much the logit drops when the component alone is removed from the stream that
-  enters the final norm (the readout recomputed, its norm included).
+- the attribution: the part through the readout with the final norm's scale frozen at its value on the whole
+  stream (what direct logit attribution reads; on a folded final norm there is no scale and the readout is
+  affine);
+- the direct effect: how much the logit drops when that part alone is removed from the stream entering the final
+  norm (the readout recomputed, its norm included).
 
-On an affine readout (the final norm folded, ``scope="all"``) the two are equal and sum to the logit. Through
-a real final norm (the normalized model, or an export that keeps its final norm, as the default recipe does)
-the attributions sum to the logit only because the scale is frozen, and the direct effects differ from them.
+On an affine readout (the final norm folded, ``scope="all"``) the two are equal, the parts add up to the logit,
+and the logit lens at each layer (the stream so far through the readout) is the readout's constant plus the
+attributions of the parts so far. Through a real final norm (the normalized model, or an export that keeps its
+final norm, as the default recipe does) the attributions add up only because the scale is frozen, the direct
+effects miss the logit, and the lens reads each layer with its own scale.
 
-    python conversion_scripts/logit_attribution.py EXPORT_DIR [ORIGINAL] [--tokens 128]
+Both models are read twice: in plain transformers (forward hooks on each layer's attention and MLP) and in
+TransformerLens, with its own tools (``direct_logit_attribution`` and ``logit_lens`` on a ``TransformerBridge``
+in compatibility mode, which those tools require; the export's bridge from ``hf_tapernorm.integrations``).
+TransformerLens's processed weights shift each position's logits by a constant, so its figures are in its own
+coordinates; both backends' differences should agree.
 
-ORIGINAL: a Hub id, folder or .gguf file (default: the embedded SmolLM2-135M); it must have the export's
-layers. Needs the interpretability extra (pip install 'hf-tapernorm[interpretability]').
+    python conversion_scripts/logit_attribution.py EXPORT_DIR [ORIGINAL] [--tokens 128] [--output_json F]
+
+ORIGINAL: a Hub id, folder or .gguf file (default: the embedded SmolLM2-135M); it must have the export's layers.
+The TransformerLens half needs the interpretability extra (pip install 'hf-tapernorm[interpretability]'); without
+it, ``--backends transformers`` reads plain transformers only.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from hf_tapernorm.evaluation import load_model, load_tokenizer, resolve_model
-from hf_tapernorm.integrations import require, transformer_bridge
+from hf_tapernorm.export import final_norm_path
+from hf_tapernorm.integrations import load_export, require, transformer_bridge
+
+LENS_ROWS = 6  # the logit lens is printed at this many layers, evenly spaced, the last one among them
 
 
-def components(cache: Any, layers: int) -> tuple[list[str], torch.Tensor]:
-    """Names and stacked tensors [component, pos, d_model] of the residual stream's parts (batch row 0)."""
-    names, parts = ["embed"], [cache["blocks.0.hook_resid_pre"][0]]
-    for i in range(layers):
-        names += [f"attn{i}", f"mlp{i}"]
-        parts += [cache[f"blocks.{i}.hook_attn_out"][0], cache[f"blocks.{i}.hook_mlp_out"][0]]
-    return names, torch.stack(parts)
+@dataclass
+class Decomposition:
+    """One text through one model: the parts of the stream entering the final norm and the readouts of it.
+
+    ``parts``: [component, position, d_model]; ``logit``: each position's logit of its next token;
+    ``readout(x)``: the logits of streams x (the final norm, then the head); ``frozen(x)``: the same with the
+    norm's scale frozen at the whole stream's, without constants; ``constant``: what the readout adds whatever the
+    stream (the head's bias, a LayerNorm's beta through the head; for a folded final norm, the readout of 0)."""
+
+    names: list[str]
+    parts: torch.Tensor
+    stream: torch.Tensor
+    targets: torch.Tensor
+    logit: torch.Tensor
+    readout: Callable[[torch.Tensor], torch.Tensor]
+    attributions: torch.Tensor  # [component, position]
+    constant: torch.Tensor  # [position]
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits[torch.arange(len(self.targets)), self.targets]
 
 
-def readout(bridge: Any, stream: torch.Tensor) -> torch.Tensor:
-    """Logits of a residual stream entering the final norm: the final norm (or its identity), then the head."""
-    return bridge.unembed(bridge.ln_final(stream))
+# ----------------------------------------------------------------------------- plain transformers
 
 
-def frozen_readout(bridge: Any, part: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The readout of one component with the final norm's per-position scale frozen (no bias: counted once)."""
-    norm = bridge.ln_final
-    if not hasattr(norm.original_component, "weight"):  # a folded final norm: nothing to freeze
-        return readout(bridge, part) - readout(bridge, torch.zeros_like(part))
-    centred = part if norm.uses_rms_norm else part - part.mean(-1, keepdim=True)
-    head = bridge.unembed.original_component
-    return torch.nn.functional.linear(centred / scale * norm.original_component.weight, head.weight)
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a Llama-like (``model.layers``) or GPT-2-like (``transformer.h``) causal LM."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    layers = getattr(base, "layers", None) or getattr(base, "h", None)
+    if layers is None:
+        raise SystemExit(f"logit_attribution.py: cannot find the decoder layers of {type(model).__name__}")
+    return list(layers)
 
 
-def readout_constant(bridge: Any, like: torch.Tensor) -> torch.Tensor:
-    """What the readout adds whatever the stream: the head's bias and a LayerNorm's beta through the head (for a
-    folded final norm, the readout of a zero stream)."""
-    norm = bridge.ln_final
-    if not hasattr(norm.original_component, "weight"):
-        return readout(bridge, torch.zeros_like(like))
-    head = bridge.unembed.original_component
-    bias = getattr(norm.original_component, "bias", None)
-    beta = bias if bias is not None and not norm.uses_rms_norm else torch.zeros_like(like)
-    return torch.nn.functional.linear(beta.expand_as(like), head.weight, head.bias)
+def effective_norm(norm: nn.Module, width: int) -> tuple[bool, float | None, torch.Tensor, torch.Tensor]:
+    """(centred, eps, weight, bias) of a final norm, read by probing it (Gemma's ``1 + w`` and a weightless norm
+    alike); eps None for a module that does not normalize (a folded norm's identity)."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    zeros = torch.zeros(width)
+    if eps is None:
+        return False, None, torch.ones(width), zeros
+    centred = isinstance(norm, nn.LayerNorm)
+    if centred:
+        weight = norm.weight if norm.weight is not None else torch.ones(width)
+        bias = norm.bias if norm.bias is not None else zeros
+        return True, eps, weight.detach().float(), bias.detach().float()
+    ones = torch.ones(1, width)
+    weight = norm(ones)[0].float() * (1 + eps) ** 0.5  # an RMS norm of ones divides by sqrt(1 + eps)
+    return False, eps, weight.detach(), zeros
 
 
 @torch.no_grad()
-def attribution(bridge: Any, ids: torch.Tensor, skip: int) -> dict[str, float]:
-    """Attribution and direct-effect errors over the positions after the first ``skip`` (a sink prefix)."""
-    logits, cache = bridge.run_with_cache(ids)
-    layers = bridge.cfg.n_layers
-    names, parts = components(cache, layers)
-    stream = cache["ln_final.hook_in"][0]
+def transformers_decomposition(model: nn.Module, ids: torch.Tensor, skip: int) -> Decomposition:
+    """The decomposition read with forward hooks; ``skip`` leading columns (a sink the model reads) dropped."""
+    layers = decoder_layers(model)
+    captured: dict[str, torch.Tensor] = {}
+
+    def keep(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            captured[name] = (output[0] if isinstance(output, tuple) else output)[0]
+
+        return hook
+
+    def keep_input(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+            captured[name] = (args[0] if args else kwargs["hidden_states"])[0]
+
+        return hook
+
+    norm = model.get_submodule(final_norm_path(model))
+    handles = [layers[0].register_forward_pre_hook(keep_input("embed"), with_kwargs=True)]
+    handles.append(norm.register_forward_pre_hook(keep_input("stream"), with_kwargs=True))
+    names = ["embed"]
+    for i, layer in enumerate(layers):
+        attention = getattr(layer, "self_attn", None) or layer.attn
+        handles += [attention.register_forward_hook(keep(f"attn{i}")), layer.mlp.register_forward_hook(keep(f"mlp{i}"))]
+        names += [f"attn{i}", f"mlp{i}"]
+    try:
+        logits = model(input_ids=ids).logits[0].float()
+    finally:
+        for handle in handles:
+            handle.remove()
+    parts = torch.stack([captured[name][skip:-1].float() for name in names])
+    stream = captured["stream"][skip:-1].float()
     targets = ids[0, skip + 1 :]
-    positions = torch.arange(skip, ids.shape[1] - 1)
-    logit = logits[0, positions, targets]
-    parts, stream = parts[:, positions], stream[positions]
-    scale = cache["ln_final.hook_scale"][0, positions]
-    pick = lambda values: values[torch.arange(len(targets)), targets]  # noqa: E731
-    baseline = pick(readout(bridge, stream))
-    constant = pick(readout_constant(bridge, stream))
-    attributions = torch.stack([pick(frozen_readout(bridge, part, scale)) for part in parts])
-    effects = torch.stack([baseline - pick(readout(bridge, stream - part)) for part in parts])
-    return {
-        "components": len(names),
-        "positions": len(targets),
-        "mean |logit|": logit.abs().mean().item(),
-        "readout vs forward (max abs)": (baseline - logit).abs().max().item(),
-        "constant term (mean abs)": constant.abs().mean().item(),
-        "attributions + constant vs logit (max abs)": (attributions.sum(0) + constant - logit).abs().max().item(),
-        "direct effects + constant vs logit (mean abs)": (effects.sum(0) + constant - logit).abs().mean().item(),
-        "direct effects + constant vs logit (max abs)": (effects.sum(0) + constant - logit).abs().max().item(),
-        "direct effect vs attribution (mean abs)": (effects - attributions).abs().mean().item(),
-        "direct effect vs attribution (max abs)": (effects - attributions).abs().max().item(),
-        "mean |attribution|": attributions.abs().mean().item(),
+    head = model.get_output_embeddings()
+    centred, eps, weight, bias = effective_norm(norm, stream.shape[-1])
+
+    def readout(x: torch.Tensor) -> torch.Tensor:
+        return head(norm(x.to(head.weight.dtype))).float()
+
+    if eps is None:  # a folded final norm: the readout is affine already
+        zero = readout(torch.zeros_like(stream))
+        frozen = lambda part: readout(part) - zero  # noqa: E731
+        constant = zero
+    else:
+        centre = (lambda x: x - x.mean(-1, keepdim=True)) if centred else (lambda x: x)
+        scale = (centre(stream).pow(2).mean(-1, keepdim=True) + eps).sqrt()
+        frozen = lambda part: nn.functional.linear(centre(part) / scale * weight, head.weight.float())  # noqa: E731
+        head_bias = head.bias.float() if head.bias is not None else 0.0
+        constant = nn.functional.linear(bias.expand_as(stream), head.weight.float()) + head_bias
+    positions = torch.arange(len(targets))
+    view = Decomposition(
+        names, parts, stream, targets, logits[skip:-1][positions, targets], readout, torch.empty(0), torch.empty(0)
+    )
+    view.attributions = torch.stack([view.pick(frozen(part)) for part in parts])
+    view.constant = view.pick(constant) if torch.is_tensor(constant) and constant.dim() else torch.zeros(len(targets))
+    return view
+
+
+# ----------------------------------------------------------------------------- TransformerLens
+
+
+@torch.no_grad()
+def lens_decomposition(bridge: Any, ids: torch.Tensor, skip: int) -> Decomposition:
+    """The decomposition read by TransformerLens's own DLA tool on a bridge in compatibility mode."""
+    analysis = require("transformer_lens.tools.analysis", "conversion_scripts/logit_attribution.py")
+    logits, cache = bridge.run_with_cache(ids)
+    answers = torch.cat([ids[:, 1:], ids[:, -1:]], 1)  # the next token at each position (the last one unused)
+    result = analysis.direct_logit_attribution(bridge, answer_tokens=answers, pos=None, cache=cache)
+    parts, names = cache.decompose_resid(layer=None, mode="all", return_labels=True)
+    parts = parts[:, 0, skip:-1].float()
+    stream = cache["ln_final.hook_in"][0, skip:-1].float()
+    targets = ids[0, skip + 1 :]
+
+    def readout(x: torch.Tensor) -> torch.Tensor:
+        return bridge.unembed(bridge.ln_final(x[None]))[0].float()
+
+    b_u = getattr(bridge.unembed, "b_U", None)
+    constant = b_u[targets].float() if torch.is_tensor(b_u) else torch.zeros(len(targets))
+    view = Decomposition(
+        list(names),
+        parts,
+        stream,
+        targets,
+        logits[0, skip:-1].float()[torch.arange(len(targets)), targets],
+        readout,
+        result.attribution[:, 0, skip:-1].float(),
+        constant,
+    )
+    return view
+
+
+# ----------------------------------------------------------------------------- the figures
+
+
+@torch.no_grad()
+def figures(view: Decomposition) -> dict[str, Any]:
+    """The attribution table, the largest components and the lens of one decomposition."""
+    whole = view.pick(view.readout(view.stream))
+    effects = torch.stack([whole - view.pick(view.readout(view.stream - part)) for part in view.parts])
+    summed = {
+        "components": len(view.names),
+        "positions": len(view.targets),
+        "mean |logit|": view.logit.abs().mean().item(),
+        "parts add up to the stream (max abs)": (view.parts.sum(0) - view.stream).abs().max().item(),
+        "readout vs forward (max abs)": (whole - view.logit).abs().max().item(),
+        "attributions + constant vs logit (max abs)": (view.attributions.sum(0) + view.constant - view.logit)
+        .abs()
+        .max()
+        .item(),
+        "direct effects + constant vs logit (mean abs)": (effects.sum(0) + view.constant - view.logit)
+        .abs()
+        .mean()
+        .item(),
+        "direct effects + constant vs logit (max abs)": (effects.sum(0) + view.constant - view.logit)
+        .abs()
+        .max()
+        .item(),
+        "direct effect vs attribution (mean abs)": (effects - view.attributions).abs().mean().item(),
+        "direct effect vs attribution (max abs)": (effects - view.attributions).abs().max().item(),
+        "mean |attribution|": view.attributions.abs().mean().item(),
     }
+    largest = view.attributions.abs().mean(1).argsort(descending=True)[:6]
+    components = {
+        view.names[i]: {
+            "attribution": view.attributions[i].mean().item(),
+            "direct effect": effects[i].mean().item(),
+            "|direct effect - attribution|": (effects[i] - view.attributions[i]).abs().mean().item(),
+        }
+        for i in largest.tolist()
+    }
+    final = view.readout(view.stream).argmax(-1)
+    lens = {}
+    # The embedding's parts come first (TransformerLens splits off GPT-2's positions), then attention and MLP.
+    embedding = next(i for i, name in enumerate(view.names) if "attn" in name or "mlp" in name)
+    layers = (len(view.names) - embedding) // 2
+    for layer in sorted({round(k * (layers - 1) / (LENS_ROWS - 1)) for k in range(LENS_ROWS)}):
+        upto = embedding + 2 * (layer + 1)  # the embedding and layers 0..layer
+        logits = view.readout(view.parts[:upto].sum(0))
+        cumulative = view.constant + view.attributions[:upto].sum(0)
+        lens[f"layer {layer}"] = {
+            "top-1 as the output's": (logits.argmax(-1) == final).float().mean().item(),
+            "lens vs constant + attributions so far (mean abs)": (view.pick(logits) - cumulative).abs().mean().item(),
+        }
+    return {"summed": summed, "components": components, "lens": lens}
+
+
+def print_table(title: str, columns: dict[str, dict[str, Any]]) -> None:
+    names = list(columns)
+    rows = list(next(iter(columns.values())))
+    width = max(len(str(row)) for row in rows)
+    print(f"\n{title}\n{'':<{width}}  " + "  ".join(f"{name:>24}" for name in names))
+    for row in rows:
+        cells = [columns[name].get(row) for name in names]
+        text = [f"{cell:>24.4g}" if isinstance(cell, (int, float)) else f"{'-':>24}" for cell in cells]
+        print(f"{row:<{width}}  " + "  ".join(text))
 
 
 def main() -> None:
@@ -110,38 +264,58 @@ def main() -> None:
     parser.add_argument("original", nargs="?", default=None, help="the normalized model (default: embedded)")
     parser.add_argument("--gguf_file", default=None, help="GGUF file name inside ORIGINAL")
     parser.add_argument("--tokens", type=int, default=128, help="text tokens (textwrap.py of the standard library)")
+    parser.add_argument("--backends", nargs="+", default=["transformers", "transformer_lens"])
+    parser.add_argument("--output_json", type=Path, default=None, help="also write every figure here")
     args = parser.parse_args()
-    model_bridge = require("transformer_lens.model_bridge", "conversion_scripts/logit_attribution.py")
     source = resolve_model(args.original, args.gguf_file)
     tokenizer = load_tokenizer(source)
     original = load_model(source, dtype="float32").eval()
-    export = transformer_bridge(Path(args.export_dir), tokenizer=tokenizer, device="cpu")
-    if export.cfg.n_layers != original.config.num_hidden_layers:
+    export = load_export(Path(args.export_dir), dtype=torch.float32).eval()
+    if export.config.num_hidden_layers != original.config.num_hidden_layers:
         raise SystemExit(
-            f"logit_attribution.py: the export has {export.cfg.n_layers} layers, the original "
+            f"logit_attribution.py: the export has {export.config.num_hidden_layers} layers, the original "
             f"{original.config.num_hidden_layers}: name the model the export was folded from"
         )
-    normalized = model_bridge.TransformerBridge.boot_transformers(
-        str(source.path), hf_model=original, tokenizer=tokenizer, device="cpu"
-    )
     text = (Path(os.__file__).parent / "textwrap.py").read_text()
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[:, : args.tokens]
-    sink = list(export.original_model.config.sink_token_ids or [])
+    sink = list(export.config.sink_token_ids or [])
     # The export holds its sink as a cache prefix and reads the text alone; the normalized model reads it first.
-    results = {
-        "folded export": attribution(export, ids, 0),
-        "normalized original": attribution(normalized, torch.cat([torch.tensor([sink]), ids], 1), len(sink)),
-    }
-    folded = export.original_model.config
+    with_sink = torch.cat([torch.tensor([sink], dtype=ids.dtype), ids], 1)
+    results: dict[str, dict[str, Any]] = {}
+    if "transformers" in args.backends:
+        results["transformers"] = {
+            "folded export": figures(transformers_decomposition(export, ids, 0)),
+            "normalized": figures(transformers_decomposition(original, with_sink, len(sink))),
+        }
+    if "transformer_lens" in args.backends:
+        model_bridge = require("transformer_lens.model_bridge", "conversion_scripts/logit_attribution.py")
+        bridges = {
+            "folded export": transformer_bridge(Path(args.export_dir), tokenizer=tokenizer, device="cpu"),
+            "normalized": model_bridge.TransformerBridge.boot_transformers(
+                str(source.path), hf_model=original, tokenizer=tokenizer, device="cpu"
+            ),
+        }
+        results["transformer_lens"] = {}
+        for name, bridge in bridges.items():
+            bridge.enable_compatibility_mode(disable_warnings=True)  # TransformerLens's DLA and lens need it
+            ids_in, skip = (ids, 0) if name == "folded export" else (with_sink, len(sink))
+            results["transformer_lens"][name] = figures(lens_decomposition(bridge, ids_in, skip))
+    folded = export.config
     print(
         f"export: {args.export_dir}; folded norms {len(folded.folded_norms)}, kept {len(folded.kept_norms)}, "
         f"final norm {'folded' if folded.final_norm in folded.folded_norms else 'kept'}; sink {sink}"
     )
-    width = max(len(key) for key in results["folded export"])
-    print(f"{'':<{width}}  {'folded export':>14}  {'normalized':>14}")
-    for key in results["folded export"]:
-        a, b = results["folded export"][key], results["normalized original"][key]
-        print(f"{key:<{width}}  {a:>14.6g}  {b:>14.6g}")
+    for backend, models in results.items():
+        print_table(f"[{backend}] over {args.tokens - 1} positions", {k: v["summed"] for k, v in models.items()})
+        for name, values in models.items():
+            print_table(f"[{backend}] {name}: the six largest components (means)", values["components"])
+        print_table(f"[{backend}] the logit lens", {k: flatten(v["lens"]) for k, v in models.items()})
+    if args.output_json:
+        args.output_json.write_text(json.dumps(results, indent=1))
+
+
+def flatten(lens: dict[str, dict[str, float]]) -> dict[str, float]:
+    return {f"{layer}: {key}": value for layer, row in lens.items() for key, value in row.items()}
 
 
 if __name__ == "__main__":

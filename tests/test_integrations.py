@@ -128,6 +128,45 @@ def test_transformer_bridge_gives_the_exports_logits_with_its_sink(exports, kind
     assert torch.equal(cache["blocks.1.ln1.hook_out"], cache["blocks.1.hook_resid_pre"])
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_transformer_lens_dla_and_logit_lens_run_on_the_export_in_compatibility_mode(exports, kind):
+    """TransformerLens's own tools need compatibility mode; its weight processing keeps the export's
+    log-probabilities and sink, the attributions add up to the logit, and where the final norm is folded
+    (gpt2-all) each component's attribution is its direct effect: the readout is affine."""
+    pytest.importorskip("transformer_lens")
+    from transformer_lens.tools.analysis import direct_logit_attribution
+    from transformer_lens.tools.analysis.logit_lens import logit_lens
+
+    from hf_tapernorm.integrations.tl_bridge import transformer_bridge
+
+    bridge = transformer_bridge(exports[kind], tokenizer=char_tokenizer())
+    bridge.enable_compatibility_mode(disable_warnings=True)
+    ids = IDS[:1]
+    expected = export_logits(exports[kind], ids).log_softmax(-1)
+    with torch.no_grad():
+        logits, cache = bridge.run_with_cache(ids)
+        assert (logits.log_softmax(-1) - expected).abs().max().item() <= 1e-5
+        answers = torch.cat([ids[:, 1:], ids[:, -1:]], 1)
+        attribution = direct_logit_attribution(bridge, answer_tokens=answers, pos=None, cache=cache).attribution
+        lens = logit_lens(bridge, ids, positions=None, return_type="logits")  # refuses a lens that misses the output
+        assert lens is not None
+        logit = logits[0].gather(-1, answers[0, :, None])[:, 0]
+        bias = bridge.unembed.b_U[answers[0]]  # the head's bias: no component's (TransformerLens's own note)
+        assert (attribution[:, 0].sum(0) + bias - logit).abs().max().item() <= 1e-4
+        parts = cache.decompose_resid(layer=None, mode="all")[:, 0]
+        stream = cache["ln_final.hook_in"][0]
+
+        def readout(x: torch.Tensor) -> torch.Tensor:
+            return bridge.unembed(bridge.ln_final(x[None]))[0].gather(-1, answers[0, :, None])[:, 0]
+
+        effects = torch.stack([readout(stream) - readout(stream - part) for part in parts])
+    gap = (effects - attribution[:, 0]).abs().max().item()
+    if kind == "gpt2-all":
+        assert gap <= 1e-4
+    else:  # the final norm kept: the frozen-scale attribution is not what removing a component does
+        assert gap > 1e-3
+
+
 # ----------------------------------------------------------------------------- nnsight
 @pytest.mark.parametrize("kind", KINDS)
 def test_nnsight_traces_and_intervenes_on_the_export(exports, kind):

@@ -32,6 +32,7 @@ model (``--steps`` and the model's flags override the preset's).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -57,6 +58,7 @@ class Arm:
     own_baseline: bool = False
     about: str = ""
     script: Optional[str] = None  # a module that takes the taper options, run instead of hf-tapernorm taper
+    baseline_of: str = "default"  # the arm whose baseline this one reads when it has none of its own
 
 
 #: The script of the arms that train on other lengths or positions (options the product does not offer).
@@ -138,8 +140,10 @@ ARMS: dict[str, Arm] = {
     ),
     "final_norm_fixed_anchor": Arm(
         ("--scope", "all", "--relative_scale_loss", "false"),
-        True,
-        "final_norm with the paper's fixed-target scale loss instead of the relative one",
+        False,
+        "final_norm with the paper's fixed-target scale loss instead of the relative one (the scale loss is no "
+        "part of a baseline, so it reads final_norm's)",
+        baseline_of="final_norm",
     ),
     "sink_attention": Arm(
         GATED_MLP_NORMS, False, "the default without the runaway layers' attention norms (the term at weight 1)"
@@ -253,7 +257,7 @@ def command_for(
     if arm.own_baseline:
         command.append("--baseline")
     else:
-        command += ["--baseline_from", str(run_folder(root, steps, "default", seed))]
+        command += ["--baseline_from", str(run_folder(root, steps, arm.baseline_of, seed))]
     return command
 
 
@@ -309,10 +313,11 @@ def run_matrix(
     todo = [(arm, seed) for arm in arms for seed in seeds if not is_finished(run_folder(root, steps, arm, seed))]
     first = [(arm, seed) for arm, seed in todo if ARMS[arm].own_baseline]
     later = [(arm, seed) for arm, seed in todo if not ARMS[arm].own_baseline]
-    if later and "default" not in arms:
-        missing = [s for s in seeds if not is_finished(run_folder(root, steps, "default", s))]
+    for source in sorted({ARMS[arm].baseline_of for arm, _ in later} - set(arms)):
+        missing = [s for s in seeds if not is_finished(run_folder(root, steps, source, s))]
         if missing:
-            raise SystemExit(f"the arms {sorted({a for a, _ in later})} read the default arm's baseline: run it first")
+            readers = sorted({a for a, _ in later if ARMS[a].baseline_of == source})
+            raise SystemExit(f"the arms {readers} read the {source} arm's baseline (seeds {missing}): run it first")
 
     def one(job):
         arm, seed = job
@@ -486,6 +491,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[42, 7])
     parser.add_argument("--arms", nargs="+", default=["default", "no_distill"], choices=sorted(ARMS))
     parser.add_argument("--jobs", type=int, default=2, help="Runs at a time.")
+    parser.add_argument(
+        "--baseline_of",
+        default=None,
+        choices=sorted(name for name, arm in ARMS.items() if arm.own_baseline),
+        help="The arm whose finished baselines the arms without their own read (default: each arm's choice, "
+        "mostly the default arm's). Any arm trained with the default's schedule will do: a baseline never tapers.",
+    )
     parser.add_argument("--table_only", action="store_true", help="Only write the table of the finished runs.")
     parser.add_argument(
         "--keep_checkpoints",
@@ -499,6 +511,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="Shorten every run so the whole matrix fits this many seconds (measured on a first short run).",
     )
     args, extra = parser.parse_known_args(argv)
+    if args.baseline_of:
+        for name in args.arms:
+            if not ARMS[name].own_baseline:
+                ARMS[name] = dataclasses.replace(ARMS[name], baseline_of=args.baseline_of)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     preset = PRESETS[args.preset]
     steps = args.steps or preset.steps

@@ -10,6 +10,7 @@ The public names beyond ``fold_model``/``export_folded`` (which the top level ex
 - :func:`render_model_card`, :func:`attach_model_card` (model_card.py): the model card of an export;
 - :func:`readout_summary`, :func:`readout_additivity_error` (readout.py): whether a model's logits are an affine
   readout of its residual stream (the final norm folded), from an export's config and measured;
+  :func:`final_norm_path` the module an analysis reads the readout through (folded, kept or original);
 - :func:`register_folded_classes` (registration.py): register the folded classes with the Auto classes
   by hand (``import hf_tapernorm`` already does it lazily).
 
@@ -32,6 +33,7 @@ _EXPORTS = {
     "render_model_card": "model_card",
     "attach_model_card": "model_card",
     "register_folded_classes": "registration",
+    "final_norm_path": "readout",
     "readout_additivity_error": "readout",
     "readout_summary": "readout",
 }
@@ -45,5 +47,5 @@ if TYPE_CHECKING:
     from .folding import flashnorm_model, fold_model
     from .hub import export_folded, push_export
     from .model_card import attach_model_card, render_model_card
-    from .readout import readout_additivity_error, readout_summary
+    from .readout import final_norm_path, readout_additivity_error, readout_summary
     from .registration import register_folded_classes

@@ -13,7 +13,9 @@ The bridge wraps the export's own module, so its forward is the export's, hooks 
   column per sink position before the text's.
 
 The bridge runs eager attention (for its pattern hooks); an export compared with it should too.
-Do not call ``enable_compatibility_mode()`` on it: that folds the (absent) norms into the weights again.
+TransformerLens's analysis tools (``direct_logit_attribution``, ``logit_lens``) ask for
+``enable_compatibility_mode()``; its weight processing keeps the export's log-probabilities and sink
+(tests/test_integrations.py), shifting each position's logits by one constant (the centred unembedding).
 """
 
 from __future__ import annotations

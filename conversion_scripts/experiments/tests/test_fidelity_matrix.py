@@ -181,3 +181,17 @@ def test_an_arm_that_overrides_one_option_keeps_the_preset_s_value_less_flags():
     preset = fidelity_matrix.PRESETS["gpu"].flags  # "--bf16" takes no value
     kept = fidelity_matrix.without_options(preset, ("--block_size", "256"))
     assert kept == ["--per_device_train_batch_size", "64", "--bf16", "--eval_batch_size", "32"]
+
+
+def test_an_arm_reads_the_baseline_of_the_arm_it_names_and_the_matrix_refuses_a_missing_one(tmp_path, monkeypatch):
+    command = fidelity_matrix.command_for(tmp_path, 600, "final_norm_fixed_anchor", 7, (), [])
+    assert command[command.index("--baseline_from") + 1] == str(tmp_path / "steps600" / "final_norm" / "seed7")
+    monkeypatch.setitem(fidelity_matrix.ARMS, "sink_attention", fidelity_matrix.ARMS["sink_attention"])
+    launched = []
+    monkeypatch.setattr(fidelity_matrix, "launch", lambda *a, **k: launched.append(a) or 0)
+    with pytest.raises(SystemExit, match=r"\['sink_attention'\] read the final_norm arm's baseline \(seeds \[42\]\)"):
+        fidelity_matrix.main(
+            ["--root", str(tmp_path), "--steps", "600", "--seeds", "42", "--arms", "sink_attention"]
+            + ["--baseline_of", "final_norm"]
+        )
+    assert launched == []

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import runpy
+import socket
 import sys
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from torch import nn
 
 from hf_tapernorm import TaperNormConfig
 from hf_tapernorm._parsing import UsageError
+from hf_tapernorm.app.run_lock import LOCK_NAME
 from hf_tapernorm.architectures.sites import norm_sites
 from hf_tapernorm.bench import measure, runner, workloads
 from hf_tapernorm.bench import train_workloads as train
@@ -539,3 +542,51 @@ def test_bench_never_writes_over_result_files_it_did_not_write(tmp_path):
     (tmp_path / "bench.json").write_text(json.dumps(earlier))  # an earlier benchmark's pair is replaced
     assert parse_arguments(["--output_dir", str(tmp_path)]).output_dir == str(tmp_path)
     assert (tmp_path / "bench.png").read_text() == "my picture" and json.loads((tmp_path / "bench.json").read_text())
+
+
+# ----------------------------------------------------------------------------- where the results go
+def _live_lock(folder: Path) -> None:
+    """A lock of a live command (this test's parent process) in ``folder``: a taper run or a fold at work."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / LOCK_NAME).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))
+
+
+def test_results_are_never_written_into_a_folder_a_running_command_holds(tmp_path, monkeypatch):
+    """bench.json and bench.png were written into a running run's folder (directly, or through a link into it);
+    that run's next --overwrite or --resume then refused on them."""
+    model = str(save_tiny_model(tmp_path / "tiny"))
+    live = tmp_path / "live"
+    _live_lock(live)
+    (tmp_path / "lnk").symlink_to(live / "folded", target_is_directory=True)
+    (live / "folded").mkdir()
+    monkeypatch.setattr(runner, "resolve_model", lambda *a, **k: pytest.fail("the model was looked up"))
+    for output, where in (
+        (live, "is in use: a running hf-tapernorm command owns it"),
+        (live / "folded", f"lies in '{live}', which a running hf-tapernorm command owns"),
+        (tmp_path / "lnk" / "sub", f"lies in '{live}', which a running hf-tapernorm command owns"),
+    ):
+        with pytest.raises(ConfigurationError, match=f"--output_dir '{output}' {where}") as refusal:
+            runner.main(["--model_name_or_path", model, "--output_dir", str(output)])
+        assert str(refusal.value).endswith("wait for it to finish, or choose another --output_dir")
+    assert sorted(p.relative_to(live).as_posix() for p in live.rglob("*")) == [LOCK_NAME, "folded"]
+    assert cli_main(["bench", "--model_name_or_path", model, "--output_dir", str(live)]) == 2
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused_before_loading(tmp_path, monkeypatch, capsys):
+    """A file on the way to --output_dir, or a folder that cannot be created there: a traceback after every case
+    had been timed."""
+    model = str(save_tiny_model(tmp_path / "tiny"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("text\n")
+    monkeypatch.setattr(runner, "resolve_model", lambda *a, **k: pytest.fail("the model was looked up"))
+    capsys.readouterr()
+    assert cli_main(["bench", "--model_name_or_path", model, "--output_dir", str(corpus / "sub")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"hf-tapernorm bench: error: --output_dir '{corpus / 'sub'}': '{corpus}' is a file"
+    )
+    if not Path("/sys/kernel").is_dir():
+        pytest.skip("no sysfs here: no folder that even root cannot create a folder in")
+    assert cli_main(["bench", "--model_name_or_path", model, "--output_dir", "/sys/benchx"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("hf-tapernorm bench: error: cannot write into output folder '/sys/benchx': "), line
+    assert line.endswith("; choose a writable --output_dir") and "\n" not in line

@@ -311,9 +311,9 @@ def test_clear_errors(workspace, tmp_path):
     )
     out.mkdir(exist_ok=True)
     (out / "keep.txt").write_text("user data")
-    assert error_of(taper_argv(workspace, out)) == (
-        f"hf-tapernorm taper: error: output folder '{out}' is not empty; pass --overwrite to replace it, "
-        "or --resume to continue the run in it"
+    assert error_of(taper_argv(workspace, out)) == (  # not "pass --overwrite": that would refuse keep.txt too
+        f"hf-tapernorm taper: error: output folder '{out}' holds files hf-tapernorm did not write (keep.txt), which "
+        "neither --overwrite nor --resume replaces: move them away, or choose another --output_dir"
     )
     assert error_of([*taper_argv(workspace, out), "--overwrite"]) == (
         f"hf-tapernorm taper: error: refusing to --overwrite '{out}': it was not written by hf-tapernorm (keep.txt); "

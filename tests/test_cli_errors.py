@@ -223,13 +223,13 @@ CASES = {
     "taper: --learning_rate nan": (
         _trainer(["--learning_rate", "nan"]),
         2,
-        "--learning_rate must be a finite number, got nan",
+        "argument --learning_rate/--learning-rate: must be a finite number, got nan",
     ),
     "taper: --learning_rate -1": (_trainer(["--learning_rate", "-1"]), 2, "ValueError: Invalid learning rate: -1.0"),
     "taper: --max_grad_norm inf": (
         _trainer(["--max_grad_norm", "inf"]),
         2,
-        "--max_grad_norm must be a finite number, got inf (0 turns clipping off)",
+        "argument --max_grad_norm/--max-grad-norm: must be a finite number, got inf",
     ),
     # a reporter whose package is absent (wandb comes with the interpretability extra's TransformerLens)
     "taper: --report_to clearml": (
@@ -265,7 +265,7 @@ CASES = {
     "taper: --sink_attention_weight inf": (
         _trainer(["--sink_attention_weight", "inf"]),
         2,
-        "--sink_attention_weight must be a finite number, got inf",
+        "argument --sink_attention_weight/--sink-attention-weight: must be a finite number, got inf",
     ),
     "taper: --scale_loss_weight inf": (_trainer(["--scale_loss_weight", "inf"]), 2, ["scale_loss_weight", "inf"]),
     "taper: --distill_weight inf": (_trainer(["--distill_weight", "inf"]), 2, ["distill_weight", "inf"]),
@@ -404,7 +404,11 @@ CASES = {
         ["fewer than one batch"],
     ),
     "negative learning rate": (lambda ws: _taper(ws, "--learning_rate", "-1"), 2, ["learning rate"]),
-    "NaN learning rate": (lambda ws: _taper(ws, "--learning_rate", "nan"), 2, ["--learning_rate must be a finite"]),
+    "NaN learning rate": (
+        lambda ws: _taper(ws, "--learning_rate", "nan"),
+        2,
+        ["--learning-rate: must be a finite number, got nan"],
+    ),
     "explicit warmup past the taper start": (lambda ws: _taper(ws, "--warmup_steps", "2.5"), 2, ["--warmup_steps 2.5"]),
     "logging_steps 0": (lambda ws: _taper(ws, "--logging_steps", "0"), 2, ["--logging_steps"]),
     "negative distillation weight": (lambda ws: _taper(ws, "--distill_weight", "-1"), 2, ["--distill_weight"]),
@@ -430,6 +434,22 @@ CASES = {
         lambda ws: ["fold", "--checkpoint", str(ws / "llama"), "--output_dir", str(ws / "x")],
         2,
         ["not a tapered checkpoint"],
+    ),
+    # the hostile probe, round 4: a number that is no number (inf, nan) is refused by the parse, for every command
+    "fold tolerance inf": (
+        lambda ws: ["fold", "--checkpoint", str(ws / "llama"), "--output_dir", str(ws / "x"), "--tolerance", "inf"],
+        2,
+        ["argument --tolerance: must be a finite number, got inf"],
+    ),  # was refused by fold_model, once the checkpoint had loaded
+    "bench: --learning_rate inf": (
+        lambda ws: _bench(ws, "--learning_rate", "inf"),
+        2,
+        "argument --learning_rate/--learning-rate: must be a finite number, got inf",
+    ),  # was accepted, then trained on nonsense
+    "eval: --heldout_percentage nan": (
+        lambda ws: _eval(ws, "--heldout_percentage", "nan"),
+        2,
+        "argument --heldout_percentage/--heldout-percentage: must be a finite number, got nan",
     ),
     "fold tolerance 0": (
         lambda ws: ["fold", "--checkpoint", str(ws / "llama"), "--output_dir", str(ws / "x"), "--tolerance", "0"],

@@ -303,7 +303,10 @@ def test_cli_values_are_checked_by_the_config_and_named_by_their_flag():
     for argv, message in (
         (["--ema_rate", "2"], "--ema_rate must be in (0, 1], got 2.0"),
         (["--distill_weight", "-1"], "--distill_weight must be >= 0, got -1.0"),
-        (["--sink_attention_weight", "nan"], "--sink_attention_weight must be >= 0, got nan"),
+        (
+            ["--sink_attention_weight", "nan"],
+            "argument --sink_attention_weight/--sink-attention-weight: must be a finite",
+        ),
         (["--taper_end", "1.5"], "--taper_end=1.5: a float is a fraction of the run and must be in (0, 1]"),
         (["--taper_start", "x"], "--taper_start must be an optimizer step (int) or a fraction of the run (float)"),
         (["--keep_norms", ","], "--keep_norms must be auto, none or a comma-separated list"),

@@ -246,3 +246,18 @@ def test_an_input_of_the_sink_alone_is_refused_in_one_line(kind):
     _, folded = tapered_and_folded(kind)
     with pytest.raises(ValueError, match=r"the input is only the stored sink \[127\]: its logits are stored"):
         folded(input_ids=torch.tensor([[EOS]]))
+
+
+# ----------------------------------------------------------------------------- other per-token inputs
+def test_token_type_ids_on_a_gpt2_sink_export_are_refused_in_one_line():
+    """GPT-2 adds its token types through the token embedding, the sink's too: the tapered model's sink changes with
+    them, the export's stored sink cannot, so a call with them is refused (it was a reshape error with the sink in
+    the ids, and a silently different sink without)."""
+    _, folded = tapered_and_folded("gpt2")
+    text = random_batches(vocab=120, n=1, batch=2, length=10, seed=4)[0] + 3  # never the sink
+    ids = torch.cat([torch.full((2, 1), EOS), text], dim=1)
+    for call in (ids, text):
+        with pytest.raises(ValueError, match=r"token_type_ids would change the embedding of the sink \[127\]"):
+            folded(input_ids=call, token_type_ids=torch.zeros_like(call))
+    with torch.no_grad():
+        assert folded(input_ids=ids, token_type_ids=None).logits.shape == (2, 11, folded.config.vocab_size)

@@ -499,3 +499,68 @@ def test_onnx_runtime_refuses_what_its_graph_cannot_take_in_one_line(onnx_graphs
     with pytest.raises(TaperNormError, match=said) as error:
         call(runtime)
     assert "\n" not in str(error.value) and str(error.value).startswith("OnnxCausalLM(")
+
+
+# ----------------------------------------------------------------------------- paths and dtypes
+def test_every_integration_reads_and_writes_a_home_relative_path(exports, tmp_path, monkeypatch):
+    """ "~/exp" is the home folder's, as the CLI and export_folded read it: never refused, never a folder named "~"."""
+    import shutil
+
+    from hf_tapernorm.integrations.exports import load_export
+
+    home, work = tmp_path / "home", tmp_path / "work"
+    work.mkdir()
+    shutil.copytree(exports["llama-sink"], home / "exp")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    expected = export_logits(exports["llama-sink"])
+    with torch.no_grad():
+        assert (load_export("~/exp")(IDS).logits - expected).abs().max().item() <= 1e-5
+    if importlib.util.find_spec("nnsight") is not None:
+        from hf_tapernorm.integrations.nnsight_tracing import nnsight_model
+
+        assert nnsight_model("~/exp").config.name_or_path == str(home / "exp")
+    if importlib.util.find_spec("transformer_lens") is not None:
+        from hf_tapernorm.integrations.tl_bridge import transformer_bridge
+
+        with torch.no_grad():  # the tokenizer saved in the export, found through the expanded path
+            assert (transformer_bridge("~/exp")(IDS) - expected).abs().max().item() <= 1e-4
+    if importlib.util.find_spec("onnxruntime") is not None and importlib.util.find_spec("onnxscript") is not None:
+        from hf_tapernorm.integrations.onnx_runtime import OnnxCausalLM, export_onnx
+
+        assert export_onnx("~/exp", "~/onnx") == home / "onnx"
+        assert abs(OnnxCausalLM("~/onnx").forward(IDS.numpy())[0] - expected.numpy()).max() <= 1e-4
+    assert list(work.iterdir()) == []  # nothing named "~" in the working folder
+
+
+def test_an_in_memory_model_keeps_its_dtype_and_another_dtype_is_refused(exports):
+    """dtype= loads a folder in it (float32 by default); a model in memory keeps its own dtype, and another one is
+    refused naming the conversion, the caller's model left as it was."""
+    from hf_tapernorm.integrations.exports import load_export
+
+    folder = exports["llama-sink"]
+    assert load_export(folder).dtype == torch.float32
+    assert load_export(folder, dtype=torch.bfloat16).dtype == torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert load_export(model, dtype=torch.float32) is model
+    with pytest.raises(
+        ConfigurationError, match=r"given is torch.float32: convert it first \(model.to\(torch.bfloat16\)"
+    ):
+        load_export(model, dtype=torch.bfloat16)
+    assert model.dtype == torch.float32
+    half = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    assert load_export(half).dtype == torch.bfloat16
+    if importlib.util.find_spec("nnsight") is not None:
+        from hf_tapernorm.integrations.nnsight_tracing import nnsight_model
+
+        with pytest.raises(ConfigurationError, match="convert it first"):
+            nnsight_model(model, dtype=torch.bfloat16)
+    if importlib.util.find_spec("transformer_lens") is not None:
+        from hf_tapernorm.integrations.tl_bridge import transformer_bridge
+
+        with pytest.raises(ConfigurationError, match="convert it first"):
+            transformer_bridge(model, dtype=torch.bfloat16, tokenizer=char_tokenizer())
+        bridge = transformer_bridge(half, tokenizer=char_tokenizer())  # the model's own dtype, not float32
+        with torch.no_grad():
+            logits = bridge(IDS)
+        assert next(bridge.parameters()).dtype == torch.bfloat16 and logits.dtype == torch.bfloat16

@@ -310,3 +310,133 @@ def test_an_option_name_that_is_not_text_is_one_line(tmp_path, text):
     (tmp_path / "run.yaml").write_text(text)
     with pytest.raises(UsageError, match=r"run.yaml: option names are text, got (1|None)"):
         parsed("eval", [str(tmp_path / "run.yaml")])
+
+
+# ============================================================================= text as written, empty lists, flags
+#: name -> (command, a YAML options file, {option: its value once parsed}): YAML 1.1 reads `010` as 8, `12:30` as 750,
+#: `0x1F` as 31; a text option keeps the text the file holds, a number option reads them as YAML does
+YAML_AS_WRITTEN = {
+    "taper output_dir 010": ("taper", "output_dir: 010\nmax_steps: 0x20\n", {"output_dir": "010", "max_steps": 32}),
+    "taper output_dir 12:30": ("taper", "output_dir: 12:30\nlearning_rate: 1e-3\n", {"output_dir": "12:30"}),
+    "taper dataset_name 0x1F": ("taper", "dataset_name: 0x1F\ntaper_end: 010\n", {"dataset_name": "0x1F"}),
+    "taper text_column a time": (
+        "taper", "text_column: 2001-12-14t21:59:43.10-05:00\n", {"text_column": "2001-12-14t21:59:43.10-05:00"},
+    ),
+    "push include [010, 1.50]": (
+        "push", "export_dir: e\nrepo_id: me/x\ninclude: [010, 1.50]\n", {"include": ["010", "1.50"]},
+    ),
+    "bench output_dir 010": ("bench", "output_dir: 010\nseq_lens: [0x10]\n", {"output_dir": "010", "seq_lens": [16]}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(YAML_AS_WRITTEN))
+def test_a_text_option_keeps_the_yaml_text_as_written(name, tmp_path, monkeypatch):
+    """They were YAML 1.1's numbers: `output_dir: 010` trained into the folder 8, `12:30` into 750."""
+    monkeypatch.chdir(tmp_path)  # bench checks its output folder
+    command, text, expected = YAML_AS_WRITTEN[name]
+    (tmp_path / "run.yaml").write_text(text)
+    values = {k: v for options in parsed(command, [str(tmp_path / "run.yaml")]) for k, v in vars(options).items()}
+    assert {k: values[k] for k in expected} == expected
+    if "taper_end" in text:  # a step is text on the command line too: 010 is step 10, not octal 8
+        assert values["taper_end"] == 10
+    if "learning_rate" in text:
+        assert values["learning_rate"] == 1e-3
+
+
+#: name -> (command, an options file's object holding an empty list, the command line it stands for)
+EMPTY_LISTS = {
+    "keep_norms: [] keeps no norm": ("taper", {"keep_norms": []}, ["--keep_norms", "none"]),
+    "report_to: [] reports nowhere": ("taper", {"report_to": []}, ["--report_to", "none"]),
+    "allow_changes: [] allows none": ("taper", {"resume": True, "allow_changes": []}, ["--resume"]),
+    "a one-value option: its default": ("taper", {"sink": [], "output_dir": []}, []),
+}
+
+
+@pytest.mark.parametrize("name", list(EMPTY_LISTS))
+def test_an_empty_list_is_the_option_s_empty_value(name, tmp_path):
+    """They were refused: "keep_norms takes one value, got the list []"."""
+    command, values, argv = EMPTY_LISTS[name]
+    assert parsed(command, [str(write_options(tmp_path, "run.json", values))]) == parsed(command, argv)
+    if name.startswith("keep_norms"):
+        assert parsed(command, argv)[2].keep_norms == []  # no norm kept, not the recipe's choice
+
+
+PUSH = {"export_dir": "e", "repo_id": "me/x"}
+
+
+@pytest.mark.parametrize(
+    ("command", "values", "argv"),
+    [
+        ("push", {**PUSH, "no_private": True}, ["--export_dir", "e", "--repo_id", "me/x", "--no_private"]),
+        ("push", {**PUSH, "no-private": "yes"}, ["--export_dir", "e", "--repo_id", "me/x", "--no_private"]),
+        ("push", {**PUSH, "no_private": False}, ["--export_dir", "e", "--repo_id", "me/x", "--private", "true"]),
+        ("bench", {"no_op_counts": True}, ["--no_op_counts"]),
+    ],
+)
+def test_a_key_spelled_like_a_negative_flag_is_that_flag(command, values, argv, tmp_path, monkeypatch):
+    """push's documented --no_private was "unknown options ['no_private']" in a file."""
+    monkeypatch.chdir(tmp_path)
+    assert parsed(command, [str(write_options(tmp_path, "run.yaml", values))]) == parsed(command, argv)
+    write_options(tmp_path, "bad.yaml", {**PUSH, "no_private": "maybe"})
+    with pytest.raises(UsageError, match=r"bad.yaml: no_private takes true or false, got 'maybe'"):
+        parsed("push", [str(tmp_path / "bad.yaml")])
+
+
+#: name -> (command, an options file's text, the start of its one-line error after "hf-tapernorm CMD: error: FILE: ")
+UNREADABLE = {
+    "JSON nested 100000 deep": (
+        "taper", '{"max_steps": 6, "x": ' + "[" * 100000 + "]" * 100000 + "}",
+        "cannot read it (maximum recursion depth exceeded",
+    ),
+    "YAML nested 20000 deep": (
+        "eval", "x: " + "[" * 20000 + "]" * 20000 + "\n", "cannot read it (maximum recursion depth exceeded",
+    ),
+    "fold output_dir with a NUL": (
+        "fold", '{"checkpoint": "c", "output_dir": "runs/nul\\u0000x"}',
+        "output_dir holds a NUL byte (\\u0000), which no path or option value can hold",
+    ),
+    "fold output_dir with a lone surrogate": (
+        "fold", '{"checkpoint": "c", "output_dir": "runs/sur\\ud800x"}',
+        "output_dir holds '\\ud800', half of a UTF-16 surrogate pair, which is no character: write the character "
+        "itself",
+    ),
+    "eval output_json with a NUL": (
+        "eval", '{"model_name_or_path": "m", "output_json": "res\\u0000.json"}',
+        "output_json holds a NUL byte (\\u0000), which no path or option value can hold",
+    ),
+    "taper output_dir with a NUL": (
+        "taper", '{"output_dir": "runs/t\\u0000x"}',
+        "output_dir holds a NUL byte (\\u0000), which no path or option value can hold",
+    ),
+    "push include with a NUL": (
+        "push", '{"export_dir": "e", "repo_id": "me/x", "include": ["a\\u0000"]}',
+        "include holds a NUL byte (\\u0000), which no path or option value can hold",
+    ),
+    "fold tolerance .inf": (
+        "fold", "checkpoint: c\noutput_dir: o\ntolerance: .inf\n",
+        "argument --tolerance: must be a finite number, got inf (see hf-tapernorm fold --help)",
+    ),
+    "fold tolerance .nan": (
+        "fold", "checkpoint: c\noutput_dir: o\ntolerance: .nan\n",
+        "argument --tolerance: must be a finite number, got nan (see hf-tapernorm fold --help)",
+    ),
+    "bench learning_rate .inf": (
+        "bench", "learning_rate: .inf\n",
+        "argument --learning_rate/--learning-rate: must be a finite number, got inf (see hf-tapernorm bench --help)",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(UNREADABLE))
+def test_an_options_file_the_parse_cannot_take_is_one_line(name, tmp_path, monkeypatch):
+    """Each was a traceback (RecursionError; ValueError: embedded null byte; UnicodeEncodeError: surrogates not
+    allowed) or, for a non-finite number, an error only once the model had loaded."""
+    monkeypatch.chdir(tmp_path)
+    command, text, expected = UNREADABLE[name]
+    path = tmp_path / ("run.json" if text.startswith("{") else "run.yaml")
+    path.write_text(text)
+    status, _, stderr = run_main([command, str(path)])
+    lines = stderr.strip().splitlines()
+    assert status == 2 and len(lines) == 1, stderr[-2000:]
+    assert lines[0].startswith(f"hf-tapernorm {command}: error: {path}: {expected}"), lines[0]
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # nothing written

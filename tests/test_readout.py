@@ -6,12 +6,13 @@ import json
 import pytest
 import torch
 
-from hf_tapernorm import TaperNormConfig, export_folded, fold_model, patch_model
+from hf_tapernorm import TaperNormConfig, export_folded, fold_model, patch_model, save_tapered
 from hf_tapernorm.cli.main import main
 from hf_tapernorm.export import readout_additivity_error, readout_summary
 from hf_tapernorm.layers import set_gate
 from hf_tapernorm.training import calibrate
 from tests.conftest import build, char_tokenizer, corpus_documents, random_batches, tiny_llama_config
+from tests.helpers import tapered
 
 
 def _folded(scope: str):
@@ -78,3 +79,46 @@ def test_eval_and_the_model_card_say_whether_the_readout_is_affine(tmp_path, cap
     assert result["readout"]["affine"] is affine
     assert (result["readout"]["additivity_error"] < 1e-3) is affine
     assert result["readout"]["folded_norms"] == len(folded.config.folded_norms)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_readout_of_a_folded_final_norm_is_affine_in_every_dtype(dtype):
+    """bf16/fp16 weights: the readout is measured in float32, so its rounding is not taken for a real norm."""
+    _, with_final = _folded("all")
+    _, internal = _folded("internal")
+    ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(1))
+    assert readout_additivity_error(with_final.to(dtype), ids) < 1e-5
+    assert readout_additivity_error(internal.to(dtype), ids) > 1e-2
+    assert next(with_final.parameters()).dtype == dtype  # the model is left in its dtype
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_tapered_model_with_a_sink_and_its_fold_agree_that_the_readout_is_affine(kind):
+    """A sink-first input: the tapered model keeps the sink normalized (the export stores its logits), so the readout
+    is measured over the text positions, where both are affine; with the final norm kept, neither is."""
+    ids = torch.cat(
+        [torch.full((1, 1), 1), torch.randint(3, 120, (1, 24), generator=torch.Generator().manual_seed(2))], 1
+    )
+    for scope, affine in (("all", True), ("internal", False)):
+        model = tapered(kind, scope=scope, sink_token_ids=[1]).eval()
+        folded = fold_model(model)
+        errors = [readout_additivity_error(m, ids) for m in (model, folded)]
+        assert all((error < 1e-5) is affine and (error > 1e-2) is not affine for error in errors), errors
+
+
+def test_eval_of_a_tapered_sink_checkpoint_in_bf16_says_its_readout_is_affine(tmp_path, capsys):
+    """The end to end case: eval --dtype bfloat16 of a --scope all tapered checkpoint with a sink."""
+    model = tapered("llama", scope="all", sink_token_ids=[1])
+    save_tapered(model, tmp_path / "tapered", char_tokenizer())
+    text_file = tmp_path / "corpus.txt"
+    text_file.write_text("\n\n".join(corpus_documents()))
+    code = main(
+        ["eval", "--model_name_or_path", str(tmp_path / "tapered"), "--dataset_name", str(text_file),
+         "--block_size", "16", "--heldout_blocks", "2", "--heldout_percentage", "20", "--scan_windows", "0",
+         "--out_of_corpus_blocks", "0", "--data_cache_dir", str(tmp_path / "cache"), "--dtype", "bfloat16"]
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert result["sink_token_ids"] == [1]
+    assert result["readout"]["affine"] is True
+    assert result["readout"]["additivity_error"] < 1e-5

@@ -7,6 +7,7 @@ Each case checks the exit code, the first line of the error, and the files on di
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -86,9 +87,20 @@ def test_overwrite_refuses_a_model_or_baseline_inside_the_folder_it_deletes(ws, 
 def test_baseline_from_a_run_with_other_options_is_refused_with_what_differs(ws, baseline_run, tmp_path):
     line = refused(taper(ws, tmp_path / "a", "--baseline_from", str(baseline_run), "--seed", "7"), "--baseline_from")
     assert "training.seed: 42 there, 7 now" in line
+    # The default schedule decays from the taper's end: the user's --taper_end is named, not the value derived from it
+    line = refused(
+        taper(ws, tmp_path / "t", "--baseline_from", str(baseline_run), "--taper_end", "3"), "--baseline_from"
+    )
+    assert (
+        "(--taper_end: 4 there, 3 now, and the learning rate decays from the taper's end (num_decay_steps: 2 there, "
+        "3 now)): the gap would measure those" in line
+    ), line
+    assert not (tmp_path / "t").exists()
     refused(taper(ws, tmp_path / "b", "--baseline_from", str(baseline_run), steps=8), "training.max_steps: 6 there")
     # The recipe is not part of a baseline's identity (it never tapered); the same data and training options are.
-    code, _, stderr = run_main(taper(ws, tmp_path / "c", "--baseline_from", str(baseline_run), "--distill_weight", "0"))
+    code, _, stderr = run_main(
+        taper(ws, tmp_path / "c", "--baseline_from", str(baseline_run), "--distill_weight", "0", "--dtype", "float32")
+    )  # --dtype float32: what the baseline run's unset --dtype loaded the float32 model in
     assert code == 0, stderr
     report = json.loads((tmp_path / "c" / "report.json").read_text())
     assert report["export"]["baseline_model"] == str(baseline_run / "baseline" / "model")
@@ -108,7 +120,39 @@ def test_a_run_killed_during_its_export_can_be_overwritten(workspace, reference,
 
 # ============================================================================= --resume: the same run, or refused
 def test_resume_with_another_dtype_is_refused(ws, baseline_run):
-    refused(taper(ws, baseline_run, "--resume", "--baseline", "--dtype", "bfloat16"), "dtype", "None in the run")
+    line = refused(taper(ws, baseline_run, "--resume", "--baseline", "--dtype", "bfloat16"), "--resume")
+    assert "dtype: 'float32' in the run, 'bfloat16' now" in line  # the run's: unset, the model's own float32
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_resume_with_the_dtype_the_run_resolved_is_the_same_run(ws, run, tmp_path, dtype):
+    """The run started without --dtype on a float32 model: "dtype: None in the run, 'float32' now" refused it."""
+    folder = copy_of(run, tmp_path)
+    shutil.rmtree(folder / "folded")
+    code, _, stderr = run_main(taper(ws, folder, "--resume", "--dtype", dtype))
+    assert code == 0, stderr[-2000:]
+    assert (folder / "folded" / "model.safetensors").read_bytes() == (run / "folded" / "model.safetensors").read_bytes()
+
+
+def test_allow_changes_names_an_option_it_can_allow(ws, run, tmp_path):
+    """--help's example was 'learning_rate', which a resume can never change."""
+    from hf_tapernorm.cli.arguments import RunArguments
+
+    text = next(f for f in dataclasses.fields(RunArguments) if f.name == "allow_changes").metadata["help"]
+    assert "e.g. 'max_grad_norm'" in text and "learning_rate" in text.split("cannot change")[1]
+    folder = copy_of(run, tmp_path)
+    line = refused(
+        taper(ws, folder, "--resume", "--learning_rate", "2e-4", "--allow_changes", "learning_rate"),
+        "--allow_changes cannot allow learning_rate: a resumed Trainer restores training.learning_rate",
+    )
+    assert "start over with --overwrite" in line
+    shutil.rmtree(folder / "folded")
+    code, _, stderr = run_main(
+        taper(ws, folder, "--resume", "--max_grad_norm", "0.5", "--allow_changes", "max_grad_norm")
+    )
+    assert code == 0, stderr[-2000:]
+    report = json.loads((folder / "report.json").read_text())
+    assert report["allowed_changes"] == {"training.max_grad_norm": {"run": 1.0, "now": 0.5}}
 
 
 def test_resume_names_the_same_model_and_data_by_another_path(ws, baseline_run, tmp_path, monkeypatch):

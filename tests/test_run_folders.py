@@ -569,3 +569,168 @@ def test_an_absurd_max_steps_is_checked_at_once(workspace, tmp_path, monkeypatch
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+# ============================================================================= only the run's files, in every folder
+def test_overwrite_names_user_folders_that_only_look_like_checkpoints(workspace, run, tmp_path, monkeypatch):
+    """Every file under a folder named ``checkpoint-*`` counted as the run's: --overwrite deleted a user's
+    ``checkpoint-10-keep`` copy and ``checkpoint-notes/notes.txt`` without naming them."""
+    out = copy_of(run, tmp_path)
+    shutil.copytree(out / "checkpoint-10", out / "checkpoint-10-keep")
+    (out / "checkpoint-notes").mkdir()
+    (out / "checkpoint-notes" / "notes.txt").write_text("my notes")
+    (out / "checkpoint-10" / "notes.txt").write_text("a note in a checkpoint the run recorded")
+    before = snapshot(out)
+    no_loading(monkeypatch)
+    message = error_of([*run_argv(workspace, out), "--overwrite"])
+    assert message == (
+        f"hf-tapernorm taper: error: refusing to --overwrite '{out}': it holds files hf-tapernorm did not write "
+        "(checkpoint-10-keep/, checkpoint-10/notes.txt, checkpoint-notes/notes.txt); move them away first"
+    )
+    copied = {f"checkpoint-10-keep/{p.relative_to(out / 'checkpoint-10').as_posix()}" for p in out.rglob("*")
+              if p.is_file() and p.is_relative_to(out / "checkpoint-10") and p.name != "notes.txt"}  # fmt: skip
+    foreign = {*copied, "checkpoint-notes/notes.txt", "checkpoint-10/notes.txt"}
+    assert set(RunFolder(out).foreign_files()) == foreign
+    assert snapshot(out) == before
+    # a checkpoint the run saved but had not recorded yet (killed in between) is still the run's
+    folder = RunFolder(out)
+    for name in ("checkpoint-10-keep", "checkpoint-notes"):
+        shutil.rmtree(out / name)
+    (out / "checkpoint-10" / "notes.txt").unlink()
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    manifest["files"] = [f for f in manifest["files"] if not f.startswith("checkpoint-10/")]
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert folder.foreign_files() == []
+    assert "checkpoint-10/trainer_state.json" in {p.relative_to(out).as_posix() for p in folder._emptied_files()}
+
+
+def test_no_command_writes_inside_a_folder_a_running_command_holds(workspace, tmp_path, monkeypatch):
+    """taper never looked above its --output_dir (a run inside a running run's folded/ was lost when that run wrote
+    its export), and every lock search walked the path as written: through a symbolic link, eval, fold and taper
+    wrote into a running run."""
+    live = tmp_path / "live"
+    (live / "folded").mkdir(parents=True)
+    (live / "tapered").mkdir()
+    (live / LOCK_NAME).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))
+    (tmp_path / "lnk").symlink_to(live / "folded", target_is_directory=True)
+    (tmp_path / "lnk_tap").symlink_to(live / "tapered", target_is_directory=True)
+    before = snapshot(live)
+    no_loading(monkeypatch)
+    for out in (live / "folded" / "B", live / "sub", tmp_path / "lnk_tap" / "newrun"):
+        message = error_of(taper_argv(workspace, out, steps=2))
+        assert message.startswith(f"hf-tapernorm taper: error: output folder '{out}' lies in '{live}', which a "), out
+        assert message.endswith("wait for it to finish, or choose a folder outside it")
+    checkpoint = tapered_checkpoint(tmp_path / "tapered")
+    message = error_of(fold_argv(checkpoint, tmp_path / "lnk" / "sub"))
+    assert message.startswith(f"hf-tapernorm fold: error: output folder '{tmp_path / 'lnk' / 'sub'}' lies in '{live}'")
+    corpus = str(workspace / "corpus.txt")
+    evaluate = ["eval", "--model_name_or_path", str(workspace / "llama"), "--dataset_name", corpus,
+                "--block_size", "32", "--heldout_blocks", "2", "--heldout_percentage", "10"]  # fmt: skip
+    result = tmp_path / "lnk" / "res.json"
+    assert error_of([*evaluate, "--output_json", str(result)]) == (
+        f"hf-tapernorm eval: error: --output_json {result} lies in '{live}', which a running hf-tapernorm command "
+        f"owns (pid {os.getppid()} on host {socket.gethostname()}; if no hf-tapernorm command runs as pid "
+        f"{os.getppid()} on {socket.gethostname()} (it was killed, its container or pod restarted, or the folder was "
+        f"copied), the lock is stale: delete {live / LOCK_NAME}); name a file outside it"
+    )
+    assert snapshot(live) == before and sorted(p.name for p in (live / "folded").iterdir()) == []
+
+
+def test_a_command_that_finds_a_running_command_above_once_locked_gives_its_folder_back(tmp_path, monkeypatch):
+    """Two commands starting at once, one inside the other's folder: the inner one looks above again once its lock
+    is held, so either it sees the outer lock or the outer one finds the inner folder in its own."""
+    from hf_tapernorm.app.run_lock import RunLock
+
+    outer, inner = tmp_path / "A", tmp_path / "A" / "folded" / "B"
+    take = RunLock._take
+
+    def outer_starts_meanwhile(self):
+        take(self)
+        (outer / LOCK_NAME).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))
+
+    monkeypatch.setattr(RunLock, "_take", outer_starts_meanwhile)
+    with pytest.raises(RunFolderError, match=f"output folder '{inner}' lies in '{outer}', which a running"):
+        RunFolder(inner).lock()
+    assert not inner.exists() and sorted(p.name for p in outer.iterdir()) == [LOCK_NAME, "folded"]
+
+
+def test_files_put_into_a_run_s_output_folders_while_it_works_stay_the_users(workspace, tmp_path, monkeypatch, caplog):
+    """Notes put into folded/, tapered/ and baseline/ while the run trained: the first two were deleted when the run
+    wrote its outputs, and baseline/notes.txt was recorded as the run's, so the next --overwrite deleted it."""
+    import hf_tapernorm.app.taper as taper_pipeline
+
+    out = tmp_path / "run"
+    save_tapered = taper_pipeline.save_tapered
+
+    def with_user_notes(*args, **kwargs):
+        for folder in ("folded", "tapered", "baseline"):
+            (out / folder).mkdir(exist_ok=True)
+            (out / folder / "notes.txt").write_text(f"my notes in {folder}")
+        return save_tapered(*args, **kwargs)
+
+    monkeypatch.setattr(taper_pipeline, "save_tapered", with_user_notes)
+    argv = taper_argv(workspace, out, "--distill_weight", "0", "--out_of_corpus_blocks", "0", steps=6)
+    code, _, stderr = run_main(argv)
+    assert code == 0, stderr[-2000:]
+    for folder in ("folded", "tapered", "baseline"):
+        assert (out / folder / "notes.txt").read_text() == f"my notes in {folder}"
+    assert (out / "folded" / "model.safetensors").is_file() and (out / "tapered" / "config.json").is_file()
+    assert f"{out / 'folded'} holds files this command did not write (notes.txt): they stay where they are" in (
+        caplog.text
+    )
+    manifest = json.loads((out / MANIFEST_NAME).read_text())["files"]
+    assert not [f for f in manifest if f.endswith("notes.txt")] and "folded/model.safetensors" in manifest
+    assert sorted(p.name for p in out.iterdir() if ".kept-" in p.name or ".old-" in p.name) == []
+    monkeypatch.setattr(taper_pipeline, "save_tapered", save_tapered)
+    before = snapshot(out)
+    assert error_of([*argv, "--overwrite"]) == (
+        f"hf-tapernorm taper: error: refusing to --overwrite '{out}': it holds files hf-tapernorm did not write "
+        "(baseline/notes.txt, folded/notes.txt, tapered/notes.txt); move them away first"
+    )
+    assert snapshot(out) == before
+
+
+def test_an_output_folder_is_never_replaced_over_a_user_file_of_the_same_name(tmp_path):
+    from hf_tapernorm.app.run_folder import write_folder
+
+    final = tmp_path / "folded"
+    final.mkdir()
+    (final / "config.json").write_text("the user's")
+    (final / "notes").mkdir()
+    (final / "notes" / "a.txt").write_text("kept")
+
+    def write(tmp: Path) -> None:
+        tmp.mkdir()
+        (tmp / "config.json").write_text("{}")
+
+    with pytest.raises(RunFolderError, match=r"holds files this command did not write \(config.json\) where it"):
+        write_folder(final, write, keep=lambda: ["config.json", "notes/a.txt"])
+    assert snapshot(final) == {"config.json": b"the user's", "notes/a.txt": b"kept"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folded"]
+    (final / "config.json").unlink()
+    write_folder(final, write, keep=lambda: ["notes/a.txt"])
+    assert snapshot(final) == {"config.json": b"{}", "notes/a.txt": b"kept"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folded"]
+
+
+def test_an_options_file_kept_in_its_output_folder_is_named_at_the_first_refusal(workspace, tmp_path, monkeypatch):
+    """``taper runs/oj/run.json`` with ``output_dir: runs/oj``: 'not empty; pass --overwrite', and following that
+    advice, 'not written by hf-tapernorm (run.json)'."""
+    out = tmp_path / "oj"
+    out.mkdir()
+    options = out / "run.json"
+    values = {"model_name_or_path": str(workspace / "llama"), "dataset_name": str(workspace / "corpus.txt"),
+              "block_size": 32, "max_steps": 2, "use_cpu": True, "output_dir": str(out)}  # fmt: skip
+    options.write_text(json.dumps(values))
+    no_loading(monkeypatch)
+    hint = "; if run.json is this command's options file, keep it outside the --output_dir it names"
+    assert error_of(["taper", str(options)]) == (
+        f"hf-tapernorm taper: error: output folder '{out}' holds files hf-tapernorm did not write (run.json), which "
+        f"neither --overwrite nor --resume replaces: move them away, or choose another --output_dir{hint}"
+    )
+    options.write_text(json.dumps({**values, "overwrite": True}))
+    assert error_of(["taper", str(options)]) == (
+        f"hf-tapernorm taper: error: refusing to --overwrite '{out}': it was not written by hf-tapernorm (run.json); "
+        f"move them away first{hint}"
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["run.json"]

@@ -1,11 +1,14 @@
 """A run folder that knows what it wrote: the manifest, the lock, the overwrite/resume policy, atomic writes.
 
 Every file a run creates in its folder is recorded in ``.hf_tapernorm_run.json`` before the file gets its
-final name (checkpoints, exports and reports are registered first, then written or renamed into place), so
-a run killed at any point finds only its own files on ``--resume`` or ``--overwrite``. A later command may
-replace or continue the folder only when nothing else is in it: ``--overwrite`` on a folder holding a file
-the manifest does not list, or on a folder that no run of ours wrote, is refused with the foreign files
-named, and nothing is deleted before every argument, the model and the data have been checked.
+final name (exports and reports are registered first, then written or renamed into place; a Trainer checkpoint
+is recorded as soon as it is saved, and one the run has not recorded yet is the run's), so a run killed at any
+point finds only its own files on ``--resume`` or ``--overwrite``. Only what the run writes is recorded: a file
+someone puts into the folder, or into one of its output folders, while the run works stays foreign, and an
+output folder the run replaces keeps it where it is. A later command may replace or continue the folder only
+when nothing else is in it: a folder holding a file the manifest does not list, or one that no run of ours
+wrote, is refused with the foreign files named (with or without ``--overwrite``), and nothing is deleted
+before every argument, the model and the data have been checked.
 
 The manifest is data a user can edit, so it is never trusted as a list of paths: an entry that is absolute,
 climbs with ``..``, passes through a symbolic link or resolves outside the folder is refused before anything
@@ -15,17 +18,20 @@ is deleted, and a folder holding symbolic links is refused before any work. ``.h
 
 from __future__ import annotations
 
-import fnmatch
 import glob
 import json
 import logging
 import os
+import re
 import shutil
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
-from .run_lock import LOCK_NAME, RunFolderError, RunLock, running_command_around
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from .run_lock import LOCK_NAME, RunFolderError, RunLock
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +43,11 @@ _BOOKKEEPING = (MANIFEST_NAME, MANIFEST_NAME + ".tmp", LOCK_NAME)
 _PARTIAL_MARKERS = (".partial-", ".old-")
 #: The report's atomic writes (app/report.py: ``report.json.tmp``, ``report.md.tmp``).
 _TEMPORARY_FILES = ("report.json.tmp", "report.md.tmp")
-#: Folders a Trainer writes into a run folder (the run's own, whether or not a kill let it record them).
-CHECKPOINT_PATTERN = "checkpoint-*"
+#: A Trainer's checkpoint folder, ``checkpoint-<step>``: only that name (``checkpoint-6-keep`` is a user's).
+_CHECKPOINT_NAME = re.compile(rf"{re.escape(PREFIX_CHECKPOINT_DIR)}-[0-9]+")
+#: The Trainer's TensorBoard logs (``--report_to tensorboard``), the run's and its baseline run's: what a
+#: library writes as it goes, so whatever is in them is the run's.
+TRAINER_LOGS = ("runs/", "baseline/runs/")
 
 
 def _is_partial(relative: str) -> bool:
@@ -50,11 +59,14 @@ def _is_partial(relative: str) -> bool:
     return in_partial_folder or relative in _TEMPORARY_FILES
 
 
-def _is_checkpoint_file(relative: str) -> bool:
-    """A file inside a Trainer's ``checkpoint-*`` folder (of the run, or of its ``baseline/`` run)."""
+def _checkpoint_of(relative: str) -> Optional[str]:
+    """The Trainer checkpoint folder (``checkpoint-6``, or ``baseline/checkpoint-6`` of the baseline run) that the
+    file ``relative`` lies in, or None."""
     parts = relative.split("/")
-    folders = parts[1:-1] if parts[0] == "baseline" else parts[:-1]
-    return bool(folders) and fnmatch.fnmatch(folders[0], CHECKPOINT_PATTERN)
+    depth = 1 if parts[0] == "baseline" else 0
+    if len(parts) > depth + 1 and _CHECKPOINT_NAME.fullmatch(parts[depth]):
+        return "/".join(parts[: depth + 1])
+    return None
 
 
 def _is_output(relative: str, outputs: Iterable[str]) -> bool:
@@ -62,17 +74,51 @@ def _is_output(relative: str, outputs: Iterable[str]) -> bool:
     return any(relative == o or (o.endswith("/") and relative.startswith(o)) for o in outputs)
 
 
+def _folders(relative: str) -> list[str]:
+    """The folders ``relative`` lies in, outermost first (``a/b/c`` -> ``a``, ``a/b``)."""
+    parts = relative.split("/")
+    return ["/".join(parts[:depth]) for depth in range(1, len(parts))]
+
+
+def _listing(files: list[str], present: Iterable[str] = ()) -> str:
+    """The files a refusal names (the first eight). A folder of several files that are all among ``files`` (of the
+    ``present`` ones) is named once, as ``folder/``: a user's copied checkpoint does not hide the next name."""
+    holds = Counter(folder for relative in present for folder in _folders(relative))
+    listed = Counter(folder for relative in files for folder in _folders(relative))
+    names = []
+    for relative in files:
+        whole = next((f for f in _folders(relative) if listed[f] > 1 and holds[f] == listed[f]), None)
+        names.append(relative if whole is None else f"{whole}/")
+    names = list(dict.fromkeys(names))
+    return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+
+def _options_file_hint(files: list[str]) -> str:
+    """A refusal's last words when a foreign file may be the command's own options file (``taper run.json`` with
+    ``output_dir`` the folder run.json is in): no run of ours wrote it, so it blocks that folder for good."""
+    options = [f for f in files if "/" not in f and f.lower().endswith((".json", ".yaml", ".yml"))]
+    return (
+        f"; if {options[0]} is this command's options file, keep it outside the --output_dir it names"
+        if options
+        else ""
+    )
+
+
 class RunFolder:
     """The output folder of one command, with its manifest and lock.
 
-    ``outputs``: the names the command writes besides its checkpoints (files, or folders ending in "/"). Only
+    ``outputs``: the names the command writes besides its checkpoints (files, or folders ending in "/"): a lost
+    manifest is rebuilt from them on ``--resume``. ``adopted``: folders a library fills while the command runs (a
+    datasets cache inside the run folder; the Trainer's logs always are), whose files are the command's. Only
     these, the checkpoints and the files a write registers are ever recorded as the command's: a file someone
-    else puts into the folder while the command runs stays foreign, so no later ``--overwrite`` deletes it.
+    else puts into the folder (or into an output folder) while the command runs stays foreign, so no later
+    ``--overwrite`` deletes it.
     """
 
-    def __init__(self, path: str | os.PathLike, outputs: Iterable[str] = ()) -> None:
+    def __init__(self, path: str | os.PathLike, outputs: Iterable[str] = (), adopted: Iterable[str] = ()) -> None:
         self.path = Path(path)
         self.outputs = tuple(outputs)
+        self.adopted = (*TRAINER_LOGS, *adopted)
         self.manifest_path = self.path / MANIFEST_NAME
         self._lock: Optional[RunLock] = None
 
@@ -132,13 +178,23 @@ class RunFolder:
             )
         return pure.as_posix()
 
+    def _own(self, files: Iterable[str], listed: Collection[str]) -> list[str]:
+        """Which of ``files`` are the command's: those its manifest lists (``listed``), those in an ``adopted``
+        folder, and those of a checkpoint it has not recorded yet (the Trainer saves a checkpoint whole, then the
+        command records it: a kill in between leaves it unrecorded). A file added to a checkpoint it recorded,
+        or to an output folder, is not."""
+        recorded = {_checkpoint_of(entry) for entry in listed}
+        unrecorded = {_checkpoint_of(f) for f in files} - recorded - {None}
+        return [f for f in files if f in listed or _is_output(f, self.adopted) or _checkpoint_of(f) in unrecorded]
+
     def foreign_files(self) -> list[str]:
         """Files this command did not write (everything, when there is no manifest)."""
         manifest = self.manifest()
+        present = [f for f in self.files() if not _is_partial(f)]
         if manifest is None:
-            return [f for f in self.files() if not _is_partial(f)]
-        ours = set(self.owned_files())
-        return [f for f in self.files() if f not in ours and not _is_partial(f) and not _is_checkpoint_file(f)]
+            return present
+        ours = set(self._own(present, set(self.owned_files())))
+        return [f for f in present if f not in ours]
 
     def is_empty(self) -> bool:
         return not self.path.exists() or not any(
@@ -182,20 +238,27 @@ class RunFolder:
             manifest = self._rebuild(recorded_identity(), tuple(self.outputs if outputs is None else outputs))
         self.owned_files()  # every entry inside the folder, before anything else is decided
         foreign = self.foreign_files()
-        listing = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
+        listing, hint = _listing(foreign, self.files()), _options_file_hint(foreign)
         if resume:
             if manifest is None or not has_checkpoint():
                 raise RunFolderError(
                     f"--resume: '{self.path}' holds no checkpoint of an hf-tapernorm run to continue"
                     + (f" (it holds {listing})" if foreign else "")
                     + "; choose another --output_dir, or start over with --overwrite in an empty folder"
+                    + hint
                 )
             if foreign:
                 raise RunFolderError(
                     f"--resume: '{self.path}' holds files this command did not write ({listing}); "
-                    "move them away first, a finished run replaces its outputs"
+                    f"move them away first, a finished run replaces its outputs{hint}"
                 )
             return False
+        damaged = manifest is None and self.manifest_path.is_file()  # which files are the run's is unknown
+        if not overwrite and foreign and not damaged:  # --overwrite would refuse them too: say so now
+            raise RunFolderError(
+                f"output folder '{self.path}' holds files hf-tapernorm did not write ({listing}), which neither "
+                f"--overwrite nor --resume replaces: move them away, or choose another --output_dir{hint}"
+            )
         if not overwrite:
             raise RunFolderError(
                 f"output folder '{self.path}' is not empty; pass --overwrite to replace it, or --resume to continue "
@@ -207,7 +270,7 @@ class RunFolder:
             raise RunFolderError(
                 f"refusing to --overwrite '{self.path}': it is the current, home or root folder or contains it"
             )
-        if manifest is None and self.manifest_path.is_file():  # damaged: which files are the run's is unknown
+        if damaged:
             raise RunFolderError(
                 f"refusing to --overwrite '{self.path}': its manifest {self.manifest_path.name} is unreadable, so "
                 "which files the run wrote is unknown; --resume rebuilds it from the last checkpoint, or delete the "
@@ -215,7 +278,9 @@ class RunFolder:
             )
         if manifest is None or foreign:
             what = "was not written by hf-tapernorm" if manifest is None else "holds files hf-tapernorm did not write"
-            raise RunFolderError(f"refusing to --overwrite '{self.path}': it {what} ({listing}); move them away first")
+            raise RunFolderError(
+                f"refusing to --overwrite '{self.path}': it {what} ({listing}); move them away first{hint}"
+            )
         return True
 
     def _rebuild(self, identity: Optional[dict[str, Any]], outputs: tuple[str, ...]) -> Optional[dict[str, Any]]:
@@ -230,7 +295,7 @@ class RunFolder:
                 f"'{self.path}' records the run; start over with --overwrite in a new --output_dir"
             )
         logger.warning("rebuilding the lost manifest of %s from its last checkpoint's record", self.path)
-        ours = [f for f in self.files() if _is_checkpoint_file(f) or _is_output(f, outputs)]
+        ours = [f for f in self.files() if _checkpoint_of(f) or _is_output(f, (*outputs, *self.adopted))]
         self._write_manifest({"tool": "hf-tapernorm", "identity": identity, "files": ours})
         return self.manifest()
 
@@ -252,13 +317,13 @@ class RunFolder:
         self.manifest_path.unlink(missing_ok=True)
 
     def reclaimable_bytes(self) -> int:
-        """The bytes :meth:`empty` would delete: what the manifest lists, and the checkpoints."""
+        """The bytes :meth:`empty` would delete: the command's files (``_own``)."""
         return sum(target.stat().st_size for target in self._emptied_files() if not target.is_symlink())
 
     def _emptied_files(self) -> list[Path]:
         """The files :meth:`empty` deletes (each entry checked by owned_files), once each."""
-        checkpoints = [f for f in self.files() if _is_checkpoint_file(f)]
-        targets = dict.fromkeys(self.path / relative for relative in [*self.owned_files(), *checkpoints])
+        owned = self.owned_files()
+        targets = dict.fromkeys(self.path / relative for relative in [*owned, *self._own(self.files(), set(owned))])
         return [target for target in targets if target.is_file()]
 
     def remove_partials(self) -> None:
@@ -277,9 +342,9 @@ class RunFolder:
 
     # ------------------------------------------------------------------ record
     def record(self, *, expect: Iterable[str] = (), **fields: Any) -> None:
-        """Rewrite the manifest with the command's files now in the folder: those it listed before, its checkpoints
-        and ``outputs`` (the folder started empty, but another process may have added files since: they stay
-        foreign).
+        """Rewrite the manifest with the command's files now in the folder: those it listed before, its new
+        checkpoints and what the ``adopted`` folders hold (``_own``; the folder started empty, but another process
+        may have added files since, even into an output folder: they stay foreign).
 
         ``expect``: files about to be written (registered before they exist, so a kill while they are written
         leaves nothing foreign).
@@ -288,11 +353,7 @@ class RunFolder:
         manifest = self.manifest() or {"tool": "hf-tapernorm"}
         manifest.update(fields)
         listed = {entry for entry in manifest.get("files", []) if isinstance(entry, str)}
-        ours = [
-            f
-            for f in self.files()
-            if not _is_partial(f) and (f in listed or _is_checkpoint_file(f) or _is_output(f, self.outputs))
-        ]
+        ours = self._own([f for f in self.files() if not _is_partial(f)], listed)
         manifest["files"] = sorted({*ours, *expect})
         self._write_manifest(manifest)
 
@@ -302,13 +363,28 @@ class RunFolder:
         os.replace(tmp, self.manifest_path)
 
     def write_output(self, name: str, write: Callable[[Path], None]) -> Path:
-        """``write_folder`` of the subfolder ``name``, its files registered in the manifest before the rename."""
+        """``write_folder`` of the subfolder ``name``, its files registered in the manifest before the rename.
+
+        Files someone else put into that folder while the command ran (the manifest does not list them) are kept
+        where they are, and stay foreign: a later ``--overwrite`` or ``--resume`` names them and refuses.
+        """
         final = self.path / name
+
+        def foreign_inside() -> list[str]:
+            kept = [f.removeprefix(f"{name}/") for f in self.foreign_files() if f.startswith(f"{name}/")]
+            if kept:
+                logger.warning(
+                    "%s holds files this command did not write (%s): they stay where they are, and --overwrite and "
+                    "--resume refuse the folder until they are moved away",
+                    final,
+                    _listing(kept),
+                )
+            return kept
 
         def register(files: list[str]) -> None:
             self.record(expect=[f"{name}/{f}" for f in files])
 
-        write_folder(final, write, before_rename=register)
+        write_folder(final, write, before_rename=register, keep=foreign_inside)
         self.record()
         return final
 
@@ -334,13 +410,20 @@ def write_file(path: Path, text: str) -> None:
 
 
 def write_folder(
-    final: Path, write: Callable[[Path], None], *, before_rename: Optional[Callable[[list[str]], None]] = None
+    final: Path,
+    write: Callable[[Path], None],
+    *,
+    before_rename: Optional[Callable[[list[str]], None]] = None,
+    keep: Callable[[], Collection[str]] = tuple,
 ) -> None:
     """``write`` into a hidden temporary sibling, then rename it to ``final``; on failure remove it.
 
     Nothing half-written ever carries the final name, and an older complete folder survives a failed
     rewrite. ``before_rename`` receives the written files (relative) before the rename (a manifest records
-    them). A symbolic link at ``final`` is refused: its target is not ours to replace.
+    them). A symbolic link at ``final`` is refused: its target is not ours to replace. ``keep``: the files of the
+    older ``final`` that are not the writer's (relative; asked once the new folder is written, just before the
+    rename): they are moved into the new folder, never deleted, and a new file of the same name is refused
+    before anything is replaced.
     """
     if final.is_symlink() or (final.exists() and not final.is_dir()):
         raise RunFolderError(f"'{final}' is a symbolic link or a file; a folder written here would replace it")
@@ -350,19 +433,39 @@ def write_folder(
     _remove_abandoned(final, ".partial-")  # a write of ``final`` killed earlier (SIGKILL, power loss) left these
     try:
         write(tmp)
+        written = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+        kept = keep() if final.is_dir() else ()
+        _refuse_clashes(final, written, kept)
         if before_rename is not None:
-            before_rename(sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()))
+            before_rename(written)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        # The older folder is set aside, the new one renamed in, the older one deleted. When it holds someone
+        # else's files, its name aside is a visible one that no cleanup deletes (not .NAME.old-PID), and each of
+        # their files moves into the new folder by a rename: a kill at any moment leaves each under a name.
+        old = final.with_name(f"{final.name}.kept-{os.getpid()}" if kept else f".{final.name}.old-{os.getpid()}")
         os.replace(final, old)
         os.replace(tmp, final)
+        for relative in kept:
+            (final / relative).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(old / relative, final / relative)
         shutil.rmtree(old)
     else:
         os.replace(tmp, final)
     _remove_abandoned(final, ".old-")  # earlier copies a killed rewrite set aside: ``final`` is whole again
+
+
+def _refuse_clashes(final: Path, written: list[str], keep: Collection[str]) -> None:
+    """Refuse (RunFolderError, before anything is replaced) to write a file where a kept file is, or a folder."""
+    taken = {*written, *(folder for relative in written for folder in _folders(relative))}
+    clashes = [relative for relative in keep if relative in taken or set(_folders(relative)) & set(written)]
+    if clashes:
+        raise RunFolderError(
+            f"'{final}' holds files this command did not write ({_listing(clashes)}) where it writes its own; "
+            "nothing was replaced: move them away, then run it again (a taper run: with --resume)"
+        )
 
 
 def _remove_abandoned(final: Path, marker: str) -> None:
@@ -380,13 +483,12 @@ def _remove_abandoned(final: Path, marker: str) -> None:
 
 
 __all__ = [
-    "CHECKPOINT_PATTERN",
     "LOCK_NAME",
     "MANIFEST_NAME",
+    "TRAINER_LOGS",
     "RunFolder",
     "RunFolderError",
     "RunLock",
-    "running_command_around",
     "write_file",
     "write_folder",
 ]

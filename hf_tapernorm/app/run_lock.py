@@ -7,6 +7,11 @@ time is not the recorded one: a restarted container gives its first processes th
 of another host (a shared disk, a container or pod restarted under a new hostname, a copied folder) cannot be
 checked from here, so it is refused, and the message says how to tell that it is stale and which file to
 delete.
+
+A held folder is held with everything in it: every command that writes (taper, fold, ``eval --output_json``,
+``bench --output_dir``) or uploads (push) looks for a live lock at its destination and in every folder above
+it, on the resolved path (a symbolic link into a running run leads into that run), through one check
+(:func:`refuse_while_running`; :func:`check_destination` adds a file on the way and an unwritable place).
 """
 
 from __future__ import annotations
@@ -55,10 +60,19 @@ class RunLock:
         self.held = False
 
     def acquire(self) -> None:
-        """Take the lock (creating the folder); RunFolderError when another live command holds it."""
-        for parent in [self.folder, *self.folder.parents]:
-            if parent.exists() and not parent.is_dir():
-                raise RunFolderError(f"output folder '{self.folder}': '{parent}' is a file")
+        """Take the lock (creating the folder); RunFolderError when another live command holds it, or holds a
+        folder above it (looked for again once the lock is held: of two commands starting at once, one inside
+        the other's folder, the inner one sees the outer lock, or the outer one finds the inner folder in its own)."""
+        what, advice = f"output folder '{self.folder}'", "wait for it to finish, or choose a folder outside it"
+        check_destination(self.folder, what, advice=advice, above=True)
+        self._take()
+        try:
+            refuse_while_running(self.folder, what, advice=advice, above=True)
+        except RunFolderError:
+            self.release()
+            raise
+
+    def _take(self) -> None:
         try:
             self.created_folder = not self.folder.exists()
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -154,37 +168,61 @@ def _this_process() -> dict[str, Any]:
     }
 
 
-def running_command_around(path: Path) -> Optional[tuple[Path, str]]:
-    """The folder at or above ``path`` that a live hf-tapernorm command holds, with its owner; or None."""
-    resolved = Path(os.path.abspath(path))
-    for folder in [resolved, *resolved.parents]:
+def running_command_around(path: Path, *, above: bool = False) -> Optional[tuple[Path, str]]:
+    """The folder at (unless ``above``) or above ``path`` that a live hf-tapernorm command holds, with its owner; or
+    None. The path is resolved first: a symbolic link into a held folder leads into that folder."""
+    resolved = Path(path).expanduser().resolve()
+    for folder in [*([] if above else [resolved]), *resolved.parents]:
         owner = RunLock(folder).held_by_another()
         if owner is not None:
             return folder, owner
     return None
 
 
-def refuse_while_running(path: Path, what: str) -> None:
-    """Refuse (RunFolderError) to read ``path`` (``what``: the option naming it) while a live hf-tapernorm command
-    holds it or a folder around it: that command is writing it (a taper run its export, a fold its folder), so
-    what is read now may be half one export, half another."""
-    path = Path(path).expanduser().resolve()  # a link into a held folder is that folder
-    running = running_command_around(path)
+def refuse_while_running(
+    path: Path, what: str, *, advice: str = "wait for it to finish, then run this again", above: bool = False
+) -> None:
+    """Refuse (RunFolderError) to use ``path`` (``what``: how the message names it) while a live hf-tapernorm command
+    holds it or a folder around it (``above``: only the folders around it): that command is writing there (a
+    taper run its checkpoints and export, a fold its folder), so what is read now may be half one export, half
+    another, and what is written now may be replaced by that command's next write. The one check every command
+    that writes (taper, fold, eval --output_json, bench --output_dir) or reads an export to upload (push) makes."""
+    running = running_command_around(path, above=above)
     if running is None:
         return
     folder, owner = running
     where = (
         "is in use: a running hf-tapernorm command owns it"
-        if folder == path
+        if folder == Path(path).expanduser().resolve()
         else f"lies in '{folder}', which a running hf-tapernorm command owns"
     )
-    raise RunFolderError(f"{what} {where} ({owner}); wait for it to finish, then run this again")
+    raise RunFolderError(f"{what} {where} ({owner}); {advice}")
+
+
+def check_destination(
+    folder: Path, what: str, *, advice: str, above: bool = False, renamed_into_parent: bool = False
+) -> None:
+    """Refuse (RunFolderError) a folder a command is about to write, before it loads anything: a file on the way
+    to it, a live hf-tapernorm command holding it or a folder around it (refuse_while_running: ``advice`` says
+    what to do then; ``above``: the folder's own lock is the caller's business), a place it cannot write into
+    (the folder, or its first existing parent; ``renamed_into_parent``: the folder is written beside itself and
+    renamed into place, so what must be writable is the first existing folder above it)."""
+    folder = Path(folder).expanduser()
+    for parent in [folder, *folder.parents]:
+        if parent.exists() and not parent.is_dir():
+            raise RunFolderError(f"{what} is a file" if parent == folder else f"{what}: '{parent}' is a file")
+    refuse_while_running(folder, what, advice=advice, above=above)
+    candidates = folder.parents if renamed_into_parent else [folder, *folder.parents]
+    writable_from = next(p for p in candidates if p.exists())  # the written files land in there
+    if not os.access(writable_from, os.W_OK | os.X_OK):
+        raise RunFolderError(f"{what}: '{writable_from}' is not writable; choose a writable --output_dir")
 
 
 __all__ = [
     "LOCK_NAME",
     "RunFolderError",
     "RunLock",
+    "check_destination",
     "process_start_time",
     "refuse_while_running",
     "running_command_around",

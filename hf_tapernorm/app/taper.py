@@ -74,7 +74,7 @@ def run_taper(request: TaperRequest, extension: Optional[TaperExtension] = None)
     parts (extension.py)."""
     logger.info("%s", precision_line(request.training))  # first: the same command trains otherwise elsewhere
     state = PartialState()
-    output = RunFolder(request.training.output_dir, outputs=(*RUN_OUTPUTS, *_cache_inside(request)))
+    output = RunFolder(request.training.output_dir, outputs=RUN_OUTPUTS, adopted=_cache_inside(request))
     if state.is_main_process:
         output.lock()  # a second command on this folder is refused until this one ends
     try:

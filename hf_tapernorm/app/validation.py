@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedConfig
 
 from ..config import TaperNormConfig, sink_token_id
 from ..data.corpus import EMBEDDED_CORPUS
@@ -372,8 +372,46 @@ def _same_contents_same_name(saved: dict[str, Any], identity: dict[str, Any]) ->
     return identity
 
 
+def _loaded_dtype(model: Optional[str], requested: Optional[str]) -> Optional[str]:
+    """The dtype ``model`` (a run identity's) loads in with ``--dtype requested``: unset and auto mean the model's
+    own, which its config records (transformers' ``dtype="auto"``); the request itself where the config does not say
+    (a GGUF file, a config without a dtype), or cannot be read."""
+    if requested not in (None, "auto") or not model or model.lower().endswith(".gguf"):
+        return requested
+    try:
+        config, _ = PreTrainedConfig.get_config_dict(model)
+    except (OSError, ValueError):
+        return requested
+    own = config.get("dtype") or config.get("torch_dtype")
+    return own if isinstance(own, str) and own != "auto" else requested
+
+
+def _with_loaded_dtype(saved: dict[str, Any], identity: dict[str, Any]) -> tuple[dict, dict]:
+    """Both identities with the dtype each loads this model in: a run started without --dtype on a float32 model is
+    the same run with ``--dtype float32``, as a resolved ``--bf16`` and ``--sink`` are the same."""
+    model = identity.get("model")
+    return tuple({**v, "dtype": _loaded_dtype(model, v.get("dtype"))} for v in (saved, identity))
+
+
 #: The parts of a run's identity a ``--baseline_from`` baseline must share (its recipe is not one: it never tapered).
 BASELINE_IDENTITY = ("model", "dtype", "model_contents", "data", "training")
+#: Training options the run derives from its taper window (decay_learning_rate_after_the_taper, fit_default_warmup):
+#: a difference in one is named by the option it follows, which the user passed.
+DERIVED_FROM_TAPER = {
+    "training.lr_scheduler_kwargs.num_decay_steps": ("taper_end", "the learning rate decays from the taper's end"),
+    "training.warmup_steps": ("taper_start", "the default warmup ends by the taper's start"),
+}
+
+
+def _baseline_difference(key: str, old: Any, new: Any, taper_there: dict, taper_now: dict) -> str:
+    """One difference between a baseline's identity and this run's, by the option the user passed."""
+    option, why = DERIVED_FROM_TAPER.get(key, (None, ""))
+    if option is None or taper_there.get(option) == taper_now.get(option):
+        return f"{key}: {old!r} there, {new!r} now"
+    return (
+        f"--{option}: {taper_there.get(option)!r} there, {taper_now.get(option)!r} now, and {why} "
+        f"({key.rsplit('.', 1)[-1]}: {old!r} there, {new!r} now)"
+    )
 
 
 def check_baseline_identity(baseline: ModelSource, identity: dict[str, Any]) -> None:
@@ -390,11 +428,11 @@ def check_baseline_identity(baseline: ModelSource, identity: dict[str, Any]) -> 
             baseline.path,
         )
         return
-    saved = {k: saved.get(k) for k in BASELINE_IDENTITY}
-    current = _same_contents_same_name(saved, {k: identity.get(k) for k in BASELINE_IDENTITY})
-    changed = differences(saved, current)
+    taper = (_with_current_recipe(saved).get("taper") or {}, identity.get("taper") or {})
+    saved, current = _with_loaded_dtype(*({k: v.get(k) for k in BASELINE_IDENTITY} for v in (saved, identity)))
+    changed = differences(saved, _same_contents_same_name(saved, current))
     if changed:
-        listing = "; ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in list(changed.items())[:6])
+        listing = "; ".join(_baseline_difference(k, old, new, *taper) for k, (old, new) in list(changed.items())[:6])
         raise ConfigurationError(
             f"--baseline_from '{baseline.path}' was trained with other options than this run ({listing}"
             f"{' ...' if len(changed) > 6 else ''}): the gap would measure those; pass the same options, or train a "
@@ -407,8 +445,8 @@ def check_resume_identity(folder: RunFolder, identity: dict[str, Any], allowed: 
     saved = (folder.manifest() or {}).get("identity")
     if saved is None:
         raise ConfigurationError(f"--resume: '{folder.path}' records no run identity; it cannot be checked, start over")
-    saved = _with_current_recipe(saved)
-    changed = differences(saved, _same_contents_same_name(saved, _with_legacy_fingerprints(saved, identity)))
+    saved, current = _with_loaded_dtype(_with_current_recipe(saved), identity)
+    changed = differences(saved, _same_contents_same_name(saved, _with_legacy_fingerprints(saved, current)))
     refused = {k: v for k, v in changed.items() if k.rsplit(".", 1)[-1] not in allowed and k not in allowed}
     if refused:
         listing = "; ".join(f"{k}: {old!r} in the run, {new!r} now" for k, (old, new) in list(refused.items())[:6])
@@ -425,8 +463,9 @@ def check_resume_identity(folder: RunFolder, identity: dict[str, Any], allowed: 
     ignored = sorted(k for k in changed if k.rsplit(".", 1)[-1] in IGNORED_ON_RESUME)
     if ignored:
         raise ConfigurationError(
-            f"--allow_changes: a resumed Trainer restores {', '.join(ignored)} from the checkpoint's optimizer and "
-            "scheduler state, so the new value would be ignored; keep the run's value, or start over with --overwrite"
+            f"--allow_changes cannot allow {', '.join(k.rsplit('.', 1)[-1] for k in ignored)}: a resumed Trainer "
+            f"restores {', '.join(ignored)} from the checkpoint's optimizer and scheduler state, so the new value "
+            "would be ignored; keep the run's value, or start over with --overwrite"
         )
     return {k: {"run": old, "now": new} for k, (old, new) in changed.items()}
 

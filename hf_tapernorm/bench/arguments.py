@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from .._parsing import parse
+from ..app.run_lock import check_destination
 from ..app.validation import check_within_positions
 from ..errors import ConfigurationError
 
@@ -207,8 +208,8 @@ class BenchArguments:
         for device in self.devices:
             check_device(device)
         output = Path(self.output_dir)
-        if output.exists() and not output.is_dir():
-            raise ConfigurationError(f"--output_dir '{output}' is a file: name a folder for bench.json and bench.png")
+        advice = "wait for it to finish, or choose another --output_dir"
+        check_destination(output, f"--output_dir '{output}'", advice=advice)  # as taper and fold check theirs
         check_earlier_results(output)
 
     def _check_onnxruntime(self) -> None:

@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..app.run_lock import RunLock
 from ..architectures.sites import model_type_of, norm_sites
 from ..config import TaperNormConfig
 from ..data.corpus import EMBEDDED_CORPUS, AnyDataset, load_text_dataset
@@ -255,9 +256,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the benchmark, print the tables, write ``bench.json`` and ``bench.png``.
 
     Returns 0, or 1 when a train workload saw a non-finite loss: its timing is of NaN arithmetic, not
-    of the recipe, and the results say which one.
+    of the recipe, and the results say which one. ``--output_dir`` is locked (app/run_lock.py) from before the
+    model loads until the results are written: taking the lock is the proof that the folder can be written, and
+    while the benchmark runs no other hf-tapernorm command writes into that folder (nor another benchmark).
     """
     arguments = parse_arguments(list(sys.argv[1:] if argv is None else argv))
+    lock = RunLock(Path(arguments.output_dir))
+    lock.acquire()
+    try:
+        return _benchmark(arguments, argv)
+    finally:
+        lock.release()
+
+
+def _benchmark(arguments: BenchArguments, argv: Optional[Sequence[str]]) -> int:
+    """``main`` once its output folder is locked."""
     source = resolve_model(arguments.model_name_or_path, arguments.gguf_file)
     if source.kind in ("tapered", "folded"):
         raise ConfigurationError(
@@ -287,8 +300,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "seconds": time.time() - started,
         "results": results,
     }
-    output = Path(arguments.output_dir)
-    output.mkdir(parents=True, exist_ok=True)
+    output = Path(arguments.output_dir)  # created with its lock
     (output / "bench.json").write_text(json.dumps(report, indent=2))
     plot(results, output / "bench.png")
     print(format_table(results))

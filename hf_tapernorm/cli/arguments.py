@@ -26,6 +26,7 @@ from huggingface_hub.utils import validate_repo_id
 from transformers import TrainingArguments
 
 from .._parsing import as_flags
+from ..app.validation import IGNORED_ON_RESUME
 from ..config import OptionField, TaperNormConfig, parse_step
 from ..data.corpus import EMBEDDED_CORPUS
 from ..errors import ConfigurationError
@@ -251,6 +252,7 @@ TaperArguments = dataclasses.make_dataclass(
             option.path: name for name in RECIPE_OPTIONS if (option := TaperNormConfig.option_fields()[name]).group
         },
         "SEPARATORS": {name: "," for name in RECIPE_OPTIONS if _kind(name) == "list"},  # an options file's lists
+        "EMPTY": {name: "none" for name in RECIPE_OPTIONS if _kind(name) == "list"},  # and its empty ones
         "__doc__": "The recipe (a TaperNormConfig); unset options take the recipe's value.",
         "__module__": __name__,  # make_dataclass's module= needs Python 3.12
     },
@@ -269,7 +271,9 @@ class RunArguments:
         default=None,
         metadata=_help(
             "Compare with the normalized model of an earlier --baseline run (its folder or its baseline/model) "
-            "instead of training one; it must have been trained with the same data, steps, seed and schedule."
+            "instead of training one; it must have been trained from the same model and data with the same "
+            "training options, so with the same learning-rate schedule (the default one decays from the taper's "
+            "end: the same --taper_end)."
         ),
     )
     overwrite: bool = field(
@@ -280,7 +284,8 @@ class RunArguments:
         default=None,
         metadata=_help(
             "With --resume: comma-separated run options allowed to differ from the checkpoint's (the "
-            "report records them), e.g. 'learning_rate'."
+            "report records them), e.g. 'max_grad_norm'. The optimizer's options cannot change (the checkpoint's "
+            f"optimizer state restores them): {', '.join(sorted(IGNORED_ON_RESUME))}."
         ),
     )
     SEPARATORS: ClassVar[dict[str, str]] = {"allow_changes": ","}  # an options file's list joins with it
@@ -297,6 +302,8 @@ class RunArguments:
 @dataclass
 class TaperTrainingArguments(TrainingArguments):
     """TrainingArguments with this recipe's defaults (sized for the embedded default on a 2-core CPU)."""
+
+    EMPTY: ClassVar[dict[str, str]] = {"report_to": "none"}  # an options file's `report_to: []`
 
     output_dir: Optional[str] = field(default="runs/taper", metadata=_help("Run folder (checkpoints, export, report)."))
     max_steps: int = field(
@@ -329,6 +336,7 @@ class TaperTrainingArguments(TrainingArguments):
     )
     warmup_steps: float = field(default=0.05, metadata=_help("LR warmup (fraction of the run if < 1)."))
     adam_beta2: float = field(default=0.95, metadata=_help("AdamW beta2."))
+    max_grad_norm: float = field(default=1.0, metadata=_help("Gradient clipping norm (0 turns clipping off)."))
     weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay."))
     logging_steps: float = field(default=1, metadata=_help("Log every N steps (the report plots them)."))
     save_steps: float = field(default=500, metadata=_help("Checkpoint every N steps (Ctrl-C also saves)."))

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 from .._parsing import UsageError, parse
-from ..app.run_folder import LOCK_NAME, RunFolder, running_command_around, write_file, write_folder
-from ..app.run_lock import refuse_while_running
+from ..app.run_folder import LOCK_NAME, RunFolder, write_file, write_folder
+from ..app.run_lock import check_destination, refuse_while_running
 from ..app.taper import save_export
 from ..app.validation import check_same_tokenizer, check_vocabulary, check_within_positions, max_positions
 from ..config import sink_token_id
@@ -239,12 +239,7 @@ def check_result_file(path: Path) -> None:
         raise UsageError(f"--output_json {path}: the folder '{path.parent}' does not exist; create it first")
     if path.is_symlink() or (path.exists() and not path.is_file()):
         raise UsageError(f"--output_json {path} is a symbolic link or a folder; name a new file")
-    running = running_command_around(path.parent)
-    if running is not None:
-        raise UsageError(
-            f"--output_json {path} lies in '{running[0]}', which a running hf-tapernorm command owns "
-            f"({running[1]}); name a file outside it"
-        )
+    refuse_while_running(path, f"--output_json {path}", advice="name a file outside it")
     if not path.exists():
         if not os.access(path.parent, os.W_OK):
             raise UsageError(f"--output_json {path}: the folder '{path.parent}' is not writable")
@@ -271,23 +266,8 @@ def check_export_folder(folder: Path, overwrite: bool, *, locked: bool = False) 
     """
     if folder.is_symlink():
         raise UsageError(f"output folder '{folder}' is a symbolic link; pass the folder it points to")
-    for parent in [folder, *folder.parents]:
-        if parent.exists() and not parent.is_dir():
-            raise UsageError(f"output folder '{folder}': '{parent}' is a file")
-    running = running_command_around(folder.parent if locked else folder)
-    if running is not None:  # that command may write the same folder (another fold, a taper's export): one is lost
-        owner = "a running hf-tapernorm command owns"
-        where = (
-            f"is in use: {owner} it"
-            if running[0] == Path(os.path.abspath(folder))
-            else f"lies in '{running[0]}', which {owner}"
-        )
-        raise UsageError(
-            f"output folder '{folder}' {where} ({running[1]}); wait for it to finish, or choose a folder outside it"
-        )
-    writable_from = next(p for p in (folder.parent, *folder.parents) if p.exists())  # the export is renamed in there
-    if not os.access(writable_from, os.W_OK | os.X_OK):
-        raise UsageError(f"output folder '{folder}': '{writable_from}' is not writable; choose a writable --output_dir")
+    advice = "wait for it to finish, or choose a folder outside it"  # a running command may write it: one is lost
+    check_destination(folder, f"output folder '{folder}'", advice=advice, above=locked, renamed_into_parent=True)
     if not folder.is_dir() or not any(p.name != LOCK_NAME for p in folder.iterdir()):
         return
     if not overwrite:

@@ -97,8 +97,15 @@ def read_input(
       than cache + input counts without the sink: the sink's columns are put in front, attended by every query.
     - Without ``position_ids``, each left-padded row counts from its own first token, as ``generate()`` does; the
       pads before it get position 0 (they are masked, and a learned position table has no negative rows).
+    - ``token_type_ids`` (GPT-2) are refused: they would change the sink's embedding, whose states the export stores
+      as computed without them, so no call with them could give the tapered model's answer.
     - A call that reaches past a learned position table is refused (``max_positions``).
     """
+    if contract.token_ids and kwargs.get("token_type_ids") is not None:
+        raise ValueError(
+            f"{contract.owner}: token_type_ids would change the embedding of the sink {list(contract.token_ids)}, "
+            "whose states this export stores as computed without them; pass no token_type_ids"
+        )
     inputs = kwargs.get("input_ids")
     if inputs is None:
         inputs = kwargs["inputs_embeds"]

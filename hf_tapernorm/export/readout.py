@@ -12,10 +12,12 @@ the stream, less the constant R(0), against R of their sum.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from ..architectures.sites import norm_sites
 from ..errors import ConfigurationError
@@ -60,10 +62,17 @@ def readout_summary(config: Any) -> dict[str, Any]:
 
 @torch.no_grad()
 def readout_additivity_error(model: nn.Module, input_ids: torch.Tensor, *, seed: int = 0) -> Optional[float]:
-    """max |R(a) + R(b) - R(0) - R(a + b)| / max |R(a + b)| over the positions of ``input_ids``, where a + b is
+    """max |R(a) + R(b) - R(0) - R(a + b)| / max |R(a + b)| over the text positions of ``input_ids``, where a + b is
     the residual stream entering the final norm, split at random channel by channel, and R is the final norm
-    followed by the head. About float precision for an affine readout; of the order of the logits through a
-    real norm. None for a model without a final norm this package can find."""
+    followed by the head. About float32 precision for an affine readout; of the order of the logits through a
+    real norm. None for a model without a final norm this package can find, or without a text position.
+
+    R runs in float32 (the stream, and the norm's and head's weights, upcast) whatever the model's dtype: being
+    affine is a property of the readout's structure, and bf16 rounding of four readouts would otherwise pass for
+    a non-linearity. Sink positions (the leading sink of a model patched or folded with one, when the input
+    starts with it) are left out: TaperNorm keeps them normalized and an export stores their logits as
+    constants, so the readout of the text is what folding makes affine.
+    """
     path = final_norm_path(model)
     head = model.get_output_embeddings()
     if path is None or head is None:
@@ -77,20 +86,49 @@ def readout_additivity_error(model: nn.Module, input_ids: torch.Tensor, *, seed:
         handle.remove()
     if not captured:
         return None
-    stream = captured[-1]
+    stream = captured[-1].float()
     generator = torch.Generator().manual_seed(seed)
-    mask = (torch.rand(stream.shape, generator=generator) < 0.5).to(stream.dtype)
+    mask = (torch.rand(stream.shape, generator=generator) < 0.5).to(stream)
     part_a, part_b = stream * mask, stream * (1 - mask)
+    norm_fp32, head_fp32 = _in_float32(norm), _in_float32(head)
+    sink = _sink_positions(model, input_ids, stream)
 
     def readout(hidden: torch.Tensor) -> torch.Tensor:
-        return head(norm(hidden)).float()
+        # The whole stream each time (a TaperNorm picks its sink positions by column), the sink's columns dropped after.
+        return head_fp32(norm_fp32(hidden))[..., sink:, :]
 
     whole = readout(stream)
+    if whole.numel() == 0:
+        return None
     summed = readout(part_a) + readout(part_b) - readout(torch.zeros_like(stream))
     return float((summed - whole).abs().max() / whole.abs().max().clamp_min(1e-30))
 
 
-#: The largest additivity error, relative to the largest logit, that counts as an affine readout.
+def _in_float32(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``module``'s forward with its floating-point parameters and buffers in float32 (the module is left as it is)."""
+    state = {
+        name: tensor.float() if tensor.is_floating_point() else tensor
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]
+    }
+    return lambda hidden: functional_call(module, state, (hidden,))
+
+
+def _sink_positions(model: nn.Module, input_ids: torch.Tensor, stream: torch.Tensor) -> int:
+    """How many leading positions of ``stream`` are the model's sink: its sink tokens (a patched model's TaperNorm
+    config, else an export's config) when every row of ``input_ids`` starts with them and the stream has a column
+    per input column (an export drops the sink from its input, so its stream holds the text alone)."""
+    taper_config = getattr(model, "tapernorm_config", None)
+    ids = getattr(taper_config, "sink_token_ids", None) if taper_config is not None else None
+    ids = list(ids if ids is not None else getattr(model.config, "sink_token_ids", None) or [])
+    n = len(ids)
+    if not n or input_ids.shape[-1] < n or stream.shape[-2] != input_ids.shape[-1]:
+        return 0
+    starts = input_ids[..., :n].eq(torch.tensor(ids, device=input_ids.device)).all(-1)
+    return n if bool(starts.all()) else 0
+
+
+#: The largest additivity error, relative to the largest logit, that counts as an affine readout: far above float32
+#: rounding (what an affine readout measures, in any dtype), far below what a real norm gives.
 AFFINE_TOLERANCE = 1e-3
 
 

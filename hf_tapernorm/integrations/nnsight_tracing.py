@@ -8,6 +8,8 @@ family's (``model.layers.{i}.mlp`` for Llama, ``transformer.h.{i}.mlp`` for GPT-
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .exports import ExportSource, load_export
@@ -16,8 +18,9 @@ from .extras import require
 FEATURE = "hf_tapernorm.integrations.nnsight_tracing"
 
 
-def nnsight_model(source: ExportSource, *, dtype: torch.dtype = torch.float32):
-    """``nnsight.NNsight`` over the folded export ``source`` (a folder or a folded model), in eval mode."""
+def nnsight_model(source: ExportSource, *, dtype: Optional[torch.dtype] = None):
+    """``nnsight.NNsight`` over the folded export ``source`` (a folder or a folded model), in eval mode; ``dtype`` as
+    for ``load_export`` (a folder's, float32 by default; a model keeps its own)."""
     nnsight = require("nnsight", FEATURE)
     return nnsight.NNsight(load_export(source, dtype=dtype))
 

@@ -34,7 +34,7 @@ from ..errors import ConfigurationError, first_line
 from ..export.folded_input import SinkContract, read_input
 from ..export.folded_sink import restore_logits
 from ..utils import file_in_the_way
-from .exports import base_class, load_export
+from .exports import base_class, load_export, local_path
 from .extras import require
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ def export_onnx(source: Union[str, os.PathLike, PreTrainedModel], output_dir: Un
     Returns the folder. Refuses, before loading anything, a file on the way to it and a non-empty folder (an
     earlier graph would be mixed with this one's files).
     """
-    folder = Path(output_dir)
+    folder = local_path(output_dir)
     blocking = file_in_the_way(folder)
     if blocking:
         raise ConfigurationError(f"cannot export ONNX into '{folder}': {blocking} is a file; choose a folder")
@@ -179,7 +179,7 @@ class OnnxCausalLM:
     ) -> None:
         ort = require("onnxruntime", FEATURE)
         self.np = require("numpy", FEATURE)
-        folder = Path(folder)
+        folder = local_path(folder)
         if not (folder / GRAPH_NAME).is_file() or not (folder / LAYOUT_NAME).is_file():
             raise ConfigurationError(f"'{folder}' holds no {GRAPH_NAME} and {LAYOUT_NAME}: export it with export_onnx")
         self.folder = folder
@@ -333,7 +333,7 @@ class OnnxCausalLM:
 def node_counts(folder: Union[str, os.PathLike]) -> dict[str, int]:
     """Nodes of the exported graph, and of the graph ONNX Runtime runs after its optimizations."""
     onnx = require("onnx", FEATURE)
-    folder = Path(folder)
+    folder = local_path(folder)
     exported = onnx.load(str(folder / GRAPH_NAME), load_external_data=False)
     with tempfile.TemporaryDirectory(prefix="hf_tapernorm_ort_") as work:
         optimized_path = Path(work) / "optimized.onnx"

@@ -61,20 +61,21 @@ def transformer_bridge(
     *,
     tokenizer: Optional[Any] = None,
     device: Optional[str] = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: Optional[torch.dtype] = None,
 ):
     """A ``TransformerBridge`` over the folded export ``source`` (a folder or a folded model) whose logits are
     the export's on the same text (the sink, when the export has one, stays in place).
 
     ``tokenizer``: the bridge's tokenizer (default: the one saved with the export: in its folder, or where the
     folded model was loaded from); a model built in memory (``fold_model`` of a model from a config) names none,
-    so it needs ``tokenizer=``.
+    so it needs ``tokenizer=``. ``dtype``: as for ``load_export`` (a folder's, float32 by default; a model keeps its
+    own, and another dtype is refused).
     """
     model_bridge = require("transformer_lens.model_bridge", FEATURE)
     normalization = require("transformer_lens.model_bridge.generalized_components.normalization", FEATURE)
     attention = require("transformer_lens.model_bridge.generalized_components.attention", FEATURE)
     model = load_export(source, dtype=dtype)
-    name = str(source) if not isinstance(source, nn.Module) else model.config.name_or_path
+    name = model.config.name_or_path  # a folder's, "~" expanded, or where a model was loaded from
     bridge = model_bridge.TransformerBridge.boot_transformers(
         name or base_class(model).__name__,
         hf_model=model,
@@ -82,7 +83,7 @@ def transformer_bridge(
         hf_config_overrides={"architectures": [base_class(model).__name__]},
         tokenizer=tokenizer if tokenizer is not None else _saved_tokenizer(name),
         device=device or str(next(model.parameters()).device),
-        dtype=dtype,
+        dtype=model.dtype,
     )
     for module in bridge.modules():
         component = getattr(module, "original_component", None)

@@ -1,7 +1,7 @@
 """Helpers shared by several test modules (fixtures live in conftest.py): the CLI runs on the tiny workspace,
 a signal sent at a known optimizer step, a spy callback on each training of a run, tapered tiny models for the
 folding tests, an offline tokenizer, short runs on a one-model workspace (and the run the interruption tests kill),
-and sink models of every gated family."""
+sink models of every gated family, and a taper run under torchrun."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -390,3 +391,29 @@ RESEARCH_MAY_IMPORT = {
     "hf_tapernorm.cli.arguments",
     "hf_tapernorm.cli.main",
 }
+
+
+# ----------------------------------------------------------------------------- torchrun
+def torchrun_taper(tmp_path: Path, entry: list[str], *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """A short taper run (8 steps, 2 blocks of 32 tokens per process) of a tiny Llama under torchrun with two CPU
+    processes (gloo); ``entry``: the module and its first arguments (``["-m", "hf_tapernorm.cli", "taper"]``, or a
+    research script taking the taper options). Returns the finished process and the run folder."""
+    save_tiny_model(tmp_path / "llama")
+    (tmp_path / "corpus.txt").write_text("\n\n".join(corpus_documents(150)))
+    out = tmp_path / "run"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(port), *entry, *extra,
+        "--model_name_or_path", str(tmp_path / "llama"), "--dataset_name", str(tmp_path / "corpus.txt"),
+        "--block_size", "32", "--heldout_blocks", "4", "--heldout_percentage", "10", "--max_steps", "8",
+        "--per_device_train_batch_size", "2", "--taper_start", "2", "--taper_end", "5", "--output_dir", str(out),
+        "--use_cpu", "--disable_tqdm", "true", "--data_cache_dir", str(tmp_path / "cache"),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("hf-tapernorm taper: summary") == 1  # only the main process reports
+    return result, out

@@ -8,9 +8,6 @@ import io
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 
 import datasets
 import pytest
@@ -27,8 +24,8 @@ from conversion_scripts.experiments.length_arms import (
     with_spread_positions,
 )
 from hf_tapernorm import ConfigurationError
-from tests.conftest import build, corpus_documents, random_batches, save_tiny_model, tiny_llama_config
-from tests.helpers import REPO, error_of, signal_at_step, spy_on_trainings, taper_argv
+from tests.conftest import build, random_batches, tiny_llama_config
+from tests.helpers import REPO, error_of, signal_at_step, spy_on_trainings, taper_argv, torchrun_taper
 
 SCRIPT = "conversion_scripts.experiments.length_arms"
 
@@ -192,29 +189,9 @@ def test_options_that_are_none_or_beyond_the_model_are_refused_in_one_line(works
     assert not out.exists()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_long_steps_under_torchrun_with_two_cpu_processes(tmp_path):
     """accelerate dispatches an iterable dataset's batches from the main process: every step keeps one length."""
-    save_tiny_model(tmp_path / "llama")
-    (tmp_path / "corpus.txt").write_text("\n\n".join(corpus_documents(150)))
-    out = tmp_path / "run"
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(_free_port()), "-m", SCRIPT, "--long_block_size", "64", "--long_block_every", "3",
-        "--model_name_or_path", str(tmp_path / "llama"), "--dataset_name", str(tmp_path / "corpus.txt"),
-        "--block_size", "32", "--heldout_blocks", "4", "--heldout_percentage", "10", "--max_steps", "8",
-        "--per_device_train_batch_size", "2", "--taper_start", "2", "--taper_end", "5", "--output_dir", str(out),
-        "--use_cpu", "--disable_tqdm", "true", "--data_cache_dir", str(tmp_path / "cache"),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.count("hf-tapernorm taper: summary") == 1  # only the main process reports
+    _, out = torchrun_taper(tmp_path, ["-m", SCRIPT], "--long_block_size", "64", "--long_block_every", "3")
     report = json.loads((out / "report.json").read_text())
     assert report["status"] == "finished" and report["training"]["world_size"] == 2
     assert report["training"]["steps"] == 8 and report["training"]["tokens"] == 4 * (6 * 32 + 2 * 64)

@@ -95,8 +95,12 @@ def parse(dataclass_types: Sequence[type], argv: Sequence[str], prog: str) -> tu
         if not os.path.isfile(path):
             raise UsageError(f"options file '{source}' not found")
         hints, separators, empty = _declared(dataclass_types)
-        text = {flag for flag, action in parser.flags.items() if action.dest in hints and _is_text(hints[action.dest])}
-        argv = _command_line(parser, _read_options_file(path, source, text), hints, separators, empty)
+        as_written = {
+            flag
+            for flag, action in parser.flags.items()
+            if action.dest in hints and (_is_text(hints[action.dest]) or action.type in (int, _finite_float))
+        }
+        argv = _command_line(parser, _read_options_file(path, source, as_written), hints, separators, empty)
     try:
         return tuple(parser.parse_args_into_dataclasses(args=list(argv)))
     except ValueError as error:
@@ -114,11 +118,12 @@ def _is_options_file(argument: str) -> bool:
     return not argument.startswith("-") and argument.lower().endswith((".json", ".yaml", ".yml"))
 
 
-def _read_options_file(path: str, name: str, text_options: Collection[str]) -> dict[str, Any]:
+def _read_options_file(path: str, name: str, as_written: Collection[str]) -> dict[str, Any]:
     """The object of an options file (JSON or YAML), or a UsageError naming the file. A leading byte order mark
-    (what some editors write into UTF-8) is no part of the text. YAML 1.1 reads ``010``, ``12:30`` and ``0x1F`` as
-    numbers (8, 750, 31) and ``2024-01-02`` as a date: the value of a text option (``text_options``: a folder, a
-    dataset name) is its text as written, whatever YAML would make of it."""
+    (what some editors write into UTF-8) is no part of the text. YAML 1.1 reads ``010``, ``12:30``, ``0b11`` and
+    ``0x1F`` as numbers (8, 750, 3, 31) and ``2024-01-02`` as a date, where the command line reads ``--max_steps
+    010`` as 10 and refuses the others: the value of a text or number option (``as_written``: a folder, a dataset
+    name, a step count) is its text as written, given to the option's own type as the flag's text is."""
     try:
         with open(path, encoding="utf-8-sig") as handle:
             if path.lower().endswith(".json"):
@@ -132,7 +137,7 @@ def _read_options_file(path: str, name: str, text_options: Collection[str]) -> d
                     loader.dispose()
                 if isinstance(values, dict) and isinstance(node, yaml.MappingNode):
                     for key, value in node.value:  # merge keys already flattened into it; the last of a key wins
-                        if isinstance(key.value, str) and key.value.replace("-", "_") in text_options:
+                        if isinstance(key.value, str) and key.value.replace("-", "_") in as_written:
                             values[key.value] = _as_written(value, values[key.value])
     except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError, RecursionError) as error:  # deep: recursion
         raise UsageError(
@@ -148,9 +153,11 @@ _NUMBER_TAGS = {f"tag:yaml.org,2002:{kind}" for kind in ("int", "float", "timest
 
 
 def _as_written(node: yaml.Node, value: Any) -> Any:
-    """``value`` (YAML's reading of ``node``) with every number or date in it as the text the file holds."""
+    """``value`` (YAML's reading of ``node``) with every number or date in it as the text the file holds; but
+    YAML's own spellings of infinity and NaN (``.inf``, ``.nan``), which no flag has, stay numbers, to be refused
+    as not finite."""
     if isinstance(node, yaml.ScalarNode) and node.tag in _NUMBER_TAGS:
-        return node.value
+        return value if isinstance(value, float) and not math.isfinite(value) else node.value
     if isinstance(node, yaml.SequenceNode) and isinstance(value, list):
         return [_as_written(item, v) for item, v in zip(node.value, value)]
     return value
@@ -236,9 +243,17 @@ def _as_text(value: Any, key: str, hint: Any, action: argparse.Action, parser: _
     ``3e-4``: YAML 1.1 wants a dot in a float, so it reads them as text; ``2e1`` for an integer option is 20). A
     bool or an object for an option of another type (``"output_dir": true`` would be a folder named true), a list
     in a list, text that is no number, or a fraction for an integer option, is refused naming the option; so is
-    text no path or option can hold, which a file can carry and argv cannot: a NUL, a lone UTF-16 surrogate."""
+    text no path or option can hold, which a file can carry and argv cannot: a NUL, a lone UTF-16 surrogate, a
+    line break in a text option (a YAML block scalar ends with one), and YAML's binary data."""
     name = parser.source
+    if isinstance(value, (bytes, bytearray)):  # YAML's !!binary: str() would make it the text "b'...'"
+        raise UsageError(f"{name}: {key} takes {_type_text(hint)}, got binary data (!!binary); write it as text")
     if isinstance(value, str):
+        if _is_text(hint) and ("\n" in value or "\r" in value):  # a block scalar (`|`, `>`) keeps its final one
+            raise UsageError(
+                f"{name}: {key} holds a line break, which a path or name cannot hold: write it on one line, as a "
+                "plain or quoted value"
+            )
         if "\0" in value:
             raise UsageError(f"{name}: {key} holds a NUL byte (\\u0000), which no path or option value can hold")
         try:

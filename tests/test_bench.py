@@ -590,3 +590,28 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_loading(tmp_path
     line = capsys.readouterr().err.strip()
     assert line.startswith("hf-tapernorm bench: error: cannot write into output folder '/sys/benchx': "), line
     assert line.endswith("; choose a writable --output_dir") and "\n" not in line
+
+
+def test_bench_reads_a_tilde_output_dir_as_home_and_an_unreadable_one_in_one_line(tmp_path, monkeypatch):
+    """``bench --output_dir '~/b'`` wrote into a folder literally named ``~``; under a folder this user cannot read
+    (``/root`` as another user) it ended in a PermissionError traceback."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "home").mkdir()
+    assert parse_arguments(["--output_dir", "~/b"]).output_dir == str(tmp_path / "home" / "b")
+    closed = tmp_path / "closed"
+    exists = Path.exists
+
+    def denied(self, *args, **kwargs):
+        if self.is_relative_to(closed) and self != closed:
+            raise PermissionError(13, "Permission denied", str(self))
+        return exists(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "exists", denied)
+    with pytest.raises(ConfigurationError) as refused:
+        parse_arguments(["--output_dir", str(closed / "b")])
+    assert str(refused.value) == (
+        f"--output_dir '{closed / 'b'}': cannot read the folder '{closed / 'b'}' (Permission denied); choose a "
+        "folder you can read and write"
+    )
+    assert not (tmp_path / "~").exists()

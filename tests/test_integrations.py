@@ -564,3 +564,38 @@ def test_an_in_memory_model_keeps_its_dtype_and_another_dtype_is_refused(exports
         with torch.no_grad():
             logits = bridge(IDS)
         assert next(bridge.parameters()).dtype == torch.bfloat16 and logits.dtype == torch.bfloat16
+
+
+def test_dtype_given_as_text_is_the_torch_dtype_it_names_and_a_bad_name_is_one_line(exports):
+    """load_export(model, dtype="float32") was refused though dtype=torch.float32 is accepted ("convert it first"
+    to the dtype it already had), and dtype="bogus" was an AttributeError."""
+    from hf_tapernorm.integrations.exports import load_export
+
+    folder = exports["llama-sink"]
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    for dtype in ("float32", "torch.float32", "auto"):
+        assert load_export(model, dtype=dtype) is model
+    assert load_export(folder, dtype="auto").dtype == torch.float32  # the dtype its config.json records
+    assert load_export(folder, dtype="bfloat16").dtype == torch.bfloat16
+    with pytest.raises(ConfigurationError, match=r"convert it first \(model.to\(torch.bfloat16\)"):
+        load_export(model, dtype="bfloat16")
+    for bogus in ("bogus", "int8", 3):
+        with pytest.raises(ConfigurationError, match=rf"^dtype={bogus!r} is no dtype an export loads in: .*bfloat16"):
+            load_export(folder, dtype=bogus)
+
+
+def test_load_tapered_reads_a_home_relative_folder(tmp_path, monkeypatch):
+    """load_tapered("~/tap") said "not found" while save_tapered(m, "~/st") writes $HOME/st."""
+    from hf_tapernorm import load_tapered, save_tapered
+    from tests.helpers import tapered_checkpoint
+
+    home, work = tmp_path / "home", tmp_path / "work"
+    work.mkdir()
+    tapered_checkpoint(home / "tap")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    model = load_tapered("~/tap").eval()
+    save_tapered(model, "~/st")
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, load_tapered(home / "st").eval()(IDS).logits)
+    assert list(work.iterdir()) == []  # nothing named "~" in the working folder

@@ -314,9 +314,9 @@ def test_an_option_name_that_is_not_text_is_one_line(tmp_path, text):
 
 # ============================================================================= text as written, empty lists, flags
 #: name -> (command, a YAML options file, {option: its value once parsed}): YAML 1.1 reads `010` as 8, `12:30` as 750,
-#: `0x1F` as 31; a text option keeps the text the file holds, a number option reads them as YAML does
+#: `0x1F` as 31; every option gets the text the file holds, as its flag would (`max_steps: 010` is 10)
 YAML_AS_WRITTEN = {
-    "taper output_dir 010": ("taper", "output_dir: 010\nmax_steps: 0x20\n", {"output_dir": "010", "max_steps": 32}),
+    "taper output_dir 010": ("taper", "output_dir: 010\nmax_steps: 020\n", {"output_dir": "010", "max_steps": 20}),
     "taper output_dir 12:30": ("taper", "output_dir: 12:30\nlearning_rate: 1e-3\n", {"output_dir": "12:30"}),
     "taper dataset_name 0x1F": ("taper", "dataset_name: 0x1F\ntaper_end: 010\n", {"dataset_name": "0x1F"}),
     "taper text_column a time": (
@@ -325,7 +325,7 @@ YAML_AS_WRITTEN = {
     "push include [010, 1.50]": (
         "push", "export_dir: e\nrepo_id: me/x\ninclude: [010, 1.50]\n", {"include": ["010", "1.50"]},
     ),
-    "bench output_dir 010": ("bench", "output_dir: 010\nseq_lens: [0x10]\n", {"output_dir": "010", "seq_lens": [16]}),
+    "bench output_dir 010": ("bench", "output_dir: 010\nseq_lens: [010]\n", {"output_dir": "010", "seq_lens": [10]}),
 }  # fmt: skip
 
 
@@ -440,3 +440,53 @@ def test_an_options_file_the_parse_cannot_take_is_one_line(name, tmp_path, monke
     assert status == 2 and len(lines) == 1, stderr[-2000:]
     assert lines[0].startswith(f"hf-tapernorm {command}: error: {path}: {expected}"), lines[0]
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # nothing written
+
+
+#: a number option's YAML 1.1 spelling -> what its flag reads (an int) or the start of the refusal it gets
+YAML_NUMBERS = {
+    "max_steps: 010": 10,  # YAML 1.1: octal 8
+    "block_size: 0100": 100,  # octal 64
+    "seed: 1:30": "seed must be a number, got '1:30'",  # sexagesimal 90
+    "save_steps: 0b11": "save_steps must be a number, got '0b11'",  # binary 3
+}
+
+
+@pytest.mark.parametrize("line", list(YAML_NUMBERS))
+def test_a_number_option_reads_the_yaml_text_as_its_flag_does(line, tmp_path):
+    """They were YAML 1.1's numbers: `max_steps: 010` trained 8 steps, `seed: 1:30` seeded 90."""
+    key, text = line.split(": ")
+    (tmp_path / "run.yaml").write_text(f"{line}\n")
+    expected = YAML_NUMBERS[line]
+    if isinstance(expected, int):
+        assert parsed("taper", [str(tmp_path / "run.yaml")]) == parsed("taper", [f"--{key}", text])
+        values = {k: v for options in parsed("taper", [f"--{key}", text]) for k, v in vars(options).items()}
+        assert values[key] == expected
+        return
+    with pytest.raises(UsageError, match=f"run.yaml: {expected}"):
+        parsed("taper", [str(tmp_path / "run.yaml")])
+    with pytest.raises(UsageError, match=f"--{key}"):  # refused on the command line too
+        parsed("taper", [f"--{key}", text])
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("output_dir: |\n  runs/multi\n", "output_dir holds a line break"),
+        ("output_dir: >\n  runs/multi\n", "output_dir holds a line break"),
+        ('dataset_name: "a\\nb"\n', "dataset_name holds a line break"),
+        ("output_dir: !!binary cnVucy94\n", "output_dir takes text, got binary data"),
+    ],
+)
+def test_a_text_option_with_a_line_break_or_binary_data_is_refused(text, expected, tmp_path, monkeypatch):
+    """`fold` exported into a folder whose name ends with a newline, and `!!binary` into the folder "b'runs/x'"."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "f.yaml").write_text("checkpoint: c\n" + text.replace("dataset_name", "output_dir"))
+    status, _, stderr = run_main(["fold", str(tmp_path / "f.yaml")])
+    lines = stderr.strip().splitlines()
+    assert status == 2 and len(lines) == 1, stderr[-2000:]
+    assert lines[0].startswith(f"hf-tapernorm fold: error: {tmp_path / 'f.yaml'}: output_dir "), lines[0]
+    assert expected.replace("dataset_name", "output_dir") in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.yaml"]  # nothing written
+    (tmp_path / "run.yaml").write_text(text)
+    with pytest.raises(UsageError, match=expected):
+        parsed("taper", [str(tmp_path / "run.yaml")])

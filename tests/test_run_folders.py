@@ -734,3 +734,75 @@ def test_an_options_file_kept_in_its_output_folder_is_named_at_the_first_refusal
         f"move them away first{hint}"
     )
     assert sorted(p.name for p in out.iterdir()) == ["run.json"]
+
+
+def test_a_user_folder_named_like_an_unrecorded_checkpoint_is_named_and_never_deleted(
+    workspace, run, tmp_path, monkeypatch
+):
+    """An unrecorded ``checkpoint-<digits>`` counted as the run's whatever it held: --overwrite deleted a user's
+    ``checkpoint-99/notes.txt``, and --resume removed ``checkpoint-11/notes.txt`` as an incomplete checkpoint."""
+    out = copy_of(run, tmp_path)
+    (out / "checkpoint-99").mkdir()
+    (out / "checkpoint-99" / "notes.txt").write_text("my notes")
+    shutil.copytree(out / "checkpoint-10", out / "checkpoint-11")  # a whole copy plus a note: a user's too
+    (out / "checkpoint-11" / "notes.txt").write_text("my notes")
+    before = snapshot(out)
+    no_loading(monkeypatch)
+    assert error_of([*run_argv(workspace, out), "--overwrite"]) == (
+        f"hf-tapernorm taper: error: refusing to --overwrite '{out}': it holds files hf-tapernorm did not write "
+        "(checkpoint-11/, checkpoint-99/notes.txt); move them away first"
+    )
+    assert error_of([*run_argv(workspace, out), "--resume"]).startswith(
+        f"hf-tapernorm taper: error: --resume: '{out}' holds files this command did not write (checkpoint-11/, "
+        "checkpoint-99/notes.txt); move them away first"
+    )
+    assert snapshot(out) == before
+    # without the note, the unrecorded copy holds only what a checkpoint holds: the run's (saved, not recorded)
+    (out / "checkpoint-11" / "notes.txt").unlink()
+    assert RunFolder(out).foreign_files() == ["checkpoint-99/notes.txt"]
+
+
+def test_a_folder_a_running_command_owns_inside_the_output_folder_is_named_as_that_command(tmp_path):
+    """``taper --output_dir R/sub`` started a moment before ``taper --output_dir R``: the outer one was refused
+    calling ``sub/.hf_tapernorm_run.lock`` a file hf-tapernorm did not write, and told to move it away."""
+    outer = tmp_path / "R"
+    lock = write_lock(outer / "sub", pid=os.getppid(), host=socket.gethostname())
+    with pytest.raises(RunFolderError) as refused:
+        RunFolder(outer).lock()
+    assert str(refused.value).startswith(
+        f"output folder '{outer}' holds 'sub', which a running hf-tapernorm command owns (pid {os.getppid()} on host "
+    )
+    assert str(refused.value).endswith("wait for it to finish, or choose another --output_dir")
+    assert sorted(p.name for p in outer.iterdir()) == ["sub"] and lock.is_file()
+    lock.write_text(json.dumps({"pid": 2**22 + 1, "host": socket.gethostname()}))  # its owner is gone: free
+    RunFolder(outer).lock()
+
+
+def test_a_destination_under_a_folder_this_user_cannot_read_is_one_line(workspace, tmp_path, monkeypatch):
+    """As a non-root user, an output under /root (mode 0700): Path.exists raised PermissionError, a traceback."""
+    from pathlib import Path as PathType
+
+    closed = tmp_path / "closed"
+    exists, is_dir = PathType.exists, PathType.is_dir
+
+    def denied(original):
+        def check(self, *args, **kwargs):
+            if self.is_relative_to(closed) and self != closed:
+                raise PermissionError(13, "Permission denied", str(self))
+            return original(self, *args, **kwargs)
+
+        return check
+
+    monkeypatch.setattr(PathType, "exists", denied(exists))
+    monkeypatch.setattr(PathType, "is_dir", denied(is_dir))
+    no_loading(monkeypatch)
+    checkpoint, result = tapered_checkpoint(tmp_path / "tapered"), closed / "s" / "r.json"
+    for command, argv, what in (
+        ("fold", fold_argv(checkpoint, closed / "f"), f"output folder '{closed / 'f'}'"),
+        ("taper", taper_argv(workspace, closed / "t", steps=2), f"output folder '{closed / 't'}'"),
+        ("eval", ["eval", "--model_name_or_path", str(workspace / "llama"), "--output_json", str(result)],
+         f"--output_json {result}"),
+    ):  # fmt: skip
+        message = error_of(argv)
+        assert message.startswith(f"hf-tapernorm {command}: error: {what}: cannot read the folder '{closed}/"), message
+        assert message.endswith("(Permission denied); choose a folder you can read and write"), message

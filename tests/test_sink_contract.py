@@ -98,3 +98,29 @@ def test_patch_model_warns_once_when_the_tokenizer_does_not_add_the_sink():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         patch_model(build(tiny_llama_config()), config, tokenizer=word_tokenizer(adds_bos=True))
+
+
+def test_a_left_padded_batch_is_refused_and_a_right_padded_one_reads_as_its_rows_alone():
+    """A left-padded batch (pads, then sink + text) gave logits 0.046 away from the row alone: the first column, a
+    pad, was kept normalized as the sink and the real sink tapered. Refused in one line; right padding is exact."""
+    from tests.helpers import tapered
+
+    model = tapered("llama", sink_token_ids=SINK).eval()
+    generator = torch.Generator().manual_seed(0)
+    row = torch.cat([torch.tensor([SINK]), torch.randint(3, 120, (1, 7), generator=generator)], dim=1)
+    pads = torch.zeros(1, 3, dtype=torch.long)
+    with torch.no_grad():
+        alone = model(row).logits[0]
+        for ids, mask in [
+            (torch.cat([pads, row], 1), torch.tensor([[0] * 3 + [1] * 8])),
+            (torch.cat([pads + SINK[0], row], 1), torch.tensor([[0] * 3 + [1] * 8])),  # pad id = the sink id
+        ]:
+            with pytest.raises(ConfigurationError, match=r"^LlamaForCausalLM: a left-padded batch .*export_folded"):
+                model(ids, attention_mask=mask)
+            with pytest.raises(ConfigurationError, match="left-padded"):
+                model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+        right = model(torch.cat([row, pads], 1), attention_mask=torch.tensor([[1] * 8 + [0] * 3])).logits[0, :8]
+        cached = model(row[:, :4], attention_mask=torch.ones(1, 4, dtype=torch.long), use_cache=True)
+        step = model(row[:, 4:], attention_mask=torch.ones(1, 8, dtype=torch.long), cache=cached.cache)
+    assert (right - alone).abs().max().item() <= 1e-5
+    assert (step.logits[0] - alone[4:]).abs().max().item() <= 1e-5  # a cached continuation is no fresh batch

@@ -22,15 +22,14 @@ import glob
 import json
 import logging
 import os
-import re
 import shutil
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable
 from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
+from .checkpoint_files import checkpoint_of as _checkpoint_of
+from .checkpoint_files import unrecorded_checkpoints
 from .run_lock import LOCK_NAME, RunFolderError, RunLock
 
 logger = logging.getLogger(__name__)
@@ -43,8 +42,6 @@ _BOOKKEEPING = (MANIFEST_NAME, MANIFEST_NAME + ".tmp", LOCK_NAME)
 _PARTIAL_MARKERS = (".partial-", ".old-")
 #: The report's atomic writes (app/report.py: ``report.json.tmp``, ``report.md.tmp``).
 _TEMPORARY_FILES = ("report.json.tmp", "report.md.tmp")
-#: A Trainer's checkpoint folder, ``checkpoint-<step>``: only that name (``checkpoint-6-keep`` is a user's).
-_CHECKPOINT_NAME = re.compile(rf"{re.escape(PREFIX_CHECKPOINT_DIR)}-[0-9]+")
 #: The Trainer's TensorBoard logs (``--report_to tensorboard``), the run's and its baseline run's: what a
 #: library writes as it goes, so whatever is in them is the run's.
 TRAINER_LOGS = ("runs/", "baseline/runs/")
@@ -57,16 +54,6 @@ def _is_partial(relative: str) -> bool:
         part.startswith(".") and marker in part for part in parts[:-1] for marker in _PARTIAL_MARKERS
     )
     return in_partial_folder or relative in _TEMPORARY_FILES
-
-
-def _checkpoint_of(relative: str) -> Optional[str]:
-    """The Trainer checkpoint folder (``checkpoint-6``, or ``baseline/checkpoint-6`` of the baseline run) that the
-    file ``relative`` lies in, or None."""
-    parts = relative.split("/")
-    depth = 1 if parts[0] == "baseline" else 0
-    if len(parts) > depth + 1 and _CHECKPOINT_NAME.fullmatch(parts[depth]):
-        return "/".join(parts[: depth + 1])
-    return None
 
 
 def _is_output(relative: str, outputs: Iterable[str]) -> bool:
@@ -181,10 +168,10 @@ class RunFolder:
     def _own(self, files: Iterable[str], listed: Collection[str]) -> list[str]:
         """Which of ``files`` are the command's: those its manifest lists (``listed``), those in an ``adopted``
         folder, and those of a checkpoint it has not recorded yet (the Trainer saves a checkpoint whole, then the
-        command records it: a kill in between leaves it unrecorded). A file added to a checkpoint it recorded,
-        or to an output folder, is not."""
-        recorded = {_checkpoint_of(entry) for entry in listed}
-        unrecorded = {_checkpoint_of(f) for f in files} - recorded - {None}
+        command records it: a kill in between leaves it unrecorded; checkpoint_files.py: only when every file in it
+        is one a checkpoint holds). A file added to a checkpoint it recorded, or to an output folder, is not."""
+        files = list(files)
+        unrecorded = unrecorded_checkpoints(files, {_checkpoint_of(entry) for entry in listed})
         return [f for f in files if f in listed or _is_output(f, self.adopted) or _checkpoint_of(f) in unrecorded]
 
     def foreign_files(self) -> list[str]:
@@ -295,7 +282,9 @@ class RunFolder:
                 f"'{self.path}' records the run; start over with --overwrite in a new --output_dir"
             )
         logger.warning("rebuilding the lost manifest of %s from its last checkpoint's record", self.path)
-        ours = [f for f in self.files() if _checkpoint_of(f) or _is_output(f, (*outputs, *self.adopted))]
+        files = self.files()
+        checkpoints = unrecorded_checkpoints(files, ())
+        ours = [f for f in files if _checkpoint_of(f) in checkpoints or _is_output(f, (*outputs, *self.adopted))]
         self._write_manifest({"tool": "hf-tapernorm", "identity": identity, "files": ours})
         return self.manifest()
 

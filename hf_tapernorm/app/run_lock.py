@@ -62,15 +62,31 @@ class RunLock:
     def acquire(self) -> None:
         """Take the lock (creating the folder); RunFolderError when another live command holds it, or holds a
         folder above it (looked for again once the lock is held: of two commands starting at once, one inside
-        the other's folder, the inner one sees the outer lock, or the outer one finds the inner folder in its own)."""
+        the other's folder, the inner one sees the outer lock, or the outer one finds the inner one's lock in its
+        folder and names that command)."""
         what, advice = f"output folder '{self.folder}'", "wait for it to finish, or choose a folder outside it"
         check_destination(self.folder, what, advice=advice, above=True)
         self._take()
         try:
             refuse_while_running(self.folder, what, advice=advice, above=True)
+            self._refuse_running_inside(what)
         except RunFolderError:
             self.release()
             raise
+
+    def _refuse_running_inside(self, what: str) -> None:
+        """Refuse (RunFolderError) a folder holding a folder that a live hf-tapernorm command holds: that command
+        writes there, so its files are neither this command's to replace nor a user's to move away."""
+        for root, dirs, names in os.walk(self.folder):
+            if Path(root) != self.folder and LOCK_NAME in names:
+                owner = RunLock(Path(root)).held_by_another()
+                if owner is not None:
+                    inner = Path(root).relative_to(self.folder).as_posix()
+                    raise RunFolderError(
+                        f"{what} holds '{inner}', which a running hf-tapernorm command owns ({owner}); wait for it "
+                        "to finish, or choose another --output_dir"
+                    )
+            dirs[:] = [d for d in dirs if not Path(root, d).is_symlink()]
 
     def _take(self) -> None:
         try:
@@ -199,6 +215,12 @@ def refuse_while_running(
     raise RunFolderError(f"{what} {where} ({owner}); {advice}")
 
 
+def unreadable_place(what: str, error: OSError) -> str:
+    """The one-line refusal of a destination whose folder this user cannot look into (``error``)."""
+    where = f" '{error.filename}'" if error.filename else ""
+    return f"{what}: cannot read the folder{where} ({error.strerror or error}); choose a folder you can read and write"
+
+
 def check_destination(
     folder: Path, what: str, *, advice: str, above: bool = False, renamed_into_parent: bool = False
 ) -> None:
@@ -208,12 +230,15 @@ def check_destination(
     (the folder, or its first existing parent; ``renamed_into_parent``: the folder is written beside itself and
     renamed into place, so what must be writable is the first existing folder above it)."""
     folder = Path(folder).expanduser()
-    for parent in [folder, *folder.parents]:
-        if parent.exists() and not parent.is_dir():
-            raise RunFolderError(f"{what} is a file" if parent == folder else f"{what}: '{parent}' is a file")
-    refuse_while_running(folder, what, advice=advice, above=above)
-    candidates = folder.parents if renamed_into_parent else [folder, *folder.parents]
-    writable_from = next(p for p in candidates if p.exists())  # the written files land in there
+    try:
+        for parent in [folder, *folder.parents]:
+            if parent.exists() and not parent.is_dir():
+                raise RunFolderError(f"{what} is a file" if parent == folder else f"{what}: '{parent}' is a file")
+        refuse_while_running(folder, what, advice=advice, above=above)
+        candidates = folder.parents if renamed_into_parent else [folder, *folder.parents]
+        writable_from = next(p for p in candidates if p.exists())  # the written files land in there
+    except OSError as error:  # a folder on the way that this user cannot read (Path.exists raises EACCES)
+        raise RunFolderError(unreadable_place(what, error)) from None
     if not os.access(writable_from, os.W_OK | os.X_OK):
         raise RunFolderError(f"{what}: '{writable_from}' is not writable; choose a writable --output_dir")
 
@@ -226,4 +251,5 @@ __all__ = [
     "process_start_time",
     "refuse_while_running",
     "running_command_around",
+    "unreadable_place",
 ]

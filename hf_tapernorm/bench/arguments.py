@@ -207,6 +207,7 @@ class BenchArguments:
             raise ConfigurationError("--modes train packs text blocks of --seq_lens tokens: each must be at least 4")
         for device in self.devices:
             check_device(device)
+        self.output_dir = str(Path(self.output_dir).expanduser())  # `~/b` is $HOME/b, as every command reads it
         output = Path(self.output_dir)
         advice = "wait for it to finish, or choose another --output_dir"
         check_destination(output, f"--output_dir '{output}'", advice=advice)  # as taper and fold check theirs

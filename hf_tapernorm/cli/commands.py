@@ -17,7 +17,7 @@ from typing import Optional
 
 from .._parsing import UsageError, parse
 from ..app.run_folder import LOCK_NAME, RunFolder, write_file, write_folder
-from ..app.run_lock import check_destination, refuse_while_running
+from ..app.run_lock import check_destination, refuse_while_running, unreadable_place
 from ..app.taper import save_export
 from ..app.validation import check_same_tokenizer, check_vocabulary, check_within_positions, max_positions
 from ..config import sink_token_id
@@ -235,11 +235,14 @@ def check_result_file(path: Path) -> None:
 
     Checked before the model loads; a model's config.json or a user's file is never written over.
     """
-    if not path.parent.is_dir():
-        raise UsageError(f"--output_json {path}: the folder '{path.parent}' does not exist; create it first")
-    if path.is_symlink() or (path.exists() and not path.is_file()):
-        raise UsageError(f"--output_json {path} is a symbolic link or a folder; name a new file")
-    refuse_while_running(path, f"--output_json {path}", advice="name a file outside it")
+    try:
+        if not path.parent.is_dir():
+            raise UsageError(f"--output_json {path}: the folder '{path.parent}' does not exist; create it first")
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            raise UsageError(f"--output_json {path} is a symbolic link or a folder; name a new file")
+        refuse_while_running(path, f"--output_json {path}", advice="name a file outside it")
+    except OSError as error:  # a folder on the way that this user cannot read (Path.exists raises EACCES)
+        raise UsageError(unreadable_place(f"--output_json {path}", error)) from None
     if not path.exists():
         if not os.access(path.parent, os.W_OK):
             raise UsageError(f"--output_json {path}: the folder '{path.parent}' is not writable")

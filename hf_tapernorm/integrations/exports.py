@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional, Union
+from typing import Union
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -23,21 +23,42 @@ def local_path(path: Union[str, os.PathLike]) -> Path:
     return Path(path).expanduser()
 
 
+#: the dtypes an export loads in, by the names a caller may give as text (``dtype="bfloat16"``)
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def _as_dtype(dtype: Union[torch.dtype, str, None]) -> Union[torch.dtype, str, None]:
+    """``dtype`` as a torch dtype, ``"auto"`` or None: a name (``"float32"``, ``"torch.bfloat16"``) is the torch
+    dtype it names, so that text and ``torch.float32`` are the same request; anything else is refused naming
+    ``dtype`` (``getattr(torch, "bogus")`` was an AttributeError)."""
+    if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    name = dtype.removeprefix("torch.") if isinstance(dtype, str) else None
+    if name not in _DTYPES:
+        raise ConfigurationError(
+            f"dtype={dtype!r} is no dtype an export loads in: give one of {', '.join(_DTYPES)}, auto, or a torch "
+            "dtype (torch.bfloat16)"
+        )
+    return _DTYPES[name]
+
+
 def load_export(
-    source: ExportSource, *, dtype: Optional[torch.dtype] = None, folded_only: bool = True
+    source: ExportSource, *, dtype: Union[torch.dtype, str, None] = None, folded_only: bool = True
 ) -> PreTrainedModel:
     """The folded model of ``source`` (a folder ``export_folded`` wrote, or a folded model), in eval mode.
 
-    ``dtype``: a folder loads in it (default float32); a model stays in its own, and a ``dtype`` other than its
-    own is refused rather than converted: converting in place would change the caller's model, and a copy
-    would double its memory without a word.
+    ``dtype`` (a torch dtype, its name as text, or ``"auto"``): a folder loads in it (default float32; ``"auto"``:
+    the dtype its config.json records, as ``from_pretrained`` reads it); a model stays in its own (``"auto"``:
+    whatever that is), and a ``dtype`` other than its own is refused rather than converted: converting in place
+    would change the caller's model, and a copy would double its memory without a word.
     Refuses a folder without a config, and (``folded_only``) a model that is not folded: the integrations that
     need the export's structure (folded norms as identities, the stored sink) set it. Refuses an export loaded
     as its plain base class (its config.json's ``model_type`` edited): its sink and folded norms would be lost.
     """
+    dtype = _as_dtype(dtype)
     if isinstance(source, PreTrainedModel):
         model = source
-        if dtype is not None and dtype != model.dtype:
+        if dtype not in (None, "auto") and dtype != model.dtype:
             raise ConfigurationError(
                 f"dtype={dtype} applies to an export folder; the {type(model).__name__} given is {model.dtype}: "
                 f"convert it first (model.to({dtype})) and pass it without dtype="

@@ -75,10 +75,11 @@ def _mark_sink_forwards(model: nn.Module, args: tuple, kwargs: dict) -> None:
     if cache is None:
         cache = kwargs.get("past_key_values")  # the older name, which transformers 5 still accepts
     fresh = cache is None or not hasattr(cache, "get_seq_length") or cache.get_seq_length() == 0
-    if fresh and model.training:
-        ids = args[0] if args else kwargs.get("input_ids")
-        if ids is not None:
-            check_sink_first(ids, model.tapernorm_config.sink_token_ids, f"training {type(model).__name__}")
+    if fresh:
+        ids = model.tapernorm_config.sink_token_ids
+        check_sink_not_padded(kwargs.get("attention_mask"), ids, type(model).__name__)
+        if model.training and (args or kwargs.get("input_ids") is not None):
+            check_sink_first(args[0] if args else kwargs["input_ids"], ids, f"training {type(model).__name__}")
     for module in model.modules():
         if isinstance(module, TaperNorm):
             module.sink_active = fresh
@@ -105,6 +106,26 @@ def check_sink_first(input_ids: torch.Tensor, token_ids: Sequence[int], where: s
             "every sequence (the tokenizer's BOS), pack with "
             f"hf_tapernorm.data.corpus.pack_documents(..., prefix_ids={ids}), or patch without a sink: "
             "TaperNormConfig(sink_token_ids=[])"
+        )
+
+
+def check_sink_not_padded(attention_mask: Optional[torch.Tensor], token_ids: Sequence[int], where: str) -> None:
+    """Raise at a left-padded batch: one whose ``attention_mask`` marks any of the first ``len(token_ids)`` columns
+    of a row as padding.
+
+    The patched model keeps the first columns normalized as the sink, whatever they hold, so a row's pads would be
+    taken for its sink and its real sink (after the pads) would taper: its logits would differ from the row's
+    alone. Finding the sink per row would need per-row positions in every norm; the folded export does that.
+    """
+    n = len(token_ids)
+    if not n or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        return
+    if bool(attention_mask[:, :n].eq(0).any()):
+        raise ConfigurationError(
+            f"{where}: a left-padded batch (attention_mask 0 in the first {n} column(s)): the patched model reads "
+            f"the first column(s) as the sink {list(token_ids)}, not each row's; run such rows alone, pad on the "
+            "right (tokenizer.padding_side = 'right'), or use the folded export (export_folded), which finds the "
+            "sink after the pads"
         )
 
 
@@ -178,6 +199,7 @@ def sink_outputs(model: nn.Module, token_ids: Sequence[int]) -> tuple[torch.Tens
 
 __all__ = [
     "check_sink_first",
+    "check_sink_not_padded",
     "set_sink_tokens",
     "sink_outputs",
     "sink_prefix",

@@ -131,7 +131,7 @@ def load_tapered(
     only with ``trust_sharded_checkpoint=True`` (its index is a pickle; training/sharded.py); everything
     else is safetensors and JSON.
     """
-    folder = Path(folder)
+    folder = Path(folder).expanduser()  # "~/tap" is the home folder's, as save_tapered writes it
     taper_config = tapered_config_of(folder)
     if is_sharded_checkpoint(folder):
         state = read_sharded_model_state(folder, trust_sharded_checkpoint=trust_sharded_checkpoint)

@@ -8,7 +8,7 @@ family's (``model.layers.{i}.mlp`` for Llama, ``transformer.h.{i}.mlp`` for GPT-
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Union
 
 import torch
 
@@ -18,7 +18,7 @@ from .extras import require
 FEATURE = "hf_tapernorm.integrations.nnsight_tracing"
 
 
-def nnsight_model(source: ExportSource, *, dtype: Optional[torch.dtype] = None):
+def nnsight_model(source: ExportSource, *, dtype: Union[torch.dtype, str, None] = None):
     """``nnsight.NNsight`` over the folded export ``source`` (a folder or a folded model), in eval mode; ``dtype`` as
     for ``load_export`` (a folder's, float32 by default; a model keeps its own)."""
     nnsight = require("nnsight", FEATURE)

@@ -20,7 +20,7 @@ TransformerLens's analysis tools (``direct_logit_attribution``, ``logit_lens``) 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -61,7 +61,7 @@ def transformer_bridge(
     *,
     tokenizer: Optional[Any] = None,
     device: Optional[str] = None,
-    dtype: Optional[torch.dtype] = None,
+    dtype: Union[torch.dtype, str, None] = None,
 ):
     """A ``TransformerBridge`` over the folded export ``source`` (a folder or a folded model) whose logits are
     the export's on the same text (the sink, when the export has one, stays in place).

@@ -54,9 +54,10 @@ class Decomposition:
     """One text through one model: the parts of the stream entering the final norm and the readouts of it.
 
     ``parts``: [component, position, d_model]; ``logit``: each position's logit of its next token;
-    ``readout(x)``: the logits of streams x (the final norm, then the head); ``frozen(x)``: the same with the
-    norm's scale frozen at the whole stream's, without constants; ``constant``: what the readout adds whatever the
-    stream (the head's bias, a LayerNorm's beta through the head; for a folded final norm, the readout of 0)."""
+    ``readout(x)``: the logits of streams x (the final norm, then the head); ``attributions``: each part's target
+    logit through the readout with the norm's scale frozen at the whole stream's, without constants;
+    ``constant``: what the readout adds to the target logit whatever the stream (the head's bias, a LayerNorm's
+    beta through the head; for a folded final norm, the readout of 0)."""
 
     names: list[str]
     parts: torch.Tensor
@@ -68,7 +69,12 @@ class Decomposition:
     constant: torch.Tensor  # [position]
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits[torch.arange(len(self.targets)), self.targets]
+        return pick(logits, self.targets)
+
+
+def pick(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each position's logit of its target: ``logits`` [position, vocab] -> [position]."""
+    return logits[torch.arange(len(targets)), targets]
 
 
 # ----------------------------------------------------------------------------- plain transformers
@@ -150,13 +156,10 @@ def transformers_decomposition(model: nn.Module, ids: torch.Tensor, skip: int) -
         frozen = lambda part: nn.functional.linear(centre(part) / scale * weight, head.weight.float())  # noqa: E731
         head_bias = head.bias.float() if head.bias is not None else 0.0
         constant = nn.functional.linear(bias.expand_as(stream), head.weight.float()) + head_bias
-    positions = torch.arange(len(targets))
-    view = Decomposition(
-        names, parts, stream, targets, logits[skip:-1][positions, targets], readout, torch.empty(0), torch.empty(0)
+    attributions = torch.stack([pick(frozen(part), targets) for part in parts])
+    return Decomposition(
+        names, parts, stream, targets, pick(logits[skip:-1], targets), readout, attributions, pick(constant, targets)
     )
-    view.attributions = torch.stack([view.pick(frozen(part)) for part in parts])
-    view.constant = view.pick(constant) if torch.is_tensor(constant) and constant.dim() else torch.zeros(len(targets))
-    return view
 
 
 # ----------------------------------------------------------------------------- TransformerLens
@@ -179,17 +182,16 @@ def lens_decomposition(bridge: Any, ids: torch.Tensor, skip: int) -> Decompositi
 
     b_u = getattr(bridge.unembed, "b_U", None)
     constant = b_u[targets].float() if torch.is_tensor(b_u) else torch.zeros(len(targets))
-    view = Decomposition(
+    return Decomposition(
         list(names),
         parts,
         stream,
         targets,
-        logits[0, skip:-1].float()[torch.arange(len(targets)), targets],
+        pick(logits[0, skip:-1].float(), targets),
         readout,
         result.attribution[:, 0, skip:-1].float(),
         constant,
     )
-    return view
 
 
 # ----------------------------------------------------------------------------- the figures

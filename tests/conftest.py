@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -325,3 +326,40 @@ def workspace(tmp_path_factory):
     save_tiny_model(root / "gpt2", "gpt2")
     (root / "corpus.txt").write_text("\n\n".join(corpus_documents(150)))
     return root
+
+
+class FakeHub:
+    """What ``huggingface_hub.HfApi`` would have been asked to do, for the push tests (nothing reaches the Hub).
+
+    ``created``: (repo_id, options) of each create_repo; ``uploads``: the options of each upload_folder;
+    ``sent``: per repository, the files upload_folder's own ``allow_patterns`` filter would send."""
+
+    def __init__(self) -> None:
+        self.created: list[tuple[str, dict]] = []
+        self.uploads: list[dict] = []
+        self.sent: dict[str, list[str]] = {}
+
+    def create_repo(self, repo_id, **options):
+        self.created.append((repo_id, options))
+        return SimpleNamespace(repo_id=repo_id)
+
+    def upload_folder(self, **options):
+        from huggingface_hub.utils import filter_repo_objects
+
+        self.uploads.append(options)
+        folder = Path(options["folder_path"])
+        files = [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()]
+        self.sent[options["repo_id"]] = sorted(filter_repo_objects(files, allow_patterns=options.get("allow_patterns")))
+        return SimpleNamespace(commit_url=f"https://example.invalid/{options['repo_id']}")
+
+
+@pytest.fixture
+def hub(monkeypatch) -> FakeHub:
+    """``huggingface_hub.HfApi`` replaced by a FakeHub for the test; the token's user is ``me``."""
+    import huggingface_hub
+
+    fake = FakeHub()  # bound methods set on the class stay bound to the fake: HfApi's self is not passed
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", fake.create_repo)
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", fake.upload_folder)
+    monkeypatch.setattr(huggingface_hub.HfApi, "whoami", lambda api, **kw: {"name": "me", "type": "user"})
+    return fake

@@ -8,7 +8,6 @@ import os
 import signal
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -131,9 +130,7 @@ def test_eval_on_the_three_model_kinds_matches_the_report(finished_run, workspac
         assert "pydoc_data.topics" in result["out_of_corpus"]["text"]
 
 
-def test_the_robustness_scan_is_in_the_report_the_export_eval_and_push(finished_run, workspace, monkeypatch):
-    import huggingface_hub
-
+def test_the_robustness_scan_is_in_the_report_the_export_eval_and_push(finished_run, workspace, hub):
     out, stdout = finished_run
     report = json.loads((out / "report.json").read_text())
     scan = report["robustness_scan"]
@@ -162,10 +159,6 @@ def test_the_robustness_scan_is_in_the_report_the_export_eval_and_push(finished_
     code, stdout, _ = run_main(["eval", "--model_name_or_path", str(workspace / "llama"), "--sink", "bos", *data])
     assert code == 0 and "robustness_scan" not in json.loads(stdout.strip().splitlines()[-1])
     # push says it before it uploads.
-    monkeypatch.setattr(
-        huggingface_hub.HfApi, "create_repo", lambda self, repo_id, **kw: SimpleNamespace(repo_id=repo_id)
-    )
-    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, **kw: None)
     code, stdout, stderr = run_main(["push", "--export_dir", str(export), "--repo_id", "me/tiny-normfree"])
     assert code == 0, stderr
     assert f"robustness scan: {scan['broken']} broken of 48 windows" in stdout
@@ -429,23 +422,14 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_finishes_the_same_run(workspace, d
 
 
 # ----------------------------------------------------------------------------- push, bench, sources, defaults
-def test_push_uploads_the_export_folder_as_written(finished_run, monkeypatch):
-    import huggingface_hub
-
+def test_push_uploads_the_export_folder_as_written(finished_run, hub):
     out, _ = finished_run
-    calls = []
-    monkeypatch.setattr(
-        huggingface_hub.HfApi,
-        "create_repo",
-        lambda self, repo_id, **kw: calls.append(("create", repo_id, kw)) or SimpleNamespace(repo_id=repo_id),
-    )
-    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, **kw: calls.append(("upload", kw)))
     code, stdout, stderr = run_main(
         ["push", "--export_dir", str(out / "folded"), "--repo_id", "me/tiny-normfree", "--private"]
     )
     assert code == 0, stderr
-    assert calls[0] == ("create", "me/tiny-normfree", {"private": True, "exist_ok": True, "repo_type": "model"})
-    assert calls[1][1]["folder_path"] == str(out / "folded") and calls[1][1]["repo_id"] == "me/tiny-normfree"
+    assert hub.created == [("me/tiny-normfree", {"private": True, "exist_ok": True, "repo_type": "model"})]
+    assert hub.uploads[0]["folder_path"] == str(out / "folded") and hub.uploads[0]["repo_id"] == "me/tiny-normfree"
     code, _, stderr = run_main(["push", "--export_dir", str(out / "tapered"), "--repo_id", "me/x"])
     assert code == 2 and "is not a folded export" in stderr
 

@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -45,20 +44,6 @@ def export(tmp_path_factory) -> Path:
 
 def fold(checkpoint: Path, out: Path, *extra: str) -> list[str]:
     return ["fold", "--checkpoint", str(checkpoint), "--output_dir", str(out), "--scan_windows", "0", *extra]
-
-
-@pytest.fixture
-def hub(monkeypatch) -> list:
-    """The uploads push makes (one entry per upload_folder call)."""
-    import huggingface_hub
-
-    uploads: list = []
-    monkeypatch.setattr(
-        huggingface_hub.HfApi, "create_repo", lambda self, repo_id, **kw: SimpleNamespace(repo_id=repo_id)
-    )
-    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, **kw: uploads.append(kw))
-    monkeypatch.setattr(huggingface_hub.HfApi, "whoami", lambda self, **kw: {"name": "me", "type": "user"})
-    return uploads
 
 
 def push(folder: Path) -> list[str]:
@@ -95,15 +80,17 @@ def test_push_refuses_weights_edited_after_the_export(export, tmp_path, hub):
     folder = copy_of(export, tmp_path)
     with recording_export(folder):  # the scan an export of a run folder holds (what push shows)
         (folder / "robustness_scan.json").write_text(json.dumps(SCAN))
-    assert run_main(push(folder))[0] == 0 and len(hub) == 1
-    hub.clear()
+    assert run_main(push(folder))[0] == 0 and len(hub.uploads) == 1
+    hub.uploads.clear()
     weights = load_file(str(folder / "model.safetensors"))
     name = next(iter(weights))
     weights[name] = weights[name] * 1.5
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     code, stdout, stderr = run_main(push(folder))
     assert code == 2 and stderr.strip().splitlines()[-1] == changed_error(folder), stderr
-    assert hub == [] and "robustness scan" not in stdout  # nothing uploaded, no scan announced for these weights
+    assert (
+        hub.uploads == [] and "robustness scan" not in stdout
+    )  # nothing uploaded, no scan announced for these weights
 
 
 def test_push_refuses_a_model_fine_tuned_and_saved_over_its_export(export, tmp_path, hub):
@@ -114,13 +101,13 @@ def test_push_refuses_a_model_fine_tuned_and_saved_over_its_export(export, tmp_p
         next(model.parameters()).add_(0.01)  # a fine-tuning step
     model.save_pretrained(folder)
     assert error_of(push(folder)) == changed_error(folder)
-    assert hub == []
+    assert hub.uploads == []
     code, _, stderr = run_main(fold(tapered_dir, folder, "--overwrite"))  # what the message says to do
     assert code == 0, stderr
     code, _, stderr = run_main(push(folder))
     assert code == 0, stderr
     manifest = json.loads((folder / EXPORT_MANIFEST_NAME).read_text())
-    assert len(hub) == 1 and manifest[DIGESTS_KEY]["model.safetensors"] == sha256(folder / "model.safetensors")
+    assert len(hub.uploads) == 1 and manifest[DIGESTS_KEY]["model.safetensors"] == sha256(folder / "model.safetensors")
 
 
 def test_an_export_of_an_earlier_version_is_pushed_with_a_warning(export, tmp_path, hub, caplog):
@@ -132,7 +119,7 @@ def test_an_export_of_an_earlier_version_is_pushed_with_a_warning(export, tmp_pa
     with caplog.at_level(logging.WARNING):
         code, _, stderr = run_main(push(folder))
     assert code == 0, stderr
-    assert "recorded no digest of its files: push cannot check" in caplog.text and len(hub) == 1
+    assert "recorded no digest of its files: push cannot check" in caplog.text and len(hub.uploads) == 1
 
 
 def test_a_manifest_whose_digests_were_edited_is_refused(export, tmp_path, hub):
@@ -144,7 +131,7 @@ def test_a_manifest_whose_digests_were_edited_is_refused(export, tmp_path, hub):
         f"hf-tapernorm push: error: the export manifest {folder / EXPORT_MANIFEST_NAME} is damaged or was edited; "
         "re-export the model"
     )
-    assert hub == []
+    assert hub.uploads == []
 
 
 # ============================================================================= every file the export wrote
@@ -171,7 +158,7 @@ def test_push_refuses_any_file_of_the_export_edited_after_it(export, tmp_path, h
     EDITS[name](folder)
     code, stdout, stderr = run_main(push(folder))
     assert code == 2 and stderr.strip().splitlines()[-1] == changed_error(folder, name), stderr
-    assert hub == [] and "robustness scan" not in stdout
+    assert hub.uploads == [] and "robustness scan" not in stdout
 
 
 # ============================================================================= a folder a command writes
@@ -195,7 +182,7 @@ def test_push_refuses_an_export_a_running_command_owns(export, tmp_path, hub):
     link = tmp_path.parent / f"{tmp_path.name}-link"  # a link to the export, outside the held run folder
     link.symlink_to(folder)
     assert "which a running hf-tapernorm command owns" in error_of(push(link))  # the link was not followed
-    assert hub == []
+    assert hub.uploads == []
 
 
 def test_push_never_uploads_a_lock_file(export, tmp_path, hub):
@@ -208,7 +195,7 @@ def test_push_never_uploads_a_lock_file(export, tmp_path, hub):
     for extra in ([], ["--include", LOCK_NAME], ["--include", "*"]):
         code, _, stderr = run_main([*push(folder), *extra])
         assert code == 0, stderr
-        patterns = hub.pop()["allow_patterns"]
+        patterns = hub.uploads.pop()["allow_patterns"]
         assert not any(fnmatch.fnmatchcase(LOCK_NAME, p) for p in patterns), patterns
         assert any(fnmatch.fnmatchcase("model.safetensors", p) for p in patterns), patterns
 
@@ -219,7 +206,7 @@ def test_push_to_a_name_without_an_owner_goes_under_the_token_s_user(export, tmp
     with caplog.at_level(logging.INFO):
         code, stdout, stderr = run_main(["push", "--export_dir", str(export), "--repo_id", "tiny-normfree"])
     assert code == 0, stderr
-    assert [upload["repo_id"] for upload in hub] == ["me/tiny-normfree"]
+    assert [upload["repo_id"] for upload in hub.uploads] == ["me/tiny-normfree"]
     assert "repo id tiny-normfree names no owner: the Hub puts it under the token's user, as me/tiny-normfree" in (
         caplog.text
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -39,26 +38,6 @@ def reference(run) -> Path:
     return run
 
 
-@pytest.fixture
-def hub(monkeypatch):
-    """huggingface_hub.HfApi stand-in: records, per repository, the files upload_folder's filter would send."""
-    import huggingface_hub
-    from huggingface_hub.utils import filter_repo_objects
-
-    uploads: dict[str, list[str]] = {}
-
-    def upload_folder(self, *, repo_id, folder_path, allow_patterns=None, **options):
-        files = [p.relative_to(folder_path).as_posix() for p in Path(folder_path).rglob("*") if p.is_file()]
-        uploads[repo_id] = sorted(filter_repo_objects(files, allow_patterns=allow_patterns))
-        return SimpleNamespace(commit_url=f"https://example.invalid/{repo_id}")
-
-    monkeypatch.setattr(
-        huggingface_hub.HfApi, "create_repo", lambda self, repo_id, **kw: SimpleNamespace(repo_id=repo_id)
-    )
-    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
-    return uploads
-
-
 def _push(folder, repo: str, *extra: str) -> int:
     return run_main(["push", "--export_dir", str(folder), "--repo_id", repo, *extra])[0]
 
@@ -69,7 +48,7 @@ def test_push_uploads_exactly_the_manifest_by_a_symlink_or_a_trailing_slash(run,
     assert _push(run / "folded", "me/plain") == 0
     assert _push(tmp_path / "link", "me/link") == 0
     assert _push(str(run / "folded") + "/", "me/slash") == 0
-    assert hub["me/plain"] == hub["me/link"] == hub["me/slash"] == sorted(manifest)
+    assert hub.sent["me/plain"] == hub.sent["me/link"] == hub.sent["me/slash"] == sorted(manifest)
 
 
 def test_push_include_names_a_file_literally_and_star_means_everything(run, tmp_path, hub):
@@ -78,9 +57,9 @@ def test_push_include_names_a_file_literally_and_star_means_everything(run, tmp_
     (folder / "folded" / "samples").mkdir()
     (folder / "folded" / "samples" / "a.txt").write_text("sample")
     assert _push(folder / "folded", "me/literal", "--include", "[tokenizer].json", "samples/*") == 0
-    assert {"[tokenizer].json", "samples/a.txt"} <= set(hub["me/literal"])
+    assert {"[tokenizer].json", "samples/a.txt"} <= set(hub.sent["me/literal"])
     assert _push(folder / "folded", "me/all", "--include", "*") == 0
-    assert set(hub["me/all"]) == set(hub["me/literal"])
+    assert set(hub.sent["me/all"]) == set(hub.sent["me/literal"])
 
 
 def test_files_to_push_reads_one_include_string_as_one_pattern(run, tmp_path):
@@ -94,11 +73,10 @@ def test_files_to_push_reads_one_include_string_as_one_pattern(run, tmp_path):
 def test_push_of_an_export_whose_model_card_was_emptied_uploads_it_as_is(run, tmp_path, hub):
     folder = copy_of(run, tmp_path)
     (folder / "folded" / "README.md").write_text("")
-    assert _push(folder / "folded", "me/empty_card") == 0 and "README.md" in hub["me/empty_card"]
+    assert _push(folder / "folded", "me/empty_card") == 0 and "README.md" in hub.sent["me/empty_card"]
 
 
-def test_push_uploads_only_the_files_of_the_export(reference, tmp_path, monkeypatch):
-    import huggingface_hub
+def test_push_uploads_only_the_files_of_the_export(reference, tmp_path, hub):
     from huggingface_hub.utils import filter_repo_objects
 
     export = tmp_path / "folded"
@@ -110,34 +88,30 @@ def test_push_uploads_only_the_files_of_the_export(reference, tmp_path, monkeypa
     (export / ".env").write_text("HF_TOKEN=hf_secret")
     (export / "notes").mkdir()
     (export / "notes" / "private.txt").write_text("private")
-    calls = []
-    monkeypatch.setattr(
-        huggingface_hub.HfApi,
-        "create_repo",
-        lambda self, repo_id, **kw: calls.append(("create", repo_id, kw)) or SimpleNamespace(repo_id=repo_id),
-    )
-    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, **kw: calls.append(("upload", kw)))
     push = ["push", "--export_dir", str(export), "--repo_id", "me/tiny-normfree"]
     message = error_of(push)
     assert message == (
         f"hf-tapernorm push: error: '{export}' holds files the export did not write (.env, notes/private.txt); they "
         "are not uploaded: move them away, or name the ones to publish with --include PATTERN"
     )
-    assert "HF_TOKEN" not in message and calls == []
+    assert "HF_TOKEN" not in message and hub.created == hub.uploads == []
     assert error_of([*push, "--include", "notes/*"]).endswith("did not write (.env); they are not uploaded: "
                                                                "move them away, or name the ones to publish with "
                                                                "--include PATTERN")  # fmt: skip
     (export / ".env").unlink()
     code, _, stderr = run_main([*push, "--include", "notes/*"])
     assert code == 0, stderr
-    assert calls[0] == ("create", "me/tiny-normfree", {"private": True, "exist_ok": True, "repo_type": "model"})
-    uploaded = set(filter_repo_objects(written + ["notes/private.txt"], allow_patterns=calls[1][1]["allow_patterns"]))
+    assert hub.created == [("me/tiny-normfree", {"private": True, "exist_ok": True, "repo_type": "model"})]
+    uploaded = set(
+        filter_repo_objects(written + ["notes/private.txt"], allow_patterns=hub.uploads[0]["allow_patterns"])
+    )
     assert uploaded == set(manifest) | {"notes/private.txt"}
-    calls.clear()
+    hub.created.clear()
+    hub.uploads.clear()
     assert run_main([*push, "--no_private"])[0] == 2  # notes/ is refused again without --include
     shutil.rmtree(export / "notes")
-    assert run_main([*push, "--no_private"])[0] == 0 and calls[0][2]["private"] is False
-    assert set(filter_repo_objects(written, allow_patterns=calls[1][1]["allow_patterns"])) == set(manifest)
+    assert run_main([*push, "--no_private"])[0] == 0 and hub.created[0][1]["private"] is False
+    assert set(filter_repo_objects(written, allow_patterns=hub.uploads[0]["allow_patterns"])) == set(manifest)
 
 
 def test_push_refuses_an_export_without_a_manifest(reference, tmp_path):

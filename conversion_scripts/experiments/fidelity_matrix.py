@@ -145,6 +145,14 @@ ARMS: dict[str, Arm] = {
         "part of a baseline, so it reads final_norm's)",
         baseline_of="final_norm",
     ),
+    "final_norm_sink_3": Arm(
+        ("--scope", "all", "--sink_attention_weight", "3"),
+        False,
+        "final_norm with the sink-attention term at weight 3: seed 42's break is the sink losing its share of "
+        "attention past the band, which the term at weight 1 did not hold (the term is no part of a baseline, so "
+        "it reads final_norm's)",
+        baseline_of="final_norm",
+    ),
     "sink_attention": Arm(
         GATED_MLP_NORMS, False, "the default without the runaway layers' attention norms (the term at weight 1)"
     ),

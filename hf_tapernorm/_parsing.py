@@ -244,8 +244,11 @@ def _as_text(value: Any, key: str, hint: Any, action: argparse.Action, parser: _
     bool or an object for an option of another type (``"output_dir": true`` would be a folder named true), a list
     in a list, text that is no number, or a fraction for an integer option, is refused naming the option; so is
     text no path or option can hold, which a file can carry and argv cannot: a NUL, a lone UTF-16 surrogate, a
-    line break in a text option (a YAML block scalar ends with one), and YAML's binary data."""
+    line break in a text option (a YAML block scalar ends with one), YAML's binary data, and a null item in a
+    list."""
     name = parser.source
+    if value is None:  # an item of a list (an option's own null is its default): `[null]` would be the text None
+        raise UsageError(f"{name}: {key} holds an empty item (null): remove it, or write the value")
     if isinstance(value, (bytes, bytearray)):  # YAML's !!binary: str() would make it the text "b'...'"
         raise UsageError(f"{name}: {key} takes {_type_text(hint)}, got binary data (!!binary); write it as text")
     if isinstance(value, str):

@@ -412,6 +412,14 @@ UNREADABLE = {
         "push", '{"export_dir": "e", "repo_id": "me/x", "include": ["a\\u0000"]}',
         "include holds a NUL byte (\\u0000), which no path or option value can hold",
     ),
+    "push include with a null item": (
+        "push", "export_dir: e\nrepo_id: me/x\ninclude: [null]\n",
+        "include holds an empty item (null): remove it, or write the value",
+    ),
+    "taper keep_norms with a null item": (
+        "taper", '{"keep_norms": ["model.norm", null]}',
+        "keep_norms holds an empty item (null): remove it, or write the value",
+    ),
     "fold tolerance .inf": (
         "fold", "checkpoint: c\noutput_dir: o\ntolerance: .inf\n",
         "argument --tolerance: must be a finite number, got inf (see hf-tapernorm fold --help)",

@@ -119,6 +119,8 @@ def test_a_left_padded_batch_is_refused_and_a_right_padded_one_reads_as_its_rows
                 model(ids, attention_mask=mask)
             with pytest.raises(ConfigurationError, match="left-padded"):
                 model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+            with pytest.raises(ConfigurationError, match="left-padded"):  # the mask by position, as forward takes it
+                model(ids, mask)
         right = model(torch.cat([row, pads], 1), attention_mask=torch.tensor([[1] * 8 + [0] * 3])).logits[0, :8]
         cached = model(row[:, :4], attention_mask=torch.ones(1, 4, dtype=torch.long), use_cache=True)
         step = model(row[:, 4:], attention_mask=torch.ones(1, 8, dtype=torch.long), cache=cached.cache)

@@ -17,6 +17,7 @@ those of the model with every gate at 1: :func:`sink_prefix` computes them that 
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -77,12 +78,23 @@ def _mark_sink_forwards(model: nn.Module, args: tuple, kwargs: dict) -> None:
     fresh = cache is None or not hasattr(cache, "get_seq_length") or cache.get_seq_length() == 0
     if fresh:
         ids = model.tapernorm_config.sink_token_ids
-        check_sink_not_padded(kwargs.get("attention_mask"), ids, type(model).__name__)
-        if model.training and (args or kwargs.get("input_ids") is not None):
-            check_sink_first(args[0] if args else kwargs["input_ids"], ids, f"training {type(model).__name__}")
+        check_sink_not_padded(_forward_argument(model, args, kwargs, "attention_mask"), ids, type(model).__name__)
+        input_ids = _forward_argument(model, args, kwargs, "input_ids")
+        if model.training and input_ids is not None:
+            check_sink_first(input_ids, ids, f"training {type(model).__name__}")
     for module in model.modules():
         if isinstance(module, TaperNorm):
             module.sink_active = fresh
+
+
+def _forward_argument(model: nn.Module, args: tuple, kwargs: dict, name: str) -> Any:
+    """The forward's argument ``name`` whether it was given by keyword or by position (``model(ids, mask)``)."""
+    if name in kwargs or not args:
+        return kwargs.get(name)
+    try:
+        return inspect.signature(model.forward).bind_partial(*args).arguments.get(name)
+    except TypeError:  # more positions than the forward names: the forward itself will say so
+        return None
 
 
 def check_sink_first(input_ids: torch.Tensor, token_ids: Sequence[int], where: str) -> None:

@@ -1,7 +1,8 @@
 """Argument parsing for every command line of the package (``hf-tapernorm``'s subcommands in cli/, the
-benchmark in bench/): ``HfArgumentParser`` whose errors are one-line usage errors and whose number options refuse
-NaN and infinity, an options file read as the flags it stands for (one parse, one set of checks, whatever the
-source), and the translation of field names into flag names.
+benchmark in bench/): ``HfArgumentParser`` whose errors are one-line usage errors, whose number options refuse
+NaN and infinity and whose text options refuse what no path or name can hold (a byte of argv that is not UTF-8, a
+line break), an options file read as the flags it stands for (one parse, one set of checks, whatever the source),
+and the translation of field names into flag names.
 
 It sits at the bottom of the layers so that cli/ and bench/ share it without importing each other.
 Below the command line, errors name fields as ``TaperNormConfig.taper_end`` or
@@ -18,6 +19,7 @@ import json
 import math
 import os
 import re
+import stat
 import types
 import typing
 from collections.abc import Collection, Iterable, Sequence
@@ -38,7 +40,8 @@ class UsageError(ConfigurationError):
 
 class _Parser(HfArgumentParser):
     """transformers' parser, with one-line errors and each field's option at hand (``options``): an options file is
-    read through it as the flags it stands for."""
+    read through it as the flags it stands for. Each text option's type checks that its value is text a path or a
+    name can hold (:func:`_text`, :func:`_one_line`), whether the value came from argv or from a file."""
 
     def __init__(self, dataclass_types: Sequence[type], prog: str, source: Optional[str] = None) -> None:
         #: field name -> its argparse action (the option named after the field, not its ``--no_`` complement)
@@ -46,12 +49,18 @@ class _Parser(HfArgumentParser):
         #: every flag as an options file may spell it (``no_private``, ``model_name_or_path``) -> its action
         self.flags: dict[str, argparse.Action] = {}
         self.source = source  # the options file being read, named in every error
+        self.hints, self.separators, self.empty, self.numbers = _declared(dataclass_types)
         super().__init__(list(dataclass_types), prog=prog)
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
         if kwargs.get("type") is float:  # one check for every number option of every command, before any work
             kwargs["type"] = _finite_float
+        if self.source is not None and kwargs.get("nargs") in ("+", "*") and "action" not in kwargs:
+            kwargs["action"] = _FileItems
         action = super().add_argument(*args, **kwargs)
+        if action.type is str:  # a field's option: its declared type tells a one-line text (a path, a name)
+            hint = self.hints.get(action.dest)
+            action.type = _one_line if hint is not None and _is_text(hint) else _text
         if f"--{action.dest}" in action.option_strings:
             self.options[action.dest] = action
         self.flags.update({s[2:].replace("-", "_"): action for s in action.option_strings if s.startswith("--")})
@@ -59,6 +68,47 @@ class _Parser(HfArgumentParser):
 
     def error(self, message: str) -> NoReturn:  # argparse would print the usage block and exit
         raise UsageError(f"{f'{self.source}: ' if self.source else ''}{message} (see {self.prog} --help)")
+
+
+class _FileItems(argparse.Action):
+    """A several-value option read from an options file: the file's command line gives each item as its own
+    ``--option=ITEM`` (:func:`_command_line`), so that an item is a value of its option whatever its first character
+    (``--no_private`` or ``-notes.txt`` as its own word would be a flag), and the items add up to the option's value
+    in place of its default. argparse still gives each item the option's type and choices."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option: Optional[str] = None) -> None:
+        items = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, [*(items if items is not self.default else []), *values])
+
+
+def _text(value: str) -> str:
+    """The type of every text option: text, which any path or option value can hold. A byte of argv that is not
+    UTF-8 arrives as a lone surrogate (Python decodes argv with surrogateescape) as does a file's ``"\\udce9"``:
+    no character, which the command accepts and then fails on where it writes the name, after the work."""
+    if "\0" in value:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} holds a NUL byte (\\u0000), which no path or option value can hold"
+        )
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} holds {value[error.start]!r}, which is no character (a byte that is not UTF-8, or half of a "
+            "UTF-16 surrogate pair): write it as UTF-8 text"
+        ) from None
+    return value
+
+
+def _one_line(value: str) -> str:
+    """The type of an option whose declared type is text (a path, a name, a pattern): :func:`_text` on one line. A
+    line break is any character ``str.splitlines`` breaks at (``\\n``, ``\\r``, U+2028, NEL, ...); a YAML block
+    scalar ends with one."""
+    breaks = [character for character in _text(value) if character.splitlines() != [character]]
+    if breaks:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} holds a line break ({breaks[0]!r}), which a path or name cannot hold: write it on one line"
+        )
+    return value
 
 
 def _finite_float(text: str) -> float:
@@ -78,31 +128,31 @@ def parse(dataclass_types: Sequence[type], argv: Sequence[str], prog: str) -> tu
 
     A file is read as the flags it stands for (:func:`_command_line`) by the same argparse parse, so its values get
     the command line's types, choices and checks: ``"trust_remote_code": "false"`` is false, ``sink: bogus`` is
-    refused, whatever the source."""
-    source = None
-    if argv and _is_options_file(argv[0]):
-        if len(argv) > 1:  # argparse would call it an unrecognized argument
-            raise UsageError(
-                f"the options file {argv[0]} is read alone: put {argv[1]} and the other options into it, or pass "
-                f"every option as a flag (see {prog} --help)"
-            )
-        source = argv[0]
+    refused, whatever the source. The file is the first and only argument: one named anywhere else is refused so."""
+    source = argv[0] if argv and _is_options_file(argv[0]) else None
+    if source is not None and len(argv) > 1:  # argparse would call it an unrecognized argument
+        _refuse_misplaced(source, argv, prog)
     parser = _Parser(dataclass_types, prog, source)
     if source is not None:
         path = os.path.abspath(source)
-        if os.path.isdir(path):
-            raise UsageError(f"options file '{source}' is a folder; name a JSON or YAML file of options")
-        if not os.path.isfile(path):
-            raise UsageError(f"options file '{source}' not found")
-        hints, separators, empty = _declared(dataclass_types)
+        _check_options_file(path, source)
         as_written = {
             flag
             for flag, action in parser.flags.items()
-            if action.dest in hints and (_is_text(hints[action.dest]) or action.type in (int, _finite_float))
+            if action.dest in parser.hints
+            and (_is_text(parser.hints[action.dest]) or action.type in (int, _finite_float))
         }
-        argv = _command_line(parser, _read_options_file(path, source, as_written), hints, separators, empty)
+        argv = _command_line(parser, _read_options_file(path, source, as_written))
+    else:
+        misplaced = _options_file_among(parser, argv)
+        if misplaced is not None:  # argparse would read it as a flag's value (--resume run.json) or an extra word
+            _refuse_misplaced(misplaced, argv, prog)
+    ends = [word for word in argv if word.startswith("--") and word.partition("=")[2] == "--"]
+    if ends:  # argparse drops a value `--` (the end of the options): --output_dir=-- would be the list []
+        where = f"{source}: " if source is not None else ""
+        raise UsageError(f"{where}{ends[0]}: '--' is no value an option can take (see {prog} --help)")
     try:
-        return tuple(parser.parse_args_into_dataclasses(args=list(argv)))
+        return tuple(parser.parse_args_into_dataclasses(args=list(argv), look_for_args_file=False))  # no <script>.args
     except ValueError as error:
         if isinstance(error, ConfigurationError):
             raise
@@ -118,18 +168,64 @@ def _is_options_file(argument: str) -> bool:
     return not argument.startswith("-") and argument.lower().endswith((".json", ".yaml", ".yml"))
 
 
+def _options_file_among(parser: _Parser, argv: Sequence[str]) -> Optional[str]:
+    """The first argument after a flag that names an existing options file and that is no option's value: not the
+    value of an option that takes one (``--output_json results.json``) or several (``--include a.json``), but after a
+    flag that takes none or may take a bool (``--resume run.json``), or after another option's value."""
+    taking: Any = 0  # how the option before takes values: None (one), "+" / "*" (several), else none
+    for word in argv:
+        if word.startswith("-"):
+            flag, equals, _ = word.lstrip("-").partition("=")
+            action = parser.flags.get(flag.replace("-", "_")) if word.startswith("--") else None
+            taking = action.nargs if action is not None and not equals else 0
+        elif taking is None:
+            taking = 0
+        elif taking not in ("+", "*") and _is_options_file(word) and os.path.exists(word) and not os.path.isdir(word):
+            return word
+    return None
+
+
+def _refuse_misplaced(options_file: str, argv: Sequence[str], prog: str) -> NoReturn:
+    """Refuse a command line that names an options file and more: the file is read alone."""
+    others = [word.partition("=")[0] for word in argv if word.startswith("-")]
+    others = others or [word for word in argv if word != options_file]
+    raise UsageError(
+        f"the options file {options_file} is read alone, as the first and only argument: put {' '.join(others)} "
+        f"into it, or pass every option as a flag (see {prog} --help)"
+    )
+
+
+def _check_options_file(path: str, name: str) -> None:
+    """Refuse an options file that is missing or is no regular file, without opening it (a pipe nobody writes to
+    would block the read)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise UsageError(f"options file '{name}' not found") from None
+    except OSError as error:
+        raise UsageError(f"options file '{name}': cannot read it ({error.strerror})") from None
+    if stat.S_ISDIR(mode):
+        raise UsageError(f"options file '{name}' is a folder; name a JSON or YAML file of options")
+    if not stat.S_ISREG(mode):
+        raise UsageError(
+            f"options file '{name}' is not a regular file (a pipe, a socket or a device); name a JSON or YAML file "
+            "of options"
+        )
+
+
 def _read_options_file(path: str, name: str, as_written: Collection[str]) -> dict[str, Any]:
     """The object of an options file (JSON or YAML), or a UsageError naming the file. A leading byte order mark
-    (what some editors write into UTF-8) is no part of the text. YAML 1.1 reads ``010``, ``12:30``, ``0b11`` and
-    ``0x1F`` as numbers (8, 750, 3, 31) and ``2024-01-02`` as a date, where the command line reads ``--max_steps
-    010`` as 10 and refuses the others: the value of a text or number option (``as_written``: a folder, a dataset
-    name, a step count) is its text as written, given to the option's own type as the flag's text is."""
+    (what some editors write into UTF-8) is no part of the text. JSON numbers keep the text the file holds
+    (:class:`_Written`). YAML reads numbers as YAML 1.2 does (:class:`_Loader`), and the value of a text or number
+    option (``as_written``: a folder, a dataset name, a step count) is its text as written, given to the option's
+    own type as the flag's text is: ``output_dir: 010`` is the folder 010, ``learning_rate: 0x10`` is refused as
+    ``--learning_rate 0x10`` is."""
     try:
         with open(path, encoding="utf-8-sig") as handle:
             if path.lower().endswith(".json"):
-                values = json.load(handle)
+                values = json.load(handle, parse_int=_JsonInt.read, parse_float=_JsonFloat.read)
             else:
-                loader = yaml.SafeLoader(handle)
+                loader = _Loader(handle)
                 try:
                     node = loader.get_single_node()
                     values = loader.construct_document(node) if node is not None else None
@@ -148,8 +244,63 @@ def _read_options_file(path: str, name: str, as_written: Collection[str]) -> dic
     return values
 
 
-#: The types YAML 1.1 resolves a plain scalar to that may have been meant as text (``010``, ``1:30``, ``2024-01-02``).
+class _Written:
+    """A number of a JSON options file with the text the file holds (``text``): a text option given a number is
+    refused quoting what the file says (``1e1``, ``1.50``), not Python's reading of it (``10.0``, ``1.5``)."""
+
+    text = ""
+
+    @classmethod
+    def read(cls, text: str) -> Any:
+        number = cls(text)
+        number.text = text
+        return number
+
+
+class _JsonInt(_Written, int):
+    """An integer of a JSON options file, with its text."""
+
+
+class _JsonFloat(_Written, float):
+    """A fraction of a JSON options file, with its text."""
+
+
+#: The types YAML resolves a scalar to that may have been meant as text (``010``, ``0x1F``, ``!!timestamp``).
 _NUMBER_TAGS = {f"tag:yaml.org,2002:{kind}" for kind in ("int", "float", "timestamp")}
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's core schema for numbers: ``010`` is 10, ``0x1F`` 31, ``1e3`` 1000.0,
+    and ``1:30``, ``0b11``, ``1_000`` and ``2024-01-02`` are text, where YAML 1.1 reads 8, 90, 3, 1000 and a date.
+    It is how a value inside an object option reads (``lr_scheduler_kwargs: {num_decay_steps: 010}``: 10, as its
+    flag's JSON ``10`` would); an option's own value is its text as written (:func:`_as_written`)."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _NUMBER_TAGS]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
+)
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+.0123456789"),
+)
+
+
+def _core_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    """A YAML 1.2 integer: decimal whatever its leading zeros (``010`` is 10), ``0o`` octal, ``0x`` hexadecimal."""
+    text = loader.construct_scalar(node)
+    if text[:2] in ("0o", "0x"):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    return int(text)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _core_int)
 
 
 def _as_written(node: yaml.Node, value: Any) -> Any:
@@ -163,17 +314,19 @@ def _as_written(node: yaml.Node, value: Any) -> Any:
     return value
 
 
-def _declared(dataclass_types: Sequence[type]) -> tuple[dict[str, Any], dict[str, str], dict[str, str]]:
+def _declared(dataclass_types: Sequence[type]) -> tuple[dict[str, Any], dict[str, str], dict[str, str], set[str]]:
     """Each option's type as declared (HfArgumentParser rewrites each Field's), and the classes' ``SEPARATORS``
     (option -> the text between the items of an option that lists several things in one value, ``--keep_norms
-    a,b``) and ``EMPTY`` (option -> how its flag spells an empty list, ``--report_to none``)."""
-    hints, separators, empty = {}, {}, {}
+    a,b``), ``EMPTY`` (option -> how its flag spells an empty list, ``--report_to none``) and ``NUMBERS`` (the text
+    options whose text is a number, ``--taper_end 0.7``: an options file may write them as numbers)."""
+    hints, separators, empty, numbers = {}, {}, {}, set()
     for cls in dataclass_types:
         declared = typing.get_type_hints(cls)
         hints.update({f.name: declared[f.name] for f in dataclasses.fields(cls) if f.init})
         separators.update(getattr(cls, "SEPARATORS", {}))
         empty.update(getattr(cls, "EMPTY", {}))
-    return hints, separators, empty
+        numbers.update(getattr(cls, "NUMBERS", ()))
+    return hints, separators, empty, numbers
 
 
 def _is_text(hint: Any) -> bool:
@@ -185,15 +338,16 @@ def _is_text(hint: Any) -> bool:
     )
 
 
-def _command_line(
-    parser: _Parser, values: dict[str, Any], hints: dict[str, Any], separators: dict[str, str], empty: dict[str, str]
-) -> list[str]:
+def _command_line(parser: _Parser, values: dict[str, Any]) -> list[str]:
     """The command line an options file stands for: ``--key=value`` for each key (null: the option left at its
-    default). A key is any flag of the command, spelled with ``_`` or ``-`` (``no_private: true`` is
-    ``--no_private``). A list gives a several-value option its values, and a one-value option its one element, or
-    its items joined by its separator. An empty list is the option's empty value: its flag's spelling of one
+    default), so that a value is one, whatever its first character. A key is any flag of the command, spelled with
+    ``_`` or ``-`` (``no_private: true`` is ``--no_private``). A list gives a several-value option its values, each
+    as its own ``--key=item`` (:class:`_FileItems` adds them up), and a one-value option its one element, or its
+    items joined by its separator. An empty list is the option's empty value: its flag's spelling of one
     (``EMPTY``), else no value, the option's default as with null (a several-value option whose default is not
-    empty cannot be empty: refused as on the command line). Keys that are no option are refused together, named."""
+    empty cannot be empty: refused as on the command line). Keys that are no option are refused together, named;
+    so are two keys of one option (``seq_lens`` and ``seq-lens``, ``private`` and ``no_private``)."""
+    hints, separators, empty = parser.hints, parser.separators, parser.empty
     texts = [key for key in values if not isinstance(key, str)]
     if texts:  # YAML reads `1:` or `~:` as a number or null
         raise UsageError(f"{parser.source}: option names are text, got {texts[0]!r} (see {parser.prog} --help)")
@@ -201,6 +355,12 @@ def _command_line(
     unknown = [key for key, action in flags.items() if action is None or action.dest not in hints]
     if unknown:
         raise UsageError(f"{parser.source}: unknown options {unknown} (see {parser.prog} --help)")
+    spellings: dict[str, list[str]] = {}
+    for key, action in flags.items():
+        spellings.setdefault(action.dest, []).append(key)
+    twice = next((keys for keys in spellings.values() if len(keys) > 1), None)
+    if twice is not None:  # a list's items would add up; one value would silently win
+        raise UsageError(f"{parser.source}: {' and '.join(twice)} are the same option: keep one")
     argv: list[str] = []
     for key, value in values.items():
         flag = flags[key]
@@ -212,11 +372,13 @@ def _command_line(
             value = empty[name]
         if value is None or (value == [] and not (action.nargs in ("+", "*") and action.default)):
             continue
-        if not isinstance(value, list):
+        if value == []:  # argparse's refusal: "expected at least one argument"
+            argv.append(f"--{name}")
+        elif not isinstance(value, list):
             argv.append(f"--{name}={_as_text(value, key, hint, action, parser)}")
         elif action.nargs in ("+", "*"):
             item = next((typing.get_args(m)[0] for m in _members(hint) if typing.get_origin(m) is list), Any)
-            argv += [f"--{name}", *(_as_text(v, key, item, action, parser) for v in value)]
+            argv += [f"--{name}={_as_text(v, key, item, action, parser)}" for v in value]
         elif len(value) == 1 or (value and name in separators):
             items = [_as_text(v, key, hint, action, parser) for v in value]
             argv.append(f"--{name}={separators.get(name, '').join(items)}")
@@ -239,33 +401,25 @@ def _as_bool(value: Any, key: str, action: argparse.Action, parser: _Parser) -> 
 
 def _as_text(value: Any, key: str, hint: Any, action: argparse.Action, parser: _Parser) -> str:
     """One value of an options file as the command line writes it: bools as true/false and objects as JSON text
-    where the field's type takes them (a bool, a dict), and numbers as numbers however YAML read them (``1e-1``,
-    ``3e-4``: YAML 1.1 wants a dot in a float, so it reads them as text; ``2e1`` for an integer option is 20). A
-    bool or an object for an option of another type (``"output_dir": true`` would be a folder named true), a list
-    in a list, text that is no number, or a fraction for an integer option, is refused naming the option; so is
-    text no path or option can hold, which a file can carry and argv cannot: a NUL, a lone UTF-16 surrogate, a
-    line break in a text option (a YAML block scalar ends with one), YAML's binary data, and a null item in a
-    list."""
+    where the field's type takes them (a bool, a dict), and numbers as numbers however the file wrote them
+    (``"max_steps": 2e1`` for an integer option is 20). A bool, a number or an object for an option of another type
+    (``"output_dir": true`` would be a folder named true, ``1e1`` one named 10.0), a list in a list, text that is no
+    number, or a fraction for an integer option, is refused naming the option; so are YAML's binary data and a null
+    item in a list, which a file can carry and argv cannot. Text goes to the option's own type, which refuses what
+    no path or name can hold (:func:`_text`) whatever the source."""
     name = parser.source
     if value is None:  # an item of a list (an option's own null is its default): `[null]` would be the text None
         raise UsageError(f"{name}: {key} holds an empty item (null): remove it, or write the value")
     if isinstance(value, (bytes, bytearray)):  # YAML's !!binary: str() would make it the text "b'...'"
         raise UsageError(f"{name}: {key} takes {_type_text(hint)}, got binary data (!!binary); write it as text")
-    if isinstance(value, str):
-        if _is_text(hint) and ("\n" in value or "\r" in value):  # a block scalar (`|`, `>`) keeps its final one
-            raise UsageError(
-                f"{name}: {key} holds a line break, which a path or name cannot hold: write it on one line, as a "
-                "plain or quoted value"
-            )
-        if "\0" in value:
-            raise UsageError(f"{name}: {key} holds a NUL byte (\\u0000), which no path or option value can hold")
-        try:
-            os.fsencode(value)  # what opening it as a path does first
-        except UnicodeEncodeError as error:
-            raise UsageError(
-                f"{name}: {key} holds {value[error.start]!r}, half of a UTF-16 surrogate pair, which is no "
-                "character: write the character itself"
-            ) from None
+    if (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and _is_text(hint)
+        and action.dest not in parser.numbers
+    ):
+        written = getattr(value, "text", repr(value))  # a YAML number for a text option is its text already
+        raise UsageError(f'{name}: {key} takes text, got the number {written}; write it as text: "{written}"')
     members = _members(hint)
     takes = {
         bool: Any in members or bool in members,

@@ -177,6 +177,22 @@ def _data(name: str, text: str):
     return make
 
 
+def _flag_before_options_file(command: str, *flags: str):
+    """``command FLAGS run.json``: the options file (which exists) after a flag instead of first and alone."""
+
+    def make(ws, tmp):
+        values = {
+            "taper": {"model_name_or_path": str(ws / "llama"), "output_dir": str(tmp / "out")},
+            "eval": {"model_name_or_path": str(ws / "llama")},
+            "fold": {"checkpoint": str(ws / "llama"), "output_dir": str(tmp / "out")},
+            "push": {"export_dir": str(ws / "llama"), "repo_id": "me/x"},
+        }[command]
+        (tmp / "run.json").write_text(json.dumps(values))
+        return [command, *(flag.format(tmp=tmp) for flag in flags), str(tmp / "run.json")]
+
+    return make
+
+
 #: the fixtures a row of a finished run needs (besides the workspace): the run, and a folder to copy it into
 NEEDS_RUN = ("short_run", "tmp_path")
 
@@ -246,6 +262,15 @@ CASES = {
         _trainer(["--eval_strategy", "steps"]),
         2,
         "--eval_strategy steps: taper gives the Trainer no evaluation set",
+    ),
+    # it was accepted, and the checkpoint a Ctrl-C saved "to continue with --resume" could not be resumed
+    "taper: --save_only_model true": (
+        _trainer(["--save_only_model", "true"]),
+        2,
+        [
+            "--save_only_model: taper's checkpoints are what --resume continues from",
+            "without the optimizer, scheduler and random state cannot be resumed; leave it off",
+        ],
     ),
     "taper: --push_to_hub": (
         _trainer(["--push_to_hub"]),
@@ -470,6 +495,49 @@ CASES = {
         _options_folder,
         2,
         ["options file '", "run.json' is a folder; name a JSON or YAML file"],
+        ("tmp_path",),
+    ),
+    # the hostile probe, round 6: an options file after a flag; argv bytes that are not UTF-8
+    "taper --resume run.json": (
+        _flag_before_options_file("taper", "--resume"),
+        2,
+        ["run.json is read alone, as the first and only argument: put --resume into it", "taper --help"],
+        ("tmp_path",),
+    ),
+    "taper --output_dir DIR run.json": (
+        _flag_before_options_file("taper", "--output_dir", "{tmp}/o4"),
+        2,
+        ["run.json is read alone, as the first and only argument: put --output_dir into it"],
+        ("tmp_path",),
+    ),
+    "eval --trust_remote_code run.json": (
+        _flag_before_options_file("eval", "--trust_remote_code"),
+        2,
+        ["run.json is read alone, as the first and only argument: put --trust_remote_code into it"],
+        ("tmp_path",),
+    ),
+    "fold --overwrite run.json": (
+        _flag_before_options_file("fold", "--overwrite"),
+        2,
+        ["run.json is read alone, as the first and only argument: put --overwrite into it"],
+        ("tmp_path",),
+    ),
+    "push --no_private run.json": (
+        _flag_before_options_file("push", "--no_private"),
+        2,
+        ["run.json is read alone, as the first and only argument: put --no_private into it"],
+        ("tmp_path",),
+    ),
+    "taper --output_dir with a byte that is not UTF-8": (
+        lambda ws, tmp: taper(ws, tmp / "caf\udce9"),
+        2,
+        ["argument --output_dir/--output-dir: ", "caf\\udce9' holds '\\udce9', which is no character"],
+        ("tmp_path",),
+    ),
+    "fold --output_dir with a byte that is not UTF-8": (
+        lambda ws, tmp: ["fold", "--checkpoint", str(ws / "llama"), "--output_dir", str(tmp / "caf\udce9")],
+        2,
+        ["argument --output_dir/--output-dir: ", "holds '\\udce9', which is no character (a byte that is not UTF-8"],
         ("tmp_path",),
     ),
     # the hostile probe, round 2: odd paths, edited run and export folders

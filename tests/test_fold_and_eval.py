@@ -1,23 +1,29 @@
 """``fold`` and ``eval`` on a finished run: paths as users type them ('~' quoted, a trailing slash), a Trainer
-checkpoint that reads the run's tokenizer, a destination that cannot be written refused before loading, and an
---overwrite of the run's own export that writes the same model.
+checkpoint that reads the run's tokenizer, a destination that cannot be written (or whose disk cannot hold the
+export) refused before loading, a disk that fills up during the write as one line, an --overwrite of the run's own
+export that writes the same model, and the scan's reference (the run's baseline) found from any working folder.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from safetensors import SafetensorError
 
 from hf_tapernorm import (
     export_folded,
     fold_model,
 )
 from hf_tapernorm.evaluation.models import load_tokenizer, resolve_model
+from tests.conftest import save_tiny_model
 from tests.helpers import copy_run as copy_of
-from tests.helpers import finished_run, one_model_workspace, refused, run_main, tapered
+from tests.helpers import edit_json, finished_run, one_model_workspace, refused, run_main, tapered
 from tests.helpers import short_eval_argv as evaluate
 from tests.helpers import short_fold_argv as fold
 from tests.helpers import short_taper_argv as taper
@@ -109,3 +115,97 @@ def test_fold_overwrite_of_the_runs_own_export_replaces_it_with_the_same_model(r
     before = (folder / "folded" / "model.safetensors").read_bytes()
     assert run_main(fold(folder / "tapered", folder / "folded", "--overwrite"))[0] == 0
     assert (folder / "folded" / "model.safetensors").read_bytes() == before
+
+
+# ============================================================================= the disk an export needs
+@pytest.mark.parametrize("kind, overrides", [("llama", {}), ("llama", {"tie_word_embeddings": True}), ("gpt2", {})])
+def test_what_the_export_check_counts_is_what_the_export_writes(kind, overrides, tmp_path):
+    """export_writes against the weights file of a real export: never more, and the same bytes up to the vectors
+    the tiny models' matrices outweigh; the lm_head a tied Llama's kept RMS final norm unties is counted."""
+    from hf_tapernorm.app.preflight import export_writes
+
+    model = tapered(kind, **overrides)
+    writes = export_writes(model, "untie")
+    folded = fold_model(model)
+    export_folded(folded, tmp_path / "export")
+    written = (tmp_path / "export" / "model.safetensors").stat().st_size
+    assert 0.85 * written <= sum(writes.values()) <= written, (writes, written)
+    assert ("the lm_head the fold unties" in writes) == (model.config.tie_word_embeddings and kind == "llama")
+    assert not folded.config.tie_word_embeddings or kind == "gpt2"
+
+
+def test_fold_onto_a_disk_too_small_for_its_export_is_refused_before_loading(run, tmp_path, monkeypatch):
+    """It loaded, folded and checked the model, then died writing the export: SafetensorError "No space left on
+    device" and a traceback (taper refused the same disk at once)."""
+    import hf_tapernorm.app.preflight as preflight
+    import hf_tapernorm.cli.commands as commands
+
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("the checkpoint was loaded"))
+    written = (run / "folded" / "model.safetensors").stat().st_size
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: SimpleNamespace(free=written // 2))
+    out = tmp_path / "sub" / "export"
+    line = refused(fold(run / "tapered", out), f"hf-tapernorm fold: error: --output_dir {out}: its disk has ")
+    assert "and this fold writes at least" in line and "(the folded export: its weight matrices " in line, line
+    assert line.endswith("; free space or choose an --output_dir on another disk"), line
+    assert not (tmp_path / "sub").exists()
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(errno.ENOSPC, "No space left on device"),
+        SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+    ],
+)
+def test_a_disk_that_fills_up_while_fold_writes_is_one_line(run, tmp_path, monkeypatch, error):
+    import hf_tapernorm.cli.commands as commands
+
+    def full(folded, tokenizer, folder, facts=None):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "model.safetensors").write_bytes(b"half")
+        raise error
+
+    monkeypatch.setattr(commands, "save_export", full)
+    out = tmp_path / "export"
+    line = refused(fold(run / "tapered", out), f"hf-tapernorm fold: error: --output_dir {out}: its disk filled up ")
+    assert "No space left on device" in line and line.endswith("another disk"), line
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == []  # the partial folder is gone
+
+
+# ============================================================================= the scan's reference
+def _scan(run: Path, out: Path) -> dict:
+    code, _, stderr = run_main(["fold", "--checkpoint", str(run / "tapered"), "--output_dir", str(out),
+                                "--scan_windows", "2"])  # fmt: skip
+    assert code == 0, stderr[-2000:]
+    return json.loads((out / "robustness_scan.json").read_text())
+
+
+def test_the_scan_finds_the_runs_baseline_from_any_working_folder(ws, baseline_run, tmp_path, monkeypatch, caplog):
+    """report.json recorded the baseline as typed ("runs/bl/baseline/model", relative to the taper command's
+    working folder): fold and eval elsewhere read another model at that path and called it the baseline, or
+    silently compared with the original."""
+    here, other = tmp_path / "here", tmp_path / "other"
+    copy_of(baseline_run, here / "runs", "bl")
+    save_tiny_model(other / "runs" / "bl" / "baseline" / "model", "llama", seed=1)  # where the typed path leads
+    monkeypatch.chdir(here)
+    run = here / "runs" / "new"
+    finished_run([*taper(ws, "runs/new", "--baseline_from", "runs/bl"), "--scan_windows", "2"])
+    report = json.loads((run / "report.json").read_text())
+    assert report["export"]["baseline_model"] == str((here / "runs" / "bl" / "baseline" / "model").resolve())
+    expected = _scan(run, tmp_path / "f_here")
+    assert expected["reference"] == "baseline"
+    monkeypatch.chdir(other)
+    assert _scan(run, tmp_path / "f_other") == expected
+    code, stdout, stderr = run_main(evaluate(run / "folded", "--scan_windows", "2", data=ws / "corpus.txt"))
+    assert code == 0, stderr[-2000:]
+    assert json.loads(stdout.splitlines()[0])["robustness_scan"]["reference"] == report["export"]["baseline_model"]
+    # a report of an earlier version: the paths as typed, and no working folder
+    report.pop("working_folder")
+    (run / "report.json").write_text(json.dumps({**report, "export": {**report["export"],
+        "baseline_model": "runs/bl/baseline/model", "tapered_checkpoint": "runs/new/tapered"}}))  # fmt: skip
+    assert _scan(run, tmp_path / "f_old") == expected
+    # a baseline that is gone: said, and the scan compares with the original
+    edit_json(run / "report.json", export={**report["export"], "baseline_model": str(tmp_path / "gone")})
+    with caplog.at_level(logging.WARNING):
+        assert _scan(run, tmp_path / "f_gone")["reference"] == "original"
+    assert f"recorded is not there ({tmp_path / 'gone'}): the robustness scan compares with the original" in caplog.text

@@ -599,3 +599,135 @@ def test_load_tapered_reads_a_home_relative_folder(tmp_path, monkeypatch):
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, load_tapered(home / "st").eval()(IDS).logits)
     assert list(work.iterdir()) == []  # nothing named "~" in the working folder
+
+
+def test_a_dtype_an_export_cannot_load_in_is_one_line_naming_the_accepted_ones(exports):
+    """load_export / transformer_bridge with dtype=torch.int64, torch.complex64 or torch.float8_e4m3fn gave
+    transformers' ValueError ("cannot be instantiated under dtype") or a TypeError (no Float8 storage)."""
+    from hf_tapernorm.integrations.exports import load_export
+
+    calls = [load_export]
+    if importlib.util.find_spec("transformer_lens") is not None:
+        from hf_tapernorm.integrations.tl_bridge import transformer_bridge
+
+        calls.append(transformer_bridge)
+    for dtype in (torch.int64, torch.complex64, torch.float8_e4m3fn, torch.bool):
+        for call in calls:
+            with pytest.raises(ConfigurationError) as error:
+                call(exports["llama-sink"], dtype=dtype)
+            assert str(error.value) == (
+                f"dtype={dtype} is no dtype an export loads in: give one of float32, float16, bfloat16, float64 (as "
+                "text or a torch dtype: torch.bfloat16), or auto"
+            )
+    assert load_export(exports["llama-sink"], dtype=torch.float64).dtype == torch.float64
+
+
+# ----------------------------------------------------------------------------- a tapered checkpoint is no export
+def test_every_integration_refuses_a_tapered_checkpoint_naming_how_to_fold_it(tmp_path):
+    """load_export, nnsight_model, transformer_bridge and export_onnx of a run's tapered/ or checkpoint-N gave
+    transformers' "does not recognize this architecture ... pip install --upgrade transformers". One check in
+    load_export says what it is and what to do; a checkpoint of an older version (base model_type, its
+    tapernorm_config.json beside it) would have loaded as the plain model with its norms back. A patched model in
+    memory is refused too."""
+    import json
+
+    from hf_tapernorm.integrations.exports import load_export
+    from tests.helpers import tapered_checkpoint
+
+    saved = tapered_checkpoint(tmp_path / "run" / "tapered")
+    trainer = tmp_path / "run" / "checkpoint-6"
+    model = tapered("llama", sink_token_ids=SINK)
+    model.save_pretrained(trainer)
+    older = tmp_path / "older"
+    model.save_pretrained(older)
+    config = json.loads((older / "config.json").read_text())
+    (older / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    calls = [load_export]
+    if importlib.util.find_spec("nnsight") is not None:
+        from hf_tapernorm.integrations.nnsight_tracing import nnsight_model
+
+        calls.append(nnsight_model)
+    if importlib.util.find_spec("transformer_lens") is not None:
+        from hf_tapernorm.integrations.tl_bridge import transformer_bridge
+
+        calls.append(transformer_bridge)
+    if importlib.util.find_spec("onnxscript") is not None:
+        from hf_tapernorm.integrations.onnx_runtime import export_onnx
+
+        calls.append(lambda source: export_onnx(source, tmp_path / "onnx"))
+    for folder in (saved, trainer, older):
+        for call in calls:
+            with pytest.raises(ConfigurationError) as error:
+                call(folder)
+            assert str(error.value) == (
+                f"'{folder}' is a tapered checkpoint (its norms are TaperNorm layers), not an export: fold it first "
+                f"(hf-tapernorm fold --checkpoint {folder} --output_dir FOLDER, or hf_tapernorm.fold_model / "
+                "export_folded) and pass the folded folder, or load it with hf_tapernorm.load_tapered"
+            )
+        with pytest.raises(ConfigurationError, match=r"^LlamaForCausalLM is a tapered model \(patch_model\), not an"):
+            calls[-1](model)
+    assert not (tmp_path / "onnx").exists()
+
+
+# ----------------------------------------------------------------------------- ONNX Runtime: masks and disks
+def test_onnx_runtime_reads_a_0_1_mask_of_any_real_dtype_as_the_torch_export_does(exports, onnx_graphs):
+    """OnnxCausalLM.forward(ids, attention_mask=mask.float()) was refused ("must be [batch, seq] integers") while
+    the torch export reads it as the integer mask. A float or bool mask of 0 and 1 is read as those integers;
+    another value in a float mask is refused in one line, not rounded."""
+    from hf_tapernorm.integrations.onnx_runtime import OnnxCausalLM
+
+    runtime = OnnxCausalLM(onnx_graphs["llama-sink"], threads=1)
+    ids = IDS.clone()
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ids[1, :3] = 0
+    expected, _ = runtime.forward(ids.numpy(), attention_mask=mask.numpy())
+    model = AutoModelForCausalLM.from_pretrained(exports["llama-sink"]).eval()
+    with torch.no_grad():
+        torch_logits = model(ids, attention_mask=mask.float()).logits.numpy()
+    for given in (mask.float(), mask.double(), mask.bool(), mask.half()):
+        logits, state = runtime.forward(ids.numpy(), attention_mask=given.numpy())
+        assert abs(logits - expected).max() == 0.0, given.dtype
+        assert abs(logits[:, 3:] - torch_logits[:, 3:]).max() <= 1e-4
+    for wrong, said in ((0.5, "0.5"), (float("nan"), "nan"), (2.0, "2.0")):
+        given = mask.float().numpy()
+        given[0, 4] = wrong
+        with pytest.raises(ConfigurationError) as error:
+            runtime.forward(ids.numpy(), attention_mask=given)
+        assert str(error.value) == (
+            f"OnnxCausalLM('{onnx_graphs['llama-sink']}'): attention_mask must hold 1 (a token) and 0 (padding), got "
+            f"float32 holding {said}"
+        )
+
+
+def test_an_onnx_export_that_fails_writing_leaves_no_folder_and_is_one_line(exports, tmp_path, monkeypatch):
+    """export_onnx onto a full disk left a truncated model.onnx and model.onnx.data in the folder (and the next
+    export there was refused: "not an empty folder"), and the OSError came out as it was. The files are written into
+    a hidden sibling renamed into place when whole: the failure leaves nothing, in one line naming the folder, and
+    the next export there works."""
+    import errno
+
+    pytest.importorskip("onnxscript")
+    pytest.importorskip("onnxruntime")
+    from hf_tapernorm.integrations.onnx_runtime import OnnxCausalLM, export_onnx
+
+    real = torch.onnx.export
+
+    def full_disk(module, args, path, **options):
+        Path(path).write_bytes(b"\0" * 1000)  # what the writer got onto the disk before it filled up
+        Path(f"{path}.data").write_bytes(b"\0" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    target = tmp_path / "out" / "onnx"
+    monkeypatch.setattr(torch.onnx, "export", full_disk)
+    with pytest.raises(ConfigurationError) as error:
+        export_onnx(exports["llama-sink"], target)
+    assert str(error.value) == (
+        f"cannot export ONNX into '{target}': OSError: [Errno 28] No space left on device; nothing was written "
+        "there: free space (or choose another folder) and export again"
+    )
+    assert list((tmp_path / "out").iterdir()) == []  # no onnx/, no hidden partial folder
+    monkeypatch.setattr(torch.onnx, "export", real)
+    runtime = OnnxCausalLM(export_onnx(exports["llama-sink"], target), threads=1)
+    assert abs(runtime.forward(IDS.numpy())[0] - export_logits(exports["llama-sink"]).numpy()).max() <= 1e-4
+    assert sorted(p.name for p in target.iterdir()) == ["model.onnx", "model.onnx.data", "onnx_layout.json", "sink.npz"]

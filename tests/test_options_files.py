@@ -8,6 +8,9 @@ command line would refuse only after training (``tied_head: scal``) is refused b
 from __future__ import annotations
 
 import json
+import os
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,7 @@ from hf_tapernorm.cli.arguments import (
     TaperArguments,
     TaperTrainingArguments,
 )
+from hf_tapernorm.errors import ConfigurationError
 from tests.conftest import corpus_documents, save_tiny_model
 from tests.helpers import error_of, run_main, snapshot
 from tests.helpers import short_taper_argv as taper
@@ -393,24 +397,25 @@ UNREADABLE = {
     ),
     "fold output_dir with a NUL": (
         "fold", '{"checkpoint": "c", "output_dir": "runs/nul\\u0000x"}',
-        "output_dir holds a NUL byte (\\u0000), which no path or option value can hold",
+        "argument --output_dir/--output-dir: 'runs/nul\\x00x' holds a NUL byte (\\u0000), which no path or option "
+        "value can hold",
     ),
     "fold output_dir with a lone surrogate": (
         "fold", '{"checkpoint": "c", "output_dir": "runs/sur\\ud800x"}',
-        "output_dir holds '\\ud800', half of a UTF-16 surrogate pair, which is no character: write the character "
-        "itself",
+        "argument --output_dir/--output-dir: 'runs/sur\\ud800x' holds '\\ud800', which is no character (a byte that "
+        "is not UTF-8, or half of a UTF-16 surrogate pair): write it as UTF-8 text",
     ),
     "eval output_json with a NUL": (
         "eval", '{"model_name_or_path": "m", "output_json": "res\\u0000.json"}',
-        "output_json holds a NUL byte (\\u0000), which no path or option value can hold",
+        "argument --output_json/--output-json: 'res\\x00.json' holds a NUL byte (\\u0000)",
     ),
     "taper output_dir with a NUL": (
         "taper", '{"output_dir": "runs/t\\u0000x"}',
-        "output_dir holds a NUL byte (\\u0000), which no path or option value can hold",
+        "argument --output_dir/--output-dir: 'runs/t\\x00x' holds a NUL byte",
     ),
     "push include with a NUL": (
         "push", '{"export_dir": "e", "repo_id": "me/x", "include": ["a\\u0000"]}',
-        "include holds a NUL byte (\\u0000), which no path or option value can hold",
+        "argument --include: 'a\\x00' holds a NUL byte (\\u0000), which no path or option value can hold",
     ),
     "push include with a null item": (
         "push", "export_dir: e\nrepo_id: me/x\ninclude: [null]\n",
@@ -479,9 +484,9 @@ def test_a_number_option_reads_the_yaml_text_as_its_flag_does(line, tmp_path):
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("output_dir: |\n  runs/multi\n", "output_dir holds a line break"),
-        ("output_dir: >\n  runs/multi\n", "output_dir holds a line break"),
-        ('dataset_name: "a\\nb"\n', "dataset_name holds a line break"),
+        ("output_dir: |\n  runs/multi\n", "'runs/multi\\n' holds a line break ('\\n')"),
+        ("output_dir: >\n  runs/multi\n", "'runs/multi\\n' holds a line break ('\\n')"),
+        ('dataset_name: "a\\nb"\n', "'a\\nb' holds a line break ('\\n'), which a path or name cannot hold"),
         ("output_dir: !!binary cnVucy94\n", "output_dir takes text, got binary data"),
     ],
 )
@@ -492,9 +497,133 @@ def test_a_text_option_with_a_line_break_or_binary_data_is_refused(text, expecte
     status, _, stderr = run_main(["fold", str(tmp_path / "f.yaml")])
     lines = stderr.strip().splitlines()
     assert status == 2 and len(lines) == 1, stderr[-2000:]
-    assert lines[0].startswith(f"hf-tapernorm fold: error: {tmp_path / 'f.yaml'}: output_dir "), lines[0]
-    assert expected.replace("dataset_name", "output_dir") in lines[0]
+    assert lines[0].startswith(f"hf-tapernorm fold: error: {tmp_path / 'f.yaml'}: "), lines[0]
+    assert "output_dir" in lines[0] and expected in lines[0], lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.yaml"]  # nothing written
     (tmp_path / "run.yaml").write_text(text)
-    with pytest.raises(UsageError, match=expected):
+    with pytest.raises(UsageError, match=re.escape(expected)):
         parsed("taper", [str(tmp_path / "run.yaml")])
+
+
+# ============================================================================= a value is a value, whatever it holds
+#: name -> (command, a YAML options file, {option: its value once parsed}); each item of a list is a value of its
+#: option, whatever its first character, and goes through that option's type and checks
+LIST_ITEMS = {
+    "include: [*.md, --no_private]": (
+        "push", "include: ['*.md', '--no_private']\n", {"include": ["*.md", "--no_private"], "private": True},
+    ),
+    "include: [*.md, --repo_id=other/repo]": (
+        "push", "include: ['*.md', '--repo_id=other/repo']\n", {"include": ["*.md", "--repo_id=other/repo"]},
+    ),
+    "include: [-notes.txt]": ("push", "include: ['-notes.txt']\n", {"include": ["-notes.txt"]}),
+    "a one-value option that starts with -": ("push", "repo_id: -x\n", "'-x' is not a valid Hub repository name"),
+    "an int list item that is a flag": (
+        "bench", "seq_lens: [8, '--output_dir=elsewhere']\n", "seq_lens must be a number, got '--output_dir=elsewhere'",
+    ),
+    "a list item that is the end of the options": ("push", "include: ['*.md', '--']\n", "--include=--"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(LIST_ITEMS))
+def test_a_list_item_that_starts_with_a_dash_is_a_value_of_its_option(name, tmp_path, monkeypatch):
+    """Each item was its own command-line word: `--no_private` made the repository public, `--repo_id=other/repo`
+    pushed to another repository, and `-notes.txt` was "expected at least one argument"."""
+    monkeypatch.chdir(tmp_path)  # bench checks its output folder
+    command, text, expected = LIST_ITEMS[name]
+    (tmp_path / "run.yaml").write_text(("export_dir: e\nrepo_id: me/x\n" if command == "push" else "") + text)
+    if isinstance(expected, str):
+        with pytest.raises(ConfigurationError, match=re.escape(expected)):
+            parsed(command, [str(tmp_path / "run.yaml")])
+        assert not (tmp_path / "elsewhere").exists()
+        return
+    values = {k: v for options in parsed(command, [str(tmp_path / "run.yaml")]) for k, v in vars(options).items()}
+    assert {k: values[k] for k in expected} == expected
+    assert values["repo_id"] == "me/x"
+
+
+def test_a_dash_pattern_on_the_command_line_is_given_with_an_equals_sign(tmp_path):
+    """What argparse allows: `--include=-notes.txt` is one value; `--include -notes.txt` is a flag (refused)."""
+    (tmp_path / "p.yaml").write_text("export_dir: e\nrepo_id: me/x\ninclude: ['-notes.txt']\n")
+    argv = ["--export_dir", "e", "--repo_id", "me/x"]
+    assert parsed("push", [*argv, "--include=-notes.txt"]) == parsed("push", [str(tmp_path / "p.yaml")])
+    with pytest.raises(UsageError, match="expected at least one argument"):
+        parsed("push", [*argv, "--include", "-notes.txt"])
+    with pytest.raises(UsageError, match="--output_dir=--: '--' is no value an option can take"):  # was a traceback
+        parsed("fold", ["--checkpoint", "c", "--output_dir=--"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [("{num_decay_steps: 010}", {"num_decay_steps": 10}), ("{num_decay_steps: 1:30}", {"num_decay_steps": "1:30"})],
+)
+def test_a_number_inside_an_object_option_reads_as_written(kwargs, expected, tmp_path):
+    """YAML 1.1 read `010` as octal 8 and `1:30` as 90 (base 60) inside lr_scheduler_kwargs; the flag's JSON text
+    cannot hold either, and the top-level number options already read them as written."""
+    (tmp_path / "run.yaml").write_text(f"lr_scheduler_kwargs: {kwargs}\n")
+    assert parsed("taper", [str(tmp_path / "run.yaml")])[-1].lr_scheduler_kwargs == expected
+    assert parsed("taper", ["--lr_scheduler_kwargs", json.dumps(expected)])[-1].lr_scheduler_kwargs == expected
+
+
+@pytest.mark.parametrize("character", ["\u2028", "\u2029", "\x85", "\x0b", "\x0c", "\x1c", "\r\n"])
+def test_a_text_option_with_any_line_break_is_refused(character, tmp_path):
+    """Only \\n and \\r were refused: a folder name holding U+2028 or NEL (where str.splitlines breaks) was made."""
+    (tmp_path / "run.json").write_text(json.dumps({"output_dir": f"runs/a{character}b"}))
+    with pytest.raises(UsageError, match=r"run.json: argument --output_dir.*holds a line break"):
+        parsed("taper", [str(tmp_path / "run.json")])
+    with pytest.raises(UsageError, match=r"^argument --output_dir.*holds a line break"):  # the same on argv
+        parsed("taper", ["--output_dir", f"runs/a{character}b"])
+    assert parsed("taper", ["--lr_scheduler_kwargs", '{\n"min_lr": 0.0}'])[-1].lr_scheduler_kwargs == {"min_lr": 0.0}
+
+
+def test_a_json_number_for_a_text_option_is_refused_as_written(tmp_path):
+    """`{"output_dir": 1e1, "run_name": 1.50}` trained into the folder 10.0 as the run 1.5."""
+    (tmp_path / "run.json").write_text('{"output_dir": 1e1, "run_name": 1.50}')
+    expected = r'run.json: output_dir takes text, got the number 1e1; write it as text: "1e1"'
+    with pytest.raises(UsageError, match=expected):
+        parsed("taper", [str(tmp_path / "run.json")])
+    (tmp_path / "run.json").write_text('{"run_name": 1.50}')
+    with pytest.raises(UsageError, match=r'run_name takes text, got the number 1.50; write it as text: "1.50"'):
+        parsed("taper", [str(tmp_path / "run.json")])
+    (tmp_path / "run.yaml").write_text("output_dir: 1e1\nrun_name: 1.50\nmax_steps: 1e1\n")  # YAML: kept as written
+    training = parsed("taper", [str(tmp_path / "run.yaml")])[-1]
+    assert (training.output_dir, training.run_name, training.max_steps) == ("1e1", "1.50", 10)
+
+
+def test_a_fifo_as_the_options_file_is_named_as_such(tmp_path):
+    """It was "not found"; it is never opened (a pipe nobody writes would block)."""
+    os.mkfifo(tmp_path / "run.json")
+    line = error_of(["fold", str(tmp_path / "run.json")])
+    assert line == (
+        f"hf-tapernorm fold: error: options file '{tmp_path / 'run.json'}' is not a regular file (a pipe, a socket "
+        "or a device); name a JSON or YAML file of options"
+    )
+
+
+def test_a_flag_value_that_names_an_existing_json_file_is_a_value(tmp_path):
+    """Only an options file out of place is refused: `--output_json results.json` (a file an earlier eval wrote)
+    is the option's value."""
+    (tmp_path / "results.json").write_text("{}")
+    argv = ["--model_name_or_path", "m", "--output_json", str(tmp_path / "results.json")]
+    assert parsed("eval", argv)[-1].output_json == str(tmp_path / "results.json")
+    with pytest.raises(UsageError, match="results.json is read alone, as the first and only argument: put --sink"):
+        parsed("eval", ["--sink", "bos", str(tmp_path / "results.json")])
+
+
+@pytest.mark.parametrize(
+    ("command", "values"),
+    [("bench", {"seq_lens": [8], "seq-lens": [16]}), ("push", {**PUSH, "private": True, "no_private": True})],
+)
+def test_two_keys_of_one_option_are_refused(command, values, tmp_path):
+    """A list given under both spellings would add up now that each item is its own value; one value would win."""
+    first, second = list(values)[-2:]
+    with pytest.raises(UsageError, match=f"run.json: {first} and {second} are the same option: keep one"):
+        parsed(command, [str(write_options(tmp_path, "run.json", values))])
+
+
+def test_a_file_beside_the_running_script_is_never_read_as_options(tmp_path, monkeypatch):
+    """transformers' parser reads ``<script>.args`` beside ``sys.argv[0]`` unless told not to: a file named like the
+    script that runs ``hf_tapernorm.cli.main`` would have set options no one passed."""
+    (tmp_path / "convert.args").write_text("--max_steps 3 --output_dir elsewhere")
+    monkeypatch.setattr(sys, "argv", [str(tmp_path / "convert.py")])
+    values = {k: v for options in parsed("taper", ["--output_dir", "runs/x"]) for k, v in vars(options).items()}
+    assert values["output_dir"] == "runs/x" and values["max_steps"] != 3

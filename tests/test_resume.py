@@ -234,6 +234,26 @@ def test_resume_refuses_a_checkpoint_without_its_optimizer_state(workspace, refe
     assert "cannot read" in error_of([*killable_argv(workspace, run), "--resume"])
 
 
+def test_resume_refuses_a_renamed_checkpoint_before_loading_anything(workspace, reference, tmp_path, monkeypatch):
+    """checkpoint-10 renamed checkpoint-010 (its number, read as an int, is still its step): --resume packed the
+    data, loaded and patched the model and started the Trainer, which looked for checkpoint-10, then wrote a failed
+    report and plots into the run folder."""
+    import hf_tapernorm.app.taper as pipeline
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    (run / "checkpoint-10").rename(run / "checkpoint-010")
+    before = snapshot(run)
+    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    message = error_of([*killable_argv(workspace, run), "--resume"])
+    assert message == (
+        f"hf-tapernorm taper: error: --resume: {run / 'checkpoint-010'} holds the state of step 10 "
+        "(trainer_state.json: global_step 10), and its name is not checkpoint-10: it was renamed; rename it back to "
+        f"{run / 'checkpoint-10'}, or start over with --overwrite"
+    ), message
+    assert snapshot(run) == before
+
+
 def test_resume_checks_the_data_contents_and_every_option_that_shapes_the_result(workspace, reference, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(reference, run)

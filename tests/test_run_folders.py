@@ -138,7 +138,7 @@ def test_a_lock_of_another_host_says_how_to_tell_it_is_stale_and_which_file_to_d
     message = error_of(fold_argv(run / "tapered", out))
     assert message.startswith(f"hf-tapernorm fold: error: output folder '{out}' is in use: a running hf-tapernorm")
     assert f"({stale})" in message
-    lock.write_text("")  # killed between creating the lock and writing it
+    lock.write_text("{not a record")  # no hf-tapernorm command wrote this
     message = error_of(taper_argv(workspace, out, steps=5))
     assert f"its lock {lock} is unreadable; if no hf-tapernorm command is using the folder, the lock is stale: " in (
         message
@@ -146,6 +146,9 @@ def test_a_lock_of_another_host_says_how_to_tell_it_is_stale_and_which_file_to_d
     assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]  # nothing written, the lock left as it was
     lock.unlink()  # what the message says to do
     assert run_main(fold_argv(run / "tapered", out))[0] == 0
+    shutil.rmtree(out)
+    write_lock(out).write_text("")  # killed between creating the lock and writing it: no one holds it, it is free
+    assert run_main(fold_argv(run / "tapered", out))[0] == 0 and not (out / LOCK_NAME).exists()
 
 
 def test_a_lock_whose_pid_now_names_another_process_is_taken_over(run, tmp_path, caplog):
@@ -806,3 +809,238 @@ def test_a_destination_under_a_folder_this_user_cannot_read_is_one_line(workspac
         message = error_of(argv)
         assert message.startswith(f"hf-tapernorm {command}: error: {what}: cannot read the folder '{closed}/"), message
         assert message.endswith("(Permission denied); choose a folder you can read and write"), message
+
+
+# ============================================================================= what is the run's: exact names only
+def test_a_user_file_in_the_trainer_log_folder_stays_the_users(workspace, run, tmp_path, monkeypatch):
+    """``runs/`` (the Trainer's TensorBoard folder) was the run's whole: a user's ``runs/notes.txt`` was deleted by
+    --overwrite, and recorded as the run's when --resume rebuilt a lost manifest. Only the event files the
+    Trainer's writer writes there are the run's."""
+    out = copy_of(run, tmp_path)
+    events = out / "runs" / "Jan01_00-00-00_host" / "events.out.tfevents.1767225600.host.4242.0"
+    events.parent.mkdir(parents=True)
+    events.write_bytes(b"the Trainer's TensorBoard events")
+    (out / "runs" / "notes.txt").write_text("my notes")
+    before = snapshot(out)
+    no_loading(monkeypatch)
+    refusal = (
+        f"hf-tapernorm taper: error: refusing to --overwrite '{out}': it holds files hf-tapernorm did not write "
+        "(runs/notes.txt); move them away first"
+    )
+    assert error_of([*run_argv(workspace, out), "--overwrite"]) == refusal
+    assert snapshot(out) == before
+    (out / MANIFEST_NAME).unlink()  # lost: --resume rebuilds it from the last checkpoint's record
+    assert error_of([*run_argv(workspace, out), "--resume"]) == (
+        f"hf-tapernorm taper: error: --resume: '{out}' holds files this command did not write (runs/notes.txt); "
+        "move them away first, a finished run replaces its outputs"
+    )
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert events.relative_to(out).as_posix() in manifest["files"] and "runs/notes.txt" not in manifest["files"]
+    manifest["files"].append("runs/notes.txt")  # what an earlier version recorded: still not the run's to delete
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert error_of([*run_argv(workspace, out), "--overwrite"]) == refusal
+    assert (out / "runs" / "notes.txt").read_text() == "my notes" and events.read_bytes() == before[
+        events.relative_to(out).as_posix()
+    ]
+
+
+def test_only_the_exact_names_of_an_interrupted_write_are_the_run_s_leftovers(workspace, run, tmp_path, monkeypatch):
+    """Any top-level hidden name holding ``.old-`` or ``.partial-`` (and ``report.json.tmp``) was taken for the run's
+    own leftover and deleted without a word: a user's ``.thesis.old-2023/`` and ``.notes.partial-v2/``. Only
+    ``.NAME.partial-PID`` / ``.NAME.old-PID`` of a name the run writes are."""
+    from hf_tapernorm.app.taper import RUN_OUTPUTS
+
+    out = copy_of(run, tmp_path)
+    users = {".thesis.old-2023/draft.txt": "my draft", ".notes.partial-v2/draft.txt": "my notes"}
+    users |= {"report.json.tmp": "my own json", ".tapered.partial-/x.txt": "mine", "tapered/.notes.partial-1": "mine"}
+    ours = {".tapered.partial-4242/config.json": "{}", ".folded.old-4242/config.json": "{}"}
+    ours |= {".report.json.partial-4242": "{}", ".heldout_losses.json.partial-17": "[]"}
+    for relative, text in {**users, **ours}.items():
+        (out / relative).parent.mkdir(parents=True, exist_ok=True)
+        (out / relative).write_text(text)
+    before = snapshot(out)
+    no_loading(monkeypatch)
+    named = ".notes.partial-v2/draft.txt, .tapered.partial-/x.txt, .thesis.old-2023/draft.txt, report.json.tmp, "
+    named += "tapered/.notes.partial-1"
+    assert error_of([*run_argv(workspace, out), "--overwrite"]) == (
+        f"hf-tapernorm taper: error: refusing to --overwrite '{out}': it holds files hf-tapernorm did not write "
+        f"({named}); move them away first"
+    )
+    assert error_of([*run_argv(workspace, out), "--resume"]) == (
+        f"hf-tapernorm taper: error: --resume: '{out}' holds files this command did not write ({named}); move them "
+        "away first, a finished run replaces its outputs"
+    )
+    assert snapshot(out) == before
+    RunFolder(out, outputs=RUN_OUTPUTS).remove_partials()  # what --resume does once the folder is the run's
+    assert snapshot(out) == {k: v for k, v in before.items() if k not in ours}
+    assert not any((out / relative.split("/")[0]).exists() for relative in ours)
+
+
+def test_an_output_folder_is_recorded_before_it_is_written_so_its_leftover_is_the_run_s(tmp_path):
+    """``baseline/model`` is no name of ``outputs``: its write records it first, so a kill while it is written
+    leaves ``baseline/.model.partial-PID``, a leftover of the run, not a foreign folder that blocks --resume."""
+    folder = RunFolder(tmp_path / "run")
+    folder.record()
+    seen: list = []
+
+    def write(tmp: Path) -> None:
+        tmp.mkdir(parents=True)
+        (tmp / "config.json").write_text("{}")
+        seen.append((tmp.relative_to(folder.path).as_posix(), folder.foreign_files()))
+
+    folder.write_output("baseline/model", write)
+    assert seen == [(f"baseline/.model.partial-{os.getpid()}", [])]
+    (folder.path / "baseline" / ".model.old-99").mkdir()
+    (folder.path / "baseline" / ".model.old-99" / "config.json").write_text("{}")
+    assert folder.foreign_files() == []
+    folder.remove_partials()
+    assert sorted(p.name for p in (folder.path / "baseline").iterdir()) == ["model"]
+
+
+# ============================================================================= the lock: atomic, never read blocking
+def _contend(folder: Path, step, held, index: int, trials: int) -> None:
+    """One of several processes that take the same folder's lock at once, ``trials`` times (see the test)."""
+    from hf_tapernorm.app.run_lock import RunLock
+
+    for _ in range(trials):
+        step.wait()  # the stale lock is in place
+        lock = RunLock(folder)
+        try:
+            lock.acquire()
+            held[index] = 1
+        except RunFolderError:
+            held[index] = 0
+        step.wait()  # every process has tried
+        lock.release()
+        step.wait()  # every lock is released
+
+
+def test_two_commands_taking_over_one_stale_lock_at_once_never_both_hold_it(tmp_path):
+    """Each saw the dead owner, deleted the lock and created its own: the slower one deleted the faster one's fresh
+    lock, and both held the folder (79 of 300 trials). The takeover is a flock on the file the path names."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    folder, processes, trials = tmp_path / "run", 4, 120
+    folder.mkdir()
+    step, held = context.Barrier(processes + 1, timeout=30), context.Array("i", processes)
+    workers = [context.Process(target=_contend, args=(folder, step, held, i, trials)) for i in range(processes)]
+    for worker in workers:
+        worker.start()
+    holders = []
+    try:
+        for _ in range(trials):
+            write_lock(folder, pid=2**22 + 1, host=socket.gethostname(), started=1)  # its process is gone
+            step.wait()
+            step.wait()
+            holders.append(sum(held))
+            step.wait()
+    finally:
+        for worker in workers:
+            worker.join(timeout=30)
+    assert [worker.exitcode for worker in workers] == [0] * processes
+    assert holders == [1] * trials, f"{sum(h > 1 for h in holders)} of {trials} trials: several held the lock"
+    assert sorted(os.listdir(folder)) == []
+
+
+def test_a_lock_that_is_not_a_file_is_refused_in_one_line_and_never_read(workspace, run, tmp_path, monkeypatch):
+    """``mkfifo .hf_tapernorm_run.lock``: fold read the named pipe to learn its owner and never returned."""
+    import signal
+    import stat
+
+    out = tmp_path / "export"
+    out.mkdir()
+    os.mkfifo(out / LOCK_NAME)
+
+    def hung(signum, frame):
+        raise AssertionError("blocked reading the named pipe")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(30)
+    try:
+        fold_message = error_of(fold_argv(run / "tapered", out))
+        no_loading(monkeypatch)
+        taper_message = error_of(taper_argv(workspace, out, steps=5))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    refusal = (
+        f"error: output folder '{out}': its lock {out / LOCK_NAME} is a named pipe, not a file hf-tapernorm wrote; "
+        "remove it if no hf-tapernorm command is using the folder, or choose another --output_dir"
+    )
+    assert fold_message == f"hf-tapernorm fold: {refusal}"
+    assert taper_message == f"hf-tapernorm taper: {refusal}"
+    assert os.listdir(out) == [LOCK_NAME] and stat.S_ISFIFO(os.lstat(out / LOCK_NAME).st_mode)
+
+
+# ============================================================================= a path no command can use
+def test_a_destination_through_a_symbolic_link_loop_is_one_line_naming_the_option(workspace, tmp_path, monkeypatch):
+    """``ln -s loop lp/loop``, then ``--output_dir lp/loop/x``: Path.resolve raised RuntimeError (Symlink loop), a
+    traceback from taper, fold, bench and push."""
+    from hf_tapernorm.cli.commands import check_export_folder
+
+    (tmp_path / "lp").mkdir()
+    (tmp_path / "lp" / "loop").symlink_to("loop")
+    looping, target = tmp_path / "lp" / "loop", tmp_path / "lp" / "loop" / "x"
+    loop = f"the symbolic link '{looping}' on the way leads back into itself (a loop); fix or remove it"
+    no_loading(monkeypatch)
+    bench = ["bench", "--model_name_or_path", str(workspace / "llama"), "--output_dir", str(target)]
+    for command, argv, what in (
+        ("taper", taper_argv(workspace, target, steps=2), f"--output_dir '{target}'"),
+        ("bench", bench, f"--output_dir '{target}'"),
+        ("push", ["push", "--export_dir", str(target), "--repo_id", "me/x"], f"--export_dir '{target}'"),
+    ):
+        assert error_of(argv) == f"hf-tapernorm {command}: error: {what}: {loop}"
+    with pytest.raises(RunFolderError) as refused:  # what fold checks its --output_dir with
+        check_export_folder(target, overwrite=False)
+    assert str(refused.value) == f"output folder '{target}': {loop}"
+    checkpoint = tapered_checkpoint(tmp_path / "tapered")
+    fold = ["fold", "--checkpoint", str(checkpoint), "--output_dir", str(target)]
+    assert error_of(fold).startswith("hf-tapernorm fold: error: ") and error_of(fold).endswith(loop)
+    cache = taper_argv(workspace, tmp_path / "run", "--data_cache_dir", str(looping / "c"), steps=2)
+    assert error_of(cache) == f"hf-tapernorm taper: error: --data_cache_dir '{looping / 'c'}': {loop}"
+    evaluate = ["eval", "--model_name_or_path", str(looping)]  # a dangling link is a local path, not a Hub id
+    assert (
+        error_of(evaluate)
+        == f"hf-tapernorm eval: error: model '{looping}' is a symbolic link that leads to no folder or file"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["lp", "tapered"] and os.listdir(tmp_path / "lp") == ["loop"]
+
+
+def test_fold_into_a_folder_this_user_cannot_read_is_one_line(tmp_path):
+    """As uid 65534, ``fold --output_dir /root/f``: check_export_folder's first look at the folder (is it a symbolic
+    link?) raised PermissionError, a traceback, before the guarded checks."""
+    import multiprocessing
+
+    from hf_tapernorm.cli.commands import check_export_folder
+
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    target = closed / "f"
+
+    def look(answer) -> None:
+        if os.geteuid() == 0:  # root reads every folder: look as another user, as the probe did (setpriv)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+        try:
+            check_export_folder(target, overwrite=False)
+            answer.put("accepted")
+        except Exception as error:  # noqa: BLE001 - which error it is, is the point
+            answer.put(f"{type(error).__name__}: {error}")
+
+    context = multiprocessing.get_context("fork")
+    answer = context.Queue()
+    if os.geteuid() != 0:
+        closed.chmod(0)
+    try:
+        process = context.Process(target=look, args=(answer,))
+        process.start()
+        result = answer.get(timeout=60)
+        process.join(timeout=60)
+    finally:
+        closed.chmod(0o700)
+    assert result == (
+        f"UsageError: output folder '{target}': cannot read the folder '{target}' (Permission denied); choose a "
+        "folder you can read and write"
+    )

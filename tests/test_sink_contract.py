@@ -75,8 +75,8 @@ def test_a_hand_written_loop_with_the_controller_is_refused_at_its_first_batch()
         cache = model(input_ids=good[:, :4], use_cache=True).cache
         model(input_ids=good[:, 4:], past_key_values=cache)
     model.eval()
-    with torch.no_grad():
-        model(input_ids=bad)  # eval-mode forwards (generation) are the caller's business
+    with torch.no_grad(), pytest.raises(ConfigurationError, match=FIX):
+        model(input_ids=bad)  # eval mode too (test_eval_mode_text_without_the_sink_is_refused_...)
 
 
 def test_heldout_loss_refuses_blocks_without_the_sink_before_evaluating():
@@ -126,3 +126,81 @@ def test_a_left_padded_batch_is_refused_and_a_right_padded_one_reads_as_its_rows
         step = model(row[:, 4:], attention_mask=torch.ones(1, 8, dtype=torch.long), cache=cached.cache)
     assert (right - alone).abs().max().item() <= 1e-5
     assert (step.logits[0] - alone[4:]).abs().max().item() <= 1e-5  # a cached continuation is no fresh batch
+
+
+def _row_and_left_padded():
+    generator = torch.Generator().manual_seed(0)
+    row = torch.cat([torch.tensor([SINK]), torch.randint(3, 120, (1, 7), generator=generator)], dim=1)
+    return row, torch.cat([torch.zeros(1, 3, dtype=torch.long), row], 1)
+
+
+def _masks_4d(allowed: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``allowed`` ([batch, 1, q, k] bool) in each form a 4D mask takes: boolean, additive float, integer 0/1."""
+    return {
+        "bool": allowed,
+        "additive min": torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min),
+        "additive -inf": torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf")),
+        "int": allowed.long(),
+    }
+
+
+def test_a_left_padded_batch_given_as_a_4d_mask_is_refused_as_the_2d_one_is():
+    """A 4D mask (boolean or additive float) of pads, then sink + text, gave logits 0.046 away from the row alone
+    with no refusal: only 2D masks were read. A column is padding when the row's own query there is masked from it;
+    a full causal 4D mask (no pads) reads as the row alone."""
+    from tests.helpers import tapered
+
+    model = tapered("llama", sink_token_ids=SINK).eval()
+    row, padded = _row_and_left_padded()
+    length = padded.shape[1]
+    causal = torch.tril(torch.ones(length, length, dtype=torch.bool))
+    left = causal & torch.tensor([[False] * 3 + [True] * 8])[:, None, None, :]
+    with torch.no_grad():
+        alone = model(row).logits[0]
+        for form, mask in _masks_4d(left).items():
+            with pytest.raises(ConfigurationError) as error:
+                model(padded, attention_mask=mask)
+            assert str(error.value).startswith(
+                "LlamaForCausalLM: a left-padded batch (the 4D attention_mask masks the diagonal in the first 1 "
+                "column(s))"
+            ), form
+            assert "\n" not in str(error.value) and "export_folded" in str(error.value)
+        own = torch.tril(torch.ones(8, 8, dtype=torch.bool))[None, None]
+        for form, mask in _masks_4d(own).items():
+            if form != "int":  # sdpa itself takes no integer mask (bool or float): the refusal above is ours
+                assert (model(row, attention_mask=mask).logits[0] - alone).abs().max().item() <= 1e-5, form
+
+
+def test_eval_mode_text_without_the_sink_is_refused_and_the_export_reads_it():
+    """In eval mode, text without the sink (``tapered(text)``) gave logits 0.149 away from its own export's on the
+    same text: the patched model kept the first text token normalized as the sink, while the export puts its
+    stored sink in front. A fresh forward is refused in one line naming the fix; sink + text, a cached
+    continuation and generation from a sink-first prompt run as before."""
+    from hf_tapernorm import fold_model
+    from tests.helpers import tapered
+
+    model = tapered("llama", sink_token_ids=SINK).eval()
+    row, _ = _row_and_left_padded()
+    text = row[:, 1:]
+    with torch.no_grad():
+        for call in (
+            lambda: model(text),
+            lambda: model(input_ids=text),
+            lambda: model.generate(text, max_new_tokens=2),
+        ):
+            with pytest.raises(ConfigurationError) as error:
+                call()
+            message = str(error.value)
+            assert message.startswith(f"LlamaForCausalLM: a batch does not start with the sink token(s) {SINK}")
+            assert "\n" not in message and message.endswith(
+                "; the folded export (export_folded) reads text without the sink"
+            )
+        alone = model(row).logits[0]
+        cached = model(row[:, :4], use_cache=True).cache
+        step = model(row[:, 4:], cache=cached).logits[0]  # a continuation starts with text: allowed
+        greedy = model.generate(row, max_new_tokens=4, do_sample=False)
+        folded = fold_model(model)
+        exported = folded(text).logits[0]
+    assert (step - alone[4:]).abs().max().item() <= 1e-5
+    assert (exported - alone[1:]).abs().max().item() <= 1e-4
+    assert greedy.shape == (1, row.shape[1] + 4)

@@ -6,8 +6,11 @@ stand-in: the optimizer is built the way the Trainer builds it (torch's own rang
 rate, betas, eps and weight decay; the import of an ``--optim`` that needs a missing package), the
 learning-rate scheduler likewise, and ``--report_to`` is resolved by transformers' integration table (which
 imports the integration). What only this recipe knows is checked by name: options that bypass its loss or
-its schedule, a Trainer evaluation without an evaluation set, and a Hub push from inside the run. And the
-disk: a run whose folder cannot hold the checkpoint and the exports it will write is refused before it trains.
+its schedule, a Trainer evaluation without an evaluation set, checkpoints that could not be resumed, and a Hub
+push from inside the run. And the disk: a run whose folder cannot hold the checkpoint and the exports it will write
+is refused before it trains, and a fold whose folder cannot hold its export before its weights load (one check,
+check_free_space, for both; a disk that fills up anyway while an export is written is one line too,
+full_disk_refused).
 
 The checks ``taper`` runs before work starts are split by what they read, so each has one place:
 validation.py the request and the model's config (the recipe, schedule, positions, the run's identity);
@@ -18,18 +21,25 @@ the run needs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import math
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from transformers import Trainer, get_scheduler
+from safetensors import SafetensorError, safe_open
+from transformers import AutoModelForCausalLM, Trainer, get_scheduler
 from transformers.integrations import get_reporting_integration_callbacks
 
 from ..config import TaperNormConfig
 from ..errors import ConfigurationError, first_line
+from ..export.folding import unties_head
+from ..layers.patching import patch_model
+from ..training.checkpoints import tapered_config_of, tapered_model_config
 from ..training.schedule import TaperSchedule
 
 
@@ -62,6 +72,12 @@ def _refuse_recipe_bypasses(args) -> None:
         raise ConfigurationError(
             "--resume_from_checkpoint is the Trainer's flag and taper does not read it: continue a run with --resume "
             "(same --output_dir), which also checks that the run is the same"
+        )
+    if getattr(args, "save_only_model", False):
+        raise ConfigurationError(
+            "--save_only_model: taper's checkpoints are what --resume continues from (Ctrl-C and SIGTERM stop a run "
+            "with one), and a checkpoint without the optimizer, scheduler and random state cannot be resumed; leave "
+            "it off (--save_total_limit bounds the checkpoints a run keeps)"
         )
     if getattr(args, "label_smoothing_factor", 0.0):
         raise ConfigurationError(
@@ -272,6 +288,13 @@ def check_disk_space(
     half-written checkpoint cannot be resumed. ``reclaimable``: bytes the run deletes first (``--overwrite``).
     """
     writes = run_writes(model, training_args, config, dtype=dtype, baseline=baseline)
+    return check_free_space(output_dir, writes, "this run", reclaimable=reclaimable)
+
+
+def check_free_space(output_dir: Path, writes: dict[str, int], who: str, *, reclaimable: int = 0) -> int:
+    """Refuse (one line naming ``--output_dir``, and ``writes`` part by part) a command whose folder's disk has less
+    free than the sum of ``writes`` (bytes by what writes them; ``who`` writes them: "this run", "this fold");
+    returns that sum. The folder need not exist: its nearest existing parent's disk is read."""
     needed = sum(writes.values())
     folder = Path(output_dir).expanduser().resolve()
     existing = next(p for p in (folder, *folder.parents) if p.exists())
@@ -279,14 +302,93 @@ def check_disk_space(
     if free < needed:
         listing = ", ".join(f"{what} {_gigabytes(count)}" for what, count in writes.items())
         raise ConfigurationError(
-            f"--output_dir {output_dir}: its disk has {_gigabytes(free)} free, and this run writes at least "
+            f"--output_dir {output_dir}: its disk has {_gigabytes(free)} free, and {who} writes at least "
             f"{_gigabytes(needed)} ({listing}); free space or choose an --output_dir on another disk"
         )
     return needed
+
+
+def export_writes(model: torch.nn.Module, tied_head: str) -> dict[str, int]:
+    """The bytes the folded export of the patched ``model`` is sure to hold, by what: its weight matrices (every
+    parameter of two or more dimensions, at its element size: the norms' vectors fold into them, none leaves) and,
+    where the fold unties a tied lm_head (``tied_head``), the head's own copy. ``model`` may be weightless (on the
+    meta device). Never more than the export writes (no vectors, config, tokenizer or file headers)."""
+    writes = {"its weight matrices": sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() >= 2)}
+    if unties_head(model, tied_head):
+        head = model.get_output_embeddings().weight
+        writes["the lm_head the fold unties"] = head.numel() * head.element_size()
+    return writes
+
+
+def check_export_space(output_dir: Path, checkpoint: Path, tied_head: str) -> int:
+    """Refuse a fold of the tapered ``checkpoint`` whose ``--output_dir`` disk cannot hold the export
+    (export_writes), from the checkpoint's config and its weights' file headers: before the weights load and fold,
+    not as a full disk once they are written. Returns the bytes counted (0: a sharded checkpoint, whose
+    files say no dtype, is not counted)."""
+    dtype = _stored_dtype(checkpoint)
+    if dtype is None:
+        return 0
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tapered_model_config(checkpoint), dtype=dtype)
+    patch_model(model, tapered_config_of(checkpoint))
+    return check_free_space(
+        output_dir, {f"the folded export: {k}": v for k, v in export_writes(model, tied_head).items()}, "this fold"
+    )
+
+
+#: safetensors' dtype names -> the floating dtypes a checkpoint's weights are stored in.
+_STORED_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _stored_dtype(checkpoint: Path) -> Optional[torch.dtype]:
+    """The dtype a fold loads ``checkpoint`` in (load_tapered's rule: the most common one of its floating matrices),
+    read from the safetensors headers alone; None when there are none to read (a sharded or damaged checkpoint:
+    loading it names the problem)."""
+    found: list[torch.dtype] = []
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        if path.name.startswith("distillation_"):
+            continue
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                slices = [handle.get_slice(key) for key in handle.keys()]  # noqa: SIM118 - no __iter__
+        except (SafetensorError, OSError):
+            return None
+        found += [
+            _STORED_DTYPES[s.get_dtype()] for s in slices if s.get_dtype() in _STORED_DTYPES and len(s.get_shape()) >= 2
+        ]
+    return max(set(found), key=found.count) if found else None
+
+
+@contextlib.contextmanager
+def full_disk_refused(output_dir: Path) -> Iterator[None]:
+    """A disk that fills up while ``output_dir`` is written (OSError ENOSPC or EDQUOT, or safetensors' serializing
+    error that wraps it) as one line (ConfigurationError) naming the folder; any other error passes unchanged. The
+    writer removes its partial folder itself (write_folder)."""
+    try:
+        yield
+    except (OSError, SafetensorError) as error:
+        full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
+            mark in str(error) for mark in ("No space left on device", "Disk quota exceeded")
+        )
+        if not full:
+            raise
+        raise ConfigurationError(
+            f"--output_dir {output_dir}: its disk filled up while the export was written ({first_line(error)}); "
+            "nothing was kept: free space or choose an --output_dir on another disk"
+        ) from None
 
 
 def _gigabytes(count: int) -> str:
     return f"{count / 1e9:.2f} GB"
 
 
-__all__ = ["check_disk_space", "check_trainer_options", "check_training_blocks", "run_writes"]
+__all__ = [
+    "check_disk_space",
+    "check_export_space",
+    "check_free_space",
+    "check_trainer_options",
+    "check_training_blocks",
+    "export_writes",
+    "full_disk_refused",
+    "run_writes",
+]

@@ -3,16 +3,25 @@
 The pipeline fills it as the run goes; ``to_dict`` is report.json. Its ``identity`` (model, data and
 every option that shapes the schedule) is stored in the run folder's manifest and in every
 checkpoint, so ``--resume`` can refuse a run that is not the one it continues.
+
+Paths in it are found again from any working folder (recorded_path): the run's baseline is recorded absolute,
+the model and data as the user named them (the model card shows those names) with the taper command's working
+folder beside them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from ..config import TaperNormConfig
 from ..utils import parameter_count
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -99,6 +108,7 @@ class RunRecord:
     ops: dict[str, dict[str, float]] = field(default_factory=dict)  # model -> aten ops per generated token
     samples: list[dict[str, str]] = field(default_factory=list)  # greedy continuations of held-out prompts
     allowed_changes: dict[str, Any] = field(default_factory=dict)  # --resume --allow_changes: old -> new
+    working_folder: str = field(default_factory=os.getcwd)  # what the relative paths above are relative to
 
     # ------------------------------------------------------------------ derived
     def gap(self) -> dict[str, Optional[float]]:
@@ -153,6 +163,7 @@ class RunRecord:
             "fold": self.fold,
             "export": self.export,
             "history": self.history,
+            "working_folder": self.working_folder,
         }
         if self.baseline_history is not None:
             data["baseline_history"] = self.baseline_history
@@ -278,6 +289,50 @@ def relative_gap(value: Optional[float], reference: Optional[float]) -> Optional
     return value / reference - 1.0
 
 
+def recorded_path(facts: dict[str, Any], run_folder: Path, recorded: Any) -> Optional[Path]:
+    """Where a path that the report ``facts`` of the run in ``run_folder`` recorded is, from any working folder
+    (None: no path recorded).
+
+    An absolute path is itself. A relative one is relative to the working folder of the taper command: the one the
+    report records, else (reports of earlier versions) the one found from how the report named the run folder (its
+    tapered/ or folded/ export's path, as typed) and where that folder is now, else the run folder. Never this
+    command's working folder: it may hold another model at that path, which would be read in the run's place.
+    """
+    if not isinstance(recorded, str) or not recorded:
+        return None
+    path = Path(recorded).expanduser()
+    if path.is_absolute():
+        return path
+    working = facts.get("working_folder")
+    if isinstance(working, str) and Path(working).is_absolute():
+        return Path(working) / path
+    export = facts.get("export") or {}
+    named = next((p for p in (export.get("tapered_checkpoint"), export.get("path")) if isinstance(p, str) and p), None)
+    if named is None or Path(named).is_absolute():
+        return run_folder / path
+    return Path(os.path.normpath(run_folder / os.path.relpath(path, Path(named).parent)))
+
+
+def recorded_reference(facts: dict[str, Any], run_folder: Path) -> Optional[tuple[Path, str]]:
+    """The model a scan of the run in ``run_folder`` (report ``facts``) compares with, and its name: the normalized
+    baseline it saved or named (``"baseline"``), else its original model (``"original"``); None when neither is a
+    local model that is still there. A recorded baseline that is gone is said in one warning line naming it."""
+    export, model = facts.get("export") or {}, facts.get("model") or {}
+    baseline = recorded_path(facts, run_folder, export.get("baseline_model"))
+    if baseline is not None and baseline.exists():
+        return baseline, "baseline"
+    original = recorded_path(facts, run_folder, model.get("source")) if model.get("kind") != "hub" else None
+    found = original is not None and original.exists()
+    if baseline is not None:
+        logger.warning(
+            "the baseline that the run in %s recorded is not there (%s): the robustness scan compares with %s",
+            run_folder,
+            baseline,
+            f"the original model instead ({original})" if found else "no model of the run (nor is its original there)",
+        )
+    return (original, "original") if found else None
+
+
 def differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> dict[str, tuple[Any, Any]]:
     """``{dotted key: (saved, current)}`` for every leaf that differs between two identities."""
     changed = {}
@@ -301,5 +356,7 @@ __all__ = [
     "global_batch_blocks",
     "new_run_record",
     "far_worse_warning",
+    "recorded_path",
+    "recorded_reference",
     "relative_gap",
 ]

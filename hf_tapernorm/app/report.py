@@ -12,19 +12,22 @@ import dataclasses
 import json
 import logging
 import math
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from ..evaluation.scan import scan_summary
+from .folder_writes import write_file
 from .record import DataFacts, RunRecord, far_worse_warning
 
 logger = logging.getLogger(__name__)
 
-REPORT_KEYS = ("status", "model", "data", "taper", "training", "heldout", "gap", "fold", "export", "history")
+REPORT_KEYS = (
+    "status", "model", "data", "taper", "training", "heldout", "gap", "fold", "export", "history", "working_folder"
+)  # fmt: skip
 """Top-level keys of report.json (``baseline_history``, ``diagnostics`` and ``allowed_changes`` appear when
-available): ``RunRecord.to_dict()``."""
+available): ``RunRecord.to_dict()``. ``working_folder``: the taper command's, which the model and data paths as
+the user typed them are relative to (record.recorded_path reads them from any folder)."""
 
 PLOTS = {
     "gate": "gate_schedule.png",
@@ -427,9 +430,7 @@ def write_report(output_dir: str | Path, facts: Union[Mapping[str, Any], RunReco
         (paths["json"], json.dumps(data, indent=2) + "\n"),
         (paths["markdown"], render_markdown(facts, plots)),
     ):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_file(path, text)  # a kill leaves the old file or the new one, and a leftover the run folder knows
     paths.update({key: output_dir / name for key, name in plots.items()})
     return paths
 

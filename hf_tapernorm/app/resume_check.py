@@ -5,10 +5,10 @@ A resumed run is the same run only if every piece of state the Trainer saved com
 warmup, without ``rng_state.pth`` the dropout and data order differ, without the distillation teacher's
 snapshot the run distils from another teacher. The Trainer resumes silently in each case, so each missing or
 unreadable file is refused here with its name: the files the Trainer reads, and every file the checkpoint held
-when it was written (listed in its ``tapernorm_run.json``). ``trainer_state.json`` is read too: the step it
-holds must be the one in the checkpoint's name (a renamed checkpoint fails late, naming a folder that does not
-exist). A checkpoint that holds a sharded (torch.distributed.checkpoint) folder is read only when the user
-trusts it (its index is a pickle).
+when it was written (listed in its ``tapernorm_run.json``). ``trainer_state.json`` is read too: the folder's
+name must be exactly ``checkpoint-<the step it holds>`` (a renamed checkpoint, ``checkpoint-03`` too, fails late:
+the Trainer and TaperCallback look for the canonical name once the model has loaded). A checkpoint that holds a
+sharded (torch.distributed.checkpoint) folder is read only when the user trusts it (its index is a pickle).
 
 The checks ``taper`` runs before work starts are split by what they read, so each has one place:
 validation.py the request and the model's config (the recipe, schedule, positions, the run's identity);
@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 from safetensors import SafetensorError, safe_open
 from transformers.trainer_pt_utils import safe_globals
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..config import CONFIG_NAME, TaperNormConfig
 from ..errors import ConfigurationError, first_line
@@ -120,12 +121,13 @@ def _check_trainer_state(checkpoint: Path, restart: str) -> None:
     step = state.get("global_step") if isinstance(state, dict) else None
     if not isinstance(step, int) or isinstance(step, bool):
         raise ResumeCheckError(f"--resume: {path} holds no Trainer state (no integer global_step){restart}")
-    named = int(checkpoint.name.split("-")[-1])
-    if step != named:
+    canonical = f"{PREFIX_CHECKPOINT_DIR}-{step}"
+    if checkpoint.name != canonical:
+        named = int(checkpoint.name.split("-")[-1])
+        says = f"not of step {named} as its name says" if named != step else f"and its name is not {canonical}"
         raise ResumeCheckError(
-            f"--resume: {checkpoint} holds the state of step {step} ({path.name}: global_step {step}), not of step "
-            f"{named} as its name says: it was renamed; rename it back to {checkpoint.with_name(f'checkpoint-{step}')}"
-            ", or start over with --overwrite"
+            f"--resume: {checkpoint} holds the state of step {step} ({path.name}: global_step {step}), {says}: it was "
+            f"renamed; rename it back to {checkpoint.with_name(canonical)}, or start over with --overwrite"
         )
 
 

@@ -1,4 +1,4 @@
-"""A run folder that knows what it wrote: the manifest, the lock, the overwrite/resume policy, atomic writes.
+"""A run folder that knows what it wrote: the manifest, the lock, the overwrite/resume policy.
 
 Every file a run creates in its folder is recorded in ``.hf_tapernorm_run.json`` before the file gets its
 final name (exports and reports are registered first, then written or renamed into place; a Trainer checkpoint
@@ -13,71 +13,50 @@ before every argument, the model and the data have been checked.
 The manifest is data a user can edit, so it is never trusted as a list of paths: an entry that is absolute,
 climbs with ``..``, passes through a symbolic link or resolves outside the folder is refused before anything
 is deleted, and a folder holding symbolic links is refused before any work. ``.hf_tapernorm_run.lock``
-(run_lock.py) keeps a second command out of a folder in use. A half-written output never carries its final name.
+(run_lock.py) keeps a second command out of a folder in use. A half-written output never carries its final name
+(folder_writes.py), and only the exact names such a write gives its leftovers are the run's to delete.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
 import shutil
-from collections import Counter
 from collections.abc import Callable, Collection, Iterable
+from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
 from .checkpoint_files import checkpoint_of as _checkpoint_of
 from .checkpoint_files import unrecorded_checkpoints
-from .run_lock import LOCK_NAME, RunFolderError, RunLock
+from .folder_writes import LEFTOVER, leftover_of, write_file, write_folder
+from .folder_writes import listing as _listing
+from .run_lock import LOCK_NAME, RunFolderError, RunLock, resolved_path
 
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = ".hf_tapernorm_run.json"
 #: Bookkeeping files of the folder itself: never listed, never foreign.
 _BOOKKEEPING = (MANIFEST_NAME, MANIFEST_NAME + ".tmp", LOCK_NAME)
-#: Temporary siblings written by write_folder (``.NAME.partial-PID``, ``.NAME.old-PID``); a crash can leave one
-#: behind, which is ours.
-_PARTIAL_MARKERS = (".partial-", ".old-")
-#: The report's atomic writes (app/report.py: ``report.json.tmp``, ``report.md.tmp``).
-_TEMPORARY_FILES = ("report.json.tmp", "report.md.tmp")
-#: The Trainer's TensorBoard logs (``--report_to tensorboard``), the run's and its baseline run's: what a
-#: library writes as it goes, so whatever is in them is the run's.
+#: The Trainer's TensorBoard logs (``--report_to tensorboard``), the run's and its baseline run's. In them, the
+#: files its writer writes (``TRAINER_LOG_FILES``, in a subfolder per run) are the run's, recorded or not (the
+#: Trainer writes them as it goes); anything else there is someone else's.
 TRAINER_LOGS = ("runs/", "baseline/runs/")
+TRAINER_LOG_FILES = "events.out.tfevents.*"
 
 
-def _is_partial(relative: str) -> bool:
-    """What an interrupted write of ours leaves: a file inside a ``.NAME.partial-PID`` folder, or a report temp."""
-    parts = relative.split("/")
-    in_partial_folder = len(parts) > 1 and any(
-        part.startswith(".") and marker in part for part in parts[:-1] for marker in _PARTIAL_MARKERS
-    )
-    return in_partial_folder or relative in _TEMPORARY_FILES
+def _is_trainer_log(relative: str) -> bool:
+    """``relative`` is an event file the Trainer's TensorBoard writer wrote into one of its log folders."""
+    return relative.startswith(TRAINER_LOGS) and fnmatchcase(relative.rpartition("/")[2], TRAINER_LOG_FILES)
 
 
 def _is_output(relative: str, outputs: Iterable[str]) -> bool:
-    """``relative`` is one of ``outputs`` (a file name) or lies in one of its folders (names ending in "/")."""
+    """``relative`` is one of ``outputs`` (a file name) or lies in one of its folders (names ending in "/"); in the
+    Trainer's log folders, only its event files are (whatever folder of ``outputs`` holds them)."""
+    if relative.startswith(TRAINER_LOGS):
+        return _is_trainer_log(relative)
     return any(relative == o or (o.endswith("/") and relative.startswith(o)) for o in outputs)
-
-
-def _folders(relative: str) -> list[str]:
-    """The folders ``relative`` lies in, outermost first (``a/b/c`` -> ``a``, ``a/b``)."""
-    parts = relative.split("/")
-    return ["/".join(parts[:depth]) for depth in range(1, len(parts))]
-
-
-def _listing(files: list[str], present: Iterable[str] = ()) -> str:
-    """The files a refusal names (the first eight). A folder of several files that are all among ``files`` (of the
-    ``present`` ones) is named once, as ``folder/``: a user's copied checkpoint does not hide the next name."""
-    holds = Counter(folder for relative in present for folder in _folders(relative))
-    listed = Counter(folder for relative in files for folder in _folders(relative))
-    names = []
-    for relative in files:
-        whole = next((f for f in _folders(relative) if listed[f] > 1 and holds[f] == listed[f]), None)
-        names.append(relative if whole is None else f"{whole}/")
-    names = list(dict.fromkeys(names))
-    return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
 
 
 def _options_file_hint(files: list[str]) -> str:
@@ -95,17 +74,18 @@ class RunFolder:
     """The output folder of one command, with its manifest and lock.
 
     ``outputs``: the names the command writes besides its checkpoints (files, or folders ending in "/"): a lost
-    manifest is rebuilt from them on ``--resume``. ``adopted``: folders a library fills while the command runs (a
-    datasets cache inside the run folder; the Trainer's logs always are), whose files are the command's. Only
-    these, the checkpoints and the files a write registers are ever recorded as the command's: a file someone
-    else puts into the folder (or into an output folder) while the command runs stays foreign, so no later
-    ``--overwrite`` deletes it.
+    manifest is rebuilt from them on ``--resume``, and an interrupted write of one of them leaves a leftover of
+    the command's (folder_writes.py). ``adopted``: folders a library fills while the command runs (a datasets cache
+    inside the run folder), whose files are the command's; in the Trainer's log folders (``TRAINER_LOGS``) only its
+    event files are. Only these, the checkpoints and the files a write registers are ever recorded as the
+    command's: a file someone else puts into the folder (or into an output folder) while the command runs stays
+    foreign, so no later ``--overwrite`` deletes it.
     """
 
     def __init__(self, path: str | os.PathLike, outputs: Iterable[str] = (), adopted: Iterable[str] = ()) -> None:
         self.path = Path(path)
         self.outputs = tuple(outputs)
-        self.adopted = (*TRAINER_LOGS, *adopted)
+        self.adopted = tuple(adopted)
         self.manifest_path = self.path / MANIFEST_NAME
         self._lock: Optional[RunLock] = None
 
@@ -136,9 +116,23 @@ class RunFolder:
         return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files", []), list) else None
 
     def owned_files(self) -> list[str]:
-        """The manifest's entries, each checked to name a file inside the folder (else RunFolderError)."""
+        """The manifest's entries, each checked to name a file inside the folder (else RunFolderError); in the
+        Trainer's log folders only its event files (a manifest of an earlier version took whatever was there)."""
         manifest = self.manifest() or {}
-        return [self._checked_entry(entry) for entry in manifest.get("files", [])]
+        entries = [self._checked_entry(entry) for entry in manifest.get("files", [])]
+        return [entry for entry in entries if not entry.startswith(TRAINER_LOGS) or _is_trainer_log(entry)]
+
+    def _written_names(self) -> set[str]:
+        """The names the command writes through write_file/write_folder (its ``outputs`` and the output folders it
+        recorded before writing them): a ``.NAME.partial-PID`` or ``.NAME.old-PID`` of one of them is its leftover."""
+        recorded = (self.manifest() or {}).get("writes", [])
+        return {o.rstrip("/") for o in self.outputs} | {name for name in recorded if isinstance(name, str)}
+
+    def _without_leftovers(self, files: Iterable[str]) -> list[str]:
+        """``files`` less the leftovers of the command's interrupted writes (exactly ``.NAME.partial-PID`` or
+        ``.NAME.old-PID`` of a name it writes; a user's ``.thesis.old-2023/`` stays among them)."""
+        written = self._written_names()
+        return [f for f in files if leftover_of(f) not in written]
 
     def _checked_entry(self, entry: Any) -> str:
         """``entry`` when it is a relative path that stays inside the folder without crossing a link."""
@@ -149,7 +143,7 @@ class RunFolder:
                 f"the manifest {self.manifest_path} lists {entry!r}, which is not a path inside the folder: it was "
                 "edited by hand; nothing was deleted, delete or move the folder yourself"
             )
-        root = self.path.resolve()
+        root = resolved_path(self.path, f"output folder '{self.path}'")
         current = self.path
         for part in pure.parts:
             current = current / part
@@ -177,7 +171,7 @@ class RunFolder:
     def foreign_files(self) -> list[str]:
         """Files this command did not write (everything, when there is no manifest)."""
         manifest = self.manifest()
-        present = [f for f in self.files() if not _is_partial(f)]
+        present = self._without_leftovers(self.files())
         if manifest is None:
             return present
         ours = set(self._own(present, set(self.owned_files())))
@@ -251,7 +245,7 @@ class RunFolder:
                 f"output folder '{self.path}' is not empty; pass --overwrite to replace it, or --resume to continue "
                 "the run in it"
             )
-        resolved = self.path.resolve()
+        resolved = resolved_path(self.path, f"output folder '{self.path}'")
         protected = {Path.cwd().resolve(), Path.home().resolve(), Path(resolved.anchor)}
         if resolved in protected or Path.cwd().resolve().is_relative_to(resolved):
             raise RunFolderError(
@@ -316,18 +310,24 @@ class RunFolder:
         return [target for target in targets if target.is_file()]
 
     def remove_partials(self) -> None:
-        """Delete what an interrupted write left (``.NAME.partial-PID``/``.old-PID`` folders, ``*.tmp`` files).
+        """Delete what an interrupted write of the command left: a ``.NAME.partial-PID`` or ``.NAME.old-PID`` (file
+        or folder) of a name it writes (``_written_names``), wherever it is in the folder; nothing else.
 
         Called while this command holds the lock, so no other process is writing them.
         """
-        for name in _TEMPORARY_FILES:
-            target = self.path / name
-            if target.is_file() and not target.is_symlink():
+        written, leftovers = self._written_names(), []
+        for root, dirs, names in os.walk(self.path):
+            for name in [*dirs, *names]:
+                target = Path(root, name)
+                relative = target.relative_to(self.path).as_posix()
+                if LEFTOVER.fullmatch(name) and leftover_of(relative) in written and not target.is_symlink():
+                    leftovers.append(target)
+            dirs[:] = [d for d in dirs if Path(root, d) not in leftovers and not Path(root, d).is_symlink()]
+        for target in leftovers:
+            if target.is_dir():
+                shutil.rmtree(target)
+            else:
                 target.unlink()
-        for child in self.path.iterdir() if self.path.is_dir() else ():
-            hidden_partial = child.name.startswith(".") and any(m in child.name for m in _PARTIAL_MARKERS)
-            if hidden_partial and child.is_dir() and not child.is_symlink():
-                shutil.rmtree(child)
 
     # ------------------------------------------------------------------ record
     def record(self, *, expect: Iterable[str] = (), **fields: Any) -> None:
@@ -342,7 +342,7 @@ class RunFolder:
         manifest = self.manifest() or {"tool": "hf-tapernorm"}
         manifest.update(fields)
         listed = {entry for entry in manifest.get("files", []) if isinstance(entry, str)}
-        ours = self._own([f for f in self.files() if not _is_partial(f)], listed)
+        ours = self._own(self._without_leftovers(self.files()), listed)
         manifest["files"] = sorted({*ours, *expect})
         self._write_manifest(manifest)
 
@@ -373,6 +373,8 @@ class RunFolder:
         def register(files: list[str]) -> None:
             self.record(expect=[f"{name}/{f}" for f in files])
 
+        recorded = (self.manifest() or {}).get("writes", [])  # a kill while it is written leaves a leftover of ours
+        self.record(writes=sorted({*(w for w in recorded if isinstance(w, str)), name}))
         write_folder(final, write, before_rename=register, keep=foreign_inside)
         self.record()
         return final
@@ -390,94 +392,25 @@ class RunFolder:
             self._lock = None
 
 
-def write_file(path: Path, text: str) -> None:
-    """Write ``text`` into a hidden ``.NAME.partial-PID`` sibling, then rename it to ``path``: a kill leaves the old
-    file or the new one, and the partial name is one the run folder knows as unfinished."""
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def write_folder(
-    final: Path,
-    write: Callable[[Path], None],
-    *,
-    before_rename: Optional[Callable[[list[str]], None]] = None,
-    keep: Callable[[], Collection[str]] = tuple,
-) -> None:
-    """``write`` into a hidden temporary sibling, then rename it to ``final``; on failure remove it.
-
-    Nothing half-written ever carries the final name, and an older complete folder survives a failed
-    rewrite. ``before_rename`` receives the written files (relative) before the rename (a manifest records
-    them). A symbolic link at ``final`` is refused: its target is not ours to replace. ``keep``: the files of the
-    older ``final`` that are not the writer's (relative; asked once the new folder is written, just before the
-    rename): they are moved into the new folder, never deleted, and a new file of the same name is refused
-    before anything is replaced.
-    """
-    if final.is_symlink() or (final.exists() and not final.is_dir()):
-        raise RunFolderError(f"'{final}' is a symbolic link or a file; a folder written here would replace it")
-    tmp = final.with_name(f".{final.name}.partial-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    _remove_abandoned(final, ".partial-")  # a write of ``final`` killed earlier (SIGKILL, power loss) left these
-    try:
-        write(tmp)
-        written = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
-        kept = keep() if final.is_dir() else ()
-        _refuse_clashes(final, written, kept)
-        if before_rename is not None:
-            before_rename(written)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if final.exists():
-        # The older folder is set aside, the new one renamed in, the older one deleted. When it holds someone
-        # else's files, its name aside is a visible one that no cleanup deletes (not .NAME.old-PID), and each of
-        # their files moves into the new folder by a rename: a kill at any moment leaves each under a name.
-        old = final.with_name(f"{final.name}.kept-{os.getpid()}" if kept else f".{final.name}.old-{os.getpid()}")
-        os.replace(final, old)
-        os.replace(tmp, final)
-        for relative in kept:
-            (final / relative).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(old / relative, final / relative)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
-    _remove_abandoned(final, ".old-")  # earlier copies a killed rewrite set aside: ``final`` is whole again
-
-
-def _refuse_clashes(final: Path, written: list[str], keep: Collection[str]) -> None:
-    """Refuse (RunFolderError, before anything is replaced) to write a file where a kept file is, or a folder."""
-    taken = {*written, *(folder for relative in written for folder in _folders(relative))}
-    clashes = [relative for relative in keep if relative in taken or set(_folders(relative)) & set(written)]
-    if clashes:
-        raise RunFolderError(
-            f"'{final}' holds files this command did not write ({_listing(clashes)}) where it writes its own; "
-            "nothing was replaced: move them away, then run it again (a taper run: with --resume)"
-        )
-
-
-def _remove_abandoned(final: Path, marker: str) -> None:
-    """Delete the ``.NAME<marker>PID`` folders beside ``final`` whose process is gone (a live one is still writing)."""
-    prefix = f".{final.name}{marker}"
-    for sibling in final.parent.glob(glob.escape(prefix) + "*") if final.parent.is_dir() else ():
-        pid = sibling.name[len(prefix) :]
-        if pid.isdigit() and int(pid) != os.getpid() and sibling.is_dir() and not sibling.is_symlink():
-            try:
-                os.kill(int(pid), 0)
-            except ProcessLookupError:
-                shutil.rmtree(sibling, ignore_errors=True)
-            except PermissionError:
-                pass  # alive, another user's
+def inside_folder(path: Optional[str], output_dir: str) -> tuple[str, ...]:
+    """``path`` (``--data_cache_dir``) as a folder of the run in ``output_dir`` when it lies inside it (its name
+    relative to the run folder, ending in "/": a folder the run adopts), else nothing."""
+    if not path:
+        return ()
+    folder = resolved_path(path, f"--data_cache_dir '{path}'")
+    root = resolved_path(output_dir, f"--output_dir '{output_dir}'")
+    return (folder.relative_to(root).as_posix() + "/",) if folder != root and folder.is_relative_to(root) else ()
 
 
 __all__ = [
     "LOCK_NAME",
     "MANIFEST_NAME",
     "TRAINER_LOGS",
+    "TRAINER_LOG_FILES",
     "RunFolder",
     "RunFolderError",
     "RunLock",
+    "inside_folder",
     "write_file",
     "write_folder",
 ]

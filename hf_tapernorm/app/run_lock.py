@@ -1,26 +1,36 @@
 """``.hf_tapernorm_run.lock``: one command at a time in a folder (a taper run's folder, a fold's export folder).
 
-The lock is created with O_EXCL and records its owner: the pid, the host, the process's start time
-(``/proc/<pid>/stat`` field 22, where the system has it) and when it was taken. A lock whose owner is gone
-is taken over: on the same host, a pid that no longer runs, or that now belongs to another process (its start
-time is not the recorded one: a restarted container gives its first processes the same pids again). A lock
-of another host (a shared disk, a container or pod restarted under a new hostname, a copied folder) cannot be
-checked from here, so it is refused, and the message says how to tell that it is stale and which file to
-delete.
+The lock is held by whoever holds an exclusive ``flock`` on the file its path names, for as long as the command
+runs (the file stays open). Taking it is atomic: of two commands that find the same stale lock at once, the
+second one's flock fails while the first holds it; a lock file is deleted only by its holder, and a command that
+locked a file the path no longer names (its holder released it meanwhile) tries again.
+
+The file records its owner: the pid, the host, the process's start time (``/proc/<pid>/stat`` field 22, where
+the system has it) and when it was taken; it names the owner in messages, and it judges a lock whose flock no one
+holds. On this host, one whose process is gone, or whose pid now belongs to another process (its start time is
+not the recorded one: a restarted container gives its first processes the same pids again), is taken over, as is
+an empty one (its command was killed as it took it); one whose process runs is not (a command that kept no
+flock). A lock of another host (a shared disk, a container or pod restarted under a new hostname, a copied
+folder) cannot be checked from here, so it is refused, and the message says how to tell that it is stale and
+which file to delete. A lock that is not a regular file is refused and never read (a named pipe blocks its
+reader).
 
 A held folder is held with everything in it: every command that writes (taper, fold, ``eval --output_json``,
 ``bench --output_dir``) or uploads (push) looks for a live lock at its destination and in every folder above
 it, on the resolved path (a symbolic link into a running run leads into that run), through one check
-(:func:`refuse_while_running`; :func:`check_destination` adds a file on the way and an unwritable place).
+(:func:`refuse_while_running`; :func:`check_destination` adds a file on the way and an unwritable place). A
+path through a symbolic link loop is refused there in one line (:func:`resolved_path`).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -30,6 +40,21 @@ from ..errors import ConfigurationError
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".hf_tapernorm_run.lock"
+#: How long a flock is asked for before the lock counts as held: another command's look at the lock holds a
+#: shared flock for a moment; a holder holds its exclusive one for the whole command.
+_FLOCK_TRIES, _FLOCK_PAUSE = 10, 0.002
+#: How often a lock released meanwhile (the path names another file, or none) is taken again.
+_TAKE_TRIES = 10
+#: The most of a lock file read: a record is one short JSON line.
+_RECORD_BYTES = 65536
+_KINDS = {
+    stat.S_IFIFO: "a named pipe",
+    stat.S_IFLNK: "a symbolic link",
+    stat.S_IFDIR: "a folder",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a device",
+    stat.S_IFBLK: "a device",
+}
 
 
 class RunFolderError(ConfigurationError):
@@ -40,14 +65,39 @@ def process_start_time(pid: int) -> Optional[int]:
     """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat`` field 22), or None where the
     system does not say (no ``/proc``) or there is no such process. With the pid it names one process for good."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rfind(")") + 2 :].split()  # the command name (field 2) may hold spaces and parentheses
+    fields = stat_line[stat_line.rfind(")") + 2 :].split()  # the command name (field 2) may hold spaces, parentheses
     try:
         return int(fields[22 - 3])  # fields[0] is field 3
     except (IndexError, ValueError):
         return None
+
+
+def _flocked(descriptor: int, operation: int) -> bool:
+    """Whether the flock ``operation`` (LOCK_EX, LOCK_SH) was granted, asked for a moment without blocking."""
+    for attempt in range(_FLOCK_TRIES):
+        try:
+            fcntl.flock(descriptor, operation | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if attempt + 1 < _FLOCK_TRIES:
+                time.sleep(_FLOCK_PAUSE)
+    return False
+
+
+def _file_id(status: os.stat_result) -> tuple[int, int]:
+    return status.st_dev, status.st_ino
+
+
+def _parsed(record: bytes) -> dict[str, Any]:
+    """A lock's record as a dict ({} when it is not one)."""
+    try:
+        owner = json.loads(record.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return owner if isinstance(owner, dict) else {}
 
 
 class RunLock:
@@ -58,6 +108,7 @@ class RunLock:
         self.path = folder / LOCK_NAME
         self.created_folder = False
         self.held = False
+        self._descriptor: Optional[int] = None  # the open lock file whose flock this process holds
 
     def acquire(self) -> None:
         """Take the lock (creating the folder); RunFolderError when another live command holds it, or holds a
@@ -89,25 +140,33 @@ class RunLock:
             dirs[:] = [d for d in dirs if not Path(root, d).is_symlink()]
 
     def _take(self) -> None:
+        """Hold the lock: an exclusive flock on the file the path names (created if there is none), then this
+        process's record written into it; RunFolderError when another live command holds it."""
         try:
             self.created_folder = not self.folder.exists()
             self.folder.mkdir(parents=True, exist_ok=True)
-            for _ in range(2):
+            for _ in range(_TAKE_TRIES):
                 try:
-                    descriptor = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                except FileExistsError:
-                    if not self._owner_is_gone():
-                        raise RunFolderError(
-                            f"output folder '{self.folder}' is in use by another hf-tapernorm command "
-                            f"({self.owner_text()}); wait for it to finish, or choose another --output_dir"
-                        ) from None
-                    logger.warning("taking over the lock of %s: %s", self.folder, self._why_gone())
-                    self.path.unlink(missing_ok=True)
-                    continue
-                with os.fdopen(descriptor, "w") as handle:
-                    json.dump(_this_process(), handle)
-                self.held = True
-                return
+                    descriptor = self._open(os.O_RDWR | os.O_CREAT)
+                except PermissionError:
+                    if not self.path.exists():
+                        raise  # a folder this user cannot write into
+                    owner = self.held_by_another()  # another user's lock file: whether it is held still decides
+                    if owner is not None:
+                        raise self._in_use(owner) from None
+                    raise RunFolderError(
+                        f"output folder '{self.folder}': its lock {self.path} is stale but another user's file, which "
+                        "this user cannot take over: delete it"
+                    ) from None
+                try:
+                    taken = self._take_file(descriptor)
+                except BaseException:
+                    os.close(descriptor)
+                    raise
+                if taken:
+                    self._descriptor, self.held = descriptor, True
+                    return
+                os.close(descriptor)
         except OSError as error:
             reason = errno.errorcode.get(error.errno, "") if error.errno else ""
             raise RunFolderError(
@@ -116,16 +175,59 @@ class RunLock:
             ) from None
         raise RunFolderError(f"output folder '{self.folder}': cannot take its lock {self.path}")
 
-    def _owner(self) -> dict[str, Any]:
-        try:
-            owner = json.loads(self.path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            return {}
-        return owner if isinstance(owner, dict) else {}
+    def _take_file(self, descriptor: int) -> bool:
+        """Take the lock through the open lock file ``descriptor``; False when the path no longer names that file
+        (released meanwhile: try again), RunFolderError when another live command holds it."""
+        if not _flocked(descriptor, fcntl.LOCK_EX):
+            raise self._in_use(self.owner_text(os.pread(descriptor, _RECORD_BYTES, 0)))
+        if self._named() != _file_id(os.fstat(descriptor)):
+            return False
+        record = os.pread(descriptor, _RECORD_BYTES, 0)
+        if record:
+            why = self._why_gone(_parsed(record))
+            if why is None:
+                raise self._in_use(self.owner_text(record))
+            logger.warning("taking over the lock of %s: %s", self.folder, why)
+        os.ftruncate(descriptor, 0)
+        os.pwrite(descriptor, json.dumps(_this_process()).encode(), 0)
+        return True
 
-    def owner_text(self) -> str:
-        """Who holds the lock, how to tell that it is stale, and the file to delete then (one line)."""
-        owner = self._owner()
+    def _in_use(self, owner: str) -> RunFolderError:
+        return RunFolderError(
+            f"output folder '{self.folder}' is in use by another hf-tapernorm command ({owner}); wait for it to "
+            "finish, or choose another --output_dir"
+        )
+
+    def _named(self) -> Optional[tuple[int, int]]:
+        """The file the lock's path names now (device, inode), or None."""
+        try:
+            return _file_id(os.lstat(self.path))
+        except FileNotFoundError:
+            return None
+
+    def _open(self, flags: int) -> int:
+        """The lock file opened without following a link and without waiting; RunFolderError, without opening it,
+        when it is not a regular file (a named pipe would block the reader)."""
+        try:
+            mode = os.lstat(self.path).st_mode
+        except FileNotFoundError:
+            mode = stat.S_IFREG
+        if stat.S_ISREG(mode):
+            descriptor = os.open(self.path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+            mode = os.fstat(descriptor).st_mode
+            if stat.S_ISREG(mode):
+                return descriptor
+            os.close(descriptor)  # replaced between the look and the open
+        raise RunFolderError(
+            f"output folder '{self.folder}': its lock {self.path} is {_KINDS.get(stat.S_IFMT(mode), 'no file')}, "
+            "not a file hf-tapernorm wrote; remove it if no hf-tapernorm command is using the folder, or choose "
+            "another --output_dir"
+        )
+
+    def owner_text(self, record: bytes) -> str:
+        """Who holds the lock (``record``: the lock file's content), how to tell that it is stale, and the file to
+        delete then (one line)."""
+        owner = _parsed(record)
         if not isinstance(owner.get("pid"), int):
             return (
                 f"its lock {self.path} is unreadable; if no hf-tapernorm command is using the folder, the lock is "
@@ -138,9 +240,9 @@ class RunLock:
             f"stale: delete {self.path}"
         )
 
-    def _why_gone(self) -> Optional[str]:
-        """Why the lock's owner is gone (its process ended, or its pid now names another process), or None."""
-        owner = self._owner()
+    @staticmethod
+    def _why_gone(owner: dict[str, Any]) -> Optional[str]:
+        """Why the recorded ``owner`` is gone (its process ended, or its pid now names another process), or None."""
         pid, host, started = owner.get("pid"), owner.get("host"), owner.get("started")
         if not isinstance(pid, int) or host != socket.gethostname():
             return None  # another machine's (a shared disk) or unreadable: not ours to judge
@@ -155,21 +257,44 @@ class RunLock:
             return f"pid {pid} now belongs to another process (started at another time than the lock's owner)"
         return None
 
-    def _owner_is_gone(self) -> bool:
-        return self._why_gone() is not None
-
     def held_by_another(self) -> Optional[str]:
         """Who holds this folder's lock (owner_text), when another live command does (None: free, or its owner is
-        gone)."""
-        if self.held or not self.path.is_file() or self._owner_is_gone():
+        gone). It only looks: a lock that is not a regular file is no lock of ours here, and is never read."""
+        if self.held:
             return None
-        return self.owner_text()
+        try:  # a folder on the way this user cannot search raises here, for the caller to name
+            if not stat.S_ISREG(os.lstat(self.path).st_mode):
+                return None
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            descriptor = self._open(os.O_RDONLY)
+        except (FileNotFoundError, RunFolderError):
+            return None  # deleted or replaced since the look
+        except PermissionError:
+            return self.owner_text(b"")  # a lock this user cannot read: its owner cannot be told
+        try:
+            free = _flocked(descriptor, fcntl.LOCK_SH)
+            if free:
+                fcntl.flock(descriptor, fcntl.LOCK_UN)
+            record = os.pread(descriptor, _RECORD_BYTES, 0)
+        finally:
+            os.close(descriptor)
+        if free and (not record or self._why_gone(_parsed(record)) is not None):
+            return None
+        return self.owner_text(record)
 
     def release(self) -> None:
-        if not self.held:
+        """Delete the lock file (while its flock is still held, so no one takes the file being deleted), then let
+        go of it; the folder too when the lock created it and it is still empty."""
+        if not self.held or self._descriptor is None:
             return
-        self.path.unlink(missing_ok=True)
-        self.held = False
+        try:
+            if self._named() == _file_id(os.fstat(self._descriptor)):
+                self.path.unlink()
+        finally:
+            os.close(self._descriptor)
+            self._descriptor, self.held = None, False
         if self.created_folder and self.folder.is_dir() and not any(self.folder.iterdir()):
             self.folder.rmdir()  # a command refused before it wrote anything leaves no folder behind
 
@@ -184,10 +309,39 @@ def _this_process() -> dict[str, Any]:
     }
 
 
+def resolved_path(path: str | os.PathLike, what: str) -> Path:
+    """``path`` with ``~`` expanded and every symbolic link followed (Path.resolve); RunFolderError naming ``what``
+    and the link when a symbolic link on the way leads back into itself (Path.resolve raises RuntimeError there
+    on Python 3.10 to 3.12, and returns the path unresolved on later versions)."""
+    path = Path(path).expanduser()
+    try:
+        resolved = path.resolve()
+        os.stat(resolved)
+    except RuntimeError:
+        pass
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            return resolved  # a missing part (to be created) or one this user cannot read: the callers' to tell
+    else:
+        return resolved
+    looping = next((p for p in [*reversed(path.absolute().parents), path.absolute()] if _loops(p)), path)
+    raise RunFolderError(
+        f"{what}: the symbolic link '{looping}' on the way leads back into itself (a loop); fix or remove it"
+    )
+
+
+def _loops(path: Path) -> bool:
+    try:
+        os.stat(path)
+    except OSError as error:
+        return error.errno == errno.ELOOP
+    return False
+
+
 def running_command_around(path: Path, *, above: bool = False) -> Optional[tuple[Path, str]]:
     """The folder at (unless ``above``) or above ``path`` that a live hf-tapernorm command holds, with its owner; or
     None. The path is resolved first: a symbolic link into a held folder leads into that folder."""
-    resolved = Path(path).expanduser().resolve()
+    resolved = resolved_path(path, f"'{path}'")
     for folder in [*([] if above else [resolved]), *resolved.parents]:
         owner = RunLock(folder).held_by_another()
         if owner is not None:
@@ -203,13 +357,14 @@ def refuse_while_running(
     taper run its checkpoints and export, a fold its folder), so what is read now may be half one export, half
     another, and what is written now may be replaced by that command's next write. The one check every command
     that writes (taper, fold, eval --output_json, bench --output_dir) or reads an export to upload (push) makes."""
-    running = running_command_around(path, above=above)
+    resolved = resolved_path(path, what)
+    running = running_command_around(resolved, above=above)
     if running is None:
         return
     folder, owner = running
     where = (
         "is in use: a running hf-tapernorm command owns it"
-        if folder == Path(path).expanduser().resolve()
+        if folder == resolved
         else f"lies in '{folder}', which a running hf-tapernorm command owns"
     )
     raise RunFolderError(f"{what} {where} ({owner}); {advice}")
@@ -250,6 +405,7 @@ __all__ = [
     "check_destination",
     "process_start_time",
     "refuse_while_running",
+    "resolved_path",
     "running_command_around",
     "unreadable_place",
 ]

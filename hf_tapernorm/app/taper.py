@@ -45,7 +45,7 @@ from .preflight import check_disk_space, check_trainer_options, check_training_b
 from .record import RunRecord, far_worse_warning, global_batch_blocks, new_run_record, precision_line
 from .report import PLOTS, summary_lines, write_report
 from .resume_check import check_resumable
-from .run_folder import RunFolder, write_file
+from .run_folder import RunFolder, inside_folder, write_file
 from .showcase import greedy_continuations, ops_per_generated_token
 from .training_run import LOG_KEYS, LOSS_TERM_KEYS, RecordCallback, recorded_identity, train
 from .validation import (
@@ -74,22 +74,14 @@ def run_taper(request: TaperRequest, extension: Optional[TaperExtension] = None)
     parts (extension.py)."""
     logger.info("%s", precision_line(request.training))  # first: the same command trains otherwise elsewhere
     state = PartialState()
-    output = RunFolder(request.training.output_dir, outputs=RUN_OUTPUTS, adopted=_cache_inside(request))
+    cache = inside_folder(request.data.data_cache_dir, request.training.output_dir)  # a cache the run adopts
+    output = RunFolder(request.training.output_dir, outputs=RUN_OUTPUTS, adopted=cache)
     if state.is_main_process:
         output.lock()  # a second command on this folder is refused until this one ends
     try:
         return _run_locked(request, output, extension or TaperExtension())
     finally:
         output.unlock()
-
-
-def _cache_inside(request: TaperRequest) -> tuple[str, ...]:
-    """A --data_cache_dir inside the run folder, as one of the run's outputs (a folder name ending in "/")."""
-    cache = request.data.data_cache_dir
-    if not cache:
-        return ()
-    folder, root = Path(cache).expanduser().resolve(), Path(request.training.output_dir).expanduser().resolve()
-    return (folder.relative_to(root).as_posix() + "/",) if folder != root and folder.is_relative_to(root) else ()
 
 
 def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtension) -> int:
@@ -148,7 +140,7 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
     record.data.extension.update({**extension.data_facts, **training_data.facts})
     record.add_evaluation_sets(packed.heldout_set, reference_text)
     if baseline_source is not None:
-        record.export["baseline_model"] = str(baseline_source.path)
+        record.export["baseline_model"] = str(Path(baseline_source.path).resolve())  # found from any folder
     pipeline = _Pipeline(request, record, packed, tokenizer, output, identity, source, reference_text, baseline_source)
     pipeline.extension, pipeline.training_data = extension, training_data  # the baseline: its data, no parts
     try:
@@ -340,7 +332,7 @@ class _Pipeline:
             self.tokenizer.save_pretrained(tmp)
 
         folder = self.output.write_output("baseline/model", write)
-        self.record.export["baseline_model"] = str(folder)
+        self.record.export["baseline_model"] = str(folder.resolve())  # found from any working folder
 
     def load(self, source: ModelSource):
         model = load_model(

@@ -32,6 +32,7 @@ from ..evaluation.models import ModelSource, ModelSourceError, load_tokenizer, r
 from ..training.schedule import TaperSchedule
 from .record import differences
 from .run_folder import RunFolder
+from .run_lock import resolved_path
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class TaperRequest:
 def check_output_outside_inputs(output_dir: str, inputs: dict[str, Optional[str]]) -> None:
     """Refuse an ``--output_dir`` inside a local folder the run reads whole (option -> path): its checkpoints and
     reports would become part of that model or dataset, which would then differ at every ``--resume``."""
-    output = Path(output_dir).expanduser().resolve()
+    output = resolved_path(output_dir, f"--output_dir '{output_dir}'")
     for option, value in inputs.items():
         folder = Path(value).expanduser() if value else None
         if folder is not None and folder.is_dir() and output.is_relative_to(folder.resolve()):

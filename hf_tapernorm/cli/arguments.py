@@ -253,6 +253,7 @@ TaperArguments = dataclasses.make_dataclass(
         },
         "SEPARATORS": {name: "," for name in RECIPE_OPTIONS if _kind(name) == "list"},  # an options file's lists
         "EMPTY": {name: "none" for name in RECIPE_OPTIONS if _kind(name) == "list"},  # and its empty ones
+        "NUMBERS": [name for name in RECIPE_OPTIONS if _kind(name) == "step"],  # text a file may write as a number
         "__doc__": "The recipe (a TaperNormConfig); unset options take the recipe's value.",
         "__module__": __name__,  # make_dataclass's module= needs Python 3.12
     },

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Optional
 
 from .._parsing import UsageError, parse
+from ..app.preflight import check_export_space, full_disk_refused
+from ..app.record import recorded_path, recorded_reference
 from ..app.run_folder import LOCK_NAME, RunFolder, write_file, write_folder
-from ..app.run_lock import check_destination, refuse_while_running, unreadable_place
+from ..app.run_lock import check_destination, refuse_while_running, resolved_path, unreadable_place
 from ..app.taper import save_export
 from ..app.validation import check_same_tokenizer, check_vocabulary, check_within_positions, max_positions
 from ..config import sink_token_id
@@ -181,7 +183,7 @@ def tokenizer_of(source: ModelSource, *, trust_remote_code: bool = False):
     try:
         return load_tokenizer(source, trust_remote_code=trust_remote_code)
     except ModelSourceError as error:
-        folder = Path(source.path).resolve()
+        folder = resolved_path(source.path, f"model '{source.path}'")
         if not folder.name.startswith("checkpoint-"):
             raise
         runs = [folder.parent, folder.parent.parent] if folder.parent.name == "baseline" else [folder.parent]
@@ -217,13 +219,14 @@ def scan_reference_of(source, named: Optional[str]) -> Optional[ModelSource]:
         return resolve_model(named)
     if source.kind not in ("tapered", "folded"):
         return None
-    reference = _recorded_reference(_run_report(Path(source.path).resolve().parent))
+    reference = _recorded_reference(Path(source.path).resolve().parent)
     if reference is None:
         logger.warning(
             "no robustness scan: %s is not in a run folder that names its baseline or original; pass --scan_reference",
             source.path,
         )
-    return reference
+        return None
+    return reference[0]
 
 
 #: Marks a result file of ``eval --output_json``: the only kind of existing file it replaces.
@@ -267,10 +270,15 @@ def check_export_folder(folder: Path, overwrite: bool, *, locked: bool = False) 
     The folder's lock file is no content; ``locked``: this command holds it (only the folders above are checked
     for another command's).
     """
-    if folder.is_symlink():
+    what = f"output folder '{folder}'"
+    try:
+        link = folder.is_symlink()
+    except OSError as error:  # a folder on the way that this user cannot read (lstat raises EACCES)
+        raise UsageError(unreadable_place(what, error)) from None
+    if link:
         raise UsageError(f"output folder '{folder}' is a symbolic link; pass the folder it points to")
     advice = "wait for it to finish, or choose a folder outside it"  # a running command may write it: one is lost
-    check_destination(folder, f"output folder '{folder}'", advice=advice, above=locked, renamed_into_parent=True)
+    check_destination(folder, what, advice=advice, above=locked, renamed_into_parent=True)
     if not folder.is_dir() or not any(p.name != LOCK_NAME for p in folder.iterdir()):
         return
     if not overwrite:
@@ -317,12 +325,16 @@ def fold_main(argv: Sequence[str]) -> int:
             f"it is a {source.kind} model"
         )
     output_dir = Path(fold_args.output_dir)
-    if output_dir.resolve().is_relative_to(Path(source.path).resolve()):  # the export would become part of it
+    inside = resolved_path(output_dir, f"--output_dir '{output_dir}'").is_relative_to(
+        resolved_path(source.path, f"--checkpoint '{fold_args.checkpoint}'")
+    )
+    if inside:  # the export would become part of it
         raise UsageError(
             f"--output_dir '{output_dir}' lies inside --checkpoint '{fold_args.checkpoint}', which fold reads; "
             "choose a folder outside the checkpoint"
         )
     check_export_folder(output_dir, fold_args.overwrite)
+    check_export_space(output_dir, Path(source.path), fold_args.tied_head)  # before the weights load
     export = RunFolder(output_dir)
     export.lock()  # held until the export is written: a second command into this folder is refused meanwhile
     try:
@@ -349,7 +361,8 @@ def _fold_into(output_dir: Path, source: ModelSource, fold_args: FoldArguments) 
         tokenizer = None
     scan = _fold_scan(source, folded, tokenizer, fold_args.scan_windows)
     facts = {"robustness_scan": scan} if scan else None
-    write_folder(output_dir, lambda tmp: save_export(folded, tokenizer, tmp, facts))  # replaces an earlier export
+    with full_disk_refused(output_dir):
+        write_folder(output_dir, lambda tmp: save_export(folded, tokenizer, tmp, facts))  # replaces an earlier export
     print(json.dumps({"export": str(output_dir), "fold": folded.fold_report.to_dict()}))
     warning = scan_line(scan or {}, where=str(output_dir / SCAN_FILE))
     if warning:
@@ -361,8 +374,8 @@ def _fold_scan(source: ModelSource, folded, tokenizer, windows: int) -> Optional
     """The robustness scan of a fresh export, on the texts and against the reference its run recorded."""
     if not windows:
         return None
-    facts = _run_report(Path(source.path).resolve().parent)
-    reference = _recorded_reference(facts)
+    run = Path(source.path).resolve().parent
+    facts, reference = _run_report(run), _recorded_reference(run)
     if facts is None or reference is None or tokenizer is None:
         logger.warning(
             "no robustness scan: %s is not in a taper run folder that names its data and baseline or original "
@@ -371,9 +384,11 @@ def _fold_scan(source: ModelSource, folded, tokenizer, windows: int) -> Optional
         )
         return None
     recorded, sets = facts.get("data") or {}, facts.get("evaluation_sets") or {}
+    dataset = None if recorded.get("source") in (None, EMBEDDED_CORPUS) else recorded["source"]
+    local = recorded_path(facts, run, dataset) if dataset is not None else None
     default = DataArguments()  # what the run used for anything its report does not record
     data = DataArguments(
-        dataset_name=None if recorded.get("source") in (None, EMBEDDED_CORPUS) else recorded["source"],
+        dataset_name=str(local) if local is not None and local.exists() else dataset,  # else a Hub dataset's id
         text_column=recorded.get("text_column"),
         block_size=int(recorded.get("block_size", default.block_size)),
         heldout_percentage=float(recorded.get("heldout_percentage", default.heldout_percentage)),
@@ -384,7 +399,7 @@ def _fold_scan(source: ModelSource, folded, tokenizer, windows: int) -> Optional
     sink = list(getattr(folded.config, "sink_token_ids", None) or [])
     packed = prepare_from_arguments(data, tokenizer, train_blocks=0, prefix_ids=sink)
     texts = [t for t in (packed.heldout_set, out_of_corpus_set(data, tokenizer, sink)) if t is not None]
-    model = load_model(reference)
+    model = load_model(reference[0])
     return robustness_scan(
         folded,
         model,
@@ -393,7 +408,7 @@ def _fold_scan(source: ModelSource, folded, tokenizer, windows: int) -> Optional
         windows=windows,
         max_positions=_common_positions(folded, model),
         tokenizer=tokenizer,
-        reference_name="baseline" if reference.path.rstrip("/").endswith("baseline/model") else "original",
+        reference_name=reference[1],
         seed=data.heldout_seed,
         batch_tokens=data.eval_batch_size * data.block_size,
     ).to_dict()
@@ -413,14 +428,12 @@ def _run_report(folder: Path) -> Optional[dict]:
     return facts if isinstance(facts, dict) else None
 
 
-def _recorded_reference(facts: Optional[dict]) -> Optional[ModelSource]:
-    """The run's normalized baseline if it saved one, else its original model (when either still exists)."""
-    if facts is None:
-        return None
-    for candidate in ((facts.get("export") or {}).get("baseline_model"), (facts.get("model") or {}).get("source")):
-        if isinstance(candidate, str) and candidate and Path(candidate).exists():
-            return resolve_model(candidate)
-    return None
+def _recorded_reference(run: Path) -> Optional[tuple[ModelSource, str]]:
+    """The model the scan of the run in ``run`` compares with, and its name ("baseline" or "original"), found
+    from any working folder (app/record.recorded_reference); None without a report or such a model."""
+    facts = _run_report(run)
+    found = recorded_reference(facts, run) if facts is not None else None
+    return (resolve_model(str(found[0])), found[1]) if found is not None else None
 
 
 def push_main(argv: Sequence[str]) -> int:

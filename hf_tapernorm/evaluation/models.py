@@ -123,6 +123,8 @@ def resolve_model(model_name_or_path: Optional[str] = None, gguf_file: Optional[
             f"model '{model_name_or_path}' is a file, not a model: pass a saved model's folder (with config.json), a "
             ".gguf file or a Hub id"
         )
+    if path.is_symlink():  # a link here that leads nowhere (or back into itself) is meant as this local path
+        raise ModelSourceError(f"model '{model_name_or_path}' is a symbolic link that leads to no folder or file")
     if path.exists() or model_name_or_path.startswith((".", "/", "~")) or model_name_or_path.count("/") > 1:
         raise ModelSourceError(f"model '{model_name_or_path}' not found: no such folder or file")
     return ModelSource(model_name_or_path, gguf_file, "hub")

@@ -144,6 +144,23 @@ def _weight_is_an_operation(site, layer: TaperNorm) -> bool:
     return site.kind == "input" and layer.style is not NormStyle.LAYER and layer.weight is not None
 
 
+def _meets_tied_head(site, layer: TaperNorm, tied: bool) -> bool:
+    """Whether folding ``layer`` changes a tied head: the final norm, tapered or with a weight that leaves it."""
+    return site.is_final and tied and (layer.tapered or _weight_is_an_operation(site, layer))
+
+
+def unties_head(model: PreTrainedModel, tied_head: TiedHead = "untie") -> bool:
+    """Whether ``fold_model(model, tied_head=tied_head)`` gives a tied lm_head weights of its own (one matrix more
+    in the export). It reads the patched model's structure only, so a weightless (meta-device) copy answers: the
+    disk an export needs is known before the weights load (``hf-tapernorm fold``)."""
+    arch = architecture_of(model)
+    tied = _is_tied(model, arch)
+    layers = ((site, model.get_submodule(site.path)) for site in norm_sites(model, arch))
+    return tied_head == "untie" and any(
+        isinstance(layer, TaperNorm) and _meets_tied_head(site, layer, tied) for site, layer in layers
+    )
+
+
 def _fold_sites(model: PreTrainedModel, sites, tied: bool, tied_head: TiedHead) -> FoldState:
     """Fold every tapered site into the projections that read it; make the kept pre-norms weightless where that
     saves an operation, keep the other kept norms as they are; apply the tied-head policy."""
@@ -155,7 +172,7 @@ def _fold_sites(model: PreTrainedModel, sites, tied: bool, tied_head: TiedHead) 
             raise TaperStateError(f"{site.path} is a {type(layer).__name__}, not a TaperNorm: patch the whole model")
         for key in [k for k in fold.state if k.startswith(site.path + ".")]:
             del fold.state[key]
-        meets_tied_head = site.is_final and tied and (layer.tapered or _weight_is_an_operation(site, layer))
+        meets_tied_head = _meets_tied_head(site, layer, tied)
         fold.head_choice = tied_head if meets_tied_head else fold.head_choice
         if not layer.tapered:
             fold.kept_norms.append(site.path)
@@ -400,4 +417,4 @@ def flashnorm_model(
     return folded
 
 
-__all__ = ["FoldReport", "TIED_HEAD_CHOICES", "check_fold", "flashnorm_model", "fold_model"]
+__all__ = ["FoldReport", "TIED_HEAD_CHOICES", "check_fold", "flashnorm_model", "fold_model", "unties_head"]

@@ -10,9 +10,14 @@ from typing import Union
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from ..config import TaperNormConfig
 from ..errors import ConfigurationError
+from ..export.folded_sink import PREFIX as FOLDED_TYPE_PREFIX
 from ..export.folded_sink import plain_load_of_export
 from ..export.modeling_folded import FoldedModelMixin
+from ..layers.saving import TAPERED_TYPE_PREFIX
+from ..training.checkpoints import is_tapered_checkpoint
+from ..utils import saved_model_type
 
 ExportSource = Union[str, os.PathLike, PreTrainedModel]
 
@@ -29,17 +34,45 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 def _as_dtype(dtype: Union[torch.dtype, str, None]) -> Union[torch.dtype, str, None]:
     """``dtype`` as a torch dtype, ``"auto"`` or None: a name (``"float32"``, ``"torch.bfloat16"``) is the torch
-    dtype it names, so that text and ``torch.float32`` are the same request; anything else is refused naming
-    ``dtype`` (``getattr(torch, "bogus")`` was an AttributeError)."""
-    if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
+    dtype it names, so that text and ``torch.float32`` are the same request; anything else, a torch dtype an export
+    cannot load in (``torch.int64``, ``torch.complex64``, ``torch.float8_e4m3fn``: transformers' ValueError or a
+    TypeError deep in the load) included, is refused naming ``dtype`` and the accepted ones."""
+    if dtype is None or dtype == "auto" or dtype in _DTYPES.values():
         return dtype
     name = dtype.removeprefix("torch.") if isinstance(dtype, str) else None
     if name not in _DTYPES:
         raise ConfigurationError(
-            f"dtype={dtype!r} is no dtype an export loads in: give one of {', '.join(_DTYPES)}, auto, or a torch "
-            "dtype (torch.bfloat16)"
+            f"dtype={dtype!r} is no dtype an export loads in: give one of {', '.join(_DTYPES)} (as text or a torch "
+            "dtype: torch.bfloat16), or auto"
         )
     return _DTYPES[name]
+
+
+def _refuse_tapered(source: Union[Path, PreTrainedModel]) -> None:
+    """Refuse a tapered checkpoint (a run's ``tapered/`` or ``checkpoint-N``, ``save_tapered``'s folder) or a
+    patched model where an export is expected, saying what it is and how to get an export.
+
+    The one check of every integration (each opens its source through ``load_export``): transformers' own answer
+    to a tapered checkpoint's config.json is "does not recognize this architecture ... pip install --upgrade
+    transformers", advice that cannot work, and a checkpoint of an older version (its base ``model_type``) would
+    load as the plain model with its norms back.
+    """
+    if isinstance(source, PreTrainedModel):
+        if isinstance(getattr(source, "tapernorm_config", None), TaperNormConfig):
+            raise ConfigurationError(
+                f"{type(source).__name__} is a tapered model (patch_model), not an export: fold it first "
+                "(hf_tapernorm.fold_model, then export_folded to save it)"
+            )
+        return
+    model_type = saved_model_type(source / "config.json")  # "" when unreadable: from_pretrained says why
+    if model_type.startswith(FOLDED_TYPE_PREFIX):
+        return
+    if model_type.startswith(TAPERED_TYPE_PREFIX) or is_tapered_checkpoint(source):
+        raise ConfigurationError(
+            f"'{source}' is a tapered checkpoint (its norms are TaperNorm layers), not an export: fold it first "
+            f"(hf-tapernorm fold --checkpoint {source} --output_dir FOLDER, or hf_tapernorm.fold_model / "
+            "export_folded) and pass the folded folder, or load it with hf_tapernorm.load_tapered"
+        )
 
 
 def load_export(
@@ -51,12 +84,14 @@ def load_export(
     the dtype its config.json records, as ``from_pretrained`` reads it); a model stays in its own (``"auto"``:
     whatever that is), and a ``dtype`` other than its own is refused rather than converted: converting in place
     would change the caller's model, and a copy would double its memory without a word.
-    Refuses a folder without a config, and (``folded_only``) a model that is not folded: the integrations that
-    need the export's structure (folded norms as identities, the stored sink) set it. Refuses an export loaded
-    as its plain base class (its config.json's ``model_type`` edited): its sink and folded norms would be lost.
+    Refuses a folder without a config, a tapered checkpoint or patched model (fold it first), and
+    (``folded_only``) a model that is not folded: the integrations that need the export's structure (folded norms
+    as identities, the stored sink) set it. Refuses an export loaded as its plain base class (its config.json's
+    ``model_type`` edited): its sink and folded norms would be lost.
     """
     dtype = _as_dtype(dtype)
     if isinstance(source, PreTrainedModel):
+        _refuse_tapered(source)
         model = source
         if dtype not in (None, "auto") and dtype != model.dtype:
             raise ConfigurationError(
@@ -67,6 +102,7 @@ def load_export(
         folder = local_path(source)
         if not (folder / "config.json").is_file():
             raise ConfigurationError(f"'{folder}' holds no config.json: name the folder export_folded wrote")
+        _refuse_tapered(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32)
     problem = plain_load_of_export(type(model).__name__, model.config)
     if problem is not None:

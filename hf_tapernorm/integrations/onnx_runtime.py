@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from ..app.run_folder import write_folder
 from ..errors import ConfigurationError, first_line
 from ..export.folded_input import SinkContract, read_input
 from ..export.folded_sink import restore_logits
@@ -95,11 +96,13 @@ def _in_fp32(model: PreTrainedModel) -> PreTrainedModel:
 
 def export_onnx(source: Union[str, os.PathLike, PreTrainedModel], output_dir: Union[str, os.PathLike]) -> Path:
     """Export ``source`` (a folded export's folder, a folded model, or any causal LM's folder or model) to
-    ``output_dir``: ``model.onnx`` (fp32), ``onnx_layout.json`` (the cache layout and the input contract) and, for
-    an export with a sink, ``sink.npz``.
+    ``output_dir``: ``model.onnx`` (fp32, its weights in ``model.onnx.data``), ``onnx_layout.json`` (the cache
+    layout and the input contract) and, for an export with a sink, ``sink.npz``.
 
     Returns the folder. Refuses, before loading anything, a file on the way to it and a non-empty folder (an
-    earlier graph would be mixed with this one's files).
+    earlier graph would be mixed with this one's files). The files are written into a hidden sibling folder that
+    is renamed to ``output_dir`` once whole (``write_folder``), so a failed export (a full disk) leaves no
+    truncated graph under that name, and is one ConfigurationError naming the folder.
     """
     folder = local_path(output_dir)
     blocking = file_in_the_way(folder)
@@ -110,8 +113,21 @@ def export_onnx(source: Union[str, os.PathLike, PreTrainedModel], output_dir: Un
     require("onnx", FEATURE)  # torch.onnx.export writes through onnx, and translates through onnxscript
     require("onnxscript", FEATURE)
     numpy = require("numpy", FEATURE)
-    model = _in_fp32(source if isinstance(source, PreTrainedModel) else load_export(source, folded_only=False))
-    folder.mkdir(parents=True, exist_ok=True)
+    model = _in_fp32(load_export(source, folded_only=False))
+    try:
+        write_folder(folder, lambda partial: _write_graph(model, partial, numpy))
+    except OSError as error:
+        raise ConfigurationError(
+            f"cannot export ONNX into '{folder}': {first_line(error)}; nothing was written there: free space (or "
+            "choose another folder) and export again"
+        ) from None
+    logger.info("exported %s to %s", type(model).__name__, folder / GRAPH_NAME)
+    return folder
+
+
+def _write_graph(model: PreTrainedModel, folder: Path, numpy: Any) -> None:
+    """Write ``export_onnx``'s files of ``model`` (fp32, eval mode) into ``folder`` (created)."""
+    folder.mkdir(parents=True)
     layout = _cache_layout(model)
     contract = SinkContract.of(model)
     layout.update(
@@ -158,8 +174,6 @@ def export_onnx(source: Union[str, os.PathLike, PreTrainedModel], output_dir: Un
             stored["logits"] = model.sink_logits
         numpy.savez(folder / SINK_NAME, **{k: v.detach().float().cpu().numpy() for k, v in stored.items()})
     (folder / LAYOUT_NAME).write_text(json.dumps(layout, indent=2) + "\n")
-    logger.info("exported %s to %s", type(model).__name__, folder / GRAPH_NAME)
-    return folder
 
 
 class OnnxCausalLM:
@@ -279,13 +293,22 @@ class OnnxCausalLM:
 
         A 1-D sequence is refused, not read as one row: the logits and the state answer the batch given, as the
         torch export's forward does, so one sequence is passed as ``[ids]`` (what ``tokenizer(text)["input_ids"]``
-        needs around it) and its logits come back as ``[1, seq, vocab]`` on purpose, not by a guess.
+        needs around it) and its logits come back as ``[1, seq, vocab]`` on purpose, not by a guess. A mask of
+        another real dtype (bool, ``mask.float()``) holding only 0 and 1 is read as those integers, as the torch
+        export reads it; any other value in it (0.5, NaN) is refused rather than rounded.
         """
         np, owner = self.np, self.contract.owner
         try:
             array = np.asarray(values)
         except ValueError as error:  # rows of unequal length
             raise ConfigurationError(f"{owner}: {name} must be [batch, seq] integers ({first_line(error)})") from None
+        if name == "attention_mask" and array.dtype.kind == "f" and array.ndim == 2:
+            if not np.isin(array, (0, 1)).all():
+                wrong = array[~np.isin(array, (0, 1))].flat[0]
+                raise ConfigurationError(
+                    f"{owner}: attention_mask must hold 1 (a token) and 0 (padding), got {array.dtype} holding {wrong}"
+                )
+            array = array.astype(np.int64)
         if array.ndim != 2 or 0 in array.shape or array.dtype.kind not in "biu":
             advice = "; pass one sequence as a batch of one: [ids]" if array.ndim == 1 else ""
             raise ConfigurationError(

@@ -67,10 +67,12 @@ def set_sink_tokens(model: nn.Module, token_ids: Optional[Sequence[int]]) -> Non
 def _mark_sink_forwards(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """Only a forward that starts at position 0 holds the sink; one that continues a cache does not.
 
-    A fresh forward in training mode must start with the sink tokens (:func:`check_sink_first`): this is
-    where every batch of TaperCallback, TaperController or a hand-written loop enters the model, before any
-    statistic is gathered or gradient computed. Looks the layers up on every call (not in a closure), so a
-    deep-copied model marks its own.
+    A fresh forward must start with the sink tokens (:func:`check_sink_first`), in training mode and in eval mode
+    alike: this is where every batch of TaperCallback, TaperController or a hand-written loop enters the model,
+    before any statistic is gathered or gradient computed, and where evaluation and generation enter it. Text
+    without the sink would have its first token kept normalized as the sink, so its logits would be neither the
+    trained model's nor its export's (which reads such text as stored sink + text). Looks the layers up on every
+    call (not in a closure), so a deep-copied model marks its own.
     """
     cache = kwargs.get("cache")
     if cache is None:
@@ -80,8 +82,10 @@ def _mark_sink_forwards(model: nn.Module, args: tuple, kwargs: dict) -> None:
         ids = model.tapernorm_config.sink_token_ids
         check_sink_not_padded(_forward_argument(model, args, kwargs, "attention_mask"), ids, type(model).__name__)
         input_ids = _forward_argument(model, args, kwargs, "input_ids")
-        if model.training and input_ids is not None:
+        if input_ids is not None and model.training:
             check_sink_first(input_ids, ids, f"training {type(model).__name__}")
+        elif input_ids is not None:
+            check_sink_first(input_ids, ids, type(model).__name__, also=_EXPORT_READS_TEXT)
     for module in model.modules():
         if isinstance(module, TaperNorm):
             module.sink_active = fresh
@@ -97,12 +101,16 @@ def _forward_argument(model: nn.Module, args: tuple, kwargs: dict, name: str) ->
         return None
 
 
-def check_sink_first(input_ids: torch.Tensor, token_ids: Sequence[int], where: str) -> None:
+#: What an eval-mode refusal adds: the export reads text without the sink (the stored sink in front of it).
+_EXPORT_READS_TEXT = "; the folded export (export_folded) reads text without the sink"
+
+
+def check_sink_first(input_ids: torch.Tensor, token_ids: Sequence[int], where: str, *, also: str = "") -> None:
     """Raise at a batch whose sequences do not all start with ``token_ids`` (one comparison of ``[:, :n]``).
 
     A model patched with a sink keeps those positions normalized and leaves them out of calibration; a batch
     that starts otherwise would treat its first text token as the sink, and the export would compute
-    something else than the trained model.
+    something else than the trained model. ``also``: advice the caller appends to the message.
     """
     ids = [int(i) for i in token_ids]
     n = len(ids)
@@ -117,7 +125,7 @@ def check_sink_first(input_ids: torch.Tensor, token_ids: Sequence[int], where: s
             f"{where}: a batch does not start with the sink token(s) {ids} (it starts {first}); prepend them to "
             "every sequence (the tokenizer's BOS), pack with "
             f"hf_tapernorm.data.corpus.pack_documents(..., prefix_ids={ids}), or patch without a sink: "
-            "TaperNormConfig(sink_token_ids=[])"
+            f"TaperNormConfig(sink_token_ids=[]){also}"
         )
 
 
@@ -128,17 +136,40 @@ def check_sink_not_padded(attention_mask: Optional[torch.Tensor], token_ids: Seq
     The patched model keeps the first columns normalized as the sink, whatever they hold, so a row's pads would be
     taken for its sink and its real sink (after the pads) would taper: its logits would differ from the row's
     alone. Finding the sink per row would need per-row positions in every norm; the folded export does that.
+    A 2D mask marks padding with 0; a 4D one (``[batch, heads, queries, keys]``, boolean, additive float or
+    integer) marks a column as padding when the row's own query at that column cannot attend to it (its
+    diagonal entry is masked: False, 0, or at most half the dtype's lowest value, ``-inf`` included).
     """
     n = len(token_ids)
-    if not n or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+    if not n or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() not in (2, 4):
         return
-    if bool(attention_mask[:, :n].eq(0).any()):
+    if attention_mask.dim() == 2:
+        padded, how = attention_mask[:, :n].eq(0), "attention_mask 0"
+    else:
+        padded, how = _masked_diagonal(attention_mask, n), "the 4D attention_mask masks the diagonal"
+    if bool(padded.any()):
         raise ConfigurationError(
-            f"{where}: a left-padded batch (attention_mask 0 in the first {n} column(s)): the patched model reads "
+            f"{where}: a left-padded batch ({how} in the first {n} column(s)): the patched model reads "
             f"the first column(s) as the sink {list(token_ids)}, not each row's; run such rows alone, pad on the "
             "right (tokenizer.padding_side = 'right'), or use the folded export (export_folded), which finds the "
             "sink after the pads"
         )
+
+
+def _masked_diagonal(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """Whether each row's query at key column ``j < n`` is masked from that column, ``[batch, heads, columns]``.
+
+    The queries are the last ``mask.shape[2]`` of the ``mask.shape[3]`` key positions; a column before the first
+    query has no query of its own and is not read.
+    """
+    queries, keys = mask.shape[-2:]
+    columns = torch.arange(max(keys - queries, 0), min(n, keys), device=mask.device)
+    diagonal = mask[:, :, columns - (keys - queries), columns]
+    if diagonal.dtype == torch.bool:
+        return ~diagonal
+    if diagonal.is_floating_point():
+        return diagonal <= torch.finfo(diagonal.dtype).min / 2
+    return diagonal.eq(0)
 
 
 def warn_if_tokenizer_omits_sink(tokenizer: Any, token_ids: Sequence[int]) -> bool:

@@ -50,7 +50,7 @@ class _Parser(HfArgumentParser):
         self.flags: dict[str, argparse.Action] = {}
         self.source = source  # the options file being read, named in every error
         self.hints, self.separators, self.empty, self.numbers = _declared(dataclass_types)
-        super().__init__(list(dataclass_types), prog=prog)
+        super().__init__(list(dataclass_types), prog=prog, allow_abbrev=False)  # a flag is its whole name
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
         if kwargs.get("type") is float:  # one check for every number option of every command, before any work
@@ -177,6 +177,8 @@ def _options_file_among(parser: _Parser, argv: Sequence[str]) -> Optional[str]:
         if word.startswith("-"):
             flag, equals, _ = word.lstrip("-").partition("=")
             action = parser.flags.get(flag.replace("-", "_")) if word.startswith("--") else None
+            if action is None and word.startswith("--"):
+                return None  # an unknown flag: argparse names it
             taking = action.nargs if action is not None and not equals else 0
         elif taking is None:
             taking = 0

@@ -528,6 +528,19 @@ CASES = {
         ["run.json is read alone, as the first and only argument: put --no_private into it"],
         ("tmp_path",),
     ),
+    # the hostile probe, round 7: an abbreviated flag, an unknown one, before an existing JSON file
+    "eval --output_js r.json (an abbreviation)": (
+        _flag_before_options_file("eval", "--model_name_or_path", "{tmp}/model", "--output_js"),
+        2,
+        ["unrecognized arguments: ['--output_js', '", "run.json'] (see hf-tapernorm eval --help)"],
+        ("tmp_path",),
+    ),
+    "eval --resume data.json (an unknown flag)": (
+        _flag_before_options_file("eval", "--resume"),
+        2,
+        ["unrecognized arguments: ['--resume', '"],
+        ("tmp_path",),
+    ),
     "taper --output_dir with a byte that is not UTF-8": (
         lambda ws, tmp: taper(ws, tmp / "caf\udce9"),
         2,

@@ -155,6 +155,7 @@ def test_fold_onto_a_disk_too_small_for_its_export_is_refused_before_loading(run
     [
         OSError(errno.ENOSPC, "No space left on device"),
         SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+        SafetensorError("Error while serializing: I/O error: File too large (os error 27)"),  # ulimit -f, FAT32
     ],
 )
 def test_a_disk_that_fills_up_while_fold_writes_is_one_line(run, tmp_path, monkeypatch, error):
@@ -167,8 +168,8 @@ def test_a_disk_that_fills_up_while_fold_writes_is_one_line(run, tmp_path, monke
 
     monkeypatch.setattr(commands, "save_export", full)
     out = tmp_path / "export"
-    line = refused(fold(run / "tapered", out), f"hf-tapernorm fold: error: --output_dir {out}: its disk filled up ")
-    assert "No space left on device" in line and line.endswith("another disk"), line
+    line = refused(fold(run / "tapered", out), f"hf-tapernorm fold: error: --output_dir {out}: its disk could not ")
+    assert str(error).split("I/O error: ")[-1] in line and line.endswith("another disk"), line
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == []  # the partial folder is gone
 
 
@@ -209,3 +210,14 @@ def test_the_scan_finds_the_runs_baseline_from_any_working_folder(ws, baseline_r
     with caplog.at_level(logging.WARNING):
         assert _scan(run, tmp_path / "f_gone")["reference"] == "original"
     assert f"recorded is not there ({tmp_path / 'gone'}): the robustness scan compares with the original" in caplog.text
+
+
+def test_a_copied_run_is_scanned_against_its_own_baseline(baseline_run, tmp_path):
+    """A copy of a --baseline run read the baseline at the absolute path the original recorded, not its own: its
+    scan compared with the original run's baseline whatever the copy's held."""
+    copy = copy_of(baseline_run, tmp_path, "blcopy")
+    before = _scan(copy, tmp_path / "f_before")
+    save_tiny_model(copy / "baseline" / "model", "llama", seed=3)  # the copy's own baseline, now another model
+    after = _scan(copy, tmp_path / "f_after")
+    assert before["reference"] == after["reference"] == "baseline"
+    assert [row["reference_loss"] for row in after["rows"]] != [row["reference_loss"] for row in before["rows"]]

@@ -240,7 +240,23 @@ def test_onnx_export_refuses_a_used_folder(exports, tmp_path):
         OnnxCausalLM(tmp_path / "taken")
 
 
-# ----------------------------------------------------------------------------- the real SmolLM2
+def test_onnx_export_into_a_symbolic_link_loop_is_refused_naming_the_loop(tmp_path):
+    """``export_onnx(export, "lp/loop/x")`` with ``lp/loop`` a link to itself said "OSError: [Errno 40] Too many
+    levels of symbolic links ...; free space (or choose another folder)". Refused before anything is read, naming
+    the loop as the CLI commands do."""
+    from hf_tapernorm.integrations.onnx_runtime import export_onnx
+
+    (tmp_path / "lp").mkdir()
+    (tmp_path / "lp" / "loop").symlink_to("loop")
+    with pytest.raises(ConfigurationError) as error:
+        export_onnx(tmp_path / "no-export", tmp_path / "lp" / "loop" / "x")
+    assert str(error.value) == (
+        f"cannot export ONNX into '{tmp_path}/lp/loop/x': the symbolic link '{tmp_path}/lp/loop' on the way leads "
+        "back into itself (a loop); fix or remove it"
+    )
+    assert sorted(p.name for p in (tmp_path / "lp").iterdir()) == ["loop"]
+
+
 @pytest.mark.slow
 def test_smollm2_export_reads_the_same_in_transformer_lens_nnsight_and_onnx_runtime(tmp_path):
     """SmolLM2-135M cut to 4 layers (untrained at g = 0 the full model is not finite), every internal norm patched

@@ -111,6 +111,8 @@ def test_a_run_killed_during_its_export_can_be_overwritten(workspace, reference,
     run = tmp_path / "run"
     shutil.copytree(reference, run)
     shutil.move(run / "folded", run / ".folded.partial-99999")  # what a kill before the rename leaves
+    manifest = json.loads((run / MANIFEST_NAME).read_text())
+    (run / MANIFEST_NAME).write_text(json.dumps({**manifest, "writes": [".folded.partial-99999"]}))  # recorded first
     (run / LOCK_NAME).write_text(json.dumps({"pid": 2**22 + 12345, "host": os.uname().nodename}))  # no such process
     code, _, stderr = run_main([*killable_argv(workspace, run), "--overwrite"])
     assert code == 0, stderr

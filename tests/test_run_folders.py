@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -846,22 +847,27 @@ def test_a_user_file_in_the_trainer_log_folder_stays_the_users(workspace, run, t
 
 def test_only_the_exact_names_of_an_interrupted_write_are_the_run_s_leftovers(workspace, run, tmp_path, monkeypatch):
     """Any top-level hidden name holding ``.old-`` or ``.partial-`` (and ``report.json.tmp``) was taken for the run's
-    own leftover and deleted without a word: a user's ``.thesis.old-2023/`` and ``.notes.partial-v2/``. Only
-    ``.NAME.partial-PID`` / ``.NAME.old-PID`` of a name the run writes are."""
+    own leftover and deleted without a word: a user's ``.thesis.old-2023/`` and ``.notes.partial-v2/``; then any
+    ``.NAME.partial-<digits>`` / ``.NAME.old-<digits>`` of an output: a user's ``.folded.old-2023/`` (a copy of the
+    export) and ``.report.md.partial-1`` (a draft). Only the exact names the run recorded before writing are."""
     from hf_tapernorm.app.taper import RUN_OUTPUTS
 
     out = copy_of(run, tmp_path)
     users = {".thesis.old-2023/draft.txt": "my draft", ".notes.partial-v2/draft.txt": "my notes"}
     users |= {"report.json.tmp": "my own json", ".tapered.partial-/x.txt": "mine", "tapered/.notes.partial-1": "mine"}
+    users |= {".folded.old-2023/config.json": "my copy", ".report.md.partial-1": "my report draft"}
     ours = {".tapered.partial-4242/config.json": "{}", ".folded.old-4242/config.json": "{}"}
     ours |= {".report.json.partial-4242": "{}", ".heldout_losses.json.partial-17": "[]"}
     for relative, text in {**users, **ours}.items():
         (out / relative).parent.mkdir(parents=True, exist_ok=True)
         (out / relative).write_text(text)
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    manifest["writes"] = sorted(relative.split("/")[0] for relative in ours)  # what a killed run recorded
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
     before = snapshot(out)
     no_loading(monkeypatch)
-    named = ".notes.partial-v2/draft.txt, .tapered.partial-/x.txt, .thesis.old-2023/draft.txt, report.json.tmp, "
-    named += "tapered/.notes.partial-1"
+    named = ".folded.old-2023/config.json, .notes.partial-v2/draft.txt, .report.md.partial-1, .tapered.partial-/x.txt, "
+    named += ".thesis.old-2023/draft.txt, report.json.tmp, tapered/.notes.partial-1"
     assert error_of([*run_argv(workspace, out), "--overwrite"]) == (
         f"hf-tapernorm taper: error: refusing to --overwrite '{out}': it holds files hf-tapernorm did not write "
         f"({named}); move them away first"
@@ -872,8 +878,12 @@ def test_only_the_exact_names_of_an_interrupted_write_are_the_run_s_leftovers(wo
     )
     assert snapshot(out) == before
     RunFolder(out, outputs=RUN_OUTPUTS).remove_partials()  # what --resume does once the folder is the run's
-    assert snapshot(out) == {k: v for k, v in before.items() if k not in ours}
+    after = snapshot(out)
+    assert {k: v for k, v in after.items() if k != MANIFEST_NAME} == {
+        k: v for k, v in before.items() if k not in ours and k != MANIFEST_NAME
+    }
     assert not any((out / relative.split("/")[0]).exists() for relative in ours)
+    assert json.loads((out / MANIFEST_NAME).read_text())["writes"] == []
 
 
 def test_an_output_folder_is_recorded_before_it_is_written_so_its_leftover_is_the_run_s(tmp_path):
@@ -890,11 +900,63 @@ def test_an_output_folder_is_recorded_before_it_is_written_so_its_leftover_is_th
 
     folder.write_output("baseline/model", write)
     assert seen == [(f"baseline/.model.partial-{os.getpid()}", [])]
-    (folder.path / "baseline" / ".model.old-99").mkdir()
+    assert folder.manifest()["writes"] == []  # written: its temporary names are forgotten
+    (folder.path / "baseline" / ".model.old-99").mkdir()  # no write of the run's made this one
     (folder.path / "baseline" / ".model.old-99" / "config.json").write_text("{}")
-    assert folder.foreign_files() == []
+    assert folder.foreign_files() == ["baseline/.model.old-99/config.json"]
     folder.remove_partials()
-    assert sorted(p.name for p in (folder.path / "baseline").iterdir()) == ["model"]
+    folder.write_output("baseline/model", write)
+    assert sorted(p.name for p in (folder.path / "baseline").iterdir()) == [".model.old-99", "model"]
+
+
+def _killed_while_writing(folder: RunFolder) -> int:
+    """A process that writes ``folder``'s ``tapered/`` and its report.json and is killed in the middle of each (the
+    write never returns); its pid."""
+    import signal
+
+    import hf_tapernorm.app.folder_writes as folder_writes
+
+    child = os.fork()
+    if child == 0:
+        try:
+
+            def killed(tmp: Path) -> None:
+                tmp.mkdir()
+                (tmp / "config.json").write_text("{}")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            if os.fork() == 0:  # killed writing tapered/
+                folder.write_output("tapered", killed)
+            os.wait()
+            folder.record(expect=["report.json"])
+            folder_writes.os.replace = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # before the rename
+            folder_writes.write_file(folder.path / "report.json", "{}")
+        finally:
+            os._exit(1)
+    os.waitpid(child, 0)
+    return child
+
+
+def test_a_run_killed_while_writing_leaves_leftovers_it_recorded_and_resume_or_overwrite_remove_them(tmp_path):
+    """The other direction: a leftover of a write killed mid-way (SIGKILL) was recorded before the write made it,
+    so --resume and --overwrite still find it the run's, and delete it; a user's one of the same form is not."""
+    from hf_tapernorm.app.taper import RUN_OUTPUTS
+
+    folder = RunFolder(tmp_path / "run", outputs=RUN_OUTPUTS)
+    folder.record()
+    pid = _killed_while_writing(folder)
+    left = sorted(p.name for p in folder.path.iterdir() if p.name != MANIFEST_NAME)
+    assert f".report.json.partial-{pid}" in left and any(name.startswith(".tapered.partial-") for name in left)
+    (folder.path / ".report.json.partial-1").write_text("my draft")
+    assert folder.foreign_files() == [".report.json.partial-1"]
+    with pytest.raises(RunFolderError, match=r"holds files this command did not write \(.report.json.partial-1\)"):
+        folder.check(overwrite=False, resume=True, has_checkpoint=lambda: True)
+    (folder.path / ".report.json.partial-1").unlink()
+    assert folder.check(overwrite=False, resume=True, has_checkpoint=lambda: True) is False
+    assert folder.check(overwrite=True, resume=False, has_checkpoint=lambda: True) is True
+    folder.remove_partials()  # what --resume does (--overwrite: empty(), which calls it)
+    assert sorted(p.name for p in folder.path.iterdir()) == [MANIFEST_NAME]
+    assert folder.manifest()["writes"] == []
 
 
 # ============================================================================= the lock: atomic, never read blocking
@@ -1044,3 +1106,156 @@ def test_fold_into_a_folder_this_user_cannot_read_is_one_line(tmp_path):
         f"UsageError: output folder '{target}': cannot read the folder '{target}' (Permission denied); choose a "
         "folder you can read and write"
     )
+
+
+# ============================================================================= a lock's record and its holder
+def test_a_lock_record_whose_pid_is_no_pid_is_unreadable_in_one_line(workspace, run, tmp_path):
+    """``{"pid": 1099511627776, ...}`` (hand-edited, or a foreign tool's): os.kill overflowed, a traceback from fold,
+    eval --output_json and RunLock.acquire(). A pid outside 1 .. 2**31 - 1, or a bool, is no pid."""
+    from hf_tapernorm.app.run_lock import RunLock
+
+    out = tmp_path / "out"
+    for pid in (2**40, 2**31, 0, -1, True):
+        lock = write_lock(out, pid=pid, host=socket.gethostname(), started=1)
+        unreadable = (
+            f"its lock {lock} is unreadable; if no hf-tapernorm command is using the folder, the lock is stale: "
+            f"delete {lock}"
+        )
+        with pytest.raises(RunFolderError) as refused:
+            RunLock(out).acquire()
+        assert str(refused.value) == (
+            f"output folder '{out}' is in use by another hf-tapernorm command ({unreadable}); wait for it to finish, "
+            "or choose another --output_dir"
+        ), pid
+        fold = error_of(fold_argv(run / "tapered", out))
+        assert fold.startswith(f"hf-tapernorm fold: error: output folder '{out}' is in use") and unreadable in fold
+        result = out / "r.json"
+        evaluate = error_of(["eval", "--model_name_or_path", str(workspace / "llama"), "--output_json", str(result)])
+        assert evaluate == (
+            f"hf-tapernorm eval: error: --output_json {result} lies in '{out.resolve()}', which a running "
+            f"hf-tapernorm command owns ({unreadable}); name a file outside it"
+        )
+        assert os.listdir(out) == [LOCK_NAME] and json.loads(lock.read_text())["pid"] == pid
+
+
+def test_a_stale_lock_this_user_cannot_open_for_writing_says_why(tmp_path):
+    """As uid 65534, its own stale lock made read-only (0444): 'another user's file', which it was not."""
+    import multiprocessing
+    import tempfile
+
+    from hf_tapernorm.app.run_lock import RunLock
+
+    root = os.geteuid() == 0  # root opens every file: take it as another user, as the probe did (setpriv)
+    base = Path(tempfile.mkdtemp()) if root else tmp_path  # pytest's folders are root's own (0700)
+    folder = base / "mine"
+    lock = write_lock(folder, pid=2**22 + 1, host=socket.gethostname(), started=1)  # its process is gone
+    lock.chmod(0o444)
+    for path in (base, folder, lock) if root else ():
+        os.chown(path, 65534, 65534)
+
+    def take(answer) -> None:
+        if os.geteuid() == 0:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+        try:
+            RunLock(folder).acquire()
+            answer.put("taken")
+        except RunFolderError as error:
+            answer.put(str(error))
+
+    context = multiprocessing.get_context("fork")
+    answer = context.Queue()
+    process = context.Process(target=take, args=(answer,))
+    process.start()
+    try:
+        message = answer.get(timeout=60)
+        process.join(timeout=60)
+        assert message == (
+            f"output folder '{folder}': its lock {lock} is stale, but this user cannot open it for writing (it is "
+            "read-only, mode 0444), so it cannot be taken over: delete it"
+        )
+        assert os.listdir(folder) == [LOCK_NAME] and json.loads(lock.read_text())["pid"] == 2**22 + 1
+    finally:
+        if root:
+            shutil.rmtree(base)
+
+
+def test_a_lock_held_by_a_child_of_its_killed_owner_says_so(tmp_path):
+    """The owner's flock is shared with a process it forked; killed, the owner left the lock held by that child, and
+    the next command said 'in use by pid N', a pid that is gone. (A child forked through os.fork closes its copy,
+    see the next test; one forked otherwise still holds it, here as a second open of the file.)"""
+    import fcntl
+
+    from hf_tapernorm.app.run_lock import RunLock
+
+    folder = tmp_path / "run"
+    gone = 2**22 + 1
+    lock = write_lock(folder, pid=gone, host=socket.gethostname(), started=1)
+    holder = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        with pytest.raises(RunFolderError) as refused:
+            RunLock(folder).acquire()
+        assert RunLock(folder).held_by_another() == (
+            f"a process that pid {gone} started still holds its lock {lock} (its process {gone} is gone: a child it "
+            "forked keeps the lock file open); wait for that process to end, or stop it"
+        )
+    finally:
+        os.close(holder)
+    assert str(refused.value) == (
+        f"output folder '{folder}' is in use by another hf-tapernorm command (a process that pid {gone} started "
+        f"still holds its lock {lock} (its process {gone} is gone: a child it forked keeps the lock file open); wait "
+        "for that process to end, or stop it); wait for it to finish, or choose another --output_dir"
+    )
+    assert json.loads(lock.read_text())["pid"] == gone
+    taken = RunLock(folder)
+    taken.acquire()  # the child ended: the lock is free, and taken over
+    taken.release()
+
+
+def test_a_child_forked_by_the_lock_owner_does_not_keep_the_lock_once_the_owner_is_killed(tmp_path):
+    """A DataLoader worker or fork-based pool inherits the open lock file and so its flock: with the owner SIGKILLed,
+    the lock stayed held until the child exited. A forked child closes its copy (os.register_at_fork)."""
+    import signal
+
+    from hf_tapernorm.app.run_lock import RunLock
+
+    folder = tmp_path / "run"
+    ready, told = os.pipe()
+    owner = os.fork()
+    if owner == 0:  # the command: takes the lock, forks a worker, is killed
+        try:
+            RunLock(folder).acquire()
+            if os.fork() == 0:  # the worker: lives on
+                os.write(told, str(os.getpid()).encode())
+                time.sleep(60)
+                os._exit(0)
+            time.sleep(60)
+        finally:
+            os._exit(1)
+    worker = int(os.read(ready, 32))
+    try:
+        os.kill(owner, signal.SIGKILL)
+        os.waitpid(owner, 0)
+        taken = RunLock(folder)
+        taken.acquire()  # while the worker lives
+        assert json.loads((folder / LOCK_NAME).read_text())["pid"] == os.getpid()
+        taken.release()
+    finally:
+        os.kill(worker, signal.SIGKILL)
+        os.close(ready)
+        os.close(told)
+
+
+def test_eval_output_json_through_a_symbolic_link_loop_names_the_loop(workspace, tmp_path):
+    """``eval --output_json lp/loop/r.json`` (``lp/loop -> loop``) said the folder 'does not exist; create it first'."""
+    (tmp_path / "lp").mkdir()
+    (tmp_path / "lp" / "loop").symlink_to("loop")
+    result = tmp_path / "lp" / "loop" / "r.json"
+    evaluate = ["eval", "--model_name_or_path", str(workspace / "llama"), "--output_json", str(result)]
+    assert error_of(evaluate) == (
+        f"hf-tapernorm eval: error: --output_json {result}: the symbolic link '{tmp_path / 'lp' / 'loop'}' on the way "
+        "leads back into itself (a loop); fix or remove it"
+    )
+    assert os.listdir(tmp_path / "lp") == ["loop"]

@@ -171,6 +171,30 @@ def test_a_left_padded_batch_given_as_a_4d_mask_is_refused_as_the_2d_one_is():
                 assert (model(row, attention_mask=mask).logits[0] - alone).abs().max().item() <= 1e-5, form
 
 
+def test_a_left_padded_batch_whose_pads_are_the_sink_id_in_an_sdpa_style_4d_mask_is_refused():
+    """Pads with the sink's id and a 4D mask in the form transformers' SDPA path makes (fully masked pad rows set
+    back to all-attend, so no diagonal is masked) gave logits 0.046 away from the row alone with no refusal. A query
+    that attends to a later column is a pad's (no causal real one does): refused as the other left-padded forms."""
+    from tests.helpers import tapered
+
+    model = tapered("llama", sink_token_ids=SINK).eval()
+    row, padded = _row_and_left_padded()
+    padded[:, :3] = SINK[0]
+    length = padded.shape[1]
+    allowed = torch.tril(torch.ones(length, length, dtype=torch.bool)) & torch.tensor([[False] * 3 + [True] * 8])
+    allowed[:3, :] = True  # the pad rows unmasked, as transformers' _unmask_unattended leaves them
+    with torch.no_grad():
+        for form, mask in _masks_4d(allowed[None, None]).items():
+            with pytest.raises(ConfigurationError) as error:
+                model(padded, attention_mask=mask)
+            message = str(error.value)
+            assert message.startswith(
+                "LlamaForCausalLM: a left-padded batch (the 4D attention_mask lets a pad row attend to later columns "
+                "in the first 1 column(s))"
+            ), form
+            assert "\n" not in message and "export_folded" in message
+
+
 def test_eval_mode_text_without_the_sink_is_refused_and_the_export_reads_it():
     """In eval mode, text without the sink (``tapered(text)``) gave logits 0.149 away from its own export's on the
     same text: the patched model kept the first text token normalized as the sink, while the export puts its
@@ -204,3 +228,28 @@ def test_eval_mode_text_without_the_sink_is_refused_and_the_export_reads_it():
     assert (step - alone[4:]).abs().max().item() <= 1e-5
     assert (exported - alone[1:]).abs().max().item() <= 1e-4
     assert greedy.shape == (1, row.shape[1] + 4)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_inputs_embeds_without_the_sinks_embedding_first_are_refused_as_input_ids_are(training):
+    """``tapered(inputs_embeds=embed(text))`` on text without the sink gave logits 0.149 away from the export's on
+    the same text, with no refusal: only ``input_ids`` were checked. A fresh forward given embeddings is refused in one
+    line unless they start with the sink's embeddings; sink + text embedded reads exactly as its ids."""
+    from tests.helpers import tapered
+
+    model = tapered("llama", sink_token_ids=SINK).train(training)
+    row, _ = _row_and_left_padded()
+    embed = model.get_input_embeddings()
+    with torch.no_grad():
+        for embeds in (embed(row[:, 1:]), embed(row[:, 1:])[:, :0], torch.randn(1, 8, embed.embedding_dim)):
+            with pytest.raises(ConfigurationError) as error:
+                model(inputs_embeds=embeds)
+            message = str(error.value)
+            where = "training LlamaForCausalLM" if training else "LlamaForCausalLM"
+            assert message.startswith(
+                f"{where}: a batch does not start with the sink token(s) {SINK} (inputs_embeds do not start with "
+                "their embeddings); prepend them"
+            )
+            assert "\n" not in message
+        model.eval()
+        assert torch.equal(model(inputs_embeds=embed(row)).logits, model(row).logits)

@@ -2,8 +2,10 @@
 of what a killed write leaves behind.
 
 A write goes into a hidden sibling ``.NAME.partial-PID`` and is renamed to ``NAME``; a folder it replaces is set
-aside as ``.NAME.old-PID`` until the new one is in place. Only these names, of a name the writer writes, are a
-leftover of ours (:func:`leftover_of`): a user's ``.thesis.old-2023/`` or ``.notes.partial-v2/`` is not one.
+aside as ``.NAME.old-PID`` until the new one is in place (:func:`partial_name`, :func:`old_name`). Such a name is
+a leftover of ours only when its writer recorded it: a run folder records each one in its manifest before it is
+created (run_folder.py), so a user's ``.folded.old-2023/`` or ``.report.md.partial-1`` is not one; beside an
+export outside a run folder, only one whose process is gone is.
 """
 
 from __future__ import annotations
@@ -17,23 +19,36 @@ from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Optional
 
-from .run_lock import RunFolderError
+from .run_lock import RunFolderError, is_pid
 
-#: What write_file and write_folder write before the rename (``.NAME.partial-PID``) and the older folder
-#: write_folder sets aside (``.NAME.old-PID``): the only names of a killed write's leftovers.
+#: The form of what write_file and write_folder write before the rename (``.NAME.partial-PID``) and of the older
+#: folder write_folder sets aside (``.NAME.old-PID``): the only names a killed write leaves.
 LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?:partial|old)-[0-9]+")
 
 
-def leftover_of(relative: str) -> Optional[str]:
-    """The name (relative, as ``relative`` is) whose write left ``relative`` behind: ``relative`` is, or lies in,
-    a ``.NAME.partial-PID`` or ``.NAME.old-PID`` (the first one on its way); None for any other path. Whether
-    NAME is one the caller writes is the caller's to decide."""
-    parts = relative.split("/")
-    for depth, part in enumerate(parts):
-        match = LEFTOVER.fullmatch(part)
-        if match:
-            return "/".join([*parts[:depth], match["name"]])
-    return None
+def partial_name(path: Path) -> Path:
+    """The hidden sibling this process writes ``path`` into before renaming it (``.NAME.partial-PID``)."""
+    return path.with_name(f".{path.name}.partial-{os.getpid()}")
+
+
+def old_name(path: Path) -> Path:
+    """The hidden sibling this process moves the older folder ``path`` to while replacing it (``.NAME.old-PID``)."""
+    return path.with_name(f".{path.name}.old-{os.getpid()}")
+
+
+def writer_gone(leftover: Path) -> bool:
+    """Whether the process a ``.NAME.partial-PID`` / ``.NAME.old-PID`` is named after is gone (a live one is still
+    writing it; a number that is no pid names no writer of ours)."""
+    pid = int(leftover.name.rpartition("-")[2])
+    if not is_pid(pid) or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # alive, another user's
+    return False
 
 
 def folders_of(relative: str) -> list[str]:
@@ -58,7 +73,7 @@ def listing(files: list[str], present: Iterable[str] = ()) -> str:
 def write_file(path: Path, text: str) -> None:
     """Write ``text`` into a hidden ``.NAME.partial-PID`` sibling, then rename it to ``path``: a kill leaves the old
     file or the new one, and the partial name is one the run folder knows as unfinished."""
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    tmp = partial_name(path)
     tmp.write_text(text)
     os.replace(tmp, path)
 
@@ -69,6 +84,7 @@ def write_folder(
     *,
     before_rename: Optional[Callable[[list[str]], None]] = None,
     keep: Callable[[], Collection[str]] = tuple,
+    abandoned: Callable[[Path], bool] = writer_gone,
 ) -> None:
     """``write`` into a hidden temporary sibling, then rename it to ``final``; on failure remove it.
 
@@ -77,14 +93,16 @@ def write_folder(
     them). A symbolic link at ``final`` is refused: its target is not ours to replace. ``keep``: the files of the
     older ``final`` that are not the writer's (relative; asked once the new folder is written, just before the
     rename): they are moved into the new folder, never deleted, and a new file of the same name is refused
-    before anything is replaced.
+    before anything is replaced. ``abandoned``: whether a ``.NAME.partial-PID`` / ``.NAME.old-PID`` beside
+    ``final`` is a killed write's leftover, deleted then (default: its process is gone; a run folder: it recorded
+    the name).
     """
     if final.is_symlink() or (final.exists() and not final.is_dir()):
         raise RunFolderError(f"'{final}' is a symbolic link or a file; a folder written here would replace it")
-    tmp = final.with_name(f".{final.name}.partial-{os.getpid()}")
+    tmp = partial_name(final)
     if tmp.exists():
         shutil.rmtree(tmp)
-    _remove_abandoned(final, ".partial-")  # a write of ``final`` killed earlier (SIGKILL, power loss) left these
+    _remove_abandoned(final, ".partial-", abandoned)  # a killed write of ``final`` (SIGKILL, power loss) left these
     try:
         write(tmp)
         written = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
@@ -99,7 +117,7 @@ def write_folder(
         # The older folder is set aside, the new one renamed in, the older one deleted. When it holds someone
         # else's files, its name aside is a visible one that no cleanup deletes (not .NAME.old-PID), and each of
         # their files moves into the new folder by a rename: a kill at any moment leaves each under a name.
-        old = final.with_name(f"{final.name}.kept-{os.getpid()}" if kept else f".{final.name}.old-{os.getpid()}")
+        old = final.with_name(f"{final.name}.kept-{os.getpid()}") if kept else old_name(final)
         os.replace(final, old)
         os.replace(tmp, final)
         for relative in kept:
@@ -108,7 +126,7 @@ def write_folder(
         shutil.rmtree(old)
     else:
         os.replace(tmp, final)
-    _remove_abandoned(final, ".old-")  # earlier copies a killed rewrite set aside: ``final`` is whole again
+    _remove_abandoned(final, ".old-", abandoned)  # earlier copies a killed rewrite set aside: ``final`` is whole again
 
 
 def _refuse_clashes(final: Path, written: list[str], keep: Collection[str]) -> None:
@@ -122,18 +140,22 @@ def _refuse_clashes(final: Path, written: list[str], keep: Collection[str]) -> N
         )
 
 
-def _remove_abandoned(final: Path, marker: str) -> None:
-    """Delete the ``.NAME<marker>PID`` folders beside ``final`` whose process is gone (a live one is still writing)."""
+def _remove_abandoned(final: Path, marker: str, abandoned: Callable[[Path], bool]) -> None:
+    """Delete the ``.NAME<marker>PID`` folders beside ``final`` that are a killed write's leftovers (``abandoned``)."""
     prefix = f".{final.name}{marker}"
     for sibling in final.parent.glob(glob.escape(prefix) + "*") if final.parent.is_dir() else ():
         pid = sibling.name[len(prefix) :]
-        if pid.isdigit() and int(pid) != os.getpid() and sibling.is_dir() and not sibling.is_symlink():
-            try:
-                os.kill(int(pid), 0)
-            except ProcessLookupError:
-                shutil.rmtree(sibling, ignore_errors=True)
-            except PermissionError:
-                pass  # alive, another user's
+        if pid.isascii() and pid.isdigit() and sibling.is_dir() and not sibling.is_symlink() and abandoned(sibling):
+            shutil.rmtree(sibling, ignore_errors=True)
 
 
-__all__ = ["LEFTOVER", "folders_of", "leftover_of", "listing", "write_file", "write_folder"]
+__all__ = [
+    "LEFTOVER",
+    "folders_of",
+    "listing",
+    "old_name",
+    "partial_name",
+    "write_file",
+    "write_folder",
+    "writer_gone",
+]

@@ -361,20 +361,21 @@ def _stored_dtype(checkpoint: Path) -> Optional[torch.dtype]:
 
 @contextlib.contextmanager
 def full_disk_refused(output_dir: Path) -> Iterator[None]:
-    """A disk that fills up while ``output_dir`` is written (OSError ENOSPC or EDQUOT, or safetensors' serializing
+    """A disk that fills up while ``output_dir`` is written (OSError ENOSPC or EDQUOT, or EFBIG: a file-size limit,
+    ``ulimit -f`` or FAT32's 4 GiB; or safetensors' serializing
     error that wraps it) as one line (ConfigurationError) naming the folder; any other error passes unchanged. The
     writer removes its partial folder itself (write_folder)."""
     try:
         yield
     except (OSError, SafetensorError) as error:
-        full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
-            mark in str(error) for mark in ("No space left on device", "Disk quota exceeded")
+        full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or any(
+            mark in str(error) for mark in ("No space left on device", "Disk quota exceeded", "File too large")
         )
         if not full:
             raise
         raise ConfigurationError(
-            f"--output_dir {output_dir}: its disk filled up while the export was written ({first_line(error)}); "
-            "nothing was kept: free space or choose an --output_dir on another disk"
+            f"--output_dir {output_dir}: its disk could not take the export ({first_line(error)}); nothing was kept: "
+            "free space (or lift the file-size limit), or choose an --output_dir on another disk"
         ) from None
 
 

@@ -315,9 +315,13 @@ def recorded_path(facts: dict[str, Any], run_folder: Path, recorded: Any) -> Opt
 
 def recorded_reference(facts: dict[str, Any], run_folder: Path) -> Optional[tuple[Path, str]]:
     """The model a scan of the run in ``run_folder`` (report ``facts``) compares with, and its name: the normalized
-    baseline it saved or named (``"baseline"``), else its original model (``"original"``); None when neither is a
+    baseline it saved (its own ``baseline/model``, wherever the folder was copied) or named (``"baseline"``), else
+    its original model (``"original"``); None when neither is a
     local model that is still there. A recorded baseline that is gone is said in one warning line naming it."""
     export, model = facts.get("export") or {}, facts.get("model") or {}
+    own = run_folder / "baseline" / "model"  # a run trained with --baseline: its own, also in a copied run folder
+    if export.get("baseline_model") and (own / "config.json").is_file():
+        return own, "baseline"
     baseline = recorded_path(facts, run_folder, export.get("baseline_model"))
     if baseline is not None and baseline.exists():
         return baseline, "baseline"

@@ -14,7 +14,9 @@ The manifest is data a user can edit, so it is never trusted as a list of paths:
 climbs with ``..``, passes through a symbolic link or resolves outside the folder is refused before anything
 is deleted, and a folder holding symbolic links is refused before any work. ``.hf_tapernorm_run.lock``
 (run_lock.py) keeps a second command out of a folder in use. A half-written output never carries its final name
-(folder_writes.py), and only the exact names such a write gives its leftovers are the run's to delete.
+(folder_writes.py), and a leftover of such a write is the run's to delete only under the exact name (with the
+writer's pid) that the manifest recorded, in ``writes``, before the write created it: a user's ``.folded.old-2023/``
+is foreign, and one of a run killed mid-write is the run's.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any, Optional
 
 from .checkpoint_files import checkpoint_of as _checkpoint_of
 from .checkpoint_files import unrecorded_checkpoints
-from .folder_writes import LEFTOVER, leftover_of, write_file, write_folder
+from .folder_writes import LEFTOVER, folders_of, old_name, partial_name, write_file, write_folder
 from .folder_writes import listing as _listing
 from .run_lock import LOCK_NAME, RunFolderError, RunLock, resolved_path
 
@@ -57,6 +59,11 @@ def _is_output(relative: str, outputs: Iterable[str]) -> bool:
     if relative.startswith(TRAINER_LOGS):
         return _is_trainer_log(relative)
     return any(relative == o or (o.endswith("/") and relative.startswith(o)) for o in outputs)
+
+
+def _names(value: Any) -> list[str]:
+    """The text items of a manifest list (a hand-edited manifest may hold anything there)."""
+    return [item for item in value if isinstance(item, str)] if isinstance(value, list) else []
 
 
 def _options_file_hint(files: list[str]) -> str:
@@ -122,17 +129,25 @@ class RunFolder:
         entries = [self._checked_entry(entry) for entry in manifest.get("files", [])]
         return [entry for entry in entries if not entry.startswith(TRAINER_LOGS) or _is_trainer_log(entry)]
 
-    def _written_names(self) -> set[str]:
-        """The names the command writes through write_file/write_folder (its ``outputs`` and the output folders it
-        recorded before writing them): a ``.NAME.partial-PID`` or ``.NAME.old-PID`` of one of them is its leftover."""
-        recorded = (self.manifest() or {}).get("writes", [])
-        return {o.rstrip("/") for o in self.outputs} | {name for name in recorded if isinstance(name, str)}
+    def _recorded_writes(self) -> set[str]:
+        """The temporary names (relative) the command's writers recorded before creating them (``writes``): each a
+        ``.NAME.partial-PID`` or ``.NAME.old-PID`` (an entry of an earlier version, an output's name, is none)."""
+        recorded = _names((self.manifest() or {}).get("writes"))
+        return {name for name in recorded if LEFTOVER.fullmatch(name.rpartition("/")[2])}
 
     def _without_leftovers(self, files: Iterable[str]) -> list[str]:
-        """``files`` less the leftovers of the command's interrupted writes (exactly ``.NAME.partial-PID`` or
-        ``.NAME.old-PID`` of a name it writes; a user's ``.thesis.old-2023/`` stays among them)."""
-        written = self._written_names()
-        return [f for f in files if leftover_of(f) not in written]
+        """``files`` less the leftovers of the command's interrupted writes (those under a recorded temporary name;
+        a user's ``.thesis.old-2023/`` or ``.report.md.partial-1`` stays among them)."""
+        recorded = self._recorded_writes()
+        return [f for f in files if not recorded.intersection([*folders_of(f), f])]
+
+    def _writes_with(self, added: Iterable[str] = (), dropped: Collection[str] = ()) -> list[str]:
+        """The manifest's ``writes`` with the temporary names ``added`` and without ``dropped``."""
+        recorded = _names((self.manifest() or {}).get("writes"))
+        return sorted({*(name for name in recorded if name not in dropped), *added})
+
+    def _relative(self, path: Path) -> str:
+        return path.relative_to(self.path).as_posix()
 
     def _checked_entry(self, entry: Any) -> str:
         """``entry`` when it is a relative path that stays inside the folder without crossing a link."""
@@ -218,6 +233,8 @@ class RunFolder:
         if resume and manifest is None and has_checkpoint():
             manifest = self._rebuild(recorded_identity(), tuple(self.outputs if outputs is None else outputs))
         self.owned_files()  # every entry inside the folder, before anything else is decided
+        for relative in self._recorded_writes():  # and every recorded temporary name
+            self._checked_entry(relative)
         foreign = self.foreign_files()
         listing, hint = _listing(foreign, self.files()), _options_file_hint(foreign)
         if resume:
@@ -234,6 +251,12 @@ class RunFolder:
                     f"move them away first, a finished run replaces its outputs{hint}"
                 )
             return False
+        return self._check_overwrite(overwrite, manifest, foreign, listing, hint)
+
+    def _check_overwrite(
+        self, overwrite: bool, manifest: Optional[dict[str, Any]], foreign: list[str], listing: str, hint: str
+    ) -> bool:
+        """check() for a folder that is not empty, without --resume: True when --overwrite may empty it."""
         damaged = manifest is None and self.manifest_path.is_file()  # which files are the run's is unknown
         if not overwrite and foreign and not damaged:  # --overwrite would refuse them too: say so now
             raise RunFolderError(
@@ -289,9 +312,10 @@ class RunFolder:
         """
         if self.symlinks():
             raise RunFolderError(f"output folder '{self.path}' holds symbolic links; nothing was deleted")
-        for target in self._emptied_files():
-            target.unlink()
+        targets = self._emptied_files()
         self.remove_partials()
+        for target in targets:
+            target.unlink(missing_ok=True)
         for root, dirs, _ in sorted(os.walk(self.path), key=lambda item: -len(item[0])):
             for name in dirs:
                 folder = Path(root, name)
@@ -310,24 +334,21 @@ class RunFolder:
         return [target for target in targets if target.is_file()]
 
     def remove_partials(self) -> None:
-        """Delete what an interrupted write of the command left: a ``.NAME.partial-PID`` or ``.NAME.old-PID`` (file
-        or folder) of a name it writes (``_written_names``), wherever it is in the folder; nothing else.
+        """Delete what an interrupted write of the command left: the ``.NAME.partial-PID`` or ``.NAME.old-PID`` (file
+        or folder) under each temporary name the manifest recorded (``_recorded_writes``; each checked to lie inside
+        the folder, not through a link, before anything is deleted), and forget those names; nothing else.
 
         Called while this command holds the lock, so no other process is writing them.
         """
-        written, leftovers = self._written_names(), []
-        for root, dirs, names in os.walk(self.path):
-            for name in [*dirs, *names]:
-                target = Path(root, name)
-                relative = target.relative_to(self.path).as_posix()
-                if LEFTOVER.fullmatch(name) and leftover_of(relative) in written and not target.is_symlink():
-                    leftovers.append(target)
-            dirs[:] = [d for d in dirs if Path(root, d) not in leftovers and not Path(root, d).is_symlink()]
-        for target in leftovers:
+        recorded = sorted(self._recorded_writes())
+        targets = [self.path / self._checked_entry(relative) for relative in recorded]
+        for target in targets:
             if target.is_dir():
                 shutil.rmtree(target)
-            else:
+            elif target.exists():
                 target.unlink()
+        if recorded:
+            self.record(writes=self._writes_with(dropped=set(recorded)))
 
     # ------------------------------------------------------------------ record
     def record(self, *, expect: Iterable[str] = (), **fields: Any) -> None:
@@ -336,11 +357,15 @@ class RunFolder:
         may have added files since, even into an output folder: they stay foreign).
 
         ``expect``: files about to be written (registered before they exist, so a kill while they are written
-        leaves nothing foreign).
+        leaves nothing foreign); of those that are the command's ``outputs``, written by write_file, the partial name
+        it writes first is recorded too (``writes``), so a kill during the write leaves a leftover of the command's.
         """
         self.path.mkdir(parents=True, exist_ok=True)
         manifest = self.manifest() or {"tool": "hf-tapernorm"}
         manifest.update(fields)
+        partials = [self._relative(partial_name(self.path / name)) for name in expect if name in self.outputs]
+        if partials:
+            manifest["writes"] = sorted({*_names(manifest.get("writes")), *partials})
         listed = {entry for entry in manifest.get("files", []) if isinstance(entry, str)}
         ours = self._own(self._without_leftovers(self.files()), listed)
         manifest["files"] = sorted({*ours, *expect})
@@ -352,7 +377,10 @@ class RunFolder:
         os.replace(tmp, self.manifest_path)
 
     def write_output(self, name: str, write: Callable[[Path], None]) -> Path:
-        """``write_folder`` of the subfolder ``name``, its files registered in the manifest before the rename.
+        """``write_folder`` of the subfolder ``name``, its files registered in the manifest before the rename, and the
+        temporary names it gives them (``.NAME.partial-PID``, ``.NAME.old-PID``) before it creates them: a kill while
+        it writes leaves a leftover of the command's, which it (or a later --resume or --overwrite) deletes; an
+        unrecorded one beside it is someone else's and stays. Once written, its leftovers' names are forgotten.
 
         Files someone else put into that folder while the command ran (the manifest does not list them) are kept
         where they are, and stay foreign: a later ``--overwrite`` or ``--resume`` names them and refuses.
@@ -373,10 +401,19 @@ class RunFolder:
         def register(files: list[str]) -> None:
             self.record(expect=[f"{name}/{f}" for f in files])
 
-        recorded = (self.manifest() or {}).get("writes", [])  # a kill while it is written leaves a leftover of ours
-        self.record(writes=sorted({*(w for w in recorded if isinstance(w, str)), name}))
-        write_folder(final, write, before_rename=register, keep=foreign_inside)
-        self.record()
+        def recorded(leftover: Path) -> bool:
+            return self._relative(leftover) in self._recorded_writes()
+
+        self.record(writes=self._writes_with([self._relative(partial_name(final)), self._relative(old_name(final))]))
+        write_folder(final, write, before_rename=register, keep=foreign_inside, abandoned=recorded)
+        gone = {  # its leftovers, deleted now (or never made)
+            relative
+            for relative in self._recorded_writes()
+            if (self.path / relative).parent == final.parent
+            and relative.rpartition("/")[2].startswith(f".{final.name}.")
+            and not os.path.lexists(self.path / relative)
+        }
+        self.record(writes=self._writes_with(dropped=gone))
         return final
 
     # ------------------------------------------------------------------ lock

@@ -13,7 +13,12 @@ an empty one (its command was killed as it took it); one whose process runs is n
 flock). A lock of another host (a shared disk, a container or pod restarted under a new hostname, a copied
 folder) cannot be checked from here, so it is refused, and the message says how to tell that it is stale and
 which file to delete. A lock that is not a regular file is refused and never read (a named pipe blocks its
-reader).
+reader). A record whose pid is no pid (not an integer in 1 .. 2**31 - 1) is unreadable: refused, naming the file.
+
+A flock belongs to the open file, and a process forked from the holder (a DataLoader worker, a fork-based pool)
+shares it: were the holder killed, that child would hold the lock for a command that is gone. A child forked
+through ``os.fork`` closes its copy at once (``os.register_at_fork``), so the lock ends with its command; a
+process that still holds it otherwise (forked outside Python) is named as such, with the recorded pid gone.
 
 A held folder is held with everything in it: every command that writes (taper, fold, ``eval --output_json``,
 ``bench --output_dir``) or uploads (push) looks for a live lock at its destination and in every folder above
@@ -47,6 +52,8 @@ _FLOCK_TRIES, _FLOCK_PAUSE = 10, 0.002
 _TAKE_TRIES = 10
 #: The most of a lock file read: a record is one short JSON line.
 _RECORD_BYTES = 65536
+#: The largest pid a system gives (Linux: at most 2**22; os.kill overflows beyond a C int).
+_MAX_PID = 2**31 - 1
 _KINDS = {
     stat.S_IFIFO: "a named pipe",
     stat.S_IFLNK: "a symbolic link",
@@ -98,6 +105,36 @@ def _parsed(record: bytes) -> dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError):
         return {}
     return owner if isinstance(owner, dict) else {}
+
+
+def is_pid(value: Any) -> bool:
+    """Whether ``value`` can name a process: an int in 1 .. 2**31 - 1, not a bool (os.kill overflows beyond, and
+    0 and -1 name process groups)."""
+    return type(value) is int and 0 < value <= _MAX_PID
+
+
+def _pid_of(owner: dict[str, Any]) -> Optional[int]:
+    """The pid a record names, or None when it is no pid (``is_pid``)."""
+    pid = owner.get("pid")
+    return pid if is_pid(pid) else None
+
+
+#: The locks this process holds (until released, whether or not their RunLock is still referenced): a child it
+#: forks closes its copies of their files (see the module docstring).
+_HELD: set[RunLock] = set()
+
+
+def _let_go_in_child() -> None:
+    """In a forked child: close the inherited lock files without unlocking them (flock's LOCK_UN would free the
+    parent's lock too); the parent keeps holding them, and a child of a killed holder no longer does."""
+    for lock in list(_HELD):
+        if lock._descriptor is not None:
+            os.close(lock._descriptor)
+        lock._descriptor, lock.held = None, False
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_let_go_in_child)
 
 
 class RunLock:
@@ -155,8 +192,8 @@ class RunLock:
                     if owner is not None:
                         raise self._in_use(owner) from None
                     raise RunFolderError(
-                        f"output folder '{self.folder}': its lock {self.path} is stale but another user's file, which "
-                        "this user cannot take over: delete it"
+                        f"output folder '{self.folder}': its lock {self.path} is stale, but this user cannot open it "
+                        f"for writing ({self._unwritable_why()}), so it cannot be taken over: delete it"
                     ) from None
                 try:
                     taken = self._take_file(descriptor)
@@ -165,6 +202,7 @@ class RunLock:
                     raise
                 if taken:
                     self._descriptor, self.held = descriptor, True
+                    _HELD.add(self)
                     return
                 os.close(descriptor)
         except OSError as error:
@@ -191,6 +229,13 @@ class RunLock:
         os.ftruncate(descriptor, 0)
         os.pwrite(descriptor, json.dumps(_this_process()).encode(), 0)
         return True
+
+    def _unwritable_why(self) -> str:
+        """Why this user cannot open the lock file for writing: its mode, or its owner."""
+        status = os.lstat(self.path)
+        if status.st_uid == os.geteuid():
+            return f"it is read-only, mode {stat.S_IMODE(status.st_mode):04o}"
+        return "it is another user's file"
 
     def _in_use(self, owner: str) -> RunFolderError:
         return RunFolderError(
@@ -228,12 +273,19 @@ class RunLock:
         """Who holds the lock (``record``: the lock file's content), how to tell that it is stale, and the file to
         delete then (one line)."""
         owner = _parsed(record)
-        if not isinstance(owner.get("pid"), int):
+        pid = _pid_of(owner)
+        if pid is None:
             return (
                 f"its lock {self.path} is unreadable; if no hf-tapernorm command is using the folder, the lock is "
                 f"stale: delete {self.path}"
             )
-        pid, host, since = owner["pid"], owner.get("host"), owner.get("since")
+        why = self._why_gone(owner)
+        if why is not None:  # asked of a held flock only: a process the owner started holds it
+            return (
+                f"a process that pid {pid} started still holds its lock {self.path} ({why}: a child it forked keeps "
+                "the lock file open); wait for that process to end, or stop it"
+            )
+        host, since = owner.get("host"), owner.get("since")
         return (
             f"pid {pid} on host {host}{f' since {since}' if since else ''}; if no hf-tapernorm command runs as pid "
             f"{pid} on {host} (it was killed, its container or pod restarted, or the folder was copied), the lock is "
@@ -243,8 +295,8 @@ class RunLock:
     @staticmethod
     def _why_gone(owner: dict[str, Any]) -> Optional[str]:
         """Why the recorded ``owner`` is gone (its process ended, or its pid now names another process), or None."""
-        pid, host, started = owner.get("pid"), owner.get("host"), owner.get("started")
-        if not isinstance(pid, int) or host != socket.gethostname():
+        pid, host, started = _pid_of(owner), owner.get("host"), owner.get("started")
+        if pid is None or host != socket.gethostname():
             return None  # another machine's (a shared disk) or unreadable: not ours to judge
         try:
             os.kill(pid, 0)
@@ -295,6 +347,7 @@ class RunLock:
         finally:
             os.close(self._descriptor)
             self._descriptor, self.held = None, False
+            _HELD.discard(self)
         if self.created_folder and self.folder.is_dir() and not any(self.folder.iterdir()):
             self.folder.rmdir()  # a command refused before it wrote anything leaves no folder behind
 
@@ -403,6 +456,7 @@ __all__ = [
     "RunFolderError",
     "RunLock",
     "check_destination",
+    "is_pid",
     "process_start_time",
     "refuse_while_running",
     "resolved_path",

@@ -239,7 +239,7 @@ def check_result_file(path: Path) -> None:
     Checked before the model loads; a model's config.json or a user's file is never written over.
     """
     try:
-        if not path.parent.is_dir():
+        if not resolved_path(path.parent, f"--output_json {path}").is_dir():  # a symbolic link loop: one line
             raise UsageError(f"--output_json {path}: the folder '{path.parent}' does not exist; create it first")
         if path.is_symlink() or (path.exists() and not path.is_file()):
             raise UsageError(f"--output_json {path} is a symbolic link or a folder; name a new file")

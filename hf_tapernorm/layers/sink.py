@@ -67,9 +67,10 @@ def set_sink_tokens(model: nn.Module, token_ids: Optional[Sequence[int]]) -> Non
 def _mark_sink_forwards(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """Only a forward that starts at position 0 holds the sink; one that continues a cache does not.
 
-    A fresh forward must start with the sink tokens (:func:`check_sink_first`), in training mode and in eval mode
-    alike: this is where every batch of TaperCallback, TaperController or a hand-written loop enters the model,
-    before any statistic is gathered or gradient computed, and where evaluation and generation enter it. Text
+    A fresh forward must start with the sink tokens (:func:`check_sink_first`; given as ``inputs_embeds``, with
+    their embeddings: :func:`check_sink_embedded`), in training mode and in eval mode alike: this is where every
+    batch of TaperCallback, TaperController or a hand-written loop enters the model, before any statistic is
+    gathered or gradient computed, and where evaluation and generation enter it. Text
     without the sink would have its first token kept normalized as the sink, so its logits would be neither the
     trained model's nor its export's (which reads such text as stored sink + text). Looks the layers up on every
     call (not in a closure), so a deep-copied model marks its own.
@@ -81,11 +82,15 @@ def _mark_sink_forwards(model: nn.Module, args: tuple, kwargs: dict) -> None:
     if fresh:
         ids = model.tapernorm_config.sink_token_ids
         check_sink_not_padded(_forward_argument(model, args, kwargs, "attention_mask"), ids, type(model).__name__)
+        where, also = (
+            (f"training {type(model).__name__}", "") if model.training else (type(model).__name__, _EXPORT_READS_TEXT)
+        )
         input_ids = _forward_argument(model, args, kwargs, "input_ids")
-        if input_ids is not None and model.training:
-            check_sink_first(input_ids, ids, f"training {type(model).__name__}")
-        elif input_ids is not None:
-            check_sink_first(input_ids, ids, type(model).__name__, also=_EXPORT_READS_TEXT)
+        inputs_embeds = _forward_argument(model, args, kwargs, "inputs_embeds")
+        if input_ids is not None:
+            check_sink_first(input_ids, ids, where, also=also)
+        elif inputs_embeds is not None:
+            check_sink_embedded(inputs_embeds, model.get_input_embeddings(), ids, where, also=also)
     for module in model.modules():
         if isinstance(module, TaperNorm):
             module.sink_active = fresh
@@ -121,12 +126,42 @@ def check_sink_first(input_ids: torch.Tensor, token_ids: Sequence[int], where: s
         wrong = bool(input_ids[:, :n].ne(torch.tensor(ids, device=input_ids.device)).any())
     if wrong:
         first = input_ids.reshape(-1)[:n].tolist() if input_ids.numel() else []
-        raise ConfigurationError(
-            f"{where}: a batch does not start with the sink token(s) {ids} (it starts {first}); prepend them to "
-            "every sequence (the tokenizer's BOS), pack with "
-            f"hf_tapernorm.data.corpus.pack_documents(..., prefix_ids={ids}), or patch without a sink: "
-            f"TaperNormConfig(sink_token_ids=[]){also}"
-        )
+        raise ConfigurationError(_not_sink_first(where, ids, f"it starts {first}", also))
+
+
+def check_sink_embedded(
+    inputs_embeds: torch.Tensor, embedding: nn.Module, token_ids: Sequence[int], where: str, *, also: str = ""
+) -> None:
+    """Raise at ``inputs_embeds`` whose rows do not all start with ``embedding`` of ``token_ids``: the
+    :func:`check_sink_first` of a forward given embeddings instead of ids.
+
+    The patched model keeps the first ``n`` positions normalized whatever they hold, so embedded text without the
+    sink in front would be read as sink + text, as ids would. Compared in the embeddings' own dtype (a sink embedded
+    in bfloat16 is the sink of a bfloat16 caller) at a tolerance far below any two distinct tokens' distance.
+    """
+    ids = [int(i) for i in token_ids]
+    n = len(ids)
+    if not n:
+        return
+    wrong = inputs_embeds.dim() != 3 or inputs_embeds.shape[1] < n
+    if not wrong:
+        weight = next(embedding.parameters())
+        with torch.no_grad():
+            sink = embedding(torch.tensor([ids], device=weight.device)).to(inputs_embeds.device, inputs_embeds.dtype)
+            given = inputs_embeds[:, :n].detach()
+            wrong = not torch.allclose(given.float(), sink.float().expand_as(given), rtol=1e-5, atol=1e-6)
+    if wrong:
+        raise ConfigurationError(_not_sink_first(where, ids, "inputs_embeds do not start with their embeddings", also))
+
+
+def _not_sink_first(where: str, ids: list[int], what: str, also: str) -> str:
+    """The refusal of a batch that does not start with the sink ``ids``: what it starts with, and the three fixes."""
+    return (
+        f"{where}: a batch does not start with the sink token(s) {ids} ({what}); prepend them to "
+        "every sequence (the tokenizer's BOS), pack with "
+        f"hf_tapernorm.data.corpus.pack_documents(..., prefix_ids={ids}), or patch without a sink: "
+        f"TaperNormConfig(sink_token_ids=[]){also}"
+    )
 
 
 def check_sink_not_padded(attention_mask: Optional[torch.Tensor], token_ids: Sequence[int], where: str) -> None:
@@ -138,7 +173,8 @@ def check_sink_not_padded(attention_mask: Optional[torch.Tensor], token_ids: Seq
     alone. Finding the sink per row would need per-row positions in every norm; the folded export does that.
     A 2D mask marks padding with 0; a 4D one (``[batch, heads, queries, keys]``, boolean, additive float or
     integer) marks a column as padding when the row's own query at that column cannot attend to it (its
-    diagonal entry is masked: False, 0, or at most half the dtype's lowest value, ``-inf`` included).
+    diagonal entry is masked: False, 0, or at most half the dtype's lowest value, ``-inf`` included) or attends to
+    a later column (a pad row set back to all-attend, as transformers' SDPA masks do).
     """
     n = len(token_ids)
     if not n or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() not in (2, 4):
@@ -146,7 +182,11 @@ def check_sink_not_padded(attention_mask: Optional[torch.Tensor], token_ids: Seq
     if attention_mask.dim() == 2:
         padded, how = attention_mask[:, :n].eq(0), "attention_mask 0"
     else:
-        padded, how = _masked_diagonal(attention_mask, n), "the 4D attention_mask masks the diagonal"
+        masked, ahead = _padded_queries(attention_mask, n)
+        padded = masked | ahead
+        how = "the 4D attention_mask " + (
+            "masks the diagonal" if bool(masked.any()) else "lets a pad row attend to later columns"
+        )
     if bool(padded.any()):
         raise ConfigurationError(
             f"{where}: a left-padded batch ({how} in the first {n} column(s)): the patched model reads "
@@ -156,20 +196,27 @@ def check_sink_not_padded(attention_mask: Optional[torch.Tensor], token_ids: Seq
         )
 
 
-def _masked_diagonal(mask: torch.Tensor, n: int) -> torch.Tensor:
-    """Whether each row's query at key column ``j < n`` is masked from that column, ``[batch, heads, columns]``.
+def _padded_queries(mask: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whether each row's query at key column ``j < n`` is a pad's, two ``[batch, heads, columns]`` tensors: masked
+    from its own column (the diagonal), and attending to a later column ``k > j``, which no causal real query does
+    (transformers' SDPA masks set a fully masked pad row back to all-attend, so its diagonal is not masked).
 
     The queries are the last ``mask.shape[2]`` of the ``mask.shape[3]`` key positions; a column before the first
     query has no query of its own and is not read.
     """
     queries, keys = mask.shape[-2:]
-    columns = torch.arange(max(keys - queries, 0), min(n, keys), device=mask.device)
-    diagonal = mask[:, :, columns - (keys - queries), columns]
-    if diagonal.dtype == torch.bool:
-        return ~diagonal
-    if diagonal.is_floating_point():
-        return diagonal <= torch.finfo(diagonal.dtype).min / 2
-    return diagonal.eq(0)
+    offset = keys - queries
+    columns = torch.arange(max(offset, 0), min(n, keys), device=mask.device)
+    rows = mask[:, :, columns - offset, :]  # [batch, heads, columns, keys]
+    if rows.dtype == torch.bool:
+        allowed = rows
+    elif rows.is_floating_point():
+        allowed = rows > torch.finfo(rows.dtype).min / 2
+    else:
+        allowed = rows.ne(0)
+    diagonal = allowed.gather(-1, columns.expand(*rows.shape[:2], -1)[..., None])[..., 0]
+    later = torch.arange(keys, device=mask.device)[None, :] > columns[:, None]  # [columns, keys]
+    return ~diagonal, (allowed & later).any(-1)
 
 
 def warn_if_tokenizer_omits_sink(tokenizer: Any, token_ids: Sequence[int]) -> bool:
@@ -241,6 +288,7 @@ def sink_outputs(model: nn.Module, token_ids: Sequence[int]) -> tuple[torch.Tens
 
 
 __all__ = [
+    "check_sink_embedded",
     "check_sink_first",
     "check_sink_not_padded",
     "set_sink_tokens",

@@ -221,3 +221,13 @@ def test_a_copied_run_is_scanned_against_its_own_baseline(baseline_run, tmp_path
     after = _scan(copy, tmp_path / "f_after")
     assert before["reference"] == after["reference"] == "baseline"
     assert [row["reference_loss"] for row in after["rows"]] != [row["reference_loss"] for row in before["rows"]]
+
+
+def test_fold_into_the_working_folder_given_as_a_dot_is_one_line(run, tmp_path, monkeypatch):
+    """``fold --output_dir .`` ended in a StopIteration traceback (``Path('.')`` has no parents to write beside)."""
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    line = refused(fold(run / "tapered", "."), "hf-tapernorm fold: error: --output_dir '.' is the working folder: ")
+    assert line.endswith("name a folder of its own (--output_dir ./export)") and os.listdir(tmp_path) == ["here"]
+    assert os.listdir(here) == []

@@ -747,3 +747,19 @@ def test_an_onnx_export_that_fails_writing_leaves_no_folder_and_is_one_line(expo
     runtime = OnnxCausalLM(export_onnx(exports["llama-sink"], target), threads=1)
     assert abs(runtime.forward(IDS.numpy())[0] - export_logits(exports["llama-sink"]).numpy()).max() <= 1e-4
     assert sorted(p.name for p in target.iterdir()) == ["model.onnx", "model.onnx.data", "onnx_layout.json", "sink.npz"]
+
+
+def test_onnx_export_into_a_folder_a_running_command_holds_is_refused(tmp_path):
+    """``export_onnx`` into a live run's ``folded/`` wrote its graph there, where the run then put its own export:
+    the folder held a mix of two models."""
+    from hf_tapernorm.app.run_lock import RunLock
+    from hf_tapernorm.integrations.onnx_runtime import export_onnx
+
+    lock = RunLock(tmp_path / "run")
+    lock.acquire()  # as a running taper holds its folder
+    try:
+        with pytest.raises(ConfigurationError, match="which a running hf-tapernorm command owns"):
+            export_onnx(tmp_path / "no-export", tmp_path / "run" / "folded")
+    finally:
+        lock.release()
+    assert not (tmp_path / "run").exists()

@@ -443,7 +443,8 @@ def check_destination(
             if parent.exists() and not parent.is_dir():
                 raise RunFolderError(f"{what} is a file" if parent == folder else f"{what}: '{parent}' is a file")
         refuse_while_running(folder, what, advice=advice, above=above)
-        candidates = folder.parents if renamed_into_parent else [folder, *folder.parents]
+        above_it = folder.absolute().parents  # `.` has no parents of its own
+        candidates = above_it if renamed_into_parent else [folder, *above_it]
         writable_from = next(p for p in candidates if p.exists())  # the written files land in there
     except OSError as error:  # a folder on the way that this user cannot read (Path.exists raises EACCES)
         raise RunFolderError(unreadable_place(what, error)) from None

@@ -31,7 +31,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from ..app.run_folder import write_folder
-from ..app.run_lock import resolved_path
+from ..app.run_lock import refuse_while_running, resolved_path
 from ..errors import ConfigurationError, first_line
 from ..export.folded_input import SinkContract, read_input
 from ..export.folded_sink import restore_logits
@@ -100,13 +100,15 @@ def export_onnx(source: Union[str, os.PathLike, PreTrainedModel], output_dir: Un
     ``output_dir``: ``model.onnx`` (fp32, its weights in ``model.onnx.data``), ``onnx_layout.json`` (the cache
     layout and the input contract) and, for an export with a sink, ``sink.npz``.
 
-    Returns the folder. Refuses, before loading anything, a symbolic link loop or a file on the way to it and a
-    non-empty folder (an earlier graph would be mixed with this one's files). The files are written into a hidden
-    sibling folder that is renamed to ``output_dir`` once whole (``write_folder``), so a failed export (a full
-    disk) leaves no truncated graph under that name, and is one ConfigurationError naming the folder.
+    Returns the folder. Refuses, before loading anything, a symbolic link loop or a file on the way to it, a folder
+    a running hf-tapernorm command holds (or one inside it), and a non-empty folder (an earlier graph would be
+    mixed with this one's files). The files are written into a hidden sibling folder that is renamed to
+    ``output_dir`` once whole (``write_folder``), so a failed export (a full disk) leaves no truncated graph under
+    that name, and is one ConfigurationError naming the folder.
     """
     folder = local_path(output_dir)
     resolved_path(folder, f"cannot export ONNX into '{folder}'")  # a symbolic link loop on the way: one line
+    refuse_while_running(folder, f"cannot export ONNX into '{folder}'")  # a live run's folder is that run's
     blocking = file_in_the_way(folder)
     if blocking:
         raise ConfigurationError(f"cannot export ONNX into '{folder}': {blocking} is a file; choose a folder")

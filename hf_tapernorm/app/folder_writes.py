@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Optional
 
-from .run_lock import RunFolderError, is_pid
+from .run_lock import RunFolderError, is_pid, process_running
 
 #: The form of what write_file and write_folder write before the rename (``.NAME.partial-PID``) and of the older
 #: folder write_folder sets aside (``.NAME.old-PID``): the only names a killed write leaves.
@@ -40,15 +40,7 @@ def writer_gone(leftover: Path) -> bool:
     """Whether the process a ``.NAME.partial-PID`` / ``.NAME.old-PID`` is named after is gone (a live one is still
     writing it; a number that is no pid names no writer of ours)."""
     pid = int(leftover.name.rpartition("-")[2])
-    if not is_pid(pid) or pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        pass  # alive, another user's
-    return False
+    return is_pid(pid) and pid != os.getpid() and not process_running(pid)
 
 
 def folders_of(relative: str) -> list[str]:

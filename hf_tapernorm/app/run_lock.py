@@ -113,6 +113,17 @@ def is_pid(value: Any) -> bool:
     return type(value) is int and 0 < value <= _MAX_PID
 
 
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` (``is_pid``) runs, this user's or another's."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, another user's
+    return True
+
+
 def _pid_of(owner: dict[str, Any]) -> Optional[int]:
     """The pid a record names, or None when it is no pid (``is_pid``)."""
     pid = owner.get("pid")
@@ -298,13 +309,9 @@ class RunLock:
         pid, host, started = _pid_of(owner), owner.get("host"), owner.get("started")
         if pid is None or host != socket.gethostname():
             return None  # another machine's (a shared disk) or unreadable: not ours to judge
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not process_running(pid):
             return f"its process {pid} is gone"
-        except PermissionError:
-            pass  # alive, another user's: its start time still tells whether it is the lock's owner
-        now = process_start_time(pid)
+        now = process_start_time(pid)  # alive: its start time tells whether it is still the lock's owner
         if isinstance(started, int) and now is not None and now != started:
             return f"pid {pid} now belongs to another process (started at another time than the lock's owner)"
         return None
@@ -458,6 +465,7 @@ __all__ = [
     "RunLock",
     "check_destination",
     "is_pid",
+    "process_running",
     "process_start_time",
     "refuse_while_running",
     "resolved_path",

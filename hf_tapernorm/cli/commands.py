@@ -325,16 +325,14 @@ def fold_main(argv: Sequence[str]) -> int:
             f"it is a {source.kind} model"
         )
     output_dir = Path(fold_args.output_dir)
-    if resolved_path(output_dir, f"--output_dir '{output_dir}'") == Path.cwd().resolve():
+    destination = resolved_path(output_dir, f"--output_dir '{output_dir}'")
+    if destination == Path.cwd().resolve():
         raise UsageError(
             f"--output_dir '{output_dir}' is the working folder: fold writes its export beside the folder and renames "
             "it into place, which would pull the working folder from under this shell; name a folder of its own "
             "(--output_dir ./export)"
         )
-    inside = resolved_path(output_dir, f"--output_dir '{output_dir}'").is_relative_to(
-        resolved_path(source.path, f"--checkpoint '{fold_args.checkpoint}'")
-    )
-    if inside:  # the export would become part of it
+    if destination.is_relative_to(resolved_path(source.path, f"--checkpoint '{fold_args.checkpoint}'")):
         raise UsageError(
             f"--output_dir '{output_dir}' lies inside --checkpoint '{fold_args.checkpoint}', which fold reads; "
             "choose a folder outside the checkpoint"

@@ -17,7 +17,7 @@ $(STAMP): setup.cfg constraints.txt pyproject.toml
 
 install: $(STAMP)
 
-# The demo runs the default recipe on SmolLM2's internal norms (20 of the 30 attention norms taper and fold;
+# The demo runs the default recipe on SmolLM2 (20 of the 30 attention norms and the final norm taper and fold;
 # see README), with a normalized baseline trained on the same data for the gap; sized for a 2-core CPU. Scoring
 # four models on a block costs about what training costs on it, so the demo reads 96 of the default 256 held-out
 # blocks and 48 of the 256 out-of-corpus ones; measurements use the defaults (docs/fidelity.md).

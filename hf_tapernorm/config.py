@@ -19,9 +19,10 @@ Two presets:
   warmup's EMA, the absolute fixed-target scale loss, no sink, no distillation);
 - :meth:`TaperNormConfig.for_model` derives the recipe for a pretrained model from its structure
   (``architectures/recipe_rules.py``): models with a gated (SwiGLU/GeGLU) MLP get the recipe measured on
-  SmolLM2 (the norms in front of the gated MLPs, any q/k norms and the attention norms of the layers
-  where a runaway starts kept, the BOS kept normalized as the attention sink, the relative scale loss,
-  distillation from the model as it was when the gate started to fall, with the sink-attention term);
+  SmolLM2 (every norm tapers, the final one too, but the norms in front of the gated MLPs, any q/k norms
+  and the attention norms of the layers where a runaway starts; the BOS kept normalized as the attention
+  sink, the relative scale loss, distillation from the model as it was when the gate started to fall, with
+  the sink-attention term);
   GELU families (GPT-2) get the paper's recipe, minus any q/k norms.
   The evidence is in docs/fidelity.md.
 """
@@ -231,13 +232,17 @@ class TaperNormConfig(Checked):
         if not arch.gated_mlp:
             values: dict[str, Any] = {"recipe": "paper+keep_qk_norms" if keep else "paper", "keep_norms": list(keep)}
         else:
+            # The final norm goes too (an affine readout): the sink term at weight 3 holds the sink's share of
+            # attention past the runaway band without it; with the final norm kept, weight 1 measured best.
+            scope = options.get("scope", "all")
             values = {
                 "recipe": "gated-mlp",
+                "scope": scope,
                 "keep_norms": list(keep),
                 "sink_token_ids": cls._sink(model, tokenizer),
                 "relative_scale_loss": True,
                 "distill_weight": 1.0,
-                "sink_attention_weight": 1.0,
+                "sink_attention_weight": 3.0 if scope == "all" else 1.0,
             }
         if options.get("scope") == "final":  # no internal norm tapers: nothing to keep, no sink, no teacher
             values.update(

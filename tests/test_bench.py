@@ -168,8 +168,9 @@ def test_variant_labels_carry_the_norms_only_when_several_are_compared():
 
 
 @pytest.mark.parametrize("norms, removed", [
-    # SwiGLU: the norms feeding the gated MLPs stay, and the runaway band's attention norm (layer 0 of 2)
-    ("recipe", INPUT_NORMS - {"model.layers.0.input_layernorm"}),
+    # SwiGLU: the norms feeding the gated MLPs stay, and the runaway band's attention norm (layer 0 of 2); the
+    # final norm goes
+    ("recipe", INPUT_NORMS - {"model.layers.0.input_layernorm"} | {"model.norm"}),
     ("internal", INPUT_NORMS | MLP_NORMS),
     ("all", INPUT_NORMS | MLP_NORMS | {"model.norm"}),
 ])  # fmt: skip
@@ -375,12 +376,12 @@ def test_benchmark_end_to_end_writes_json_plot_and_tables(tmp_path, capsys, corp
         entries = result["variants"]
         assert list(entries) == labels and all(len(result["times_s"][n]) == 2 for n in labels)
         assert result["norms"] == {
-            "recipe": {"removed": LAYERS - 1, "kept": LAYERS + 2},
+            "recipe": {"removed": LAYERS, "kept": LAYERS + 1},  # the final norm removed too
             "all": {"removed": 2 * LAYERS + 1, "kept": 0},
         }
         ops = {name: entry["aten_ops"] for name, entry in entries.items()}
-        # The export's LAYERS + 2 kept RMS norms are weightless: one product fewer each than in the limit.
-        assert ops["recipe-folded"] == ops["recipe-limit"] - (LAYERS + 2) < ops["flashnorm"] < ops["original"]
+        # The export's LAYERS + 1 kept RMS norms are weightless: one product fewer each than in the limit.
+        assert ops["recipe-folded"] == ops["recipe-limit"] - (LAYERS + 1) < ops["flashnorm"] < ops["original"]
         assert ops["all-folded"] == ops["all-limit"] < ops["recipe-folded"]
         assert ops["recipe-explicit"] <= ops["recipe-limit"] + 2 * LAYERS  # RMS at g = 0: two products per norm
         assert sorted(result["agreement"]) == [

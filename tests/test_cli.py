@@ -83,17 +83,17 @@ def test_taper_end_to_end_writes_a_reloadable_export_and_the_report(finished_run
     markdown = (out / "report.md").read_text()
     assert "![Gate schedule](gate_schedule.png)" in markdown and "| folded |" in markdown
     # --keep_norms auto: the norms that feed Llama's SwiGLU MLP stay norms, and so does the attention input norm of
-    # the runaway band (layer 0 of 2); only layer 1's attention input tapers.
+    # the runaway band (layer 0 of 2); layer 1's attention input tapers, and the final norm (scope all).
     kept = ["model.layers.0.input_layernorm"] + [f"model.layers.{i}.post_attention_layernorm" for i in range(2)]
-    assert report["taper"]["keep_norms"] == kept
-    assert set(report["diagnostics"]["calibration"]) == {"model.layers.1.input_layernorm"}
+    assert report["taper"]["keep_norms"] == kept and report["taper"]["scope"] == "all"
+    assert set(report["diagnostics"]["calibration"]) == {"model.layers.1.input_layernorm", "model.norm"}
     assert "| model.layers.1.input_layernorm |" in markdown
     assert "hf-tapernorm taper: summary" in stdout and "held-out folded" in stdout and "export:" in stdout
     # The export reloads through the Auto classes and computes what the tapered model computes at g = 0.
     folded_dir = out / "folded"
     config = json.loads((folded_dir / "config.json").read_text())
     assert config["model_type"] == "tapernorm_llama" and config["sink_token_ids"] == sink
-    assert config["kept_norms"] == kept + ["model.norm"]
+    assert config["kept_norms"] == kept and config["tie_word_embeddings"] is False  # the final norm folded
     assert {"README.md", "tokenizer.json", "modeling_folded.py", "model.safetensors"} <= {
         p.name for p in folded_dir.iterdir()
     }
@@ -204,7 +204,7 @@ def test_distillation_from_the_gate_start_snapshot_is_off_until_the_gate_drops(f
     assert [r["distill"] for r in history[:2]] == [0.0, 0.0] and all(r["distill"] > 0 for r in history[2:])
     assert history[2]["ce"] == pytest.approx(plain_history[2]["ce"], rel=1e-5)
     # The sink-attention term reads the same teacher forward: logged from the same step on, off in the plain run.
-    assert report["taper"]["sink_attention_weight"] == 1.0 and all(r["sink_attention"] >= 0 for r in history[2:])
+    assert report["taper"]["sink_attention_weight"] == 3.0 and all(r["sink_attention"] >= 0 for r in history[2:])
     assert not any("sink_attention" in r for r in plain_history)
 
 
@@ -519,6 +519,8 @@ def test_flags_override_the_recipe_of_the_model():
     config = taper_pipeline.recipe_config(_request(), llama, tokenizer)
     assert (config.recipe, config.keep_norms, config.sink_token_ids) == ("gated-mlp", kept, [127])
     assert config.distillation.weight == 1.0 and config.relative_scale_loss
+    assert config.scope == "all" and config.distillation.sink_attention_weight == 3.0
+    config = taper_pipeline.recipe_config(_request("--scope", "internal"), llama, tokenizer)  # the final norm kept
     assert config.distillation.sink_attention_weight == 1.0
     config = taper_pipeline.recipe_config(
         _request("--keep_norms", " model.layers.1.*, *.input_layernorm ", "--sink", "none", "--taper_end", "40"),

@@ -68,7 +68,9 @@ def test_for_model_derives_the_recipe_from_the_structure(case):
     assert layers_kept == expected
     if family in GATED:
         assert config.recipe == "gated-mlp" and config.distillation.weight == 1.0 and config.relative_scale_loss
-        assert config.distillation.sink_attention_weight == 1.0
+        assert config.scope == "all" and config.distillation.sink_attention_weight == 3.0  # the final norm goes too
+        kept_final = TaperNormConfig.for_model(model, scope="internal")  # the final norm kept: the term at weight 1
+        assert kept_final.scope == "internal" and kept_final.distillation.sink_attention_weight == 1.0
         assert config.sink_token_ids == [model.config.bos_token_id]  # the config's BOS without a tokenizer
     else:
         assert config.recipe.startswith("paper") and config.distillation.weight == 0.0 and config.sink_token_ids == []
@@ -105,7 +107,8 @@ def test_the_default_recipe_of_every_family_reaches_gate_zero_and_folds(case):
     assert (controller.distillation is not None) == (config.distillation.weight > 0)
     folded = fold_model(model)
     assert folded.fold_report.max_rel_diff <= 1e-4
-    assert set(folded.config.kept_norms) == set(config.keep_norms) | {folded.config.final_norm}
+    kept_final = set() if config.scope == "all" else {folded.config.final_norm}  # gated families fold it too
+    assert set(folded.config.kept_norms) == set(config.keep_norms) | kept_final
 
 
 def test_validation_names_the_field():

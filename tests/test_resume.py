@@ -322,11 +322,11 @@ def test_resume_of_a_finished_run_edited_by_hand_restores_its_outputs(ws, run, t
     elif edit == "truncate report.json":
         truncate(folder / "report.json", 100)
     else:
-        edit_json(folder / "tapered" / "tapernorm_config.json", scope="all")
+        edit_json(folder / "tapered" / "tapernorm_config.json", scope="final")
     code, _, stderr = run_main(taper(ws, folder, "--resume"))
     assert code == 0, stderr[-2000:]
     assert json.loads((folder / "report.json").read_text())["status"] == "finished"
-    assert json.loads((folder / "tapered" / "tapernorm_config.json").read_text())["scope"] == "internal"
+    assert json.loads((folder / "tapered" / "tapernorm_config.json").read_text())["scope"] == "all"  # the recipe's
     assert (folder / "tapered" / "model.safetensors").read_bytes() == (
         run / "tapered" / "model.safetensors"
     ).read_bytes()

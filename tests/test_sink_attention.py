@@ -64,7 +64,7 @@ def test_a_gated_model_s_recipe_keeps_the_runaway_layers_attention_norms_and_add
     measured = {f"model.layers.{i}.post_attention_layernorm" for i in range(30)}
     measured |= {f"model.layers.{i}.input_layernorm" for i in range(4, 14)}
     assert set(config.keep_norms) == measured
-    assert config.distillation.sink_attention_weight == 1.0 and config.sink_token_ids == [model.config.bos_token_id]
+    assert config.distillation.sink_attention_weight == 3.0 and config.sink_token_ids == [model.config.bos_token_id]
     gpt2 = TaperNormConfig.for_model(build(tiny_gpt2_config()))  # the paper's recipe: nothing of the remedy
     assert gpt2.distillation.sink_attention_weight == 0.0 and gpt2.keep_norms == []
 

@@ -70,23 +70,35 @@ EXPERIMENTAL_TAPER = "conversion_scripts.experiments.experimental_taper"
 #: The gated-MLP norms alone: the default's keep_norms before the runaway layers' attention norms joined it.
 GATED_MLP_NORMS = ("--keep_norms", "model.layers.*.post_attention_layernorm")
 
+#: The default before the final norm joined it (the final norm kept, so the term at weight 1): the recipe every
+#: arm below but the final-norm ones varies, pinned so that their recorded commands still run what they measured.
+INTERNAL = ("--scope", "internal")
+
 ARMS: dict[str, Arm] = {
     "default": Arm(
         (),
         True,
-        "every option at its default: the runaway layers' attention norms kept, the sink-attention term (trains "
-        "the seed's baseline)",
+        "every option at its default: the final norm tapered and folded too, the runaway layers' attention norms "
+        "kept, the sink-attention term at weight 3 (trains the seed's baseline)",
+    ),
+    "internal": Arm(
+        INTERNAL,
+        False,
+        "the default before the final norm joined it: the final norm kept, the sink-attention term at weight 1",
     ),
     "no_runaway_remedy": Arm(
-        (*GATED_MLP_NORMS, "--sink_attention_weight", "0"),
+        (*INTERNAL, *GATED_MLP_NORMS, "--sink_attention_weight", "0"),
         False,
         "the default before the remedy: only the gated-MLP norms kept, no sink-attention term",
     ),
     "keep_attn_4_13": Arm(
-        ("--sink_attention_weight", "0"), False, "the default without the sink-attention term (layers 4-13 kept)"
+        (*INTERNAL, "--sink_attention_weight", "0"),
+        False,
+        "the default without the sink-attention term (layers 4-13 kept)",
     ),
     "keep_attn_0_13": Arm(
         (
+            *INTERNAL,
             "--keep_norms",
             "model.layers.*.post_attention_layernorm,model.layers.[0-9].input_layernorm,"
             "model.layers.1[0-3].input_layernorm",
@@ -97,6 +109,7 @@ ARMS: dict[str, Arm] = {
     ),
     "block_256": Arm(
         (
+            *INTERNAL,
             "--block_size",
             "256",
             "--per_device_train_batch_size",
@@ -111,21 +124,21 @@ ARMS: dict[str, Arm] = {
         "baseline trained the same way; 128 blocks of each evaluation set (the same tokens as 256 x 128)",
     ),
     "long_512_every_8": Arm(
-        ("--long_block_size", "512", "--long_block_every", "8"),
+        (*INTERNAL, "--long_block_size", "512", "--long_block_every", "8"),
         True,
         "the default with every 8th step on blocks of 512 tokens (2 per step, 37.5% more tokens in all), against "
         "its own baseline trained the same way: the taper sees the positions of 4x the block length",
         script=LENGTH_ARMS,
     ),
     "long_1024_every_16": Arm(
-        ("--long_block_size", "1024", "--long_block_every", "16"),
+        (*INTERNAL, "--long_block_size", "1024", "--long_block_every", "16"),
         True,
         "the default with every 16th step on blocks of 1024 tokens (2 per step, 42% more tokens in all), against "
         "its own baseline trained the same way: the taper sees the positions of 8x the block length",
         script=LENGTH_ARMS,
     ),
     "position_span_1024": Arm(
-        ("--position_span", "1024"),
+        (*INTERNAL, "--position_span", "1024"),
         True,
         "the default with each training block's positions spread over 1024 (PoSE: two random skips, the tokens "
         "unchanged), against its own baseline trained on the same positions: the distances of 8x the block length "
@@ -133,13 +146,13 @@ ARMS: dict[str, Arm] = {
         script=LENGTH_ARMS,
     ),
     "final_norm": Arm(
-        ("--scope", "all"),
+        ("--scope", "all", "--sink_attention_weight", "1"),
         True,
         "the default with the final norm tapered and folded too (the relative scale anchor; a tied head is untied), "
         "against its own baseline trained the same way",
     ),
     "final_norm_fixed_anchor": Arm(
-        ("--scope", "all", "--relative_scale_loss", "false"),
+        ("--scope", "all", "--sink_attention_weight", "1", "--relative_scale_loss", "false"),
         False,
         "final_norm with the paper's fixed-target scale loss instead of the relative one (the scale loss is no "
         "part of a baseline, so it reads final_norm's)",
@@ -154,41 +167,47 @@ ARMS: dict[str, Arm] = {
         baseline_of="final_norm",
     ),
     "sink_attention": Arm(
-        GATED_MLP_NORMS, False, "the default without the runaway layers' attention norms (the term at weight 1)"
+        (*INTERNAL, *GATED_MLP_NORMS),
+        False,
+        "the default without the runaway layers' attention norms (the term at weight 1)",
     ),
     "sink_attention_0.3": Arm(
-        (*GATED_MLP_NORMS, "--sink_attention_weight", "0.3"),
+        (*INTERNAL, *GATED_MLP_NORMS, "--sink_attention_weight", "0.3"),
         False,
         "the sink_attention arm with the term at weight 0.3",
     ),
-    "no_distill": Arm(("--distill_weight", "0"), False, "no distillation term (so no sink-attention term)"),
-    "kl_0.1": Arm(("--distill_weight", "0.1"), False, "KL weight 0.1"),
-    "kl_0.3": Arm(("--distill_weight", "0.3"), False, "KL weight 0.3"),
-    "kl_3": Arm(("--distill_weight", "3"), False, "KL weight 3"),
-    "kl_until_taper_end": Arm(("--distill_until", "taper_end"), False, "the KL term only while the gate falls"),
+    "no_distill": Arm((*INTERNAL, "--distill_weight", "0"), False, "no distillation term (so no sink-attention term)"),
+    "kl_0.1": Arm((*INTERNAL, "--distill_weight", "0.1"), False, "KL weight 0.1"),
+    "kl_0.3": Arm((*INTERNAL, "--distill_weight", "0.3"), False, "KL weight 0.3"),
+    "kl_3": Arm((*INTERNAL, "--distill_weight", "3"), False, "KL weight 3"),
+    "kl_until_taper_end": Arm(
+        (*INTERNAL, "--distill_until", "taper_end"), False, "the KL term only while the gate falls"
+    ),
     "kl_fades_with_gate": Arm(
-        ("--distill_schedule", "gate"),
+        (*INTERNAL, "--distill_schedule", "gate"),
         False,
         "KL weight times the gate (0 at g = 0; an experimental option)",
         script=EXPERIMENTAL_TAPER,
     ),
-    "no_scale_loss": Arm(("--scale_loss_weight", "0"), False, "scale loss off"),
-    "constant_lr": Arm(("--lr_scheduler_type", "constant_with_warmup"), True, "constant LR after warmup"),
+    "no_scale_loss": Arm((*INTERNAL, "--scale_loss_weight", "0"), False, "scale loss off"),
+    "constant_lr": Arm((*INTERNAL, "--lr_scheduler_type", "constant_with_warmup"), True, "constant LR after warmup"),
     "half_lr": Arm(
-        ("--learning_rate", "5e-5"),
+        (*INTERNAL, "--learning_rate", "5e-5"),
         True,
         "the default at half the peak LR, against its own baseline trained the same way: at 600 steps the gate "
         "falls over twice the steps of a 300-step run while the weights move about as far",
     ),
-    "long_taper": Arm(("--taper_start", "0.05", "--taper_end", "0.9"), True, "taper from 5% to 90% of the run"),
+    "long_taper": Arm(
+        (*INTERNAL, "--taper_start", "0.05", "--taper_end", "0.9"), True, "taper from 5% to 90% of the run"
+    ),
     "short_taper": Arm(
-        ("--taper_end", "0.5"),
+        (*INTERNAL, "--taper_end", "0.5"),
         True,
         "the gate reaches 0 at 50% of the run instead of 70%: half the run repairs at g = 0 with a decaying LR "
         "(against its own baseline, whose LR decays from the same step)",
     ),
     "kl_control": Arm(
-        (),
+        INTERNAL,
         False,
         "no taper: the default recipe with the gate held at 1 (its model in the tapered and folded columns)",
         script="conversion_scripts.experiments.kl_control",

@@ -9,6 +9,8 @@ conversion_scripts/experiments/reports/probe.md lists where the rows came from, 
 from __future__ import annotations
 
 import json
+import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -177,6 +179,13 @@ def _data(name: str, text: str):
     return make
 
 
+def _held(folder: Path) -> Path:
+    """``folder`` with the lock of a running hf-tapernorm command (this test's parent process, alive) in it."""
+    folder.mkdir()
+    (folder / ".hf_tapernorm_run.lock").write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))
+    return folder
+
+
 def _flag_before_options_file(command: str, *flags: str):
     """``command FLAGS run.json``: the options file (which exists) after a flag instead of first and alone."""
 
@@ -209,6 +218,21 @@ CASES = {
         lambda ws: taper_argv(ws, ws / "out", "--long_block_size", "64", "--long_block_every", "4"),
         2,
         ["unrecognized arguments", "--long_block_size"],
+    ),
+    "bench --threads beyond any machine's CPUs": (
+        lambda ws: _bench(ws, "--threads", "1", "99999"),
+        2,
+        ["error: --threads 99999: more than the ", "pass at most "],
+    ),
+    "bench --modes train with a missing --dataset_name": (
+        lambda ws: _bench(ws, "--modes", "train", "--dataset_name", str(ws / "nope.txt")),
+        2,
+        "error: --dataset_name '{ws}/nope.txt' not found: no such file or folder",
+    ),
+    "eval --data_cache_dir that is a file": (
+        lambda ws: _eval(ws, "--data_cache_dir", str(ws / "corpus.txt")),
+        2,
+        "error: --data_cache_dir '{ws}/corpus.txt' is a file",
     ),
     "eval: position spans are no option": (
         lambda ws: ["eval", "--model_name_or_path", str(ws / "llama"), "--position_span", "256"],
@@ -647,6 +671,42 @@ CASES = {
         ["nope' not found"],
         NEEDS_RUN,
     ),
+    "eval --data_cache_dir in a folder a running command holds": (
+        lambda ws, run, tmp: evaluate(
+            run / "folded", "--data_cache_dir", str(_held(tmp / "live") / "cache"), data=ws / "corpus.txt"
+        ),
+        2,
+        ["error: --data_cache_dir '", "/live/cache' lies in '", "/live', which a running hf-tapernorm command owns"],
+        NEEDS_RUN,
+    ),
+    "taper --data_cache_dir in a folder a running command holds": (
+        lambda ws, run, tmp: taper(ws, tmp / "out", "--data_cache_dir", str(_held(tmp / "live") / "cache")),
+        2,
+        ["error: --data_cache_dir '", "/live/cache' lies in '", "/live', which a running hf-tapernorm command owns"],
+        NEEDS_RUN,
+    ),
+    "eval --data_cache_dir in a run's export": (
+        lambda ws, run, tmp: evaluate(
+            run / "folded", "--data_cache_dir", str(copy_of(run, tmp) / "folded"), data=ws / "corpus.txt"
+        ),
+        2,
+        ["error: --data_cache_dir '", "/run/folded' lies in '", "/run/folded', a saved model's folder", "push"],
+        NEEDS_RUN,
+    ),
+    "taper --data_cache_dir in a run's tapered checkpoint": (
+        lambda ws, run, tmp: taper(ws, tmp / "out", "--data_cache_dir", str(copy_of(run, tmp) / "tapered" / "c")),
+        2,
+        ["error: --data_cache_dir '", "/run/tapered/c' lies in '", "/run/tapered', a saved model's folder"],
+        NEEDS_RUN,
+    ),
+    "eval --data_cache_dir the run folder": (
+        lambda ws, run, tmp: evaluate(
+            run / "folded", "--data_cache_dir", str(copy_of(run, tmp)), data=ws / "corpus.txt"
+        ),
+        2,
+        ["error: --data_cache_dir '", "/run' is the run folder '", "/run/cache')"],
+        NEEDS_RUN,
+    ),
     "eval --sink none of a sink-trained export": (
         lambda ws, run, tmp: evaluate(run / "folded", "--sink", "none", data=ws / "corpus.txt"),
         2,
@@ -752,7 +812,8 @@ def test_a_mistyped_model_path_is_named_as_such(workspace, tmp_path):
         message == "hf-tapernorm fold: error: --checkpoint 'no_such/folder': no such folder; fold reads a local "
         "tapered checkpoint"
     )
-    status, _, stderr = run_main(["eval", "--model_name_or_path", "no_such/folder", "--dataset_name", "x.txt"])
+    corpus = str(workspace / "corpus.txt")
+    status, _, stderr = run_main(["eval", "--model_name_or_path", "no_such/folder", "--dataset_name", corpus])
     lines = stderr.strip().splitlines()
     assert status == 2 and len(lines) == 1, stderr  # transformers' message runs over two lines
     assert "'no_such/folder' (no local folder of that name, so it was taken as a Hub id: check the path" in lines[0]

@@ -143,6 +143,18 @@ def _local_files(folder: Path) -> list[Path]:
     return files
 
 
+def local_dataset_path(source: Optional[str]) -> Optional[Path]:
+    """The local file or folder the dataset name ``source`` means, there or not; None for the embedded corpus and a
+    Hub dataset's name. A name is a local path when it exists, starts with ``.``, ``/`` or ``~``, or ends in a data
+    file's suffix (``.txt``, ``.jsonl``, ...): such a name that is not there is a mistyped path, not a Hub name, so
+    every command refuses it as one (before loading a model: app/data_checks.py)."""
+    if source is None or source == EMBEDDED_CORPUS:
+        return None
+    path = Path(source).expanduser()
+    local = path.exists() or source.startswith((".", "/", "~")) or path.suffix.lower() in _BUILDERS
+    return path if local else None
+
+
 def load_text_dataset(
     source: Optional[str] = None,
     *,
@@ -162,8 +174,7 @@ def load_text_dataset(
         dataset = embedded_corpus()
         return dataset.to_iterable_dataset() if streaming else dataset
     path = Path(source).expanduser()
-    looks_local = path.exists() or source.startswith((".", "/", "~")) or path.suffix.lower() in _BUILDERS
-    if looks_local and not path.exists():
+    if local_dataset_path(source) is not None and not path.exists():
         raise DataError(f"dataset '{source}' not found: no such file or folder")
     try:
         if path.exists():

@@ -179,6 +179,12 @@ def _data(name: str, text: str):
     return make
 
 
+def _copy(source: Path, target: Path) -> Path:
+    """``target``, a copy of the file ``source``."""
+    target.write_bytes(source.read_bytes())
+    return target
+
+
 def _held(folder: Path) -> Path:
     """``folder`` with the lock of a running hf-tapernorm command (this test's parent process, alive) in it."""
     folder.mkdir()
@@ -397,6 +403,33 @@ CASES = {
     "empty data file": (lambda ws: _taper(ws, data="empty.txt"), 2, ["empty.txt", "is empty"]),
     "binary data file": (lambda ws: _taper(ws, data="binary.txt"), 2, ["not UTF-8", "convert it"]),
     "data folder without text files": (lambda ws: _taper(ws, data="emptydir"), 2, ["holds no", ".txt"]),
+    # refused before loading by the loader's own rule (corpus.local_data_files), for every data option and command
+    "taper --out_of_corpus_dataset folder without data files": (
+        lambda ws: _taper(ws, "--out_of_corpus_dataset", str(ws / "emptydir"), "--out_of_corpus_blocks", "2"),
+        2,
+        "error: --out_of_corpus_dataset '{ws}/emptydir' is a folder that holds no .csv/.json/",
+    ),
+    "bench --modes train with a --dataset_name folder without data files": (
+        lambda ws: _bench(ws, "--modes", "train", "--dataset_name", str(ws / "emptydir")),
+        2,
+        "error: --dataset_name '{ws}/emptydir' is a folder that holds no .csv/.json/",
+    ),
+    "eval --dataset_name a file of an unsupported type": (
+        lambda ws, tmp: _eval(ws, "--dataset_name", str(_copy(ws / "corpus.txt", tmp / "corpus.weird"))),
+        2,
+        ["error: --dataset_name '", "/corpus.weird': unsupported file type '.weird'; supported: .csv, .json"],
+        ("tmp_path",),
+    ),
+    "taper --data_cache_dir in the --dataset_name folder": (
+        lambda ws: _taper(ws, "--data_cache_dir", str(ws / "texts" / "cache"), data="texts"),
+        2,
+        "error: --data_cache_dir '{ws}/texts/cache' lies in the --dataset_name folder '{ws}/texts': the cache's files",
+    ),
+    "eval --data_cache_dir the --dataset_name folder": (
+        lambda ws: _eval(ws, "--dataset_name", str(ws / "texts"), "--data_cache_dir", str(ws / "texts")),
+        2,
+        "error: --data_cache_dir '{ws}/texts' lies in the --dataset_name folder '{ws}/texts': the cache's files",
+    ),
     "csv without a text column": (lambda ws: _taper(ws, data="nocol.csv"), 2, ["--text_column"]),
     "jsonl rows without text": (lambda ws: _taper(ws, data="nulls.jsonl"), 2, ["row 1", "no 'text' value"]),
     "data smaller than a block": (lambda ws: _taper(ws, data="tiny.txt"), 2, ["too small", "--block_size"]),

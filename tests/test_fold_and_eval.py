@@ -251,6 +251,64 @@ def test_eval_refuses_a_missing_data_path_before_the_model_loads(ws, run, monkey
     assert not ooc.exists() and corpus.is_file()
 
 
+def test_eval_refuses_a_data_path_the_loader_cannot_read_before_the_model_loads(ws, tmp_path, monkeypatch):
+    """An empty folder, a folder of other files, a file of an unsupported suffix and a folder mixing file types passed
+    the early check (it asked only whether the path exists) and were refused once the model had loaded, as
+    --out_of_corpus_dataset only after the whole held-out evaluation. The check now asks the loader's own rule."""
+    import hf_tapernorm.cli.commands as commands
+
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    (tmp_path / "emptydir").mkdir()
+    (tmp_path / "bindir").mkdir()
+    (tmp_path / "bindir" / "blob.dat").write_bytes(bytes(range(256)) * 10)
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.txt").write_text("some text\n")
+    (tmp_path / "mixed" / "b.jsonl").write_text('{"text": "more text"}\n')
+    weird = tmp_path / "corpus.weird"
+    weird.write_text((ws / "corpus.txt").read_text())
+    before = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")}
+    types = ".csv/.json/.jsonl/.md/.parquet/.text/.txt"
+    supported = ".csv, .json, .jsonl, .md, .parquet, .text, .txt (or a folder of such files, or a Hub dataset name)"
+    for option, extra in [("--dataset_name", []), ("--out_of_corpus_dataset", ["--out_of_corpus_blocks", "2"])]:
+        for path, reason in [
+            (tmp_path / "emptydir", f" is a folder that holds no {types} files"),
+            (tmp_path / "bindir", f" is a folder that holds no {types} files"),
+            (weird, f": unsupported file type '.weird'; supported: {supported}"),
+            (tmp_path / "mixed", " is a folder that mixes file types (json, text); use one type"),
+        ]:
+            argv = evaluate(ws / "llama", *extra, option, str(path), data=ws / "corpus.txt")
+            assert refused(argv) == f"hf-tapernorm eval: error: {option} '{path}'{reason}"
+    assert {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")} == before
+
+
+def test_a_data_cache_in_a_dataset_folder_is_refused_before_it_spoils_the_folder(ws, tmp_path, monkeypatch):
+    """eval --dataset_name DIR --data_cache_dir DIR/cache was accepted: datasets wrote dataset_info.json, .arrow and
+    lock files into the user's data folder, and from then on every command (a taper without --data_cache_dir too)
+    refused the folder after loading, its cache read as more of the corpus ("mixes file types", CastError)."""
+    import hf_tapernorm.cli.commands as commands
+
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    texts, jsons = tmp_path / "textdir", tmp_path / "jdir"
+    texts.mkdir()
+    jsons.mkdir()
+    (texts / "a.txt").write_text((ws / "corpus.txt").read_text())
+    documents = (ws / "corpus.txt").read_text().split("\n\n")
+    (jsons / "a.json").write_text("\n".join(json.dumps({"text": d}) for d in documents))
+    for option, extra in [("--dataset_name", []), ("--out_of_corpus_dataset", ["--out_of_corpus_blocks", "2"])]:
+        for folder, cache in [(texts, texts / "cache"), (jsons, jsons / "c" / "d"), (texts, texts)]:
+            argv = [
+                *evaluate(ws / "llama", *extra, option, str(folder), data=ws / "corpus.txt"),
+                "--data_cache_dir",
+                str(cache),
+            ]
+            assert refused(argv) == (
+                f"hf-tapernorm eval: error: --data_cache_dir '{cache}' lies in the {option} folder '{folder}': the "
+                "cache's files would be read as more of the corpus by this and every later command on that folder; "
+                "choose a --data_cache_dir outside it"
+            )
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a.json", "a.txt", "jdir", "textdir"]
+
+
 def test_fold_scan_of_a_run_whose_corpus_is_gone_is_refused_before_loading(run, tmp_path, monkeypatch):
     """fold --scan_windows read the corpus its run recorded only after loading, patching, folding and checking the
     checkpoint and loading the reference model: a corpus deleted since was refused then."""

@@ -4,15 +4,20 @@ in it) is ever deleted; a user's folder named like one is kept, and named when i
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from hf_tapernorm.app.folder_writes import (
     WRITE_MARK,
+    check_folder_destination,
+    is_mount_point,
     leftover_of,
     name_max,
     old_name,
@@ -25,7 +30,7 @@ from hf_tapernorm.app.run_folder import RunFolder
 from hf_tapernorm.app.run_lock import RunFolderError
 from hf_tapernorm.export.hub import EXPORT_MANIFEST_NAME
 from tests.conftest import corpus_documents
-from tests.helpers import run_main, snapshot, tapered_checkpoint
+from tests.helpers import error_of, run_main, snapshot, tapered_checkpoint
 from tests.helpers import short_eval_argv as evaluate
 from tests.helpers import short_fold_argv as fold
 
@@ -178,3 +183,119 @@ def test_fold_beside_a_user_s_folders_named_like_its_leftovers_keeps_them(checkp
     manifest = json.loads((tmp_path / "exp" / EXPORT_MANIFEST_NAME).read_text())["files"]
     assert sorted([*manifest, EXPORT_MANIFEST_NAME]) == sorted(snapshot(tmp_path / "exp"))
     assert WRITE_MARK not in manifest
+
+
+# ============================================================================= destinations a rename cannot reach
+def _long_folder(root: Path, length: int) -> Path:
+    """A path of ``length`` bytes under ``root``: nested 200-byte folders (created), then a new folder's name."""
+    folder = root
+    while len(os.fsencode(str(folder))) + 1 + 200 + 1 + 100 < length:
+        folder = folder / ("b" * 200)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / ("c" * (length - len(os.fsencode(str(folder))) - 1))
+
+
+def test_a_destination_near_path_max_is_written_through_a_temporary_path_a_few_bytes_longer(tmp_path):
+    """A folder's temporary path held its name twice (``.NAME.partial-PID/NAME/file``): a valid destination whose
+    files fit PATH_MAX failed with OSError File name too long at the end. The inner folder is ``w``: written; one
+    whose temporary paths would still pass PATH_MAX is refused before anything is written, naming the option."""
+    final = _long_folder(tmp_path, 4095 - 60)  # its temporary files fit (a few bytes more); the name twice would not
+    for text in ("first", "second"):  # a new folder, then one that replaces it (set aside as .NAME.old-PID/w)
+        write_folder(final, _write({"model.safetensors.index.json": text}))
+    assert snapshot(final) == {"model.safetensors.index.json": b"second"}
+    assert sorted(p.name for p in final.parent.iterdir()) == [final.name]
+    check_folder_destination(final, "--output_dir X", inside="model.safetensors.index.json")
+    too_long = _long_folder(tmp_path, 4095 - 20)
+    with pytest.raises(RunFolderError, match=r"^--output_dir X: its files are written through paths of up to 41"):
+        check_folder_destination(too_long, "--output_dir X", inside="model.safetensors.index.json")
+
+
+def test_fold_into_a_path_whose_temporary_files_pass_path_max_is_one_line_before_loading(checkpoint, tmp_path):
+    """``fold --output_dir <a path within a few bytes of PATH_MAX>`` failed with an OSError traceback (exit 1)
+    after load, fold and fold check; one line naming --output_dir, nothing written."""
+    export = _long_folder(tmp_path, 4095 - 20)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    said = error_of(fold(checkpoint, export))
+    assert said.startswith(f"hf-tapernorm fold: error: --output_dir '{export}': its files are written through paths")
+    assert said.endswith("a path may have here; choose a shorter path")
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize("failing", ["set aside", "renamed in"])
+def test_a_rename_that_fails_puts_the_older_folder_back_and_leaves_no_temporary_folder(tmp_path, monkeypatch, failing):
+    """A rename refused at the end (EBUSY: a mount point) left the finished folder in ``.NAME.partial-PID/`` and
+    an empty ``.NAME.old-PID/``. The older folder is back under its name, byte for byte, and nothing is beside it."""
+    final = tmp_path / "exp"
+    write_folder(final, _write({"config.json": "older"}))
+    replace, refused = os.replace, []
+
+    def busy(source, target):  # the first rename of ``final`` (aside) or into it (the new folder) is refused
+        if (Path(source), Path(target))[failing == "renamed in"] == final and not refused:
+            refused.append(source)
+            raise OSError(errno.EBUSY, "Device or resource busy", str(source))
+        replace(source, target)
+
+    monkeypatch.setattr(os, "replace", busy)
+    with pytest.raises(OSError, match="Device or resource busy"):
+        write_folder(final, _write({"config.json": "newer"}))
+    assert snapshot(tmp_path) == {"exp/config.json": b"older"}
+
+
+def test_a_mount_point_is_refused_in_one_line_before_anything_is_written(checkpoint, tmp_path, monkeypatch):
+    """``fold --output_dir t/mnt`` with ``mnt`` an empty mount point (a container's volume) failed with EBUSY
+    after load, fold and fold check, leaving ``.mnt.partial-PID/`` and ``.mnt.old-PID/``. One line before loading;
+    write_folder itself refuses one too (the last guard)."""
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == mount or real(path))
+    assert error_of(fold(checkpoint, mount)) == (
+        f"hf-tapernorm fold: error: --output_dir '{mount}': the folder is a mount point, which a write cannot replace "
+        f"by a rename; name a folder inside it ('{mount / 'export'}')"
+    )
+    with pytest.raises(RunFolderError, match="the folder is a mount point"):
+        write_folder(mount, _write({"config.json": "{}"}))
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["mnt"]
+
+
+def test_fold_into_a_missing_folder_s_dotdot_is_refused_and_creates_nothing(checkpoint, tmp_path):
+    """``fold --output_dir t/nope/..`` (``nope`` missing) passed the first check; fold's lock created ``t/nope``,
+    and after loading fold said the folder was not empty, leaving ``t/nope``. One line before loading, nothing
+    created."""
+    target = tmp_path / "t"
+    target.mkdir()
+    assert error_of(fold(checkpoint, f"{target}/nope/..")) == (
+        f"hf-tapernorm fold: error: --output_dir '{target}/nope/..': '{target}/nope' does not exist, so the '..' "
+        f"after it names no folder; name the folder without '..' ('{target}')"
+    )
+    assert list(target.iterdir()) == []
+
+
+def test_eval_into_a_result_file_whose_temporary_sibling_passes_path_max_is_one_line_before_loading(
+    checkpoint, tmp_path
+):
+    """``eval --output_json <a file within a few bytes of PATH_MAX>``: its ``.NAME.partial-PID`` sibling did not
+    fit, an OSError at the end of the evaluation. One line naming --output_json, nothing written."""
+    result = _long_folder(tmp_path, 4095 - 8).with_suffix(".json")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    said = error_of(evaluate(checkpoint, "--output_json", str(result), data=checkpoint.parent / "corpus.txt"))
+    assert said.startswith(f"hf-tapernorm eval: error: --output_json {result}: its files are written through paths")
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_bind_mount_from_the_same_filesystem_is_a_mount_point(tmp_path):
+    """A container's volume is a bind mount, often of the same filesystem: os.path.ismount (devices compared) did not
+    see it, and fold failed with EBUSY at the end. The kernel's list of mount points is read too (needs root)."""
+    source, mount = tmp_path / "src", tmp_path / "mnt"
+    source.mkdir()
+    mount.mkdir()
+    bound = os.geteuid() == 0 and shutil.which("mount") is not None
+    if not bound or subprocess.run(["mount", "--bind", str(source), str(mount)], capture_output=True).returncode:
+        pytest.skip("a bind mount needs root")
+    try:
+        assert is_mount_point(mount) and not is_mount_point(source)
+        with pytest.raises(RunFolderError, match="the folder is a mount point"):
+            write_folder(mount, _write({"config.json": "{}"}))
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mnt", "src"]

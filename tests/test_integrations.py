@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import configparser
 import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -830,3 +831,26 @@ def test_onnx_export_into_a_folder_a_running_command_holds_is_refused(tmp_path):
     finally:
         lock.release()
     assert not (tmp_path / "run").exists()
+
+
+def test_onnx_export_into_a_mount_point_or_a_missing_folder_s_dotdot_is_one_line_before_loading(tmp_path, monkeypatch):
+    """``export_onnx(export, "t/onx")`` with ``onx`` an empty mount point failed (EBUSY) only after the whole
+    export, leaving ``.onx.partial-PID/`` and ``.onx.old-PID/``; ``t/nope/..`` is no folder. Both are refused
+    before anything is read (the source does not even exist), nothing written."""
+    from hf_tapernorm.integrations.onnx_runtime import export_onnx
+
+    mount = tmp_path / "onx"
+    mount.mkdir()
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == mount or real(path))
+    with pytest.raises(ConfigurationError) as error:
+        export_onnx(tmp_path / "no-export", mount)
+    assert str(error.value) == (
+        f"cannot export ONNX into '{mount}': the folder is a mount point, which a write cannot replace by a rename; "
+        f"name a folder inside it ('{mount / 'export'}')"
+    )
+    with pytest.raises(ConfigurationError) as error:
+        export_onnx(tmp_path / "no-export", tmp_path / "nope" / "..")
+    said = f"cannot export ONNX into '{tmp_path}/nope/..': '{tmp_path}/nope' does not exist"
+    assert str(error.value).startswith(said)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["onx"] and list(mount.iterdir()) == []

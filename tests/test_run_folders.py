@@ -901,7 +901,7 @@ def test_an_output_folder_is_recorded_before_it_is_written_so_its_leftover_is_th
         seen.append((tmp.relative_to(folder.path).as_posix(), folder.foreign_files()))
 
     folder.write_output("baseline/model", write)
-    assert seen == [(f"baseline/.model.partial-{os.getpid()}/model", [])]
+    assert seen == [(f"baseline/.model.partial-{os.getpid()}/w", [])]
     assert folder.manifest()["writes"] == []  # written: its temporary names are forgotten
     (folder.path / "baseline" / ".model.old-99").mkdir()  # no write of the run's made this one
     (folder.path / "baseline" / ".model.old-99" / "config.json").write_text("{}")

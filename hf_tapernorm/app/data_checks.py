@@ -2,7 +2,8 @@
 
 A command reads its text only once the model's tokenizer (eval: the model itself, and its held-out evaluation before
 the out-of-corpus text) is loaded, so a mistyped path would be found minutes late; here it is found first, named by
-its option. A dataset name is a local path by corpus.local_dataset_path, the rule the loading itself follows.
+its option. Whether a local dataset can be read is asked of corpus.local_data_files, the rule the loading itself
+follows (which files of a folder, which builder for a suffix), so the two cannot disagree.
 
 ``--data_cache_dir`` is not read only: ``datasets`` writes its cache and lock files there, so it is checked as every
 destination is (run_lock.check_destination: not a file, not in a folder a running hf-tapernorm command holds, a
@@ -10,7 +11,9 @@ place this user can write), and it is kept out of what a command wrote: a saved 
 tapered or Trainer checkpoint, any model: its files would join the model, which a push uploads and whose contents a
 ``--resume`` compares) and a run folder's own files (the run folder itself, or a subfolder holding what the run
 wrote: ``--overwrite`` and ``--resume`` refuse a run holding files it did not write). A cache folder of its own in a
-run folder (``RUN/cache``, which a taper of that run adopts) stays allowed.
+run folder (``RUN/cache``, which a taper of that run adopts) stays allowed. It is kept out of a local dataset folder
+the command reads too: the loader reads a folder's data files wherever they lie in it, so the cache's own
+(dataset_info.json) would become part of that corpus for every later command.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from ..data.corpus import DataError, local_dataset_path
+from ..data.corpus import DataError, local_data_files, local_dataset_path
 from ..data.heldout import PYTHON_DOCS
 from .run_folder import RunFolder
 from .run_lock import check_destination, resolved_path
@@ -34,24 +37,44 @@ def missing_local_dataset(name: Optional[str]) -> Optional[Path]:
 
 
 def check_dataset_path(option: str, name: Optional[str]) -> None:
-    """Refuse (DataError naming ``option``) a dataset name that is a local path with nothing there."""
-    if missing_local_dataset(name) is not None:
-        raise DataError(f"{option} '{name}' not found: no such file or folder")
+    """Refuse (DataError naming ``option``) a dataset name that is a local path the loader cannot read: nothing there,
+    a file of a suffix no builder reads, a folder with no data file or mixing file types (corpus.local_data_files,
+    the rule the loading itself follows)."""
+    local_data_files(name, f"{option} '{name}'")
 
 
 def check_data_paths(data: Any, own_folder: Optional[str] = None) -> None:
     """Refuse the local paths of a command's data arguments (cli/arguments.DataArguments) that cannot be used: a
-    dataset or out-of-corpus dataset that is not there, a cache that cannot be (check_cache_folder).
+    dataset or out-of-corpus dataset the loader cannot read (check_dataset_path), a cache that cannot be
+    (check_cache_folder) or that lies in a dataset folder the command reads.
 
     ``own_folder``: the folder the command itself locks (taper's run folder); a cache inside it is that lock's to
     guard (taking it refuses a running command in, above or inside the folder; every process of a distributed run
     checks its arguments, while only the first holds the lock), so only what the folder holds is checked there.
     """
-    check_dataset_path("--dataset_name", data.dataset_name)
+    read = {"--dataset_name": data.dataset_name}
     if data.out_of_corpus_blocks and data.out_of_corpus_dataset != PYTHON_DOCS:
-        check_dataset_path("--out_of_corpus_dataset", data.out_of_corpus_dataset)
+        read["--out_of_corpus_dataset"] = data.out_of_corpus_dataset
+    for option, name in read.items():
+        check_dataset_path(option, name)
     if data.data_cache_dir:
         check_cache_folder(data.data_cache_dir, own_folder)
+        _check_cache_outside_data(data.data_cache_dir, read)
+
+
+def _check_cache_outside_data(path: str, read: dict[str, Optional[str]]) -> None:
+    """Refuse a cache in (or equal to) a local dataset folder the command reads (option -> dataset name): the files
+    ``datasets`` writes there (dataset_info.json, .arrow, .lock) would be read, by this command and every later one,
+    as more of the corpus, which the loading then refuses as mixed file types or columns that do not match."""
+    cache = resolved_path(path, f"--data_cache_dir '{path}'")
+    for option, name in read.items():
+        folder = local_dataset_path(name)
+        if folder is not None and folder.is_dir() and cache.is_relative_to(folder.resolve()):
+            raise DataError(
+                f"--data_cache_dir '{path}' lies in the {option} folder '{name}': the cache's files would be read as "
+                "more of the corpus by this and every later command on that folder; choose a --data_cache_dir "
+                "outside it"
+            )
 
 
 def check_cache_folder(path: str, own_folder: Optional[str] = None) -> None:

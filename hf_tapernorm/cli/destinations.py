@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from .._parsing import UsageError
+from ..app.folder_writes import check_folder_destination, check_path_length, temporary_name
 from ..app.run_folder import LOCK_NAME
 from ..app.run_lock import check_destination, refuse_while_running, resolved_path, unreadable_place
 from ..evaluation.scan import SCAN_FILE
@@ -37,6 +38,13 @@ EXPORT_FILES = (
 )
 
 
+#: The longest path an export's write passes through inside its folder: a shard of the weights, or the robustness
+#: scan written through its ``.NAME.partial-PID`` (of the longest pid): the temporary path's length is checked with it.
+LONGEST_EXPORT_PATH = max(
+    ["model-00001-of-00001.safetensors", temporary_name(Path(SCAN_FILE), "partial", 2**22).name, *EXPORT_FILES],
+    key=len,
+)
+
 #: Marks a result file of ``eval --output_json``: the only kind of existing file it replaces.
 RESULT_MARK = "hf-tapernorm eval"
 
@@ -44,8 +52,10 @@ RESULT_MARK = "hf-tapernorm eval"
 def check_result_file(path: Path) -> None:
     """``--output_json`` may name a new file in an existing folder, or an earlier result of ``eval``; nothing else.
 
-    Checked before the model loads; a model's config.json or a user's file is never written over.
+    Checked before the model loads; a model's config.json or a user's file is never written over, and a path whose
+    temporary sibling would pass PATH_MAX is refused (before the absolute path it resolves to could be).
     """
+    check_path_length(path, f"--output_json {path}")
     try:
         if not resolved_path(path.parent, f"--output_json {path}").is_dir():  # a symbolic link loop: one line
             raise UsageError(f"--output_json {path}: the folder '{path.parent}' does not exist; create it first")
@@ -76,7 +86,8 @@ def check_export_folder(folder: Path, overwrite: bool, *, locked: bool = False) 
     the manifest) a folded model's folder (config.json with a ``tapernorm_*`` model_type) holding only the
     files an export writes. An ordinary model folder uses the same file names, so names alone never decide.
     The folder's lock file is no content; ``locked``: this command holds it (only the folders above are checked
-    for another command's).
+    for another command's). A mount point, a ``..`` after a missing folder and a path too long for the export's
+    temporary files are refused too (check_folder_destination): the write would fail at the end, after the fold.
     """
     what = f"output folder '{folder}'"
     try:
@@ -85,6 +96,7 @@ def check_export_folder(folder: Path, overwrite: bool, *, locked: bool = False) 
         raise UsageError(unreadable_place(what, error)) from None
     if link:
         raise UsageError(f"output folder '{folder}' is a symbolic link; pass the folder it points to")
+    check_folder_destination(folder, f"--output_dir '{folder}'", inside=LONGEST_EXPORT_PATH)
     advice = "wait for it to finish, or choose a folder outside it"  # a running command may write it: one is lost
     check_destination(folder, what, advice=advice, above=locked, renamed_into_parent=True)
     if not folder.is_dir() or not any(p.name != LOCK_NAME for p in folder.iterdir()):
@@ -119,4 +131,4 @@ def _is_folded_config(path: Path) -> bool:
     return isinstance(config, dict) and str(config.get("model_type", "")).startswith("tapernorm_")
 
 
-__all__ = ["EXPORT_FILES", "RESULT_MARK", "check_export_folder", "check_result_file"]
+__all__ = ["EXPORT_FILES", "LONGEST_EXPORT_PATH", "RESULT_MARK", "check_export_folder", "check_result_file"]

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from ..app.folder_writes import check_name_length
+from ..app.folder_writes import check_folder_destination, check_name_length
 from ..app.run_folder import write_folder
 from ..app.run_lock import refuse_while_running, resolved_path
 from ..errors import ConfigurationError, first_line
@@ -103,7 +103,8 @@ def export_onnx(source: Union[str, os.PathLike, PreTrainedModel], output_dir: Un
     layout and the input contract) and, for an export with a sink, ``sink.npz``.
 
     Returns the folder. Refuses, before loading anything, a name longer than its filesystem takes, a symbolic link
-    loop or a file on the way to it, a folder a running hf-tapernorm command holds (or one inside it), and a
+    loop or a file on the way to it, a ``..`` after a missing folder, a mount point (no rename replaces it), a path
+    too long for its temporary files, a folder a running hf-tapernorm command holds (or one inside it), and a
     non-empty folder (an earlier graph would be mixed with this one's files). The files are written into a hidden
     sibling folder that is renamed to ``output_dir`` once whole (``write_folder``), so a failed export (a full
     disk) leaves no truncated graph under that name, and is one ConfigurationError naming the folder.
@@ -111,6 +112,8 @@ def export_onnx(source: Union[str, os.PathLike, PreTrainedModel], output_dir: Un
     folder = local_path(output_dir)
     check_name_length(folder, f"cannot export ONNX into '{folder}'")  # never writable: one line, not an OSError
     resolved_path(folder, f"cannot export ONNX into '{folder}'")  # a symbolic link loop on the way: one line
+    longest = max([GRAPH_NAME + ".data", LAYOUT_NAME, SINK_NAME], key=len)
+    check_folder_destination(folder, f"cannot export ONNX into '{folder}'", inside=longest)  # mount point, `..`
     refuse_while_running(folder, f"cannot export ONNX into '{folder}'")  # a live run's folder is that run's
     blocking = file_in_the_way(folder)
     if blocking:

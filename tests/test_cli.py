@@ -293,7 +293,7 @@ def test_clear_errors(workspace, tmp_path):
     )
     missing = tmp_path / "missing.txt"
     assert error_of([*taper_argv(workspace, out), "--dataset_name", str(missing)]) == (
-        f"hf-tapernorm taper: error: dataset '{missing}' not found: no such file or folder"
+        f"hf-tapernorm taper: error: --dataset_name '{missing}' not found: no such file or folder"
     )
     small = tmp_path / "small.txt"
     small.write_text("one short paragraph\n\nand another")

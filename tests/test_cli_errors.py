@@ -9,6 +9,8 @@ conversion_scripts/experiments/reports/probe.md lists where the rows came from, 
 from __future__ import annotations
 
 import json
+import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -177,6 +179,19 @@ def _data(name: str, text: str):
     return make
 
 
+def _copy(source: Path, target: Path) -> Path:
+    """``target``, a copy of the file ``source``."""
+    target.write_bytes(source.read_bytes())
+    return target
+
+
+def _held(folder: Path) -> Path:
+    """``folder`` with the lock of a running hf-tapernorm command (this test's parent process, alive) in it."""
+    folder.mkdir()
+    (folder / ".hf_tapernorm_run.lock").write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))
+    return folder
+
+
 def _flag_before_options_file(command: str, *flags: str):
     """``command FLAGS run.json``: the options file (which exists) after a flag instead of first and alone."""
 
@@ -209,6 +224,21 @@ CASES = {
         lambda ws: taper_argv(ws, ws / "out", "--long_block_size", "64", "--long_block_every", "4"),
         2,
         ["unrecognized arguments", "--long_block_size"],
+    ),
+    "bench --threads beyond any machine's CPUs": (
+        lambda ws: _bench(ws, "--threads", "1", "99999"),
+        2,
+        ["error: --threads 99999: more than the ", "pass at most "],
+    ),
+    "bench --modes train with a missing --dataset_name": (
+        lambda ws: _bench(ws, "--modes", "train", "--dataset_name", str(ws / "nope.txt")),
+        2,
+        "error: --dataset_name '{ws}/nope.txt' not found: no such file or folder",
+    ),
+    "eval --data_cache_dir that is a file": (
+        lambda ws: _eval(ws, "--data_cache_dir", str(ws / "corpus.txt")),
+        2,
+        "error: --data_cache_dir '{ws}/corpus.txt' is a file",
     ),
     "eval: position spans are no option": (
         lambda ws: ["eval", "--model_name_or_path", str(ws / "llama"), "--position_span", "256"],
@@ -373,6 +403,33 @@ CASES = {
     "empty data file": (lambda ws: _taper(ws, data="empty.txt"), 2, ["empty.txt", "is empty"]),
     "binary data file": (lambda ws: _taper(ws, data="binary.txt"), 2, ["not UTF-8", "convert it"]),
     "data folder without text files": (lambda ws: _taper(ws, data="emptydir"), 2, ["holds no", ".txt"]),
+    # refused before loading by the loader's own rule (corpus.local_data_files), for every data option and command
+    "taper --out_of_corpus_dataset folder without data files": (
+        lambda ws: _taper(ws, "--out_of_corpus_dataset", str(ws / "emptydir"), "--out_of_corpus_blocks", "2"),
+        2,
+        "error: --out_of_corpus_dataset '{ws}/emptydir' is a folder that holds no .csv/.json/",
+    ),
+    "bench --modes train with a --dataset_name folder without data files": (
+        lambda ws: _bench(ws, "--modes", "train", "--dataset_name", str(ws / "emptydir")),
+        2,
+        "error: --dataset_name '{ws}/emptydir' is a folder that holds no .csv/.json/",
+    ),
+    "eval --dataset_name a file of an unsupported type": (
+        lambda ws, tmp: _eval(ws, "--dataset_name", str(_copy(ws / "corpus.txt", tmp / "corpus.weird"))),
+        2,
+        ["error: --dataset_name '", "/corpus.weird': unsupported file type '.weird'; supported: .csv, .json"],
+        ("tmp_path",),
+    ),
+    "taper --data_cache_dir in the --dataset_name folder": (
+        lambda ws: _taper(ws, "--data_cache_dir", str(ws / "texts" / "cache"), data="texts"),
+        2,
+        "error: --data_cache_dir '{ws}/texts/cache' lies in the --dataset_name folder '{ws}/texts': the cache's files",
+    ),
+    "eval --data_cache_dir the --dataset_name folder": (
+        lambda ws: _eval(ws, "--dataset_name", str(ws / "texts"), "--data_cache_dir", str(ws / "texts")),
+        2,
+        "error: --data_cache_dir '{ws}/texts' lies in the --dataset_name folder '{ws}/texts': the cache's files",
+    ),
     "csv without a text column": (lambda ws: _taper(ws, data="nocol.csv"), 2, ["--text_column"]),
     "jsonl rows without text": (lambda ws: _taper(ws, data="nulls.jsonl"), 2, ["row 1", "no 'text' value"]),
     "data smaller than a block": (lambda ws: _taper(ws, data="tiny.txt"), 2, ["too small", "--block_size"]),
@@ -647,6 +704,42 @@ CASES = {
         ["nope' not found"],
         NEEDS_RUN,
     ),
+    "eval --data_cache_dir in a folder a running command holds": (
+        lambda ws, run, tmp: evaluate(
+            run / "folded", "--data_cache_dir", str(_held(tmp / "live") / "cache"), data=ws / "corpus.txt"
+        ),
+        2,
+        ["error: --data_cache_dir '", "/live/cache' lies in '", "/live', which a running hf-tapernorm command owns"],
+        NEEDS_RUN,
+    ),
+    "taper --data_cache_dir in a folder a running command holds": (
+        lambda ws, run, tmp: taper(ws, tmp / "out", "--data_cache_dir", str(_held(tmp / "live") / "cache")),
+        2,
+        ["error: --data_cache_dir '", "/live/cache' lies in '", "/live', which a running hf-tapernorm command owns"],
+        NEEDS_RUN,
+    ),
+    "eval --data_cache_dir in a run's export": (
+        lambda ws, run, tmp: evaluate(
+            run / "folded", "--data_cache_dir", str(copy_of(run, tmp) / "folded"), data=ws / "corpus.txt"
+        ),
+        2,
+        ["error: --data_cache_dir '", "/run/folded' lies in '", "/run/folded', a saved model's folder", "push"],
+        NEEDS_RUN,
+    ),
+    "taper --data_cache_dir in a run's tapered checkpoint": (
+        lambda ws, run, tmp: taper(ws, tmp / "out", "--data_cache_dir", str(copy_of(run, tmp) / "tapered" / "c")),
+        2,
+        ["error: --data_cache_dir '", "/run/tapered/c' lies in '", "/run/tapered', a saved model's folder"],
+        NEEDS_RUN,
+    ),
+    "eval --data_cache_dir the run folder": (
+        lambda ws, run, tmp: evaluate(
+            run / "folded", "--data_cache_dir", str(copy_of(run, tmp)), data=ws / "corpus.txt"
+        ),
+        2,
+        ["error: --data_cache_dir '", "/run' is the run folder '", "/run/cache')"],
+        NEEDS_RUN,
+    ),
     "eval --sink none of a sink-trained export": (
         lambda ws, run, tmp: evaluate(run / "folded", "--sink", "none", data=ws / "corpus.txt"),
         2,
@@ -752,7 +845,8 @@ def test_a_mistyped_model_path_is_named_as_such(workspace, tmp_path):
         message == "hf-tapernorm fold: error: --checkpoint 'no_such/folder': no such folder; fold reads a local "
         "tapered checkpoint"
     )
-    status, _, stderr = run_main(["eval", "--model_name_or_path", "no_such/folder", "--dataset_name", "x.txt"])
+    corpus = str(workspace / "corpus.txt")
+    status, _, stderr = run_main(["eval", "--model_name_or_path", "no_such/folder", "--dataset_name", corpus])
     lines = stderr.strip().splitlines()
     assert status == 2 and len(lines) == 1, stderr  # transformers' message runs over two lines
     assert "'no_such/folder' (no local folder of that name, so it was taken as a Hub id: check the path" in lines[0]

@@ -247,13 +247,52 @@ def test_errors_name_the_dataset_and_the_fix(tmp_path, tokenizer):
     with pytest.raises(DataError, match=r"could not load dataset '.*broken\.jsonl' as a local file or folder"):
         load_text_dataset(str(tmp_path / "broken.jsonl"), cache_dir=str(tmp_path / "c"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match=r"the dataset folder '.*empty' holds no"):
+    with pytest.raises(DataError, match=r"dataset '.*empty' is a folder that holds no .csv/.json/"):
         load_text_dataset(str(tmp_path / "empty"))
     tiny = datasets.Dataset.from_dict({"text": corpus_documents(60)[:3]})
     with pytest.raises(
         DataError, match=r"is too small: its (training|held-out) split .* does not fill one block of 4096 tokens"
     ):
         _prepare(tiny, tokenizer, block_size=4096)
+
+
+def test_the_early_check_refuses_a_local_path_as_the_loader_does(tmp_path):
+    """The check every command makes before it loads a model asked only whether a local path exists; an empty
+    folder, a folder of other files (or of hidden copies alone), a file of an unsupported suffix, a folder mixing
+    file types were refused by the loader minutes later. Both now ask corpus.local_data_files: the same refusals,
+    the check's naming the option."""
+    from hf_tapernorm.app.data_checks import check_dataset_path
+    from hf_tapernorm.data.corpus import local_data_files
+
+    for folder, files in {
+        "emptydir": [],
+        "bindir": ["blob.dat"],
+        "hidden": [".ipynb_checkpoints/a.txt"],
+        "mixed": ["a.txt", "sub/b.jsonl"],
+    }.items():
+        for name in files:
+            (tmp_path / folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / folder / name).write_text('{"text": "some text"}\n')
+        (tmp_path / folder).mkdir(exist_ok=True)
+    (tmp_path / "corpus.weird").write_text("some text\n")
+    for name in ["emptydir", "bindir", "hidden", "mixed", "corpus.weird", "missing.txt"]:
+        path = str(tmp_path / name)
+        with pytest.raises(DataError) as loaded:
+            load_text_dataset(path, cache_dir=str(tmp_path / "cache"))
+        with pytest.raises(DataError) as checked:
+            check_dataset_path("--out_of_corpus_dataset", path)
+        assert str(loaded.value).startswith(f"dataset '{path}'")
+        assert str(checked.value) == str(loaded.value).replace("dataset", "--out_of_corpus_dataset", 1)
+    (tmp_path / "good" / ".git").mkdir(parents=True)
+    (tmp_path / "good" / ".git" / "x.txt").write_text("tool state")
+    (tmp_path / "good" / "b.txt").write_text("b")
+    (tmp_path / "good" / "a.md").write_text("a")
+    check_dataset_path("--dataset_name", str(tmp_path / "good"))
+    assert local_data_files(str(tmp_path / "good")) == (
+        "text",
+        [tmp_path / "good" / "a.md", tmp_path / "good" / "b.txt"],
+    )
+    assert local_data_files(None) is None and local_data_files("someone/hub-dataset") is None
 
 
 # ============================================================================= what a document is

@@ -93,7 +93,7 @@ def test_fold_to_an_unwritable_destination_is_refused_before_loading(baseline_ru
     locked = tmp_path / "locked"
     locked.mkdir()
     real_access = os.access
-    monkeypatch.setattr(commands.os, "access", lambda path, mode: Path(path) != locked and real_access(path, mode))
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != locked and real_access(path, mode))
     monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("loaded before the destination check"))
     fold = ["fold", "--checkpoint", str(baseline_run / "tapered"), "--output_dir", str(locked / "export")]
     refused(fold, f"'{locked}' is not writable")
@@ -231,3 +231,121 @@ def test_fold_into_the_working_folder_given_as_a_dot_is_one_line(run, tmp_path, 
     line = refused(fold(run / "tapered", "."), "hf-tapernorm fold: error: --output_dir '.' is the working folder: ")
     assert line.endswith("name a folder of its own (--output_dir ./export)") and os.listdir(tmp_path) == ["here"]
     assert os.listdir(here) == []
+
+
+# ============================================================================= the data a command reads
+def test_eval_refuses_a_missing_data_path_before_the_model_loads(ws, run, monkeypatch):
+    """eval found a missing --dataset_name, a file as --data_cache_dir (blamed on the dataset: FileExistsError) and a
+    missing --out_of_corpus_dataset only once the model had loaded (the last after the whole held-out evaluation);
+    taper refused the same paths before its weights loaded."""
+    import hf_tapernorm.cli.commands as commands
+
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    missing, corpus, ooc = ws / "missing.txt", ws / "corpus.txt", ws / "missing_ooc.txt"
+    line = refused(evaluate(run / "folded", data=missing))
+    assert line == f"hf-tapernorm eval: error: --dataset_name '{missing}' not found: no such file or folder"
+    line = refused(evaluate(run / "folded", "--data_cache_dir", str(corpus)))
+    assert line == f"hf-tapernorm eval: error: --data_cache_dir '{corpus}' is a file"
+    line = refused(evaluate(run / "folded", "--out_of_corpus_dataset", str(ooc), "--out_of_corpus_blocks", "2"))
+    assert line == f"hf-tapernorm eval: error: --out_of_corpus_dataset '{ooc}' not found: no such file or folder"
+    assert not ooc.exists() and corpus.is_file()
+
+
+def test_eval_refuses_a_data_path_the_loader_cannot_read_before_the_model_loads(ws, tmp_path, monkeypatch):
+    """An empty folder, a folder of other files, a file of an unsupported suffix and a folder mixing file types passed
+    the early check (it asked only whether the path exists) and were refused once the model had loaded, as
+    --out_of_corpus_dataset only after the whole held-out evaluation. The check now asks the loader's own rule."""
+    import hf_tapernorm.cli.commands as commands
+
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    (tmp_path / "emptydir").mkdir()
+    (tmp_path / "bindir").mkdir()
+    (tmp_path / "bindir" / "blob.dat").write_bytes(bytes(range(256)) * 10)
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.txt").write_text("some text\n")
+    (tmp_path / "mixed" / "b.jsonl").write_text('{"text": "more text"}\n')
+    weird = tmp_path / "corpus.weird"
+    weird.write_text((ws / "corpus.txt").read_text())
+    before = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")}
+    types = ".csv/.json/.jsonl/.md/.parquet/.text/.txt"
+    supported = ".csv, .json, .jsonl, .md, .parquet, .text, .txt (or a folder of such files, or a Hub dataset name)"
+    for option, extra in [("--dataset_name", []), ("--out_of_corpus_dataset", ["--out_of_corpus_blocks", "2"])]:
+        for path, reason in [
+            (tmp_path / "emptydir", f" is a folder that holds no {types} files"),
+            (tmp_path / "bindir", f" is a folder that holds no {types} files"),
+            (weird, f": unsupported file type '.weird'; supported: {supported}"),
+            (tmp_path / "mixed", " is a folder that mixes file types (json, text); use one type"),
+        ]:
+            argv = evaluate(ws / "llama", *extra, option, str(path), data=ws / "corpus.txt")
+            assert refused(argv) == f"hf-tapernorm eval: error: {option} '{path}'{reason}"
+    assert {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")} == before
+
+
+def test_a_data_cache_in_a_dataset_folder_is_refused_before_it_spoils_the_folder(ws, tmp_path, monkeypatch):
+    """eval --dataset_name DIR --data_cache_dir DIR/cache was accepted: datasets wrote dataset_info.json, .arrow and
+    lock files into the user's data folder, and from then on every command (a taper without --data_cache_dir too)
+    refused the folder after loading, its cache read as more of the corpus ("mixes file types", CastError)."""
+    import hf_tapernorm.cli.commands as commands
+
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    texts, jsons = tmp_path / "textdir", tmp_path / "jdir"
+    texts.mkdir()
+    jsons.mkdir()
+    (texts / "a.txt").write_text((ws / "corpus.txt").read_text())
+    documents = (ws / "corpus.txt").read_text().split("\n\n")
+    (jsons / "a.json").write_text("\n".join(json.dumps({"text": d}) for d in documents))
+    for option, extra in [("--dataset_name", []), ("--out_of_corpus_dataset", ["--out_of_corpus_blocks", "2"])]:
+        for folder, cache in [(texts, texts / "cache"), (jsons, jsons / "c" / "d"), (texts, texts)]:
+            argv = [
+                *evaluate(ws / "llama", *extra, option, str(folder), data=ws / "corpus.txt"),
+                "--data_cache_dir",
+                str(cache),
+            ]
+            assert refused(argv) == (
+                f"hf-tapernorm eval: error: --data_cache_dir '{cache}' lies in the {option} folder '{folder}': the "
+                "cache's files would be read as more of the corpus by this and every later command on that folder; "
+                "choose a --data_cache_dir outside it"
+            )
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a.json", "a.txt", "jdir", "textdir"]
+
+
+def test_fold_scan_of_a_run_whose_corpus_is_gone_is_refused_before_loading(run, tmp_path, monkeypatch):
+    """fold --scan_windows read the corpus its run recorded only after loading, patching, folding and checking the
+    checkpoint and loading the reference model: a corpus deleted since was refused then."""
+    import hf_tapernorm.cli.commands as commands
+
+    copy = copy_of(run, tmp_path)
+    report = json.loads((copy / "report.json").read_text())
+    gone = tmp_path / "corpus.txt"  # the run's corpus, deleted since
+    edit_json(copy / "report.json", data={**report["data"], "source": str(gone)})
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    line = refused(fold(copy / "tapered", tmp_path / "export", "--scan_windows", "2"))
+    assert line == (
+        f"hf-tapernorm fold: error: --scan_windows 2: the dataset '{gone}' that the run in '{copy}' recorded is not "
+        "there; restore it at that path, or fold with --scan_windows 0 (hf-tapernorm eval --scan_reference scans the "
+        "export later, on any data)"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_a_cache_folder_of_its_own_in_a_run_folder_is_allowed_and_the_runs_folders_are_not(ws, baseline_run, tmp_path):
+    """eval --data_cache_dir RUN/folded wrote the datasets cache into the export (push, taper --overwrite then
+    refused the run and the export). The run's folders (its exports, checkpoints, baseline/) and the run folder
+    itself are refused; a cache folder of its own in the run folder stays allowed, and a taper of that run adopts it."""
+    copy = copy_of(baseline_run, tmp_path)
+    before = {p.relative_to(copy).as_posix() for p in copy.rglob("*")}
+    for cache, fragment in [
+        (copy / "folded", f"lies in '{copy / 'folded'}', a saved model's folder"),
+        (copy / "baseline" / "cache", f"lies in '{copy / 'baseline'}', which holds files of the run in '{copy}'"),
+        (copy / "baseline" / "model" / "x", f"lies in '{copy / 'baseline' / 'model'}', a saved model's folder"),
+        (copy, f"is the run folder '{copy}'"),
+    ]:
+        refused(evaluate(copy / "folded", "--data_cache_dir", str(cache), data=ws / "corpus.txt"), fragment)
+        refused([*taper(ws, tmp_path / "other"), "--data_cache_dir", str(cache)], fragment)
+    assert {p.relative_to(copy).as_posix() for p in copy.rglob("*")} == before
+    own = copy / "cache"
+    code, _, stderr = run_main(evaluate(copy / "folded", "--data_cache_dir", str(own), data=ws / "corpus.txt"))
+    assert code == 0, stderr[-2000:]
+    assert any(own.iterdir())
+    code, _, stderr = run_main([*taper(ws, copy, "--overwrite"), "--data_cache_dir", str(own)])  # its cache now
+    assert code == 0, stderr[-2000:]

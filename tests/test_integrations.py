@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import configparser
 import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -255,6 +256,50 @@ def test_onnx_export_into_a_symbolic_link_loop_is_refused_naming_the_loop(tmp_pa
         "back into itself (a loop); fix or remove it"
     )
     assert sorted(p.name for p in (tmp_path / "lp").iterdir()) == ["loop"]
+
+
+def test_onnx_export_into_a_long_but_valid_name_is_written(exports, tmp_path):
+    """``export_onnx(export, "t/<250 x c>")``: a valid name whose ``.NAME.partial-PID`` was too long failed after
+    loading, blaming free space. Its temporary names are cut to fit: the graph is written."""
+    pytest.importorskip("onnxscript")
+    from hf_tapernorm.integrations.onnx_runtime import GRAPH_NAME, LAYOUT_NAME, export_onnx
+
+    folder = export_onnx(exports["llama-sink"], tmp_path / ("c" * 250))
+    assert {GRAPH_NAME, LAYOUT_NAME, "sink.npz"} <= {p.name for p in folder.iterdir()}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]
+
+
+def test_onnx_export_into_a_name_no_file_may_have_is_one_line_before_loading(tmp_path):
+    """A name of 256 bytes (over NAME_MAX) was an OSError traceback from the lock check; one line naming the name
+    and the limit, before anything is read (the source does not even exist)."""
+    from hf_tapernorm.app.folder_writes import name_max
+    from hf_tapernorm.integrations.onnx_runtime import export_onnx
+
+    limit = name_max(tmp_path)
+    with pytest.raises(ConfigurationError) as error:
+        export_onnx(tmp_path / "no-export", tmp_path / ("c" * (limit + 1)))
+    assert str(error.value) == (
+        f"cannot export ONNX into '{tmp_path / ('c' * (limit + 1))}': the name '{'c' * 40}...' is {limit + 1} bytes "
+        f"long, over the {limit} its filesystem takes; choose a shorter name"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_onnx_export_keeps_a_user_s_folder_named_like_its_leftover(exports, tmp_path):
+    """A user's ``.onx.old-N/thesis.tex`` (no process N) beside ``export_onnx(..., "t/onx")`` was deleted as an
+    abandoned leftover; only a temporary folder an export made is."""
+    pytest.importorskip("onnxscript")
+    from hf_tapernorm.integrations.onnx_runtime import GRAPH_NAME, export_onnx
+
+    for name in (f".onx.old-{2**22 + 54321}", f".onx.partial-{2**22 + 54322}"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "thesis.tex").write_text("my thesis")
+    assert (export_onnx(exports["llama-sink"], tmp_path / "onx") / GRAPH_NAME).is_file()
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("thesis.tex")) == [
+        f".onx.old-{2**22 + 54321}/thesis.tex",
+        f".onx.partial-{2**22 + 54322}/thesis.tex",
+    ]
+    assert (tmp_path / f".onx.old-{2**22 + 54321}" / "thesis.tex").read_text() == "my thesis"
 
 
 @pytest.mark.slow
@@ -517,6 +562,29 @@ def test_onnx_runtime_refuses_what_its_graph_cannot_take_in_one_line(onnx_graphs
     assert "\n" not in str(error.value) and str(error.value).startswith("OnnxCausalLM(")
 
 
+def test_onnx_runtime_generate_refuses_what_forward_refuses_and_a_negative_count(onnx_graphs):
+    """generate cast the ids to int64 before forward's check: float ids (72.9) were truncated and generated from,
+    and ragged rows raised numpy's own error; a negative max_new_tokens returned the ids without a word."""
+    from hf_tapernorm.errors import TaperNormError
+    from hf_tapernorm.integrations.onnx_runtime import OnnxCausalLM
+
+    runtime = OnnxCausalLM(onnx_graphs["llama-sink"], threads=1)
+    for ids in ([[5, 72.9, 101.2]], [[5, 6], [7]], [[5, 128]]):
+        with pytest.raises(TaperNormError) as by_forward:
+            runtime.forward(ids)
+        with pytest.raises(TaperNormError) as by_generate:
+            runtime.generate(ids, 2)
+        assert str(by_generate.value) == str(by_forward.value)
+    for count in (-3, 2.0, True):
+        with pytest.raises(TaperNormError) as error:
+            runtime.generate([[5, 6]], count)
+        assert str(error.value) == (
+            f"OnnxCausalLM('{onnx_graphs['llama-sink']}'): max_new_tokens must be a whole number of tokens, 0 or "
+            f"more, got {count!r}"
+        )
+    assert runtime.generate([[5, 6]], 0).tolist() == [[5, 6]]
+
+
 # ----------------------------------------------------------------------------- paths and dtypes
 def test_every_integration_reads_and_writes_a_home_relative_path(exports, tmp_path, monkeypatch):
     """ "~/exp" is the home folder's, as the CLI and export_folded read it: never refused, never a folder named "~"."""
@@ -763,3 +831,26 @@ def test_onnx_export_into_a_folder_a_running_command_holds_is_refused(tmp_path):
     finally:
         lock.release()
     assert not (tmp_path / "run").exists()
+
+
+def test_onnx_export_into_a_mount_point_or_a_missing_folder_s_dotdot_is_one_line_before_loading(tmp_path, monkeypatch):
+    """``export_onnx(export, "t/onx")`` with ``onx`` an empty mount point failed (EBUSY) only after the whole
+    export, leaving ``.onx.partial-PID/`` and ``.onx.old-PID/``; ``t/nope/..`` is no folder. Both are refused
+    before anything is read (the source does not even exist), nothing written."""
+    from hf_tapernorm.integrations.onnx_runtime import export_onnx
+
+    mount = tmp_path / "onx"
+    mount.mkdir()
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == mount or real(path))
+    with pytest.raises(ConfigurationError) as error:
+        export_onnx(tmp_path / "no-export", mount)
+    assert str(error.value) == (
+        f"cannot export ONNX into '{mount}': the folder is a mount point, which a write cannot replace by a rename; "
+        f"name a folder inside it ('{mount / 'export'}')"
+    )
+    with pytest.raises(ConfigurationError) as error:
+        export_onnx(tmp_path / "no-export", tmp_path / "nope" / "..")
+    said = f"cannot export ONNX into '{tmp_path}/nope/..': '{tmp_path}/nope' does not exist"
+    assert str(error.value).startswith(said)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["onx"] and list(mount.iterdir()) == []

@@ -62,6 +62,52 @@ def test_push_include_names_a_file_literally_and_star_means_everything(run, tmp_
     assert set(hub.sent["me/all"]) == set(hub.sent["me/literal"])
 
 
+def test_push_include_names_a_path_in_the_export_never_a_file_name_in_a_subfolder(run, tmp_path, hub, caplog):
+    """``--include extra.json`` uploaded ``private/extra.json`` too (a pattern was also compared with each file's base
+    name), and ``--include ./extra.json`` named nothing. A pattern is an fnmatch pattern of the path inside the
+    export; a leading ``./`` is dropped, ``..`` and absolute patterns are refused; the log lists the files, the
+    included ones named apart, before the repository is created."""
+    import huggingface_hub
+
+    folder = copy_of(run, tmp_path) / "folded"
+    (folder / "extra.json").write_text('{"eval": "public numbers"}')
+    (folder / "private").mkdir()
+    (folder / "private" / "extra.json").write_text('{"api_key": "SECRET"}')
+    push = ["push", "--export_dir", str(folder), "--repo_id", "me/x"]
+    for pattern in ("extra.json", "./extra.json", "././extra.json"):
+        assert error_of([*push, "--include", pattern]) == (
+            f"hf-tapernorm push: error: '{folder}' holds files the export did not write (private/extra.json); they "
+            "are not uploaded: move them away, or name the ones to publish with --include PATTERN"
+        )
+    for pattern in ("../folded/extra.json", "private/../extra.json", str(folder / "extra.json")):
+        assert error_of([*push, "--include", pattern]) == (
+            f"hf-tapernorm push: error: --include {pattern!r}: a pattern is a path inside the export folder, relative "
+            "to it (e.g. 'samples/*.txt'); '..' and absolute paths name nothing there"
+        )
+    assert hub.created == hub.uploads == []
+    (folder / "private" / "extra.json").unlink()
+    said_before_upload = []
+    create_repo = huggingface_hub.HfApi.create_repo
+    caplog.set_level("INFO", logger="hf_tapernorm.export.hub")
+
+    def create_after_the_log(api, repo_id, **options):
+        said_before_upload.extend(caplog.messages)
+        return create_repo(repo_id, **options)
+
+    caplog.clear()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(huggingface_hub.HfApi, "create_repo", create_after_the_log)
+        code, _, stderr = run_main([*push, "--include", "./extra.json"])
+    assert code == 0, stderr
+    manifest = json.loads((folder / ".hf_tapernorm_export.json").read_text())["files"]
+    assert hub.sent["me/x"] == sorted([*manifest, "extra.json"])
+    assert any(
+        line.startswith(f"uploading {len(manifest) + 1} files of {folder} to me/x: ")
+        and line.endswith("; not written by the export, named by --include: extra.json")
+        for line in said_before_upload
+    ), said_before_upload
+
+
 def test_files_to_push_reads_one_include_string_as_one_pattern(run, tmp_path):
     folder = copy_of(run, tmp_path)
     (folder / "folded" / "secret.env").write_text("HF_TOKEN=x")

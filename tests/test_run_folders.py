@@ -396,11 +396,13 @@ def test_a_file_put_into_the_run_folder_while_it_runs_stays_the_users(workspace,
 
 
 def test_an_export_killed_by_sigkill_leaves_no_partial_copy_for_ever(tmp_path):
+    from hf_tapernorm.app.folder_writes import WRITE_MARK
     from hf_tapernorm.app.run_folder import write_folder
 
     dead, alive = 2**22 + 54321, os.getppid()  # no such process; this test's parent
     for name in (f".export.partial-{dead}", f".export.old-{dead}", f".export.partial-{alive}", ".other.partial-1"):
         (tmp_path / name).mkdir()
+        (tmp_path / name / WRITE_MARK).write_text("")  # what write_folder puts into each before anything else
         (tmp_path / name / "model.safetensors").write_text("a killed write's copy")
     write_folder(tmp_path / "export", lambda tmp: (tmp.mkdir(), (tmp / "config.json").write_text("{}")))
     left = sorted(p.name for p in tmp_path.iterdir())
@@ -899,7 +901,7 @@ def test_an_output_folder_is_recorded_before_it_is_written_so_its_leftover_is_th
         seen.append((tmp.relative_to(folder.path).as_posix(), folder.foreign_files()))
 
     folder.write_output("baseline/model", write)
-    assert seen == [(f"baseline/.model.partial-{os.getpid()}", [])]
+    assert seen == [(f"baseline/.model.partial-{os.getpid()}/w", [])]
     assert folder.manifest()["writes"] == []  # written: its temporary names are forgotten
     (folder.path / "baseline" / ".model.old-99").mkdir()  # no write of the run's made this one
     (folder.path / "baseline" / ".model.old-99" / "config.json").write_text("{}")

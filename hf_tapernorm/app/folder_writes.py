@@ -2,15 +2,26 @@
 of what a killed write leaves behind.
 
 A write goes into a hidden sibling ``.NAME.partial-PID`` and is renamed to ``NAME``; a folder it replaces is set
-aside as ``.NAME.old-PID`` until the new one is in place (:func:`partial_name`, :func:`old_name`). Such a name is
-a leftover of ours only when its writer recorded it: a run folder records each one in its manifest before it is
-created (run_folder.py), so a user's ``.folded.old-2023/`` or ``.report.md.partial-1`` is not one; beside an
-export outside a run folder, only one whose process is gone is.
+aside as ``.NAME.old-PID`` until the new one is in place (:func:`partial_name`, :func:`old_name`). Those names
+always fit the filesystem: beside a long ``NAME`` (up to its NAME_MAX) they hold its start and a digest of it
+instead (:func:`temporary_name`), so a valid destination never fails at the rename after all the work. A folder
+is written as ``.NAME.partial-PID/w`` (:data:`INNER`, never ``NAME`` again), so a temporary path is only a few
+bytes longer than the final one; check_folder_destination refuses, before anything loads, the destination whose
+temporary paths would still pass the system's PATH_MAX, a mount point (a rename cannot replace one) and a ``..``
+after a folder that does not exist (the kernel takes it for no folder, a lexical reading for the one above).
+
+Such a name is a leftover of ours only when its writer proved it: a run folder records each one in its manifest
+before it is created (run_folder.py), so a user's ``.folded.old-2023/`` or ``.report.md.partial-1`` is not one;
+outside a run folder, write_folder's temporary folders are containers it makes itself with its mark
+(:data:`WRITE_MARK`) in them before anything else, the folder being written (or the one set aside) inside as
+:data:`INNER`, so
+only a marked one whose process is gone is deleted and the mark never reaches the written folder. Anything else
+of that form is left alone, and named when it is in the way of a write.
 """
 
 from __future__ import annotations
 
-import glob
+import hashlib
 import os
 import re
 import shutil
@@ -22,25 +33,180 @@ from typing import Optional
 from .run_lock import RunFolderError, is_pid, process_running
 
 #: The form of what write_file and write_folder write before the rename (``.NAME.partial-PID``) and of the older
-#: folder write_folder sets aside (``.NAME.old-PID``): the only names a killed write leaves.
-LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?:partial|old)-[0-9]+")
+#: folder write_folder sets aside (``.NAME.old-PID``): the only names a killed write leaves (``name``: the
+#: destination's name, or for a long one its start and a digest: temporary_name).
+LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>partial|old)-(?P<pid>[0-9]+)")
+#: The file write_folder puts into each temporary folder it makes, before anything else: what proves a leftover
+#: outside a run folder ours.
+WRITE_MARK = ".hf_tapernorm_write"
+#: The name of the folder inside each temporary container (``.NAME.partial-PID/w``, ``.NAME.old-PID/w``): short and
+#: fixed, not ``NAME``, so a temporary path never holds the destination's name twice.
+INNER = "w"
+#: The longest file name (bytes) assumed where the filesystem does not say (Linux's NAME_MAX).
+DEFAULT_NAME_MAX = 255
+#: The longest path (bytes, with its terminating NUL) assumed where the system does not say (Linux's PATH_MAX).
+DEFAULT_PATH_MAX = 4096
+_DIGEST_LENGTH = 12
+
+
+def name_max(folder: Path) -> int:
+    """The longest file name (in bytes) the filesystem of ``folder`` (or of its first existing parent: a folder
+    still to be created lies on that one's) takes; DEFAULT_NAME_MAX where it does not say."""
+    for place in [folder, *folder.parents]:
+        try:
+            limit = os.pathconf(place, "PC_NAME_MAX")
+        except (OSError, ValueError):  # missing (yet), or no such setting on this system
+            continue
+        return limit if limit > 0 else DEFAULT_NAME_MAX
+    return DEFAULT_NAME_MAX
+
+
+def path_max(folder: Path) -> int:
+    """The longest path (bytes, with its terminating NUL) the system takes on the filesystem of ``folder`` (or of its
+    first existing parent); DEFAULT_PATH_MAX where it does not say."""
+    for place in [folder, *folder.parents]:
+        try:
+            limit = os.pathconf(place, "PC_PATH_MAX")
+        except (OSError, ValueError):  # missing (yet), too long itself, or no such setting on this system
+            continue
+        return limit if limit > 0 else DEFAULT_PATH_MAX
+    return DEFAULT_PATH_MAX
+
+
+def check_path_length(final: Path, what: str, *, inside: Optional[str] = None) -> None:
+    """Refuse (RunFolderError naming ``what``), before anything loads, a destination whose longest temporary path
+    passes the system's PATH_MAX: the file ``final``'s ``.NAME.partial-PID`` (write_file), or with ``inside`` (the
+    longest relative path written into the folder ``final``) ``.NAME.partial-PID/w/INSIDE`` (write_folder). The
+    operating system's answer would come at the end, after all the work; the final paths are shorter."""
+    longest = partial_name(final) if inside is None else partial_name(final) / INNER / inside
+    size, limit = len(os.fsencode(str(longest))), path_max(final)
+    if size >= limit:
+        raise RunFolderError(
+            f"{what}: its files are written through paths of up to {size} bytes ('{longest.name}' ...), over the "
+            f"{limit - 1} a path may have here; choose a shorter path"
+        )
+
+
+def check_folder_destination(final: Path, what: str, *, inside: str) -> None:
+    """Refuse (RunFolderError naming ``what``), before anything loads, a folder write_folder could not write in
+    the end: a ``..`` after a folder that does not exist (a lexical reading takes it for the folder above, the
+    kernel for no folder, and creating the missing one would leave a folder the command never writes), a mount
+    point (mount_point_refusal), or one whose temporary paths pass PATH_MAX (check_path_length, ``inside``: the
+    longest relative path written into it)."""
+    parts = final.parts
+    for depth, part in enumerate(parts):
+        if part != ".." or depth == 0:
+            continue
+        before = Path(*parts[:depth])
+        try:
+            os.stat(before)
+        except FileNotFoundError:
+            raise RunFolderError(
+                f"{what}: '{before}' does not exist, so the '..' after it names no folder; name the folder without "
+                f"'..' ('{os.path.normpath(final)}')"
+            ) from None
+        except OSError:  # a file on the way, or a folder this user cannot read: the destination checks say so
+            break
+    if is_mount_point(final):
+        raise RunFolderError(mount_point_refusal(final, what))
+    check_path_length(final, what, inside=inside)
+
+
+def is_mount_point(folder: Path) -> bool:
+    """Whether ``folder`` is a mount point: os.path.ismount (another device than its parent's), or a mount point the
+    kernel lists (/proc/self/mountinfo, where there is one): a bind mount from the same filesystem (a container's
+    volume) has its parent's device, and os.path.ismount does not see it."""
+    if os.path.ismount(folder):
+        return True
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:  # no such file (not Linux): os.path.ismount's answer
+        return False
+    where = os.path.realpath(folder)
+    unescape = {"\\040": " ", "\\011": "\t", "\\012": "\n", "\\134": "\\"}
+    for line in lines:
+        fields = line.split(" ")
+        if len(fields) > 4:
+            point = fields[4]
+            for code, char in unescape.items():
+                point = point.replace(code, char)
+            if point == where:
+                return True
+    return False
+
+
+def mount_point_refusal(final: Path, what: str) -> str:
+    """The one-line refusal of a destination folder that is a mount point (a container's volume): write_folder
+    writes beside it and renames the new folder into place, and the kernel refuses to rename a mount point."""
+    return (
+        f"{what}: the folder is a mount point, which a write cannot replace by a rename; name a folder inside it "
+        f"('{final / 'export'}')"
+    )
+
+
+def check_name_length(path: Path, what: str) -> None:
+    """Refuse (RunFolderError naming ``what``), before anything loads, a ``path`` with a name longer than its
+    filesystem takes: it could never be written, and the operating system's answer would come at the end."""
+    limit = name_max(path)
+    for part in path.parts:
+        size = len(os.fsencode(part))
+        if size > limit:
+            raise RunFolderError(
+                f"{what}: the name '{part[:40]}...' is {size} bytes long, over the {limit} its filesystem takes; "
+                "choose a shorter name"
+            )
+
+
+def temporary_name(path: Path, kind: str, pid: int, *, hidden: bool = True) -> Path:
+    """The sibling ``.NAME.KIND-PID`` (``hidden``; else ``NAME.KIND-PID``) of ``path``. Where that would be longer
+    than a file name may be, ``NAME`` is cut and a digest of the whole name added (``NAME-START~DIGEST``): the same
+    ``path``, kind and pid always give the same name, and a different name a different one."""
+    lead, suffix = ("." if hidden else ""), f".{kind}-{pid}"
+    room = name_max(path.parent) - len(os.fsencode(lead + suffix))
+    name = path.name
+    if len(os.fsencode(name)) > room:
+        digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:_DIGEST_LENGTH]
+        while name and len(os.fsencode(name)) + 1 + _DIGEST_LENGTH > room:
+            name = name[:-1]
+        name = f"{name}~{digest}"
+    return path.with_name(f"{lead}{name}{suffix}")
 
 
 def partial_name(path: Path) -> Path:
     """The hidden sibling this process writes ``path`` into before renaming it (``.NAME.partial-PID``)."""
-    return path.with_name(f".{path.name}.partial-{os.getpid()}")
+    return temporary_name(path, "partial", os.getpid())
 
 
 def old_name(path: Path) -> Path:
     """The hidden sibling this process moves the older folder ``path`` to while replacing it (``.NAME.old-PID``)."""
-    return path.with_name(f".{path.name}.old-{os.getpid()}")
+    return temporary_name(path, "old", os.getpid())
+
+
+def leftover_of(name: str, final: Path, kinds: Collection[str] = ("partial", "old")) -> bool:
+    """Whether ``name`` is a temporary name a write of ``final`` gives (``.NAME.partial-PID`` or ``.NAME.old-PID``,
+    of ``kinds``, any pid): exactly what temporary_name makes, so another destination's (or a user's look-alike,
+    ``.exp.old-007``) is not."""
+    found = LEFTOVER.fullmatch(name)
+    return (
+        found is not None
+        and found["kind"] in kinds
+        and temporary_name(final, found["kind"], int(found["pid"])).name == name
+    )
 
 
 def writer_gone(leftover: Path) -> bool:
     """Whether the process a ``.NAME.partial-PID`` / ``.NAME.old-PID`` is named after is gone (a live one is still
-    writing it; a number that is no pid names no writer of ours)."""
+    writing it; a number that is no pid names no writer of ours). One of this process's own pid is no write in
+    progress either: write_folder removes its own before it returns, so it is an earlier process's of that pid."""
     pid = int(leftover.name.rpartition("-")[2])
-    return is_pid(pid) and pid != os.getpid() and not process_running(pid)
+    return is_pid(pid) and (pid == os.getpid() or not process_running(pid))
+
+
+def marked_and_abandoned(leftover: Path) -> bool:
+    """A killed write's leftover outside a run folder: a folder write_folder made (its mark is in it, a file) whose
+    writer is gone. A user's ``.exp.old-2023/`` carries no mark, and is never deleted."""
+    mark = leftover / WRITE_MARK
+    return mark.is_file() and not mark.is_symlink() and writer_gone(leftover)
 
 
 def folders_of(relative: str) -> list[str]:
@@ -64,9 +230,17 @@ def listing(files: list[str], present: Iterable[str] = ()) -> str:
 
 def write_file(path: Path, text: str) -> None:
     """Write ``text`` into a hidden ``.NAME.partial-PID`` sibling, then rename it to ``path``: a kill leaves the old
-    file or the new one, and the partial name is one the run folder knows as unfinished."""
+    file or the new one, and the partial name is one the run folder knows as unfinished. A file already under that
+    name is not this write's: it is refused (named), never written over."""
     tmp = partial_name(path)
-    tmp.write_text(text)
+    try:
+        with open(tmp, "x") as handle:
+            handle.write(text)
+    except FileExistsError:
+        raise RunFolderError(_in_the_way(tmp, path)) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 
@@ -76,28 +250,37 @@ def write_folder(
     *,
     before_rename: Optional[Callable[[list[str]], None]] = None,
     keep: Callable[[], Collection[str]] = tuple,
-    abandoned: Callable[[Path], bool] = writer_gone,
+    abandoned: Callable[[Path], bool] = marked_and_abandoned,
 ) -> None:
-    """``write`` into a hidden temporary sibling, then rename it to ``final``; on failure remove it.
+    """``write`` a folder (a path that does not exist yet: ``w`` inside the hidden temporary ``.NAME.partial-PID``),
+    then rename it to ``final``; on failure (the write's or the rename's) remove it.
 
     Nothing half-written ever carries the final name, and an older complete folder survives a failed
-    rewrite. ``before_rename`` receives the written files (relative) before the rename (a manifest records
-    them). A symbolic link at ``final`` is refused: its target is not ours to replace. ``keep``: the files of the
+    rewrite under its name. ``before_rename`` receives the written files (relative) before the rename (a manifest
+    records them). A symbolic link at ``final`` is refused: its target is not ours to replace; so is a mount point,
+    which no rename replaces. ``keep``: the files of the
     older ``final`` that are not the writer's (relative; asked once the new folder is written, just before the
     rename): they are moved into the new folder, never deleted, and a new file of the same name is refused
     before anything is replaced. ``abandoned``: whether a ``.NAME.partial-PID`` / ``.NAME.old-PID`` beside
-    ``final`` is a killed write's leftover, deleted then (default: its process is gone; a run folder: it recorded
-    the name).
+    ``final`` is a killed write's leftover, deleted then (default: it carries the mark and its process is gone;
+    a run folder: it recorded the name); one that is not, under a name this write needs, is refused (named).
     """
     if final.is_symlink() or (final.exists() and not final.is_dir()):
         raise RunFolderError(f"'{final}' is a symbolic link or a file; a folder written here would replace it")
-    tmp = partial_name(final)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    _remove_abandoned(final, ".partial-", abandoned)  # a killed write of ``final`` (SIGKILL, power loss) left these
+    if is_mount_point(final):  # the commands refuse it before loading (check_folder_destination); the last guard
+        raise RunFolderError(mount_point_refusal(final, f"'{final}'"))
+    tmp, old = partial_name(final), old_name(final)
+    _remove_abandoned(final, "partial", abandoned)  # a killed write of ``final`` (SIGKILL, power loss) left these
+    if final.is_dir():
+        _remove_abandoned(final, "old", abandoned)  # ``final`` is whole: what a killed rewrite set aside is older
+    for needed in (tmp, old) if final.is_dir() else (tmp,):
+        if os.path.lexists(needed):
+            raise RunFolderError(_in_the_way(needed, final))
+    _make_container(tmp)
+    new = tmp / INNER
     try:
-        write(tmp)
-        written = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+        write(new)
+        written = sorted(p.relative_to(new).as_posix() for p in new.rglob("*") if p.is_file())
         kept = keep() if final.is_dir() else ()
         _refuse_clashes(final, written, kept)
         if before_rename is not None:
@@ -109,16 +292,59 @@ def write_folder(
         # The older folder is set aside, the new one renamed in, the older one deleted. When it holds someone
         # else's files, its name aside is a visible one that no cleanup deletes (not .NAME.old-PID), and each of
         # their files moves into the new folder by a rename: a kill at any moment leaves each under a name.
-        old = final.with_name(f"{final.name}.kept-{os.getpid()}") if kept else old_name(final)
-        os.replace(final, old)
-        os.replace(tmp, final)
+        aside = _swap(final, new, tmp, old, kept)
         for relative in kept:
             (final / relative).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(old / relative, final / relative)
-        shutil.rmtree(old)
+            os.replace(aside / relative, final / relative)
+        shutil.rmtree(aside if kept else old)
     else:
-        os.replace(tmp, final)
-    _remove_abandoned(final, ".old-", abandoned)  # earlier copies a killed rewrite set aside: ``final`` is whole again
+        try:
+            os.replace(new, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    shutil.rmtree(tmp)
+    _remove_abandoned(final, "old", abandoned)  # earlier copies a killed rewrite set aside: ``final`` is whole again
+
+
+def _swap(final: Path, new: Path, tmp: Path, old: Path, kept: Collection[str]) -> Path:
+    """Set the older folder ``final`` aside and rename ``new`` into its place; returns where the older one is. A
+    rename that fails (a busy folder) puts the older folder back under ``final`` and removes the temporary
+    folders: a failed write never strands the finished one beside an older copy."""
+    aside = temporary_name(final, "kept", os.getpid(), hidden=False) if kept else old / INNER
+    try:
+        if not kept:
+            _make_container(old)
+        os.replace(final, aside)
+        try:
+            os.replace(new, final)
+        except BaseException:
+            os.replace(aside, final)
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not kept and not os.path.lexists(aside):  # else the older folder could not be put back: it stays there
+            shutil.rmtree(old, ignore_errors=True)
+        raise
+    return aside
+
+
+def _make_container(folder: Path) -> None:
+    """Create the temporary ``folder`` (and the folders above it) with write_folder's mark in it, before anything
+    else goes in: a kill from here on leaves a folder that is provably a write's of ours."""
+    folder.mkdir(parents=True)
+    (folder / WRITE_MARK).write_text(
+        "hf-tapernorm writes a folder through this one; a later write of the same folder deletes it once its "
+        "writer is gone\n"
+    )
+
+
+def _in_the_way(taken: Path, final: Path) -> str:
+    """The refusal of a ``.NAME.partial-PID`` / ``.NAME.old-PID`` that a write of ``final`` needs but did not make."""
+    return (
+        f"'{taken}' is in the way of writing '{final}': hf-tapernorm writes through that name, and this one is not "
+        "a leftover of its writes; nothing was written or deleted: move it away, then run this again"
+    )
 
 
 def _refuse_clashes(final: Path, written: list[str], keep: Collection[str]) -> None:
@@ -132,21 +358,39 @@ def _refuse_clashes(final: Path, written: list[str], keep: Collection[str]) -> N
         )
 
 
-def _remove_abandoned(final: Path, marker: str, abandoned: Callable[[Path], bool]) -> None:
-    """Delete the ``.NAME<marker>PID`` folders beside ``final`` that are a killed write's leftovers (``abandoned``)."""
-    prefix = f".{final.name}{marker}"
-    for sibling in final.parent.glob(glob.escape(prefix) + "*") if final.parent.is_dir() else ():
-        pid = sibling.name[len(prefix) :]
-        if pid.isascii() and pid.isdigit() and sibling.is_dir() and not sibling.is_symlink() and abandoned(sibling):
+def _remove_abandoned(final: Path, kind: str, abandoned: Callable[[Path], bool]) -> None:
+    """Delete the ``.NAME.KIND-PID`` folders beside ``final`` (any pid; leftover_of) that are a killed write's
+    leftovers (``abandoned``)."""
+    try:
+        siblings = list(final.parent.iterdir())
+    except OSError:  # no folder yet (nothing to remove), or one this user may write but not list
+        return
+    for sibling in siblings:
+        ours = leftover_of(sibling.name, final, (kind,)) and sibling.is_dir() and not sibling.is_symlink()
+        if ours and abandoned(sibling):
             shutil.rmtree(sibling, ignore_errors=True)
 
 
 __all__ = [
+    "DEFAULT_NAME_MAX",
+    "DEFAULT_PATH_MAX",
+    "INNER",
     "LEFTOVER",
+    "WRITE_MARK",
+    "check_folder_destination",
+    "check_name_length",
+    "check_path_length",
     "folders_of",
+    "is_mount_point",
+    "leftover_of",
     "listing",
+    "marked_and_abandoned",
+    "mount_point_refusal",
+    "name_max",
     "old_name",
     "partial_name",
+    "path_max",
+    "temporary_name",
     "write_file",
     "write_folder",
     "writer_gone",

@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 from .checkpoint_files import checkpoint_of as _checkpoint_of
 from .checkpoint_files import unrecorded_checkpoints
-from .folder_writes import LEFTOVER, folders_of, old_name, partial_name, write_file, write_folder
+from .folder_writes import LEFTOVER, folders_of, leftover_of, old_name, partial_name, write_file, write_folder
 from .folder_writes import listing as _listing
 from .run_lock import LOCK_NAME, RunFolderError, RunLock, resolved_path
 
@@ -410,7 +410,7 @@ class RunFolder:
             relative
             for relative in self._recorded_writes()
             if (self.path / relative).parent == final.parent
-            and relative.rpartition("/")[2].startswith(f".{final.name}.")
+            and leftover_of(relative.rpartition("/")[2], final)
             and not os.path.lexists(self.path / relative)
         }
         self.record(writes=self._writes_with(dropped=gone))

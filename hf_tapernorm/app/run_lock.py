@@ -21,10 +21,10 @@ through ``os.fork`` closes its copy at once (``os.register_at_fork``), so the lo
 process that still holds it otherwise (forked outside Python) is named as such, with the recorded pid gone.
 
 A held folder is held with everything in it: every command that writes (taper, fold, ``eval --output_json``,
-``bench --output_dir``) or uploads (push) looks for a live lock at its destination and in every folder above
-it, on the resolved path (a symbolic link into a running run leads into that run), through one check
-(:func:`refuse_while_running`; :func:`check_destination` adds a file on the way and an unwritable place). A
-path through a symbolic link loop is refused there in one line (:func:`resolved_path`).
+``bench --output_dir``, the datasets cache of ``--data_cache_dir``) or uploads (push) looks for a live lock at its
+destination and in every folder above it, on the resolved path (a symbolic link into a running run leads into that
+run), through one check (:func:`refuse_while_running`; :func:`check_destination` adds a file on the way and an
+unwritable place). A path through a symbolic link loop is refused there in one line (:func:`resolved_path`).
 """
 
 from __future__ import annotations
@@ -437,13 +437,20 @@ def unreadable_place(what: str, error: OSError) -> str:
 
 
 def check_destination(
-    folder: Path, what: str, *, advice: str, above: bool = False, renamed_into_parent: bool = False
+    folder: Path,
+    what: str,
+    *,
+    advice: str,
+    above: bool = False,
+    renamed_into_parent: bool = False,
+    option: str = "--output_dir",
 ) -> None:
     """Refuse (RunFolderError) a folder a command is about to write, before it loads anything: a file on the way
     to it, a live hf-tapernorm command holding it or a folder around it (refuse_while_running: ``advice`` says
     what to do then; ``above``: the folder's own lock is the caller's business), a place it cannot write into
     (the folder, or its first existing parent; ``renamed_into_parent``: the folder is written beside itself and
-    renamed into place, so what must be writable is the first existing folder above it)."""
+    renamed into place, so what must be writable is the first existing folder above it; ``option``: the option that
+    names the folder, which the unwritable place's message asks to change)."""
     folder = Path(folder).expanduser()
     try:
         for parent in [folder, *folder.parents]:
@@ -456,7 +463,7 @@ def check_destination(
     except OSError as error:  # a folder on the way that this user cannot read (Path.exists raises EACCES)
         raise RunFolderError(unreadable_place(what, error)) from None
     if not os.access(writable_from, os.W_OK | os.X_OK):
-        raise RunFolderError(f"{what}: '{writable_from}' is not writable; choose a writable --output_dir")
+        raise RunFolderError(f"{what}: '{writable_from}' is not writable; choose a writable {option}")
 
 
 __all__ = [

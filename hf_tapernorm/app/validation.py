@@ -30,6 +30,7 @@ from ..data.corpus import EMBEDDED_CORPUS
 from ..errors import ConfigurationError, UnsupportedModelError
 from ..evaluation.models import ModelSource, ModelSourceError, load_tokenizer, read_model_config
 from ..training.schedule import TaperSchedule
+from .data_checks import check_data_paths
 from .record import differences
 from .run_folder import RunFolder
 from .run_lock import resolved_path
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 class TaperRequest:
     """The parsed arguments of one ``taper`` command (cli/arguments.py). Each argument class checks its own options
     as it is built; where the run folder may be, which depends on the model's and the data's, is checked here,
-    before the command reads or writes anything (its lock is a file in that folder)."""
+    before the command reads or writes anything (its lock is a file in that folder), as are its data paths."""
 
     model: Any
     data: Any
@@ -58,6 +59,7 @@ class TaperRequest:
                 "--out_of_corpus_dataset": self.data.out_of_corpus_dataset,
             },
         )
+        check_data_paths(self.data, own_folder=self.training.output_dir)  # as eval, fold's scan and bench check theirs
 
 
 def check_output_outside_inputs(output_dir: str, inputs: dict[str, Optional[str]]) -> None:

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from .._parsing import parse
+from ..app.data_checks import check_dataset_path
 from ..app.run_lock import check_destination
 from ..app.validation import check_within_positions
 from ..errors import ConfigurationError
@@ -63,6 +64,27 @@ def check_compile_backend(name: str) -> None:
             f"--compile_backend {name!r} is not a torch.compile backend torch knows: "
             f"{', '.join(torch.compiler.list_backends())} (and the debug ones torch.compiler.list_backends("
             "exclude_tags=()) lists, such as eager and aot_eager)"
+        )
+
+
+def usable_cpus() -> int:
+    """The logical CPUs this process may run on (its affinity where the system has one: a container or ``taskset``
+    may allow fewer than the machine has)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+def check_threads(threads: Sequence[int]) -> None:
+    """Refuse a ``--threads`` value above usable_cpus(): beyond the CPUs the threads only take turns on them (the
+    timing would be of that), and a count far beyond crashes the thread pool (SIGSEGV) once a case runs, after the
+    model was loaded and calibrated."""
+    cpus = usable_cpus()
+    over = [n for n in threads if n > cpus]
+    if over:
+        raise ConfigurationError(
+            f"--threads {' '.join(map(str, over))}: more than the {cpus} CPU(s) this process may run on, where threads "
+            f"only take turns and the timing would measure that; pass at most {cpus}"
         )
 
 
@@ -146,7 +168,11 @@ class BenchArguments:
     dtypes: list[str] = field(default_factory=lambda: ["fp32"], metadata=_help("Weight dtypes: fp32, bf16, fp16."))
     devices: list[str] = field(default_factory=lambda: ["cpu"], metadata=_help("cpu, cuda, cuda:1, ..."))
     threads: list[int] = field(
-        default_factory=lambda: [min(2, os.cpu_count() or 1)], metadata=_help("torch.set_num_threads values.")
+        default_factory=lambda: [min(2, usable_cpus())],
+        metadata=_help(
+            "torch.set_num_threads values (ONNX Runtime's too), each at most the CPUs this process may run on: more "
+            "threads than CPUs only take turns on them, so a timing would measure the contention, not the variant."
+        ),
     )
     execution: list[str] = field(default_factory=lambda: ["eager"], metadata=_help("eager and/or compile."))
     compile_backend: Optional[str] = field(default=None, metadata=_help("torch.compile backend (default: inductor)."))
@@ -198,6 +224,7 @@ class BenchArguments:
         for name in ("batch_sizes", "seq_lens", "threads"):
             if any(v < 1 for v in getattr(self, name)):
                 raise ConfigurationError(f"--{name} must be positive, got {' '.join(map(str, getattr(self, name)))}")
+        check_threads(self.threads)
         for name, least in (("new_tokens", 1), ("repeats", 1), ("calibration_batches", 1), ("warmup", 0)):
             if getattr(self, name) < least:
                 raise ConfigurationError(f"--{name} must be at least {least}, got {getattr(self, name)}")
@@ -205,6 +232,8 @@ class BenchArguments:
             raise ConfigurationError(f"--learning_rate must be positive, got {self.learning_rate}")
         if "train" in self.modes and any(s < 4 for s in self.seq_lens):
             raise ConfigurationError("--modes train packs text blocks of --seq_lens tokens: each must be at least 4")
+        if "train" in self.modes:  # read once the tokenizer is loaded: a mistyped path is refused now
+            check_dataset_path("--dataset_name", self.dataset_name)
         for device in self.devices:
             check_device(device)
         self.output_dir = str(Path(self.output_dir).expanduser())  # `~/b` is $HOME/b, as every command reads it

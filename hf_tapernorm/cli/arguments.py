@@ -134,7 +134,14 @@ class DataArguments:
         ),
     )
     eval_batch_size: int = field(default=8, metadata=_help("Blocks per forward when evaluating."))
-    data_cache_dir: Optional[str] = field(default=None, metadata=_help("datasets cache folder."))
+    data_cache_dir: Optional[str] = field(
+        default=None,
+        metadata=_help(
+            "datasets cache folder (default: the datasets library's). A folder of its own: not a saved model's folder "
+            "or one a running command holds, nor the run folder or one of its outputs (a folder of its own inside a "
+            "taper's run folder is that run's)."
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 4:
@@ -455,7 +462,8 @@ class PushArguments:
         default_factory=list,
         metadata=_help(
             "Only the files the export wrote (its manifest) are uploaded; any other file in --export_dir is refused "
-            "unless one of these fnmatch patterns names it, e.g. --include 'samples/*.txt'."
+            "unless one of these fnmatch patterns names its path inside --export_dir, e.g. --include 'samples/*.txt' "
+            "('notes.txt' is the top-level file only; '*' also matches '/'). A leading './' is dropped."
         ),
     )
     token: Optional[str] = field(default=None, metadata=_help("Hub token (default: the logged-in one)."))

@@ -1,4 +1,5 @@
-"""The ``eval``, ``fold`` and ``push`` subcommands: each parses its arguments, checks them, then acts.
+"""The ``eval``, ``fold`` and ``push`` subcommands: each parses its arguments, checks them, then acts (where eval and
+fold write is checked by cli/destinations.py, their local data paths by app/data_checks.py).
 
 ``taper`` lives in app/taper.py (it is most of the package's orchestration) and ``bench`` in
 bench/. What a command prints for the user (its result on stdout) is printed by the command itself: this
@@ -10,16 +11,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
 from .._parsing import UsageError, parse
+from ..app.data_checks import check_data_paths, missing_local_dataset
 from ..app.preflight import check_export_space, full_disk_refused
 from ..app.record import recorded_path, recorded_reference
-from ..app.run_folder import LOCK_NAME, RunFolder, write_file, write_folder
-from ..app.run_lock import check_destination, refuse_while_running, resolved_path, unreadable_place
+from ..app.run_folder import RunFolder, write_file, write_folder
+from ..app.run_lock import refuse_while_running, resolved_path
 from ..app.taper import save_export
 from ..app.validation import check_same_tokenizer, check_vocabulary, check_within_positions, max_positions
 from ..config import sink_token_id
@@ -38,34 +39,14 @@ from ..evaluation.models import (
 from ..evaluation.scan import SCAN_FILE, robustness_scan, scan_line, scan_summary
 from ..evaluation.scores import evaluate_set, heldout_loss
 from ..export.folding import fold_model
-from ..export.hub import EXPORT_MANIFEST_NAME, export_manifest, push_export
+from ..export.hub import push_export
 from ..export.readout import readout_facts
 from ..layers.patching import gate_of, set_gate
 from ..training.checkpoints import tapered_config_of
 from .arguments import DataArguments, EvalArguments, FoldArguments, ModelArguments, PushArguments
+from .destinations import RESULT_MARK, check_export_folder, check_result_file
 
 logger = logging.getLogger("hf_tapernorm.cli")
-
-#: What an export folder holds (export_folded + the tokenizer); anything else in it is the user's.
-EXPORT_FILES = (
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "modeling_folded.py",
-    "folded_sink.py",
-    "folded_input.py",
-    "README.md",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "added_tokens.json",
-    SCAN_FILE,
-)
 
 
 def _evaluation_sink(model, tokenizer, sink: str, source) -> list[int]:
@@ -111,6 +92,7 @@ def eval_main(argv: Sequence[str]) -> int:
     output_json = Path(eval_args.output_json) if eval_args.output_json else None
     if output_json is not None:
         check_result_file(output_json)
+    check_data_paths(data_args)  # the model loads before the data is read
     source = resolve_model(model_args.model_name_or_path, model_args.gguf_file)
     block_size = data_args.block_size
     local = source.kind in ("folder", "folded")  # its unreadable config.json is the error, not the tokenizer's
@@ -229,88 +211,6 @@ def scan_reference_of(source, named: Optional[str]) -> Optional[ModelSource]:
     return reference[0]
 
 
-#: Marks a result file of ``eval --output_json``: the only kind of existing file it replaces.
-RESULT_MARK = "hf-tapernorm eval"
-
-
-def check_result_file(path: Path) -> None:
-    """``--output_json`` may name a new file in an existing folder, or an earlier result of ``eval``; nothing else.
-
-    Checked before the model loads; a model's config.json or a user's file is never written over.
-    """
-    try:
-        if not resolved_path(path.parent, f"--output_json {path}").is_dir():  # a symbolic link loop: one line
-            raise UsageError(f"--output_json {path}: the folder '{path.parent}' does not exist; create it first")
-        if path.is_symlink() or (path.exists() and not path.is_file()):
-            raise UsageError(f"--output_json {path} is a symbolic link or a folder; name a new file")
-        refuse_while_running(path, f"--output_json {path}", advice="name a file outside it")
-    except OSError as error:  # a folder on the way that this user cannot read (Path.exists raises EACCES)
-        raise UsageError(unreadable_place(f"--output_json {path}", error)) from None
-    if not path.exists():
-        if not os.access(path.parent, os.W_OK):
-            raise UsageError(f"--output_json {path}: the folder '{path.parent}' is not writable")
-        return
-    try:
-        earlier = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        earlier = None
-    if not (isinstance(earlier, dict) and earlier.get("written_by") == RESULT_MARK):
-        raise UsageError(
-            f"--output_json {path} exists and is not an earlier result of hf-tapernorm eval; it is left as it is, "
-            "name a new file"
-        )
-
-
-def check_export_folder(folder: Path, overwrite: bool, *, locked: bool = False) -> None:
-    """An export may replace only an empty folder or, with ``--overwrite``, an earlier export and nothing else.
-
-    An earlier export is a folder whose export manifest lists every file in it, or (exports written before
-    the manifest) a folded model's folder (config.json with a ``tapernorm_*`` model_type) holding only the
-    files an export writes. An ordinary model folder uses the same file names, so names alone never decide.
-    The folder's lock file is no content; ``locked``: this command holds it (only the folders above are checked
-    for another command's).
-    """
-    what = f"output folder '{folder}'"
-    try:
-        link = folder.is_symlink()
-    except OSError as error:  # a folder on the way that this user cannot read (lstat raises EACCES)
-        raise UsageError(unreadable_place(what, error)) from None
-    if link:
-        raise UsageError(f"output folder '{folder}' is a symbolic link; pass the folder it points to")
-    advice = "wait for it to finish, or choose a folder outside it"  # a running command may write it: one is lost
-    check_destination(folder, what, advice=advice, above=locked, renamed_into_parent=True)
-    if not folder.is_dir() or not any(p.name != LOCK_NAME for p in folder.iterdir()):
-        return
-    if not overwrite:
-        raise UsageError(f"output folder '{folder}' is not empty; pass --overwrite to replace an earlier export")
-    present = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink())
-    present = [f for f in present if f != LOCK_NAME]
-    manifest = export_manifest(folder)
-    if manifest is not None:
-        foreign = [f for f in present if f not in manifest and f != EXPORT_MANIFEST_NAME]
-    elif _is_folded_config(folder / "config.json"):
-        foreign = [f for f in present if f not in EXPORT_FILES and not f.startswith("model-")]
-    else:
-        raise UsageError(
-            f"refusing to --overwrite '{folder}': it is not an earlier export (no {EXPORT_MANIFEST_NAME}, and its "
-            "config.json is not a folded model's); choose another --output_dir"
-        )
-    links = [f for f in present if (folder / f).is_symlink()]
-    if foreign or links:
-        raise UsageError(
-            f"refusing to --overwrite '{folder}': it holds files an export does not write "
-            f"({', '.join((foreign or links)[:8])}); move them away first"
-        )
-
-
-def _is_folded_config(path: Path) -> bool:
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(config, dict) and str(config.get("model_type", "")).startswith("tapernorm_")
-
-
 def fold_main(argv: Sequence[str]) -> int:
     """``hf-tapernorm fold``: a saved tapered checkpoint at g = 0 -> a folded export (numerically checked)."""
     (fold_args,) = parse([FoldArguments], argv, "hf-tapernorm fold")
@@ -339,17 +239,19 @@ def fold_main(argv: Sequence[str]) -> int:
         )
     check_export_folder(output_dir, fold_args.overwrite)
     check_export_space(output_dir, Path(source.path), fold_args.tied_head)  # before the weights load
+    scan = _scan_plan(source, fold_args.scan_windows)  # and what the scan reads
     export = RunFolder(output_dir)
     export.lock()  # held until the export is written: a second command into this folder is refused meanwhile
     try:
         check_export_folder(output_dir, fold_args.overwrite, locked=True)  # another command may have written it
-        return _fold_into(output_dir, source, fold_args)
+        return _fold_into(output_dir, source, fold_args, scan)
     finally:
         export.unlock()
 
 
-def _fold_into(output_dir: Path, source: ModelSource, fold_args: FoldArguments) -> int:
-    """Fold the checkpoint ``source`` and write its export into ``output_dir`` (whose lock fold holds)."""
+def _fold_into(output_dir: Path, source: ModelSource, fold_args: FoldArguments, scan_plan) -> int:
+    """Fold the checkpoint ``source`` and write its export into ``output_dir`` (whose lock fold holds); ``scan_plan``:
+    the robustness scan's data and reference (_scan_plan), None for no scan."""
     model = load_model(source, trust_sharded_checkpoint=fold_args.trust_sharded_checkpoint)
     gate = gate_of(model)
     if gate > 0.0:
@@ -363,7 +265,7 @@ def _fold_into(output_dir: Path, source: ModelSource, fold_args: FoldArguments) 
     except ModelSourceError:
         logger.warning("no tokenizer found with %s: the export has none", fold_args.checkpoint)
         tokenizer = None
-    scan = _fold_scan(source, folded, tokenizer, fold_args.scan_windows)
+    scan = _fold_scan(scan_plan, folded, tokenizer, fold_args.checkpoint)
     facts = {"robustness_scan": scan} if scan else None
     with full_disk_refused(output_dir):
         write_folder(output_dir, lambda tmp: save_export(folded, tokenizer, tmp, facts))  # replaces an earlier export
@@ -374,25 +276,34 @@ def _fold_into(output_dir: Path, source: ModelSource, fold_args: FoldArguments) 
     return 0
 
 
-def _fold_scan(source: ModelSource, folded, tokenizer, windows: int) -> Optional[dict]:
-    """The robustness scan of a fresh export, on the texts and against the reference its run recorded."""
+def _scan_plan(source: ModelSource, windows: int) -> Optional[tuple[DataArguments, tuple[ModelSource, str]]]:
+    """What the robustness scan of a fresh export reads: the data and the reference its run recorded (None: no scan,
+    with a log line saying why). Read before the weights load: a recorded local dataset that is gone is refused here,
+    not after the load, the fold and its check."""
     if not windows:
         return None
     run = Path(source.path).resolve().parent
     facts, reference = _run_report(run), _recorded_reference(run)
-    if facts is None or reference is None or tokenizer is None:
+    if facts is None or reference is None:
         logger.warning(
-            "no robustness scan: %s is not in a taper run folder that names its data and baseline or original "
-            "(or has no tokenizer); scan the export with hf-tapernorm eval --scan_reference",
+            "no robustness scan: %s is not in a taper run folder that names its data and baseline or original; scan "
+            "the export with hf-tapernorm eval --scan_reference",
             source.path,
         )
         return None
     recorded, sets = facts.get("data") or {}, facts.get("evaluation_sets") or {}
     dataset = None if recorded.get("source") in (None, EMBEDDED_CORPUS) else recorded["source"]
     local = recorded_path(facts, run, dataset) if dataset is not None else None
+    name = str(local) if local is not None and local.exists() else dataset  # else a Hub dataset's id
+    if missing_local_dataset(name) is not None:
+        raise UsageError(
+            f"--scan_windows {windows}: the dataset '{local or name}' that the run in '{run}' recorded is not there; "
+            "restore it at that path, or fold with --scan_windows 0 (hf-tapernorm eval --scan_reference scans the "
+            "export later, on any data)"
+        )
     default = DataArguments()  # what the run used for anything its report does not record
     data = DataArguments(
-        dataset_name=str(local) if local is not None and local.exists() else dataset,  # else a Hub dataset's id
+        dataset_name=name,
         text_column=recorded.get("text_column"),
         block_size=int(recorded.get("block_size", default.block_size)),
         heldout_percentage=float(recorded.get("heldout_percentage", default.heldout_percentage)),
@@ -400,6 +311,17 @@ def _fold_scan(source: ModelSource, folded, tokenizer, windows: int) -> Optional
         out_of_corpus_blocks=int((sets.get("out-of-corpus") or {}).get("blocks", 0)),  # no set recorded: none read
         scan_windows=windows,
     )
+    return data, reference
+
+
+def _fold_scan(plan, folded, tokenizer, checkpoint: str) -> Optional[dict]:
+    """The robustness scan of a fresh export (``plan``: _scan_plan's, None for none)."""
+    if plan is None:
+        return None
+    if tokenizer is None:
+        logger.warning("no robustness scan: %s has no tokenizer; scan the export with hf-tapernorm eval", checkpoint)
+        return None
+    data, reference = plan
     sink = list(getattr(folded.config, "sink_token_ids", None) or [])
     packed = prepare_from_arguments(data, tokenizer, train_blocks=0, prefix_ids=sink)
     texts = [t for t in (packed.heldout_set, out_of_corpus_set(data, tokenizer, sink)) if t is not None]
@@ -409,7 +331,7 @@ def _fold_scan(source: ModelSource, folded, tokenizer, windows: int) -> Optional
         model,
         texts,
         block_size=data.block_size,
-        windows=windows,
+        windows=data.scan_windows,
         max_positions=_common_positions(folded, model),
         tokenizer=tokenizer,
         reference_name=reference[1],
@@ -487,4 +409,4 @@ def _export_scan(folder: Path) -> str:
         return f"{folder}: {SCAN_FILE} is unreadable ({type(error).__name__})"
 
 
-__all__ = ["EXPORT_FILES", "eval_main", "fold_main", "push_main"]
+__all__ = ["eval_main", "fold_main", "push_main"]

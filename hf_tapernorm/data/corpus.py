@@ -115,32 +115,55 @@ def embedded_corpus(root: Optional[Path] = None) -> datasets.Dataset:
 
 
 # ----------------------------------------------------------------------------- loading
-def _builder_for(path: Path) -> str:
-    suffix = path.suffix.lower()
-    if suffix not in _BUILDERS:
-        raise DataError(
-            f"cannot read '{path}': unsupported file type '{suffix or '(none)'}'; supported: "
-            f"{', '.join(sorted(_BUILDERS))} (or a folder of such files, or a Hub dataset name)"
-        )
-    return _BUILDERS[suffix]
+def local_dataset_path(source: Optional[str]) -> Optional[Path]:
+    """The local file or folder the dataset name ``source`` means, there or not; None for the embedded corpus and a
+    Hub dataset's name. A name is a local path when it exists, starts with ``.``, ``/`` or ``~``, or ends in a data
+    file's suffix (``.txt``, ``.jsonl``, ...): such a name that is not there is a mistyped path, not a Hub name, so
+    every command refuses it as one (before loading a model: app/data_checks.py)."""
+    if source is None or source == EMBEDDED_CORPUS:
+        return None
+    path = Path(source).expanduser()
+    local = path.exists() or source.startswith((".", "/", "~")) or path.suffix.lower() in _BUILDERS
+    return path if local else None
 
 
-def _local_files(folder: Path) -> list[Path]:
-    """The data files of a folder; hidden files and folders (``.ipynb_checkpoints/``, ``.git/``) are skipped, as
-    ``datasets`` skips them: they hold copies of the data or tool state, not more of the corpus."""
+def local_data_files(source: Optional[str], name: Optional[str] = None) -> Optional[tuple[str, list[Path]]]:
+    """The ``datasets`` builder and the files that load_text_dataset reads for the dataset name ``source`` (None: the
+    embedded corpus or a Hub dataset's name): the file itself, or a folder's files of a suffix a builder reads (hidden
+    files and folders, ``.ipynb_checkpoints/`` or ``.git/``, skipped as ``datasets`` skips them: they hold copies of
+    the data or tool state, not more of the corpus), all of one builder.
+
+    The loading and the check every command makes before it loads a model (app/data_checks.py) both ask this, so a
+    local path the loader cannot read is refused before the model loads, for the same reason. DataError, its
+    subject ``name`` (default ``dataset 'SOURCE'``; a command names its option), for a path that is not there, a
+    file of a suffix no builder reads, a folder with no data file or one mixing file types. What the files hold (no
+    text, not UTF-8, not a table) only the loading finds.
+    """
+    path = local_dataset_path(source)
+    if path is None:
+        return None
+    name = name or f"dataset '{source}'"
+    if not path.exists():
+        raise DataError(f"{name} not found: no such file or folder")
+    supported = f"{', '.join(sorted(_BUILDERS))} (or a folder of such files, or a Hub dataset name)"
+    if not path.is_dir():
+        suffix = path.suffix.lower()
+        if suffix not in _BUILDERS:
+            raise DataError(f"{name}: unsupported file type '{suffix or '(none)'}'; supported: {supported}")
+        return _BUILDERS[suffix], [path]
     files = sorted(
         p
-        for p in folder.rglob("*")
+        for p in path.rglob("*")
         if p.is_file()
         and p.suffix.lower() in _BUILDERS
-        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+        and not any(part.startswith(".") for part in p.relative_to(path).parts)
     )
     if not files:
-        raise DataError(f"the dataset folder '{folder}' holds no {'/'.join(sorted(_BUILDERS))} files")
-    builders = {_builder_for(p) for p in files}
+        raise DataError(f"{name} is a folder that holds no {'/'.join(sorted(_BUILDERS))} files")
+    builders = {_BUILDERS[p.suffix.lower()] for p in files}
     if len(builders) > 1:
-        raise DataError(f"the dataset folder '{folder}' mixes file types ({', '.join(sorted(builders))}); use one type")
-    return files
+        raise DataError(f"{name} is a folder that mixes file types ({', '.join(sorted(builders))}); use one type")
+    return builders.pop(), files
 
 
 def load_text_dataset(
@@ -161,18 +184,13 @@ def load_text_dataset(
     if source is None or source == EMBEDDED_CORPUS:
         dataset = embedded_corpus()
         return dataset.to_iterable_dataset() if streaming else dataset
-    path = Path(source).expanduser()
-    looks_local = path.exists() or source.startswith((".", "/", "~")) or path.suffix.lower() in _BUILDERS
-    if looks_local and not path.exists():
-        raise DataError(f"dataset '{source}' not found: no such file or folder")
     try:
-        if path.exists():
-            files = [path] if path.is_file() else _local_files(path)
+        local = local_data_files(source)
+        if local is not None:
+            builder, files = local
             if all(f.stat().st_size == 0 for f in files):
-                raise DataError(
-                    f"dataset '{source}' is empty: {'its files hold' if path.is_dir() else 'the file holds'} no text"
-                )
-            builder = _builder_for(files[0])
+                what = "its files hold" if Path(source).expanduser().is_dir() else "the file holds"
+                raise DataError(f"dataset '{source}' is empty: {what} no text")
             # utf-8-sig: a byte-order mark (Windows editors write one) is not text of the first document
             kwargs = {"sample_by": sample_by, "encoding": "utf-8-sig"} if builder == "text" else {}
             return datasets.load_dataset(
@@ -193,7 +211,9 @@ def load_text_dataset(
                 f"dataset '{source}' is not UTF-8 text ({cause.reason} at byte {cause.start} of a file); convert it "
                 "to UTF-8 (e.g. iconv -f latin1 -t utf-8), or pass a text file"
             ) from error
-        where = "local file or folder" if path.exists() else "Hub dataset (offline or missing?)"
+        where = (
+            "local file or folder" if local_dataset_path(source) is not None else "Hub dataset (offline or missing?)"
+        )
         reason = (str(cause).strip().splitlines() or [""])[0]
         raise DataError(f"could not load dataset '{source}' as a {where}: {type(cause).__name__}: {reason}") from error
 

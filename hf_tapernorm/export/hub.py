@@ -26,7 +26,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
 from transformers import PreTrainedModel
@@ -240,7 +240,7 @@ def files_to_push(folder: str | os.PathLike, include: Sequence[str] = ()) -> lis
     (``.hf_tapernorm_*``: a lock, a manifest) are never uploaded, whatever ``include`` names.
     """
     folder = Path(folder)
-    include = [include] if isinstance(include, str) else list(include)  # a string's letters would be patterns: "*"
+    include = _include_patterns([include] if isinstance(include, str) else include)  # a string's letters: "*"
     manifest = export_manifest(folder)
     if manifest is None:
         raise ConfigurationError(
@@ -269,11 +269,30 @@ def files_to_push(folder: str | os.PathLike, include: Sequence[str] = ()) -> lis
     return sorted([*manifest, *included])
 
 
+def _include_patterns(include: Iterable[str]) -> list[str]:
+    """The --include patterns as paths relative to the export folder: a leading ``./`` (the folder itself) is
+    dropped, so ``./notes.txt`` names ``notes.txt``; a pattern reaching outside (``..``) or absolute is refused, since
+    no file of the folder has such a relative path and a silent non-match would only refuse the file it meant."""
+    patterns = []
+    for given in include:
+        pattern = given
+        while pattern.startswith("./"):
+            pattern = pattern[2:]
+        if PurePosixPath(pattern).is_absolute() or ".." in PurePosixPath(pattern).parts:
+            raise ConfigurationError(
+                f"--include {given!r}: a pattern is a path inside the export folder, relative to it (e.g. "
+                "'samples/*.txt'); '..' and absolute paths name nothing there"
+            )
+        patterns.append(pattern)
+    return patterns
+
+
 def _matches(name: str, patterns: Iterable[str]) -> bool:
-    """Whether an --include pattern names ``name`` (its path or file name), literally too: ``[v2].txt`` is a
-    file name as well as a character class."""
-    names = (name, Path(name).name)
-    return any(p in names or any(fnmatch.fnmatchcase(n, p) for n in names) for p in patterns)
+    """Whether an --include pattern names ``name``, the file's path relative to the export folder, as fnmatch reads
+    it (``*`` also matches ``/``, as upload_folder's allow_patterns do) or literally (``[v2].txt`` is a file name as
+    well as a character class). Only the whole path counts, never the file name alone: ``extra.json`` names the
+    top-level file, not a ``private/extra.json`` the user did not mean to publish."""
+    return any(p == name or fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
 def push_export(
@@ -288,7 +307,8 @@ def push_export(
 
     ``before_upload`` receives those files once the folder has passed every check, before anything is sent (the
     command line says there what the export's scan found). A ``repo_id`` without an owner (``name``) is the
-    token's user's, as on the Hub; the log names the repository it becomes."""
+    token's user's, as on the Hub; the log names the repository it becomes and, before anything is sent, the files
+    (those ``include`` added named apart)."""
     files = files_to_push(folder, include)
     if before_upload is not None:
         before_upload(files)
@@ -300,7 +320,15 @@ def push_export(
             "repo id %s names no owner: the Hub puts it under the token's user, as %s/%s", repo_id, owner, repo_id
         )
         repo_id = f"{owner}/{repo_id}"
-    logger.info("uploading %d files of %s to %s: %s", len(files), folder, repo_id, ", ".join(files))
+    added = sorted(set(files) - set(export_manifest(folder) or ()))
+    logger.info(
+        "uploading %d files of %s to %s: %s%s",
+        len(files),
+        folder,
+        repo_id,
+        ", ".join(files),
+        f"; not written by the export, named by --include: {', '.join(added)}" if added else "",
+    )
     return upload_export(folder, repo_id, allow_patterns=[glob_escape(name) for name in files], **options)
 
 

@@ -19,6 +19,7 @@ masked out (the graph's past length is at least 1).
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from ..app.folder_writes import check_folder_destination, check_name_length
 from ..app.run_folder import write_folder
 from ..app.run_lock import refuse_while_running, resolved_path
 from ..errors import ConfigurationError, first_line
@@ -100,14 +102,18 @@ def export_onnx(source: Union[str, os.PathLike, PreTrainedModel], output_dir: Un
     ``output_dir``: ``model.onnx`` (fp32, its weights in ``model.onnx.data``), ``onnx_layout.json`` (the cache
     layout and the input contract) and, for an export with a sink, ``sink.npz``.
 
-    Returns the folder. Refuses, before loading anything, a symbolic link loop or a file on the way to it, a folder
-    a running hf-tapernorm command holds (or one inside it), and a non-empty folder (an earlier graph would be
-    mixed with this one's files). The files are written into a hidden sibling folder that is renamed to
-    ``output_dir`` once whole (``write_folder``), so a failed export (a full disk) leaves no truncated graph under
-    that name, and is one ConfigurationError naming the folder.
+    Returns the folder. Refuses, before loading anything, a name longer than its filesystem takes, a symbolic link
+    loop or a file on the way to it, a ``..`` after a missing folder, a mount point (no rename replaces it), a path
+    too long for its temporary files, a folder a running hf-tapernorm command holds (or one inside it), and a
+    non-empty folder (an earlier graph would be mixed with this one's files). The files are written into a hidden
+    sibling folder that is renamed to ``output_dir`` once whole (``write_folder``), so a failed export (a full
+    disk) leaves no truncated graph under that name, and is one ConfigurationError naming the folder.
     """
     folder = local_path(output_dir)
+    check_name_length(folder, f"cannot export ONNX into '{folder}'")  # never writable: one line, not an OSError
     resolved_path(folder, f"cannot export ONNX into '{folder}'")  # a symbolic link loop on the way: one line
+    longest = max([GRAPH_NAME + ".data", LAYOUT_NAME, SINK_NAME], key=len)
+    check_folder_destination(folder, f"cannot export ONNX into '{folder}'", inside=longest)  # mount point, `..`
     refuse_while_running(folder, f"cannot export ONNX into '{folder}'")  # a live run's folder is that run's
     blocking = file_in_the_way(folder)
     if blocking:
@@ -121,9 +127,11 @@ def export_onnx(source: Union[str, os.PathLike, PreTrainedModel], output_dir: Un
     try:
         write_folder(folder, lambda partial: _write_graph(model, partial, numpy))
     except OSError as error:
+        full = error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # else the error itself says what is wrong
+        advice = "free space (or choose another folder)" if full else "choose another folder"
         raise ConfigurationError(
-            f"cannot export ONNX into '{folder}': {first_line(error)}; nothing was written there: free space (or "
-            "choose another folder) and export again"
+            f"cannot export ONNX into '{folder}': {first_line(error)}; nothing was written there: {advice} and "
+            "export again"
         ) from None
     logger.info("exported %s to %s", type(model).__name__, folder / GRAPH_NAME)
     return folder
@@ -344,9 +352,18 @@ class OnnxCausalLM:
 
     def generate(self, input_ids: Any, max_new_tokens: int, attention_mask: Any = None) -> Any:
         """Greedy continuation: ``input_ids`` (left padding marked by ``attention_mask``) followed by
-        ``max_new_tokens`` argmax tokens (KV-cached)."""
+        ``max_new_tokens`` argmax tokens (KV-cached); 0 returns the input.
+
+        The ids go through ``forward``'s own check (``_rows``) before anything else, so what ``forward`` refuses
+        (float ids, ragged rows) is refused here in the same words, never cast; a negative count is refused rather
+        than read as nothing to generate."""
         np = self.np
-        ids = np.asarray(input_ids, dtype=np.int64)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+            raise ConfigurationError(
+                f"{self.contract.owner}: max_new_tokens must be a whole number of tokens, 0 or more, got "
+                f"{max_new_tokens!r}"
+            )
+        ids = self._rows("input_ids", input_ids)
         logits, state = self.forward(ids, attention_mask=attention_mask)
         tokens = [ids]
         for step in range(max_new_tokens):

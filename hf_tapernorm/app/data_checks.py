@@ -1,0 +1,141 @@
+"""The local data paths of a command, checked before it loads a model: one check for taper, eval, fold's scan and bench.
+
+A command reads its text only once the model's tokenizer (eval: the model itself, and its held-out evaluation before
+the out-of-corpus text) is loaded, so a mistyped path would be found minutes late; here it is found first, named by
+its option. Whether a local dataset can be read is asked of corpus.local_data_files, the rule the loading itself
+follows (which files of a folder, which builder for a suffix), so the two cannot disagree.
+
+``--data_cache_dir`` is not read only: ``datasets`` writes its cache and lock files there, so it is checked as every
+destination is (run_lock.check_destination: not a file, not in a folder a running hf-tapernorm command holds, a
+place this user can write), and it is kept out of what a command wrote: a saved model's folder (a folded export, a
+tapered or Trainer checkpoint, any model: its files would join the model, which a push uploads and whose contents a
+``--resume`` compares) and a run folder's own files (the run folder itself, or a subfolder holding what the run
+wrote: ``--overwrite`` and ``--resume`` refuse a run holding files it did not write). A cache folder of its own in a
+run folder (``RUN/cache``, which a taper of that run adopts) stays allowed. It is kept out of a local dataset folder
+the command reads too: the loader reads a folder's data files wherever they lie in it, so the cache's own
+(dataset_info.json) would become part of that corpus for every later command.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from ..data.corpus import DataError, local_data_files, local_dataset_path
+from ..data.heldout import PYTHON_DOCS
+from .run_folder import RunFolder
+from .run_lock import check_destination, resolved_path
+
+#: The files of a saved model beside its config.json (a folder with config.json alone may be anything's).
+_WEIGHTS = ("*.safetensors", "*.bin")
+
+
+def missing_local_dataset(name: Optional[str]) -> Optional[Path]:
+    """The local path the dataset name ``name`` means when nothing is there (None: it is there, or not local)."""
+    path = local_dataset_path(name)
+    return path if path is not None and not path.exists() else None
+
+
+def check_dataset_path(option: str, name: Optional[str]) -> None:
+    """Refuse (DataError naming ``option``) a dataset name that is a local path the loader cannot read: nothing there,
+    a file of a suffix no builder reads, a folder with no data file or mixing file types (corpus.local_data_files,
+    the rule the loading itself follows)."""
+    local_data_files(name, f"{option} '{name}'")
+
+
+def check_data_paths(data: Any, own_folder: Optional[str] = None) -> None:
+    """Refuse the local paths of a command's data arguments (cli/arguments.DataArguments) that cannot be used: a
+    dataset or out-of-corpus dataset the loader cannot read (check_dataset_path), a cache that cannot be
+    (check_cache_folder) or that lies in a dataset folder the command reads.
+
+    ``own_folder``: the folder the command itself locks (taper's run folder); a cache inside it is that lock's to
+    guard (taking it refuses a running command in, above or inside the folder; every process of a distributed run
+    checks its arguments, while only the first holds the lock), so only what the folder holds is checked there.
+    """
+    read = {"--dataset_name": data.dataset_name}
+    if data.out_of_corpus_blocks and data.out_of_corpus_dataset != PYTHON_DOCS:
+        read["--out_of_corpus_dataset"] = data.out_of_corpus_dataset
+    for option, name in read.items():
+        check_dataset_path(option, name)
+    if data.data_cache_dir:
+        check_cache_folder(data.data_cache_dir, own_folder)
+        _check_cache_outside_data(data.data_cache_dir, read)
+
+
+def _check_cache_outside_data(path: str, read: dict[str, Optional[str]]) -> None:
+    """Refuse a cache in (or equal to) a local dataset folder the command reads (option -> dataset name): the files
+    ``datasets`` writes there (dataset_info.json, .arrow, .lock) would be read, by this command and every later one,
+    as more of the corpus, which the loading then refuses as mixed file types or columns that do not match."""
+    cache = resolved_path(path, f"--data_cache_dir '{path}'")
+    for option, name in read.items():
+        folder = local_dataset_path(name)
+        if folder is not None and folder.is_dir() and cache.is_relative_to(folder.resolve()):
+            raise DataError(
+                f"--data_cache_dir '{path}' lies in the {option} folder '{name}': the cache's files would be read as "
+                "more of the corpus by this and every later command on that folder; choose a --data_cache_dir "
+                "outside it"
+            )
+
+
+def check_cache_folder(path: str, own_folder: Optional[str] = None) -> None:
+    """Refuse (one line naming ``--data_cache_dir``) a datasets cache folder that would be written where it must not
+    (see the module docstring); ``own_folder``: as for check_data_paths."""
+    what = f"--data_cache_dir '{path}'"
+    cache = resolved_path(path, what)
+    own = resolved_path(own_folder, f"--output_dir '{own_folder}'") if own_folder else None
+    if own is not None and cache == own:
+        raise DataError(
+            f"{what} is the --output_dir: the cache's files would mix with the run's, which --overwrite and --resume "
+            "then refuse; name a folder of its own (inside the run folder if you like: --data_cache_dir "
+            f"'{Path(own_folder, 'cache')}')"
+        )
+    if own is None or not cache.is_relative_to(own):
+        advice = "wait for it to finish, or choose a --data_cache_dir outside it"
+        check_destination(Path(path), what, advice=advice, option="--data_cache_dir")
+    for folder in [cache, *cache.parents]:
+        if _saved_model(folder):
+            raise DataError(
+                f"{what} lies in '{folder}', a saved model's folder: the cache's files would join the model (a push "
+                "would upload them, a --resume find the model changed); choose a --data_cache_dir outside it"
+            )
+        manifest = _run_manifest(folder)
+        if manifest is not None:
+            _check_in_run(what, cache, folder, manifest)
+
+
+def _saved_model(folder: Path) -> bool:
+    """Whether ``folder`` holds a saved model: a config.json beside weights."""
+    try:
+        return (folder / "config.json").is_file() and any(next(folder.glob(p), None) for p in _WEIGHTS)
+    except OSError:  # a folder this user cannot look into: no model of ours to judge
+        return False
+
+
+def _run_manifest(folder: Path) -> Optional[dict[str, Any]]:
+    """The manifest of the run folder ``folder`` (None: it is none, or this user cannot look into it)."""
+    try:
+        return RunFolder(folder).manifest()
+    except OSError:
+        return None
+
+
+def _check_in_run(what: str, cache: Path, run: Path, manifest: dict[str, Any]) -> None:
+    """Refuse a cache that is the run folder ``run`` (with its ``manifest``) or lies in a subfolder of it holding files
+    the run wrote (its tapered/, folded/, baseline/, checkpoints, logs); a folder of its own is allowed."""
+    if cache == run:
+        raise DataError(
+            f"{what} is the run folder '{run}': the cache's files would mix with the run's, which --overwrite and "
+            f"--resume then refuse; name a folder of its own (--data_cache_dir '{run / 'cache'}')"
+        )
+    inside = cache.relative_to(run).as_posix() + "/"
+    top = inside.split("/", 1)[0] + "/"
+    written = [f for f in manifest.get("files", []) if isinstance(f, str) and f.startswith(top)]
+    if any(not f.startswith(inside) for f in written):
+        raise DataError(
+            f"{what} lies in '{run / top}', which holds files of the run in '{run}': the cache's files would mix with "
+            f"them, which --overwrite and --resume then refuse; choose a folder of its own (--data_cache_dir "
+            f"'{run / 'cache'}')"
+        )
+
+
+__all__ = ["check_cache_folder", "check_data_paths", "check_dataset_path", "missing_local_dataset"]

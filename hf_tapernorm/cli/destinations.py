@@ -1,0 +1,134 @@
+"""Where ``eval`` and ``fold`` write, checked before anything loads: eval's ``--output_json`` result file and fold's
+export folder (its ``--output_dir``). Each may replace only what an earlier run of the same command wrote there; a
+model's file or a user's is never written over, nor a folder a running hf-tapernorm command holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .._parsing import UsageError
+from ..app.folder_writes import check_folder_destination, check_path_length, temporary_name
+from ..app.run_folder import LOCK_NAME
+from ..app.run_lock import check_destination, refuse_while_running, resolved_path, unreadable_place
+from ..evaluation.scan import SCAN_FILE
+from ..export.hub import EXPORT_MANIFEST_NAME, export_manifest
+
+#: What an export folder holds (export_folded + the tokenizer); anything else in it is the user's.
+EXPORT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "modeling_folded.py",
+    "folded_sink.py",
+    "folded_input.py",
+    "README.md",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    SCAN_FILE,
+)
+
+
+#: The longest path an export's write passes through inside its folder: a shard of the weights, or the robustness
+#: scan written through its ``.NAME.partial-PID`` (of the longest pid): the temporary path's length is checked with it.
+LONGEST_EXPORT_PATH = max(
+    ["model-00001-of-00001.safetensors", temporary_name(Path(SCAN_FILE), "partial", 2**22).name, *EXPORT_FILES],
+    key=len,
+)
+
+#: Marks a result file of ``eval --output_json``: the only kind of existing file it replaces.
+RESULT_MARK = "hf-tapernorm eval"
+
+
+def check_result_file(path: Path) -> None:
+    """``--output_json`` may name a new file in an existing folder, or an earlier result of ``eval``; nothing else.
+
+    Checked before the model loads; a model's config.json or a user's file is never written over, and a path whose
+    temporary sibling would pass PATH_MAX is refused (before the absolute path it resolves to could be).
+    """
+    check_path_length(path, f"--output_json {path}")
+    try:
+        if not resolved_path(path.parent, f"--output_json {path}").is_dir():  # a symbolic link loop: one line
+            raise UsageError(f"--output_json {path}: the folder '{path.parent}' does not exist; create it first")
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            raise UsageError(f"--output_json {path} is a symbolic link or a folder; name a new file")
+        refuse_while_running(path, f"--output_json {path}", advice="name a file outside it")
+    except OSError as error:  # a folder on the way that this user cannot read (Path.exists raises EACCES)
+        raise UsageError(unreadable_place(f"--output_json {path}", error)) from None
+    if not path.exists():
+        if not os.access(path.parent, os.W_OK):
+            raise UsageError(f"--output_json {path}: the folder '{path.parent}' is not writable")
+        return
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        earlier = None
+    if not (isinstance(earlier, dict) and earlier.get("written_by") == RESULT_MARK):
+        raise UsageError(
+            f"--output_json {path} exists and is not an earlier result of hf-tapernorm eval; it is left as it is, "
+            "name a new file"
+        )
+
+
+def check_export_folder(folder: Path, overwrite: bool, *, locked: bool = False) -> None:
+    """An export may replace only an empty folder or, with ``--overwrite``, an earlier export and nothing else.
+
+    An earlier export is a folder whose export manifest lists every file in it, or (exports written before
+    the manifest) a folded model's folder (config.json with a ``tapernorm_*`` model_type) holding only the
+    files an export writes. An ordinary model folder uses the same file names, so names alone never decide.
+    The folder's lock file is no content; ``locked``: this command holds it (only the folders above are checked
+    for another command's). A mount point, a ``..`` after a missing folder and a path too long for the export's
+    temporary files are refused too (check_folder_destination): the write would fail at the end, after the fold.
+    """
+    what = f"output folder '{folder}'"
+    try:
+        link = folder.is_symlink()
+    except OSError as error:  # a folder on the way that this user cannot read (lstat raises EACCES)
+        raise UsageError(unreadable_place(what, error)) from None
+    if link:
+        raise UsageError(f"output folder '{folder}' is a symbolic link; pass the folder it points to")
+    check_folder_destination(folder, f"--output_dir '{folder}'", inside=LONGEST_EXPORT_PATH)
+    advice = "wait for it to finish, or choose a folder outside it"  # a running command may write it: one is lost
+    check_destination(folder, what, advice=advice, above=locked, renamed_into_parent=True)
+    if not folder.is_dir() or not any(p.name != LOCK_NAME for p in folder.iterdir()):
+        return
+    if not overwrite:
+        raise UsageError(f"output folder '{folder}' is not empty; pass --overwrite to replace an earlier export")
+    present = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink())
+    present = [f for f in present if f != LOCK_NAME]
+    manifest = export_manifest(folder)
+    if manifest is not None:
+        foreign = [f for f in present if f not in manifest and f != EXPORT_MANIFEST_NAME]
+    elif _is_folded_config(folder / "config.json"):
+        foreign = [f for f in present if f not in EXPORT_FILES and not f.startswith("model-")]
+    else:
+        raise UsageError(
+            f"refusing to --overwrite '{folder}': it is not an earlier export (no {EXPORT_MANIFEST_NAME}, and its "
+            "config.json is not a folded model's); choose another --output_dir"
+        )
+    links = [f for f in present if (folder / f).is_symlink()]
+    if foreign or links:
+        raise UsageError(
+            f"refusing to --overwrite '{folder}': it holds files an export does not write "
+            f"({', '.join((foreign or links)[:8])}); move them away first"
+        )
+
+
+def _is_folded_config(path: Path) -> bool:
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(config, dict) and str(config.get("model_type", "")).startswith("tapernorm_")
+
+
+__all__ = ["EXPORT_FILES", "LONGEST_EXPORT_PATH", "RESULT_MARK", "check_export_folder", "check_result_file"]

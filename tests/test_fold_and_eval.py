@@ -304,9 +304,19 @@ def test_a_data_cache_in_a_dataset_folder_is_refused_before_it_spoils_the_folder
             assert refused(argv) == (
                 f"hf-tapernorm eval: error: --data_cache_dir '{cache}' lies in the {option} folder '{folder}': the "
                 "cache's files would be read as more of the corpus by this and every later command on that folder; "
-                "choose a --data_cache_dir outside it"
+                "choose a --data_cache_dir outside it (or in a hidden folder of it, which is not read: '.cache')"
             )
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["a.json", "a.txt", "jdir", "textdir"]
+    # A hidden folder of it is not read (the loader skips hidden files and folders): a cache there is allowed.
+    from types import SimpleNamespace
+
+    from hf_tapernorm.app.data_checks import check_data_paths
+
+    hidden = SimpleNamespace(
+        dataset_name=str(texts), out_of_corpus_blocks=0, out_of_corpus_dataset=None, data_cache_dir=str(texts / ".c")
+    )
+    check_data_paths(hidden)
+    assert sorted(p.name for p in texts.iterdir()) == ["a.txt"]
 
 
 def test_fold_scan_of_a_run_whose_corpus_is_gone_is_refused_before_loading(run, tmp_path, monkeypatch):

@@ -65,15 +65,19 @@ def check_data_paths(data: Any, own_folder: Optional[str] = None) -> None:
 def _check_cache_outside_data(path: str, read: dict[str, Optional[str]]) -> None:
     """Refuse a cache in (or equal to) a local dataset folder the command reads (option -> dataset name): the files
     ``datasets`` writes there (dataset_info.json, .arrow, .lock) would be read, by this command and every later one,
-    as more of the corpus, which the loading then refuses as mixed file types or columns that do not match."""
+    as more of the corpus, which the loading then refuses as mixed file types or columns that do not match. A hidden
+    folder in it (``texts/.cache``) is not read (local_data_files skips hidden files and folders, as ``datasets``
+    does), so a cache there is allowed."""
     cache = resolved_path(path, f"--data_cache_dir '{path}'")
     for option, name in read.items():
         folder = local_dataset_path(name)
-        if folder is not None and folder.is_dir() and cache.is_relative_to(folder.resolve()):
+        if folder is None or not folder.is_dir() or not cache.is_relative_to(folder.resolve()):
+            continue
+        if not any(part.startswith(".") for part in cache.relative_to(folder.resolve()).parts):
             raise DataError(
                 f"--data_cache_dir '{path}' lies in the {option} folder '{name}': the cache's files would be read as "
                 "more of the corpus by this and every later command on that folder; choose a --data_cache_dir "
-                "outside it"
+                "outside it (or in a hidden folder of it, which is not read: '.cache')"
             )
 
 

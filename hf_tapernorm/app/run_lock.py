@@ -316,6 +316,22 @@ class RunLock:
             return f"pid {pid} now belongs to another process (started at another time than the lock's owner)"
         return None
 
+    def _look(self) -> Optional[tuple[bool, bytes]]:
+        """Whether the lock is stale, one a command taking it takes over (no one holds its flock, and its record is
+        empty or names an owner that is gone), and its record; None when it is gone or no regular file now."""
+        try:
+            descriptor = self._open(os.O_RDONLY)
+        except (FileNotFoundError, RunFolderError):
+            return None
+        try:
+            free = _flocked(descriptor, fcntl.LOCK_SH)
+            if free:
+                fcntl.flock(descriptor, fcntl.LOCK_UN)
+            record = os.pread(descriptor, _RECORD_BYTES, 0)
+            return free and (not record or self._why_gone(_parsed(record)) is not None), record
+        finally:
+            os.close(descriptor)
+
     def held_by_another(self) -> Optional[str]:
         """Who holds this folder's lock (owner_text), when another live command does (None: free, or its owner is
         gone). It only looks: a lock that is not a regular file is no lock of ours here, and is never read."""
@@ -327,21 +343,24 @@ class RunLock:
         except (FileNotFoundError, NotADirectoryError):
             return None
         try:
-            descriptor = self._open(os.O_RDONLY)
-        except (FileNotFoundError, RunFolderError):
-            return None  # deleted or replaced since the look
+            look = self._look()
         except PermissionError:
             return self.owner_text(b"")  # a lock this user cannot read: its owner cannot be told
+        return None if look is None or look[0] else self.owner_text(look[1])
+
+    def is_stale(self) -> bool:
+        """Whether the path is a lock file a gone command left (``_look``; not another host's, nor unreadable)."""
         try:
-            free = _flocked(descriptor, fcntl.LOCK_SH)
-            if free:
-                fcntl.flock(descriptor, fcntl.LOCK_UN)
-            record = os.pread(descriptor, _RECORD_BYTES, 0)
-        finally:
-            os.close(descriptor)
-        if free and (not record or self._why_gone(_parsed(record)) is not None):
-            return None
-        return self.owner_text(record)
+            return not self.held and stat.S_ISREG(os.lstat(self.path).st_mode) and (self._look() or (False,))[0]
+        except OSError:
+            return False
+
+    def remove_stale(self) -> None:
+        """Delete the lock file when it is stale, as a command taking it takes it over (under its exclusive flock):
+        of this and a command taking it at the same moment, one holds it first, the other is refused or finds none."""
+        if self.is_stale():
+            self._take()
+            self.release()
 
     def release(self) -> None:
         """Delete the lock file (while its flock is still held, so no one takes the file being deleted), then let

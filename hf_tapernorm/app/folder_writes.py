@@ -49,28 +49,27 @@ DEFAULT_PATH_MAX = 4096
 _DIGEST_LENGTH = 12
 
 
-def name_max(folder: Path) -> int:
-    """The longest file name (in bytes) the filesystem of ``folder`` (or of its first existing parent: a folder
-    still to be created lies on that one's) takes; DEFAULT_NAME_MAX where it does not say."""
+def _limit(folder: Path, setting: str, default: int) -> int:
+    """The filesystem limit ``setting`` (os.pathconf) of ``folder``, or of its first existing parent (a folder still
+    to be created lies on that one's filesystem); ``default`` where the system does not say."""
     for place in [folder, *folder.parents]:
         try:
-            limit = os.pathconf(place, "PC_NAME_MAX")
-        except (OSError, ValueError):  # missing (yet), or no such setting on this system
+            limit = os.pathconf(place, setting)
+        except (OSError, ValueError):  # missing (yet), too long itself, or no such setting on this system
             continue
-        return limit if limit > 0 else DEFAULT_NAME_MAX
-    return DEFAULT_NAME_MAX
+        return limit if limit > 0 else default
+    return default
+
+
+def name_max(folder: Path) -> int:
+    """The longest file name (in bytes) the filesystem of ``folder`` takes; DEFAULT_NAME_MAX where it does not say."""
+    return _limit(folder, "PC_NAME_MAX", DEFAULT_NAME_MAX)
 
 
 def path_max(folder: Path) -> int:
-    """The longest path (bytes, with its terminating NUL) the system takes on the filesystem of ``folder`` (or of its
-    first existing parent); DEFAULT_PATH_MAX where it does not say."""
-    for place in [folder, *folder.parents]:
-        try:
-            limit = os.pathconf(place, "PC_PATH_MAX")
-        except (OSError, ValueError):  # missing (yet), too long itself, or no such setting on this system
-            continue
-        return limit if limit > 0 else DEFAULT_PATH_MAX
-    return DEFAULT_PATH_MAX
+    """The longest path (bytes, with its terminating NUL) the system takes on the filesystem of ``folder``;
+    DEFAULT_PATH_MAX where it does not say."""
+    return _limit(folder, "PC_PATH_MAX", DEFAULT_PATH_MAX)
 
 
 def check_path_length(final: Path, what: str, *, inside: Optional[str] = None) -> None:
@@ -89,10 +88,11 @@ def check_path_length(final: Path, what: str, *, inside: Optional[str] = None) -
 
 def check_folder_destination(final: Path, what: str, *, inside: str) -> None:
     """Refuse (RunFolderError naming ``what``), before anything loads, a folder write_folder could not write in
-    the end: a ``..`` after a folder that does not exist (a lexical reading takes it for the folder above, the
-    kernel for no folder, and creating the missing one would leave a folder the command never writes), a mount
-    point (mount_point_refusal), or one whose temporary paths pass PATH_MAX (check_path_length, ``inside``: the
-    longest relative path written into it)."""
+    the end: a name longer than its filesystem takes (check_name_length), a ``..`` after a folder that does not
+    exist (a lexical reading takes it for the folder above, the kernel for no folder, and creating the missing one
+    would leave a folder the command never writes), a mount point (mount_point_refusal), or one whose temporary
+    paths pass PATH_MAX (check_path_length, ``inside``: the longest relative path written into it)."""
+    check_name_length(final, what)
     parts = final.parts
     for depth, part in enumerate(parts):
         if part != ".." or depth == 0:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from ..app.folder_writes import check_folder_destination, check_name_length
+from ..app.folder_writes import check_folder_destination
 from ..app.run_folder import write_folder
 from ..app.run_lock import refuse_while_running, resolved_path
 from ..errors import ConfigurationError, first_line
@@ -110,10 +110,10 @@ def export_onnx(source: Union[str, os.PathLike, PreTrainedModel], output_dir: Un
     disk) leaves no truncated graph under that name, and is one ConfigurationError naming the folder.
     """
     folder = local_path(output_dir)
-    check_name_length(folder, f"cannot export ONNX into '{folder}'")  # never writable: one line, not an OSError
-    resolved_path(folder, f"cannot export ONNX into '{folder}'")  # a symbolic link loop on the way: one line
     longest = max([GRAPH_NAME + ".data", LAYOUT_NAME, SINK_NAME], key=len)
-    check_folder_destination(folder, f"cannot export ONNX into '{folder}'", inside=longest)  # mount point, `..`
+    # A name too long, a mount point, a `..` after a missing folder: one line, not an OSError at the end.
+    check_folder_destination(folder, f"cannot export ONNX into '{folder}'", inside=longest)
+    resolved_path(folder, f"cannot export ONNX into '{folder}'")  # a symbolic link loop on the way: one line
     refuse_while_running(folder, f"cannot export ONNX into '{folder}'")  # a live run's folder is that run's
     blocking = file_in_the_way(folder)
     if blocking:

@@ -55,8 +55,8 @@ class _Parser(HfArgumentParser):
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
         if kwargs.get("type") is float:  # one check for every number option of every command, before any work
             kwargs["type"] = _finite_float
-        if self.source is not None and kwargs.get("nargs") in ("+", "*") and "action" not in kwargs:
-            kwargs["action"] = _FileItems
+        if kwargs.get("nargs") in ("+", "*") and "action" not in kwargs:
+            kwargs["action"] = _ListItems
         action = super().add_argument(*args, **kwargs)
         if action.type is str:  # a field's option: its declared type tells a one-line text (a path, a name)
             hint = self.hints.get(action.dest)
@@ -70,11 +70,12 @@ class _Parser(HfArgumentParser):
         raise UsageError(f"{f'{self.source}: ' if self.source else ''}{message} (see {self.prog} --help)")
 
 
-class _FileItems(argparse.Action):
-    """A several-value option read from an options file: the file's command line gives each item as its own
-    ``--option=ITEM`` (:func:`_command_line`), so that an item is a value of its option whatever its first character
-    (``--no_private`` or ``-notes.txt`` as its own word would be a flag), and the items add up to the option's value
-    in place of its default. argparse still gives each item the option's type and choices."""
+class _ListItems(argparse.Action):
+    """A several-value option: each time it is given, its values add up, in place of its default. ``push --include
+    a --include b`` includes both (argparse's own ``store`` would keep b alone, without a word), and an options
+    file's list reaches the parse as one ``--option=ITEM`` per item (:func:`_command_line`), so that an item is a
+    value of its option whatever its first character (``--no_private`` or ``-notes.txt`` as its own word would be a
+    flag). argparse still gives each item the option's type and choices."""
 
     def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option: Optional[str] = None) -> None:
         items = getattr(namespace, self.dest, None)
@@ -344,7 +345,7 @@ def _command_line(parser: _Parser, values: dict[str, Any]) -> list[str]:
     """The command line an options file stands for: ``--key=value`` for each key (null: the option left at its
     default), so that a value is one, whatever its first character. A key is any flag of the command, spelled with
     ``_`` or ``-`` (``no_private: true`` is ``--no_private``). A list gives a several-value option its values, each
-    as its own ``--key=item`` (:class:`_FileItems` adds them up), and a one-value option its one element, or its
+    as its own ``--key=item`` (:class:`_ListItems` adds them up), and a one-value option its one element, or its
     items joined by its separator. An empty list is the option's empty value: its flag's spelling of one
     (``EMPTY``), else no value, the option's default as with null (a several-value option whose default is not
     empty cannot be empty: refused as on the command line). Keys that are no option are refused together, named;

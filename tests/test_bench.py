@@ -27,7 +27,7 @@ from hf_tapernorm.bench import train_workloads as train
 from hf_tapernorm.bench import variants as var
 from hf_tapernorm.bench.arguments import BenchArguments, parse_arguments
 from hf_tapernorm.cli.main import main as cli_main
-from hf_tapernorm.data.corpus import load_text_dataset
+from hf_tapernorm.data.sources import load_text_dataset
 from hf_tapernorm.errors import ConfigurationError
 from hf_tapernorm.layers import TaperNorm, gate_of, tapered_norms
 

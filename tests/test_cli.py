@@ -632,7 +632,8 @@ def test_the_library_path_trains_exactly_what_the_cli_trains(workspace, default_
     from transformers import Trainer, default_data_collator
 
     from hf_tapernorm import TaperCallback
-    from hf_tapernorm.data.corpus import load_text_dataset, prepare_data
+    from hf_tapernorm.data.corpus import prepare_data
+    from hf_tapernorm.data.sources import load_text_dataset
 
     out = default_run  # the CLI's 10-step run of the default recipe
     model = AutoModelForCausalLM.from_pretrained(workspace / "llama")

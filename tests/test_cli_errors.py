@@ -403,7 +403,7 @@ CASES = {
     "empty data file": (lambda ws: _taper(ws, data="empty.txt"), 2, ["empty.txt", "is empty"]),
     "binary data file": (lambda ws: _taper(ws, data="binary.txt"), 2, ["not UTF-8", "convert it"]),
     "data folder without text files": (lambda ws: _taper(ws, data="emptydir"), 2, ["holds no", ".txt"]),
-    # refused before loading by the loader's own rule (corpus.local_data_files), for every data option and command
+    # refused before loading by the loader's own rule (sources.local_data_files), for every data option and command
     "taper --out_of_corpus_dataset folder without data files": (
         lambda ws: _taper(ws, "--out_of_corpus_dataset", str(ws / "emptydir"), "--out_of_corpus_blocks", "2"),
         2,

@@ -11,16 +11,13 @@ import datasets
 import pytest
 import torch
 
-from hf_tapernorm.data.corpus import (
+from hf_tapernorm.data.corpus import blocks_tensor, is_heldout, pack_documents, prepare_data
+from hf_tapernorm.data.sources import (
     EMBEDDED_CORPUS,
     DataError,
-    blocks_tensor,
     embedded_corpus,
     embedded_corpus_files,
-    is_heldout,
     load_text_dataset,
-    pack_documents,
-    prepare_data,
     stdlib_directory,
 )
 from tests.conftest import char_tokenizer, corpus_documents
@@ -259,10 +256,10 @@ def test_errors_name_the_dataset_and_the_fix(tmp_path, tokenizer):
 def test_the_early_check_refuses_a_local_path_as_the_loader_does(tmp_path):
     """The check every command makes before it loads a model asked only whether a local path exists; an empty
     folder, a folder of other files (or of hidden copies alone), a file of an unsupported suffix, a folder mixing
-    file types were refused by the loader minutes later. Both now ask corpus.local_data_files: the same refusals,
+    file types were refused by the loader minutes later. Both now ask sources.local_data_files: the same refusals,
     the check's naming the option."""
     from hf_tapernorm.app.data_checks import check_dataset_path
-    from hf_tapernorm.data.corpus import local_data_files
+    from hf_tapernorm.data.sources import local_data_files
 
     for folder, files in {
         "emptydir": [],
@@ -293,6 +290,35 @@ def test_the_early_check_refuses_a_local_path_as_the_loader_does(tmp_path):
         [tmp_path / "good" / "a.md", tmp_path / "good" / "b.txt"],
     )
     assert local_data_files(None) is None and local_data_files("someone/hub-dataset") is None
+
+
+def test_a_hub_name_that_does_not_resolve_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """`eval --dataset_name texts/corpuz` (a mistyped local folder, offline) loaded the model, then failed with
+    "could not load dataset ... as a Hub dataset": the name is now resolved first, as the loader resolves it
+    (datasets.load_dataset_builder), and the error says that the folder it starts with is here."""
+    import huggingface_hub
+
+    import hf_tapernorm.cli.commands as commands
+    from hf_tapernorm.app.data_checks import check_dataset_path
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    ws = one_model_workspace(tmp_path)
+    (ws / "texts").mkdir()
+    (ws / "texts" / "corpus.txt").write_text((ws / "corpus.txt").read_text())
+    monkeypatch.chdir(ws)
+    with pytest.raises(DataError) as refused:
+        check_dataset_path("--dataset_name", "texts/corpuz", cache_dir=str(tmp_path / "cache"))
+    assert str(refused.value).startswith(
+        "--dataset_name: could not load dataset 'texts/corpuz' as a Hub dataset (offline or missing?) ('texts' is a "
+        "local folder, but it holds no 'corpuz': a local path is read as one when it exists or starts with ./): "
+    )
+    with pytest.raises(DataError, match=r"'nobody/no-such-dataset' as a Hub dataset \(offline or missing\?\): \w"):
+        check_dataset_path("--dataset_name", "nobody/no-such-dataset", cache_dir=str(tmp_path / "cache"))
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    argv = ["eval", "--model_name_or_path", "llama", "--dataset_name", "texts/corpuz", "--scan_windows", "0"]
+    assert "'texts' is a local folder, but it holds no 'corpuz'" in error_of(argv)
+    check_dataset_path("--dataset_name", "texts/corpus.txt")  # the local path itself is read as one
 
 
 # ============================================================================= what a document is

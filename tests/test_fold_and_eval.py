@@ -313,7 +313,11 @@ def test_a_data_cache_in_a_dataset_folder_is_refused_before_it_spoils_the_folder
     from hf_tapernorm.app.data_checks import check_data_paths
 
     hidden = SimpleNamespace(
-        dataset_name=str(texts), out_of_corpus_blocks=0, out_of_corpus_dataset=None, data_cache_dir=str(texts / ".c")
+        dataset_name=str(texts),
+        dataset_config_name=None,
+        out_of_corpus_blocks=0,
+        out_of_corpus_dataset=None,
+        data_cache_dir=str(texts / ".c"),
     )
     check_data_paths(hidden)
     assert sorted(p.name for p in texts.iterdir()) == ["a.txt"]

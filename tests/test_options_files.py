@@ -552,6 +552,22 @@ def test_a_dash_pattern_on_the_command_line_is_given_with_an_equals_sign(tmp_pat
         parsed("fold", ["--checkpoint", "c", "--output_dir=--"])
 
 
+def test_a_list_option_given_twice_adds_up_from_either_source(tmp_path):
+    """argparse's `store` kept the last: `push --include a --include b` uploaded b's files alone, without a word."""
+    argv = ["--export_dir", "e", "--repo_id", "me/x"]
+    (push,) = parsed("push", [*argv, "--include", "notes.md", "--include", "extra/*.json", "more.txt"])
+    assert push.include == ["notes.md", "extra/*.json", "more.txt"]
+    (push,) = parsed("push", [*argv, "--include", "notes.md"])  # once: in place of the default, not beside it
+    assert push.include == ["notes.md"]
+    (bench,) = parsed("bench", ["--model_name_or_path", "m", "--seq_lens", "64", "--seq_lens", "256"])
+    (bench_default,) = parsed("bench", ["--model_name_or_path", "m"])
+    assert bench.seq_lens == [64, 256] and bench_default.seq_lens == [128]
+    file = write_options(tmp_path, "b.json", {"model_name_or_path": "m", "seq_lens": [64, 256]})
+    assert parsed("bench", [str(file)]) == (bench,)
+    with pytest.raises(UsageError, match="invalid int value: 'x'"):  # each time through the option's type
+        parsed("bench", ["--model_name_or_path", "m", "--seq_lens", "64", "--seq_lens", "x"])
+
+
 @pytest.mark.parametrize(
     ("kwargs", "expected"),
     [("{num_decay_steps: 010}", {"num_decay_steps": 10}), ("{num_decay_steps: 1:30}", {"num_decay_steps": "1:30"})],

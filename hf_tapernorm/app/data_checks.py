@@ -2,7 +2,7 @@
 
 A command reads its text only once the model's tokenizer (eval: the model itself, and its held-out evaluation before
 the out-of-corpus text) is loaded, so a mistyped path would be found minutes late; here it is found first, named by
-its option. Whether a local dataset can be read is asked of corpus.local_data_files, the rule the loading itself
+its option. Whether a local dataset can be read is asked of sources.local_data_files, the rule the loading itself
 follows (which files of a folder, which builder for a suffix), so the two cannot disagree.
 
 ``--data_cache_dir`` is not read only: ``datasets`` writes its cache and lock files there, so it is checked as every
@@ -21,8 +21,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from ..data.corpus import DataError, local_data_files, local_dataset_path
 from ..data.heldout import PYTHON_DOCS
+from ..data.sources import DataError, check_hub_dataset, local_data_files, local_dataset_path
 from .run_folder import RunFolder
 from .run_lock import check_destination, resolved_path
 
@@ -36,11 +36,18 @@ def missing_local_dataset(name: Optional[str]) -> Optional[Path]:
     return path if path is not None and not path.exists() else None
 
 
-def check_dataset_path(option: str, name: Optional[str]) -> None:
+def check_dataset_path(
+    option: str, name: Optional[str], config_name: Optional[str] = None, cache_dir: Optional[str] = None
+) -> None:
     """Refuse (DataError naming ``option``) a dataset name that is a local path the loader cannot read: nothing there,
-    a file of a suffix no builder reads, a folder with no data file or mixing file types (corpus.local_data_files,
-    the rule the loading itself follows)."""
+    a file of a suffix no builder reads, a folder with no data file or mixing file types (sources.local_data_files,
+    the rule the loading itself follows); or a Hub dataset's name that does not resolve (sources.check_hub_dataset:
+    offline, a name not in the cache, a mistyped folder read as a Hub name)."""
     local_data_files(name, f"{option} '{name}'")
+    try:
+        check_hub_dataset(name, config_name, cache_dir)
+    except DataError as error:
+        raise DataError(f"{option}: {error}") from error
 
 
 def check_data_paths(data: Any, own_folder: Optional[str] = None) -> None:
@@ -56,10 +63,13 @@ def check_data_paths(data: Any, own_folder: Optional[str] = None) -> None:
     if data.out_of_corpus_blocks and data.out_of_corpus_dataset != PYTHON_DOCS:
         read["--out_of_corpus_dataset"] = data.out_of_corpus_dataset
     for option, name in read.items():
-        check_dataset_path(option, name)
+        local_data_files(name, f"{option} '{name}'")
     if data.data_cache_dir:
         check_cache_folder(data.data_cache_dir, own_folder)
         _check_cache_outside_data(data.data_cache_dir, read)
+    configs = {"--dataset_name": data.dataset_config_name}
+    for option, name in read.items():  # after the cache's checks: resolving a Hub name writes into the cache
+        check_dataset_path(option, name, configs.get(option), data.data_cache_dir)
 
 
 def _check_cache_outside_data(path: str, read: dict[str, Optional[str]]) -> None:

@@ -26,7 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedConfig
 
 from ..config import TaperNormConfig, sink_token_id
-from ..data.corpus import EMBEDDED_CORPUS
+from ..data.sources import EMBEDDED_CORPUS
 from ..errors import ConfigurationError, UnsupportedModelError
 from ..evaluation.models import ModelSource, ModelSourceError, load_tokenizer, read_model_config
 from ..training.schedule import TaperSchedule

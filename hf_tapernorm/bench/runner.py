@@ -27,7 +27,7 @@ from torch import nn
 from ..app.run_lock import RunLock
 from ..architectures.sites import model_type_of, norm_sites
 from ..config import TaperNormConfig
-from ..data.corpus import EMBEDDED_CORPUS, AnyDataset, load_text_dataset
+from ..data.sources import EMBEDDED_CORPUS, AnyDataset, load_text_dataset
 from ..errors import ConfigurationError
 from ..evaluation.models import ModelSource, load_model, load_tokenizer, model_config, resolve_model
 from ..utils import cpu_has_fast_bf16

@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from ..config import TaperNormConfig
-from ..data.corpus import AnyDataset, DataError, prepare_data
+from ..data.corpus import prepare_data
+from ..data.sources import AnyDataset, DataError
 from ..errors import TaperDivergenceError
 from ..layers.patching import patch_model
 from ..training.controller import TaperController

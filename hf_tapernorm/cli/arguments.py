@@ -28,7 +28,7 @@ from transformers import TrainingArguments
 from .._parsing import as_flags
 from ..app.validation import IGNORED_ON_RESUME
 from ..config import OptionField, TaperNormConfig, parse_step
-from ..data.corpus import EMBEDDED_CORPUS
+from ..data.sources import EMBEDDED_CORPUS
 from ..errors import ConfigurationError
 from ..utils import accelerator_available, cpu_has_fast_bf16
 

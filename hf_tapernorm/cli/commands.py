@@ -24,8 +24,9 @@ from ..app.run_lock import refuse_while_running, resolved_path
 from ..app.taper import save_export
 from ..app.validation import check_same_tokenizer, check_vocabulary, check_within_positions, max_positions
 from ..config import sink_token_id
-from ..data.corpus import EMBEDDED_CORPUS, blocks_tensor, prepare_from_arguments
+from ..data.corpus import blocks_tensor, prepare_from_arguments
 from ..data.out_of_corpus import out_of_corpus_set
+from ..data.sources import EMBEDDED_CORPUS
 from ..errors import ConfigurationError, TaperStateError
 from ..evaluation.models import (
     ModelSource,

@@ -3,9 +3,10 @@
 A library tier (it imports only the package's errors), used by the ``taper`` command, by ``eval``, by the
 README's quickstart and by the research scripts alike, so each reads the same blocks the same way:
 
-- :func:`embedded_corpus`, :func:`embedded_corpus_files`, :func:`stdlib_directory` (corpus.py): the embedded
-  default corpus, one document per Python standard-library source file;
-- :func:`load_text_dataset`, :func:`load_documents`, :func:`text_column_of`, :func:`pack_documents`,
+- :func:`embedded_corpus`, :func:`embedded_corpus_files`, :func:`stdlib_directory`, :func:`load_text_dataset`,
+  :class:`DataError` (sources.py): the embedded default corpus (one document per Python standard-library source
+  file), a local file or folder, or a Hub dataset, as documents;
+- :func:`load_documents`, :func:`text_column_of`, :func:`pack_documents`,
   :func:`prepare_data`, :class:`PackedData`, :func:`blocks_tensor` (corpus.py): documents to packed blocks that
   each start with the sink, the held-out documents chosen by a hash of their text (:func:`is_heldout`,
   :func:`heldout_documents`);
@@ -21,18 +22,18 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_exports
 
 _EXPORTS = {
-    "DataError": "corpus",
+    "DataError": "sources",
     "PackedData": "corpus",
     "blocks_tensor": "corpus",
-    "embedded_corpus": "corpus",
-    "embedded_corpus_files": "corpus",
+    "embedded_corpus": "sources",
+    "embedded_corpus_files": "sources",
     "heldout_documents": "corpus",
     "is_heldout": "corpus",
     "load_documents": "corpus",
-    "load_text_dataset": "corpus",
+    "load_text_dataset": "sources",
     "pack_documents": "corpus",
     "prepare_data": "corpus",
-    "stdlib_directory": "corpus",
+    "stdlib_directory": "sources",
     "text_column_of": "corpus",
     "EvaluationSet": "heldout",
     "python_docs_documents": "heldout",
@@ -46,19 +47,15 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
     from .corpus import (
-        DataError,
         PackedData,
         blocks_tensor,
-        embedded_corpus,
-        embedded_corpus_files,
         heldout_documents,
         is_heldout,
         load_documents,
-        load_text_dataset,
         pack_documents,
         prepare_data,
-        stdlib_directory,
         text_column_of,
     )
     from .heldout import EvaluationSet, python_docs_documents, sample_blocks
     from .out_of_corpus import out_of_corpus_set
+    from .sources import DataError, embedded_corpus, embedded_corpus_files, load_text_dataset, stdlib_directory

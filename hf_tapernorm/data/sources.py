@@ -1,0 +1,238 @@
+"""Where a corpus's documents come from: the embedded default corpus, a local file or folder, or a Hub dataset.
+
+The embedded corpus is the Python standard library's own source files, which exist offline on every machine with
+Python. A local path is read by the ``datasets`` builder its suffix names (txt/md: one document per line,
+paragraph or file; json/jsonl, parquet, csv: one per row); any other name is a Hub dataset's. The rule that
+tells them apart and lists a local dataset's files (:func:`local_data_files`) and the resolution of a Hub name
+(:func:`check_hub_dataset`) are what every command asks before it loads a model, so a dataset the loading would
+refuse is refused first, in the loading's own words.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sysconfig
+from pathlib import Path
+from typing import Optional, Union
+
+import datasets
+
+from ..errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_CORPUS = "python-stdlib"
+"""Name of the embedded default corpus (also accepted as ``--dataset_name``)."""
+
+# Folder names under the standard library that are not part of the library proper (installed third-
+# party packages vary between machines), hold deliberately malformed test inputs, or hold the English
+# documentation that serves as the out-of-corpus reference text (data/heldout.py: pydoc_data).
+_EXCLUDED_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "pydoc_data"}
+)
+
+_BUILDERS = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+}
+
+AnyDataset = Union[datasets.Dataset, datasets.IterableDataset]
+
+
+class DataError(ConfigurationError):
+    """A dataset that cannot be used: missing, unreadable, without a text column, or too small."""
+
+
+# ----------------------------------------------------------------------------- the embedded corpus
+def stdlib_directory() -> Path:
+    """The running interpreter's standard library folder (``sysconfig``'s ``stdlib`` path)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def embedded_corpus_files(root: Optional[Path] = None) -> list[Path]:
+    """The standard library's ``.py`` files in sorted order (tests and third-party packages excluded)."""
+    root = Path(root) if root is not None else stdlib_directory()
+    if not root.is_dir():
+        raise DataError(f"the embedded corpus needs the Python standard library sources, but {root} is not a folder")
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _EXCLUDED_DIRS)
+        files.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))
+    files.sort(key=lambda p: p.relative_to(root).as_posix())
+    if not files:
+        raise DataError(f"no .py files found under {root} for the embedded corpus")
+    return files
+
+
+def embedded_corpus(root: Optional[Path] = None) -> datasets.Dataset:
+    """The embedded default corpus: one document per standard-library source file, in a fixed shuffled order.
+
+    Real, varied text (code, comments, docstrings) that every Python installation carries, so the
+    default run needs no download; the same Python version gives the same corpus on any machine. The
+    files are ordered by a hash of their path, not alphabetically: a short run reads its blocks from the
+    first documents, and sorted files would give it (and its held-out blocks) a few modules of one
+    alphabetical stretch instead of a sample of the library.
+    """
+    root = Path(root) if root is not None else stdlib_directory()
+    files = sorted(embedded_corpus_files(root), key=lambda f: text_digest(f.relative_to(root).as_posix(), "order:"))
+    texts = [f.read_bytes().decode("utf-8", errors="replace") for f in files]
+    paths = [f.relative_to(root).as_posix() for f in files]
+    logger.info("embedded corpus: %d standard-library files from %s", len(files), root)
+    return datasets.Dataset.from_dict({"text": texts, "path": paths})
+
+
+# ----------------------------------------------------------------------------- loading
+def local_dataset_path(source: Optional[str]) -> Optional[Path]:
+    """The local file or folder the dataset name ``source`` means, there or not; None for the embedded corpus and a
+    Hub dataset's name. A name is a local path when it exists, starts with ``.``, ``/`` or ``~``, or ends in a data
+    file's suffix (``.txt``, ``.jsonl``, ...): such a name that is not there is a mistyped path, not a Hub name, so
+    every command refuses it as one (before loading a model: app/data_checks.py)."""
+    if source is None or source == EMBEDDED_CORPUS:
+        return None
+    path = Path(source).expanduser()
+    local = path.exists() or source.startswith((".", "/", "~")) or path.suffix.lower() in _BUILDERS
+    return path if local else None
+
+
+def local_data_files(source: Optional[str], name: Optional[str] = None) -> Optional[tuple[str, list[Path]]]:
+    """The ``datasets`` builder and the files that load_text_dataset reads for the dataset name ``source`` (None: the
+    embedded corpus or a Hub dataset's name): the file itself, or a folder's files of a suffix a builder reads (hidden
+    files and folders, ``.ipynb_checkpoints/`` or ``.git/``, skipped as ``datasets`` skips them: they hold copies of
+    the data or tool state, not more of the corpus), all of one builder.
+
+    The loading and the check every command makes before it loads a model (app/data_checks.py) both ask this, so a
+    local path the loader cannot read is refused before the model loads, for the same reason. DataError, its
+    subject ``name`` (default ``dataset 'SOURCE'``; a command names its option), for a path that is not there, a
+    file of a suffix no builder reads, a folder with no data file or one mixing file types. What the files hold (no
+    text, not UTF-8, not a table) only the loading finds.
+    """
+    path = local_dataset_path(source)
+    if path is None:
+        return None
+    name = name or f"dataset '{source}'"
+    if not path.exists():
+        raise DataError(f"{name} not found: no such file or folder")
+    supported = f"{', '.join(sorted(_BUILDERS))} (or a folder of such files, or a Hub dataset name)"
+    if not path.is_dir():
+        suffix = path.suffix.lower()
+        if suffix not in _BUILDERS:
+            raise DataError(f"{name}: unsupported file type '{suffix or '(none)'}'; supported: {supported}")
+        return _BUILDERS[suffix], [path]
+    files = sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file()
+        and p.suffix.lower() in _BUILDERS
+        and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )
+    if not files:
+        raise DataError(f"{name} is a folder that holds no {'/'.join(sorted(_BUILDERS))} files")
+    builders = {_BUILDERS[p.suffix.lower()] for p in files}
+    if len(builders) > 1:
+        raise DataError(f"{name} is a folder that mixes file types ({', '.join(sorted(builders))}); use one type")
+    return builders.pop(), files
+
+
+def load_text_dataset(
+    source: Optional[str] = None,
+    *,
+    config_name: Optional[str] = None,
+    split: str = "train",
+    streaming: bool = False,
+    sample_by: str = "paragraph",
+    cache_dir: Optional[str] = None,
+) -> AnyDataset:
+    """Load a corpus as a `datasets` dataset of documents.
+
+    ``source``: None or ``"python-stdlib"`` for the embedded corpus; a local file or folder
+    (txt/md: one document per ``sample_by`` unit = "line" | "paragraph" | "document"; json/jsonl,
+    parquet, csv: one document per row); otherwise a Hub dataset name (with ``config_name``).
+    """
+    if source is None or source == EMBEDDED_CORPUS:
+        dataset = embedded_corpus()
+        return dataset.to_iterable_dataset() if streaming else dataset
+    try:
+        local = local_data_files(source)
+        if local is not None:
+            builder, files = local
+            if all(f.stat().st_size == 0 for f in files):
+                what = "its files hold" if Path(source).expanduser().is_dir() else "the file holds"
+                raise DataError(f"dataset '{source}' is empty: {what} no text")
+            # utf-8-sig: a byte-order mark (Windows editors write one) is not text of the first document
+            kwargs = {"sample_by": sample_by, "encoding": "utf-8-sig"} if builder == "text" else {}
+            return datasets.load_dataset(
+                builder,
+                data_files=[str(f) for f in files],
+                split=split,
+                streaming=streaming,
+                cache_dir=cache_dir,
+                **kwargs,
+            )
+        return datasets.load_dataset(source, config_name, split=split, streaming=streaming, cache_dir=cache_dir)
+    except DataError:
+        raise
+    except Exception as error:  # datasets raises many types (FileNotFoundError, ArrowInvalid, HF errors)
+        raise _load_error(source, error) from error
+
+
+def check_hub_dataset(
+    source: Optional[str], config_name: Optional[str] = None, cache_dir: Optional[str] = None
+) -> None:
+    """Resolve a Hub dataset's name as load_text_dataset will, without its data (``datasets.load_dataset_builder``),
+    so that a name the Hub lacks, a configuration it lacks, or a dataset missing from the cache offline is refused
+    before a command loads its model, not after. Nothing for the embedded corpus and a local path."""
+    if source is None or source == EMBEDDED_CORPUS or local_dataset_path(source) is not None:
+        return
+    try:
+        datasets.load_dataset_builder(source, config_name, cache_dir=cache_dir)
+    except Exception as error:  # as in load_text_dataset
+        raise _load_error(source, error) from error
+
+
+def _load_error(source: str, error: BaseException) -> DataError:
+    """The one-line DataError for a dataset ``datasets`` could not load. A Hub name whose first folder is here
+    (``texts/corpuz``, ``texts/`` a local folder) is most likely a mistyped local path: the error says so."""
+    cause = _root_cause(error)
+    if isinstance(cause, UnicodeDecodeError):
+        return DataError(
+            f"dataset '{source}' is not UTF-8 text ({cause.reason} at byte {cause.start} of a file); convert it "
+            "to UTF-8 (e.g. iconv -f latin1 -t utf-8), or pass a text file"
+        )
+    reason = (str(cause).strip().splitlines() or [""])[0]
+    if local_dataset_path(source) is not None:
+        return DataError(
+            f"could not load dataset '{source}' as a local file or folder: {type(cause).__name__}: {reason}"
+        )
+    folder = Path(source).parent
+    mistyped = (
+        f" ('{folder}' is a local folder, but it holds no '{Path(source).name}': a local path is read as one when it "
+        "exists or starts with ./)"
+        if folder != Path(".") and folder.is_dir()
+        else ""
+    )
+    return DataError(
+        f"could not load dataset '{source}' as a Hub dataset (offline or missing?){mistyped}: "
+        f"{type(cause).__name__}: {reason}"
+    )
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    """The innermost exception of a chain: datasets wraps what went wrong in "An error occurred while generating"."""
+    seen = {id(error)}
+    while (inner := error.__cause__ or error.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        error = inner
+    return error
+
+
+def text_digest(text: str, salt: str = "") -> int:
+    """A stable 64-bit hash of ``text`` (the held-out split and the embedded corpus's order: no ``hash()``, which
+    changes between processes)."""
+    return int.from_bytes(hashlib.sha1((salt + text).encode("utf-8", errors="replace")).digest()[:8], "big")

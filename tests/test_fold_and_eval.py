@@ -10,6 +10,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ from hf_tapernorm import (
     export_folded,
     fold_model,
 )
+from hf_tapernorm.app.run_folder import MANIFEST_NAME
 from hf_tapernorm.evaluation.models import load_tokenizer, resolve_model
 from tests.conftest import save_tiny_model
 from tests.helpers import copy_run as copy_of
@@ -64,6 +66,32 @@ def test_fold_of_a_checkpoint_with_a_trailing_slash_and_eval_in_float16(run, tmp
     assert json.loads((tmp_path / "export" / "config.json").read_text())["model_type"] == "tapernorm_llama"
     code, out, _ = run_main(evaluate(run / "folded", "--dtype", "float16"))
     assert code == 0 and json.loads(out.splitlines()[0])["kind"] == "folded"
+
+
+def test_a_checkpoint_s_tokenizer_is_never_read_from_another_model_at_the_recorded_relative_path(
+    ws, baseline_run, tmp_path, monkeypatch, caplog
+):
+    """An interrupted run (no tapered/) whose model was named relative to where taper ran: eval of its checkpoint
+    from another folder read the tokenizer of whatever model that relative path named there, without a word."""
+    run = copy_of(baseline_run, tmp_path)
+    shutil.rmtree(run / "tapered")
+    manifest = json.loads((run / MANIFEST_NAME).read_text())
+    manifest["identity"]["model"] = "llama"  # as `taper --model_name_or_path llama` from ws records it
+    (run / MANIFEST_NAME).write_text(json.dumps(manifest))
+    argv = evaluate(next(run.glob("checkpoint-*")), data=ws / "corpus.txt")
+    monkeypatch.chdir(ws)  # where the run was started: the same model there
+    code, stdout, stderr = run_main(argv)
+    assert code == 0, stderr[-2000:]
+    assert "relative to the folder it was started in" not in stderr
+    other = tmp_path / "elsewhere"
+    save_tiny_model(other / "llama", "llama", seed=1)
+    monkeypatch.chdir(other)
+    code, _, stderr = run_main(argv)
+    assert code == 2
+    assert "the run recorded its model as 'llama', relative to the folder it was started in; " in caplog.text
+    assert (
+        stderr.strip().splitlines()[-1].endswith("nor does its run folder hold one (tapered/, or the recorded model)")
+    )
 
 
 def test_eval_and_fold_of_a_trainer_checkpoint_find_the_runs_tokenizer(ws, baseline_run, tmp_path):

@@ -22,7 +22,13 @@ from ..app.record import recorded_path, recorded_reference
 from ..app.run_folder import RunFolder, write_file, write_folder
 from ..app.run_lock import refuse_while_running, resolved_path
 from ..app.taper import save_export
-from ..app.validation import check_same_tokenizer, check_vocabulary, check_within_positions, max_positions
+from ..app.validation import (
+    check_same_tokenizer,
+    check_vocabulary,
+    check_within_positions,
+    fingerprint,
+    max_positions,
+)
 from ..config import sink_token_id
 from ..data.corpus import blocks_tensor, prepare_from_arguments
 from ..data.out_of_corpus import out_of_corpus_set
@@ -186,13 +192,33 @@ def _run_tokenizer_sources(runs: list[Path]) -> list[ModelSource]:
     for run in runs:
         if (run / "tapered" / "config.json").is_file():
             sources.append(resolve_model(str(run / "tapered")))
-        recorded = ((RunFolder(run).manifest() or {}).get("identity") or {}).get("model")
-        if isinstance(recorded, str) and Path(recorded).expanduser().exists():
+        identity = (RunFolder(run).manifest() or {}).get("identity") or {}
+        recorded = identity.get("model")
+        if isinstance(recorded, str) and _holds_recorded_model(recorded, identity.get("model_contents")):
             try:
                 sources.append(resolve_model(recorded))
             except ModelSourceError:
                 continue
     return sources
+
+
+def _holds_recorded_model(recorded: str, contents: object) -> bool:
+    """Whether the model path a run recorded (as typed) holds that model from this working folder: an absolute path
+    that is there, or a relative one whose files are the ones the run recorded (``contents``). A relative path is
+    relative to the taper's working folder, which the manifest does not record: from another folder it may name
+    another model, whose tokenizer would score the checkpoint without a word."""
+    path = Path(recorded).expanduser()
+    if not path.exists():
+        return False
+    if path.is_absolute() or fingerprint(recorded, weights_by_size=True) == contents:
+        return True
+    logger.warning(
+        "the run recorded its model as '%s', relative to the folder it was started in; '%s' here holds another model, "
+        "whose tokenizer is not used",
+        recorded,
+        path.resolve(),
+    )
+    return False
 
 
 def scan_reference_of(source, named: Optional[str]) -> Optional[ModelSource]:

@@ -171,6 +171,12 @@ ARMS: dict[str, Arm] = {
         False,
         "the default without the runaway layers' attention norms (the term at weight 1)",
     ),
+    "all_attention": Arm(
+        GATED_MLP_NORMS,
+        False,
+        "the default without the runaway layers' attention norms: every attention input norm and the final norm "
+        "tapered and folded (31 of 61 on SmolLM2), the sink-attention term at weight 3",
+    ),
     "sink_attention_0.3": Arm(
         (*INTERNAL, *GATED_MLP_NORMS, "--sink_attention_weight", "0.3"),
         False,

@@ -417,3 +417,36 @@ def torchrun_taper(tmp_path: Path, entry: list[str], *extra: str) -> tuple[subpr
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("hf-tapernorm taper: summary") == 1  # only the main process reports
     return result, out
+
+
+def cached_hub_dataset(cache: Path, text_file: Path, repo: str = "me/one", config: str = "default") -> Path:
+    """A datasets cache folder holding the Hub dataset ``repo`` (its ``config``, one train split of ``text_file``'s
+    paragraphs) as ``datasets`` caches a download, so that it loads offline from ``cache`` (with HF_HUB_OFFLINE)."""
+    import datasets
+
+    scratch = cache.parent / f".{cache.name}-build"
+    datasets.load_dataset("text", data_files=str(text_file), sample_by="paragraph", cache_dir=str(scratch))
+    built = next(scratch.rglob("dataset_info.json")).parent
+    namespace, name = repo.split("/")
+    target = cache / f"{namespace}___{name}" / config / "0.0.0" / "abc123"
+    shutil.copytree(built, target)
+    for arrow in target.glob("*.arrow"):
+        arrow.rename(target / arrow.name.replace("text-", f"{name}-"))
+    info = json.loads((target / "dataset_info.json").read_text())
+    (target / "dataset_info.json").write_text(json.dumps({**info, "config_name": config, "dataset_name": name}))
+    shutil.rmtree(scratch)
+    return cache
+
+
+@contextlib.contextmanager
+def hub_offline():
+    """The Hub offline for this process (datasets and huggingface_hub read their flag once, at import)."""
+    import datasets
+    import huggingface_hub
+
+    saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved

@@ -11,6 +11,7 @@ import datasets
 import pytest
 import torch
 
+from hf_tapernorm.app.data_checks import check_hub_dataset
 from hf_tapernorm.data.corpus import blocks_tensor, is_heldout, pack_documents, prepare_data
 from hf_tapernorm.data.sources import (
     EMBEDDED_CORPUS,
@@ -21,7 +22,7 @@ from hf_tapernorm.data.sources import (
     stdlib_directory,
 )
 from tests.conftest import char_tokenizer, corpus_documents
-from tests.helpers import error_of, one_model_workspace, taper_argv
+from tests.helpers import cached_hub_dataset, error_of, hub_offline, one_model_workspace, taper_argv
 
 
 @pytest.fixture(scope="module")
@@ -292,33 +293,98 @@ def test_the_early_check_refuses_a_local_path_as_the_loader_does(tmp_path):
     assert local_data_files(None) is None and local_data_files("someone/hub-dataset") is None
 
 
-def test_a_hub_name_that_does_not_resolve_is_refused_before_the_model_loads(tmp_path, monkeypatch):
-    """`eval --dataset_name texts/corpuz` (a mistyped local folder, offline) loaded the model, then failed with
-    "could not load dataset ... as a Hub dataset": the name is now resolved first, as the loader resolves it
-    (datasets.load_dataset_builder), and the error says that the folder it starts with is here."""
-    import huggingface_hub
-
+# ============================================================================= Hub datasets, resolved first
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """Offline, in a workspace (the working folder) with a tiny model, a corpus, a folder ``texts/`` of it, a user's
+    notes, and a datasets cache ``hubcache/`` holding the Hub dataset ``me/one`` (the corpus's paragraphs). An eval
+    of it loads no model: a refusal must come first."""
     import hf_tapernorm.cli.commands as commands
-    from hf_tapernorm.app.data_checks import check_dataset_path
 
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     ws = one_model_workspace(tmp_path)
     (ws / "texts").mkdir()
     (ws / "texts" / "corpus.txt").write_text((ws / "corpus.txt").read_text())
+    (ws / "todo.txt").write_text("a user's notes, no corpus")
+    cached_hub_dataset(ws / "hubcache", ws / "corpus.txt")
     monkeypatch.chdir(ws)
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with hub_offline():
+        yield ws
+
+
+def _eval(*flags: str) -> list[str]:
+    return ["eval", "--model_name_or_path", "llama", "--scan_windows", "0", "--out_of_corpus_blocks", "0", *flags]
+
+
+def test_a_hub_name_that_does_not_resolve_is_refused_before_the_model_loads(hub):
+    """`eval --dataset_name texts/corpuz` (a mistyped local folder, offline) loaded the model, then failed with
+    "could not load dataset ... as a Hub dataset": the name is now resolved first, as the loading resolves it
+    (sources.hub_dataset_builder), and the error names the local folder it starts with."""
     with pytest.raises(DataError) as refused:
-        check_dataset_path("--dataset_name", "texts/corpuz", cache_dir=str(tmp_path / "cache"))
+        check_hub_dataset("--dataset_name", "texts/sub/corpuz", cache_dir="hubcache")
     assert str(refused.value).startswith(
-        "--dataset_name: could not load dataset 'texts/corpuz' as a Hub dataset (offline or missing?) ('texts' is a "
-        "local folder, but it holds no 'corpuz': a local path is read as one when it exists or starts with ./): "
+        "--dataset_name: could not load dataset 'texts/sub/corpuz' as a Hub dataset (offline or missing?) ('texts' "
+        "is a local folder, but it holds no 'sub/corpuz': a local path is read as one when it exists or starts with "
+        "./): "
     )
     with pytest.raises(DataError, match=r"'nobody/no-such-dataset' as a Hub dataset \(offline or missing\?\): \w"):
-        check_dataset_path("--dataset_name", "nobody/no-such-dataset", cache_dir=str(tmp_path / "cache"))
-    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
-    argv = ["eval", "--model_name_or_path", "llama", "--dataset_name", "texts/corpuz", "--scan_windows", "0"]
-    assert "'texts' is a local folder, but it holds no 'corpuz'" in error_of(argv)
-    check_dataset_path("--dataset_name", "texts/corpus.txt")  # the local path itself is read as one
+        check_hub_dataset("--dataset_name", "nobody/no-such-dataset", cache_dir="hubcache")
+    assert "'texts' is a local folder, but it holds no 'corpuz'" in error_of(_eval("--dataset_name", "texts/corpuz"))
+    check_hub_dataset("--dataset_name", "texts/corpus.txt")  # the local path itself: the loader's to read
+
+
+@pytest.mark.parametrize("name", ["text", "json", "csv"])
+def test_a_file_loader_s_name_is_no_dataset(hub, name):
+    """`--dataset_name text` resolved to datasets' own text loader, which, given no files, read every text file under
+    the working folder (a user's notes) and trained or scored on them under the name "text"."""
+    message = f"dataset '{name}' is the name of a datasets file loader, not of a Hub dataset: with no files named"
+    assert message in error_of(_eval("--dataset_name", name))
+    with pytest.raises(DataError, match=message):
+        load_text_dataset(name)
+
+
+def test_an_empty_dataset_name_is_refused_not_read_as_the_working_folder(hub, tmp_path):
+    """`--dataset_name ''` was the folder `.`: the working folder's text files were read (taper trained on a user's
+    notes) while the report and card said python-stdlib."""
+    empty = "an empty name names no file, folder or Hub dataset; leave the option out for the embedded corpus"
+    assert empty in error_of(_eval("--dataset_name", ""))
+    assert empty in error_of(_eval("--dataset_name", "corpus.txt", "--out_of_corpus_blocks", "2",
+                                   "--out_of_corpus_dataset", ""))  # fmt: skip
+    options = tmp_path / "run.json"
+    values = {"model_name_or_path": "llama", "dataset_name": "", "output_dir": str(tmp_path / "run"), "use_cpu": True}
+    options.write_text(json.dumps(values))
+    assert empty in error_of(["taper", str(options)])
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(DataError, match=empty):
+        load_text_dataset("")
+
+
+def test_a_cached_hub_dataset_reads_its_split_and_a_missing_split_is_refused_first(hub, tmp_path):
+    """`eval --dataset_split validation` was refused only after the model loaded, its message blaming an offline or
+    missing dataset; a local file, whose one split is train, the same."""
+    expected = load_text_dataset("corpus.txt", cache_dir=str(tmp_path / "c"))["text"]
+    assert load_text_dataset("me/one", cache_dir="hubcache")["text"] == expected
+    assert [row["text"] for row in load_text_dataset("me/one", cache_dir="hubcache", streaming=True)] == expected
+    assert load_text_dataset("me/one", split="train[:3]", cache_dir="hubcache")["text"] == expected[:3]
+    message = error_of(_eval("--dataset_name", "me/one", "--data_cache_dir", "hubcache", "--dataset_split", "test"))
+    assert message.endswith("--dataset_name: dataset 'me/one' has no split 'test': its splits are train")
+    message = error_of(_eval("--dataset_name", "corpus.txt", "--dataset_split", "validation"))
+    assert message.endswith(
+        "--dataset_split validation: dataset 'corpus.txt' is a local file or folder, whose one split is train, not "
+        "'validation' (slices such as train[:50%] read part of it)"
+    )
+
+
+def test_a_refused_taper_writes_nothing_into_the_cache_it_names(hub, tmp_path):
+    """A taper refused for the user's files in its --output_dir had already resolved the Hub name, writing a lock
+    file into --data_cache_dir OUT/cache: the resolution now comes after every check that writes nothing."""
+    out = tmp_path / "out"
+    (out / "cache").mkdir(parents=True)
+    (out / "notes.txt").write_text("the user's")
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    argv = taper_argv(hub, out, "--dataset_name", "me/one", "--data_cache_dir", str(out / "cache"))
+    assert "holds files hf-tapernorm did not write" in error_of(argv)
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before
 
 
 # ============================================================================= what a document is

@@ -24,8 +24,17 @@ from hf_tapernorm import (
 from hf_tapernorm.app.run_folder import MANIFEST_NAME
 from hf_tapernorm.evaluation.models import load_tokenizer, resolve_model
 from tests.conftest import save_tiny_model
+from tests.helpers import (
+    cached_hub_dataset,
+    edit_json,
+    finished_run,
+    hub_offline,
+    one_model_workspace,
+    refused,
+    run_main,
+    tapered,
+)
 from tests.helpers import copy_run as copy_of
-from tests.helpers import edit_json, finished_run, one_model_workspace, refused, run_main, tapered
 from tests.helpers import short_eval_argv as evaluate
 from tests.helpers import short_fold_argv as fold
 from tests.helpers import short_taper_argv as taper
@@ -342,7 +351,7 @@ def test_a_data_cache_in_a_dataset_folder_is_refused_before_it_spoils_the_folder
 
     hidden = SimpleNamespace(
         dataset_name=str(texts),
-        dataset_config_name=None,
+        dataset_split="train",
         out_of_corpus_blocks=0,
         out_of_corpus_dataset=None,
         data_cache_dir=str(texts / ".c"),
@@ -368,6 +377,39 @@ def test_fold_scan_of_a_run_whose_corpus_is_gone_is_refused_before_loading(run, 
         "export later, on any data)"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_fold_scans_the_text_its_run_read_as_the_run_read_it(ws, tmp_path, monkeypatch):
+    """fold's scan read only the recorded dataset's name: a run on a cached Hub dataset (its --data_cache_dir) failed
+    after the load, fold and check ("not cached"), and the out-of-corpus rows of a run made with
+    --out_of_corpus_dataset scanned the Python documentation instead of the run's text."""
+    import hf_tapernorm.cli.commands as commands
+
+    cache = cached_hub_dataset(tmp_path / "hubcache", ws / "corpus.txt")
+    ooc = tmp_path / "ooc.txt"
+    ooc.write_text("\n\n".join(reversed((ws / "corpus.txt").read_text().split("\n\n"))))
+    out = tmp_path / "run"
+    extra = ["--dataset_name", "me/one", "--data_cache_dir", str(cache), "--out_of_corpus_dataset", str(ooc)]
+    with hub_offline():
+        finished_run([*taper(ws, out), *extra, "--out_of_corpus_blocks", "2"])
+        read = []
+        original = commands.out_of_corpus_set
+        monkeypatch.setattr(commands, "out_of_corpus_set", lambda data, *a: read.append(data) or original(data, *a))
+        code, _, stderr = run_main(fold(out / "tapered", tmp_path / "export", "--scan_windows", "2"))
+        assert code == 0, stderr[-2000:]
+        data = read[0]
+        assert (data.dataset_name, data.data_cache_dir, data.out_of_corpus_dataset) == ("me/one", str(cache), str(ooc))
+        scanned = json.loads((tmp_path / "export" / "robustness_scan.json").read_text())
+        assert {row["text"] for row in scanned["rows"]} == {"held-out", "out-of-corpus"}
+        shutil.rmtree(cache)  # offline, the run's Hub dataset is gone: refused before anything loads
+        monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+        line = refused(fold(out / "tapered", tmp_path / "export2", "--scan_windows", "2"))
+    assert line.startswith(
+        "hf-tapernorm fold: error: --scan_windows 2: the run's text cannot be read (--dataset_name: "
+    )
+    assert line.endswith(
+        "fold with --scan_windows 0 (hf-tapernorm eval --scan_reference scans the export later, on any data)"
+    )
 
 
 def test_a_cache_folder_of_its_own_in_a_run_folder_is_allowed_and_the_runs_folders_are_not(ws, baseline_run, tmp_path):

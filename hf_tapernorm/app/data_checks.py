@@ -1,9 +1,11 @@
-"""The local data paths of a command, checked before it loads a model: one check for taper, eval, fold's scan and bench.
+"""The data of a command, checked before it loads a model: one check for taper, eval, fold's scan and bench.
 
 A command reads its text only once the model's tokenizer (eval: the model itself, and its held-out evaluation before
 the out-of-corpus text) is loaded, so a mistyped path would be found minutes late; here it is found first, named by
 its option. Whether a local dataset can be read is asked of sources.local_data_files, the rule the loading itself
-follows (which files of a folder, which builder for a suffix), so the two cannot disagree.
+follows (which files of a folder, which builder for a suffix), so the two cannot disagree; a Hub dataset's name is
+resolved by sources.hub_dataset_builder, the builder the loading reads (check_hub_datasets, which writes into the
+datasets cache and so comes after every check that writes nothing).
 
 ``--data_cache_dir`` is not read only: ``datasets`` writes its cache and lock files there, so it is checked as every
 destination is (run_lock.check_destination: not a file, not in a folder a running hf-tapernorm command holds, a
@@ -22,7 +24,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..data.heldout import PYTHON_DOCS
-from ..data.sources import DataError, check_hub_dataset, local_data_files, local_dataset_path
+from ..data.sources import (
+    EMBEDDED_CORPUS,
+    DataError,
+    check_split,
+    hub_dataset_builder,
+    local_data_files,
+    local_dataset_path,
+)
 from .run_folder import RunFolder
 from .run_lock import check_destination, resolved_path
 
@@ -36,40 +45,66 @@ def missing_local_dataset(name: Optional[str]) -> Optional[Path]:
     return path if path is not None and not path.exists() else None
 
 
-def check_dataset_path(
-    option: str, name: Optional[str], config_name: Optional[str] = None, cache_dir: Optional[str] = None
-) -> None:
+def check_dataset_path(option: str, name: Optional[str]) -> None:
     """Refuse (DataError naming ``option``) a dataset name that is a local path the loader cannot read: nothing there,
     a file of a suffix no builder reads, a folder with no data file or mixing file types (sources.local_data_files,
-    the rule the loading itself follows); or a Hub dataset's name that does not resolve (sources.check_hub_dataset:
-    offline, a name not in the cache, a mistyped folder read as a Hub name)."""
+    the rule the loading itself follows)."""
     local_data_files(name, f"{option} '{name}'")
+
+
+def check_hub_dataset(
+    option: str, name: Optional[str], config_name: Optional[str] = None, split: str = "train", cache_dir=None
+) -> None:
+    """Refuse (DataError naming ``option``) a Hub dataset's name that does not resolve as the loading resolves it
+    (sources.hub_dataset_builder: a name not on the Hub or not in the cache offline, a configuration or split it
+    lacks, a file loader's name). Nothing for the embedded corpus and a local path. It writes into the datasets
+    cache (``cache_dir``), so a command calls it after every check that may refuse it without writing anything."""
+    if name is None or name == EMBEDDED_CORPUS or local_dataset_path(name) is not None:
+        return
     try:
-        check_hub_dataset(name, config_name, cache_dir)
+        hub_dataset_builder(name, config_name, split, cache_dir)
     except DataError as error:
         raise DataError(f"{option}: {error}") from error
 
 
 def check_data_paths(data: Any, own_folder: Optional[str] = None) -> None:
     """Refuse the local paths of a command's data arguments (cli/arguments.DataArguments) that cannot be used: a
-    dataset or out-of-corpus dataset the loader cannot read (check_dataset_path), a cache that cannot be
-    (check_cache_folder) or that lies in a dataset folder the command reads.
+    dataset or out-of-corpus dataset the loader cannot read (check_dataset_path), a split other than train of a
+    local one, a cache that cannot be (check_cache_folder) or that lies in a dataset folder the command reads.
+    Nothing is written: the Hub names are resolved by check_hub_datasets.
 
     ``own_folder``: the folder the command itself locks (taper's run folder); a cache inside it is that lock's to
     guard (taking it refuses a running command in, above or inside the folder; every process of a distributed run
     checks its arguments, while only the first holds the lock), so only what the folder holds is checked there.
     """
-    read = {"--dataset_name": data.dataset_name}
-    if data.out_of_corpus_blocks and data.out_of_corpus_dataset != PYTHON_DOCS:
-        read["--out_of_corpus_dataset"] = data.out_of_corpus_dataset
+    read = _datasets_read(data)
     for option, name in read.items():
-        local_data_files(name, f"{option} '{name}'")
+        check_dataset_path(option, name)
+    try:
+        check_split(data.dataset_name, data.dataset_split)
+    except DataError as error:
+        raise DataError(f"--dataset_split {data.dataset_split}: {error}") from None
     if data.data_cache_dir:
         check_cache_folder(data.data_cache_dir, own_folder)
         _check_cache_outside_data(data.data_cache_dir, read)
-    configs = {"--dataset_name": data.dataset_config_name}
-    for option, name in read.items():  # after the cache's checks: resolving a Hub name writes into the cache
-        check_dataset_path(option, name, configs.get(option), data.data_cache_dir)
+
+
+def check_hub_datasets(data: Any) -> None:
+    """Resolve the Hub datasets a command's data arguments name (check_hub_dataset), before its model loads and after
+    the checks that write nothing (check_data_paths, the command's own folder)."""
+    for option, name in _datasets_read(data).items():
+        config, split = (
+            (data.dataset_config_name, data.dataset_split) if option == "--dataset_name" else (None, "train")
+        )
+        check_hub_dataset(option, name, config, split, data.data_cache_dir)
+
+
+def _datasets_read(data: Any) -> dict[str, Optional[str]]:
+    """The datasets a command's data arguments read: option -> name."""
+    read = {"--dataset_name": data.dataset_name}
+    if data.out_of_corpus_blocks and data.out_of_corpus_dataset != PYTHON_DOCS:
+        read["--out_of_corpus_dataset"] = data.out_of_corpus_dataset
+    return read
 
 
 def _check_cache_outside_data(path: str, read: dict[str, Optional[str]]) -> None:
@@ -152,4 +187,11 @@ def _check_in_run(what: str, cache: Path, run: Path, manifest: dict[str, Any]) -
         )
 
 
-__all__ = ["check_cache_folder", "check_data_paths", "check_dataset_path", "missing_local_dataset"]
+__all__ = [
+    "check_cache_folder",
+    "check_data_paths",
+    "check_dataset_path",
+    "check_hub_dataset",
+    "check_hub_datasets",
+    "missing_local_dataset",
+]

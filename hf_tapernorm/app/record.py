@@ -43,13 +43,18 @@ class DataFacts:
     heldout_blocks: int
     heldout_tokens: int
     heldout_percentage: float
+    #: How the text was read (config, split, sample_by, cache_dir, out_of_corpus_dataset), so that a later reader
+    #: (fold's robustness scan) reads the same text the same way.
+    reading: dict[str, Any] = field(default_factory=dict)
     #: An extension's facts of its training data (extension.py), over the ones above where they share a key.
     extension: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """The report's ``data`` section: the fields, with the extension's facts among them."""
-        facts = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extension"}
-        return {**facts, **self.extension}
+        facts = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("reading", "extension")
+        }
+        return {**facts, **self.reading, **self.extension}
 
 
 @dataclass
@@ -211,6 +216,24 @@ def global_batch_blocks(training_args) -> int:
     )
 
 
+#: The keys of :func:`reading_facts`, in the report's ``data`` section.
+READING_KEYS = ("config", "split", "sample_by", "cache_dir", "out_of_corpus_dataset")
+
+
+def reading_facts(data) -> dict[str, Any]:
+    """How a command's data arguments (cli/arguments.DataArguments) read the text, beyond its name: the report
+    records it for fold's scan. A cache folder is recorded absolute (it is a place, not a name the card shows)."""
+    cache = data.data_cache_dir
+    values = (
+        data.dataset_config_name,
+        data.dataset_split,
+        data.sample_by,
+        os.path.abspath(os.path.expanduser(cache)) if cache else None,
+        data.out_of_corpus_dataset if data.out_of_corpus_blocks else None,
+    )
+    return dict(zip(READING_KEYS, values))
+
+
 def new_run_record(request, source, model, packed, config: TaperNormConfig, schedule, allowed_changes) -> RunRecord:
     """The record of a taper run about to train: its model (``source``, the loaded ``model``), data
     (``packed``: the PackedData), recipe, schedule (resolved) and the TrainingArguments of ``request``."""
@@ -232,6 +255,7 @@ def new_run_record(request, source, model, packed, config: TaperNormConfig, sche
             len(packed.heldout),
             packed.heldout_tokens,
             request.data.heldout_percentage,
+            reading_facts(request.data),
         ),
         config=config,
         training=TrainingFacts(

@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 
 from ..evaluation.scan import scan_summary
 from .folder_writes import write_file
-from .record import DataFacts, RunRecord, far_worse_warning
+from .record import READING_KEYS, DataFacts, RunRecord, far_worse_warning
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def _pct(value: Optional[float]) -> str:
 
 
 #: The keys of the report's ``data`` section that the pipeline itself records (record.DataFacts).
-DATA_KEYS = frozenset(f.name for f in dataclasses.fields(DataFacts)) - {"extension"}
+DATA_KEYS = frozenset(f.name for f in dataclasses.fields(DataFacts)) - {"reading", "extension"} | set(READING_KEYS)
 
 
 def _other_facts(data: Mapping[str, Any]) -> str:

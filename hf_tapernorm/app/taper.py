@@ -40,6 +40,7 @@ from ..layers.taper_norm import tapered_norms
 from ..training.calibration import calibration_table
 from ..training.checkpoints import save_tapered
 from ..training.schedule import decay_learning_rate_after_the_taper
+from .data_checks import check_hub_datasets
 from .extension import TaperExtension, TrainingData, TrainingInputs
 from .preflight import check_disk_space, check_trainer_options, check_training_blocks
 from .record import RunRecord, far_worse_warning, global_batch_blocks, new_run_record, precision_line
@@ -94,6 +95,7 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
             f"'{source.path}' is already a {source.kind} model; taper starts from an ordinary model"
         )
     must_empty, stale_checkpoints = _check_folder(request, output, source)
+    check_hub_datasets(request.data)  # it writes into the datasets cache: after every check that writes nothing
 
     tokenizer = load_tokenizer(source, trust_remote_code=request.model.trust_remote_code)
     skeleton = weightless_model(source, request.model.trust_remote_code)

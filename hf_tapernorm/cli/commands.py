@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from .._parsing import UsageError, parse
-from ..app.data_checks import check_data_paths, missing_local_dataset
+from ..app.data_checks import check_data_paths, check_hub_datasets, missing_local_dataset
 from ..app.preflight import check_export_space, full_disk_refused
 from ..app.record import recorded_path, recorded_reference
 from ..app.run_folder import RunFolder, write_file, write_folder
@@ -31,8 +31,9 @@ from ..app.validation import (
 )
 from ..config import sink_token_id
 from ..data.corpus import blocks_tensor, prepare_from_arguments
+from ..data.heldout import PYTHON_DOCS, PYTHON_DOCS_DESCRIPTION
 from ..data.out_of_corpus import out_of_corpus_set
-from ..data.sources import EMBEDDED_CORPUS
+from ..data.sources import EMBEDDED_CORPUS, DataError
 from ..errors import ConfigurationError, TaperStateError
 from ..evaluation.models import (
     ModelSource,
@@ -100,6 +101,7 @@ def eval_main(argv: Sequence[str]) -> int:
     if output_json is not None:
         check_result_file(output_json)
     check_data_paths(data_args)  # the model loads before the data is read
+    check_hub_datasets(data_args)
     source = resolve_model(model_args.model_name_or_path, model_args.gguf_file)
     block_size = data_args.block_size
     local = source.kind in ("folder", "folded")  # its unreadable config.json is the error, not the tokenizer's
@@ -319,26 +321,54 @@ def _scan_plan(source: ModelSource, windows: int) -> Optional[tuple[DataArgument
         )
         return None
     recorded, sets = facts.get("data") or {}, facts.get("evaluation_sets") or {}
-    dataset = None if recorded.get("source") in (None, EMBEDDED_CORPUS) else recorded["source"]
-    local = recorded_path(facts, run, dataset) if dataset is not None else None
-    name = str(local) if local is not None and local.exists() else dataset  # else a Hub dataset's id
-    if missing_local_dataset(name) is not None:
-        raise UsageError(
-            f"--scan_windows {windows}: the dataset '{local or name}' that the run in '{run}' recorded is not there; "
-            "restore it at that path, or fold with --scan_windows 0 (hf-tapernorm eval --scan_reference scans the "
-            "export later, on any data)"
+    ooc_set = sets.get("out-of-corpus") or {}
+    ooc = recorded.get("out_of_corpus_dataset")
+    if ooc is None and ooc_set and ooc_set.get("description") != PYTHON_DOCS_DESCRIPTION:
+        logger.warning(  # a run of an earlier version, which did not record which text it was
+            "the robustness scan has no out-of-corpus rows: the run in %s does not record its out-of-corpus dataset",
+            run,
         )
+        ooc_set = {}
     default = DataArguments()  # what the run used for anything its report does not record
     data = DataArguments(
-        dataset_name=name,
+        dataset_name=_recorded_dataset(facts, run, recorded.get("source"), windows),
+        dataset_config_name=recorded.get("config"),
+        dataset_split=recorded.get("split", default.dataset_split),
+        sample_by=recorded.get("sample_by", default.sample_by),
+        data_cache_dir=recorded.get("cache_dir"),
         text_column=recorded.get("text_column"),
         block_size=int(recorded.get("block_size", default.block_size)),
         heldout_percentage=float(recorded.get("heldout_percentage", default.heldout_percentage)),
         heldout_blocks=int((sets.get("held-out") or {}).get("blocks", default.heldout_blocks)),
-        out_of_corpus_blocks=int((sets.get("out-of-corpus") or {}).get("blocks", 0)),  # no set recorded: none read
+        out_of_corpus_dataset=_recorded_dataset(facts, run, ooc, windows) or PYTHON_DOCS,
+        out_of_corpus_blocks=int(ooc_set.get("blocks", 0)),  # no set recorded: none read
         scan_windows=windows,
     )
+    try:  # a Hub dataset not in the cache, offline: refused now, as a local one that is gone
+        check_data_paths(data)
+        check_hub_datasets(data)
+    except DataError as error:
+        raise UsageError(f"--scan_windows {windows}: the run's text cannot be read ({error}); {_NO_SCAN}") from None
     return data, reference
+
+
+#: The way out of a scan whose text cannot be read.
+_NO_SCAN = "fold with --scan_windows 0 (hf-tapernorm eval --scan_reference scans the export later, on any data)"
+
+
+def _recorded_dataset(facts: dict, run: Path, recorded: Optional[str], windows: int) -> Optional[str]:
+    """The dataset a run recorded (None: the embedded corpus), as fold finds it now: a local path from the run's
+    working folder (recorded_path), else a Hub dataset's name. A local one that is gone is refused before loading."""
+    if recorded in (None, EMBEDDED_CORPUS, PYTHON_DOCS):
+        return None
+    local = recorded_path(facts, run, recorded)
+    name = str(local) if local is not None and local.exists() else recorded  # else a Hub dataset's id
+    if missing_local_dataset(name) is not None:
+        raise UsageError(
+            f"--scan_windows {windows}: the dataset '{local or name}' that the run in '{run}' recorded is not there; "
+            f"restore it at that path, or {_NO_SCAN}"
+        )
+    return name
 
 
 def _fold_scan(plan, folded, tokenizer, checkpoint: str) -> Optional[dict]:

@@ -96,6 +96,11 @@ def local_dataset_path(source: Optional[str]) -> Optional[Path]:
     every command refuses it as one (before loading a model: app/data_checks.py)."""
     if source is None or source == EMBEDDED_CORPUS:
         return None
+    if not source.strip():  # Path("") is the working folder: its files would be read in the default's name
+        raise DataError(
+            f"dataset {source!r}: an empty name names no file, folder or Hub dataset; leave the option out for the "
+            "embedded corpus, or name one"
+        )
     path = Path(source).expanduser()
     local = path.exists() or source.startswith((".", "/", "~")) or path.suffix.lower() in _BUILDERS
     return path if local else None
@@ -175,25 +180,57 @@ def load_text_dataset(
                 cache_dir=cache_dir,
                 **kwargs,
             )
-        return datasets.load_dataset(source, config_name, split=split, streaming=streaming, cache_dir=cache_dir)
+        builder = hub_dataset_builder(source, config_name, split, cache_dir)
+        if streaming:
+            return builder.as_streaming_dataset(split=split)
+        builder.download_and_prepare()
+        return builder.as_dataset(split=split)
     except DataError:
         raise
     except Exception as error:  # datasets raises many types (FileNotFoundError, ArrowInvalid, HF errors)
         raise _load_error(source, error) from error
 
 
-def check_hub_dataset(
-    source: Optional[str], config_name: Optional[str] = None, cache_dir: Optional[str] = None
-) -> None:
-    """Resolve a Hub dataset's name as load_text_dataset will, without its data (``datasets.load_dataset_builder``),
-    so that a name the Hub lacks, a configuration it lacks, or a dataset missing from the cache offline is refused
-    before a command loads its model, not after. Nothing for the embedded corpus and a local path."""
-    if source is None or source == EMBEDDED_CORPUS or local_dataset_path(source) is not None:
-        return
+def hub_dataset_builder(
+    source: str, config_name: Optional[str] = None, split: str = "train", cache_dir: Optional[str] = None
+) -> datasets.DatasetBuilder:
+    """The ``datasets`` builder of the Hub dataset ``source``, its data not yet read (``datasets.load_dataset_builder``,
+    then ``download_and_prepare`` and ``as_dataset``: the steps of ``datasets.load_dataset``): what the loading reads
+    and what every command resolves before it loads a model (app/data_checks.py), so a name the Hub lacks, a
+    configuration or split the dataset lacks, or a dataset missing from the cache offline is refused first.
+
+    A file loader's own name (``text``, ``json``, ``csv``, ...) is refused: with no files named, ``datasets`` reads
+    every file under the working folder, whatever they are, in a dataset's name."""
     try:
-        datasets.load_dataset_builder(source, config_name, cache_dir=cache_dir)
+        builder = datasets.load_dataset_builder(source, config_name, cache_dir=cache_dir)
     except Exception as error:  # as in load_text_dataset
         raise _load_error(source, error) from error
+    if builder.repo_id is None:
+        raise DataError(
+            f"dataset '{source}' is the name of a datasets file loader, not of a Hub dataset: with no files named it "
+            f"would read every file under the working folder; name the file or folder itself ('./{source}' for a "
+            "local one) or a Hub dataset"
+        )
+    splits = sorted(builder.info.splits or ())
+    missing = [name for name in _split_names(split) if splits and name not in splits]
+    if missing:
+        raise DataError(f"dataset '{source}' has no split '{missing[0]}': its splits are {', '.join(splits)}")
+    return builder
+
+
+def _split_names(split: str) -> list[str]:
+    """The splits a split expression reads: ``train[:10%]+validation`` reads train and validation."""
+    return [part.split("[", 1)[0].strip() for part in split.split("+")]
+
+
+def check_split(source: Optional[str], split: str) -> None:
+    """Refuse a split other than ``train`` of a local dataset (one split: what load_text_dataset reads of its files)."""
+    other = [name for name in _split_names(split) if name != "train"]
+    if other and local_dataset_path(source) is not None:
+        raise DataError(
+            f"dataset '{source}' is a local file or folder, whose one split is train, not '{other[0]}' (slices such "
+            "as train[:50%] read part of it)"
+        )
 
 
 def _load_error(source: str, error: BaseException) -> DataError:
@@ -210,11 +247,11 @@ def _load_error(source: str, error: BaseException) -> DataError:
         return DataError(
             f"could not load dataset '{source}' as a local file or folder: {type(cause).__name__}: {reason}"
         )
-    folder = Path(source).parent
+    here = [folder for folder in Path(source).parents if folder != Path(".") and folder.is_dir()]
     mistyped = (
-        f" ('{folder}' is a local folder, but it holds no '{Path(source).name}': a local path is read as one when it "
-        "exists or starts with ./)"
-        if folder != Path(".") and folder.is_dir()
+        f" ('{here[0]}' is a local folder, but it holds no '{Path(source).relative_to(here[0])}': a local path is "
+        "read as one when it exists or starts with ./)"
+        if here
         else ""
     )
     return DataError(

@@ -278,6 +278,10 @@ def _include_patterns(include: Iterable[str]) -> list[str]:
         pattern = given
         while pattern.startswith("./"):
             pattern = pattern[2:]
+        if not pattern.strip():  # --include= : a pattern that names no file, given by mistake
+            raise ConfigurationError(
+                f"--include {given!r}: an empty pattern names no file; name the files to add (e.g. 'samples/*.txt')"
+            )
         if PurePosixPath(pattern).is_absolute() or ".." in PurePosixPath(pattern).parts:
             raise ConfigurationError(
                 f"--include {given!r}: a pattern is a path inside the export folder, relative to it (e.g. "

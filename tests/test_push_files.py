@@ -84,6 +84,11 @@ def test_push_include_names_a_path_in_the_export_never_a_file_name_in_a_subfolde
             f"hf-tapernorm push: error: --include {pattern!r}: a pattern is a path inside the export folder, relative "
             "to it (e.g. 'samples/*.txt'); '..' and absolute paths name nothing there"
         )
+    for pattern in ("", "./"):  # `--include=`: a pattern given by mistake, which named nothing without a word
+        assert error_of([*push, f"--include={pattern}"]) == (
+            f"hf-tapernorm push: error: --include {pattern!r}: an empty pattern names no file; name the files to add "
+            "(e.g. 'samples/*.txt')"
+        )
     assert hub.created == hub.uploads == []
     (folder / "private" / "extra.json").unlink()
     said_before_upload = []

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..config import TaperNormConfig
-from ..utils import parameter_count
+from ..utils import expand_user, parameter_count
 
 logger = logging.getLogger(__name__)
 
@@ -300,7 +300,7 @@ def recorded_path(facts: dict[str, Any], run_folder: Path, recorded: Any) -> Opt
     """
     if not isinstance(recorded, str) or not recorded:
         return None
-    path = Path(recorded).expanduser()
+    path = expand_user(recorded, strict=False)  # recorded on another machine, a ~user may be unknown here
     if path.is_absolute():
         return path
     working = facts.get("working_folder")

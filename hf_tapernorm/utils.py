@@ -1,16 +1,19 @@
-"""Small torch mechanics shared by several layers of the package (no hf_tapernorm imports)."""
+"""Small mechanics shared by several layers of the package: torch's, and paths' (of hf_tapernorm, errors.py only)."""
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .errors import ConfigurationError
 
 
 def in_backward_recompute() -> bool:
@@ -71,6 +74,43 @@ def file_in_the_way(folder: Path) -> Optional[str]:
     return None
 
 
+def expand_user(path: Union[str, os.PathLike], what: str = "", *, strict: bool = True) -> Path:
+    """``path`` with a leading ``~`` or ``~user`` expanded as ``Path.expanduser`` does. Every path the package
+    takes is expanded here, so "~/out" is the home folder's everywhere (never a folder named "~"), and a home
+    folder this machine cannot name is one line instead of ``Path.expanduser``'s bare RuntimeError (and not
+    ``os.path.expanduser``'s silence, after which a folder named "~user" would be written in the working folder).
+
+    That line is a ConfigurationError that starts with ``what`` (the option and its value as typed, ``--output_dir
+    '~x/o'``; default: the path as typed) and says what to write instead. ``strict=False`` keeps such a path as
+    typed: a run's record may hold one written on another machine, which names nothing here (a missing path,
+    which the record's reader reports as such).
+    """
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:
+        if not strict:
+            return Path(path)
+        head, what = Path(path).parts[0], what or f"'{os.fspath(path)}'"
+        if head == "~":  # no HOME, and this user is not in the password database
+            raise ConfigurationError(
+                f"{what}: this machine names no home folder for '~' (HOME is unset); write the path in full"
+            ) from None
+        raise ConfigurationError(
+            f"{what}: there is no user '{head[1:]}' on this machine, so '{head}' names no home folder; write the "
+            "path in full, or start it with ~/ for your own home folder"
+        ) from None
+
+
+def expand_user_options(options: Any, *names: str) -> None:
+    """Refuse now, by its flag (``--name 'value': ...``), each path option ``names`` of an arguments dataclass of
+    cli/ or bench/ whose ``~user`` names no user of this machine (expand_user). Their ``__post_init__`` calls it: a
+    command then stops at parse time, before the checks deeper down that know the path but not the option."""
+    for name in names:
+        value = getattr(options, name)
+        if value:
+            expand_user(value, f"--{name} '{value}'")
+
+
 def saved_model_type(config_file: Path) -> str:
     """The ``model_type`` a saved ``config.json`` names; "" when the file is missing, unreadable or names none."""
     try:
@@ -82,6 +122,8 @@ def saved_model_type(config_file: Path) -> str:
 
 
 __all__ = [
+    "expand_user",
+    "expand_user_options",
     "file_in_the_way",
     "saved_model_type",
     "all_reduce_max",

@@ -208,6 +208,37 @@ def _flag_before_options_file(command: str, *flags: str):
     return make
 
 
+#: a path under the home folder of a user this machine does not have: Path.expanduser raised a bare RuntimeError
+NO_USER = "~nosuchuser/x"
+#: the one line that refuses it, after the option and the path as typed
+NO_USER_LINE = (
+    "'~nosuchuser/x': there is no user 'nosuchuser' on this machine, so '~nosuchuser' names no home folder; write "
+    "the path in full, or start it with ~/ for your own home folder"
+)
+#: command -> its arguments on the workspace, the path option given last (it wins over the same option before it)
+NO_USER_COMMANDS = {
+    "taper": lambda ws, option: [*_taper(ws), option, NO_USER],
+    "eval": lambda ws, option: _eval(ws, option, NO_USER),
+    "fold": lambda ws, option: fold(ws / "llama", ws / "f", option, NO_USER),
+    "push": lambda ws, option: ["push", "--export_dir", str(ws / "llama"), "--repo_id", "me/x", option, NO_USER],
+    "bench": lambda ws, option: _bench(ws, "--modes", "train", option, NO_USER),
+}
+NO_USER_OPTIONS = {
+    "taper": ["--output_dir", "--dataset_name", "--out_of_corpus_dataset", "--data_cache_dir", "--model_name_or_path",
+              "--baseline_from"],
+    "eval": ["--model_name_or_path", "--dataset_name", "--out_of_corpus_dataset", "--data_cache_dir", "--output_json",
+             "--scan_reference"],
+    "fold": ["--checkpoint", "--output_dir"],
+    "push": ["--export_dir"],
+    "bench": ["--model_name_or_path", "--dataset_name", "--output_dir"],
+}  # fmt: skip
+
+
+def _no_user_in_options_file(ws, tmp):
+    (tmp / "run.yaml").write_text(yaml.safe_dump({"model_name_or_path": str(ws / "llama"), "output_dir": NO_USER}))
+    return ["taper", str(tmp / "run.yaml")]
+
+
 #: the fixtures a row of a finished run needs (besides the workspace): the run, and a folder to copy it into
 NEEDS_RUN = ("short_run", "tmp_path")
 
@@ -807,6 +838,22 @@ CASES = {
         2,
         ["--heldout_percentage must be in (0, 100)"],
         NEEDS_RUN,
+    ),
+    # a ~user this machine does not have, in any path option of any command: one line naming the option
+    **{
+        f"{command} {option} '{NO_USER}'": (
+            lambda ws, make=NO_USER_COMMANDS[command], option=option: make(ws, option),
+            2,
+            f"error: {option} {NO_USER_LINE}",
+        )
+        for command, options in NO_USER_OPTIONS.items()
+        for option in options
+    },
+    "taper: an options file's output_dir under a ~user this machine does not have": (
+        _no_user_in_options_file,
+        2,
+        f"error: --output_dir {NO_USER_LINE}",
+        ("tmp_path",),
     ),
 }
 

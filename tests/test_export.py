@@ -69,6 +69,19 @@ def test_export_refuses_an_unfolded_model(tmp_path):
         export_folded(model, tmp_path / "out")
 
 
+def test_export_into_the_home_of_a_user_this_machine_does_not_have_is_one_line(folded, tmp_path, monkeypatch):
+    """export_folded(model, "~nosuchuser/x") raised Path.expanduser's bare "RuntimeError: Could not determine home
+    directory."."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigurationError) as refused:
+        export_folded(folded, "~nosuchuser/x")
+    assert str(refused.value) == (
+        "export_folded: save_directory '~nosuchuser/x': there is no user 'nosuchuser' on this machine, so "
+        "'~nosuchuser' names no home folder; write the path in full, or start it with ~/ for your own home folder"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_push_to_hub_uploads_exactly_the_export(folded, tmp_path):
     facts = {"base_model": "openai-community/gpt2", "repo_id": "me/gpt2-normfree", "license": "mit"}
     local = _files(export_folded(folded, tmp_path / "local", facts=facts))  # attaches the card to the model

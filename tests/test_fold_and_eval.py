@@ -70,6 +70,46 @@ def test_fold_eval_and_export_read_a_quoted_home_path(run, tmp_path, monkeypatch
     assert not (tmp_path / "~").exists()
 
 
+def test_a_home_folder_this_machine_does_not_know_is_one_line_naming_the_path_as_typed(tmp_path, monkeypatch):
+    """``~nosuchuser/x`` (a user this machine does not have) ended in Path.expanduser's bare "RuntimeError: Could
+    not determine home directory." wherever a path was expanded; ``~`` and a known ``~user`` still expand."""
+    import pwd
+
+    from hf_tapernorm.app.record import recorded_reference
+    from hf_tapernorm.errors import ConfigurationError
+    from hf_tapernorm.utils import expand_user, expand_user_options
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert expand_user("~/x") == tmp_path / "x" and expand_user(Path("~")) == tmp_path
+    assert expand_user(f"~{pwd.getpwuid(os.getuid()).pw_name}/x") == Path(pwd.getpwuid(os.getuid()).pw_dir) / "x"
+    assert expand_user("a/~b") == Path("a/~b")
+    with pytest.raises(ConfigurationError) as refused:
+        expand_user("~nosuchuser/x")
+    assert str(refused.value) == (
+        "'~nosuchuser/x': there is no user 'nosuchuser' on this machine, so '~nosuchuser' names no home folder; "
+        "write the path in full, or start it with ~/ for your own home folder"
+    )
+    with pytest.raises(ConfigurationError, match=r"^--data_cache_dir '~nosuchuser': there is no user 'nosuchuser'"):
+        expand_user_options(
+            SimpleNamespace(dataset_name=None, data_cache_dir="~nosuchuser"), "dataset_name", "data_cache_dir"
+        )
+    assert expand_user("~nosuchuser/x", strict=False) == Path("~nosuchuser/x")  # a run's record, from another machine
+    assert recorded_reference({"model": {"kind": "folder", "source": "~nosuchuser/m"}}, tmp_path) is None
+    assert run_main(fold(tmp_path / "none", "~nosuchuser/export"))[0] == 2
+    assert list(tmp_path.iterdir()) == []  # no folder named "~nosuchuser" in the working folder
+
+    def no_entry(uid: int):  # a uid the password database does not list (a container's arbitrary user)
+        raise KeyError(uid)
+
+    monkeypatch.delenv("HOME")
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    with pytest.raises(
+        ConfigurationError, match=r"^'~/x': this machine names no home folder for '~' \(HOME is unset\)"
+    ):
+        expand_user("~/x")
+
+
 def test_fold_of_a_checkpoint_with_a_trailing_slash_and_eval_in_float16(run, tmp_path):
     assert run_main(fold(str(run / "checkpoint-6") + "/", tmp_path / "export"))[0] == 0
     assert json.loads((tmp_path / "export" / "config.json").read_text())["model_type"] == "tapernorm_llama"

@@ -685,6 +685,27 @@ def test_load_tapered_reads_a_home_relative_folder(tmp_path, monkeypatch):
     assert list(work.iterdir()) == []  # nothing named "~" in the working folder
 
 
+def test_a_home_folder_of_a_user_this_machine_does_not_have_is_one_line_where_the_api_takes_a_path(
+    tmp_path, monkeypatch
+):
+    """save_tapered, load_tapered and load_export of "~nosuchuser/x" raised Path.expanduser's bare RuntimeError."""
+    from hf_tapernorm import load_tapered, save_tapered
+    from hf_tapernorm.integrations.exports import load_export
+
+    monkeypatch.chdir(tmp_path)
+    model = tapered("llama")
+    calls = {
+        "save_tapered: folder ": lambda: save_tapered(model, "~nosuchuser/x"),
+        "load_tapered: folder ": lambda: load_tapered("~nosuchuser/x"),
+        "": lambda: load_export("~nosuchuser/x"),
+    }
+    for what, call in calls.items():
+        with pytest.raises(ConfigurationError) as refused:
+            call()
+        assert str(refused.value).startswith(f"{what}'~nosuchuser/x': there is no user 'nosuchuser' on this machine")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_dtype_an_export_cannot_load_in_is_one_line_naming_the_accepted_ones(exports):
     """load_export / transformer_bridge with dtype=torch.int64, torch.complex64 or torch.float8_e4m3fn gave
     transformers' ValueError ("cannot be instantiated under dtype") or a TypeError (no Float8 storage)."""

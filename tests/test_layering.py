@@ -331,6 +331,23 @@ def test_no_script_assigns_a_product_global():
     assert not offending, "\n".join(offending)
 
 
+def test_every_home_path_is_expanded_by_expand_user():
+    """A path of a ``~user`` this machine does not have: ``Path.expanduser`` raises a bare RuntimeError ("Could not
+    determine home directory.") and ``os.path.expanduser`` keeps it as typed (a folder named "~user" is written in
+    the working folder); ``utils.expand_user`` refuses it in one line. No other call of either is left."""
+    calls = {
+        (name, node.lineno)
+        for name, path in _modules().items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "expanduser"
+    }
+    tree = ast.parse((PACKAGE / "utils.py").read_text())
+    helper = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "expand_user")
+    inside = {("hf_tapernorm.utils", line) for line in range(helper.lineno, helper.end_lineno + 1)}
+    assert calls & inside, "expand_user no longer expands"
+    assert not calls - inside, f"expanduser called outside utils.expand_user: {sorted(calls - inside)}"
+
+
 #: One job per module and per function: limits on their length in lines. A longer function passes when its
 #: docstring says why ("Over 80 lines because ..."). hf_tapernorm/export is being split apart from this rule.
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 500, 80

@@ -41,6 +41,7 @@ from ..export.folding import unties_head
 from ..layers.patching import patch_model
 from ..training.checkpoints import tapered_config_of, tapered_model_config
 from ..training.schedule import TaperSchedule
+from ..utils import expand_user
 
 
 def check_trainer_options(training_args, schedule: TaperSchedule, config: TaperNormConfig) -> None:
@@ -296,7 +297,7 @@ def check_free_space(output_dir: Path, writes: dict[str, int], who: str, *, recl
     free than the sum of ``writes`` (bytes by what writes them; ``who`` writes them: "this run", "this fold");
     returns that sum. The folder need not exist: its nearest existing parent's disk is read."""
     needed = sum(writes.values())
-    folder = Path(output_dir).expanduser().resolve()
+    folder = expand_user(output_dir, f"--output_dir '{output_dir}'").resolve()
     existing = next(p for p in (folder, *folder.parents) if p.exists())
     free = shutil.disk_usage(existing).free + reclaimable
     if free < needed:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..config import TaperNormConfig
-from ..utils import parameter_count
+from ..utils import expand_user, parameter_count
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ def reading_facts(data) -> dict[str, Any]:
         data.dataset_config_name,
         data.dataset_split,
         data.sample_by,
-        os.path.abspath(os.path.expanduser(cache)) if cache else None,
+        str(expand_user(cache).absolute()) if cache else None,
         data.out_of_corpus_dataset if data.out_of_corpus_blocks else None,
     )
     return dict(zip(READING_KEYS, values))
@@ -324,7 +324,7 @@ def recorded_path(facts: dict[str, Any], run_folder: Path, recorded: Any) -> Opt
     """
     if not isinstance(recorded, str) or not recorded:
         return None
-    path = Path(recorded).expanduser()
+    path = expand_user(recorded, strict=False)  # recorded on another machine, a ~user may be unknown here
     if path.is_absolute():
         return path
     working = facts.get("working_folder")

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import ConfigurationError
+from ..utils import expand_user
 
 logger = logging.getLogger(__name__)
 
@@ -389,10 +390,9 @@ def _this_process() -> dict[str, Any]:
 
 
 def resolved_path(path: str | os.PathLike, what: str) -> Path:
-    """``path`` with ``~`` expanded and every symbolic link followed (Path.resolve); RunFolderError naming ``what``
-    and the link when a symbolic link on the way leads back into itself (Path.resolve raises RuntimeError there
-    on Python 3.10 to 3.12, and returns the path unresolved on later versions)."""
-    path = Path(path).expanduser()
+    """``path`` expanded (expand_user) with every symbolic link followed; RunFolderError naming ``what`` and the link
+    when one on the way leads back into itself (Path.resolve raises RuntimeError there up to Python 3.12)."""
+    path = expand_user(path, what)
     try:
         resolved = path.resolve()
         os.stat(resolved)
@@ -470,7 +470,7 @@ def check_destination(
     (the folder, or its first existing parent; ``renamed_into_parent``: the folder is written beside itself and
     renamed into place, so what must be writable is the first existing folder above it; ``option``: the option that
     names the folder, which the unwritable place's message asks to change)."""
-    folder = Path(folder).expanduser()
+    folder = expand_user(folder, what)
     try:
         for parent in [folder, *folder.parents]:
             if parent.exists() and not parent.is_dir():

@@ -30,6 +30,7 @@ from ..data.sources import EMBEDDED_CORPUS
 from ..errors import ConfigurationError, UnsupportedModelError
 from ..evaluation.models import ModelSource, ModelSourceError, load_tokenizer, read_model_config
 from ..training.schedule import TaperSchedule
+from ..utils import expand_user
 from .data_checks import check_data_paths
 from .record import differences
 from .run_folder import RunFolder
@@ -67,7 +68,7 @@ def check_output_outside_inputs(output_dir: str, inputs: dict[str, Optional[str]
     reports would become part of that model or dataset, which would then differ at every ``--resume``."""
     output = resolved_path(output_dir, f"--output_dir '{output_dir}'")
     for option, value in inputs.items():
-        folder = Path(value).expanduser() if value else None
+        folder = expand_user(value, f"{option} '{value}'") if value else None
         if folder is not None and folder.is_dir() and output.is_relative_to(folder.resolve()):
             raise ConfigurationError(
                 f"--output_dir '{output_dir}' lies inside {option} '{value}', which the run reads: its checkpoints "
@@ -149,11 +150,11 @@ def fit_default_warmup(training_args, schedule: TaperSchedule) -> None:
 def check_inputs_outside(output_dir: Path, inputs: dict[str, Optional[str]], verb: str) -> None:
     """Refuse an input (option -> local path) that lies inside the run folder that ``verb`` (``--overwrite``,
     ``--resume``) deletes or rewrites: the run would delete the model, data or baseline it reads."""
-    root = Path(output_dir).expanduser().resolve()
+    root = expand_user(output_dir, f"--output_dir '{output_dir}'").resolve()
     for option, value in inputs.items():
-        if not value or not Path(value).expanduser().exists():
+        if not value or not expand_user(value, f"{option} '{value}'").exists():
             continue  # a Hub name, or nothing
-        path = Path(value).expanduser().resolve()
+        path = expand_user(value).resolve()
         if path.is_relative_to(root):
             raise ConfigurationError(
                 f"{option} '{value}' lies inside --output_dir '{output_dir}', which {verb} deletes or rewrites: "
@@ -276,9 +277,9 @@ def fingerprint(path: Optional[str], *, weights_by_size: bool = False) -> Option
     """What a local file or folder holds (relative name -> SHA-256, or size): the same path with other contents is
     another dataset or model. None for a Hub name. ``weights_by_size``: identify ``*.safetensors``/``*.bin``/``*.gguf``
     by size and a hash of evenly spaced chunks (hashing a model's weights whole at every start costs minutes)."""
-    if not path or not Path(path).expanduser().exists():
+    root = expand_user(path) if path else None
+    if root is None or not root.exists():
         return None
-    root = Path(path).expanduser()
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file() and p.name[0] != ".")
     found = {}
     for file in files:

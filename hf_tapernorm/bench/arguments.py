@@ -23,6 +23,7 @@ from ..app.data_checks import check_dataset_path, check_hub_dataset
 from ..app.run_lock import check_destination
 from ..app.validation import check_within_positions
 from ..errors import ConfigurationError
+from ..utils import expand_user, expand_user_options
 
 PROG = "hf-tapernorm bench"
 NORMS = ("recipe", "internal", "all")
@@ -203,6 +204,7 @@ class BenchArguments:
     output_dir: str = field(default="runs/bench", metadata=_help("Where bench.json and bench.png are written."))
 
     def __post_init__(self) -> None:
+        expand_user_options(self, "model_name_or_path", "dataset_name", "output_dir")
         _check_list("norms", self.norms, NORMS)
         _check_list("variants", self.variants, KINDS)
         _check_list("modes", self.modes, MODES)
@@ -237,7 +239,7 @@ class BenchArguments:
             check_hub_dataset("--dataset_name", self.dataset_name, self.dataset_config_name)
         for device in self.devices:
             check_device(device)
-        self.output_dir = str(Path(self.output_dir).expanduser())  # `~/b` is $HOME/b, as every command reads it
+        self.output_dir = str(expand_user(self.output_dir))  # `~/b` is $HOME/b, as every command reads it
         output = Path(self.output_dir)
         advice = "wait for it to finish, or choose another --output_dir"
         check_destination(output, f"--output_dir '{output}'", advice=advice)  # as taper and fold check theirs

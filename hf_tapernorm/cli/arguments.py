@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional, Union
@@ -30,7 +29,7 @@ from ..app.validation import IGNORED_ON_RESUME
 from ..config import OptionField, TaperNormConfig, parse_step
 from ..data.sources import EMBEDDED_CORPUS
 from ..errors import ConfigurationError
-from ..utils import accelerator_available, cpu_has_fast_bf16
+from ..utils import accelerator_available, cpu_has_fast_bf16, expand_user, expand_user_options
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +81,9 @@ class ModelArguments:
     )
     trust_remote_code: bool = field(default=False, metadata=_help("Allow custom modeling code of the model."))
     trust_sharded_checkpoint: bool = field(default=False, metadata=_help(_TRUST_SHARDED_HELP))
+
+    def __post_init__(self) -> None:
+        expand_user_options(self, "model_name_or_path")
 
 
 @dataclass
@@ -152,6 +154,7 @@ class DataArguments:
         _positive("out_of_corpus_blocks", self.out_of_corpus_blocks, allow_zero=True)
         _positive("scan_windows", self.scan_windows, allow_zero=True)
         _positive("eval_batch_size", self.eval_batch_size)
+        expand_user_options(self, "dataset_name", "out_of_corpus_dataset", "data_cache_dir")
 
 
 #: TaperNormConfig options the command line sets through options of its own: the preset is chosen with
@@ -305,6 +308,7 @@ class RunArguments:
             raise ConfigurationError("--allow_changes applies to --resume only")
         if self.baseline and self.baseline_from:
             raise ConfigurationError("--baseline trains a baseline and --baseline_from reads one: pass one of them")
+        expand_user_options(self, "baseline_from")
 
 
 @dataclass
@@ -415,8 +419,8 @@ class EvalArguments:
     )
 
     def __post_init__(self) -> None:
-        if self.output_json:  # a quoted '~/r.json' (or one in an options file) too
-            self.output_json = os.path.expanduser(self.output_json)
+        expand_user_options(self, "output_json", "scan_reference")
+        self.output_json = self.output_json and str(expand_user(self.output_json))  # a quoted '~/r.json' too
 
 
 @dataclass
@@ -440,7 +444,8 @@ class FoldArguments:
     def __post_init__(self) -> None:
         _positive("tolerance", self.tolerance)
         _positive("scan_windows", self.scan_windows, allow_zero=True)
-        self.output_dir = os.path.expanduser(self.output_dir)  # a quoted '~/x' (or one in an options file) too
+        expand_user_options(self, "checkpoint", "output_dir")
+        self.output_dir = str(expand_user(self.output_dir))  # a quoted '~/x' (or one in an options file) too
 
 
 @dataclass
@@ -471,6 +476,7 @@ class PushArguments:
     commit_message: str = field(default="Upload norm-free model (hf_tapernorm)", metadata=_help("Commit message."))
 
     def __post_init__(self) -> None:
+        expand_user_options(self, "export_dir")
         try:  # the Hub's own rules ('name' or 'owner/name'; letters, digits, '-', '_', '.'), before the export is read
             validate_repo_id(self.repo_id)
         except HFValidationError as error:

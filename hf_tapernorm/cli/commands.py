@@ -51,6 +51,7 @@ from ..export.hub import push_export
 from ..export.readout import readout_facts
 from ..layers.patching import gate_of, set_gate
 from ..training.checkpoints import tapered_config_of
+from ..utils import expand_user
 from .arguments import DataArguments, EvalArguments, FoldArguments, ModelArguments, PushArguments
 from .destinations import RESULT_MARK, check_export_folder, check_result_file
 
@@ -209,7 +210,7 @@ def _holds_recorded_model(recorded: str, contents: object) -> bool:
     that is there, or a relative one whose files are the ones the run recorded (``contents``). A relative path is
     relative to the taper's working folder, which the manifest does not record: from another folder it may name
     another model, whose tokenizer would score the checkpoint without a word."""
-    path = Path(recorded).expanduser()
+    path = expand_user(recorded, strict=False)  # recorded on another machine, a ~user may be unknown here
     if not path.exists():
         return False
     if path.is_absolute() or fingerprint(recorded, weights_by_size=True) == contents:

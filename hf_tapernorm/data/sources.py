@@ -20,6 +20,7 @@ from typing import Optional, Union
 import datasets
 
 from ..errors import ConfigurationError
+from ..utils import expand_user
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def local_dataset_path(source: Optional[str]) -> Optional[Path]:
             f"dataset {source!r}: an empty name names no file, folder or Hub dataset; leave the option out for the "
             "embedded corpus, or name one"
         )
-    path = Path(source).expanduser()
+    path = expand_user(source, f"dataset '{source}'")
     local = path.exists() or source.startswith((".", "/", "~")) or path.suffix.lower() in _BUILDERS
     return path if local else None
 
@@ -168,7 +169,7 @@ def load_text_dataset(
         if local is not None:
             builder, files = local
             if all(f.stat().st_size == 0 for f in files):
-                what = "its files hold" if Path(source).expanduser().is_dir() else "the file holds"
+                what = "its files hold" if expand_user(source).is_dir() else "the file holds"
                 raise DataError(f"dataset '{source}' is empty: {what} no text")
             # utf-8-sig: a byte-order mark (Windows editors write one) is not text of the first document
             kwargs = {"sample_by": sample_by, "encoding": "utf-8-sig"} if builder == "text" else {}

@@ -24,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufCo
 from ..errors import ConfigurationError, first_line
 from ..export.folded_sink import plain_load_of_export
 from ..training.checkpoints import is_tapered_checkpoint, load_tapered, tapered_model_config
+from ..utils import expand_user
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def resolve_model(model_name_or_path: Optional[str] = None, gguf_file: Optional[
         if gguf_file is not None:
             raise ModelSourceError("--gguf_file needs --model_name_or_path (the folder or Hub id holding the file)")
         return embedded_model()
-    path = Path(model_name_or_path).expanduser()
+    path = expand_user(model_name_or_path, f"model '{model_name_or_path}'")
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise ModelSourceError(f"model file '{model_name_or_path}' not found")

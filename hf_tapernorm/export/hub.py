@@ -32,7 +32,7 @@ from typing import Any, Optional
 from transformers import PreTrainedModel
 
 from ..errors import ConfigurationError, TaperStateError
-from ..utils import file_in_the_way, saved_model_type
+from ..utils import expand_user, file_in_the_way, saved_model_type
 from .model_card import attach_model_card
 from .modeling_folded import PREFIX, FoldedModelMixin, upload_export
 
@@ -182,7 +182,7 @@ def export_folded(
             f"export_folded: tokenizer= must be a transformers tokenizer (with save_pretrained), got "
             f"{type(tokenizer).__name__}"
         )
-    folder = Path(save_directory).expanduser()  # "~/out" is the home folder's, not a folder named "~"
+    folder = expand_user(save_directory, f"export_folded: save_directory '{save_directory}'")  # "~/out": $HOME/out
     _check_export_folder(folder, overwrite)
     if facts is not None and not isinstance(facts, Mapping):
         raise ConfigurationError(

@@ -17,7 +17,7 @@ from ..export.folded_sink import plain_load_of_export
 from ..export.modeling_folded import FoldedModelMixin
 from ..layers.saving import TAPERED_TYPE_PREFIX
 from ..training.checkpoints import is_tapered_checkpoint
-from ..utils import saved_model_type
+from ..utils import expand_user, saved_model_type
 
 ExportSource = Union[str, os.PathLike, PreTrainedModel]
 
@@ -25,7 +25,7 @@ ExportSource = Union[str, os.PathLike, PreTrainedModel]
 def local_path(path: Union[str, os.PathLike]) -> Path:
     """``path`` with ``~`` expanded: every folder the integrations take or write, as the CLI and ``export_folded``
     read it ("~/exp" is the home folder's, not a folder named "~")."""
-    return Path(path).expanduser()
+    return expand_user(path)
 
 
 #: the dtypes an export loads in, by the names a caller may give as text (``dtype="bfloat16"``)

@@ -26,7 +26,7 @@ from ..errors import ConfigurationError, TaperStateError
 from ..layers.patching import patch_model
 from ..layers.saving import TAPERED_NOTE_KEY, TAPERED_TYPE_PREFIX, mark_config_as_tapered
 from ..layers.taper_norm import tapered_norms
-from ..utils import file_in_the_way, saved_model_type
+from ..utils import expand_user, file_in_the_way, saved_model_type
 from .sharded import is_sharded_checkpoint, read_sharded_model_state
 
 #: The file of tapered checkpoints written before TaperNormConfig (patch_model's options): still read.
@@ -40,7 +40,7 @@ def save_tapered(model: nn.Module, folder: Union[str, os.PathLike], tokenizer: A
     plain checkpoint of the base model: read it with ``load_tapered``. (A patched model's own ``save_pretrained``
     writes the same folder without the tokenizer: layers/saving.py.)
     """
-    folder = Path(folder).expanduser()
+    folder = expand_user(folder, f"save_tapered: folder '{folder}'")
     config = config_of(model)
     _check_tapered_destination(folder)
     model.save_pretrained(folder)
@@ -131,7 +131,7 @@ def load_tapered(
     only with ``trust_sharded_checkpoint=True`` (its index is a pickle; training/sharded.py); everything
     else is safetensors and JSON.
     """
-    folder = Path(folder).expanduser()  # "~/tap" is the home folder's, as save_tapered writes it
+    folder = expand_user(folder, f"load_tapered: folder '{folder}'")  # "~/tap": the home folder's, as save_tapered's
     taper_config = tapered_config_of(folder)
     if is_sharded_checkpoint(folder):
         state = read_sharded_model_state(folder, trust_sharded_checkpoint=trust_sharded_checkpoint)

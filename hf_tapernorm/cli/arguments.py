@@ -466,10 +466,9 @@ class PushArguments:
     include: list[str] = field(
         default_factory=list,
         metadata=_help(
-            "Only the files the export wrote (its manifest) are uploaded; any other file in --export_dir is refused "
-            "unless one of these fnmatch patterns names its path inside --export_dir, e.g. --include 'samples/*.txt' "
-            "('notes.txt' is the top-level file only; '*' also matches '/'). A leading './' is dropped. Several "
-            "patterns follow one --include, or each its own: they add up."
+            "Only the files the export wrote are uploaded; any other file in --export_dir is refused unless one of "
+            "these fnmatch patterns names its path inside it, e.g. --include 'samples/*.txt' ('notes.txt': the "
+            "top-level file only; '*' also matches '/'; './' is dropped). Repeated --include patterns add up."
         ),
     )
     token: Optional[str] = field(default=None, metadata=_help("Hub token (default: the logged-in one)."))

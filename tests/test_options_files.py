@@ -21,13 +21,12 @@ from hf_tapernorm.bench.arguments import BenchArguments
 from hf_tapernorm.cli.arguments import (
     DataArguments,
     EvalArguments,
-    FoldArguments,
     ModelArguments,
-    PushArguments,
     RunArguments,
     TaperArguments,
     TaperTrainingArguments,
 )
+from hf_tapernorm.cli.export_arguments import FoldArguments, PushArguments
 from hf_tapernorm.errors import ConfigurationError
 from tests.conftest import corpus_documents, save_tiny_model
 from tests.helpers import error_of, run_main, snapshot

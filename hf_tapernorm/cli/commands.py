@@ -52,8 +52,9 @@ from ..export.readout import readout_facts
 from ..layers.patching import gate_of, set_gate
 from ..training.checkpoints import tapered_config_of
 from ..utils import expand_user
-from .arguments import DataArguments, EvalArguments, FoldArguments, ModelArguments, PushArguments
+from .arguments import DataArguments, EvalArguments, ModelArguments
 from .destinations import RESULT_MARK, check_export_folder, check_result_file
+from .export_arguments import FoldArguments, PushArguments
 
 logger = logging.getLogger("hf_tapernorm.cli")
 

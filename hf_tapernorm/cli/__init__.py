@@ -1,5 +1,6 @@
 """The ``hf-tapernorm`` command line: argument dataclasses (arguments.py: taper's and eval's; export_arguments.py:
-fold's and push's; parsing is hf_tapernorm/_parsing.py), the subcommands (commands.py; ``taper`` is app/taper.py, ``bench`` is bench/) and the dispatcher (main.py)."""
+fold's and push's; parsing is hf_tapernorm/_parsing.py), the subcommands (commands.py; ``taper`` is app/taper.py,
+``bench`` is bench/) and the dispatcher (main.py)."""
 
 from .main import command, main
 

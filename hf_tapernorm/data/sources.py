@@ -4,7 +4,7 @@ The embedded corpus is the Python standard library's own source files, which exi
 Python. A local path is read by the ``datasets`` builder its suffix names (txt/md: one document per line,
 paragraph or file; json/jsonl, parquet, csv: one per row); any other name is a Hub dataset's. The rule that
 tells them apart and lists a local dataset's files (:func:`local_data_files`) and the resolution of a Hub name
-(:func:`check_hub_dataset`) are what every command asks before it loads a model, so a dataset the loading would
+(:func:`hub_dataset_builder`) are what every command asks before it loads a model, so a dataset the loading would
 refuse is refused first, in the loading's own words.
 """
 
@@ -90,6 +90,9 @@ def embedded_corpus(root: Optional[Path] = None) -> datasets.Dataset:
 
 
 # ----------------------------------------------------------------------------- loading
+_EMPTY = "an empty name names no file, folder or Hub dataset; leave the option out for the embedded corpus, or name one"
+
+
 def local_dataset_path(source: Optional[str]) -> Optional[Path]:
     """The local file or folder the dataset name ``source`` means, there or not; None for the embedded corpus and a
     Hub dataset's name. A name is a local path when it exists, starts with ``.``, ``/`` or ``~``, or ends in a data
@@ -98,10 +101,7 @@ def local_dataset_path(source: Optional[str]) -> Optional[Path]:
     if source is None or source == EMBEDDED_CORPUS:
         return None
     if not source.strip():  # Path("") is the working folder: its files would be read in the default's name
-        raise DataError(
-            f"dataset {source!r}: an empty name names no file, folder or Hub dataset; leave the option out for the "
-            "embedded corpus, or name one"
-        )
+        raise DataError(f"dataset {source!r}: {_EMPTY}")
     path = expand_user(source, f"dataset '{source}'")
     local = path.exists() or source.startswith((".", "/", "~")) or path.suffix.lower() in _BUILDERS
     return path if local else None
@@ -119,10 +119,12 @@ def local_data_files(source: Optional[str], name: Optional[str] = None) -> Optio
     file of a suffix no builder reads, a folder with no data file or one mixing file types. What the files hold (no
     text, not UTF-8, not a table) only the loading finds.
     """
+    name = name or f"dataset '{source}'"
+    if source is not None and not source.strip():
+        raise DataError(f"{name}: {_EMPTY}")
     path = local_dataset_path(source)
     if path is None:
         return None
-    name = name or f"dataset '{source}'"
     if not path.exists():
         raise DataError(f"{name} not found: no such file or folder")
     supported = f"{', '.join(sorted(_BUILDERS))} (or a folder of such files, or a Hub dataset name)"

@@ -61,6 +61,7 @@ from .config_fields import (
 from .config_fields import option_fields as option_table
 from .config_migrations import CONFIG_VERSION, CONFIG_VERSION_KEY, migrated
 from .errors import ConfigurationError, TaperStateError
+from .utils import expand_user
 
 logger = logging.getLogger(__name__)
 
@@ -320,7 +321,7 @@ class TaperNormConfig(Checked):
 
     def save_pretrained(self, folder: Union[str, os.PathLike]) -> Path:
         """Write ``tapernorm_config.json`` into ``folder`` (created if missing); returns the file."""
-        path = Path(folder) / CONFIG_NAME
+        path = expand_user(folder, f"TaperNormConfig.save_pretrained: '{folder}'") / CONFIG_NAME
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(self.to_json_string())
         return path
@@ -335,8 +336,9 @@ class TaperNormConfig(Checked):
     ) -> TaperNormConfig:
         """The config in a local folder, or in a Hub repository (``tapernorm_config.json`` at its root,
         downloaded with ``huggingface_hub.hf_hub_download``; ``revision`` and ``token`` are passed on)."""
-        path = Path(name_or_path) / CONFIG_NAME
-        if Path(name_or_path).is_dir():
+        local = expand_user(name_or_path, f"TaperNormConfig.from_pretrained: '{name_or_path}'")
+        path = local / CONFIG_NAME
+        if local.is_dir():
             if not path.is_file():
                 raise ConfigurationError(
                     f"no {CONFIG_NAME} in '{name_or_path}': not a tapered checkpoint written by hf_tapernorm"

@@ -375,6 +375,24 @@ def test_a_cached_hub_dataset_reads_its_split_and_a_missing_split_is_refused_fir
     )
 
 
+def test_a_split_the_loading_would_not_read_as_written_is_refused_first(hub):
+    """The embedded corpus ignored --dataset_split (validation, train[:1%] and a split no dataset has read the whole
+    corpus), and a slice of a streamed dataset was refused only after the model loaded."""
+    for split in ("validation", "train[:1%]"):
+        assert error_of(_eval("--dataset_split", split)).endswith(
+            f"--dataset_split {split}: the embedded corpus is read whole, as one split (train), not '{split}'"
+        )
+        with pytest.raises(DataError, match="the embedded corpus is read whole"):
+            load_text_dataset(None, split=split)
+    for name in ("corpus.txt", "me/one"):
+        message = error_of(_eval("--dataset_name", name, "--data_cache_dir", "hubcache", "--streaming",
+                                 "--dataset_split", "train[:50%]"))  # fmt: skip
+        assert message.endswith(
+            "--dataset_split train[:50%]: a streamed dataset is read whole, split by split: drop the slice of "
+            "'train[:50%]' or --streaming"
+        )
+
+
 def test_a_refused_taper_writes_nothing_into_the_cache_it_names(hub, tmp_path):
     """A taper refused for the user's files in its --output_dir had already resolved the Hub name, writing a lock
     file into --data_cache_dir OUT/cache: the resolution now comes after every check that writes nothing."""

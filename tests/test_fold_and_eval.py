@@ -392,6 +392,7 @@ def test_a_data_cache_in_a_dataset_folder_is_refused_before_it_spoils_the_folder
     hidden = SimpleNamespace(
         dataset_name=str(texts),
         dataset_split="train",
+        streaming=False,
         out_of_corpus_blocks=0,
         out_of_corpus_dataset=None,
         data_cache_dir=str(texts / ".c"),
@@ -450,6 +451,33 @@ def test_fold_scans_the_text_its_run_read_as_the_run_read_it(ws, tmp_path, monke
     assert line.endswith(
         "fold with --scan_windows 0 (hf-tapernorm eval --scan_reference scans the export later, on any data)"
     )
+
+
+def test_fold_scans_a_home_path_in_the_home_of_its_run_and_never_creates_a_cache_that_is_gone(
+    ws, tmp_path, monkeypatch
+):
+    """A run made with --dataset_name '~/corpus.txt' was scanned, under another HOME, on that home's corpus.txt
+    without a word; a run whose recorded --data_cache_dir was moved since had it created again, full."""
+    import hf_tapernorm.cli.commands as commands
+
+    home = tmp_path / "home_a"
+    home.mkdir()
+    shutil.copy(ws / "corpus.txt", home / "corpus.txt")
+    monkeypatch.setenv("HOME", str(home))
+    cache = tmp_path / "cache"
+    out = finished_run(taper(ws, tmp_path / "run", "--dataset_name", "~/corpus.txt", "--data_cache_dir", str(cache)))
+    assert json.loads((out / "report.json").read_text())["home_folder"] == str(home)
+    (tmp_path / "home_b").mkdir()
+    (tmp_path / "home_b" / "corpus.txt").write_text("another user's text\n\n" * 400)
+    monkeypatch.setenv("HOME", str(tmp_path / "home_b"))
+    shutil.rmtree(cache)
+    read = []
+    original = commands.out_of_corpus_set
+    monkeypatch.setattr(commands, "out_of_corpus_set", lambda data, *a: read.append(data) or original(data, *a))
+    code, _, stderr = run_main(fold(out / "tapered", tmp_path / "export", "--scan_windows", "2"))
+    assert code == 0, stderr[-2000:]
+    assert (read[0].dataset_name, read[0].data_cache_dir) == (str(home / "corpus.txt"), None)
+    assert not cache.exists()
 
 
 def test_a_cache_folder_of_its_own_in_a_run_folder_is_allowed_and_the_runs_folders_are_not(ws, baseline_run, tmp_path):

@@ -706,6 +706,30 @@ def test_a_home_folder_of_a_user_this_machine_does_not_have_is_one_line_where_th
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_api_reads_a_home_path_as_the_home_folder_wherever_it_takes_a_folder(tmp_path, monkeypatch):
+    """TaperNormConfig.save_pretrained and save_sharded_checkpoint wrote '~/x' as a folder named '~' in the working
+    folder (and '~nosuchuser/x' as one named '~nosuchuser'), and from_pretrained / load_sharded_checkpoint refused
+    '~/x' although it was there."""
+    from hf_tapernorm import TaperNormConfig
+    from hf_tapernorm.training.sharded import load_sharded_checkpoint, save_sharded_checkpoint
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    config = TaperNormConfig(ema_rate=0.05)
+    assert config.save_pretrained("~/cfg") == tmp_path / "home" / "cfg" / "tapernorm_config.json"
+    assert TaperNormConfig.from_pretrained("~/cfg") == config
+    model = tapered("llama")
+    assert save_sharded_checkpoint("~/sharded", model) == tmp_path / "home" / "sharded"
+    assert load_sharded_checkpoint("~/sharded", model, trust_sharded_checkpoint=True) == 0
+    for call in (
+        lambda: config.save_pretrained("~nosuchuser/c"),
+        lambda: save_sharded_checkpoint("~nosuchuser/s", model),
+    ):
+        with pytest.raises(ConfigurationError, match="there is no user 'nosuchuser' on this machine"):
+            call()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]
+
+
 def test_a_dtype_an_export_cannot_load_in_is_one_line_naming_the_accepted_ones(exports):
     """load_export / transformer_bridge with dtype=torch.int64, torch.complex64 or torch.float8_e4m3fn gave
     transformers' ValueError ("cannot be instantiated under dtype") or a TypeError (no Float8 storage)."""

@@ -51,6 +51,19 @@ def test_push_uploads_exactly_the_manifest_by_a_symlink_or_a_trailing_slash(run,
     assert hub.sent["me/plain"] == hub.sent["me/link"] == hub.sent["me/slash"] == sorted(manifest)
 
 
+def test_push_export_reads_a_home_path_as_the_home_folder(run, tmp_path, hub, monkeypatch):
+    """push_export('~/exp', ...) refused an export that was there ("has no export manifest"): '~' was a folder
+    name."""
+    from hf_tapernorm.export.hub import push_export
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(run / "folded", tmp_path / "exp")
+    push_export("~/exp", "me/home")
+    assert hub.sent["me/home"] == sorted(
+        json.loads((tmp_path / "exp" / ".hf_tapernorm_export.json").read_text())["files"]
+    )
+
+
 def test_push_include_names_a_file_literally_and_star_means_everything(run, tmp_path, hub):
     folder = copy_of(run, tmp_path)
     (folder / "folded" / "[tokenizer].json").write_text("{}")

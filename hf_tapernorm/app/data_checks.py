@@ -81,7 +81,7 @@ def check_data_paths(data: Any, own_folder: Optional[str] = None) -> None:
     for option, name in read.items():
         check_dataset_path(option, name)
     try:
-        check_split(data.dataset_name, data.dataset_split)
+        check_split(data.dataset_name, data.dataset_split, data.streaming)
     except DataError as error:
         raise DataError(f"--dataset_split {data.dataset_split}: {error}") from None
     if data.data_cache_dir:

@@ -114,6 +114,7 @@ class RunRecord:
     samples: list[dict[str, str]] = field(default_factory=list)  # greedy continuations of held-out prompts
     allowed_changes: dict[str, Any] = field(default_factory=dict)  # --resume --allow_changes: old -> new
     working_folder: str = field(default_factory=os.getcwd)  # what the relative paths above are relative to
+    home_folder: str = field(default_factory=lambda: str(expand_user("~", strict=False)))  # what ~/ is in them
 
     # ------------------------------------------------------------------ derived
     def gap(self) -> dict[str, Optional[float]]:
@@ -169,6 +170,7 @@ class RunRecord:
             "export": self.export,
             "history": self.history,
             "working_folder": self.working_folder,
+            "home_folder": self.home_folder,
         }
         if self.baseline_history is not None:
             data["baseline_history"] = self.baseline_history
@@ -317,13 +319,18 @@ def recorded_path(facts: dict[str, Any], run_folder: Path, recorded: Any) -> Opt
     """Where a path that the report ``facts`` of the run in ``run_folder`` recorded is, from any working folder
     (None: no path recorded).
 
-    An absolute path is itself. A relative one is relative to the working folder of the taper command: the one the
+    An absolute path is itself, and ``~/...`` is in the home folder of the taper command (the one the report
+    records; this command's for reports of earlier versions), never of whoever reads it now. A relative one is
+    relative to the working folder of the taper command: the one the
     report records, else (reports of earlier versions) the one found from how the report named the run folder (its
     tapered/ or folded/ export's path, as typed) and where that folder is now, else the run folder. Never this
     command's working folder: it may hold another model at that path, which would be read in the run's place.
     """
     if not isinstance(recorded, str) or not recorded:
         return None
+    home = facts.get("home_folder")
+    if isinstance(home, str) and Path(home).is_absolute() and Path(recorded).parts[0] == "~":
+        return Path(home, *Path(recorded).parts[1:])
     path = expand_user(recorded, strict=False)  # recorded on another machine, a ~user may be unknown here
     if path.is_absolute():
         return path

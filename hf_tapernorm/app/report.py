@@ -23,11 +23,12 @@ from .record import READING_KEYS, DataFacts, RunRecord, far_worse_warning
 logger = logging.getLogger(__name__)
 
 REPORT_KEYS = (
-    "status", "model", "data", "taper", "training", "heldout", "gap", "fold", "export", "history", "working_folder"
+    "status", "model", "data", "taper", "training", "heldout", "gap", "fold", "export", "history", "working_folder",
+    "home_folder",
 )  # fmt: skip
 """Top-level keys of report.json (``baseline_history``, ``diagnostics`` and ``allowed_changes`` appear when
-available): ``RunRecord.to_dict()``. ``working_folder``: the taper command's, which the model and data paths as
-the user typed them are relative to (record.recorded_path reads them from any folder)."""
+available): ``RunRecord.to_dict()``. ``working_folder`` and ``home_folder``: the taper command's, which the model
+and data paths as the user typed them are relative to (record.recorded_path reads them from any folder and home)."""
 
 PLOTS = {
     "gate": "gate_schedule.png",

@@ -337,7 +337,7 @@ def _scan_plan(source: ModelSource, windows: int) -> Optional[tuple[DataArgument
         dataset_config_name=recorded.get("config"),
         dataset_split=recorded.get("split", default.dataset_split),
         sample_by=recorded.get("sample_by", default.sample_by),
-        data_cache_dir=recorded.get("cache_dir"),
+        data_cache_dir=_recorded_cache(recorded.get("cache_dir")),
         text_column=recorded.get("text_column"),
         block_size=int(recorded.get("block_size", default.block_size)),
         heldout_percentage=float(recorded.get("heldout_percentage", default.heldout_percentage)),
@@ -356,6 +356,17 @@ def _scan_plan(source: ModelSource, windows: int) -> Optional[tuple[DataArgument
 
 #: The way out of a scan whose text cannot be read.
 _NO_SCAN = "fold with --scan_windows 0 (hf-tapernorm eval --scan_reference scans the export later, on any data)"
+
+
+def _recorded_cache(recorded: Optional[str]) -> Optional[str]:
+    """The datasets cache folder a run recorded, while it is there; else None (the default cache, as a command
+    without --data_cache_dir), with a log line: fold never creates a folder its command line did not name."""
+    if recorded and not Path(recorded).is_dir():
+        logger.warning(
+            "the run's datasets cache %s is gone: the scan reads its text through the default cache", recorded
+        )
+        return None
+    return recorded
 
 
 def _recorded_dataset(facts: dict, run: Path, recorded: Optional[str], windows: int) -> Optional[str]:

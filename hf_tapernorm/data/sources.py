@@ -163,6 +163,7 @@ def load_text_dataset(
     (txt/md: one document per ``sample_by`` unit = "line" | "paragraph" | "document"; json/jsonl,
     parquet, csv: one document per row); otherwise a Hub dataset name (with ``config_name``).
     """
+    check_split(source, split, streaming)
     if source is None or source == EMBEDDED_CORPUS:
         dataset = embedded_corpus()
         return dataset.to_iterable_dataset() if streaming else dataset
@@ -226,8 +227,17 @@ def _split_names(split: str) -> list[str]:
     return [part.split("[", 1)[0].strip() for part in split.split("+")]
 
 
-def check_split(source: Optional[str], split: str) -> None:
-    """Refuse a split other than ``train`` of a local dataset (one split: what load_text_dataset reads of its files)."""
+def check_split(source: Optional[str], split: str, streaming: bool = False) -> None:
+    """Refuse a split expression that the loading of ``source`` would not read as written: a slice of a streamed
+    dataset (``datasets`` streams whole splits), a split other than train of a local dataset (its files are one
+    split), any split of the embedded corpus (read whole). A Hub dataset's splits are its builder's
+    (hub_dataset_builder)."""
+    if streaming and "[" in split:
+        raise DataError(f"a streamed dataset is read whole, split by split: drop the slice of '{split}' or --streaming")
+    if source is None or source == EMBEDDED_CORPUS:
+        if split != "train":
+            raise DataError(f"the embedded corpus is read whole, as one split (train), not '{split}'")
+        return
     other = [name for name in _split_names(split) if name != "train"]
     if other and local_dataset_path(source) is not None:
         raise DataError(

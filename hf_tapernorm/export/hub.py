@@ -313,6 +313,7 @@ def push_export(
     command line says there what the export's scan found). A ``repo_id`` without an owner (``name``) is the
     token's user's, as on the Hub; the log names the repository it becomes and, before anything is sent, the files
     (those ``include`` added named apart)."""
+    folder = expand_user(folder, f"push_export: '{folder}'")
     files = files_to_push(folder, include)
     if before_upload is not None:
         before_upload(files)

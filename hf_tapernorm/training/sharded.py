@@ -30,6 +30,7 @@ from torch import nn
 
 from ..config import TaperNormConfig, config_of
 from ..errors import TaperStateError
+from ..utils import expand_user
 from .controller import TaperController
 from .distributed import METADATA_NAME, dcp_load, dcp_save, is_main_process, refuse_untrusted_sharded_checkpoint
 
@@ -65,7 +66,7 @@ def save_sharded_checkpoint(
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    folder = Path(folder)
+    folder = expand_user(folder)
     config = config_of(model)
     if is_main_process():  # before the collective save, which orders every rank's return after these files
         folder.mkdir(parents=True, exist_ok=True)
@@ -109,7 +110,7 @@ def load_sharded_checkpoint(
         set_optimizer_state_dict,
     )
 
-    folder = Path(folder)
+    folder = expand_user(folder)
     if not is_sharded_checkpoint(folder):
         raise TaperStateError(
             f"'{folder}' is not a sharded checkpoint: no {METADATA_NAME} (written by save_sharded_checkpoint)"

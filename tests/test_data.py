@@ -393,6 +393,28 @@ def test_a_split_the_loading_would_not_read_as_written_is_refused_first(hub):
         )
 
 
+def test_what_the_loading_would_ignore_or_refuse_late_is_refused_first(hub):
+    """--dataset_split ' train' or 'train[', --text_column nosuch (a text file's, a Hub dataset's), and
+    --dataset_config_name for a local file or the embedded corpus: refused after the model loaded, or ignored."""
+    for split in (" train", "train[", "train[:10%"):
+        assert error_of(_eval("--dataset_name", "corpus.txt", "--dataset_split", split)).endswith(
+            f"--dataset_split {split}: '{split}' is no split a dataset can be read by: a split's name (train, "
+            "validation), a slice of it (train[:10%], train[100:200]), or several joined by + (no spaces)"
+        )
+    assert error_of(_eval("--dataset_name", "corpus.txt", "--text_column", "body")).endswith(
+        "--text_column body: the local dataset 'corpus.txt' is text, whose one column is 'text'"
+    )
+    assert error_of(
+        _eval("--dataset_name", "me/one", "--data_cache_dir", "hubcache", "--text_column", "body")
+    ).endswith("--text_column body: dataset 'me/one' has no such column; its columns: text")
+    for data in (["--dataset_name", "corpus.txt"], []):
+        what = "the local dataset 'corpus.txt'" if data else "the embedded corpus"
+        assert error_of(_eval(*data, "--dataset_config_name", "cfg2")).endswith(
+            f"--dataset_config_name cfg2: a configuration is one of a Hub dataset's; {what} has none (leave the "
+            "option out)"
+        )
+
+
 def test_a_refused_taper_writes_nothing_into_the_cache_it_names(hub, tmp_path):
     """A taper refused for the user's files in its --output_dir had already resolved the Hub name, writing a lock
     file into --data_cache_dir OUT/cache: the resolution now comes after every check that writes nothing."""

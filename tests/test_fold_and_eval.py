@@ -480,6 +480,27 @@ def test_fold_scans_a_home_path_in_the_home_of_its_run_and_never_creates_a_cache
     assert not cache.exists()
 
 
+def test_fold_never_scans_another_file_at_the_path_its_run_typed(ws, tmp_path, monkeypatch):
+    """A run's dataset typed relative (`d/corpus.txt`), gone since; fold from another folder holding a d/corpus.txt
+    scanned that file as the run's text, without a word. The report records where the run read its text."""
+    import hf_tapernorm.cli.commands as commands
+
+    (tmp_path / "a" / "d").mkdir(parents=True)
+    shutil.copy(ws / "corpus.txt", tmp_path / "a" / "d" / "corpus.txt")
+    monkeypatch.chdir(tmp_path / "a")
+    out = finished_run(taper(ws, tmp_path / "run", "--dataset_name", "d/corpus.txt"))
+    report = json.loads((out / "report.json").read_text())["data"]
+    assert (report["source"], report["dataset_path"]) == ("d/corpus.txt", str(tmp_path / "a" / "d" / "corpus.txt"))
+    (tmp_path / "a" / "d" / "corpus.txt").rename(tmp_path / "a" / "moved.txt")
+    (tmp_path / "b" / "d").mkdir(parents=True)
+    (tmp_path / "b" / "d" / "corpus.txt").write_text("another text\n\n" * 400)
+    monkeypatch.chdir(tmp_path / "b")
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    gone = tmp_path / "a" / "d" / "corpus.txt"
+    expected = f"the dataset '{gone}' that the run in '{out}' recorded is not there"
+    refused(fold(out / "tapered", tmp_path / "export", "--scan_windows", "2"), expected)
+
+
 def test_a_cache_folder_of_its_own_in_a_run_folder_is_allowed_and_the_runs_folders_are_not(ws, baseline_run, tmp_path):
     """eval --data_cache_dir RUN/folded wrote the datasets cache into the export (push, taper --overwrite then
     refused the run and the export). The run's folders (its exports, checkpoints, baseline/) and the run folder

@@ -730,6 +730,29 @@ def test_the_api_reads_a_home_path_as_the_home_folder_wherever_it_takes_a_folder
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]
 
 
+def test_the_controller_s_state_and_onnx_s_optimized_graph_go_to_the_home_folder(onnx_graphs, tmp_path, monkeypatch):
+    """TaperController.save_state('~/cs') wrote its config to $HOME/cs and then failed on the teacher, at a folder
+    named '~' (half a state written); load_state('~/cs') and load_state of a mistyped folder restored nothing
+    without a word; OnnxCausalLM(..., optimized_path='~/opt.onnx') failed in ONNX Runtime."""
+    from hf_tapernorm import TaperController, TaperNormConfig, patch_model
+    from hf_tapernorm.errors import TaperStateError
+    from hf_tapernorm.integrations.onnx_runtime import OnnxCausalLM
+    from tests.conftest import build, tiny_llama_config
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper().replace(distill_weight=0.5))
+    controller = TaperController(model, total_steps=20)
+    controller.save_state("~/cs")
+    assert (tmp_path / "home" / "cs" / "tapernorm_config.json").is_file()
+    controller.load_state("~/cs")
+    with pytest.raises(TaperStateError, match=r"TaperController.load_state: no folder '.*/no_such_checkpoint'"):
+        controller.load_state(tmp_path / "no_such_checkpoint")
+    OnnxCausalLM(onnx_graphs["llama-sink"], threads=1, optimized_path="~/opt.onnx")
+    assert (tmp_path / "home" / "opt.onnx").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]
+
+
 def test_a_dtype_an_export_cannot_load_in_is_one_line_naming_the_accepted_ones(exports):
     """load_export / transformer_bridge with dtype=torch.int64, torch.complex64 or torch.float8_e4m3fn gave
     transformers' ValueError ("cannot be instantiated under dtype") or a TypeError (no Float8 storage)."""

@@ -53,18 +53,29 @@ def check_dataset_path(option: str, name: Optional[str]) -> None:
 
 
 def check_hub_dataset(
-    option: str, name: Optional[str], config_name: Optional[str] = None, split: str = "train", cache_dir=None
+    option: str,
+    name: Optional[str],
+    config_name: Optional[str] = None,
+    split: str = "train",
+    cache_dir: Optional[str] = None,
+    text_column: Optional[str] = None,
 ) -> None:
     """Refuse (DataError naming ``option``) a Hub dataset's name that does not resolve as the loading resolves it
     (sources.hub_dataset_builder: a name not on the Hub or not in the cache offline, a configuration or split it
-    lacks, a file loader's name). Nothing for the embedded corpus and a local path. It writes into the datasets
+    lacks, a file loader's name, a ``text_column`` its features lack). Nothing for the embedded corpus and a local
+    path. It writes into the datasets
     cache (``cache_dir``), so a command calls it after every check that may refuse it without writing anything."""
     if name is None or name == EMBEDDED_CORPUS or local_dataset_path(name) is not None:
         return
     try:
-        hub_dataset_builder(name, config_name, split, cache_dir)
+        builder = hub_dataset_builder(name, config_name, split, cache_dir)
     except DataError as error:
         raise DataError(f"{option}: {error}") from error
+    columns = list(builder.info.features or ())
+    if text_column is not None and columns and text_column not in columns:
+        raise DataError(
+            f"--text_column {text_column}: dataset '{name}' has no such column; its columns: {', '.join(columns)}"
+        )
 
 
 def check_data_paths(data: Any, own_folder: Optional[str] = None) -> None:
@@ -84,19 +95,38 @@ def check_data_paths(data: Any, own_folder: Optional[str] = None) -> None:
         check_split(data.dataset_name, data.dataset_split, data.streaming)
     except DataError as error:
         raise DataError(f"--dataset_split {data.dataset_split}: {error}") from None
+    _check_local_reading(data)
     if data.data_cache_dir:
         check_cache_folder(data.data_cache_dir, own_folder)
         _check_cache_outside_data(data.data_cache_dir, read)
+
+
+def _check_local_reading(data: Any) -> None:
+    """Refuse what only a Hub dataset has, given for the embedded corpus or a local dataset, which would ignore it:
+    a configuration; a text column other than ``text`` of local text files (their one column)."""
+    name = data.dataset_name
+    if name is not None and name != EMBEDDED_CORPUS and local_dataset_path(name) is None:
+        return  # a Hub dataset: its builder knows its configurations and columns (check_hub_dataset)
+    what = "the embedded corpus" if name in (None, EMBEDDED_CORPUS) else f"the local dataset '{name}'"
+    if data.dataset_config_name:
+        raise DataError(
+            f"--dataset_config_name {data.dataset_config_name}: a configuration is one of a Hub dataset's; {what} "
+            "has none (leave the option out)"
+        )
+    builder = None if name in (None, EMBEDDED_CORPUS) else local_data_files(name)[0]
+    if builder == "text" and data.text_column not in (None, "text"):
+        raise DataError(f"--text_column {data.text_column}: {what} is text, whose one column is 'text'")
 
 
 def check_hub_datasets(data: Any) -> None:
     """Resolve the Hub datasets a command's data arguments name (check_hub_dataset), before its model loads and after
     the checks that write nothing (check_data_paths, the command's own folder)."""
     for option, name in _datasets_read(data).items():
-        config, split = (
-            (data.dataset_config_name, data.dataset_split) if option == "--dataset_name" else (None, "train")
-        )
-        check_hub_dataset(option, name, config, split, data.data_cache_dir)
+        if option == "--dataset_name":
+            reading = (data.dataset_config_name, data.dataset_split, data.data_cache_dir, data.text_column)
+        else:
+            reading = (None, "train", data.data_cache_dir, None)
+        check_hub_dataset(option, name, *reading)
 
 
 def _datasets_read(data: Any) -> dict[str, Optional[str]]:

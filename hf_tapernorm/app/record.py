@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..config import TaperNormConfig
+from ..data.sources import local_dataset_path
 from ..utils import expand_user, parameter_count
 
 logger = logging.getLogger(__name__)
@@ -219,21 +220,30 @@ def global_batch_blocks(training_args) -> int:
 
 
 #: The keys of :func:`reading_facts`, in the report's ``data`` section.
-READING_KEYS = ("config", "split", "sample_by", "cache_dir", "out_of_corpus_dataset")
+READING_KEYS = ("config", "split", "sample_by", "cache_dir", "dataset_path", "out_of_corpus_dataset")
 
 
 def reading_facts(data) -> dict[str, Any]:
     """How a command's data arguments (cli/arguments.DataArguments) read the text, beyond its name: the report
-    records it for fold's scan. A cache folder is recorded absolute (it is a place, not a name the card shows)."""
+    records it for fold's scan. The places are recorded absolute (the cache folder; a local dataset's path, beside
+    its name as typed, which the card shows): from another working or home folder, the name as typed may be
+    another file."""
     cache = data.data_cache_dir
     values = (
         data.dataset_config_name,
         data.dataset_split,
         data.sample_by,
         str(expand_user(cache).absolute()) if cache else None,
-        data.out_of_corpus_dataset if data.out_of_corpus_blocks else None,
+        _absolute(data.dataset_name),
+        _absolute(data.out_of_corpus_dataset) if data.out_of_corpus_blocks else None,
     )
     return dict(zip(READING_KEYS, values))
+
+
+def _absolute(name: Optional[str]) -> Optional[str]:
+    """A local dataset's absolute path; a Hub dataset's name or the embedded corpus's (None) as it is."""
+    local = local_dataset_path(name)
+    return str(local.resolve()) if local is not None else name
 
 
 def new_run_record(request, source, model, packed, config: TaperNormConfig, schedule, allowed_changes) -> RunRecord:

@@ -333,7 +333,7 @@ def _scan_plan(source: ModelSource, windows: int) -> Optional[tuple[DataArgument
         ooc_set = {}
     default = DataArguments()  # what the run used for anything its report does not record
     data = DataArguments(
-        dataset_name=_recorded_dataset(facts, run, recorded.get("source"), windows),
+        dataset_name=_recorded_dataset(facts, run, recorded.get("dataset_path", recorded.get("source")), windows),
         dataset_config_name=recorded.get("config"),
         dataset_split=recorded.get("split", default.dataset_split),
         sample_by=recorded.get("sample_by", default.sample_by),
@@ -370,8 +370,10 @@ def _recorded_cache(recorded: Optional[str]) -> Optional[str]:
 
 
 def _recorded_dataset(facts: dict, run: Path, recorded: Optional[str], windows: int) -> Optional[str]:
-    """The dataset a run recorded (None: the embedded corpus), as fold finds it now: a local path from the run's
-    working folder (recorded_path), else a Hub dataset's name. A local one that is gone is refused before loading."""
+    """The dataset a run recorded (None: the embedded corpus), as fold finds it now: a local one where the run read
+    it (recorded absolute; by runs of earlier versions as typed, found from the run's working and home folders:
+    recorded_path), else a Hub dataset's name. A local one that is gone is refused before loading, never looked for
+    from this command's working or home folder, which may hold another file of that name."""
     if recorded in (None, EMBEDDED_CORPUS, PYTHON_DOCS):
         return None
     local = recorded_path(facts, run, recorded)

@@ -232,6 +232,13 @@ def check_split(source: Optional[str], split: str, streaming: bool = False) -> N
     dataset (``datasets`` streams whole splits), a split other than train of a local dataset (its files are one
     split), any split of the embedded corpus (read whole). A Hub dataset's splits are its builder's
     (hub_dataset_builder)."""
+    try:
+        datasets.ReadInstruction.from_spec(split)
+    except ValueError:
+        raise DataError(
+            f"'{split}' is no split a dataset can be read by: a split's name (train, validation), a slice of it "
+            "(train[:10%], train[100:200]), or several joined by + (no spaces)"
+        ) from None
     if streaming and "[" in split:
         raise DataError(f"a streamed dataset is read whole, split by split: drop the slice of '{split}' or --streaming")
     if source is None or source == EMBEDDED_CORPUS:

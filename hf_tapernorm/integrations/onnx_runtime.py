@@ -37,7 +37,7 @@ from ..app.run_lock import refuse_while_running, resolved_path
 from ..errors import ConfigurationError, first_line
 from ..export.folded_input import SinkContract, read_input
 from ..export.folded_sink import restore_logits
-from ..utils import file_in_the_way
+from ..utils import expand_user, file_in_the_way
 from .exports import base_class, load_export, local_path
 from .extras import require
 
@@ -219,7 +219,7 @@ class OnnxCausalLM:
         if threads is not None:
             options.intra_op_num_threads = threads
         if optimized_path is not None:
-            options.optimized_model_filepath = str(optimized_path)
+            options.optimized_model_filepath = str(expand_user(optimized_path, f"optimized_path '{optimized_path}'"))
         self.session = ort.InferenceSession(str(folder / GRAPH_NAME), options, providers=["CPUExecutionProvider"])
         self.past_names = [i.name for i in self.session.get_inputs() if i.name.startswith("past.")]
         self.dtype = self.np.float32

@@ -24,7 +24,7 @@ from ..layers.loss_terms import loss_terms_of
 from ..layers.patching import set_gate
 from ..layers.scale_anchor import DEVIATION_SUM, SCALE_SUM, TOKENS, ScaleAnchor, scale_anchors
 from ..layers.taper_norm import tapered_norms
-from ..utils import all_reduce_sum
+from ..utils import all_reduce_sum, expand_user
 from .calibration import calibrate, update_statistics
 from .distillation import SHARDED_SNAPSHOT_NAME, SNAPSHOT_NAME, Distillation, frozen_copy
 from .distributed import (
@@ -114,7 +114,7 @@ class TaperController:
 
         The main process writes the files; under FSDP2 every rank must call it, and the teacher is written as a
         torch.distributed.checkpoint folder (``distillation_teacher/``) by all ranks together."""
-        folder = Path(folder)
+        folder = expand_user(folder, f"TaperController.save_state: '{folder}'")
         if is_main_process():
             self.config.save_pretrained(folder)
         if self.distillation is None or not self.distillation.has_snapshot:
@@ -131,7 +131,9 @@ class TaperController:
         """
         if self.distillation is None:
             return
-        folder = Path(folder)
+        folder = expand_user(folder, f"TaperController.load_state: '{folder}'")
+        if not folder.is_dir():  # a mistyped folder would restore nothing, and the teacher would be the model itself
+            raise TaperStateError(f"TaperController.load_state: no folder '{folder}'")
         if (folder / SHARDED_SNAPSHOT_NAME).is_dir():
             refuse_untrusted_sharded_checkpoint(folder / SHARDED_SNAPSHOT_NAME, trust_sharded_checkpoint)
             load_sharded_module(folder / SHARDED_SNAPSHOT_NAME, self.distillation.restored_teacher(self.model))

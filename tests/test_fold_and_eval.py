@@ -393,6 +393,8 @@ def test_a_data_cache_in_a_dataset_folder_is_refused_before_it_spoils_the_folder
         dataset_name=str(texts),
         dataset_split="train",
         streaming=False,
+        dataset_config_name=None,
+        text_column=None,
         out_of_corpus_blocks=0,
         out_of_corpus_dataset=None,
         data_cache_dir=str(texts / ".c"),
@@ -409,7 +411,7 @@ def test_fold_scan_of_a_run_whose_corpus_is_gone_is_refused_before_loading(run, 
     copy = copy_of(run, tmp_path)
     report = json.loads((copy / "report.json").read_text())
     gone = tmp_path / "corpus.txt"  # the run's corpus, deleted since
-    edit_json(copy / "report.json", data={**report["data"], "source": str(gone)})
+    edit_json(copy / "report.json", data={**report["data"], "source": str(gone), "dataset_path": str(gone)})
     monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     line = refused(fold(copy / "tapered", tmp_path / "export", "--scan_windows", "2"))
     assert line == (

@@ -444,6 +444,12 @@ def test_fold_scans_the_text_its_run_read_as_the_run_read_it(ws, tmp_path, monke
         assert (data.dataset_name, data.data_cache_dir, data.out_of_corpus_dataset) == ("me/one", str(cache), str(ooc))
         scanned = json.loads((tmp_path / "export" / "robustness_scan.json").read_text())
         assert {row["text"] for row in scanned["rows"]} == {"held-out", "out-of-corpus"}
+        (tmp_path / "me" / "one").mkdir(parents=True)  # a local folder of the Hub dataset's name, here
+        (tmp_path / "me" / "one" / "other.txt").write_text("another text\n\n" * 400)
+        monkeypatch.chdir(tmp_path)
+        line = refused(fold(out / "tapered", tmp_path / "export3", "--scan_windows", "2"))
+        assert "read the Hub dataset 'me/one', and 'me/one' here is a local path, which would be read" in line
+        monkeypatch.chdir(ws)
         shutil.rmtree(cache)  # offline, the run's Hub dataset is gone: refused before anything loads
         monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
         line = refused(fold(out / "tapered", tmp_path / "export2", "--scan_windows", "2"))

@@ -33,7 +33,7 @@ from ..config import sink_token_id
 from ..data.corpus import blocks_tensor, prepare_from_arguments
 from ..data.heldout import PYTHON_DOCS, PYTHON_DOCS_DESCRIPTION
 from ..data.out_of_corpus import out_of_corpus_set
-from ..data.sources import EMBEDDED_CORPUS, DataError
+from ..data.sources import EMBEDDED_CORPUS, DataError, local_dataset_path
 from ..errors import ConfigurationError, TaperStateError
 from ..evaluation.models import (
     ModelSource,
@@ -376,6 +376,14 @@ def _recorded_dataset(facts: dict, run: Path, recorded: Optional[str], windows: 
     from this command's working or home folder, which may hold another file of that name."""
     if recorded in (None, EMBEDDED_CORPUS, PYTHON_DOCS):
         return None
+    recorded_where = "dataset_path" in (facts.get("data") or {})  # this version records a local one absolute
+    if recorded_where and not Path(recorded).is_absolute():  # so this is a Hub dataset's name
+        if local_dataset_path(recorded) is not None:  # the loader would read the local one in its place
+            raise UsageError(
+                f"--scan_windows {windows}: the run in '{run}' read the Hub dataset '{recorded}', and '{recorded}' "
+                f"here is a local path, which would be read in its place; run fold from another folder, or {_NO_SCAN}"
+            )
+        return recorded
     local = recorded_path(facts, run, recorded)
     name = str(local) if local is not None and local.exists() else recorded  # else a Hub dataset's id
     if missing_local_dataset(name) is not None:

@@ -63,8 +63,8 @@ def check_hub_dataset(
     """Refuse (DataError naming ``option``) a Hub dataset's name that does not resolve as the loading resolves it
     (sources.hub_dataset_builder: a name not on the Hub or not in the cache offline, a configuration or split it
     lacks, a file loader's name, a ``text_column`` its features lack). Nothing for the embedded corpus and a local
-    path. It writes into the datasets
-    cache (``cache_dir``), so a command calls it after every check that may refuse it without writing anything."""
+    path. It writes into the datasets cache (``cache_dir``), so a command calls it after every check that may
+    refuse it without writing anything."""
     if name is None or name == EMBEDDED_CORPUS or local_dataset_path(name) is not None:
         return
     try:

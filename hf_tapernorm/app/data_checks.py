@@ -45,11 +45,11 @@ def missing_local_dataset(name: Optional[str]) -> Optional[Path]:
     return path if path is not None and not path.exists() else None
 
 
-def check_dataset_path(option: str, name: Optional[str]) -> None:
+def check_dataset_path(option: str, name: Optional[str]) -> Optional[tuple[str, list[Path]]]:
     """Refuse (DataError naming ``option``) a dataset name that is a local path the loader cannot read: nothing there,
     a file of a suffix no builder reads, a folder with no data file or mixing file types (sources.local_data_files,
-    the rule the loading itself follows)."""
-    local_data_files(name, f"{option} '{name}'")
+    the rule the loading itself follows). Returns its builder and files (None: not a local dataset)."""
+    return local_data_files(name, f"{option} '{name}'")
 
 
 def check_hub_dataset(
@@ -89,32 +89,32 @@ def check_data_paths(data: Any, own_folder: Optional[str] = None) -> None:
     checks its arguments, while only the first holds the lock), so only what the folder holds is checked there.
     """
     read = _datasets_read(data)
-    for option, name in read.items():
-        check_dataset_path(option, name)
+    local = {option: check_dataset_path(option, name) for option, name in read.items()}
     try:
         check_split(data.dataset_name, data.dataset_split, data.streaming)
     except DataError as error:
         raise DataError(f"--dataset_split {data.dataset_split}: {error}") from None
-    _check_local_reading(data)
+    _check_local_reading(data, local["--dataset_name"])
     if data.data_cache_dir:
         check_cache_folder(data.data_cache_dir, own_folder)
         _check_cache_outside_data(data.data_cache_dir, read)
 
 
-def _check_local_reading(data: Any) -> None:
-    """Refuse what only a Hub dataset has, given for the embedded corpus or a local dataset, which would ignore it:
-    a configuration; a text column other than ``text`` of local text files (their one column)."""
+def _check_local_reading(data: Any, local: Optional[tuple[str, list[Path]]]) -> None:
+    """Refuse what only a Hub dataset has, given for the embedded corpus or a local dataset (``local``: its builder
+    and files, check_dataset_path's), which would ignore it: a configuration; a text column other than ``text`` of
+    local text files (their one column)."""
     name = data.dataset_name
-    if name is not None and name != EMBEDDED_CORPUS and local_dataset_path(name) is None:
+    embedded = name in (None, EMBEDDED_CORPUS)
+    if local is None and not embedded:
         return  # a Hub dataset: its builder knows its configurations and columns (check_hub_dataset)
-    what = "the embedded corpus" if name in (None, EMBEDDED_CORPUS) else f"the local dataset '{name}'"
+    what = "the embedded corpus" if embedded else f"the local dataset '{name}'"
     if data.dataset_config_name:
         raise DataError(
             f"--dataset_config_name {data.dataset_config_name}: a configuration is one of a Hub dataset's; {what} "
             "has none (leave the option out)"
         )
-    builder = None if name in (None, EMBEDDED_CORPUS) else local_data_files(name)[0]
-    if builder == "text" and data.text_column not in (None, "text"):
+    if local is not None and local[0] == "text" and data.text_column not in (None, "text"):
         raise DataError(f"--text_column {data.text_column}: {what} is text, whose one column is 'text'")
 
 

@@ -421,17 +421,19 @@ def torchrun_taper(tmp_path: Path, entry: list[str], *extra: str) -> tuple[subpr
 
 def cached_hub_dataset(cache: Path, text_file: Path, repo: str = "me/one", config: str = "default") -> Path:
     """A datasets cache folder holding the Hub dataset ``repo`` (its ``config``, one train split of ``text_file``'s
-    paragraphs) as ``datasets`` caches a download, so that it loads offline from ``cache`` (with HF_HUB_OFFLINE)."""
+    paragraphs, or of its rows for a ``.jsonl`` file) as ``datasets`` caches a download, so that it loads offline from
+    ``cache`` (with HF_HUB_OFFLINE)."""
     import datasets
 
     scratch = cache.parent / f".{cache.name}-build"
-    datasets.load_dataset("text", data_files=str(text_file), sample_by="paragraph", cache_dir=str(scratch))
+    builder, kwargs = ("json", {}) if text_file.suffix == ".jsonl" else ("text", {"sample_by": "paragraph"})
+    datasets.load_dataset(builder, data_files=str(text_file), cache_dir=str(scratch), **kwargs)
     built = next(scratch.rglob("dataset_info.json")).parent
     namespace, name = repo.split("/")
     target = cache / f"{namespace}___{name}" / config / "0.0.0" / "abc123"
     shutil.copytree(built, target)
     for arrow in target.glob("*.arrow"):
-        arrow.rename(target / arrow.name.replace("text-", f"{name}-"))
+        arrow.rename(target / arrow.name.replace(f"{builder}-", f"{name}-"))
     info = json.loads((target / "dataset_info.json").read_text())
     (target / "dataset_info.json").write_text(json.dumps({**info, "config_name": config, "dataset_name": name}))
     shutil.rmtree(scratch)

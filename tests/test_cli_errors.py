@@ -445,6 +445,17 @@ CASES = {
         2,
         "error: --dataset_name '{ws}/emptydir' is a folder that holds no .csv/.json/",
     ),
+    # the text column, chosen before loading by the loading's own rule (columns.choose_text_column; issue 51)
+    "bench --modes train on a csv without a string column": (
+        lambda ws: _bench(ws, "--modes", "train", "--dataset_name", str(ws / "nocol.csv")),
+        2,
+        "error: dataset '{ws}/nocol.csv': cannot tell which column holds the text (columns: a, b); pass --text_column",
+    ),
+    "eval on a csv without a string column": (
+        lambda ws: _eval(ws, "--dataset_name", str(ws / "nocol.csv")),
+        2,
+        "error: dataset '{ws}/nocol.csv': cannot tell which column holds the text (columns: a, b); pass --text_column",
+    ),
     "eval --dataset_name a file of an unsupported type": (
         lambda ws, tmp: _eval(ws, "--dataset_name", str(_copy(ws / "corpus.txt", tmp / "corpus.weird"))),
         2,

@@ -231,7 +231,7 @@ def test_text_column_detection(tmp_path, tokenizer):
     ):
         _prepare(two, tokenizer)
     assert _prepare(two, tokenizer, text_column="b").text_column == "b"
-    with pytest.raises(DataError, match="text column 'c' not in the dataset; columns: a, b"):
+    with pytest.raises(DataError, match="--text_column c: the dataset has no column 'c'; its columns: a, b"):
         _prepare(two, tokenizer, text_column="c")
 
 
@@ -402,11 +402,11 @@ def test_what_the_loading_would_ignore_or_refuse_late_is_refused_first(hub):
             "validation), a slice of it (train[:10%], train[100:200]), or several joined by + (no spaces)"
         )
     assert error_of(_eval("--dataset_name", "corpus.txt", "--text_column", "body")).endswith(
-        "--text_column body: the local dataset 'corpus.txt' is text, whose one column is 'text'"
+        "--text_column body: dataset 'corpus.txt' has no column 'body'; its columns: text"
     )
     assert error_of(
         _eval("--dataset_name", "me/one", "--data_cache_dir", "hubcache", "--text_column", "body")
-    ).endswith("--text_column body: dataset 'me/one' has no such column; its columns: text")
+    ).endswith("--text_column body: dataset 'me/one' has no column 'body'; its columns: text")
     for data in (["--dataset_name", "corpus.txt"], []):
         what = "the local dataset 'corpus.txt'" if data else "the embedded corpus"
         assert error_of(_eval(*data, "--dataset_config_name", "cfg2")).endswith(
@@ -425,6 +425,147 @@ def test_a_refused_taper_writes_nothing_into_the_cache_it_names(hub, tmp_path):
     argv = taper_argv(hub, out, "--dataset_name", "me/one", "--data_cache_dir", str(out / "cache"))
     assert "holds files hf-tapernorm did not write" in error_of(argv)
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before
+
+
+def test_a_slice_that_selects_no_row_is_refused_before_the_model_loads(hub, tmp_path):
+    """`--dataset_split 'train[:0%]'` (or train[3:3], train[5:2]) parsed, and eval loaded the model before the loading
+    found no row ("corresponds to no data", or none read at all); a slice past a Hub split's recorded rows the same."""
+    for split in ("train[:0%]", "train[3:3]", "train[5:2]", "train[-2:-5]", "train[:0]+train[9:9]"):
+        assert error_of(_eval("--dataset_name", "corpus.txt", "--dataset_split", split)).endswith(
+            f"--dataset_split {split}: '{split}' selects no row: a slice [start:end] reads the rows from start up to "
+            "end (a negative one counts from the split's end), and this one ends where it starts or before; name one "
+            "that ends after it starts (train[:10%], train[100:200]) or the split whole"
+        )
+    rows = len(load_text_dataset("me/one", cache_dir="hubcache"))
+    for split in (f"train[{rows}:]", "train[-5:5]"):  # whether these select rows, only the split's size tells
+        line = error_of(_eval("--dataset_name", "me/one", "--data_cache_dir", "hubcache", "--dataset_split", split))
+        assert line == (
+            f"hf-tapernorm eval: error: --dataset_name: dataset 'me/one': '{split}' selects no row of its splits "
+            f"(rows: train {rows}); name a slice within them, or the split whole"
+        )
+    with pytest.raises(DataError, match="'train\\[-3:3\\]' selects no row of its splits"):
+        load_text_dataset("me/one", split="train[-3:3]", cache_dir="hubcache")  # the loading asks the same
+    whole = load_text_dataset("corpus.txt", cache_dir=str(tmp_path / "c"))["text"]
+    for split, rows_read in (("train[-3:]", whole[-3:]), (f"train[-{len(whole)}:3]", whole[:3])):  # rows: read
+        assert load_text_dataset("corpus.txt", split=split, cache_dir=str(tmp_path / "c"))["text"] == rows_read
+    argv = taper_argv(hub, tmp_path / "out", "--dataset_split", "train[3:3]")  # taper asks the same check
+    assert "--dataset_split train[3:3]: 'train[3:3]' selects no row" in error_of(argv)
+    assert not (tmp_path / "out").exists()
+
+
+def _tables(folder: Path, rows: list[dict]) -> list[str]:
+    """``rows`` as a jsonl, a json (an array), a csv and a parquet file in ``folder``: their names."""
+    import pandas as pd
+
+    frame = pd.DataFrame(rows)
+    (folder / "t.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (folder / "t.json").write_text(json.dumps(rows, indent=1))
+    frame.to_csv(folder / "t.csv", index=False)
+    frame.to_parquet(folder / "t.parquet")
+    return ["t.jsonl", "t.json", "t.csv", "t.parquet"]
+
+
+def test_the_text_column_is_chosen_before_the_model_loads_by_the_loading_s_own_rule(hub, tmp_path):
+    """A Hub dataset or a local jsonl/json/csv/parquet without a `text` column and of several string columns was
+    refused "cannot tell which column holds the text" only after eval loaded the model, and a local one's missing
+    --text_column the same. The early check asks the loading's rule (columns.choose_text_column) of the columns known
+    before the data is read, so the two agree: refused where the loading refuses, the same column where it reads."""
+    from hf_tapernorm.app.data_checks import check_dataset_path, check_text_column
+    from hf_tapernorm.data.corpus import text_column_of
+
+    docs = corpus_documents(40)
+    names = _tables(hub, [{"id": i, "body": d, "title": d[:12]} for i, d in enumerate(docs)])
+    cannot = "cannot tell which column holds the text (columns: id, body, title); pass --text_column"
+    cached_hub_dataset(hub / "hubcols", hub / "t.jsonl", repo="me/cols")
+    for name in [*names, "me/cols"]:
+        cache = ["--data_cache_dir", "hubcols" if name == "me/cols" else str(tmp_path / "c")]
+        assert error_of(_eval("--dataset_name", name, *cache)).endswith(f"dataset '{name}': {cannot}")
+        with pytest.raises(DataError, match=r"^cannot tell which column holds the text \(columns: id, body, title\)"):
+            text_column_of(load_text_dataset(name, cache_dir=cache[1]))  # the loading's words, its rule
+        assert error_of(_eval("--dataset_name", name, *cache, "--text_column", "nosuch")).endswith(
+            f"--text_column nosuch: dataset '{name}' has no column 'nosuch'; its columns: id, body, title"
+        )
+    for name in names:  # a column named, or the only string column: accepted first, read so later
+        check_text_column("--dataset_name", name, check_dataset_path("--dataset_name", name), "title")
+        assert text_column_of(load_text_dataset(name, cache_dir=str(tmp_path / "c")), "title") == "title"
+    (tmp_path / "one").mkdir()
+    for name in _tables(tmp_path / "one", [{"id": i, "body": d} for i, d in enumerate(docs)]):
+        path = str(tmp_path / "one" / name)
+        check_text_column("--dataset_name", path, check_dataset_path("--dataset_name", path), None)
+        assert text_column_of(load_text_dataset(path, cache_dir=str(tmp_path / "c"))) == "body"
+
+
+def test_a_text_column_of_the_embedded_corpus_is_refused_before_the_model_loads(hub):
+    """`eval --text_column content` on the embedded corpus (no --dataset_name) was refused after the model loaded; its
+    text is its one column, so `text` (which fold's scan of a run on it passes, as the run recorded) is accepted."""
+    from hf_tapernorm.app.data_checks import check_data_paths
+    from hf_tapernorm.cli.arguments import DataArguments
+
+    assert error_of(_eval("--text_column", "content")) == (
+        "hf-tapernorm eval: error: --text_column content: the embedded corpus has no column 'content'; its columns: "
+        "text"
+    )
+    check_data_paths(DataArguments(text_column="text", out_of_corpus_blocks=0))
+
+
+def test_a_cloned_hub_dataset_folder_reads_as_its_tables_and_its_readme_as_the_card(tmp_path):
+    """A `git clone` of a Hub dataset (README.md beside data/*.parquet) was refused as "a folder that mixes file types
+    (parquet, text)": like datasets, which reads a dataset folder's root README.md as its card, the loading now leaves
+    it out beside tables. In a folder of text files it is text as before; a folder of tables and text still mixes."""
+    from hf_tapernorm.app.data_checks import check_dataset_path
+    from hf_tapernorm.data.sources import local_data_files
+
+    docs = corpus_documents(20)
+    clone = tmp_path / "clone"
+    (clone / "data").mkdir(parents=True)
+    (clone / "README.md").write_text("---\nlicense: mit\n---\n# A dataset\n")
+    (clone / ".gitattributes").write_text("*.parquet filter=lfs\n")
+    datasets.Dataset.from_dict({"text": docs}).to_parquet(clone / "data" / "train-00000-of-00001.parquet")
+    assert check_dataset_path("--dataset_name", str(clone)) == (
+        "parquet",
+        [clone / "data" / "train-00000-of-00001.parquet"],
+    )
+    assert load_text_dataset(str(clone), cache_dir=str(tmp_path / "c"))["text"] == docs
+    notes = tmp_path / "notes"
+    (notes / "sub").mkdir(parents=True)
+    for name in ("README.md", "a.md", "sub/README.md"):
+        (notes / name).write_text(f"{name}\n")
+    assert local_data_files(str(notes)) == ("text", [notes / "README.md", notes / "a.md", notes / "sub" / "README.md"])
+    (clone / "notes.txt").write_text("a user's notes\n")
+    with pytest.raises(DataError, match=r"is a folder that mixes file types \(parquet, text\); use one type"):
+        check_dataset_path("--dataset_name", str(clone))
+
+
+def test_the_out_of_corpus_text_is_read_from_the_column_its_option_names(hub, tmp_path, tokenizer):
+    """An --out_of_corpus_dataset without a `text` column and of several string columns (a Hub dataset or a jsonl)
+    could not be used: the refusal said "pass --text_column", which the out-of-corpus reader did not read, and came
+    after the model loaded. --out_of_corpus_text_column names its column; it is checked before the model loads, as
+    --text_column is."""
+    from hf_tapernorm.cli.arguments import DataArguments
+    from hf_tapernorm.data.out_of_corpus import out_of_corpus_set
+
+    docs = corpus_documents(40)
+    _tables(hub, [{"id": i, "body": d, "title": "~" * 12} for i, d in enumerate(docs)])
+    cached_hub_dataset(hub / "hubcols", hub / "t.jsonl", repo="me/cols")
+    ooc = ["--out_of_corpus_blocks", "2", "--data_cache_dir", "hubcols", "--dataset_name", "corpus.txt"]
+    for name in ("t.jsonl", "me/cols"):
+        assert error_of(_eval(*ooc, "--out_of_corpus_dataset", name)).endswith(
+            f"dataset '{name}': cannot tell which column holds the text (columns: id, body, title); pass "
+            "--out_of_corpus_text_column"
+        )
+        assert error_of(_eval(*ooc, "--out_of_corpus_dataset", name, "--out_of_corpus_text_column", "text")).endswith(
+            f"--out_of_corpus_text_column text: dataset '{name}' has no column 'text'; its columns: id, body, title"
+        )
+        for column in ("body", "title"):
+            data = DataArguments(out_of_corpus_dataset=name, out_of_corpus_text_column=column, out_of_corpus_blocks=2,
+                                 block_size=32, data_cache_dir="hubcols")  # fmt: skip
+            blocks = out_of_corpus_set(data, tokenizer, []).blocks.flatten().tolist()
+            text = {chr(i) for i in blocks if i != tokenizer.eos_token_id}
+            assert text == {"~"} if column == "title" else ("~" not in text and len(text) > 10)
+    assert error_of(_eval("--out_of_corpus_blocks", "2", "--out_of_corpus_text_column", "body")).endswith(
+        "--out_of_corpus_text_column body: the out-of-corpus text python-docs is the Python documentation, which has "
+        "no columns (leave the option out, or name an --out_of_corpus_dataset)"
+    )
 
 
 # ============================================================================= what a document is

@@ -461,6 +461,32 @@ def test_fold_scans_the_text_its_run_read_as_the_run_read_it(ws, tmp_path, monke
     )
 
 
+def test_fold_scans_the_out_of_corpus_text_from_the_column_its_run_read(ws, tmp_path, monkeypatch):
+    """An --out_of_corpus_dataset without a `text` column (two string columns) could not be used: the reader had no
+    text-column option. A run with --out_of_corpus_text_column records it beside the dataset, and fold's scan reads
+    the same column; the report of an earlier version, without the key, reads as None (the default choice)."""
+    import hf_tapernorm.cli.commands as commands
+
+    docs = (ws / "corpus.txt").read_text().split("\n\n")
+    ooc = tmp_path / "ooc.jsonl"
+    ooc.write_text("".join(json.dumps({"body": d, "title": d[:9]}) + "\n" for d in reversed(docs)))
+    extra = ["--out_of_corpus_dataset", str(ooc), "--out_of_corpus_text_column", "body", "--out_of_corpus_blocks", "2"]
+    out = finished_run([*taper(ws, tmp_path / "run"), *extra])
+    assert json.loads((out / "report.json").read_text())["data"]["out_of_corpus_text_column"] == "body"
+    read = []
+    original = commands.out_of_corpus_set
+    monkeypatch.setattr(commands, "out_of_corpus_set", lambda data, *a: read.append(data) or original(data, *a))
+    code, _, stderr = run_main(fold(out / "tapered", tmp_path / "export", "--scan_windows", "2"))
+    assert code == 0, stderr[-2000:]
+    assert (read[0].out_of_corpus_dataset, read[0].out_of_corpus_text_column) == (str(ooc), "body")
+    report = json.loads((out / "report.json").read_text())
+    edit_json(out / "report.json", data={k: v for k, v in report["data"].items() if k != "out_of_corpus_text_column"})
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    line = refused(fold(out / "tapered", tmp_path / "export2", "--scan_windows", "2"))
+    cannot = "cannot tell which column holds the text (columns: body, title); pass --out_of_corpus_text_column)"
+    assert f"dataset '{ooc}': {cannot}" in line
+
+
 def test_fold_scans_a_home_path_in_the_home_of_its_run_and_never_creates_a_cache_that_is_gone(
     ws, tmp_path, monkeypatch
 ):

@@ -325,6 +325,9 @@ YAML_AS_WRITTEN = {
     "taper text_column a time": (
         "taper", "text_column: 2001-12-14t21:59:43.10-05:00\n", {"text_column": "2001-12-14t21:59:43.10-05:00"},
     ),
+    "eval out_of_corpus_text_column 010": (
+        "eval", "out_of_corpus_text_column: 010\n", {"out_of_corpus_text_column": "010"},
+    ),
     "push include [010, 1.50]": (
         "push", "export_dir: e\nrepo_id: me/x\ninclude: [010, 1.50]\n", {"include": ["010", "1.50"]},
     ),

@@ -23,6 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from ..data.columns import choose_text_column, local_columns, string_columns
 from ..data.heldout import PYTHON_DOCS
 from ..data.sources import (
     EMBEDDED_CORPUS,
@@ -59,23 +60,45 @@ def check_hub_dataset(
     split: str = "train",
     cache_dir: Optional[str] = None,
     text_column: Optional[str] = None,
+    column_option: str = "--text_column",
 ) -> None:
     """Refuse (DataError naming ``option``) a Hub dataset's name that does not resolve as the loading resolves it
     (sources.hub_dataset_builder: a name not on the Hub or not in the cache offline, a configuration or split it
-    lacks, a file loader's name, a ``text_column`` its features lack). Nothing for the embedded corpus and a local
-    path. It writes into the datasets cache (``cache_dir``), so a command calls it after every check that may
-    refuse it without writing anything."""
+    lacks, a slice that selects none of its rows, a file loader's name), and a text column its features do not give
+    (the loading's rule, columns.choose_text_column: a ``text_column``, named by ``column_option``, it lacks; no
+    ``text`` column and not one string column). Nothing for the embedded corpus and a local path. It writes into the
+    datasets cache (``cache_dir``), so a command calls it after every check that may refuse it without writing
+    anything."""
     if name is None or name == EMBEDDED_CORPUS or local_dataset_path(name) is not None:
         return
     try:
         builder = hub_dataset_builder(name, config_name, split, cache_dir)
     except DataError as error:
         raise DataError(f"{option}: {error}") from error
-    columns = list(builder.info.features or ())
-    if text_column is not None and columns and text_column not in columns:
-        raise DataError(
-            f"--text_column {text_column}: dataset '{name}' has no such column; its columns: {', '.join(columns)}"
+    if builder.info.features:  # a dataset whose card records no features: only the loading sees its columns
+        choose_text_column(
+            string_columns(builder.info.features), text_column, option=column_option, what=f"dataset '{name}'"
         )
+
+
+def check_text_column(
+    option: str,
+    name: Optional[str],
+    local: Optional[tuple[str, list[Path]]],
+    text_column: Optional[str],
+    column_option: str = "--text_column",
+) -> None:
+    """Refuse the text column of the embedded corpus or a local dataset (``local``: its builder and files, as
+    check_dataset_path returns them) that the loading would refuse, by the loading's own rule
+    (columns.choose_text_column) on the columns known before the data is read (columns.local_columns; the embedded
+    corpus is text, whose one column is ``text``): a ``text_column`` (named by ``column_option``) it lacks; no
+    ``text`` column and not one string column. A Hub dataset's are its builder's (check_hub_dataset)."""
+    if local is None and name not in (None, EMBEDDED_CORPUS):
+        return
+    columns = {"text": True} if local is None else local_columns(*local)
+    what = "the embedded corpus" if local is None else f"dataset '{name}'"
+    if columns is not None:
+        choose_text_column(columns, text_column, option=column_option, what=what)
 
 
 def check_data_paths(data: Any, own_folder: Optional[str] = None) -> None:
@@ -95,6 +118,8 @@ def check_data_paths(data: Any, own_folder: Optional[str] = None) -> None:
     except DataError as error:
         raise DataError(f"--dataset_split {data.dataset_split}: {error}") from None
     _check_local_reading(data, local["--dataset_name"])
+    for option, name in read.items():
+        check_text_column(option, name, local[option], *_text_column(data, option))
     if data.data_cache_dir:
         check_cache_folder(data.data_cache_dir, own_folder)
         _check_cache_outside_data(data.data_cache_dir, read)
@@ -102,20 +127,21 @@ def check_data_paths(data: Any, own_folder: Optional[str] = None) -> None:
 
 def _check_local_reading(data: Any, local: Optional[tuple[str, list[Path]]]) -> None:
     """Refuse what only a Hub dataset has, given for the embedded corpus or a local dataset (``local``: its builder
-    and files, check_dataset_path's), which would ignore it: a configuration; a text column other than ``text`` of
-    local text files (their one column)."""
+    and files, check_dataset_path's), which would ignore it: a configuration. And an out-of-corpus text column for the
+    Python documentation, which has no columns."""
     name = data.dataset_name
     embedded = name in (None, EMBEDDED_CORPUS)
-    if local is None and not embedded:
-        return  # a Hub dataset: its builder knows its configurations and columns (check_hub_dataset)
     what = "the embedded corpus" if embedded else f"the local dataset '{name}'"
-    if data.dataset_config_name:
+    if (local is not None or embedded) and data.dataset_config_name:
         raise DataError(
             f"--dataset_config_name {data.dataset_config_name}: a configuration is one of a Hub dataset's; {what} "
             "has none (leave the option out)"
         )
-    if local is not None and local[0] == "text" and data.text_column not in (None, "text"):
-        raise DataError(f"--text_column {data.text_column}: {what} is text, whose one column is 'text'")
+    if data.out_of_corpus_blocks and data.out_of_corpus_dataset == PYTHON_DOCS and data.out_of_corpus_text_column:
+        raise DataError(
+            f"--out_of_corpus_text_column {data.out_of_corpus_text_column}: the out-of-corpus text {PYTHON_DOCS} is "
+            "the Python documentation, which has no columns (leave the option out, or name an --out_of_corpus_dataset)"
+        )
 
 
 def check_hub_datasets(data: Any) -> None:
@@ -123,10 +149,17 @@ def check_hub_datasets(data: Any) -> None:
     the checks that write nothing (check_data_paths, the command's own folder)."""
     for option, name in _datasets_read(data).items():
         if option == "--dataset_name":
-            reading = (data.dataset_config_name, data.dataset_split, data.data_cache_dir, data.text_column)
+            reading = (data.dataset_config_name, data.dataset_split, data.data_cache_dir)
         else:
-            reading = (None, "train", data.data_cache_dir, None)
-        check_hub_dataset(option, name, *reading)
+            reading = (None, "train", data.data_cache_dir)
+        check_hub_dataset(option, name, *reading, *_text_column(data, option))
+
+
+def _text_column(data: Any, option: str) -> tuple[Optional[str], str]:
+    """The text column a command's data arguments name for the dataset of ``option``, and the option naming it."""
+    if option == "--dataset_name":
+        return data.text_column, "--text_column"
+    return data.out_of_corpus_text_column, "--out_of_corpus_text_column"
 
 
 def _datasets_read(data: Any) -> dict[str, Optional[str]]:
@@ -223,5 +256,6 @@ __all__ = [
     "check_dataset_path",
     "check_hub_dataset",
     "check_hub_datasets",
+    "check_text_column",
     "missing_local_dataset",
 ]

@@ -44,7 +44,7 @@ class DataFacts:
     heldout_blocks: int
     heldout_tokens: int
     heldout_percentage: float
-    #: How the text was read (config, split, sample_by, cache_dir, out_of_corpus_dataset), so that a later reader
+    #: How the text was read (READING_KEYS: config, split, ..., the out-of-corpus dataset), so that a later reader
     #: (fold's robustness scan) reads the same text the same way.
     reading: dict[str, Any] = field(default_factory=dict)
     #: An extension's facts of its training data (extension.py), over the ones above where they share a key.
@@ -220,7 +220,15 @@ def global_batch_blocks(training_args) -> int:
 
 
 #: The keys of :func:`reading_facts`, in the report's ``data`` section.
-READING_KEYS = ("config", "split", "sample_by", "cache_dir", "dataset_path", "out_of_corpus_dataset")
+READING_KEYS = (
+    "config",
+    "split",
+    "sample_by",
+    "cache_dir",
+    "dataset_path",
+    "out_of_corpus_dataset",
+    "out_of_corpus_text_column",
+)
 
 
 def reading_facts(data) -> dict[str, Any]:
@@ -236,6 +244,7 @@ def reading_facts(data) -> dict[str, Any]:
         str(expand_user(cache).absolute()) if cache else None,
         _absolute(data.dataset_name),
         _absolute(data.out_of_corpus_dataset) if data.out_of_corpus_blocks else None,
+        data.out_of_corpus_text_column if data.out_of_corpus_blocks else None,
     )
     return dict(zip(READING_KEYS, values))
 

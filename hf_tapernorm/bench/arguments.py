@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from .._parsing import parse
-from ..app.data_checks import check_dataset_path, check_hub_dataset
+from ..app.data_checks import check_dataset_path, check_hub_dataset, check_text_column
 from ..app.run_lock import check_destination
 from ..app.validation import check_within_positions
 from ..errors import ConfigurationError
@@ -235,8 +235,11 @@ class BenchArguments:
         if "train" in self.modes and any(s < 4 for s in self.seq_lens):
             raise ConfigurationError("--modes train packs text blocks of --seq_lens tokens: each must be at least 4")
         if "train" in self.modes:  # read once the tokenizer is loaded: a mistyped path is refused now
-            check_dataset_path("--dataset_name", self.dataset_name)
-            check_hub_dataset("--dataset_name", self.dataset_name, self.dataset_config_name)
+            local = check_dataset_path("--dataset_name", self.dataset_name)
+            check_text_column("--dataset_name", self.dataset_name, local, self.text_column)
+            check_hub_dataset(
+                "--dataset_name", self.dataset_name, self.dataset_config_name, text_column=self.text_column
+            )
         for device in self.devices:
             check_device(device)
         self.output_dir = str(expand_user(self.output_dir))  # `~/b` is $HOME/b, as every command reads it

@@ -126,6 +126,13 @@ class DataArguments:
             "python-docs (the Python documentation's English topics, offline) or a dataset like --dataset_name."
         ),
     )
+    out_of_corpus_text_column: Optional[str] = field(
+        default=None,
+        metadata=option_help(
+            "Column with the text of an --out_of_corpus_dataset that is a table (default: 'text', else its only "
+            "string column), as --text_column is the corpus's."
+        ),
+    )
     out_of_corpus_blocks: int = field(
         default=256, metadata=option_help("Out-of-corpus blocks (0: no out-of-corpus measure).")
     )

@@ -343,6 +343,7 @@ def _scan_plan(source: ModelSource, windows: int) -> Optional[tuple[DataArgument
         heldout_percentage=float(recorded.get("heldout_percentage", default.heldout_percentage)),
         heldout_blocks=int((sets.get("held-out") or {}).get("blocks", default.heldout_blocks)),
         out_of_corpus_dataset=_recorded_dataset(facts, run, ooc, windows) or PYTHON_DOCS,
+        out_of_corpus_text_column=recorded.get("out_of_corpus_text_column"),  # None in the runs of earlier versions
         out_of_corpus_blocks=int(ooc_set.get("blocks", 0)),  # no set recorded: none read
         scan_windows=windows,
     )

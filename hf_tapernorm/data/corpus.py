@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ConfigurationError
+from .columns import choose_text_column, string_columns
 from .heldout import EvaluationSet, sample_blocks
 from .sources import EMBEDDED_CORPUS, AnyDataset, DataError, load_text_dataset, text_digest
 
@@ -74,26 +75,16 @@ def prepare_from_arguments(data, tokenizer, *, train_blocks: Optional[int], pref
     )
 
 
-def text_column_of(dataset: AnyDataset, requested: Optional[str] = None) -> str:
-    """The column holding the text: ``requested``, else ``text``, else the only string column."""
+def text_column_of(dataset: AnyDataset, requested: Optional[str] = None, option: str = "--text_column") -> str:
+    """The column holding the text: ``requested`` (given by ``option``), else ``text``, else the only string column
+    (columns.choose_text_column: the rule every command checks before it loads a model)."""
     features = dataset.features
     if features is None:  # streaming datasets may not know their features before reading
         first = next(iter(dataset))
         columns = {k: isinstance(v, str) for k, v in first.items()}
     else:
-        columns = {k: getattr(v, "dtype", None) in ("string", "large_string") for k, v in features.items()}
-    if requested is not None:
-        if requested not in columns:
-            raise DataError(f"text column '{requested}' not in the dataset; columns: {', '.join(columns)}")
-        return requested
-    if "text" in columns:
-        return "text"
-    strings = [k for k, is_text in columns.items() if is_text]
-    if len(strings) == 1:
-        return strings[0]
-    raise DataError(
-        f"cannot tell which column holds the text (columns: {', '.join(columns) or 'none'}); pass --text_column"
-    )
+        columns = string_columns(features)
+    return choose_text_column(columns, requested, option=option)  # every type known: a column or a DataError
 
 
 # ----------------------------------------------------------------------------- split and packing

@@ -14,7 +14,8 @@ from .sources import load_text_dataset
 
 
 def out_of_corpus_set(data, tokenizer, sink_ids: Sequence[int]) -> Optional[EvaluationSet]:
-    """``data.out_of_corpus_blocks`` blocks of ``data.out_of_corpus_dataset`` (None when the count is 0).
+    """``data.out_of_corpus_blocks`` blocks of ``data.out_of_corpus_dataset`` (None when the count is 0), a dataset's
+    text read from its ``data.out_of_corpus_text_column`` (None: as --text_column's default chooses).
 
     The draw uses ``data.heldout_seed``, so every run of a comparison reads the same blocks.
     """
@@ -25,7 +26,7 @@ def out_of_corpus_set(data, tokenizer, sink_ids: Sequence[int]) -> Optional[Eval
         documents, description = python_docs_documents(), PYTHON_DOCS_DESCRIPTION
     else:
         dataset = load_text_dataset(name, sample_by=data.sample_by, cache_dir=data.data_cache_dir)
-        column = text_column_of(dataset)
+        column = text_column_of(dataset, data.out_of_corpus_text_column, option="--out_of_corpus_text_column")
         documents = [(f"document {i}", row[column]) for i, row in enumerate(dataset) if isinstance(row[column], str)]
         description = f"every document of {name}"
     return sample_blocks(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import sysconfig
 from pathlib import Path
 from typing import Optional, Union
@@ -111,7 +112,10 @@ def local_data_files(source: Optional[str], name: Optional[str] = None) -> Optio
     """The ``datasets`` builder and the files that load_text_dataset reads for the dataset name ``source`` (None: the
     embedded corpus or a Hub dataset's name): the file itself, or a folder's files of a suffix a builder reads (hidden
     files and folders, ``.ipynb_checkpoints/`` or ``.git/``, skipped as ``datasets`` skips them: they hold copies of
-    the data or tool state, not more of the corpus), all of one builder.
+    the data or tool state, not more of the corpus), all of one builder. A ``README.md`` at the folder's root beside
+    json/parquet/csv files is the dataset's card, not text (``datasets`` reads a dataset folder's root README.md as
+    its card, never as data): a ``git clone`` of a Hub dataset reads as its tables. In a folder of text files it is
+    text like the others (``datasets`` has no text folder of .md files to follow: it reads .md with another builder).
 
     The loading and the check every command makes before it loads a model (app/data_checks.py) both ask this, so a
     local path the loader cannot read is refused before the model loads, for the same reason. DataError, its
@@ -142,6 +146,9 @@ def local_data_files(source: Optional[str], name: Optional[str] = None) -> Optio
     )
     if not files:
         raise DataError(f"{name} is a folder that holds no {'/'.join(sorted(_BUILDERS))} files")
+    card = path / datasets.config.REPOCARD_FILENAME  # README.md
+    if card in files and {_BUILDERS[p.suffix.lower()] for p in files if p != card} - {"text"}:
+        files.remove(card)  # a Hub dataset's card beside its tables (a git clone of it), as datasets reads it
     builders = {_BUILDERS[p.suffix.lower()] for p in files}
     if len(builders) > 1:
         raise DataError(f"{name} is a folder that mixes file types ({', '.join(sorted(builders))}); use one type")
@@ -219,7 +226,27 @@ def hub_dataset_builder(
     missing = [name for name in _split_names(split) if splits and name not in splits]
     if missing:
         raise DataError(f"dataset '{source}' has no split '{missing[0]}': its splits are {', '.join(splits)}")
+    _check_selects_rows(source, split, {name: info.num_examples for name, info in (builder.info.splits or {}).items()})
     return builder
+
+
+def _check_selects_rows(source: str, split: str, sizes: dict[str, int]) -> None:
+    """Refuse a split expression that selects no row of the splits of ``sizes`` (name -> rows, as the dataset's
+    builder records them), as ``datasets`` reads it (ReadInstruction.to_absolute): train[200:] of 150 rows. Nothing
+    where a split it reads records no size (0): only the loading counts its rows then."""
+    names = list(dict.fromkeys(_split_names(split)))
+    if not all(sizes.get(name) for name in names):
+        return
+    try:
+        empty = all(part.to <= part.from_ for part in _read_instruction(split).to_absolute(sizes))
+    except ValueError:  # pct1_dropremainder of a split under 100 rows, which datasets refuses as always empty
+        empty = True
+    if empty:
+        rows = ", ".join(f"{name} {sizes[name]}" for name in names)
+        raise DataError(
+            f"dataset '{source}': '{split}' selects no row of its splits (rows: {rows}); name a slice within them, "
+            "or the split whole"
+        )
 
 
 def _split_names(split: str) -> list[str]:
@@ -230,15 +257,9 @@ def _split_names(split: str) -> list[str]:
 def check_split(source: Optional[str], split: str, streaming: bool = False) -> None:
     """Refuse a split expression that the loading of ``source`` would not read as written: a slice of a streamed
     dataset (``datasets`` streams whole splits), a split other than train of a local dataset (its files are one
-    split), any split of the embedded corpus (read whole). A Hub dataset's splits are its builder's
-    (hub_dataset_builder)."""
-    try:
-        datasets.ReadInstruction.from_spec(split)
-    except ValueError:
-        raise DataError(
-            f"'{split}' is no split a dataset can be read by: a split's name (train, validation), a slice of it "
-            "(train[:10%], train[100:200]), or several joined by + (no spaces)"
-        ) from None
+    split), any split of the embedded corpus (read whole), a slice that selects no row whatever the split's size
+    (train[3:3]). A Hub dataset's splits, and their sizes, are its builder's (hub_dataset_builder)."""
+    _read_instruction(split)
     if streaming and "[" in split:
         raise DataError(f"a streamed dataset is read whole, split by split: drop the slice of '{split}' or --streaming")
     if source is None or source == EMBEDDED_CORPUS:
@@ -251,6 +272,42 @@ def check_split(source: Optional[str], split: str, streaming: bool = False) -> N
             f"dataset '{source}' is a local file or folder, whose one split is train, not '{other[0]}' (slices such "
             "as train[:50%] read part of it)"
         )
+    if _selects_nothing(split):
+        raise DataError(
+            f"'{split}' selects no row: a slice [start:end] reads the rows from start up to end (a negative one "
+            "counts from the split's end), and this one ends where it starts or before; name one that ends after "
+            "it starts (train[:10%], train[100:200]) or the split whole"
+        )
+
+
+def _read_instruction(split: str) -> datasets.ReadInstruction:
+    """The split expression ``split`` as ``datasets`` parses it; DataError for one it cannot parse."""
+    try:
+        return datasets.ReadInstruction.from_spec(split)
+    except ValueError:
+        raise DataError(
+            f"'{split}' is no split a dataset can be read by: a split's name (train, validation), a slice of it "
+            "(train[:10%], train[100:200]), or several joined by + (no spaces)"
+        ) from None
+
+
+#: A part of a split expression that datasets.ReadInstruction parsed, sliced: its start and end (None: left out).
+_SLICE = re.compile(r"[^\[]*\[(?P<start>-?[\d_]+)?%?:(?P<end>-?[\d_]+)?%?\].*")
+
+
+def _selects_nothing(split: str) -> bool:
+    """Whether the split expression ``split`` (parsed already) selects no row whatever the sizes of its splits:
+    every part a slice whose end is at or before its start, both counted from the same end of the split (train[3:3],
+    train[5:2], train[:0%], train[-2:-5]: a left-out start is the split's start). Whether the ends of train[-5:5] or
+    train[200:] meet depends on the split's size: hub_dataset_builder checks those where the dataset records it."""
+    for part in re.split(r"\s*\+\s*", split):
+        match = _SLICE.fullmatch(part)
+        if match is None or match["end"] is None:
+            return False
+        start, end = int(match["start"] or 0), int(match["end"])
+        if (start < 0) != (end < 0) or end > start:
+            return False
+    return True
 
 
 def _load_error(source: str, error: BaseException) -> DataError:

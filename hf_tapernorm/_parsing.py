@@ -1,8 +1,9 @@
 """Argument parsing for every command line of the package (``hf-tapernorm``'s subcommands in cli/, the
 benchmark in bench/): ``HfArgumentParser`` whose errors are one-line usage errors, whose number options refuse
-NaN and infinity and whose text options refuse what no path or name can hold (a byte of argv that is not UTF-8, a
-line break), an options file read as the flags it stands for (one parse, one set of checks, whatever the source),
-and the translation of field names into flag names.
+NaN and infinity, whose text options refuse what no path or name can hold (a byte of argv that is not UTF-8, a
+line break) and whose seeds keep to one range (utils.check_seeds), an options file read as the flags it stands for
+(one parse, one set of checks, whatever the source; its JSON or YAML is read by _options_reading.py), and the
+translation of field names into flag names.
 
 It sits at the bottom of the layers so that cli/ and bench/ share it without importing each other.
 Below the command line, errors name fields as ``TaperNormConfig.taper_end`` or
@@ -28,7 +29,9 @@ from typing import Any, NoReturn, Optional, Union
 import yaml
 from transformers import HfArgumentParser
 
+from ._options_reading import load_values
 from .errors import ConfigurationError, TaperNormError
+from .utils import check_seeds, expand_user
 
 #: ``Class.field`` (or ``Class.group.field``) as the layers below the command line name a field in their errors.
 _FIELD = re.compile(r"\b(?:TaperNormConfig|TrainingArguments)\.([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)?)")
@@ -41,7 +44,8 @@ class UsageError(ConfigurationError):
 class _Parser(HfArgumentParser):
     """transformers' parser, with one-line errors and each field's option at hand (``options``): an options file is
     read through it as the flags it stands for. Each text option's type checks that its value is text a path or a
-    name can hold (:func:`_text`, :func:`_one_line`), whether the value came from argv or from a file."""
+    name can hold (:func:`_text`, :func:`_one_line`; a ``MULTILINE`` option's, text: :func:`_text`), whether the
+    value came from argv or from a file."""
 
     def __init__(self, dataclass_types: Sequence[type], prog: str, source: Optional[str] = None) -> None:
         #: field name -> its argparse action (the option named after the field, not its ``--no_`` complement)
@@ -49,7 +53,7 @@ class _Parser(HfArgumentParser):
         #: every flag as an options file may spell it (``no_private``, ``model_name_or_path``) -> its action
         self.flags: dict[str, argparse.Action] = {}
         self.source = source  # the options file being read, named in every error
-        self.hints, self.separators, self.empty, self.numbers = _declared(dataclass_types)
+        self.hints, self.separators, self.empty, self.numbers, self.multiline = _declared(dataclass_types)
         super().__init__(list(dataclass_types), prog=prog, allow_abbrev=False)  # a flag is its whole name
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
@@ -60,7 +64,8 @@ class _Parser(HfArgumentParser):
         action = super().add_argument(*args, **kwargs)
         if action.type is str:  # a field's option: its declared type tells a one-line text (a path, a name)
             hint = self.hints.get(action.dest)
-            action.type = _one_line if hint is not None and _is_text(hint) else _text
+            one_line = hint is not None and _is_text(hint) and action.dest not in self.multiline
+            action.type = _one_line if one_line else _text
         if f"--{action.dest}" in action.option_strings:
             self.options[action.dest] = action
         self.flags.update({s[2:].replace("-", "_"): action for s in action.option_strings if s.startswith("--")})
@@ -135,7 +140,7 @@ def parse(dataclass_types: Sequence[type], argv: Sequence[str], prog: str) -> tu
         _refuse_misplaced(source, argv, prog)
     parser = _Parser(dataclass_types, prog, source)
     if source is not None:
-        path = os.path.abspath(source)
+        path = os.path.abspath(expand_user(source, f"options file '{source}'"))  # a quoted '~/run.json' too
         _check_options_file(path, source)
         as_written = {
             flag
@@ -153,7 +158,7 @@ def parse(dataclass_types: Sequence[type], argv: Sequence[str], prog: str) -> tu
         where = f"{source}: " if source is not None else ""
         raise UsageError(f"{where}{ends[0]}: '--' is no value an option can take (see {prog} --help)")
     try:
-        return tuple(parser.parse_args_into_dataclasses(args=list(argv), look_for_args_file=False))  # no <script>.args
+        parsed = tuple(parser.parse_args_into_dataclasses(args=list(argv), look_for_args_file=False))  # no <prog>.args
     except ValueError as error:
         if isinstance(error, ConfigurationError):
             raise
@@ -162,6 +167,9 @@ def parse(dataclass_types: Sequence[type], argv: Sequence[str], prog: str) -> tu
             unused = message.split(":", 1)[1].strip()
             raise UsageError(f"unrecognized arguments: {unused} (see {prog} --help)") from None
         raise UsageError(message) from None
+    for options in parsed:  # every seed option of every command, in one range
+        check_seeds(options)
+    return parsed
 
 
 def _is_options_file(argument: str) -> bool:
@@ -183,8 +191,10 @@ def _options_file_among(parser: _Parser, argv: Sequence[str]) -> Optional[str]:
             taking = action.nargs if action is not None and not equals else 0
         elif taking is None:
             taking = 0
-        elif taking not in ("+", "*") and _is_options_file(word) and os.path.exists(word) and not os.path.isdir(word):
-            return word
+        elif taking not in ("+", "*") and _is_options_file(word):
+            path = expand_user(word, strict=False)  # '~/run.json', quoted, is the home folder's too
+            if path.exists() and not path.is_dir():
+                return word
     return None
 
 
@@ -217,27 +227,12 @@ def _check_options_file(path: str, name: str) -> None:
 
 
 def _read_options_file(path: str, name: str, as_written: Collection[str]) -> dict[str, Any]:
-    """The object of an options file (JSON or YAML), or a UsageError naming the file. A leading byte order mark
-    (what some editors write into UTF-8) is no part of the text. JSON numbers keep the text the file holds
-    (:class:`_Written`). YAML reads numbers as YAML 1.2 does (:class:`_Loader`), and the value of a text or number
-    option (``as_written``: a folder, a dataset name, a step count) is its text as written, given to the option's
-    own type as the flag's text is: ``output_dir: 010`` is the folder 010, ``learning_rate: 0x10`` is refused as
-    ``--learning_rate 0x10`` is."""
+    """The object of an options file (JSON or YAML, read by _options_reading.load_values: ``as_written`` are the
+    options whose value is their text as written), or a UsageError naming the file. A leading byte order mark (what
+    some editors write into UTF-8) is no part of the text."""
     try:
         with open(path, encoding="utf-8-sig") as handle:
-            if path.lower().endswith(".json"):
-                values = json.load(handle, parse_int=_JsonInt.read, parse_float=_JsonFloat.read)
-            else:
-                loader = _Loader(handle)
-                try:
-                    node = loader.get_single_node()
-                    values = loader.construct_document(node) if node is not None else None
-                finally:
-                    loader.dispose()
-                if isinstance(values, dict) and isinstance(node, yaml.MappingNode):
-                    for key, value in node.value:  # merge keys already flattened into it; the last of a key wins
-                        if isinstance(key.value, str) and key.value.replace("-", "_") in as_written:
-                            values[key.value] = _as_written(value, values[key.value])
+            values = load_values(handle, path.lower().endswith(".json"), as_written)
     except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError, RecursionError) as error:  # deep: recursion
         raise UsageError(
             f"{name}: cannot read it ({str(error).splitlines()[0] if str(error) else type(error).__name__})"
@@ -247,89 +242,24 @@ def _read_options_file(path: str, name: str, as_written: Collection[str]) -> dic
     return values
 
 
-class _Written:
-    """A number of a JSON options file with the text the file holds (``text``): a text option given a number is
-    refused quoting what the file says (``1e1``, ``1.50``), not Python's reading of it (``10.0``, ``1.5``)."""
-
-    text = ""
-
-    @classmethod
-    def read(cls, text: str) -> Any:
-        number = cls(text)
-        number.text = text
-        return number
-
-
-class _JsonInt(_Written, int):
-    """An integer of a JSON options file, with its text."""
-
-
-class _JsonFloat(_Written, float):
-    """A fraction of a JSON options file, with its text."""
-
-
-#: The types YAML resolves a scalar to that may have been meant as text (``010``, ``0x1F``, ``!!timestamp``).
-_NUMBER_TAGS = {f"tag:yaml.org,2002:{kind}" for kind in ("int", "float", "timestamp")}
-
-
-class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2's core schema for numbers: ``010`` is 10, ``0x1F`` 31, ``1e3`` 1000.0,
-    and ``1:30``, ``0b11``, ``1_000`` and ``2024-01-02`` are text, where YAML 1.1 reads 8, 90, 3, 1000 and a date.
-    It is how a value inside an object option reads (``lr_scheduler_kwargs: {num_decay_steps: 010}``: 10, as its
-    flag's JSON ``10`` would); an option's own value is its text as written (:func:`_as_written`)."""
-
-
-_Loader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _NUMBER_TAGS]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
-)
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
-    ),
-    list("-+.0123456789"),
-)
-
-
-def _core_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
-    """A YAML 1.2 integer: decimal whatever its leading zeros (``010`` is 10), ``0o`` octal, ``0x`` hexadecimal."""
-    text = loader.construct_scalar(node)
-    if text[:2] in ("0o", "0x"):
-        return int(text[2:], 8 if text[1] == "o" else 16)
-    return int(text)
-
-
-_Loader.add_constructor("tag:yaml.org,2002:int", _core_int)
-
-
-def _as_written(node: yaml.Node, value: Any) -> Any:
-    """``value`` (YAML's reading of ``node``) with every number or date in it as the text the file holds; but
-    YAML's own spellings of infinity and NaN (``.inf``, ``.nan``), which no flag has, stay numbers, to be refused
-    as not finite."""
-    if isinstance(node, yaml.ScalarNode) and node.tag in _NUMBER_TAGS:
-        return value if isinstance(value, float) and not math.isfinite(value) else node.value
-    if isinstance(node, yaml.SequenceNode) and isinstance(value, list):
-        return [_as_written(item, v) for item, v in zip(node.value, value)]
-    return value
-
-
-def _declared(dataclass_types: Sequence[type]) -> tuple[dict[str, Any], dict[str, str], dict[str, str], set[str]]:
+def _declared(
+    dataclass_types: Sequence[type],
+) -> tuple[dict[str, Any], dict[str, str], dict[str, str], set[str], set[str]]:
     """Each option's type as declared (HfArgumentParser rewrites each Field's), and the classes' ``SEPARATORS``
     (option -> the text between the items of an option that lists several things in one value, ``--keep_norms
-    a,b``), ``EMPTY`` (option -> how its flag spells an empty list, ``--report_to none``) and ``NUMBERS`` (the text
-    options whose text is a number, ``--taper_end 0.7``: an options file may write them as numbers)."""
-    hints, separators, empty, numbers = {}, {}, {}, set()
+    a,b``), ``EMPTY`` (option -> how its flag spells an empty list, ``--report_to none``), ``NUMBERS`` (the text
+    options whose text is a number, ``--taper_end 0.7``: an options file may write them as numbers) and
+    ``MULTILINE`` (the text options that are prose, not a path or name, and may run over several lines: a commit
+    message's body)."""
+    hints, separators, empty, numbers, multiline = {}, {}, {}, set(), set()
     for cls in dataclass_types:
         declared = typing.get_type_hints(cls)
         hints.update({f.name: declared[f.name] for f in dataclasses.fields(cls) if f.init})
         separators.update(getattr(cls, "SEPARATORS", {}))
         empty.update(getattr(cls, "EMPTY", {}))
         numbers.update(getattr(cls, "NUMBERS", ()))
-    return hints, separators, empty, numbers
+        multiline.update(getattr(cls, "MULTILINE", ()))
+    return hints, separators, empty, numbers, multiline
 
 
 def _is_text(hint: Any) -> bool:

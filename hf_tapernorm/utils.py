@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import time
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -103,12 +104,59 @@ def expand_user(path: Union[str, os.PathLike], what: str = "", *, strict: bool =
 
 def expand_user_options(options: Any, *names: str) -> None:
     """Refuse now, by its flag (``--name 'value': ...``), each path option ``names`` of an arguments dataclass of
-    cli/ or bench/ whose ``~user`` names no user of this machine (expand_user). Their ``__post_init__`` calls it: a
-    command then stops at parse time, before the checks deeper down that know the path but not the option."""
+    cli/ or bench/ that is empty or whose ``~user`` names no user of this machine (expand_user). Their
+    ``__post_init__`` calls it: a command then stops at parse time, before the checks deeper down that know the path
+    but not the option. An empty path (an unset shell variable, ``--export_dir "$DIR"``) is ``Path("")``, the working
+    folder, which a command would read, score, upload or write into in the option's name."""
     for name in names:
         value = getattr(options, name)
+        if value == "":
+            declared = next(f for f in fields(options) if f.name == name)
+            required = declared.default is MISSING and declared.default_factory is MISSING
+            instead = "name one" if required else "name one, or leave the option out for its default"
+            raise ConfigurationError(
+                f"--{name} '': an empty path names no file or folder (it would be the working folder); {instead}"
+            )
         if value:
             expand_user(value, f"--{name} '{value}'")
+
+
+#: One past the largest seed any option takes: NumPy's range, [0, 2**32 - 1]. The Trainer seeds NumPy with --seed,
+#: which refuses any other, and torch's CPU generator keeps a seed's low 32 bits (2**32 draws what 0 draws, -1 what
+#: 2**32 - 1 draws) and fails beyond 64 bits: a seed outside it fails once the model is loaded, or repeats another
+#: seed's draw without a word.
+SEED_LIMIT = 2**32
+
+
+def check_seeds(options: Any) -> None:
+    """Refuse (ConfigurationError naming the flag) a seed of an arguments dataclass (a command's options, a
+    TrainingArguments) outside [0, 2**32 - 1] (SEED_LIMIT): every field named ``seed`` or ``*_seed`` (``--seed``,
+    ``--data_seed``, ``--heldout_seed``), so a seed option of any command is bounded as it is added; None (no seed,
+    ``--data_seed``'s default) passes. The parser of every command (_parsing.parse) calls it."""
+    for field in fields(options):
+        value = getattr(options, field.name, None)
+        seed = field.name == "seed" or field.name.endswith("_seed")
+        if seed and isinstance(value, int) and not 0 <= value < SEED_LIMIT:
+            raise ConfigurationError(f"--{field.name} must be in [0, 2**32 - 1], got {value}")
+
+
+def check_compile_options(backend: Optional[str], mode: Optional[str], flags: tuple[str, str]) -> None:
+    """Refuse (ConfigurationError naming the option, ``flags``: the backend's and the mode's) a ``torch.compile``
+    backend torch has not registered (its own and installed plugins') or a mode its inductor backend (the default)
+    does not have: both fail only at the first compiled forward, after the model was loaded. Another backend's modes
+    are its own (torch passes the mode on to it as a keyword; its own backends ignore it)."""
+    if backend is not None and backend not in torch.compiler.list_backends(exclude_tags=()):
+        raise ConfigurationError(
+            f"{flags[0]} {backend!r} is not a torch.compile backend torch knows: "
+            f"{', '.join(torch.compiler.list_backends())} (and the debug ones torch.compiler.list_backends("
+            "exclude_tags=()) lists, such as eager and aot_eager)"
+        )
+    if mode is not None and backend in (None, "inductor"):
+        from torch._inductor import list_mode_options  # where torch.compile's documentation lists its modes
+
+        modes = list_mode_options()
+        if mode not in modes:
+            raise ConfigurationError(f"{flags[1]} {mode!r} is not a torch.compile mode: {', '.join(modes)}")
 
 
 def saved_model_type(config_file: Path) -> str:
@@ -122,6 +170,9 @@ def saved_model_type(config_file: Path) -> str:
 
 
 __all__ = [
+    "SEED_LIMIT",
+    "check_compile_options",
+    "check_seeds",
     "expand_user",
     "expand_user_options",
     "file_in_the_way",

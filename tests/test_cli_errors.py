@@ -215,15 +215,17 @@ NO_USER_LINE = (
     "'~nosuchuser/x': there is no user 'nosuchuser' on this machine, so '~nosuchuser' names no home folder; write "
     "the path in full, or start it with ~/ for your own home folder"
 )
-#: command -> its arguments on the workspace, the path option given last (it wins over the same option before it)
-NO_USER_COMMANDS = {
-    "taper": lambda ws, option: [*_taper(ws), option, NO_USER],
-    "eval": lambda ws, option: _eval(ws, option, NO_USER),
-    "fold": lambda ws, option: fold(ws / "llama", ws / "f", option, NO_USER),
-    "push": lambda ws, option: ["push", "--export_dir", str(ws / "llama"), "--repo_id", "me/x", option, NO_USER],
-    "bench": lambda ws, option: _bench(ws, "--modes", "train", option, NO_USER),
+#: command -> its arguments on the workspace, an option and its value given last (it wins over the same option
+#: before it)
+WITH_OPTION = {
+    "taper": lambda ws, option, value: [*_taper(ws), option, value],
+    "eval": lambda ws, option, value: _eval(ws, option, value),
+    "fold": lambda ws, option, value: fold(ws / "llama", ws / "f", option, value),
+    "push": lambda ws, option, value: ["push", "--export_dir", str(ws / "llama"), "--repo_id", "me/x", option, value],
+    "bench": lambda ws, option, value: _bench(ws, "--modes", "train", option, value),
 }
-NO_USER_OPTIONS = {
+#: command -> its path options
+PATH_OPTIONS = {
     "taper": ["--output_dir", "--dataset_name", "--out_of_corpus_dataset", "--data_cache_dir", "--model_name_or_path",
               "--baseline_from"],
     "eval": ["--model_name_or_path", "--dataset_name", "--out_of_corpus_dataset", "--data_cache_dir", "--output_json",
@@ -313,6 +315,72 @@ CASES = {
         _trainer(["--report_to", "clearml"]),
         2,
         "--report_to ['clearml']: RuntimeError: ClearMLCallback requires 'clearml'",
+    ),
+    # Trainer options the Trainer (or torch) reads only once the model is loaded: it ended with a traceback and a
+    # failed run's folder
+    "taper: --torch_compile_mode bogus": (
+        _trainer(["--torch_compile_mode", "bogus"]),
+        2,
+        "error: --torch_compile_mode 'bogus' is not a torch.compile mode: default, ",
+    ),
+    "taper: --torch_compile_backend bogus": (
+        _trainer(["--torch_compile_backend", "bogus"]),
+        2,
+        "error: --torch_compile_backend 'bogus' is not a torch.compile backend torch knows: ",
+    ),
+    "taper: a torch.compile backend the Trainer's accelerate does not take": (
+        _trainer(["--torch_compile_backend", "aot_eager_decomp_partition"]),
+        2,
+        "error: --torch_compile_backend aot_eager_decomp_partition: not a backend accelerate compiles the Trainer's "
+        "model with: no, eager, ",
+    ),
+    "taper: --neftune_noise_alpha -5": (
+        _trainer(["--neftune_noise_alpha", "-5"]),
+        2,
+        "error: --neftune_noise_alpha must be >= 0 (the scale of the noise NEFTune adds to the embeddings), got -5.0",
+    ),
+    "taper: --fsdp full_shard in one process": (
+        _trainer(["--fsdp", "full_shard"]),
+        2,
+        "error: --fsdp: FSDP shards the model over the processes of a distributed launch, and this run is one "
+        "process; launch it with torchrun",
+    ),
+    "bench: a compile mode torch does not know": (
+        lambda ws: _bench(ws, "--execution", "compile", "--compile_mode", "bogus"),
+        2,
+        "error: --compile_mode 'bogus' is not a torch.compile mode: default, ",
+    ),
+    # every seed in --seed's range: torch's generator kept the low 32 bits (2**32 drew seed 0's held-out blocks, -1
+    # those of 2**32 - 1) and failed beyond 64 bits, in eval after the model loaded
+    **{
+        f"{command} {option} {value}": (
+            lambda ws, make=WITH_OPTION[command], option=option, value=value: make(ws, option, value),
+            2,
+            f"error: {option} must be in [0, 2**32 - 1], got {value}",
+        )
+        for command, option, value in [
+            ("eval", "--heldout_seed", str(2**64)),
+            ("eval", "--heldout_seed", str(2**32)),
+            ("eval", "--heldout_seed", "-1"),
+            ("taper", "--heldout_seed", str(2**64)),
+            ("taper", "--data_seed", str(2**32)),
+            ("taper", "--data_seed", "-1"),
+            ("bench", "--seed", "-1"),
+        ]
+    },
+    # bench's train text, checked as taper's and eval's: a configuration was recorded in bench.json, and ignored
+    "bench --modes train: a configuration of a local file": (
+        lambda ws: _bench(
+            ws, "--modes", "train", "--dataset_name", str(ws / "corpus.txt"), "--dataset_config_name", "c"
+        ),
+        2,
+        "error: --dataset_config_name c: a configuration is one of a Hub dataset's; the local dataset "
+        "'{ws}/corpus.txt' has none",
+    ),
+    "bench --modes train: a configuration of the embedded corpus": (
+        lambda ws: _bench(ws, "--modes", "train", "--dataset_config_name", "c"),
+        2,
+        "error: --dataset_config_name c: a configuration is one of a Hub dataset's; the embedded corpus has none",
     ),
     "taper: --optim adamw_bnb_8bit": (
         _trainer(["--optim", "adamw_bnb_8bit"]),
@@ -853,11 +921,22 @@ CASES = {
     # a ~user this machine does not have, in any path option of any command: one line naming the option
     **{
         f"{command} {option} '{NO_USER}'": (
-            lambda ws, make=NO_USER_COMMANDS[command], option=option: make(ws, option),
+            lambda ws, make=WITH_OPTION[command], option=option: make(ws, option, NO_USER),
             2,
             f"error: {option} {NO_USER_LINE}",
         )
-        for command, options in NO_USER_OPTIONS.items()
+        for command, options in PATH_OPTIONS.items()
+        for option in options
+    },
+    # an empty path (an unset shell variable) in any path option of any command: it was the working folder (eval
+    # scored the model there, push went on to upload it); one line naming the option
+    **{
+        f"{command} {option} ''": (
+            lambda ws, make=WITH_OPTION[command], option=option: make(ws, option, ""),
+            2,
+            f"error: {option} '': an empty path names no file or folder (it would be the working folder); name one",
+        )
+        for command, options in PATH_OPTIONS.items()
         for option in options
     },
     "taper: an options file's output_dir under a ~user this machine does not have": (
@@ -908,3 +987,16 @@ def test_a_mistyped_model_path_is_named_as_such(workspace, tmp_path):
     lines = stderr.strip().splitlines()
     assert status == 2 and len(lines) == 1, stderr  # transformers' message runs over two lines
     assert "'no_such/folder' (no local folder of that name, so it was taken as a Hub id: check the path" in lines[0]
+
+
+def test_deepspeed_without_its_package_is_one_line_before_anything_loads(ws, tmp_path, monkeypatch):
+    """`taper --deepspeed ds.json` without deepspeed installed was a PackageNotFoundError traceback (transformers
+    checks the package while it parses the arguments)."""
+    monkeypatch.setattr("hf_tapernorm.cli.arguments.is_deepspeed_available", lambda: False)
+    (tmp_path / "ds.json").write_text("{}")
+    argv = taper_argv(ws, tmp_path / "out", "--deepspeed", str(tmp_path / "ds.json"))
+    assert error_of(argv) == (
+        f"hf-tapernorm taper: error: --deepspeed {tmp_path / 'ds.json'}: the deepspeed package is not installed (pip "
+        "install deepspeed), or leave --deepspeed out"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]

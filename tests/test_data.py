@@ -346,15 +346,16 @@ def test_a_file_loader_s_name_is_no_dataset(hub, name):
 def test_an_empty_dataset_name_is_refused_not_read_as_the_working_folder(hub, tmp_path):
     """`--dataset_name ''` was the folder `.`: the working folder's text files were read (taper trained on a user's
     notes) while the report and card said python-stdlib."""
-    empty = "an empty name names no file, folder or Hub dataset; leave the option out for the embedded corpus"
-    assert empty in error_of(_eval("--dataset_name", ""))
-    assert empty in error_of(_eval("--dataset_name", "corpus.txt", "--out_of_corpus_blocks", "2",
-                                   "--out_of_corpus_dataset", ""))  # fmt: skip
+    empty = "'': an empty path names no file or folder (it would be the working folder); name one, or leave the option"
+    assert f"--dataset_name {empty}" in error_of(_eval("--dataset_name", ""))  # as every path option (test_cli_errors)
+    out_of_corpus = _eval("--dataset_name", "corpus.txt", "--out_of_corpus_blocks", "2", "--out_of_corpus_dataset", "")
+    assert f"--out_of_corpus_dataset {empty}" in error_of(out_of_corpus)
     options = tmp_path / "run.json"
     values = {"model_name_or_path": "llama", "dataset_name": "", "output_dir": str(tmp_path / "run"), "use_cpu": True}
     options.write_text(json.dumps(values))
-    assert empty in error_of(["taper", str(options)])
+    assert f"--dataset_name {empty}" in error_of(["taper", str(options)])
     assert not (tmp_path / "run").exists()
+    empty = "an empty name names no file, folder or Hub dataset; leave the option out for the embedded corpus"
     with pytest.raises(DataError, match=empty):
         load_text_dataset("")
 

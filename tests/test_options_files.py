@@ -645,3 +645,46 @@ def test_a_file_beside_the_running_script_is_never_read_as_options(tmp_path, mon
     monkeypatch.setattr(sys, "argv", [str(tmp_path / "convert.py")])
     values = {k: v for options in parsed("taper", ["--output_dir", "runs/x"]) for k, v in vars(options).items()}
     assert values["output_dir"] == "runs/x" and values["max_steps"] != 3
+
+
+#: command -> the object of a small options file it reads
+SMALL_OPTIONS = {
+    "taper": {"output_dir": "runs/x"},
+    "eval": {"model_name_or_path": "m"},
+    "fold": {"checkpoint": "c", "output_dir": "o"},
+    "push": PUSH,
+    "bench": {"output_dir": "runs/b"},
+}
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_an_options_file_named_from_the_home_folder_is_read(command, tmp_path, monkeypatch):
+    """`taper '~/run.json'` (quoted, or from a script, where no shell expands it) was "options file '~/run.json' not
+    found" though it was in $HOME. A ~user this machine does not have is one line."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    write_options(tmp_path / "home", "run.json", SMALL_OPTIONS[command])
+    monkeypatch.chdir(tmp_path)  # no run.json here: only $HOME has one
+    assert parsed(command, ["~/run.json"]) == parsed(command, [str(tmp_path / "home" / "run.json")])
+    with pytest.raises(ConfigurationError, match="'~nosuchuser/run.json': there is no user 'nosuchuser'"):
+        parsed(command, ["~nosuchuser/run.json"])
+
+
+def test_an_options_file_from_the_home_folder_after_a_flag_is_refused_as_out_of_place(tmp_path, monkeypatch):
+    """The file is read alone: after a flag it was taken for that flag's value or an extra word, as any other."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write_options(tmp_path, "run.json", SMALL_OPTIONS["taper"])
+    with pytest.raises(UsageError, match="the options file ~/run.json is read alone, as the first and only argument"):
+        parsed("taper", ["--resume", "~/run.json"])
+
+
+def test_a_commit_message_may_run_over_several_lines_from_either_source(tmp_path):
+    """A commit message is prose, not a path or name: its body (after a line break) was refused in push's options
+    file and on argv alike."""
+    (tmp_path / "push.yaml").write_text("export_dir: e\nrepo_id: me/x\ncommit_message: |\n  Title\n\n  Body line\n")
+    (options,) = parsed("push", [str(tmp_path / "push.yaml")])
+    assert options.commit_message == "Title\n\nBody line\n"
+    argv = ["--export_dir", "e", "--repo_id", "me/x", "--commit_message", "Title\n\nBody line\n"]
+    assert parsed("push", argv) == (options,)
+    with pytest.raises(UsageError, match=r"argument --export_dir.*holds a line break"):  # a path keeps the rule
+        parsed("push", ["--export_dir", "e\n", "--repo_id", "me/x"])

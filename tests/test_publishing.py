@@ -210,3 +210,21 @@ def test_push_to_a_name_without_an_owner_goes_under_the_token_s_user(export, tmp
     assert "repo id tiny-normfree names no owner: the Hub puts it under the token's user, as me/tiny-normfree" in (
         caplog.text
     )
+
+
+def test_a_commit_message_with_a_body_is_the_commit_s_summary_and_description(export, tmp_path, hub):
+    """`--commit_message $'Title\\n\\nBody'` was refused as holding "a line break, which a path or name cannot hold":
+    a commit message is no path, and a body is valid git. Its first line is the Hub commit's summary, the rest its
+    description; a one-line message has none. Paths keep the rule."""
+    message = "Fold the tiny model\r\n\nTapered 6 steps;\nsee the card."
+    code, _, stderr = run_main([*push(export), "--commit_message", message])
+    assert code == 0, stderr
+    (upload,) = hub.uploads
+    assert (upload["commit_message"], upload["commit_description"]) == (
+        "Fold the tiny model",
+        "Tapered 6 steps;\nsee the card.",
+    )
+    code, _, stderr = run_main([*push(export), "--commit_message", "One line"])
+    assert code == 0, stderr
+    assert (hub.uploads[-1]["commit_message"], hub.uploads[-1]["commit_description"]) == ("One line", None)
+    assert "holds a line break" in error_of(["push", "--export_dir", f"{export}\n", "--repo_id", "me/x"])

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from accelerate.utils import DynamoBackend, TorchDynamoPlugin
 from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, Trainer, get_scheduler
 from transformers.integrations import get_reporting_integration_callbacks
@@ -41,7 +42,7 @@ from ..export.folding import unties_head
 from ..layers.patching import patch_model
 from ..training.checkpoints import tapered_config_of, tapered_model_config
 from ..training.schedule import TaperSchedule
-from ..utils import expand_user
+from ..utils import check_compile_options, check_seeds, expand_user
 
 
 def check_trainer_options(training_args, schedule: TaperSchedule, config: TaperNormConfig) -> None:
@@ -49,6 +50,7 @@ def check_trainer_options(training_args, schedule: TaperSchedule, config: TaperN
     _refuse_recipe_bypasses(training_args)
     _require_finite(training_args, config)
     _require_positive_counts(training_args)
+    _check_runtime(training_args)
     _check_optimizer(training_args)
     _check_scheduler(training_args, schedule)
     try:  # each integration checks that its package is installed when it is made
@@ -120,12 +122,37 @@ def _require_positive_counts(args) -> None:
         value = getattr(args, name)
         if not isinstance(value, int) or value < 1:
             raise ConfigurationError(f"--{name} must be a positive integer, got {value}")
-    if not 0 <= args.seed < 2**32:  # NumPy's range: the Trainer seeds NumPy with it after the model has loaded
-        raise ConfigurationError(f"--seed must be in [0, 2**32 - 1], got {args.seed}")
+    check_seeds(args)  # --seed, --data_seed: the Trainer seeds NumPy and the data order after the model has loaded
     if args.max_grad_norm is not None and args.max_grad_norm < 0:  # the Trainer clips only above 0: silently off
         raise ConfigurationError(f"--max_grad_norm must be >= 0, got {args.max_grad_norm} (0 turns clipping off)")
     if args.weight_decay < 0:  # passed per parameter group, which torch's optimizers do not range-check
         raise ConfigurationError(f"--weight_decay must be >= 0, got {args.weight_decay}")
+
+
+def _check_runtime(args) -> None:
+    """The options the Trainer reads only once the model is loaded, or on the first step: how the model is compiled,
+    sharded and trained (NEFTune's noise). transformers and torch raise on them then, as a traceback."""
+    if args.torch_compile:
+        backend, mode = args.torch_compile_backend, args.torch_compile_mode
+        check_compile_options(backend, mode, ("--torch_compile_backend", "--torch_compile_mode"))
+        try:  # as the Trainer makes it: accelerate's backends are fewer than torch's
+            TorchDynamoPlugin(backend=backend, mode=mode)
+        except ValueError:
+            backends = ", ".join(known.value.lower() for known in DynamoBackend)
+            raise ConfigurationError(
+                f"--torch_compile_backend {backend}: not a backend accelerate compiles the Trainer's model with: "
+                f"{backends}"
+            ) from None
+    if args.fsdp and not args.fsdp_config.get("xla", False) and _value(args.parallel_mode) != "distributed":
+        raise ConfigurationError(
+            "--fsdp: FSDP shards the model over the processes of a distributed launch, and this run is one process; "
+            "launch it with torchrun --nproc_per_node N (or accelerate launch), or leave --fsdp out"
+        )
+    if args.neftune_noise_alpha is not None and args.neftune_noise_alpha < 0:
+        raise ConfigurationError(
+            f"--neftune_noise_alpha must be >= 0 (the scale of the noise NEFTune adds to the embeddings), got "
+            f"{args.neftune_noise_alpha}; leave it out for no noise"
+        )
 
 
 def _check_optimizer(args) -> None:

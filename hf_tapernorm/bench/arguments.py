@@ -14,16 +14,17 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
 
 from .._parsing import parse
-from ..app.data_checks import check_dataset_path, check_hub_dataset, check_text_column
+from ..app.data_checks import check_data_paths, check_hub_dataset
 from ..app.run_lock import check_destination
 from ..app.validation import check_within_positions
 from ..errors import ConfigurationError
-from ..utils import expand_user, expand_user_options
+from ..utils import check_compile_options, expand_user, expand_user_options
 
 PROG = "hf-tapernorm bench"
 NORMS = ("recipe", "internal", "all")
@@ -55,17 +56,6 @@ def check_device(name: str) -> None:
         raise ConfigurationError(f"device {name!r} requested but {device.type.upper()} is not available here")
     if device.index is not None and device.index >= count:
         raise ConfigurationError(f"device {name!r} requested but this machine has {count} {device.type} device(s)")
-
-
-def check_compile_backend(name: str) -> None:
-    """A ``torch.compile`` backend torch has registered (its own and those of installed plugins): a typo fails here,
-    not at the first compiled forward, after the model was loaded and calibrated."""
-    if name not in torch.compiler.list_backends(exclude_tags=()):
-        raise ConfigurationError(
-            f"--compile_backend {name!r} is not a torch.compile backend torch knows: "
-            f"{', '.join(torch.compiler.list_backends())} (and the debug ones torch.compiler.list_backends("
-            "exclude_tags=()) lists, such as eager and aot_eager)"
-        )
 
 
 def usable_cpus() -> int:
@@ -219,8 +209,7 @@ class BenchArguments:
             self._check_onnxruntime()
         _check_list("dtypes", self.dtypes, tuple(DTYPES))
         _check_list("execution", self.execution, EXECUTIONS)
-        if self.compile_backend is not None:
-            check_compile_backend(self.compile_backend)
+        check_compile_options(self.compile_backend, self.compile_mode, ("--compile_backend", "--compile_mode"))
         for name in ("batch_sizes", "seq_lens", "threads", "devices"):
             _check_list(name, getattr(self, name))
         for name in ("batch_sizes", "seq_lens", "threads"):
@@ -235,8 +224,7 @@ class BenchArguments:
         if "train" in self.modes and any(s < 4 for s in self.seq_lens):
             raise ConfigurationError("--modes train packs text blocks of --seq_lens tokens: each must be at least 4")
         if "train" in self.modes:  # read once the tokenizer is loaded: a mistyped path is refused now
-            local = check_dataset_path("--dataset_name", self.dataset_name)
-            check_text_column("--dataset_name", self.dataset_name, local, self.text_column)
+            check_data_paths(self._train_data())  # as taper and eval check theirs (the text column too)
             check_hub_dataset(
                 "--dataset_name", self.dataset_name, self.dataset_config_name, text_column=self.text_column
             )
@@ -247,6 +235,22 @@ class BenchArguments:
         advice = "wait for it to finish, or choose another --output_dir"
         check_destination(output, f"--output_dir '{output}'", advice=advice)  # as taper and fold check theirs
         check_earlier_results(output)
+
+    def _train_data(self) -> SimpleNamespace:
+        """The train mode's text as the data arguments of taper and eval (app.data_checks.check_data_paths reads
+        them): --dataset_name's train split, read whole into the datasets library's own cache, and no out-of-corpus
+        text."""
+        return SimpleNamespace(
+            dataset_name=self.dataset_name,
+            dataset_config_name=self.dataset_config_name,
+            text_column=self.text_column,
+            dataset_split="train",
+            streaming=False,
+            data_cache_dir=None,
+            out_of_corpus_blocks=0,
+            out_of_corpus_dataset=None,
+            out_of_corpus_text_column=None,
+        )
 
     def _check_onnxruntime(self) -> None:
         """ONNX Runtime runs fp32 graphs of the original and folded variants on the CPU, in the inference modes."""

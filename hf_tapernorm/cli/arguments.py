@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 
 import torch
 from transformers import TrainingArguments
+from transformers.integrations import is_deepspeed_available
 
 from .._parsing import as_flags
 from ..app.validation import IGNORED_ON_RESUME
@@ -374,11 +375,17 @@ class TaperTrainingArguments(TrainingArguments):
                     json.loads(value)
                 except json.JSONDecodeError as error:
                     raise ConfigurationError(f"--{name} {value}: not a JSON object ({error})") from None
+        if self.deepspeed and not is_deepspeed_available():  # transformers would raise PackageNotFoundError
+            raise ConfigurationError(
+                f"--deepspeed {self.deepspeed}: the deepspeed package is not installed (pip install deepspeed), or "
+                "leave --deepspeed out"
+            )
         if self.dataloader_num_workers < 0:  # torch refuses it only once the data loader is built, after loading
             raise ConfigurationError(
                 "--dataloader_num_workers must be >= 0 (0: load in the main process), "
                 f"got {self.dataloader_num_workers}"
             )
+        expand_user_options(self, "output_dir")
         if self.max_steps is None or self.max_steps < 2:
             raise ConfigurationError(
                 f"--max_steps must be at least 2 optimizer steps, got {self.max_steps} (the taper schedule is defined "

@@ -456,6 +456,7 @@ def push_main(argv: Sequence[str]) -> int:
         raise UsageError(
             f"'{push_args.export_dir}' has no README.md model card; re-export it with hf-tapernorm taper or fold"
         )
+    title, _, body = push_args.commit_message.partition("\n")  # a Hub commit's summary and description: git's
     try:
         commit = push_export(
             source.path,
@@ -464,7 +465,8 @@ def push_main(argv: Sequence[str]) -> int:
             before_upload=lambda files: print(_export_scan(Path(source.path))),  # once the export passed its checks
             token=push_args.token,
             private=push_args.private,
-            commit_message=push_args.commit_message,
+            commit_message=title.rstrip("\r"),
+            commit_description=body.strip("\r\n") or None,
         )
     except ConfigurationError:
         raise

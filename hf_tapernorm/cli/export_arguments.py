@@ -6,7 +6,7 @@ as arguments.py's are, so a bad value fails before anything is read or written.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
@@ -70,8 +70,10 @@ class PushArguments:
     )
     token: Optional[str] = field(default=None, metadata=option_help("Hub token (default: the logged-in one)."))
     commit_message: str = field(
-        default="Upload norm-free model (hf_tapernorm)", metadata=option_help("Commit message.")
+        default="Upload norm-free model (hf_tapernorm)",
+        metadata=option_help("Commit message: a title line, and a body after a line break if you like (as git's)."),
     )
+    MULTILINE: ClassVar[tuple[str, ...]] = ("commit_message",)  # prose: its line breaks are no path's or name's
 
     def __post_init__(self) -> None:
         expand_user_options(self, "export_dir")

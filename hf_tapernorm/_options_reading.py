@@ -1,0 +1,109 @@
+"""How the text of an options file reads (``hf-tapernorm CMD run.json``): JSON numbers with the text the file
+holds, YAML with YAML 1.2's numbers, and the value of a text or number option as its text as written. _parsing.py
+turns what this reads into the command line it stands for; this module knows the two syntaxes only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Collection
+from typing import IO, Any
+
+import yaml
+
+
+def load_values(handle: IO[str], json_syntax: bool, as_written: Collection[str]) -> Any:
+    """What an open options file holds (JSON when ``json_syntax``, else YAML): JSON numbers keep the text the file
+    holds (:class:`_Written`); YAML reads numbers as YAML 1.2 does (:class:`_Loader`), and the value of a text or
+    number option (``as_written``: a folder, a dataset name, a step count) is its text as written, given to the
+    option's own type as the flag's text is: ``output_dir: 010`` is the folder 010, ``learning_rate: 0x10`` is
+    refused as ``--learning_rate 0x10`` is. The syntaxes' own errors (ValueError, yaml.YAMLError, RecursionError)
+    pass to the caller, which names the file."""
+    if json_syntax:
+        return json.load(handle, parse_int=_JsonInt.read, parse_float=_JsonFloat.read)
+    loader = _Loader(handle)
+    try:
+        node = loader.get_single_node()
+        values = loader.construct_document(node) if node is not None else None
+    finally:
+        loader.dispose()
+    if isinstance(values, dict) and isinstance(node, yaml.MappingNode):
+        for key, value in node.value:  # merge keys already flattened into it; the last of a key wins
+            if isinstance(key.value, str) and key.value.replace("-", "_") in as_written:
+                values[key.value] = _as_written(value, values[key.value])
+    return values
+
+
+class _Written:
+    """A number of a JSON options file with the text the file holds (``text``): a text option given a number is
+    refused quoting what the file says (``1e1``, ``1.50``), not Python's reading of it (``10.0``, ``1.5``)."""
+
+    text = ""
+
+    @classmethod
+    def read(cls, text: str) -> Any:
+        number = cls(text)
+        number.text = text
+        return number
+
+
+class _JsonInt(_Written, int):
+    """An integer of a JSON options file, with its text."""
+
+
+class _JsonFloat(_Written, float):
+    """A fraction of a JSON options file, with its text."""
+
+
+#: The types YAML resolves a scalar to that may have been meant as text (``010``, ``0x1F``, ``!!timestamp``).
+_NUMBER_TAGS = {f"tag:yaml.org,2002:{kind}" for kind in ("int", "float", "timestamp")}
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's core schema for numbers: ``010`` is 10, ``0x1F`` 31, ``1e3`` 1000.0,
+    and ``1:30``, ``0b11``, ``1_000`` and ``2024-01-02`` are text, where YAML 1.1 reads 8, 90, 3, 1000 and a date.
+    It is how a value inside an object option reads (``lr_scheduler_kwargs: {num_decay_steps: 010}``: 10, as its
+    flag's JSON ``10`` would); an option's own value is its text as written (:func:`_as_written`)."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _NUMBER_TAGS]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
+)
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+.0123456789"),
+)
+
+
+def _core_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    """A YAML 1.2 integer: decimal whatever its leading zeros (``010`` is 10), ``0o`` octal, ``0x`` hexadecimal."""
+    text = loader.construct_scalar(node)
+    if text[:2] in ("0o", "0x"):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    return int(text)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _core_int)
+
+
+def _as_written(node: yaml.Node, value: Any) -> Any:
+    """``value`` (YAML's reading of ``node``) with every number or date in it as the text the file holds; but
+    YAML's own spellings of infinity and NaN (``.inf``, ``.nan``), which no flag has, stay numbers, to be refused
+    as not finite."""
+    if isinstance(node, yaml.ScalarNode) and node.tag in _NUMBER_TAGS:
+        return value if isinstance(value, float) and not math.isfinite(value) else node.value
+    if isinstance(node, yaml.SequenceNode) and isinstance(value, list):
+        return [_as_written(item, v) for item, v in zip(node.value, value)]
+    return value
+
+
+__all__ = ["load_values"]

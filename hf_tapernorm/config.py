@@ -61,11 +61,20 @@ from .config_fields import (
 from .config_fields import option_fields as option_table
 from .config_migrations import CONFIG_VERSION, CONFIG_VERSION_KEY, migrated
 from .errors import ConfigurationError, TaperStateError
-from .utils import expand_user
+from .utils import expand_user, file_in_the_way, saved_model_type
 
 logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "tapernorm_config.json"
+#: The file of tapered checkpoints written before TaperNormConfig (patch_model's options): still read.
+LEGACY_CONFIG_NAME = "tapernorm.json"
+#: The ``model_type`` prefix of a tapered checkpoint's config.json. transformers knows no such type, so
+#: ``AutoModelForCausalLM.from_pretrained`` refuses the folder instead of loading a plain model with its norms back;
+#: ``load_tapered`` restores the base type (layers/saving.py writes it; defined here, where every save of a config
+#: checks its folder: check_save_destination).
+TAPERED_TYPE_PREFIX = "hf_tapernorm_tapered_"
+#: The weight files of a saved model (transformers' safetensors and pickles, GGUF).
+_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.gguf")
 #: The key of ``tapernorm_config.json`` (and of an export's ``config.json``) that records the package version.
 VERSION_KEY = "hf_tapernorm_version"
 
@@ -169,11 +178,16 @@ class TaperNormConfig(Checked):
 
     def options(self) -> dict[str, Any]:
         """The config by option names, as reports and run identities record it (a resumed run's
-        ``--allow_changes`` names options): every option, and ``experimental`` with the options set."""
+        ``--allow_changes`` names options): every option, and ``experimental`` with the options set.
+
+        ``keep_norms`` is a set of patterns (a norm stays when any of them matches): listed sorted, once each, so
+        that the same patterns in another order, or one given twice, are the same recipe to every comparison (a
+        resumed run's identity, a checkpoint's recipe), a recorded list of an older version included."""
         values: dict[str, Any] = {}
         for name, (group, _, option) in self.option_fields().items():
             value = getattr(getattr(self, group) if group else self, option.name)
             values[name] = list(value) if isinstance(value, list) else value
+        values["keep_norms"] = sorted(set(self.keep_norms))
         values["experimental"] = self.experimental.to_dict()
         return values
 
@@ -320,8 +334,10 @@ class TaperNormConfig(Checked):
         return json.dumps({**self.to_dict(), VERSION_KEY: __version__}, indent=2, sort_keys=True) + "\n"
 
     def save_pretrained(self, folder: Union[str, os.PathLike]) -> Path:
-        """Write ``tapernorm_config.json`` into ``folder`` (created if missing); returns the file."""
+        """Write ``tapernorm_config.json`` into ``folder`` (created if missing); returns the file. Refused, before
+        anything is written, under a file and into another model's folder (check_save_destination)."""
         path = expand_user(folder, f"TaperNormConfig.save_pretrained: '{folder}'") / CONFIG_NAME
+        check_save_destination(path.parent, f"TaperNormConfig.save_pretrained: cannot save {CONFIG_NAME}")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(self.to_json_string())
         return path
@@ -394,6 +410,45 @@ def sink_token_id(tokenizer: Any = None, model: Optional[nn.Module] = None) -> O
     if isinstance(bos, list):  # some configs list several
         bos = bos[0] if bos else None
     return int(bos) if bos is not None else None
+
+
+def check_save_destination(folder: Path, what: str, *, writes_model: bool = False) -> None:
+    """Refuse, before anything is written, a ``folder`` the save ``what`` (its caller and file, the start of the
+    message: "save_tapered: cannot save a tapered checkpoint") would fail in or damage.
+
+    Every save of a tapered checkpoint or of its parts (``save_tapered``, ``TaperNormConfig.save_pretrained``,
+    ``TaperController.save_state``, ``save_sharded_checkpoint``) checks here, so each refuses alike: a file on the
+    way to ``folder`` (named, instead of a FileExistsError or NotADirectoryError), and a folder holding another
+    model. With ``writes_model`` (the save writes config.json and weights) that is any config.json of no tapered
+    checkpoint, which it would replace. Otherwise it is a model's config.json with its weights: a
+    ``tapernorm_config.json`` beside them would make an ordinary model read as a damaged tapered checkpoint
+    (``eval`` and ``fold`` refuse it, ``taper`` calls it tapered already) until someone finds and deletes the file.
+    A tapered checkpoint stays a destination: a Trainer checkpoint of a taper run (a patched model's save marks its
+    config.json tapered before TaperCallback saves its state there), one of an older version (its config beside
+    it) and a sharded checkpoint (no such weights, written before its config.json).
+    """
+    blocking = file_in_the_way(folder)
+    if blocking:
+        raise ConfigurationError(f"{what} into {folder}: {blocking} is a file; name a folder")
+    config = folder / "config.json"
+    if not config.is_file():
+        return
+    model_type = saved_model_type(config)
+    if model_type.startswith(TAPERED_TYPE_PREFIX):
+        return
+    if writes_model:
+        raise ConfigurationError(
+            f"{what} into {folder}: it holds another model ({config.name} of type {model_type or 'unknown'!r}), "
+            "whose weights the save would replace; choose a new folder"
+        )
+    tapered = any((folder / name).is_file() for name in (CONFIG_NAME, LEGACY_CONFIG_NAME))
+    if not tapered and any(next(folder.glob(pattern), None) for pattern in _WEIGHT_FILES):
+        raise ConfigurationError(
+            f"{what} into {folder}: it holds a model that is not a tapered checkpoint ({config.name} of type "
+            f"{model_type or 'unknown'!r} and its weights), which {CONFIG_NAME} would mark as one (eval and fold "
+            "would then refuse it as damaged, taper as tapered already); save it where the tapered model is "
+            "(save_tapered's folder, the Trainer's checkpoint-N) or into a new folder"
+        )
 
 
 def config_of(model: nn.Module) -> TaperNormConfig:

@@ -159,6 +159,28 @@ def check_compile_options(backend: Optional[str], mode: Optional[str], flags: tu
             raise ConfigurationError(f"{flags[1]} {mode!r} is not a torch.compile mode: {', '.join(modes)}")
 
 
+#: the dtypes a model loads in (an export, a tapered checkpoint), by the names a caller may give as text
+LOAD_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def load_dtype(dtype: Union[torch.dtype, str, None], what: str) -> Union[torch.dtype, str, None]:
+    """``dtype`` as a torch dtype, ``"auto"`` or None, for the loaders' ``dtype=`` (``load_export``,
+    ``load_tapered``): a name (``"float32"``, ``"torch.bfloat16"``) is the torch dtype it names, so that text and
+    ``torch.float32`` are the same request; anything else, a torch dtype a model cannot load in (``torch.int64``,
+    ``torch.complex64``, ``torch.float8_e4m3fn``: transformers' ValueError or a TypeError deep in the load) or an
+    unknown name (``getattr(torch, name)``'s AttributeError) included, is refused naming ``dtype``, ``what`` loads
+    (``"an export"``) and the accepted ones."""
+    if dtype is None or dtype == "auto" or dtype in LOAD_DTYPES.values():
+        return dtype
+    name = dtype.removeprefix("torch.") if isinstance(dtype, str) else None
+    if name not in LOAD_DTYPES:
+        raise ConfigurationError(
+            f"dtype={dtype!r} is no dtype {what} loads in: give one of {', '.join(LOAD_DTYPES)} (as text or a torch "
+            "dtype: torch.bfloat16), or auto"
+        )
+    return LOAD_DTYPES[name]
+
+
 def saved_model_type(config_file: Path) -> str:
     """The ``model_type`` a saved ``config.json`` names; "" when the file is missing, unreadable or names none."""
     try:
@@ -176,6 +198,7 @@ __all__ = [
     "expand_user",
     "expand_user_options",
     "file_in_the_way",
+    "load_dtype",
     "saved_model_type",
     "all_reduce_max",
     "all_reduce_sum",

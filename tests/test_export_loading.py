@@ -131,6 +131,25 @@ def test_a_tapered_folder_cannot_be_loaded_as_a_plain_model_and_load_tapered_rea
     assert AutoTokenizer.from_pretrained(folder)("ab")["input_ids"] == [97, 98]
 
 
+def test_load_tapered_takes_dtype_as_load_export_does(tmp_path):
+    """load_tapered(dtype="bogus") and dtype="auto" were AttributeErrors (getattr(torch, ...)), dtype=torch.int64
+    transformers' ValueError. It reads dtype through load_export's one check: a name or torch dtype, or "auto" (as
+    stored, its default), anything else one ConfigurationError."""
+    from hf_tapernorm import load_tapered, save_tapered
+
+    folder = save_tapered(tapered("llama", dtype=torch.bfloat16), tmp_path / "tapered")
+    for dtype, loaded in [("auto", torch.bfloat16), (None, torch.bfloat16), ("float32", torch.float32),
+                          ("torch.float16", torch.float16), (torch.float32, torch.float32)]:  # fmt: skip
+        assert load_tapered(folder, dtype=dtype).dtype == loaded, dtype
+    for dtype in ("bogus", torch.int64, "int64"):
+        with pytest.raises(ConfigurationError) as caught:
+            load_tapered(folder, dtype=dtype)
+        assert str(caught.value) == (
+            f"dtype={dtype!r} is no dtype a tapered checkpoint loads in: give one of float32, float16, bfloat16, "
+            "float64 (as text or a torch dtype: torch.bfloat16), or auto"
+        )
+
+
 @pytest.mark.parametrize("how", ["save_pretrained", "deepcopy", "pickle"])
 def test_a_patched_models_own_save_pretrained_writes_a_tapered_checkpoint(tmp_path, how):
     """A plain ``model.save_pretrained`` of a patched model (not only save_tapered) is refused by AutoModel and read

@@ -22,6 +22,7 @@ from hf_tapernorm import (
     fold_model,
 )
 from hf_tapernorm.app.run_folder import MANIFEST_NAME
+from hf_tapernorm.app.training_run import IDENTITY_NAME as IDENTITY
 from hf_tapernorm.evaluation.models import load_tokenizer, resolve_model
 from tests.conftest import save_tiny_model
 from tests.helpers import (
@@ -161,6 +162,46 @@ def test_eval_and_fold_of_a_trainer_checkpoint_find_the_runs_tokenizer(ws, basel
     )
     assert code == 0, stderr
     assert load_tokenizer(resolve_model(str(export)))("ab")["input_ids"] == [97, 98]
+
+
+# ============================================================================= checkpoints fold and eval refuse
+def test_fold_refuses_a_checkpoint_above_gate_zero_before_loading_it(tmp_path, monkeypatch):
+    """A checkpoint saved mid-taper was refused only once the model had loaded and been patched (twice); its gate is
+    read from its files (the TaperNorm gate tensors; kept norms hold 1) before the weights load."""
+    import hf_tapernorm.cli.commands as commands
+    from hf_tapernorm import save_tapered
+    from hf_tapernorm.layers import set_gate
+
+    model = tapered("llama", keep_norms=["model.layers.0.*"])
+    set_gate(model, 0.5)
+    folder = save_tapered(model, tmp_path / "half")
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("loaded before the gate was read"))
+    line = refused(fold(folder, tmp_path / "export"))
+    assert line == (
+        f"hf-tapernorm fold: error: '{folder}' was saved at gate 0.5: only a model at g = 0 folds; finish its taper "
+        "(resume the run) and fold the checkpoint written at g = 0"
+    )
+    assert not (tmp_path / "export").exists()
+
+
+def test_eval_and_fold_refuse_a_checkpoint_whose_sink_is_not_the_one_its_run_trained_with(ws, run, tmp_path):
+    """A tapered checkpoint whose tapernorm_config.json had its sink_token_ids edited was evaluated and folded (the
+    weights cannot tell: the sink is a position, not a tensor), and the export stored the wrong sink. The run's
+    record tells the sink it trained with: its report.json for tapered/, a Trainer checkpoint's tapernorm_run.json."""
+    folder = copy_of(run, tmp_path)
+    trained = json.loads((folder / "report.json").read_text())["taper"]["sink_token_ids"]
+    assert trained and trained != [5]
+    checkpoint = next(folder.glob("checkpoint-*"))
+    for tapered_folder, record in ((folder / "tapered", folder / "report.json"), (checkpoint, checkpoint / IDENTITY)):
+        edit_json(tapered_folder / "tapernorm_config.json", sink_token_ids=[5])
+        expected = (
+            f"error: tapered checkpoint '{tapered_folder}': its tapernorm_config.json names sink_token_ids [5], but "
+            f"the run that wrote it trained with {trained} ({record}); the file was edited since, or the checkpoint "
+            f"is not that run's: restore sink_token_ids {trained} in tapernorm_config.json"
+        )
+        assert refused(fold(tapered_folder, tmp_path / "export")) == f"hf-tapernorm fold: {expected}"
+        assert refused(evaluate(tapered_folder, data=ws / "corpus.txt")) == f"hf-tapernorm eval: {expected}"
+        assert not (tmp_path / "export").exists()
 
 
 # ============================================================================= where fold writes

@@ -25,8 +25,10 @@ from hf_tapernorm import (
     fold_model,
     load_tapered,
     patch_model,
+    save_sharded_checkpoint,
     save_tapered,
 )
+from hf_tapernorm.config import config_of
 from hf_tapernorm.layers import set_gate
 from tests.conftest import build, char_tokenizer, random_batches, save_tiny_model, tiny_llama_config
 from tests.helpers import IDS, logits, relative_error, snapshot, tapered, tapered_checkpoint
@@ -64,6 +66,11 @@ def _controller_loop(train: bool):
         ids = random_batches(n=1, seed=step)[0]
         model(input_ids=ids, labels=ids).loss.backward()
         controller.step_end(step)
+
+
+def _afile(tmp: Path) -> Path:
+    (tmp / "afile").write_text("x")
+    return tmp / "afile"
 
 
 def _trainer_with_reversed_window(tmp: Path):
@@ -208,6 +215,31 @@ LIBRARY_REFUSALS = {
         "DataParallel has no config.model_type",
     ),
     "set_gate nan": (lambda tmp: set_gate(tapered("llama"), float("nan")), ConfigurationError, "got nan"),
+    "TaperNormConfig.save_pretrained onto a file": (
+        lambda tmp: TaperNormConfig.paper().save_pretrained(_afile(tmp)),
+        ConfigurationError,
+        "TaperNormConfig.save_pretrained: cannot save tapernorm_config.json into {tmp}/afile: it is a file",
+    ),
+    "TaperNormConfig.save_pretrained under a file": (
+        lambda tmp: TaperNormConfig.paper().save_pretrained(_afile(tmp) / "sub"),
+        ConfigurationError,
+        "cannot save tapernorm_config.json into {tmp}/afile/sub: {tmp}/afile is a file",
+    ),
+    "TaperController.save_state onto a file": (
+        lambda tmp: TaperController(_paper(), total_steps=20).save_state(_afile(tmp)),
+        ConfigurationError,
+        "TaperController.save_state: cannot save the taper state into {tmp}/afile: it is a file",
+    ),
+    "TaperController.save_state under a file": (
+        lambda tmp: TaperController(_paper(), total_steps=20).save_state(_afile(tmp) / "sub"),
+        ConfigurationError,
+        "cannot save the taper state into {tmp}/afile/sub: {tmp}/afile is a file",
+    ),
+    "save_sharded_checkpoint onto a file": (
+        lambda tmp: save_sharded_checkpoint(_afile(tmp), tapered("llama")),
+        ConfigurationError,
+        "save_sharded_checkpoint: cannot save a sharded checkpoint into {tmp}/afile: it is a file",
+    ),
     "load_tapered of a folded export": (
         lambda tmp: load_tapered(export_folded(fold_model(tapered("llama")), tmp / "e")),
         ConfigurationError,
@@ -221,7 +253,7 @@ def test_a_library_misuse_is_refused_with_one_clear_error(tmp_path, name):
     call, error_type, fragment = LIBRARY_REFUSALS[name]
     with pytest.raises(error_type) as caught:
         call(tmp_path)
-    assert fragment in str(caught.value)
+    assert fragment.format(tmp=tmp_path) in str(caught.value)
 
 
 def test_export_folded_overwrite_true_onto_a_model_leaves_it_as_it_was(tmp_path):
@@ -255,6 +287,33 @@ def test_save_tapered_refuses_a_folder_holding_another_model(tmp_path):
     with pytest.raises(ConfigurationError, match="holds another model"):
         save_tapered(tapered("llama"), folder)
     assert snapshot(folder) == before
+
+
+def test_the_taper_state_is_never_saved_into_an_ordinary_models_folder(tmp_path):
+    """TaperController.save_state (and TaperNormConfig.save_pretrained, save_sharded_checkpoint) into an original
+    model's folder wrote tapernorm_config.json beside it: eval then called the folder a tapered checkpoint that "does
+    not match", taper "already a tapered model", until the file was found and deleted. Where a tapered model is
+    saved (a patched model's save, as the Trainer's checkpoint-N; save_tapered's folder) the state still goes."""
+    folder = save_tiny_model(tmp_path / "llama")
+    before = snapshot(folder)
+    model = tapered("llama")
+    saves = {
+        "TaperController.save_state: cannot save the taper state": TaperController(model, total_steps=20).save_state,
+        "TaperNormConfig.save_pretrained: cannot save tapernorm_config.json": config_of(model).save_pretrained,
+        "save_sharded_checkpoint: cannot save a sharded checkpoint": lambda f: save_sharded_checkpoint(f, model),
+    }
+    for what, save in saves.items():
+        with pytest.raises(ConfigurationError) as caught:
+            save(folder)
+        assert str(caught.value).startswith(
+            f"{what} into {folder}: it holds a model that is not a tapered checkpoint (config.json of type 'llama' "
+            "and its weights), which tapernorm_config.json would mark as one"
+        )
+        assert snapshot(folder) == before
+    model.save_pretrained(tmp_path / "checkpoint-2")  # what the Trainer writes before TaperCallback.on_save
+    for where in (tmp_path / "checkpoint-2", save_tapered(model, tmp_path / "saved")):
+        TaperController(model, total_steps=20).save_state(where)
+        assert TaperNormConfig.from_pretrained(where) == config_of(model)
 
 
 def test_load_tapered_of_a_missing_folder_says_not_found(tmp_path):

@@ -195,6 +195,38 @@ def test_resume_with_the_dtype_the_run_resolved_is_the_same_run(ws, run, tmp_pat
     assert (folder / "folded" / "model.safetensors").read_bytes() == (run / "folded" / "model.safetensors").read_bytes()
 
 
+def test_resume_with_the_keep_norms_in_another_order_is_the_same_run(ws, run, tmp_path):
+    """--keep_norms 'B,A' (or with a pattern given twice) for a run started with 'A,B' was refused ("taper.keep_norms:
+    ['A', 'B'] in the run, ['B', 'A'] now"): keep_norms is a set of patterns, and the run's identity lists it so."""
+    folder = copy_of(run, tmp_path)
+    shutil.rmtree(folder / "folded")
+    kept = json.loads((run / "report.json").read_text())["taper"]["keep_norms"]
+    assert len(kept) > 1
+    code, _, stderr = run_main(taper(ws, folder, "--resume", "--keep_norms", ",".join([*reversed(kept), kept[0]])))
+    assert code == 0, stderr[-2000:]
+    assert (folder / "folded" / "model.safetensors").read_bytes() == (run / "folded" / "model.safetensors").read_bytes()
+
+
+def test_keep_norms_recorded_in_another_order_by_an_older_version_is_the_same_recipe():
+    """A run identity of an older version lists keep_norms as typed; it compares as the same set, and another set of
+    patterns is still refused by name."""
+    from types import SimpleNamespace
+
+    from hf_tapernorm import ConfigurationError, TaperNormConfig
+    from hf_tapernorm.app.validation import check_resume_identity
+
+    recorded = {**TaperNormConfig.paper().options(), "keep_norms": ["b", "a"]}  # unsorted, as typed
+    folder = SimpleNamespace(path="run", manifest=lambda: {"identity": {"taper": recorded}})
+
+    def identity(*patterns: str) -> dict:
+        return {"taper": TaperNormConfig.paper(keep_norms=list(patterns)).options()}
+
+    assert check_resume_identity(folder, identity("a", "b"), set()) == {}
+    assert check_resume_identity(folder, identity("b", "a", "b"), set()) == {}
+    with pytest.raises(ConfigurationError, match=r"taper\.keep_norms: \['a', 'b'\] in the run, \['a'\] now"):
+        check_resume_identity(folder, identity("a"), set())
+
+
 def test_allow_changes_names_an_option_it_can_allow(ws, run, tmp_path):
     """--help's example was 'learning_rate', which a resume can never change."""
     from hf_tapernorm.cli.arguments import RunArguments

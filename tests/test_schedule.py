@@ -98,6 +98,31 @@ def test_a_schedule_built_for_one_run_length_refuses_another():
 
 
 # ============================================================================= the CLI's defaults fit every run length
+def test_the_library_fits_the_default_window_to_a_short_run_as_the_cli_does(tmp_path):
+    """TaperController(model, total_steps=10) of a config at the default window (5% to 70%) was refused: 5% of 10
+    steps rounds to step 0, where the CLI moves its default window to fit. Both take one rule (fit_default_window),
+    TaperCallback too; a window set away from the defaults is still refused as set."""
+    from types import SimpleNamespace
+
+    from transformers import Trainer, TrainingArguments
+
+    from hf_tapernorm import TaperCallback, TaperController, patch_model
+    from tests.conftest import build, tiny_llama_config
+
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper())
+    flags = SimpleNamespace(taper_start=None, taper_end=None)  # the CLI's: no --taper_start, no --taper_end
+    for steps in range(2, 130):
+        cli = check_schedule(fit_default_schedule(TaperNormConfig.paper(), flags, steps), steps)
+        library = TaperController(model, total_steps=steps).schedule
+        assert (library.k_start, library.k_end, library.total_steps) == (cli.k_start, cli.k_end, steps), steps
+    assert TaperController(model, total_steps=10).schedule.k_start == 1
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, use_cpu=True, report_to=[], save_strategy="no")
+    Trainer(model=model, args=args, callbacks=[TaperCallback()])  # the callback resolves its schedule here
+    chosen = patch_model(build(tiny_llama_config()), TaperNormConfig.paper(taper_start=0.04))
+    with pytest.raises(ConfigurationError, match=r"k_start=0, k_end=7, total_steps=10\): k_start must be >= 1"):
+        TaperController(chosen, total_steps=10)
+
+
 TAPER_OPTIONS = [ModelArguments, DataArguments, TaperArguments, RunArguments, TaperTrainingArguments]
 
 

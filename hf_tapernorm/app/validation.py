@@ -29,7 +29,7 @@ from ..config import TaperNormConfig, sink_token_id
 from ..data.sources import EMBEDDED_CORPUS
 from ..errors import ConfigurationError, UnsupportedModelError
 from ..evaluation.models import ModelSource, ModelSourceError, load_tokenizer, read_model_config
-from ..training.schedule import TaperSchedule
+from ..training.schedule import TaperSchedule, fit_default_window
 from ..utils import expand_user
 from .data_checks import check_data_paths
 from .record import differences
@@ -122,17 +122,17 @@ def check_schedule(config: TaperNormConfig, max_steps: int) -> TaperSchedule:
 
 
 def fit_default_schedule(config: TaperNormConfig, flags: Any, max_steps: int) -> TaperNormConfig:
-    """The recipe's fractional taper window made to fit a short run: a window the user left to the recipe (flag
-    unset) whose fraction rounds to step 0, or to an end at or before the start, moves to the nearest steps that
-    work (start at step 1, end one step after the start), so the defaults agree with every ``--max_steps`` >= 2.
-    A window the user set is left alone (check_schedule names what is wrong with it)."""
-    k_start, k_end = TaperSchedule.from_config(config).steps_for(max_steps)
-    changes: dict[str, int] = {}
-    if getattr(flags, "taper_start", None) is None and k_start < 1:
-        changes["taper_start"] = k_start = 1
-    if getattr(flags, "taper_end", None) is None and k_end <= k_start < max_steps:
-        changes["taper_end"] = k_start + 1
-    return dataclasses.replace(config, **changes) if changes else config
+    """The recipe's taper window made to fit a short run (fit_default_window: the library's rule), where the user
+    left it to the recipe (flag unset); a window the user set is left alone (check_schedule names what is wrong)."""
+    start, end = fit_default_window(
+        config.taper_start,
+        config.taper_end,
+        max_steps,
+        start_set=getattr(flags, "taper_start", None) is not None,
+        end_set=getattr(flags, "taper_end", None) is not None,
+    )
+    changed = (start, end) != (config.taper_start, config.taper_end)
+    return dataclasses.replace(config, taper_start=start, taper_end=end) if changed else config
 
 
 def fit_default_warmup(training_args, schedule: TaperSchedule) -> None:

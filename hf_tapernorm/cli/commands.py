@@ -22,6 +22,7 @@ from ..app.record import recorded_path, recorded_reference
 from ..app.run_folder import RunFolder, write_file, write_folder
 from ..app.run_lock import refuse_while_running, resolved_path
 from ..app.taper import save_export
+from ..app.tapered_checks import check_recorded_sink, refuse_unfoldable_gate
 from ..app.validation import (
     check_same_tokenizer,
     check_vocabulary,
@@ -50,7 +51,7 @@ from ..export.folding import fold_model
 from ..export.hub import push_export
 from ..export.readout import readout_facts
 from ..layers.patching import gate_of, set_gate
-from ..training.checkpoints import tapered_config_of
+from ..training.checkpoints import saved_gate, tapered_config_of
 from ..utils import expand_user
 from .arguments import DataArguments, EvalArguments, ModelArguments
 from .destinations import RESULT_MARK, check_export_folder, check_result_file
@@ -119,6 +120,7 @@ def eval_main(argv: Sequence[str]) -> int:
         )
     if source.kind == "tapered":  # checked before the weights load: a checkpoint that cannot go to g = 0
         tapered_config_of(source.path)
+        check_recorded_sink(source.path)
     model = load_model(
         source,
         dtype=model_args.dtype,
@@ -255,6 +257,8 @@ def fold_main(argv: Sequence[str]) -> int:
             f"'{fold_args.checkpoint}' is not a tapered checkpoint (no tapernorm_config.json); "
             f"it is a {source.kind} model"
         )
+    check_recorded_sink(source.path)  # these two before the weights load
+    refuse_unfoldable_gate(source.path, saved_gate(source.path))
     output_dir = Path(fold_args.output_dir)
     destination = resolved_path(output_dir, f"--output_dir '{output_dir}'")
     if destination == Path.cwd().resolve():
@@ -284,12 +288,7 @@ def _fold_into(output_dir: Path, source: ModelSource, fold_args: FoldArguments, 
     """Fold the checkpoint ``source`` and write its export into ``output_dir`` (whose lock fold holds); ``scan_plan``:
     the robustness scan's data and reference (_scan_plan), None for no scan."""
     model = load_model(source, trust_sharded_checkpoint=fold_args.trust_sharded_checkpoint)
-    gate = gate_of(model)
-    if gate > 0.0:
-        raise UsageError(
-            f"'{source.path}' was saved at gate {gate:.4g}: only a model at g = 0 folds; finish its "
-            "taper (resume the run) and fold the checkpoint written at g = 0"
-        )
+    refuse_unfoldable_gate(source.path, gate_of(model))  # where the files did not tell (a sharded checkpoint)
     folded = fold_model(model, tied_head=fold_args.tied_head, tolerance=fold_args.tolerance)
     try:
         tokenizer = tokenizer_of(source)

@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufCo
 from ..errors import ConfigurationError, first_line
 from ..export.folded_sink import plain_load_of_export
 from ..training.checkpoints import is_tapered_checkpoint, load_tapered, tapered_model_config
-from ..utils import expand_user
+from ..utils import expand_user, load_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -138,15 +138,6 @@ def _hub_hint(source: ModelSource) -> str:
     return " (no local folder of that name, so it was taken as a Hub id: check the path, or the network and cache)"
 
 
-def _dtype(name: Optional[str]) -> Any:
-    if name in (None, "auto"):
-        return "auto" if name == "auto" else None
-    try:
-        return getattr(torch, name)
-    except AttributeError:
-        raise ModelSourceError(f"unknown dtype '{name}'; use float32, bfloat16, float16 or auto") from None
-
-
 def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False):
     """The tokenizer stored with the model (GGUF files carry theirs)."""
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
@@ -194,19 +185,14 @@ def load_model(
     ``trust_sharded_checkpoint``: read a sharded tapered checkpoint, whose index is a pickle (load_tapered).
     """
     if source.kind == "tapered":
-        resolved = _dtype(dtype)
-        return load_tapered(
-            source.path,
-            dtype=resolved if isinstance(resolved, torch.dtype) else None,
-            trust_sharded_checkpoint=trust_sharded_checkpoint,
-        )
+        return load_tapered(source.path, dtype=dtype, trust_sharded_checkpoint=trust_sharded_checkpoint)
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if source.gguf_file:
         # Unpack every GGUF block into ordinary tensors: the model is then trained, patched, folded
         # and saved like any other (packed GGUF layers are neither trainable nor serializable).
         kwargs["gguf_file"] = source.gguf_file
         kwargs["quantization_config"] = GgufConfig(dequantize=True)
-    if (resolved := _dtype(dtype)) is not None:
+    if (resolved := load_dtype(dtype, "a model")) is not None:
         kwargs["dtype"] = resolved
     logger.info("loading model %s (%s)", source.describe(), source.kind)
     try:  # folded exports load through the Auto classes: importing hf_tapernorm registered them

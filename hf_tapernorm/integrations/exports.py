@@ -17,7 +17,7 @@ from ..export.folded_sink import plain_load_of_export
 from ..export.modeling_folded import FoldedModelMixin
 from ..layers.saving import TAPERED_TYPE_PREFIX
 from ..training.checkpoints import is_tapered_checkpoint
-from ..utils import expand_user, saved_model_type
+from ..utils import expand_user, load_dtype, saved_model_type
 
 ExportSource = Union[str, os.PathLike, PreTrainedModel]
 
@@ -26,26 +26,6 @@ def local_path(path: Union[str, os.PathLike]) -> Path:
     """``path`` with ``~`` expanded: every folder the integrations take or write, as the CLI and ``export_folded``
     read it ("~/exp" is the home folder's, not a folder named "~")."""
     return expand_user(path)
-
-
-#: the dtypes an export loads in, by the names a caller may give as text (``dtype="bfloat16"``)
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-def _as_dtype(dtype: Union[torch.dtype, str, None]) -> Union[torch.dtype, str, None]:
-    """``dtype`` as a torch dtype, ``"auto"`` or None: a name (``"float32"``, ``"torch.bfloat16"``) is the torch
-    dtype it names, so that text and ``torch.float32`` are the same request; anything else, a torch dtype an export
-    cannot load in (``torch.int64``, ``torch.complex64``, ``torch.float8_e4m3fn``: transformers' ValueError or a
-    TypeError deep in the load) included, is refused naming ``dtype`` and the accepted ones."""
-    if dtype is None or dtype == "auto" or dtype in _DTYPES.values():
-        return dtype
-    name = dtype.removeprefix("torch.") if isinstance(dtype, str) else None
-    if name not in _DTYPES:
-        raise ConfigurationError(
-            f"dtype={dtype!r} is no dtype an export loads in: give one of {', '.join(_DTYPES)} (as text or a torch "
-            "dtype: torch.bfloat16), or auto"
-        )
-    return _DTYPES[name]
 
 
 def _refuse_tapered(source: Union[Path, PreTrainedModel]) -> None:
@@ -89,7 +69,7 @@ def load_export(
     as identities, the stored sink) set it. Refuses an export loaded as its plain base class (its config.json's
     ``model_type`` edited): its sink and folded norms would be lost.
     """
-    dtype = _as_dtype(dtype)
+    dtype = load_dtype(dtype, "an export")
     if isinstance(source, PreTrainedModel):
         _refuse_tapered(source)
         model = source

@@ -23,12 +23,8 @@ from typing import Any, Union
 
 from torch import nn
 
-from ..config import config_of
+from ..config import TAPERED_TYPE_PREFIX, config_of
 
-#: The ``model_type`` prefix of a tapered checkpoint's config.json. transformers knows no such type, so
-#: ``AutoModelForCausalLM.from_pretrained`` refuses the folder instead of loading a plain model with its norms back;
-#: ``load_tapered`` restores the base type.
-TAPERED_TYPE_PREFIX = "hf_tapernorm_tapered_"
 TAPERED_NOTE_KEY = "hf_tapernorm_note"
 TAPERED_NOTE = (
     "a tapered checkpoint (its norms are TaperNorm layers), not a plain model: load it with "

@@ -32,7 +32,7 @@ from ..layers.taper_norm import refuse_replaced_forward, tapered_norms
 from .controller import TaperController
 from .distributed import refuse_unsupported_sharding, refuse_unsupported_trainer_sharding
 from .divergence import DivergenceThresholds
-from .schedule import TaperSchedule, decay_learning_rate_after_the_taper
+from .schedule import TaperSchedule, decay_learning_rate_after_the_taper, fit_default_window
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +91,17 @@ class TaperCallback(TrainerCallback):
         self.controller: Optional[TaperController] = None
         self.placed_first = False  # set by place_first(trainer)
 
-    def _schedule(self, config: TaperNormConfig) -> TaperSchedule:
-        start = config.taper_start if self.taper_start is None else self.taper_start
-        end = config.taper_end if self.taper_end is None else self.taper_end
-        return TaperSchedule(start, end, allow_incomplete=self.allow_incomplete)
+    def _schedule(self, config: TaperNormConfig, total_steps: int) -> TaperSchedule:
+        """The schedule of a run of ``total_steps``: this callback's window, else the config's (at its defaults,
+        fitted to a short run as the CLI and TaperController fit it: fit_default_window)."""
+        start, end = fit_default_window(
+            config.taper_start if self.taper_start is None else self.taper_start,
+            config.taper_end if self.taper_end is None else self.taper_end,
+            total_steps,
+            start_set=True if self.taper_start is not None else None,  # None: the config's, told by value
+            end_set=True if self.taper_end is not None else None,
+        )
+        return TaperSchedule(start, end, allow_incomplete=self.allow_incomplete).resolve(total_steps)
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         # Fail inside Trainer(...): an unpatched model would otherwise reach the checkpoint loader first,
@@ -119,7 +126,7 @@ class TaperCallback(TrainerCallback):
             max_steps = getattr(args, "max_steps", None)
             max_steps = max_steps if max_steps and max_steps > 0 else None
             if max_steps is not None:
-                schedule = self._schedule(config_of(model)).resolve(max_steps)
+                schedule = self._schedule(config_of(model), max_steps)
                 decay_learning_rate_after_the_taper(args, schedule)
         # TaperNorm leaves parameters out of the graph by phase (taper_weight while g = 1, an RMS weight at
         # g = 0), which plain DDP rejects unless it looks for unused parameters. The Trainer turns that off
@@ -145,7 +152,7 @@ class TaperCallback(TrainerCallback):
                 reporters,
             )
         config = config_of(model)
-        self.controller = TaperController(model, self._schedule(config), state.max_steps, thresholds=self.thresholds)
+        self.controller = TaperController(model, self._schedule(config, state.max_steps), thresholds=self.thresholds)
         if state.global_step > 0:
             self._resume(args, state, config)
         schedule = self.controller.schedule

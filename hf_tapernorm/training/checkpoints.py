@@ -16,21 +16,25 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch import nn
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
-from ..config import CONFIG_NAME, TaperNormConfig, config_of
+from ..config import (
+    CONFIG_NAME,
+    LEGACY_CONFIG_NAME,
+    TAPERED_TYPE_PREFIX,
+    TaperNormConfig,
+    check_save_destination,
+    config_of,
+)
 from ..errors import ConfigurationError, TaperStateError
 from ..layers.patching import patch_model
-from ..layers.saving import TAPERED_NOTE_KEY, TAPERED_TYPE_PREFIX, mark_config_as_tapered
+from ..layers.saving import TAPERED_NOTE_KEY, mark_config_as_tapered
 from ..layers.taper_norm import tapered_norms
-from ..utils import expand_user, file_in_the_way, saved_model_type
+from ..utils import expand_user, load_dtype
 from .sharded import is_sharded_checkpoint, read_sharded_model_state
-
-#: The file of tapered checkpoints written before TaperNormConfig (patch_model's options): still read.
-LEGACY_CONFIG_NAME = "tapernorm.json"
 
 
 def save_tapered(model: nn.Module, folder: Union[str, os.PathLike], tokenizer: Any = None) -> Path:
@@ -42,29 +46,13 @@ def save_tapered(model: nn.Module, folder: Union[str, os.PathLike], tokenizer: A
     """
     folder = expand_user(folder, f"save_tapered: folder '{folder}'")
     config = config_of(model)
-    _check_tapered_destination(folder)
+    check_save_destination(folder, "save_tapered: cannot save a tapered checkpoint", writes_model=True)
     model.save_pretrained(folder)
     mark_config_as_tapered(folder / "config.json")  # a model whose save_pretrained was replaced after patching
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     config.save_pretrained(folder)
     return folder
-
-
-def _check_tapered_destination(folder: Path) -> None:
-    """Refuse, before anything is written, a file on the way to ``folder`` and a folder holding another model (a
-    config.json of no tapered checkpoint), whose weights and config the save would replace."""
-    blocking = file_in_the_way(folder)
-    if blocking:
-        raise ConfigurationError(f"cannot save a tapered checkpoint into {folder}: {blocking} is a file")
-    config = folder / "config.json"
-    if config.is_file():
-        model_type = saved_model_type(config)
-        if not model_type.startswith(TAPERED_TYPE_PREFIX):
-            raise ConfigurationError(
-                f"refusing to save a tapered checkpoint into {folder}: it holds another model ({config.name} of "
-                f"type {model_type or 'unknown'!r}), whose weights the save would replace; choose a new folder"
-            )
 
 
 def tapered_model_config(folder: Union[str, os.PathLike]) -> PreTrainedConfig:
@@ -120,10 +108,16 @@ def tapered_config_of(folder: Union[str, os.PathLike]) -> TaperNormConfig:
 
 
 def load_tapered(
-    folder: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = None, trust_sharded_checkpoint: bool = False
+    folder: Union[str, os.PathLike],
+    *,
+    dtype: Union[torch.dtype, str, None] = None,
+    trust_sharded_checkpoint: bool = False,
 ) -> nn.Module:
     """Rebuild a patched model from a tapered checkpoint (or a Trainer checkpoint of a taper run, or a sharded
     checkpoint of ``save_sharded_checkpoint``, read whole in this process).
+
+    ``dtype`` (a torch dtype, its name as text, or ``"auto"``, as ``load_export`` takes it): the model loads in
+    it; None or ``"auto"``: in the dtype its weights are stored in (the most common one of its matrices).
 
     Every tensor of the checkpoint must land in the patched model and every TaperNorm tensor must
     be present; anything else is an error naming the file or the tensors, because a partly loaded
@@ -132,6 +126,7 @@ def load_tapered(
     else is safetensors and JSON.
     """
     folder = expand_user(folder, f"load_tapered: folder '{folder}'")  # "~/tap": the home folder's, as save_tapered's
+    dtype = load_dtype(dtype, "a tapered checkpoint")  # before anything is read
     taper_config = tapered_config_of(folder)
     if is_sharded_checkpoint(folder):
         state = read_sharded_model_state(folder, trust_sharded_checkpoint=trust_sharded_checkpoint)
@@ -139,7 +134,7 @@ def load_tapered(
         state = _read_safetensors(folder)
     config = tapered_model_config(folder)
     weights = [t.dtype for t in state.values() if t.is_floating_point() and t.dim() >= 2]
-    torch_dtype = dtype if dtype is not None else max(set(weights), key=weights.count)
+    torch_dtype = dtype if dtype not in (None, "auto") else max(set(weights), key=weights.count)
     model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     patch_model(model, taper_config)
     expected = model.state_dict()
@@ -198,9 +193,30 @@ def _check_loaded_state(model: nn.Module, folder: Path, state: dict[str, torch.T
         )
 
 
+def saved_gate(folder: Union[str, os.PathLike]) -> Optional[float]:
+    """The gate a tapered checkpoint was saved at, read from its ``*.gate`` tensors alone (``safe_open`` reads one
+    scalar without the weights), so that a command refuses a checkpoint it cannot use before loading it: the
+    lowest one (every tapered norm holds the global gate, a kept norm 1). None where none can be read so (a sharded
+    checkpoint, an unreadable file): the load reads the gate, and names any problem."""
+    gates = []
+    for shard in _weight_files(Path(folder)):
+        try:
+            with safe_open(str(shard), framework="pt") as handle:
+                for key in handle.keys():  # noqa: SIM118 - no __iter__
+                    if key.endswith(".gate") and handle.get_slice(key).get_shape() == []:  # a TaperNorm's buffer
+                        gates.append(float(handle.get_tensor(key)))
+        except (SafetensorError, OSError):
+            return None
+    return min(gates) if gates else None
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The model's safetensors files of a tapered checkpoint (not the distillation teacher's snapshot)."""
+    return [s for s in sorted(folder.glob("*.safetensors")) if not s.name.startswith("distillation_")]
+
+
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    shards = sorted(folder.glob("*.safetensors"))
-    shards = [s for s in shards if not s.name.startswith("distillation_")]
+    shards = _weight_files(folder)
     if not shards:
         raise TaperStateError(f"tapered checkpoint '{folder}' has no .safetensors weights")
     state = {}
@@ -220,6 +236,7 @@ __all__ = [
     "is_tapered_checkpoint",
     "load_tapered",
     "save_tapered",
+    "saved_gate",
     "tapered_config_of",
     "tapered_model_config",
 ]

@@ -18,7 +18,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from ..config import TaperNormConfig, config_of
+from ..config import TaperNormConfig, check_save_destination, config_of
 from ..errors import ConfigurationError, TaperStateError
 from ..layers.loss_terms import loss_terms_of
 from ..layers.patching import set_gate
@@ -36,7 +36,7 @@ from .distributed import (
     sharding_engine,
 )
 from .divergence import DivergenceThresholds, DivergenceWatch
-from .schedule import TaperSchedule
+from .schedule import TaperSchedule, fit_default_window
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,8 @@ class TaperController:
     the schedule. Every rank of a distributed run must make the same calls (statistics are
     all-reduced, so all ranks compute the same c, target and divergence decision).
 
-    ``schedule``: default, the taper window of the model's TaperNormConfig. ``thresholds``: the
+    ``schedule``: default, the taper window of the model's TaperNormConfig (where it is at its defaults, moved to
+    fit a short run as the CLI moves it: ``fit_default_window``). ``thresholds``: the
     divergence watch (:class:`DivergenceThresholds`). ``distillation``: default, built from the config
     when ``config.distillation.weight > 0`` (``False`` turns it off; a :class:`Distillation` replaces it).
     """
@@ -75,7 +76,9 @@ class TaperController:
             raise ConfigurationError(f"{type(model).__name__} is patched but nothing tapers: check its TaperNormConfig")
         refuse_unsupported_sharding(model)
         self.config: TaperNormConfig = config_of(model)
-        schedule = schedule if schedule is not None else TaperSchedule.from_config(self.config)
+        if schedule is None:  # the config's window; one left at its defaults fits a short run, as in the CLI
+            window = (self.config.taper_start, self.config.taper_end)
+            schedule = TaperSchedule(*(window if total_steps is None else fit_default_window(*window, total_steps)))
         if total_steps is not None:
             schedule = schedule.resolve(total_steps)
         elif schedule.total_steps is None:
@@ -115,6 +118,9 @@ class TaperController:
         The main process writes the files; under FSDP2 every rank must call it, and the teacher is written as a
         torch.distributed.checkpoint folder (``distillation_teacher/``) by all ranks together."""
         folder = expand_user(folder, f"TaperController.save_state: '{folder}'")
+        # On every rank, before anything is written: a refusal on the main process alone would leave the others
+        # waiting in the teacher's collective save.
+        check_save_destination(folder, "TaperController.save_state: cannot save the taper state")
         if is_main_process():
             self.config.save_pretrained(folder)
         if self.distillation is None or not self.distillation.has_snapshot:

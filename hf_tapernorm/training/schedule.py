@@ -43,9 +43,8 @@ class TaperSchedule:
         check_step("TaperSchedule.k_start", self.k_start)
         check_step("TaperSchedule.k_end", self.k_end)
         if self.total_steps is not None:
+            _check_total_steps(self.total_steps)
             total = self.total_steps
-            if isinstance(total, bool) or not isinstance(total, int) or total < 1:
-                raise ConfigurationError(f"total_steps must be a positive int, got {total!r}")
             for name in ("k_start", "k_end"):  # fractions become absolute steps of this run
                 value = getattr(self, name)
                 if isinstance(value, float):
@@ -107,6 +106,39 @@ class TaperSchedule:
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def _check_total_steps(total: object) -> None:
+    if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+        raise ConfigurationError(f"total_steps must be a positive int, got {total!r}")
+
+
+def fit_default_window(
+    taper_start: Step,
+    taper_end: Step,
+    total_steps: int,
+    *,
+    start_set: Optional[bool] = None,
+    end_set: Optional[bool] = None,
+) -> tuple[Step, Step]:
+    """The taper window a run of ``total_steps`` uses: an end of the window left to the recipe whose fraction rounds
+    to step 0 (the start), or to a step at or before the start (the end), moves to the nearest step that works
+    (start at step 1, end one step after it), so the default window fits every run of 2 steps or more, in the CLI
+    and the library alike. An end the caller set is left as it is (TaperSchedule names what is wrong with it).
+
+    ``start_set``/``end_set``: whether the caller chose that end (the CLI: its flag was given). None tells by value:
+    an end at TaperNormConfig's default (CONTINUED_PRETRAINING) is the recipe's. A config cannot tell its default
+    from the same value given, and moving 5% of a 10-step run to step 1 is what either asks for.
+    """
+    _check_total_steps(total_steps)
+    start_set = taper_start != CONTINUED_PRETRAINING[0] if start_set is None else start_set
+    end_set = taper_end != CONTINUED_PRETRAINING[1] if end_set is None else end_set
+    k_start, k_end = TaperSchedule(taper_start, taper_end).steps_for(total_steps)
+    if not start_set and k_start < 1:
+        taper_start = k_start = 1
+    if not end_set and k_end <= k_start < total_steps:
+        taper_end = k_start + 1
+    return taper_start, taper_end
+
+
 def decay_learning_rate_after_the_taper(args, schedule: TaperSchedule) -> None:
     """With ``lr_scheduler_type="warmup_stable_decay"`` and no ``num_decay_steps``, decay once the gate is 0.
 
@@ -126,4 +158,4 @@ def decay_learning_rate_after_the_taper(args, schedule: TaperSchedule) -> None:
         )
 
 
-__all__ = ["CONTINUED_PRETRAINING", "TaperSchedule", "decay_learning_rate_after_the_taper"]
+__all__ = ["CONTINUED_PRETRAINING", "TaperSchedule", "decay_learning_rate_after_the_taper", "fit_default_window"]

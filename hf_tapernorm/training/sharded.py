@@ -28,7 +28,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from ..config import TaperNormConfig, config_of
+from ..config import TaperNormConfig, check_save_destination, config_of
 from ..errors import TaperStateError
 from ..utils import expand_user
 from .controller import TaperController
@@ -68,6 +68,7 @@ def save_sharded_checkpoint(
 
     folder = expand_user(folder)
     config = config_of(model)
+    check_save_destination(folder, "save_sharded_checkpoint: cannot save a sharded checkpoint")  # on every rank
     if is_main_process():  # before the collective save, which orders every rank's return after these files
         folder.mkdir(parents=True, exist_ok=True)
         config.save_pretrained(folder)
@@ -116,11 +117,8 @@ def load_sharded_checkpoint(
             f"'{folder}' is not a sharded checkpoint: no {METADATA_NAME} (written by save_sharded_checkpoint)"
         )
     refuse_untrusted_sharded_checkpoint(folder, trust_sharded_checkpoint)
-    saved, current = TaperNormConfig.from_pretrained(folder), config_of(model)
-    now = current.to_dict()
-    differences = [
-        f"{k}: {v!r} in the checkpoint, {now.get(k)!r} now" for k, v in saved.to_dict().items() if now.get(k) != v
-    ]
+    saved, now = TaperNormConfig.from_pretrained(folder).options(), config_of(model).options()  # by option names
+    differences = [f"{k}: {v!r} in the checkpoint, {now.get(k)!r} now" for k, v in saved.items() if now.get(k) != v]
     if differences:
         raise TaperStateError(
             f"the sharded checkpoint {folder} was written with another TaperNormConfig ({'; '.join(differences)}); "

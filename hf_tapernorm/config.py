@@ -337,7 +337,7 @@ class TaperNormConfig(Checked):
         """Write ``tapernorm_config.json`` into ``folder`` (created if missing); returns the file. Refused, before
         anything is written, under a file and into another model's folder (check_save_destination)."""
         path = expand_user(folder, f"TaperNormConfig.save_pretrained: '{folder}'") / CONFIG_NAME
-        check_save_destination(path.parent, f"TaperNormConfig.save_pretrained: cannot save {CONFIG_NAME}")
+        check_save_destination(path.parent, f"TaperNormConfig.save_pretrained: cannot save {CONFIG_NAME}", recipe=self)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(self.to_json_string())
         return path
@@ -412,7 +412,9 @@ def sink_token_id(tokenizer: Any = None, model: Optional[nn.Module] = None) -> O
     return int(bos) if bos is not None else None
 
 
-def check_save_destination(folder: Path, what: str, *, writes_model: bool = False) -> None:
+def check_save_destination(
+    folder: Path, what: str, *, writes_model: bool = False, recipe: Optional[TaperNormConfig] = None
+) -> None:
     """Refuse, before anything is written, a ``folder`` the save ``what`` (its caller and file, the start of the
     message: "save_tapered: cannot save a tapered checkpoint") would fail in or damage.
 
@@ -425,11 +427,25 @@ def check_save_destination(folder: Path, what: str, *, writes_model: bool = Fals
     (``eval`` and ``fold`` refuse it, ``taper`` calls it tapered already) until someone finds and deletes the file.
     A tapered checkpoint stays a destination: a Trainer checkpoint of a taper run (a patched model's save marks its
     config.json tapered before TaperCallback saves its state there), one of an older version (its config beside
-    it) and a sharded checkpoint (no such weights, written before its config.json).
+    it) and a sharded checkpoint (no such weights, written before its config.json). ``recipe``, the config a save
+    that keeps the folder's weights writes: a ``tapernorm_config.json`` of another recipe there (another run's
+    checkpoint) is refused, as it records what those weights were trained with; the same recipe (TaperCallback's
+    save into the checkpoint-N the patched model has just written) is written again.
     """
     blocking = file_in_the_way(folder)
     if blocking:
         raise ConfigurationError(f"{what} into {folder}: {blocking} is a file; name a folder")
+    if recipe is not None and (folder / CONFIG_NAME).is_file():
+        try:
+            there, here = TaperNormConfig.from_pretrained(folder).options(), recipe.options()
+        except ConfigurationError as error:
+            raise ConfigurationError(f"{what} into {folder}: its {CONFIG_NAME} would be replaced: {error}") from None
+        changed = "; ".join(f"{k}: {v!r} there, {here[k]!r} here" for k, v in there.items() if here[k] != v)
+        if changed:
+            raise ConfigurationError(
+                f"{what} into {folder}: its {CONFIG_NAME} records another recipe ({changed}), the one its weights "
+                "were trained with, which the save would replace; save into this recipe's checkpoint or a new folder"
+            )
     config = folder / "config.json"
     if not config.is_file():
         return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import time
@@ -140,16 +141,39 @@ def check_seeds(options: Any) -> None:
             raise ConfigurationError(f"--{field.name} must be in [0, 2**32 - 1], got {value}")
 
 
+#: torch.compile's backends that torch (or a release of torch this package supports) may list while the packages they
+#: compile with are optional: backend -> the modules it imports at its first compiled forward, each with the package
+#: that installs it (onnxrt: those torch.onnx.is_onnxrt_backend_supported checks).
+_BACKEND_PACKAGES = {
+    "tvm": {"tvm": "apache-tvm"},
+    "onnxrt": {"onnxruntime": "onnxruntime", "onnx": "onnx", "onnxscript": "onnxscript"},
+    "openxla": {"torch_xla": "torch_xla"},
+    "openxla_eval": {"torch_xla": "torch_xla"},
+    "tensorrt": {"torch_tensorrt": "torch-tensorrt"},
+    "torch_tensorrt": {"torch_tensorrt": "torch-tensorrt"},
+    "ipex": {"intel_extension_for_pytorch": "intel-extension-for-pytorch"},
+}
+
+
 def check_compile_options(backend: Optional[str], mode: Optional[str], flags: tuple[str, str]) -> None:
     """Refuse (ConfigurationError naming the option, ``flags``: the backend's and the mode's) a ``torch.compile``
-    backend torch has not registered (its own and installed plugins') or a mode its inductor backend (the default)
-    does not have: both fail only at the first compiled forward, after the model was loaded. Another backend's modes
-    are its own (torch passes the mode on to it as a keyword; its own backends ignore it)."""
+    backend torch has not registered (its own and installed plugins'), one whose package is not installed (torch
+    lists tvm and openxla whatever is installed, and they import their package only at the first compiled forward)
+    or a mode its inductor backend (the default) does not have: all fail only at the first compiled forward, after
+    the model was loaded. Another backend's modes are its own (torch passes the mode on to it as a keyword; its own
+    backends ignore it)."""
     if backend is not None and backend not in torch.compiler.list_backends(exclude_tags=()):
         raise ConfigurationError(
             f"{flags[0]} {backend!r} is not a torch.compile backend torch knows: "
             f"{', '.join(torch.compiler.list_backends())} (and the debug ones torch.compiler.list_backends("
             "exclude_tags=()) lists, such as eager and aot_eager)"
+        )
+    # found, not imported: tvm's import is slow
+    missing = [(m, p) for m, p in _BACKEND_PACKAGES.get(backend, {}).items() if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigurationError(
+            f"{flags[0]} {backend}: the backend compiles with {', '.join(m for m, _ in missing)}, not installed here: "
+            f"pip install {' '.join(p for _, p in missing)}, or choose another backend (inductor is the default)"
         )
     if mode is not None and backend in (None, "inductor"):
         from torch._inductor import list_mode_options  # where torch.compile's documentation lists its modes

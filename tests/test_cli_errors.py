@@ -268,6 +268,19 @@ CASES = {
         2,
         "error: --dataset_name '{ws}/nope.txt' not found: no such file or folder",
     ),
+    # the train mode's options were ignored without a word when --modes has no train (exit 0)
+    "bench: dataset options without --modes train": (
+        lambda ws: _bench(ws, "--dataset_name", str(ws / "corpus.txt"), "--text_column", "nosuch"),
+        2,
+        "error: --dataset_name, --text_column: read by --modes train only, and --modes last has no train; add train "
+        "to --modes, or leave them out",
+    ),
+    "bench: a train option without --modes train": (
+        lambda ws: _bench(ws, "--modes", "decode", "--learning_rate", "0.01"),  # after _bench's --modes last
+        2,
+        "error: --learning_rate: read by --modes train only, and --modes last decode has no train; add train to "
+        "--modes, or leave it out",
+    ),
     "eval --data_cache_dir that is a file": (
         lambda ws: _eval(ws, "--data_cache_dir", str(ws / "corpus.txt")),
         2,
@@ -327,6 +340,20 @@ CASES = {
         _trainer(["--torch_compile_backend", "bogus"]),
         2,
         "error: --torch_compile_backend 'bogus' is not a torch.compile backend torch knows: ",
+    ),
+    # torch lists tvm whether or not its package is installed (not in this environment): the first compiled forward
+    # raised ImportError as a traceback, after the model loaded
+    "taper: --torch_compile_backend tvm without its package": (
+        _trainer(["--torch_compile_backend", "tvm"]),
+        2,
+        "error: --torch_compile_backend tvm: the backend compiles with tvm, not installed here: pip install "
+        "apache-tvm, or choose another backend (inductor is the default)",
+    ),
+    "bench: --compile_backend tvm without its package": (
+        lambda ws: _bench(ws, "--execution", "compile", "--compile_backend", "tvm"),
+        2,
+        "error: --compile_backend tvm: the backend compiles with tvm, not installed here: pip install apache-tvm, or "
+        "choose another backend",
     ),
     "taper: a torch.compile backend the Trainer's accelerate does not take": (
         _trainer(["--torch_compile_backend", "aot_eager_decomp_partition"]),

@@ -371,8 +371,9 @@ def test_a_cached_hub_dataset_reads_its_split_and_a_missing_split_is_refused_fir
     assert message.endswith("--dataset_name: dataset 'me/one' has no split 'test': its splits are train")
     message = error_of(_eval("--dataset_name", "corpus.txt", "--dataset_split", "validation"))
     assert message.endswith(
-        "--dataset_split validation: dataset 'corpus.txt' is a local file or folder, whose one split is train, not "
-        "'validation' (slices such as train[:50%] read part of it)"
+        "--dataset_split validation: dataset 'corpus.txt' is a local file or folder, whose one split is train (of a "
+        "folder whose files form several splits, a git clone of a Hub dataset, its train split), not 'validation': "
+        "name that split's file as the dataset (slices such as train[:50%] read part of train)"
     )
 
 
@@ -430,12 +431,15 @@ def test_a_refused_taper_writes_nothing_into_the_cache_it_names(hub, tmp_path):
 
 def test_a_slice_that_selects_no_row_is_refused_before_the_model_loads(hub, tmp_path):
     """`--dataset_split 'train[:0%]'` (or train[3:3], train[5:2]) parsed, and eval loaded the model before the loading
-    found no row ("corresponds to no data", or none read at all); a slice past a Hub split's recorded rows the same."""
-    for split in ("train[:0%]", "train[3:3]", "train[5:2]", "train[-2:-5]", "train[:0]+train[9:9]"):
+    found no row ("corresponds to no data", or none read at all); a slice past a Hub split's recorded rows the same.
+    An end of 0 counts from the split's start whatever its start's sign: train[-5:0] and train[:-0] were let through
+    on a local file, and eval failed after the model loaded, calling the file too small."""
+    splits = ("train[:0%]", "train[3:3]", "train[5:2]", "train[-2:-5]", "train[:0]+train[9:9]", "train[-5:0]")
+    for split in (*splits, "train[:-0]", "train[-5%:0%]"):
         assert error_of(_eval("--dataset_name", "corpus.txt", "--dataset_split", split)).endswith(
             f"--dataset_split {split}: '{split}' selects no row: a slice [start:end] reads the rows from start up to "
-            "end (a negative one counts from the split's end), and this one ends where it starts or before; name one "
-            "that ends after it starts (train[:10%], train[100:200]) or the split whole"
+            "end (a negative one counts from the split's end; an end of 0 is its start), and this one ends where it "
+            "starts or before; name one that ends after it starts (train[:10%], train[100:200]) or the split whole"
         )
     rows = len(load_text_dataset("me/one", cache_dir="hubcache"))
     for split in (f"train[{rows}:]", "train[-5:5]"):  # whether these select rows, only the split's size tells
@@ -535,6 +539,56 @@ def test_a_cloned_hub_dataset_folder_reads_as_its_tables_and_its_readme_as_the_c
     (clone / "notes.txt").write_text("a user's notes\n")
     with pytest.raises(DataError, match=r"is a folder that mixes file types \(parquet, text\); use one type"):
         check_dataset_path("--dataset_name", str(clone))
+
+
+def test_a_folder_whose_files_form_splits_reads_its_train_split_only(tmp_path, monkeypatch):
+    """A git clone of a Hub dataset whose card declares a train and a test split, or whose file names form them
+    (data/train-*.parquet beside data/test-*.parquet), read every file as one train split: its test rows went into
+    the training and held-out text. The folder's splits are now resolved as datasets resolves a local dataset folder
+    (card configs, then file-name patterns), and its train split is read; a folder of one split reads as before."""
+    from hf_tapernorm.data.sources import local_data_files
+
+    train, test = corpus_documents(20, seed=1), [f"TESTSPLIT {doc}" for doc in corpus_documents(8, seed=2)]
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")  # nothing may be written there
+    card = "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: data/first-*\n"
+    card += "  - split: test\n    path: data/second-*\n---\n# A dataset\n"
+    for folder, (train_name, test_name), readme in [
+        ("named", ("train-00000-of-00001", "test-00000-of-00001"), "---\nlicense: mit\n---\n"),
+        ("carded", ("first-00000", "second-00000"), card),  # names no convention knows: the card's configs say
+    ]:
+        clone = tmp_path / folder
+        (clone / "data").mkdir(parents=True)
+        (clone / "README.md").write_text(readme)
+        datasets.Dataset.from_dict({"text": train}).to_parquet(clone / "data" / f"{train_name}.parquet")
+        datasets.Dataset.from_dict({"text": test}).to_parquet(clone / "data" / f"{test_name}.parquet")
+        assert local_data_files(str(clone)) == ("parquet", [clone / "data" / f"{train_name}.parquet"])
+        assert load_text_dataset(str(clone), cache_dir=str(tmp_path / "c"))["text"] == train
+    assert not (tmp_path / "hf_cache").exists()
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    datasets.Dataset.from_dict({"text": train}).to_json(tables / "valid.jsonl")
+    datasets.Dataset.from_dict({"text": test}).to_json(tables / "test.jsonl")
+    with pytest.raises(DataError, match=r"folder whose files form the splits validation, test and no train split"):
+        local_data_files(str(tables))
+    (tables / "test.jsonl").unlink()  # one split, validation: read whole, as before
+    assert local_data_files(str(tables)) == ("json", [tables / "valid.jsonl"])
+    texts = tmp_path / "texts"  # notes, not splits: a text folder is one corpus whatever its files are named
+    texts.mkdir()
+    (texts / "train.md").write_text("\n\n".join(train))
+    (texts / "test.md").write_text("\n\n".join(test))
+    assert local_data_files(str(texts)) == ("text", [texts / "test.md", texts / "train.md"])
+    card = (
+        "---\nconfigs:\n- config_name: en\n  data_files: data/first-*\n- config_name: fr\n  data_files: data/second-*\n"
+    )
+    (tmp_path / "carded" / "README.md").write_text(card + "---\n")
+    with pytest.raises(DataError, match=r"declares the configurations en, fr and no default: name the data files"):
+        local_data_files(str(tmp_path / "carded"))
+    message = error_of(_eval("--dataset_name", str(tmp_path / "named"), "--dataset_split", "test"))
+    assert message.endswith(
+        f"--dataset_split test: dataset '{tmp_path / 'named'}' is a local file or folder, whose one split is train (of "
+        "a folder whose files form several splits, a git clone of a Hub dataset, its train split), not 'test': name "
+        "that split's file as the dataset (slices such as train[:50%] read part of train)"
+    )
 
 
 def test_the_out_of_corpus_text_is_read_from_the_column_its_option_names(hub, tmp_path, tokenizer):

@@ -316,6 +316,36 @@ def test_the_taper_state_is_never_saved_into_an_ordinary_models_folder(tmp_path)
         assert TaperNormConfig.from_pretrained(where) == config_of(model)
 
 
+def test_the_taper_state_never_replaces_another_recipe_beside_its_weights(tmp_path):
+    """TaperController.save_state and TaperNormConfig.save_pretrained into another run's tapered checkpoint replaced
+    its tapernorm_config.json (keep_norms and sink gone): load_tapered then asked to "restore the file the run
+    wrote", which was gone. A config of another recipe beside the weights is now kept, naming what differs; saves
+    of the same recipe, and saves of a whole checkpoint (weights and recipe together), still write."""
+    model = tapered("llama", sink_token_ids=[5], keep_norms=["model.norm"])
+    other = tapered("llama")
+    checkpoint = save_tapered(model, tmp_path / "checkpoint-6")
+    before = snapshot(checkpoint)
+    saves = {
+        "TaperController.save_state: cannot save the taper state": TaperController(other, total_steps=20).save_state,
+        "TaperNormConfig.save_pretrained: cannot save tapernorm_config.json": config_of(other).save_pretrained,
+        "save_sharded_checkpoint: cannot save a sharded checkpoint": lambda f: save_sharded_checkpoint(f, other),
+    }
+    for what, save in saves.items():
+        with pytest.raises(ConfigurationError) as caught:
+            save(checkpoint)
+        assert str(caught.value) == (
+            f"{what} into {checkpoint}: its tapernorm_config.json records another recipe (keep_norms: ['model.norm'] "
+            "there, [] here; sink_token_ids: [5] there, [] here), the one its weights were trained with, which the "
+            "save would replace; save into this recipe's checkpoint or a new folder"
+        )
+        assert snapshot(checkpoint) == before
+    TaperController(model, total_steps=20).save_state(checkpoint)  # the same recipe: TaperCallback's on_save
+    assert snapshot(checkpoint) == before
+    other.save_pretrained(checkpoint)  # a whole checkpoint: its weights and its recipe together
+    assert TaperNormConfig.from_pretrained(checkpoint) == config_of(other)
+    assert save_tapered(model, checkpoint) and TaperNormConfig.from_pretrained(checkpoint) == config_of(model)
+
+
 def test_load_tapered_of_a_missing_folder_says_not_found(tmp_path):
     with pytest.raises(ConfigurationError, match="not found|does not exist|no such folder"):
         load_tapered(tmp_path / "nothing")

@@ -683,7 +683,7 @@ def test_a_commit_message_may_run_over_several_lines_from_either_source(tmp_path
     file and on argv alike."""
     (tmp_path / "push.yaml").write_text("export_dir: e\nrepo_id: me/x\ncommit_message: |\n  Title\n\n  Body line\n")
     (options,) = parsed("push", [str(tmp_path / "push.yaml")])
-    assert options.commit_message == "Title\n\nBody line\n"
+    assert options.commit_message == "Title\n\nBody line"  # its trailing line break stripped, as git strips it
     argv = ["--export_dir", "e", "--repo_id", "me/x", "--commit_message", "Title\n\nBody line\n"]
     assert parsed("push", argv) == (options,)
     with pytest.raises(UsageError, match=r"argument --export_dir.*holds a line break"):  # a path keeps the rule

@@ -228,3 +228,18 @@ def test_a_commit_message_with_a_body_is_the_commit_s_summary_and_description(ex
     assert code == 0, stderr
     assert (hub.uploads[-1]["commit_message"], hub.uploads[-1]["commit_description"]) == ("One line", None)
     assert "holds a line break" in error_of(["push", "--export_dir", f"{export}\n", "--repo_id", "me/x"])
+
+
+def test_a_commit_message_loses_its_blank_edges_as_in_git_and_one_without_text_is_refused(export, tmp_path, hub):
+    """`--commit_message $'\\nMy title\\nmore'` made the library's default title the summary and the user's title
+    part of the description; `--commit_message ''` got that default without a word. Blank lines around a message
+    are stripped, as git strips them, and a message with no text is refused before anything is uploaded."""
+    code, _, stderr = run_main([*push(export), "--commit_message", "\n \r\nMy title\nmore\n\n"])
+    assert code == 0, stderr
+    assert [(u["commit_message"], u["commit_description"]) for u in hub.uploads] == [("My title", "more")]
+    for empty in ("", "\n \n"):
+        assert error_of([*push(export), "--commit_message", empty]) == (
+            f"hf-tapernorm push: error: --commit_message {empty!r} holds no text: write a title (a body may follow a "
+            "line break), or leave the option out for the default"
+        )
+    assert len(hub.uploads) == 1

@@ -12,7 +12,7 @@ import itertools
 import json
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
@@ -35,6 +35,15 @@ EXECUTIONS = ("eager", "compile")
 RUNTIMES = ("torch", "onnxruntime")
 TRAIN_PRECISIONS = ("fp32", "bf16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: The options only the train mode reads: its text and its optimizer steps.
+TRAIN_OPTIONS = (
+    "dataset_name",
+    "dataset_config_name",
+    "text_column",
+    "learning_rate",
+    "train_workloads",
+    "train_precisions",
+)
 
 
 def check_device(name: str) -> None:
@@ -221,6 +230,7 @@ class BenchArguments:
                 raise ConfigurationError(f"--{name} must be at least {least}, got {getattr(self, name)}")
         if not self.learning_rate > 0:
             raise ConfigurationError(f"--learning_rate must be positive, got {self.learning_rate}")
+        self._check_train_options()
         if "train" in self.modes and any(s < 4 for s in self.seq_lens):
             raise ConfigurationError("--modes train packs text blocks of --seq_lens tokens: each must be at least 4")
         if "train" in self.modes:  # read once the tokenizer is loaded: a mistyped path is refused now
@@ -235,6 +245,20 @@ class BenchArguments:
         advice = "wait for it to finish, or choose another --output_dir"
         check_destination(output, f"--output_dir '{output}'", advice=advice)  # as taper and fold check theirs
         check_earlier_results(output)
+
+    def _check_train_options(self) -> None:
+        """Refuse the train mode's options (TRAIN_OPTIONS: --dataset_name, --text_column, ...) given, that is other
+        than their defaults, while --modes lists no train: nothing would read them (a column the data lacks, too),
+        and the benchmark would run without a word about them."""
+        if "train" in self.modes:
+            return
+        defaults = {f.name: f.default if f.default_factory is MISSING else f.default_factory() for f in fields(self)}
+        given = [f"--{name}" for name in TRAIN_OPTIONS if getattr(self, name) != defaults[name]]
+        if given:
+            raise ConfigurationError(
+                f"{', '.join(given)}: read by --modes train only, and --modes {' '.join(self.modes)} has no train; "
+                f"add train to --modes, or leave {'it' if len(given) == 1 else 'them'} out"
+            )
 
     def _train_data(self) -> SimpleNamespace:
         """The train mode's text as the data arguments of taper and eval (app.data_checks.check_data_paths reads

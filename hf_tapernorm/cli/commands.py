@@ -464,8 +464,8 @@ def push_main(argv: Sequence[str]) -> int:
             before_upload=lambda files: print(_export_scan(Path(source.path))),  # once the export passed its checks
             token=push_args.token,
             private=push_args.private,
-            commit_message=title.rstrip("\r"),
-            commit_description=body.strip("\r\n") or None,
+            commit_message=title,
+            commit_description=body.strip("\n") or None,
         )
     except ConfigurationError:
         raise

@@ -77,12 +77,27 @@ class PushArguments:
 
     def __post_init__(self) -> None:
         expand_user_options(self, "export_dir")
+        self.commit_message = _stripped_message(self.commit_message)
         try:  # the Hub's own rules ('name' or 'owner/name'; letters, digits, '-', '_', '.'), before the export is read
             validate_repo_id(self.repo_id)
         except HFValidationError as error:
             raise ConfigurationError(
                 f"--repo_id {self.repo_id!r} is not a valid Hub repository name: {error}"
             ) from None
+
+
+def _stripped_message(message: str) -> str:
+    """A commit message without its leading and trailing blank lines, as git strips one: its first line with text is
+    the title (push makes it the Hub commit's summary), not the blank line before it. ConfigurationError for a message
+    with no text, which the upload would replace with the library's default title without a word."""
+    lines = message.splitlines()
+    written = [index for index, line in enumerate(lines) if line.strip()]
+    if not written:
+        raise ConfigurationError(
+            f"--commit_message {message!r} holds no text: write a title (a body may follow a line break), or leave "
+            "the option out for the default"
+        )
+    return "\n".join(lines[written[0] : written[-1] + 1])
 
 
 __all__ = ["FoldArguments", "PushArguments"]

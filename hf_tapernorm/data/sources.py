@@ -116,6 +116,9 @@ def local_data_files(source: Optional[str], name: Optional[str] = None) -> Optio
     json/parquet/csv files is the dataset's card, not text (``datasets`` reads a dataset folder's root README.md as
     its card, never as data): a ``git clone`` of a Hub dataset reads as its tables. In a folder of text files it is
     text like the others (``datasets`` has no text folder of .md files to follow: it reads .md with another builder).
+    Of a folder of tables whose files form several splits (its card's ``configs``, or names such as
+    data/train-*.parquet beside data/test-*.parquet), the files are its train split's (:func:`_train_split`); a folder
+    of text files is one corpus whatever its files are named (notes or source code: train.md beside test_x.md).
 
     The loading and the check every command makes before it loads a model (app/data_checks.py) both ask this, so a
     local path the loader cannot read is refused before the model loads, for the same reason. DataError, its
@@ -147,12 +150,71 @@ def local_data_files(source: Optional[str], name: Optional[str] = None) -> Optio
     if not files:
         raise DataError(f"{name} is a folder that holds no {'/'.join(sorted(_BUILDERS))} files")
     card = path / datasets.config.REPOCARD_FILENAME  # README.md
-    if card in files and {_BUILDERS[p.suffix.lower()] for p in files if p != card} - {"text"}:
+    is_card = card in files and bool({_BUILDERS[p.suffix.lower()] for p in files if p != card} - {"text"})
+    if is_card:
         files.remove(card)  # a Hub dataset's card beside its tables (a git clone of it), as datasets reads it
     builders = {_BUILDERS[p.suffix.lower()] for p in files}
     if len(builders) > 1:
         raise DataError(f"{name} is a folder that mixes file types ({', '.join(sorted(builders))}); use one type")
-    return builders.pop(), files
+    builder = builders.pop()
+    if builder == "text":  # notes or source: one corpus whatever its names (train.md beside test_notes.md)
+        return builder, files
+    return builder, _train_split(path, files, card if is_card else None, name)
+
+
+def _train_split(folder: Path, files: list[Path], card: Optional[Path], name: str) -> list[Path]:
+    """Of a folder's data ``files``, those the loading reads: all of them when they form one split (or none: every
+    file is train), and the train split's when they form several, as ``datasets`` resolves a local dataset folder
+    (LocalDatasetModuleFactory): the data_files of the default configuration its ``card`` (README.md beside tables)
+    declares, else the file-name conventions of ``get_data_patterns`` (data/train-00000-of-00001.parquet beside
+    data/test-00000-of-00001.parquet, train.csv beside test.csv, train/ beside test/). A git clone of a Hub dataset
+    then reads as the dataset's train split, as its Hub name does, and never mixes its test rows into the training or
+    held-out text. Reads the folder only (no cache); DataError, naming ``name``, for a folder whose splits datasets
+    cannot tell (an unreadable card, a configuration to choose, files its card names that are not there) or that
+    has no train split."""
+    from datasets.data_files import DataFilesDict, get_data_patterns, sanitize_patterns
+    from datasets.utils.metadata import MetadataConfigs
+    from huggingface_hub import DatasetCard
+    from yaml import YAMLError
+
+    def unreadable(error: Exception) -> DataError:
+        reason = (str(error).strip().splitlines() or [""])[0]
+        return DataError(f"{name}: cannot tell the folder's splits as datasets reads it: {reason}")
+
+    try:
+        configs = MetadataConfigs.from_dataset_card_data(DatasetCard.load(card).data) if card else MetadataConfigs()
+        default = configs.get_default_config_name()
+    except (ValueError, YAMLError) as error:
+        raise unreadable(error) from None
+    if configs and default is None:
+        raise DataError(
+            f"{name} is a folder whose card (README.md) declares the configurations {', '.join(configs)} and no "
+            "default: name the data files of one as the dataset"
+        )
+    config = configs[default] if default is not None else {}
+    base = folder.resolve() / config.get("data_dir", "")
+    try:
+        if config.get("data_files") is not None:
+            patterns = sanitize_patterns(config["data_files"])
+        else:
+            patterns = get_data_patterns(str(base))
+        resolved = DataFilesDict.from_patterns(patterns, base_path=str(base))
+    except FileNotFoundError as error:  # a card's path that matches no file
+        raise unreadable(error) from None
+    ours = {file.resolve(): file for file in files}
+    splits = {str(split): [ours[p] for p in map(Path, found) if p in ours] for split, found in resolved.items()}
+    splits = {split: found for split, found in splits.items() if found}
+    if len(splits) <= 1:
+        return files
+    if "train" not in splits:
+        raise DataError(
+            f"{name} is a folder whose files form the splits {', '.join(splits)} and no train split (as datasets "
+            "reads it): name one split's file, or a folder of one split, as the dataset"
+        )
+    logger.info(
+        "%s: reading its train split (%d file(s)) of its splits %s", name, len(splits["train"]), ", ".join(splits)
+    )
+    return sorted(splits["train"])
 
 
 def load_text_dataset(
@@ -269,14 +331,15 @@ def check_split(source: Optional[str], split: str, streaming: bool = False) -> N
     other = [name for name in _split_names(split) if name != "train"]
     if other and local_dataset_path(source) is not None:
         raise DataError(
-            f"dataset '{source}' is a local file or folder, whose one split is train, not '{other[0]}' (slices such "
-            "as train[:50%] read part of it)"
+            f"dataset '{source}' is a local file or folder, whose one split is train (of a folder whose files form "
+            f"several splits, a git clone of a Hub dataset, its train split), not '{other[0]}': name that split's "
+            "file as the dataset (slices such as train[:50%] read part of train)"
         )
     if _selects_nothing(split):
         raise DataError(
             f"'{split}' selects no row: a slice [start:end] reads the rows from start up to end (a negative one "
-            "counts from the split's end), and this one ends where it starts or before; name one that ends after "
-            "it starts (train[:10%], train[100:200]) or the split whole"
+            "counts from the split's end; an end of 0 is its start), and this one ends where it starts or before; "
+            "name one that ends after it starts (train[:10%], train[100:200]) or the split whole"
         )
 
 
@@ -297,15 +360,17 @@ _SLICE = re.compile(r"[^\[]*\[(?P<start>-?[\d_]+)?%?:(?P<end>-?[\d_]+)?%?\].*")
 
 def _selects_nothing(split: str) -> bool:
     """Whether the split expression ``split`` (parsed already) selects no row whatever the sizes of its splits:
-    every part a slice whose end is at or before its start, both counted from the same end of the split (train[3:3],
-    train[5:2], train[:0%], train[-2:-5]: a left-out start is the split's start). Whether the ends of train[-5:5] or
-    train[200:] meet depends on the split's size: hub_dataset_builder checks those where the dataset records it."""
+    every part a slice that ends at the split's start (an end of 0, -0 or 0%: datasets counts an end of 0 from the
+    start, train[-5:0] and train[:-0] included) or at or before its start, both counted from the same end of the
+    split (train[3:3], train[5:2], train[-2:-5]: a left-out start is the split's start). Whether the ends of
+    train[-5:5] or train[200:] meet depends on the split's size: hub_dataset_builder checks those where the dataset
+    records it."""
     for part in re.split(r"\s*\+\s*", split):
         match = _SLICE.fullmatch(part)
         if match is None or match["end"] is None:
             return False
         start, end = int(match["start"] or 0), int(match["end"])
-        if (start < 0) != (end < 0) or end > start:
+        if end != 0 and ((start < 0) != (end < 0) or end > start):
             return False
     return True
 

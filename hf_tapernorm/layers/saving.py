@@ -23,7 +23,7 @@ from typing import Any, Union
 
 from torch import nn
 
-from ..config import TAPERED_TYPE_PREFIX, config_of
+from ..config import CONFIG_NAME, TAPERED_TYPE_PREFIX, config_of
 
 TAPERED_NOTE_KEY = "hf_tapernorm_note"
 TAPERED_NOTE = (
@@ -46,7 +46,9 @@ class TaperedSavePretrained:
         folder = Path(save_directory)
         if kwargs.get("is_main_process", True) and (folder / "config.json").is_file():
             mark_config_as_tapered(folder / "config.json")
-            config_of(self.model).save_pretrained(folder)
+            # the whole checkpoint, weights and recipe together: not TaperNormConfig.save_pretrained, which keeps a
+            # folder's recipe of other weights (check_save_destination), and these weights are written already
+            (folder / CONFIG_NAME).write_text(config_of(self.model).to_json_string())
         return result
 
 

@@ -51,7 +51,7 @@ def save_tapered(model: nn.Module, folder: Union[str, os.PathLike], tokenizer: A
     mark_config_as_tapered(folder / "config.json")  # a model whose save_pretrained was replaced after patching
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
-    config.save_pretrained(folder)
+    (folder / CONFIG_NAME).write_text(config.to_json_string())  # with its weights: no other recipe's file to keep
     return folder
 
 

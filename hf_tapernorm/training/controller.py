@@ -120,7 +120,7 @@ class TaperController:
         folder = expand_user(folder, f"TaperController.save_state: '{folder}'")
         # On every rank, before anything is written: a refusal on the main process alone would leave the others
         # waiting in the teacher's collective save.
-        check_save_destination(folder, "TaperController.save_state: cannot save the taper state")
+        check_save_destination(folder, "TaperController.save_state: cannot save the taper state", recipe=self.config)
         if is_main_process():
             self.config.save_pretrained(folder)
         if self.distillation is None or not self.distillation.has_snapshot:

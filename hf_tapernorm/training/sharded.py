@@ -68,7 +68,9 @@ def save_sharded_checkpoint(
 
     folder = expand_user(folder)
     config = config_of(model)
-    check_save_destination(folder, "save_sharded_checkpoint: cannot save a sharded checkpoint")  # on every rank
+    check_save_destination(  # on every rank
+        folder, "save_sharded_checkpoint: cannot save a sharded checkpoint", recipe=config
+    )
     if is_main_process():  # before the collective save, which orders every rank's return after these files
         folder.mkdir(parents=True, exist_ok=True)
         config.save_pretrained(folder)

@@ -591,6 +591,70 @@ def test_a_folder_whose_files_form_splits_reads_its_train_split_only(tmp_path, m
     )
 
 
+def test_a_dataset_folder_reads_the_files_datasets_resolves_for_its_train_split(tmp_path):
+    """Three folders read files datasets leaves out of the train split: a snapshot_download copy of a clone (its files
+    links into blobs/, compared resolved with the unresolved paths datasets lists: nothing matched, every file was
+    read, test split included); a card whose default configuration resolves one split (another configuration's
+    fr/*.parquet, or undeclared raw/ files, were read too); a clone of a Hub text dataset whose README.md declares
+    configs (the card and the test split were read as text). The files are now those datasets resolves for the
+    train split (or the only split) of the folder's default configuration, its paths compared unresolved; a text
+    folder's README.md is its card when its front matter holds card metadata, and text (one corpus) otherwise."""
+    from hf_tapernorm.data.sources import local_data_files
+
+    train, other = corpus_documents(20, seed=1), [f"OTHER {doc}" for doc in corpus_documents(8, seed=2)]
+    cache = str(tmp_path / "c")
+    snapshot, blobs = tmp_path / "hub" / "snapshots" / "abc", tmp_path / "hub" / "blobs"
+    (snapshot / "data").mkdir(parents=True)
+    blobs.mkdir()
+    for name, docs in (("train-00000-of-00001", train), ("test-00000-of-00001", other)):
+        datasets.Dataset.from_dict({"text": docs}).to_parquet(blobs / name)
+        (snapshot / "data" / f"{name}.parquet").symlink_to(Path("..", "..", "..", "blobs", name))
+    (snapshot / "README.md").symlink_to(Path("..", "..", "blobs", "card"))
+    (blobs / "card").write_text("---\nlicense: mit\n---\n")
+    assert local_data_files(str(snapshot)) == ("parquet", [snapshot / "data" / "train-00000-of-00001.parquet"])
+    assert load_text_dataset(str(snapshot), cache_dir=cache)["text"] == train
+    configs = tmp_path / "configs"  # two configurations, en the default: fr's files are another dataset's
+    for config, docs in (("en", train), ("fr", other)):
+        (configs / config).mkdir(parents=True)
+        datasets.Dataset.from_dict({"text": docs}).to_parquet(configs / config / "train-00000-of-00001.parquet")
+    card = "---\nconfigs:\n- config_name: en\n  default: true\n  data_files:\n  - split: train\n    path: en/train-*\n"
+    (configs / "README.md").write_text(
+        card + "- config_name: fr\n  data_files:\n  - split: train\n    path: fr/train-*\n---\n"
+    )
+    assert local_data_files(str(configs)) == ("parquet", [configs / "en" / "train-00000-of-00001.parquet"])
+    assert load_text_dataset(str(configs), cache_dir=cache)["text"] == train
+    declared = tmp_path / "declared"  # one configuration of one split: raw/ is not the dataset's
+    for folder, docs in (("data", train), ("raw", other)):
+        (declared / folder).mkdir(parents=True)
+        datasets.Dataset.from_dict({"text": docs}).to_parquet(declared / folder / "part0.parquet")
+    (declared / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files: data/*.parquet\n---\n")
+    assert local_data_files(str(declared)) == ("parquet", [declared / "data" / "part0.parquet"])
+    (declared / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files: raw/*.arrow\n---\n")
+    (declared / "raw" / "part0.arrow").write_bytes(b"")
+    with pytest.raises(DataError, match=r"folder whose splits, as datasets reads it \(its card\), hold none of its"):
+        local_data_files(str(declared))
+    text = tmp_path / "textclone"  # a Hub text dataset's clone: its card declares train.txt and test.txt
+    (text / "data").mkdir(parents=True)
+    (text / "data" / "train.txt").write_text("\n".join(train))
+    (text / "data" / "test.txt").write_text("\n".join(other))
+    card = "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: data/train.txt\n"
+    (text / "README.md").write_text(card + "  - split: test\n    path: data/test.txt\n---\n# CARD\n")
+    assert local_data_files(str(text)) == ("text", [text / "data" / "train.txt"])
+    assert load_text_dataset(str(text), sample_by="line", cache_dir=cache)["text"] == train
+    (text / "README.md").write_text("---\ndataset_info:\n  features:\n  - name: text\n    dtype: string\n---\n")
+    assert local_data_files(str(text)) == ("text", [text / "data" / "train.txt"])  # named train/test: the splits
+    (text / "README.md").write_text("---\ntitle: my notes\ntags: [configs]\n---\n# Notes\n")  # a note's front matter
+    assert local_data_files(str(text)) == (
+        "text",
+        [text / "README.md", text / "data/test.txt", text / "data/train.txt"],
+    )
+    cardonly = tmp_path / "cardonly"
+    cardonly.mkdir()
+    (cardonly / "README.md").write_text("---\ndataset_info:\n  dataset_size: 0\n---\n")
+    with pytest.raises(DataError, match=r"folder that holds no .* files besides its card \(README.md\)$"):
+        local_data_files(str(cardonly))
+
+
 def test_the_out_of_corpus_text_is_read_from_the_column_its_option_names(hub, tmp_path, tokenizer):
     """An --out_of_corpus_dataset without a `text` column and of several string columns (a Hub dataset or a jsonl)
     could not be used: the refusal said "pass --text_column", which the out-of-corpus reader did not read, and came

@@ -112,13 +112,14 @@ def local_data_files(source: Optional[str], name: Optional[str] = None) -> Optio
     """The ``datasets`` builder and the files that load_text_dataset reads for the dataset name ``source`` (None: the
     embedded corpus or a Hub dataset's name): the file itself, or a folder's files of a suffix a builder reads (hidden
     files and folders, ``.ipynb_checkpoints/`` or ``.git/``, skipped as ``datasets`` skips them: they hold copies of
-    the data or tool state, not more of the corpus), all of one builder. A ``README.md`` at the folder's root beside
-    json/parquet/csv files is the dataset's card, not text (``datasets`` reads a dataset folder's root README.md as
-    its card, never as data): a ``git clone`` of a Hub dataset reads as its tables. In a folder of text files it is
-    text like the others (``datasets`` has no text folder of .md files to follow: it reads .md with another builder).
-    Of a folder of tables whose files form several splits (its card's ``configs``, or names such as
-    data/train-*.parquet beside data/test-*.parquet), the files are its train split's (:func:`_train_split`); a folder
-    of text files is one corpus whatever its files are named (notes or source code: train.md beside test_x.md).
+    the data or tool state, not more of the corpus), all of one builder. A ``README.md`` at the folder's root is the
+    dataset's card, not text (``datasets`` reads a dataset folder's root README.md as its card, never as data), beside
+    json/parquet/csv files or when its YAML front matter holds the metadata ``datasets`` reads from a card
+    (``configs``, ``dataset_info``): a ``git clone`` of a Hub dataset, of tables or of text, reads as its dataset.
+    Otherwise, in a folder of text files, it is text like the others (notes whose front matter is a title or tags).
+    Of a dataset's folder (tables, or text with a card) the files are those ``datasets`` resolves for its train split
+    (:func:`_train_split`: its card's ``configs``, or names such as data/train-*.parquet beside data/test-*.parquet);
+    a folder of text files without a card is one corpus whatever its files are named (train.md beside test_x.md).
 
     The loading and the check every command makes before it loads a model (app/data_checks.py) both ask this, so a
     local path the loader cannot read is refused before the model loads, for the same reason. DataError, its
@@ -147,31 +148,55 @@ def local_data_files(source: Optional[str], name: Optional[str] = None) -> Optio
         and p.suffix.lower() in _BUILDERS
         and not any(part.startswith(".") for part in p.relative_to(path).parts)
     )
-    if not files:
-        raise DataError(f"{name} is a folder that holds no {'/'.join(sorted(_BUILDERS))} files")
     card = path / datasets.config.REPOCARD_FILENAME  # README.md
-    is_card = card in files and bool({_BUILDERS[p.suffix.lower()] for p in files if p != card} - {"text"})
+    is_card = card in files and (
+        bool({_BUILDERS[p.suffix.lower()] for p in files if p != card} - {"text"}) or _holds_card_metadata(card)
+    )
     if is_card:
-        files.remove(card)  # a Hub dataset's card beside its tables (a git clone of it), as datasets reads it
+        files.remove(card)  # a Hub dataset's card (a git clone of it), as datasets reads it
+    if not files:
+        besides = " besides its card (README.md)" if is_card else ""
+        raise DataError(f"{name} is a folder that holds no {'/'.join(sorted(_BUILDERS))} files{besides}")
     builders = {_BUILDERS[p.suffix.lower()] for p in files}
     if len(builders) > 1:
         raise DataError(f"{name} is a folder that mixes file types ({', '.join(sorted(builders))}); use one type")
     builder = builders.pop()
-    if builder == "text":  # notes or source: one corpus whatever its names (train.md beside test_notes.md)
+    if builder == "text" and not is_card:  # notes or source: one corpus whatever its names (train.md, test_x.md)
         return builder, files
     return builder, _train_split(path, files, card if is_card else None, name)
 
 
+#: The fields of a dataset card's YAML front matter that ``datasets`` reads from a local folder's README.md (its
+#: configurations and its splits' infos): a README.md that holds one is a dataset's card, whatever its files are.
+_CARD_FIELDS = (datasets.config.METADATA_CONFIGS_FIELD, "dataset_info")
+
+
+def _holds_card_metadata(readme: Path) -> bool:
+    """Whether the YAML front matter of ``readme`` (a text folder's root README.md) holds dataset-card metadata
+    (:data:`_CARD_FIELDS`): a clone of a Hub text dataset, whose card must not be read as text nor its test split as
+    training text. Front matter that YAML cannot read, or none, is a note's, as every other .md file of the folder."""
+    from huggingface_hub import metadata_load
+    from yaml import YAMLError
+
+    try:
+        metadata = metadata_load(readme) or {}
+    except (ValueError, YAMLError):  # ValueError: not UTF-8, or a front matter that is no mapping
+        return False
+    return any(field in metadata for field in _CARD_FIELDS)
+
+
 def _train_split(folder: Path, files: list[Path], card: Optional[Path], name: str) -> list[Path]:
-    """Of a folder's data ``files``, those the loading reads: all of them when they form one split (or none: every
-    file is train), and the train split's when they form several, as ``datasets`` resolves a local dataset folder
-    (LocalDatasetModuleFactory): the data_files of the default configuration its ``card`` (README.md beside tables)
-    declares, else the file-name conventions of ``get_data_patterns`` (data/train-00000-of-00001.parquet beside
-    data/test-00000-of-00001.parquet, train.csv beside test.csv, train/ beside test/). A git clone of a Hub dataset
-    then reads as the dataset's train split, as its Hub name does, and never mixes its test rows into the training or
-    held-out text. Reads the folder only (no cache); DataError, naming ``name``, for a folder whose splits datasets
-    cannot tell (an unreadable card, a configuration to choose, files its card names that are not there) or that
-    has no train split."""
+    """Of a dataset folder's data ``files``, those the loading reads: the files ``datasets`` resolves for the folder's
+    train split (or its only split), as it resolves a local dataset folder (LocalDatasetModuleFactory): the
+    data_files (or data_dir) of the default configuration its ``card`` (README.md) declares, else the file-name
+    conventions of ``get_data_patterns`` (data/train-00000-of-00001.parquet beside data/test-00000-of-00001.parquet,
+    train.csv beside test.csv, train/ beside test/), else every file. A git clone of a Hub dataset then reads as the
+    dataset's train split, as its Hub name does: never its test rows, another configuration's files, nor files its
+    card leaves out. Paths are compared absolute, links not resolved (as datasets lists them), so a
+    ``snapshot_download`` copy, whose files are links into blobs/, reads as its clone does. Reads the folder only (no
+    cache); DataError, naming ``name``, for a folder whose splits datasets cannot tell (an unreadable card, a
+    configuration to choose, files its card names that are not there), whose splits hold none of ``files``, or
+    that has several splits and no train split."""
     from datasets.data_files import DataFilesDict, get_data_patterns, sanitize_patterns
     from datasets.utils.metadata import MetadataConfigs
     from huggingface_hub import DatasetCard
@@ -192,7 +217,7 @@ def _train_split(folder: Path, files: list[Path], card: Optional[Path], name: st
             "default: name the data files of one as the dataset"
         )
     config = configs[default] if default is not None else {}
-    base = folder.resolve() / config.get("data_dir", "")
+    base = Path(os.path.abspath(folder), config.get("data_dir", ""))
     try:
         if config.get("data_files") is not None:
             patterns = sanitize_patterns(config["data_files"])
@@ -201,20 +226,25 @@ def _train_split(folder: Path, files: list[Path], card: Optional[Path], name: st
         resolved = DataFilesDict.from_patterns(patterns, base_path=str(base))
     except FileNotFoundError as error:  # a card's path that matches no file
         raise unreadable(error) from None
-    ours = {file.resolve(): file for file in files}
-    splits = {str(split): [ours[p] for p in map(Path, found) if p in ours] for split, found in resolved.items()}
+    ours = {Path(os.path.abspath(file)): file for file in files}
+    splits = {str(split): sorted(ours[p] for p in map(Path, found) if p in ours) for split, found in resolved.items()}
     splits = {split: found for split, found in splits.items() if found}
-    if len(splits) <= 1:
-        return files
-    if "train" not in splits:
+    if not splits:
+        raise DataError(
+            f"{name} is a folder whose splits, as datasets reads it ({'its card' if configs else 'its file names'}), "
+            f"hold none of its {'/'.join(sorted(_BUILDERS))} files: name the data files as the dataset"
+        )
+    if len(splits) > 1 and "train" not in splits:
         raise DataError(
             f"{name} is a folder whose files form the splits {', '.join(splits)} and no train split (as datasets "
             "reads it): name one split's file, or a folder of one split, as the dataset"
         )
-    logger.info(
-        "%s: reading its train split (%d file(s)) of its splits %s", name, len(splits["train"]), ", ".join(splits)
-    )
-    return sorted(splits["train"])
+    split = "train" if "train" in splits else next(iter(splits))
+    if len(splits[split]) < len(files):
+        logger.info(
+            "%s: reading its %s split (%d file(s)) of its splits %s", name, split, len(splits[split]), ", ".join(splits)
+        )
+    return splits[split]
 
 
 def load_text_dataset(

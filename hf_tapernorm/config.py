@@ -60,7 +60,7 @@ from .config_fields import (
 )
 from .config_fields import option_fields as option_table
 from .config_migrations import CONFIG_VERSION, CONFIG_VERSION_KEY, migrated
-from .errors import ConfigurationError, TaperStateError
+from .errors import ConfigurationError, TaperNormError, TaperStateError
 from .utils import expand_user, file_in_the_way, saved_model_type
 
 logger = logging.getLogger(__name__)
@@ -73,8 +73,9 @@ LEGACY_CONFIG_NAME = "tapernorm.json"
 #: ``load_tapered`` restores the base type (layers/saving.py writes it; defined here, where every save of a config
 #: checks its folder: check_save_destination).
 TAPERED_TYPE_PREFIX = "hf_tapernorm_tapered_"
-#: The weight files of a saved model (transformers' safetensors and pickles, GGUF).
-_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.gguf")
+#: The weight files of a saved model (transformers' safetensors and pickles, whole or in shards; a PEFT adapter's;
+#: GGUF; torch.distributed.checkpoint's), not a Trainer's training_args.bin or a distillation teacher's snapshot.
+_WEIGHT_FILES = ("model*.safetensors", "pytorch_model*.bin", "adapter_model.*", "*.gguf", "*.distcp")
 #: The key of ``tapernorm_config.json`` (and of an export's ``config.json``) that records the package version.
 VERSION_KEY = "hf_tapernorm_version"
 
@@ -412,39 +413,47 @@ def sink_token_id(tokenizer: Any = None, model: Optional[nn.Module] = None) -> O
     return int(bos) if bos is not None else None
 
 
+def recorded_config_file(folder: Path) -> Optional[Path]:
+    """The recipe file loading reads a checkpoint's weights with (its own, an older version's ``tapernorm.json``, an
+    old Trainer ``checkpoint-N``'s in its run folder); None: no tapered checkpoint. Saves check the same file."""
+    candidates = [folder / CONFIG_NAME, folder / LEGACY_CONFIG_NAME]
+    if folder.name.startswith("checkpoint-"):  # a Trainer checkpoint inside a run folder of an older version
+        candidates += [folder.parent / CONFIG_NAME, folder.parent / LEGACY_CONFIG_NAME]
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def _readable_recipe(path: Path) -> Optional[TaperNormConfig]:
+    try:  # None: a damaged file, which a save may replace
+        return TaperNormConfig.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, TaperNormError):  # JSON and decoding errors are ValueErrors
+        return None
+
+
 def check_save_destination(
     folder: Path, what: str, *, writes_model: bool = False, recipe: Optional[TaperNormConfig] = None
 ) -> None:
-    """Refuse, before anything is written, a ``folder`` the save ``what`` (its caller and file, the start of the
-    message: "save_tapered: cannot save a tapered checkpoint") would fail in or damage.
-
-    Every save of a tapered checkpoint or of its parts (``save_tapered``, ``TaperNormConfig.save_pretrained``,
-    ``TaperController.save_state``, ``save_sharded_checkpoint``) checks here, so each refuses alike: a file on the
-    way to ``folder`` (named, instead of a FileExistsError or NotADirectoryError), and a folder holding another
-    model. With ``writes_model`` (the save writes config.json and weights) that is any config.json of no tapered
-    checkpoint, which it would replace. Otherwise it is a model's config.json with its weights: a
-    ``tapernorm_config.json`` beside them would make an ordinary model read as a damaged tapered checkpoint
-    (``eval`` and ``fold`` refuse it, ``taper`` calls it tapered already) until someone finds and deletes the file.
-    A tapered checkpoint stays a destination: a Trainer checkpoint of a taper run (a patched model's save marks its
-    config.json tapered before TaperCallback saves its state there), one of an older version (its config beside
-    it) and a sharded checkpoint (no such weights, written before its config.json). ``recipe``, the config a save
-    that keeps the folder's weights writes: a ``tapernorm_config.json`` of another recipe there (another run's
-    checkpoint) is refused, as it records what those weights were trained with; the same recipe (TaperCallback's
-    save into the checkpoint-N the patched model has just written) is written again.
+    """Refuse, before anything is written, a ``folder`` the save ``what`` ("save_tapered: cannot save a tapered
+    checkpoint": the message's start) would fail in or damage; every save of a tapered checkpoint or of its parts
+    checks here, so each refuses alike. A file on the way to ``folder`` is named. With ``writes_model`` (the save
+    writes config.json and weights) a config.json of no tapered checkpoint is refused, which it would replace;
+    otherwise a model's config.json with weights and no recipe (loading's: recorded_config_file), which a
+    ``tapernorm_config.json`` would make read as a damaged tapered checkpoint (``eval`` and ``fold`` refuse it).
+    ``recipe``: the config a save that keeps the folder's weights writes (save_tapered, save_sharded_checkpoint and
+    TaperCallback write them too: none); weights beside a readable file of another recipe (what they were trained
+    with) are refused. No weights or a damaged file: written over, as ``PretrainedConfig.save_pretrained`` does.
     """
     blocking = file_in_the_way(folder)
     if blocking:
         raise ConfigurationError(f"{what} into {folder}: {blocking} is a file; name a folder")
-    if recipe is not None and (folder / CONFIG_NAME).is_file():
-        try:
-            there, here = TaperNormConfig.from_pretrained(folder).options(), recipe.options()
-        except ConfigurationError as error:
-            raise ConfigurationError(f"{what} into {folder}: its {CONFIG_NAME} would be replaced: {error}") from None
-        changed = "; ".join(f"{k}: {v!r} there, {here[k]!r} here" for k, v in there.items() if here[k] != v)
+    recorded, holds_weights = recorded_config_file(folder), any(next(folder.glob(p), None) for p in _WEIGHT_FILES)
+    there = _readable_recipe(recorded) if recipe is not None and recorded and holds_weights else None
+    if there is not None:
+        here = recipe.options()
+        changed = "; ".join(f"{k}: {v!r} there, {here[k]!r} here" for k, v in there.options().items() if here[k] != v)
         if changed:
             raise ConfigurationError(
-                f"{what} into {folder}: its {CONFIG_NAME} records another recipe ({changed}), the one its weights "
-                "were trained with, which the save would replace; save into this recipe's checkpoint or a new folder"
+                f"{what} into {folder}: {recorded} records another recipe ({changed}), the one its weights were "
+                "trained with, which the save would replace; save into this recipe's checkpoint or a new folder"
             )
     config = folder / "config.json"
     if not config.is_file():
@@ -457,8 +466,7 @@ def check_save_destination(
             f"{what} into {folder}: it holds another model ({config.name} of type {model_type or 'unknown'!r}), "
             "whose weights the save would replace; choose a new folder"
         )
-    tapered = any((folder / name).is_file() for name in (CONFIG_NAME, LEGACY_CONFIG_NAME))
-    if not tapered and any(next(folder.glob(pattern), None) for pattern in _WEIGHT_FILES):
+    if recorded is None and holds_weights:
         raise ConfigurationError(
             f"{what} into {folder}: it holds a model that is not a tapered checkpoint ({config.name} of type "
             f"{model_type or 'unknown'!r} and its weights), which {CONFIG_NAME} would mark as one (eval and fold "

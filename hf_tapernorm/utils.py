@@ -155,18 +155,30 @@ _BACKEND_PACKAGES = {
 }
 
 
+#: torch.compile's debug backends users compile with (torch lists them only with ``exclude_tags=()``): the graph
+#: run as captured, and through AOTAutograd. The other debug and experimental ones are torch's own test tools (ts,
+#: aot_ts, the minifiers: a traceback at the first compiled forward).
+_DEBUG_BACKENDS = ("eager", "aot_eager")
+
+
+def compile_backends() -> list[str]:
+    """The ``torch.compile`` backends a model is compiled with here: those torch lists by default (its own and
+    installed plugins', without the debug and experimental ones) and the debug ones users run (eager, aot_eager)."""
+    return sorted({*torch.compiler.list_backends(), *_DEBUG_BACKENDS})
+
+
 def check_compile_options(backend: Optional[str], mode: Optional[str], flags: tuple[str, str]) -> None:
     """Refuse (ConfigurationError naming the option, ``flags``: the backend's and the mode's) a ``torch.compile``
-    backend torch has not registered (its own and installed plugins'), one whose package is not installed (torch
-    lists tvm and openxla whatever is installed, and they import their package only at the first compiled forward)
-    or a mode its inductor backend (the default) does not have: all fail only at the first compiled forward, after
-    the model was loaded. Another backend's modes are its own (torch passes the mode on to it as a keyword; its own
-    backends ignore it)."""
-    if backend is not None and backend not in torch.compiler.list_backends(exclude_tags=()):
+    backend not in :func:`compile_backends`, one whose package is not installed (torch lists tvm and openxla
+    whatever is installed, and they import their package only at the first compiled forward), a mode inductor (the
+    default backend) does not have, and a mode with another backend (torch passes it on as a keyword, which
+    torchscript refuses and the others ignore): all fail, or are ignored, only at the first compiled forward,
+    after the model was loaded."""
+    accepted = compile_backends()
+    if backend is not None and backend not in accepted:
         raise ConfigurationError(
-            f"{flags[0]} {backend!r} is not a torch.compile backend torch knows: "
-            f"{', '.join(torch.compiler.list_backends())} (and the debug ones torch.compiler.list_backends("
-            "exclude_tags=()) lists, such as eager and aot_eager)"
+            f"{flags[0]} {backend!r} is not a torch.compile backend that compiles a model here: give one of "
+            f"{', '.join(accepted)} (inductor is the default)"
         )
     # found, not imported: tvm's import is slow
     missing = [(m, p) for m, p in _BACKEND_PACKAGES.get(backend, {}).items() if importlib.util.find_spec(m) is None]
@@ -175,12 +187,18 @@ def check_compile_options(backend: Optional[str], mode: Optional[str], flags: tu
             f"{flags[0]} {backend}: the backend compiles with {', '.join(m for m, _ in missing)}, not installed here: "
             f"pip install {' '.join(p for _, p in missing)}, or choose another backend (inductor is the default)"
         )
-    if mode is not None and backend in (None, "inductor"):
-        from torch._inductor import list_mode_options  # where torch.compile's documentation lists its modes
+    if mode is None:
+        return
+    if backend not in (None, "inductor"):
+        raise ConfigurationError(
+            f"{flags[1]} {mode}: a mode is inductor's (torch.compile's default backend), and {flags[0]} {backend} "
+            f"takes none; drop {flags[1]}, or compile with inductor"
+        )
+    from torch._inductor import list_mode_options  # where torch.compile's documentation lists its modes
 
-        modes = list_mode_options()
-        if mode not in modes:
-            raise ConfigurationError(f"{flags[1]} {mode!r} is not a torch.compile mode: {', '.join(modes)}")
+    modes = list_mode_options()
+    if mode not in modes:
+        raise ConfigurationError(f"{flags[1]} {mode!r} is not a torch.compile mode: {', '.join(modes)}")
 
 
 #: the dtypes a model loads in (an export, a tapered checkpoint), by the names a caller may give as text
@@ -218,6 +236,7 @@ def saved_model_type(config_file: Path) -> str:
 __all__ = [
     "SEED_LIMIT",
     "check_compile_options",
+    "compile_backends",
     "check_seeds",
     "expand_user",
     "expand_user_options",

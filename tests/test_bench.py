@@ -61,8 +61,9 @@ def test_defaults_compare_what_the_default_recipe_exports():
     assert args.norms == ["recipe"] and args.variants == ["original", "flashnorm", "explicit", "folded", "limit"]
     assert args.modes == ["last", "decode"] and args.dtypes == ["fp32"] and args.execution == ["eager"]
     assert args.model_name_or_path is None and args.dataset_name is None  # the embedded model and corpus
-    several = parse_arguments(["--norms", "recipe", "internal", "all", "--modes", "train", "--threads", "1"])
-    assert several.norms == ["recipe", "internal", "all"] and several.modes == ["train"] and several.threads == [1]
+    several = parse_arguments(["--norms", "recipe", "internal", "all", "--modes", "last", "train", "--threads", "1"])
+    assert several.norms == ["recipe", "internal", "all"] and several.modes == ["last", "train"]
+    assert several.threads == [1]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -79,10 +79,11 @@ def _eval(ws: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _bench(ws: Path, *extra: str) -> list[str]:
+def _bench(ws: Path, *extra: str, modes: str = "last") -> list[str]:
+    """``bench`` on the workspace's model; ``modes``: the --modes (a later --modes in ``extra`` adds to them)."""
     return [
-        "bench", "--model_name_or_path", str(ws / "llama"), "--modes", "last", "--variants", "original",
-        "--seq_lens", "16", "--repeats", "1", "--warmup", "0", "--calibration_batches", "1", "--op_counts", "false",
+        "bench", "--model_name_or_path", str(ws / "llama"), "--modes", modes, "--seq_lens", "16", "--repeats", "1",
+        "--warmup", "0", "--calibration_batches", "1", "--op_counts", "false",
         "--output_dir", str(ws / "bench"), *extra,
     ]  # fmt: skip
 
@@ -250,8 +251,58 @@ CASES = {
     "bench: a compile backend torch does not know": (
         lambda ws: _bench(ws, "--execution", "compile", "--compile_backend", "bogus"),
         2,
-        "--compile_backend 'bogus' is not a torch.compile backend torch knows: ",
+        "--compile_backend 'bogus' is not a torch.compile backend that compiles a model here: give one of ",
     ),
+    # torch lists its own test backends with the debug ones: each passed the check, then failed with a traceback at
+    # the first compiled forward, after the model loaded (torchscript's with a mode: "unexpected keyword argument")
+    **{
+        f"bench: --compile_backend {backend} (a torch test backend)": (
+            lambda ws, backend=backend: _bench(ws, "--execution", "compile", "--compile_backend", backend),
+            2,
+            f"error: --compile_backend {backend!r} is not a torch.compile backend that compiles a model here: give "
+            "one of aot_eager, ",
+        )
+        for backend in ("ts", "aot_ts", "dynamo_minifier_backend")
+    },
+    "bench: a compile mode with a backend other than inductor": (
+        lambda ws: _bench(ws, "--execution", "compile", "--compile_backend", "eager", "--compile_mode", "max-autotune"),
+        2,
+        "error: --compile_mode max-autotune: a mode is inductor's (torch.compile's default backend), and "
+        "--compile_backend eager takes none; drop --compile_mode, or compile with inductor",
+    ),
+    "taper: a compile mode with a backend other than inductor": (
+        _trainer(["--torch_compile_backend", "cudagraphs", "--torch_compile_mode", "max-autotune"]),
+        2,
+        "error: --torch_compile_mode max-autotune: a mode is inductor's (torch.compile's default backend), and "
+        "--torch_compile_backend cudagraphs takes none",
+    ),
+    # options no case of the run reads were ignored without a word, and recorded in bench.json as if used (exit 0)
+    "bench: inference options with --modes train only": (
+        lambda ws: _bench(ws, "--variants", "flashnorm", "--norms", "all", "--new_tokens", "64", modes="train"),
+        2,
+        "error: --norms, --variants: read by --modes last, full or decode only, and --modes train has no last, full "
+        "or decode; add last, full or decode to --modes, or leave them out",
+    ),
+    "bench: --new_tokens without decode": (
+        lambda ws: _bench(ws, "--new_tokens", "64"),
+        2,
+        "error: --new_tokens: read by --modes decode only, and --modes last has no decode; add decode to --modes, or "
+        "leave it out",
+    ),
+    "bench: --seed with --modes train only": (
+        lambda ws: _bench(ws, "--seed", "3", modes="train"),
+        2,
+        "error: --seed: read by --modes last, full or decode only",
+    ),
+    **{
+        f"bench: {option} without --execution compile": (
+            lambda ws, option=option, value=value: _bench(ws, option, value),
+            2,
+            f"error: {option}: read by --execution compile only, and --execution eager has no compile; add compile "
+            "to --execution, or leave it out",
+        )
+        for option, value in (("--compile_mode", "max-autotune"), ("--compile_backend", "aot_eager"))
+    },
     # measured and rejected: research arms (conversion_scripts/experiments/length_arms.py), not product options
     "taper: long steps are no option": (
         lambda ws: taper_argv(ws, ws / "out", "--long_block_size", "64", "--long_block_every", "4"),
@@ -339,7 +390,8 @@ CASES = {
     "taper: --torch_compile_backend bogus": (
         _trainer(["--torch_compile_backend", "bogus"]),
         2,
-        "error: --torch_compile_backend 'bogus' is not a torch.compile backend torch knows: ",
+        "error: --torch_compile_backend 'bogus' is not a torch.compile backend that compiles a model here: give one "
+        "of aot_eager, ",
     ),
     # torch lists tvm whether or not its package is installed (not in this environment): the first compiled forward
     # raised ImportError as a traceback, after the model loaded
@@ -355,11 +407,11 @@ CASES = {
         "error: --compile_backend tvm: the backend compiles with tvm, not installed here: pip install apache-tvm, or "
         "choose another backend",
     ),
-    "taper: a torch.compile backend the Trainer's accelerate does not take": (
+    "taper: a torch.compile debug backend other than eager and aot_eager": (
         _trainer(["--torch_compile_backend", "aot_eager_decomp_partition"]),
         2,
-        "error: --torch_compile_backend aot_eager_decomp_partition: not a backend accelerate compiles the Trainer's "
-        "model with: no, eager, ",
+        "error: --torch_compile_backend 'aot_eager_decomp_partition' is not a torch.compile backend that compiles a "
+        "model here: give one of aot_eager, ",
     ),
     "taper: --neftune_noise_alpha -5": (
         _trainer(["--neftune_noise_alpha", "-5"]),
@@ -1027,3 +1079,41 @@ def test_deepspeed_without_its_package_is_one_line_before_anything_loads(ws, tmp
         "install deepspeed), or leave --deepspeed out"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]
+
+
+def test_every_compile_backend_accepted_compiles_a_module_on_the_cpu():
+    """The backends the compile options accept (utils.compile_backends) each compile and run a tiny module here,
+    but those whose package is missing, which the same check refuses: torch's own test backends (ts, aot_ts, the
+    minifiers), once accepted, failed at the first compiled forward."""
+    import torch
+
+    from hf_tapernorm.errors import ConfigurationError
+    from hf_tapernorm.utils import check_compile_options, compile_backends
+
+    module, x = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()), torch.randn(2, 4)
+    ran = []
+    for backend in compile_backends():
+        try:
+            check_compile_options(backend, None, ("--compile_backend", "--compile_mode"))
+        except ConfigurationError as error:
+            assert "not installed here" in str(error)
+            continue
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(module, backend=backend)(x), module(x))
+        ran.append(backend)
+    assert {"eager", "aot_eager", "inductor"} <= set(ran)
+
+
+def test_a_compile_backend_the_trainers_accelerate_does_not_take_is_refused(ws, monkeypatch):
+    """A backend torch lists (an installed plugin's) that accelerate, which compiles the Trainer's model, does not
+    take: refused before the model loads, naming accelerate's backends."""
+    import hf_tapernorm.utils
+
+    listed = hf_tapernorm.utils.compile_backends()
+    monkeypatch.setattr(hf_tapernorm.utils, "compile_backends", lambda: [*listed, "a_plugin"])
+    monkeypatch.setattr("hf_tapernorm.app.taper.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    message = error_of(taper_argv(ws, ws / "out", "--torch_compile_backend", "a_plugin"))
+    assert message.startswith(
+        "hf-tapernorm taper: error: --torch_compile_backend a_plugin: not a backend accelerate compiles the Trainer's "
+        "model with: no, eager, "
+    ), message

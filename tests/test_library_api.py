@@ -316,34 +316,82 @@ def test_the_taper_state_is_never_saved_into_an_ordinary_models_folder(tmp_path)
         assert TaperNormConfig.from_pretrained(where) == config_of(model)
 
 
+def _recipe_saves(other) -> dict:
+    """The saves that keep a folder's weights, by the start of their refusal."""
+    return {
+        "TaperController.save_state: cannot save the taper state": TaperController(other, total_steps=20).save_state,
+        "TaperNormConfig.save_pretrained: cannot save tapernorm_config.json": config_of(other).save_pretrained,
+    }
+
+
 def test_the_taper_state_never_replaces_another_recipe_beside_its_weights(tmp_path):
     """TaperController.save_state and TaperNormConfig.save_pretrained into another run's tapered checkpoint replaced
     its tapernorm_config.json (keep_norms and sink gone): load_tapered then asked to "restore the file the run
     wrote", which was gone. A config of another recipe beside the weights is now kept, naming what differs; saves
-    of the same recipe, and saves of a whole checkpoint (weights and recipe together), still write."""
+    of the same recipe, and saves of a whole checkpoint (weights and recipe together: a patched model's
+    save_pretrained, save_tapered, save_sharded_checkpoint), still write."""
     model = tapered("llama", sink_token_ids=[5], keep_norms=["model.norm"])
     other = tapered("llama")
     checkpoint = save_tapered(model, tmp_path / "checkpoint-6")
     before = snapshot(checkpoint)
-    saves = {
-        "TaperController.save_state: cannot save the taper state": TaperController(other, total_steps=20).save_state,
-        "TaperNormConfig.save_pretrained: cannot save tapernorm_config.json": config_of(other).save_pretrained,
-        "save_sharded_checkpoint: cannot save a sharded checkpoint": lambda f: save_sharded_checkpoint(f, other),
-    }
-    for what, save in saves.items():
+    for what, save in _recipe_saves(other).items():
         with pytest.raises(ConfigurationError) as caught:
             save(checkpoint)
         assert str(caught.value) == (
-            f"{what} into {checkpoint}: its tapernorm_config.json records another recipe (keep_norms: ['model.norm'] "
-            "there, [] here; sink_token_ids: [5] there, [] here), the one its weights were trained with, which the "
-            "save would replace; save into this recipe's checkpoint or a new folder"
+            f"{what} into {checkpoint}: {checkpoint / 'tapernorm_config.json'} records another recipe (keep_norms: "
+            "['model.norm'] there, [] here; sink_token_ids: [5] there, [] here), the one its weights were trained "
+            "with, which the save would replace; save into this recipe's checkpoint or a new folder"
         )
         assert snapshot(checkpoint) == before
-    TaperController(model, total_steps=20).save_state(checkpoint)  # the same recipe: TaperCallback's on_save
+    TaperController(model, total_steps=20).save_state(checkpoint)  # the same recipe
     assert snapshot(checkpoint) == before
     other.save_pretrained(checkpoint)  # a whole checkpoint: its weights and its recipe together
     assert TaperNormConfig.from_pretrained(checkpoint) == config_of(other)
     assert save_tapered(model, checkpoint) and TaperNormConfig.from_pretrained(checkpoint) == config_of(model)
+    save_sharded_checkpoint(checkpoint, other)  # writes its own weights (and is what load_tapered then reads)
+    assert TaperNormConfig.from_pretrained(checkpoint) == config_of(other)
+
+
+def test_an_older_versions_checkpoint_keeps_its_recipe_too(tmp_path):
+    """The recipe guard read only folder/tapernorm_config.json. A checkpoint of an older version (its recipe in the
+    legacy tapernorm.json, or an old run's checkpoint-N with the recipe at the run folder) took another recipe's
+    file, which load_tapered then read in its place without a word. The guard reads the file loading reads."""
+    model = tapered("llama", keep_norms=["model.norm"])
+    other = tapered("llama")
+    legacy = save_tapered(model, tmp_path / "legacy")
+    (legacy / "tapernorm_config.json").rename(legacy / "tapernorm.json")
+    old_run = tmp_path / "old_run"
+    old_layout = save_tapered(model, old_run / "checkpoint-4")
+    (old_layout / "tapernorm_config.json").rename(old_run / "tapernorm_config.json")
+    for folder, recorded in ((legacy, legacy / "tapernorm.json"), (old_layout, old_run / "tapernorm_config.json")):
+        before = snapshot(folder)
+        for what, save in _recipe_saves(other).items():
+            with pytest.raises(ConfigurationError) as caught:
+                save(folder)
+            assert str(caught.value).startswith(
+                f"{what} into {folder}: {recorded} records another recipe (keep_norms: ['model.norm'] there, [] here)"
+            )
+            assert snapshot(folder) == before
+        assert load_tapered(folder).tapernorm_config == config_of(model)
+
+
+def test_a_recipe_without_weights_beside_it_is_written_over(tmp_path):
+    """A folder of a config alone (saved again after an edit), of a damaged config, or of a taper state alone was
+    refused as "the one its weights were trained with": there are no weights to keep a recipe for, so the save
+    writes over the file, as PretrainedConfig.save_pretrained does."""
+    first, edited = TaperNormConfig(keep_norms=["model.norm"]), TaperNormConfig(keep_norms=[])
+    first.save_pretrained(tmp_path / "recipe")
+    assert edited.save_pretrained(tmp_path / "recipe").read_text() == edited.to_json_string()
+    (tmp_path / "recipe" / "tapernorm_config.json").write_text("{")
+    assert first.save_pretrained(tmp_path / "recipe").read_text() == first.to_json_string()
+    TaperController(tapered("llama", keep_norms=["model.norm"]), total_steps=20).save_state(tmp_path / "state")
+    other = tapered("llama")
+    TaperController(other, total_steps=20).save_state(tmp_path / "state")
+    assert TaperNormConfig.from_pretrained(tmp_path / "state") == config_of(other)
+    damaged = save_tapered(tapered("llama", keep_norms=["model.norm"]), tmp_path / "damaged")
+    (damaged / "tapernorm_config.json").write_text("[1, 2]")  # no recipe to keep: a save may repair it
+    config_of(other).save_pretrained(damaged)
+    assert load_tapered(damaged).tapernorm_config == config_of(other)
 
 
 def test_load_tapered_of_a_missing_folder_says_not_found(tmp_path):

@@ -123,3 +123,29 @@ def test_unmerged_peft_models_are_refused_with_merge_and_unload(ws, tmp_path):
     lora = peft.get_peft_model(patched, peft.LoraConfig(target_modules=["q_proj"], r=2))
     with pytest.raises(UnsupportedModelError, match=r"fold_model\(model.merge_and_unload\(\)\)"):
         fold_model(lora)
+
+
+def test_a_lora_rerun_into_the_same_output_dir_saves_its_own_recipe(tmp_path):
+    """The documented LoRA flow (patch_model, get_peft_model, Trainer with TaperCallback) run again into the same
+    output_dir with another recipe crashed at its first save ("records another recipe"), after the Trainer had
+    rewritten checkpoint-2 with the new run's adapters, leaving the old run's tapernorm_config.json beside them.
+    TaperCallback saves into the checkpoint the Trainer has just written: the recipe written is the new run's."""
+    data = [{"input_ids": ids[0], "labels": ids[0]} for ids in random_batches(n=4, batch=1, length=8, seed=4)]
+
+    def run(config: TaperNormConfig) -> Path:
+        model = get_peft_model(
+            patch_model(build(tiny_llama_config()), config), LoraConfig(r=2, target_modules=["q_proj"])
+        )
+        train_tapernorm_parameters(model)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "run"), max_steps=2, save_steps=2, per_device_train_batch_size=2,
+            report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+        )  # fmt: skip
+        Trainer(model=model, args=args, train_dataset=data, callbacks=[TaperCallback()]).train()
+        return tmp_path / "run" / "checkpoint-2"
+
+    first, second = TaperNormConfig.paper(keep_norms=["model.norm"]), TaperNormConfig.paper()
+    assert TaperNormConfig.from_pretrained(run(first)) == first
+    checkpoint = run(second)
+    assert TaperNormConfig.from_pretrained(checkpoint) == second
+    assert (checkpoint / "adapter_model.safetensors").is_file()

@@ -35,15 +35,18 @@ EXECUTIONS = ("eager", "compile")
 RUNTIMES = ("torch", "onnxruntime")
 TRAIN_PRECISIONS = ("fp32", "bf16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-#: The options only the train mode reads: its text and its optimizer steps.
-TRAIN_OPTIONS = (
-    "dataset_name",
-    "dataset_config_name",
-    "text_column",
-    "learning_rate",
-    "train_workloads",
-    "train_precisions",
-)
+INFERENCE_MODES = tuple(mode for mode in MODES if mode != "train")
+#: The options only some runs read: option -> (the list option that selects those runs, the values that do). The
+#: train mode reads its text and optimizer steps; the inference modes their variants and random tokens; decode its
+#: new tokens; a compiled execution the compile options. Every other option is read by every run (--runtimes too:
+#: _check_onnxruntime refuses onnxruntime, its one other value, without an inference mode).
+READ_BY = {
+    **{name: ("modes", ("train",)) for name in ("dataset_name", "dataset_config_name", "text_column")},
+    **{name: ("modes", ("train",)) for name in ("learning_rate", "train_workloads", "train_precisions")},
+    **{name: ("modes", INFERENCE_MODES) for name in ("norms", "variants", "seed")},
+    "new_tokens": ("modes", ("decode",)),
+    **{name: ("execution", ("compile",)) for name in ("compile_backend", "compile_mode")},
+}
 
 
 def check_device(name: str) -> None:
@@ -230,7 +233,7 @@ class BenchArguments:
                 raise ConfigurationError(f"--{name} must be at least {least}, got {getattr(self, name)}")
         if not self.learning_rate > 0:
             raise ConfigurationError(f"--learning_rate must be positive, got {self.learning_rate}")
-        self._check_train_options()
+        self._check_unread_options()
         if "train" in self.modes and any(s < 4 for s in self.seq_lens):
             raise ConfigurationError("--modes train packs text blocks of --seq_lens tokens: each must be at least 4")
         if "train" in self.modes:  # read once the tokenizer is loaded: a mistyped path is refused now
@@ -246,18 +249,22 @@ class BenchArguments:
         check_destination(output, f"--output_dir '{output}'", advice=advice)  # as taper and fold check theirs
         check_earlier_results(output)
 
-    def _check_train_options(self) -> None:
-        """Refuse the train mode's options (TRAIN_OPTIONS: --dataset_name, --text_column, ...) given, that is other
-        than their defaults, while --modes lists no train: nothing would read them (a column the data lacks, too),
-        and the benchmark would run without a word about them."""
-        if "train" in self.modes:
-            return
+    def _check_unread_options(self) -> None:
+        """Refuse an option given (other than its default) that nothing in this run reads (READ_BY: --new_tokens
+        without decode, --compile_mode without --execution compile, --dataset_name without train, ...): the
+        benchmark would run without a word about it, and bench.json would record it in its settings as if used."""
         defaults = {f.name: f.default if f.default_factory is MISSING else f.default_factory() for f in fields(self)}
-        given = [f"--{name}" for name in TRAIN_OPTIONS if getattr(self, name) != defaults[name]]
-        if given:
+        unread: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+        for name, (selector, values) in READ_BY.items():
+            if getattr(self, name) != defaults[name] and not set(values) & set(getattr(self, selector)):
+                unread.setdefault((selector, values), []).append(f"--{name}")
+        if unread:  # the first group: one line
+            (selector, values), given = next(iter(unread.items()))
+            readers = " or ".join([", ".join(values[:-1]), values[-1]] if len(values) > 1 else values)
             raise ConfigurationError(
-                f"{', '.join(given)}: read by --modes train only, and --modes {' '.join(self.modes)} has no train; "
-                f"add train to --modes, or leave {'it' if len(given) == 1 else 'them'} out"
+                f"{', '.join(given)}: read by --{selector} {readers} only, and --{selector} "
+                f"{' '.join(getattr(self, selector))} has no {readers}; add {readers} to --{selector}, or leave "
+                f"{'it' if len(given) == 1 else 'them'} out"
             )
 
     def _train_data(self) -> SimpleNamespace:

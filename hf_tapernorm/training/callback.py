@@ -211,7 +211,9 @@ class TaperCallback(TrainerCallback):
             return
         # An FSDP2 teacher is written by all ranks together: every rank calls, whatever its view of the folder.
         if self.controller.saves_collectively or (state.is_world_process_zero and folder.is_dir()):
-            self.controller.save_state(folder)
+            # the checkpoint the Trainer has just written with this run's weights (a re-run into the same
+            # output_dir rewrites another run's checkpoint-N): its recipe is this run's, never a guarded one
+            self.controller._save_state(folder, writes_weights=True)
 
 
 def resumed_checkpoint(args, state: TrainerState) -> Path:

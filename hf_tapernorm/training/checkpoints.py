@@ -28,6 +28,7 @@ from ..config import (
     TaperNormConfig,
     check_save_destination,
     config_of,
+    recorded_config_file,
 )
 from ..errors import ConfigurationError, TaperStateError
 from ..layers.patching import patch_model
@@ -79,14 +80,7 @@ def tapered_model_config(folder: Union[str, os.PathLike]) -> PreTrainedConfig:
 
 
 def is_tapered_checkpoint(folder: Union[str, os.PathLike]) -> bool:
-    return _config_file(Path(folder)) is not None
-
-
-def _config_file(folder: Path) -> Optional[Path]:
-    candidates = [folder / CONFIG_NAME, folder / LEGACY_CONFIG_NAME]
-    if folder.name.startswith("checkpoint-"):  # a Trainer checkpoint inside a run folder of an older version
-        candidates += [folder.parent / CONFIG_NAME, folder.parent / LEGACY_CONFIG_NAME]
-    return next((c for c in candidates if c.is_file()), None)
+    return recorded_config_file(Path(folder)) is not None
 
 
 def tapered_config_of(folder: Union[str, os.PathLike]) -> TaperNormConfig:
@@ -95,7 +89,7 @@ def tapered_config_of(folder: Union[str, os.PathLike]) -> TaperNormConfig:
     if not folder.is_dir():
         what = "it is a file, not a folder" if folder.exists() else "no such folder"
         raise ConfigurationError(f"tapered checkpoint '{folder}' not found: {what}")
-    path = _config_file(folder)
+    path = recorded_config_file(folder)
     if path is None:
         raise ConfigurationError(f"'{folder}' is not a tapered checkpoint: no {CONFIG_NAME} in it")
     try:

@@ -18,7 +18,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from ..config import TaperNormConfig, check_save_destination, config_of
+from ..config import CONFIG_NAME, TaperNormConfig, check_save_destination, config_of
 from ..errors import ConfigurationError, TaperStateError
 from ..layers.loss_terms import loss_terms_of
 from ..layers.patching import set_gate
@@ -116,13 +116,22 @@ class TaperController:
         """Write what the model's own checkpoint does not hold: the config and the distillation teacher.
 
         The main process writes the files; under FSDP2 every rank must call it, and the teacher is written as a
-        torch.distributed.checkpoint folder (``distillation_teacher/``) by all ranks together."""
+        torch.distributed.checkpoint folder (``distillation_teacher/``) by all ranks together. Refused beside weights
+        trained with another recipe (check_save_destination)."""
+        self._save_state(folder)
+
+    def _save_state(self, folder: Union[str, Path], *, writes_weights: bool = False) -> None:
+        """:meth:`save_state`; ``writes_weights``: the caller's own checkpoint, whose weights it has just written
+        (TaperCallback into the Trainer's checkpoint-N, save_sharded_checkpoint), so the folder's recipe goes
+        with the weights it was written for, whatever run wrote the folder before."""
         folder = expand_user(folder, f"TaperController.save_state: '{folder}'")
         # On every rank, before anything is written: a refusal on the main process alone would leave the others
         # waiting in the teacher's collective save.
-        check_save_destination(folder, "TaperController.save_state: cannot save the taper state", recipe=self.config)
+        recipe = None if writes_weights else self.config
+        check_save_destination(folder, "TaperController.save_state: cannot save the taper state", recipe=recipe)
         if is_main_process():
-            self.config.save_pretrained(folder)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / CONFIG_NAME).write_text(self.config.to_json_string())
         if self.distillation is None or not self.distillation.has_snapshot:
             return
         if sharding_engine(self.distillation.teacher) == "fsdp2":

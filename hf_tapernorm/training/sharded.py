@@ -28,7 +28,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from ..config import TaperNormConfig, check_save_destination, config_of
+from ..config import CONFIG_NAME, TaperNormConfig, check_save_destination, config_of
 from ..errors import TaperStateError
 from ..utils import expand_user
 from .controller import TaperController
@@ -68,12 +68,11 @@ def save_sharded_checkpoint(
 
     folder = expand_user(folder)
     config = config_of(model)
-    check_save_destination(  # on every rank
-        folder, "save_sharded_checkpoint: cannot save a sharded checkpoint", recipe=config
-    )
+    # on every rank; no recipe guard: the save writes the folder's weights and their recipe together
+    check_save_destination(folder, "save_sharded_checkpoint: cannot save a sharded checkpoint")
     if is_main_process():  # before the collective save, which orders every rank's return after these files
         folder.mkdir(parents=True, exist_ok=True)
-        config.save_pretrained(folder)
+        (folder / CONFIG_NAME).write_text(config.to_json_string())
         base_config = getattr(model, "config", None)
         if hasattr(base_config, "save_pretrained"):
             base_config.save_pretrained(folder)
@@ -86,7 +85,7 @@ def save_sharded_checkpoint(
         state["divergence_watch"] = _watch_state(controller)
     dcp_save(state, folder)
     if controller is not None:
-        controller.save_state(folder)
+        controller._save_state(folder, writes_weights=True)
     return folder
 
 

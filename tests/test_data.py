@@ -568,7 +568,7 @@ def test_a_folder_whose_files_form_splits_reads_its_train_split_only(tmp_path, m
     tables.mkdir()
     datasets.Dataset.from_dict({"text": train}).to_json(tables / "valid.jsonl")
     datasets.Dataset.from_dict({"text": test}).to_json(tables / "test.jsonl")
-    with pytest.raises(DataError, match=r"folder whose files form the splits validation, test and no train split"):
+    with pytest.raises(DataError, match=r"folder whose file names form the splits validation, test \(as datasets"):
         local_data_files(str(tables))
     (tables / "test.jsonl").unlink()  # one split, validation: read whole, as before
     assert local_data_files(str(tables)) == ("json", [tables / "valid.jsonl"])
@@ -653,6 +653,36 @@ def test_a_dataset_folder_reads_the_files_datasets_resolves_for_its_train_split(
     (cardonly / "README.md").write_text("---\ndataset_info:\n  dataset_size: 0\n---\n")
     with pytest.raises(DataError, match=r"folder that holds no .* files besides its card \(README.md\)$"):
         local_data_files(str(cardonly))
+
+
+def test_a_users_own_folder_is_one_corpus_whatever_its_files_are_named(tmp_path):
+    """A user's jsonl folder whose file names hold a split word (eval.jsonl beside chat.jsonl, dev.jsonl in a
+    subfolder) read only those files, the others dropped without a word; notes (.md) beside the tables made the folder
+    "mix file types". Without a dataset card, every file is the corpus, .md notes beside tables are left out as
+    datasets leaves them out, and names that form several splits (my_train beside my_test) are refused, naming them."""
+    from hf_tapernorm.data.sources import local_data_files
+
+    def folder(name: str, files: list[str]) -> Path:
+        root = tmp_path / name
+        for index, relative in enumerate(files):
+            (root / relative).parent.mkdir(parents=True, exist_ok=True)
+            (root / relative).write_text(
+                json.dumps({"text": f"document {index}"}) + "\n" if relative.endswith(".jsonl") else "# notes\n"
+            )
+        return root
+
+    for name, files in [
+        ("chats", ["chat.jsonl", "code.jsonl", "eval.jsonl"]),
+        ("years", ["2024/dev.jsonl", "2024/notes.jsonl", "misc.jsonl"]),
+        ("runs", ["evaluation_runs/a.jsonl", "misc/c.jsonl"]),
+    ]:
+        root = folder(name, files)
+        assert local_data_files(str(root)) == ("json", sorted(root / f for f in files)), name
+    root = folder("noted", ["a.jsonl", "b.jsonl", "NOTES.md", "docs/README.md", "README.md"])
+    assert local_data_files(str(root)) == ("json", [root / "a.jsonl", root / "b.jsonl"])
+    root = folder("split", ["my_train.jsonl", "my_test.jsonl", "my_other.jsonl"])
+    with pytest.raises(DataError, match=r"file names form the splits train, test \(as datasets reads them\): name"):
+        local_data_files(str(root))
 
 
 def test_the_out_of_corpus_text_is_read_from_the_column_its_option_names(hub, tmp_path, tokenizer):

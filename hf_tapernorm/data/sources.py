@@ -112,14 +112,15 @@ def local_data_files(source: Optional[str], name: Optional[str] = None) -> Optio
     """The ``datasets`` builder and the files that load_text_dataset reads for the dataset name ``source`` (None: the
     embedded corpus or a Hub dataset's name): the file itself, or a folder's files of a suffix a builder reads (hidden
     files and folders, ``.ipynb_checkpoints/`` or ``.git/``, skipped as ``datasets`` skips them: they hold copies of
-    the data or tool state, not more of the corpus), all of one builder. A ``README.md`` at the folder's root is the
-    dataset's card, not text (``datasets`` reads a dataset folder's root README.md as its card, never as data), beside
-    json/parquet/csv files or when its YAML front matter holds the metadata ``datasets`` reads from a card
-    (``configs``, ``dataset_info``): a ``git clone`` of a Hub dataset, of tables or of text, reads as its dataset.
-    Otherwise, in a folder of text files, it is text like the others (notes whose front matter is a title or tags).
-    Of a dataset's folder (tables, or text with a card) the files are those ``datasets`` resolves for its train split
-    (:func:`_train_split`: its card's ``configs``, or names such as data/train-*.parquet beside data/test-*.parquet);
-    a folder of text files without a card is one corpus whatever its files are named (train.md beside test_x.md).
+    the data or tool state, not more of the corpus), all of one builder. Beside json/parquet/csv files, ``.md`` files
+    are notes and the folder's card, not data (``datasets`` leaves them out of a folder of tables too). In a folder of
+    text files they are text like the others, but for a root README.md whose YAML front matter holds the metadata
+    ``datasets`` reads from a card (``configs``, ``dataset_info``): the card of a git clone of a Hub text dataset.
+    A folder with a card (a README.md with front matter beside tables; such a README.md in a text folder) is a copy of
+    a Hub dataset: its files are those ``datasets`` resolves for its train split (:func:`_train_split`). A folder of
+    the user's own files is one corpus whatever its files are named (train.md beside test_x.md, eval.jsonl beside
+    chat.jsonl), unless its file names form several splits as ``datasets`` reads them (train.jsonl beside
+    test.jsonl), which is refused: the user names the files of one.
 
     The loading and the check every command makes before it loads a model (app/data_checks.py) both ask this, so a
     local path the loader cannot read is refused before the model loads, for the same reason. DataError, its
@@ -149,11 +150,14 @@ def local_data_files(source: Optional[str], name: Optional[str] = None) -> Optio
         and not any(part.startswith(".") for part in p.relative_to(path).parts)
     )
     card = path / datasets.config.REPOCARD_FILENAME  # README.md
-    is_card = card in files and (
-        bool({_BUILDERS[p.suffix.lower()] for p in files if p != card} - {"text"}) or _holds_card_metadata(card)
-    )
-    if is_card:
-        files.remove(card)  # a Hub dataset's card (a git clone of it), as datasets reads it
+    tables = any(_BUILDERS[p.suffix.lower()] != "text" for p in files)
+    if tables:  # .md beside tables: the card and notes, which datasets leaves out of a folder of tables too
+        is_card = card in files and _front_matter(card) is not None
+        files = [p for p in files if p.suffix.lower() != ".md"]
+    else:
+        is_card = card in files and any(field in (_front_matter(card) or {}) for field in _CARD_FIELDS)
+        if is_card:
+            files.remove(card)  # a Hub text dataset's card (a git clone of it), as datasets reads it
     if not files:
         besides = " besides its card (README.md)" if is_card else ""
         raise DataError(f"{name} is a folder that holds no {'/'.join(sorted(_BUILDERS))} files{besides}")
@@ -171,31 +175,33 @@ def local_data_files(source: Optional[str], name: Optional[str] = None) -> Optio
 _CARD_FIELDS = (datasets.config.METADATA_CONFIGS_FIELD, "dataset_info")
 
 
-def _holds_card_metadata(readme: Path) -> bool:
-    """Whether the YAML front matter of ``readme`` (a text folder's root README.md) holds dataset-card metadata
-    (:data:`_CARD_FIELDS`): a clone of a Hub text dataset, whose card must not be read as text nor its test split as
-    training text. Front matter that YAML cannot read, or none, is a note's, as every other .md file of the folder."""
+def _front_matter(readme: Path) -> Optional[dict]:
+    """The YAML front matter of ``readme`` (a folder's root README.md) as a mapping; None for none, or one YAML cannot
+    read (a note's). A Hub dataset's card has one (its license, its configurations); a dataset card's metadata that
+    ``datasets`` reads (:data:`_CARD_FIELDS`) marks a clone of a Hub text dataset, whose card must not be read as
+    text nor its test split as training text."""
     from huggingface_hub import metadata_load
     from yaml import YAMLError
 
     try:
-        metadata = metadata_load(readme) or {}
+        return metadata_load(readme) or None
     except (ValueError, YAMLError):  # ValueError: not UTF-8, or a front matter that is no mapping
-        return False
-    return any(field in metadata for field in _CARD_FIELDS)
+        return None
 
 
 def _train_split(folder: Path, files: list[Path], card: Optional[Path], name: str) -> list[Path]:
-    """Of a dataset folder's data ``files``, those the loading reads: the files ``datasets`` resolves for the folder's
-    train split (or its only split), as it resolves a local dataset folder (LocalDatasetModuleFactory): the
-    data_files (or data_dir) of the default configuration its ``card`` (README.md) declares, else the file-name
-    conventions of ``get_data_patterns`` (data/train-00000-of-00001.parquet beside data/test-00000-of-00001.parquet,
-    train.csv beside test.csv, train/ beside test/), else every file. A git clone of a Hub dataset then reads as the
-    dataset's train split, as its Hub name does: never its test rows, another configuration's files, nor files its
-    card leaves out. Paths are compared absolute, links not resolved (as datasets lists them), so a
-    ``snapshot_download`` copy, whose files are links into blobs/, reads as its clone does. Reads the folder only (no
-    cache); DataError, naming ``name``, for a folder whose splits datasets cannot tell (an unreadable card, a
-    configuration to choose, files its card names that are not there), whose splits hold none of ``files``, or
+    """Of a folder's data ``files``, those the loading reads. With its ``card`` (README.md: a copy of a Hub dataset),
+    the files ``datasets`` resolves for the folder's train split (or its only split), as it resolves a local dataset
+    folder (LocalDatasetModuleFactory): the data_files (or data_dir) of the default configuration the card declares,
+    else the file-name conventions of ``get_data_patterns`` (data/train-00000-of-00001.parquet beside
+    data/test-00000-of-00001.parquet, train/ beside test/), else every file; a WARNING says how many files that
+    leaves out. A git clone of a Hub dataset then reads as the dataset's train split, as its Hub name does: never its
+    test rows, another configuration's files, nor files its card leaves out. Without a card, every file, unless
+    their names form several splits by those conventions: refused, as neither mixing the splits nor dropping the
+    user's files without a word is right. Paths are compared absolute, links not resolved (as datasets lists them),
+    so a ``snapshot_download`` copy, whose files are links into blobs/, reads as its clone does. Reads the folder
+    only (no cache); DataError, naming ``name``, for a folder whose splits datasets cannot tell (an unreadable card,
+    a configuration to choose, files its card names that are not there), whose splits hold none of ``files``, or
     that has several splits and no train split."""
     from datasets.data_files import DataFilesDict, get_data_patterns, sanitize_patterns
     from datasets.utils.metadata import MetadataConfigs
@@ -229,6 +235,13 @@ def _train_split(folder: Path, files: list[Path], card: Optional[Path], name: st
     ours = {Path(os.path.abspath(file)): file for file in files}
     splits = {str(split): sorted(ours[p] for p in map(Path, found) if p in ours) for split, found in resolved.items()}
     splits = {split: found for split, found in splits.items() if found}
+    if card is None:  # a folder of the user's own files: the names are theirs, not splits, unless they form several
+        if len(splits) > 1:
+            raise DataError(
+                f"{name} is a folder whose file names form the splits {', '.join(splits)} (as datasets reads them): "
+                "name the files of the one to read (a file, or a folder holding only them) as the dataset"
+            )
+        return files
     if not splits:
         raise DataError(
             f"{name} is a folder whose splits, as datasets reads it ({'its card' if configs else 'its file names'}), "
@@ -241,8 +254,14 @@ def _train_split(folder: Path, files: list[Path], card: Optional[Path], name: st
         )
     split = "train" if "train" in splits else next(iter(splits))
     if len(splits[split]) < len(files):
-        logger.info(
-            "%s: reading its %s split (%d file(s)) of its splits %s", name, split, len(splits[split]), ", ".join(splits)
+        logger.warning(
+            "%s: a copy of a Hub dataset (its README.md card): reading its %s split as datasets resolves it, %d "
+            "of its %d data file(s) (its splits: %s)",
+            name,
+            split,
+            len(splits[split]),
+            len(files),
+            ", ".join(splits),
         )
     return splits[split]
 

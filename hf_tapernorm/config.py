@@ -61,7 +61,7 @@ from .config_fields import (
 from .config_fields import option_fields as option_table
 from .config_migrations import CONFIG_VERSION, CONFIG_VERSION_KEY, migrated
 from .errors import ConfigurationError, TaperNormError, TaperStateError
-from .utils import expand_user, file_in_the_way, saved_model_type
+from .utils import expand_user, file_in_the_way, holds_model_weights, saved_model_type
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +73,6 @@ LEGACY_CONFIG_NAME = "tapernorm.json"
 #: ``load_tapered`` restores the base type (layers/saving.py writes it; defined here, where every save of a config
 #: checks its folder: check_save_destination).
 TAPERED_TYPE_PREFIX = "hf_tapernorm_tapered_"
-#: The weight files of a saved model (transformers' safetensors and pickles, whole or in shards; a PEFT adapter's;
-#: GGUF; torch.distributed.checkpoint's), not a Trainer's training_args.bin or a distillation teacher's snapshot.
-_WEIGHT_FILES = ("model*.safetensors", "pytorch_model*.bin", "adapter_model.*", "*.gguf", "*.distcp")
 #: The key of ``tapernorm_config.json`` (and of an export's ``config.json``) that records the package version.
 VERSION_KEY = "hf_tapernorm_version"
 
@@ -445,7 +442,7 @@ def check_save_destination(
     blocking = file_in_the_way(folder)
     if blocking:
         raise ConfigurationError(f"{what} into {folder}: {blocking} is a file; name a folder")
-    recorded, holds_weights = recorded_config_file(folder), any(next(folder.glob(p), None) for p in _WEIGHT_FILES)
+    recorded, holds_weights = recorded_config_file(folder), holds_model_weights(folder)
     there = _readable_recipe(recorded) if recipe is not None and recorded and holds_weights else None
     if there is not None:
         here = recipe.options()

@@ -233,6 +233,27 @@ def saved_model_type(config_file: Path) -> str:
     return model_type if isinstance(model_type, str) else ""
 
 
+#: The weight files of a saved model (transformers' safetensors and pickles, whole or in shards; a PEFT adapter's;
+#: GGUF; torch.distributed.checkpoint's), not a Trainer's training_args.bin or a distillation teacher's snapshot;
+#: and those a Trainer checkpoint keeps in its engine's subfolder instead: FSDP's sharded state dict
+#: (``pytorch_model_fsdp_0/*.distcp``) and DeepSpeed's (``global_step6/mp_rank_00_model_states.pt``).
+WEIGHT_FILES = (
+    "model*.safetensors",
+    "pytorch_model*.bin",
+    "adapter_model.*",
+    "*.gguf",
+    "*.distcp",
+    "pytorch_model_fsdp_*/*.distcp",
+    "global_step*/*model_states.pt",
+)
+
+
+def holds_model_weights(folder: Path) -> bool:
+    """Whether ``folder`` holds a saved model's weights (WEIGHT_FILES), which a recipe written beside them would
+    describe: the saves' guard (config.check_save_destination) refuses to mark them with another recipe."""
+    return any(next(folder.glob(pattern), None) for pattern in WEIGHT_FILES)
+
+
 __all__ = [
     "SEED_LIMIT",
     "check_compile_options",
@@ -241,6 +262,7 @@ __all__ = [
     "expand_user",
     "expand_user_options",
     "file_in_the_way",
+    "holds_model_weights",
     "load_dtype",
     "saved_model_type",
     "all_reduce_max",

@@ -283,6 +283,23 @@ CASES = {
         "error: --norms, --variants: read by --modes last, full or decode only, and --modes train has no last, full "
         "or decode; add last, full or decode to --modes, or leave them out",
     ),
+    # the original and flashnorm are one each whatever --norms says: it was recorded in settings, read by none
+    **{
+        f"bench: --norms with --variants {' '.join(variants)}": (
+            lambda ws, variants=variants: _bench(ws, "--variants", *variants, "--norms", "all"),
+            2,
+            f"error: --norms: read by --variants explicit, folded or limit only, and --variants {' '.join(variants)} "
+            "has no explicit, folded or limit; add explicit, folded or limit to --variants, or leave it out",
+        )
+        for variants in (("original", "flashnorm"), ("original",))
+    },
+    # compiled cases time torch only: the ONNX graphs were exported, no ort-* variant timed, onnxruntime recorded
+    "bench: --runtimes onnxruntime with --execution compile only": (
+        lambda ws: _bench(ws, "--runtimes", "torch", "onnxruntime", "--execution", "compile"),
+        2,
+        "error: --runtimes onnxruntime runs its graphs as exported, not compiled, and --execution compile has no "
+        "eager; add eager to --execution, or leave onnxruntime out",
+    ),
     "bench: --new_tokens without decode": (
         lambda ws: _bench(ws, "--new_tokens", "64"),
         2,

@@ -375,6 +375,35 @@ def test_an_older_versions_checkpoint_keeps_its_recipe_too(tmp_path):
         assert load_tapered(folder).tapernorm_config == config_of(model)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_trainer_checkpoint_whose_weights_are_in_its_engines_folder_keeps_its_recipe(tmp_path):
+    """The recipe guard looked for weights at the folder's top level only. A Trainer checkpoint of an FSDP run
+    (sharded state dict: pytorch_model_fsdp_0/*.distcp) or of a DeepSpeed run (global_step6/*model_states.pt)
+    "held no weights", so another recipe's file replaced the one its weights were trained with. Those engine
+    folders count as weights too; the same recipe still writes."""
+    import torch.distributed.checkpoint as dcp
+
+    model = tapered("llama", keep_norms=[])
+    other = tapered("llama", keep_norms=["model.norm"])
+    fsdp, deepspeed = tmp_path / "fsdp" / "checkpoint-4", tmp_path / "deepspeed" / "checkpoint-6"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=fsdp / "pytorch_model_fsdp_0")  # as accelerate saves it
+    (deepspeed / "global_step6").mkdir(parents=True)
+    torch.save({"module": model.state_dict()}, deepspeed / "global_step6" / "mp_rank_00_model_states.pt")
+    for checkpoint in (fsdp, deepspeed):
+        config_of(model).save_pretrained(checkpoint)
+        before = snapshot(checkpoint)
+        for what, save in _recipe_saves(other).items():
+            with pytest.raises(ConfigurationError) as caught:
+                save(checkpoint)
+            assert str(caught.value).startswith(
+                f"{what} into {checkpoint}: {checkpoint / 'tapernorm_config.json'} records another recipe (keep_norms: "
+                "[] there, ['model.norm'] here), the one its weights were trained with"
+            )
+            assert snapshot(checkpoint) == before
+        TaperController(model, total_steps=20).save_state(checkpoint)  # the same recipe
+        assert TaperNormConfig.from_pretrained(checkpoint) == config_of(model)
+
+
 def test_a_recipe_without_weights_beside_it_is_written_over(tmp_path):
     """A folder of a config alone (saved again after an edit), of a damaged config, or of a taper state alone was
     refused as "the one its weights were trained with": there are no weights to keep a recipe for, so the save

@@ -25,6 +25,7 @@ from ..app.run_lock import check_destination
 from ..app.validation import check_within_positions
 from ..errors import ConfigurationError
 from ..utils import check_compile_options, expand_user, expand_user_options
+from .variants import OF_THE_ORIGINAL
 
 PROG = "hf-tapernorm bench"
 NORMS = ("recipe", "internal", "all")
@@ -36,16 +37,20 @@ RUNTIMES = ("torch", "onnxruntime")
 TRAIN_PRECISIONS = ("fp32", "bf16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INFERENCE_MODES = tuple(mode for mode in MODES if mode != "train")
-#: The options only some runs read: option -> (the list option that selects those runs, the values that do). The
-#: train mode reads its text and optimizer steps; the inference modes their variants and random tokens; decode its
-#: new tokens; a compiled execution the compile options. Every other option is read by every run (--runtimes too:
-#: _check_onnxruntime refuses onnxruntime, its one other value, without an inference mode).
+#: The variants that remove norms, so read --norms (variants.OF_THE_ORIGINAL are one each, whatever it says).
+NORMED_KINDS = tuple(kind for kind in KINDS if kind not in OF_THE_ORIGINAL)
+#: The options only some runs read: option -> its rules, each (the list option that selects those runs, the values
+#: that do); an option is read only where every rule holds. The train mode reads its text and optimizer steps; the
+#: inference modes their variants and random tokens, and the variants that remove norms --norms; decode its new
+#: tokens; a compiled execution the compile options. Every other option is read by every run (--runtimes too:
+#: _check_onnxruntime refuses onnxruntime, its one other value, without an inference mode or eager execution).
 READ_BY = {
-    **{name: ("modes", ("train",)) for name in ("dataset_name", "dataset_config_name", "text_column")},
-    **{name: ("modes", ("train",)) for name in ("learning_rate", "train_workloads", "train_precisions")},
-    **{name: ("modes", INFERENCE_MODES) for name in ("norms", "variants", "seed")},
-    "new_tokens": ("modes", ("decode",)),
-    **{name: ("execution", ("compile",)) for name in ("compile_backend", "compile_mode")},
+    **{name: (("modes", ("train",)),) for name in ("dataset_name", "dataset_config_name", "text_column")},
+    **{name: (("modes", ("train",)),) for name in ("learning_rate", "train_workloads", "train_precisions")},
+    "norms": (("modes", INFERENCE_MODES), ("variants", NORMED_KINDS)),
+    **{name: (("modes", INFERENCE_MODES),) for name in ("variants", "seed")},
+    "new_tokens": (("modes", ("decode",)),),
+    **{name: (("execution", ("compile",)),) for name in ("compile_backend", "compile_mode")},
 }
 
 
@@ -255,9 +260,10 @@ class BenchArguments:
         benchmark would run without a word about it, and bench.json would record it in its settings as if used."""
         defaults = {f.name: f.default if f.default_factory is MISSING else f.default_factory() for f in fields(self)}
         unread: dict[tuple[str, tuple[str, ...]], list[str]] = {}
-        for name, (selector, values) in READ_BY.items():
-            if getattr(self, name) != defaults[name] and not set(values) & set(getattr(self, selector)):
-                unread.setdefault((selector, values), []).append(f"--{name}")
+        for name, rules in READ_BY.items():
+            broken = [(selector, values) for selector, values in rules if not {*values} & {*getattr(self, selector)}]
+            if getattr(self, name) != defaults[name] and broken:  # named under the first rule it breaks
+                unread.setdefault(broken[0], []).append(f"--{name}")
         if unread:  # the first group: one line
             (selector, values), given = next(iter(unread.items()))
             readers = " or ".join([", ".join(values[:-1]), values[-1]] if len(values) > 1 else values)
@@ -293,6 +299,11 @@ class BenchArguments:
             )
         if self.modes == ["train"]:
             raise ConfigurationError("--runtimes onnxruntime times inference: add --modes last, full or decode")
+        if "eager" not in self.execution:  # a compiled case times torch only: its graphs would be exported unread
+            raise ConfigurationError(
+                f"--runtimes onnxruntime runs its graphs as exported, not compiled, and --execution "
+                f"{' '.join(self.execution)} has no eager; add eager to --execution, or leave onnxruntime out"
+            )
         from ..integrations.extras import require
 
         require("onnxruntime", "hf-tapernorm bench --runtimes onnxruntime")

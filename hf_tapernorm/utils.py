@@ -248,6 +248,22 @@ WEIGHT_FILES = (
 )
 
 
+#: The weights of a whole saved model (save_tapered's, transformers'), and of a sharded checkpoint
+#: (save_sharded_checkpoint's torch.distributed.checkpoint shards): one folder holds one or the other.
+WHOLE_WEIGHTS, SHARDED_WEIGHTS = ("model*.safetensors", "pytorch_model*.bin"), ("*.distcp",)
+
+
+def weights_of_another_format(folder: Path, sharded: bool) -> Optional[Path]:
+    """A weight file of ``folder`` in the other format than the save about to write (``sharded``: shards; else a
+    whole model), None if there is none. The save would leave it beside its own: one folder holding two checkpoints,
+    whose stale one a reader of its format takes for the new one."""
+    for pattern in WHOLE_WEIGHTS if sharded else SHARDED_WEIGHTS:
+        found = next(folder.glob(pattern), None)
+        if found is not None:
+            return found
+    return None
+
+
 def holds_model_weights(folder: Path) -> bool:
     """Whether ``folder`` holds a saved model's weights (WEIGHT_FILES), which a recipe written beside them would
     describe: the saves' guard (config.check_save_destination) refuses to mark them with another recipe."""
@@ -263,6 +279,7 @@ __all__ = [
     "expand_user_options",
     "file_in_the_way",
     "holds_model_weights",
+    "weights_of_another_format",
     "load_dtype",
     "saved_model_type",
     "all_reduce_max",

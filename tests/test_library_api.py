@@ -329,7 +329,7 @@ def test_the_taper_state_never_replaces_another_recipe_beside_its_weights(tmp_pa
     its tapernorm_config.json (keep_norms and sink gone): load_tapered then asked to "restore the file the run
     wrote", which was gone. A config of another recipe beside the weights is now kept, naming what differs; saves
     of the same recipe, and saves of a whole checkpoint (weights and recipe together: a patched model's
-    save_pretrained, save_tapered, save_sharded_checkpoint), still write."""
+    save_pretrained, save_tapered, save_sharded_checkpoint over a checkpoint of its own format), still write."""
     model = tapered("llama", sink_token_ids=[5], keep_norms=["model.norm"])
     other = tapered("llama")
     checkpoint = save_tapered(model, tmp_path / "checkpoint-6")
@@ -348,8 +348,8 @@ def test_the_taper_state_never_replaces_another_recipe_beside_its_weights(tmp_pa
     other.save_pretrained(checkpoint)  # a whole checkpoint: its weights and its recipe together
     assert TaperNormConfig.from_pretrained(checkpoint) == config_of(other)
     assert save_tapered(model, checkpoint) and TaperNormConfig.from_pretrained(checkpoint) == config_of(model)
-    save_sharded_checkpoint(checkpoint, other)  # writes its own weights (and is what load_tapered then reads)
-    assert TaperNormConfig.from_pretrained(checkpoint) == config_of(other)
+    sharded = save_sharded_checkpoint(tmp_path / "sharded", model)
+    assert save_sharded_checkpoint(sharded, other) and TaperNormConfig.from_pretrained(sharded) == config_of(other)
 
 
 def test_an_older_versions_checkpoint_keeps_its_recipe_too(tmp_path):
@@ -479,3 +479,22 @@ def test_an_empty_input_fails_in_the_export_as_in_the_original(tmp_path):
     with pytest.raises(RuntimeError) as export:
         folded(input_ids=empty)
     assert str(export.value) == str(original.value)  # transformers' own error, not one of the fold's
+
+
+def test_a_whole_and_a_sharded_tapered_checkpoint_never_share_a_folder(tmp_path):
+    """save_sharded_checkpoint into save_tapered's folder left its model.safetensors beside the new shards and
+    recipe (a safetensors reader took the stale weights for the new checkpoint); save_tapered into a sharded
+    checkpoint's folder was refused as "another model" (its config.json is the base model's). Each is refused by
+    what the folder holds, before anything is written."""
+    model = tapered("llama", keep_norms=[])
+    whole = save_tapered(model, tmp_path / "whole")
+    sharded = save_sharded_checkpoint(tmp_path / "sharded", model)
+    for folder, save, message in [
+        (whole, lambda f: save_sharded_checkpoint(f, model), "it holds a whole model's weights (model.safetensors)"),
+        (sharded, lambda f: save_tapered(model, f), "it holds a sharded checkpoint ("),
+    ]:
+        before = snapshot(folder)
+        with pytest.raises(ConfigurationError) as caught:
+            save(folder)
+        assert f"into {folder}: {message}" in str(caught.value)
+        assert snapshot(folder) == before

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -233,41 +234,40 @@ def saved_model_type(config_file: Path) -> str:
     return model_type if isinstance(model_type, str) else ""
 
 
-#: The weight files of a saved model (transformers' safetensors and pickles, whole or in shards; a PEFT adapter's;
-#: GGUF; torch.distributed.checkpoint's), not a Trainer's training_args.bin or a distillation teacher's snapshot;
-#: and those a Trainer checkpoint keeps in its engine's subfolder instead: FSDP's sharded state dict
-#: (``pytorch_model_fsdp_0/*.distcp``) and DeepSpeed's (``global_step6/mp_rank_00_model_states.pt``).
+#: The weights of a whole saved model (save_tapered's, transformers' safetensors and pickles, whole or in shards),
+#: and of a sharded checkpoint (save_sharded_checkpoint's torch.distributed.checkpoint shards): one folder holds one
+#: or the other.
+WHOLE_WEIGHTS, SHARDED_WEIGHTS = ("model*.safetensors", "pytorch_model*.bin"), ("*.distcp",)
+#: The weight files of a saved model (WHOLE_WEIGHTS, SHARDED_WEIGHTS; a PEFT adapter's; GGUF), not a Trainer's
+#: training_args.bin or a distillation teacher's snapshot; and those a Trainer checkpoint keeps in its engine's
+#: subfolder instead: FSDP's sharded state dict (``pytorch_model_fsdp_0/*.distcp``) and DeepSpeed's
+#: (``global_step6/mp_rank_00_model_states.pt``).
 WEIGHT_FILES = (
-    "model*.safetensors",
-    "pytorch_model*.bin",
+    *WHOLE_WEIGHTS,
     "adapter_model.*",
     "*.gguf",
-    "*.distcp",
+    *SHARDED_WEIGHTS,
     "pytorch_model_fsdp_*/*.distcp",
     "global_step*/*model_states.pt",
 )
 
 
-#: The weights of a whole saved model (save_tapered's, transformers'), and of a sharded checkpoint
-#: (save_sharded_checkpoint's torch.distributed.checkpoint shards): one folder holds one or the other.
-WHOLE_WEIGHTS, SHARDED_WEIGHTS = ("model*.safetensors", "pytorch_model*.bin"), ("*.distcp",)
+def _first_file(folder: Path, patterns: Sequence[str]) -> Optional[Path]:
+    """The first file of ``folder`` that one of ``patterns`` matches (in their order), None if none does."""
+    return next((found for pattern in patterns for found in folder.glob(pattern)), None)
 
 
 def weights_of_another_format(folder: Path, sharded: bool) -> Optional[Path]:
     """A weight file of ``folder`` in the other format than the save about to write (``sharded``: shards; else a
     whole model), None if there is none. The save would leave it beside its own: one folder holding two checkpoints,
     whose stale one a reader of its format takes for the new one."""
-    for pattern in WHOLE_WEIGHTS if sharded else SHARDED_WEIGHTS:
-        found = next(folder.glob(pattern), None)
-        if found is not None:
-            return found
-    return None
+    return _first_file(folder, WHOLE_WEIGHTS if sharded else SHARDED_WEIGHTS)
 
 
 def holds_model_weights(folder: Path) -> bool:
     """Whether ``folder`` holds a saved model's weights (WEIGHT_FILES), which a recipe written beside them would
     describe: the saves' guard (config.check_save_destination) refuses to mark them with another recipe."""
-    return any(next(folder.glob(pattern), None) for pattern in WEIGHT_FILES)
+    return _first_file(folder, WEIGHT_FILES) is not None
 
 
 __all__ = [

@@ -289,27 +289,36 @@ def test_save_tapered_refuses_a_folder_holding_another_model(tmp_path):
     assert snapshot(folder) == before
 
 
+def _each_refused_leaving_it_as_it_was(saves: dict, folder: Path, message: str, *, whole: bool = False) -> None:
+    """Each of ``saves`` (the start of its refusal -> the save) into ``folder`` refused, its message going on with
+    ``message`` after "into FOLDER: " (``whole``: the message entire), and the folder byte for byte as it was."""
+    before = snapshot(folder)
+    for what, save in saves.items():
+        with pytest.raises(ConfigurationError) as caught:
+            save(folder)
+        expected = f"{what} into {folder}: {message}"
+        assert str(caught.value) == expected if whole else str(caught.value).startswith(expected)
+        assert snapshot(folder) == before
+
+
 def test_the_taper_state_is_never_saved_into_an_ordinary_models_folder(tmp_path):
     """TaperController.save_state (and TaperNormConfig.save_pretrained, save_sharded_checkpoint) into an original
     model's folder wrote tapernorm_config.json beside it: eval then called the folder a tapered checkpoint that "does
     not match", taper "already a tapered model", until the file was found and deleted. Where a tapered model is
     saved (a patched model's save, as the Trainer's checkpoint-N; save_tapered's folder) the state still goes."""
     folder = save_tiny_model(tmp_path / "llama")
-    before = snapshot(folder)
     model = tapered("llama")
     saves = {
         "TaperController.save_state: cannot save the taper state": TaperController(model, total_steps=20).save_state,
         "TaperNormConfig.save_pretrained: cannot save tapernorm_config.json": config_of(model).save_pretrained,
         "save_sharded_checkpoint: cannot save a sharded checkpoint": lambda f: save_sharded_checkpoint(f, model),
     }
-    for what, save in saves.items():
-        with pytest.raises(ConfigurationError) as caught:
-            save(folder)
-        assert str(caught.value).startswith(
-            f"{what} into {folder}: it holds a model that is not a tapered checkpoint (config.json of type 'llama' "
-            "and its weights), which tapernorm_config.json would mark as one"
-        )
-        assert snapshot(folder) == before
+    _each_refused_leaving_it_as_it_was(
+        saves,
+        folder,
+        "it holds a model that is not a tapered checkpoint (config.json of type 'llama' and its weights), which "
+        "tapernorm_config.json would mark as one",
+    )
     model.save_pretrained(tmp_path / "checkpoint-2")  # what the Trainer writes before TaperCallback.on_save
     for where in (tmp_path / "checkpoint-2", save_tapered(model, tmp_path / "saved")):
         TaperController(model, total_steps=20).save_state(where)
@@ -334,15 +343,14 @@ def test_the_taper_state_never_replaces_another_recipe_beside_its_weights(tmp_pa
     other = tapered("llama")
     checkpoint = save_tapered(model, tmp_path / "checkpoint-6")
     before = snapshot(checkpoint)
-    for what, save in _recipe_saves(other).items():
-        with pytest.raises(ConfigurationError) as caught:
-            save(checkpoint)
-        assert str(caught.value) == (
-            f"{what} into {checkpoint}: {checkpoint / 'tapernorm_config.json'} records another recipe (keep_norms: "
-            "['model.norm'] there, [] here; sink_token_ids: [5] there, [] here), the one its weights were trained "
-            "with, which the save would replace; save into this recipe's checkpoint or a new folder"
-        )
-        assert snapshot(checkpoint) == before
+    _each_refused_leaving_it_as_it_was(
+        _recipe_saves(other),
+        checkpoint,
+        f"{checkpoint / 'tapernorm_config.json'} records another recipe (keep_norms: ['model.norm'] there, [] here; "
+        "sink_token_ids: [5] there, [] here), the one its weights were trained with, which the save would replace; "
+        "save into this recipe's checkpoint or a new folder",
+        whole=True,
+    )
     TaperController(model, total_steps=20).save_state(checkpoint)  # the same recipe
     assert snapshot(checkpoint) == before
     other.save_pretrained(checkpoint)  # a whole checkpoint: its weights and its recipe together
@@ -364,14 +372,8 @@ def test_an_older_versions_checkpoint_keeps_its_recipe_too(tmp_path):
     old_layout = save_tapered(model, old_run / "checkpoint-4")
     (old_layout / "tapernorm_config.json").rename(old_run / "tapernorm_config.json")
     for folder, recorded in ((legacy, legacy / "tapernorm.json"), (old_layout, old_run / "tapernorm_config.json")):
-        before = snapshot(folder)
-        for what, save in _recipe_saves(other).items():
-            with pytest.raises(ConfigurationError) as caught:
-                save(folder)
-            assert str(caught.value).startswith(
-                f"{what} into {folder}: {recorded} records another recipe (keep_norms: ['model.norm'] there, [] here)"
-            )
-            assert snapshot(folder) == before
+        message = f"{recorded} records another recipe (keep_norms: ['model.norm'] there, [] here)"
+        _each_refused_leaving_it_as_it_was(_recipe_saves(other), folder, message)
         assert load_tapered(folder).tapernorm_config == config_of(model)
 
 
@@ -391,15 +393,12 @@ def test_a_trainer_checkpoint_whose_weights_are_in_its_engines_folder_keeps_its_
     torch.save({"module": model.state_dict()}, deepspeed / "global_step6" / "mp_rank_00_model_states.pt")
     for checkpoint in (fsdp, deepspeed):
         config_of(model).save_pretrained(checkpoint)
-        before = snapshot(checkpoint)
-        for what, save in _recipe_saves(other).items():
-            with pytest.raises(ConfigurationError) as caught:
-                save(checkpoint)
-            assert str(caught.value).startswith(
-                f"{what} into {checkpoint}: {checkpoint / 'tapernorm_config.json'} records another recipe (keep_norms: "
-                "[] there, ['model.norm'] here), the one its weights were trained with"
-            )
-            assert snapshot(checkpoint) == before
+        _each_refused_leaving_it_as_it_was(
+            _recipe_saves(other),
+            checkpoint,
+            f"{checkpoint / 'tapernorm_config.json'} records another recipe (keep_norms: [] there, ['model.norm'] "
+            "here), the one its weights were trained with",
+        )
         TaperController(model, total_steps=20).save_state(checkpoint)  # the same recipe
         assert TaperNormConfig.from_pretrained(checkpoint) == config_of(model)
 
@@ -489,12 +488,13 @@ def test_a_whole_and_a_sharded_tapered_checkpoint_never_share_a_folder(tmp_path)
     model = tapered("llama", keep_norms=[])
     whole = save_tapered(model, tmp_path / "whole")
     sharded = save_sharded_checkpoint(tmp_path / "sharded", model)
-    for folder, save, message in [
-        (whole, lambda f: save_sharded_checkpoint(f, model), "it holds a whole model's weights (model.safetensors)"),
-        (sharded, lambda f: save_tapered(model, f), "it holds a sharded checkpoint ("),
-    ]:
-        before = snapshot(folder)
-        with pytest.raises(ConfigurationError) as caught:
-            save(folder)
-        assert f"into {folder}: {message}" in str(caught.value)
-        assert snapshot(folder) == before
+    _each_refused_leaving_it_as_it_was(
+        {"save_sharded_checkpoint: cannot save a sharded checkpoint": lambda f: save_sharded_checkpoint(f, model)},
+        whole,
+        "it holds a whole model's weights (model.safetensors)",
+    )
+    _each_refused_leaving_it_as_it_was(
+        {"save_tapered: cannot save a tapered checkpoint": lambda f: save_tapered(model, f)},
+        sharded,
+        "it holds a sharded checkpoint (",
+    )

@@ -257,11 +257,18 @@ def _first_file(folder: Path, patterns: Sequence[str]) -> Optional[Path]:
     return next((found for pattern in patterns for found in folder.glob(pattern)), None)
 
 
-def weights_of_another_format(folder: Path, sharded: bool) -> Optional[Path]:
-    """A weight file of ``folder`` in the other format than the save about to write (``sharded``: shards; else a
-    whole model), None if there is none. The save would leave it beside its own: one folder holding two checkpoints,
-    whose stale one a reader of its format takes for the new one."""
-    return _first_file(folder, WHOLE_WEIGHTS if sharded else SHARDED_WEIGHTS)
+def refuse_weights_of_another_format(folder: Path, sharded: bool, what: str) -> None:
+    """Refuse (ConfigurationError starting with ``what``, the save and what it writes) a ``folder`` holding weights
+    of the other format than the save about to write (``sharded``: shards; else a whole model). The save would leave
+    them beside its own: one folder holding two checkpoints, whose stale one a reader of its format takes for the new
+    one (a whole model's config.json and a sharded checkpoint's are both the base model's, so nothing else tells)."""
+    stale = _first_file(folder, WHOLE_WEIGHTS if sharded else SHARDED_WEIGHTS)
+    if stale is not None:
+        held, own = ("a whole model's weights", "shards") if sharded else ("a sharded checkpoint", "whole model")
+        raise ConfigurationError(
+            f"{what} into {folder}: it holds {held} ({stale.name}), which would stay beside the {own}: one folder "
+            "would hold two checkpoints; choose a new folder"
+        )
 
 
 def holds_model_weights(folder: Path) -> bool:
@@ -279,7 +286,7 @@ __all__ = [
     "expand_user_options",
     "file_in_the_way",
     "holds_model_weights",
-    "weights_of_another_format",
+    "refuse_weights_of_another_format",
     "load_dtype",
     "saved_model_type",
     "all_reduce_max",

@@ -34,7 +34,7 @@ from ..errors import ConfigurationError, TaperStateError
 from ..layers.patching import patch_model
 from ..layers.saving import TAPERED_NOTE_KEY, mark_config_as_tapered
 from ..layers.taper_norm import tapered_norms
-from ..utils import expand_user, load_dtype, weights_of_another_format
+from ..utils import expand_user, load_dtype, refuse_weights_of_another_format
 from .sharded import is_sharded_checkpoint, read_sharded_model_state
 
 
@@ -47,14 +47,9 @@ def save_tapered(model: nn.Module, folder: Union[str, os.PathLike], tokenizer: A
     """
     folder = expand_user(folder, f"save_tapered: folder '{folder}'")
     config = config_of(model)
-    stale = weights_of_another_format(folder, sharded=False)
-    if stale is not None:  # its config.json is the base model's: say what the folder is before "another model"
-        raise ConfigurationError(
-            f"save_tapered: cannot save a tapered checkpoint into {folder}: it holds a sharded checkpoint "
-            f"({stale.name}: save_sharded_checkpoint's shards), which would stay beside the whole model: one folder "
-            "would hold two checkpoints of the same name; choose a new folder"
-        )
-    check_save_destination(folder, "save_tapered: cannot save a tapered checkpoint", writes_model=True)
+    what = "save_tapered: cannot save a tapered checkpoint"
+    refuse_weights_of_another_format(folder, False, what)  # first: a sharded one's config.json reads as "another model"
+    check_save_destination(folder, what, writes_model=True)
     model.save_pretrained(folder)
     mark_config_as_tapered(folder / "config.json")  # a model whose save_pretrained was replaced after patching
     if tokenizer is not None:

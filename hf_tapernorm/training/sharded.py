@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from ..config import CONFIG_NAME, TaperNormConfig, check_save_destination, config_of
-from ..errors import ConfigurationError, TaperStateError
-from ..utils import expand_user, weights_of_another_format
+from ..errors import TaperStateError
+from ..utils import expand_user, refuse_weights_of_another_format
 from .controller import TaperController
 from .distributed import METADATA_NAME, dcp_load, dcp_save, is_main_process, refuse_untrusted_sharded_checkpoint
 
@@ -69,14 +69,9 @@ def save_sharded_checkpoint(
     folder = expand_user(folder)
     config = config_of(model)
     # on every rank; no recipe guard: the save writes the folder's weights and their recipe together
-    check_save_destination(folder, "save_sharded_checkpoint: cannot save a sharded checkpoint")
-    stale = weights_of_another_format(folder, sharded=True)
-    if stale is not None:
-        raise ConfigurationError(
-            f"save_sharded_checkpoint: cannot save a sharded checkpoint into {folder}: it holds a whole model's "
-            f"weights ({stale.name}), which would stay beside the shards: a safetensors reader would take them for "
-            "the new checkpoint; choose a new folder"
-        )
+    what = "save_sharded_checkpoint: cannot save a sharded checkpoint"
+    check_save_destination(folder, what)
+    refuse_weights_of_another_format(folder, True, what)
     if is_main_process():  # before the collective save, which orders every rank's return after these files
         folder.mkdir(parents=True, exist_ok=True)
         (folder / CONFIG_NAME).write_text(config.to_json_string())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import datasets
@@ -22,7 +23,7 @@ from hf_tapernorm.data.sources import (
     stdlib_directory,
 )
 from tests.conftest import char_tokenizer, corpus_documents
-from tests.helpers import cached_hub_dataset, error_of, hub_offline, one_model_workspace, taper_argv
+from tests.helpers import cached_hub_dataset, error_of, hub_offline, one_model_workspace, run_main, taper_argv
 
 
 @pytest.fixture(scope="module")
@@ -371,9 +372,8 @@ def test_a_cached_hub_dataset_reads_its_split_and_a_missing_split_is_refused_fir
     assert message.endswith("--dataset_name: dataset 'me/one' has no split 'test': its splits are train")
     message = error_of(_eval("--dataset_name", "corpus.txt", "--dataset_split", "validation"))
     assert message.endswith(
-        "--dataset_split validation: dataset 'corpus.txt' is a local file or folder, whose one split is train (of a "
-        "folder whose files form several splits, a git clone of a Hub dataset, its train split), not 'validation': "
-        "name that split's file as the dataset (slices such as train[:50%] read part of train)"
+        "--dataset_name 'corpus.txt' is a local file, whose one split is train, not 'validation': name that split's "
+        "file as the dataset (slices such as train[:50%] read part of train)"
     )
 
 
@@ -583,12 +583,6 @@ def test_a_folder_whose_files_form_splits_reads_its_train_split_only(tmp_path, m
     (tmp_path / "carded" / "README.md").write_text(card + "---\n")
     with pytest.raises(DataError, match=r"declares the configurations en, fr and no default: name the data files"):
         local_data_files(str(tmp_path / "carded"))
-    message = error_of(_eval("--dataset_name", str(tmp_path / "named"), "--dataset_split", "test"))
-    assert message.endswith(
-        f"--dataset_split test: dataset '{tmp_path / 'named'}' is a local file or folder, whose one split is train (of "
-        "a folder whose files form several splits, a git clone of a Hub dataset, its train split), not 'test': name "
-        "that split's file as the dataset (slices such as train[:50%] read part of train)"
-    )
 
 
 def test_a_dataset_folder_reads_the_files_datasets_resolves_for_its_train_split(tmp_path):
@@ -681,8 +675,90 @@ def test_a_users_own_folder_is_one_corpus_whatever_its_files_are_named(tmp_path)
     root = folder("noted", ["a.jsonl", "b.jsonl", "NOTES.md", "docs/README.md", "README.md"])
     assert local_data_files(str(root)) == ("json", [root / "a.jsonl", root / "b.jsonl"])
     root = folder("split", ["my_train.jsonl", "my_test.jsonl", "my_other.jsonl"])
-    with pytest.raises(DataError, match=r"file names form the splits train, test \(as datasets reads them\): name"):
+    with pytest.raises(DataError, match=r"file names form the splits train, test \(as datasets reads them\): read one"):
         local_data_files(str(root))
+
+
+def _split_folders(root: Path) -> dict[str, Path]:
+    """A train.jsonl + test.jsonl folder, and a clone of a Hub dataset (data/train-* beside data/test-*) with its
+    README.md card and without: 20 train rows, 8 test rows (each starting TESTSPLIT)."""
+    train, test = corpus_documents(20, seed=1), [f"TESTSPLIT {doc}" for doc in corpus_documents(8, seed=2)]
+    folders = {"pair": root / "pair", "carded": root / "carded", "clone": root / "clone"}
+    folders["pair"].mkdir(parents=True)
+    for split, docs in (("train", train), ("test", test)):
+        datasets.Dataset.from_dict({"text": docs}).to_json(folders["pair"] / f"{split}.jsonl")
+        for name in ("carded", "clone"):
+            (folders[name] / "data").mkdir(parents=True, exist_ok=True)
+            datasets.Dataset.from_dict({"text": docs}).to_parquet(folders[name] / "data" / f"{split}-00000.parquet")
+    (folders["carded"] / "README.md").write_text("---\nlicense: mit\n---\n# A dataset\n")
+    return folders
+
+
+def test_the_split_named_of_a_folder_whose_files_form_splits_is_read(hub, tmp_path):
+    """`eval --dataset_split test` (validation, train+test, test[:50%]) on a train.jsonl + test.jsonl folder, or on a
+    clone of a Hub dataset (data/train-* beside data/test-*, with its README.md card or without), was refused at parse
+    ("whose one split is train"), though datasets.load_dataset(folder, split="test") reads it. The split named is now
+    read from the splits datasets resolves for the folder, row for row as datasets reads them; train is the default
+    only when no split is named (the card's train split), and a folder of the user's own files whose names form
+    several splits, none named, is refused saying how to name one: on the command line and in an options file."""
+    from hf_tapernorm.app.data_checks import check_data_paths
+    from hf_tapernorm.cli.arguments import DataArguments
+
+    folders = _split_folders(tmp_path)
+    for folder in folders.values():
+        for split in ("test", "test[:50%]", "train+test", "train[2:5]+test[-3:]"):
+            theirs = datasets.load_dataset(str(folder), split=split, cache_dir=str(tmp_path / "theirs"))["text"]
+            assert load_text_dataset(str(folder), split=split, cache_dir=str(tmp_path / "c"))["text"] == theirs
+            check_data_paths(DataArguments(dataset_name=str(folder), dataset_split=split, out_of_corpus_blocks=0))
+        assert error_of(_eval("--dataset_name", str(folder), "--dataset_split", "validation")) == (
+            f"hf-tapernorm eval: error: --dataset_name '{folder}' has no split 'validation': its splits, as datasets "
+            "reads the folder, are train, test; name one of them as --dataset_split"
+        )
+    theirs = datasets.load_dataset(str(folders["carded"]), split="train", cache_dir=str(tmp_path / "theirs"))
+    assert load_text_dataset(str(folders["carded"]), cache_dir=str(tmp_path / "c"))["text"] == theirs["text"]
+    for name in ("pair", "clone"):
+        refusal = (
+            f"--dataset_name '{folders[name]}' is a folder whose file names form the splits train, test (as datasets "
+            "reads them): read one with --dataset_split NAME, or name the files of one (a file, or a folder holding "
+            "only them) as the dataset"
+        )
+        assert error_of(_eval("--dataset_name", str(folders[name]))) == f"hf-tapernorm eval: error: {refusal}"
+        options = tmp_path / f"{name}.yaml"
+        flags = _eval("--dataset_name", str(folders[name]))[1:]
+        values = {flag[2:]: value for flag, value in zip(flags[::2], flags[1::2])}
+        options.write_text(json.dumps({**values, "dataset_split": None}))  # null: the default, as left out
+        assert error_of(["eval", str(options)]) == f"hf-tapernorm eval: error: {refusal}"
+        options.write_text(json.dumps({**values, "dataset_split": "train", "block_size": 32}))  # named: read
+        with pytest.raises(pytest.fail.Exception, match="the model was loaded"):
+            run_main(["eval", str(options)])
+    assert error_of(_eval("--dataset_name", "corpus.txt", "--dataset_split", "test")) == (
+        "hf-tapernorm eval: error: --dataset_name 'corpus.txt' is a local file, whose one split is train, not 'test': "
+        "name that split's file as the dataset (slices such as train[:50%] read part of train)"
+    )
+
+
+def test_a_slice_past_a_local_datasets_rows_is_refused_before_the_model_loads(hub, tmp_path):
+    """`--dataset_name rows.jsonl --dataset_split 'train[100:]'` on a 50-row file (or a test split's slice past its
+    rows) was found only after the model loaded: the early check now reads the local split as the loading reads it
+    (the datasets cache then serves the loading) and counts its rows, as a Hub split's recorded rows are counted."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"text": f"document {i} " * 8}) + "\n" for i in range(50)))
+    pair = _split_folders(tmp_path)["pair"]
+    cache = str(tmp_path / "c")
+    for name, split, sizes in [(rows, "train[100:]", "train 50"), (rows, "train[-5:5]", "train 50"),
+                               (pair, "train[20:]+test[8:]", "train 20, test 8")]:  # fmt: skip
+        refusal = (
+            f"dataset '{name}': '{split}' selects no row of its splits (rows: {sizes}); name a slice within them, "
+        )
+        line = error_of(_eval("--dataset_name", str(name), "--dataset_split", split, "--data_cache_dir", cache,
+                              "--block_size", "32"))  # fmt: skip
+        assert line == f"hf-tapernorm eval: error: --dataset_name: {refusal}or the split whole"
+        with pytest.raises(DataError, match=re.escape(refusal)):
+            load_text_dataset(str(name), split=split, cache_dir=cache)
+    assert len(load_text_dataset(str(rows), split="train[40:]", cache_dir=cache)) == 10
+    with pytest.raises(pytest.fail.Exception, match="the model was loaded"):  # a slice within its rows: accepted
+        run_main(_eval("--dataset_name", str(rows), "--dataset_split", "train[40:]", "--data_cache_dir", cache,
+                       "--block_size", "32"))  # fmt: skip
 
 
 def test_the_out_of_corpus_text_is_read_from_the_column_its_option_names(hub, tmp_path, tokenizer):

@@ -315,7 +315,7 @@ def run_identity(
             "dataset": data.dataset_name or EMBEDDED_CORPUS,
             "contents": fingerprint(data.dataset_name),
             "config": data.dataset_config_name,
-            "split": data.dataset_split,
+            "split": data.dataset_split or "train",  # none named reads what train reads, where both are read
             "text_column": data.text_column,
             "sample_by": data.sample_by,
             "block_size": data.block_size,

@@ -275,13 +275,13 @@ class BenchArguments:
 
     def _train_data(self) -> SimpleNamespace:
         """The train mode's text as the data arguments of taper and eval (app.data_checks.check_data_paths reads
-        them): --dataset_name's train split, read whole into the datasets library's own cache, and no out-of-corpus
-        text."""
+        them): --dataset_name's default split (train), read whole into the datasets library's own cache, and no
+        out-of-corpus text."""
         return SimpleNamespace(
             dataset_name=self.dataset_name,
             dataset_config_name=self.dataset_config_name,
             text_column=self.text_column,
-            dataset_split="train",
+            dataset_split=None,  # as the runner's load_text_dataset reads it
             streaming=False,
             data_cache_dir=None,
             out_of_corpus_blocks=0,

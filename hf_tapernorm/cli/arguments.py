@@ -96,7 +96,13 @@ class DataArguments:
         ),
     )
     dataset_config_name: Optional[str] = field(default=None, metadata=option_help("Hub dataset configuration."))
-    dataset_split: str = field(default="train", metadata=option_help("Split to read documents from."))
+    dataset_split: Optional[str] = field(
+        default=None,
+        metadata=option_help(
+            "Split to read documents from (test, train[:10%]+test). Default: the train split; a local folder whose "
+            "file names form several splits needs one named."
+        ),
+    )
     text_column: Optional[str] = field(default=None, metadata=option_help("Column with the text (default: 'text')."))
     streaming: bool = field(default=False, metadata=option_help("Stream the dataset (large corpora)."))
     sample_by: Literal["line", "paragraph", "document"] = field(
@@ -366,8 +372,24 @@ class TaperTrainingArguments(TrainingArguments):
     save_steps: float = field(default=500, metadata=option_help("Checkpoint every N steps (Ctrl-C also saves)."))
     save_total_limit: Optional[int] = field(default=1, metadata=option_help("Checkpoints kept."))
     dataloader_drop_last: bool = field(default=True, metadata=option_help("Only full batches."))
+    num_train_epochs: Optional[float] = field(
+        default=None, metadata=option_help("Not read: a run's length is --max_steps optimizer steps.")
+    )
+    per_device_eval_batch_size: Optional[int] = field(
+        default=None, metadata=option_help("Not read: taper evaluates with --eval_batch_size blocks per forward.")
+    )
+
+    #: Trainer options taper never reads (its own option does their job): given, they are refused, not ignored.
+    NOT_READ: ClassVar[dict[str, str]] = {
+        "num_train_epochs": "a run's length is --max_steps optimizer steps (the Trainer ignores epochs once it is set)",
+        "per_device_eval_batch_size": "taper evaluates the held-out blocks itself, --eval_batch_size per forward",
+    }
 
     def __post_init__(self) -> None:
+        for name, instead in self.NOT_READ.items():
+            if getattr(self, name) is not None:
+                raise ConfigurationError(f"--{name} is not read by taper: {instead}; leave it out")
+            setattr(self, name, TrainingArguments.__dataclass_fields__[name].default)
         for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):  # TrainingArguments json.loads them
             value = getattr(self, name, None)
             if isinstance(value, str) and value.strip().startswith("{"):

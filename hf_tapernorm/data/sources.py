@@ -108,25 +108,40 @@ def local_dataset_path(source: Optional[str]) -> Optional[Path]:
     return path if local else None
 
 
-def local_data_files(source: Optional[str], name: Optional[str] = None) -> Optional[tuple[str, list[Path]]]:
-    """The ``datasets`` builder and the files that load_text_dataset reads for the dataset name ``source`` (None: the
-    embedded corpus or a Hub dataset's name): the file itself, or a folder's files of a suffix a builder reads (hidden
-    files and folders, ``.ipynb_checkpoints/`` or ``.git/``, skipped as ``datasets`` skips them: they hold copies of
-    the data or tool state, not more of the corpus), all of one builder. Beside json/parquet/csv files, ``.md`` files
-    are notes and the folder's card, not data (``datasets`` leaves them out of a folder of tables too). In a folder of
-    text files they are text like the others, but for a root README.md whose YAML front matter holds the metadata
-    ``datasets`` reads from a card (``configs``, ``dataset_info``): the card of a git clone of a Hub text dataset.
-    A folder with a card (a README.md with front matter beside tables; such a README.md in a text folder) is a copy of
-    a Hub dataset: its files are those ``datasets`` resolves for its train split (:func:`_train_split`). A folder of
-    the user's own files is one corpus whatever its files are named (train.md beside test_x.md, eval.jsonl beside
-    chat.jsonl), unless its file names form several splits as ``datasets`` reads them (train.jsonl beside
-    test.jsonl), which is refused: the user names the files of one.
+def local_data_files(
+    source: Optional[str], name: Optional[str] = None, split: Optional[str] = None
+) -> Optional[tuple[str, list[Path]]]:
+    """:func:`local_splits`, its files of every split in one list (what the early checks read: columns, paths)."""
+    local = local_splits(source, name, split)
+    return None if local is None else (local[0], [file for files in local[1].values() for file in files])
+
+
+def local_splits(
+    source: Optional[str], name: Optional[str] = None, split: Optional[str] = None
+) -> Optional[tuple[str, dict[str, list[Path]]]]:
+    """The ``datasets`` builder and, by split, the files that load_text_dataset reads for the dataset name ``source``
+    and the split expression ``split`` (None: none named); None for the embedded corpus and a Hub dataset's name. The
+    file itself, or a folder's files of a suffix a builder reads (hidden files and folders, ``.ipynb_checkpoints/`` or
+    ``.git/``, skipped as ``datasets`` skips them: copies of the data or tool state), all of one builder. Beside
+    json/parquet/csv files, ``.md`` files are notes and the folder's card, not data (``datasets`` leaves them out of a
+    folder of tables too). In a folder of text files they are text like the others, but for a root README.md whose
+    YAML front matter holds the metadata ``datasets`` reads from a card (``configs``, ``dataset_info``): the card of a
+    git clone of a Hub text dataset.
+
+    A file, and a folder of the user's own files (no card), are one corpus whose one split is train, whatever the
+    files are named (train.md beside test_x.md, eval.jsonl beside chat.jsonl), unless the folder's file names form
+    several splits as ``datasets`` reads them (train.jsonl beside test.jsonl). Such a folder, and a folder with a card
+    (a README.md with front matter beside tables; such a README.md in a text folder: a copy of a Hub dataset), have
+    the splits ``datasets`` resolves for them (:func:`_folder_splits`), from which ``split`` reads as datasets would
+    (test, train[:10%]+test). With none named, the train split is read (a card's only split, if it has one); a folder
+    without a card whose names form several splits is refused then: neither mixing the splits nor choosing one for the
+    user is right. A WARNING says how many of the folder's data files that leaves out.
 
     The loading and the check every command makes before it loads a model (app/data_checks.py) both ask this, so a
-    local path the loader cannot read is refused before the model loads, for the same reason. DataError, its
-    subject ``name`` (default ``dataset 'SOURCE'``; a command names its option), for a path that is not there, a
-    file of a suffix no builder reads, a folder with no data file or one mixing file types. What the files hold (no
-    text, not UTF-8, not a table) only the loading finds.
+    local path the loader cannot read is refused first, for the same reason. DataError, its subject ``name`` (default
+    ``dataset 'SOURCE'``; a command names its option), for a path that is not there, a file of a suffix no builder
+    reads, a folder with no data file or one mixing file types, a split it lacks. What the files hold (no text, not
+    UTF-8, not a table, how many rows) only the loading finds.
     """
     name = name or f"dataset '{source}'"
     if source is not None and not source.strip():
@@ -141,7 +156,7 @@ def local_data_files(source: Optional[str], name: Optional[str] = None) -> Optio
         suffix = path.suffix.lower()
         if suffix not in _BUILDERS:
             raise DataError(f"{name}: unsupported file type '{suffix or '(none)'}'; supported: {supported}")
-        return _BUILDERS[suffix], [path]
+        return _BUILDERS[suffix], _read_splits({"train": [path]}, [path], split, name, "a local file", False)
     files = sorted(
         p
         for p in path.rglob("*")
@@ -165,9 +180,53 @@ def local_data_files(source: Optional[str], name: Optional[str] = None) -> Optio
     if len(builders) > 1:
         raise DataError(f"{name} is a folder that mixes file types ({', '.join(sorted(builders))}); use one type")
     builder = builders.pop()
+    corpus = "a folder read as one corpus (no dataset card, its file names forming one split at most)"
     if builder == "text" and not is_card:  # notes or source: one corpus whatever its names (train.md, test_x.md)
-        return builder, files
-    return builder, _train_split(path, files, card if is_card else None, name)
+        return builder, _read_splits({"train": files}, files, split, name, corpus, False)
+    splits = _folder_splits(path, files, card if is_card else None, name)
+    if not is_card and len(splits) < 2:  # a folder of the user's own files: the names are theirs, not splits
+        return builder, _read_splits({"train": files}, files, split, name, corpus, False)
+    return builder, _read_splits(splits, files, split, name, None, is_card)
+
+
+def _read_splits(
+    splits: dict[str, list[Path]], files: list[Path], split: Optional[str], name: str, corpus: Optional[str], card: bool
+) -> dict[str, list[Path]]:
+    """Of a local dataset's ``splits`` (its ``files`` by split), those the split expression ``split`` reads; None: the
+    train split, or a ``card``'s only split, read as train (:func:`local_splits`). ``corpus``: what the dataset is
+    when it is one corpus, its one split train (a file, a folder read as one corpus); None for a folder of splits."""
+    if split is None and len(splits) > 1 and not card:
+        raise DataError(
+            f"{name} is a folder whose file names form the splits {', '.join(splits)} (as datasets reads them): read "
+            "one with --dataset_split NAME, or name the files of one (a file, or a folder holding only them) as the "
+            "dataset"
+        )
+    if split is None and len(splits) > 1 and "train" not in splits:
+        raise DataError(
+            f"{name} is a folder whose files form the splits {', '.join(splits)} and no train split (as datasets "
+            "reads it): read one with --dataset_split NAME, or name one split's file, or a folder of one split, as the "
+            "dataset"
+        )
+    named = list(dict.fromkeys(_split_names(split))) if split is not None else ["train"]
+    missing = [one for one in named if one not in splits] if split is not None else []
+    if missing and corpus is not None:
+        raise DataError(
+            f"{name} is {corpus}, whose one split is train, not '{missing[0]}': name that split's file as the dataset "
+            "(slices such as train[:50%] read part of train)"
+        )
+    if missing:
+        raise DataError(
+            f"{name} has no split '{missing[0]}': its splits, as datasets reads the folder, are {', '.join(splits)}; "
+            "name one of them as --dataset_split"
+        )
+    read_as = {one: one if one in splits else next(iter(splits)) for one in named}  # a card's only split as train
+    chosen = {one: splits[read_as[one]] for one in named}
+    read, outside = sum(map(len, chosen.values())), set(files).difference(*splits.values())
+    if read < len(files) and (split is None or outside):  # the split named leaves out the others, as asked
+        what = f"'{split}'" if split is not None else f"its {read_as['train']} split"
+        message = "%s: reading %s as datasets resolves the folder, %d of its %d data file(s) (its splits: %s)"
+        logger.warning(message, name, what, read, len(files), ", ".join(splits))
+    return chosen
 
 
 #: The fields of a dataset card's YAML front matter that ``datasets`` reads from a local folder's README.md (its
@@ -189,20 +248,17 @@ def _front_matter(readme: Path) -> Optional[dict]:
         return None
 
 
-def _train_split(folder: Path, files: list[Path], card: Optional[Path], name: str) -> list[Path]:
-    """Of a folder's data ``files``, those the loading reads. With its ``card`` (README.md: a copy of a Hub dataset),
-    the files ``datasets`` resolves for the folder's train split (or its only split), as it resolves a local dataset
-    folder (LocalDatasetModuleFactory): the data_files (or data_dir) of the default configuration the card declares,
-    else the file-name conventions of ``get_data_patterns`` (data/train-00000-of-00001.parquet beside
-    data/test-00000-of-00001.parquet, train/ beside test/), else every file; a WARNING says how many files that
-    leaves out. A git clone of a Hub dataset then reads as the dataset's train split, as its Hub name does: never its
-    test rows, another configuration's files, nor files its card leaves out. Without a card, every file, unless
-    their names form several splits by those conventions: refused, as neither mixing the splits nor dropping the
-    user's files without a word is right. Paths are compared absolute, links not resolved (as datasets lists them),
-    so a ``snapshot_download`` copy, whose files are links into blobs/, reads as its clone does. Reads the folder
-    only (no cache); DataError, naming ``name``, for a folder whose splits datasets cannot tell (an unreadable card,
-    a configuration to choose, files its card names that are not there), whose splits hold none of ``files``, or
-    that has several splits and no train split."""
+def _folder_splits(folder: Path, files: list[Path], card: Optional[Path], name: str) -> dict[str, list[Path]]:
+    """A folder's data ``files`` by split, as ``datasets`` resolves a local dataset folder (LocalDatasetModuleFactory)
+    with its ``card`` (README.md: a copy of a Hub dataset) or without: the data_files (or data_dir) of the default
+    configuration the card declares, else the file-name conventions of ``get_data_patterns``
+    (data/train-00000-of-00001.parquet beside data/test-00000-of-00001.parquet, train/ beside test/), else every file
+    as train; splits that hold none of ``files`` left out. A git clone of a Hub dataset then reads as its Hub name
+    does: never another configuration's files, nor files its card leaves out. Paths are compared absolute, links not
+    resolved (as datasets lists them), so a ``snapshot_download`` copy, whose files are links into blobs/, reads as
+    its clone does. Reads the folder only (no cache); DataError, naming ``name``, for a folder whose splits datasets
+    cannot tell (an unreadable card, a configuration to choose, files its card names that are not there) or whose
+    splits hold none of ``files``."""
     from datasets.data_files import DataFilesDict, get_data_patterns, sanitize_patterns
     from datasets.utils.metadata import MetadataConfigs
     from huggingface_hub import DatasetCard
@@ -235,42 +291,19 @@ def _train_split(folder: Path, files: list[Path], card: Optional[Path], name: st
     ours = {Path(os.path.abspath(file)): file for file in files}
     splits = {str(split): sorted(ours[p] for p in map(Path, found) if p in ours) for split, found in resolved.items()}
     splits = {split: found for split, found in splits.items() if found}
-    if card is None:  # a folder of the user's own files: the names are theirs, not splits, unless they form several
-        if len(splits) > 1:
-            raise DataError(
-                f"{name} is a folder whose file names form the splits {', '.join(splits)} (as datasets reads them): "
-                "name the files of the one to read (a file, or a folder holding only them) as the dataset"
-            )
-        return files
-    if not splits:
+    if not splits and card is not None:
         raise DataError(
             f"{name} is a folder whose splits, as datasets reads it ({'its card' if configs else 'its file names'}), "
             f"hold none of its {'/'.join(sorted(_BUILDERS))} files: name the data files as the dataset"
         )
-    if len(splits) > 1 and "train" not in splits:
-        raise DataError(
-            f"{name} is a folder whose files form the splits {', '.join(splits)} and no train split (as datasets "
-            "reads it): name one split's file, or a folder of one split, as the dataset"
-        )
-    split = "train" if "train" in splits else next(iter(splits))
-    if len(splits[split]) < len(files):
-        logger.warning(
-            "%s: a copy of a Hub dataset (its README.md card): reading its %s split as datasets resolves it, %d "
-            "of its %d data file(s) (its splits: %s)",
-            name,
-            split,
-            len(splits[split]),
-            len(files),
-            ", ".join(splits),
-        )
-    return splits[split]
+    return splits
 
 
 def load_text_dataset(
     source: Optional[str] = None,
     *,
     config_name: Optional[str] = None,
-    split: str = "train",
+    split: Optional[str] = None,
     streaming: bool = False,
     sample_by: str = "paragraph",
     cache_dir: Optional[str] = None,
@@ -279,33 +312,36 @@ def load_text_dataset(
 
     ``source``: None or ``"python-stdlib"`` for the embedded corpus; a local file or folder
     (txt/md: one document per ``sample_by`` unit = "line" | "paragraph" | "document"; json/jsonl,
-    parquet, csv: one document per row); otherwise a Hub dataset name (with ``config_name``).
+    parquet, csv: one document per row); otherwise a Hub dataset name (with ``config_name``). ``split``: a split
+    expression (test, train[:10%]+validation); None, the default, reads the train split (:func:`local_splits` for a
+    folder whose files form splits).
+
+    The steps are those of ``datasets.load_dataset`` (its builder, ``download_and_prepare``, ``as_dataset``), with the
+    rows of each split counted between the last two: a slice that selects none of them (train[100:] of 50 rows) is
+    refused, where ``datasets`` would give no row and the corpus's packing would fail later.
     """
     check_split(source, split, streaming)
     if source is None or source == EMBEDDED_CORPUS:
         dataset = embedded_corpus()
         return dataset.to_iterable_dataset() if streaming else dataset
     try:
-        local = local_data_files(source)
+        local = local_splits(source, split=split)
         if local is not None:
-            builder, files = local
-            if all(f.stat().st_size == 0 for f in files):
+            builder_name, splits = local
+            if all(f.stat().st_size == 0 for files in splits.values() for f in files):
                 what = "its files hold" if expand_user(source).is_dir() else "the file holds"
                 raise DataError(f"dataset '{source}' is empty: {what} no text")
             # utf-8-sig: a byte-order mark (Windows editors write one) is not text of the first document
-            kwargs = {"sample_by": sample_by, "encoding": "utf-8-sig"} if builder == "text" else {}
-            return datasets.load_dataset(
-                builder,
-                data_files=[str(f) for f in files],
-                split=split,
-                streaming=streaming,
-                cache_dir=cache_dir,
-                **kwargs,
-            )
-        builder = hub_dataset_builder(source, config_name, split, cache_dir)
+            kwargs = {"sample_by": sample_by, "encoding": "utf-8-sig"} if builder_name == "text" else {}
+            data_files = {name: [str(f) for f in files] for name, files in splits.items()}
+            builder = datasets.load_dataset_builder(builder_name, data_files=data_files, cache_dir=cache_dir, **kwargs)
+        else:
+            builder = hub_dataset_builder(source, config_name, split, cache_dir)
+        split = split or "train"
         if streaming:
             return builder.as_streaming_dataset(split=split)
         builder.download_and_prepare()
+        _check_selects_rows(source, split, {name: info.num_examples for name, info in builder.info.splits.items()})
         return builder.as_dataset(split=split)
     except DataError:
         raise
@@ -314,12 +350,13 @@ def load_text_dataset(
 
 
 def hub_dataset_builder(
-    source: str, config_name: Optional[str] = None, split: str = "train", cache_dir: Optional[str] = None
+    source: str, config_name: Optional[str] = None, split: Optional[str] = None, cache_dir: Optional[str] = None
 ) -> datasets.DatasetBuilder:
     """The ``datasets`` builder of the Hub dataset ``source``, its data not yet read (``datasets.load_dataset_builder``,
     then ``download_and_prepare`` and ``as_dataset``: the steps of ``datasets.load_dataset``): what the loading reads
     and what every command resolves before it loads a model (app/data_checks.py), so a name the Hub lacks, a
-    configuration or split the dataset lacks, or a dataset missing from the cache offline is refused first.
+    configuration or split the dataset lacks, or a dataset missing from the cache offline is refused first. ``split``:
+    a split expression; None, its train split.
 
     A file loader's own name (``text``, ``json``, ``csv``, ...) is refused: with no files named, ``datasets`` reads
     every file under the working folder, whatever they are, in a dataset's name."""
@@ -333,6 +370,7 @@ def hub_dataset_builder(
             f"would read every file under the working folder; name the file or folder itself ('./{source}' for a "
             "local one) or a Hub dataset"
         )
+    split = split or "train"
     splits = sorted(builder.info.splits or ())
     missing = [name for name in _split_names(split) if splits and name not in splits]
     if missing:
@@ -343,8 +381,8 @@ def hub_dataset_builder(
 
 def _check_selects_rows(source: str, split: str, sizes: dict[str, int]) -> None:
     """Refuse a split expression that selects no row of the splits of ``sizes`` (name -> rows, as the dataset's
-    builder records them), as ``datasets`` reads it (ReadInstruction.to_absolute): train[200:] of 150 rows. Nothing
-    where a split it reads records no size (0): only the loading counts its rows then."""
+    builder records them, or counted them preparing its data), as ``datasets`` reads it (ReadInstruction.to_absolute):
+    train[200:] of 150 rows. Nothing where a split it reads has no size (0): the corpus refuses an empty one."""
     names = list(dict.fromkeys(_split_names(split)))
     if not all(sizes.get(name) for name in names):
         return
@@ -365,11 +403,13 @@ def _split_names(split: str) -> list[str]:
     return [part.split("[", 1)[0].strip() for part in split.split("+")]
 
 
-def check_split(source: Optional[str], split: str, streaming: bool = False) -> None:
+def check_split(source: Optional[str], split: Optional[str], streaming: bool = False) -> None:
     """Refuse a split expression that the loading of ``source`` would not read as written: a slice of a streamed
-    dataset (``datasets`` streams whole splits), a split other than train of a local dataset (its files are one
-    split), any split of the embedded corpus (read whole), a slice that selects no row whatever the split's size
-    (train[3:3]). A Hub dataset's splits, and their sizes, are its builder's (hub_dataset_builder)."""
+    dataset (``datasets`` streams whole splits), any split of the embedded corpus (read whole), a slice that selects no
+    row whatever the split's size (train[3:3]). None (no split named) reads the train split. A Hub dataset's splits,
+    and their sizes, are its builder's (hub_dataset_builder); a local dataset's, those of its files (local_splits)."""
+    if split is None:
+        return
     _read_instruction(split)
     if streaming and "[" in split:
         raise DataError(f"a streamed dataset is read whole, split by split: drop the slice of '{split}' or --streaming")
@@ -377,13 +417,6 @@ def check_split(source: Optional[str], split: str, streaming: bool = False) -> N
         if split != "train":
             raise DataError(f"the embedded corpus is read whole, as one split (train), not '{split}'")
         return
-    other = [name for name in _split_names(split) if name != "train"]
-    if other and local_dataset_path(source) is not None:
-        raise DataError(
-            f"dataset '{source}' is a local file or folder, whose one split is train (of a folder whose files form "
-            f"several splits, a git clone of a Hub dataset, its train split), not '{other[0]}': name that split's "
-            "file as the dataset (slices such as train[:50%] read part of train)"
-        )
     if _selects_nothing(split):
         raise DataError(
             f"'{split}' selects no row: a slice [start:end] reads the rows from start up to end (a negative one "
@@ -412,8 +445,8 @@ def _selects_nothing(split: str) -> bool:
     every part a slice that ends at the split's start (an end of 0, -0 or 0%: datasets counts an end of 0 from the
     start, train[-5:0] and train[:-0] included) or at or before its start, both counted from the same end of the
     split (train[3:3], train[5:2], train[-2:-5]: a left-out start is the split's start). Whether the ends of
-    train[-5:5] or train[200:] meet depends on the split's size: hub_dataset_builder checks those where the dataset
-    records it."""
+    train[-5:5] or train[200:] meet depends on the split's size: the loading counts it (load_text_dataset), and
+    hub_dataset_builder reads it where the dataset records it."""
     for part in re.split(r"\s*\+\s*", split):
         match = _SLICE.fullmatch(part)
         if match is None or match["end"] is None:

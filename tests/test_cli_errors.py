@@ -529,6 +529,17 @@ CASES = {
         2,
         "--label_smoothing_factor 0.1: the Trainer would compute its own loss",
     ),
+    "taper: --num_train_epochs 3 (a run's length is --max_steps)": (
+        _trainer(["--num_train_epochs", "3"]),
+        2,
+        "--num_train_epochs is not read by taper: a run's length is --max_steps optimizer steps",
+    ),
+    "taper: --per_device_eval_batch_size 1 (taper evaluates with --eval_batch_size)": (
+        _trainer(["--per_device_eval_batch_size", "1"]),
+        2,
+        "--per_device_eval_batch_size is not read by taper: taper evaluates the held-out blocks itself, "
+        "--eval_batch_size per forward; leave it out",
+    ),
     "taper: --seed -1": (
         _trainer(["--seed", "-1"]),
         2,
@@ -1083,6 +1094,58 @@ def test_a_mistyped_model_path_is_named_as_such(workspace, tmp_path):
     lines = stderr.strip().splitlines()
     assert status == 2 and len(lines) == 1, stderr  # transformers' message runs over two lines
     assert "'no_such/folder' (no local folder of that name, so it was taken as a Hub id: check the path" in lines[0]
+
+
+def test_report_to_wandb_without_a_login_is_refused_before_the_model_loads(ws, tmp_path, monkeypatch):
+    """`taper --report_to wandb` with wandb installed but not logged in failed once the model was loaded (wandb's init
+    in the Trainer). wandb's own `wandb.login` is asked first: where it cannot log in, the run is refused in one line;
+    where it can, or where WANDB_MODE needs no account, the run goes on; without wandb at all, the integration's own
+    refusal stays one line. A fake wandb module stands in for the package."""
+    import importlib.util
+    import sys
+
+    (tmp_path / "wandb.py").write_text(
+        "run = None\n"  # what transformers' is_wandb_available looks for
+        "logged_in = False\n"
+        "calls = []\n"
+        "class UsageError(Exception):\n    pass\n"
+        "def login(**kwargs):\n"
+        "    calls.append(kwargs)\n"
+        "    if not logged_in:\n"
+        "        raise UsageError('api_key not configured (no-tty). call wandb.login(key=[your_api_key])')\n"
+        "    return True\n"
+    )
+    spec = importlib.util.spec_from_file_location("wandb", tmp_path / "wandb.py")
+    fake = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setattr("hf_tapernorm.app.taper.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    argv = taper_argv(ws, tmp_path / "out", "--report_to", "wandb")
+    assert error_of(argv) == (
+        "hf-tapernorm taper: error: --report_to ['wandb']: wandb cannot log in here (UsageError: api_key not "
+        "configured (no-tty). call wandb.login(key=[your_api_key])), so its start in the Trainer would fail once the "
+        "model is loaded: run `wandb login`, set WANDB_API_KEY, or set WANDB_MODE=offline to log to local files"
+    )
+    assert fake.calls == [{"anonymous": "never", "verify": False}]  # never verified over the network here
+
+    def accepted() -> None:
+        with pytest.raises(pytest.fail.Exception, match="the model was loaded"):
+            run_main(argv)
+
+    for mode in ("offline", "disabled", "dryrun"):
+        monkeypatch.setenv("WANDB_MODE", mode)
+        accepted()
+    assert len(fake.calls) == 1  # a mode without an account is not asked to log in
+    monkeypatch.delenv("WANDB_MODE")
+    fake.logged_in = True
+    accepted()
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    assert error_of(argv) == (
+        "hf-tapernorm taper: error: --report_to ['wandb']: RuntimeError: WandbCallback requires wandb to be "
+        "installed. Run `pip install wandb`."
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def test_deepspeed_without_its_package_is_one_line_before_anything_loads(ws, tmp_path, monkeypatch):

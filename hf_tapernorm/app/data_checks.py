@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..data.columns import choose_text_column, local_columns, string_columns
+from ..data.corpus import load_documents
 from ..data.heldout import PYTHON_DOCS
 from ..data.sources import (
     EMBEDDED_CORPUS,
@@ -33,11 +34,9 @@ from ..data.sources import (
     local_data_files,
     local_dataset_path,
 )
+from ..utils import holds_model_weights
 from .run_folder import RunFolder
 from .run_lock import check_destination, resolved_path
-
-#: The files of a saved model beside its config.json (a folder with config.json alone may be anything's).
-_WEIGHTS = ("*.safetensors", "*.bin")
 
 
 def missing_local_dataset(name: Optional[str]) -> Optional[Path]:
@@ -46,18 +45,21 @@ def missing_local_dataset(name: Optional[str]) -> Optional[Path]:
     return path if path is not None and not path.exists() else None
 
 
-def check_dataset_path(option: str, name: Optional[str]) -> Optional[tuple[str, list[Path]]]:
+def check_dataset_path(
+    option: str, name: Optional[str], split: Optional[str] = None
+) -> Optional[tuple[str, list[Path]]]:
     """Refuse (DataError naming ``option``) a dataset name that is a local path the loader cannot read: nothing there,
-    a file of a suffix no builder reads, a folder with no data file or mixing file types (sources.local_data_files,
-    the rule the loading itself follows). Returns its builder and files (None: not a local dataset)."""
-    return local_data_files(name, f"{option} '{name}'")
+    a file of a suffix no builder reads, a folder with no data file or mixing file types, a split (``split``, a split
+    expression; None: none named) it lacks (sources.local_data_files, the rule the loading itself follows). Returns
+    its builder and the files it reads (None: not a local dataset)."""
+    return local_data_files(name, f"{option} '{name}'", split)
 
 
 def check_hub_dataset(
     option: str,
     name: Optional[str],
     config_name: Optional[str] = None,
-    split: str = "train",
+    split: Optional[str] = None,
     cache_dir: Optional[str] = None,
     text_column: Optional[str] = None,
     column_option: str = "--text_column",
@@ -103,20 +105,21 @@ def check_text_column(
 
 def check_data_paths(data: Any, own_folder: Optional[str] = None) -> None:
     """Refuse the local paths of a command's data arguments (cli/arguments.DataArguments) that cannot be used: a
-    dataset or out-of-corpus dataset the loader cannot read (check_dataset_path), a split other than train of a
-    local one, a cache that cannot be (check_cache_folder) or that lies in a dataset folder the command reads.
-    Nothing is written: the Hub names are resolved by check_hub_datasets.
+    dataset or out-of-corpus dataset the loader cannot read (check_dataset_path), a split a local one lacks, a cache
+    that cannot be (check_cache_folder) or that lies in a dataset folder the command reads. Nothing is written: the
+    Hub names are resolved, and a local split's rows counted, by check_hub_datasets.
 
     ``own_folder``: the folder the command itself locks (taper's run folder); a cache inside it is that lock's to
     guard (taking it refuses a running command in, above or inside the folder; every process of a distributed run
     checks its arguments, while only the first holds the lock), so only what the folder holds is checked there.
     """
     read = _datasets_read(data)
-    local = {option: check_dataset_path(option, name) for option, name in read.items()}
     try:
         check_split(data.dataset_name, data.dataset_split, data.streaming)
     except DataError as error:
         raise DataError(f"--dataset_split {data.dataset_split}: {error}") from None
+    splits = {"--dataset_name": data.dataset_split}  # the out-of-corpus dataset is read by its default split
+    local = {option: check_dataset_path(option, name, splits.get(option)) for option, name in read.items()}
     _check_local_reading(data, local["--dataset_name"])
     for option, name in read.items():
         check_text_column(option, name, local[option], *_text_column(data, option))
@@ -145,14 +148,28 @@ def _check_local_reading(data: Any, local: Optional[tuple[str, list[Path]]]) -> 
 
 
 def check_hub_datasets(data: Any) -> None:
-    """Resolve the Hub datasets a command's data arguments name (check_hub_dataset), before its model loads and after
-    the checks that write nothing (check_data_paths, the command's own folder)."""
+    """Resolve the Hub datasets a command's data arguments name (check_hub_dataset), and count the rows of a local
+    dataset's split where a slice needs them, before its model loads and after the checks that write nothing
+    (check_data_paths, the command's own folder): both write into the datasets cache."""
     for option, name in _datasets_read(data).items():
         if option == "--dataset_name":
             reading = (data.dataset_config_name, data.dataset_split, data.data_cache_dir)
         else:
-            reading = (None, "train", data.data_cache_dir)
+            reading = (None, None, data.data_cache_dir)
         check_hub_dataset(option, name, *reading, *_text_column(data, option))
+    _check_local_slice(data)
+
+
+def _check_local_slice(data: Any) -> None:
+    """Refuse a slice of a local dataset that selects none of its rows (train[100:] of 50 rows), which only the rows
+    tell: the split is read as the command's loading reads it (corpus.load_documents, which counts its rows before it
+    slices them), and the datasets cache then serves that loading. A Hub dataset's rows are its builder's
+    (check_hub_dataset), and a slice that selects no row whatever the rows was refused already (check_data_paths)."""
+    if "[" in (data.dataset_split or "") and local_dataset_path(data.dataset_name) is not None:
+        try:
+            load_documents(data)
+        except DataError as error:
+            raise DataError(f"--dataset_name: {error}") from None
 
 
 def _text_column(data: Any, option: str) -> tuple[Optional[str], str]:
@@ -216,9 +233,9 @@ def check_cache_folder(path: str, own_folder: Optional[str] = None) -> None:
 
 
 def _saved_model(folder: Path) -> bool:
-    """Whether ``folder`` holds a saved model: a config.json beside weights."""
+    """Whether ``folder`` holds a saved model: a config.json beside weights (utils.holds_model_weights)."""
     try:
-        return (folder / "config.json").is_file() and any(next(folder.glob(p), None) for p in _WEIGHTS)
+        return (folder / "config.json").is_file() and holds_model_weights(folder)
     except OSError:  # a folder this user cannot look into: no model of ours to judge
         return False
 

@@ -1,14 +1,14 @@
 """The Trainer options of ``taper``, checked before the model loads: each would otherwise fail late, or train
 something other than the recipe without saying so.
 
-Where transformers or torch validate an option themselves, their validation is called here, early, on a
-stand-in: the optimizer is built the way the Trainer builds it (torch's own range checks on the learning
-rate, betas, eps and weight decay; the import of an ``--optim`` that needs a missing package), the
-learning-rate scheduler likewise, and ``--report_to`` is resolved by transformers' integration table (which
-imports the integration). What only this recipe knows is checked by name: options that bypass its loss or
-its schedule, a Trainer evaluation without an evaluation set, checkpoints that could not be resumed, and a Hub
-push from inside the run. And the disk: a run whose folder cannot hold the checkpoint and the exports it will write
-is refused before it trains, and a fold whose folder cannot hold its export before its weights load (one check,
+Where transformers or torch validate an option themselves, their validation is called here, early, on a stand-in:
+the optimizer is built the way the Trainer builds it (torch's own range checks on the learning rate, betas, eps and
+weight decay; the import of an ``--optim`` that needs a missing package), the learning-rate scheduler likewise, and
+``--report_to`` is resolved by transformers' integration table (which imports the integration; wandb is asked
+whether it can log in). What only this recipe knows is checked by name: options that bypass its loss or
+its schedule, a Trainer evaluation without an evaluation set, checkpoints that could not be resumed, and a Hub push
+from inside the run. And the disk: a run whose folder cannot hold the checkpoint and the exports it will write is
+refused before it trains, and a fold whose folder cannot hold its export before its weights load (one check,
 check_free_space, for both; a disk that fills up anyway while an export is written is one line too,
 full_disk_refused).
 
@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import errno
 import math
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,6 +58,26 @@ def check_trainer_options(training_args, schedule: TaperSchedule, config: TaperN
         [callback() for callback in get_reporting_integration_callbacks(training_args.report_to)]
     except (ImportError, RuntimeError, ValueError) as error:
         raise ConfigurationError(f"--report_to {training_args.report_to}: {first_line(error)}") from None
+    if "wandb" in training_args.report_to:
+        _check_wandb_login(training_args.report_to)
+
+
+def _check_wandb_login(report_to: list[str]) -> None:
+    """wandb's init in the Trainer needs credentials once the model is loaded: ask wandb now, through its public
+    ``wandb.login`` (which reads the key where wandb keeps it, asks for one at a terminal, and raises without one
+    where it cannot ask). A mode that needs no account (WANDB_MODE offline, dryrun or disabled) needs no login."""
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled"):
+        return
+    import wandb  # importable: the integration check above imported it
+
+    try:
+        wandb.login(anonymous="never", verify=False)
+    except Exception as error:  # wandb.errors.UsageError (no key, no terminal) and its kin
+        raise ConfigurationError(
+            f"--report_to {report_to}: wandb cannot log in here ({first_line(error)}), so its start in the Trainer "
+            "would fail once the model is loaded: run `wandb login`, set WANDB_API_KEY, or set WANDB_MODE=offline "
+            "to log to local files"
+        ) from None
 
 
 def check_training_blocks(training_args, train_blocks: int) -> None:

@@ -22,7 +22,9 @@ def load_values(handle: IO[str], json_syntax: bool, as_written: Collection[str])
     refused as ``--learning_rate 0x10`` is. The syntaxes' own errors (ValueError, yaml.YAMLError, RecursionError)
     pass to the caller, which names the file."""
     if json_syntax:
-        return json.load(handle, parse_int=_JsonInt.read, parse_float=_JsonFloat.read)
+        return json.load(
+            handle, parse_int=_JsonInt.read, parse_float=_JsonFloat.read, object_pairs_hook=_object_of_distinct_keys
+        )
     loader = _Loader(handle)
     try:
         node = loader.get_single_node()
@@ -34,6 +36,22 @@ def load_values(handle: IO[str], json_syntax: bool, as_written: Collection[str])
             if isinstance(key.value, str) and key.value.replace("-", "_") in as_written:
                 values[key.value] = _as_written(value, values[key.value])
     return values
+
+
+def _refuse_repeated_key(keys: list[Any]) -> None:
+    """A key given twice in one object: JSON and YAML parsers keep the last without a word, and which of the two the
+    user meant is theirs to say (as two spellings of one option are refused by the parser)."""
+    seen = set()
+    for key in keys:
+        if key in seen:
+            raise ValueError(f"the key '{key}' is given twice in one object: keep one")
+        seen.add(key)
+
+
+def _object_of_distinct_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, its keys each given once (:func:`_refuse_repeated_key`)."""
+    _refuse_repeated_key([key for key, _ in pairs])
+    return dict(pairs)
 
 
 class _Written:
@@ -65,7 +83,19 @@ class _Loader(yaml.SafeLoader):
     """PyYAML's safe loader with YAML 1.2's core schema for numbers: ``010`` is 10, ``0x1F`` 31, ``1e3`` 1000.0,
     and ``1:30``, ``0b11``, ``1_000`` and ``2024-01-02`` are text, where YAML 1.1 reads 8, 90, 3, 1000 and a date.
     It is how a value inside an object option reads (``lr_scheduler_kwargs: {num_decay_steps: 010}``: 10, as its
-    flag's JSON ``10`` would); an option's own value is its text as written (:func:`_as_written`)."""
+    flag's JSON ``10`` would); an option's own value is its text as written (:func:`_as_written`). A key given twice
+    in one mapping is refused (:func:`_refuse_repeated_key`); one a merge key (``<<``) brings in may be given again.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        _refuse_repeated_key(
+            [
+                key.value
+                for key, _ in node.value
+                if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge"
+            ]
+        )
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.yaml_implicit_resolvers = {

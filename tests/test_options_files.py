@@ -532,7 +532,8 @@ def test_a_list_item_that_starts_with_a_dash_is_a_value_of_its_option(name, tmp_
     pushed to another repository, and `-notes.txt` was "expected at least one argument"."""
     monkeypatch.chdir(tmp_path)  # bench checks its output folder
     command, text, expected = LIST_ITEMS[name]
-    (tmp_path / "run.yaml").write_text(("export_dir: e\nrepo_id: me/x\n" if command == "push" else "") + text)
+    own_repo = "" if text.startswith("repo_id:") else "repo_id: me/x\n"  # a key is given once
+    (tmp_path / "run.yaml").write_text((f"export_dir: e\n{own_repo}" if command == "push" else "") + text)
     if isinstance(expected, str):
         with pytest.raises(ConfigurationError, match=re.escape(expected)):
             parsed(command, [str(tmp_path / "run.yaml")])
@@ -688,3 +689,29 @@ def test_a_commit_message_may_run_over_several_lines_from_either_source(tmp_path
     assert parsed("push", argv) == (options,)
     with pytest.raises(UsageError, match=r"argument --export_dir.*holds a line break"):  # a path keeps the rule
         parsed("push", ["--export_dir", "e\n", "--repo_id", "me/x"])
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("run.json", '{"block_size": 16, "block_size": 32}'),
+        ("run.yaml", "block_size: 16\nblock_size: 32\n"),
+        ("run.json", '{"lr_scheduler_kwargs": {"num_decay_steps": 3, "num_decay_steps": 4}}'),
+        ("run.yaml", "lr_scheduler_kwargs:\n  num_decay_steps: 3\n  num_decay_steps: 4\n"),
+    ],
+)
+def test_a_key_given_twice_in_one_file_is_refused(name, text, tmp_path):
+    """JSON and YAML parsers keep the last of a key given twice without a word: the file ran with block_size 32."""
+    (tmp_path / name).write_text(text)
+    key = "block_size" if "block_size" in text else "num_decay_steps"
+    with pytest.raises(UsageError, match=f"{name}: cannot read it \\(the key '{key}' is given twice in one object"):
+        parsed("taper", [str(tmp_path / name)])
+
+
+def test_a_key_a_yaml_merge_brings_in_may_be_given_again(tmp_path):
+    """A merge key (<<) brings defaults in that the mapping's own keys override: YAML's way, not a repeated key."""
+    (tmp_path / "run.yaml").write_text(
+        "lr_scheduler_kwargs:\n  <<: {num_decay_steps: 3, min_lr_ratio: 0.1}\n  num_decay_steps: 4\n"
+    )
+    training = parsed("taper", [str(tmp_path / "run.yaml")])[-1]
+    assert training.lr_scheduler_kwargs == {"num_decay_steps": 4, "min_lr_ratio": 0.1}

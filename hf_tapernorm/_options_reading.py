@@ -84,18 +84,40 @@ class _Loader(yaml.SafeLoader):
     and ``1:30``, ``0b11``, ``1_000`` and ``2024-01-02`` are text, where YAML 1.1 reads 8, 90, 3, 1000 and a date.
     It is how a value inside an object option reads (``lr_scheduler_kwargs: {num_decay_steps: 010}``: 10, as its
     flag's JSON ``10`` would); an option's own value is its text as written (:func:`_as_written`). A key given twice
-    in one mapping is refused (:func:`_refuse_repeated_key`); one a merge key (``<<``) brings in may be given again.
+    in one mapping is refused (:func:`_refuse_repeated_key`); one a merge key (``<<``) brings in may be given again
+    by the mapping itself, but not by a second merge (:meth:`flatten_mapping`).
     """
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         _refuse_repeated_key(
-            [
-                key.value
-                for key, _ in node.value
-                if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge"
-            ]
+            [key.value for key, _ in node.value if isinstance(key, yaml.ScalarNode) and key.tag != _MERGE]
         )
         return super().construct_mapping(node, deep=deep)
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        """Merge what ``node``'s merge keys (``<<``) bring in, refusing a key that two merged mappings both give
+        (``<<: [{k: 1}, {k: 2}]``, or two ``<<`` keys): YAML keeps the first merge's value, PyYAML the last or the
+        first depending on how the key's text was made, without a word. Each merged mapping is flattened first, so
+        that its keys are all there (PyYAML flattens it then too: a flattened node holds no merge key, so a second
+        call changes nothing)."""
+        merged: set[Any] = set()
+        for key, value in node.value:
+            if key.tag != _MERGE:
+                continue
+            for source in value.value if isinstance(value, yaml.SequenceNode) else [value]:
+                if not isinstance(source, yaml.MappingNode):
+                    continue  # PyYAML refuses it: only mappings merge
+                self.flatten_mapping(source)
+                given = {item.value for item, _ in source.value if isinstance(item, yaml.ScalarNode)}
+                if given & merged:
+                    repeated = min(given & merged)
+                    raise ValueError(f"the key '{repeated}' is given by two merges (<<) into one object: keep one")
+                merged |= given
+        super().flatten_mapping(node)
+
+
+#: The tag of YAML's merge key (``<<``).
+_MERGE = "tag:yaml.org,2002:merge"
 
 
 _Loader.yaml_implicit_resolvers = {

@@ -37,6 +37,11 @@ from .utils import check_seeds, expand_user
 _FIELD = re.compile(r"\b(?:TaperNormConfig|TrainingArguments)\.([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)?)")
 
 
+#: A percent sign in a help text, as written (``train[:10%]``) or already escaped for argparse (transformers' own
+#: help texts write ``~20%%``): both become ``%%``, which argparse prints as one percent sign.
+_PERCENT = re.compile("%%?")
+
+
 class UsageError(ConfigurationError):
     """A usage error reported as one line on stderr (exit status 2), without a traceback."""
 
@@ -57,6 +62,8 @@ class _Parser(HfArgumentParser):
         super().__init__(list(dataclass_types), prog=prog, allow_abbrev=False)  # a flag is its whole name
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        if isinstance(kwargs.get("help"), str):  # argparse %-formats it: a help's % is a percent sign, never a spec
+            kwargs["help"] = _PERCENT.sub("%%", kwargs["help"])
         if kwargs.get("type") is float:  # one check for every number option of every command, before any work
             kwargs["type"] = _finite_float
         if kwargs.get("nargs") in ("+", "*") and "action" not in kwargs:

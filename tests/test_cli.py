@@ -26,6 +26,7 @@ from hf_tapernorm.cli.arguments import (
     TaperArguments,
     TaperTrainingArguments,
 )
+from hf_tapernorm.cli.main import COMMANDS
 from hf_tapernorm.evaluation.models import ModelSourceError, resolve_model
 from hf_tapernorm.layers.patching import gate_of, patch_model
 from hf_tapernorm.training.checkpoints import load_tapered, save_tapered
@@ -451,6 +452,23 @@ def test_conversion_scripts_are_front_ends_of_the_cli(script, command, monkeypat
         runpy.run_path(str(REPO / "conversion_scripts" / f"{script}.py"), run_name="__main__")
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.startswith(f"usage: hf-tapernorm {command}")
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_subcommand_prints_its_help(command, capsys):
+    """argparse %-formats each help text: one text with a bare % (--dataset_split's train[:10%]) made taper --help
+    and eval --help exit 2. Every subcommand's --help is printed, and a percent sign reads as one, whether its help
+    wrote it bare (ours) or escaped (transformers' TrainingArguments write ~20%%)."""
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: hf-tapernorm {command} ")
+    assert "%%" not in text
+    if command in ("taper", "eval"):
+        assert "train[:10%]+test" in text
+    if command == "taper":
+        assert "~20% slower" in " ".join(text.split())
 
 
 def test_model_sources(tmp_path):

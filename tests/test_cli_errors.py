@@ -488,6 +488,37 @@ CASES = {
         2,
         "--eval_strategy steps: taper gives the Trainer no evaluation set",
     ),
+    # the Trainer options that evaluate or pick a "best" checkpoint: --eval_on_start and --save_strategy best failed
+    # with a traceback once the model was loaded; with a metric, best trained and never wrote a checkpoint; the
+    # others were ignored without a word, or refused in TrainingArguments' lines that pointed to --save_strategy best
+    **{
+        f"taper: {' '.join(flags)}": (
+            _trainer(flags),
+            2,
+            f"error: {refused}: taper gives the Trainer no evaluation set (it evaluates the held-out blocks itself, "
+            f"before and after training): {instead}",
+        )
+        for flags, refused, instead in [
+            (["--eval_on_start", "true"], "--eval_on_start", "leave it off"),
+            (["--save_strategy", "best"], "--save_strategy best", "no step is ever best, so no checkpoint would be"),
+            (
+                ["--save_strategy", "best", "--metric_for_best_model", "loss", "--save_steps", "2"],
+                "--save_strategy best",
+                "no step is ever best",
+            ),
+            (["--load_best_model_at_end", "true"], "--load_best_model_at_end", "there is no best checkpoint to load"),
+            (["--load_best_model_at_end", "true", "--save_strategy", "no"], "--load_best_model_at_end", "there is"),
+            (["--metric_for_best_model", "loss"], "--metric_for_best_model loss", "no checkpoint is compared by a"),
+            (["--greater_is_better", "false"], "--greater_is_better", "no checkpoint is compared by a metric"),
+        ]
+    },
+    # accepted: the report's history was empty, its loss figure blank, and the gradient-norm watch never fed
+    "taper: --logging_strategy no": (
+        _trainer(["--logging_strategy", "no"]),
+        2,
+        "error: --logging_strategy no: the report's training history and loss figure, and the divergence watch's "
+        "gradient norm, are read from the Trainer's logs",
+    ),
     # it was accepted, and the checkpoint a Ctrl-C saved "to continue with --resume" could not be resumed
     "taper: --save_only_model true": (
         _trainer(["--save_only_model", "true"]),

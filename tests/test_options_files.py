@@ -708,6 +708,27 @@ def test_a_key_given_twice_in_one_file_is_refused(name, text, tmp_path):
         parsed("taper", [str(tmp_path / name)])
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<<: {block_size: 16}\n<<: {block_size: 32}\n",
+        "<<: [{block_size: 16}, {block_size: 32}]\n",
+        "<<: [&small {block_size: 16}, {block_size: 32, max_steps: 4}]\n",
+        "<<: [{block_size: 16}, {<<: {block_size: 32}, max_steps: 4}]\n",
+        "lr_scheduler_kwargs:\n  <<: [{num_decay_steps: 3}, {num_decay_steps: 4}]\n",
+    ],
+)
+def test_a_key_two_yaml_merges_bring_in_is_refused(text, tmp_path):
+    """Two merges (two << keys, or a list after one) giving one key ran with the last one's value, without a word
+    (block_size 32), where YAML's merge keeps the first: which one the file means is unclear."""
+    (tmp_path / "run.yaml").write_text(text)
+    key = "block_size" if "block_size" in text else "num_decay_steps"
+    with pytest.raises(
+        UsageError, match=f"run.yaml: cannot read it \\(the key '{key}' is given by two merges \\(<<\\) into one object"
+    ):
+        parsed("taper", [str(tmp_path / "run.yaml")])
+
+
 def test_a_key_a_yaml_merge_brings_in_may_be_given_again(tmp_path):
     """A merge key (<<) brings defaults in that the mapping's own keys override: YAML's way, not a repeated key."""
     (tmp_path / "run.yaml").write_text(

@@ -108,11 +108,12 @@ def _refuse_recipe_bypasses(args) -> None:
             f"--label_smoothing_factor {args.label_smoothing_factor}: the Trainer would compute its own loss and "
             "bypass the recipe's (the scale loss and the distillation term would never be optimised); leave it at 0"
         )
-    strategy = str(getattr(args.eval_strategy, "value", args.eval_strategy))
-    if strategy != "no":
+    refuse_trainer_evaluation(args)
+    if _value(args.logging_strategy) == "no":  # on_log: TaperCallback's metrics, the report's history and figures
         raise ConfigurationError(
-            f"--eval_strategy {strategy}: taper gives the Trainer no evaluation set (it evaluates the held-out "
-            "blocks itself, before and after training); leave it at 'no'"
+            "--logging_strategy no: the report's training history and loss figure, and the divergence watch's "
+            "gradient norm, are read from the Trainer's logs, which would be empty; log less often with "
+            "--logging_steps N instead"
         )
     if getattr(args, "use_liger_kernel", False):
         raise ConfigurationError(
@@ -124,6 +125,43 @@ def _refuse_recipe_bypasses(args) -> None:
             "--push_to_hub would upload the run folder from inside training; push the folded export afterwards "
             "with hf-tapernorm push"
         )
+
+
+def refuse_trainer_evaluation(args) -> None:
+    """Refuse (one line) a Trainer option that evaluates, or picks a checkpoint by an evaluation's metric: taper
+    gives the Trainer no evaluation set (it measures the held-out blocks itself, before and after training), so
+    each would fail once the model is loaded (an evaluation without a set; --save_strategy best without a metric)
+    or be ignored without a word (no step is ever "best": --save_strategy best writes no checkpoint, so a stopped
+    run could not be resumed). Reads the options as given or as TrainingArguments has converted them: taper's
+    arguments call it before TrainingArguments' own checks, whose message for --load_best_model_at_end would
+    point to --save_strategy best."""
+    strategy = _value(args.eval_strategy)
+    needs_evaluation = {  # the option as given -> what taper does instead
+        f"--eval_strategy {strategy}": (strategy != "no", "leave it at 'no'"),
+        "--eval_on_start": (args.eval_on_start, "leave it off"),
+        "--save_strategy best": (
+            _value(args.save_strategy) == "best",
+            "no step is ever best, so no checkpoint would be written; use steps (every --save_steps) or epoch",
+        ),
+        "--load_best_model_at_end": (
+            args.load_best_model_at_end,
+            "there is no best checkpoint to load, and taper exports the last step's model; leave it off",
+        ),
+        f"--metric_for_best_model {args.metric_for_best_model}": (
+            args.metric_for_best_model is not None,
+            "no checkpoint is compared by a metric; leave it out",
+        ),
+        "--greater_is_better": (
+            args.greater_is_better is not None,
+            "no checkpoint is compared by a metric; leave it out",
+        ),
+    }
+    for option, (given, instead) in needs_evaluation.items():
+        if given:
+            raise ConfigurationError(
+                f"{option}: taper gives the Trainer no evaluation set (it evaluates the held-out blocks itself, "
+                f"before and after training): {instead}"
+            )
 
 
 def _require_finite(args, config: TaperNormConfig) -> None:
@@ -440,5 +478,6 @@ __all__ = [
     "check_training_blocks",
     "export_writes",
     "full_disk_refused",
+    "refuse_trainer_evaluation",
     "run_writes",
 ]

@@ -25,6 +25,7 @@ from transformers import TrainingArguments
 from transformers.integrations import is_deepspeed_available
 
 from .._parsing import as_flags
+from ..app.preflight import refuse_trainer_evaluation
 from ..app.validation import IGNORED_ON_RESUME
 from ..config import OptionField, TaperNormConfig, parse_step
 from ..data.sources import EMBEDDED_CORPUS
@@ -407,6 +408,7 @@ class TaperTrainingArguments(TrainingArguments):
                 "--dataloader_num_workers must be >= 0 (0: load in the main process), "
                 f"got {self.dataloader_num_workers}"
             )
+        refuse_trainer_evaluation(self)  # before TrainingArguments' own check of --load_best_model_at_end
         expand_user_options(self, "output_dir")
         if self.max_steps is None or self.max_steps < 2:
             raise ConfigurationError(

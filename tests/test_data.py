@@ -572,11 +572,11 @@ def test_a_folder_whose_files_form_splits_reads_its_train_split_only(tmp_path, m
         local_data_files(str(tables))
     (tables / "test.jsonl").unlink()  # one split, validation: read whole, as before
     assert local_data_files(str(tables)) == ("json", [tables / "valid.jsonl"])
-    texts = tmp_path / "texts"  # notes, not splits: a text folder is one corpus whatever its files are named
+    texts = tmp_path / "texts"  # text files named as splits form them, as tables do (a sum reads them all)
     texts.mkdir()
     (texts / "train.md").write_text("\n\n".join(train))
     (texts / "test.md").write_text("\n\n".join(test))
-    assert local_data_files(str(texts)) == ("text", [texts / "test.md", texts / "train.md"])
+    assert local_data_files(str(texts), split="train+test") == ("text", [texts / "train.md", texts / "test.md"])
     card = (
         "---\nconfigs:\n- config_name: en\n  data_files: data/first-*\n- config_name: fr\n  data_files: data/second-*\n"
     )
@@ -592,7 +592,7 @@ def test_a_dataset_folder_reads_the_files_datasets_resolves_for_its_train_split(
     fr/*.parquet, or undeclared raw/ files, were read too); a clone of a Hub text dataset whose README.md declares
     configs (the card and the test split were read as text). The files are now those datasets resolves for the
     train split (or the only split) of the folder's default configuration, its paths compared unresolved; a text
-    folder's README.md is its card when its front matter holds card metadata, and text (one corpus) otherwise."""
+    folder's README.md is its card when its front matter holds card metadata, and text otherwise."""
     from hf_tapernorm.data.sources import local_data_files
 
     train, other = corpus_documents(20, seed=1), [f"OTHER {doc}" for doc in corpus_documents(8, seed=2)]
@@ -638,10 +638,9 @@ def test_a_dataset_folder_reads_the_files_datasets_resolves_for_its_train_split(
     (text / "README.md").write_text("---\ndataset_info:\n  features:\n  - name: text\n    dtype: string\n---\n")
     assert local_data_files(str(text)) == ("text", [text / "data" / "train.txt"])  # named train/test: the splits
     (text / "README.md").write_text("---\ntitle: my notes\ntags: [configs]\n---\n# Notes\n")  # a note's front matter
-    assert local_data_files(str(text)) == (
-        "text",
-        [text / "README.md", text / "data/test.txt", text / "data/train.txt"],
-    )
+    assert local_data_files(str(text), split="train") == ("text", [text / "data/train.txt"])  # README.md: text
+    (text / "data" / "test.txt").unlink()  # one split: the note and train.txt are one corpus
+    assert local_data_files(str(text)) == ("text", [text / "README.md", text / "data/train.txt"])
     cardonly = tmp_path / "cardonly"
     cardonly.mkdir()
     (cardonly / "README.md").write_text("---\ndataset_info:\n  dataset_size: 0\n---\n")
@@ -677,6 +676,92 @@ def test_a_users_own_folder_is_one_corpus_whatever_its_files_are_named(tmp_path)
     root = folder("split", ["my_train.jsonl", "my_test.jsonl", "my_other.jsonl"])
     with pytest.raises(DataError, match=r"file names form the splits train, test \(as datasets reads them\): read one"):
         local_data_files(str(root))
+
+
+def test_a_save_to_disk_folder_is_refused_before_the_model_loads(hub, tmp_path):
+    """`eval --dataset_name <a Dataset.save_to_disk folder>` loaded the model, then read its state.json and
+    dataset_info.json as rows (CastError); a DatasetDict's `--dataset_split test` read test/state.json as a one-row
+    split ("too small"). Such a folder, or a folder holding one, is now told as datasets.load_from_disk tells it
+    (state.json beside dataset_info.json; dataset_dict.json) and refused before the model loads, saying what to do;
+    datasets.load_dataset refuses it too."""
+    docs = datasets.Dataset.from_dict({"text": corpus_documents(20)})
+    saved, both, holder = tmp_path / "saved", tmp_path / "both", tmp_path / "holder"
+    docs.save_to_disk(str(saved))
+    datasets.DatasetDict({"train": docs, "test": docs}).save_to_disk(str(both))
+    docs.to_json(holder / "notes.jsonl")
+    docs.save_to_disk(str(holder / "cache" / "copy"))
+    with pytest.raises(ValueError, match="save_to_disk"):
+        datasets.load_dataset(str(saved))
+    what = (
+        "a dataset that datasets' save_to_disk wrote (Arrow files and their state.json), which is read with "
+        "datasets.load_from_disk, not as data files: write each split of it as a file (ds.to_json('train.jsonl'), "
+        "ds.to_parquet('test.parquet')) and name that file, or a folder of them, as the dataset"
+    )
+    for folder, split in [(saved, None), (both, "test"), (both, None), (both / "test", None)]:
+        flags = ("--dataset_split", split) if split else ()
+        assert error_of(_eval("--dataset_name", str(folder), *flags)) == (
+            f"hf-tapernorm eval: error: --dataset_name '{folder}' is {what}"
+        )
+    assert error_of(_eval("--dataset_name", str(holder))) == (
+        f"hf-tapernorm eval: error: --dataset_name '{holder}' holds, in '{holder / 'cache' / 'copy'}', {what}"
+    )
+    with pytest.raises(DataError, match=re.escape(f"dataset '{saved}' is {what}")):
+        load_text_dataset(str(saved), cache_dir=str(tmp_path / "c"))
+
+
+def test_the_files_datasets_ignores_in_a_data_folder_are_never_read(tmp_path):
+    """A jsonl folder holding a config.json ({"text": ...}) beside its one data file read the config as a document:
+    101 rows where datasets reads 100, and `train[100:]` read the config alone. The names datasets skips in a data
+    folder (datasets.data_files.FILES_TO_IGNORE) are now skipped on every path, as datasets skips them; beside text
+    files a dataset_infos.json no longer mixes file types."""
+    from hf_tapernorm.data.sources import local_data_files
+
+    rows = [f"row {i} " * 4 for i in range(100)]
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    datasets.Dataset.from_dict({"text": rows}).to_json(tables / "mydata.jsonl")
+    (tables / "config.json").write_text(json.dumps({"text": "CONFIG"}))
+    (tables / "dataset_info.json").write_text(json.dumps({"text": "INFO"}))
+    cache = str(tmp_path / "c")
+    theirs = datasets.load_dataset(str(tables), split="train", cache_dir=str(tmp_path / "theirs"))["text"]
+    assert theirs == rows
+    assert local_data_files(str(tables)) == ("json", [tables / "mydata.jsonl"])
+    assert load_text_dataset(str(tables), cache_dir=cache)["text"] == rows
+    assert load_text_dataset(str(tables), split="train[:10]", cache_dir=cache)["text"] == rows[:10]
+    with pytest.raises(DataError, match=r"'train\[100:\]' selects no row of its splits \(rows: train 100\)"):
+        load_text_dataset(str(tables), split="train[100:]", cache_dir=cache)
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "notes.txt").write_text("a note\n")
+    (texts / "dataset_infos.json").write_text("{}")
+    assert local_data_files(str(texts)) == ("text", [texts / "notes.txt"])
+
+
+def test_a_text_folder_whose_file_names_form_splits_reads_them_as_tables_do(hub, tmp_path):
+    """A folder of train.txt and test.txt (no card) was one corpus: both files were trained on without a word,
+    `train[:10]` read test.txt's paragraphs (it sorts first) and `--dataset_split test` was refused. Text files now
+    form splits by their names as tables do, read as datasets.load_dataset reads them; none named is refused, saying
+    how to read one split or all of them (train+test)."""
+    from hf_tapernorm.app.data_checks import check_data_paths
+    from hf_tapernorm.cli.arguments import DataArguments
+
+    folder = tmp_path / "pair"
+    folder.mkdir()
+    (folder / "train.txt").write_text("\n\n".join(corpus_documents(30, seed=1)) + "\n")
+    (folder / "test.txt").write_text("\n\n".join(f"TEST {doc}" for doc in corpus_documents(12, seed=2)) + "\n")
+    for split in ("train[:10]", "train[:33%]", "test", "train+test"):
+        theirs = datasets.load_dataset(
+            str(folder), split=split, sample_by="paragraph", cache_dir=str(tmp_path / "theirs")
+        )["text"]
+        assert load_text_dataset(str(folder), split=split, cache_dir=str(tmp_path / "c"))["text"] == theirs, split
+        check_data_paths(DataArguments(dataset_name=str(folder), dataset_split=split, out_of_corpus_blocks=0))
+    first = load_text_dataset(str(folder), split="train[:10]", cache_dir=str(tmp_path / "c"))["text"]
+    assert len(first) == 10 and not any(doc.startswith("TEST") for doc in first)
+    assert error_of(_eval("--dataset_name", str(folder))) == (
+        f"hf-tapernorm eval: error: --dataset_name '{folder}' is a folder whose file names form the splits train, "
+        "test (as datasets reads them): read one with --dataset_split NAME, all of them with --dataset_split "
+        "train+test, or name the files of one (a file, or a folder holding only them) as the dataset"
+    )
 
 
 def _split_folders(root: Path) -> dict[str, Path]:
@@ -719,8 +804,8 @@ def test_the_split_named_of_a_folder_whose_files_form_splits_is_read(hub, tmp_pa
     for name in ("pair", "clone"):
         refusal = (
             f"--dataset_name '{folders[name]}' is a folder whose file names form the splits train, test (as datasets "
-            "reads them): read one with --dataset_split NAME, or name the files of one (a file, or a folder holding "
-            "only them) as the dataset"
+            "reads them): read one with --dataset_split NAME, all of them with --dataset_split train+test, or name the "
+            "files of one (a file, or a folder holding only them) as the dataset"
         )
         assert error_of(_eval("--dataset_name", str(folders[name]))) == f"hf-tapernorm eval: error: {refusal}"
         options = tmp_path / f"{name}.yaml"

@@ -399,6 +399,37 @@ def test_eval_refuses_a_data_path_the_loader_cannot_read_before_the_model_loads(
     assert {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")} == before
 
 
+def test_eval_records_the_split_and_the_text_column_it_read(ws, tmp_path):
+    """`eval --dataset_split test --output_json r.json` and `--dataset_split train` on one folder gave results that
+    differed only in their numbers: nothing said which split was read. The result (printed and written) now records
+    the data facts the taper report records: the text column, the configuration, the split, how text was sampled,
+    the dataset's absolute path and the cache."""
+    folder = tmp_path / "pair"
+    folder.mkdir()
+    for split, count in (("train", 60), ("test", 40)):
+        docs = [f"{split} {line}" for line in (ws / "corpus.txt").read_text().split("\n\n")[:count]]
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps({"body": doc}) + "\n" for doc in docs))
+    results = {}
+    for split in ("test", "train[:50%]"):
+        result = tmp_path / f"{split[:4]}.json"
+        argv = evaluate(ws / "llama", "--dataset_split", split, "--output_json", str(result), data=folder)
+        code, stdout, stderr = run_main([*argv, "--heldout_percentage", "20", "--data_cache_dir", str(tmp_path / "c")])
+        assert code == 0, stderr[-2000:]
+        results[split] = json.loads(result.read_text())
+        assert json.loads(stdout.strip().splitlines()[0]) == {
+            k: v for k, v in results[split].items() if k != "written_by"
+        }
+    for split, recorded in results.items():
+        assert {key: recorded[key] for key in ("dataset", "text_column", "config", "split", "dataset_path")} == {
+            "dataset": str(folder),
+            "text_column": "body",
+            "config": None,
+            "split": split,
+            "dataset_path": str(folder.resolve()),
+        }
+        assert recorded["cache_dir"] == str(tmp_path / "c") and recorded["sample_by"] == "paragraph"
+
+
 def test_a_data_cache_in_a_dataset_folder_is_refused_before_it_spoils_the_folder(ws, tmp_path, monkeypatch):
     """eval --dataset_name DIR --data_cache_dir DIR/cache was accepted: datasets wrote dataset_info.json, .arrow and
     lock files into the user's data folder, and from then on every command (a taper without --data_cache_dir too)

@@ -18,7 +18,7 @@ from typing import Optional
 from .._parsing import UsageError, parse
 from ..app.data_checks import check_data_paths, check_hub_datasets, missing_local_dataset
 from ..app.preflight import check_export_space, full_disk_refused
-from ..app.record import recorded_path, recorded_reference
+from ..app.record import reading_facts, recorded_path, recorded_reference
 from ..app.run_folder import RunFolder, write_file, write_folder
 from ..app.run_lock import refuse_while_running, resolved_path
 from ..app.taper import save_export
@@ -135,6 +135,8 @@ def eval_main(argv: Sequence[str]) -> int:
         "model": source.describe(),
         "kind": source.kind,
         "dataset": packed.source,
+        "text_column": packed.text_column,
+        **reading_facts(data_args),  # its split, configuration, ...: as the taper report's data section records them
         "block_size": packed.block_size,
         "sink_token_ids": sink_ids,
         **heldout_loss(

@@ -20,8 +20,8 @@ from typing import Optional, Union
 
 import datasets
 
-from ..errors import ConfigurationError
 from ..utils import expand_user
+from .local_folders import BUILDERS, DataError, folder_splits, read_splits, split_names
 
 logger = logging.getLogger(__name__)
 
@@ -35,21 +35,7 @@ _EXCLUDED_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "pydoc_data"}
 )
 
-_BUILDERS = {
-    ".txt": "text",
-    ".text": "text",
-    ".md": "text",
-    ".json": "json",
-    ".jsonl": "json",
-    ".parquet": "parquet",
-    ".csv": "csv",
-}
-
 AnyDataset = Union[datasets.Dataset, datasets.IterableDataset]
-
-
-class DataError(ConfigurationError):
-    """A dataset that cannot be used: missing, unreadable, without a text column, or too small."""
 
 
 # ----------------------------------------------------------------------------- the embedded corpus
@@ -104,7 +90,7 @@ def local_dataset_path(source: Optional[str]) -> Optional[Path]:
     if not source.strip():  # Path("") is the working folder: its files would be read in the default's name
         raise DataError(f"dataset {source!r}: {_EMPTY}")
     path = expand_user(source, f"dataset '{source}'")
-    local = path.exists() or source.startswith((".", "/", "~")) or path.suffix.lower() in _BUILDERS
+    local = path.exists() or source.startswith((".", "/", "~")) or path.suffix.lower() in BUILDERS
     return path if local else None
 
 
@@ -122,20 +108,18 @@ def local_splits(
     """The ``datasets`` builder and, by split, the files that load_text_dataset reads for the dataset name ``source``
     and the split expression ``split`` (None: none named); None for the embedded corpus and a Hub dataset's name. The
     file itself, or a folder's files of a suffix a builder reads (hidden files and folders, ``.ipynb_checkpoints/`` or
-    ``.git/``, skipped as ``datasets`` skips them: copies of the data or tool state), all of one builder. Beside
-    json/parquet/csv files, ``.md`` files are notes and the folder's card, not data (``datasets`` leaves them out of a
-    folder of tables too). In a folder of text files they are text like the others, but for a root README.md whose
-    YAML front matter holds the metadata ``datasets`` reads from a card (``configs``, ``dataset_info``): the card of a
-    git clone of a Hub text dataset.
+    ``.git/``, and the names ``datasets`` skips in a data folder, config.json or dataset_info.json, skipped as it skips
+    them), all of one builder (local_folders.folder_splits: which .md files are notes or a card). A folder that
+    ``save_to_disk`` wrote is refused: ``datasets.load_from_disk`` reads it, not a builder.
 
     A file, and a folder of the user's own files (no card), are one corpus whose one split is train, whatever the
-    files are named (train.md beside test_x.md, eval.jsonl beside chat.jsonl), unless the folder's file names form
-    several splits as ``datasets`` reads them (train.jsonl beside test.jsonl). Such a folder, and a folder with a card
-    (a README.md with front matter beside tables; such a README.md in a text folder: a copy of a Hub dataset), have
-    the splits ``datasets`` resolves for them (:func:`_folder_splits`), from which ``split`` reads as datasets would
-    (test, train[:10%]+test). With none named, the train split is read (a card's only split, if it has one); a folder
-    without a card whose names form several splits is refused then: neither mixing the splits nor choosing one for the
-    user is right. A WARNING says how many of the folder's data files that leaves out.
+    files are named (eval.jsonl beside chat.jsonl), unless the folder's file names form several splits as ``datasets``
+    reads them (train.jsonl beside test.jsonl, train.txt beside test.txt). Such a folder, and a folder with a card (a
+    README.md with front matter beside tables; such a README.md in a text folder: a copy of a Hub dataset), have the
+    splits ``datasets`` resolves for them, from which ``split`` reads as datasets would (test, train[:10%]+test). With
+    none named, the train split is read (a card's only split, if it has one); a folder without a card whose names
+    form several splits is refused then: neither mixing the splits nor choosing one for the user is right (train+test
+    reads them all). A WARNING says how many of the folder's data files that leaves out.
 
     The loading and the check every command makes before it loads a model (app/data_checks.py) both ask this, so a
     local path the loader cannot read is refused first, for the same reason. DataError, its subject ``name`` (default
@@ -151,152 +135,13 @@ def local_splits(
         return None
     if not path.exists():
         raise DataError(f"{name} not found: no such file or folder")
-    supported = f"{', '.join(sorted(_BUILDERS))} (or a folder of such files, or a Hub dataset name)"
+    supported = f"{', '.join(sorted(BUILDERS))} (or a folder of such files, or a Hub dataset name)"
     if not path.is_dir():
         suffix = path.suffix.lower()
-        if suffix not in _BUILDERS:
+        if suffix not in BUILDERS:
             raise DataError(f"{name}: unsupported file type '{suffix or '(none)'}'; supported: {supported}")
-        return _BUILDERS[suffix], _read_splits({"train": [path]}, [path], split, name, "a local file", False)
-    files = sorted(
-        p
-        for p in path.rglob("*")
-        if p.is_file()
-        and p.suffix.lower() in _BUILDERS
-        and not any(part.startswith(".") for part in p.relative_to(path).parts)
-    )
-    card = path / datasets.config.REPOCARD_FILENAME  # README.md
-    tables = any(_BUILDERS[p.suffix.lower()] != "text" for p in files)
-    if tables:  # .md beside tables: the card and notes, which datasets leaves out of a folder of tables too
-        is_card = card in files and _front_matter(card) is not None
-        files = [p for p in files if p.suffix.lower() != ".md"]
-    else:
-        is_card = card in files and any(field in (_front_matter(card) or {}) for field in _CARD_FIELDS)
-        if is_card:
-            files.remove(card)  # a Hub text dataset's card (a git clone of it), as datasets reads it
-    if not files:
-        besides = " besides its card (README.md)" if is_card else ""
-        raise DataError(f"{name} is a folder that holds no {'/'.join(sorted(_BUILDERS))} files{besides}")
-    builders = {_BUILDERS[p.suffix.lower()] for p in files}
-    if len(builders) > 1:
-        raise DataError(f"{name} is a folder that mixes file types ({', '.join(sorted(builders))}); use one type")
-    builder = builders.pop()
-    corpus = "a folder read as one corpus (no dataset card, its file names forming one split at most)"
-    if builder == "text" and not is_card:  # notes or source: one corpus whatever its names (train.md, test_x.md)
-        return builder, _read_splits({"train": files}, files, split, name, corpus, False)
-    splits = _folder_splits(path, files, card if is_card else None, name)
-    if not is_card and len(splits) < 2:  # a folder of the user's own files: the names are theirs, not splits
-        return builder, _read_splits({"train": files}, files, split, name, corpus, False)
-    return builder, _read_splits(splits, files, split, name, None, is_card)
-
-
-def _read_splits(
-    splits: dict[str, list[Path]], files: list[Path], split: Optional[str], name: str, corpus: Optional[str], card: bool
-) -> dict[str, list[Path]]:
-    """Of a local dataset's ``splits`` (its ``files`` by split), those the split expression ``split`` reads; None: the
-    train split, or a ``card``'s only split, read as train (:func:`local_splits`). ``corpus``: what the dataset is
-    when it is one corpus, its one split train (a file, a folder read as one corpus); None for a folder of splits."""
-    if split is None and len(splits) > 1 and not card:
-        raise DataError(
-            f"{name} is a folder whose file names form the splits {', '.join(splits)} (as datasets reads them): read "
-            "one with --dataset_split NAME, or name the files of one (a file, or a folder holding only them) as the "
-            "dataset"
-        )
-    if split is None and len(splits) > 1 and "train" not in splits:
-        raise DataError(
-            f"{name} is a folder whose files form the splits {', '.join(splits)} and no train split (as datasets "
-            "reads it): read one with --dataset_split NAME, or name one split's file, or a folder of one split, as the "
-            "dataset"
-        )
-    named = list(dict.fromkeys(_split_names(split))) if split is not None else ["train"]
-    missing = [one for one in named if one not in splits] if split is not None else []
-    if missing and corpus is not None:
-        raise DataError(
-            f"{name} is {corpus}, whose one split is train, not '{missing[0]}': name that split's file as the dataset "
-            "(slices such as train[:50%] read part of train)"
-        )
-    if missing:
-        raise DataError(
-            f"{name} has no split '{missing[0]}': its splits, as datasets reads the folder, are {', '.join(splits)}; "
-            "name one of them as --dataset_split"
-        )
-    read_as = {one: one if one in splits else next(iter(splits)) for one in named}  # a card's only split as train
-    chosen = {one: splits[read_as[one]] for one in named}
-    read, outside = sum(map(len, chosen.values())), set(files).difference(*splits.values())
-    if read < len(files) and (split is None or outside):  # the split named leaves out the others, as asked
-        what = f"'{split}'" if split is not None else f"its {read_as['train']} split"
-        message = "%s: reading %s as datasets resolves the folder, %d of its %d data file(s) (its splits: %s)"
-        logger.warning(message, name, what, read, len(files), ", ".join(splits))
-    return chosen
-
-
-#: The fields of a dataset card's YAML front matter that ``datasets`` reads from a local folder's README.md (its
-#: configurations and its splits' infos): a README.md that holds one is a dataset's card, whatever its files are.
-_CARD_FIELDS = (datasets.config.METADATA_CONFIGS_FIELD, "dataset_info")
-
-
-def _front_matter(readme: Path) -> Optional[dict]:
-    """The YAML front matter of ``readme`` (a folder's root README.md) as a mapping; None for none, or one YAML cannot
-    read (a note's). A Hub dataset's card has one (its license, its configurations); a dataset card's metadata that
-    ``datasets`` reads (:data:`_CARD_FIELDS`) marks a clone of a Hub text dataset, whose card must not be read as
-    text nor its test split as training text."""
-    from huggingface_hub import metadata_load
-    from yaml import YAMLError
-
-    try:
-        return metadata_load(readme) or None
-    except (ValueError, YAMLError):  # ValueError: not UTF-8, or a front matter that is no mapping
-        return None
-
-
-def _folder_splits(folder: Path, files: list[Path], card: Optional[Path], name: str) -> dict[str, list[Path]]:
-    """A folder's data ``files`` by split, as ``datasets`` resolves a local dataset folder (LocalDatasetModuleFactory)
-    with its ``card`` (README.md: a copy of a Hub dataset) or without: the data_files (or data_dir) of the default
-    configuration the card declares, else the file-name conventions of ``get_data_patterns``
-    (data/train-00000-of-00001.parquet beside data/test-00000-of-00001.parquet, train/ beside test/), else every file
-    as train; splits that hold none of ``files`` left out. A git clone of a Hub dataset then reads as its Hub name
-    does: never another configuration's files, nor files its card leaves out. Paths are compared absolute, links not
-    resolved (as datasets lists them), so a ``snapshot_download`` copy, whose files are links into blobs/, reads as
-    its clone does. Reads the folder only (no cache); DataError, naming ``name``, for a folder whose splits datasets
-    cannot tell (an unreadable card, a configuration to choose, files its card names that are not there) or whose
-    splits hold none of ``files``."""
-    from datasets.data_files import DataFilesDict, get_data_patterns, sanitize_patterns
-    from datasets.utils.metadata import MetadataConfigs
-    from huggingface_hub import DatasetCard
-    from yaml import YAMLError
-
-    def unreadable(error: Exception) -> DataError:
-        reason = (str(error).strip().splitlines() or [""])[0]
-        return DataError(f"{name}: cannot tell the folder's splits as datasets reads it: {reason}")
-
-    try:
-        configs = MetadataConfigs.from_dataset_card_data(DatasetCard.load(card).data) if card else MetadataConfigs()
-        default = configs.get_default_config_name()
-    except (ValueError, YAMLError) as error:
-        raise unreadable(error) from None
-    if configs and default is None:
-        raise DataError(
-            f"{name} is a folder whose card (README.md) declares the configurations {', '.join(configs)} and no "
-            "default: name the data files of one as the dataset"
-        )
-    config = configs[default] if default is not None else {}
-    base = Path(os.path.abspath(folder), config.get("data_dir", ""))
-    try:
-        if config.get("data_files") is not None:
-            patterns = sanitize_patterns(config["data_files"])
-        else:
-            patterns = get_data_patterns(str(base))
-        resolved = DataFilesDict.from_patterns(patterns, base_path=str(base))
-    except FileNotFoundError as error:  # a card's path that matches no file
-        raise unreadable(error) from None
-    ours = {Path(os.path.abspath(file)): file for file in files}
-    splits = {str(split): sorted(ours[p] for p in map(Path, found) if p in ours) for split, found in resolved.items()}
-    splits = {split: found for split, found in splits.items() if found}
-    if not splits and card is not None:
-        raise DataError(
-            f"{name} is a folder whose splits, as datasets reads it ({'its card' if configs else 'its file names'}), "
-            f"hold none of its {'/'.join(sorted(_BUILDERS))} files: name the data files as the dataset"
-        )
-    return splits
+        return BUILDERS[suffix], read_splits({"train": [path]}, [path], split, name, "a local file", False)
+    return folder_splits(path, split, name)
 
 
 def load_text_dataset(
@@ -372,7 +217,7 @@ def hub_dataset_builder(
         )
     split = split or "train"
     splits = sorted(builder.info.splits or ())
-    missing = [name for name in _split_names(split) if splits and name not in splits]
+    missing = [name for name in split_names(split) if splits and name not in splits]
     if missing:
         raise DataError(f"dataset '{source}' has no split '{missing[0]}': its splits are {', '.join(splits)}")
     _check_selects_rows(source, split, {name: info.num_examples for name, info in (builder.info.splits or {}).items()})
@@ -383,7 +228,7 @@ def _check_selects_rows(source: str, split: str, sizes: dict[str, int]) -> None:
     """Refuse a split expression that selects no row of the splits of ``sizes`` (name -> rows, as the dataset's
     builder records them, or counted them preparing its data), as ``datasets`` reads it (ReadInstruction.to_absolute):
     train[200:] of 150 rows. Nothing where a split it reads has no size (0): the corpus refuses an empty one."""
-    names = list(dict.fromkeys(_split_names(split)))
+    names = list(dict.fromkeys(split_names(split)))
     if not all(sizes.get(name) for name in names):
         return
     try:
@@ -396,11 +241,6 @@ def _check_selects_rows(source: str, split: str, sizes: dict[str, int]) -> None:
             f"dataset '{source}': '{split}' selects no row of its splits (rows: {rows}); name a slice within them, "
             "or the split whole"
         )
-
-
-def _split_names(split: str) -> list[str]:
-    """The splits a split expression reads: ``train[:10%]+validation`` reads train and validation."""
-    return [part.split("[", 1)[0].strip() for part in split.split("+")]
 
 
 def check_split(source: Optional[str], split: Optional[str], streaming: bool = False) -> None:

@@ -1,0 +1,223 @@
+"""Which files of a local dataset folder are read, and as which splits: the rules ``datasets`` follows for a folder.
+
+A folder's files are those of a suffix a builder reads (:data:`BUILDERS`), less what ``datasets`` skips in a data
+folder (hidden files and folders; the names of its ``FILES_TO_IGNORE``: config.json, dataset_info.json, ...), and its
+splits those ``datasets`` resolves for it (a card's configurations, else the file-name conventions). A folder that
+``save_to_disk`` wrote is no data folder: ``datasets.load_dataset`` refuses it, and so does this. sources.local_splits
+asks :func:`folder_splits` for a folder and :func:`read_splits` for a file; the loading and every command's early
+check ask sources.local_splits, so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import datasets
+from datasets.data_files import FILES_TO_IGNORE
+
+from ..errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
+
+#: The ``datasets`` builder that reads a local file of each suffix.
+BUILDERS = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+}
+
+
+class DataError(ConfigurationError):
+    """A dataset that cannot be used: missing, unreadable, without a text column, or too small."""
+
+
+def split_names(split: str) -> list[str]:
+    """The splits a split expression reads: ``train[:10%]+validation`` reads train and validation."""
+    return [part.split("[", 1)[0].strip() for part in split.split("+")]
+
+
+def folder_splits(path: Path, split: Optional[str], name: str) -> tuple[str, dict[str, list[Path]]]:
+    """The builder and, by split, the files of the folder ``path`` that the split expression ``split`` reads (None:
+    none named), as sources.local_splits describes; ``name`` is the subject of its DataError. ``.md`` files beside
+    json/parquet/csv files are notes and the folder's card, not data (``datasets`` leaves them out of a folder of
+    tables too); in a folder of text files they are text, but for a root README.md whose YAML front matter holds the
+    metadata ``datasets`` reads from a card (:data:`_CARD_FIELDS`). The other names ``datasets`` skips in a data
+    folder (its ``FILES_TO_IGNORE``: config.json, dataset_info.json beside the data) are never read: a model's
+    config or a cache's record is not a document. README.md is the card rule's, as .md is this package's text."""
+    found = sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file()
+        and p.suffix.lower() in BUILDERS
+        and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )
+    _refuse_saved_dataset(path, found, name)
+    card = path / datasets.config.REPOCARD_FILENAME  # README.md
+    ignored = set(FILES_TO_IGNORE) - {card.name}
+    files = [p for p in found if p.name not in ignored]
+    tables = any(BUILDERS[p.suffix.lower()] != "text" for p in files)
+    if tables:  # .md beside tables: the card and notes, which datasets leaves out of a folder of tables too
+        is_card = card in files and _front_matter(card) is not None
+        files = [p for p in files if p.suffix.lower() != ".md"]
+    else:
+        is_card = card in files and any(field in (_front_matter(card) or {}) for field in _CARD_FIELDS)
+        if is_card:
+            files.remove(card)  # a Hub text dataset's card (a git clone of it), as datasets reads it
+    if not files:
+        besides = " besides its card (README.md)" if is_card else ""
+        raise DataError(f"{name} is a folder that holds no {'/'.join(sorted(BUILDERS))} files{besides}")
+    builders = {BUILDERS[p.suffix.lower()] for p in files}
+    if len(builders) > 1:
+        raise DataError(f"{name} is a folder that mixes file types ({', '.join(sorted(builders))}); use one type")
+    builder = builders.pop()
+    splits = _folder_splits(path, files, card if is_card else None, name)
+    if not is_card and len(splits) < 2:  # a folder of the user's own files: the names are theirs, not splits
+        corpus = "a folder read as one corpus (no dataset card, its file names forming one split at most)"
+        return builder, read_splits({"train": files}, files, split, name, corpus, False)
+    return builder, read_splits(splits, files, split, name, None, is_card)
+
+
+def _refuse_saved_dataset(path: Path, found: list[Path], name: str) -> None:
+    """Refuse a folder that ``save_to_disk`` wrote, or one holding such a folder (``found``: its files of a builder's
+    suffix), told as ``datasets.load_from_disk`` tells one: a Dataset's folder holds its state.json and
+    dataset_info.json, a DatasetDict's a dataset_dict.json. Read as data, those records are rows (a CastError, or a
+    one-row split), and ``datasets.load_dataset`` refuses such a folder too. Not read here with ``load_from_disk``:
+    its splits would bypass the split expressions, streaming and the early column and row checks that files get."""
+    config = datasets.config
+    saved = sorted(
+        {
+            p.parent
+            for p in found
+            if p.name == config.DATASETDICT_JSON_FILENAME
+            or (p.name == config.DATASET_STATE_JSON_FILENAME and (p.parent / config.DATASET_INFO_FILENAME).is_file())
+        },
+        key=lambda folder: len(folder.parts),
+    )
+    if saved:
+        where = "is" if saved[0] == path else f"holds, in '{saved[0]}',"
+        raise DataError(
+            f"{name} {where} a dataset that datasets' save_to_disk wrote (Arrow files and their state.json), which is "
+            "read with datasets.load_from_disk, not as data files: write each split of it as a file (ds.to_json("
+            "'train.jsonl'), ds.to_parquet('test.parquet')) and name that file, or a folder of them, as the dataset"
+        )
+
+
+def read_splits(
+    splits: dict[str, list[Path]], files: list[Path], split: Optional[str], name: str, corpus: Optional[str], card: bool
+) -> dict[str, list[Path]]:
+    """Of a local dataset's ``splits`` (its ``files`` by split), those the split expression ``split`` reads; None: the
+    train split, or a ``card``'s only split, read as train (sources.local_splits). ``corpus``: what the dataset is
+    when it is one corpus, its one split train (a file, a folder read as one corpus); None for a folder of splits."""
+    every = f"all of them with --dataset_split {'+'.join(splits)}"
+    if split is None and len(splits) > 1 and not card:
+        raise DataError(
+            f"{name} is a folder whose file names form the splits {', '.join(splits)} (as datasets reads them): read "
+            f"one with --dataset_split NAME, {every}, or name the files of one (a file, or a folder holding only them) "
+            "as the dataset"
+        )
+    if split is None and len(splits) > 1 and "train" not in splits:
+        raise DataError(
+            f"{name} is a folder whose files form the splits {', '.join(splits)} and no train split (as datasets "
+            f"reads it): read one with --dataset_split NAME, {every}, or name one split's file, or a folder of one "
+            "split, as the dataset"
+        )
+    named = list(dict.fromkeys(split_names(split))) if split is not None else ["train"]
+    missing = [one for one in named if one not in splits] if split is not None else []
+    if missing and corpus is not None:
+        raise DataError(
+            f"{name} is {corpus}, whose one split is train, not '{missing[0]}': name that split's file as the dataset "
+            "(slices such as train[:50%] read part of train)"
+        )
+    if missing:
+        raise DataError(
+            f"{name} has no split '{missing[0]}': its splits, as datasets reads the folder, are {', '.join(splits)}; "
+            "name one of them as --dataset_split"
+        )
+    read_as = {one: one if one in splits else next(iter(splits)) for one in named}  # a card's only split as train
+    chosen = {one: splits[read_as[one]] for one in named}
+    read, outside = sum(map(len, chosen.values())), set(files).difference(*splits.values())
+    if read < len(files) and (split is None or outside):  # the split named leaves out the others, as asked
+        what = f"'{split}'" if split is not None else f"its {read_as['train']} split"
+        message = "%s: reading %s as datasets resolves the folder, %d of its %d data file(s) (its splits: %s)"
+        logger.warning(message, name, what, read, len(files), ", ".join(splits))
+    return chosen
+
+
+#: The fields of a dataset card's YAML front matter that ``datasets`` reads from a local folder's README.md (its
+#: configurations and its splits' infos): a README.md that holds one is a dataset's card, whatever its files are.
+_CARD_FIELDS = (datasets.config.METADATA_CONFIGS_FIELD, "dataset_info")
+
+
+def _front_matter(readme: Path) -> Optional[dict]:
+    """The YAML front matter of ``readme`` (a folder's root README.md) as a mapping; None for none, or one YAML cannot
+    read (a note's). A Hub dataset's card has one (its license, its configurations); a dataset card's metadata that
+    ``datasets`` reads (:data:`_CARD_FIELDS`) marks a clone of a Hub text dataset, whose card must not be read as
+    text nor its test split as training text."""
+    from huggingface_hub import metadata_load
+    from yaml import YAMLError
+
+    try:
+        return metadata_load(readme) or None
+    except (ValueError, YAMLError):  # ValueError: not UTF-8, or a front matter that is no mapping
+        return None
+
+
+def _folder_splits(folder: Path, files: list[Path], card: Optional[Path], name: str) -> dict[str, list[Path]]:
+    """A folder's data ``files`` by split, as ``datasets`` resolves a local dataset folder (LocalDatasetModuleFactory)
+    with its ``card`` (README.md: a copy of a Hub dataset) or without: the data_files (or data_dir) of the default
+    configuration the card declares, else the file-name conventions of ``get_data_patterns``
+    (data/train-00000-of-00001.parquet beside data/test-00000-of-00001.parquet, train/ beside test/), else every file
+    as train; splits that hold none of ``files`` left out. A git clone of a Hub dataset then reads as its Hub name
+    does: never another configuration's files, nor files its card leaves out. Paths are compared absolute, links not
+    resolved (as datasets lists them), so a ``snapshot_download`` copy, whose files are links into blobs/, reads as
+    its clone does; none for a folder without a card in which datasets finds no data file (README.md notes). Reads the
+    folder only (no cache); DataError, naming ``name``, for a folder whose splits datasets cannot tell (an unreadable
+    card, a configuration to choose, files its card names that are not there) or whose splits hold none of
+    ``files``."""
+    from datasets.data_files import DataFilesDict, get_data_patterns, sanitize_patterns
+    from datasets.utils.metadata import MetadataConfigs
+    from huggingface_hub import DatasetCard
+    from yaml import YAMLError
+
+    def unreadable(error: Exception) -> DataError:
+        reason = (str(error).strip().splitlines() or [""])[0]
+        return DataError(f"{name}: cannot tell the folder's splits as datasets reads it: {reason}")
+
+    try:
+        configs = MetadataConfigs.from_dataset_card_data(DatasetCard.load(card).data) if card else MetadataConfigs()
+        default = configs.get_default_config_name()
+    except (ValueError, YAMLError) as error:
+        raise unreadable(error) from None
+    if configs and default is None:
+        raise DataError(
+            f"{name} is a folder whose card (README.md) declares the configurations {', '.join(configs)} and no "
+            "default: name the data files of one as the dataset"
+        )
+    config = configs[default] if default is not None else {}
+    base = Path(os.path.abspath(folder), config.get("data_dir", ""))
+    try:
+        if config.get("data_files") is not None:
+            patterns = sanitize_patterns(config["data_files"])
+        else:
+            patterns = get_data_patterns(str(base))
+        resolved = DataFilesDict.from_patterns(patterns, base_path=str(base))
+    except FileNotFoundError as error:  # a card's path that matches no file; without one, no file datasets reads
+        if card is None:  # only README.md notes, or files in _old/: none is a split, the folder one corpus
+            return {}
+        raise unreadable(error) from None
+    ours = {Path(os.path.abspath(file)): file for file in files}
+    splits = {str(split): sorted(ours[p] for p in map(Path, found) if p in ours) for split, found in resolved.items()}
+    splits = {split: found for split, found in splits.items() if found}
+    if not splits and card is not None:
+        raise DataError(
+            f"{name} is a folder whose splits, as datasets reads it ({'its card' if configs else 'its file names'}), "
+            f"hold none of its {'/'.join(sorted(BUILDERS))} files: name the data files as the dataset"
+        )
+    return splits

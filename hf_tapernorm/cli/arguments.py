@@ -341,8 +341,8 @@ class TaperTrainingArguments(TrainingArguments):
         default=600,
         metadata=option_help(
             "Optimizer steps. With the default block size and batch, the default is the shortest run measured to "
-            "bring the embedded model within every target against its normalized run: the held-out and "
-            "out-of-corpus means, no broken window, and inputs up to 8x the block length (docs/fidelity.md). "
+            "bring the embedded model to its normalized run's held-out and out-of-corpus means with no broken window "
+            "(docs/fidelity.md, with what inputs longer than the block cost). "
             "Half of it meets the means but loses more on long inputs; fewer steps leave a larger gap."
         ),
     )

@@ -20,12 +20,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import hf_tapernorm  # noqa: F401  (registers the folded model classes)
 from hf_tapernorm.evaluation import draw_offsets, gap_interval, score_models
 
-from .scan_runs import TEXTS, reference_of, text_set
+from .scan_runs import TEXTS, load_run, text_set
 
 
 def length_gap(run: Path, text: str, length: int, windows: int, blocks: int, seed: int) -> dict[str, Any]:
@@ -35,11 +33,7 @@ def length_gap(run: Path, text: str, length: int, windows: int, blocks: int, see
         cached = json.loads(result_file.read_text())
         if (cached["windows_asked"], cached["blocks"], cached["seed"]) == (windows, blocks, seed):
             return cached
-    report = json.loads((run / "report.json").read_text())
-    tokenizer = AutoTokenizer.from_pretrained(run / "folded")
-    folded = AutoModelForCausalLM.from_pretrained(run / "folded")
-    reference = AutoModelForCausalLM.from_pretrained(reference_of(run, report))
-    sink = list(folded.config.sink_token_ids or [])
+    report, tokenizer, folded, reference, sink = load_run(run)
     source = text_set(report, tokenizer, text, blocks, sink)
     span = length - source.prefix_length
     offsets = draw_offsets(len(source.stream), span, windows, seed)

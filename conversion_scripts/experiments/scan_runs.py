@@ -70,6 +70,15 @@ def reference_of(run: Path, report: dict[str, Any]) -> Path:
     return own if own.is_dir() else Path(report["export"]["baseline_model"])
 
 
+def load_run(run: Path) -> tuple[dict[str, Any], Any, Any, Any, list[int]]:
+    """A finished run's report, its export's tokenizer, the folded export, its baseline and the export's sink ids."""
+    report = json.loads((run / "report.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(run / "folded")
+    folded = AutoModelForCausalLM.from_pretrained(run / "folded")
+    reference = AutoModelForCausalLM.from_pretrained(reference_of(run, report))
+    return report, tokenizer, folded, reference, list(folded.config.sink_token_ids or [])
+
+
 def scan_run(run: Path, windows: int, blocks: int, seed: int, batch: int, names=TEXTS) -> dict[str, Any]:
     names = list(names)
     result_file = run / ("scan.json" if names == list(TEXTS) else f"scan_{'_'.join(names)}.json")
@@ -77,11 +86,7 @@ def scan_run(run: Path, windows: int, blocks: int, seed: int, batch: int, names=
         cached = json.loads(result_file.read_text())
         if cached.get("windows_asked") == windows and cached.get("seed") == seed:
             return cached
-    report = json.loads((run / "report.json").read_text())
-    tokenizer = AutoTokenizer.from_pretrained(run / "folded")
-    folded = AutoModelForCausalLM.from_pretrained(run / "folded")
-    reference = AutoModelForCausalLM.from_pretrained(reference_of(run, report))
-    sink = list(folded.config.sink_token_ids or [])
+    report, tokenizer, folded, reference, sink = load_run(run)
     block_size = report["data"]["block_size"]
     result = robustness_scan(
         folded,

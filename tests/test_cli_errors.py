@@ -513,6 +513,12 @@ CASES = {
         ]
     },
     # accepted: the report's history was empty, its loss figure blank, and the gradient-norm watch never fed
+    "taper: --logging_steps past --max_steps (no log would be written)": (
+        _trainer(["--logging_steps", "100"]),
+        2,
+        "error: --logging_steps 100: the first log would come after the run's last step (--max_steps 10), so the "
+        "report's training history and the divergence watch would read nothing; log at most every 10 steps",
+    ),
     "taper: --logging_strategy no": (
         _trainer(["--logging_strategy", "no"]),
         2,

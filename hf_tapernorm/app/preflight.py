@@ -115,6 +115,13 @@ def _refuse_recipe_bypasses(args) -> None:
             "gradient norm, are read from the Trainer's logs, which would be empty; log less often with "
             "--logging_steps N instead"
         )
+    every = args.logging_steps if args.logging_steps >= 1 else math.ceil(args.max_steps * args.logging_steps)
+    if _value(args.logging_strategy) == "steps" and args.max_steps > 0 and every > args.max_steps:
+        raise ConfigurationError(
+            f"--logging_steps {args.logging_steps}: the first log would come after the run's last step (--max_steps "
+            f"{args.max_steps}), so the report's training history and the divergence watch would read nothing; log "
+            f"at most every {args.max_steps} steps"
+        )
     if getattr(args, "use_liger_kernel", False):
         raise ConfigurationError(
             "--use_liger_kernel replaces the model's norm modules with Liger's fused kernels, so the TaperNorms would "

@@ -282,8 +282,9 @@ def _command_line(parser: _Parser, values: dict[str, Any]) -> list[str]:
     """The command line an options file stands for: ``--key=value`` for each key (null: the option left at its
     default), so that a value is one, whatever its first character. A key is any flag of the command, spelled with
     ``_`` or ``-`` (``no_private: true`` is ``--no_private``). A list gives a several-value option its values, each
-    as its own ``--key=item`` (:class:`_ListItems` adds them up), and a one-value option its one element, or its
-    items joined by its separator. An empty list is the option's empty value: its flag's spelling of one
+    as its own ``--key=item`` (:class:`_ListItems` adds them up), and a one-value option its items joined by its
+    separator, or its one element where its field takes a list (:func:`_takes_a_list`); any other list for a one-value
+    option is refused. An empty list is the option's empty value: its flag's spelling of one
     (``EMPTY``), else no value, the option's default as with null (a several-value option whose default is not
     empty cannot be empty: refused as on the command line). Keys that are no option are refused together, named;
     so are two keys of one option (``seq_lens`` and ``seq-lens``, ``private`` and ``no_private``)."""
@@ -319,13 +320,12 @@ def _command_line(parser: _Parser, values: dict[str, Any]) -> list[str]:
         elif action.nargs in ("+", "*"):
             item = next((typing.get_args(m)[0] for m in _members(hint) if typing.get_origin(m) is list), Any)
             argv += [f"--{name}={_as_text(v, key, item, action, parser)}" for v in value]
-        elif len(value) == 1 or (value and name in separators):
+        elif name in separators or (len(value) == 1 and _takes_a_list(hint)):
             items = [_as_text(v, key, hint, action, parser) for v in value]
             argv.append(f"--{name}={separators.get(name, '').join(items)}")
         else:
-            raise UsageError(
-                f"{parser.source}: {key} takes one value, got the list {value!r} (see {parser.prog} --help)"
-            )
+            got = "a one-item list: write the item without the brackets" if len(value) == 1 else f"the list {value!r}"
+            raise UsageError(f"{parser.source}: {key} takes one value, got {got} (see {parser.prog} --help)")
     return argv
 
 
@@ -387,6 +387,12 @@ def _as_text(value: Any, key: str, hint: Any, action: argparse.Action, parser: _
             raise UsageError(f"{name}: {key} must be an integer, got {value!r}")
         return value if isinstance(value, str) and value.strip().lstrip("+-").isdigit() else str(int(number))
     return str(value)
+
+
+def _takes_a_list(hint: Any) -> bool:
+    """Whether a one-value option's field takes a list too (Trainer's ``report_to: [wandb]``, as its configs write
+    it): a one-item list is then its item. A list for any other one-value option (``block_size: [16]``) is refused."""
+    return any(typing.get_origin(member) is list for member in _members(hint))
 
 
 def _members(hint: Any) -> list[Any]:

@@ -764,6 +764,52 @@ def test_a_text_folder_whose_file_names_form_splits_reads_them_as_tables_do(hub,
     )
 
 
+def test_a_folder_whose_names_form_one_split_says_how_datasets_would_read_it(hub, tmp_path, caplog):
+    """A folder without a card whose file names form one split at most (train.jsonl beside notes.jsonl; test.txt
+    alone) is one corpus, its split train: every file is the user's data. datasets reads it otherwise (train.jsonl
+    alone; test.txt as a test split), and that was not said; `--dataset_split test` on test.txt alone was refused
+    ("whose one split is train") though datasets reads it so. Now a WARNING says what datasets would read and how to
+    read that, and the split the names form reads its files alone, row for row as datasets reads it."""
+    from hf_tapernorm.data.sources import local_data_files
+
+    noted, single = tmp_path / "noted", tmp_path / "single"
+    for folder, names in ((noted, ("train.jsonl", "notes.jsonl")), (single, ("test.txt",))):
+        folder.mkdir()
+        for index, file_name in enumerate(names):
+            docs = corpus_documents(12, seed=index)
+            if file_name.endswith(".jsonl"):
+                datasets.Dataset.from_dict({"text": docs}).to_json(folder / file_name)
+            else:
+                (folder / file_name).write_text("\n\n".join(docs) + "\n")
+    with caplog.at_level("WARNING", logger="hf_tapernorm.data.local_folders"):
+        assert local_data_files(str(noted)) == ("json", [noted / "notes.jsonl", noted / "train.jsonl"])
+    assert (
+        f"dataset '{noted}': no dataset card (README.md), so its 2 data file(s) are one corpus, read as its train "
+        "split; datasets would read its train split from train.jsonl alone. To read only those, name them as the "
+        "dataset"
+    ) in caplog.messages
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_tapernorm.data.local_folders"):
+        assert local_data_files(str(single)) == ("text", [single / "test.txt"])
+    assert caplog.messages == [
+        f"dataset '{single}': no dataset card (README.md), so its 1 data file(s) are one corpus, read as its train "
+        "split; datasets would read test.txt as its test split, and no train split. --dataset_split test reads it so"
+    ]
+    for split in ("test", "test[:50%]"):
+        theirs = datasets.load_dataset(str(single), split=split, sample_by="paragraph", cache_dir=str(tmp_path / "t"))
+        assert load_text_dataset(str(single), split=split, cache_dir=str(tmp_path / "c"))["text"] == theirs["text"]
+    for split, problem in (
+        ("train+test", "--dataset_split train+test reads test.txt twice"),
+        ("dev", "has no split 'dev'"),
+    ):
+        with pytest.raises(DataError) as refused:
+            local_data_files(str(single), split=split)
+        assert str(refused.value) == (
+            f"dataset '{single}' {problem}: without a dataset card (README.md) the folder is one corpus, its splits "
+            "train (every file) and test (test.txt); name one as --dataset_split"
+        )
+
+
 def _split_folders(root: Path) -> dict[str, Path]:
     """A train.jsonl + test.jsonl folder, and a clone of a Hub dataset (data/train-* beside data/test-*) with its
     README.md card and without: 20 train rows, 8 test rows (each starting TESTSPLIT)."""

@@ -143,6 +143,13 @@ REFUSED = {
         "taper", "run.json", '{"trust_remote_code": "maybe"}', ["--trust_remote_code", "maybe", "true/false"],
     ),
     "a list for a one-value option": ("taper", "run.yaml", "sink: [bos, none]\n", ["sink takes one value"]),
+    # a one-item list was read as its item; only an option whose field takes a list (report_to) reads one so
+    "a one-item list for a number": (
+        "taper", "run.yaml", "block_size: [16]\n", ["block_size takes one value, got a one-item list: write the item"],
+    ),
+    "a one-item list for a choice": (
+        "eval", "eval.json", '{"sink": ["none"]}', ["sink takes one value, got a one-item list"],
+    ),
     "a list in a list": ("taper", "run.yaml", "keep_norms: [[a]]\n", ["keep_norms takes text, got [\"a\"]"]),
     "a bool for a path": ("taper", "run.json", '{"output_dir": true}', ["run.json: output_dir takes text, got true"]),
     "an object for a path": ("taper", "run.json", '{"output_dir": {"a": 1}}', ['output_dir takes text, got {"a": 1}']),

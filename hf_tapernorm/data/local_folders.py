@@ -79,9 +79,49 @@ def folder_splits(path: Path, split: Optional[str], name: str) -> tuple[str, dic
     builder = builders.pop()
     splits = _folder_splits(path, files, card if is_card else None, name)
     if not is_card and len(splits) < 2:  # a folder of the user's own files: the names are theirs, not splits
-        corpus = "a folder read as one corpus (no dataset card, its file names forming one split at most)"
-        return builder, read_splits({"train": files}, files, split, name, corpus, False)
+        return builder, _read_one_corpus(path, files, splits, split, name)
     return builder, read_splits(splits, files, split, name, None, is_card)
+
+
+def _read_one_corpus(
+    folder: Path, files: list[Path], splits: dict[str, list[Path]], split: Optional[str], name: str
+) -> dict[str, list[Path]]:
+    """A folder without a card whose file names form one split at most (``splits``, as datasets resolves them): one
+    corpus, every file of it the train split, since the names are the user's (notes.jsonl beside train.jsonl is data
+    too). Where datasets would read it otherwise (train.jsonl alone; test.txt alone as a test split), a WARNING says
+    so, and the split its names form (test, validation) reads those files alone, as datasets would."""
+    formed = next(iter(splits), None)
+    if formed is None or (formed == "train" and splits[formed] == files):  # datasets reads it the same way
+        corpus = "a folder read as one corpus (no dataset card, no file name forming a split)"
+        return read_splits({"train": files}, files, split, name, corpus, False)
+    named = split_names(split) if split is not None else ["train"]
+    listed = ", ".join(str(f.relative_to(folder)) for f in splits[formed])
+    if formed != "train":
+        readable = f"train (every file) and {formed} ({listed})"
+        unknown = next((one for one in named if one not in ("train", formed)), None)
+        if unknown is not None or set(named) == {"train", formed}:
+            problem = f"has no split '{unknown}'" if unknown else f"--dataset_split {split} reads {listed} twice"
+            raise DataError(
+                f"{name} {problem}: without a dataset card (README.md) the folder is one corpus, its splits "
+                f"{readable}; name one as --dataset_split"
+            )
+        if formed in named:  # test.txt alone read as datasets reads it: its test split
+            corpus = f"a folder whose file names form the one split {formed} (no dataset card)"
+            return read_splits({formed: splits[formed]}, splits[formed], split, name, corpus, False)
+    corpus = "a folder read as one corpus (no dataset card, its file names forming one split at most)"
+    chosen = read_splits({"train": files}, files, split, name, corpus, False)
+    if formed == "train":
+        datasets_reads = f"its train split from {listed} alone. To read only those, name them as the dataset"
+    else:
+        datasets_reads = f"{listed} as its {formed} split, and no train split. --dataset_split {formed} reads it so"
+    logger.warning(
+        "%s: no dataset card (README.md), so its %d data file(s) are one corpus, read as its train split; datasets "
+        "would read %s",
+        name,
+        len(files),
+        datasets_reads,
+    )
+    return chosen
 
 
 def _refuse_saved_dataset(path: Path, found: list[Path], name: str) -> None:

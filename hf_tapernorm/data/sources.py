@@ -114,7 +114,9 @@ def local_splits(
 
     A file, and a folder of the user's own files (no card), are one corpus whose one split is train, whatever the
     files are named (eval.jsonl beside chat.jsonl), unless the folder's file names form several splits as ``datasets``
-    reads them (train.jsonl beside test.jsonl, train.txt beside test.txt). Such a folder, and a folder with a card (a
+    reads them (train.jsonl beside test.jsonl, train.txt beside test.txt); where datasets would read it otherwise
+    (train.jsonl beside notes.jsonl: train.jsonl alone; test.txt alone: a test split), a WARNING says so, and the split
+    the names form reads its files alone (local_folders). Such a folder, and a folder with a card (a
     README.md with front matter beside tables; such a README.md in a text folder: a copy of a Hub dataset), have the
     splits ``datasets`` resolves for them, from which ``split`` reads as datasets would (test, train[:10%]+test). With
     none named, the train split is read (a card's only split, if it has one); a folder without a card whose names

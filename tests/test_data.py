@@ -810,6 +810,55 @@ def test_a_folder_whose_names_form_one_split_says_how_datasets_would_read_it(hub
         )
 
 
+def test_a_split_read_from_a_folder_of_one_split_says_what_it_leaves_out(tmp_path, caplog):
+    """`--dataset_split test` on test.txt beside notes.txt (no card) read test.txt alone, as datasets does, without
+    the WARNING a folder of several splits gives for the files a split leaves out; the WARNING came two or three
+    times per command (the early check, the loading, the row count). It now comes, once."""
+    from hf_tapernorm.data.sources import local_data_files
+
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "test.txt").write_text("\n\n".join(corpus_documents(6, seed=1)) + "\n")
+    (folder / "notes.txt").write_text("\n\n".join(corpus_documents(6, seed=2)) + "\n")
+    with caplog.at_level("WARNING", logger="hf_tapernorm.data.local_folders"):
+        for _ in range(3):
+            assert local_data_files(str(folder), split="test") == ("text", [folder / "test.txt"])
+    assert caplog.messages == [
+        f"dataset '{folder}': reading 'test' as datasets resolves the folder, 1 of its 2 data file(s) (its splits: "
+        "test)"
+    ]
+
+
+def test_a_dataset_no_option_gives_a_split_is_told_to_name_its_files(hub, tmp_path, caplog):
+    """`eval --out_of_corpus_dataset` (and bench's --dataset_name) on a folder whose names form splits was refused
+    with "read one with --dataset_split NAME", an option that reads --dataset_name's split only: following it
+    refused the corpus or changed its split. The WARNING on test.txt alone said "--dataset_split test reads it so"
+    for the out-of-corpus text too. Where no option names the dataset's split, both now say to name its files."""
+    from hf_tapernorm.data.sources import local_data_files
+
+    pair, single = tmp_path / "pair", tmp_path / "single"
+    for folder, names in ((pair, ("train.txt", "test.txt")), (single, ("test.txt",))):
+        folder.mkdir()
+        for index, file_name in enumerate(names):
+            (folder / file_name).write_text("\n\n".join(corpus_documents(8, seed=index)) + "\n")
+    splits = "is a folder whose file names form the splits train, test (as datasets reads them): "
+    advice = "no option names a split of this dataset: name the files of one (a file, or a folder holding only them) "
+    argv = _eval("--out_of_corpus_blocks", "2", "--out_of_corpus_dataset", str(pair))
+    assert (
+        error_of(argv) == f"hf-tapernorm eval: error: --out_of_corpus_dataset '{pair}' {splits}{advice}as the dataset"
+    )
+    bench = ["bench", "--model_name_or_path", "llama", "--modes", "train", "--dataset_name", str(pair)]
+    assert error_of([*bench, "--output_dir", str(tmp_path / "b")]) == (
+        f"hf-tapernorm bench: error: --dataset_name '{pair}' {splits}{advice}as the dataset"
+    )
+    with caplog.at_level("WARNING", logger="hf_tapernorm.data.local_folders"):
+        assert local_data_files(str(single), split_option=None) == ("text", [single / "test.txt"])
+    assert caplog.messages == [
+        f"dataset '{single}': no dataset card (README.md), so its 1 data file(s) are one corpus, read as its train "
+        "split; datasets would read test.txt as its test split, and no train split"
+    ]
+
+
 def _split_folders(root: Path) -> dict[str, Path]:
     """A train.jsonl + test.jsonl folder, and a clone of a Hub dataset (data/train-* beside data/test-*) with its
     README.md card and without: 20 train rows, 8 test rows (each starting TESTSPLIT)."""

@@ -46,13 +46,14 @@ def missing_local_dataset(name: Optional[str]) -> Optional[Path]:
 
 
 def check_dataset_path(
-    option: str, name: Optional[str], split: Optional[str] = None
+    option: str, name: Optional[str], split: Optional[str] = None, split_option: Optional[str] = None
 ) -> Optional[tuple[str, list[Path]]]:
     """Refuse (DataError naming ``option``) a dataset name that is a local path the loader cannot read: nothing there,
     a file of a suffix no builder reads, a folder with no data file or mixing file types, a split (``split``, a split
     expression; None: none named) it lacks (sources.local_data_files, the rule the loading itself follows). Returns
-    its builder and the files it reads (None: not a local dataset)."""
-    return local_data_files(name, f"{option} '{name}'", split)
+    its builder and the files it reads (None: not a local dataset). ``split_option``: the option that names its split,
+    which a refusal advises (None: none does)."""
+    return local_data_files(name, f"{option} '{name}'", split, split_option)
 
 
 def check_hub_dataset(
@@ -112,6 +113,8 @@ def check_data_paths(data: Any, own_folder: Optional[str] = None) -> None:
     ``own_folder``: the folder the command itself locks (taper's run folder); a cache inside it is that lock's to
     guard (taking it refuses a running command in, above or inside the folder; every process of a distributed run
     checks its arguments, while only the first holds the lock), so only what the folder holds is checked there.
+    ``data.split_option``, where set, is the option that names --dataset_name's split (None: bench's, which has
+    none); the out-of-corpus dataset has none.
     """
     read = _datasets_read(data)
     try:
@@ -119,7 +122,11 @@ def check_data_paths(data: Any, own_folder: Optional[str] = None) -> None:
     except DataError as error:
         raise DataError(f"--dataset_split {data.dataset_split}: {error}") from None
     splits = {"--dataset_name": data.dataset_split}  # the out-of-corpus dataset is read by its default split
-    local = {option: check_dataset_path(option, name, splits.get(option)) for option, name in read.items()}
+    split_options = {"--dataset_name": getattr(data, "split_option", "--dataset_split")}  # bench's: none
+    local = {
+        option: check_dataset_path(option, name, splits.get(option), split_options.get(option))
+        for option, name in read.items()
+    }
     _check_local_reading(data, local["--dataset_name"])
     for option, name in read.items():
         check_text_column(option, name, local[option], *_text_column(data, option))

@@ -282,6 +282,7 @@ class BenchArguments:
             dataset_config_name=self.dataset_config_name,
             text_column=self.text_column,
             dataset_split=None,  # as the runner's load_text_dataset reads it
+            split_option=None,  # bench has no --dataset_split: a folder of splits is refused, advising its files
             streaming=False,
             data_cache_dir=None,
             out_of_corpus_blocks=0,

@@ -248,7 +248,7 @@ def run_benchmark(
 
 def _train_text(arguments: BenchArguments, source: ModelSource) -> TrainText:
     tokenizer = load_tokenizer(source)
-    dataset = load_text_dataset(arguments.dataset_name, config_name=arguments.dataset_config_name)
+    dataset = load_text_dataset(arguments.dataset_name, config_name=arguments.dataset_config_name, split_option=None)
     return TrainText(tokenizer, dataset, arguments.dataset_name or EMBEDDED_CORPUS, arguments.text_column)
 
 

@@ -10,6 +10,7 @@ check ask sources.local_splits, so the two cannot disagree.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -38,12 +39,21 @@ class DataError(ConfigurationError):
     """A dataset that cannot be used: missing, unreadable, without a text column, or too small."""
 
 
+@functools.cache
+def warn_once(message: str) -> None:
+    """Log ``message`` as a WARNING once per process: a command asks how a folder reads in its early check, its
+    loading and its slice count, and the user needs to be told once."""
+    logger.warning(message)
+
+
 def split_names(split: str) -> list[str]:
     """The splits a split expression reads: ``train[:10%]+validation`` reads train and validation."""
     return [part.split("[", 1)[0].strip() for part in split.split("+")]
 
 
-def folder_splits(path: Path, split: Optional[str], name: str) -> tuple[str, dict[str, list[Path]]]:
+def folder_splits(
+    path: Path, split: Optional[str], name: str, split_option: Optional[str] = "--dataset_split"
+) -> tuple[str, dict[str, list[Path]]]:
     """The builder and, by split, the files of the folder ``path`` that the split expression ``split`` reads (None:
     none named), as sources.local_splits describes; ``name`` is the subject of its DataError. ``.md`` files beside
     json/parquet/csv files are notes and the folder's card, not data (``datasets`` leaves them out of a folder of
@@ -79,12 +89,17 @@ def folder_splits(path: Path, split: Optional[str], name: str) -> tuple[str, dic
     builder = builders.pop()
     splits = _folder_splits(path, files, card if is_card else None, name)
     if not is_card and len(splits) < 2:  # a folder of the user's own files: the names are theirs, not splits
-        return builder, _read_one_corpus(path, files, splits, split, name)
-    return builder, read_splits(splits, files, split, name, None, is_card)
+        return builder, _read_one_corpus(path, files, splits, split, name, split_option)
+    return builder, read_splits(splits, files, split, name, None, is_card, split_option)
 
 
 def _read_one_corpus(
-    folder: Path, files: list[Path], splits: dict[str, list[Path]], split: Optional[str], name: str
+    folder: Path,
+    files: list[Path],
+    splits: dict[str, list[Path]],
+    split: Optional[str],
+    name: str,
+    split_option: Optional[str],
 ) -> dict[str, list[Path]]:
     """A folder without a card whose file names form one split at most (``splits``, as datasets resolves them): one
     corpus, every file of it the train split, since the names are the user's (notes.jsonl beside train.jsonl is data
@@ -107,19 +122,18 @@ def _read_one_corpus(
             )
         if formed in named:  # test.txt alone read as datasets reads it: its test split
             corpus = f"a folder whose file names form the one split {formed} (no dataset card)"
-            return read_splits({formed: splits[formed]}, splits[formed], split, name, corpus, False)
+            return read_splits({formed: splits[formed]}, files, split, name, corpus, False)
     corpus = "a folder read as one corpus (no dataset card, its file names forming one split at most)"
     chosen = read_splits({"train": files}, files, split, name, corpus, False)
     if formed == "train":
         datasets_reads = f"its train split from {listed} alone. To read only those, name them as the dataset"
     else:
-        datasets_reads = f"{listed} as its {formed} split, and no train split. --dataset_split {formed} reads it so"
-    logger.warning(
-        "%s: no dataset card (README.md), so its %d data file(s) are one corpus, read as its train split; datasets "
-        "would read %s",
-        name,
-        len(files),
-        datasets_reads,
+        datasets_reads = f"{listed} as its {formed} split, and no train split"
+        if split_option:
+            datasets_reads += f". {split_option} {formed} reads it so"
+    warn_once(
+        f"{name}: no dataset card (README.md), so its {len(files)} data file(s) are one corpus, read as its train "
+        f"split; datasets would read {datasets_reads}"
     )
     return chosen
 
@@ -150,23 +164,32 @@ def _refuse_saved_dataset(path: Path, found: list[Path], name: str) -> None:
 
 
 def read_splits(
-    splits: dict[str, list[Path]], files: list[Path], split: Optional[str], name: str, corpus: Optional[str], card: bool
+    splits: dict[str, list[Path]],
+    files: list[Path],
+    split: Optional[str],
+    name: str,
+    corpus: Optional[str],
+    card: bool,
+    split_option: Optional[str] = "--dataset_split",
 ) -> dict[str, list[Path]]:
     """Of a local dataset's ``splits`` (its ``files`` by split), those the split expression ``split`` reads; None: the
     train split, or a ``card``'s only split, read as train (sources.local_splits). ``corpus``: what the dataset is
-    when it is one corpus, its one split train (a file, a folder read as one corpus); None for a folder of splits."""
-    every = f"all of them with --dataset_split {'+'.join(splits)}"
+    when it is one corpus, its one split train (a file, a folder read as one corpus); None for a folder of splits.
+    ``split_option``: the option that names this dataset's split, which the refusals advise (None: it has none, as
+    --out_of_corpus_dataset has none, so they advise naming one split's files)."""
+    if split_option:
+        pick = f"read one with {split_option} NAME, all of them with {split_option} {'+'.join(splits)}, or name"
+    else:
+        pick = "no option names a split of this dataset: name"
     if split is None and len(splits) > 1 and not card:
         raise DataError(
-            f"{name} is a folder whose file names form the splits {', '.join(splits)} (as datasets reads them): read "
-            f"one with --dataset_split NAME, {every}, or name the files of one (a file, or a folder holding only them) "
-            "as the dataset"
+            f"{name} is a folder whose file names form the splits {', '.join(splits)} (as datasets reads them): "
+            f"{pick} the files of one (a file, or a folder holding only them) as the dataset"
         )
     if split is None and len(splits) > 1 and "train" not in splits:
         raise DataError(
             f"{name} is a folder whose files form the splits {', '.join(splits)} and no train split (as datasets "
-            f"reads it): read one with --dataset_split NAME, {every}, or name one split's file, or a folder of one "
-            "split, as the dataset"
+            f"reads it): {pick} one split's file, or a folder of one split, as the dataset"
         )
     named = list(dict.fromkeys(split_names(split))) if split is not None else ["train"]
     missing = [one for one in named if one not in splits] if split is not None else []
@@ -185,8 +208,10 @@ def read_splits(
     read, outside = sum(map(len, chosen.values())), set(files).difference(*splits.values())
     if read < len(files) and (split is None or outside):  # the split named leaves out the others, as asked
         what = f"'{split}'" if split is not None else f"its {read_as['train']} split"
-        message = "%s: reading %s as datasets resolves the folder, %d of its %d data file(s) (its splits: %s)"
-        logger.warning(message, name, what, read, len(files), ", ".join(splits))
+        warn_once(
+            f"{name}: reading {what} as datasets resolves the folder, {read} of its {len(files)} data file(s) (its "
+            f"splits: {', '.join(splits)})"
+        )
     return chosen
 
 

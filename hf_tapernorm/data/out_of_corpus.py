@@ -25,7 +25,7 @@ def out_of_corpus_set(data, tokenizer, sink_ids: Sequence[int]) -> Optional[Eval
     if name == PYTHON_DOCS:
         documents, description = python_docs_documents(), PYTHON_DOCS_DESCRIPTION
     else:
-        dataset = load_text_dataset(name, sample_by=data.sample_by, cache_dir=data.data_cache_dir)
+        dataset = load_text_dataset(name, sample_by=data.sample_by, cache_dir=data.data_cache_dir, split_option=None)
         column = text_column_of(dataset, data.out_of_corpus_text_column, option="--out_of_corpus_text_column")
         documents = [(f"document {i}", row[column]) for i, row in enumerate(dataset) if isinstance(row[column], str)]
         description = f"every document of {name}"

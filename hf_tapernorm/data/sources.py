@@ -95,15 +95,21 @@ def local_dataset_path(source: Optional[str]) -> Optional[Path]:
 
 
 def local_data_files(
-    source: Optional[str], name: Optional[str] = None, split: Optional[str] = None
+    source: Optional[str],
+    name: Optional[str] = None,
+    split: Optional[str] = None,
+    split_option: Optional[str] = "--dataset_split",
 ) -> Optional[tuple[str, list[Path]]]:
     """:func:`local_splits`, its files of every split in one list (what the early checks read: columns, paths)."""
-    local = local_splits(source, name, split)
+    local = local_splits(source, name, split, split_option)
     return None if local is None else (local[0], [file for files in local[1].values() for file in files])
 
 
 def local_splits(
-    source: Optional[str], name: Optional[str] = None, split: Optional[str] = None
+    source: Optional[str],
+    name: Optional[str] = None,
+    split: Optional[str] = None,
+    split_option: Optional[str] = "--dataset_split",
 ) -> Optional[tuple[str, dict[str, list[Path]]]]:
     """The ``datasets`` builder and, by split, the files that load_text_dataset reads for the dataset name ``source``
     and the split expression ``split`` (None: none named); None for the embedded corpus and a Hub dataset's name. The
@@ -127,7 +133,8 @@ def local_splits(
     local path the loader cannot read is refused first, for the same reason. DataError, its subject ``name`` (default
     ``dataset 'SOURCE'``; a command names its option), for a path that is not there, a file of a suffix no builder
     reads, a folder with no data file or one mixing file types, a split it lacks. What the files hold (no text, not
-    UTF-8, not a table, how many rows) only the loading finds.
+    UTF-8, not a table, how many rows) only the loading finds. ``split_option``: the option that names the dataset's
+    split, which a refusal advises (None where none does: --out_of_corpus_dataset, bench's text).
     """
     name = name or f"dataset '{source}'"
     if source is not None and not source.strip():
@@ -143,7 +150,7 @@ def local_splits(
         if suffix not in BUILDERS:
             raise DataError(f"{name}: unsupported file type '{suffix or '(none)'}'; supported: {supported}")
         return BUILDERS[suffix], read_splits({"train": [path]}, [path], split, name, "a local file", False)
-    return folder_splits(path, split, name)
+    return folder_splits(path, split, name, split_option)
 
 
 def load_text_dataset(
@@ -154,6 +161,7 @@ def load_text_dataset(
     streaming: bool = False,
     sample_by: str = "paragraph",
     cache_dir: Optional[str] = None,
+    split_option: Optional[str] = "--dataset_split",
 ) -> AnyDataset:
     """Load a corpus as a `datasets` dataset of documents.
 
@@ -161,7 +169,7 @@ def load_text_dataset(
     (txt/md: one document per ``sample_by`` unit = "line" | "paragraph" | "document"; json/jsonl,
     parquet, csv: one document per row); otherwise a Hub dataset name (with ``config_name``). ``split``: a split
     expression (test, train[:10%]+validation); None, the default, reads the train split (:func:`local_splits` for a
-    folder whose files form splits).
+    folder whose files form splits; ``split_option``, the option a refusal advises).
 
     The steps are those of ``datasets.load_dataset`` (its builder, ``download_and_prepare``, ``as_dataset``), with the
     rows of each split counted between the last two: a slice that selects none of them (train[100:] of 50 rows) is
@@ -172,7 +180,7 @@ def load_text_dataset(
         dataset = embedded_corpus()
         return dataset.to_iterable_dataset() if streaming else dataset
     try:
-        local = local_splits(source, split=split)
+        local = local_splits(source, split=split, split_option=split_option)
         if local is not None:
             builder_name, splits = local
             if all(f.stat().st_size == 0 for files in splits.values() for f in files):

@@ -369,6 +369,47 @@ CASES = {
         2,
         "--output_dir '{ws}/llama/run' lies inside --model_name_or_path '{ws}/llama'",
     ),
+    # probe 23: an output inside a dataset folder the command reads was written there, and every later command on
+    # that folder refused it ("mixes file types (json, text)"); each is now refused as taper's --output_dir is
+    "eval: the result file inside the dataset folder": (
+        lambda ws: [*_eval(ws, "--output_json", str(ws / "texts" / "res.json")), "--dataset_name", str(ws / "texts")],
+        2,
+        "error: --output_json '{ws}/texts/res.json' lies inside --dataset_name '{ws}/texts', which eval reads: the "
+        "result would become part of that input (every later command would read it changed); choose an "
+        "--output_json outside it",
+    ),
+    "eval: the result file inside the out-of-corpus dataset folder": (
+        lambda ws: _eval(
+            ws,
+            "--out_of_corpus_blocks",
+            "4",
+            "--out_of_corpus_dataset",
+            str(ws / "texts"),
+            "--output_json",
+            str(ws / "texts" / "res.json"),
+        ),
+        2,
+        "error: --output_json '{ws}/texts/res.json' lies inside --out_of_corpus_dataset '{ws}/texts', which eval reads",
+    ),
+    "bench: the output folder inside the train mode's dataset folder": (
+        lambda ws: _bench(
+            ws, "--modes", "train", "--dataset_name", str(ws / "texts"), "--output_dir", str(ws / "texts" / "b")
+        ),
+        2,
+        "error: --output_dir '{ws}/texts/b' lies inside --dataset_name '{ws}/texts', which bench's train mode reads: "
+        "bench.json and bench.png would become part of that input (every later command would read it changed); "
+        "choose an --output_dir outside it",
+    ),
+    "fold: the export inside the dataset folder that its run read and the scan reads": (
+        lambda ws, tmp: fold(
+            finished_run(taper(ws, tmp / "run", data="texts")) / "tapered", ws / "texts" / "exp", "--scan_windows", "2"
+        ),
+        2,
+        "error: --output_dir '{ws}/texts/exp' lies inside the run's --dataset_name '{ws}/texts', which fold's "
+        "robustness scan (--scan_windows 2) reads: the export would become part of that input (every later command "
+        "would read it changed); choose an --output_dir outside it",
+        ("tmp_path",),
+    ),
     "eval: a scan reference with another tokenizer of the same size": (
         lambda ws: _eval(ws, "--scan_reference", str(ws / "other_tokenizer")),
         2,
@@ -717,9 +758,9 @@ CASES = {
     ),
     "resume of a new folder": (lambda ws: _taper(ws, "--resume"), 2, ["--resume", "holds no run to continue"]),
     "output_dir is a file": (
-        lambda ws: [*_taper(ws), "--output_dir", str(ws / "corpus.txt")],
+        lambda ws: [*_taper(ws), "--output_dir", str(ws / "tiny.txt")],
         2,
-        ["corpus.txt' is a file"],
+        ["tiny.txt' is a file"],
     ),
     "text column not in the data": (lambda ws: _taper(ws, "--text_column", "body", data="nulls.jsonl"), 2, ["'body'"]),
     "eval batch size 0": (lambda ws: _taper(ws, "--eval_batch_size", "0"), 2, ["--eval_batch_size"]),

@@ -430,6 +430,35 @@ def test_eval_records_the_split_and_the_text_column_it_read(ws, tmp_path):
         assert recorded["cache_dir"] == str(tmp_path / "c") and recorded["sample_by"] == "paragraph"
 
 
+def test_eval_records_the_heldout_draw_and_the_dtype(ws, tmp_path):
+    """`eval --output_json` with `--heldout_seed 1`, `--heldout_percentage 20` or `--dtype bfloat16` gave results
+    whose losses differed while their JSON was otherwise the same: the held-out draw and the dtype were not recorded.
+    The result now records the held-out seed, percentage and blocks and the weights' dtype: two results that differ
+    in one of these options differ in that key (and, apart from the measures, in no other)."""
+    measures = {"loss", "perplexity", "tokens", "readout"}
+
+    def recorded(*extra: str) -> dict:
+        result = tmp_path / f"r{len(list(tmp_path.iterdir()))}.json"
+        code, _, stderr = run_main(evaluate(ws / "llama", *extra, "--output_json", str(result), data=ws / "corpus.txt"))
+        assert code == 0, stderr[-2000:]
+        return {k: v for k, v in json.loads(result.read_text()).items() if k not in measures}
+
+    default = recorded()
+    assert {k: default[k] for k in ("heldout_seed", "heldout_percentage", "heldout_blocks", "dtype")} == {
+        "heldout_seed": 0,
+        "heldout_percentage": 5.0,
+        "heldout_blocks": 4,
+        "dtype": "float32",
+    }
+    for extra, key, value in (
+        (("--heldout_seed", "1"), "heldout_seed", 1),
+        (("--heldout_percentage", "20"), "heldout_percentage", 20.0),
+        (("--heldout_blocks", "2"), "heldout_blocks", 2),
+        (("--dtype", "bfloat16"), "dtype", "bfloat16"),
+    ):
+        assert recorded(*extra) == {**default, key: value}, extra
+
+
 def test_a_data_cache_in_a_dataset_folder_is_refused_before_it_spoils_the_folder(ws, tmp_path, monkeypatch):
     """eval --dataset_name DIR --data_cache_dir DIR/cache was accepted: datasets wrote dataset_info.json, .arrow and
     lock files into the user's data folder, and from then on every command (a taper without --data_cache_dir too)

@@ -1,5 +1,6 @@
 """What a run reports: a run far worse than its reference says so first (report.json's summary, report.md, the model
-card, and the last line on stdout), and a change allowed on resume is listed in report.md.
+card, and the last line on stdout), a change allowed on resume is listed in report.md, and the data is named with
+its split and configuration.
 """
 
 from __future__ import annotations
@@ -81,3 +82,27 @@ def test_a_failed_tiny_run_prints_the_warning_last(ws, tmp_path, monkeypatch):
     code, stdout, stderr = run_main(argv(ws, tmp_path / "out", steps=4))
     assert code == 0, stderr
     assert stdout.strip().splitlines()[-1] == "WARNING: the run failed (test)"
+
+
+# ============================================================================= the data is named with its split
+def test_report_md_and_the_card_name_the_split_the_run_read(ws, tmp_path):
+    """`taper --dataset_name testonly --dataset_split test`: report.md said "data: <folder>" and the model card
+    "Training data | <folder>", as for the train split; only report.json recorded the split. Both now name it (and
+    a configuration, where one is set); the default (the train split, no configuration) reads as before."""
+    folder = tmp_path / "testonly"
+    folder.mkdir()
+    (folder / "test.txt").write_text((ws / "corpus.txt").read_text())
+    code, _, stderr = run_main([*argv(ws, tmp_path / "out", steps=4, data=str(folder)), "--dataset_split", "test"])
+    assert code == 0, stderr[-2000:]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert f"\ndata: {folder} (split test), blocks of 32 tokens, held-out " in report
+    card = (tmp_path / "out" / "folded" / "README.md").read_text()
+    assert f"\n| Training data | {folder} (split test) |\n" in card
+    from hf_tapernorm.app.record import named_data  # how both name the data: a Hub configuration too
+
+    assert (
+        named_data({"source": "me/d", "config": "c1", "split": "validation"})
+        == "me/d (configuration c1, split validation)"
+    )
+    assert named_data({"source": "me/d", "config": "c1", "split": None}) == "me/d (configuration c1)"
+    assert named_data({"source": "corpus.txt", "config": None, "split": "train"}) == "corpus.txt"

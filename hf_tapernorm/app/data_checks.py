@@ -15,11 +15,15 @@ tapered or Trainer checkpoint, any model: its files would join the model, which 
 wrote: ``--overwrite`` and ``--resume`` refuse a run holding files it did not write). A cache folder of its own in a
 run folder (``RUN/cache``, which a taper of that run adopts) stays allowed. It is kept out of a local dataset folder
 the command reads too: the loader reads a folder's data files wherever they lie in it, so the cache's own
-(dataset_info.json) would become part of that corpus for every later command.
+(dataset_info.json) would become part of that corpus for every later command. For the same reason a command's own
+output (taper's run folder, eval's result, fold's export, bench's results) is kept out of the local datasets it reads
+(check_output_outside: one check, in the same words for every command).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
 
@@ -34,7 +38,8 @@ from ..data.sources import (
     local_data_files,
     local_dataset_path,
 )
-from ..utils import holds_model_weights
+from ..errors import ConfigurationError
+from ..utils import expand_user, holds_model_weights
 from .run_folder import RunFolder
 from .run_lock import check_destination, resolved_path
 
@@ -116,7 +121,7 @@ def check_data_paths(data: Any, own_folder: Optional[str] = None) -> None:
     ``data.split_option``, where set, is the option that names --dataset_name's split (None: bench's, which has
     none); the out-of-corpus dataset has none.
     """
-    read = _datasets_read(data)
+    read = datasets_read(data)
     try:
         check_split(data.dataset_name, data.dataset_split, data.streaming)
     except DataError as error:
@@ -158,7 +163,7 @@ def check_hub_datasets(data: Any) -> None:
     """Resolve the Hub datasets a command's data arguments name (check_hub_dataset), and count the rows of a local
     dataset's split where a slice needs them, before its model loads and after the checks that write nothing
     (check_data_paths, the command's own folder): both write into the datasets cache."""
-    for option, name in _datasets_read(data).items():
+    for option, name in datasets_read(data).items():
         if option == "--dataset_name":
             reading = (data.dataset_config_name, data.dataset_split, data.data_cache_dir)
         else:
@@ -186,12 +191,35 @@ def _text_column(data: Any, option: str) -> tuple[Optional[str], str]:
     return data.out_of_corpus_text_column, "--out_of_corpus_text_column"
 
 
-def _datasets_read(data: Any) -> dict[str, Optional[str]]:
-    """The datasets a command's data arguments read: option -> name."""
+def datasets_read(data: Any) -> dict[str, Optional[str]]:
+    """The datasets a command's data arguments read: option -> name (the out-of-corpus one only where it is read)."""
     read = {"--dataset_name": data.dataset_name}
     if data.out_of_corpus_blocks and data.out_of_corpus_dataset != PYTHON_DOCS:
         read["--out_of_corpus_dataset"] = data.out_of_corpus_dataset
     return read
+
+
+def check_output_outside(
+    option: str, output: str | os.PathLike, inputs: Mapping[str, Optional[str]], *, reader: str, written: str
+) -> None:
+    """Refuse an output (``output``, named by ``option``: a file or folder a command writes) that lies inside a local
+    folder the command reads, or is a local file it reads (``inputs``: what names each -> its path; None or a Hub name
+    is skipped): the loader reads a dataset folder's files wherever they lie in it, so what lands there (``written``)
+    would be read as more of that dataset, or refused as a mix of file types, by this and every later command on it;
+    a model folder or dataset a taper run reads would differ at its ``--resume``. ``reader``: who reads the inputs
+    ("eval"). One check for taper, eval, fold's scan and bench, so that each refuses this in the same words."""
+    target = resolved_path(output, f"{option} '{output}'")
+    for name, value in inputs.items():
+        path = expand_user(value, f"{name} '{value}'") if value else None
+        if path is None or not path.exists():
+            continue  # nothing, or a Hub name
+        place = path.resolve()
+        if target == place or (place.is_dir() and target.is_relative_to(place)):
+            raise ConfigurationError(
+                f"{option} '{output}' {'is' if target == place else 'lies inside'} {name} '{value}', which {reader} "
+                f"reads: {written} would become part of that input (every later command would read it changed); "
+                f"choose an {option} outside it"
+            )
 
 
 def _check_cache_outside_data(path: str, read: dict[str, Optional[str]]) -> None:
@@ -280,6 +308,8 @@ __all__ = [
     "check_dataset_path",
     "check_hub_dataset",
     "check_hub_datasets",
+    "check_output_outside",
     "check_text_column",
+    "datasets_read",
     "missing_local_dataset",
 ]

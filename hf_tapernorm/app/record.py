@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -189,7 +190,7 @@ class RunRecord:
         """The run in the model card's vocabulary (export/model_card.FACT_KEYS)."""
         card: dict[str, Any] = {
             "base_model": self.model.source if self.model.kind == "hub" else self.model.name,
-            "dataset": self.data.source,
+            "dataset": named_data(self.data.to_dict()),
             "schedule": {
                 "optimizer steps": self.training.steps,
                 "taper start (step)": self.taper_start_step,
@@ -210,6 +211,19 @@ class RunRecord:
         if warning:
             card["warning"] = warning
         return card
+
+
+def named_data(data: Mapping[str, Any]) -> str:
+    """The training data as report.md and the model card name it (``data``: the report's data section): its name,
+    with the configuration and the split where they are not the default (none; the train split): a run on
+    ``--dataset_split test`` read other text than one on the train split of the same dataset."""
+    config, split = data.get("config"), data.get("split")
+    details = [
+        *([f"configuration {config}"] if config else []),
+        *([f"split {split}"] if split not in (None, "train") else []),
+    ]
+    source = str(data.get("source", "-"))
+    return f"{source} ({', '.join(details)})" if details else source
 
 
 def global_batch_blocks(training_args) -> int:
@@ -247,6 +261,20 @@ def reading_facts(data) -> dict[str, Any]:
         data.out_of_corpus_text_column if data.out_of_corpus_blocks else None,
     )
     return dict(zip(READING_KEYS, values))
+
+
+def evaluation_facts(data, packed, model) -> dict[str, Any]:
+    """How an ``eval`` measured, beyond the model and the text's name: how the text was read (reading_facts, as the
+    taper report records it), the held-out draw (its seed, the percentage of documents held out, the blocks drawn:
+    ``packed``, the PackedData) and the dtype of the weights (``model``). Each changes the loss: results that differ
+    in one must say so in their JSON, not only in their numbers."""
+    return {
+        **reading_facts(data),
+        "heldout_seed": data.heldout_seed,
+        "heldout_percentage": data.heldout_percentage,
+        "heldout_blocks": len(packed.heldout),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+    }
 
 
 def _absolute(name: Optional[str]) -> Optional[str]:
@@ -407,7 +435,9 @@ __all__ = [
     "RunRecord",
     "TrainingFacts",
     "differences",
+    "evaluation_facts",
     "global_batch_blocks",
+    "named_data",
     "new_run_record",
     "far_worse_warning",
     "recorded_path",

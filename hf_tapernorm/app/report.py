@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 
 from ..evaluation.scan import scan_summary
 from .folder_writes import write_file
-from .record import READING_KEYS, DataFacts, RunRecord, far_worse_warning
+from .record import READING_KEYS, DataFacts, RunRecord, far_worse_warning, named_data
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ def summary_lines(facts: Mapping[str, Any]) -> list[str]:
         *([warning] if warning else []),
         f"model: {model.get('source', '-')} ({model.get('model_type', '-')}, "
         f"{_fmt(model.get('parameters'))} parameters)",
-        f"data: {data.get('source', '-')}, blocks of {_fmt(data.get('block_size'))} tokens{_other_facts(data)}"
+        f"data: {named_data(data)}, blocks of {_fmt(data.get('block_size'))} tokens{_other_facts(data)}"
         + f", held-out {_fmt(data.get('heldout_tokens'))} tokens",
         f"training: {_fmt(training.get('steps'))} steps, {_fmt(training.get('tokens'))} tokens, "
         f"{_fmt(training.get('seconds'), '.0f')} s, final gate {_fmt(training.get('final_gate'), 'g')}"

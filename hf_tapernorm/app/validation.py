@@ -31,10 +31,9 @@ from ..errors import ConfigurationError, UnsupportedModelError
 from ..evaluation.models import ModelSource, ModelSourceError, load_tokenizer, read_model_config
 from ..training.schedule import TaperSchedule, fit_default_window
 from ..utils import expand_user
-from .data_checks import check_data_paths
+from .data_checks import check_data_paths, check_output_outside
 from .record import differences
 from .run_folder import RunFolder
-from .run_lock import resolved_path
 
 logger = logging.getLogger(__name__)
 
@@ -52,29 +51,18 @@ class TaperRequest:
     training: Any
 
     def __post_init__(self) -> None:
-        check_output_outside_inputs(
+        check_output_outside(
+            "--output_dir",
             self.training.output_dir,
             {
                 "--model_name_or_path": self.model.model_name_or_path,
                 "--dataset_name": self.data.dataset_name,
                 "--out_of_corpus_dataset": self.data.out_of_corpus_dataset,
             },
+            reader="the run",
+            written="its checkpoints and reports",
         )
         check_data_paths(self.data, own_folder=self.training.output_dir)  # as eval, fold's scan and bench check theirs
-
-
-def check_output_outside_inputs(output_dir: str, inputs: dict[str, Optional[str]]) -> None:
-    """Refuse an ``--output_dir`` inside a local folder the run reads whole (option -> path): its checkpoints and
-    reports would become part of that model or dataset, which would then differ at every ``--resume``."""
-    output = resolved_path(output_dir, f"--output_dir '{output_dir}'")
-    for option, value in inputs.items():
-        folder = expand_user(value, f"{option} '{value}'") if value else None
-        if folder is not None and folder.is_dir() and output.is_relative_to(folder.resolve()):
-            raise ConfigurationError(
-                f"--output_dir '{output_dir}' lies inside {option} '{value}', which the run reads: its checkpoints "
-                "and reports would become part of that input (and a --resume would find it changed); choose an "
-                "--output_dir outside it"
-            )
 
 
 def recipe_config(request: TaperRequest, model, tokenizer) -> TaperNormConfig:
@@ -485,7 +473,6 @@ __all__ = [
     "check_schedule",
     "check_inputs_outside",
     "check_lengths_within_positions",
-    "check_output_outside_inputs",
     "check_vocabulary",
     "check_within_positions",
     "fingerprint",

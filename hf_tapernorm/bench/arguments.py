@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from .._parsing import parse
-from ..app.data_checks import check_data_paths, check_hub_dataset
+from ..app.data_checks import check_data_paths, check_hub_dataset, check_output_outside
 from ..app.run_lock import check_destination
 from ..app.validation import check_within_positions
 from ..errors import ConfigurationError
@@ -243,6 +243,13 @@ class BenchArguments:
             raise ConfigurationError("--modes train packs text blocks of --seq_lens tokens: each must be at least 4")
         if "train" in self.modes:  # read once the tokenizer is loaded: a mistyped path is refused now
             check_data_paths(self._train_data())  # as taper and eval check theirs (the text column too)
+            check_output_outside(  # as taper, eval and fold check theirs
+                "--output_dir",
+                self.output_dir,
+                {"--dataset_name": self.dataset_name},
+                reader="bench's train mode",
+                written="bench.json and bench.png",
+            )
             check_hub_dataset(
                 "--dataset_name", self.dataset_name, self.dataset_config_name, text_column=self.text_column
             )

@@ -18,18 +18,12 @@ from typing import Optional
 from .._parsing import UsageError, parse
 from ..app.data_checks import check_data_paths, check_hub_datasets, missing_local_dataset
 from ..app.preflight import check_export_space, full_disk_refused
-from ..app.record import reading_facts, recorded_path, recorded_reference
+from ..app.record import evaluation_facts, recorded_path, recorded_reference
 from ..app.run_folder import RunFolder, write_file, write_folder
 from ..app.run_lock import refuse_while_running, resolved_path
 from ..app.taper import save_export
 from ..app.tapered_checks import check_recorded_sink, refuse_unfoldable_gate
-from ..app.validation import (
-    check_same_tokenizer,
-    check_vocabulary,
-    check_within_positions,
-    fingerprint,
-    max_positions,
-)
+from ..app.validation import check_same_tokenizer, check_vocabulary, check_within_positions, fingerprint, max_positions
 from ..config import sink_token_id
 from ..data.corpus import blocks_tensor, prepare_from_arguments
 from ..data.heldout import PYTHON_DOCS, PYTHON_DOCS_DESCRIPTION
@@ -54,7 +48,13 @@ from ..layers.patching import gate_of, set_gate
 from ..training.checkpoints import saved_gate, tapered_config_of
 from ..utils import expand_user
 from .arguments import DataArguments, EvalArguments, ModelArguments
-from .destinations import RESULT_MARK, check_export_folder, check_result_file
+from .destinations import (
+    RESULT_MARK,
+    check_export_folder,
+    check_export_outside_data,
+    check_result_file,
+    check_result_outside_data,
+)
 from .export_arguments import FoldArguments, PushArguments
 
 logger = logging.getLogger("hf_tapernorm.cli")
@@ -103,6 +103,7 @@ def eval_main(argv: Sequence[str]) -> int:
     output_json = Path(eval_args.output_json) if eval_args.output_json else None
     if output_json is not None:
         check_result_file(output_json)
+        check_result_outside_data(output_json, data_args)
     check_data_paths(data_args)  # the model loads before the data is read
     check_hub_datasets(data_args)
     source = resolve_model(model_args.model_name_or_path, model_args.gguf_file)
@@ -136,7 +137,7 @@ def eval_main(argv: Sequence[str]) -> int:
         "kind": source.kind,
         "dataset": packed.source,
         "text_column": packed.text_column,
-        **reading_facts(data_args),  # its split, configuration, ...: as the taper report's data section records them
+        **evaluation_facts(data_args, packed, model),  # its split, held-out draw, dtype, ...: what shapes the loss
         "block_size": packed.block_size,
         "sink_token_ids": sink_ids,
         **heldout_loss(
@@ -276,7 +277,7 @@ def fold_main(argv: Sequence[str]) -> int:
         )
     check_export_folder(output_dir, fold_args.overwrite)
     check_export_space(output_dir, Path(source.path), fold_args.tied_head)  # before the weights load
-    scan = _scan_plan(source, fold_args.scan_windows)  # and what the scan reads
+    scan = _scan_plan(source, fold_args.scan_windows, output_dir)  # and what the scan reads
     export = RunFolder(output_dir)
     export.lock()  # held until the export is written: a second command into this folder is refused meanwhile
     try:
@@ -308,10 +309,12 @@ def _fold_into(output_dir: Path, source: ModelSource, fold_args: FoldArguments, 
     return 0
 
 
-def _scan_plan(source: ModelSource, windows: int) -> Optional[tuple[DataArguments, tuple[ModelSource, str]]]:
+def _scan_plan(
+    source: ModelSource, windows: int, output_dir: Path
+) -> Optional[tuple[DataArguments, tuple[ModelSource, str]]]:
     """What the robustness scan of a fresh export reads: the data and the reference its run recorded (None: no scan,
     with a log line saying why). Read before the weights load: a recorded local dataset that is gone is refused here,
-    not after the load, the fold and its check."""
+    not after the load, the fold and its check, and so is an export (``output_dir``) that would land in one."""
     if not windows:
         return None
     run = Path(source.path).resolve().parent
@@ -348,6 +351,7 @@ def _scan_plan(source: ModelSource, windows: int) -> Optional[tuple[DataArgument
         out_of_corpus_blocks=int(ooc_set.get("blocks", 0)),  # no set recorded: none read
         scan_windows=windows,
     )
+    check_export_outside_data(output_dir, data)  # it would become part of the run's texts
     try:  # a Hub dataset not in the cache, offline: refused now, as a local one that is gone
         check_data_paths(data)
         check_hub_datasets(data)

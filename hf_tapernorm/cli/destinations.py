@@ -1,6 +1,7 @@
 """Where ``eval`` and ``fold`` write, checked before anything loads: eval's ``--output_json`` result file and fold's
 export folder (its ``--output_dir``). Each may replace only what an earlier run of the same command wrote there; a
-model's file or a user's is never written over, nor a folder a running hf-tapernorm command holds.
+model's file or a user's is never written over, nor a folder a running hf-tapernorm command holds; and neither lies in
+a local dataset the command reads (eval's data, the run's texts that fold's scan reads): it would become part of it.
 """
 
 from __future__ import annotations
@@ -8,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from .._parsing import UsageError
+from ..app.data_checks import check_output_outside, datasets_read
 from ..app.folder_writes import check_folder_destination, check_path_length, temporary_name
 from ..app.run_folder import LOCK_NAME
 from ..app.run_lock import check_destination, refuse_while_running, resolved_path, unreadable_place
@@ -79,6 +82,21 @@ def check_result_file(path: Path) -> None:
         )
 
 
+def check_result_outside_data(path: Path, data: Any) -> None:
+    """Refuse a result file in a local dataset folder that eval reads (``data``: its data arguments), or that is
+    its dataset file: the result would be read as more of that dataset (app/data_checks.check_output_outside)."""
+    check_output_outside("--output_json", path, datasets_read(data), reader="eval", written="the result")
+
+
+def check_export_outside_data(folder: Path, data: Any) -> None:
+    """Refuse an export folder in a local dataset folder that fold's robustness scan reads (``data``: the data
+    arguments of the run's recorded texts): the export's files would be read as more of the run's own texts by this
+    scan and every later one (app/data_checks.check_output_outside)."""
+    inputs = {f"the run's {option}": name for option, name in datasets_read(data).items()}
+    reader = f"fold's robustness scan (--scan_windows {data.scan_windows})"
+    check_output_outside("--output_dir", folder, inputs, reader=reader, written="the export")
+
+
 def check_export_folder(folder: Path, overwrite: bool, *, locked: bool = False) -> None:
     """An export may replace only an empty folder or, with ``--overwrite``, an earlier export and nothing else.
 
@@ -131,4 +149,12 @@ def _is_folded_config(path: Path) -> bool:
     return isinstance(config, dict) and str(config.get("model_type", "")).startswith("tapernorm_")
 
 
-__all__ = ["EXPORT_FILES", "LONGEST_EXPORT_PATH", "RESULT_MARK", "check_export_folder", "check_result_file"]
+__all__ = [
+    "EXPORT_FILES",
+    "LONGEST_EXPORT_PATH",
+    "RESULT_MARK",
+    "check_export_folder",
+    "check_export_outside_data",
+    "check_result_file",
+    "check_result_outside_data",
+]

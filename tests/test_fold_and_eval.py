@@ -23,6 +23,7 @@ from hf_tapernorm import (
 )
 from hf_tapernorm.app.run_folder import MANIFEST_NAME
 from hf_tapernorm.app.training_run import IDENTITY_NAME as IDENTITY
+from hf_tapernorm.cli import fold_scan
 from hf_tapernorm.evaluation.models import load_tokenizer, resolve_model
 from tests.conftest import save_tiny_model
 from tests.helpers import (
@@ -537,8 +538,8 @@ def test_fold_scans_the_text_its_run_read_as_the_run_read_it(ws, tmp_path, monke
     with hub_offline():
         finished_run([*taper(ws, out), *extra, "--out_of_corpus_blocks", "2"])
         read = []
-        original = commands.out_of_corpus_set
-        monkeypatch.setattr(commands, "out_of_corpus_set", lambda data, *a: read.append(data) or original(data, *a))
+        original = fold_scan.out_of_corpus_set
+        monkeypatch.setattr(fold_scan, "out_of_corpus_set", lambda data, *a: read.append(data) or original(data, *a))
         code, _, stderr = run_main(fold(out / "tapered", tmp_path / "export", "--scan_windows", "2"))
         assert code == 0, stderr[-2000:]
         data = read[0]
@@ -562,6 +563,22 @@ def test_fold_scans_the_text_its_run_read_as_the_run_read_it(ws, tmp_path, monke
     )
 
 
+def test_fold_scans_the_heldout_draw_its_run_made(ws, tmp_path, monkeypatch):
+    """A run made with --heldout_seed 3 did not record the seed, so fold's scan drew its held-out blocks and windows
+    with the default seed: another draw than the run's report scanned. The seed is in the report's data section, and
+    fold's scan draws with it."""
+
+    out = tmp_path / "run"
+    finished_run([*taper(ws, out), "--heldout_seed", "3"])
+    assert json.loads((out / "report.json").read_text())["data"]["heldout_seed"] == 3
+    read = []
+    original = fold_scan.out_of_corpus_set
+    monkeypatch.setattr(fold_scan, "out_of_corpus_set", lambda data, *a: read.append(data) or original(data, *a))
+    code, _, stderr = run_main(fold(out / "tapered", tmp_path / "export", "--scan_windows", "2"))
+    assert code == 0, stderr[-2000:]
+    assert read[0].heldout_seed == 3
+
+
 def test_fold_scans_the_out_of_corpus_text_from_the_column_its_run_read(ws, tmp_path, monkeypatch):
     """An --out_of_corpus_dataset without a `text` column (two string columns) could not be used: the reader had no
     text-column option. A run with --out_of_corpus_text_column records it beside the dataset, and fold's scan reads
@@ -575,8 +592,8 @@ def test_fold_scans_the_out_of_corpus_text_from_the_column_its_run_read(ws, tmp_
     out = finished_run([*taper(ws, tmp_path / "run"), *extra])
     assert json.loads((out / "report.json").read_text())["data"]["out_of_corpus_text_column"] == "body"
     read = []
-    original = commands.out_of_corpus_set
-    monkeypatch.setattr(commands, "out_of_corpus_set", lambda data, *a: read.append(data) or original(data, *a))
+    original = fold_scan.out_of_corpus_set
+    monkeypatch.setattr(fold_scan, "out_of_corpus_set", lambda data, *a: read.append(data) or original(data, *a))
     code, _, stderr = run_main(fold(out / "tapered", tmp_path / "export", "--scan_windows", "2"))
     assert code == 0, stderr[-2000:]
     assert (read[0].out_of_corpus_dataset, read[0].out_of_corpus_text_column) == (str(ooc), "body")
@@ -593,7 +610,6 @@ def test_fold_scans_a_home_path_in_the_home_of_its_run_and_never_creates_a_cache
 ):
     """A run made with --dataset_name '~/corpus.txt' was scanned, under another HOME, on that home's corpus.txt
     without a word; a run whose recorded --data_cache_dir was moved since had it created again, full."""
-    import hf_tapernorm.cli.commands as commands
 
     home = tmp_path / "home_a"
     home.mkdir()
@@ -607,8 +623,8 @@ def test_fold_scans_a_home_path_in_the_home_of_its_run_and_never_creates_a_cache
     monkeypatch.setenv("HOME", str(tmp_path / "home_b"))
     shutil.rmtree(cache)
     read = []
-    original = commands.out_of_corpus_set
-    monkeypatch.setattr(commands, "out_of_corpus_set", lambda data, *a: read.append(data) or original(data, *a))
+    original = fold_scan.out_of_corpus_set
+    monkeypatch.setattr(fold_scan, "out_of_corpus_set", lambda data, *a: read.append(data) or original(data, *a))
     code, _, stderr = run_main(fold(out / "tapered", tmp_path / "export", "--scan_windows", "2"))
     assert code == 0, stderr[-2000:]
     assert (read[0].dataset_name, read[0].data_cache_dir) == (str(home / "corpus.txt"), None)

@@ -45,6 +45,8 @@ class DataFacts:
     heldout_blocks: int
     heldout_tokens: int
     heldout_percentage: float
+    #: The draw of the held-out blocks and of the scan's windows (--heldout_seed), which fold's scan draws again.
+    heldout_seed: int
     #: How the text was read (READING_KEYS: config, split, ..., the out-of-corpus dataset), so that a later reader
     #: (fold's robustness scan) reads the same text the same way.
     reading: dict[str, Any] = field(default_factory=dict)
@@ -304,6 +306,7 @@ def new_run_record(request, source, model, packed, config: TaperNormConfig, sche
             len(packed.heldout),
             packed.heldout_tokens,
             request.data.heldout_percentage,
+            request.data.heldout_seed,
             reading_facts(request.data),
         ),
         config=config,

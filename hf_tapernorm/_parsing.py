@@ -324,7 +324,8 @@ def _command_line(parser: _Parser, values: dict[str, Any]) -> list[str]:
             items = [_as_text(v, key, hint, action, parser) for v in value]
             argv.append(f"--{name}={separators.get(name, '').join(items)}")
         else:
-            got = "a one-item list: write the item without the brackets" if len(value) == 1 else f"the list {value!r}"
+            bare = len(value) == 1 and not isinstance(value[0], (list, dict))  # [[16]]: no brackets to drop
+            got = "a one-item list: write the item without the brackets" if bare else f"the list {value!r}"
             raise UsageError(f"{parser.source}: {key} takes one value, got {got} (see {parser.prog} --help)")
     return argv
 

@@ -252,11 +252,7 @@ def checked(cls: type, name: str, value: Any) -> Any:
         if any(not p.strip() for p in value):
             raise ConfigurationError(f"{label} holds an empty pattern: {value!r}")
     elif name == "sink_token_ids":
-        value = [] if value is None else [value] if isinstance(value, int) and not isinstance(value, bool) else value
-        try:
-            value = [_token_id(i) for i in value]
-        except (TypeError, ValueError):
-            raise ConfigurationError(f"{label} must be integer token ids, got {value!r}") from None
+        value = _token_ids(label, value)
         if any(i < 0 for i in value):
             raise ConfigurationError(f"{label} must be non-negative, got {value}")
     elif name in ("taper_start", "taper_end"):
@@ -275,6 +271,55 @@ def checked(cls: type, name: str, value: Any) -> Any:
         if not within(value):  # NaN is within no bounds
             raise ConfigurationError(f"{label} {must}, got {value}")
     return value
+
+
+def _token_ids(label: str, value: Any) -> list[int]:
+    """The sink's ids as a list (None: no sink; one int: one id). A string is refused, not read character by
+    character ("127" was [1, 2, 7], "" no sink), and so is a mapping or another iterable than a list or tuple that
+    holds anything but integers (a set or tensor of ids is taken)."""
+    if value is None:
+        return []
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    items = None if isinstance(value, (str, bytes, bytearray, Mapping)) else _items(value)
+    read = _token_id if isinstance(value, (list, tuple)) else _integer_id
+    try:
+        if items is not None:
+            return [read(i) for i in items]
+    except (TypeError, ValueError):
+        pass
+    raise ConfigurationError(
+        f"{label} must be a list of integer token ids, got {value!r}: write {_id_list_example(value, items)}"
+    )
+
+
+def _items(value: Any) -> list | None:
+    """The items of an iterable (read once: a generator is spent), or None for a value that is not one."""
+    try:
+        return list(value)
+    except TypeError:
+        return None
+
+
+def _id_list_example(value: Any, items: list | None) -> str:
+    """What to write instead of ``value``: its digits as a list ("127" -> [127], "1,2" -> [1, 2], "" -> []), or a
+    list of ids in general (bytes iterate as character codes: no example of them)."""
+    if isinstance(value, str):
+        parts = value.replace(",", " ").split()
+    elif items is None or isinstance(value, (bytes, bytearray)):
+        parts = ["?"]
+    else:
+        parts = [str(i) for i in items]
+    if all(p.strip().isdigit() for p in parts):
+        return f"[{', '.join(str(int(p)) for p in parts)}]" + (" (no sink)" if not parts else "")
+    return "a list of ids such as [1, 2]"
+
+
+def _integer_id(value: Any) -> int:
+    """An integer token id of an iterable other than a list (a set, a tensor): an integer only, never digits."""
+    if isinstance(value, (bool, str, bytes)):
+        raise TypeError(value)
+    return operator.index(value)
 
 
 def _token_id(value: Any) -> int:

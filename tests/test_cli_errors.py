@@ -438,6 +438,18 @@ CASES = {
         2,
         "--report_to ['clearml']: RuntimeError: ClearMLCallback requires 'clearml'",
     ),
+    # two reporters were one, "clearml,wandb is not supported": each is checked now
+    "taper: --report_to clearml,wandb": (
+        _trainer(["--report_to", "clearml,wandb"]),
+        2,
+        "--report_to ['clearml', 'wandb']: RuntimeError: ClearMLCallback requires 'clearml'",
+    ),
+    "taper: --report_to tensorboard,none": (
+        _trainer(["--report_to", "tensorboard,none"]),
+        2,
+        "--report_to tensorboard,none: none stands alone (none: no reporter; all: every installed one); name the "
+        "reporters without it",
+    ),
     # Trainer options the Trainer (or torch) reads only once the model is loaded: it ended with a traceback and a
     # failed run's folder
     "taper: --torch_compile_mode bogus": (
@@ -742,6 +754,16 @@ CASES = {
     "held out 100%": (lambda ws: _taper(ws, "--heldout_percentage", "100"), 2, ["--heldout_percentage"]),
     "taper end before start": (lambda ws: _taper(ws, "--taper_start", "0.9", "--taper_end", "0.5"), 2, ["--taper_end"]),
     "keep_norms matching nothing": (lambda ws: _taper(ws, "--keep_norms", "nope.*"), 2, ["match no norm"]),
+    # "none" among patterns is a pattern: the message did not say that the word stands alone
+    "keep_norms none among patterns": (
+        lambda ws: _taper(ws, "--keep_norms", "none,model.norm"),
+        2,
+        [
+            "keep_norms pattern(s) ['none'] match no norm of LlamaForCausalLM (llama); norms are named like "
+            "'model.layers.0.input_layernorm' and 'model.norm'; 'none' keeps no norm only when it stands alone "
+            "(--keep_norms none): drop it, or give it alone"
+        ],
+    ),
     "negative seed": (lambda ws: _taper(ws, "--seed", "-1"), 2, ["--seed"]),
     "gradient accumulation 0": (lambda ws: _taper(ws, "--gradient_accumulation_steps", "0"), 2, ["accumulation"]),
     "scheduler kwargs not JSON": (

@@ -137,6 +137,28 @@ def test_validation_names_the_field():
     assert TaperNormConfig.check_options(keep_norms="a.*", taper_end=3) == {"keep_norms": ["a.*"], "taper_end": 3}
 
 
+@pytest.mark.parametrize(
+    "value, write",
+    [("12", "[12]"), ("127", "[127]"), ("", "[] (no sink)"), ("1,2", "[1, 2]"), ({"12"}, "[12]")],
+)
+def test_a_string_of_sink_ids_is_refused_not_read_character_by_character(value, write):
+    """sink_token_ids="12" was iterated as characters and became [1, 2] ("127", as a hand-edited
+    tapernorm_config.json may hold it, [1, 2, 7]; "" no sink), three valid ids and no error. A string, and an
+    iterable other than a list that holds anything but integers, is now refused in one line that says what to
+    write; lists, tuples, sets and tensors of ids are read as before."""
+    expected = f"TaperNormConfig.sink_token_ids must be a list of integer token ids, got {value!r}: write {write}"
+    for make in (
+        lambda: TaperNormConfig.paper(sink_token_ids=value),
+        lambda: TaperNormConfig(sink_token_ids=value),
+        lambda: TaperNormConfig.from_dict({**TaperNormConfig.paper().to_dict(), "sink_token_ids": value}),
+    ):
+        with pytest.raises(ConfigurationError) as caught:
+            make()
+        assert str(caught.value) == expected
+    for ids in ([12], (12,), {12}, torch.tensor([12]), 12, ["12"]):
+        assert TaperNormConfig.paper(sink_token_ids=ids).sink_token_ids == [12]
+
+
 def test_the_teacher_s_settings_are_one_group_and_the_options_name_them_by_their_flags():
     config = TaperNormConfig(distillation={"weight": 0.5, "until": "taper_end"})
     assert config.distillation == DistillationConfig(weight=0.5, until="taper_end", sink_attention_weight=0.0)

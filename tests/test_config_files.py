@@ -222,7 +222,11 @@ def test_a_run_recorded_by_version_2_still_resumes_under_its_recipe():
     "values, expected",
     [
         ({"relative_scale_loss": "no"}, "relative_scale_loss must be true or false, got 'no'"),  # was True
-        ({"sink_token_ids": [1.7]}, "sink_token_ids must be integer token ids, got [1.7]"),  # was cut to 1
+        (
+            {"sink_token_ids": [1.7]},
+            "sink_token_ids must be a list of integer token ids, got [1.7]: write a list of ids such as [1, 2]",
+        ),  # was cut to 1
+        ({"sink_token_ids": "127"}, "sink_token_ids must be a list of integer token ids, got '127': write [127]"),
         ({"ema_rate": "0.5"}, "ema_rate must be a number, got '0.5'"),  # the next three were TypeErrors
         ({"calibration_scale": None}, "experimental.calibration_scale must be a number, got None"),  # version 2
         ({"scale_loss_weight": [1]}, "scale_loss_weight must be a number, got [1]"),

@@ -147,6 +147,13 @@ REFUSED = {
     "a one-item list for a number": (
         "taper", "run.yaml", "block_size: [16]\n", ["block_size takes one value, got a one-item list: write the item"],
     ),
+    # and a list of one list said so too, which left a list once its brackets went
+    "a list of one list for a number": (
+        "taper", "run.yaml", "block_size: [[16]]\n", ["block_size takes one value, got the list [['16']] (see "],
+    ),
+    "a list of one object for a number": (
+        "taper", "run.json", '{"block_size": [{"a": 1}]}', ["block_size takes one value, got the list [{'a': 1}] ("],
+    ),
     "a one-item list for a choice": (
         "eval", "eval.json", '{"sink": ["none"]}', ["sink takes one value, got a one-item list"],
     ),
@@ -354,6 +361,18 @@ def test_a_text_option_keeps_the_yaml_text_as_written(name, tmp_path, monkeypatc
         assert values["taper_end"] == 10
     if "learning_rate" in text:
         assert values["learning_rate"] == 1e-3
+
+
+def test_two_reporters_from_a_file_or_a_comma_separated_flag_are_the_trainer_s_list(tmp_path):
+    """`report_to: [tensorboard, wandb]`, as the Trainer's own configs write it, was refused ("takes one value, got
+    the list"), and `--report_to tensorboard,wandb` reached the Trainer as one reporter named "tensorboard,wandb".
+    Both are now the list of reporters, which taper's early check takes one by one."""
+    from_file = parsed("taper", [str(write_options(tmp_path, "run.yaml", {"report_to": ["tensorboard", "wandb"]}))])
+    from_flag = parsed("taper", ["--report_to", "tensorboard, wandb"])
+    assert from_file == from_flag
+    assert from_file[4].report_to == from_flag[4].report_to == ["tensorboard", "wandb"]
+    assert parsed("taper", ["--report_to", "wandb"])[4].report_to == ["wandb"]  # one, none: as before
+    assert parsed("taper", ["--report_to", "none"])[4].report_to == []
 
 
 #: name -> (command, an options file's object holding an empty list, the command line it stands for)

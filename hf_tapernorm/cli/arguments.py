@@ -333,6 +333,7 @@ class TaperTrainingArguments(TrainingArguments):
     """TrainingArguments with this recipe's defaults (sized for the embedded default on a 2-core CPU)."""
 
     EMPTY: ClassVar[dict[str, str]] = {"report_to": "none"}  # an options file's `report_to: []`
+    SEPARATORS: ClassVar[dict[str, str]] = {"report_to": ","}  # `report_to: [tensorboard, wandb]`, as a flag
 
     output_dir: Optional[str] = field(
         default="runs/taper", metadata=option_help("Run folder (checkpoints, export, report).")
@@ -409,6 +410,7 @@ class TaperTrainingArguments(TrainingArguments):
                 f"got {self.dataloader_num_workers}"
             )
         refuse_trainer_evaluation(self)  # before TrainingArguments' own check of --load_best_model_at_end
+        self.report_to = _reporters(self.report_to)
         expand_user_options(self, "output_dir")
         if self.max_steps is None or self.max_steps < 2:
             raise ConfigurationError(
@@ -432,6 +434,21 @@ class TaperTrainingArguments(TrainingArguments):
         if self.dataloader_pin_memory and (self.use_cpu or not accelerator_available()):
             self.dataloader_pin_memory = False  # nothing to pin for: torch would warn on every run that it is unused
         super().__post_init__()
+
+
+def _reporters(report_to: Any) -> Any:
+    """``--report_to tensorboard,wandb`` (and an options file's list, joined so) as the list of reporters the
+    Trainer takes: transformers' parser reads the option as one text, which it took for one reporter's name."""
+    if not isinstance(report_to, str) or "," not in report_to:
+        return report_to
+    names = [name.strip() for name in report_to.split(",") if name.strip()]
+    alone = next((name for name in names if name in ("none", "all")), None)
+    if alone is not None and len(names) > 1:  # transformers: "none is not supported"
+        raise ConfigurationError(
+            f"--report_to {report_to}: {alone} stands alone (none: no reporter; all: every installed one); name the "
+            "reporters without it"
+        )
+    return names or report_to
 
 
 def _bf16_is_fast(use_cpu: bool) -> bool:

@@ -39,9 +39,19 @@ def kept_norm_names(model: nn.Module, patterns: Sequence[str], sites: Optional[l
     if unmatched:
         raise ConfigurationError(
             f"keep_norms pattern(s) {unmatched} match no norm of {type(model).__name__} ({model_type_of(model)}); "
-            f"norms are named like '{paths[0]}' and '{paths[-1]}'"
+            f"norms are named like '{paths[0]}' and '{paths[-1]}'{_standing_alone(unmatched, patterns)}"
         )
     return [path for path in paths if any(fnmatch.fnmatchcase(path, p) for p in patterns)]
+
+
+def _standing_alone(unmatched: Sequence[str], patterns: Sequence[str]) -> str:
+    """The hint for ``--keep_norms none,model.norm``: the words the flag reads stand alone, and among other
+    patterns they are patterns too, which match no norm."""
+    word = next((p for p in ("none", "auto") if p in unmatched), None)
+    if word is None or len(patterns) < 2:
+        return ""
+    meaning = "keeps no norm" if word == "none" else "keeps the recipe's norms"
+    return f"; '{word}' {meaning} only when it stands alone (--keep_norms {word}): drop it, or give it alone"
 
 
 def plan_patch(model: nn.Module, config: TaperNormConfig) -> list[_Replacement]:

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaModel
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, LlamaModel
 
 from hf_tapernorm import CalibrationError, ConfigurationError, TaperNormConfig, TaperStateError, patch_model
 from hf_tapernorm.layers import TaperNorm, set_gate, tapered_norms
@@ -47,15 +47,25 @@ def test_bf16_model_patches_exactly():
     )
 
 
-def test_bare_base_model_patches():
+def test_bare_base_model_patches(caplog):
+    """A base model patches (it trains so), with a WARNING that fold_model cannot fold it: that refusal came only at
+    the fold, after training."""
     torch.manual_seed(0)
     base = LlamaModel(tiny_llama_config()).eval()
     ids = random_batches(n=1)[0]
-    with torch.no_grad():
+    with torch.no_grad(), caplog.at_level("WARNING", logger="hf_tapernorm.layers.patching"):
         before = base(ids).last_hidden_state
         patch_model(base, TaperNormConfig.paper())
         after = base(ids).last_hidden_state
     assert torch.equal(before, after)
+    assert caplog.messages == [
+        "patch_model: LlamaModel has no LM head, so it trains patched but fold_model cannot fold it (it folds a "
+        "causal LM); to fold, patch the model AutoModelForCausalLM loads"
+    ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_tapernorm.layers.patching"):
+        patch_model(LlamaForCausalLM(tiny_llama_config()), TaperNormConfig.paper())
+    assert not caplog.messages
     assert [n for n, _ in tapered_norms(base)] == [
         "layers.0.input_layernorm",
         "layers.0.post_attention_layernorm",

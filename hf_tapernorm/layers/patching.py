@@ -54,6 +54,18 @@ def _standing_alone(unmatched: Sequence[str], patterns: Sequence[str]) -> str:
     return f"; '{word}' {meaning} only when it stands alone (--keep_norms {word}): drop it, or give it alone"
 
 
+def _warn_if_headless(model: nn.Module) -> None:
+    """A base model without its LM head (LlamaModel) patches and trains, but fold_model folds a causal LM: say so
+    now, not at the fold after training."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    if callable(get_head) and get_head() is None:
+        logger.warning(
+            "patch_model: %s has no LM head, so it trains patched but fold_model cannot fold it (it folds a causal "
+            "LM); to fold, patch the model AutoModelForCausalLM loads",
+            type(model).__name__,
+        )
+
+
 def plan_patch(model: nn.Module, config: TaperNormConfig) -> list[_Replacement]:
     """Every replacement ``patch_model`` would make, built and checked without touching the model.
 
@@ -149,6 +161,7 @@ def patch_model(
     elif not isinstance(config, TaperNormConfig):
         raise ConfigurationError(f"patch_model expects a TaperNormConfig, got {type(config).__name__}")
     plan = plan_patch(model, config)
+    _warn_if_headless(model)
     style = plan[0].layer.style
     for replacement in plan:
         site, layer = replacement.site, replacement.layer

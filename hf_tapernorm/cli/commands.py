@@ -1,5 +1,6 @@
 """The ``eval``, ``fold`` and ``push`` subcommands: each parses its arguments, checks them, then acts (where eval and
-fold write is checked by cli/destinations.py, their local data paths by app/data_checks.py).
+fold write is checked by cli/destinations.py, their local data paths by app/data_checks.py, and what fold's
+robustness scan reads by cli/fold_scan.py).
 
 ``taper`` lives in app/taper.py (it is most of the package's orchestration) and ``bench`` in
 bench/. What a command prints for the user (its result on stdout) is printed by the command itself: this

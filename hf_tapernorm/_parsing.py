@@ -390,6 +390,19 @@ def _as_text(value: Any, key: str, hint: Any, action: argparse.Action, parser: _
     return str(value)
 
 
+def check_json_object(option: str, value: Any) -> None:
+    """Refuse an object option's text that is no JSON object (``--lr_scheduler_kwargs notjson``, ``[1]``): Trainer
+    arguments json.loads only a text that starts with ``{`` and drop any other, so the run would go on without it."""
+    if not isinstance(value, str):
+        return
+    try:
+        read = json.loads(value)
+    except json.JSONDecodeError as error:
+        raise UsageError(f"{option} {value}: not a JSON object ({error})") from None
+    if not isinstance(read, dict):
+        raise UsageError(f"{option} {value}: not a JSON object (write one such as '{{\"key\": 1}}')")
+
+
 def _takes_a_list(hint: Any) -> bool:
     """Whether a one-value option's field takes a list too (Trainer's ``report_to: [wandb]``, as its configs write
     it): a one-item list is then its item. A list for any other one-value option (``block_size: [16]``) is refused."""

@@ -771,6 +771,24 @@ CASES = {
         2,
         ["--lr_scheduler_kwargs", "not a JSON object"],
     ),
+    # a text that is no JSON object was dropped without a word (the run trained with the default decay)
+    **{
+        f"scheduler kwargs {text} (no JSON object)": (
+            lambda ws, text=text: _taper(ws, "--lr_scheduler_kwargs", text),
+            2,
+            [f"--lr_scheduler_kwargs {text}: not a JSON object"],
+        )
+        for text in ("notjson", "[1]", '"x"')
+    },
+    # a traceback from int() before the model loaded
+    **{
+        f"scheduler kwargs num_decay_steps {value}": (
+            lambda ws, value=value: _taper(ws, "--lr_scheduler_kwargs", f'{{"num_decay_steps": {value}}}'),
+            2,
+            [f"num_decay_steps must be a whole number of steps, got {shown}"],
+        )
+        for value, shown in (('"two"', "'two'"), ("null", "None"), ("[2]", "[2]"), ("2.5", "2.5"))
+    },
     "scheduler kwargs of the wrong type": (
         lambda ws: _taper(
             ws, "--lr_scheduler_type", "cosine_with_restarts", "--lr_scheduler_kwargs", '{"num_cycles": "x"}'

@@ -244,7 +244,7 @@ def _check_scheduler(args, schedule: TaperSchedule) -> None:
         )
     kwargs = args.lr_scheduler_kwargs if isinstance(args.lr_scheduler_kwargs, dict) else {}
     if _value(args.lr_scheduler_type) == "warmup_stable_decay":
-        phases = warmup + int(kwargs.get("num_decay_steps", 0)) + int(kwargs.get("num_stable_steps") or 0)
+        phases = warmup + sum(_steps_of(kwargs, key) for key in ("num_decay_steps", "num_stable_steps"))
         if phases > total:
             raise ConfigurationError(
                 f"--lr_scheduler_kwargs {kwargs}: warmup ({warmup}) + stable + decay steps = {phases}, more than "
@@ -268,6 +268,16 @@ def _check_scheduler(args, schedule: TaperSchedule) -> None:
         raise ConfigurationError(f"{described}: {first_line(error)}") from None
     if not all(math.isfinite(rate) and rate >= 0 for rate in rates):
         raise ConfigurationError(f"--lr_scheduler_kwargs {kwargs}: the learning rate is not finite over the run")
+
+
+def _steps_of(kwargs: dict, key: str) -> int:
+    """A step count of --lr_scheduler_kwargs (absent or a null num_stable_steps: 0), refused unless a whole number."""
+    value = kwargs.get(key, 0) if key == "num_decay_steps" else kwargs.get(key) or 0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf or value % 1:
+        raise ConfigurationError(
+            f"--lr_scheduler_kwargs {kwargs}: {key} must be a whole number of steps, got {value!r}"
+        )
+    return int(value)
 
 
 #: Evenly spaced steps read besides the phase boundaries (a schedule's value between them: a cosine's trough).

@@ -14,7 +14,6 @@ passes through.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import typing
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ import torch
 from transformers import TrainingArguments
 from transformers.integrations import is_deepspeed_available
 
-from .._parsing import as_flags
+from .._parsing import as_flags, check_json_object
 from ..app.preflight import refuse_trainer_evaluation
 from ..app.validation import IGNORED_ON_RESUME
 from ..config import OptionField, TaperNormConfig, parse_step
@@ -393,12 +392,7 @@ class TaperTrainingArguments(TrainingArguments):
                 raise ConfigurationError(f"--{name} is not read by taper: {instead}; leave it out")
             setattr(self, name, TrainingArguments.__dataclass_fields__[name].default)
         for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):  # TrainingArguments json.loads them
-            value = getattr(self, name, None)
-            if isinstance(value, str) and value.strip().startswith("{"):
-                try:
-                    json.loads(value)
-                except json.JSONDecodeError as error:
-                    raise ConfigurationError(f"--{name} {value}: not a JSON object ({error})") from None
+            check_json_object(f"--{name}", getattr(self, name, None))
         if self.deepspeed and not is_deepspeed_available():  # transformers would raise PackageNotFoundError
             raise ConfigurationError(
                 f"--deepspeed {self.deepspeed}: the deepspeed package is not installed (pip install deepspeed), or "

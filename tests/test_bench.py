@@ -617,3 +617,17 @@ def test_bench_reads_a_tilde_output_dir_as_home_and_an_unreadable_one_in_one_lin
         "folder you can read and write"
     )
     assert not (tmp_path / "~").exists()
+
+
+def test_the_train_mode_trains_on_a_text_too_small_to_hold_out(tmp_path):
+    """bench --modes train on one long paragraph (or a few documents) was refused after the model loaded: "its
+    held-out split does not fill one block ... use a smaller --block_size or --sample_by line", options bench does not
+    have, for a held-out split it never reads. Its batches now come from every document, with no held-out split."""
+    import datasets
+
+    one_paragraph = datasets.Dataset.from_dict({"text": ["a long paragraph of text " * 40]})
+    batches = train.text_batches(
+        one_paragraph, char_tokenizer(), batch=2, seq_len=32, count=2, prefix_ids=[1], source="onedoc.txt"
+    )
+    assert [tuple(b["input_ids"].shape) for b in batches] == [(2, 32), (2, 32)]
+    assert all((b["input_ids"][:, 0] == 1).all() and b["labels"].shape == (2, 32) for b in batches)

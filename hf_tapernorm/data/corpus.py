@@ -8,6 +8,7 @@ documents (each followed by EOS), the standard packing of causal-LM pretraining.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -211,24 +212,27 @@ def prepare_data(
     evaluation only). ``prefix_ids`` start every block (see ``pack_documents``); the label of the
     first text token is then -100. The ``heldout_blocks`` held-out blocks are drawn at random positions
     of the held-out documents with ``heldout_seed`` (``data.heldout.sample_blocks``), the same for
-    every training seed. Raises ``DataError`` when a needed split cannot fill a single block.
+    every training seed; ``heldout_blocks=0``: no held-out split, every document trains (bench's train mode, which
+    measures speed). Raises ``DataError`` when a needed split cannot fill a single block.
     """
     if not 0.0 < heldout_percentage < 100.0:
         raise DataError(f"heldout_percentage must be in (0, 100), got {heldout_percentage}")
     column = text_column_of(dataset, text_column)
-    try:
-        heldout_set = sample_blocks(
-            _named_texts(dataset, column, heldout=True, percentage=heldout_percentage),
-            tokenizer,
-            block_size=block_size,
-            count=heldout_blocks,
-            seed=heldout_seed,
-            prefix_ids=prefix_ids,
-            name="held-out",
-            description=f"{heldout_percentage:g}% of the documents of {source}, held out by a hash of their text",
-        )
-    except ConfigurationError:
-        heldout_set = None
+    heldout_set = None
+    if not heldout_blocks:
+        heldout_percentage = 0.0  # is_heldout holds out no document
+    else:
+        with contextlib.suppress(ConfigurationError):
+            heldout_set = sample_blocks(
+                _named_texts(dataset, column, heldout=True, percentage=heldout_percentage),
+                tokenizer,
+                block_size=block_size,
+                count=heldout_blocks,
+                seed=heldout_seed,
+                prefix_ids=prefix_ids,
+                name="held-out",
+                description=f"{heldout_percentage:g}% of the documents of {source}, held out by a hash of their text",
+            )
     heldout = heldout_set.blocks.tolist() if heldout_set is not None else []
     train = []
     if train_blocks != 0:
@@ -241,7 +245,11 @@ def prepare_data(
             prefix_ids=prefix_ids,
         )
     for name, blocks in (("training", train), ("held-out", heldout)):
-        if not blocks and not (name == "training" and train_blocks == 0):
+        if (
+            not blocks
+            and not (name == "training" and train_blocks == 0)
+            and not (name == "held-out" and not heldout_blocks)
+        ):
             count = len(dataset) if isinstance(dataset, datasets.Dataset) else None
             few = name == "held-out" and count is not None and count < 100.0 / heldout_percentage
             raise DataError(

@@ -813,7 +813,8 @@ def test_a_folder_whose_names_form_one_split_says_how_datasets_would_read_it(hub
 def test_a_split_read_from_a_folder_of_one_split_says_what_it_leaves_out(tmp_path, caplog):
     """`--dataset_split test` on test.txt beside notes.txt (no card) read test.txt alone, as datasets does, without
     the WARNING a folder of several splits gives for the files a split leaves out; the WARNING came two or three
-    times per command (the early check, the loading, the row count). It now comes, once."""
+    times per command (the early check, which names the option, the loading, the row count), and counted the files
+    left out without naming them. It now comes, once, naming them."""
     from hf_tapernorm.data.sources import local_data_files
 
     folder = tmp_path / "notes"
@@ -821,11 +822,11 @@ def test_a_split_read_from_a_folder_of_one_split_says_what_it_leaves_out(tmp_pat
     (folder / "test.txt").write_text("\n\n".join(corpus_documents(6, seed=1)) + "\n")
     (folder / "notes.txt").write_text("\n\n".join(corpus_documents(6, seed=2)) + "\n")
     with caplog.at_level("WARNING", logger="hf_tapernorm.data.local_folders"):
-        for _ in range(3):
-            assert local_data_files(str(folder), split="test") == ("text", [folder / "test.txt"])
+        for name in (f"--dataset_name '{folder}'", None, None):  # the early check names the option, the loading not
+            assert local_data_files(str(folder), name, split="test") == ("text", [folder / "test.txt"])
     assert caplog.messages == [
-        f"dataset '{folder}': reading 'test' as datasets resolves the folder, 1 of its 2 data file(s) (its splits: "
-        "test)"
+        f"--dataset_name '{folder}': reading 'test' as datasets resolves the folder, 1 of its 2 data file(s) (its "
+        "splits: test; left out: notes.txt)"
     ]
 
 

@@ -10,7 +10,6 @@ check ask sources.local_splits, so the two cannot disagree.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from pathlib import Path
@@ -39,11 +38,17 @@ class DataError(ConfigurationError):
     """A dataset that cannot be used: missing, unreadable, without a text column, or too small."""
 
 
-@functools.cache
-def warn_once(message: str) -> None:
-    """Log ``message`` as a WARNING once per process: a command asks how a folder reads in its early check, its
-    loading and its slice count, and the user needs to be told once."""
-    logger.warning(message)
+#: What warn_once has warned of in this process.
+_WARNED: set[tuple] = set()
+
+
+def warn_once(key: tuple, message: str) -> None:
+    """Log ``message`` as a WARNING once per process for ``key`` (what it is about: the files and the split, not
+    the words naming the dataset): a command asks how a folder reads in its early check, which names the option, and
+    in its loading and slice count, which do not; the user needs to be told once."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(message)
 
 
 def split_names(split: str) -> list[str]:
@@ -132,8 +137,9 @@ def _read_one_corpus(
         if split_option:
             datasets_reads += f". {split_option} {formed} reads it so"
     warn_once(
+        ("one corpus", *files),
         f"{name}: no dataset card (README.md), so its {len(files)} data file(s) are one corpus, read as its train "
-        f"split; datasets would read {datasets_reads}"
+        f"split; datasets would read {datasets_reads}",
     )
     return chosen
 
@@ -208,9 +214,12 @@ def read_splits(
     read, outside = sum(map(len, chosen.values())), set(files).difference(*splits.values())
     if read < len(files) and (split is None or outside):  # the split named leaves out the others, as asked
         what = f"'{split}'" if split is not None else f"its {read_as['train']} split"
+        left = sorted(set(files).difference(*chosen.values()))
+        names = ", ".join(file.name for file in left[:5]) + (", ..." if len(left) > 5 else "")
         warn_once(
+            ("split", split, *files),
             f"{name}: reading {what} as datasets resolves the folder, {read} of its {len(files)} data file(s) (its "
-            f"splits: {', '.join(splits)})"
+            f"splits: {', '.join(splits)}; left out: {names})",
         )
     return chosen
 

@@ -52,6 +52,7 @@ from .config_fields import (
     Scope,
     Step,
     check_step,
+    check_tokenizer,
     checked,
     declared,
     field_named,
@@ -395,11 +396,8 @@ def _download(repo_id: str, revision: Optional[str], token: Union[str, bool, Non
 def sink_token_id(tokenizer: Any = None, model: Optional[nn.Module] = None) -> Optional[int]:
     """The token every block starts with as the attention sink: the tokenizer's BOS, else its EOS (GPT-2-style
     tokenizers use one token as both); without a tokenizer, the model config's BOS. None when there is none."""
-    if isinstance(tokenizer, (str, os.PathLike)):  # a name has no BOS: the recipe would silently lose its sink
-        raise ConfigurationError(
-            f"tokenizer= must be a tokenizer, got the name {str(tokenizer)!r}: pass AutoTokenizer.from_pretrained(name)"
-        )
     if tokenizer is not None:
+        check_tokenizer(tokenizer)
         for name in ("bos_token_id", "eos_token_id"):
             if getattr(tokenizer, name, None) is not None:
                 return int(getattr(tokenizer, name))

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import math
 import operator
+import os
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -274,13 +275,14 @@ def checked(cls: type, name: str, value: Any) -> Any:
 
 
 def _token_ids(label: str, value: Any) -> list[int]:
-    """The sink's ids as a list (None: no sink; one int: one id). A string is refused, not read character by
-    character ("127" was [1, 2, 7], "" no sink), and so is a mapping or another iterable than a list or tuple that
-    holds anything but integers (a set or tensor of ids is taken)."""
+    """The sink's ids as a list (None: no sink; one integer, a NumPy or torch one too: one id). A string is refused,
+    not read character by character ("127" was [1, 2, 7], "" no sink), and so is a mapping or another iterable than
+    a list or tuple that holds anything but integers (a set or tensor of ids is taken)."""
     if value is None:
         return []
-    if isinstance(value, int) and not isinstance(value, bool):
-        return [value]
+    one = _one_id(value)
+    if one is not None:
+        return [one]
     items = None if isinstance(value, (str, bytes, bytearray, Mapping)) else _items(value)
     read = _token_id if isinstance(value, (list, tuple)) else _integer_id
     try:
@@ -291,6 +293,19 @@ def _token_ids(label: str, value: Any) -> list[int]:
     raise ConfigurationError(
         f"{label} must be a list of integer token ids, got {value!r}: write {_id_list_example(value, items)}"
     )
+
+
+def _one_id(value: Any) -> int | None:
+    """One id given alone: a Python, NumPy or torch integer, a 0-d array or tensor too (as 5 is taken, so is
+    np.int64(5)); None for anything else, a bool or a boolean scalar included."""
+    if isinstance(value, (bool, str, bytes, bytearray)) or getattr(value, "ndim", 0) != 0:
+        return None
+    if "bool" in str(getattr(value, "dtype", "")):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _items(value: Any) -> list | None:
@@ -329,6 +344,27 @@ def _token_id(value: Any) -> int:
     if isinstance(value, str):
         return int(value.strip())
     return operator.index(value)
+
+
+def check_tokenizer(tokenizer: Any) -> None:
+    """Refuse a ``tokenizer=`` that is no tokenizer: a name, a class, a number, a dict of ids. It has no BOS/EOS id to
+    read, so the recipe would silently lose its sink (a WARNING that blamed the model's config was all it said).
+    Duck-typed on what is read of it: ``bos_token_id`` and ``eos_token_id``, and a call on text."""
+    if isinstance(tokenizer, (str, os.PathLike)):
+        raise ConfigurationError(
+            f"tokenizer= must be a tokenizer, got the name {str(tokenizer)!r}: pass AutoTokenizer.from_pretrained(name)"
+        )
+    if isinstance(tokenizer, type):
+        what = f"the class {tokenizer.__name__}"
+    elif not callable(tokenizer) or not all(hasattr(tokenizer, n) for n in ("bos_token_id", "eos_token_id")):
+        kind = type(tokenizer).__name__
+        what = f"an object of type {kind} (a tokenizer has bos_token_id, eos_token_id, is called on text)"
+    else:
+        return
+    raise ConfigurationError(
+        f"tokenizer= must be a tokenizer, got {what}: pass AutoTokenizer.from_pretrained(name), or leave it out to "
+        "take the model config's bos_token_id as the sink"
+    )
 
 
 @functools.cache

@@ -159,6 +159,24 @@ def test_a_string_of_sink_ids_is_refused_not_read_character_by_character(value, 
         assert TaperNormConfig.paper(sink_token_ids=ids).sink_token_ids == [12]
 
 
+def test_one_numpy_or_torch_integer_is_one_sink_id_as_an_int_is():
+    """sink_token_ids=np.int64(5), np.array(5) or torch.tensor(5) was refused ("must be a list of integer token
+    ids") while 5 was taken; a 0-d integer is now one id, stored as a Python int. A 0-d boolean or float is still
+    refused."""
+    import numpy as np
+
+    for value in (np.int64(5), np.array(5), torch.tensor(5), np.uint8(5)):
+        ids = TaperNormConfig.paper(sink_token_ids=value).sink_token_ids
+        assert ids == [5] and type(ids[0]) is int
+    for value in (np.bool_(True), torch.tensor(True), torch.tensor(5.0), np.float64(5)):
+        with pytest.raises(ConfigurationError) as caught:
+            TaperNormConfig.paper(sink_token_ids=value)
+        assert str(caught.value) == (
+            f"TaperNormConfig.sink_token_ids must be a list of integer token ids, got {value!r}: write a list of "
+            "ids such as [1, 2]"
+        )
+
+
 def test_the_teacher_s_settings_are_one_group_and_the_options_name_them_by_their_flags():
     config = TaperNormConfig(distillation={"weight": 0.5, "until": "taper_end"})
     assert config.distillation == DistillationConfig(weight=0.5, until="taper_end", sink_attention_weight=0.0)

@@ -10,6 +10,7 @@ TransformerLens turns them off for the whole process when imported, so the tests
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -109,6 +110,28 @@ def test_an_export_whose_config_lost_layers_is_refused_naming_folder_and_field(t
         OSError, match=r"out: .*config.json's folded_norms names model\.layers\.1\..*num_hidden_layers=1"
     ):
         AutoModelForCausalLM.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def sink_export(tmp_path_factory):
+    """A Llama sink export, as export_folded writes it."""
+    return export_folded(fold_model(sink_tapered("llama")), tmp_path_factory.mktemp("sink") / "out")
+
+
+@pytest.mark.parametrize("edit", ["127", 127, "[127]", [127.0], None], ids=repr)
+def test_an_export_whose_sink_token_ids_were_edited_is_refused_at_load(sink_export, tmp_path, edit):
+    """A config.json whose sink_token_ids is no list of integer ids used to load, then fail at the first forward
+    with a traceback from folded_input.py; the config now refuses it when it is read, in one line naming the field."""
+    folder = tmp_path / "edited"
+    shutil.copytree(sink_export, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "sink_token_ids": edit}))
+    with pytest.raises(ValueError) as caught:
+        AutoModelForCausalLM.from_pretrained(folder)
+    assert str(caught.value) == (
+        f"TaperNormLlamaConfig: config.json's sink_token_ids is {edit!r}, not a list of integer token ids; write them "
+        "as a list such as [1], or restore the config.json the export wrote"
+    )
 
 
 def test_a_tapered_folder_cannot_be_loaded_as_a_plain_model_and_load_tapered_reads_it(tmp_path):

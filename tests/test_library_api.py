@@ -289,6 +289,22 @@ def test_save_tapered_refuses_a_folder_holding_another_model(tmp_path):
     assert snapshot(folder) == before
 
 
+def test_save_tapered_of_a_patched_base_model_is_refused_before_anything_is_written(tmp_path):
+    """save_tapered of a patched LlamaModel (no LM head) wrote a checkpoint that load_tapered, fold and eval all
+    refused with a misleading "missing ['model.embed_tokens.weight', ...]" (its weights were there, unprefixed). It
+    is now refused in one line that says what to patch, and neither the folder nor its parent gets a file."""
+    from transformers import LlamaModel
+
+    base = patch_model(LlamaModel(tiny_llama_config()), TaperNormConfig.paper())
+    with pytest.raises(UnsupportedModelError) as caught:
+        save_tapered(base, tmp_path / "saved", char_tokenizer())
+    assert str(caught.value) == (
+        "save_tapered: LlamaModel has no LM head, and a tapered checkpoint is of a causal LM (what load_tapered, fold "
+        "and eval read); patch the model AutoModelForCausalLM loads"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
 def _each_refused_leaving_it_as_it_was(saves: dict, folder: Path, message: str, *, whole: bool = False) -> None:
     """Each of ``saves`` (the start of its refusal -> the save) into ``folder`` refused, its message going on with
     ``message`` after "into FOLDER: " (``whole``: the message entire), and the folder byte for byte as it was."""
@@ -451,6 +467,37 @@ def test_fold_model_in_float16_uses_its_own_tolerance():
 
 def test_a_probe_longer_than_the_models_positions_is_fine_for_rotary():
     assert fold_model(tapered("llama"), probe=torch.randint(0, 128, (1, 200))).fold_report.probe_shape == (1, 200)
+
+
+NO_TOKENIZER = " (a tokenizer has bos_token_id, eos_token_id, is called on text)"
+
+
+@pytest.mark.parametrize(
+    "tokenizer, what",
+    [
+        (1, "an object of type int" + NO_TOKENIZER),
+        (object(), "an object of type object" + NO_TOKENIZER),
+        ({"bos_token_id": 1}, "an object of type dict" + NO_TOKENIZER),
+        ([1], "an object of type list" + NO_TOKENIZER),
+        (type(char_tokenizer()), f"the class {type(char_tokenizer()).__name__}"),
+    ],
+    ids=["int", "object", "dict", "list", "class"],
+)
+def test_a_tokenizer_that_is_no_tokenizer_is_refused_as_a_name_is(tokenizer, what):
+    """patch_model(model, tokenizer=X) and TaperNormConfig.for_model(model, X) with X no tokenizer (a number, a dict
+    of ids, the tokenizer class) gave a recipe without a sink, with a WARNING that the model's config had no BOS
+    (config.bos_token_id is 1). Anything without bos_token_id, eos_token_id and a call on text is now refused in one
+    line, as a name is; the patched model is left as it was."""
+    expected = (
+        f"tokenizer= must be a tokenizer, got {what}: pass AutoTokenizer.from_pretrained(name), or leave it out to "
+        "take the model config's bos_token_id as the sink"
+    )
+    model = _llama()
+    for call in (lambda: TaperNormConfig.for_model(model, tokenizer), lambda: patch_model(model, tokenizer=tokenizer)):
+        with pytest.raises(ConfigurationError) as caught:
+            call()
+        assert str(caught.value) == expected
+    assert not hasattr(model, "tapernorm_config") and TaperNormConfig.for_model(model).sink_token_ids == [1]
 
 
 def test_a_tokenizer_without_bos_gives_the_eos_as_the_sink():

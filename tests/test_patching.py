@@ -59,8 +59,8 @@ def test_bare_base_model_patches(caplog):
         after = base(ids).last_hidden_state
     assert torch.equal(before, after)
     assert caplog.messages == [
-        "patch_model: LlamaModel has no LM head, so it trains patched but fold_model cannot fold it (it folds a "
-        "causal LM); to fold, patch the model AutoModelForCausalLM loads"
+        "patch_model: LlamaModel has no LM head, so it trains patched but neither fold_model nor save_tapered takes "
+        "it (they take a causal LM); to fold or save, patch the model AutoModelForCausalLM loads"
     ]
     caplog.clear()
     with caplog.at_level("WARNING", logger="hf_tapernorm.layers.patching"):

@@ -33,6 +33,8 @@ from transformers import initialization as init
 
 from .folded_sink import PREFIX, attention_modules, finish_sink_call, give_back_sink_cache, prepare_sink_call
 
+RESTORE_CONFIG = "restore the config.json the export wrote"  # ends every refusal of an edited config.json
+
 
 @dataclass(kw_only=True)
 class FoldedConfigFields:
@@ -147,7 +149,7 @@ class FoldedModelMixin:
                     raise ValueError(
                         f"{type(self).__name__}: config.json's {field_name} names {path}, which this architecture "
                         f"lacks (num_hidden_layers={getattr(config, 'num_hidden_layers', '?')}): the config was edited "
-                        "or belongs to another export; restore the config.json the export wrote"
+                        f"or belongs to another export; {RESTORE_CONFIG}"
                     ) from None
         for path in config.folded_norms:
             _set_submodule(self, path, nn.Identity())
@@ -239,7 +241,7 @@ class FoldedModelMixin:
             model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         except Exception as error:  # noqa: BLE001 - safetensors and torch raise their own types; re-raised unless known
             text = str(error)
-            if "config.json's" in text and "which this architecture lacks" in text:
+            if "config.json's" in text and RESTORE_CONFIG in text:
                 raise OSError(f"{source}: {text}") from None
             if "ignore_mismatched_sizes" in text or "size mismatch" in text:
                 raise OSError(
@@ -369,9 +371,25 @@ def _post_init(self, **kwargs: Any) -> None:
         if "__post_init__" in base.__dict__:
             base.__dict__["__post_init__"](self, **kwargs)
             break
+    _check_sink_token_ids(self)
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.register(type(self), folded_model_class(_base_type(type(self))), exist_ok=True)
+
+
+def _check_sink_token_ids(config: Any) -> None:
+    """Refuse a ``sink_token_ids`` that is not a list of integer ids when the config is built or loaded.
+
+    An edited config.json ("127", 127, "[127]", [127.0]) would otherwise load and fail at the first forward, deep in
+    folded_input.py; this file cannot import hf_tapernorm's own id reading (it runs where hf_tapernorm is absent).
+    """
+    ids = config.sink_token_ids
+    if isinstance(ids, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        return
+    raise ValueError(
+        f"{type(config).__name__}: config.json's sink_token_ids is {ids!r}, not a list of integer token ids; write "
+        f"them as a list such as [1], or {RESTORE_CONFIG}"
+    )
 
 
 def folded_config_class(base_model_type: str) -> type:

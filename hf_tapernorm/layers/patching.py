@@ -54,14 +54,19 @@ def _standing_alone(unmatched: Sequence[str], patterns: Sequence[str]) -> str:
     return f"; '{word}' {meaning} only when it stands alone (--keep_norms {word}): drop it, or give it alone"
 
 
-def _warn_if_headless(model: nn.Module) -> None:
-    """A base model without its LM head (LlamaModel) patches and trains, but fold_model folds a causal LM: say so
-    now, not at the fold after training."""
+def is_headless(model: nn.Module) -> bool:
+    """A base model without its LM head (LlamaModel, GPT2Model): it patches and trains, but fold_model folds a
+    causal LM and a tapered checkpoint is one (load_tapered, fold and eval read it as such)."""
     get_head = getattr(model, "get_output_embeddings", None)
-    if callable(get_head) and get_head() is None:
+    return callable(get_head) and get_head() is None
+
+
+def _warn_if_headless(model: nn.Module) -> None:
+    """Say at the patch, not at the fold or save after training, that a base model cannot be folded or saved."""
+    if is_headless(model):
         logger.warning(
-            "patch_model: %s has no LM head, so it trains patched but fold_model cannot fold it (it folds a causal "
-            "LM); to fold, patch the model AutoModelForCausalLM loads",
+            "patch_model: %s has no LM head, so it trains patched but neither fold_model nor save_tapered takes it "
+            "(they take a causal LM); to fold or save, patch the model AutoModelForCausalLM loads",
             type(model).__name__,
         )
 

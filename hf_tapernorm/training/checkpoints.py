@@ -30,8 +30,8 @@ from ..config import (
     config_of,
     recorded_config_file,
 )
-from ..errors import ConfigurationError, TaperStateError
-from ..layers.patching import patch_model
+from ..errors import ConfigurationError, TaperStateError, UnsupportedModelError
+from ..layers.patching import is_headless, patch_model
 from ..layers.saving import TAPERED_NOTE_KEY, mark_config_as_tapered
 from ..layers.taper_norm import tapered_norms
 from ..utils import expand_user, load_dtype, refuse_weights_of_another_format
@@ -47,6 +47,11 @@ def save_tapered(model: nn.Module, folder: Union[str, os.PathLike], tokenizer: A
     """
     folder = expand_user(folder, f"save_tapered: folder '{folder}'")
     config = config_of(model)
+    if is_headless(model):  # its weights would be written under names no causal LM of its type loads
+        raise UnsupportedModelError(
+            f"save_tapered: {type(model).__name__} has no LM head, and a tapered checkpoint is of a causal LM (what "
+            "load_tapered, fold and eval read); patch the model AutoModelForCausalLM loads"
+        )
     what = "save_tapered: cannot save a tapered checkpoint"
     refuse_weights_of_another_format(folder, False, what)  # first: a sharded one's config.json reads as "another model"
     check_save_destination(folder, what, writes_model=True)

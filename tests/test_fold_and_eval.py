@@ -524,6 +524,102 @@ def test_fold_scan_of_a_run_whose_corpus_is_gone_is_refused_before_loading(run, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
+#: Hand edits of a run's report.json that fold's scan reads: (where, the edit, the value it records, what it must be).
+EDITED_REPORTS = [
+    ("data", {"heldout_seed": "x"}, "data.heldout_seed", '"x"', "an integer in [0, 4294967295]"),
+    ("data", {"heldout_seed": None}, "data.heldout_seed", "null", "an integer in [0, 4294967295]"),
+    ("data", {"heldout_seed": [7]}, "data.heldout_seed", "[7]", "an integer in [0, 4294967295]"),
+    ("data", {"heldout_seed": 1.5}, "data.heldout_seed", "1.5", "an integer in [0, 4294967295]"),
+    ("data", {"heldout_seed": -1}, "data.heldout_seed", "-1", "an integer in [0, 4294967295]"),
+    ("data", {"block_size": "x"}, "data.block_size", '"x"', "an integer >= 4"),
+    ("data", {"heldout_percentage": "ten"}, "data.heldout_percentage", '"ten"', "a number in (0, 100)"),
+    ("data", {"sample_by": "page"}, "data.sample_by", '"page"', "one of line, paragraph, document"),
+    ("data", {"split": 3}, "data.split", "3", "a string"),
+    (None, {"data": "x"}, "data", '"x"', "an object"),
+    ("evaluation_sets", {"held-out": {"blocks": None}}, "evaluation_sets.held-out.blocks", "null", "an integer >= 1"),
+    ("evaluation_sets", {"held-out": "x"}, "evaluation_sets.held-out", '"x"', "an object"),
+]
+
+
+@pytest.mark.parametrize("section, edit, field, value, expected", EDITED_REPORTS)
+def test_fold_scan_of_a_hand_edited_report_is_one_line_before_loading(
+    run, tmp_path, monkeypatch, section, edit, field, value, expected
+):
+    """fold's scan read the fields of its run's report.json as it found them: a hand-edited one ("x", null or [7]
+    as the held-out seed, "x" as the block size or the data section) failed with a traceback from scan_plan, and a
+    seed of 1.5 or -1 was scanned as 1 and -1 (a seed eval refuses). Each field is now read with its type and range,
+    and a wrong one is one line naming report.json and the field, with --scan_windows 0 as the way out, before any
+    model loads."""
+    import hf_tapernorm.cli.commands as commands
+
+    copy = copy_of(run, tmp_path)
+    report = json.loads((copy / "report.json").read_text())
+    edit_json(copy / "report.json", **({section: {**report[section], **edit}} if section else edit))
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    line = refused(fold(copy / "tapered", tmp_path / "export", "--scan_windows", "2"))
+    assert line == (
+        f"hf-tapernorm fold: error: --scan_windows 2: the run's report.json ('{copy / 'report.json'}') records "
+        f"{field} as {value}, not {expected}; fold with --scan_windows 0 (hf-tapernorm eval --scan_reference scans "
+        "the export later, on any data)"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_fold_without_a_scan_refuses_an_export_into_the_runs_dataset_and_takes_a_run_whose_dataset_is_gone(
+    ws, run, tmp_path, monkeypatch
+):
+    """fold --scan_windows 0 wrote its export into the dataset folder its run recorded (only a scan checked it):
+    afterwards every scan of that run, and every command on that folder, was refused as a mix of file types. The
+    export is refused there whatever --scan_windows is; a recorded dataset that is gone protects nothing, and
+    without a scan such a run still folds."""
+    import hf_tapernorm.cli.commands as commands
+
+    copy = copy_of(run, tmp_path)
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text((ws / "corpus.txt").read_text())
+    report = json.loads((copy / "report.json").read_text())
+    edit_json(copy / "report.json", data={**report["data"], "source": str(texts), "dataset_path": str(texts)})
+    loaded = commands.load_model
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    line = refused(fold(copy / "tapered", texts / "exp", "--scan_windows", "0"))
+    assert line == (
+        f"hf-tapernorm fold: error: --output_dir '{texts / 'exp'}' lies inside the run's --dataset_name '{texts}', "
+        f"which the taper run in '{copy}' reads: the export would become part of that input (every later command "
+        "would read it changed); choose an --output_dir outside it"
+    )
+    assert sorted(p.name for p in texts.iterdir()) == ["a.txt"]
+    monkeypatch.setattr(commands, "load_model", loaded)
+    shutil.rmtree(texts)  # gone: without a scan, nothing to protect and nothing to read
+    code, _, stderr = run_main(fold(copy / "tapered", tmp_path / "export", "--scan_windows", "0"))
+    assert code == 0, stderr[-2000:]
+    assert (tmp_path / "export" / "model.safetensors").is_file()
+
+
+def _card_part(card: str, heading: str) -> str:
+    """The lines of a model card from ``heading`` to the next heading."""
+    start = card.index(heading)
+    return card[start : card.index("\n## ", start + len(heading))]
+
+
+def test_folds_card_names_the_base_model_and_the_tapering_run_as_tapers_card_does(run, tmp_path):
+    """fold's card (the one push uploads) was titled after the checkpoint folder ("# tapered (norm-free)") and had no
+    "Tapering run" section, where taper's card of the same run says "# llama (norm-free)" and names the training
+    data, tokens and schedule. fold reads them from the run's report.json; a trainer checkpoint of the run (another
+    schedule) gets the title alone."""
+    code, _, stderr = run_main(fold(run / "tapered", tmp_path / "export", "--scan_windows", "0"))
+    assert code == 0, stderr[-2000:]
+    tapers, folds = ((folder / "README.md").read_text() for folder in (run / "folded", tmp_path / "export"))
+    assert "\n# llama (norm-free)\n" in folds and "\n# llama (norm-free)\n" in tapers
+    section = _card_part(folds, "## Tapering run")
+    assert section == _card_part(tapers, "## Tapering run")
+    assert "| Training data | " in section and "| optimizer steps | 6 |" in section
+    code, _, stderr = run_main(fold(run / "checkpoint-6", tmp_path / "export6", "--scan_windows", "0"))
+    assert code == 0, stderr[-2000:]
+    card = (tmp_path / "export6" / "README.md").read_text()
+    assert "\n# llama (norm-free)\n" in card and "## Tapering run" not in card
+
+
 def test_fold_scans_the_text_its_run_read_as_the_run_read_it(ws, tmp_path, monkeypatch):
     """fold's scan read only the recorded dataset's name: a run on a cached Hub dataset (its --data_cache_dir) failed
     after the load, fold and check ("not cached"), and the out-of-corpus rows of a run made with

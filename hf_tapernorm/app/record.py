@@ -190,29 +190,47 @@ class RunRecord:
 
     def card_facts(self) -> dict[str, Any]:
         """The run in the model card's vocabulary (export/model_card.FACT_KEYS)."""
-        card: dict[str, Any] = {
-            "base_model": self.model.source if self.model.kind == "hub" else self.model.name,
-            "dataset": named_data(self.data.to_dict()),
-            "schedule": {
-                "optimizer steps": self.training.steps,
-                "taper start (step)": self.taper_start_step,
-                "taper end (step)": self.taper_end_step,
-                "recipe": self.config.recipe,
-                "scope": self.config.scope,
-                "kept norms": len(self.config.keep_norms),
-                "distillation weight": self.config.distillation.weight,
-                "learning rate": self.training.learning_rate,
-            },
-            "eval_loss": {kind: round(values["loss"], 4) for kind, values in self.heldout.items() if values},
-        }
-        if self.training.tokens:
-            card["tokens"] = int(self.training.tokens)
+        card = run_card_facts(self.to_dict())
+        card["eval_loss"] = {kind: round(values["loss"], 4) for kind, values in self.heldout.items() if values}
         if self.robustness_scan:
             card["robustness_scan"] = self.robustness_scan
         warning = far_worse_warning(self.to_dict())
         if warning:
             card["warning"] = warning
         return card
+
+
+def run_card_facts(report: Mapping[str, Any]) -> dict[str, Any]:
+    """What the model card's title and its "Tapering run" section show of a run (``report``: its report.json): the
+    base model, the training data, its tokens and the schedule. taper's card and fold's card of the same run (read from
+    its report.json) say the same; a field a hand edit gave another type is left out, never a traceback."""
+    model, data, taper, training = (_section(report, name) for name in ("model", "data", "taper", "training"))
+    card: dict[str, Any] = {}
+    base = model.get("source") if model.get("kind") == "hub" else model.get("name")
+    if isinstance(base, str) and base:
+        card["base_model"] = base
+    if data:
+        card["dataset"] = named_data(data)
+    keep = taper.get("keep_norms")
+    card["schedule"] = {
+        "optimizer steps": training.get("steps"),
+        "taper start (step)": taper.get("taper_start_step"),
+        "taper end (step)": taper.get("taper_end_step"),
+        "recipe": taper.get("recipe"),
+        "scope": taper.get("scope"),
+        "kept norms": len(keep) if isinstance(keep, list) else None,
+        "distillation weight": taper.get("distill_weight"),
+        "learning rate": training.get("learning_rate"),
+    }
+    tokens = training.get("tokens")
+    if isinstance(tokens, (int, float)) and not isinstance(tokens, bool) and tokens:
+        card["tokens"] = int(tokens)
+    return card
+
+
+def _section(report: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    section = report.get(name)
+    return section if isinstance(section, Mapping) else {}
 
 
 def named_data(data: Mapping[str, Any]) -> str:

@@ -66,6 +66,10 @@ def check_positive(name: str, value, *, allow_zero: bool = False) -> None:
         raise ConfigurationError(f"--{name} must be {'>= 0' if allow_zero else 'positive'}, got {value}")
 
 
+#: The shortest --block_size any command takes (fold's scan refuses a shorter one its run's report records).
+MIN_BLOCK_SIZE = 4
+
+
 @dataclass
 class ModelArguments:
     model_name_or_path: Optional[str] = field(
@@ -162,8 +166,8 @@ class DataArguments:
     )
 
     def __post_init__(self) -> None:
-        if self.block_size < 4:
-            raise ConfigurationError(f"--block_size must be at least 4 tokens, got {self.block_size}")
+        if self.block_size < MIN_BLOCK_SIZE:
+            raise ConfigurationError(f"--block_size must be at least {MIN_BLOCK_SIZE} tokens, got {self.block_size}")
         if not 0.0 < self.heldout_percentage < 100.0:
             raise ConfigurationError(f"--heldout_percentage must be in (0, 100), got {self.heldout_percentage}")
         check_positive("heldout_blocks", self.heldout_blocks)

@@ -19,7 +19,7 @@ from typing import Optional
 from .._parsing import UsageError, parse
 from ..app.data_checks import check_data_paths, check_hub_datasets
 from ..app.preflight import check_export_space, full_disk_refused
-from ..app.record import evaluation_facts
+from ..app.record import evaluation_facts, run_card_facts
 from ..app.run_folder import RunFolder, write_file, write_folder
 from ..app.run_lock import refuse_while_running, resolved_path
 from ..app.taper import save_export
@@ -54,7 +54,14 @@ from .destinations import (
     check_result_outside_data,
 )
 from .export_arguments import FoldArguments, PushArguments
-from .fold_scan import common_positions, fold_scan, recorded_reference_of, scan_plan
+from .fold_scan import (
+    check_export_outside_run,
+    common_positions,
+    fold_scan,
+    recorded_reference_of,
+    run_report,
+    scan_plan,
+)
 
 logger = logging.getLogger("hf_tapernorm.cli")
 
@@ -277,6 +284,7 @@ def fold_main(argv: Sequence[str]) -> int:
     check_export_folder(output_dir, fold_args.overwrite)
     check_export_space(output_dir, Path(source.path), fold_args.tied_head)  # before the weights load
     scan = scan_plan(source, fold_args.scan_windows, output_dir)  # and what the scan reads
+    check_export_outside_run(source, output_dir)  # with or without a scan: the run's data stays as it read it
     export = RunFolder(output_dir)
     export.lock()  # held until the export is written: a second command into this folder is refused meanwhile
     try:
@@ -298,7 +306,7 @@ def _fold_into(output_dir: Path, source: ModelSource, fold_args: FoldArguments, 
         logger.warning("no tokenizer found with %s: the export has none", fold_args.checkpoint)
         tokenizer = None
     scan = fold_scan(scan_plan, folded, tokenizer, fold_args.checkpoint)
-    facts = {"robustness_scan": scan} if scan else None
+    facts = {**_run_card_facts(source), **({"robustness_scan": scan} if scan else {})} or None
     with full_disk_refused(output_dir):
         write_folder(output_dir, lambda tmp: save_export(folded, tokenizer, tmp, facts))  # replaces an earlier export
     print(json.dumps({"export": str(output_dir), "fold": folded.fold_report.to_dict()}))
@@ -306,6 +314,18 @@ def _fold_into(output_dir: Path, source: ModelSource, fold_args: FoldArguments, 
     if warning:
         print(warning)
     return 0
+
+
+def _run_card_facts(source: ModelSource) -> dict:
+    """What the export's card says of the taper run of the checkpoint ``source`` (its report.json), as taper's card
+    of that run does: the base model (the card's title; else the checkpoint folder's name) and, for the run's own
+    tapered/ checkpoint, the "Tapering run" section (a trainer checkpoint-N of the run had another schedule)."""
+    run = Path(source.path).resolve().parent
+    report = run_report(run)
+    facts = run_card_facts(report) if report is not None else {}
+    if Path(source.path).resolve() != run / "tapered":
+        facts = {key: value for key, value in facts.items() if key == "base_model"}
+    return facts
 
 
 def push_main(argv: Sequence[str]) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,14 @@ def check_export_outside_data(folder: Path, data: Any) -> None:
     check_output_outside("--output_dir", folder, inputs, reader=reader, written="the export")
 
 
+def check_export_outside_run_data(folder: Path, datasets: Mapping[str, str], run: Path) -> None:
+    """Refuse an export folder in a local dataset that the run it folds recorded (``datasets``: option -> its path
+    now), whatever ``--scan_windows`` is: the export's files would be read as more of the run's texts by every later
+    scan of that run and its ``--resume`` (app/data_checks.check_output_outside)."""
+    inputs = {f"the run's {option}": name for option, name in datasets.items()}
+    check_output_outside("--output_dir", folder, inputs, reader=f"the taper run in '{run}'", written="the export")
+
+
 def check_export_folder(folder: Path, overwrite: bool, *, locked: bool = False) -> None:
     """An export may replace only an empty folder or, with ``--overwrite``, an earlier export and nothing else.
 
@@ -155,6 +164,7 @@ __all__ = [
     "RESULT_MARK",
     "check_export_folder",
     "check_export_outside_data",
+    "check_export_outside_run_data",
     "check_result_file",
     "check_result_outside_data",
 ]

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, get_args, get_type_hints
 
 from .._parsing import UsageError
 from ..app.data_checks import check_data_paths, check_hub_datasets, missing_local_dataset
@@ -21,8 +22,9 @@ from ..data.out_of_corpus import out_of_corpus_set
 from ..data.sources import EMBEDDED_CORPUS, DataError, local_dataset_path
 from ..evaluation.models import ModelSource, load_model, resolve_model
 from ..evaluation.scan import robustness_scan
-from .arguments import DataArguments
-from .destinations import check_export_outside_data
+from ..utils import SEED_LIMIT
+from .arguments import MIN_BLOCK_SIZE, DataArguments
+from .destinations import check_export_outside_data, check_export_outside_run_data
 
 logger = logging.getLogger("hf_tapernorm.cli")
 
@@ -44,9 +46,10 @@ def scan_plan(
             source.path,
         )
         return None
-    recorded, sets = facts.get("data") or {}, facts.get("evaluation_sets") or {}
-    ooc_set = sets.get("out-of-corpus") or {}
-    ooc = recorded.get("out_of_corpus_dataset")
+    report = RecordedFacts(facts, run, windows)
+    recorded = report.section("data")
+    ooc_set = report.section("evaluation_sets.out-of-corpus")
+    ooc = report.text("data.out_of_corpus_dataset")
     if ooc is None and ooc_set and ooc_set.get("description") != PYTHON_DOCS_DESCRIPTION:
         logger.warning(  # a run of an earlier version, which did not record which text it was
             "the robustness scan has no out-of-corpus rows: the run in %s does not record its out-of-corpus dataset",
@@ -54,20 +57,21 @@ def scan_plan(
         )
         ooc_set = {}
     default = DataArguments()  # what the run used for anything its report does not record
+    dataset = report.text("data.dataset_path" if "dataset_path" in recorded else "data.source")
     data = DataArguments(
-        dataset_name=_recorded_dataset(facts, run, recorded.get("dataset_path", recorded.get("source")), windows),
-        dataset_config_name=recorded.get("config"),
-        dataset_split=recorded.get("split", default.dataset_split),
-        sample_by=recorded.get("sample_by", default.sample_by),
-        data_cache_dir=_recorded_cache(recorded.get("cache_dir")),
-        text_column=recorded.get("text_column"),
-        block_size=int(recorded.get("block_size", default.block_size)),
-        heldout_percentage=float(recorded.get("heldout_percentage", default.heldout_percentage)),
-        heldout_seed=int(recorded.get("heldout_seed", default.heldout_seed)),  # absent from earlier versions' runs
-        heldout_blocks=int((sets.get("held-out") or {}).get("blocks", default.heldout_blocks)),
+        dataset_name=_recorded_dataset(facts, run, dataset, windows),
+        dataset_config_name=report.text("data.config"),
+        dataset_split=report.text("data.split", default.dataset_split),
+        sample_by=report.choice("data.sample_by", default.sample_by, SAMPLE_BY),
+        data_cache_dir=_recorded_cache(report.text("data.cache_dir")),
+        text_column=report.text("data.text_column"),
+        block_size=report.integer("data.block_size", default.block_size, low=MIN_BLOCK_SIZE),
+        heldout_percentage=report.percentage("data.heldout_percentage", default.heldout_percentage),
+        heldout_seed=report.integer("data.heldout_seed", default.heldout_seed, high=SEED_LIMIT),  # absent: earlier
+        heldout_blocks=report.integer("evaluation_sets.held-out.blocks", default.heldout_blocks, low=1),
         out_of_corpus_dataset=_recorded_dataset(facts, run, ooc, windows) or PYTHON_DOCS,
-        out_of_corpus_text_column=recorded.get("out_of_corpus_text_column"),  # None in the runs of earlier versions
-        out_of_corpus_blocks=int(ooc_set.get("blocks", 0)),  # no set recorded: none read
+        out_of_corpus_text_column=report.text("data.out_of_corpus_text_column"),  # None in earlier versions' runs
+        out_of_corpus_blocks=report.integer("evaluation_sets.out-of-corpus.blocks", 0) if ooc_set else 0,
         scan_windows=windows,
     )
     check_export_outside_data(output_dir, data)  # it would become part of the run's texts
@@ -81,6 +85,77 @@ def scan_plan(
 
 #: The way out of a scan whose text cannot be read.
 _NO_SCAN = "fold with --scan_windows 0 (hf-tapernorm eval --scan_reference scans the export later, on any data)"
+
+#: The ways a run reads text files (DataArguments.sample_by).
+SAMPLE_BY = get_args(get_type_hints(DataArguments)["sample_by"])
+
+_MISSING = object()
+
+
+class RecordedFacts:
+    """The fields of a run's report.json that fold's scan reads, each read with its type and range: a report edited by
+    hand ("x", null, a list, 1.5 or -1 where a seed was) is refused in one line naming report.json and the field,
+    before the weights load, never read as another value nor failing later with a traceback. A field that is missing
+    reads as its default: runs of earlier versions did not record it."""
+
+    def __init__(self, facts: Mapping[str, Any], run: Path, windows: int) -> None:
+        self.facts, self.run, self.windows = facts, run, windows
+
+    def _value(self, field: str) -> Any:
+        """The value at the dotted ``field`` (data.heldout_seed), or _MISSING; the sections above it are objects."""
+        parent, _, key = field.rpartition(".")
+        return (self.section(parent) if parent else self.facts).get(key, _MISSING)
+
+    def _refuse(self, field: str, value: Any, expected: str) -> UsageError:
+        return UsageError(
+            f"--scan_windows {self.windows}: the run's report.json ('{self.run / 'report.json'}') records {field} as "
+            f"{json.dumps(value)}, not {expected}; {_NO_SCAN}"
+        )
+
+    def section(self, field: str) -> dict:
+        """A section (a JSON object); empty where it is missing or null."""
+        value = self._value(field)
+        if value is _MISSING or value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise self._refuse(field, value, "an object")
+        return value
+
+    def text(self, field: str, default: Optional[str] = None) -> Optional[str]:
+        """A name or a path; null (no such setting) or missing reads as ``default``."""
+        value = self._value(field)
+        if value is _MISSING or value is None:
+            return default
+        if not isinstance(value, str):
+            raise self._refuse(field, value, "a string")
+        return value
+
+    def choice(self, field: str, default: str, choices: tuple[str, ...]) -> str:
+        value = self._value(field)
+        if value is _MISSING:
+            return default
+        if value not in choices:
+            raise self._refuse(field, value, f"one of {', '.join(choices)}")
+        return value
+
+    def integer(self, field: str, default: int, *, low: int = 0, high: Optional[int] = None) -> int:
+        """An integer in [low, high) (a JSON number with a fraction, a bool, a string or null is refused)."""
+        value = self._value(field)
+        if value is _MISSING:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value >= high):
+            above = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high - 1}]"
+            raise self._refuse(field, value, above)
+        return value
+
+    def percentage(self, field: str, default: float) -> float:
+        """A number in (0, 100)."""
+        value = self._value(field)
+        if value is _MISSING:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 100:
+            raise self._refuse(field, value, "a number in (0, 100)")
+        return float(value)
 
 
 def _recorded_cache(recorded: Optional[str]) -> Optional[str]:
@@ -117,6 +192,38 @@ def _recorded_dataset(facts: dict, run: Path, recorded: Optional[str], windows: 
             f"restore it at that path, or {_NO_SCAN}"
         )
     return name
+
+
+def check_export_outside_run(source: ModelSource, output_dir: Path) -> None:
+    """Refuse an export (``output_dir``) into a local dataset that the run of the checkpoint ``source`` recorded, with
+    or without a scan (scan_plan refuses it in its own words where it scans); a dataset that is gone protects
+    nothing, and is no refusal without a scan."""
+    run = Path(source.path).resolve().parent
+    facts = run_report(run)
+    if facts is not None:
+        check_export_outside_run_data(output_dir, recorded_local_datasets(facts, run), run)
+
+
+def recorded_local_datasets(facts: Mapping[str, Any], run: Path) -> dict[str, str]:
+    """The local datasets that the run in ``run`` recorded (its report ``facts``) and that are there now: option ->
+    path. Read leniently (a field of another type is no path): nothing here is read as text."""
+    data = facts.get("data") if isinstance(facts.get("data"), dict) else {}
+    hub_names = "dataset_path" in data  # this version records a local dataset absolute; a relative name is a Hub id
+    named = {
+        "--dataset_name": data.get("dataset_path", data.get("source")),
+        "--out_of_corpus_dataset": data.get("out_of_corpus_dataset"),
+    }
+    found = {}
+    for option, recorded in named.items():
+        if recorded in (EMBEDDED_CORPUS, PYTHON_DOCS) or (hub_names and not Path(str(recorded)).is_absolute()):
+            continue
+        try:
+            path = recorded_path(dict(facts), run, recorded)
+            if path is not None and path.exists():
+                found[option] = str(path)
+        except (OSError, ValueError):  # a path this system cannot name (a NUL byte, too long): no dataset here
+            continue
+    return found
 
 
 def fold_scan(plan, folded, tokenizer, checkpoint: str) -> Optional[dict]:
@@ -167,4 +274,11 @@ def recorded_reference_of(run: Path) -> Optional[tuple[ModelSource, str]]:
     return (resolve_model(str(found[0])), found[1]) if found is not None else None
 
 
-__all__ = ["common_positions", "fold_scan", "recorded_reference_of", "run_report", "scan_plan"]
+__all__ = [
+    "check_export_outside_run",
+    "common_positions",
+    "fold_scan",
+    "recorded_reference_of",
+    "run_report",
+    "scan_plan",
+]

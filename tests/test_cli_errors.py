@@ -450,6 +450,12 @@ CASES = {
         "--report_to tensorboard,none: none stands alone (none: no reporter; all: every installed one); name the "
         "reporters without it",
     ),
+    # each got its own callback: every log reported twice, only transformers' own warning said so
+    "taper: --report_to wandb,wandb": (
+        lambda ws: _taper(ws, "--report_to", "wandb,wandb"),
+        2,
+        ["--report_to wandb,wandb: a reporter named twice; name each once"],
+    ),
     # Trainer options the Trainer (or torch) reads only once the model is loaded: it ended with a traceback and a
     # failed run's folder
     "taper: --torch_compile_mode bogus": (

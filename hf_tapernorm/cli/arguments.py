@@ -446,6 +446,8 @@ def _reporters(report_to: Any) -> Any:
             f"--report_to {report_to}: {alone} stands alone (none: no reporter; all: every installed one); name the "
             "reporters without it"
         )
+    if len(set(names)) < len(names):  # each would get its own callback: every log reported twice
+        raise ConfigurationError(f"--report_to {report_to}: a reporter named twice; name each once")
     return names or report_to
 
 

@@ -8,7 +8,6 @@ documents (each followed by EOS), the standard packing of causal-LM pretraining.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -218,21 +217,10 @@ def prepare_data(
     if not 0.0 < heldout_percentage < 100.0:
         raise DataError(f"heldout_percentage must be in (0, 100), got {heldout_percentage}")
     column = text_column_of(dataset, text_column)
-    heldout_set = None
     if not heldout_blocks:
         heldout_percentage = 0.0  # is_heldout holds out no document
-    else:
-        with contextlib.suppress(ConfigurationError):
-            heldout_set = sample_blocks(
-                _named_texts(dataset, column, heldout=True, percentage=heldout_percentage),
-                tokenizer,
-                block_size=block_size,
-                count=heldout_blocks,
-                seed=heldout_seed,
-                prefix_ids=prefix_ids,
-                name="held-out",
-                description=f"{heldout_percentage:g}% of the documents of {source}, held out by a hash of their text",
-            )
+    draw = {"block_size": block_size, "count": heldout_blocks, "seed": heldout_seed, "prefix_ids": prefix_ids}
+    heldout_set = _heldout_set(dataset, column, tokenizer, heldout_percentage, source, draw) if heldout_blocks else None
     heldout = heldout_set.blocks.tolist() if heldout_set is not None else []
     train = []
     if train_blocks != 0:
@@ -274,6 +262,23 @@ def prepare_data(
     return PackedData(
         _as_dataset(train, n), _as_dataset(heldout, n), source, block_size, column, list(prefix_ids), heldout_set
     )
+
+
+def _heldout_set(
+    dataset, column: str, tokenizer, percentage: float, source: str, draw: dict
+) -> Optional[EvaluationSet]:
+    """The held-out blocks drawn from the held-out documents (``draw``: sample_blocks' block size, count, seed and
+    prefix); None where those documents do not fill one block (prepare_data says so, naming the split)."""
+    try:
+        return sample_blocks(
+            _named_texts(dataset, column, heldout=True, percentage=percentage),
+            tokenizer,
+            name="held-out",
+            description=f"{percentage:g}% of the documents of {source}, held out by a hash of their text",
+            **draw,
+        )
+    except ConfigurationError:
+        return None
 
 
 def blocks_tensor(dataset: datasets.Dataset) -> torch.Tensor:

@@ -10,7 +10,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from .._parsing import UsageError
 from ..app.data_checks import check_output_outside, datasets_read
@@ -92,18 +92,17 @@ def check_result_outside_data(path: Path, data: Any) -> None:
 def check_export_outside_data(folder: Path, data: Any) -> None:
     """Refuse an export folder in a local dataset folder that fold's robustness scan reads (``data``: the data
     arguments of the run's recorded texts): the export's files would be read as more of the run's own texts by this
-    scan and every later one (app/data_checks.check_output_outside)."""
-    inputs = {f"the run's {option}": name for option, name in datasets_read(data).items()}
+    scan and every later one."""
     reader = f"fold's robustness scan (--scan_windows {data.scan_windows})"
-    check_output_outside("--output_dir", folder, inputs, reader=reader, written="the export")
+    check_export_outside_run_data(folder, datasets_read(data), reader)
 
 
-def check_export_outside_run_data(folder: Path, datasets: Mapping[str, str], run: Path) -> None:
-    """Refuse an export folder in a local dataset that the run it folds recorded (``datasets``: option -> its path
-    now), whatever ``--scan_windows`` is: the export's files would be read as more of the run's texts by every later
-    scan of that run and its ``--resume`` (app/data_checks.check_output_outside)."""
+def check_export_outside_run_data(folder: Path, datasets: Mapping[str, Optional[str]], reader: str) -> None:
+    """Refuse an export folder in a local dataset of the run it folds (``datasets``: option -> its path; ``reader``:
+    who reads them), whatever ``--scan_windows`` is: the export's files would be read as more of the run's texts by
+    every later scan of that run and its ``--resume`` (app/data_checks.check_output_outside)."""
     inputs = {f"the run's {option}": name for option, name in datasets.items()}
-    check_output_outside("--output_dir", folder, inputs, reader=f"the taper run in '{run}'", written="the export")
+    check_output_outside("--output_dir", folder, inputs, reader=reader, written="the export")
 
 
 def check_export_folder(folder: Path, overwrite: bool, *, locked: bool = False) -> None:

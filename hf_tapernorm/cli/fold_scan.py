@@ -201,7 +201,7 @@ def check_export_outside_run(source: ModelSource, output_dir: Path) -> None:
     run = Path(source.path).resolve().parent
     facts = run_report(run)
     if facts is not None:
-        check_export_outside_run_data(output_dir, recorded_local_datasets(facts, run), run)
+        check_export_outside_run_data(output_dir, recorded_local_datasets(facts, run), f"the taper run in '{run}'")
 
 
 def recorded_local_datasets(facts: Mapping[str, Any], run: Path) -> dict[str, str]:

@@ -217,10 +217,13 @@ def prepare_data(
     if not 0.0 < heldout_percentage < 100.0:
         raise DataError(f"heldout_percentage must be in (0, 100), got {heldout_percentage}")
     column = text_column_of(dataset, text_column)
+    heldout_set = None
     if not heldout_blocks:
         heldout_percentage = 0.0  # is_heldout holds out no document
-    draw = {"block_size": block_size, "count": heldout_blocks, "seed": heldout_seed, "prefix_ids": prefix_ids}
-    heldout_set = _heldout_set(dataset, column, tokenizer, heldout_percentage, source, draw) if heldout_blocks else None
+    else:
+        texts = _named_texts(dataset, column, heldout=True, percentage=heldout_percentage)
+        description = f"{heldout_percentage:g}% of the documents of {source}, held out by a hash of their text"
+        heldout_set = _heldout_set(texts, tokenizer, block_size, heldout_blocks, heldout_seed, prefix_ids, description)
     heldout = heldout_set.blocks.tolist() if heldout_set is not None else []
     train = []
     if train_blocks != 0:
@@ -264,18 +267,19 @@ def prepare_data(
     )
 
 
-def _heldout_set(
-    dataset, column: str, tokenizer, percentage: float, source: str, draw: dict
-) -> Optional[EvaluationSet]:
-    """The held-out blocks drawn from the held-out documents (``draw``: sample_blocks' block size, count, seed and
-    prefix); None where those documents do not fill one block (prepare_data says so, naming the split)."""
+def _heldout_set(texts, tokenizer, block_size: int, count: int, seed: int, prefix_ids, description: str):
+    """``count`` held-out blocks drawn from the held-out documents ``texts`` (sample_blocks); None where they do not
+    fill one block (prepare_data says so, naming the split)."""
     try:
         return sample_blocks(
-            _named_texts(dataset, column, heldout=True, percentage=percentage),
+            texts,
             tokenizer,
+            block_size=block_size,
+            count=count,
+            seed=seed,
+            prefix_ids=prefix_ids,
             name="held-out",
-            description=f"{percentage:g}% of the documents of {source}, held out by a hash of their text",
-            **draw,
+            description=description,
         )
     except ConfigurationError:
         return None

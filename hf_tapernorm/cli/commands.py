@@ -243,7 +243,8 @@ def scan_reference_of(source, named: Optional[str]) -> Optional[ModelSource]:
         return resolve_model(named)
     if source.kind not in ("tapered", "folded"):
         return None
-    reference = recorded_reference_of(Path(source.path).resolve().parent)
+    run = Path(source.path).resolve().parent
+    reference = recorded_reference_of(run, run_report(run))
     if reference is None:
         logger.warning(
             "no robustness scan: %s is not in a run folder that names its baseline or original; pass --scan_reference",
@@ -283,20 +284,22 @@ def fold_main(argv: Sequence[str]) -> int:
         )
     check_export_folder(output_dir, fold_args.overwrite)
     check_export_space(output_dir, Path(source.path), fold_args.tied_head)  # before the weights load
-    scan = scan_plan(source, fold_args.scan_windows, output_dir)  # and what the scan reads
-    check_export_outside_run(source, output_dir)  # with or without a scan: the run's data stays as it read it
+    report = run_report(Path(source.path).resolve().parent)  # read once: the scan, the data check and the card
+    scan = scan_plan(source, fold_args.scan_windows, output_dir, report)  # and what the scan reads
+    check_export_outside_run(source, output_dir, report)  # with or without a scan: the run's data stays as it read it
+    card = _run_card_facts(source, report)
     export = RunFolder(output_dir)
     export.lock()  # held until the export is written: a second command into this folder is refused meanwhile
     try:
         check_export_folder(output_dir, fold_args.overwrite, locked=True)  # another command may have written it
-        return _fold_into(output_dir, source, fold_args, scan)
+        return _fold_into(output_dir, source, fold_args, scan, card)
     finally:
         export.unlock()
 
 
-def _fold_into(output_dir: Path, source: ModelSource, fold_args: FoldArguments, scan_plan) -> int:
+def _fold_into(output_dir: Path, source: ModelSource, fold_args: FoldArguments, scan_plan, card: dict) -> int:
     """Fold the checkpoint ``source`` and write its export into ``output_dir`` (whose lock fold holds); ``scan_plan``:
-    the robustness scan's data and reference (scan_plan), None for no scan."""
+    the robustness scan's data and reference (scan_plan), None for no scan; ``card``: what the card says of the run."""
     model = load_model(source, trust_sharded_checkpoint=fold_args.trust_sharded_checkpoint)
     refuse_unfoldable_gate(source.path, gate_of(model))  # where the files did not tell (a sharded checkpoint)
     folded = fold_model(model, tied_head=fold_args.tied_head, tolerance=fold_args.tolerance)
@@ -306,7 +309,7 @@ def _fold_into(output_dir: Path, source: ModelSource, fold_args: FoldArguments, 
         logger.warning("no tokenizer found with %s: the export has none", fold_args.checkpoint)
         tokenizer = None
     scan = fold_scan(scan_plan, folded, tokenizer, fold_args.checkpoint)
-    facts = {**_run_card_facts(source), **({"robustness_scan": scan} if scan else {})} or None
+    facts = {**card, **({"robustness_scan": scan} if scan else {})} or None
     with full_disk_refused(output_dir):
         write_folder(output_dir, lambda tmp: save_export(folded, tokenizer, tmp, facts))  # replaces an earlier export
     print(json.dumps({"export": str(output_dir), "fold": folded.fold_report.to_dict()}))
@@ -316,12 +319,12 @@ def _fold_into(output_dir: Path, source: ModelSource, fold_args: FoldArguments, 
     return 0
 
 
-def _run_card_facts(source: ModelSource) -> dict:
-    """What the export's card says of the taper run of the checkpoint ``source`` (its report.json), as taper's card
-    of that run does: the base model (the card's title; else the checkpoint folder's name) and, for the run's own
-    tapered/ checkpoint, the "Tapering run" section (a trainer checkpoint-N of the run had another schedule)."""
+def _run_card_facts(source: ModelSource, report: Optional[dict]) -> dict:
+    """What the export's card says of the taper run of the checkpoint ``source`` (``report``: its report.json), as
+    taper's card of that run does: the base model (the card's title; else the checkpoint folder's name) and, for the
+    run's own tapered/ checkpoint, the "Tapering run" section (a trainer checkpoint-N of the run had another
+    schedule)."""
     run = Path(source.path).resolve().parent
-    report = run_report(run)
     facts = run_card_facts(report) if report is not None else {}
     if Path(source.path).resolve() != run / "tapered":
         facts = {key: value for key, value in facts.items() if key == "base_model"}

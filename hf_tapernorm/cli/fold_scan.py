@@ -30,15 +30,16 @@ logger = logging.getLogger("hf_tapernorm.cli")
 
 
 def scan_plan(
-    source: ModelSource, windows: int, output_dir: Path
+    source: ModelSource, windows: int, output_dir: Path, facts: Optional[dict]
 ) -> Optional[tuple[DataArguments, tuple[ModelSource, str]]]:
-    """What the robustness scan of a fresh export reads: the data and the reference its run recorded (None: no scan,
-    with a log line saying why). Read before the weights load: a recorded local dataset that is gone is refused here,
-    not after the load, the fold and its check, and so is an export (``output_dir``) that would land in one."""
+    """What the robustness scan of a fresh export reads: the data and the reference its run recorded (``facts``: the
+    run's report, run_report's; None: no scan, with a log line saying why). Read before the weights load: a recorded
+    local dataset that is gone is refused here, not after the load, the fold and its check, and so is an export
+    (``output_dir``) that would land in one."""
     if not windows:
         return None
     run = Path(source.path).resolve().parent
-    facts, reference = run_report(run), recorded_reference_of(run)
+    reference = recorded_reference_of(run, facts)
     if facts is None or reference is None:
         logger.warning(
             "no robustness scan: %s is not in a taper run folder that names its data and baseline or original; scan "
@@ -194,12 +195,11 @@ def _recorded_dataset(facts: dict, run: Path, recorded: Optional[str], windows: 
     return name
 
 
-def check_export_outside_run(source: ModelSource, output_dir: Path) -> None:
-    """Refuse an export (``output_dir``) into a local dataset that the run of the checkpoint ``source`` recorded, with
-    or without a scan (scan_plan refuses it in its own words where it scans); a dataset that is gone protects
-    nothing, and is no refusal without a scan."""
+def check_export_outside_run(source: ModelSource, output_dir: Path, facts: Optional[dict]) -> None:
+    """Refuse an export (``output_dir``) into a local dataset that the run of the checkpoint ``source`` recorded
+    (``facts``: its report), with or without a scan (scan_plan refuses it in its own words where it scans); a dataset
+    that is gone protects nothing, and is no refusal without a scan."""
     run = Path(source.path).resolve().parent
-    facts = run_report(run)
     if facts is not None:
         check_export_outside_run_data(output_dir, recorded_local_datasets(facts, run), f"the taper run in '{run}'")
 
@@ -266,10 +266,10 @@ def run_report(folder: Path) -> Optional[dict]:
     return facts if isinstance(facts, dict) else None
 
 
-def recorded_reference_of(run: Path) -> Optional[tuple[ModelSource, str]]:
-    """The model the scan of the run in ``run`` compares with, and its name ("baseline" or "original"), found
-    from any working folder (app/record.recorded_reference); None without a report or such a model."""
-    facts = run_report(run)
+def recorded_reference_of(run: Path, facts: Optional[dict]) -> Optional[tuple[ModelSource, str]]:
+    """The model the scan of the run in ``run`` (``facts``: its report, run_report's) compares with, and its name
+    ("baseline" or "original"), found from any working folder (app/record.recorded_reference); None without a report
+    or such a model."""
     found = recorded_reference(facts, run) if facts is not None else None
     return (resolve_model(str(found[0])), found[1]) if found is not None else None
 

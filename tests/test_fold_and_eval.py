@@ -165,6 +165,24 @@ def test_eval_and_fold_of_a_trainer_checkpoint_find_the_runs_tokenizer(ws, basel
     assert load_tokenizer(resolve_model(str(export)))("ab")["input_ids"] == [97, 98]
 
 
+def test_loading_a_tapered_checkpoints_tokenizer_gives_no_model_type_warning(run):
+    """Every command that read a tapered checkpoint's tokenizer (fold, eval) printed transformers' WARNING "You are
+    using a model of type `hf_tapernorm_tapered_llama` to instantiate a model of type ``": AutoTokenizer's fallback
+    read the checkpoint's config (a model type transformers does not know, on purpose). The config is now handed to
+    it read, and the tokenizer is the one saved."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    transformers_logger = logging.getLogger("transformers")
+    transformers_logger.addHandler(handler)
+    try:
+        tokenizer = load_tokenizer(resolve_model(str(run / "tapered")))
+    finally:
+        transformers_logger.removeHandler(handler)
+    assert tokenizer("ab")["input_ids"] == [97, 98]
+    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []
+
+
 # ============================================================================= checkpoints fold and eval refuse
 def test_fold_refuses_a_checkpoint_above_gate_zero_before_loading_it(tmp_path, monkeypatch):
     """A checkpoint saved mid-taper was refused only once the model had loaded and been patched (twice); its gate is
@@ -538,6 +556,9 @@ EDITED_REPORTS = [
     (None, {"data": "x"}, "data", '"x"', "an object"),
     ("evaluation_sets", {"held-out": {"blocks": None}}, "evaluation_sets.held-out.blocks", "null", "an integer >= 1"),
     ("evaluation_sets", {"held-out": "x"}, "evaluation_sets.held-out", '"x"', "an object"),
+    (None, {"export": "x"}, "export", '"x"', "an object"),  # the fields that find the model it compares with
+    ("model", {"source": [1]}, "model.source", "[1]", "a string"),
+    (None, {"working_folder": 5}, "working_folder", "5", "a string"),
 ]
 
 
@@ -546,10 +567,10 @@ def test_fold_scan_of_a_hand_edited_report_is_one_line_before_loading(
     run, tmp_path, monkeypatch, section, edit, field, value, expected
 ):
     """fold's scan read the fields of its run's report.json as it found them: a hand-edited one ("x", null or [7]
-    as the held-out seed, "x" as the block size or the data section) failed with a traceback from scan_plan, and a
-    seed of 1.5 or -1 was scanned as 1 and -1 (a seed eval refuses). Each field is now read with its type and range,
-    and a wrong one is one line naming report.json and the field, with --scan_windows 0 as the way out, before any
-    model loads."""
+    as the held-out seed, "x" as the block size or the data section, "x" as the export section that names the
+    baseline) failed with a traceback from scan_plan, and a seed of 1.5 or -1 was scanned as 1 and -1 (a seed eval
+    refuses). Each field is now read with its type and range, and a wrong one is one line naming report.json and the
+    field, with --scan_windows 0 as the way out, before any model loads."""
     import hf_tapernorm.cli.commands as commands
 
     copy = copy_of(run, tmp_path)
@@ -563,6 +584,24 @@ def test_fold_scan_of_a_hand_edited_report_is_one_line_before_loading(
         "the export later, on any data)"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_eval_scan_of_a_run_whose_report_names_its_baseline_wrongly_is_one_line_before_loading(
+    run, tmp_path, monkeypatch
+):
+    """eval --scan_windows of a run's tapered/ checkpoint read the report fields that find the model it compares with
+    as it found them: "export": "x" (hand-edited) was a traceback (AttributeError) from app/record. It is now one
+    line naming report.json and the field, with eval's ways out, before any model loads."""
+    import hf_tapernorm.cli.commands as commands
+
+    copy = copy_of(run, tmp_path)
+    edit_json(copy / "report.json", export="x")
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    line = refused(evaluate(copy / "tapered", "--scan_windows", "2", data=run.parent / "corpus.txt"))
+    assert line == (
+        f"hf-tapernorm eval: error: --scan_windows 2: the run's report.json ('{copy / 'report.json'}') records export "
+        'as "x", not an object; name the model to compare with (--scan_reference), or evaluate with --scan_windows 0'
+    )
 
 
 def test_fold_without_a_scan_refuses_an_export_into_the_runs_dataset_and_takes_a_run_whose_dataset_is_gone(

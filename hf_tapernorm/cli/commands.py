@@ -120,7 +120,9 @@ def eval_main(argv: Sequence[str]) -> int:
     tokenizer = tokenizer_of(source, trust_remote_code=model_args.trust_remote_code)
     if hf_config is not None:
         check_vocabulary(tokenizer, hf_config, source.describe())
-    scan_reference = scan_reference_of(source, eval_args.scan_reference) if data_args.scan_windows else None
+    scan_reference = (
+        scan_reference_of(source, eval_args.scan_reference, data_args.scan_windows) if data_args.scan_windows else None
+    )
     if scan_reference is not None:
         check_same_tokenizer(
             tokenizer, source.describe(), scan_reference, trust_remote_code=model_args.trust_remote_code
@@ -236,15 +238,17 @@ def _holds_recorded_model(recorded: str, contents: object) -> bool:
     return False
 
 
-def scan_reference_of(source, named: Optional[str]) -> Optional[ModelSource]:
-    """The model the scan compares with: ``--scan_reference``, else the recorded baseline (or original) of the run
-    whose tapered/ or folded/ folder ``source`` is; None (with a log line) when there is none to compare with."""
+def scan_reference_of(source, named: Optional[str], windows: int) -> Optional[ModelSource]:
+    """The model the scan (of ``windows`` windows) compares with: ``--scan_reference``, else the recorded baseline (or
+    original) of the run whose tapered/ or folded/ folder ``source`` is; None (with a log line) when there is none to
+    compare with."""
     if named is not None:
         return resolve_model(named)
     if source.kind not in ("tapered", "folded"):
         return None
     run = Path(source.path).resolve().parent
-    reference = recorded_reference_of(run, run_report(run))
+    way_out = "name the model to compare with (--scan_reference), or evaluate with --scan_windows 0"
+    reference = recorded_reference_of(run, run_report(run), windows, way_out)
     if reference is None:
         logger.warning(
             "no robustness scan: %s is not in a run folder that names its baseline or original; pass --scan_reference",

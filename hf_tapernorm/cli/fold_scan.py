@@ -39,7 +39,7 @@ def scan_plan(
     if not windows:
         return None
     run = Path(source.path).resolve().parent
-    reference = recorded_reference_of(run, facts)
+    reference = recorded_reference_of(run, facts, windows)
     if facts is None or reference is None:
         logger.warning(
             "no robustness scan: %s is not in a taper run folder that names its data and baseline or original; scan "
@@ -99,8 +99,8 @@ class RecordedFacts:
     before the weights load, never read as another value nor failing later with a traceback. A field that is missing
     reads as its default: runs of earlier versions did not record it."""
 
-    def __init__(self, facts: Mapping[str, Any], run: Path, windows: int) -> None:
-        self.facts, self.run, self.windows = facts, run, windows
+    def __init__(self, facts: Mapping[str, Any], run: Path, windows: int, way_out: str = "") -> None:
+        self.facts, self.run, self.windows, self.way_out = facts, run, windows, way_out or _NO_SCAN
 
     def _value(self, field: str) -> Any:
         """The value at the dotted ``field`` (data.heldout_seed), or _MISSING; the sections above it are objects."""
@@ -110,7 +110,7 @@ class RecordedFacts:
     def _refuse(self, field: str, value: Any, expected: str) -> UsageError:
         return UsageError(
             f"--scan_windows {self.windows}: the run's report.json ('{self.run / 'report.json'}') records {field} as "
-            f"{json.dumps(value)}, not {expected}; {_NO_SCAN}"
+            f"{json.dumps(value)}, not {expected}; {self.way_out}"
         )
 
     def section(self, field: str) -> dict:
@@ -266,12 +266,34 @@ def run_report(folder: Path) -> Optional[dict]:
     return facts if isinstance(facts, dict) else None
 
 
-def recorded_reference_of(run: Path, facts: Optional[dict]) -> Optional[tuple[ModelSource, str]]:
-    """The model the scan of the run in ``run`` (``facts``: its report, run_report's) compares with, and its name
-    ("baseline" or "original"), found from any working folder (app/record.recorded_reference); None without a report
-    or such a model."""
-    found = recorded_reference(facts, run) if facts is not None else None
+def recorded_reference_of(
+    run: Path, facts: Optional[dict], windows: int, way_out: str = ""
+) -> Optional[tuple[ModelSource, str]]:
+    """The model the scan (of ``windows`` windows) of the run in ``run`` (``facts``: its report, run_report's) compares
+    with, and its name ("baseline" or "original"), found from any working folder (app/record.recorded_reference); None
+    without a report or such a model. The report's fields that find it are read with their types first: a hand edit
+    ("export": "x") is refused in one line ending in ``way_out`` (fold's by default), neither a traceback nor a scan
+    against another model than the run's."""
+    if facts is None:
+        return None
+    recorded = RecordedFacts(facts, run, windows, way_out)
+    for field in REFERENCE_FIELDS:
+        recorded.text(field)
+    found = recorded_reference(facts, run)
     return (resolve_model(str(found[0])), found[1]) if found is not None else None
+
+
+#: The fields of a run's report that find the model its scan compares with (app/record.recorded_reference) and the
+#: folders its relative paths are relative to (app/record.recorded_path): each a string where it is recorded.
+REFERENCE_FIELDS = (
+    "export.baseline_model",
+    "export.tapered_checkpoint",
+    "export.path",
+    "model.kind",
+    "model.source",
+    "working_folder",
+    "home_folder",
+)
 
 
 __all__ = [

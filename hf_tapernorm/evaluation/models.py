@@ -139,8 +139,12 @@ def _hub_hint(source: ModelSource) -> str:
 
 
 def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False):
-    """The tokenizer stored with the model (GGUF files carry theirs)."""
+    """The tokenizer stored with the model (GGUF files carry theirs). A tapered checkpoint's config (a model type
+    transformers does not know, on purpose) is handed over read: transformers' own fallback read it with a WARNING
+    that the model type mismatched, in every command that loads one."""
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    if source.kind == "tapered":
+        kwargs["config"] = read_model_config(source)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code, **kwargs)
     except Exception as error:

@@ -163,3 +163,95 @@ def test_post_ln_and_embedding_norms_are_refused_by_name():
     ):
         patch_model(bloom, TaperNormConfig.paper())
     assert not dict(tapered_norms(bloom, include_kept=True))
+
+
+def _tiny_auto_config(model_type, **extra):
+    """A tiny config of a family transformers builds that neither the table nor conftest covers."""
+    common = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return AutoConfig.for_model(model_type, **{**common, **extra})
+
+
+def test_a_layernorm_subclass_with_another_gain_is_refused_by_class():
+    """Nemotron's LayerNorm1P subclasses nn.LayerNorm but multiplies by ``weight + 1``: discovery took it for a plain
+    LayerNorm (by its type), so patch_model was accepted with gate-1 logits off and only fold_model failed, after
+    training. Now every discovered norm but an exact nn.LayerNorm is checked numerically against what its TaperNorm
+    computes at gate 1, and this one is refused before the model is touched, naming its class."""
+    model = build(_tiny_auto_config("nemotron", head_dim=8))
+    with pytest.raises(DiscoveryError) as error:
+        discover_architecture(model)
+    assert str(error.value) == (
+        "norm 'model.layers.0.input_layernorm' (NemotronLayerNorm1P) computes something other than weight * "
+        "normalized x in the forms TaperNorm reproduces: RMSNorm (w * x / rms), Gemma's RMSNorm ((1 + w) * x / rms), "
+        "LayerNorm (w * (x - mean) / std + b); a TaperNorm in its place would change the model's outputs, so "
+        "hf_tapernorm cannot replace it"
+    )
+    with pytest.raises(DiscoveryError, match=r"^model_type 'nemotron' is not supported by hf_tapernorm; .*"):
+        patch_model(model)
+    assert not dict(tapered_norms(model, include_kept=True))
+
+
+class _PlainLayerNorm(nn.LayerNorm):
+    """A LayerNorm subclass that computes what nn.LayerNorm does (a family's own class name)."""
+
+
+def test_a_discovered_layernorm_family_still_patches_exactly():
+    """The numeric check that refuses Nemotron's LayerNorm1P accepts an ordinary discovered family: StarCoder2's
+    nn.LayerNorm, and the same norms as a subclass with nn.LayerNorm's arithmetic, patch with unchanged logits."""
+    ids = random_batches(n=1)[0]
+    for subclass in (False, True):
+        model = build(tiny_family_config("starcoder2"))
+        if subclass:
+            for name, norm in list(model.named_modules()):
+                if type(norm) is nn.LayerNorm:
+                    plain = _PlainLayerNorm(norm.normalized_shape, eps=norm.eps)
+                    plain.load_state_dict(norm.state_dict())
+                    model.set_submodule(name, plain)
+        with torch.no_grad():
+            before = model(ids).logits
+        assert discover_architecture(model).style is NormStyle.LAYER
+        patch_model(model, TaperNormConfig.paper(scope="all"))
+        assert len(dict(tapered_norms(model, include_kept=True))) == 2 * 2 + 1
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, before)
+
+
+_MOE_CASES = {
+    "mixtral": ("MixtralSparseMoeBlock", "MixtralTopKRouter", dict(num_local_experts=2)),
+    "olmoe": ("OlmoeSparseMoeBlock", "OlmoeTopKRouter", dict(num_experts=2, num_experts_per_tok=1)),
+    "qwen2_moe": (
+        "Qwen2MoeSparseMoeBlock",
+        "Qwen2MoeTopKRouter",
+        dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16),
+    ),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(_MOE_CASES))
+def test_a_mixture_of_experts_block_is_refused_by_name(model_type):
+    """A mixture-of-experts model was refused (rightly: it is not supported) with a message that contradicted itself:
+    "its output reaches the op 'linear', which is not a linear projection" (the router's F.linear on its own weight).
+    Now the refusal names the mixture-of-experts block and the part of it that reads the norm, and says what to do."""
+    block, router, extra = _MOE_CASES[model_type]
+    model = build(_tiny_auto_config(model_type, **extra))
+    with pytest.raises(DiscoveryError) as error:
+        discover_architecture(model)
+    assert str(error.value) == (
+        f"norm 'model.layers.0.post_attention_layernorm' feeds the mixture-of-experts block 'model.layers.0.mlp' "
+        f"({block}), which a norm cannot be folded into: 'model.layers.0.mlp.gate' ({router}) reads it with the op "
+        "'linear', not through a linear projection module; mixture-of-experts models are not supported, taper a "
+        "dense model"
+    )
+    with pytest.raises(DiscoveryError, match=rf"^model_type '{model_type}' is not supported by hf_tapernorm; "):
+        patch_model(model)

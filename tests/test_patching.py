@@ -176,3 +176,27 @@ def test_patch_model_on_a_module_that_is_no_hugging_face_model_is_one_clear_erro
 
     with pytest.raises(UnsupportedModelError, match="Linear has no config.model_type; hf_tapernorm expects"):
         patch_model(nn.Linear(2, 2))
+
+
+def test_a_model_on_the_meta_device_is_refused_until_its_weights_load():
+    """Building on the meta device, patching, then ``to_empty`` and ``load_state_dict`` of the plain weights was
+    accepted, and the TaperNorm gains and state were uninitialised memory (the forward gave NaN). patch_model now
+    refuses a model with meta parameters in one line; the same model patches exactly once its weights are loaded."""
+    reference = build(tiny_llama_config())
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_llama_config())
+    with pytest.raises(TaperStateError) as error:
+        patch_model(model, TaperNormConfig.paper())
+    assert str(error.value) == (
+        "patch_model: LlamaForCausalLM has parameters on the meta device ('model.embed_tokens.weight'), so its "
+        "weights are not loaded and the TaperNorm gains and state it would get hold no values (to_empty leaves them "
+        "uninitialised, and a plain state dict does not fill them); load the weights first, then patch_model"
+    )
+    assert not any(isinstance(m, TaperNorm) for m in model.modules())
+    model.to_empty(device="cpu")
+    model.load_state_dict(reference.state_dict())
+    model.model.rotary_emb.inv_freq.copy_(reference.model.rotary_emb.inv_freq)  # a non-persistent buffer
+    patch_model(model.eval(), TaperNormConfig.paper())
+    ids = random_batches(n=1)[0]
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)

@@ -40,7 +40,7 @@ from transformers.integrations import get_reporting_integration_callbacks
 from ..config import TaperNormConfig
 from ..errors import ConfigurationError, first_line
 from ..export.folding import unties_head
-from ..layers.patching import patch_model
+from ..layers.patching import patch_weightless
 from ..training.checkpoints import tapered_config_of, tapered_model_config
 from ..training.schedule import TaperSchedule
 from ..utils import check_compile_options, check_seeds, expand_user
@@ -434,7 +434,7 @@ def check_export_space(output_dir: Path, checkpoint: Path, tied_head: str) -> in
         return 0
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(tapered_model_config(checkpoint), dtype=dtype)
-    patch_model(model, tapered_config_of(checkpoint))
+    patch_weightless(model, tapered_config_of(checkpoint))
     return check_free_space(
         output_dir, {f"the folded export: {k}": v for k, v in export_writes(model, tied_head).items()}, "this fold"
     )

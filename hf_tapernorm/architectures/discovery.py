@@ -16,6 +16,7 @@ channels) is refused with the module's name and the op that reads it: folding it
 from __future__ import annotations
 
 import logging
+import re
 from collections import defaultdict
 from typing import Optional
 
@@ -55,12 +56,17 @@ def detect_style(norm: nn.Module, name: str, size: Optional[int] = None) -> tupl
     """Which arithmetic reproduces ``norm`` (checked numerically on random rows), whether it does so bit for
     bit (False: the same formula, rounded differently in a low-precision dtype), and the norm's eps.
 
+    The candidates are ``normalize`` with the module's own weight, bias and eps: exactly what the TaperNorm
+    that replaces it computes at gate 1, so a norm is accepted only where that replacement leaves the model
+    unchanged. A subclass of ``nn.LayerNorm`` is checked like any other module: its forward may apply
+    another gain (Nemotron's LayerNorm1P multiplies by ``1 + weight``).
+
     ``size``: the channel count when the module holds no weight and no ``normalized_shape`` (read from
     the probe forward); the eps is measured when the module has no eps attribute.
     """
     if is_taper_norm(norm):
         return norm.style, True, norm.eps
-    if isinstance(norm, nn.LayerNorm):
+    if type(norm) is nn.LayerNorm:
         return NormStyle.LAYER, True, float(norm.eps)
     reference = next(iter(norm.parameters()), None)
     dtype = reference.dtype if reference is not None else torch.float32
@@ -90,8 +96,10 @@ def detect_style(norm: nn.Module, name: str, size: Optional[int] = None) -> tupl
         if candidate.shape == expected.shape and torch.allclose(candidate, expected, rtol=rtol, atol=1e-6):
             return style, False, eps
     raise DiscoveryError(
-        f"norm '{name}' ({type(norm).__name__}) computes neither RMSNorm (w * x / rms), Gemma's RMSNorm "
-        "((1 + w) * x / rms) nor LayerNorm; hf_tapernorm cannot replace it"
+        f"norm '{name}' ({type(norm).__name__}) computes something other than weight * normalized x in the forms "
+        "TaperNorm reproduces: RMSNorm (w * x / rms), Gemma's RMSNorm ((1 + w) * x / rms), LayerNorm "
+        "(w * (x - mean) / std + b); a TaperNorm in its place would change the model's outputs, so hf_tapernorm "
+        "cannot replace it"
     )
 
 
@@ -104,6 +112,39 @@ def _sequence_dim(shape: Optional[tuple[int, ...]]) -> int:
     if shape is not None and len(shape) >= 4 and shape[-3] == PROBE_LENGTH and shape[-2] != PROBE_LENGTH:
         return -3
     return -2
+
+
+#: Class names of mixture-of-experts modules in transformers: the block, its router, its stacked experts
+#: (MixtralSparseMoeBlock, OlmoeTopKRouter, Qwen2MoeExperts, DeepseekV3MoE, Llama4TextMoe, ...).
+_MOE_CLASS = re.compile(r"SparseMoe|MoE$|Moe(Block|Layer|MLP)?$|Experts?$|Router$")
+
+
+def _moe_block(path: str, modules: dict[str, nn.Module]) -> str:
+    """The outermost of ``path`` and its enclosing modules that are all mixture-of-experts parts."""
+    block, parts = path, path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        parent = ".".join(parts[:cut])
+        if parent not in modules or not _MOE_CLASS.search(type(modules[parent]).__name__):
+            break
+        block = parent
+    return block
+
+
+def _mixture_of_experts_reader(name: str, seen: Observations, modules: dict[str, nn.Module]) -> Optional[str]:
+    """The refusal of a norm whose output a mixture-of-experts block reads with its own ops (a router's or the
+    experts' raw weights, not linear projection modules), or None when no such block reads it."""
+    for path, op in dict.fromkeys(seen.op_sites[name]):
+        module = modules.get(path)
+        if module is None or not _MOE_CLASS.search(type(module).__name__):
+            continue
+        block = _moe_block(path, modules)
+        reader = "the block itself" if block == path else f"'{path}' ({type(module).__name__})"
+        return (
+            f"norm '{name}' feeds the mixture-of-experts block '{block}' ({type(modules[block]).__name__}), which a "
+            f"norm cannot be folded into: {reader} reads it with the op '{op}', not through a linear projection "
+            "module; mixture-of-experts models are not supported, taper a dense model"
+        )
+    return None
 
 
 def _classify(name: str, seen: Observations, modules: dict[str, nn.Module], size: int, is_outside: bool) -> NormSite:
@@ -124,6 +165,9 @@ def _classify(name: str, seen: Observations, modules: dict[str, nn.Module], size
                 return NormSite(name, (producer,), "output")
             if out % size == 0:
                 return NormSite(name, (producer,), "per_head", sequence_dim=_sequence_dim(seen.shapes.get(name)))
+    moe = _mixture_of_experts_reader(name, seen, modules) if bad else None
+    if moe is not None:
+        raise DiscoveryError(moe)
     if bad:
         reason = f"its output reaches {bad[0]}, which is not a linear projection"
         if producers != {None}:

@@ -45,6 +45,8 @@ class Observations:
     readers_of_linear: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))  # linear -> norms
     sizes: dict[str, int] = field(default_factory=dict)  # norm -> channels of its input (parameter-free norms)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # norm -> shape of its first input
+    # root -> (the module whose own forward ran the op, the op) for each op in ``uses`` ("": the top level)
+    op_sites: dict[str, list[tuple[str, str]]] = field(default_factory=lambda: defaultdict(list))
 
 
 def _index_keeps_last_dim(index: Any, ndim: int) -> bool:
@@ -99,7 +101,11 @@ class _Probe(TorchFunctionMode):
         self.seen = Observations()
         self.tracked: dict[int, tuple[_Root, torch.Tensor]] = {}  # strong refs: ids are never reused
         self.opaque = 0  # > 0 inside a norm or a linear: their own arithmetic is not a "use"
+        self.running: list[str] = []  # the modules whose forward is under way, outermost first
         self.handles = []
+        for name, module in model.named_modules():
+            self.handles.append(module.register_forward_pre_hook(lambda *_, name=name: self.running.append(name)))
+            self.handles.append(module.register_forward_hook(self._done, always_call=True))
         for module in set(norms) | set(self.linears):
             self.handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._leave))
@@ -107,6 +113,10 @@ class _Probe(TorchFunctionMode):
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+    def _done(self, *_: Any) -> None:
+        """A module's forward ended (a forward hook: it returns None, so the output stays as it is)."""
+        self.running.pop()
 
     def _track(self, tensor: torch.Tensor, root: _Root) -> None:
         self.tracked[id(tensor)] = (root, tensor)
@@ -166,6 +176,7 @@ class _Probe(TorchFunctionMode):
                     self._track(result, root)
             else:
                 self.seen.uses[root.name].append(f"the op '{name}'")
+                self.seen.op_sites[root.name].append((self.running[-1] if self.running else "", name))
         return result
 
 

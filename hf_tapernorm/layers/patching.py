@@ -152,9 +152,35 @@ def patch_model(
     Every replacement is planned and checked before the model is touched, so a failure (the error names
     the module) leaves the model as it was. Which modules are norms comes from the architecture table;
     a model type without an entry is described by automatic discovery (logged). The final norm is
-    always wrapped, tapered or not, so its input scale can be observed and anchored (its ``anchor``).
+    always wrapped, tapered or not, so its input scale can be observed and anchored (its ``anchor``). A model
+    whose weights are not loaded (parameters on the meta device) is refused: patch it after they load.
     """
     model_type_of(model)  # a module that is no Hugging Face model: one clear error before anything else
+    _refuse_weightless(model)
+    return _patch(model, config, tokenizer)
+
+
+def patch_weightless(model: nn.Module, config: TaperNormConfig) -> nn.Module:
+    """``patch_model`` of a model on the meta device, which ``patch_model`` refuses: for the package's own
+    structure-only copies (the sizes of an export, the FSDP2 teacher rebuilt from its config), whose callers
+    read shapes alone or fill every parameter and buffer, the TaperNorm state included, after ``to_empty``."""
+    return _patch(model, config, None)
+
+
+def _refuse_weightless(model: nn.Module) -> None:
+    """A model whose weights are not loaded (meta device) would patch into TaperNorms whose gains and state
+    hold no values: after ``to_empty`` they are uninitialised memory that loading the plain weights leaves so."""
+    weightless = next((name for name, p in model.named_parameters() if p.is_meta), None)
+    if weightless is not None:
+        raise TaperStateError(
+            f"patch_model: {type(model).__name__} has parameters on the meta device ('{weightless}'), so its weights "
+            "are not loaded and the TaperNorm gains and state it would get hold no values (to_empty leaves them "
+            "uninitialised, and a plain state dict does not fill them); load the weights first, then patch_model"
+        )
+
+
+def _patch(model: nn.Module, config: Optional[TaperNormConfig], tokenizer: Any) -> nn.Module:
+    """The body of ``patch_model`` once the model is known to be patchable."""
     if config is None:  # not TaperNormConfig(), which holds the paper's values: say which recipe applies
         config = TaperNormConfig.for_model(model, tokenizer)
         logger.info(
@@ -233,4 +259,4 @@ def gate_of(model: nn.Module) -> float:
     raise TaperStateError(f"{type(model).__name__} has no tapered TaperNorm layers")
 
 
-__all__ = ["gate_of", "kept_norm_names", "patch_model", "plan_patch", "set_gate"]
+__all__ = ["gate_of", "kept_norm_names", "patch_model", "patch_weightless", "plan_patch", "set_gate"]

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..config import config_of
 from ..errors import ConfigurationError, TaperStateError
-from ..layers.patching import patch_model
+from ..layers.patching import patch_weightless
 from ..layers.taper_norm import tapered_norms
 
 METADATA_NAME = ".metadata"  # written by DCP; marks a sharded checkpoint
@@ -176,7 +176,7 @@ def sharded_copy(model: nn.Module) -> nn.Module:
     first = next(iter(params.values()))
     with torch.device("meta"):
         copy = base._from_config(config, dtype=first.dtype)
-    patch_model(copy, config_of(model))
+    patch_weightless(copy, config_of(model))
     copy.__dict__.pop("_tapernorm_loss_terms", None)  # the training hooks patch_model added (loss terms, sink)
     copy._forward_pre_hooks.clear()
     copy._forward_hooks.clear()

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_tapernorm import TaperNormConfig, fold_model, patch_model
 from hf_tapernorm.architectures.discovery import DiscoveryError, discover_architecture
@@ -255,3 +255,54 @@ def test_a_mixture_of_experts_block_is_refused_by_name(model_type):
     )
     with pytest.raises(DiscoveryError, match=rf"^model_type '{model_type}' is not supported by hf_tapernorm; "):
         patch_model(model)
+
+
+# ============================================================================= a model without its weights
+@pytest.mark.parametrize("case", ["olmo2", "starcoder2", "olmo"])
+def test_a_model_on_the_meta_device_is_described_as_with_its_weights(case):
+    """`hf-tapernorm taper` plans its patch on the model built from its config on the meta device, and discovery's
+    probe forward failed there for every family outside the table ("Tensor.item() cannot be called on meta tensors",
+    in transformers' mask code): the CLI refused them all. Discovery now probes a small stand-in with weights (two
+    layers, a small vocabulary) and describes the meta model as the model with its weights."""
+    from hf_tapernorm.architectures.sites import architecture_of
+    from hf_tapernorm.layers.patching import plan_patch
+
+    config = tiny_family_config(case, num_hidden_layers=3)
+    with torch.device("meta"):
+        weightless = AutoModelForCausalLM.from_config(config)
+    assert _normalized(architecture_of(weightless)) == _normalized(discover_architecture(build(config)))
+    assert all(p.is_meta for p in weightless.parameters())  # the stand-in is a copy: the model stays as it was
+    plan_patch(weightless, TaperNormConfig.for_model(weightless))  # the preflight's plan: every norm of 3 layers
+
+
+def test_a_weightless_layernorm_subclass_with_another_gain_is_refused_as_with_its_weights():
+    """The stand-in's norm weights are drawn away from 0 and 1, so the formula check cannot pass by a coincidence of
+    initial values: Nemotron's LayerNorm1P ((1 + w) * normalized x) is refused on the meta device as with weights."""
+    from hf_tapernorm.architectures.sites import architecture_of
+
+    config = AutoConfig.for_model(
+        "nemotron", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+    )  # fmt: skip
+    with torch.device("meta"):
+        weightless = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(DiscoveryError, match=r"\(NemotronLayerNorm1P\) computes something other than weight"):
+        architecture_of(weightless)
+
+
+def test_the_cli_tapers_a_family_outside_the_table(tmp_path):
+    """The whole job on a discovered family (OLMo2): taper trains, folds, reloads the export and writes the report;
+    fold of its checkpoint exports again. Both refused the family before (the meta-device plan)."""
+    from tests.conftest import char_tokenizer
+    from tests.helpers import one_model_workspace, run_main, short_fold_argv, short_taper_argv
+
+    ws = one_model_workspace(tmp_path / "ws")
+    config = tiny_family_config("olmo2", bos_token_id=127, eos_token_id=127, pad_token_id=None)
+    build(config).save_pretrained(ws / "olmo2")
+    char_tokenizer().save_pretrained(ws / "olmo2")
+    code, stdout, stderr = run_main(short_taper_argv(ws, tmp_path / "run", model=str(ws / "olmo2")))
+    assert code == 0, stderr[-2000:]
+    assert "export: " in stdout and "(reloaded: True)" in stdout
+    code, _, stderr = run_main(short_fold_argv(tmp_path / "run" / "tapered", tmp_path / "export"))
+    assert code == 0, stderr[-2000:]
+    assert (tmp_path / "export" / "model.safetensors").is_file()

@@ -501,9 +501,11 @@ def test_a_tokenizer_that_is_no_tokenizer_is_refused_as_a_name_is(tokenizer, wha
 
 
 def test_a_tokenizer_without_bos_gives_the_eos_as_the_sink():
-    with pytest.warns(UserWarning, match=r"does not start its output with the sink token\(s\) \[127\]"):
+    """The warning names the line that called patch_model (it named a line inside patching.py)."""
+    with pytest.warns(UserWarning, match=r"does not start its output with the sink token\(s\) \[127\]") as caught:
         model = patch_model(_llama(), tokenizer=char_tokenizer())
     assert model.tapernorm_config.sink_token_ids == [127]
+    assert [Path(w.filename).name for w in caught] == [Path(__file__).name]
 
 
 def test_callback_allow_changes_given_as_one_string_is_one_field():

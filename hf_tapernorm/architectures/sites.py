@@ -16,6 +16,7 @@ from torch import nn
 from ..errors import UnsupportedModelError
 from ..utils import base_model_prefix
 from .discovery import DiscoveryError, discover_architecture
+from .stand_in import is_weightless, runnable_stand_in
 from .table import ARCHITECTURES, Architecture, SiteKind, architecture_for, supported_model_types
 
 logger = logging.getLogger(__name__)
@@ -60,8 +61,8 @@ def architecture_of(model: nn.Module) -> Architecture:
     cached = model.__dict__.get(_CACHE_ATTRIBUTE)
     if cached is not None:
         return cached
-    try:
-        arch = discover_architecture(model)
+    try:  # a model on the meta device cannot run the probe forward: a small copy with weights runs it
+        arch = discover_architecture(runnable_stand_in(model) if is_weightless(model) else model)
     except DiscoveryError as error:
         raise DiscoveryError(
             f"model_type '{model_type}' is not supported by hf_tapernorm; supported model types: "

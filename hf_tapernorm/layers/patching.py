@@ -218,7 +218,7 @@ def _patch(model: nn.Module, config: Optional[TaperNormConfig], tokenizer: Any) 
     mark_saves_as_tapered(model)
     set_sink_tokens(model, config.sink_token_ids)
     if tokenizer is not None:
-        warn_if_tokenizer_omits_sink(tokenizer, config.sink_token_ids)
+        warn_if_tokenizer_omits_sink(tokenizer, config.sink_token_ids, stacklevel=4)  # the caller of patch_model
     tapered = sum(r.layer.tapered for r in plan)
     kept = sum(1 for r in plan if not r.layer.tapered and not r.site.is_final)
     logger.info(

@@ -219,11 +219,11 @@ def _padded_queries(mask: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Ten
     return ~diagonal, (allowed & later).any(-1)
 
 
-def warn_if_tokenizer_omits_sink(tokenizer: Any, token_ids: Sequence[int]) -> bool:
+def warn_if_tokenizer_omits_sink(tokenizer: Any, token_ids: Sequence[int], stacklevel: int = 3) -> bool:
     """Warn (once per call) when ``tokenizer`` does not itself start its output with the sink tokens; True if so.
 
     Such a tokenizer (Qwen's adds no BOS) gives sequences that break the sink contract unless the data
-    pipeline prepends the sink.
+    pipeline prepends the sink. ``stacklevel``: the frames up to the user's call, which the warning names.
     """
     ids = [int(i) for i in token_ids]
     if not ids:
@@ -239,7 +239,7 @@ def warn_if_tokenizer_omits_sink(tokenizer: Any, token_ids: Sequence[int]) -> bo
         f"to every training and evaluation sequence (pack_documents(..., prefix_ids={ids})), or patch without a "
         "sink: TaperNormConfig(sink_token_ids=[])",
         UserWarning,
-        stacklevel=3,
+        stacklevel=stacklevel,
     )
     return True
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -23,7 +24,7 @@ from hf_tapernorm import export_folded, fold_model
 from hf_tapernorm.errors import ConfigurationError
 from hf_tapernorm.integrations.extras import MissingExtraError
 from tests.conftest import char_tokenizer, random_batches
-from tests.helpers import tapered
+from tests.helpers import sink_tapered, tapered
 
 REPO = Path(__file__).resolve().parent.parent
 SINK = [5]
@@ -442,6 +443,39 @@ def test_onnx_runtime_refuses_past_the_position_table_as_the_torch_export_does(g
         runtime.forward(ids[:, 60:].numpy(), state)
 
 
+def test_onnx_runtime_continues_gemma2_s_sliding_and_full_layers_past_the_window(tmp_path):
+    """Gemma 2 mixes sliding-window layers (window 8 here) with full ones. The graph used to carry each sliding
+    layer's own cache, cut to the window with its mask offset fixed when traced, so a state continued past the
+    window (token by token, a second chunk, generate) was an ONNX Runtime traceback ("GatherND ... invalid
+    index"). Now every layer's state keeps its positions and the window is the mask's: each continuation gives the
+    torch export's logits and greedy tokens, sink, left padding and all."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from hf_tapernorm.integrations.onnx_runtime import OnnxCausalLM, export_onnx
+
+    folder = export_folded(fold_model(sink_tapered("gemma2")), tmp_path / "export")
+    runtime = OnnxCausalLM(export_onnx(folder, tmp_path / "graph"), threads=1)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = random_batches(vocab=120, n=1, batch=2, length=16, seed=9)[0] + 3  # never the sink, pad or eos id
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        unwindowed = AutoModelForCausalLM.from_pretrained(folder, sliding_window=64).eval()(input_ids=ids).logits
+    assert (unwindowed - expected).abs().max().item() > 1e-2  # 16 tokens and the sink: the window matters
+    logits, state = runtime.forward(ids[:, :3].numpy())
+    steps = [logits]
+    for column in range(3, ids.shape[1]):  # token by token, well past the window
+        logits, state = runtime.forward(ids[:, column : column + 1].numpy(), state)
+        steps.append(logits)
+    assert abs(np.concatenate(steps, axis=1) - expected.numpy()).max() <= 1e-4
+    _, state = runtime.forward(ids[:, :5].numpy())
+    assert abs(runtime.forward(ids[:, 5:].numpy(), state)[0] - expected[:, 5:].numpy()).max() <= 1e-4
+    mask = torch.ones_like(ids[:, :6])
+    mask[0, :3] = 0  # one left-padded row
+    with torch.no_grad():
+        greedy = model.generate(ids[:, :6], attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert (runtime.generate(ids[:, :6].numpy(), 12, attention_mask=mask.numpy()) == greedy.numpy()).all()
+
+
 def test_export_onnx_of_a_bf16_model_traces_an_fp32_graph_that_runs(exports, tmp_path):
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
@@ -500,6 +534,51 @@ def test_transformer_bridge_takes_the_tokenizer_saved_with_the_export_or_asks_fo
         ConfigurationError, match=rf"no tokenizer could be loaded from '{bare}' \(.*\); pass tokenizer="
     ):
         transformer_bridge(bare)
+
+
+def test_two_bridges_from_one_tokenizer_both_work_and_leave_it_as_it_was(exports):
+    """TransformerLens edits the tokenizer it is given (a tokenizer without a BOS gets its EOS as pad and BOS
+    tokens), so a second bridge from the same tokenizer object was TransformerLens's own traceback (KeyError:
+    'name_or_path'). Each bridge now gets a copy: both work, and the caller's tokenizer is unchanged."""
+    pytest.importorskip("transformer_lens")
+    from hf_tapernorm.integrations.tl_bridge import transformer_bridge
+
+    tokenizer = char_tokenizer()
+    before = (dict(tokenizer.init_kwargs), tokenizer.pad_token, tokenizer.bos_token, len(tokenizer))
+    for kind in ["llama-sink", *KINDS]:
+        bridge = transformer_bridge(exports[kind], tokenizer=tokenizer)
+        assert bridge.tokenizer is not tokenizer
+        assert bridge.to_tokens("ab", prepend_bos=False).tolist() == [[97, 98]]
+        with torch.no_grad():
+            assert (bridge(IDS) - export_logits(exports[kind])).abs().max().item() <= 1e-4
+    assert (dict(tokenizer.init_kwargs), tokenizer.pad_token, tokenizer.bos_token, len(tokenizer)) == before
+    assert tokenizer.pad_token is None and tokenizer.bos_token is None
+
+
+def test_transformer_bridge_refuses_falcon_s_grouped_kv_layout_in_one_line_before_loading(tmp_path, monkeypatch):
+    """Falcon's new_decoder_architecture with num_kv_heads=2 groups each key/value head with its queries in
+    query_key_value; TransformerLens's Falcon adapter splits it as all queries, keys, values (with one key/value
+    head under the default multi_query), which was its own traceback (RuntimeError: split_with_sizes ...), and
+    with multi_query=False other logits than the model's. It is refused in one line naming TransformerLens, the
+    layout and what to use instead, before the folder's model is loaded; an in-memory model likewise."""
+    pytest.importorskip("transformer_lens")
+    from hf_tapernorm.integrations import tl_bridge
+
+    folded = fold_model(sink_tapered("falcon-two_norms"))
+    folder = export_folded(folded, tmp_path / "export")
+    char_tokenizer().save_pretrained(folder)
+    said = (
+        "transformer_bridge: TransformerLens cannot read Falcon's new_decoder_architecture with num_kv_heads=2 (its "
+        "Falcon adapter splits query_key_value as if queries, keys and values were not grouped per key/value head); "
+        "trace this export with hf_tapernorm.integrations.nnsight_model instead"
+    )
+    with pytest.raises(ConfigurationError) as error:
+        tl_bridge.transformer_bridge(folded, tokenizer=char_tokenizer())
+    assert str(error.value) == said
+    monkeypatch.setattr(tl_bridge, "load_export", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(ConfigurationError) as error:
+        tl_bridge.transformer_bridge(folder)
+    assert str(error.value) == said
 
 
 # ----------------------------------------------------------------------------- outputs line up with a sink-first input

@@ -51,14 +51,19 @@ MAX_LENGTH = 1 << 16  # the largest past + seq the exported dynamic shapes admit
 
 
 class _CachedForward(nn.Module):
-    """The base model's forward with the cache as flat tensors in and out (what an ONNX graph can carry)."""
+    """The base model's forward with the cache as flat tensors in and out (what an ONNX graph can carry).
+
+    Every layer's cache keeps all its positions (a plain ``DynamicCache``), sliding-window layers included: a
+    sliding layer's own cache drops what leaves its window and offsets its mask by a count the trace would bake in
+    (Gemma 2's mixed sliding and full layers then read past the mask on a continued state). The window is applied
+    by the mask alone, which sees exactly the positions the torch export's sliding cache keeps."""
 
     def __init__(self, model: PreTrainedModel, layers: int) -> None:
         super().__init__()
         self.model, self.layers = model, layers
 
     def forward(self, input_ids, attention_mask, position_ids, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        cache = DynamicCache(config=self.model.config)
+        cache = DynamicCache()  # no config: no sliding layers (see the class docstring)
         for index in range(self.layers):
             cache.update(past[2 * index], past[2 * index + 1], index)
         out = _base_forward(

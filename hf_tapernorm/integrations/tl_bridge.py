@@ -20,14 +20,19 @@ TransformerLens's analysis tools (``direct_logit_attribution``, ``logit_lens``) 
 
 from __future__ import annotations
 
+import copy
+import json
+import os
+from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from ..errors import ConfigurationError, first_line
 from ..export.modeling_folded import FoldedChannelScale
-from .exports import ExportSource, base_class, load_export
+from .exports import ExportSource, base_class, load_export, local_path
 from .extras import require
 
 FEATURE = "hf_tapernorm.integrations.tl_bridge (TransformerLens)"
@@ -56,6 +61,42 @@ def _saved_tokenizer(where: str) -> Any:
         ) from None
 
 
+def _source_config(source: ExportSource) -> Mapping[str, Any]:
+    """The config of ``source`` as a mapping, read before anything is loaded: a model's, or a folder's
+    config.json as text ({} when there is none to read: ``load_export`` then says why)."""
+    if isinstance(source, PreTrainedModel):
+        return source.config.to_dict()
+    if not isinstance(source, (str, os.PathLike)):
+        return {}
+    try:
+        values = json.loads((local_path(source) / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    return values if isinstance(values, dict) else {}
+
+
+def _refuse_grouped_falcon(config: Mapping[str, Any]) -> None:
+    """Refuse Falcon's new decoder layout with several key/value heads (Falcon-40B's), before loading it.
+
+    Its fused ``query_key_value`` groups each key/value head with its queries; TransformerLens's Falcon adapter
+    splits it as all queries, then all keys, then all values (and, under the default ``multi_query``, with one
+    key/value head), so the bridge fails in a tensor split or gives other hooks and logits than the model's."""
+    kv_heads = config.get("num_kv_heads")
+    if config.get("new_decoder_architecture") is True and isinstance(kv_heads, int) and kv_heads > 1:
+        raise ConfigurationError(
+            f"transformer_bridge: TransformerLens cannot read Falcon's new_decoder_architecture with num_kv_heads="
+            f"{kv_heads} (its Falcon adapter splits query_key_value as if queries, keys and values were not grouped "
+            "per key/value head); trace this export with hf_tapernorm.integrations.nnsight_model instead"
+        )
+
+
+def _bridge_tokenizer(tokenizer: Any) -> Any:
+    """A copy of the caller's tokenizer for TransformerLens, which edits the one it is given: a tokenizer without
+    a BOS gets its EOS as pad and BOS tokens, and the next bridge from the same tokenizer then tried to reload it
+    by a name it never had (KeyError: 'name_or_path'). The caller's tokenizer stays as it was."""
+    return copy.deepcopy(tokenizer)
+
+
 def transformer_bridge(
     source: ExportSource,
     *,
@@ -68,12 +109,15 @@ def transformer_bridge(
 
     ``tokenizer``: the bridge's tokenizer (default: the one saved with the export: in its folder, or where the
     folded model was loaded from); a model built in memory (``fold_model`` of a model from a config) names none,
-    so it needs ``tokenizer=``. ``dtype``: as for ``load_export`` (a folder's, float32 by default; a model keeps its
+    so it needs ``tokenizer=``; the bridge gets a copy of the one given (TransformerLens edits its tokenizer).
+    Refuses, before loading it, a layout TransformerLens reads wrongly (Falcon's new decoder architecture with
+    several key/value heads). ``dtype``: as for ``load_export`` (a folder's, float32 by default; a model keeps its
     own, and another dtype is refused).
     """
     model_bridge = require("transformer_lens.model_bridge", FEATURE)
     normalization = require("transformer_lens.model_bridge.generalized_components.normalization", FEATURE)
     attention = require("transformer_lens.model_bridge.generalized_components.attention", FEATURE)
+    _refuse_grouped_falcon(_source_config(source))
     model = load_export(source, dtype=dtype)
     name = model.config.name_or_path  # a folder's, "~" expanded, or where a model was loaded from
     bridge = model_bridge.TransformerBridge.boot_transformers(
@@ -81,7 +125,7 @@ def transformer_bridge(
         hf_model=model,
         # The adapter is chosen by architecture: the folded class extends this one and keeps its module names.
         hf_config_overrides={"architectures": [base_class(model).__name__]},
-        tokenizer=tokenizer if tokenizer is not None else _saved_tokenizer(name),
+        tokenizer=_bridge_tokenizer(tokenizer) if tokenizer is not None else _saved_tokenizer(name),
         device=device or str(next(model.parameters()).device),
         dtype=model.dtype,
     )

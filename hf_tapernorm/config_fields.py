@@ -367,6 +367,20 @@ def check_tokenizer(tokenizer: Any) -> None:
     )
 
 
+def check_tokenizer_to_save(tokenizer: Any, who: str) -> None:
+    """Refuse, before anything is written, a ``tokenizer=`` that a save (``who``: export_folded, save_tapered) could
+    not write: one without ``save_pretrained``, a name above all (save_tapered failed after the model's files were
+    written, leaving a folder without its tokenizer). None: no tokenizer to save."""
+    if tokenizer is None or callable(getattr(tokenizer, "save_pretrained", None)):
+        return
+    got = (
+        f"the name {str(tokenizer)!r}: pass AutoTokenizer.from_pretrained(name)"
+        if isinstance(tokenizer, (str, os.PathLike))
+        else type(tokenizer).__name__
+    )
+    raise ConfigurationError(f"{who}: tokenizer= must be a transformers tokenizer (with save_pretrained), got {got}")
+
+
 @functools.cache
 def type_hints(cls: type) -> dict[str, Any]:
     """The resolved annotations of a config class (cached: every check reads them)."""
@@ -387,6 +401,7 @@ __all__ = [
     "Step",
     "Teacher",
     "check_step",
+    "check_tokenizer_to_save",
     "checked",
     "declared",
     "field_named",

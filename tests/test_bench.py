@@ -341,6 +341,19 @@ def test_only_the_listed_workloads_are_built(tiny_llama, corpus):
     assert gate_of(built["tapered"].model) == 0.0 and not built["tapered"].has_teacher
 
 
+def test_the_taper_workload_replays_its_steps_round_after_round(tiny_llama, corpus):
+    """The taper workload's timed steps cycle over the taper's steps, going back to the first one each round:
+    TaperController refuses a step that goes back (a loop's counter restarting), so the workload replays it on
+    purpose (step_begin(replay=True)) and its gates repeat round after round."""
+    recipe = TaperNormConfig.for_model(tiny_llama, char_tokenizer())
+    batches = _text_batches(corpus, recipe.sink_token_ids, count=2)
+    taper = train.train_workloads(tiny_llama, batches, recipe, learning_rate=1e-4, names=["taper"])["taper"]
+    for _ in range(2 * train.TAPER_STEPS):
+        taper.run(taper.prepare())
+    assert taper.gates[: train.TAPER_STEPS] == taper.gates[train.TAPER_STEPS :]
+    assert len(set(taper.gates)) == train.TAPER_STEPS
+
+
 def test_non_finite_losses_are_flagged(tiny_llama, corpus):
     recipe = TaperNormConfig.for_model(tiny_llama, char_tokenizer())
     built = train.train_workloads(

@@ -74,10 +74,11 @@ def run_trainer(
     callbacks: tuple = (),
     taper: TaperCallback | None = None,
     first: bool = True,
+    config: TaperNormConfig | None = None,
 ):
     model = build(tiny_llama_config(), seed=0)
     if patched:
-        patch_model(model, TaperNormConfig.paper(ema_rate=0.1))
+        patch_model(model, config or TaperNormConfig.paper(ema_rate=0.1))
     args = TrainingArguments(
         output_dir=str(output_dir),
         max_steps=STEPS,
@@ -226,6 +227,22 @@ def test_a_checkpoint_folder_of_another_state_is_not_taken(reference, tmp_path):
         run_trainer(tmp_path / "run", resume=str(checkpoint))
 
 
+@pytest.mark.parametrize("how", ["path", "true"])
+def test_a_checkpoint_of_another_recipe_is_refused_before_the_trainer_loads_its_optimizer(reference, tmp_path, how):
+    """A model patched with other keep_norms trains other parameters: the Trainer's optimizer load, which comes
+    before TaperCallback's first event of train(), failed in torch's words ("loaded state dict contains a parameter
+    group that doesn't match"). The documented refusal naming the fields that differ now comes first, from the
+    Trainer's load of the checkpoint's weights into the model."""
+    checkpoint = _copy_checkpoint(reference, tmp_path / "checkpoint-6")
+    other = TaperNormConfig.paper(ema_rate=0.1, keep_norms=["model.layers.0.input_layernorm"])
+    with pytest.raises(TaperStateError) as caught:
+        run_trainer(tmp_path, resume=True if how == "true" else str(checkpoint), config=other)
+    assert str(caught.value) == (
+        f"TaperCallback: the checkpoint {checkpoint} was written with another TaperNormConfig (keep_norms: [] in the "
+        "checkpoint, ['model.layers.0.input_layernorm'] now); patch the model with the checkpoint's config to resume it"
+    )
+
+
 def test_reporting_integrations_without_place_first_are_warned_about(caplog):
     model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper())
     state = TrainerState(max_steps=STEPS)
@@ -308,6 +325,35 @@ def test_controller_refuses_a_checkpoint_without_taper_state():
         controller.check_resume(5)
 
 
+def test_controller_load_state_refuses_the_state_of_another_recipe(tmp_path):
+    """load_state of another run's save_state folder (a gated-mlp recipe, another model) was taken without a word,
+    and the run distilled towards that run's teacher. The folder's tapernorm_config.json is compared with the
+    model's config now, as TaperCallback compares a checkpoint's on resume; allow_changes lets named fields differ."""
+    other = _for_model()
+    TaperController(other, total_steps=8).save_state(tmp_path / "state")
+    model = patch_model(build(tiny_llama_config(bos_token_id=1), seed=1), TaperNormConfig.paper(sink_token_ids=[1]))
+    controller = TaperController(model, total_steps=8)
+    with pytest.raises(TaperStateError) as caught:
+        controller.load_state(tmp_path / "state")
+    assert str(caught.value) == (
+        f"TaperController.load_state: the checkpoint {tmp_path / 'state'} was written with another TaperNormConfig "
+        "(scope: 'all' in the checkpoint, 'internal' now; keep_norms: ['model.layers.0.input_layernorm', "
+        "'model.layers.0.post_attention_layernorm', 'model.layers.1.post_attention_layernorm'] in the checkpoint, [] "
+        "now; relative_scale_loss: True in the checkpoint, False now; distill_weight: 1.0 in the checkpoint, 0.0 now; "
+        "sink_attention_weight: 3.0 in the checkpoint, 0.0 now; recipe: 'gated-mlp' in the checkpoint, 'paper' now); "
+        "patch the model with the checkpoint's config to resume it"
+    )
+    ema = TaperNormConfig.paper(sink_token_ids=[1], ema_rate=0.1)
+    TaperController(patch_model(build(tiny_llama_config(bos_token_id=1)), ema), total_steps=8).save_state(
+        tmp_path / "e"
+    )
+    controller.load_state(tmp_path / "e", allow_changes=["ema_rate"])
+    with pytest.raises(
+        TaperStateError, match=r"another TaperNormConfig \(ema_rate: 0\.1 in the checkpoint, 0\.01 now\)"
+    ):
+        controller.load_state(tmp_path / "e")
+
+
 def test_controller_needs_the_run_length_and_refuses_unpatched_or_zero3_models():
     with pytest.raises(ValueError, match="TaperController needs total_steps"):
         TaperController(patch_model(build(tiny_llama_config()), TaperNormConfig.paper()), TaperSchedule(0.1, 0.5))
@@ -388,6 +434,74 @@ def test_load_best_model_at_end_is_refused_when_the_trainer_is_built(tmp_path):
         ConfigurationError, match=r"^TaperCallback: load_best_model_at_end=True .*set load_best_model_at_end=False"
     ):
         _trainer(tmp_path, model, **options, load_best_model_at_end=True)
+
+
+LOST_TERMS = (
+    "so outputs.loss is None and the recipe's terms added to it (scale_loss_weight=0.1, distill_weight=1, "
+    "sink_attention_weight=3) would all be dropped; {advice} (the model's own loss carries them), or set those "
+    "weights to 0 in the TaperNormConfig"
+)
+NO_TERMS = dict(scale_loss_weight=0.0, distill_weight=0.0, sink_attention_weight=0.0)
+
+
+def _for_model(**options):
+    """A gated-mlp recipe with a sink (token 1, which _sink_first puts first): every loss term on."""
+    model = build(tiny_llama_config(bos_token_id=1))
+    return patch_model(model, TaperNormConfig.for_model(model, **options))
+
+
+def _sink_first(n: int) -> list[dict[str, torch.Tensor]]:
+    rows = _dataset(n)
+    for row in rows:
+        row["input_ids"][0] = row["labels"][0] = 1
+    return rows
+
+
+def test_label_smoothing_is_refused_when_the_trainer_is_built_where_the_recipe_adds_loss_terms(tmp_path):
+    """The Trainer's label smoother takes the labels from the model's inputs: outputs.loss was None, and a gated-mlp
+    recipe ran to g = 0 without its scale loss, distillation and sink-attention terms (one WARNING blamed missing
+    labels). Refused now as load_best_model_at_end is; a recipe that adds no term to the loss trains."""
+    with pytest.raises(ConfigurationError) as caught:
+        _trainer(tmp_path, _for_model(), label_smoothing_factor=0.1)
+    assert str(caught.value) == "TaperCallback: label_smoothing_factor=0.1 makes the Trainer compute the loss " + (
+        "itself from the logits, taking the labels from the model's inputs, "
+        + LOST_TERMS.format(advice="set label_smoothing_factor=0")
+    )
+    model = _for_model(**NO_TERMS)
+    trainer = _trainer(tmp_path, model, label_smoothing_factor=0.1)
+    trainer.train_dataset = _sink_first(STEPS * 8)
+    trainer.train()
+    assert gate_of(model) == 0.0
+
+
+def _own_loss(outputs, labels, num_items_in_batch=None):
+    logits, targets = outputs.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+    return torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100)
+
+
+def test_compute_loss_func_is_refused_at_the_first_step_where_the_recipe_adds_loss_terms(tmp_path):
+    """Trainer(compute_loss_func=...) also takes the labels from the model's inputs, and a callback is not shown it:
+    the first step's training forwards returning no loss is what tells. The run stops there, before any checkpoint
+    (it trained to g = 0 with every term dropped); a recipe that adds no term to the loss trains."""
+
+    def trainer(model) -> Trainer:
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=8,
+                                 save_steps=1, report_to=[], use_cpu=True, disable_tqdm=True)  # fmt: skip
+        return Trainer(model=model, args=args, train_dataset=_sink_first(STEPS * 8), callbacks=[TaperCallback()],
+                       compute_loss_func=_own_loss)  # fmt: skip
+
+    refused = trainer(_for_model())
+    with pytest.raises(ConfigurationError) as caught:
+        refused.train()
+    assert str(caught.value) == (
+        "TaperCallback: the model's training forwards returned no loss: the Trainer computes it outside the model "
+        "(Trainer(compute_loss_func=...), or a compute_loss that takes the labels from the model's inputs), "
+        + LOST_TERMS.format(advice="leave compute_loss_func out")
+    )
+    assert refused.state.global_step == 1 and not list(tmp_path.glob("checkpoint-*"))
+    model = _for_model(**NO_TERMS)
+    trainer(model).train()
+    assert gate_of(model) == 0.0
 
 
 class LigerRMSNorm(torch.nn.Module):

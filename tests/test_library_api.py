@@ -29,7 +29,7 @@ from hf_tapernorm import (
     save_tapered,
 )
 from hf_tapernorm.config import config_of
-from hf_tapernorm.layers import set_gate
+from hf_tapernorm.layers import set_gate, tapered_norms
 from tests.conftest import build, char_tokenizer, random_batches, save_tiny_model, tiny_llama_config
 from tests.helpers import IDS, logits, relative_error, snapshot, tapered, tapered_checkpoint
 
@@ -289,6 +289,21 @@ def test_save_tapered_refuses_a_folder_holding_another_model(tmp_path):
     assert snapshot(folder) == before
 
 
+@pytest.mark.parametrize("tokenizer", ["gpt2", Path("gpt2"), 3])
+def test_save_tapered_refuses_a_tokenizer_it_cannot_save_before_anything_is_written(tmp_path, tokenizer):
+    """save_tapered(model, folder, tokenizer="gpt2") wrote config.json, model.safetensors and tapernorm_config.json,
+    then failed with AttributeError ('str' object has no attribute 'save_pretrained'), leaving a checkpoint without
+    its tokenizer. Refused first now, in one line, by export_folded's check."""
+    with pytest.raises(ConfigurationError) as caught:
+        save_tapered(tapered("llama"), tmp_path / "saved", tokenizer)
+    got = "int" if tokenizer == 3 else "the name 'gpt2': pass AutoTokenizer.from_pretrained(name)"
+    assert (
+        str(caught.value)
+        == f"save_tapered: tokenizer= must be a transformers tokenizer (with save_pretrained), got {got}"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_save_tapered_of_a_patched_base_model_is_refused_before_anything_is_written(tmp_path):
     """save_tapered of a patched LlamaModel (no LM head) wrote a checkpoint that load_tapered, fold and eval all
     refused with a misleading "missing ['model.embed_tokens.weight', ...]" (its weights were there, unprefixed). It
@@ -517,6 +532,30 @@ def test_a_new_controller_on_a_tapered_model_starts_its_schedule_at_gate_1():
     controller = TaperController(model, total_steps=100)
     assert controller.step_begin(-5) == 1.0 and controller.step_begin(0) == 1.0
     assert all(float(layer.gate) == 1.0 for layer in model.modules() if getattr(layer, "tapered", False))
+
+
+def test_a_controller_step_that_goes_back_is_refused():
+    """A loop whose step counter restarts (the batch index of each epoch) set the gate back up (0.905 after 0.3)
+    over a model trained at the lower gate, without a word. Refused in one line now; the same step again (a retried
+    update) is fine, and replay=True (a benchmark timing the same steps over) runs an earlier step on purpose."""
+    model = _paper(taper_start=2, taper_end=6).train()
+    controller = TaperController(model, total_steps=8)
+    for step in range(6):
+        controller.step_begin(step)
+        ids = random_batches(n=1, seed=step)[0]
+        model(input_ids=ids, labels=ids).loss.backward()
+        controller.step_end(step)
+    gate = controller.step_begin(5)
+    with pytest.raises(TaperStateError) as caught:
+        controller.step_begin(1)
+    assert str(caught.value) == (
+        "TaperController.step_begin(1) after step_begin(5): steps count the optimizer updates of the whole run and "
+        "must not go back (the gate follows them, and would rise again over a model trained at a lower one); count "
+        "steps across epochs (a global step, not the batch index of an epoch), or build a new TaperController for a "
+        "new run"
+    )
+    assert controller.gate == gate and all(float(layer.gate) == gate for _, layer in tapered_norms(model))
+    assert controller.step_begin(2, replay=True) > gate
 
 
 def test_an_empty_input_fails_in_the_export_as_in_the_original(tmp_path):

@@ -9,7 +9,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from hf_tapernorm import TaperCallback, TaperNormConfig, export_folded, fold_model, patch_model
-from hf_tapernorm.errors import UnsupportedModelError
+from hf_tapernorm.errors import TaperStateError, UnsupportedModelError
 from hf_tapernorm.evaluation.models import ModelSourceError, resolve_model
 from hf_tapernorm.layers import gate_of, tapered_norms, train_tapernorm_parameters
 from hf_tapernorm.layers.patching import set_gate
@@ -149,3 +149,33 @@ def test_a_lora_rerun_into_the_same_output_dir_saves_its_own_recipe(tmp_path):
     checkpoint = run(second)
     assert TaperNormConfig.from_pretrained(checkpoint) == second
     assert (checkpoint / "adapter_model.safetensors").is_file()
+
+
+def test_resuming_a_lora_taper_from_its_peft_checkpoint_says_that_is_not_supported(tmp_path):
+    """The Trainer's checkpoint of a PeftModel holds only the adapters, so a resume found no TaperNorm state and
+    said "Patch the model with patch_model(...) before the run that wrote the checkpoint", though the model was
+    patched both times. It says now what docs/usage.md says: a LoRA taper does not resume from a PEFT checkpoint."""
+    data = [{"input_ids": ids[0], "labels": ids[0]} for ids in random_batches(n=8, batch=1, length=8, seed=4)]
+
+    def trainer() -> Trainer:
+        model = get_peft_model(
+            patch_model(build(tiny_llama_config()), TaperNormConfig.paper()), LoraConfig(r=2, target_modules=["q_proj"])
+        )
+        train_tapernorm_parameters(model)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "run"), max_steps=4, save_steps=2, per_device_train_batch_size=2,
+            report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+        )  # fmt: skip
+        return Trainer(model=model, args=args, train_dataset=data, callbacks=[TaperCallback()])
+
+    trainer().train()
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    assert (checkpoint / "adapter_model.safetensors").is_file() and not (checkpoint / "model.safetensors").exists()
+    with pytest.raises(TaperStateError) as caught:
+        trainer().train(resume_from_checkpoint=str(checkpoint))
+    assert str(caught.value) == (
+        f"TaperCallback: {checkpoint} is a PEFT checkpoint, which holds only the adapters and none of the model's "
+        "TaperNorm state (statistics, c, scale target, the norms' own weights): resuming a LoRA taper from it is not "
+        "supported; run the LoRA taper again from step 0 without resume_from_checkpoint, or taper without PEFT, whose "
+        "Trainer checkpoints hold the whole model"
+    )

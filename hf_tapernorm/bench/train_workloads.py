@@ -114,7 +114,8 @@ class TrainStep(Workload):
 
     def step(self, step: int, batch: Batch) -> torch.Tensor:
         """Optimizer step number ``step + 1`` of the schedule on ``batch``, with the controller's calls around it."""
-        gate = self.controller.step_begin(step) if self.controller is not None else None
+        # replay: the timed steps cycle over the same taper steps, going back to the first of them each round
+        gate = self.controller.step_begin(step, replay=True) if self.controller is not None else None
         device = batch["input_ids"].device.type
         with torch.autocast(device, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
             loss = self.call(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss

@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 from transformers import PreTrainedModel
 
+from ..config_fields import check_tokenizer_to_save
 from ..errors import ConfigurationError, TaperStateError
 from ..utils import expand_user, file_in_the_way, saved_model_type
 from .model_card import attach_model_card
@@ -177,11 +178,7 @@ def export_folded(
             f"export_folded expects a folded model from fold_model, got {type(model).__name__}; "
             "call fold_model(model) after tapering to gate 0"
         )
-    if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
-        raise ConfigurationError(
-            f"export_folded: tokenizer= must be a transformers tokenizer (with save_pretrained), got "
-            f"{type(tokenizer).__name__}"
-        )
+    check_tokenizer_to_save(tokenizer, "export_folded")
     folder = expand_user(save_directory, f"export_folded: save_directory '{save_directory}'")  # "~/out": $HOME/out
     _check_export_folder(folder, overwrite)
     if facts is not None and not isinstance(facts, Mapping):

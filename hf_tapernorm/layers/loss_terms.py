@@ -8,7 +8,8 @@ model's cross-entropy: a per-forward mean (``sum / count``), or, when the Traine
 accumulation gives the gradient of one large batch. Evaluation forwards are left untouched.
 
 The hooks also record the model's own loss per forward (``pending_loss``), which the divergence
-watch reads once per optimizer step.
+watch reads once per optimizer step, and count the training forwards that returned none
+(``forwards_without_loss``: TaperCallback refuses a Trainer that computes the loss outside the model).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class TrainingLossTerms:
         self.terms: dict[str, Term] = {}
         self.inputs = ForwardInputs()
         self.pending_loss: Optional[torch.Tensor] = None  # [sum of the model's own loss, forwards] this step
+        self.forwards_without_loss = 0  # training forwards that returned no loss: every term was dropped
         self._depth = 0
         self._busy = False  # a term is running (it may call the model itself: that forward is not hooked)
         self._handles = [
@@ -81,6 +83,7 @@ class TrainingLossTerms:
         finally:
             self._busy = False
         if loss is None:
+            self.forwards_without_loss += 1
             return output
         own = torch.stack([loss.detach().float(), torch.ones((), device=loss.device)])
         self.pending_loss = own if self.pending_loss is None else self.pending_loss.to(loss.device) + own

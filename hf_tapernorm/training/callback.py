@@ -22,16 +22,21 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Optional
 
+from torch.utils.hooks import RemovableHandle
 from transformers import TrainerCallback
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..config import CONFIG_NAME, Step, TaperNormConfig, config_of
+from ..config import Step, TaperNormConfig, config_of
 from ..errors import ConfigurationError, TaperStateError
+from ..layers.loss_terms import loss_terms_of
+from ..layers.scale_anchor import scale_anchors
 from ..layers.taper_norm import refuse_replaced_forward, tapered_norms
+from ..utils import WHOLE_WEIGHTS
 from .controller import TaperController
 from .distributed import refuse_unsupported_sharding, refuse_unsupported_trainer_sharding
 from .divergence import DivergenceThresholds
+from .recipe_check import resume_candidates, watch_checkpoint_loads
 from .schedule import TaperSchedule, decay_learning_rate_after_the_taper, fit_default_window
 
 logger = logging.getLogger(__name__)
@@ -62,8 +67,16 @@ class TaperCallback(TrainerCallback):
     the run is refused (a checkpoint outside ``output_dir``: set ``resume_from_checkpoint`` in the
     arguments too).
 
+    A checkpoint written under another recipe is refused by name of the fields that differ (``allow_changes``
+    aside) when the Trainer loads its weights into the model (:func:`~.recipe_check.watch_checkpoint_loads`), which
+    is before the Trainer loads the optimizer's state and before ``on_train_begin``; a PEFT checkpoint (adapters
+    only, no TaperNorm state) is refused as not resumable.
+
     Refused before the first step: ``load_best_model_at_end=True`` (the Trainer would put a checkpoint of a
-    higher gate back over the tapered model), and TaperNorms whose forward a kernel patch (liger-kernel) replaced.
+    higher gate back over the tapered model), ``label_smoothing_factor`` where the recipe adds terms to the model's
+    loss (the Trainer would compute the loss itself and drop them), and TaperNorms whose forward a kernel patch
+    (liger-kernel) replaced. ``Trainer(compute_loss_func=...)``, which callbacks are not shown, is refused for the
+    same reason at the end of the first step, whose forwards returned no loss.
     """
 
     def __init__(
@@ -90,6 +103,8 @@ class TaperCallback(TrainerCallback):
             TaperSchedule(taper_start if taper_start is not None else 0.05, taper_end if taper_end is not None else 0.7)
         self.controller: Optional[TaperController] = None
         self.placed_first = False  # set by place_first(trainer)
+        self._load_watch: Optional[RemovableHandle] = None  # on the model from Trainer(...) to train()'s first event
+        self._loss_checked = False  # the first step's forwards returned the model's loss
 
     def _schedule(self, config: TaperNormConfig, total_steps: int) -> TaperSchedule:
         """The schedule of a run of ``total_steps``: this callback's window, else the config's (at its defaults,
@@ -117,11 +132,22 @@ class TaperCallback(TrainerCallback):
                 "tapered model at the end, which can be one saved before the gate reached 0 (a normalized model, "
                 "which fold_model refuses); set load_best_model_at_end=False (the last step's model is the tapered one)"
             )
+        if model is not None and getattr(args, "label_smoothing_factor", 0):
+            refuse_loss_outside_the_model(
+                model,
+                f"label_smoothing_factor={args.label_smoothing_factor:g} makes the Trainer compute the loss itself "
+                "from the logits, taking the labels from the model's inputs",
+                "set label_smoothing_factor=0",
+            )
         # DeepSpeed ZeRO-3 and FSDP v1 (asked for, or already applied to the model) fail here, before training.
         refuse_unsupported_trainer_sharding(args)
         if model is not None:
             refuse_unsupported_sharding(model)
             refuse_replaced_forward(model, "TaperCallback")  # a kernel patch applied after patch_model
+            if self._load_watch is None:  # train(resume_from_checkpoint=...) loads the optimizer before on_train_begin
+                self._load_watch = watch_checkpoint_loads(
+                    model, lambda: resume_candidates(args), "TaperCallback", self.allow_changes
+                )
             # A schedule that does not fit the run fails here, not after the first steps.
             max_steps = getattr(args, "max_steps", None)
             max_steps = max_steps if max_steps and max_steps > 0 else None
@@ -143,6 +169,9 @@ class TaperCallback(TrainerCallback):
             )
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self._load_watch is not None:  # the Trainer's checkpoint load is over
+            self._load_watch.remove()
+            self._load_watch = None
         refuse_replaced_forward(model, "TaperCallback")  # the Trainer applies use_liger_kernel in train()
         reporters = [name for name in (args.report_to or []) if name != "none"]
         if reporters and not self.placed_first:
@@ -153,6 +182,8 @@ class TaperCallback(TrainerCallback):
             )
         config = config_of(model)
         self.controller = TaperController(model, self._schedule(config, state.max_steps), thresholds=self.thresholds)
+        self._loss_checked = not loss_terms_on_the_model_loss(model)  # nothing to lose: nothing to check
+        loss_terms_of(model).forwards_without_loss = 0  # counted from this run's first forward
         if state.global_step > 0:
             self._resume(args, state, config)
         schedule = self.controller.schedule
@@ -169,30 +200,37 @@ class TaperCallback(TrainerCallback):
 
     def _resume(self, args, state, config: TaperNormConfig) -> None:
         folder = resumed_checkpoint(args, state)
-        saved = folder / CONFIG_NAME
-        if saved.is_file():
-            old, new = TaperNormConfig.from_pretrained(folder).options(), config.options()
-            differences = {k: (v, new[k]) for k, v in old.items() if new[k] != v and k not in self.allow_changes}
-            if differences:
-                listing = "; ".join(
-                    f"{k}: {old!r} in the checkpoint, {new!r} now" for k, (old, new) in differences.items()
-                )
-                raise TaperStateError(
-                    f"TaperCallback: the checkpoint {folder} was written with another TaperNormConfig ({listing}); "
-                    "patch the model with the checkpoint's config to resume it"
-                )
-        else:
-            logger.warning(
-                "TaperCallback: %s holds no %s; cannot check that the recipe is unchanged", folder, CONFIG_NAME
+        if is_adapter_checkpoint(folder):
+            raise TaperStateError(
+                f"TaperCallback: {folder} is a PEFT checkpoint, which holds only the adapters and none of the "
+                "model's TaperNorm state (statistics, c, scale target, the norms' own weights): resuming a LoRA "
+                "taper from it is not supported; run the LoRA taper again from step 0 without resume_from_checkpoint, "
+                "or taper without PEFT, whose Trainer checkpoints hold the whole model"
             )
-        self.controller.load_state(folder, trust_sharded_checkpoint=self.trust_sharded_checkpoint)
+        self.controller._load_state(folder, "TaperCallback", self.trust_sharded_checkpoint, self.allow_changes)
         self.controller.check_resume(state.global_step)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.controller.step_begin(state.global_step)
 
     def on_step_end(self, args, state, control, **kwargs):
+        if not self._loss_checked:
+            self._loss_checked = True
+            self._refuse_a_lost_loss()
         self.controller.step_end(state.global_step - 1)
+
+    def _refuse_a_lost_loss(self) -> None:
+        """After the first step: refuse training forwards that all returned no loss. Trainer(compute_loss_func=...)
+        or a Trainer subclass's compute_loss takes the labels from the model's inputs, and no callback is shown
+        either: what they leave, the model's forwards without a loss, is the first sign."""
+        terms = loss_terms_of(self.controller.model)
+        if terms.pending_loss is None and terms.forwards_without_loss:
+            refuse_loss_outside_the_model(
+                self.controller.model,
+                "the model's training forwards returned no loss: the Trainer computes it outside the model "
+                "(Trainer(compute_loss_func=...), or a compute_loss that takes the labels from the model's inputs)",
+                "leave compute_loss_func out",
+            )
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or "loss" not in logs or self.controller is None:
@@ -214,6 +252,38 @@ class TaperCallback(TrainerCallback):
             # the checkpoint the Trainer has just written with this run's weights (a re-run into the same
             # output_dir rewrites another run's checkpoint-N): its recipe is this run's, never a guarded one
             self.controller._save_state(folder, writes_weights=True)
+
+
+def loss_terms_on_the_model_loss(model) -> list[str]:
+    """The recipe's terms that are added to ``outputs.loss`` (by their options, ``distill_weight=1``); none: the
+    recipe adds nothing to the model's loss, and a loss computed outside the model loses nothing of it."""
+    config = config_of(model)
+    terms = [("scale_loss_weight", config.scale_loss_weight if scale_anchors(model) else 0.0)]
+    terms += [("distill_weight", config.distillation.weight)]
+    terms += [("sink_attention_weight", config.distillation.sink_attention_weight)]
+    return [f"{name}={weight:g}" for name, weight in terms if weight > 0]
+
+
+def refuse_loss_outside_the_model(model, what: str, advice: str) -> None:
+    """Refuse a Trainer that computes the loss itself (``what`` says how it was told; ``advice``: the way back to the
+    model's loss), where the recipe adds terms to the model's loss: the Trainer takes the labels out of the model's
+    inputs, ``outputs.loss`` is None, and every term is dropped (a gated-mlp recipe ran to g = 0 with none of them,
+    and one WARNING blamed missing labels)."""
+    terms = loss_terms_on_the_model_loss(model)
+    if not terms:
+        return
+    raise ConfigurationError(
+        f"TaperCallback: {what}, so outputs.loss is None and the recipe's terms added to it ({', '.join(terms)}) "
+        f"would all be dropped; {advice} (the model's own loss carries them), or set those weights to 0 in the "
+        "TaperNormConfig"
+    )
+
+
+def is_adapter_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` is a PEFT checkpoint: adapters (``adapter_config.json``, in it or in a folder per adapter)
+    and no whole model's weights."""
+    adapters = (folder / "adapter_config.json").is_file() or any(folder.glob("*/adapter_config.json"))
+    return adapters and not any(any(folder.glob(pattern)) for pattern in WHOLE_WEIGHTS)
 
 
 def resumed_checkpoint(args, state: TrainerState) -> Path:

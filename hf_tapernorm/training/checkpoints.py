@@ -30,6 +30,7 @@ from ..config import (
     config_of,
     recorded_config_file,
 )
+from ..config_fields import check_tokenizer_to_save
 from ..errors import ConfigurationError, TaperStateError, UnsupportedModelError
 from ..layers.patching import is_headless, patch_model
 from ..layers.saving import TAPERED_NOTE_KEY, mark_config_as_tapered
@@ -52,6 +53,7 @@ def save_tapered(model: nn.Module, folder: Union[str, os.PathLike], tokenizer: A
             f"save_tapered: {type(model).__name__} has no LM head, and a tapered checkpoint is of a causal LM (what "
             "load_tapered, fold and eval read); patch the model AutoModelForCausalLM loads"
         )
+    check_tokenizer_to_save(tokenizer, "save_tapered")  # before the model's files, which it would leave alone
     what = "save_tapered: cannot save a tapered checkpoint"
     refuse_weights_of_another_format(folder, False, what)  # first: a sharded one's config.json reads as "another model"
     check_save_destination(folder, what, writes_model=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Optional, Union
 
@@ -36,6 +37,7 @@ from .distributed import (
     sharding_engine,
 )
 from .divergence import DivergenceThresholds, DivergenceWatch
+from .recipe_check import refuse_another_recipe
 from .schedule import TaperSchedule, fit_default_window
 
 logger = logging.getLogger(__name__)
@@ -96,6 +98,7 @@ class TaperController:
         self.distillation = self._distillation(distillation)
         self._window = torch.zeros(_ANCHOR_SIZE, dtype=torch.float64)  # anchor sums since the last log_metrics()
         self._trainable_checked = False
+        self._last_step: Optional[int] = None  # the latest step_begin's: steps never go back
 
     def _distillation(self, given: Union[Distillation, bool, None]) -> Optional[Distillation]:
         if isinstance(given, Distillation):
@@ -139,16 +142,33 @@ class TaperController:
         elif is_main_process():
             self.distillation.save_snapshot(folder / SNAPSHOT_NAME)
 
-    def load_state(self, folder: Union[str, Path], *, trust_sharded_checkpoint: bool = False) -> None:
+    def load_state(
+        self,
+        folder: Union[str, Path],
+        *,
+        trust_sharded_checkpoint: bool = False,
+        allow_changes: Iterable[str] = (),
+    ) -> None:
         """Restore :meth:`save_state`'s files from a checkpoint folder (before resuming at its step).
 
-        A sharded teacher (FSDP2) is read only with ``trust_sharded_checkpoint=True``: its DCP index is a pickle.
+        The folder's ``tapernorm_config.json`` must be the model's config: a folder written under another recipe
+        is refused, naming the fields that differ (``allow_changes``: options the resumed run may change on
+        purpose), because its teacher's snapshot and the model's state belong to another taper. A sharded teacher
+        (FSDP2) is read only with ``trust_sharded_checkpoint=True``: its DCP index is a pickle.
         """
+        self._load_state(folder, "TaperController.load_state", trust_sharded_checkpoint, allow_changes)
+
+    def _load_state(
+        self, folder: Union[str, Path], who: str, trust_sharded_checkpoint: bool, allow_changes: Iterable[str]
+    ) -> None:
+        """:meth:`load_state`, its messages starting with ``who`` (TaperCallback's resume calls it)."""
+        folder = expand_user(folder, f"{who}: '{folder}'")
+        if not folder.is_dir():  # a mistyped folder would restore nothing, and the teacher would be the model itself
+            raise TaperStateError(f"{who}: no folder '{folder}'")
+        if not refuse_another_recipe(folder, self.config, who, allow_changes):
+            logger.warning("%s: %s holds no %s; cannot check that the recipe is unchanged", who, folder, CONFIG_NAME)
         if self.distillation is None:
             return
-        folder = expand_user(folder, f"TaperController.load_state: '{folder}'")
-        if not folder.is_dir():  # a mistyped folder would restore nothing, and the teacher would be the model itself
-            raise TaperStateError(f"TaperController.load_state: no folder '{folder}'")
         if (folder / SHARDED_SNAPSHOT_NAME).is_dir():
             refuse_untrusted_sharded_checkpoint(folder / SHARDED_SNAPSHOT_NAME, trust_sharded_checkpoint)
             load_sharded_module(folder / SHARDED_SNAPSHOT_NAME, self.distillation.restored_teacher(self.model))
@@ -185,8 +205,14 @@ class TaperController:
             break
 
     # ------------------------------------------------------------------ per optimizer step
-    def step_begin(self, step: int) -> float:
-        """Before the micro-batches of update ``step + 1``: calibrate at k_start, set and return its gate."""
+    def step_begin(self, step: int, *, replay: bool = False) -> float:
+        """Before the micro-batches of update ``step + 1``: calibrate at k_start, set and return its gate.
+
+        Steps never go back (refused); ``replay=True`` runs an earlier step again on purpose, as a benchmark that
+        times the same steps over and over does (the gate rises with it)."""
+        if not replay:
+            self._refuse_going_back(step)
+        self._last_step = step
         number = step + 1
         gate = self.schedule.gate(number)
         if not self._trainable_checked:  # at the first step, when the loop has chosen what trains
@@ -211,6 +237,19 @@ class TaperController:
         if self.distillation is not None:
             self.distillation.step_begin(self.model, gate)
         return gate
+
+    def _refuse_going_back(self, step: int) -> None:
+        """Refuse a step below the previous one. The gate follows the step, so a counter that restarts (the batch
+        index of each epoch) would raise the gate again over a model already trained at a lower one; no run goes
+        back (a resumed run is a new controller, which load_state restores). The same step again is a retried
+        update, and allowed."""
+        if self._last_step is not None and step < self._last_step:
+            raise TaperStateError(
+                f"TaperController.step_begin({step}) after step_begin({self._last_step}): steps count the optimizer "
+                "updates of the whole run and must not go back (the gate follows them, and would rise again over a "
+                "model trained at a lower one); count steps across epochs (a global step, not the batch index of an "
+                "epoch), or build a new TaperController for a new run"
+            )
 
     def step_end(self, step: int, loss: Optional[float] = None, grad_norm: Optional[float] = None) -> None:
         """After update ``step + 1``: one EMA step from all micro-batches (all-reduced); divergence watch.

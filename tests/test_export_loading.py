@@ -266,3 +266,45 @@ def test_a_loaded_export_samples_and_beam_searches(export):
     sampled = folded.generate(prompt, do_sample=True, temperature=0.7, top_k=5, max_new_tokens=3)
     beams = folded.generate(prompt, num_beams=2, max_new_tokens=3, do_sample=False)
     assert sampled.shape == beams.shape == (1, 8) and torch.equal(sampled[:, :5], prompt)
+
+
+def test_a_loaded_export_beam_searches_without_a_cache_as_the_tapered_model_does(export):
+    """With a stored sink, ``generate(num_beams=2, use_cache=False)`` raised transformers' "cannot use beam search
+    with a cache currently, as the cache cannot be reordered": the export's forward returned its output with a
+    ``cache`` entry of None, which generate handed on to the next step and beam search tried to reorder. A forward
+    without a cache now returns no cache entry at all, as the base model's does, and beam search without a cache
+    picks the tapered model's tokens (the sink in front of its input)."""
+    model, _, folded = export
+    prompt = torch.randint(3, 100, (1, 7), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        assert "cache" not in folded(input_ids=prompt, use_cache=False)
+    options = dict(min_new_tokens=4, max_new_tokens=4, num_beams=2, do_sample=False, use_cache=False)
+    beams = folded.generate(prompt, **options)
+    sink = torch.tensor([list(model.tapernorm_config.sink_token_ids)], dtype=torch.long)
+    expected = model.generate(torch.cat([sink, prompt], 1), **options)[:, sink.shape[1] :]
+    assert beams.shape == (1, 11) and torch.equal(beams, expected)
+
+
+@pytest.mark.parametrize("head", ["AutoModel", "AutoModelForSequenceClassification"])
+def test_other_auto_classes_refuse_an_export_in_one_line(export, head):
+    """``AutoModel`` / ``AutoModelForSequenceClassification.from_pretrained(export)`` gave transformers'
+    "Unrecognized configuration class ... for this kind of AutoModel" and a list of every type it knows. An export
+    has no other head nor a bare base model (its folded norms and stored sink live in the causal LM), so each now
+    refuses in one line naming the way that works; from_config too."""
+    import transformers
+
+    from hf_tapernorm.errors import UnsupportedModelError
+
+    _, folder, folded = export
+    auto = getattr(transformers, head)
+    model_type = folded.config.model_type
+    expected = (
+        f"{head}: '{folder}' is a folded export ({model_type}), which loads as a causal LM only: use "
+        f"AutoModelForCausalLM.from_pretrained('{folder}'), and for its hidden states call it with "
+        "output_hidden_states=True"
+    )
+    with pytest.raises(UnsupportedModelError) as refused:
+        auto.from_pretrained(folder)
+    assert str(refused.value) == expected
+    with pytest.raises(UnsupportedModelError, match=f"^{head}: '.*' is a folded export \\({model_type}\\), which"):
+        auto.from_config(folded.config)

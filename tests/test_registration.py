@@ -106,3 +106,53 @@ def test_folded_types_are_registered_with_loaders_that_hand_over_to_the_real_cla
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["TaperNormLlamaConfig", "TaperNormLlamaConfig", "TaperNormLlamaForCausalLM"]
+
+
+def test_a_discovered_familys_export_loads_in_a_fresh_process_with_hf_tapernorm_imported(tmp_path):
+    """An export of a family outside the architecture table (olmo2, folded through automatic discovery) names the
+    type ``tapernorm_olmo2``, which only the table's families were registered for: in a fresh process transformers
+    asked to run the folder's modeling_folded.py ("contains custom code which must be executed"). Now every type
+    transformers knows is registered lazily, so it loads as a table family's export does, running nothing from the
+    folder (a marker line appended to the folder's code never runs), with the tapered model's logits; AutoModel
+    refuses it in one line as it does a table family's export."""
+    import torch
+
+    from hf_tapernorm import TaperNormConfig, export_folded, fold_model, patch_model
+    from hf_tapernorm.layers import set_gate
+    from hf_tapernorm.training import calibrate
+    from tests.conftest import build, random_batches, tiny_family_config
+
+    model = patch_model(build(tiny_family_config("olmo2")), TaperNormConfig.paper(scope="all")).train()
+    with torch.no_grad():
+        for ids in random_batches():
+            model(ids)
+    calibrate(model)
+    set_gate(model, 0.0)
+    folder = export_folded(fold_model(model.eval()), tmp_path / "export")
+    marker = tmp_path / "folder_code_ran"
+    with open(folder / "modeling_folded.py", "a", encoding="utf-8") as handle:
+        handle.write(f"\nopen({str(marker)!r}, 'w').close()\n")
+    ids = random_batches(n=1, seed=4)[0]
+    with torch.no_grad():
+        torch.save({"ids": ids, "logits": model(ids).logits}, tmp_path / "expected.pt")
+    code = (
+        "import sys, torch, hf_tapernorm\n"
+        "from transformers import AutoModel, AutoModelForCausalLM\n"
+        "from hf_tapernorm.integrations import load_export\n"
+        f"expected = torch.load({str(tmp_path / 'expected.pt')!r})\n"
+        f"for model in (AutoModelForCausalLM.from_pretrained({str(folder)!r}), load_export({str(folder)!r})):\n"
+        "    with torch.no_grad():\n"
+        "        error = (model(expected['ids']).logits - expected['logits']).abs().max().item()\n"
+        "    print(type(model).__name__, error < 1e-5)\n"
+        "try:\n"
+        f"    AutoModel.from_pretrained({str(folder)!r})\n"
+        "except hf_tapernorm.errors.UnsupportedModelError as error:\n"
+        "    print(str(error).split(':')[0], 'refused')\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["TaperNormOlmo2ForCausalLM", "True"] * 2 + ["AutoModel", "refused"]
+    assert not marker.exists()

@@ -286,10 +286,20 @@ def finish_sink_call(model: nn.Module, kwargs: dict, output: Any, call: SinkCall
             logits=output.logits, labels=labels, vocab_size=model.config.vocab_size, **loss_kwargs
         )
     if call.cache_only and getattr(output, "cache", None) is not None:
-        output["cache"] = None  # item, not attribute: ModelOutput ignores setting an attribute to None
+        output = _without_cache(output)
     if call.wants_tuple:  # in field order, as ModelOutput.to_tuple gives it, without the None fields
         return tuple(getattr(output, item.name) for item in fields(output) if getattr(output, item.name) is not None)
     return output
+
+
+def _without_cache(output: Any) -> Any:
+    """``output`` as the base model returns it when no cache was asked for: without a ``cache`` entry at all.
+
+    Setting the entry to None would leave the key in the output, and ``generate`` hands any ``cache`` key on to the
+    next step: beam search without a cache then tries to reorder None ("the cache cannot be reordered"), and
+    ``to_tuple`` or an index into the output would count it. A ModelOutput refuses ``del``, so a new one is built.
+    """
+    return type(output)(**{key: value for key, value in output.items() if key != "cache"})
 
 
 # ---------------------------------------------------------------------------------------- an export loaded as its base

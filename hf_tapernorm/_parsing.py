@@ -390,17 +390,20 @@ def _as_text(value: Any, key: str, hint: Any, action: argparse.Action, parser: _
     return str(value)
 
 
-def check_json_object(option: str, value: Any) -> None:
-    """Refuse an object option's text that is no JSON object (``--lr_scheduler_kwargs notjson``, ``[1]``): Trainer
-    arguments json.loads only a text that starts with ``{`` and drop any other, so the run would go on without it."""
+def json_object_text(option: str, value: Any) -> Any:
+    """An object option's text as TrainingArguments is to read it, stripped (``' {"num_decay_steps": 3}'``): it
+    json.loads only a text that starts with ``{`` and drops any other, so the run would go on without it. A text
+    that is no JSON object (``--lr_scheduler_kwargs notjson``, ``[1]``) is refused; any other value is returned as
+    it is."""
     if not isinstance(value, str):
-        return
+        return value
     try:
         read = json.loads(value)
     except json.JSONDecodeError as error:
         raise UsageError(f"{option} {value}: not a JSON object ({error})") from None
     if not isinstance(read, dict):
         raise UsageError(f"{option} {value}: not a JSON object (write one such as '{{\"key\": 1}}')")
+    return value.strip()  # json.loads read past JSON's whitespace alone, which strip() removes
 
 
 def _takes_a_list(hint: Any) -> bool:

@@ -644,3 +644,22 @@ def test_the_train_mode_trains_on_a_text_too_small_to_hold_out(tmp_path):
     )
     assert [tuple(b["input_ids"].shape) for b in batches] == [(2, 32), (2, 32)]
     assert all((b["input_ids"][:, 0] == 1).all() and b["labels"].shape == (2, 32) for b in batches)
+
+
+def test_a_text_too_short_for_the_train_mode_is_refused_before_loading(tmp_path, monkeypatch, capsys, caplog):
+    """bench --modes train on a 19-character text loaded the model, logged a WARNING that the blocks "will repeat",
+    then refused the text for holding too few blocks. The blocks are now counted with the tokenizer, behind the
+    recipe's sink prefix, before the model loads, and the refusal is the only word."""
+    folder = save_tiny_model(tmp_path / "tiny")
+    short = tmp_path / "short.txt"
+    short.write_text("a short text here.\n")
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    argv = ["bench", "--model_name_or_path", str(folder), "--modes", "train", "--dataset_name", str(short)]
+    argv += ["--seq_lens", "16", "--batch_sizes", "1", "--output_dir", str(tmp_path / "out")]
+    assert cli_main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"hf-tapernorm bench: error: dataset '{short}' holds 1 blocks of 16 tokens; the train mode needs 5 "
+        "(--batch_sizes x (1 + --calibration_batches))"
+    )
+    assert not [record for record in caplog.records if "will repeat" in record.getMessage()]
+    assert not (tmp_path / "out" / "bench.json").exists()

@@ -107,6 +107,21 @@ def _options_with_a_flag(ws, run, tmp):
     return ["taper", str(tmp / "run.yaml"), "--max_steps", "4"]
 
 
+def _taper_options_file(**options):
+    """``taper run.json``: _taper's run as an options file, with ``options`` besides."""
+
+    def make(ws, tmp):
+        values = {
+            "model_name_or_path": str(ws / "llama"), "dataset_name": str(ws / "corpus.txt"), "block_size": 32,
+            "heldout_blocks": 4, "heldout_percentage": 10, "max_steps": 4, "per_device_train_batch_size": 2,
+            "output_dir": str(tmp / "out"), "use_cpu": True, "out_of_corpus_blocks": 0, "scan_windows": 0,
+        }  # fmt: skip
+        (tmp / "run.json").write_text(json.dumps({**values, **options}))
+        return ["taper", str(tmp / "run.json")]
+
+    return make
+
+
 def _options_folder(ws, tmp):
     (tmp / "run.json").mkdir()
     return ["taper", str(tmp / "run.json")]
@@ -801,6 +816,37 @@ CASES = {
         ),
         2,
         ["--lr_scheduler_type cosine_with_restarts"],
+    ),
+    # torch's KeyError ("initial_lr is not specified") from a fresh scheduler asked to start past step 0, before
+    # the model loaded: the step count is the Trainer's (on the command line and in an options file)
+    **{
+        f"scheduler kwargs last_epoch {value}": (
+            lambda ws, value=value: _taper(
+                ws, "--lr_scheduler_kwargs", f'{{"num_decay_steps": 2, "last_epoch": {value}}}'
+            ),
+            2,
+            [
+                f"--lr_scheduler_kwargs {{{{'num_decay_steps': 2, 'last_epoch': {shown}}}}}: last_epoch is not a key a "
+                "run takes: the Trainer sets it itself (the scheduler's step count, which a fresh run starts at 0 "
+                "and --resume restores); leave it out"
+            ],
+        )
+        for value, shown in (("3", "3"), ('"x"', "'x'"))
+    },
+    "scheduler kwargs last_epoch in an options file": (
+        _taper_options_file(lr_scheduler_kwargs={"num_decay_steps": 2, "last_epoch": 1}),
+        2,
+        ["--lr_scheduler_kwargs {{'num_decay_steps': 2, 'last_epoch': 1}}: last_epoch is not a key a run takes"],
+        ("tmp_path",),
+    ),
+    # transformers hands the constant schedules none of the keys: the run went on without them
+    "scheduler kwargs of a constant schedule": (
+        lambda ws: _taper(ws, "--lr_scheduler_type", "constant", "--lr_scheduler_kwargs", '{"num_decay_steps": 2}'),
+        2,
+        [
+            "--lr_scheduler_kwargs {{'num_decay_steps': 2}}: num_decay_steps is not a key of --lr_scheduler_type "
+            "constant (it takes none); leave it out"
+        ],
     ),
     "resume of a new folder": (lambda ws: _taper(ws, "--resume"), 2, ["--resume", "holds no run to continue"]),
     "output_dir is a file": (

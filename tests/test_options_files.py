@@ -609,6 +609,17 @@ def test_a_number_inside_an_object_option_reads_as_written(kwargs, expected, tmp
     assert parsed("taper", ["--lr_scheduler_kwargs", json.dumps(expected)])[-1].lr_scheduler_kwargs == expected
 
 
+@pytest.mark.parametrize("space", [" ", "\t", "\n"])
+def test_an_object_option_after_white_space_reaches_the_trainer(space, tmp_path):
+    """`--lr_scheduler_kwargs ' {"num_decay_steps": 3}'` (on the command line or in an options file) passed the JSON
+    check, then TrainingArguments, which json-loads only a text that starts with `{`, dropped it: the run decayed
+    over the default steps. The stripped text is handed on, so the run's arguments hold the object."""
+    text = f'{space}{{"num_decay_steps": 3}}'
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"lr_scheduler_kwargs": text}))
+    for argv in (["--lr_scheduler_kwargs", text], [str(tmp_path / "run.yaml")]):
+        assert parsed("taper", argv)[-1].lr_scheduler_kwargs == {"num_decay_steps": 3}
+
+
 @pytest.mark.parametrize("character", ["\u2028", "\u2029", "\x85", "\x0b", "\x0c", "\x1c", "\r\n"])
 def test_a_text_option_with_any_line_break_is_refused(character, tmp_path):
     """Only \\n and \\r were refused: a folder name holding U+2028 or NEL (where str.splitlines breaks) was made."""

@@ -42,7 +42,7 @@ from ..errors import ConfigurationError, first_line
 from ..export.folding import unties_head
 from ..layers.patching import patch_weightless
 from ..training.checkpoints import tapered_config_of, tapered_model_config
-from ..training.schedule import TaperSchedule
+from ..training.schedule import TaperSchedule, checked_scheduler_kwargs
 from ..utils import check_compile_options, check_seeds, expand_user
 
 
@@ -242,7 +242,7 @@ def _check_scheduler(args, schedule: TaperSchedule) -> None:
             "the calibration at g = 1 and the taper would see a learning rate still rising; shorten the warmup or "
             "move --taper_start"
         )
-    kwargs = args.lr_scheduler_kwargs if isinstance(args.lr_scheduler_kwargs, dict) else {}
+    kwargs = checked_scheduler_kwargs(args)  # keys the scheduler takes and the Trainer does not set itself
     if _value(args.lr_scheduler_type) == "warmup_stable_decay":
         phases = warmup + sum(_steps_of(kwargs, key) for key in ("num_decay_steps", "num_stable_steps"))
         if phases > total:

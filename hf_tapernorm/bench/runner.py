@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..app.run_lock import RunLock
+from ..app.validation import weightless_model
 from ..architectures.sites import model_type_of, norm_sites
 from ..config import TaperNormConfig
 from ..data.sources import EMBEDDED_CORPUS, AnyDataset, load_text_dataset
@@ -252,6 +253,24 @@ def _train_text(arguments: BenchArguments, source: ModelSource) -> TrainText:
     return TrainText(tokenizer, dataset, arguments.dataset_name or EMBEDDED_CORPUS, arguments.text_column)
 
 
+def _check_train_text(arguments: BenchArguments, source: ModelSource, text: TrainText) -> None:
+    """Refuse (DataError, one line) a text that cannot fill the train mode's batches of every --seq_lens, before the
+    model loads: packed as _train_case packs it, behind the recipe's sink prefix, read from the model's structure
+    alone (its config on the meta device)."""
+    recipe = TaperNormConfig.for_model(weightless_model(source, trust_remote_code=False), text.tokenizer)
+    for seq_len in arguments.seq_lens:  # the largest batch of each length: a smaller one takes its first blocks
+        text_batches(
+            text.dataset,
+            text.tokenizer,
+            batch=max(arguments.batch_sizes),
+            seq_len=seq_len,
+            count=1 + arguments.calibration_batches,
+            prefix_ids=recipe.sink_token_ids,
+            source=text.name,
+            text_column=text.text_column,
+        )
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the benchmark, print the tables, write ``bench.json`` and ``bench.png``.
 
@@ -279,6 +298,8 @@ def _benchmark(arguments: BenchArguments, argv: Optional[Sequence[str]]) -> int:
         )
     arguments.check_positions(model_config(source))
     text = _train_text(arguments, source) if "train" in arguments.modes else None
+    if text is not None:
+        _check_train_text(arguments, source, text)
     model_types = set()
 
     def load(dtype: torch.dtype) -> nn.Module:

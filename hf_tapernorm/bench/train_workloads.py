@@ -77,6 +77,7 @@ def text_batches(
         text_column=text_column,
         source=source,
         prefix_ids=prefix_ids,
+        train_repeats=False,  # too few blocks are refused below: the batches are never read twice
     )
     if len(packed.train) < batch * count:
         raise DataError(

@@ -23,7 +23,7 @@ import torch
 from transformers import TrainingArguments
 from transformers.integrations import is_deepspeed_available
 
-from .._parsing import as_flags, check_json_object
+from .._parsing import as_flags, json_object_text
 from ..app.preflight import refuse_trainer_evaluation
 from ..app.validation import IGNORED_ON_RESUME
 from ..config import OptionField, TaperNormConfig, parse_step
@@ -396,7 +396,7 @@ class TaperTrainingArguments(TrainingArguments):
                 raise ConfigurationError(f"--{name} is not read by taper: {instead}; leave it out")
             setattr(self, name, TrainingArguments.__dataclass_fields__[name].default)
         for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):  # TrainingArguments json.loads them
-            check_json_object(f"--{name}", getattr(self, name, None))
+            setattr(self, name, json_object_text(f"--{name}", getattr(self, name)))
         if self.deepspeed and not is_deepspeed_available():  # transformers would raise PackageNotFoundError
             raise ConfigurationError(
                 f"--deepspeed {self.deepspeed}: the deepspeed package is not installed (pip install deepspeed), or "

@@ -204,6 +204,7 @@ def prepare_data(
     source: str = EMBEDDED_CORPUS,
     prefix_ids: Sequence[int] = (),
     heldout_seed: int = 0,
+    train_repeats: bool = True,
 ) -> PackedData:
     """Split documents into train/held-out, tokenize and pack each into blocks (``labels = input_ids``).
 
@@ -212,7 +213,9 @@ def prepare_data(
     first text token is then -100. The ``heldout_blocks`` held-out blocks are drawn at random positions
     of the held-out documents with ``heldout_seed`` (``data.heldout.sample_blocks``), the same for
     every training seed; ``heldout_blocks=0``: no held-out split, every document trains (bench's train mode, which
-    measures speed). Raises ``DataError`` when a needed split cannot fill a single block.
+    measures speed). Raises ``DataError`` when a needed split cannot fill a single block. ``train_repeats``: the
+    reader goes over the training blocks again when they are fewer than ``train_blocks`` (taper's Trainer: a WARNING
+    says so); False where the caller refuses so short a split itself (bench's train mode), which no WARNING precedes.
     """
     if not 0.0 < heldout_percentage < 100.0:
         raise DataError(f"heldout_percentage must be in (0, 100), got {heldout_percentage}")
@@ -253,7 +256,7 @@ def prepare_data(
                     else "use more text or a smaller --block_size"
                 )
             )
-    if train_blocks and len(train) < train_blocks:
+    if train_repeats and train_blocks and len(train) < train_blocks:
         logger.warning(
             "dataset '%s' holds %d training blocks of %d tokens, fewer than the %d the run reads: it will repeat",
             source,

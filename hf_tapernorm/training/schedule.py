@@ -9,10 +9,14 @@ state: the step number is enough.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Any, Optional
+
+from transformers import SchedulerType, get_scheduler
+from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
 
 from ..config import Step, TaperNormConfig, check_step
 from ..errors import ConfigurationError
@@ -158,4 +162,64 @@ def decay_learning_rate_after_the_taper(args, schedule: TaperSchedule) -> None:
         )
 
 
-__all__ = ["CONTINUED_PRETRAINING", "TaperSchedule", "decay_learning_rate_after_the_taper", "fit_default_window"]
+#: Why the Trainer's own arguments of the scheduler are no keys of --lr_scheduler_kwargs: the Trainer passes
+#: get_scheduler's itself, and a fresh run's scheduler starts at step 0 (the checkpoint's step, on --resume).
+_SET_BY_THE_TRAINER = {
+    "optimizer": "the optimizer it builds",
+    "num_warmup_steps": "from --warmup_steps",
+    "num_training_steps": "from --max_steps",
+    "last_epoch": "the scheduler's step count, which a fresh run starts at 0 and --resume restores",
+}
+
+
+def checked_scheduler_kwargs(args) -> dict[str, Any]:
+    """The --lr_scheduler_kwargs the Trainer hands its scheduler ({} for none), each key one the --lr_scheduler_type's
+    function takes and the Trainer does not set itself; any other is refused in one line (ConfigurationError).
+
+    Read from the functions' signatures: ``last_epoch`` made torch ask a fresh scheduler for the rates of a resumed
+    one (a KeyError), and transformers drops every key of the constant schedules without a word."""
+    kwargs = args.lr_scheduler_kwargs if isinstance(args.lr_scheduler_kwargs, dict) else {}
+    kind = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+    takes = _scheduler_keys(kind)
+    for key in kwargs:
+        if key in _trainer_keys():
+            why = _SET_BY_THE_TRAINER.get(key, "it passes it to the scheduler")
+            raise ConfigurationError(
+                f"--lr_scheduler_kwargs {kwargs}: {key} is not a key a run takes: the Trainer sets it itself ({why}); "
+                "leave it out"
+            )
+        if takes is not None and key not in takes:
+            keys = f"its keys are {', '.join(takes)}" if takes else "it takes none"
+            raise ConfigurationError(
+                f"--lr_scheduler_kwargs {kwargs}: {key} is not a key of --lr_scheduler_type {kind} ({keys}); leave "
+                "it out"
+            )
+    return kwargs
+
+
+def _trainer_keys() -> set[str]:
+    """The scheduler's arguments the Trainer sets itself: get_scheduler's (but the type and the kwargs) and
+    ``last_epoch``."""
+    return {*inspect.signature(get_scheduler).parameters, *_SET_BY_THE_TRAINER} - {"name", "scheduler_specific_kwargs"}
+
+
+def _scheduler_keys(kind: str) -> Optional[list[str]]:
+    """The keys the scheduler function of ``kind`` takes besides the Trainer's; None where it takes any (``**kwargs``)
+    or ``kind`` is no scheduler type (get_scheduler names it)."""
+    try:
+        parameters = inspect.signature(TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(kind)]).parameters.values()
+    except (ValueError, KeyError):
+        return None
+    if any(parameter.kind is parameter.VAR_KEYWORD for parameter in parameters):
+        return None
+    keywords = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in parameters if p.kind in keywords and p.name not in _trainer_keys()]
+
+
+__all__ = [
+    "CONTINUED_PRETRAINING",
+    "TaperSchedule",
+    "checked_scheduler_kwargs",
+    "decay_learning_rate_after_the_taper",
+    "fit_default_window",
+]

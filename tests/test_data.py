@@ -909,7 +909,8 @@ def test_the_split_named_of_a_folder_whose_files_form_splits_is_read(hub, tmp_pa
         values = {flag[2:]: value for flag, value in zip(flags[::2], flags[1::2])}
         options.write_text(json.dumps({**values, "dataset_split": None}))  # null: the default, as left out
         assert error_of(["eval", str(options)]) == f"hf-tapernorm eval: error: {refusal}"
-        options.write_text(json.dumps({**values, "dataset_split": "train", "block_size": 32}))  # named: read
+        named = {"dataset_split": "train", "block_size": 32, "heldout_percentage": 50}  # 50: 20 rows hold blocks out
+        options.write_text(json.dumps({**values, **named}))  # named: read (the texts before the model)
         with pytest.raises(pytest.fail.Exception, match="the model was loaded"):
             run_main(["eval", str(options)])
     assert error_of(_eval("--dataset_name", "corpus.txt", "--dataset_split", "test")) == (
@@ -939,7 +940,7 @@ def test_a_slice_past_a_local_datasets_rows_is_refused_before_the_model_loads(hu
     assert len(load_text_dataset(str(rows), split="train[40:]", cache_dir=cache)) == 10
     with pytest.raises(pytest.fail.Exception, match="the model was loaded"):  # a slice within its rows: accepted
         run_main(_eval("--dataset_name", str(rows), "--dataset_split", "train[40:]", "--data_cache_dir", cache,
-                       "--block_size", "32"))  # fmt: skip
+                       "--block_size", "32", "--heldout_percentage", "50"))  # fmt: skip
 
 
 def test_the_out_of_corpus_text_is_read_from_the_column_its_option_names(hub, tmp_path, tokenizer):

@@ -134,6 +134,32 @@ def test_an_export_whose_sink_token_ids_were_edited_is_refused_at_load(sink_expo
     )
 
 
+#: Edits of a one-position sink export's sink_token_ids (vocabulary 128), each a list of ids, and the refusal's words.
+SINK_EDITS = [
+    ([1, 1], "name 2 token(s), but the stored sink (sink_cache_shape [2, 2, 1, 8]) holds 1 position(s)"),
+    ([1, 5], "name 2 token(s), but the stored sink (sink_cache_shape [2, 2, 1, 8]) holds 1 position(s)"),
+    ([128], "name 128, past the vocabulary of 128 tokens"),
+    ([99999999999], "name 99999999999, past the vocabulary of 128 tokens"),
+]
+
+
+@pytest.mark.parametrize("edit, words", SINK_EDITS, ids=repr)
+def test_an_export_whose_sink_ids_do_not_fit_its_stored_sink_is_refused_at_load(sink_export, tmp_path, edit, words):
+    """An export's config.json sink_token_ids edited from [1] to [1, 1] or [1, 5] loaded, then failed while
+    scoring with a shape mismatch (the stored sink holds one position); [128] or [99999999999] (vocabulary 128)
+    loaded and scored an id no token has as the sink. The config now refuses them when it is read."""
+    folder = tmp_path / "edited"
+    shutil.copytree(sink_export, folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["sink_token_ids"] == [1] and config["vocab_size"] == 128
+    (folder / "config.json").write_text(json.dumps({**config, "sink_token_ids": edit}))
+    with pytest.raises(ValueError) as caught:
+        AutoModelForCausalLM.from_pretrained(folder)
+    assert str(caught.value) == (
+        f"TaperNormLlamaConfig: config.json's sink_token_ids {edit} {words}; restore the config.json the export wrote"
+    )
+
+
 def test_a_tapered_folder_cannot_be_loaded_as_a_plain_model_and_load_tapered_reads_it(tmp_path):
     from hf_tapernorm import load_tapered, save_tapered
     from hf_tapernorm.evaluation.models import read_model_config, resolve_model

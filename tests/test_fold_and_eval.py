@@ -213,14 +213,33 @@ def test_eval_and_fold_refuse_a_checkpoint_whose_sink_is_not_the_one_its_run_tra
     checkpoint = next(folder.glob("checkpoint-*"))
     for tapered_folder, record in ((folder / "tapered", folder / "report.json"), (checkpoint, checkpoint / IDENTITY)):
         edit_json(tapered_folder / "tapernorm_config.json", sink_token_ids=[5])
-        expected = (
-            f"error: tapered checkpoint '{tapered_folder}': its tapernorm_config.json names sink_token_ids [5], but "
-            f"the run that wrote it trained with {trained} ({record}); the file was edited since, or the checkpoint "
-            f"is not that run's: restore sink_token_ids {trained} in tapernorm_config.json"
-        )
+        expected = f"error: {_sink_records_disagree(tapered_folder, [5], record, trained)}"
         assert refused(fold(tapered_folder, tmp_path / "export")) == f"hf-tapernorm fold: {expected}"
         assert refused(evaluate(tapered_folder, data=ws / "corpus.txt")) == f"hf-tapernorm eval: {expected}"
         assert not (tmp_path / "export").exists()
+
+
+def _sink_records_disagree(checkpoint: Path, ids: list, record: Path, recorded: list) -> str:
+    return (
+        f"tapered checkpoint '{checkpoint}': its tapernorm_config.json names sink_token_ids {ids}, but its run's "
+        f"record {record} names {recorded}: the two records of the sink it was trained with disagree, and its weights "
+        "cannot tell which is right; one of the files was edited since, or the checkpoint is not that run's: restore "
+        "the edited one as the run wrote it"
+    )
+
+
+def test_a_report_whose_sink_was_edited_is_refused_without_asking_to_edit_the_checkpoint(run, tmp_path):
+    """report.json's taper.sink_token_ids edited to [5]: fold of tapered/ was refused with "restore sink_token_ids [5]
+    in tapernorm_config.json", blaming the untouched checkpoint; following that advice folded an export with another
+    sink than the one its weights were trained with. The refusal now says the two records disagree, and asks to
+    restore whichever was edited, naming neither as the one to change."""
+    folder = copy_of(run, tmp_path)
+    trained = json.loads((folder / "tapered" / "tapernorm_config.json").read_text())["sink_token_ids"]
+    report = json.loads((folder / "report.json").read_text())
+    edit_json(folder / "report.json", taper={**report["taper"], "sink_token_ids": [5]})
+    expected = _sink_records_disagree(folder / "tapered", trained, folder / "report.json", [5])
+    assert refused(fold(folder / "tapered", tmp_path / "export")) == f"hf-tapernorm fold: error: {expected}"
+    assert not (tmp_path / "export").exists()
 
 
 # ============================================================================= where fold writes
@@ -559,6 +578,8 @@ EDITED_REPORTS = [
     (None, {"export": "x"}, "export", '"x"', "an object"),  # the fields that find the model it compares with
     ("model", {"source": [1]}, "model.source", "[1]", "a string"),
     (None, {"working_folder": 5}, "working_folder", "5", "a string"),
+    ("data", {"block_size": 65}, "data.block_size", "65", "an integer within the models' 64 positions"),
+    ("data", {"block_size": 100000}, "data.block_size", "100000", "an integer within the models' 64 positions"),
 ]
 
 
@@ -584,6 +605,135 @@ def test_fold_scan_of_a_hand_edited_report_is_one_line_before_loading(
         "the export later, on any data)"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_fold_scan_of_a_report_without_a_block_size_reads_the_default_and_refuses_it_past_the_positions(
+    run, tmp_path, monkeypatch
+):
+    """A report.json whose data section was set to null reads as the default block size (128), past the tiny model's
+    64 positions: fold loaded, folded and checked the model, then robustness_scan failed with a traceback (ValueError:
+    "needs ... a block size within the model's positions"). The block size is checked against the positions of the
+    checkpoint and the reference, read from their configs, before the weights load; 65 and 100000 likewise
+    (EDITED_REPORTS)."""
+    import hf_tapernorm.cli.commands as commands
+
+    copy = copy_of(run, tmp_path)
+    edit_json(copy / "report.json", data=None)
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    line = refused(fold(copy / "tapered", tmp_path / "export", "--scan_windows", "2"))
+    assert line == (
+        f"hf-tapernorm fold: error: --scan_windows 2: the run's report.json ('{copy / 'report.json'}') records no "
+        "data.block_size, which reads as the default 128, past the models' 64 positions; fold with --scan_windows 0 "
+        "(hf-tapernorm eval --scan_reference scans the export later, on any data)"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+#: Hand edits of report.json's data section, each of the right type, that leave fold's scan no held-out block: the
+#: edit, what the message says the report records, and why the split fills no block.
+WHOLE = "the split takes whole documents"
+SMALL_HELDOUT = [
+    (
+        {"heldout_percentage": 1e-9},
+        'data.split null, data.sample_by "paragraph", data.heldout_percentage 1e-09',
+        f"its held-out split (1e-09% of documents held out) does not fill one block of 32 tokens; it holds only 150 "
+        f"document(s) and {WHOLE}",
+    ),
+    (
+        {"split": "train[:10%]"},
+        'data.split "train[:10%]", data.sample_by "paragraph", data.heldout_percentage 10.0',
+        "its held-out split (10% of documents held out) does not fill one block of 32 tokens",
+    ),
+    (
+        {"sample_by": "document"},
+        'data.split null, data.sample_by "document", data.heldout_percentage 10.0',
+        f"its held-out split (10% of documents held out) does not fill one block of 32 tokens; it holds only 1 "
+        f"document(s) and {WHOLE}",
+    ),
+]
+
+
+@pytest.mark.parametrize("edit, recorded, facts", SMALL_HELDOUT)
+def test_fold_scan_of_a_report_that_leaves_no_heldout_block_is_refused_before_loading_in_folds_words(
+    ws, run, tmp_path, monkeypatch, edit, recorded, facts
+):
+    """A report.json edited to a held-out percentage of 1e-9, the split train[:10%] or sample_by document (each of
+    the right type) was refused only after the load, the fold and its check, in the words of taper's options
+    ("--sample_by line", "a smaller --block_size"), which fold does not have. fold now draws the scan's texts with
+    the checkpoint's tokenizer before the weights load, and refuses in one line naming report.json's fields and
+    --scan_windows 0."""
+    import hf_tapernorm.cli.commands as commands
+
+    copy = copy_of(run, tmp_path)
+    report = json.loads((copy / "report.json").read_text())
+    edit_json(copy / "report.json", data={**report["data"], **edit})
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    line = refused(fold(copy / "tapered", tmp_path / "export", "--scan_windows", "2"))
+    assert line == (
+        f"hf-tapernorm fold: error: --scan_windows 2: the run's held-out text, read as its report.json "
+        f"('{copy / 'report.json'}') records it ({recorded}, data.block_size 32), cannot be scanned: dataset "
+        f"'{ws / 'corpus.txt'}' is too small: {facts}; fold with --scan_windows 0 (hf-tapernorm eval "
+        "--scan_reference scans the export later, on any data)"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_fold_scan_of_an_out_of_corpus_text_that_fills_no_block_is_refused_before_loading(run, tmp_path, monkeypatch):
+    """The scan's out-of-corpus text, drawn after the load and the fold, was refused there ("use more text or a
+    smaller block size"); it is drawn with the held-out text before the weights load, and refused in fold's words."""
+    import hf_tapernorm.cli.commands as commands
+
+    copy = copy_of(run, tmp_path)
+    short = tmp_path / "short.txt"
+    short.write_text("a few words")
+    report = json.loads((copy / "report.json").read_text())
+    edit_json(
+        copy / "report.json",
+        data={**report["data"], "out_of_corpus_dataset": str(short)},
+        evaluation_sets={**report["evaluation_sets"], "out-of-corpus": {"blocks": 2, "description": "short"}},
+    )
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    line = refused(fold(copy / "tapered", tmp_path / "export", "--scan_windows", "2"))
+    assert line == (
+        f"hf-tapernorm fold: error: --scan_windows 2: the run's out-of-corpus text, read as its report.json "
+        f"('{copy / 'report.json'}') records it (data.block_size 32), cannot be scanned: the out-of-corpus text (12 "
+        "tokens) does not fill one block of 32 tokens; fold with --scan_windows 0 (hf-tapernorm eval "
+        "--scan_reference scans the export later, on any data)"
+    )
+
+
+def test_eval_refuses_a_heldout_split_that_fills_no_block_before_loading(ws, run, monkeypatch):
+    """eval --heldout_percentage 1e-9 loaded the model, then refused the held-out split: the texts are now drawn
+    (with the model's own sink, read from its config) before the weights load."""
+    import hf_tapernorm.cli.commands as commands
+
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    for model in (run / "folded", run / "tapered"):
+        line = refused(evaluate(model, "--heldout_percentage", "1e-9", data=ws / "corpus.txt"))
+        assert line == (
+            f"hf-tapernorm eval: error: dataset '{ws / 'corpus.txt'}' is too small: its held-out split (1e-09% of "
+            "documents held out) does not fill one block of 32 tokens; it holds only 150 document(s) and the split "
+            "takes whole documents: split the text into more (blank lines between paragraphs, or --sample_by line)"
+        )
+
+
+@pytest.mark.parametrize("tokens", ["Infinity", "NaN", "1e400", "-384"])
+def test_fold_leaves_a_token_count_that_is_no_finite_number_out_of_the_card(run, tmp_path, tokens):
+    """report.json's training.tokens edited to Infinity, NaN or 1e400 (JSON that Python reads) made fold, with or
+    without a scan, fail with a traceback (OverflowError, ValueError: int() of the float) while it wrote the card's
+    facts. A count, step, weight or rate that is not a finite number >= 0 is left out of the card."""
+    copy = copy_of(run, tmp_path)
+    text = json.dumps(json.loads((copy / "report.json").read_text()))
+    assert '"tokens": 384,' in text and '"learning_rate": 0.0001,' in text
+    edited = text.replace('"tokens": 384,', f'"tokens": {tokens},').replace(
+        '"learning_rate": 0.0001,', '"learning_rate": NaN,'
+    )
+    (copy / "report.json").write_text(edited)
+    code, _, stderr = run_main(fold(copy / "tapered", tmp_path / "export", "--scan_windows", "0"))
+    assert code == 0, stderr[-2000:]
+    section = _card_part((tmp_path / "export" / "README.md").read_text(), "## Tapering run")
+    assert "| optimizer steps | 6 |" in section
+    assert "Training tokens" not in section and "learning rate" not in section
 
 
 def test_eval_scan_of_a_run_whose_report_names_its_baseline_wrongly_is_one_line_before_loading(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -203,7 +204,8 @@ class RunRecord:
 def run_card_facts(report: Mapping[str, Any]) -> dict[str, Any]:
     """What the model card's title and its "Tapering run" section show of a run (``report``: its report.json): the
     base model, the training data, its tokens and the schedule. taper's card and fold's card of the same run (read from
-    its report.json) say the same; a field a hand edit gave another type is left out, never a traceback."""
+    its report.json) say the same; a field a hand edit gave another type, or a number that is not finite and >= 0,
+    is left out, never a traceback."""
     model, data, taper, training = (_section(report, name) for name in ("model", "data", "taper", "training"))
     card: dict[str, Any] = {}
     base = model.get("source") if model.get("kind") == "hub" else model.get("name")
@@ -212,20 +214,30 @@ def run_card_facts(report: Mapping[str, Any]) -> dict[str, Any]:
     if data:
         card["dataset"] = named_data(data)
     keep = taper.get("keep_norms")
-    card["schedule"] = {
-        "optimizer steps": training.get("steps"),
-        "taper start (step)": taper.get("taper_start_step"),
-        "taper end (step)": taper.get("taper_end_step"),
+    schedule = {
+        "optimizer steps": _count(training.get("steps")),
+        "taper start (step)": _count(taper.get("taper_start_step")),
+        "taper end (step)": _count(taper.get("taper_end_step")),
         "recipe": taper.get("recipe"),
         "scope": taper.get("scope"),
         "kept norms": len(keep) if isinstance(keep, list) else None,
-        "distillation weight": taper.get("distill_weight"),
-        "learning rate": training.get("learning_rate"),
+        "distillation weight": _count(taper.get("distill_weight")),
+        "learning rate": _count(training.get("learning_rate")),
     }
-    tokens = training.get("tokens")
-    if isinstance(tokens, (int, float)) and not isinstance(tokens, bool) and tokens:
+    card["schedule"] = {key: value for key, value in schedule.items() if value is not None}
+    tokens = _count(training.get("tokens"))
+    if tokens:
         card["tokens"] = int(tokens)
     return card
+
+
+def _count(value: Any) -> Optional[float]:
+    """``value`` where it is a finite number >= 0 (a step, a token count, a weight or a rate); else None, which
+    the card leaves out: Infinity, NaN or 1e400 (JSON that Python reads), a string or a bool from a hand edit."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    finite = isinstance(value, int) or math.isfinite(value)  # a JSON integer past a float's range is exact
+    return value if finite and value >= 0 else None
 
 
 def _section(report: Mapping[str, Any], name: str) -> Mapping[str, Any]:

@@ -39,7 +39,9 @@ def _recorded_sink(checkpoint: Path) -> Optional[tuple[list[int], Path]]:
 
 def check_recorded_sink(checkpoint: Union[str, Path]) -> None:
     """Refuse a tapered checkpoint whose ``tapernorm_config.json`` names other sink tokens than its run recorded
-    (see the module's docstring), naming both."""
+    (see the module's docstring), naming both. Either may be the edited one (a report.json edited by hand, a
+    tapernorm_config.json edited or copied from another run): the refusal says they disagree, and names neither as
+    the one to change."""
     checkpoint = Path(checkpoint)
     found = _recorded_sink(checkpoint)
     if found is None:
@@ -48,9 +50,10 @@ def check_recorded_sink(checkpoint: Union[str, Path]) -> None:
     ids = list(tapered_config_of(checkpoint).sink_token_ids)
     if ids != recorded:
         raise ConfigurationError(
-            f"tapered checkpoint '{checkpoint}': its {CONFIG_NAME} names sink_token_ids {ids}, but the run that wrote "
-            f"it trained with {recorded} ({record}); the file was edited since, or the checkpoint is not that run's: "
-            f"restore sink_token_ids {recorded} in {CONFIG_NAME}"
+            f"tapered checkpoint '{checkpoint}': its {CONFIG_NAME} names sink_token_ids {ids}, but its run's record "
+            f"{record} names {recorded}: the two records of the sink it was trained with disagree, and its weights "
+            "cannot tell which is right; one of the files was edited since, or the checkpoint is not that run's: "
+            "restore the edited one as the run wrote it"
         )
 
 

@@ -14,7 +14,7 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from .._parsing import UsageError, parse
 from ..app.data_checks import check_data_paths, check_hub_datasets
@@ -55,24 +55,32 @@ from .destinations import (
 )
 from .export_arguments import FoldArguments, PushArguments
 from .fold_scan import (
+    ScanTexts,
     check_export_outside_run,
     common_positions,
     fold_scan,
     recorded_reference_of,
     run_report,
     scan_plan,
+    scan_texts,
 )
 
 logger = logging.getLogger("hf_tapernorm.cli")
 
 
-def _evaluation_sink(model, tokenizer, sink: str, source) -> list[int]:
-    """The sink every evaluation block starts with: a model trained with one is evaluated on blocks that start with
-    it (a folded one holds it itself); ``--sink bos`` or ``none`` only where the model has no sink of its own."""
-    taper_config = getattr(model, "tapernorm_config", None)
-    own_sink = list(
-        getattr(model.config, "sink_token_ids", None) or (taper_config.sink_token_ids if taper_config else [])
-    )
+def _own_sink(source: ModelSource, hf_config) -> list[int]:
+    """The sink tokens the model ``source`` was trained with, read before its weights load: a tapered checkpoint's
+    from its tapernorm_config.json (load_tapered patches it with them), a folded export's from its config
+    (``hf_config``; None where it could not be read); none for any other model."""
+    if source.kind == "tapered":
+        return list(tapered_config_of(source.path).sink_token_ids)
+    return list(getattr(hf_config, "sink_token_ids", None) or [])
+
+
+def _evaluation_sink(own_sink: list[int], tokenizer, sink: str, source) -> list[int]:
+    """The sink every evaluation block starts with: a model trained with one (``own_sink``) is evaluated on blocks
+    that start with it (a folded one holds it itself); ``--sink bos`` or ``none`` only where the model has no sink of
+    its own."""
     if sink == "auto":
         sink_ids = own_sink
     elif sink == "none":
@@ -130,16 +138,18 @@ def eval_main(argv: Sequence[str]) -> int:
     if source.kind == "tapered":  # checked before the weights load: a checkpoint that cannot go to g = 0
         tapered_config_of(source.path)
         check_recorded_sink(source.path)
+    sink_ids = _evaluation_sink(_own_sink(source, hf_config), tokenizer, eval_args.sink, source)
+    # The texts before the weights: a split or a text that fills no block is refused before the model loads.
+    packed = prepare_from_arguments(data_args, tokenizer, train_blocks=0, prefix_ids=sink_ids)
+    reference_text = out_of_corpus_set(data_args, tokenizer, sink_ids)
     model = load_model(
         source,
         dtype=model_args.dtype,
         trust_remote_code=model_args.trust_remote_code,
         trust_sharded_checkpoint=model_args.trust_sharded_checkpoint,
     )
-    sink_ids = _evaluation_sink(model, tokenizer, eval_args.sink, source)
     if source.kind == "tapered":
         _to_gate_zero(model, source)
-    packed = prepare_from_arguments(data_args, tokenizer, train_blocks=0, prefix_ids=sink_ids)
     result = {
         "model": source.describe(),
         "kind": source.kind,
@@ -153,7 +163,6 @@ def eval_main(argv: Sequence[str]) -> int:
         ),
     }
     result["readout"] = readout_facts(model, blocks_tensor(packed.heldout)[:1])
-    reference_text = out_of_corpus_set(data_args, tokenizer, sink_ids)
     if reference_text is not None:
         scores = evaluate_set({"model": model}, reference_text, batch_size=data_args.eval_batch_size)["model"]
         result["out_of_corpus"] = {**scores.summary(), "text": reference_text.description}
@@ -289,30 +298,41 @@ def fold_main(argv: Sequence[str]) -> int:
     check_export_folder(output_dir, fold_args.overwrite)
     check_export_space(output_dir, Path(source.path), fold_args.tied_head)  # before the weights load
     report = run_report(Path(source.path).resolve().parent)  # read once: the scan, the data check and the card
-    scan = scan_plan(source, fold_args.scan_windows, output_dir, report)  # and what the scan reads
+    plan = scan_plan(source, fold_args.scan_windows, output_dir, report)  # and what the scan reads
     check_export_outside_run(source, output_dir, report)  # with or without a scan: the run's data stays as it read it
     card = _run_card_facts(source, report)
+    tokenizer = _fold_tokenizer(source, fold_args.checkpoint)
+    texts = scan_texts(plan, tokenizer, source)  # drawn before the weights load: a text that fills no block is refused
     export = RunFolder(output_dir)
     export.lock()  # held until the export is written: a second command into this folder is refused meanwhile
     try:
         check_export_folder(output_dir, fold_args.overwrite, locked=True)  # another command may have written it
-        return _fold_into(output_dir, source, fold_args, scan, card)
+        return _fold_into(output_dir, source, fold_args, (tokenizer, texts), card)
     finally:
         export.unlock()
 
 
-def _fold_into(output_dir: Path, source: ModelSource, fold_args: FoldArguments, scan_plan, card: dict) -> int:
-    """Fold the checkpoint ``source`` and write its export into ``output_dir`` (whose lock fold holds); ``scan_plan``:
-    the robustness scan's data and reference (scan_plan), None for no scan; ``card``: what the card says of the run."""
+def _fold_tokenizer(source: ModelSource, checkpoint: str):
+    """The tokenizer fold exports with the checkpoint ``source`` (and its scan reads); None, with a log line, where
+    there is none."""
+    try:
+        return tokenizer_of(source)
+    except ModelSourceError:
+        logger.warning("no tokenizer found with %s: the export has none", checkpoint)
+        return None
+
+
+def _fold_into(
+    output_dir: Path, source: ModelSource, fold_args: FoldArguments, read: tuple[Any, Optional[ScanTexts]], card: dict
+) -> int:
+    """Fold the checkpoint ``source`` and write its export into ``output_dir`` (whose lock fold holds); ``read``: its
+    tokenizer (None: none) and the robustness scan's texts and reference (scan_texts; None: no scan); ``card``:
+    what the card says of the run."""
+    tokenizer, texts = read
     model = load_model(source, trust_sharded_checkpoint=fold_args.trust_sharded_checkpoint)
     refuse_unfoldable_gate(source.path, gate_of(model))  # where the files did not tell (a sharded checkpoint)
     folded = fold_model(model, tied_head=fold_args.tied_head, tolerance=fold_args.tolerance)
-    try:
-        tokenizer = tokenizer_of(source)
-    except ModelSourceError:
-        logger.warning("no tokenizer found with %s: the export has none", fold_args.checkpoint)
-        tokenizer = None
-    scan = fold_scan(scan_plan, folded, tokenizer, fold_args.checkpoint)
+    scan = fold_scan(texts, folded, tokenizer)
     facts = {**card, **({"robustness_scan": scan} if scan else {})} or None
     with full_disk_refused(output_dir):
         write_folder(output_dir, lambda tmp: save_export(folded, tokenizer, tmp, facts))  # replaces an earlier export

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, get_args, get_type_hints
 
@@ -17,11 +18,13 @@ from ..app.data_checks import check_data_paths, check_hub_datasets, missing_loca
 from ..app.record import recorded_path, recorded_reference
 from ..app.validation import max_positions
 from ..data.corpus import prepare_from_arguments
-from ..data.heldout import PYTHON_DOCS, PYTHON_DOCS_DESCRIPTION
+from ..data.heldout import PYTHON_DOCS, PYTHON_DOCS_DESCRIPTION, EvaluationSet
 from ..data.out_of_corpus import out_of_corpus_set
 from ..data.sources import EMBEDDED_CORPUS, DataError, local_dataset_path
-from ..evaluation.models import ModelSource, load_model, resolve_model
+from ..errors import ConfigurationError
+from ..evaluation.models import ModelSource, load_model, model_config, resolve_model
 from ..evaluation.scan import robustness_scan
+from ..training.checkpoints import tapered_config_of
 from ..utils import SEED_LIMIT
 from .arguments import MIN_BLOCK_SIZE, DataArguments
 from .destinations import check_export_outside_data, check_export_outside_run_data
@@ -75,6 +78,7 @@ def scan_plan(
         out_of_corpus_blocks=report.integer("evaluation_sets.out-of-corpus.blocks", 0) if ooc_set else 0,
         scan_windows=windows,
     )
+    report.within_positions("data.block_size", data.block_size, scan_positions(source, reference[0]))
     check_export_outside_data(output_dir, data)  # it would become part of the run's texts
     try:  # a Hub dataset not in the cache, offline: refused now, as a local one that is gone
         check_data_paths(data)
@@ -112,6 +116,19 @@ class RecordedFacts:
             f"--scan_windows {self.windows}: the run's report.json ('{self.run / 'report.json'}') records {field} as "
             f"{json.dumps(value)}, not {expected}; {self.way_out}"
         )
+
+    def within_positions(self, field: str, length: int, positions: Optional[int]) -> None:
+        """Refuse ``length`` tokens (what ``field`` reads as, its default where it is missing) past the ``positions``
+        of the models the scan reads (None: no limit known), as robustness_scan would after the load and the fold:
+        its windows are ``length`` tokens and multiples of it, those within the positions."""
+        if positions is None or length <= positions:
+            return
+        if self._value(field) is _MISSING:
+            raise UsageError(
+                f"--scan_windows {self.windows}: the run's report.json ('{self.run / 'report.json'}') records no "
+                f"{field}, which reads as the default {length}, past the models' {positions} positions; {self.way_out}"
+            )
+        raise self._refuse(field, length, f"an integer within the models' {positions} positions")
 
     def section(self, field: str) -> dict:
         """A section (a JSON object); empty where it is missing or null."""
@@ -226,34 +243,92 @@ def recorded_local_datasets(facts: Mapping[str, Any], run: Path) -> dict[str, st
     return found
 
 
-def fold_scan(plan, folded, tokenizer, checkpoint: str) -> Optional[dict]:
-    """The robustness scan of a fresh export (``plan``: scan_plan's, None for none)."""
+def scan_texts(plan, tokenizer, source: ModelSource) -> Optional[ScanTexts]:
+    """The texts the scan of ``plan`` (scan_plan's; None: no scan) reads, drawn before the weights load with the
+    checkpoint's tokenizer (None: no scan, with a log line) and its sink, as the export will hold it: a recorded
+    split, sampling or held-out percentage that leaves the scan no block is refused here, in fold's words (the
+    report's fields, --scan_windows 0), not after the load, the fold and its check in the words of the options
+    that taper and eval have and fold has not."""
     if plan is None:
         return None
     if tokenizer is None:
-        logger.warning("no robustness scan: %s has no tokenizer; scan the export with hf-tapernorm eval", checkpoint)
+        logger.warning("no robustness scan: %s has no tokenizer; scan the export with hf-tapernorm eval", source.path)
         return None
     data, reference = plan
-    sink = list(getattr(folded.config, "sink_token_ids", None) or [])
-    packed = prepare_from_arguments(data, tokenizer, train_blocks=0, prefix_ids=sink)
-    texts = [t for t in (packed.heldout_set, out_of_corpus_set(data, tokenizer, sink)) if t is not None]
-    model = load_model(reference[0])
+    sink = list(tapered_config_of(source.path).sink_token_ids)  # the export's (fold_model stores this sink)
+    report = Path(source.path).resolve().parent / "report.json"
+    try:
+        heldout = prepare_from_arguments(data, tokenizer, train_blocks=0, prefix_ids=sink).heldout_set
+    except DataError as error:
+        raise _unscannable(data, report, "held-out", error) from None
+    try:
+        out_of_corpus = out_of_corpus_set(data, tokenizer, sink)
+    except ConfigurationError as error:  # a DataError too
+        raise _unscannable(data, report, "out-of-corpus", error) from None
+    return ScanTexts(data, reference, [t for t in (heldout, out_of_corpus) if t is not None])
+
+
+def _unscannable(data: DataArguments, report: Path, text: str, error: ConfigurationError) -> UsageError:
+    """fold's refusal of the run's ``text`` ("held-out", "out-of-corpus") as its ``report`` records it: the fields
+    that shape it, and what is wrong without the advice of taper's options (a TooLittleText's facts)."""
+    fields = {"data.block_size": data.block_size}
+    if text == "held-out":
+        fields = {
+            "data.split": data.dataset_split,
+            "data.sample_by": data.sample_by,
+            "data.heldout_percentage": data.heldout_percentage,
+            **fields,
+        }
+    recorded = ", ".join(f"{field} {json.dumps(value)}" for field, value in fields.items())
+    return UsageError(
+        f"--scan_windows {data.scan_windows}: the run's {text} text, read as its report.json ('{report}') records it "
+        f"({recorded}), cannot be scanned: {getattr(error, 'facts', error)}; {_NO_SCAN}"
+    )
+
+
+@dataclass
+class ScanTexts:
+    """What fold's scan reads, ready before the weights load: the run's data arguments (scan_plan's), the reference
+    model and its name, and the evaluation texts drawn from the data."""
+
+    data: DataArguments
+    reference: tuple[ModelSource, str]
+    texts: list[EvaluationSet]
+
+
+def fold_scan(prepared: Optional[ScanTexts], folded, tokenizer) -> Optional[dict]:
+    """The robustness scan of a fresh export (``prepared``: scan_texts's, None for none)."""
+    if prepared is None:
+        return None
+    data = prepared.data
+    model = load_model(prepared.reference[0])
     return robustness_scan(
         folded,
         model,
-        texts,
+        prepared.texts,
         block_size=data.block_size,
         windows=data.scan_windows,
         max_positions=common_positions(folded, model),
         tokenizer=tokenizer,
-        reference_name=reference[1],
+        reference_name=prepared.reference[1],
         seed=data.heldout_seed,
         batch_tokens=data.eval_batch_size * data.block_size,
     ).to_dict()
 
 
 def common_positions(*models) -> Optional[int]:
-    limits = [n for n in (max_positions(m.config) for m in models) if n]
+    return _fewest_positions(m.config for m in models)
+
+
+def scan_positions(source: ModelSource, reference: ModelSource) -> Optional[int]:
+    """The positions both models of fold's scan hold (common_positions of the export, whose config is the
+    checkpoint's, and the reference), read from their configs before any weights load; None where neither says
+    (a config that cannot be read is refused when its model loads)."""
+    return _fewest_positions([model_config(source), model_config(reference)])
+
+
+def _fewest_positions(configs: Iterable[Any]) -> Optional[int]:
+    limits = [n for n in (max_positions(config) for config in configs if config is not None) if n]
     return min(limits) if limits else None
 
 
@@ -261,7 +336,7 @@ def run_report(folder: Path) -> Optional[dict]:
     """The report.json of the taper run folder ``folder``, or None."""
     try:
         facts = json.loads((folder / "report.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, ValueError):  # unreadable, not UTF-8, not JSON, or an integer past int()'s digits
         return None
     return facts if isinstance(facts, dict) else None
 
@@ -297,10 +372,13 @@ REFERENCE_FIELDS = (
 
 
 __all__ = [
+    "ScanTexts",
     "check_export_outside_run",
     "common_positions",
     "fold_scan",
     "recorded_reference_of",
     "run_report",
     "scan_plan",
+    "scan_positions",
+    "scan_texts",
 ]

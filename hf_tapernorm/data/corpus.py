@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from ..errors import ConfigurationError
 from .columns import choose_text_column, string_columns
 from .heldout import EvaluationSet, sample_blocks
+from .local_folders import TooLittleText
 from .sources import EMBEDDED_CORPUS, AnyDataset, DataError, load_text_dataset, text_digest
 
 logger = logging.getLogger(__name__)
@@ -246,16 +247,15 @@ def prepare_data(
         ):
             count = len(dataset) if isinstance(dataset, datasets.Dataset) else None
             few = name == "held-out" and count is not None and count < 100.0 / heldout_percentage
-            raise DataError(
+            facts = (
                 f"dataset '{source}' is too small: its {name} split ({heldout_percentage:g}% of documents held "
-                f"out) does not fill one block of {block_size} tokens; "
-                + (
-                    f"it holds only {count} document(s) and the split takes whole documents: split the text into "
-                    "more (blank lines between paragraphs, or --sample_by line)"
-                    if few
-                    else "use more text or a smaller --block_size"
-                )
+                f"out) does not fill one block of {block_size} tokens"
             )
+            if few:
+                facts += f"; it holds only {count} document(s) and the split takes whole documents"
+                advice = ": split the text into more (blank lines between paragraphs, or --sample_by line)"
+                raise TooLittleText(facts, advice)
+            raise TooLittleText(facts, "; use more text or a smaller --block_size")
     if train_repeats and train_blocks and len(train) < train_blocks:
         logger.warning(
             "dataset '%s' holds %d training blocks of %d tokens, fewer than the %d the run reads: it will repeat",

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from ..errors import ConfigurationError
+from .local_folders import TooLittleText
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +111,9 @@ def sample_blocks(
             break
     windows = len(ids) // body
     if windows == 0:
-        raise ConfigurationError(
-            f"the {name} text ({len(ids)} tokens) does not fill one block of {block_size} tokens; "
-            "use more text or a smaller block size"
+        raise TooLittleText(
+            f"the {name} text ({len(ids)} tokens) does not fill one block of {block_size} tokens",
+            "; use more text or a smaller block size",
         )
     if windows < count:
         logger.warning(

@@ -38,6 +38,15 @@ class DataError(ConfigurationError):
     """A dataset that cannot be used: missing, unreadable, without a text column, or too small."""
 
 
+class TooLittleText(DataError):
+    """A text (a split, an evaluation set) that fills no block. ``facts`` is the message without its advice, which
+    names a command's options: fold reads its text as a run's report records it, and words its own."""
+
+    def __init__(self, facts: str, advice: str) -> None:
+        super().__init__(f"{facts}{advice}")
+        self.facts = facts
+
+
 #: What warn_once has warned of in this process.
 _WARNED: set[tuple] = set()
 

@@ -384,12 +384,34 @@ def _check_sink_token_ids(config: Any) -> None:
     folded_input.py; this file cannot import hf_tapernorm's own id reading (it runs where hf_tapernorm is absent).
     """
     ids = config.sink_token_ids
-    if isinstance(ids, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        return
-    raise ValueError(
-        f"{type(config).__name__}: config.json's sink_token_ids is {ids!r}, not a list of integer token ids; write "
-        f"them as a list such as [1], or {RESTORE_CONFIG}"
-    )
+    if not (
+        isinstance(ids, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+    ):
+        raise ValueError(
+            f"{type(config).__name__}: config.json's sink_token_ids is {ids!r}, not a list of integer token ids; "
+            f"write them as a list such as [1], or {RESTORE_CONFIG}"
+        )
+    _check_sink_against_stored(config, list(ids))
+
+
+def _check_sink_against_stored(config: Any, ids: list[int]) -> None:
+    """Refuse sink ids the stored sink cannot be: another count than its positions (``sink_cache_shape``, which the
+    weights hold), or an id past the vocabulary. Edited so, a config.json loaded, then failed with a shape mismatch
+    while scoring ([127, 127] for one position), or scored an id no token has as the sink."""
+    shape = config.sink_cache_shape
+    if ids and isinstance(shape, (list, tuple)) and len(shape) == 4 and len(ids) != shape[2]:
+        raise ValueError(
+            f"{type(config).__name__}: config.json's sink_token_ids {ids} name {len(ids)} token(s), but the stored "
+            f"sink (sink_cache_shape {list(shape)}) holds {shape[2]} position(s); {RESTORE_CONFIG}"
+        )
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text_config, "vocab_size", None)
+    unknown = [i for i in ids if isinstance(vocab, int) and i >= vocab]
+    if unknown:
+        raise ValueError(
+            f"{type(config).__name__}: config.json's sink_token_ids {ids} name {unknown[0]}, past the vocabulary of "
+            f"{vocab} tokens; {RESTORE_CONFIG}"
+        )
 
 
 def folded_config_class(base_model_type: str) -> type:

@@ -736,6 +736,60 @@ def test_fold_leaves_a_token_count_that_is_no_finite_number_out_of_the_card(run,
     assert "Training tokens" not in section and "learning rate" not in section
 
 
+def test_a_run_of_the_model_in_the_working_folder_folds_and_evaluates_with_its_scan(ws, tmp_path, monkeypatch):
+    """A run tapered from inside the model's folder (`--model_name_or_path .`) records its model as ".", and every
+    fold and eval of it with a scan failed with an IndexError (no hand edit: "." has no path parts). "." is the
+    working folder the run recorded: the scan compares with the original model there, as taper's scan did."""
+    model = tmp_path / "model"
+    shutil.copytree(ws / "llama", model)
+    monkeypatch.chdir(model)
+    out = tmp_path / "dot_run"
+    argv = [*taper(ws, out, "--scan_windows", "2"), "--model_name_or_path", "."]
+    code, _, stderr = run_main(argv)
+    assert code == 0, stderr[-2000:]
+    assert json.loads((out / "report.json").read_text())["model"]["source"] == "."
+    monkeypatch.chdir(tmp_path)
+    code, _, stderr = run_main([*fold(out / "tapered", tmp_path / "export")[:-1], "2"])
+    assert code == 0, stderr[-2000:]
+    assert json.loads((tmp_path / "export" / "robustness_scan.json").read_text())["reference"] == "original"
+    code, stdout, stderr = run_main(evaluate(out / "folded", "--scan_windows", "2", data=ws / "corpus.txt"))
+    assert code == 0, stderr[-2000:]
+
+
+@pytest.mark.parametrize("field", ["model.source", "export.baseline_model"])
+def test_a_report_naming_a_folder_without_a_model_as_the_scans_reference_is_refused_in_its_words(
+    ws, run, tmp_path, monkeypatch, field
+):
+    """report.json's model.source or export.baseline_model edited to a folder that holds no model: fold refused it
+    in one line that named a path the user never gave ("... is a folder without config.json"). It now names
+    report.json and the field, with the way out, before any model loads. A name too long for the system to look up
+    is no model there (an OSError before): the scan has no reference, and fold says so."""
+    import hf_tapernorm.cli.commands as commands
+
+    copy = copy_of(run, tmp_path)
+    report = json.loads((copy / "report.json").read_text())
+    section, key = field.split(".")
+    if (copy / "baseline").exists():  # the run's own baseline/model is what a copied run compares with first
+        shutil.rmtree(copy / "baseline")
+    edits = {"export": {**report["export"], "baseline_model": None}}  # model.source is read where none is recorded
+    edits[section] = {**edits.get(section, report[section]), key: str(ws)}
+    edit_json(copy / "report.json", **edits)
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    line = refused(fold(copy / "tapered", tmp_path / "export", "--scan_windows", "2"))
+    name = "baseline" if section == "export" else "original"
+    assert line.startswith(
+        f"hf-tapernorm fold: error: --scan_windows 2: the {name} model that the run's report.json "
+        f"('{copy / 'report.json'}') names in {field} cannot be read ('{ws}' is a folder without config.json"
+    )
+    assert line.endswith(
+        "; fold with --scan_windows 0 (hf-tapernorm eval --scan_reference scans the export later, on any data)"
+    )
+    from hf_tapernorm.app.record import recorded_reference
+
+    too_long = {**report, "export": {}, "model": {**report["model"], "source": "/" + "x" * 300}}
+    assert recorded_reference(too_long, copy) is None  # not there: no reference (fold logs "no robustness scan")
+
+
 def test_eval_scan_of_a_run_whose_report_names_its_baseline_wrongly_is_one_line_before_loading(
     run, tmp_path, monkeypatch
 ):

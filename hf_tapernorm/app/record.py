@@ -408,9 +408,9 @@ def recorded_path(facts: dict[str, Any], run_folder: Path, recorded: Any) -> Opt
     """
     if not isinstance(recorded, str) or not recorded:
         return None
-    home = facts.get("home_folder")
-    if isinstance(home, str) and Path(home).is_absolute() and Path(recorded).parts[0] == "~":
-        return Path(home, *Path(recorded).parts[1:])
+    home, parts = facts.get("home_folder"), Path(recorded).parts  # "." has no parts: the working folder
+    if isinstance(home, str) and Path(home).is_absolute() and parts and parts[0] == "~":
+        return Path(home, *parts[1:])
     path = expand_user(recorded, strict=False)  # recorded on another machine, a ~user may be unknown here
     if path.is_absolute():
         return path
@@ -434,10 +434,10 @@ def recorded_reference(facts: dict[str, Any], run_folder: Path) -> Optional[tupl
     if export.get("baseline_model") and (own / "config.json").is_file():
         return own, "baseline"
     baseline = recorded_path(facts, run_folder, export.get("baseline_model"))
-    if baseline is not None and baseline.exists():
+    if baseline is not None and _is_there(baseline):
         return baseline, "baseline"
     original = recorded_path(facts, run_folder, model.get("source")) if model.get("kind") != "hub" else None
-    found = original is not None and original.exists()
+    found = original is not None and _is_there(original)
     if baseline is not None:
         logger.warning(
             "the baseline that the run in %s recorded is not there (%s): the robustness scan compares with %s",
@@ -446,6 +446,14 @@ def recorded_reference(facts: dict[str, Any], run_folder: Path) -> Optional[tupl
             f"the original model instead ({original})" if found else "no model of the run (nor is its original there)",
         )
     return (original, "original") if found else None
+
+
+def _is_there(path: Path) -> bool:
+    """Whether a recorded path is there; a path this system cannot even look up (a name too long) is not."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 def differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> dict[str, tuple[Any, Any]]:

@@ -22,7 +22,7 @@ from ..data.heldout import PYTHON_DOCS, PYTHON_DOCS_DESCRIPTION, EvaluationSet
 from ..data.out_of_corpus import out_of_corpus_set
 from ..data.sources import EMBEDDED_CORPUS, DataError, local_dataset_path
 from ..errors import ConfigurationError
-from ..evaluation.models import ModelSource, load_model, model_config, resolve_model
+from ..evaluation.models import ModelSource, ModelSourceError, load_model, model_config, resolve_model
 from ..evaluation.scan import robustness_scan
 from ..training.checkpoints import tapered_config_of
 from ..utils import SEED_LIMIT
@@ -355,7 +355,16 @@ def recorded_reference_of(
     for field in REFERENCE_FIELDS:
         recorded.text(field)
     found = recorded_reference(facts, run)
-    return (resolve_model(str(found[0])), found[1]) if found is not None else None
+    if found is None:
+        return None
+    try:
+        return resolve_model(str(found[0])), found[1]
+    except ModelSourceError as error:  # a path the report names that holds no model: said as the report's, not ours
+        field = "export.baseline_model" if found[1] == "baseline" else "model.source"
+        raise UsageError(
+            f"--scan_windows {windows}: the {found[1]} model that the run's report.json ('{run / 'report.json'}') "
+            f"names in {field} cannot be read ({error}); {way_out or _NO_SCAN}"
+        ) from None
 
 
 #: The fields of a run's report that find the model its scan compares with (app/record.recorded_reference) and the

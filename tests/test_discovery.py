@@ -290,6 +290,73 @@ def test_a_weightless_layernorm_subclass_with_another_gain_is_refused_as_with_it
         architecture_of(weightless)
 
 
+_MOE = dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16)
+_QWEN2_MOE = dict(_MOE, shared_expert_intermediate_size=16)
+_GLM4_MOE = dict(
+    n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=16, head_dim=8, n_group=1, topk_group=1
+)
+#: Mixture-of-experts models whose first layers are dense: (model type, settings, the first sparse layer).
+_DENSE_FIRST_MOE_CASES = {
+    "qwen2_moe decoder_sparse_step=3": ("qwen2_moe", dict(_QWEN2_MOE, num_hidden_layers=3, decoder_sparse_step=3), 2),
+    "qwen2_moe mlp_only_layers=[0, 1]": ("qwen2_moe", dict(_QWEN2_MOE, num_hidden_layers=4, mlp_only_layers=[0, 1]), 2),
+    "qwen3_moe decoder_sparse_step=4": (
+        "qwen3_moe",
+        dict(_MOE, num_hidden_layers=4, decoder_sparse_step=4, head_dim=8),
+        3,
+    ),
+    "glm4_moe first_k_dense_replace=2": ("glm4_moe", dict(_GLM4_MOE, num_hidden_layers=4, first_k_dense_replace=2), 2),
+    "ernie4_5_moe moe_layer_start_index=2": (
+        "ernie4_5_moe",
+        dict(num_hidden_layers=4, moe_layer_start_index=2, moe_num_experts=2, moe_k=1, moe_intermediate_size=16),
+        2,
+    ),
+    # mlp_only_layers as long as the layer list: a 2-layer config cut it to [2, 5] (layer 0 sparse, unlike the model)
+    "qwen2_moe mlp_only_layers=[2, 5, 0]": (
+        "qwen2_moe",
+        dict(_QWEN2_MOE, num_hidden_layers=3, mlp_only_layers=[2, 5, 0]),
+        1,
+    ),
+}
+
+
+def _layer_kinds(model):
+    """Each decoder layer's module tree: (name, class) of the layer and of each submodule."""
+    return [tuple((n, type(m).__name__) for n, m in layer.named_modules()) for layer in model.model.layers]
+
+
+@pytest.mark.parametrize("case", sorted(_DENSE_FIRST_MOE_CASES))
+def test_a_mixture_of_experts_model_with_dense_first_layers_is_refused_on_the_meta_device(case):
+    """The stand-in kept the first two decoder layers, both dense in these models, so the meta-device plan (the CLI's
+    preflight) accepted them, and taper refused only after it had loaded the weights and written a failed run folder.
+    The stand-in now holds one layer of every kind the model has (its module tree, read from the meta model), so the
+    meta model is refused as the model with its weights is, naming the same first sparse layer."""
+    from hf_tapernorm.architectures.sites import architecture_of
+    from hf_tapernorm.architectures.stand_in import runnable_stand_in
+
+    model_type, extra, sparse = _DENSE_FIRST_MOE_CASES[case]
+    config = _tiny_auto_config(model_type, **extra)
+    with pytest.raises(DiscoveryError) as with_weights:
+        architecture_of(build(config))
+    with torch.device("meta"):
+        weightless = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(DiscoveryError) as on_meta:
+        architecture_of(weightless)
+    assert str(on_meta.value) == str(with_weights.value)
+    assert f"feeds the mixture-of-experts block 'model.layers.{sparse}.mlp' (" in str(on_meta.value)
+    stand_in = runnable_stand_in(weightless)
+    model_layers, kept = _layer_kinds(weightless), _layer_kinds(stand_in)
+    assert kept == model_layers[: len(kept)] and set(kept) == set(model_layers)  # the model's first layers, every kind
+
+
+def test_the_stand_in_keeps_two_layers_where_every_layer_is_alike():
+    """Holding every layer kind costs nothing where the layers are all alike: the stand-in stays two layers."""
+    from hf_tapernorm.architectures.stand_in import STAND_IN_LAYERS, runnable_stand_in
+
+    with torch.device("meta"):
+        weightless = AutoModelForCausalLM.from_config(tiny_family_config("olmo2", num_hidden_layers=6))
+    assert len(runnable_stand_in(weightless).model.layers) == STAND_IN_LAYERS == 2
+
+
 def test_the_cli_tapers_a_family_outside_the_table(tmp_path):
     """The whole job on a discovered family (OLMo2): taper trains, folds, reloads the export and writes the report;
     fold of its checkpoint exports again. Both refused the family before (the meta-device plan)."""
@@ -306,3 +373,25 @@ def test_the_cli_tapers_a_family_outside_the_table(tmp_path):
     code, _, stderr = run_main(short_fold_argv(tmp_path / "run" / "tapered", tmp_path / "export"))
     assert code == 0, stderr[-2000:]
     assert (tmp_path / "export" / "model.safetensors").is_file()
+
+
+def test_the_cli_refuses_a_moe_model_with_dense_first_layers_before_loading_it(tmp_path):
+    """taper of a qwen2_moe whose first two layers are dense (decoder_sparse_step=3) passed the preflight, packed the
+    data, loaded the weights and then refused, leaving a run folder whose report.json said "failed". The preflight's
+    plan now sees the sparse layer: one line, exit status 2, and no run folder."""
+    from tests.conftest import char_tokenizer
+    from tests.helpers import error_of, one_model_workspace, short_taper_argv
+
+    ws = one_model_workspace(tmp_path / "ws")
+    model_type, extra, _ = _DENSE_FIRST_MOE_CASES["qwen2_moe decoder_sparse_step=3"]
+    build(_tiny_auto_config(model_type, **extra)).save_pretrained(ws / "moe")
+    char_tokenizer().save_pretrained(ws / "moe")
+    message = error_of(short_taper_argv(ws, tmp_path / "run", model=str(ws / "moe")))
+    assert message.startswith("hf-tapernorm taper: error: model_type 'qwen2_moe' is not supported by hf_tapernorm; ")
+    assert message.endswith(
+        "automatic discovery refused it too: norm 'model.layers.2.post_attention_layernorm' feeds the "
+        "mixture-of-experts block 'model.layers.2.mlp' (Qwen2MoeSparseMoeBlock), which a norm cannot be folded into: "
+        "'model.layers.2.mlp.gate' (Qwen2MoeTopKRouter) reads it with the op 'linear', not through a linear "
+        "projection module; mixture-of-experts models are not supported, taper a dense model"
+    )
+    assert not (tmp_path / "run").exists()

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_tapernorm import export_folded, fold_model
 from hf_tapernorm.errors import ConfigurationError
@@ -579,6 +579,90 @@ def test_transformer_bridge_refuses_falcon_s_grouped_kv_layout_in_one_line_befor
     with pytest.raises(ConfigurationError) as error:
         tl_bridge.transformer_bridge(folder)
     assert str(error.value) == said
+
+
+def _folded_export(config, folder: Path):
+    """A tapered (calibrated, g = 0), folded model of ``config`` and its export, saved with the character tokenizer."""
+    from hf_tapernorm import TaperNormConfig, patch_model
+    from hf_tapernorm.layers import set_gate
+    from hf_tapernorm.training import calibrate
+    from tests.conftest import build
+
+    model = patch_model(build(config), TaperNormConfig.paper()).train()
+    with torch.no_grad():
+        for ids in random_batches(vocab=120, n=3):
+            model(ids + 3)
+    calibrate(model)
+    set_gate(model, 0.0)
+    folded = fold_model(model.eval())
+    export_folded(folded, folder)
+    char_tokenizer().save_pretrained(folder)
+    return folded, folder
+
+
+_TINY = dict(vocab_size=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_FALCON_RW = dict(_TINY, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
+_FALCON_RW.update(multi_query=False, parallel_attn=False, bias=True)  # Falcon-RW's layout
+_MISREAD = {
+    "falcon alibi": (
+        ("falcon", dict(_FALCON_RW, alibi=True)),
+        "transformer_bridge: TransformerLens cannot give Falcon with alibi=True the export's logits (its ALiBi "
+        "attention computes as transformers' eager Falcon attention, which adds the ALiBi bias twice, in the mask "
+        "and to the scores, where the export's sdpa attention adds it once); trace this export with "
+        "hf_tapernorm.integrations.nnsight_model instead",
+    ),
+    "codegen": (
+        ("codegen", dict(_TINY, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64, n_ctx=64)),
+        "transformer_bridge: TransformerLens cannot run CodeGen (its CodeGen attention reads the rotary table as "
+        "CodeGenAttention.embed_positions, which transformers' CodeGen keeps in its CodeGenRotaryEmbedding); trace "
+        "this export with hf_tapernorm.integrations.nnsight_model instead",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_MISREAD))
+def test_transformer_bridge_refuses_layouts_transformer_lens_misreads_in_one_line_before_loading(
+    case, tmp_path, monkeypatch
+):
+    """Two more layouts TransformerLens does not read as the export runs. Falcon with ALiBi (Falcon-RW's) was
+    accepted, and the bridge's logits were not the export's: its ALiBi attention follows transformers' eager Falcon
+    attention, which adds the bias twice, where the export (sdpa) adds it once. CodeGen was TransformerLens's own
+    traceback (AttributeError: 'CodeGenAttention' object has no attribute 'embed_positions'). Both are now refused
+    in one line naming TransformerLens, the layout and nnsight instead, before the folder's model is loaded; an
+    in-memory model likewise. nnsight, the way out, gives the export's logits."""
+    pytest.importorskip("transformer_lens")
+    from hf_tapernorm.integrations import tl_bridge
+
+    (model_type, values), said = _MISREAD[case]
+    folded, folder = _folded_export(AutoConfig.for_model(model_type, **values), tmp_path / "export")
+    with pytest.raises(ConfigurationError) as error:
+        tl_bridge.transformer_bridge(folded, tokenizer=char_tokenizer())
+    assert str(error.value) == said
+    with monkeypatch.context() as patched:
+        patched.setattr(tl_bridge, "load_export", lambda *a, **k: pytest.fail("the model was loaded"))
+        with pytest.raises(ConfigurationError) as error:
+            tl_bridge.transformer_bridge(folder)
+    assert str(error.value) == said
+    if importlib.util.find_spec("nnsight") is not None:
+        from hf_tapernorm.integrations.nnsight_tracing import nnsight_model
+
+        traced = nnsight_model(folder)
+        with traced.trace(input_ids=IDS):
+            logits = traced.output.logits.save()
+        expected = AutoModelForCausalLM.from_pretrained(folder).eval()(input_ids=IDS).logits
+        assert (logits - expected).abs().max().item() <= 1e-5
+
+
+def test_transformer_bridge_still_reads_falcon_rw_s_layout_without_alibi(tmp_path):
+    """The ALiBi refusal is the layout's alone: the same Falcon layout with rotary positions bridges, and its
+    logits are the export's."""
+    pytest.importorskip("transformer_lens")
+    from hf_tapernorm.integrations.tl_bridge import transformer_bridge
+
+    _, folder = _folded_export(AutoConfig.for_model("falcon", **_FALCON_RW), tmp_path / "export")
+    with torch.no_grad():
+        difference = transformer_bridge(folder)(IDS) - export_logits(folder)
+    assert difference.abs().max().item() <= 1e-4
 
 
 # ----------------------------------------------------------------------------- outputs line up with a sink-first input

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Optional, Union
 
 import torch
@@ -31,7 +31,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..errors import ConfigurationError, first_line
-from ..export.modeling_folded import FoldedChannelScale
+from ..export.modeling_folded import PREFIX, FoldedChannelScale
 from .exports import ExportSource, base_class, load_export, local_path
 from .extras import require
 
@@ -75,19 +75,66 @@ def _source_config(source: ExportSource) -> Mapping[str, Any]:
     return values if isinstance(values, dict) else {}
 
 
-def _refuse_grouped_falcon(config: Mapping[str, Any]) -> None:
-    """Refuse Falcon's new decoder layout with several key/value heads (Falcon-40B's), before loading it.
+def _base_model_type(config: Mapping[str, Any]) -> str:
+    """The family of an export's config (``base_model_type``; a folded ``model_type`` is ``tapernorm_<family>``)."""
+    base = config.get("base_model_type")
+    return base if isinstance(base, str) else str(config.get("model_type", "")).removeprefix(PREFIX)
 
-    Its fused ``query_key_value`` groups each key/value head with its queries; TransformerLens's Falcon adapter
-    splits it as all queries, then all keys, then all values (and, under the default ``multi_query``, with one
-    key/value head), so the bridge fails in a tensor split or gives other hooks and logits than the model's."""
+
+def _grouped_falcon(config: Mapping[str, Any]) -> Optional[str]:
+    """Falcon's new decoder layout with several key/value heads (Falcon-40B's): its fused ``query_key_value`` groups
+    each key/value head with its queries; TransformerLens's Falcon adapter splits it as all queries, then all keys,
+    then all values (and, under the default ``multi_query``, with one key/value head), so the bridge fails in a
+    tensor split or gives other hooks and logits than the model's."""
     kv_heads = config.get("num_kv_heads")
     if config.get("new_decoder_architecture") is True and isinstance(kv_heads, int) and kv_heads > 1:
-        raise ConfigurationError(
-            f"transformer_bridge: TransformerLens cannot read Falcon's new_decoder_architecture with num_kv_heads="
-            f"{kv_heads} (its Falcon adapter splits query_key_value as if queries, keys and values were not grouped "
-            "per key/value head); trace this export with hf_tapernorm.integrations.nnsight_model instead"
+        return (
+            f"TransformerLens cannot read Falcon's new_decoder_architecture with num_kv_heads={kv_heads} (its Falcon "
+            "adapter splits query_key_value as if queries, keys and values were not grouped per key/value head)"
         )
+    return None
+
+
+def _alibi_falcon(config: Mapping[str, Any]) -> Optional[str]:
+    """Falcon with ALiBi positions (Falcon-RW's layout): the bridge's ALiBi attention computes as transformers'
+    eager Falcon attention does, and that adds the ALiBi bias twice (folded into the attention mask, and again
+    to the scores), where the export's default attention (sdpa) adds it once: the bridge's logits, hooks and
+    patterns are not the export's."""
+    if config.get("alibi") is True:
+        return (
+            "TransformerLens cannot give Falcon with alibi=True the export's logits (its ALiBi attention computes as "
+            "transformers' eager Falcon attention, which adds the ALiBi bias twice, in the mask and to the scores, "
+            "where the export's sdpa attention adds it once)"
+        )
+    return None
+
+
+def _codegen(config: Mapping[str, Any]) -> Optional[str]:
+    """CodeGen: TransformerLens's CodeGen attention reads the rotary table as ``CodeGenAttention.embed_positions``,
+    which transformers 5's CodeGen keeps in the model's ``CodeGenRotaryEmbedding`` instead, so the bridge fails
+    with an AttributeError on its first forward (as over a plain CodeGen)."""
+    return (
+        "TransformerLens cannot run CodeGen (its CodeGen attention reads the rotary table as "
+        "CodeGenAttention.embed_positions, which transformers' CodeGen keeps in its CodeGenRotaryEmbedding)"
+    )
+
+
+#: Layouts TransformerLens reads wrongly, by family: each check returns its reason where the config has the layout.
+MISREAD_LAYOUTS: dict[str, tuple[Callable[[Mapping[str, Any]], Optional[str]], ...]] = {
+    "falcon": (_grouped_falcon, _alibi_falcon),
+    "codegen": (_codegen,),
+}
+
+
+def _refuse_misread_layout(config: Mapping[str, Any]) -> None:
+    """Refuse, before loading it, an export whose layout TransformerLens reads wrongly (``MISREAD_LAYOUTS``),
+    pointing to nnsight, which runs the export's own modules."""
+    for misread in MISREAD_LAYOUTS.get(_base_model_type(config), ()):
+        reason = misread(config)
+        if reason is not None:
+            raise ConfigurationError(
+                f"transformer_bridge: {reason}; trace this export with hf_tapernorm.integrations.nnsight_model instead"
+            )
 
 
 def _bridge_tokenizer(tokenizer: Any) -> Any:
@@ -110,14 +157,14 @@ def transformer_bridge(
     ``tokenizer``: the bridge's tokenizer (default: the one saved with the export: in its folder, or where the
     folded model was loaded from); a model built in memory (``fold_model`` of a model from a config) names none,
     so it needs ``tokenizer=``; the bridge gets a copy of the one given (TransformerLens edits its tokenizer).
-    Refuses, before loading it, a layout TransformerLens reads wrongly (Falcon's new decoder architecture with
-    several key/value heads). ``dtype``: as for ``load_export`` (a folder's, float32 by default; a model keeps its
-    own, and another dtype is refused).
+    Refuses, before loading it, a layout TransformerLens reads wrongly (``MISREAD_LAYOUTS``: Falcon's new decoder
+    architecture with several key/value heads, Falcon with ALiBi, CodeGen), pointing to nnsight. ``dtype``: as for
+    ``load_export`` (a folder's, float32 by default; a model keeps its own, and another dtype is refused).
     """
     model_bridge = require("transformer_lens.model_bridge", FEATURE)
     normalization = require("transformer_lens.model_bridge.generalized_components.normalization", FEATURE)
     attention = require("transformer_lens.model_bridge.generalized_components.attention", FEATURE)
-    _refuse_grouped_falcon(_source_config(source))
+    _refuse_misread_layout(_source_config(source))
     model = load_export(source, dtype=dtype)
     name = model.config.name_or_path  # a folder's, "~" expanded, or where a model was loaded from
     bridge = model_bridge.TransformerBridge.boot_transformers(

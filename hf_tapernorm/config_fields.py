@@ -368,17 +368,38 @@ def check_tokenizer(tokenizer: Any) -> None:
 
 
 def check_tokenizer_to_save(tokenizer: Any, who: str) -> None:
-    """Refuse, before anything is written, a ``tokenizer=`` that a save (``who``: export_folded, save_tapered) could
-    not write: one without ``save_pretrained``, a name above all (save_tapered failed after the model's files were
-    written, leaving a folder without its tokenizer). None: no tokenizer to save."""
-    if tokenizer is None or callable(getattr(tokenizer, "save_pretrained", None)):
+    """Refuse, before anything is written, a ``tokenizer=`` that a save (``who``: export_folded, save_tapered) must not
+    write: anything but a transformers tokenizer or processor. A name has no ``save_pretrained`` (save_tapered failed
+    after the model's files were written); a model or a config has one, which wrote its own config.json (and weights)
+    over the checkpoint's or the export's. None: no tokenizer to save."""
+    from transformers import FeatureExtractionMixin, ImageProcessingMixin, PreTrainedTokenizerBase, ProcessorMixin
+
+    if tokenizer is None or isinstance(
+        tokenizer, (PreTrainedTokenizerBase, ProcessorMixin, ImageProcessingMixin, FeatureExtractionMixin)
+    ):
         return
-    got = (
-        f"the name {str(tokenizer)!r}: pass AutoTokenizer.from_pretrained(name)"
-        if isinstance(tokenizer, (str, os.PathLike))
-        else type(tokenizer).__name__
+    raise ConfigurationError(
+        f"{who}: tokenizer= must be a transformers tokenizer or processor, got {_not_a_tokenizer(tokenizer)}"
     )
-    raise ConfigurationError(f"{who}: tokenizer= must be a transformers tokenizer (with save_pretrained), got {got}")
+
+
+def _not_a_tokenizer(value: Any) -> str:
+    """What ``check_tokenizer_to_save`` got instead of a tokenizer, and what to pass."""
+    from torch import nn
+    from transformers import PreTrainedConfig
+
+    advice = "pass the model's tokenizer (AutoTokenizer.from_pretrained(name))"
+    if isinstance(value, (str, os.PathLike)):
+        return f"the name {str(value)!r}: pass AutoTokenizer.from_pretrained(name)"
+    if isinstance(value, nn.Module):
+        return (
+            f"the model {type(value).__name__}, whose save_pretrained would write its own config.json and weights "
+            f"over the ones saved: {advice}"
+        )
+    if isinstance(value, PreTrainedConfig):
+        return f"the config {type(value).__name__}, whose save_pretrained would write over config.json: {advice}"
+    kind = f"the class {value.__name__}" if isinstance(value, type) else f"an object of type {type(value).__name__}"
+    return f"{kind}: {advice}"
 
 
 @functools.cache

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import pickle
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainerState, TrainingArguments
 
 import hf_tapernorm.training.controller as controller_module
@@ -243,6 +246,71 @@ def test_a_checkpoint_of_another_recipe_is_refused_before_the_trainer_loads_its_
     )
 
 
+OTHER_NORMS = TaperNormConfig.paper(ema_rate=0.1, keep_norms=["model.layers.0.input_layernorm"])
+
+
+def _fields_refusal(checkpoint: Path) -> str:
+    return (
+        f"TaperCallback: the checkpoint {checkpoint} was written with another TaperNormConfig (keep_norms: [] in the "
+        "checkpoint, ['model.layers.0.input_layernorm'] now); patch the model with the checkpoint's config to resume it"
+    )
+
+
+def test_a_checkpoint_of_another_recipe_outside_the_output_dir_is_refused_before_the_optimizer_load(
+    reference, tmp_path
+):
+    """train(resume_from_checkpoint=<folder outside output_dir>), not named in the arguments, is no checkpoint the
+    watch could find: another recipe's reached the Trainer's optimizer load and torch's "parameter group" ValueError.
+    What is being loaded tells now: its statistics show that it tapered a norm this model keeps, and the refusal says
+    how to have its fields named. Named in the arguments, the fields are named."""
+    checkpoint = _copy_checkpoint(reference, tmp_path / "elsewhere" / "checkpoint-6")
+    with pytest.raises(TaperStateError) as caught:
+        run_trainer(tmp_path / "run", resume=str(checkpoint), config=OTHER_NORMS)
+    assert str(caught.value) == (
+        "TaperCallback: the checkpoint being loaded tapered other norms than the model's TaperNormConfig tapers "
+        "(tapered in it, kept now: model.layers.0.input_layernorm), so it was written with another TaperNormConfig; "
+        "patch the model with the checkpoint's config to resume it (a checkpoint outside output_dir must also be "
+        "named in TrainingArguments(resume_from_checkpoint=...), where TaperCallback reads its recipe and names the "
+        "fields that differ)"
+    )
+    with pytest.raises(TaperStateError) as caught:
+        run_trainer(tmp_path / "run", resume=str(checkpoint), resume_argument=str(checkpoint), config=OTHER_NORMS)
+    assert str(caught.value) == _fields_refusal(checkpoint)
+
+
+def test_a_second_train_of_the_same_trainer_is_watched_too(reference, tmp_path):
+    """The load watch was removed at the first on_train_begin: after a finished train(), the same Trainer's
+    train(resume_from_checkpoint=<another recipe's checkpoint in output_dir>) failed in torch's words. It watches
+    every train() of the Trainer now; the model is left as it was (the watch refuses before anything is loaded)."""
+    trainer, model, _ = run_trainer(tmp_path, config=OTHER_NORMS)
+    checkpoint = _copy_checkpoint(reference, tmp_path / "checkpoint-6")
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    with pytest.raises(TaperStateError) as caught:
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert str(caught.value) == _fields_refusal(checkpoint)
+    assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
+    # Copies of the watched model (a distillation teacher is a deep copy) carry no watch, and pickle.
+    copy.deepcopy(model).load_state_dict(load_file(checkpoint / "model.safetensors"))
+    pickle.loads(pickle.dumps(model))
+
+
+def test_a_callback_added_with_add_callback_watches_the_trainers_later_loads(reference, tmp_path):
+    """trainer.add_callback(TaperCallback()) never gets on_init_end, so the load watch never started and another
+    recipe's checkpoint reached torch's optimizer error. The Trainer sends such a callback no event before the loads
+    of its first train() (on_train_begin comes after them); it watches from there, so the next train() is refused in
+    one line."""
+    model = patch_model(build(tiny_llama_config(), seed=0), OTHER_NORMS)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=8, report_to=[],
+                             use_cpu=True, save_strategy="no", disable_tqdm=True)  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=_dataset(STEPS * 8))
+    trainer.add_callback(TaperCallback(K_START, K_END))
+    trainer.train()
+    checkpoint = _copy_checkpoint(reference, tmp_path / "checkpoint-6")
+    with pytest.raises(TaperStateError) as caught:
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert str(caught.value) == _fields_refusal(checkpoint)
+
+
 def test_reporting_integrations_without_place_first_are_warned_about(caplog):
     model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper())
     state = TrainerState(max_steps=STEPS)
@@ -472,6 +540,41 @@ def test_label_smoothing_is_refused_when_the_trainer_is_built_where_the_recipe_a
     trainer.train_dataset = _sink_first(STEPS * 8)
     trainer.train()
     assert gate_of(model) == 0.0
+
+
+def _added_later(tmp_path: Path, model, **options) -> Trainer:
+    """A Trainer built without callbacks, then given TaperCallback with trainer.add_callback (standard Trainer API)."""
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=8, report_to=[],
+                             use_cpu=True, disable_tqdm=True, **{"save_strategy": "no", **options})  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=_sink_first(STEPS * 8), eval_dataset=_sink_first(8))
+    trainer.add_callback(TaperCallback(K_START, K_END))
+    return trainer
+
+
+@pytest.mark.parametrize("option", ["label_smoothing_factor", "load_best_model_at_end"])
+def test_the_trainer_build_checks_run_at_train_begin_for_a_callback_added_with_add_callback(tmp_path, option):
+    """on_init_end never reaches a callback added after the Trainer was built, so none of its refusals ran: label
+    smoothing trained a step and was then blamed on compute_loss_func; load_best_model_at_end was taken, and the
+    Trainer put a checkpoint of gate 0.905 back over the tapered model. They run at on_train_begin now, before any
+    step, with the same messages as when the Trainer is built."""
+    if option == "label_smoothing_factor":
+        trainer = _added_later(tmp_path, _for_model(), label_smoothing_factor=0.1)
+        expected = "TaperCallback: label_smoothing_factor=0.1 makes the Trainer compute the loss " + (
+            "itself from the logits, taking the labels from the model's inputs, "
+            + LOST_TERMS.format(advice="set label_smoothing_factor=0")
+        )
+    else:
+        trainer = _added_later(tmp_path, _for_model(), eval_strategy="steps", eval_steps=4, save_strategy="steps",
+                               save_steps=4, load_best_model_at_end=True)  # fmt: skip
+        expected = (
+            "TaperCallback: load_best_model_at_end=True makes the Trainer load its best checkpoint over the tapered "
+            "model at the end, which can be one saved before the gate reached 0 (a normalized model, which "
+            "fold_model refuses); set load_best_model_at_end=False (the last step's model is the tapered one)"
+        )
+    with pytest.raises(ConfigurationError) as caught:
+        trainer.train()
+    assert str(caught.value) == expected
+    assert trainer.state.global_step == 0 and gate_of(trainer.model) == 1.0
 
 
 def _own_loss(outputs, labels, num_items_in_batch=None):

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from hf_tapernorm import ConfigurationError, TaperStateError, export_folded, fold_model
 from hf_tapernorm.export.hub import export_manifest
+from tests.conftest import build, tiny_llama_config
 from tests.helpers import TEXT, relative, sink_tapered, tapered, with_sink, word_tokenizer
 
 
@@ -165,6 +166,20 @@ def test_export_folded_refuses_a_tokenizer_that_is_not_one(tmp_path):
     with pytest.raises(ConfigurationError, match="tokenizer= must be a transformers tokenizer"):
         export_folded(folded, tmp_path / "out", tokenizer="gpt2")
     assert not (tmp_path / "out").exists()
+
+
+def test_export_folded_refuses_a_model_as_its_tokenizer_before_anything_is_written(tmp_path):
+    """export_folded(folded, out, tokenizer=plain_model) took the model (it has save_pretrained): its config.json and
+    model.safetensors overwrote the export's, which then reloaded as the plain, unfolded model under a card and a
+    manifest of a folded one. Only a transformers tokenizer or processor is taken now, checked before writing."""
+    with pytest.raises(ConfigurationError) as caught:
+        export_folded(fold_model(sink_tapered("llama")), tmp_path / "out", tokenizer=build(tiny_llama_config()))
+    assert str(caught.value) == (
+        "export_folded: tokenizer= must be a transformers tokenizer or processor, got the model LlamaForCausalLM, "
+        "whose save_pretrained would write its own config.json and weights over the ones saved: pass the model's "
+        "tokenizer (AutoTokenizer.from_pretrained(name))"
+    )
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_export_restores_use_cache_that_a_trainer_turned_off(tmp_path):

@@ -296,10 +296,39 @@ def test_save_tapered_refuses_a_tokenizer_it_cannot_save_before_anything_is_writ
     its tokenizer. Refused first now, in one line, by export_folded's check."""
     with pytest.raises(ConfigurationError) as caught:
         save_tapered(tapered("llama"), tmp_path / "saved", tokenizer)
-    got = "int" if tokenizer == 3 else "the name 'gpt2': pass AutoTokenizer.from_pretrained(name)"
-    assert (
-        str(caught.value)
-        == f"save_tapered: tokenizer= must be a transformers tokenizer (with save_pretrained), got {got}"
+    got = (
+        "an object of type int: pass the model's tokenizer (AutoTokenizer.from_pretrained(name))"
+        if tokenizer == 3
+        else "the name 'gpt2': pass AutoTokenizer.from_pretrained(name)"
+    )
+    assert str(caught.value) == f"save_tapered: tokenizer= must be a transformers tokenizer or processor, got {got}"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "who,given", [("save_tapered", "model"), ("save_tapered", "config"), ("save_sharded_checkpoint", "model")]
+)
+def test_a_save_refuses_a_model_or_a_config_as_its_tokenizer_before_anything_is_written(tmp_path, who, given):
+    """save_tapered(model, folder, plain_model) took the plain model as the tokenizer (it has save_pretrained): its
+    config.json and model.safetensors overwrote the tapered checkpoint's, and load_tapered then failed ("missing
+    ...taper_weight"); save_sharded_checkpoint(..., tokenizer=) wrote one beside the shards. Only a transformers
+    tokenizer or processor is taken now; anything else is refused first."""
+    plain = build(tiny_llama_config())
+    tokenizer = plain if given == "model" else plain.config
+    with pytest.raises(ConfigurationError) as caught:
+        if who == "save_tapered":
+            save_tapered(tapered("llama"), tmp_path / "saved", tokenizer)
+        else:
+            save_sharded_checkpoint(tmp_path / "saved", tapered("llama"), tokenizer=tokenizer)
+    got = (
+        "the model LlamaForCausalLM, whose save_pretrained would write its own config.json and weights over the ones "
+        "saved"
+        if given == "model"
+        else "the config LlamaConfig, whose save_pretrained would write over config.json"
+    )
+    assert str(caught.value) == (
+        f"{who}: tokenizer= must be a transformers tokenizer or processor, got {got}: pass the model's "
+        "tokenizer (AutoTokenizer.from_pretrained(name))"
     )
     assert list(tmp_path.iterdir()) == []
 
@@ -556,6 +585,69 @@ def test_a_controller_step_that_goes_back_is_refused():
     )
     assert controller.gate == gate and all(float(layer.gate) == gate for _, layer in tapered_norms(model))
     assert controller.step_begin(2, replay=True) > gate
+
+
+def _saved_at_step_5(folder: Path) -> Path:
+    """A paper taper of 8 steps (window 2 -> 6), its model and controller state saved after 5 steps."""
+    model = _paper(taper_start=2, taper_end=6).train()
+    controller = TaperController(model, total_steps=8)
+    for step in range(5):
+        controller.step_begin(step)
+        ids = random_batches(n=1, seed=step)[0]
+        model(input_ids=ids, labels=ids).loss.backward()
+        controller.step_end(step)
+    save_tapered(model, folder)
+    controller.save_state(folder)
+    return folder
+
+
+def test_a_resumed_controller_refuses_a_loop_that_starts_again_at_0(tmp_path):
+    """TaperController resumed with load_state + check_resume(5), then driven from step_begin(0) (a loop that forgot
+    its start step), set gate 1 over a model tapered to gate 0.095, without a word: "steps never go back" counted
+    only the controller's own step_begin calls. check_resume(5) now starts the count at 5; with load_state alone,
+    the first step may not raise the model's gate. Resuming at the right step still works."""
+    folder = _saved_at_step_5(tmp_path / "s5")
+
+    def resumed(check: bool) -> TaperController:
+        controller = TaperController(load_tapered(folder).train(), total_steps=8)
+        controller.load_state(folder)
+        if check:
+            controller.check_resume(5)
+        return controller
+
+    controller = resumed(check=True)
+    held = float(next(tapered_norms(controller.model))[1].gate)
+    assert held < 0.5
+    with pytest.raises(TaperStateError) as caught:
+        controller.step_begin(0)
+    assert str(caught.value) == (
+        "TaperController.step_begin(0) after check_resume(5): steps count the optimizer updates of the whole run and "
+        "must not go back (the gate follows them, and would rise again over a model trained at a lower one); start "
+        "the resumed loop at the step given to check_resume (for step in range(start_step, total_steps))"
+    )
+    assert all(float(layer.gate) == held for _, layer in tapered_norms(controller.model))  # left as it was
+    controller = resumed(check=False)
+    with pytest.raises(TaperStateError) as caught:
+        controller.step_begin(0)
+    assert str(caught.value) == (
+        f"TaperController.step_begin(0) after load_state: the model holds gate {held:.6f} and step 0 would set it "
+        "back up to 1.000000 over a model trained at the lower one; start the resumed loop at its step (for step in "
+        "range(start_step, total_steps)) and call check_resume(start_step) after load_state"
+    )
+    for check in (True, False):
+        controller = resumed(check)
+        gate = controller.step_begin(5)
+        assert gate == controller.schedule.gate(6) < held
+
+
+def test_controller_load_state_reads_one_string_of_allow_changes_as_one_name(tmp_path):
+    """load_state(folder, allow_changes="distill_weight") read the string letter by letter and refused the one field
+    the user allowed; TaperCallback(allow_changes=...) took it as one name. Both read it the same way now."""
+    folder = _saved_at_step_5(tmp_path / "s5")
+    controller = TaperController(_paper(taper_start=2, taper_end=6, distill_weight=0.5), total_steps=8)
+    controller.load_state(folder, allow_changes="distill_weight")
+    with pytest.raises(TaperStateError, match=r"\(distill_weight: 0\.0 in the checkpoint, 0\.5 now\)"):
+        controller.load_state(folder, allow_changes="scope")
 
 
 def test_an_empty_input_fails_in_the_export_as_in_the_original(tmp_path):

@@ -18,10 +18,10 @@ divergence stops training before a broken state is saved.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Optional
 
+from torch import nn
 from torch.utils.hooks import RemovableHandle
 from transformers import TrainerCallback
 from transformers.trainer_callback import TrainerState
@@ -32,11 +32,17 @@ from ..errors import ConfigurationError, TaperStateError
 from ..layers.loss_terms import loss_terms_of
 from ..layers.scale_anchor import scale_anchors
 from ..layers.taper_norm import refuse_replaced_forward, tapered_norms
-from ..utils import WHOLE_WEIGHTS
 from .controller import TaperController
 from .distributed import refuse_unsupported_sharding, refuse_unsupported_trainer_sharding
 from .divergence import DivergenceThresholds
-from .recipe_check import resume_candidates, watch_checkpoint_loads
+from .recipe_check import (
+    AllowedChanges,
+    allowed_changes,
+    is_adapter_checkpoint,
+    refuse_adapter_checkpoint,
+    resume_candidates,
+    watch_checkpoint_loads,
+)
 from .schedule import TaperSchedule, decay_learning_rate_after_the_taper, fit_default_window
 
 logger = logging.getLogger(__name__)
@@ -69,13 +75,17 @@ class TaperCallback(TrainerCallback):
 
     A checkpoint written under another recipe is refused by name of the fields that differ (``allow_changes``
     aside) when the Trainer loads its weights into the model (:func:`~.recipe_check.watch_checkpoint_loads`), which
-    is before the Trainer loads the optimizer's state and before ``on_train_begin``; a PEFT checkpoint (adapters
-    only, no TaperNorm state) is refused as not resumable.
+    is before the Trainer loads the optimizer's state and before ``on_train_begin``, in every ``train()``; one that
+    tapered other norms is refused there too where its folder is unknown (outside output_dir, not in the arguments);
+    a PEFT checkpoint (adapters only, no TaperNorm state) is refused as not resumable. The watch starts when the
+    Trainer is built: a callback added later with ``trainer.add_callback`` starts it at its first ``on_train_begin``,
+    after that ``train()``'s loads (the Trainer sends such a callback no event before them).
 
     Refused before the first step: ``load_best_model_at_end=True`` (the Trainer would put a checkpoint of a
     higher gate back over the tapered model), ``label_smoothing_factor`` where the recipe adds terms to the model's
     loss (the Trainer would compute the loss itself and drop them), and TaperNorms whose forward a kernel patch
-    (liger-kernel) replaced. ``Trainer(compute_loss_func=...)``, which callbacks are not shown, is refused for the
+    (liger-kernel) replaced: when the Trainer is built, or at ``on_train_begin`` for a callback added with
+    ``trainer.add_callback``. ``Trainer(compute_loss_func=...)``, which callbacks are not shown, is refused for the
     same reason at the end of the first step, whose forwards returned no loss.
     """
 
@@ -87,12 +97,12 @@ class TaperCallback(TrainerCallback):
         allow_incomplete: bool = False,
         max_scale_ratio: Optional[float] = None,
         thresholds: Optional[DivergenceThresholds] = None,
-        allow_changes: Iterable[str] = (),
+        allow_changes: AllowedChanges = (),
         trust_sharded_checkpoint: bool = False,
     ) -> None:
         self.taper_start, self.taper_end = taper_start, taper_end
         self.trust_sharded_checkpoint = trust_sharded_checkpoint  # a sharded teacher's index is a pickle
-        self.allow_changes = {allow_changes} if isinstance(allow_changes, str) else set(allow_changes)  # not letters
+        self.allow_changes = allowed_changes(allow_changes)  # one string is one name, not its letters
         self.allow_incomplete = allow_incomplete
         if thresholds is None:
             thresholds = DivergenceThresholds(**({"max_scale_ratio": max_scale_ratio} if max_scale_ratio else {}))
@@ -103,7 +113,10 @@ class TaperCallback(TrainerCallback):
             TaperSchedule(taper_start if taper_start is not None else 0.05, taper_end if taper_end is not None else 0.7)
         self.controller: Optional[TaperController] = None
         self.placed_first = False  # set by place_first(trainer)
-        self._load_watch: Optional[RemovableHandle] = None  # on the model from Trainer(...) to train()'s first event
+        self._load_watch: Optional[RemovableHandle] = None  # on the model, for this callback's whole life
+        self._watched: Optional[nn.Module] = None  # the model it watches
+        self._watched_args = None  # the TrainingArguments whose checkpoints it may resume from
+        self._trainer_built_seen = False  # on_init_end came: Trainer(callbacks=[...]), not trainer.add_callback
         self._loss_checked = False  # the first step's forwards returned the model's loss
 
     def _schedule(self, config: TaperNormConfig, total_steps: int) -> TaperSchedule:
@@ -119,6 +132,15 @@ class TaperCallback(TrainerCallback):
         return TaperSchedule(start, end, allow_incomplete=self.allow_incomplete).resolve(total_steps)
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
+        self._trainer_built_seen = True
+        self._check_the_trainer(args, model)
+        max_steps = getattr(args, "max_steps", None)
+        if model is not None and max_steps and max_steps > 0:  # a schedule that does not fit fails here, not later
+            decay_learning_rate_after_the_taper(args, self._schedule(config_of(model), max_steps))
+
+    def _check_the_trainer(self, args, model) -> None:
+        """What is refused before training: when the Trainer is built (on_init_end), or at on_train_begin for a
+        callback added with ``trainer.add_callback``, which the Trainer never sends on_init_end."""
         # Fail inside Trainer(...): an unpatched model would otherwise reach the checkpoint loader first,
         # which drops the TaperNorm state (non-strict load) or fails on the optimizer's parameter groups.
         if model is not None and not any(tapered_norms(model, include_kept=True)):
@@ -144,34 +166,26 @@ class TaperCallback(TrainerCallback):
         if model is not None:
             refuse_unsupported_sharding(model)
             refuse_replaced_forward(model, "TaperCallback")  # a kernel patch applied after patch_model
-            if self._load_watch is None:  # train(resume_from_checkpoint=...) loads the optimizer before on_train_begin
-                self._load_watch = watch_checkpoint_loads(
-                    model, lambda: resume_candidates(args), "TaperCallback", self.allow_changes
-                )
-            # A schedule that does not fit the run fails here, not after the first steps.
-            max_steps = getattr(args, "max_steps", None)
-            max_steps = max_steps if max_steps and max_steps > 0 else None
-            if max_steps is not None:
-                schedule = self._schedule(config_of(model), max_steps)
-                decay_learning_rate_after_the_taper(args, schedule)
-        # TaperNorm leaves parameters out of the graph by phase (taper_weight while g = 1, an RMS weight at
-        # g = 0), which plain DDP rejects unless it looks for unused parameters. The Trainer turns that off
-        # with activation checkpointing, and its DDP settings are fixed before callbacks run: fail early.
-        checkpointing = args.activation_checkpointing or getattr(model, "is_activation_checkpointing", False)
-        find_unused = args.ddp_find_unused_parameters
-        if find_unused is None:
-            find_unused = not checkpointing
-        if args.world_size > 1 and not args.deepspeed and not args.fsdp and not find_unused:
-            raise ConfigurationError(
-                "TaperCallback: distributed (DDP) training needs ddp_find_unused_parameters=True in TrainingArguments "
-                "(the Trainer disables it with activation checkpointing): TaperNorm leaves taper_weight unused while "
-                "g = 1 and the norm weight unused at g = 0"
-            )
+            self._watch_checkpoint_loads(args, model)
+        refuse_ddp_without_unused_parameters(args, model)
+
+    def _watch_checkpoint_loads(self, args, model) -> None:
+        """Watch every load of weights into ``model`` from now on (recipe_check.watch_checkpoint_loads): the Trainer
+        loads a checkpoint's weights, then its optimizer's state, in train() before on_train_begin, and in every
+        train() of the Trainer, the second after a finished one too."""
+        self._watched_args = args  # the latest Trainer's: its output_dir and resume_from_checkpoint
+        if self._watched is model:
+            return
+        if self._load_watch is not None:  # the same callback given to another Trainer's model
+            self._load_watch.remove()
+        self._load_watch = watch_checkpoint_loads(
+            model, lambda: resume_candidates(self._watched_args), "TaperCallback", self.allow_changes
+        )
+        self._watched = model
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if self._load_watch is not None:  # the Trainer's checkpoint load is over
-            self._load_watch.remove()
-            self._load_watch = None
+        if not self._trainer_built_seen:  # trainer.add_callback(...): the checks of Trainer(...) run now, before a step
+            self._check_the_trainer(args, model)
         refuse_replaced_forward(model, "TaperCallback")  # the Trainer applies use_liger_kernel in train()
         reporters = [name for name in (args.report_to or []) if name != "none"]
         if reporters and not self.placed_first:
@@ -201,12 +215,7 @@ class TaperCallback(TrainerCallback):
     def _resume(self, args, state, config: TaperNormConfig) -> None:
         folder = resumed_checkpoint(args, state)
         if is_adapter_checkpoint(folder):
-            raise TaperStateError(
-                f"TaperCallback: {folder} is a PEFT checkpoint, which holds only the adapters and none of the "
-                "model's TaperNorm state (statistics, c, scale target, the norms' own weights): resuming a LoRA "
-                "taper from it is not supported; run the LoRA taper again from step 0 without resume_from_checkpoint, "
-                "or taper without PEFT, whose Trainer checkpoints hold the whole model"
-            )
+            refuse_adapter_checkpoint(folder, "TaperCallback")
         self.controller._load_state(folder, "TaperCallback", self.trust_sharded_checkpoint, self.allow_changes)
         self.controller.check_resume(state.global_step)
 
@@ -254,6 +263,25 @@ class TaperCallback(TrainerCallback):
             self.controller._save_state(folder, writes_weights=True)
 
 
+def refuse_ddp_without_unused_parameters(args, model) -> None:
+    """TaperNorm leaves parameters out of the graph by phase (taper_weight while g = 1, an RMS weight at g = 0), which
+    plain DDP rejects unless it looks for unused parameters. The Trainer turns that off with activation
+    checkpointing, and its DDP settings are fixed before callbacks run: fail early."""
+    checkpointing = getattr(args, "activation_checkpointing", False) or getattr(
+        model, "is_activation_checkpointing", False
+    )
+    find_unused = getattr(args, "ddp_find_unused_parameters", None)
+    if find_unused is None:
+        find_unused = not checkpointing
+    distributed = getattr(args, "world_size", 1) > 1 and not getattr(args, "deepspeed", None)
+    if distributed and not getattr(args, "fsdp", None) and not find_unused:
+        raise ConfigurationError(
+            "TaperCallback: distributed (DDP) training needs ddp_find_unused_parameters=True in TrainingArguments "
+            "(the Trainer disables it with activation checkpointing): TaperNorm leaves taper_weight unused while "
+            "g = 1 and the norm weight unused at g = 0"
+        )
+
+
 def loss_terms_on_the_model_loss(model) -> list[str]:
     """The recipe's terms that are added to ``outputs.loss`` (by their options, ``distill_weight=1``); none: the
     recipe adds nothing to the model's loss, and a loss computed outside the model loses nothing of it."""
@@ -277,13 +305,6 @@ def refuse_loss_outside_the_model(model, what: str, advice: str) -> None:
         f"would all be dropped; {advice} (the model's own loss carries them), or set those weights to 0 in the "
         "TaperNormConfig"
     )
-
-
-def is_adapter_checkpoint(folder: Path) -> bool:
-    """Whether ``folder`` is a PEFT checkpoint: adapters (``adapter_config.json``, in it or in a folder per adapter)
-    and no whole model's weights."""
-    adapters = (folder / "adapter_config.json").is_file() or any(folder.glob("*/adapter_config.json"))
-    return adapters and not any(any(folder.glob(pattern)) for pattern in WHOLE_WEIGHTS)
 
 
 def resumed_checkpoint(args, state: TrainerState) -> Path:

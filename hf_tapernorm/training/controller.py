@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Optional, Union
 
@@ -37,7 +36,7 @@ from .distributed import (
     sharding_engine,
 )
 from .divergence import DivergenceThresholds, DivergenceWatch
-from .recipe_check import refuse_another_recipe
+from .recipe_check import AllowedChanges, refuse_another_recipe
 from .schedule import TaperSchedule, fit_default_window
 
 logger = logging.getLogger(__name__)
@@ -98,7 +97,9 @@ class TaperController:
         self.distillation = self._distillation(distillation)
         self._window = torch.zeros(_ANCHOR_SIZE, dtype=torch.float64)  # anchor sums since the last log_metrics()
         self._trainable_checked = False
-        self._last_step: Optional[int] = None  # the latest step_begin's: steps never go back
+        self._last_step: Optional[int] = None  # the latest step_begin's (or check_resume's): steps never go back
+        self._last_call = ""  # the call that set _last_step, for the refusal
+        self._resumed_unchecked = False  # load_state ran, check_resume did not: the next step_begin checks the gate
 
     def _distillation(self, given: Union[Distillation, bool, None]) -> Optional[Distillation]:
         if isinstance(given, Distillation):
@@ -147,19 +148,20 @@ class TaperController:
         folder: Union[str, Path],
         *,
         trust_sharded_checkpoint: bool = False,
-        allow_changes: Iterable[str] = (),
+        allow_changes: AllowedChanges = (),
     ) -> None:
         """Restore :meth:`save_state`'s files from a checkpoint folder (before resuming at its step).
 
         The folder's ``tapernorm_config.json`` must be the model's config: a folder written under another recipe
         is refused, naming the fields that differ (``allow_changes``: options the resumed run may change on
-        purpose), because its teacher's snapshot and the model's state belong to another taper. A sharded teacher
-        (FSDP2) is read only with ``trust_sharded_checkpoint=True``: its DCP index is a pickle.
+        purpose; one string is one name), because its teacher's snapshot and the model's state belong to another
+        taper. A sharded teacher (FSDP2) is read only with ``trust_sharded_checkpoint=True``: its DCP index is a
+        pickle. Call :meth:`check_resume` with the step the loop resumes at next: later steps must not go below it.
         """
         self._load_state(folder, "TaperController.load_state", trust_sharded_checkpoint, allow_changes)
 
     def _load_state(
-        self, folder: Union[str, Path], who: str, trust_sharded_checkpoint: bool, allow_changes: Iterable[str]
+        self, folder: Union[str, Path], who: str, trust_sharded_checkpoint: bool, allow_changes: AllowedChanges
     ) -> None:
         """:meth:`load_state`, its messages starting with ``who`` (TaperCallback's resume calls it)."""
         folder = expand_user(folder, f"{who}: '{folder}'")
@@ -167,6 +169,7 @@ class TaperController:
             raise TaperStateError(f"{who}: no folder '{folder}'")
         if not refuse_another_recipe(folder, self.config, who, allow_changes):
             logger.warning("%s: %s holds no %s; cannot check that the recipe is unchanged", who, folder, CONFIG_NAME)
+        self._resumed_unchecked = True  # the next step_begin must not raise the model's gate (check_resume clears it)
         if self.distillation is None:
             return
         if (folder / SHARDED_SNAPSHOT_NAME).is_dir():
@@ -177,7 +180,9 @@ class TaperController:
 
     def check_resume(self, step: int) -> None:
         """Refuse a model whose TaperNorm state does not fit ``step`` (dropped by a non-strict load, or a
-        checkpoint written with another schedule)."""
+        checkpoint written with another schedule). The resumed loop goes on from ``step``: a later step_begin below
+        it is refused, as a step that goes back is (a loop that forgot its start step would raise the gate again)."""
+        self._last_step, self._last_call, self._resumed_unchecked = step, f"check_resume({step})", False
         if step <= 0:
             return
         # Past k_start every layer must be calibrated; before it, every layer must hold statistics.
@@ -210,11 +215,12 @@ class TaperController:
 
         Steps never go back (refused); ``replay=True`` runs an earlier step again on purpose, as a benchmark that
         times the same steps over and over does (the gate rises with it)."""
-        if not replay:
-            self._refuse_going_back(step)
-        self._last_step = step
         number = step + 1
         gate = self.schedule.gate(number)
+        if not replay:
+            self._refuse_going_back(step)
+            self._refuse_a_rising_gate_after_load_state(step, gate)
+        self._last_step, self._last_call = step, f"step_begin({step})"
         if not self._trainable_checked:  # at the first step, when the loop has chosen what trains
             self._trainable_checked = True
             warn_if_taper_parameters_frozen(self.model)
@@ -241,14 +247,36 @@ class TaperController:
     def _refuse_going_back(self, step: int) -> None:
         """Refuse a step below the previous one. The gate follows the step, so a counter that restarts (the batch
         index of each epoch) would raise the gate again over a model already trained at a lower one; no run goes
-        back (a resumed run is a new controller, which load_state restores). The same step again is a retried
-        update, and allowed."""
-        if self._last_step is not None and step < self._last_step:
+        back (a resumed run is a new controller, which load_state restores and check_resume starts at its step). The
+        same step again is a retried update, and allowed."""
+        if self._last_step is None or step >= self._last_step:
+            return
+        advice = (
+            "start the resumed loop at the step given to check_resume (for step in range(start_step, total_steps))"
+            if self._last_call.startswith("check_resume")
+            else "count steps across epochs (a global step, not the batch index of an epoch), or build a new "
+            "TaperController for a new run"
+        )
+        raise TaperStateError(
+            f"TaperController.step_begin({step}) after {self._last_call}: steps count the optimizer updates of the "
+            "whole run and must not go back (the gate follows them, and would rise again over a model trained at a "
+            f"lower one); {advice}"
+        )
+
+    def _refuse_a_rising_gate_after_load_state(self, step: int, gate: float) -> None:
+        """The first step after load_state (check_resume not called): refuse a gate above the model's. A resumed
+        model holds the gate of its checkpoint's step, which the schedule never exceeds later on; a loop that starts
+        again at 0 (its start step forgotten) would set it back up over a model trained at the lower one."""
+        if not self._resumed_unchecked:
+            return
+        self._resumed_unchecked = False
+        held = next((float(layer.gate) for _, layer in tapered_norms(self.model)), gate)
+        if gate > held + 1e-6:
             raise TaperStateError(
-                f"TaperController.step_begin({step}) after step_begin({self._last_step}): steps count the optimizer "
-                "updates of the whole run and must not go back (the gate follows them, and would rise again over a "
-                "model trained at a lower one); count steps across epochs (a global step, not the batch index of an "
-                "epoch), or build a new TaperController for a new run"
+                f"TaperController.step_begin({step}) after load_state: the model holds gate {held:.6f} and step "
+                f"{step} would set it back up to {gate:.6f} over a model trained at the lower one; start the resumed "
+                "loop at its step (for step in range(start_step, total_steps)) and call check_resume(start_step) "
+                "after load_state"
             )
 
     def step_end(self, step: int, loss: Optional[float] = None, grad_norm: Optional[float] = None) -> None:

@@ -8,17 +8,20 @@ does ``TaperCallback`` on a Trainer resume.
 The Trainer restores the model's weights and then the optimizer's state before its first callback event of
 ``train()`` (``on_train_begin``), and a recipe that trains other parameters (another ``keep_norms`` or
 ``scope``) fails the optimizer's load first, in torch's words. :func:`watch_checkpoint_loads` closes that gap
-through torch's public ``load_state_dict`` post-hook, which runs inside the Trainer's model load, before the
-optimizer is built: it finds which of the checkpoints TaperCallback could resume from (``resume_from_checkpoint``
-of the arguments, ``<output_dir>/checkpoint-*``) has just been loaded, by the TaperNorm tensors it holds, and
-refuses it when its recipe differs.
+through torch's public ``load_state_dict`` pre-hook, which runs inside the Trainer's model load, before anything
+is loaded and before the optimizer is built. It finds which of the checkpoints TaperCallback could resume from
+(``resume_from_checkpoint`` of the arguments, ``<output_dir>/checkpoint-*``) is being loaded, by the TaperNorm
+tensors it holds (a PEFT checkpoint by its adapters), and refuses it when its recipe differs (a PEFT checkpoint
+always: it holds no TaperNorm state). A checkpoint it cannot find (one outside output_dir that the arguments do not
+name) is refused when its TaperNorm statistics show that it tapered other norms than the model does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import weakref
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -29,14 +32,28 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ..config import CONFIG_NAME, TaperNormConfig, config_of
 from ..errors import TaperNormError, TaperStateError
 from ..layers.taper_norm import tapered_norms
+from ..utils import WHOLE_WEIGHTS
+
+#: A PEFT adapter's weights in a Trainer checkpoint (peft's SAFETENSORS_WEIGHTS_NAME).
+ADAPTER_FILE = "adapter_model.safetensors"
 
 
-def recipe_differences(folder: Path, config: TaperNormConfig, allow_changes: Iterable[str] = ()) -> Optional[str]:
+#: Options a resume may change on purpose: option names, or one name as a string.
+AllowedChanges = Union[str, Iterable[str]]
+
+
+def allowed_changes(allow_changes: AllowedChanges) -> set[str]:
+    """The option names ``allow_changes`` gives: one string is one name, not its letters (TaperCallback and
+    TaperController.load_state read it the same way)."""
+    return {allow_changes} if isinstance(allow_changes, str) else set(allow_changes)
+
+
+def recipe_differences(folder: Path, config: TaperNormConfig, allow_changes: AllowedChanges = ()) -> Optional[str]:
     """The fields of ``folder``'s recipe that differ from ``config``, one ``field: old in the checkpoint, new now``
     each ('; '-joined), leaving out ``allow_changes``; '' when none differ; None when the folder holds no recipe."""
     if not (folder / CONFIG_NAME).is_file():
         return None
-    allowed = set(allow_changes)
+    allowed = allowed_changes(allow_changes)
     old, new = TaperNormConfig.from_pretrained(folder).options(), config.options()
     return "; ".join(
         f"{name}: {value!r} in the checkpoint, {new[name]!r} now"
@@ -45,7 +62,7 @@ def recipe_differences(folder: Path, config: TaperNormConfig, allow_changes: Ite
     )
 
 
-def refuse_another_recipe(folder: Path, config: TaperNormConfig, who: str, allow_changes: Iterable[str] = ()) -> bool:
+def refuse_another_recipe(folder: Path, config: TaperNormConfig, who: str, allow_changes: AllowedChanges = ()) -> bool:
     """Refuse (one line, starting with ``who``) a checkpoint ``folder`` written under another TaperNormConfig than
     ``config``, naming the fields that differ. False when the folder holds no recipe (nothing was compared: the
     caller says so)."""
@@ -59,24 +76,145 @@ def refuse_another_recipe(folder: Path, config: TaperNormConfig, who: str, allow
 
 
 def watch_checkpoint_loads(
-    model: nn.Module, candidates: Callable[[], list[Path]], who: str, allow_changes: Iterable[str] = ()
+    model: nn.Module, candidates: Callable[[], list[Path]], who: str, allow_changes: AllowedChanges = ()
 ) -> RemovableHandle:
-    """Check every ``model.load_state_dict`` (the Trainer's checkpoint load among them) until the handle is removed:
-    a checkpoint among ``candidates()`` whose TaperNorm tensors are the ones just loaded and whose recipe differs
-    from the model's is refused (:func:`refuse_another_recipe`). Candidates with this model's recipe cost one small
-    JSON read each; tensors are read only from those of another recipe."""
-    allowed, config = set(allow_changes), config_of(model)
+    """Check every ``model.load_state_dict`` (the Trainer's checkpoint load among them) until the handle is removed,
+    before anything is loaded: a checkpoint among ``candidates()`` whose TaperNorm tensors are the ones being loaded
+    and whose recipe differs from the model's is refused (:func:`refuse_another_recipe`); so is a PEFT checkpoint
+    among them whose adapters are the ones being loaded (:func:`refuse_adapter_checkpoint`), and TaperNorm state
+    that tapered other norms than the model tapers, from wherever it comes (:func:`refuse_another_taper_layout`).
+    Candidates with this model's recipe cost one small JSON read each; tensors are read only from those of another
+    recipe, and from PEFT checkpoints when adapters alone are loaded."""
+    return model.register_load_state_dict_pre_hook(_LoadWatch(model, candidates, who, allowed_changes(allow_changes)))
 
-    def check(module: nn.Module, incompatible_keys) -> None:
-        for folder in candidates():
+
+class _LoadWatch:
+    """The pre-hook of :func:`watch_checkpoint_loads`. It watches the model it was registered on only: a deep copy
+    of that model (a distillation teacher) or a pickled one carries an inert hook instead (:class:`_Inert`)."""
+
+    def __init__(self, model: nn.Module, candidates: Callable[[], list[Path]], who: str, allowed: set[str]) -> None:
+        self.watched, self.config = weakref.ref(model), config_of(model)
+        self.candidates, self.who, self.allowed = candidates, who, allowed
+
+    def __call__(self, module: nn.Module, state_dict, prefix: str, *_) -> None:
+        if module is not self.watched():
+            return
+        loaded = loaded_taper_state(module, state_dict, prefix)
+        for folder in self.candidates():
+            if not loaded:  # adapters alone (a PEFT resume), or weights without any TaperNorm state
+                if is_adapter_checkpoint(folder) and holds_loaded_adapters(folder, state_dict):
+                    refuse_adapter_checkpoint(folder, self.who)
+                continue
             try:
-                differs = bool(recipe_differences(folder, config, allowed))
+                differs = bool(recipe_differences(folder, self.config, self.allowed))
             except TaperNormError:  # a damaged recipe: the resume's own check names it, if it is the one
                 continue
-            if differs and holds_loaded_taper_state(folder, module):
-                refuse_another_recipe(folder, config, who, allowed)
+            if differs and holds_loaded_taper_state(folder, loaded):
+                refuse_another_recipe(folder, self.config, self.who, self.allowed)
+        refuse_another_taper_layout(module, loaded, self.who)
 
-    return model.register_load_state_dict_post_hook(check)
+    def __reduce__(self):
+        return (_Inert, ())
+
+
+class _Inert:
+    """What a copied model's load watch becomes: it checks nothing (the copy is not the model being trained)."""
+
+    def __call__(self, *_) -> None:
+        return None
+
+
+def loaded_taper_state(model: nn.Module, state_dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The TaperNorm tensors (statistics, c, gate, the norms' weights, a scale anchor's) that ``state_dict`` holds
+    for ``model``, by their names in the model; {} when it holds none (adapters alone, an unpatched model's)."""
+    return {
+        key: state_dict[prefix + key]
+        for name, layer in tapered_norms(model, include_kept=True)
+        for key in layer.state_dict(prefix=f"{name}.")
+        if prefix + key in state_dict
+    }
+
+
+def refuse_another_taper_layout(model: nn.Module, loaded: Mapping[str, torch.Tensor], who: str) -> None:
+    """Refuse TaperNorm state that tapered other norms than ``model`` tapers (another ``keep_norms``, ``scope`` or
+    recipe), told by its statistics: only a tapered norm gathers them or is calibrated. The optimizer of such a
+    checkpoint trained other parameters, and the Trainer's load of it would fail in torch's words; the folder is not
+    known here (one outside output_dir that the arguments do not name), so its fields cannot be named."""
+    kept_now, tapered_now = taper_layout_differences(model, loaded)
+    if not kept_now and not tapered_now:
+        return
+    listing = "; ".join(
+        f"{what}: {_names(names)}"
+        for what, names in (("tapered in it, kept now", kept_now), ("kept in it, tapered now", tapered_now))
+        if names
+    )
+    raise TaperStateError(
+        f"{who}: the checkpoint being loaded tapered other norms than the model's TaperNormConfig tapers ({listing}), "
+        "so it was written with another TaperNormConfig; patch the model with the checkpoint's config to resume it (a "
+        "checkpoint outside output_dir must also be named in TrainingArguments(resume_from_checkpoint=...), where "
+        f"{who} reads its recipe and names the fields that differ)"
+    )
+
+
+def taper_layout_differences(model: nn.Module, loaded: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """The norms ``loaded`` tapered that ``model`` keeps, and those it kept that ``model`` tapers. A norm tapered in
+    it has statistics (``ema_steps`` above 0) or is calibrated; ([], []) when no norm of it has either (no step was
+    trained: nothing tells), or a value cannot be read here (a sharded model's DTensors)."""
+    tapered_there = {}
+    for name, layer in tapered_norms(model, include_kept=True):
+        steps, calibrated = loaded.get(f"{name}.ema_steps"), loaded.get(f"{name}.calibrated")
+        if type(steps) is not torch.Tensor or type(calibrated) is not torch.Tensor or steps.is_meta:
+            continue
+        tapered_there[layer.site_name or name] = (bool(steps.item() > 0 or calibrated.item()), layer.tapered)
+    if not any(there for there, _ in tapered_there.values()):
+        return [], []
+    kept_now = [name for name, (there, now) in tapered_there.items() if there and not now]
+    tapered_now = [name for name, (there, now) in tapered_there.items() if now and not there]
+    return kept_now, tapered_now
+
+
+def _names(names: list[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f", ... ({len(names)} in all)" if len(names) > shown else "")
+
+
+def is_adapter_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` is a PEFT checkpoint: adapters (``adapter_config.json``, in it or in a folder per adapter)
+    and no whole model's weights."""
+    adapters = (folder / "adapter_config.json").is_file() or any(folder.glob("*/adapter_config.json"))
+    return adapters and not any(any(folder.glob(pattern)) for pattern in WHOLE_WEIGHTS)
+
+
+def refuse_adapter_checkpoint(folder: Path, who: str) -> None:
+    """Refuse to resume from a PEFT checkpoint: it holds the adapters alone, none of the model's TaperNorm state."""
+    raise TaperStateError(
+        f"{who}: {folder} is a PEFT checkpoint, which holds only the adapters and none of the model's TaperNorm state "
+        "(statistics, c, scale target, the norms' own weights): resuming a LoRA taper from it is not supported; run "
+        "the LoRA taper again from step 0 without resume_from_checkpoint, or taper without PEFT, whose Trainer "
+        "checkpoints hold the whole model"
+    )
+
+
+def holds_loaded_adapters(folder: Path, state_dict: Mapping[str, torch.Tensor]) -> bool:
+    """Whether every tensor of one of ``folder``'s adapter files (``adapter_model.safetensors``, in it or in a folder
+    per adapter) is among those of ``state_dict``, by value (PEFT loads them under other names: the adapter's own)."""
+    by_shape: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    for tensor in state_dict.values():
+        if type(tensor) is torch.Tensor:
+            by_shape.setdefault(tuple(tensor.shape), []).append(tensor)
+    for file in [folder / ADAPTER_FILE, *sorted(folder.glob(f"*/{ADAPTER_FILE}"))]:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                names = handle.keys()  # a safetensors handle is no mapping
+                stored = [handle.get_tensor(name) for name in names]
+        except (SafetensorError, OSError, RuntimeError):
+            continue
+        if stored and all(_among(tensor, by_shape.get(tuple(tensor.shape), [])) for tensor in stored):
+            return True
+    return False
+
+
+def _among(tensor: torch.Tensor, others: list[torch.Tensor]) -> bool:
+    return any(torch.equal(tensor, other.detach().to("cpu", tensor.dtype)) for other in others)
 
 
 def resume_candidates(args) -> list[Path]:
@@ -92,16 +230,11 @@ def resume_candidates(args) -> list[Path]:
     return found
 
 
-def holds_loaded_taper_state(folder: Path, model: nn.Module) -> bool:
-    """Whether ``folder``'s safetensors weights hold exactly the TaperNorm tensors ``model`` holds now (each read
-    alone with ``safe_open``). False when any is missing, differs, or cannot be read (a sharded model's DTensors,
-    a damaged file): then it is not the checkpoint just loaded, as far as can be told."""
-    wanted = {
-        key: tensor
-        for name, layer in tapered_norms(model, include_kept=True)
-        for key, tensor in layer.state_dict(prefix=f"{name}.").items()
-    }
-    if not wanted or any(type(t) is not torch.Tensor for t in wanted.values()):
+def holds_loaded_taper_state(folder: Path, loaded: Mapping[str, torch.Tensor]) -> bool:
+    """Whether ``folder``'s safetensors weights hold exactly the TaperNorm tensors being ``loaded`` (each read alone
+    with ``safe_open``). False when any is missing, differs, or cannot be read (a sharded model's DTensors, a damaged
+    file): then it is not the checkpoint being loaded, as far as can be told."""
+    if not loaded or any(type(t) is not torch.Tensor for t in loaded.values()):
         return False
     found = 0
     try:
@@ -109,20 +242,28 @@ def holds_loaded_taper_state(folder: Path, model: nn.Module) -> bool:
             if shard.name.startswith("distillation_"):
                 continue
             with safe_open(str(shard), framework="pt") as handle:
-                for key in set(handle.keys()) & wanted.keys():
-                    tensor = wanted[key]
+                for key in set(handle.keys()) & loaded.keys():
+                    tensor = loaded[key]
                     if not torch.equal(handle.get_tensor(key).to(tensor.dtype), tensor.detach().cpu()):
                         return False
                     found += 1
     except (SafetensorError, OSError, RuntimeError):
         return False
-    return found == len(wanted)
+    return found == len(loaded)
 
 
 __all__ = [
+    "AllowedChanges",
+    "allowed_changes",
+    "holds_loaded_adapters",
     "holds_loaded_taper_state",
+    "is_adapter_checkpoint",
+    "loaded_taper_state",
     "recipe_differences",
+    "refuse_adapter_checkpoint",
     "refuse_another_recipe",
+    "refuse_another_taper_layout",
     "resume_candidates",
+    "taper_layout_differences",
     "watch_checkpoint_loads",
 ]

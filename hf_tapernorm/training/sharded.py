@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..config import CONFIG_NAME, TaperNormConfig, check_save_destination, config_of
+from ..config_fields import check_tokenizer_to_save
 from ..errors import TaperStateError
 from ..utils import expand_user, refuse_weights_of_another_format
 from .controller import TaperController
@@ -70,6 +71,7 @@ def save_sharded_checkpoint(
     config = config_of(model)
     # on every rank; no recipe guard: the save writes the folder's weights and their recipe together
     what = "save_sharded_checkpoint: cannot save a sharded checkpoint"
+    check_tokenizer_to_save(tokenizer, "save_sharded_checkpoint")  # a model's save_pretrained would add its weights
     check_save_destination(folder, what)
     refuse_weights_of_another_format(folder, True, what)
     if is_main_process():  # before the collective save, which orders every rank's return after these files

@@ -140,6 +140,7 @@ SINK_EDITS = [
     ([1, 5], "name 2 token(s), but the stored sink (sink_cache_shape [2, 2, 1, 8]) holds 1 position(s)"),
     ([128], "name 128, past the vocabulary of 128 tokens"),
     ([99999999999], "name 99999999999, past the vocabulary of 128 tokens"),
+    ([5], "are not the sink [1] the stored sink was computed for (its tapernorm_config)"),  # fits count and vocab
 ]
 
 

@@ -790,6 +790,22 @@ def test_a_report_naming_a_folder_without_a_model_as_the_scans_reference_is_refu
     assert recorded_reference(too_long, copy) is None  # not there: no reference (fold logs "no robustness scan")
 
 
+def test_eval_refuses_a_block_size_past_its_scan_references_positions_before_loading(ws, tmp_path, monkeypatch):
+    """eval's before-loading check compared --block_size with the evaluated model's positions only: a 128-position
+    GPT-2 scanned against a 64-position reference with --block_size 100 loaded both models, evaluated, then failed
+    with a traceback from the scan. The reference's positions are checked too, before any load (as fold does)."""
+    import hf_tapernorm.cli.commands as commands
+
+    gpt2 = save_tiny_model(tmp_path / "gpt2", "gpt2")
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    argv = evaluate(gpt2, "--scan_windows", "2", "--scan_reference", str(ws / "llama"), data=ws / "corpus.txt")
+    argv[argv.index("--block_size") + 1] = "100"
+    assert refused(argv) == (
+        f"hf-tapernorm eval: error: --block_size 100 (the scan's reference '{ws / 'llama'}' reads it too) exceeds the "
+        "model's 64 positions"
+    )
+
+
 def test_eval_scan_of_a_run_whose_report_names_its_baseline_wrongly_is_one_line_before_loading(
     run, tmp_path, monkeypatch
 ):

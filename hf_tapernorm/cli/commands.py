@@ -132,9 +132,7 @@ def eval_main(argv: Sequence[str]) -> int:
         scan_reference_of(source, eval_args.scan_reference, data_args.scan_windows) if data_args.scan_windows else None
     )
     if scan_reference is not None:
-        check_same_tokenizer(
-            tokenizer, source.describe(), scan_reference, trust_remote_code=model_args.trust_remote_code
-        )
+        _check_scan_reference(scan_reference, tokenizer, source, block_size, model_args.trust_remote_code)
     if source.kind == "tapered":  # checked before the weights load: a checkpoint that cannot go to g = 0
         tapered_config_of(source.path)
         check_recorded_sink(source.path)
@@ -245,6 +243,17 @@ def _holds_recorded_model(recorded: str, contents: object) -> bool:
         path.resolve(),
     )
     return False
+
+
+def _check_scan_reference(reference, tokenizer, source, block_size: int, trust_remote_code: bool) -> None:
+    """Refuse, before any model loads, a scan reference that cannot read the evaluated model's blocks: another
+    tokenizer, or fewer positions than ``block_size`` (the scan failed with a traceback after the whole evaluation)."""
+    check_same_tokenizer(tokenizer, source.describe(), reference, trust_remote_code=trust_remote_code)
+    check_within_positions(
+        f"--block_size {block_size} (the scan's reference '{reference.describe()}' reads it too)",
+        block_size,
+        model_config(reference, trust_remote_code),
+    )
 
 
 def scan_reference_of(source, named: Optional[str], windows: int) -> Optional[ModelSource]:

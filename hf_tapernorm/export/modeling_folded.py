@@ -395,22 +395,27 @@ def _check_sink_token_ids(config: Any) -> None:
 
 
 def _check_sink_against_stored(config: Any, ids: list[int]) -> None:
-    """Refuse sink ids the stored sink cannot be: another count than its positions (``sink_cache_shape``, which the
-    weights hold), or an id past the vocabulary. Edited so, a config.json loaded, then failed with a shape mismatch
-    while scoring ([127, 127] for one position), or scored an id no token has as the sink."""
+    """Refuse sink ids the stored sink cannot be (another count than ``sink_cache_shape``'s positions, an id past the
+    vocabulary, other ids than its recipe's): an edited config.json failed while scoring, or took 5 as 127's sink."""
     shape = config.sink_cache_shape
     if ids and isinstance(shape, (list, tuple)) and len(shape) == 4 and len(ids) != shape[2]:
         raise ValueError(
             f"{type(config).__name__}: config.json's sink_token_ids {ids} name {len(ids)} token(s), but the stored "
             f"sink (sink_cache_shape {list(shape)}) holds {shape[2]} position(s); {RESTORE_CONFIG}"
         )
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    vocab = getattr(text_config, "vocab_size", None)
+    vocab = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "vocab_size", None)
     unknown = [i for i in ids if isinstance(vocab, int) and i >= vocab]
     if unknown:
         raise ValueError(
             f"{type(config).__name__}: config.json's sink_token_ids {ids} name {unknown[0]}, past the vocabulary of "
             f"{vocab} tokens; {RESTORE_CONFIG}"
+        )
+    recipe = getattr(config, "tapernorm_config", None)  # the recipe the stored sink was computed under
+    trained = recipe.get("sink_token_ids") if isinstance(recipe, dict) else None
+    if ids and isinstance(trained, list) and ids != trained:
+        raise ValueError(
+            f"{type(config).__name__}: config.json's sink_token_ids {ids} are not the sink {trained} the stored sink "
+            f"was computed for (its tapernorm_config); {RESTORE_CONFIG}"
         )
 
 

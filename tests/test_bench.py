@@ -663,3 +663,21 @@ def test_a_text_too_short_for_the_train_mode_is_refused_before_loading(tmp_path,
     )
     assert not [record for record in caplog.records if "will repeat" in record.getMessage()]
     assert not (tmp_path / "out" / "bench.json").exists()
+
+
+def test_a_text_filling_no_block_for_the_train_mode_is_refused_in_benchs_words(tmp_path, monkeypatch, capsys):
+    """bench --modes train on a text that fills not one block of --seq_lens was refused in taper's words ("its
+    training split (0% of documents held out) ... use more text or a smaller --block_size"): bench has neither a
+    held-out split nor --block_size. The refusal now names --seq_lens and the blocks the train mode needs."""
+    folder = save_tiny_model(tmp_path / "tiny")
+    short = tmp_path / "short.txt"
+    short.write_text("a short text here.\n")
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    argv = ["bench", "--model_name_or_path", str(folder), "--modes", "train", "--dataset_name", str(short)]
+    argv += ["--seq_lens", "32", "--batch_sizes", "1", "--output_dir", str(tmp_path / "out")]
+    assert cli_main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"hf-tapernorm bench: error: dataset '{short}' does not fill one block of --seq_lens 32 tokens; the train "
+        "mode needs 5 (--batch_sizes x (1 + --calibration_batches)): use more text or a smaller --seq_lens"
+    )
+    assert not (tmp_path / "out" / "bench.json").exists()

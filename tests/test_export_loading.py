@@ -161,6 +161,27 @@ def test_an_export_whose_sink_ids_do_not_fit_its_stored_sink_is_refused_at_load(
     )
 
 
+@pytest.mark.parametrize("edit", ["empty", "deleted"])
+def test_an_export_whose_config_names_no_sink_ids_is_refused_for_its_config(sink_export, tmp_path, edit):
+    """An export's config.json sink_token_ids edited to [] (or the key deleted) was refused for its weights
+    ("unexpected_keys: sink_attentions ... re-export it"), though only config.json was edited. The config now
+    refuses it when it is read, as the other sink edits are: the stored sink holds a position no id names."""
+    folder = tmp_path / "edited"
+    shutil.copytree(sink_export, folder)
+    config = json.loads((folder / "config.json").read_text())
+    if edit == "empty":
+        config["sink_token_ids"] = []
+    else:
+        del config["sink_token_ids"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as caught:
+        AutoModelForCausalLM.from_pretrained(folder)
+    assert str(caught.value) == (
+        "TaperNormLlamaConfig: config.json names no sink_token_ids, but the stored sink (sink_cache_shape "
+        "[2, 2, 1, 8]) holds 1 position(s); restore the config.json the export wrote"
+    )
+
+
 def test_a_tapered_folder_cannot_be_loaded_as_a_plain_model_and_load_tapered_reads_it(tmp_path):
     from hf_tapernorm import load_tapered, save_tapered
     from hf_tapernorm.evaluation.models import read_model_config, resolve_model

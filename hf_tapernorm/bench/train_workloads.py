@@ -38,6 +38,7 @@ from torch import nn
 
 from ..config import TaperNormConfig
 from ..data.corpus import prepare_data
+from ..data.local_folders import TooLittleText
 from ..data.sources import AnyDataset, DataError
 from ..errors import TaperDivergenceError
 from ..layers.patching import patch_model
@@ -68,22 +69,26 @@ def text_batches(
 
     ``prefix_ids`` (the recipe's sink tokens) start every block, as the recipe requires of its training data.
     """
-    packed = prepare_data(
-        dataset,
-        tokenizer,
-        block_size=seq_len,
-        train_blocks=batch * count,
-        heldout_blocks=0,  # no held-out split: bench measures speed, and every document trains
-        text_column=text_column,
-        source=source,
-        prefix_ids=prefix_ids,
-        train_repeats=False,  # too few blocks are refused below: the batches are never read twice
-    )
-    if len(packed.train) < batch * count:
-        raise DataError(
-            f"dataset '{source}' holds {len(packed.train)} blocks of {seq_len} tokens; the train mode "
-            f"needs {batch * count} (--batch_sizes x (1 + --calibration_batches))"
+    needs = f"the train mode needs {batch * count} (--batch_sizes x (1 + --calibration_batches))"
+    try:
+        packed = prepare_data(
+            dataset,
+            tokenizer,
+            block_size=seq_len,
+            train_blocks=batch * count,
+            heldout_blocks=0,  # no held-out split: bench measures speed, and every document trains
+            text_column=text_column,
+            source=source,
+            prefix_ids=prefix_ids,
+            train_repeats=False,  # too few blocks are refused below: the batches are never read twice
         )
+    except TooLittleText:  # its words are taper's (a held-out split, --block_size): bench has neither
+        raise DataError(
+            f"dataset '{source}' does not fill one block of --seq_lens {seq_len} tokens; {needs}: use more text or "
+            "a smaller --seq_lens"
+        ) from None
+    if len(packed.train) < batch * count:
+        raise DataError(f"dataset '{source}' holds {len(packed.train)} blocks of {seq_len} tokens; {needs}")
     rows = packed.train.with_format("torch")[: batch * count]
     return [{key: rows[key][i * batch : (i + 1) * batch] for key in ("input_ids", "labels")} for i in range(count)]
 

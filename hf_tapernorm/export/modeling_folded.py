@@ -395,13 +395,14 @@ def _check_sink_token_ids(config: Any) -> None:
 
 
 def _check_sink_against_stored(config: Any, ids: list[int]) -> None:
-    """Refuse sink ids the stored sink cannot be (another count than ``sink_cache_shape``'s positions, an id past the
-    vocabulary, other ids than its recipe's): an edited config.json failed while scoring, or took 5 as 127's sink."""
+    """Refuse sink ids the stored sink cannot be (another count than ``sink_cache_shape``'s positions, none included,
+    an id past the vocabulary, other ids than its recipe's): an edited config.json failed, or took 5 as 127's sink."""
     shape = config.sink_cache_shape
-    if ids and isinstance(shape, (list, tuple)) and len(shape) == 4 and len(ids) != shape[2]:
+    if isinstance(shape, (list, tuple)) and len(shape) == 4 and len(ids) != shape[2]:
+        named = f"'s sink_token_ids {ids} name {len(ids)} token(s)" if ids else " names no sink_token_ids"
         raise ValueError(
-            f"{type(config).__name__}: config.json's sink_token_ids {ids} name {len(ids)} token(s), but the stored "
-            f"sink (sink_cache_shape {list(shape)}) holds {shape[2]} position(s); {RESTORE_CONFIG}"
+            f"{type(config).__name__}: config.json{named}, but the stored sink (sink_cache_shape {list(shape)}) holds "
+            f"{shape[2]} position(s); {RESTORE_CONFIG}"
         )
     vocab = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "vocab_size", None)
     unknown = [i for i in ids if isinstance(vocab, int) and i >= vocab]

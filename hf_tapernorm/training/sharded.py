@@ -34,6 +34,7 @@ from ..errors import TaperStateError
 from ..utils import expand_user, refuse_weights_of_another_format
 from .controller import TaperController
 from .distributed import METADATA_NAME, dcp_load, dcp_save, is_main_process, refuse_untrusted_sharded_checkpoint
+from .recipe_check import recipe_differences
 
 _MODEL = "model"
 
@@ -122,11 +123,12 @@ def load_sharded_checkpoint(
             f"'{folder}' is not a sharded checkpoint: no {METADATA_NAME} (written by save_sharded_checkpoint)"
         )
     refuse_untrusted_sharded_checkpoint(folder, trust_sharded_checkpoint)
-    saved, now = TaperNormConfig.from_pretrained(folder).options(), config_of(model).options()  # by option names
-    differences = [f"{k}: {v!r} in the checkpoint, {now.get(k)!r} now" for k, v in saved.items() if now.get(k) != v]
+    differences = recipe_differences(folder, config_of(model))  # the comparison every resume makes
+    if differences is None:  # no recipe saved: reading it says what is missing
+        TaperNormConfig.from_pretrained(folder)
     if differences:
         raise TaperStateError(
-            f"the sharded checkpoint {folder} was written with another TaperNormConfig ({'; '.join(differences)}); "
+            f"the sharded checkpoint {folder} was written with another TaperNormConfig ({differences}); "
             "patch the model with the checkpoint's config (TaperNormConfig.from_pretrained) to resume it"
         )
     saved_keys = {key.split(".", 1)[0] for key in _metadata(folder).state_dict_metadata}

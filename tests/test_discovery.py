@@ -12,7 +12,15 @@ from hf_tapernorm.architectures.styles import NormStyle
 from hf_tapernorm.architectures.table import NormSite, architecture_for
 from hf_tapernorm.layers import set_gate, tapered_norms
 from hf_tapernorm.training import calibrate
-from tests.conftest import FAMILY_CASES, build, random_batches, tiny_family_config, tiny_llama_config
+from tests.conftest import (
+    _FAMILY_COMMON,
+    _GQA,
+    FAMILY_CASES,
+    build,
+    random_batches,
+    tiny_family_config,
+    tiny_llama_config,
+)
 
 
 def _normalized(arch):
@@ -167,20 +175,7 @@ def test_post_ln_and_embedding_norms_are_refused_by_name():
 
 def _tiny_auto_config(model_type, **extra):
     """A tiny config of a family transformers builds that neither the table nor conftest covers."""
-    common = dict(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return AutoConfig.for_model(model_type, **{**common, **extra})
+    return AutoConfig.for_model(model_type, **{**_FAMILY_COMMON, **_GQA, **extra})
 
 
 def test_a_layernorm_subclass_with_another_gain_is_refused_by_class():

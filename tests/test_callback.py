@@ -289,26 +289,96 @@ def test_a_second_train_of_the_same_trainer_is_watched_too(reference, tmp_path):
         trainer.train(resume_from_checkpoint=str(checkpoint))
     assert str(caught.value) == _fields_refusal(checkpoint)
     assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
-    # Copies of the watched model (a distillation teacher is a deep copy) carry no watch, and pickle.
-    copy.deepcopy(model).load_state_dict(load_file(checkpoint / "model.safetensors"))
-    pickle.loads(pickle.dumps(model))
+    # Copies of the watched model (a distillation teacher is a deep copy; a pickled model) keep patch_model's layout
+    # check, in the model's words, not the callback's, which watches the model it was given.
+    for duplicate in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        with pytest.raises(TaperStateError, match=r"^LlamaForCausalLM\.load_state_dict: the state being loaded"):
+            duplicate.load_state_dict(load_file(checkpoint / "model.safetensors"))
+
+
+def _trainer_with_added_callback(tmp_path: Path, model) -> Trainer:
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=8, report_to=[],
+                             use_cpu=True, save_strategy="no", disable_tqdm=True)  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=_dataset(STEPS * 8))
+    trainer.add_callback(TaperCallback(K_START, K_END))
+    return trainer
 
 
 def test_a_callback_added_with_add_callback_watches_the_trainers_later_loads(reference, tmp_path):
     """trainer.add_callback(TaperCallback()) never gets on_init_end, so the load watch never started and another
     recipe's checkpoint reached torch's optimizer error. The Trainer sends such a callback no event before the loads
     of its first train() (on_train_begin comes after them); it watches from there, so the next train() is refused in
-    one line."""
-    model = patch_model(build(tiny_llama_config(), seed=0), OTHER_NORMS)
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=8, report_to=[],
-                             use_cpu=True, save_strategy="no", disable_tqdm=True)  # fmt: skip
-    trainer = Trainer(model=model, args=args, train_dataset=_dataset(STEPS * 8))
-    trainer.add_callback(TaperCallback(K_START, K_END))
+    one line naming the fields."""
+    trainer = _trainer_with_added_callback(tmp_path, patch_model(build(tiny_llama_config(), seed=0), OTHER_NORMS))
     trainer.train()
     checkpoint = _copy_checkpoint(reference, tmp_path / "checkpoint-6")
     with pytest.raises(TaperStateError) as caught:
         trainer.train(resume_from_checkpoint=str(checkpoint))
     assert str(caught.value) == _fields_refusal(checkpoint)
+
+
+def test_the_first_train_of_a_callback_added_with_add_callback_refuses_another_recipes_checkpoint(reference, tmp_path):
+    """The first train() of a Trainer given TaperCallback by add_callback, resumed from a checkpoint that tapered
+    other norms, loaded its weights and failed in torch's words on the optimizer's parameter groups: no callback
+    event comes before those loads. The model's own load watch (patch_model's) refuses it now, before anything
+    is loaded, in one line that says how to load it."""
+    model = patch_model(build(tiny_llama_config(), seed=0), OTHER_NORMS)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    trainer = _trainer_with_added_callback(tmp_path, model)
+    checkpoint = _copy_checkpoint(reference, tmp_path / "checkpoint-6")
+    with pytest.raises(TaperStateError) as caught:
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert str(caught.value) == (
+        "LlamaForCausalLM.load_state_dict: the state being loaded tapered other norms than the model's "
+        "TaperNormConfig tapers (tapered in it, kept now: model.layers.0.input_layernorm), so it was written with "
+        "another TaperNormConfig; patch the model with that config (the tapernorm_config.json saved with it) to load it"
+    )
+    assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
+
+
+def test_a_checkpoint_of_an_unpatched_model_is_refused_before_the_trainer_loads_its_optimizer(tmp_path):
+    """A patched model's Trainer resumed from a plain Trainer's checkpoint (the model unpatched) loaded its weights
+    and failed in torch's words on the optimizer's parameter groups: the checkpoint holds no TaperNorm state, no
+    recipe, and the callback's own message for it came after the optimizer's load. It is refused before anything
+    loads now, with the callback given to Trainer(...) and with add_callback alike."""
+    plain = build(tiny_llama_config(), seed=0)
+    args = TrainingArguments(output_dir=str(tmp_path / "plain"), max_steps=4, per_device_train_batch_size=8,
+                             report_to=[], use_cpu=True, save_strategy="steps", save_steps=2)  # fmt: skip
+    Trainer(model=plain, args=args, train_dataset=_dataset(32)).train()
+    checkpoint = tmp_path / "plain" / "checkpoint-4"
+    with pytest.raises(TaperStateError) as caught:
+        run_trainer(tmp_path / "run", resume=str(checkpoint), resume_argument=str(checkpoint))
+    assert str(caught.value) == (
+        "TaperCallback: the checkpoint being loaded holds the norms' weights but no TaperNorm state (gate, c, "
+        "statistics), so a model that patch_model had not patched wrote it; resume a checkpoint of a tapered run, or "
+        "start this run without resume_from_checkpoint (patch_model the checkpoint's model to taper it from there)"
+    )
+    model = patch_model(build(tiny_llama_config(), seed=0), TaperNormConfig.paper(ema_rate=0.1))
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    with pytest.raises(TaperStateError) as caught:
+        _trainer_with_added_callback(tmp_path / "added", model).train(resume_from_checkpoint=str(checkpoint))
+    assert str(caught.value) == (
+        "LlamaForCausalLM.load_state_dict: the state being loaded holds the norms' weights but no TaperNorm state "
+        "(gate, c, statistics), so it is an unpatched model's; load it before patch_model, or load a tapered "
+        "checkpoint with hf_tapernorm.load_tapered"
+    )
+    assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
+
+
+def test_a_second_train_from_step_0_of_a_tapered_model_is_refused(tmp_path):
+    """trainer.train() again (no resume) after a run that ended at gate 0 started a new schedule at gate 1 over the
+    tapered model without a word: the Trainer's second train() is a new run from step 0. It is refused at train
+    begin now, before any step, and the model keeps its gate; resuming that run's checkpoint is the way on."""
+    trainer, model, _ = run_trainer(tmp_path)
+    assert gate_of(model) == 0.0
+    with pytest.raises(TaperStateError) as caught:
+        trainer.train()
+    assert str(caught.value) == (
+        "TaperCallback: the model holds gate 0.000000, so an earlier train() or run tapered it, and this train() "
+        "starts at step 0, whose gate 1.000000 would set it back up over a model trained at the lower one; resume "
+        "that run's checkpoint (train(resume_from_checkpoint=...)), or patch a fresh model for a new run"
+    )
+    assert gate_of(model) == 0.0 and trainer.state.global_step == 0
 
 
 def test_reporting_integrations_without_place_first_are_warned_about(caplog):

@@ -426,6 +426,34 @@ def test_onnx_runtime_reads_a_left_padded_batch_as_the_torch_export_does(gpt2_si
     ).all()
 
 
+def test_onnx_runtime_counts_positions_of_a_left_padded_batch_without_a_sink_as_the_torch_export_does(
+    exports, onnx_graphs
+):
+    """A left-padded batch on a GPT-2 export without a sink: the torch export (transformers' GPT-2) counts positions
+    from column 0, and OnnxCausalLM.forward counted each row from its own first token, so the padded rows' logits
+    differed by about 0.5 without a word. forward counts as the torch export now, continued states too; generate
+    still counts each row from its own first token, as transformers' generate() does."""
+    from hf_tapernorm.integrations.onnx_runtime import OnnxCausalLM
+
+    runtime = OnnxCausalLM(onnx_graphs["gpt2-all"], threads=1)
+    model = AutoModelForCausalLM.from_pretrained(exports["gpt2-all"]).eval()
+    batch = left_padded(TEXTS)
+    with torch.no_grad():
+        expected = model(**batch).logits
+        continued = model(**batch, use_cache=True)
+        mask = torch.cat([batch["attention_mask"], torch.ones(3, 1, dtype=torch.long)], dim=1)
+        following = model(input_ids=torch.full((3, 1), 104), attention_mask=mask, cache=continued.cache).logits
+        greedy = model.generate(**batch, max_new_tokens=5, do_sample=False, pad_token_id=0).numpy()
+    logits, state = runtime.forward(batch["input_ids"].numpy(), attention_mask=batch["attention_mask"].numpy())
+    attended = batch["attention_mask"].bool()
+    assert abs(logits[attended.numpy()] - expected[attended].numpy()).max() <= 1e-4
+    following_onnx, _ = runtime.forward([[104]] * 3, state, attention_mask=mask.numpy())
+    assert abs(following_onnx - following.numpy()).max() <= 1e-4
+    assert (
+        runtime.generate(batch["input_ids"].numpy(), 5, attention_mask=batch["attention_mask"].numpy()) == greedy
+    ).all()
+
+
 def test_onnx_runtime_refuses_past_the_position_table_as_the_torch_export_does(gpt2_sink, gpt2_sink_graph):
     from hf_tapernorm.integrations.onnx_runtime import OnnxCausalLM
 

@@ -556,13 +556,6 @@ def test_callback_allow_changes_given_as_one_string_is_one_field():
     assert TaperCallback(allow_changes="scope").allow_changes == {"scope"}
 
 
-def test_a_new_controller_on_a_tapered_model_starts_its_schedule_at_gate_1():
-    model = tapered("llama")
-    controller = TaperController(model, total_steps=100)
-    assert controller.step_begin(-5) == 1.0 and controller.step_begin(0) == 1.0
-    assert all(float(layer.gate) == 1.0 for layer in model.modules() if getattr(layer, "tapered", False))
-
-
 def test_a_controller_step_that_goes_back_is_refused():
     """A loop whose step counter restarts (the batch index of each epoch) set the gate back up (0.905 after 0.3)
     over a model trained at the lower gate, without a word. Refused in one line now; the same step again (a retried
@@ -638,6 +631,25 @@ def test_a_resumed_controller_refuses_a_loop_that_starts_again_at_0(tmp_path):
         controller = resumed(check)
         gate = controller.step_begin(5)
         assert gate == controller.schedule.gate(6) < held
+
+
+def test_a_new_controller_on_a_model_tapered_before_refuses_to_raise_its_gate(tmp_path):
+    """A new TaperController (no load_state, no check_resume) on a model an earlier run tapered to gate 0.095 set
+    gate 1 at its step_begin(0) over a model trained at the lower gate, without a word. Its first step refuses now,
+    and leaves the gate as it was; a model at gate 1 starts as before."""
+    model = load_tapered(_saved_at_step_5(tmp_path / "s5")).train()
+    held = float(next(tapered_norms(model))[1].gate)
+    assert held < 0.5
+    controller = TaperController(model, total_steps=8)
+    with pytest.raises(TaperStateError) as caught:
+        controller.step_begin(0)
+    assert str(caught.value) == (
+        f"TaperController.step_begin(0): the model holds gate {held:.6f}, so an earlier run tapered it, and this "
+        "controller's step 0 would set it back up to 1.000000 over a model trained at the lower one; to go on with "
+        "that run, load_state(its checkpoint) and check_resume(its step) first; for a new run, patch a fresh model"
+    )
+    assert all(float(layer.gate) == held for _, layer in tapered_norms(model))
+    assert TaperController(_paper(taper_start=2, taper_end=6), total_steps=8).step_begin(0) == 1.0
 
 
 def test_controller_load_state_reads_one_string_of_allow_changes_as_one_name(tmp_path):

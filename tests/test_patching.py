@@ -1,3 +1,6 @@
+import copy
+import pickle
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, LlamaModel
@@ -116,6 +119,37 @@ def test_state_dict_round_trip_of_a_patched_model(tiny_llama):
     tiny_llama.eval(), fresh.eval()
     with torch.no_grad():
         assert torch.equal(tiny_llama(ids).logits, fresh(ids).logits)
+
+
+def test_state_of_another_taper_layout_is_refused_before_it_loads(tiny_llama):
+    """A patched model that keeps a norm, given the state of one that tapered it (another keep_norms), loaded its
+    statistics and calibration into the kept norm without a word (a Trainer resume then failed on the optimizer's
+    parameter groups). Every patched model refuses it now, before anything loads, and its copies do too."""
+    patch_model(tiny_llama, TaperNormConfig.paper())
+    tiny_llama.train()
+    with torch.no_grad():
+        for ids in random_batches():
+            tiny_llama(ids)
+    calibrate(tiny_llama)
+    state = tiny_llama.state_dict()
+    keeps = TaperNormConfig.paper(keep_norms=["model.layers.1.*"])
+    other = patch_model(build(tiny_llama_config(), seed=5), keeps)
+    before = {key: value.clone() for key, value in other.state_dict().items()}
+    expected = (
+        "LlamaForCausalLM.load_state_dict: the state being loaded tapered other norms than the model's TaperNormConfig "
+        "tapers (tapered in it, kept now: model.layers.1.input_layernorm, model.layers.1.post_attention_layernorm), "
+        "so it was written with another TaperNormConfig; patch the model with that config (the tapernorm_config.json "
+        "saved with it) to load it"
+    )
+    for model in (other, copy.deepcopy(other), pickle.loads(pickle.dumps(other))):
+        with pytest.raises(TaperStateError) as caught:
+            model.load_state_dict(state)
+        assert str(caught.value) == expected
+    assert all(torch.equal(before[key], value) for key, value in other.state_dict().items())
+    # The same layout loads (the state_dict round trip above), and so does an untrained one, which tells nothing.
+    patch_model(build(tiny_llama_config(), seed=6), keeps).load_state_dict(
+        patch_model(build(tiny_llama_config(), seed=7), TaperNormConfig.paper()).state_dict()
+    )
 
 
 def test_errors_name_the_problem(tiny_llama):

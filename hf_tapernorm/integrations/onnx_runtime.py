@@ -266,6 +266,15 @@ class OnnxCausalLM:
         export; ``attention_mask`` (optional, over the state's tokens and these, with or without the sink) marks
         padding.
         """
+        return self._forward(input_ids, state, attention_mask, per_row=False)
+
+    def _forward(
+        self, input_ids: Any, state: Optional[dict[str, Any]], attention_mask: Any, per_row: bool
+    ) -> tuple[Any, dict[str, Any]]:
+        """:meth:`forward`; ``per_row``: a fresh call without a sink counts each left-padded row from its own first
+        token, as ``generate()`` does (``forward`` counts columns then, as the torch export and transformers' own
+        model do; with a sink both count per row, as the export's forward does). A continued state keeps the way
+        its first call counted."""
         np = self.np
         kwargs = {"input_ids": torch.from_numpy(self._rows("input_ids", input_ids))}
         if attention_mask is not None:
@@ -294,15 +303,16 @@ class OnnxCausalLM:
             mask = np.concatenate([state["mask"][:, :extra], kwargs["attention_mask"].numpy()], axis=1)
         else:
             mask = np.concatenate([state["mask"], np.ones((batch, length), dtype=np.int64)], axis=1)
+        per_row = state.get("per_row", per_row) if state["length"] else per_row
         positions = kwargs.get("position_ids")
-        if positions is None:
+        if positions is None or not (self.sink is not None or per_row):
             positions = torch.arange(past, past + length).expand(batch, -1)
         feed = {"input_ids": ids, "attention_mask": mask, "position_ids": np.ascontiguousarray(positions.numpy())}
         feed.update(zip(self.past_names, state["past"]))
         logits, *present = self.session.run(None, feed)
         if restore is not None:
             logits = restore_logits(torch.from_numpy(logits), restore, self.sink_logits).numpy()
-        return logits, {"past": present, "mask": mask, "length": past + length, "sink": sink_state}
+        return logits, {"past": present, "mask": mask, "length": past + length, "sink": sink_state, "per_row": per_row}
 
     def _rows(self, name: str, values: Any) -> Any:
         """``values`` (``input_ids`` or ``attention_mask``) as an int64 ``[batch, columns]`` array, or a one-line
@@ -369,7 +379,7 @@ class OnnxCausalLM:
                 f"{max_new_tokens!r}"
             )
         ids = self._rows("input_ids", input_ids)
-        logits, state = self.forward(ids, attention_mask=attention_mask)
+        logits, state = self._forward(ids, None, attention_mask, per_row=True)
         tokens = [ids]
         for step in range(max_new_tokens):
             token = logits[:, -1:].argmax(-1).astype(np.int64)

@@ -15,6 +15,7 @@ from ..architectures.styles import NormStyle
 from ..config import TaperNormConfig
 from ..errors import CalibrationError, ConfigurationError, TaperNormError, TaperStateError, UnsupportedModelError
 from ..utils import replace_submodule
+from .load_watch import install_load_watch
 from .saving import mark_saves_as_tapered
 from .scale_anchor import ScaleAnchor
 from .sink import set_sink_tokens, warn_if_tokenizer_omits_sink
@@ -216,6 +217,7 @@ def _patch(model: nn.Module, config: Optional[TaperNormConfig], tokenizer: Any) 
         replace_submodule(model, site.path, layer)
     model.tapernorm_config = config
     mark_saves_as_tapered(model)
+    install_load_watch(model)  # TaperNorm state of another layout is refused before it loads
     set_sink_tokens(model, config.sink_token_ids)
     if tokenizer is not None:
         warn_if_tokenizer_omits_sink(tokenizer, config.sink_token_ids, stacklevel=4)  # the caller of patch_model

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Optional
 
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 from transformers import TrainerCallback
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -41,6 +40,7 @@ from .recipe_check import (
     is_adapter_checkpoint,
     refuse_adapter_checkpoint,
     resume_candidates,
+    stop_watching_checkpoint_loads,
     watch_checkpoint_loads,
 )
 from .schedule import TaperSchedule, decay_learning_rate_after_the_taper, fit_default_window
@@ -79,7 +79,8 @@ class TaperCallback(TrainerCallback):
     tapered other norms is refused there too where its folder is unknown (outside output_dir, not in the arguments);
     a PEFT checkpoint (adapters only, no TaperNorm state) is refused as not resumable. The watch starts when the
     Trainer is built: a callback added later with ``trainer.add_callback`` starts it at its first ``on_train_begin``,
-    after that ``train()``'s loads (the Trainer sends such a callback no event before them).
+    after that ``train()``'s loads (the Trainer sends such a callback no event before them), where the model's own
+    watch (``patch_model``'s) still refuses a checkpoint that tapered other norms, without naming the fields.
 
     Refused before the first step: ``load_best_model_at_end=True`` (the Trainer would put a checkpoint of a
     higher gate back over the tapered model), ``label_smoothing_factor`` where the recipe adds terms to the model's
@@ -113,8 +114,7 @@ class TaperCallback(TrainerCallback):
             TaperSchedule(taper_start if taper_start is not None else 0.05, taper_end if taper_end is not None else 0.7)
         self.controller: Optional[TaperController] = None
         self.placed_first = False  # set by place_first(trainer)
-        self._load_watch: Optional[RemovableHandle] = None  # on the model, for this callback's whole life
-        self._watched: Optional[nn.Module] = None  # the model it watches
+        self._watched: Optional[nn.Module] = None  # the model whose load watch it plugged into
         self._watched_args = None  # the TrainingArguments whose checkpoints it may resume from
         self._trainer_built_seen = False  # on_init_end came: Trainer(callbacks=[...]), not trainer.add_callback
         self._loss_checked = False  # the first step's forwards returned the model's loss
@@ -176,11 +176,10 @@ class TaperCallback(TrainerCallback):
         self._watched_args = args  # the latest Trainer's: its output_dir and resume_from_checkpoint
         if self._watched is model:
             return
-        if self._load_watch is not None:  # the same callback given to another Trainer's model
-            self._load_watch.remove()
-        self._load_watch = watch_checkpoint_loads(
-            model, lambda: resume_candidates(self._watched_args), "TaperCallback", self.allow_changes
-        )
+        if self._watched is not None:  # the same callback given to another Trainer's model
+            stop_watching_checkpoint_loads(self._watched)
+        candidates = lambda: resume_candidates(self._watched_args)  # noqa: E731 (read at each load)
+        watch_checkpoint_loads(model, candidates, "TaperCallback", self.allow_changes)
         self._watched = model
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -200,6 +199,8 @@ class TaperCallback(TrainerCallback):
         loss_terms_of(model).forwards_without_loss = 0  # counted from this run's first forward
         if state.global_step > 0:
             self._resume(args, state, config)
+        else:
+            self._refuse_a_tapered_model(model)
         schedule = self.controller.schedule
         logger.info(
             "TaperCallback (recipe %s): g = 1 for steps 1-%d (calibration), cosine to g = 0 at step %d of %d%s",
@@ -218,6 +219,19 @@ class TaperCallback(TrainerCallback):
             refuse_adapter_checkpoint(folder, "TaperCallback")
         self.controller._load_state(folder, "TaperCallback", self.trust_sharded_checkpoint, self.allow_changes)
         self.controller.check_resume(state.global_step)
+
+    def _refuse_a_tapered_model(self, model) -> None:
+        """A train() from step 0 (no resume) of a model an earlier train() or run tapered: its first step would set
+        the gate back up over a model trained at a lower one (a second train() of a finished Trainer is a new run)."""
+        held = next((float(layer.gate) for _, layer in tapered_norms(model)), 1.0)
+        first = self.controller.schedule.gate(1)
+        if first > held + 1e-6:
+            raise TaperStateError(
+                f"TaperCallback: the model holds gate {held:.6f}, so an earlier train() or run tapered it, and this "
+                f"train() starts at step 0, whose gate {first:.6f} would set it back up over a model trained at the "
+                "lower one; resume that run's checkpoint (train(resume_from_checkpoint=...)), or patch a fresh model "
+                "for a new run"
+            )
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.controller.step_begin(state.global_step)

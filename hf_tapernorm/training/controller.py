@@ -220,6 +220,7 @@ class TaperController:
         if not replay:
             self._refuse_going_back(step)
             self._refuse_a_rising_gate_after_load_state(step, gate)
+            self._refuse_a_tapered_model_at_a_fresh_start(step, gate)
         self._last_step, self._last_call = step, f"step_begin({step})"
         if not self._trainable_checked:  # at the first step, when the loop has chosen what trains
             self._trainable_checked = True
@@ -277,6 +278,21 @@ class TaperController:
                 f"{step} would set it back up to {gate:.6f} over a model trained at the lower one; start the resumed "
                 "loop at its step (for step in range(start_step, total_steps)) and call check_resume(start_step) "
                 "after load_state"
+            )
+
+    def _refuse_a_tapered_model_at_a_fresh_start(self, step: int, gate: float) -> None:
+        """The first step of a controller that neither load_state nor check_resume started: refuse a gate above the
+        model's. A model below gate 1 was tapered by an earlier run (or train()); a new schedule from its start would
+        set the gate back up over a model trained at the lower one, without a word."""
+        if self._last_step is not None or self._resumed_unchecked:
+            return
+        held = next((float(layer.gate) for _, layer in tapered_norms(self.model)), gate)
+        if gate > held + 1e-6:
+            raise TaperStateError(
+                f"TaperController.step_begin({step}): the model holds gate {held:.6f}, so an earlier run tapered it, "
+                f"and this controller's step {step} would set it back up to {gate:.6f} over a model trained at the "
+                "lower one; to go on with that run, load_state(its checkpoint) and check_resume(its step) first; for a "
+                "new run, patch a fresh model"
             )
 
     def step_end(self, step: int, loss: Optional[float] = None, grad_norm: Optional[float] = None) -> None:

@@ -27,6 +27,7 @@ from torch import nn
 from ..config import DistillationConfig, ExperimentalOptions, TaperNormConfig
 from ..config_fields import DistillSchedule, DistillUntil, Teacher
 from ..errors import ConfigurationError
+from ..layers.load_watch import load_watch_of
 from ..layers.loss_terms import ForwardInputs, add_training_loss_term, remove_training_loss_term
 from ..layers.patching import gate_of
 from ..layers.taper_norm import normalized, tapered_norms
@@ -59,6 +60,7 @@ def frozen_copy(model: nn.Module) -> nn.Module:
                 model.__dict__["_tapernorm_loss_terms"] = loss_terms
         teacher._forward_pre_hooks.clear()  # the sink marker: a teacher at gate 1 normalizes every position anyway
         teacher._forward_hooks.clear()
+    load_watch_of(teacher).stand_down()  # the model's state, statistics of tapered norms included, loads into it
     for _, layer in tapered_norms(teacher, include_kept=True):
         layer.anchor = None
         if layer.tapered:

@@ -7,18 +7,17 @@ does ``TaperCallback`` on a Trainer resume.
 
 The Trainer restores the model's weights and then the optimizer's state before its first callback event of
 ``train()`` (``on_train_begin``), and a recipe that trains other parameters (another ``keep_norms`` or
-``scope``) fails the optimizer's load first, in torch's words. :func:`watch_checkpoint_loads` closes that gap
-through torch's public ``load_state_dict`` pre-hook, which runs inside the Trainer's model load, before anything
-is loaded and before the optimizer is built. It finds which of the checkpoints TaperCallback could resume from
+``scope``) fails the optimizer's load first, in torch's words. Every patched model refuses TaperNorm state of
+another layout before it loads (layers/load_watch.py), wherever it comes from; :func:`watch_checkpoint_loads`
+plugs a finer check into that watch, which runs inside the Trainer's model load, before anything is loaded and
+before the optimizer is built. It finds which of the checkpoints TaperCallback could resume from
 (``resume_from_checkpoint`` of the arguments, ``<output_dir>/checkpoint-*``) is being loaded, by the TaperNorm
-tensors it holds (a PEFT checkpoint by its adapters), and refuses it when its recipe differs (a PEFT checkpoint
-always: it holds no TaperNorm state). A checkpoint it cannot find (one outside output_dir that the arguments do not
-name) is refused when its TaperNorm statistics show that it tapered other norms than the model does.
+tensors it holds (a PEFT checkpoint by its adapters), and refuses it naming the fields of its recipe that differ (a
+PEFT checkpoint always: it holds no TaperNorm state).
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Optional, Union
@@ -26,12 +25,11 @@ from typing import Optional, Union
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..config import CONFIG_NAME, TaperNormConfig, config_of
 from ..errors import TaperNormError, TaperStateError
-from ..layers.taper_norm import tapered_norms
+from ..layers.load_watch import load_watch_of
 from ..utils import WHOLE_WEIGHTS
 
 #: A PEFT adapter's weights in a Trainer checkpoint (peft's SAFETENSORS_WEIGHTS_NAME).
@@ -77,29 +75,30 @@ def refuse_another_recipe(folder: Path, config: TaperNormConfig, who: str, allow
 
 def watch_checkpoint_loads(
     model: nn.Module, candidates: Callable[[], list[Path]], who: str, allow_changes: AllowedChanges = ()
-) -> RemovableHandle:
-    """Check every ``model.load_state_dict`` (the Trainer's checkpoint load among them) until the handle is removed,
-    before anything is loaded: a checkpoint among ``candidates()`` whose TaperNorm tensors are the ones being loaded
-    and whose recipe differs from the model's is refused (:func:`refuse_another_recipe`); so is a PEFT checkpoint
-    among them whose adapters are the ones being loaded (:func:`refuse_adapter_checkpoint`), and TaperNorm state
-    that tapered other norms than the model tapers, from wherever it comes (:func:`refuse_another_taper_layout`).
-    Candidates with this model's recipe cost one small JSON read each; tensors are read only from those of another
-    recipe, and from PEFT checkpoints when adapters alone are loaded."""
-    return model.register_load_state_dict_pre_hook(_LoadWatch(model, candidates, who, allowed_changes(allow_changes)))
+) -> None:
+    """Check every ``model.load_state_dict`` (the Trainer's checkpoint load among them) from now on, before
+    anything is loaded, in the load watch ``patch_model`` registered (layers/load_watch.py), until
+    :func:`stop_watching_checkpoint_loads`: a checkpoint among ``candidates()`` whose TaperNorm tensors are the
+    ones being loaded and whose recipe differs from the model's is refused (:func:`refuse_another_recipe`); so is a
+    PEFT checkpoint among them whose adapters are the ones being loaded (:func:`refuse_adapter_checkpoint`).
+    TaperNorm state that tapered other norms than the model tapers, from wherever it comes, is refused by the watch
+    itself, in ``who``'s name. Candidates with this model's recipe cost one small JSON read each; tensors are read
+    only from those of another recipe, and from PEFT checkpoints when adapters alone are loaded."""
+    load_watch_of(model).plug(_CandidateCheck(config_of(model), candidates, who, allowed_changes(allow_changes)), who)
 
 
-class _LoadWatch:
-    """The pre-hook of :func:`watch_checkpoint_loads`. It watches the model it was registered on only: a deep copy
-    of that model (a distillation teacher) or a pickled one carries an inert hook instead (:class:`_Inert`)."""
+def stop_watching_checkpoint_loads(model: nn.Module) -> None:
+    """End :func:`watch_checkpoint_loads` on ``model``; its load watch checks the TaperNorm layout alone again."""
+    load_watch_of(model).unplug()
 
-    def __init__(self, model: nn.Module, candidates: Callable[[], list[Path]], who: str, allowed: set[str]) -> None:
-        self.watched, self.config = weakref.ref(model), config_of(model)
-        self.candidates, self.who, self.allowed = candidates, who, allowed
 
-    def __call__(self, module: nn.Module, state_dict, prefix: str, *_) -> None:
-        if module is not self.watched():
-            return
-        loaded = loaded_taper_state(module, state_dict, prefix)
+class _CandidateCheck:
+    """The check :func:`watch_checkpoint_loads` plugs into a model's load watch."""
+
+    def __init__(self, config: TaperNormConfig, candidates: Callable[[], list[Path]], who: str, allowed: set[str]):
+        self.config, self.candidates, self.who, self.allowed = config, candidates, who, allowed
+
+    def __call__(self, module: nn.Module, state_dict, loaded: Mapping[str, torch.Tensor]) -> None:
         for folder in self.candidates():
             if not loaded:  # adapters alone (a PEFT resume), or weights without any TaperNorm state
                 if is_adapter_checkpoint(folder) and holds_loaded_adapters(folder, state_dict):
@@ -111,70 +110,6 @@ class _LoadWatch:
                 continue
             if differs and holds_loaded_taper_state(folder, loaded):
                 refuse_another_recipe(folder, self.config, self.who, self.allowed)
-        refuse_another_taper_layout(module, loaded, self.who)
-
-    def __reduce__(self):
-        return (_Inert, ())
-
-
-class _Inert:
-    """What a copied model's load watch becomes: it checks nothing (the copy is not the model being trained)."""
-
-    def __call__(self, *_) -> None:
-        return None
-
-
-def loaded_taper_state(model: nn.Module, state_dict, prefix: str = "") -> dict[str, torch.Tensor]:
-    """The TaperNorm tensors (statistics, c, gate, the norms' weights, a scale anchor's) that ``state_dict`` holds
-    for ``model``, by their names in the model; {} when it holds none (adapters alone, an unpatched model's)."""
-    return {
-        key: state_dict[prefix + key]
-        for name, layer in tapered_norms(model, include_kept=True)
-        for key in layer.state_dict(prefix=f"{name}.")
-        if prefix + key in state_dict
-    }
-
-
-def refuse_another_taper_layout(model: nn.Module, loaded: Mapping[str, torch.Tensor], who: str) -> None:
-    """Refuse TaperNorm state that tapered other norms than ``model`` tapers (another ``keep_norms``, ``scope`` or
-    recipe), told by its statistics: only a tapered norm gathers them or is calibrated. The optimizer of such a
-    checkpoint trained other parameters, and the Trainer's load of it would fail in torch's words; the folder is not
-    known here (one outside output_dir that the arguments do not name), so its fields cannot be named."""
-    kept_now, tapered_now = taper_layout_differences(model, loaded)
-    if not kept_now and not tapered_now:
-        return
-    listing = "; ".join(
-        f"{what}: {_names(names)}"
-        for what, names in (("tapered in it, kept now", kept_now), ("kept in it, tapered now", tapered_now))
-        if names
-    )
-    raise TaperStateError(
-        f"{who}: the checkpoint being loaded tapered other norms than the model's TaperNormConfig tapers ({listing}), "
-        "so it was written with another TaperNormConfig; patch the model with the checkpoint's config to resume it (a "
-        "checkpoint outside output_dir must also be named in TrainingArguments(resume_from_checkpoint=...), where "
-        f"{who} reads its recipe and names the fields that differ)"
-    )
-
-
-def taper_layout_differences(model: nn.Module, loaded: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
-    """The norms ``loaded`` tapered that ``model`` keeps, and those it kept that ``model`` tapers. A norm tapered in
-    it has statistics (``ema_steps`` above 0) or is calibrated; ([], []) when no norm of it has either (no step was
-    trained: nothing tells), or a value cannot be read here (a sharded model's DTensors)."""
-    tapered_there = {}
-    for name, layer in tapered_norms(model, include_kept=True):
-        steps, calibrated = loaded.get(f"{name}.ema_steps"), loaded.get(f"{name}.calibrated")
-        if type(steps) is not torch.Tensor or type(calibrated) is not torch.Tensor or steps.is_meta:
-            continue
-        tapered_there[layer.site_name or name] = (bool(steps.item() > 0 or calibrated.item()), layer.tapered)
-    if not any(there for there, _ in tapered_there.values()):
-        return [], []
-    kept_now = [name for name, (there, now) in tapered_there.items() if there and not now]
-    tapered_now = [name for name, (there, now) in tapered_there.items() if now and not there]
-    return kept_now, tapered_now
-
-
-def _names(names: list[str], shown: int = 3) -> str:
-    return ", ".join(names[:shown]) + (f", ... ({len(names)} in all)" if len(names) > shown else "")
 
 
 def is_adapter_checkpoint(folder: Path) -> bool:
@@ -258,12 +193,10 @@ __all__ = [
     "holds_loaded_adapters",
     "holds_loaded_taper_state",
     "is_adapter_checkpoint",
-    "loaded_taper_state",
     "recipe_differences",
     "refuse_adapter_checkpoint",
     "refuse_another_recipe",
-    "refuse_another_taper_layout",
     "resume_candidates",
-    "taper_layout_differences",
+    "stop_watching_checkpoint_loads",
     "watch_checkpoint_loads",
 ]

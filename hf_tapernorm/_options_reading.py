@@ -19,8 +19,8 @@ def load_values(handle: IO[str], json_syntax: bool, as_written: Collection[str])
     holds (:class:`_Written`); YAML reads numbers as YAML 1.2 does (:class:`_Loader`), and the value of a text or
     number option (``as_written``: a folder, a dataset name, a step count) is its text as written, given to the
     option's own type as the flag's text is: ``output_dir: 010`` is the folder 010, ``learning_rate: 0x10`` is
-    refused as ``--learning_rate 0x10`` is. The syntaxes' own errors (ValueError, yaml.YAMLError, RecursionError)
-    pass to the caller, which names the file."""
+    refused as ``--learning_rate 0x10`` is; an option written as a bare ``~`` is :data:`BARE_TILDE`, not ``None``.
+    The syntaxes' own errors (ValueError, yaml.YAMLError, RecursionError) pass to the caller, which names the file."""
     if json_syntax:
         return json.load(
             handle, parse_int=_JsonInt.read, parse_float=_JsonFloat.read, object_pairs_hook=_object_of_distinct_keys
@@ -28,6 +28,8 @@ def load_values(handle: IO[str], json_syntax: bool, as_written: Collection[str])
     loader = _Loader(handle)
     try:
         node = loader.get_single_node()
+        if node is not None:
+            _refuse_an_expansion_past(MAX_VALUES, node)
         values = loader.construct_document(node) if node is not None else None
     finally:
         loader.dispose()
@@ -35,7 +37,57 @@ def load_values(handle: IO[str], json_syntax: bool, as_written: Collection[str])
         for key, value in node.value:  # merge keys already flattened into it; the last of a key wins
             if isinstance(key.value, str) and key.value.replace("-", "_") in as_written:
                 values[key.value] = _as_written(value, values[key.value])
+            if key.value in values and value.tag == _NULL and value.value == "~":  # values' key: text, not `1:`
+                values[key.value] = BARE_TILDE
     return values
+
+
+#: The most values (scalars, lists, mappings) an options file may hold once its YAML aliases are expanded: far more
+#: than any command's options need, far fewer than a few hundred bytes of aliases of aliases can expand to.
+MAX_VALUES = 10_000
+
+
+def _refuse_an_expansion_past(limit: int, root: yaml.Node) -> None:
+    """Refuse a YAML document whose aliases (``*name``, each the value its anchor ``&name`` marks) expand to more than
+    ``limit`` values, before anything is built: aliases of aliases multiply at each level, and the object, its
+    checks and its flags would take more time and memory than the machine has. Counted over the composed nodes,
+    which an alias shares, so the count costs one visit per distinct node (a node inside itself counts as too many)."""
+    sizes: dict[int, int] = {}
+
+    def size(node: yaml.Node) -> int:
+        if id(node) in sizes:
+            return sizes[id(node)]
+        sizes[id(node)] = limit + 1  # until it is counted: a node that holds itself expands without end
+        if isinstance(node, yaml.SequenceNode):
+            total = 1 + sum(size(child) for child in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            total = 1 + sum(size(key) + size(value) for key, value in node.value)
+        else:
+            total = 1
+        sizes[id(node)] = min(total, limit + 1)
+        return sizes[id(node)]
+
+    if size(root) > limit:
+        raise ValueError(
+            f"its YAML aliases (*name) expand to more than {limit} values, more than any command's options hold: "
+            "write the values out, or alias fewer"
+        )
+
+
+class _BareTilde:
+    """The value of an option that a YAML options file wrote as a bare ``~``: YAML's null, which leaves an option at
+    its default as ``null`` does, but which, for a path option, its writer surely meant as the home folder (the
+    caller refuses it there)."""
+
+    def __repr__(self) -> str:
+        return "~"
+
+
+#: An option's bare YAML ``~`` (:class:`_BareTilde`), told apart from ``null`` and an empty value.
+BARE_TILDE = _BareTilde()
+
+#: The tag of YAML's null (``~``, ``null``, an empty value).
+_NULL = "tag:yaml.org,2002:null"
 
 
 def _refuse_repeated_key(keys: list[Any]) -> None:
@@ -158,4 +210,4 @@ def _as_written(node: yaml.Node, value: Any) -> Any:
     return value
 
 
-__all__ = ["load_values"]
+__all__ = ["BARE_TILDE", "load_values"]

@@ -29,9 +29,9 @@ from typing import Any, NoReturn, Optional, Union
 import yaml
 from transformers import HfArgumentParser
 
-from ._options_reading import load_values
+from ._options_reading import BARE_TILDE, load_values
 from .errors import ConfigurationError, TaperNormError
-from .utils import check_seeds, expand_user
+from .utils import BARE_TILDE_OPTIONS, check_seeds, expand_user
 
 #: ``Class.field`` (or ``Class.group.field``) as the layers below the command line name a field in their errors.
 _FIELD = re.compile(r"\b(?:TaperNormConfig|TrainingArguments)\.([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)?)")
@@ -146,6 +146,7 @@ def parse(dataclass_types: Sequence[type], argv: Sequence[str], prog: str) -> tu
     if source is not None and len(argv) > 1:  # argparse would call it an unrecognized argument
         _refuse_misplaced(source, argv, prog)
     parser = _Parser(dataclass_types, prog, source)
+    bare: frozenset[str] = frozenset()  # the options the file gave a bare YAML ~
     if source is not None:
         path = os.path.abspath(expand_user(source, f"options file '{source}'"))  # a quoted '~/run.json' too
         _check_options_file(path, source)
@@ -155,7 +156,9 @@ def parse(dataclass_types: Sequence[type], argv: Sequence[str], prog: str) -> tu
             if action.dest in parser.hints
             and (_is_text(parser.hints[action.dest]) or action.type in (int, _finite_float))
         }
-        argv = _command_line(parser, _read_options_file(path, source, as_written))
+        values = _read_options_file(path, source, as_written)
+        argv = _command_line(parser, values)
+        bare = frozenset(parser.flags[key.replace("-", "_")].dest for key, v in values.items() if v is BARE_TILDE)
     else:
         misplaced = _options_file_among(parser, argv)
         if misplaced is not None:  # argparse would read it as a flag's value (--resume run.json) or an extra word
@@ -164,7 +167,8 @@ def parse(dataclass_types: Sequence[type], argv: Sequence[str], prog: str) -> tu
     if ends:  # argparse drops a value `--` (the end of the options): --output_dir=-- would be the list []
         where = f"{source}: " if source is not None else ""
         raise UsageError(f"{where}{ends[0]}: '--' is no value an option can take (see {prog} --help)")
-    try:
+    given_tilde = BARE_TILDE_OPTIONS.set((source or "", bare))
+    try:  # the path options given a bare YAML ~ are refused as the dataclasses check their paths
         parsed = tuple(parser.parse_args_into_dataclasses(args=list(argv), look_for_args_file=False))  # no <prog>.args
     except ValueError as error:
         if isinstance(error, ConfigurationError):
@@ -174,6 +178,8 @@ def parse(dataclass_types: Sequence[type], argv: Sequence[str], prog: str) -> tu
             unused = message.split(":", 1)[1].strip()
             raise UsageError(f"unrecognized arguments: {unused} (see {prog} --help)") from None
         raise UsageError(message) from None
+    finally:
+        BARE_TILDE_OPTIONS.reset(given_tilde)
     for options in parsed:  # every seed option of every command, in one range
         check_seeds(options)
     return parsed
@@ -304,6 +310,7 @@ def _command_line(parser: _Parser, values: dict[str, Any]) -> list[str]:
         raise UsageError(f"{parser.source}: {' and '.join(twice)} are the same option: keep one")
     argv: list[str] = []
     for key, value in values.items():
+        value = None if value is BARE_TILDE else value  # null; a path option refuses it (utils.expand_user_options)
         flag = flags[key]
         name = flag.dest
         action, hint = parser.options[name], hints[name]

@@ -8,6 +8,7 @@ import json
 import os
 import time
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -104,13 +105,27 @@ def expand_user(path: Union[str, os.PathLike], what: str = "", *, strict: bool =
         ) from None
 
 
+#: The options file being parsed and the options it gave a bare YAML ``~`` (YAML's null, which leaves an option at
+#: its default): _parsing.parse sets it while it builds the command's arguments, so that a path option among them,
+#: where the ``~`` was surely meant as the home folder, is refused by expand_user_options, which knows the paths.
+BARE_TILDE_OPTIONS: ContextVar[tuple[str, frozenset[str]]] = ContextVar("BARE_TILDE_OPTIONS", default=("", frozenset()))
+
+
 def expand_user_options(options: Any, *names: str) -> None:
     """Refuse now, by its flag (``--name 'value': ...``), each path option ``names`` of an arguments dataclass of
     cli/ or bench/ that is empty or whose ``~user`` names no user of this machine (expand_user). Their
     ``__post_init__`` calls it: a command then stops at parse time, before the checks deeper down that know the path
     but not the option. An empty path (an unset shell variable, ``--export_dir "$DIR"``) is ``Path("")``, the working
-    folder, which a command would read, score, upload or write into in the option's name."""
+    folder, which a command would read, score, upload or write into in the option's name. A path option an options
+    file gave a bare YAML ``~`` (:data:`BARE_TILDE_OPTIONS`) is refused: YAML reads it as null, the default folder,
+    where its writer meant the home folder."""
+    source, bare = BARE_TILDE_OPTIONS.get()
     for name in names:
+        if name in bare:
+            raise ConfigurationError(
+                f"{source}: {name}: ~ is YAML's null, which leaves --{name} at its default, not the home folder: "
+                f"write '~' (quoted) for the home folder, or leave {name} out for the default"
+            )
         value = getattr(options, name)
         if value == "":
             declared = next(f for f in fields(options) if f.name == name)
@@ -283,6 +298,7 @@ __all__ = [
     "compile_backends",
     "check_seeds",
     "expand_user",
+    "BARE_TILDE_OPTIONS",
     "expand_user_options",
     "file_in_the_way",
     "holds_model_weights",

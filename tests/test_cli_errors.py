@@ -651,6 +651,32 @@ CASES = {
         "--per_device_eval_batch_size is not read by taper: taper evaluates the held-out blocks itself, "
         "--eval_batch_size per forward; leave it out",
     ),
+    # --hub_*: accepted although taper never pushes; the token was pickled into each checkpoint's training_args.bin
+    "taper: --hub_token (taper never pushes; the token was pickled into the checkpoints)": (
+        _trainer(["--hub_token", "hf_SECRET"]),
+        2,
+        "--hub_token is not read by taper: taper never pushes (--push_to_hub is refused); publish the folded export "
+        "with hf-tapernorm push --token; leave it out",
+    ),
+    "taper: --hub_model_id me/x": (
+        _trainer(["--hub_model_id", "me/x"]),
+        2,
+        "--hub_model_id is not read by taper: taper never pushes (--push_to_hub is refused); publish the folded "
+        "export with hf-tapernorm push --repo_id; leave it out",
+    ),
+    "taper: --hub_private_repo false": (
+        _trainer(["--hub_private_repo", "false"]),
+        2,
+        "--hub_private_repo is not read by taper: taper never pushes (--push_to_hub is refused); publish the folded "
+        "export with hf-tapernorm push (private unless --no_private); leave it out",
+    ),
+    "taper: --hub_strategy end": (_trainer(["--hub_strategy", "end"]), 2, "--hub_strategy is not read by taper"),
+    "taper: --hub_always_push false (the Trainer's default, given)": (
+        _trainer(["--hub_always_push", "false"]),
+        2,
+        "--hub_always_push is not read by taper",
+    ),
+    "taper: --hub_revision main": (_trainer(["--hub_revision", "main"]), 2, "--hub_revision is not read by taper"),
     "taper: --seed -1": (
         _trainer(["--seed", "-1"]),
         2,

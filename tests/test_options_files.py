@@ -773,3 +773,60 @@ def test_a_key_a_yaml_merge_brings_in_may_be_given_again(tmp_path):
     )
     training = parsed("taper", [str(tmp_path / "run.yaml")])[-1]
     assert training.lr_scheduler_kwargs == {"num_decay_steps": 4, "min_lr_ratio": 0.1}
+
+
+def _alias_levels(levels: int) -> str:
+    """An options file whose lr_scheduler_kwargs nest YAML aliases ``levels`` deep: 10**(levels + 1) items, built
+    from a few hundred bytes (``a1: &a1 [*a0, *a0, ...]``)."""
+    lines = ["lr_scheduler_kwargs:", "  a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"  a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\nmax_steps: 6\n"
+
+
+def test_yaml_aliases_that_expand_past_any_options_need_are_refused_before_they_expand(tmp_path):
+    """A 587-byte file nesting aliases 8 levels deep expanded 10**8 items: no message, a hang until memory ran
+    out. An expansion past what any command's options hold is refused at once, in one line naming the file, before
+    anything is built (counted on the shared nodes, so the count is quick); a few aliases read as before."""
+    (tmp_path / "bomb.yaml").write_text(_alias_levels(8))
+    with pytest.raises(UsageError) as refused:
+        parsed("taper", [str(tmp_path / "bomb.yaml")])
+    assert str(refused.value) == (
+        f"{tmp_path / 'bomb.yaml'}: cannot read it (its YAML aliases (*name) expand to more than 10000 values, more "
+        "than any command's options hold: write the values out, or alias fewer)"
+    )
+    (tmp_path / "few.yaml").write_text(_alias_levels(1))
+    assert len(parsed("taper", [str(tmp_path / "few.yaml")])[-1].lr_scheduler_kwargs["a1"]) == 10
+    (tmp_path / "alias.yaml").write_text("max_steps: &steps 6\nsave_steps: *steps\n")
+    training = parsed("taper", [str(tmp_path / "alias.yaml")])[-1]
+    assert (training.max_steps, training.save_steps) == (6, 6)
+
+
+@pytest.mark.parametrize(
+    ("command", "text", "option"),
+    [
+        ("taper", "output_dir: ~\n", "output_dir"),
+        ("taper", "data_cache_dir: ~\nsink: ~\n", "data_cache_dir"),
+        ("taper", "baseline_from: ~\n", "baseline_from"),
+        ("eval", "output_json: ~\n", "output_json"),
+        ("bench", "output_dir: ~\n", "output_dir"),
+        ("bench", "dataset-name: ~\n", "dataset_name"),
+    ],
+)
+def test_a_path_option_written_as_a_bare_yaml_tilde_is_refused(command, text, option, tmp_path):
+    """``output_dir: ~`` (the user's home folder) is YAML's null, the option's default: the run went to ./runs/taper
+    without a word. A path option given a bare ~ is now refused, saying how to write either meaning."""
+    (tmp_path / "run.yaml").write_text(text)
+    with pytest.raises(ConfigurationError) as refused:
+        parsed(command, [str(tmp_path / "run.yaml")])
+    assert str(refused.value) == (
+        f"{tmp_path / 'run.yaml'}: {option}: ~ is YAML's null, which leaves --{option} at its default, not the home "
+        f"folder: write '~' (quoted) for the home folder, or leave {option} out for the default"
+    )
+
+
+def test_null_and_a_bare_tilde_for_other_options_are_still_the_default(tmp_path):
+    """``null`` (and an empty value) leave any option at its default, as documented, and so does a bare ~ for an
+    option that is no path."""
+    (tmp_path / "run.yaml").write_text("output_dir: null\ndata_cache_dir:\nsink: ~\nlr_scheduler_type: ~\n")
+    *_, training = parsed("taper", [str(tmp_path / "run.yaml")])
+    assert (training.output_dir, training.lr_scheduler_type) == ("runs/taper", "warmup_stable_decay")

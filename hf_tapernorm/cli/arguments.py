@@ -8,7 +8,7 @@ distillation group's by their flags): the same names, help texts and choices, th
 default ``None``, meaning "what ``TaperNormConfig.for_model`` (or ``--preset paper``) says": one place for every
 default and every check (hf_tapernorm/config.py, config_fields.py). The experimental options have no flag.
 ``TaperTrainingArguments`` is ``TrainingArguments`` with this command's defaults; every Trainer option
-passes through.
+passes through but those taper never reads, which are refused (unread_options.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional, Union
 
 import torch
-from transformers import TrainingArguments
 from transformers.integrations import is_deepspeed_available
 
 from .._parsing import as_flags, json_object_text
@@ -30,6 +29,7 @@ from ..config import OptionField, TaperNormConfig, parse_step
 from ..data.sources import EMBEDDED_CORPUS
 from ..errors import ConfigurationError
 from ..utils import accelerator_available, cpu_has_fast_bf16, expand_user, expand_user_options
+from .unread_options import TrainerOptionsNotRead
 
 logger = logging.getLogger(__name__)
 
@@ -332,8 +332,9 @@ class RunArguments:
 
 
 @dataclass
-class TaperTrainingArguments(TrainingArguments):
-    """TrainingArguments with this recipe's defaults (sized for the embedded default on a 2-core CPU)."""
+class TaperTrainingArguments(TrainerOptionsNotRead):
+    """TrainingArguments with this recipe's defaults (sized for the embedded default on a 2-core CPU), refusing the
+    options taper never reads (TrainerOptionsNotRead)."""
 
     EMPTY: ClassVar[dict[str, str]] = {"report_to": "none"}  # an options file's `report_to: []`
     SEPARATORS: ClassVar[dict[str, str]] = {"report_to": ","}  # `report_to: [tensorboard, wandb]`, as a flag
@@ -377,24 +378,9 @@ class TaperTrainingArguments(TrainingArguments):
     save_steps: float = field(default=500, metadata=option_help("Checkpoint every N steps (Ctrl-C also saves)."))
     save_total_limit: Optional[int] = field(default=1, metadata=option_help("Checkpoints kept."))
     dataloader_drop_last: bool = field(default=True, metadata=option_help("Only full batches."))
-    num_train_epochs: Optional[float] = field(
-        default=None, metadata=option_help("Not read: a run's length is --max_steps optimizer steps.")
-    )
-    per_device_eval_batch_size: Optional[int] = field(
-        default=None, metadata=option_help("Not read: taper evaluates with --eval_batch_size blocks per forward.")
-    )
-
-    #: Trainer options taper never reads (its own option does their job): given, they are refused, not ignored.
-    NOT_READ: ClassVar[dict[str, str]] = {
-        "num_train_epochs": "a run's length is --max_steps optimizer steps (the Trainer ignores epochs once it is set)",
-        "per_device_eval_batch_size": "taper evaluates the held-out blocks itself, --eval_batch_size per forward",
-    }
 
     def __post_init__(self) -> None:
-        for name, instead in self.NOT_READ.items():
-            if getattr(self, name) is not None:
-                raise ConfigurationError(f"--{name} is not read by taper: {instead}; leave it out")
-            setattr(self, name, TrainingArguments.__dataclass_fields__[name].default)
+        self.refuse_not_read()  # --num_train_epochs, --hub_token, ...: refused, not ignored (unread_options.py)
         for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):  # TrainingArguments json.loads them
             setattr(self, name, json_object_text(f"--{name}", getattr(self, name)))
         if self.deepspeed and not is_deepspeed_available():  # transformers would raise PackageNotFoundError

@@ -618,6 +618,15 @@ CASES = {
         2,
         "--gradient_accumulation_steps must be a positive integer, got 0",
     ),
+    # rc 0: the Trainer ends a step at the epoch's end, so every step trained on one epoch (the weights of GA equal
+    # to the epoch's batches), yet the report claimed 200000 blocks a step and hundreds of times the tokens
+    "taper: --gradient_accumulation_steps past one epoch's batches": (
+        _trainer(["--gradient_accumulation_steps", "100000"]),
+        2,
+        "error: --gradient_accumulation_steps 100000 is more than the 380 batches of one epoch of the training "
+        "data (760 blocks): the Trainer ends each step at the epoch's end, so every step would train on one "
+        "epoch; use --gradient_accumulation_steps 380 or fewer, or more training text",
+    ),
     "taper: --per_device_train_batch_size 0": (
         _trainer(["--per_device_train_batch_size", "0"]),
         2,

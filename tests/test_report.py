@@ -106,3 +106,25 @@ def test_report_md_and_the_card_name_the_split_the_run_read(ws, tmp_path):
     )
     assert named_data({"source": "me/d", "config": "c1", "split": None}) == "me/d (configuration c1)"
     assert named_data({"source": "corpus.txt", "config": None, "split": "train"}) == "corpus.txt"
+
+
+# ============================================================================= the tokens a run trained
+def test_the_tokens_count_the_short_last_step_of_each_epoch(ws, tmp_path):
+    """On a corpus read more than once, with --gradient_accumulation_steps not dividing the batches of an epoch, the
+    Trainer ends each epoch with a short step: report.json counted steps x blocks per step x block size anyway
+    (more tokens than trained). It now counts what the Trainer fed: its own count, num_input_tokens_seen."""
+    import json
+
+    from tests.conftest import corpus_documents
+
+    (tmp_path / "small.txt").write_text("\n\n".join(corpus_documents(20)))
+    flags = ["--gradient_accumulation_steps", "10", "--include_num_input_tokens_seen", "true"]
+    code, _, stderr = run_main([*argv(ws, tmp_path / "out", steps=6, data=str(tmp_path / "small.txt")), *flags])
+    assert code == 0, stderr[-2000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    training, blocks = report["training"], report["data"]["train_blocks"]
+    state = json.loads((tmp_path / "out" / "checkpoint-6" / "trainer_state.json").read_text())
+    batches = blocks // 2
+    assert batches % 10 and batches < 6 * 10  # the case: short steps, more than one epoch
+    assert training["global_batch_blocks"] == 20 and training["tokens"] < 6 * 20 * 32
+    assert training["tokens"] == state["num_input_tokens_seen"]

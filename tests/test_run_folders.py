@@ -244,6 +244,60 @@ def test_resume_refuses_a_checkpoint_that_lost_its_distillation_teacher(workspac
     assert snapshot(folder) == before
 
 
+def _scale_teacher(checkpoint: Path) -> Path:
+    """The checkpoint's distillation teacher with every value times 1.01, saved with its metadata as it was."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = checkpoint / "distillation_teacher.safetensors"
+    with safe_open(str(path), framework="pt") as handle:
+        tensors, metadata = {k: handle.get_tensor(k) * 1.01 for k in handle.keys()}, handle.metadata()  # noqa: SIM118
+    save_file(tensors, str(path), metadata=metadata)
+    return path
+
+
+def test_resume_refuses_a_distillation_teacher_the_run_did_not_write(workspace, run, tmp_path, monkeypatch):
+    """A checkpoint's teacher replaced (another run's, or its values scaled by 1.01) resumed without a word and the
+    run distilled from it, while a deleted one was refused: the checkpoint's record now keeps the teacher's sha256,
+    and a resume refuses one that differs, before loading anything."""
+    import hashlib
+
+    folder = copy_of(run, tmp_path)
+    record = json.loads((folder / "checkpoint-10" / "tapernorm_run.json").read_text())
+    written = (folder / "checkpoint-10" / "distillation_teacher.safetensors").read_bytes()
+    assert record["checkpoint_sha256"] == {"distillation_teacher.safetensors": hashlib.sha256(written).hexdigest()}
+    teacher = _scale_teacher(folder / "checkpoint-10")
+    before = snapshot(folder)
+    no_loading(monkeypatch, "load_tokenizer")
+    message = error_of([*run_argv(workspace, folder), "--resume"])
+    assert message == (
+        f"hf-tapernorm taper: error: --resume: {teacher} is not the distillation teacher this run wrote (its sha256 "
+        "differs from the one tapernorm_run.json recorded: another run's teacher, or edited), and the run would "
+        "distil from it; restore the run's own from a copy, move checkpoint-10 out of the run folder to resume from "
+        "the checkpoint before it, or start over with --overwrite"
+    )
+    assert snapshot(folder) == before
+
+
+def test_resume_of_a_checkpoint_without_the_teachers_digest_goes_on(workspace, run, tmp_path, monkeypatch, caplog):
+    """A checkpoint an older version wrote records no sha256 of its teacher: its resume is not refused (a log line
+    says the teacher was not checked)."""
+    folder = copy_of(run, tmp_path)
+    identity = folder / "checkpoint-10" / "tapernorm_run.json"
+    record = json.loads(identity.read_text())
+    del record["checkpoint_sha256"]
+    identity.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    _scale_teacher(folder / "checkpoint-10")
+    no_loading(monkeypatch)
+    with caplog.at_level("INFO", logger="hf_tapernorm.app.resume_check"):
+        failure = pytest.raises(AssertionError, run_main, [*run_argv(workspace, folder), "--resume"])
+    assert "loaded the model or the data" in str(failure.value)  # past every check of the checkpoint
+    assert (
+        f"{folder / 'checkpoint-10'} records no sha256 of distillation_teacher.safetensors (an older version wrote "
+        "it): not checked"
+    ) in caplog.messages
+
+
 def test_resume_refuses_a_truncated_trainer_state_before_loading_anything(workspace, run, tmp_path, monkeypatch):
     folder = copy_of(run, tmp_path)
     state = folder / "checkpoint-10" / "trainer_state.json"

@@ -5,7 +5,9 @@ A resumed run is the same run only if every piece of state the Trainer saved com
 warmup, without ``rng_state.pth`` the dropout and data order differ, without the distillation teacher's
 snapshot the run distils from another teacher. The Trainer resumes silently in each case, so each missing or
 unreadable file is refused here with its name: the files the Trainer reads, and every file the checkpoint held
-when it was written (listed in its ``tapernorm_run.json``). ``trainer_state.json`` is read too: the folder's
+when it was written (listed in its ``tapernorm_run.json``), the distillation teacher with the sha256 recorded there
+too (a teacher copied from another run, or edited, would be distilled from without a word; a checkpoint of an older
+version records none and resumes as before). ``trainer_state.json`` is read too: the folder's
 name must be exactly ``checkpoint-<the step it holds>`` (a renamed checkpoint, ``checkpoint-03`` too, fails late:
 the Trainer and TaperCallback look for the canonical name once the model has loaded). A checkpoint that holds a
 sharded (torch.distributed.checkpoint) folder is read only when the user trusts it (its index is a pickle).
@@ -19,6 +21,7 @@ A new check goes where its input is: this module, for a check on a file a resume
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 from pathlib import Path
 from typing import Optional
@@ -32,7 +35,16 @@ from ..config import CONFIG_NAME, TaperNormConfig
 from ..errors import ConfigurationError, first_line
 from ..training.distillation import SNAPSHOT_NAME
 from ..training.sharded import METADATA_NAME, refuse_untrusted_sharded_checkpoint
-from .training_run import CHECKPOINT_FILES_KEY, IDENTITY_NAME, incomplete_checkpoints, last_checkpoint
+from .training_run import (
+    CHECKPOINT_DIGESTS_KEY,
+    CHECKPOINT_FILES_KEY,
+    IDENTITY_NAME,
+    file_digests,
+    incomplete_checkpoints,
+    last_checkpoint,
+)
+
+logger = logging.getLogger(__name__)
 
 #: The Trainer's files a resume restores, and what is lost without each.
 REQUIRED_STATE = {
@@ -105,6 +117,7 @@ def check_checkpoint(checkpoint: Path, *, trust_sharded_checkpoint: bool = False
         if problem:
             raise ResumeCheckError(f"--resume: cannot read {path} ({problem}: truncated or damaged){restart}")
     _check_listed_files(checkpoint, restart)
+    _check_digests(checkpoint)
     _check_recipe_unedited(checkpoint, restart)
 
 
@@ -147,6 +160,27 @@ def _check_listed_files(checkpoint: Path, restart: str) -> None:
             f"--resume: {checkpoint} has no {missing[0]}{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}"
             f", which holds {what}{restart}"
         )
+
+
+def _check_digests(checkpoint: Path) -> None:
+    """The files whose sha256 the checkpoint's record keeps (the teacher) are the ones the run wrote."""
+    record = json.loads((checkpoint / IDENTITY_NAME).read_text())  # read by _check_listed_files already
+    recorded = record.get(CHECKPOINT_DIGESTS_KEY) if isinstance(record, dict) else None
+    if not isinstance(recorded, dict):
+        if (checkpoint / SNAPSHOT_NAME).is_file():
+            logger.info(
+                "%s records no sha256 of %s (an older version wrote it): not checked", checkpoint, SNAPSHOT_NAME
+            )
+        return
+    found = file_digests(checkpoint)
+    for name, digest in recorded.items():
+        if name in found and found[name] != digest:
+            raise ResumeCheckError(
+                f"--resume: {checkpoint / name} is not the distillation teacher this run wrote (its sha256 differs "
+                f"from the one {IDENTITY_NAME} recorded: another run's teacher, or edited), and the run would distil "
+                f"from it; restore the run's own from a copy, move {checkpoint.name} out of the run folder to resume "
+                "from the checkpoint before it, or start over with --overwrite"
+            )
 
 
 def _check_recipe_unedited(checkpoint: Path, restart: str) -> None:

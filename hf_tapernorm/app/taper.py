@@ -41,6 +41,7 @@ from ..training.calibration import calibration_table
 from ..training.checkpoints import save_tapered
 from ..training.schedule import decay_learning_rate_after_the_taper
 from .data_checks import check_hub_datasets
+from .epochs import blocks_trained, check_accumulation_within_epoch
 from .extension import TaperExtension, TrainingData, TrainingInputs
 from .preflight import check_disk_space, check_trainer_options, check_training_blocks
 from .record import RunRecord, far_worse_warning, global_batch_blocks, new_run_record, precision_line
@@ -131,6 +132,7 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
     check_training_blocks(training_args, len(packed.train))
     inputs = TrainingInputs(packed, request.data, training_args, tokenizer, skeleton.config)
     training_data = extension.build_training_data(inputs)  # what both trainings read; its refusals come now
+    check_accumulation_within_epoch(training_args, training_data.dataset)
     del skeleton
     reference_text = out_of_corpus_set(request.data, tokenizer, config.sink_token_ids)
     model = load_model(source, dtype=request.model.dtype, trust_remote_code=request.model.trust_remote_code)
@@ -299,10 +301,10 @@ class _Pipeline:
         trainer, interrupted = self.train(model, self.output.path, callbacks, record.history, extended=True)
         if interrupted:
             return self.interrupted(f"interrupted at step {trainer.state.global_step}", interrupted)
-        steps = trainer.state.global_step
+        steps, block_size = trainer.state.global_step, self.packed.block_size
         record.training.steps = steps
-        per_step = record.training.global_batch_blocks * self.packed.block_size  # unless the data says otherwise
-        record.training.tokens = self.training_data.tokens(steps) if self.training_data.tokens else steps * per_step
+        blocks = blocks_trained(self.request.training, self.training_data.dataset, steps)  # epochs' short last steps
+        record.training.tokens = self.training_data.tokens(steps) if self.training_data.tokens else blocks * block_size
         record.training.seconds = (
             trainer.state.log_history[-1].get("train_runtime") if trainer.state.log_history else None
         )

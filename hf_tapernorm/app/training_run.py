@@ -6,13 +6,15 @@ what TaperCallback adds), stop; ``--resume`` continues it. A second signal abort
 checkpoint also gets the run's identity (``tapernorm_run.json``), written last, so its presence marks a
 complete checkpoint (a kill while one is written leaves an incomplete one, which ``--resume`` skips), with the
 list of the files the checkpoint holds then (a resume refuses one that lost a file: the distillation teacher's
-snapshot, say, which the run cannot rebuild), and the run folder's manifest is refreshed, so a later command
-knows these files are the run's.
+snapshot, say, which the run cannot rebuild) and the sha256 of that snapshot (a resume refuses a teacher replaced by
+another run's or edited: the run would distil from it without a word), and the run folder's manifest is refreshed,
+so a later command knows these files are the run's.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
 import os
@@ -28,6 +30,7 @@ from transformers import Trainer, TrainerCallback, default_data_collator
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..training.callback import TaperCallback, place_first
+from ..training.distillation import SNAPSHOT_NAME
 from ..utils import all_reduce_max
 from .report import history_from_log
 from .run_folder import RunFolder
@@ -37,6 +40,10 @@ logger = logging.getLogger(__name__)
 IDENTITY_NAME = "tapernorm_run.json"
 #: The key of IDENTITY_NAME that lists the checkpoint's files (relative paths); the rest is the run's identity.
 CHECKPOINT_FILES_KEY = "checkpoint_files"
+#: The key of IDENTITY_NAME that maps the checkpoint's files a resume cannot rebuild (the teacher) to their sha256.
+CHECKPOINT_DIGESTS_KEY = "checkpoint_sha256"
+#: The files of a checkpoint whose sha256 its record keeps: one hash at each save and at each resume.
+DIGESTED_FILES = (SNAPSHOT_NAME,)
 
 #: Logged keys of TaperCallback -> report keys (read-only: an experiment adds its own with a TaperExtension).
 LOG_KEYS: Mapping[str, str] = MappingProxyType(
@@ -116,10 +123,20 @@ class RecordCallback(TrainerCallback):
         if folder.is_dir():
             files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
             tmp = folder / (IDENTITY_NAME + ".tmp")
-            record = {**self.identity, CHECKPOINT_FILES_KEY: files}
+            record = {**self.identity, CHECKPOINT_FILES_KEY: files, CHECKPOINT_DIGESTS_KEY: file_digests(folder)}
             tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
             os.replace(tmp, folder / IDENTITY_NAME)
         self.run_folder.record(identity=self.identity)  # a resumed run's identity, once it has trained
+
+
+def file_digests(checkpoint: Path) -> dict[str, str]:
+    """The sha256 of each of ``checkpoint``'s DIGESTED_FILES that it holds."""
+    found = {}
+    for name in DIGESTED_FILES:
+        if (checkpoint / name).is_file():
+            with (checkpoint / name).open("rb") as handle:
+                found[name] = hashlib.file_digest(handle, "sha256").hexdigest()
+    return found
 
 
 def complete_checkpoints(folder: Path) -> list[Path]:
@@ -163,6 +180,7 @@ def recorded_identity(folder: Path) -> Optional[dict[str, Any]]:
     if not isinstance(identity, dict):
         return None
     identity.pop(CHECKPOINT_FILES_KEY, None)
+    identity.pop(CHECKPOINT_DIGESTS_KEY, None)
     return identity
 
 
@@ -222,6 +240,7 @@ def training_history(
 
 
 __all__ = [
+    "CHECKPOINT_DIGESTS_KEY",
     "CHECKPOINT_FILES_KEY",
     "IDENTITY_NAME",
     "InterruptCallback",
@@ -230,6 +249,7 @@ __all__ = [
     "RecordCallback",
     "STOP_SIGNALS",
     "complete_checkpoints",
+    "file_digests",
     "incomplete_checkpoints",
     "last_checkpoint",
     "recorded_identity",

@@ -111,6 +111,29 @@ def test_a_device_this_machine_lacks_is_refused_before_loading(device, message, 
     assert capsys.readouterr().err.startswith("hf-tapernorm bench: error:")
 
 
+@pytest.mark.parametrize(
+    "devices, first, second, kind",
+    [
+        (["cpu", "cpu:0"], "cpu", "cpu:0", "cpu"),
+        (["cpu:0", "cuda", "cpu"], "cpu:0", "cpu", "cpu"),
+        (["cuda", "cuda:0"], "cuda", "cuda:0", "cuda"),
+        (["cuda:0", "cpu", "cuda"], "cuda:0", "cuda", "cuda"),
+    ],
+)
+def test_two_names_of_one_device_are_refused_as_a_value_listed_twice(devices, first, second, kind, capsys):
+    """`bench --devices cpu cpu:0` timed the one CPU twice, as two rows, while a value listed twice in --modes,
+    --seq_lens, --execution or --threads is refused. Two names of one device (every cpu name; cuda and cuda:0, the
+    device torch uses for `cuda` in a fresh process) are refused now, before the availability check and any loading."""
+    with pytest.raises(ConfigurationError) as refused:
+        BenchArguments(devices=devices)
+    assert str(refused.value) == (
+        f"--devices lists one device twice: {first!r} and {second!r} name the same {kind} device (it would be timed "
+        "twice, as two rows); keep one"
+    )
+    assert cli_main(["bench", "--devices", *devices]) == 2
+    assert capsys.readouterr().err.startswith("hf-tapernorm bench: error: --devices lists one device twice: ")
+
+
 def test_an_output_dir_that_is_a_file_is_refused_before_the_benchmark(tmp_path, monkeypatch):
     target = tmp_path / "results.txt"
     target.write_text("keep me\n")

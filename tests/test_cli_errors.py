@@ -57,6 +57,8 @@ def ws(tmp_path_factory) -> Path:
     )
     mixed = [{"text" if i % 2 else "content": text} for i, text in enumerate(corpus_documents(60))]
     (root / "mixed.jsonl").write_text("".join(json.dumps(row) + "\n" for row in mixed))
+    lists = [{"text": [text] if i % 3 == 1 else text} for i, text in enumerate(corpus_documents(60))]
+    (root / "lists.jsonl").write_text("".join(json.dumps(row) + "\n" for row in lists))
     (root / "list.yaml").write_text("- a\n- b\n")
     (root / "empty.yaml").write_text("")
     (root / "unknown.yaml").write_text("max_steps: 4\nbogus_option: 3\n")
@@ -723,6 +725,18 @@ CASES = {
         lambda ws: [*taper(ws, ws / "out"), "--dataset_name", str(ws / "mixed.jsonl")],
         2,
         ["has no 'text' value", "content", "--text_column"],
+    ),
+    "taper: --sample_by line on a jsonl": (  # ignored (a row is a document), yet recorded in the run's report
+        lambda ws: [*taper(ws, ws / "out"), "--dataset_name", str(ws / "lists.jsonl"), "--sample_by", "line"],
+        2,
+        "--sample_by line: only local text files (.txt, .md) are cut into documents by line, paragraph or file, and "
+        "--dataset_name '{ws}/lists.jsonl' is one document per row; leave the option out",
+    ),
+    "taper: a jsonl whose text is a list in some rows": (  # those rows were skipped without a word
+        lambda ws: [*taper(ws, ws / "out"), "--dataset_name", str(ws / "lists.jsonl")],
+        2,
+        "row 1 of 'text' is a list, not text: every row needs its text in 'text' as a string; fix the data, or pass "
+        "--text_column",
     ),
     "taper: a tokenizer larger than the vocabulary": (
         lambda ws: taper(ws, ws / "out", "--sink", "none", model=str(ws / "small_vocab")),

@@ -1046,3 +1046,95 @@ def test_corpus_that_is_not_utf8_or_one_long_line_is_explained(workspace, tmp_pa
     )
     assert message.endswith("split the text into more (blank lines between paragraphs, or --sample_by line)")
     assert not (tmp_path / "run").exists()
+
+
+# ============================================================================= rows that are not text
+def _jsonl(path: Path, values: list) -> Path:
+    path.write_text("".join(json.dumps({"text": value, "id": i}) + "\n" for i, value in enumerate(values)))
+    return path
+
+
+@pytest.mark.parametrize("value, kind", [(["a list"], "a list"), (7, "a number"), ({"body": "an object"}, "an object")])
+@pytest.mark.parametrize("train_blocks", [None, 0], ids=["taper", "eval"])
+def test_a_row_whose_text_is_not_a_string_is_named_not_skipped(tmp_path, tokenizer, value, kind, train_blocks):
+    """A JSONL whose `text` is a list, a number or an object in some rows (`datasets` reads the column as JSON) had
+    those rows skipped without a word (corpus._named_texts kept str values only): taper trained and eval scored on
+    part of the corpus, rc 0. Each such row is now refused as a null row is, naming the row, the column and the type;
+    train_blocks=0 is eval's reading (held-out blocks only)."""
+    docs: list = corpus_documents(60)
+    docs[2] = value
+    dataset = load_text_dataset(str(_jsonl(tmp_path / "some.jsonl", docs)), cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataError) as refused:
+        _prepare(dataset, tokenizer, train_blocks=train_blocks)
+    assert str(refused.value) == (
+        f"row 2 of 'text' is {kind}, not text: every row needs its text in 'text' as a string; fix the data, or pass "
+        "--text_column"
+    )
+
+
+@pytest.mark.parametrize("value, kind", [(7, "a number"), (["a list"], "a list"), (None, None)])
+@pytest.mark.parametrize("train_blocks", [None, 0], ids=["taper", "eval"])
+def test_a_column_of_no_text_is_named_not_called_too_small(tmp_path, tokenizer, value, kind, train_blocks):
+    """A JSONL whose every `text` is a number, a list or null (150 documents) was refused as "too small: its
+    held-out split ... does not fill one block", and eval said so of null rows that taper named: the held-out draw
+    (corpus._heldout_set) caught every ConfigurationError, the row's refusal too, as "fills no block". It catches the
+    too-little-text error only now, so taper and eval refuse such rows in the same words, naming the first."""
+    dataset = load_text_dataset(str(_jsonl(tmp_path / "all.jsonl", [value] * 150)), cache_dir=str(tmp_path / "c"))
+    with pytest.raises(DataError) as refused:
+        _prepare(dataset, tokenizer, train_blocks=train_blocks)
+    if kind is None:
+        assert str(refused.value) == (
+            "row 0 of the dataset has no 'text' value: every row needs its text in 'text'; fix the data, or pass "
+            "--text_column"
+        )
+    else:
+        assert str(refused.value).startswith(f"row 0 of 'text' is {kind}, not text: ")
+
+
+def test_an_out_of_corpus_row_that_is_not_text_is_named_not_skipped(tmp_path, tokenizer):
+    """The out-of-corpus reader skipped rows whose text was null or not a string, as the corpus did: it refuses them
+    now by the corpus's own check (corpus.row_text), naming its own column option."""
+    from hf_tapernorm.cli.arguments import DataArguments
+    from hf_tapernorm.data.out_of_corpus import out_of_corpus_set
+
+    docs: list = corpus_documents(40)
+    docs[1] = None
+    name = str(_jsonl(tmp_path / "ooc.jsonl", docs))
+    data = DataArguments(
+        out_of_corpus_dataset=name, out_of_corpus_blocks=2, block_size=32, data_cache_dir=str(tmp_path / "c")
+    )
+    with pytest.raises(DataError) as refused:
+        out_of_corpus_set(data, tokenizer, [])
+    assert str(refused.value) == (
+        "row 1 of the dataset has no 'text' value: every row needs its text in 'text'; fix the data, or pass "
+        "--out_of_corpus_text_column"
+    )
+
+
+# ============================================================================= --sample_by where nothing reads it
+def test_sample_by_is_refused_where_no_text_file_is_read(hub, tmp_path):
+    """`--sample_by line|document` on a JSONL/CSV/parquet dataset, a Hub dataset or the embedded corpus was ignored
+    (each row, or file, is one document) yet recorded in eval's result and the run's report. It is refused before
+    the model loads, as --dataset_config_name on a local file is (data_checks.check_sample_by); where a text file is
+    read, --dataset_name or --out_of_corpus_dataset, it is used."""
+    from hf_tapernorm.app.data_checks import check_data_paths
+    from hf_tapernorm.cli.arguments import DataArguments
+
+    names = _tables(hub, [{"text": d} for d in corpus_documents(20)])
+    for name in [*names, "me/one", None]:
+        shown = name or EMBEDDED_CORPUS
+        per = "file" if name is None else "row"
+        flags = ["--dataset_name", name] if name else []
+        assert error_of(_eval(*flags, "--sample_by", "line", "--data_cache_dir", "hubcache")) == (
+            "hf-tapernorm eval: error: --sample_by line: only local text files (.txt, .md) are cut into documents by "
+            f"line, paragraph or file, and --dataset_name '{shown}' is one document per {per}; leave the option out"
+        )
+    both = ["--out_of_corpus_blocks", "2", "--out_of_corpus_dataset", "t.csv", "--dataset_name", "t.jsonl"]
+    assert error_of(_eval(*both, "--sample_by", "document")).endswith(
+        "and --dataset_name 't.jsonl' is one document per row and --out_of_corpus_dataset 't.csv' is one document per "
+        "row; leave the option out"
+    )
+    for dataset, ooc in (("corpus.txt", "python-docs"), ("t.jsonl", "corpus.txt"), ("texts", "python-docs")):
+        check_data_paths(DataArguments(dataset_name=dataset, out_of_corpus_dataset=ooc, sample_by="line"))
+    check_data_paths(DataArguments(dataset_name="t.jsonl", sample_by="paragraph"))  # the default, as left out
+    check_data_paths(DataArguments(dataset_name="t.jsonl", sample_by="line"), recorded=True)  # fold's, of a report

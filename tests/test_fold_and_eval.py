@@ -678,6 +678,21 @@ def test_fold_scan_of_a_report_that_leaves_no_heldout_block_is_refused_before_lo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
+def test_fold_scan_reads_a_report_that_records_an_unread_sample_by(ws, run, tmp_path):
+    """taper and eval now refuse --sample_by line|document on a dataset that is not text files, which ignored it; a
+    run of an earlier version recorded it all the same (sample_by "line" on a JSONL). fold's scan reads that report
+    as it did: the value is still not read, so it does not break the fold (data_checks.check_data_paths, recorded)."""
+    copy = copy_of(run, tmp_path)
+    rows = tmp_path / "corpus.jsonl"
+    paragraphs = (ws / "corpus.txt").read_text().split("\n\n")
+    rows.write_text("".join(json.dumps({"text": text}) + "\n" for text in paragraphs))
+    report = json.loads((copy / "report.json").read_text())
+    edit_json(copy / "report.json", data={**report["data"], "sample_by": "line", "dataset_path": str(rows)})
+    code, _, stderr = run_main(fold(copy / "tapered", tmp_path / "export", "--scan_windows", "2"))
+    assert code == 0, stderr[-2000:]
+    assert (tmp_path / "export" / "model.safetensors").is_file()
+
+
 def test_fold_scan_of_an_out_of_corpus_text_that_fills_no_block_is_refused_before_loading(run, tmp_path, monkeypatch):
     """The scan's out-of-corpus text, drawn after the load and the fold, was refused there ("use more text or a
     smaller block size"); it is drawn with the held-out text before the weights load, and refused in fold's words."""

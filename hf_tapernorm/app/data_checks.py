@@ -31,6 +31,7 @@ from ..data.columns import choose_text_column, local_columns, string_columns
 from ..data.corpus import load_documents
 from ..data.heldout import PYTHON_DOCS
 from ..data.sources import (
+    DEFAULT_SAMPLE_BY,
     EMBEDDED_CORPUS,
     DataError,
     check_split,
@@ -109,7 +110,7 @@ def check_text_column(
         choose_text_column(columns, text_column, option=column_option, what=what)
 
 
-def check_data_paths(data: Any, own_folder: Optional[str] = None) -> None:
+def check_data_paths(data: Any, own_folder: Optional[str] = None, *, recorded: bool = False) -> None:
     """Refuse the local paths of a command's data arguments (cli/arguments.DataArguments) that cannot be used: a
     dataset or out-of-corpus dataset the loader cannot read (check_dataset_path), a split a local one lacks, a cache
     that cannot be (check_cache_folder) or that lies in a dataset folder the command reads. Nothing is written: the
@@ -119,7 +120,8 @@ def check_data_paths(data: Any, own_folder: Optional[str] = None) -> None:
     guard (taking it refuses a running command in, above or inside the folder; every process of a distributed run
     checks its arguments, while only the first holds the lock), so only what the folder holds is checked there.
     ``data.split_option``, where set, is the option that names --dataset_name's split (None: bench's, which has
-    none); the out-of-corpus dataset has none.
+    none); the out-of-corpus dataset has none. ``recorded``: the arguments are a run's report's (fold's scan), where an
+    earlier version recorded a --sample_by its data did not read, which is still not read, so not refused.
     """
     read = datasets_read(data)
     try:
@@ -133,6 +135,8 @@ def check_data_paths(data: Any, own_folder: Optional[str] = None) -> None:
         for option, name in read.items()
     }
     _check_local_reading(data, local["--dataset_name"])
+    if not recorded:
+        check_sample_by(data, local)
     for option, name in read.items():
         check_text_column(option, name, local[option], *_text_column(data, option))
     if data.data_cache_dir:
@@ -157,6 +161,28 @@ def _check_local_reading(data: Any, local: Optional[tuple[str, list[Path]]]) -> 
             f"--out_of_corpus_text_column {data.out_of_corpus_text_column}: the out-of-corpus text {PYTHON_DOCS} is "
             "the Python documentation, which has no columns (leave the option out, or name an --out_of_corpus_dataset)"
         )
+
+
+def check_sample_by(data: Any, local: Mapping[str, Optional[tuple[str, list[Path]]]]) -> None:
+    """Refuse a --sample_by other than the default where no dataset the command reads is local text files (``local``:
+    option -> its builder and files, check_dataset_path's; None: the embedded corpus or a Hub dataset), the only ones
+    it cuts into documents: a json/csv/parquet row, a Hub dataset's row and an embedded file are one document
+    whatever it says, so the option would be ignored, yet recorded in the result and the run's report."""
+    sample_by = getattr(data, "sample_by", DEFAULT_SAMPLE_BY)  # a command without the option reads the default
+    if sample_by == DEFAULT_SAMPLE_BY or any(found and found[0] == "text" for found in local.values()):
+        return
+    names = {
+        "--dataset_name": data.dataset_name or EMBEDDED_CORPUS,
+        "--out_of_corpus_dataset": data.out_of_corpus_dataset,
+    }
+    read = [
+        f"{option} '{names[option]}' is one document per {'file' if names[option] == EMBEDDED_CORPUS else 'row'}"
+        for option in local
+    ]
+    raise DataError(
+        f"--sample_by {sample_by}: only local text files (.txt, .md) are cut into documents by line, paragraph "
+        f"or file, and {' and '.join(read)}; leave the option out"
+    )
 
 
 def check_hub_datasets(data: Any) -> None:
@@ -309,6 +335,7 @@ __all__ = [
     "check_hub_dataset",
     "check_hub_datasets",
     "check_output_outside",
+    "check_sample_by",
     "check_text_column",
     "datasets_read",
     "missing_local_dataset",

@@ -23,6 +23,7 @@ from .._parsing import parse
 from ..app.data_checks import check_data_paths, check_hub_dataset, check_output_outside
 from ..app.run_lock import check_destination
 from ..app.validation import check_within_positions
+from ..data.sources import DEFAULT_SAMPLE_BY
 from ..errors import ConfigurationError
 from ..utils import check_compile_options, expand_user, expand_user_options
 from .variants import OF_THE_ORIGINAL
@@ -73,6 +74,37 @@ def check_device(name: str) -> None:
         raise ConfigurationError(f"device {name!r} requested but {device.type.upper()} is not available here")
     if device.index is not None and device.index >= count:
         raise ConfigurationError(f"device {name!r} requested but this machine has {count} {device.type} device(s)")
+
+
+def check_distinct_devices(names: Sequence[str]) -> None:
+    """Refuse two names of one device in ``--devices`` (cpu and cpu:0; cuda and cuda:0, the device torch uses for
+    ``cuda``): it would be timed twice, as two rows, where a value listed twice is refused (_check_list). A name
+    torch cannot read is left to check_device, which says so."""
+    seen: dict[tuple[str, int], str] = {}
+    for name in names:
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            continue
+        key = (device.type, _device_index(device))
+        if key in seen:
+            raise ConfigurationError(
+                f"--devices lists one device twice: {seen[key]!r} and {name!r} name the same {device.type} device "
+                "(it would be timed twice, as two rows); keep one"
+            )
+        seen[key] = name
+
+
+def _device_index(device: torch.device) -> int:
+    """The index of the device ``device`` names: every cpu name is the one CPU (0); an accelerator's name without an
+    index is its current device (0 in a fresh process, and where no accelerator can be asked, as on this one)."""
+    if device.type == "cpu":
+        return 0
+    if device.index is not None:
+        return device.index
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.current_device()
+    return 0
 
 
 def usable_cpus() -> int:
@@ -229,6 +261,7 @@ class BenchArguments:
         check_compile_options(self.compile_backend, self.compile_mode, ("--compile_backend", "--compile_mode"))
         for name in ("batch_sizes", "seq_lens", "threads", "devices"):
             _check_list(name, getattr(self, name))
+        check_distinct_devices(self.devices)
         for name in ("batch_sizes", "seq_lens", "threads"):
             if any(v < 1 for v in getattr(self, name)):
                 raise ConfigurationError(f"--{name} must be positive, got {' '.join(map(str, getattr(self, name)))}")
@@ -291,6 +324,7 @@ class BenchArguments:
             dataset_split=None,  # as the runner's load_text_dataset reads it
             split_option=None,  # bench has no --dataset_split: a folder of splits is refused, advising its files
             streaming=False,
+            sample_by=DEFAULT_SAMPLE_BY,  # as the runner's load_text_dataset reads text files
             data_cache_dir=None,
             out_of_corpus_blocks=0,
             out_of_corpus_dataset=None,

@@ -26,7 +26,7 @@ from .._parsing import as_flags, json_object_text
 from ..app.preflight import refuse_trainer_evaluation
 from ..app.validation import IGNORED_ON_RESUME
 from ..config import OptionField, TaperNormConfig, parse_step
-from ..data.sources import EMBEDDED_CORPUS
+from ..data.sources import DEFAULT_SAMPLE_BY, EMBEDDED_CORPUS
 from ..errors import ConfigurationError
 from ..utils import accelerator_available, cpu_has_fast_bf16, expand_user, expand_user_options
 from .unread_options import TrainerOptionsNotRead
@@ -110,7 +110,7 @@ class DataArguments:
     text_column: Optional[str] = field(default=None, metadata=option_help("Column with the text (default: 'text')."))
     streaming: bool = field(default=False, metadata=option_help("Stream the dataset (large corpora)."))
     sample_by: Literal["line", "paragraph", "document"] = field(
-        default="paragraph", metadata=option_help("Documents in text files: one per line, paragraph or file.")
+        default=DEFAULT_SAMPLE_BY, metadata=option_help("Documents of local .txt/.md files: a line, paragraph or file.")
     )
     block_size: int = field(
         default=128,

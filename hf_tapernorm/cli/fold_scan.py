@@ -81,7 +81,7 @@ def scan_plan(
     report.within_positions("data.block_size", data.block_size, scan_positions(source, reference[0]))
     check_export_outside_data(output_dir, data)  # it would become part of the run's texts
     try:  # a Hub dataset not in the cache, offline: refused now, as a local one that is gone
-        check_data_paths(data)
+        check_data_paths(data, recorded=True)  # a --sample_by the run recorded but did not read stays unread
         check_hub_datasets(data)
     except DataError as error:
         raise UsageError(f"--scan_windows {windows}: the run's text cannot be read ({error}); {_NO_SCAN}") from None

@@ -9,15 +9,14 @@ documents (each followed by EOS), the standard packing of causal-LM pretraining.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import datasets
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import ConfigurationError
 from .columns import choose_text_column, string_columns
 from .heldout import EvaluationSet, sample_blocks
 from .local_folders import TooLittleText
@@ -161,17 +160,46 @@ def _texts(dataset: AnyDataset, column: str, *, heldout: bool, percentage: float
 def _named_texts(dataset: AnyDataset, column: str, *, heldout: bool, percentage: float) -> Iterator[tuple[str, str]]:
     """``(name, text)`` of one split's documents; the name is the ``path`` column where the corpus has one."""
     for index, row in enumerate(dataset):
-        text = row.get(column)
-        if text is None:  # JSON rows that name their text otherwise: training on the others would skip them unsaid
-            others = [k for k, v in row.items() if isinstance(v, str) and v]
-            raise DataError(
-                f"row {index} of the dataset has no '{column}' value"
-                + (f" (it has {', '.join(others[:4])})" if others else "")
-                + f": every row needs its text in '{column}'; fix the data, or pass --text_column"
-            )
-        if isinstance(text, str) and is_heldout(text, percentage) == heldout:
+        text = row_text(row, index, column)
+        if is_heldout(text, percentage) == heldout:
             name = row.get("path")
             yield (name if isinstance(name, str) else f"document {index}"), text
+
+
+def row_text(row: Mapping[str, Any], index: int, column: str, option: str = "--text_column") -> str:
+    """The text of the dataset's row number ``index``, its ``column`` value (``option`` names the column). A row
+    without one (JSON rows that name their text otherwise), or whose value is not text (a list, a number, an object:
+    ``datasets`` reads such a column as JSON), is refused: skipping it, the corpus would train and score on the other
+    rows without a word."""
+    text = row.get(column)
+    if text is None:
+        others = [k for k, v in row.items() if isinstance(v, str) and v]
+        raise DataError(
+            f"row {index} of the dataset has no '{column}' value"
+            + (f" (it has {', '.join(others[:4])})" if others else "")
+            + f": every row needs its text in '{column}'; fix the data, or pass {option}"
+        )
+    if not isinstance(text, str):
+        raise DataError(
+            f"row {index} of '{column}' is {_kind(text)}, not text: every row needs its text in '{column}' as a "
+            f"string; fix the data, or pass {option}"
+        )
+    return text
+
+
+def _kind(value: object) -> str:
+    """What a JSON value that is not a string is, in a message (a list, a number, an object)."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, Mapping):
+        return "an object"
+    if isinstance(value, (bytes, bytearray)):
+        return "bytes"
+    return f"a {type(value).__name__}"
 
 
 def heldout_documents(
@@ -253,7 +281,7 @@ def prepare_data(
             )
             if few:
                 facts += f"; it holds only {count} document(s) and the split takes whole documents"
-                advice = ": split the text into more (blank lines between paragraphs, or --sample_by line)"
+                advice = _split_advice(dataset)
                 raise TooLittleText(facts, advice)
             raise TooLittleText(facts, "; use more text or a smaller --block_size")
     if train_repeats and train_blocks and len(train) < train_blocks:
@@ -270,6 +298,14 @@ def prepare_data(
     )
 
 
+def _split_advice(dataset: AnyDataset) -> str:
+    """How to split a dataset of too few documents into more: --sample_by cuts local text files only (the
+    ``text`` builder's; app/data_checks.py refuses it for any other dataset)."""
+    if getattr(getattr(dataset, "info", None), "builder_name", None) == "text":
+        return ": split the text into more (blank lines between paragraphs, or --sample_by line)"
+    return ": split the text into more documents (rows)"
+
+
 def _heldout_set(texts, tokenizer, block_size: int, count: int, seed: int, prefix_ids, description: str):
     """``count`` held-out blocks drawn from the held-out documents ``texts`` (sample_blocks); None where they do not
     fill one block (prepare_data says so, naming the split)."""
@@ -284,7 +320,7 @@ def _heldout_set(texts, tokenizer, block_size: int, count: int, seed: int, prefi
             name="held-out",
             description=description,
         )
-    except ConfigurationError:
+    except TooLittleText:  # only this: a row refused while reading (row_text) says what is wrong with it
         return None
 
 

@@ -28,6 +28,10 @@ logger = logging.getLogger(__name__)
 EMBEDDED_CORPUS = "python-stdlib"
 """Name of the embedded default corpus (also accepted as ``--dataset_name``)."""
 
+DEFAULT_SAMPLE_BY = "paragraph"
+"""How local text files (the ``text`` builder's) are cut into documents unless ``--sample_by`` says otherwise; every
+other dataset is one document per row (the embedded corpus: per file), whatever it says (data_checks refuses it)."""
+
 # Folder names under the standard library that are not part of the library proper (installed third-
 # party packages vary between machines), hold deliberately malformed test inputs, or hold the English
 # documentation that serves as the out-of-corpus reference text (data/heldout.py: pydoc_data).
@@ -159,7 +163,7 @@ def load_text_dataset(
     config_name: Optional[str] = None,
     split: Optional[str] = None,
     streaming: bool = False,
-    sample_by: str = "paragraph",
+    sample_by: str = DEFAULT_SAMPLE_BY,
     cache_dir: Optional[str] = None,
     split_option: Optional[str] = "--dataset_split",
 ) -> AnyDataset:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import configparser
 import importlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -452,6 +453,45 @@ def test_onnx_runtime_counts_positions_of_a_left_padded_batch_without_a_sink_as_
     assert (
         runtime.generate(batch["input_ids"].numpy(), 5, attention_mask=batch["attention_mask"].numpy()) == greedy
     ).all()
+
+
+def test_a_left_padded_prompt_fed_in_two_calls_reads_as_in_one_where_a_row_starts_in_the_second(
+    gpt2_sink, gpt2_sink_graph
+):
+    """A left-padded batch on a sink export, fed in two calls where the first holds only padding of a row: that row
+    was counted from column 0 of the first call (its first token came later), and its logits were 0.49 off one call
+    of the whole batch, in the torch export and ONNX Runtime alike. A continued call counts a row's padding on the
+    whole mask now. With the sink written in the input, such a first call is refused in one line (the row's sink
+    would come after the cache began), where it was refused as rows that mix the sink and no sink."""
+    from hf_tapernorm.integrations.onnx_runtime import OnnxCausalLM
+
+    folder, _ = gpt2_sink
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    runtime = OnnxCausalLM(gpt2_sink_graph, threads=1)
+    batch = left_padded(TEXTS)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    split = 12  # "hi" has 19 pads: its first call holds none of its text
+    assert not mask[1, :split].any() and mask[0, :split].any()
+    with torch.no_grad():
+        whole = model(input_ids=ids, attention_mask=mask).logits
+        first = model(input_ids=ids[:, :split], attention_mask=mask[:, :split], use_cache=True)
+        rest = model(input_ids=ids[:, split:], attention_mask=mask, cache=first.cache).logits
+    attended = mask[:, split:].bool()
+    assert (rest[attended] - whole[:, split:][attended]).abs().max().item() <= 1e-4
+    _, state = runtime.forward(ids[:, :split].numpy(), attention_mask=mask[:, :split].numpy())
+    rest_onnx, _ = runtime.forward(ids[:, split:].numpy(), state, attention_mask=mask.numpy())
+    assert abs(rest_onnx[attended.numpy()] - whole[:, split:][attended].numpy()).max() <= 1e-4
+    sink_first = left_padded(TEXTS, sink_first=True)
+    said = (
+        "row(s) [1] of this call are all padding while the others start with the sink token(s) [127], so their sink "
+        "would come in a later call, after the cache began; give every row's first tokens in the first call (the "
+        "whole prompt in one call), or leave the sink out of the input"
+    )
+    head = {key: value[:, :split] for key, value in sink_first.items()}
+    with pytest.raises(ValueError, match=re.escape(said)):
+        model(**head, use_cache=True)
+    with pytest.raises(ConfigurationError, match=re.escape(said)):
+        runtime.forward(head["input_ids"].numpy(), attention_mask=head["attention_mask"].numpy())
 
 
 def test_onnx_runtime_refuses_past_the_position_table_as_the_torch_export_does(gpt2_sink, gpt2_sink_graph):

@@ -146,6 +146,11 @@ def test_state_of_another_taper_layout_is_refused_before_it_loads(tiny_llama):
             model.load_state_dict(state)
         assert str(caught.value) == expected
     assert all(torch.equal(before[key], value) for key, value in other.state_dict().items())
+    # Parameters alone (no buffers: a weight average of two tapered models) hold taper_weight: a patched model's.
+    second = patch_model(build(tiny_llama_config(), seed=8), TaperNormConfig.paper())
+    averaged = {name: (p + q) / 2 for (name, p), q in zip(tiny_llama.named_parameters(), second.parameters())}
+    second.load_state_dict(averaged, strict=False)
+    assert torch.equal(second.state_dict()["model.norm.taper_weight"], averaged["model.norm.taper_weight"])
     # The same layout loads (the state_dict round trip above), and so does an untrained one, which tells nothing.
     patch_model(build(tiny_llama_config(), seed=6), keeps).load_state_dict(
         patch_model(build(tiny_llama_config(), seed=7), TaperNormConfig.paper()).state_dict()

@@ -185,3 +185,29 @@ def test_resuming_a_lora_taper_from_its_peft_checkpoint_says_that_is_not_support
         "supported; run the LoRA taper again from step 0 without resume_from_checkpoint, or taper without PEFT, whose "
         "Trainer checkpoints hold the whole model"
     )
+
+
+def test_a_checkpoints_adapters_load_after_the_lora_taper_has_trained(tmp_path):
+    """After a LoRA taper's train() had ended, loading a checkpoint's adapters to evaluate them
+    (set_peft_model_state_dict, load_adapter) was refused as a resume from a PEFT checkpoint: the callback's watch
+    took every load of them for the Trainer's. Once training has ended they load; a resume is refused as before."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    data = [{"input_ids": ids[0], "labels": ids[0]} for ids in random_batches(n=8, batch=1, length=8, seed=4)]
+    model = get_peft_model(
+        patch_model(build(tiny_llama_config()), TaperNormConfig.paper()), LoraConfig(r=2, target_modules=["q_proj"])
+    )
+    train_tapernorm_parameters(model)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"), max_steps=4, save_steps=2, per_device_train_batch_size=2,
+        report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[TaperCallback()]).train()
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    adapters = load_file(checkpoint / "adapter_model.safetensors")
+    set_peft_model_state_dict(model, adapters)
+    loaded = {name: value for name, value in model.state_dict().items() if "lora_A" in name}
+    assert loaded and all(torch.equal(value, adapters[name.replace(".default", "")]) for name, value in loaded.items())
+    model.load_adapter(str(checkpoint), adapter_name="at_step_2")
+    assert "at_step_2" in model.peft_config

@@ -106,6 +106,7 @@ def read_input(
             f"{contract.owner}: token_type_ids would change the embedding of the sink {list(contract.token_ids)}, "
             "whose states this export stores as computed without them; pass no token_type_ids"
         )
+    continued = state is not None
     inputs = kwargs.get("input_ids")
     if inputs is None:
         inputs = kwargs["inputs_embeds"]
@@ -141,6 +142,11 @@ def read_input(
         elif order is not None and mask.shape[0] == order.shape[0] and mask.shape[-1] >= order.shape[1]:
             # The caller's mask has each left-padded row's sink after its pads; the cache has it first.
             kwargs["attention_mask"] = _reorder_keys(mask, order)
+    if continued and not state.in_input and state.row_offset is not None and mask is not None and mask.dim() == 2:
+        # A row all padding in the first call has its first token later: its padding is counted on the whole mask.
+        text = mask[:, n:] if mask.shape[-1] == past + length else mask  # the text's columns, the sink's left out
+        if text.shape[-1] == past - n + length and text.shape[0] == state.row_offset.shape[0]:
+            state.row_offset = _leading_padding(text.ne(0)).to(state.row_offset.device)
     positions = kwargs.get("position_ids")
     if positions is not None:
         if counts_without_sink and n:
@@ -163,11 +169,18 @@ def _attended(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _first_attended(kwargs: dict, length: int) -> Optional[torch.Tensor]:
-    """Per row, the first column a 2D or 4D ``attention_mask`` over ``length`` columns attends (None without one)."""
+    """Per row, the first column a 2D or 4D ``attention_mask`` over ``length`` columns attends (None without one);
+    ``length`` for a row it does not attend at all (all padding so far: its first token comes in a later call)."""
     mask = kwargs.get("attention_mask")
     if mask is None or mask.dim() not in (2, 4) or mask.shape[-1] != length:
         return None
-    return _attended(mask).int().argmax(dim=1)
+    return _leading_padding(_attended(mask))
+
+
+def _leading_padding(attended: torch.Tensor) -> torch.Tensor:
+    """Per row of a ``[batch, columns]`` boolean, the columns before its first True (all of them where it has none)."""
+    first = attended.int().argmax(dim=1)
+    return torch.where(attended.any(dim=1), first, torch.full_like(first, attended.shape[1]))
 
 
 def _sink_columns(contract: SinkContract, kwargs: dict) -> Optional[torch.Tensor]:
@@ -187,8 +200,17 @@ def _sink_columns(contract: SinkContract, kwargs: dict) -> Optional[torch.Tensor
         start = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
     columns = (start[:, None] + torch.arange(len(sink), device=ids.device)).clamp(max=ids.shape[1] - 1)
     found = ids.gather(1, columns).eq(torch.tensor(sink, device=ids.device)).all(dim=1)
+    padding_only = start >= ids.shape[1]  # rows whose text comes in a later call: they start with nothing yet
+    found &= ~padding_only
     if not bool(found.any()):
         return None
+    if bool(padding_only.any()):
+        rows = padding_only.nonzero().flatten().tolist()
+        raise ValueError(
+            f"{contract.owner}: row(s) {rows} of this call are all padding while the others start with the sink "
+            f"token(s) {list(sink)}, so their sink would come in a later call, after the cache began; give every "
+            "row's first tokens in the first call (the whole prompt in one call), or leave the sink out of the input"
+        )
     if not bool(found.all()):
         raise ValueError(
             f"{contract.owner}: some rows of input_ids start with the sink token(s) {list(sink)} and others do not; "

@@ -96,8 +96,10 @@ def loaded_taper_state(model: nn.Module, state_dict, prefix: str = "") -> dict[s
 def refuse_an_unpatched_models_state(model: nn.Module, loaded: Mapping[str, torch.Tensor], who: Optional[str]) -> None:
     """Refuse the norms' weights without any TaperNorm state (gate, c, statistics): an unpatched model's, which a
     non-strict load (the Trainer's) would put under TaperNorms that keep their own state, and whose optimizer (a
-    Trainer resume) trained other parameters. Adapters alone (a PEFT load) hold no norm weight and pass."""
-    if not loaded or any(key.endswith(".ema_steps") for key in loaded):
+    Trainer resume) trained other parameters. Adapters alone (a PEFT load) hold no norm weight and pass, and so does
+    a state with any tensor only a TaperNorm has (``taper_weight``, the statistics: a patched model's parameters
+    alone, say a weight average of two tapered models)."""
+    if not loaded or any(not key.endswith((".weight", ".bias")) for key in loaded):
         return
     if who is None:
         raise TaperStateError(

@@ -115,6 +115,7 @@ class TaperCallback(TrainerCallback):
         self.controller: Optional[TaperController] = None
         self.placed_first = False  # set by place_first(trainer)
         self._watched: Optional[nn.Module] = None  # the model whose load watch it plugged into
+        self._training_ended = False  # on_train_end came (since the Trainer was built)
         self._watched_args = None  # the TrainingArguments whose checkpoints it may resume from
         self._trainer_built_seen = False  # on_init_end came: Trainer(callbacks=[...]), not trainer.add_callback
         self._loss_checked = False  # the first step's forwards returned the model's loss
@@ -174,12 +175,14 @@ class TaperCallback(TrainerCallback):
         loads a checkpoint's weights, then its optimizer's state, in train() before on_train_begin, and in every
         train() of the Trainer, the second after a finished one too."""
         self._watched_args = args  # the latest Trainer's: its output_dir and resume_from_checkpoint
+        self._training_ended = False  # this Trainer's train() may resume a checkpoint
         if self._watched is model:
             return
         if self._watched is not None:  # the same callback given to another Trainer's model
             stop_watching_checkpoint_loads(self._watched)
         candidates = lambda: resume_candidates(self._watched_args)  # noqa: E731 (read at each load)
-        watch_checkpoint_loads(model, candidates, "TaperCallback", self.allow_changes)
+        resuming = lambda: not self._training_ended  # noqa: E731 (adapters loaded after training are evaluated)
+        watch_checkpoint_loads(model, candidates, "TaperCallback", self.allow_changes, resuming)
         self._watched = model
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -263,6 +266,7 @@ class TaperCallback(TrainerCallback):
         add_to_training_log(state, logs, self.controller.log_metrics())
 
     def on_train_end(self, args, state, control, **kwargs):
+        self._training_ended = True  # a checkpoint's adapters loaded from now on are a user's (evaluated), not resumed
         if self.controller is not None:  # after the final checkpoint: the teacher goes, the model's attention is back
             self.controller.end()
 

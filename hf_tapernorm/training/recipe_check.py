@@ -74,17 +74,24 @@ def refuse_another_recipe(folder: Path, config: TaperNormConfig, who: str, allow
 
 
 def watch_checkpoint_loads(
-    model: nn.Module, candidates: Callable[[], list[Path]], who: str, allow_changes: AllowedChanges = ()
+    model: nn.Module,
+    candidates: Callable[[], list[Path]],
+    who: str,
+    allow_changes: AllowedChanges = (),
+    resuming: Callable[[], bool] = lambda: True,
 ) -> None:
     """Check every ``model.load_state_dict`` (the Trainer's checkpoint load among them) from now on, before
     anything is loaded, in the load watch ``patch_model`` registered (layers/load_watch.py), until
     :func:`stop_watching_checkpoint_loads`: a checkpoint among ``candidates()`` whose TaperNorm tensors are the
     ones being loaded and whose recipe differs from the model's is refused (:func:`refuse_another_recipe`); so is a
-    PEFT checkpoint among them whose adapters are the ones being loaded (:func:`refuse_adapter_checkpoint`).
-    TaperNorm state that tapered other norms than the model tapers, from wherever it comes, is refused by the watch
-    itself, in ``who``'s name. Candidates with this model's recipe cost one small JSON read each; tensors are read
-    only from those of another recipe, and from PEFT checkpoints when adapters alone are loaded."""
-    load_watch_of(model).plug(_CandidateCheck(config_of(model), candidates, who, allowed_changes(allow_changes)), who)
+    PEFT checkpoint among them whose adapters are the ones being loaded (:func:`refuse_adapter_checkpoint`), while
+    ``resuming()`` (a load of a checkpoint's adapters after training is a user's, to evaluate them: nothing tells it
+    from a resume's but when it comes). TaperNorm state that tapered other norms than the model tapers, from
+    wherever it comes, is refused by the watch itself, in ``who``'s name. Candidates with this model's recipe cost
+    one small JSON read each; tensors are read only from those of another recipe, and from PEFT checkpoints when
+    adapters alone are loaded."""
+    check = _CandidateCheck(config_of(model), candidates, who, allowed_changes(allow_changes), resuming)
+    load_watch_of(model).plug(check, who)
 
 
 def stop_watching_checkpoint_loads(model: nn.Module) -> None:
@@ -95,13 +102,20 @@ def stop_watching_checkpoint_loads(model: nn.Module) -> None:
 class _CandidateCheck:
     """The check :func:`watch_checkpoint_loads` plugs into a model's load watch."""
 
-    def __init__(self, config: TaperNormConfig, candidates: Callable[[], list[Path]], who: str, allowed: set[str]):
-        self.config, self.candidates, self.who, self.allowed = config, candidates, who, allowed
+    def __init__(
+        self,
+        config: TaperNormConfig,
+        candidates: Callable[[], list[Path]],
+        who: str,
+        allowed: set[str],
+        resuming: Callable[[], bool],
+    ) -> None:
+        self.config, self.candidates, self.who, self.allowed, self.resuming = config, candidates, who, allowed, resuming
 
     def __call__(self, module: nn.Module, state_dict, loaded: Mapping[str, torch.Tensor]) -> None:
         for folder in self.candidates():
             if not loaded:  # adapters alone (a PEFT resume), or weights without any TaperNorm state
-                if is_adapter_checkpoint(folder) and holds_loaded_adapters(folder, state_dict):
+                if self.resuming() and is_adapter_checkpoint(folder) and holds_loaded_adapters(folder, state_dict):
                     refuse_adapter_checkpoint(folder, self.who)
                 continue
             try:

@@ -134,6 +134,19 @@ def test_two_names_of_one_device_are_refused_as_a_value_listed_twice(devices, fi
     assert capsys.readouterr().err.startswith("hf-tapernorm bench: error: --devices lists one device twice: ")
 
 
+@pytest.mark.parametrize("devices", [["cpu:1"], ["cpu:0", "cpu:1"], ["cpu", "cpu:3"]])
+def test_a_cpu_index_past_0_is_refused_as_a_device_torch_lacks(devices, capsys):
+    """`bench --devices cpu:1` ran on the one CPU and recorded its rows as "cpu:1", a device torch does not have,
+    while `cpu:0 cpu:1` was refused as one device twice. A cpu index past 0 is refused in one line now, before
+    loading, in either place; cpu:0 stays a name of the CPU."""
+    with pytest.raises(ConfigurationError) as refused:
+        BenchArguments(devices=devices)
+    assert str(refused.value) == f"--devices {devices[-1]!r}: the CPU is one device: name it cpu"
+    assert cli_main(["bench", "--devices", *devices]) == 2
+    assert capsys.readouterr().err == f"hf-tapernorm bench: error: {refused.value}\n"
+    assert BenchArguments(devices=["cpu:0"]).devices == ["cpu:0"]
+
+
 def test_an_output_dir_that_is_a_file_is_refused_before_the_benchmark(tmp_path, monkeypatch):
     target = tmp_path / "results.txt"
     target.write_text("keep me\n")

@@ -1111,12 +1111,69 @@ def test_an_out_of_corpus_row_that_is_not_text_is_named_not_skipped(tmp_path, to
     )
 
 
+@pytest.mark.parametrize("streaming", [False, True], ids=["loaded", "streaming"])
+def test_an_empty_csv_cell_is_an_empty_document_as_a_jsonl_empty_string_is(tmp_path, tokenizer, streaming):
+    """`eval --dataset_name emptycell.csv` refused a row whose text cell is empty as "has no 'text' value" (pandas
+    reads the cell as NaN, `datasets` gives None), while a JSONL row's "" is an empty document. In a CSV an empty
+    cell and a missing value are one thing: the csv builder's None is read as "" (corpus.empty_cells_read_as_none),
+    for the corpus (taper's and eval's reading) and the out-of-corpus text alike, so the CSV gives the JSONL's
+    blocks; a JSON/JSONL or parquet row's null is still refused, naming the row."""
+    import pandas as pd
+
+    from hf_tapernorm.cli.arguments import DataArguments
+    from hf_tapernorm.data.out_of_corpus import out_of_corpus_set
+
+    docs: list = corpus_documents(60)
+    docs[2] = ""
+    pd.DataFrame({"id": range(len(docs)), "text": docs}).to_csv(tmp_path / "empty.csv", index=False)
+    assert (tmp_path / "empty.csv").read_text().splitlines()[3] == "2,"  # row 2's text cell is empty
+    _jsonl(tmp_path / "empty.jsonl", docs)
+
+    def load(name: str):
+        return load_text_dataset(str(tmp_path / name), cache_dir=str(tmp_path / "c"), streaming=streaming)
+
+    for train_blocks in (None, 0):  # taper's reading, then eval's
+        csv, jsonl = (
+            _prepare(load(name), tokenizer, train_blocks=train_blocks) for name in ("empty.csv", "empty.jsonl")
+        )
+        assert torch.equal(blocks_tensor(csv.heldout), blocks_tensor(jsonl.heldout))
+        assert len(csv.train) == len(jsonl.train) and (train_blocks == 0 or len(csv.train) > 10)
+        if train_blocks is None:
+            assert torch.equal(blocks_tensor(csv.train), blocks_tensor(jsonl.train))
+    sets = [
+        out_of_corpus_set(
+            DataArguments(
+                out_of_corpus_dataset=str(tmp_path / name),
+                out_of_corpus_blocks=2,
+                block_size=32,
+                data_cache_dir=str(tmp_path / "c"),
+            ),
+            tokenizer,
+            [],
+        )
+        for name in ("empty.csv", "empty.jsonl")
+    ]
+    assert torch.equal(sets[0].blocks, sets[1].blocks)
+    docs[2] = None
+    pd.DataFrame({"text": docs}).to_parquet(tmp_path / "null.parquet")
+    for name in (_jsonl(tmp_path / "null.jsonl", docs).name, "null.parquet"):
+        with pytest.raises(DataError) as refused:
+            _prepare(load(name), tokenizer)
+        assert str(refused.value) == (
+            "row 2 of the dataset has no 'text' value: every row needs its text in 'text'; fix the data, or pass "
+            "--text_column"
+        )
+
+
 # ============================================================================= --sample_by where nothing reads it
 def test_sample_by_is_refused_where_no_text_file_is_read(hub, tmp_path):
     """`--sample_by line|document` on a JSONL/CSV/parquet dataset, a Hub dataset or the embedded corpus was ignored
     (each row, or file, is one document) yet recorded in eval's result and the run's report. It is refused before
-    the model loads, as --dataset_config_name on a local file is (data_checks.check_sample_by); where a text file is
-    read, --dataset_name or --out_of_corpus_dataset, it is used."""
+    the model loads, as --dataset_config_name on a local file is (data_checks.check_sample_by). It was accepted where
+    one dataset read was text files (`--dataset_name plain.jsonl --out_of_corpus_dataset corpus.txt --sample_by
+    line`), and recorded beside the JSONL it did not cut: it applies to every dataset read, so it is refused where
+    any of them is not text files, naming that one, and used where all are (an out-of-corpus dataset not read, at
+    --out_of_corpus_blocks 0, does not count)."""
     from hf_tapernorm.app.data_checks import check_data_paths
     from hf_tapernorm.cli.arguments import DataArguments
 
@@ -1134,7 +1191,22 @@ def test_sample_by_is_refused_where_no_text_file_is_read(hub, tmp_path):
         "and --dataset_name 't.jsonl' is one document per row and --out_of_corpus_dataset 't.csv' is one document per "
         "row; leave the option out"
     )
-    for dataset, ooc in (("corpus.txt", "python-docs"), ("t.jsonl", "corpus.txt"), ("texts", "python-docs")):
+    applies = "(the option applies to every dataset the command reads); leave the option out"
+    for dataset, ooc, uncut in (("t.jsonl", "corpus.txt", "--dataset_name 't.jsonl'"), ("texts", "t.csv", None)):
+        uncut = uncut or "--out_of_corpus_dataset 't.csv'"
+        mixed = ["--out_of_corpus_blocks", "2", "--out_of_corpus_dataset", ooc, "--dataset_name", dataset]
+        assert error_of(_eval(*mixed, "--sample_by", "line")) == (
+            "hf-tapernorm eval: error: --sample_by line: only local text files (.txt, .md) are cut into documents by "
+            f"line, paragraph or file, and {uncut} is one document per row {applies}"
+        )
+    for dataset, ooc in (("corpus.txt", "python-docs"), ("corpus.txt", "texts"), ("texts", "python-docs")):
         check_data_paths(DataArguments(dataset_name=dataset, out_of_corpus_dataset=ooc, sample_by="line"))
+    check_data_paths(  # the out-of-corpus dataset is not read
+        DataArguments(
+            dataset_name="corpus.txt", out_of_corpus_dataset="t.csv", out_of_corpus_blocks=0, sample_by="line"
+        )
+    )
+    mixed_report = DataArguments(dataset_name="t.jsonl", out_of_corpus_dataset="corpus.txt", sample_by="line")
+    check_data_paths(mixed_report, recorded=True)  # fold's, of an earlier version's report
     check_data_paths(DataArguments(dataset_name="t.jsonl", sample_by="paragraph"))  # the default, as left out
     check_data_paths(DataArguments(dataset_name="t.jsonl", sample_by="line"), recorded=True)  # fold's, of a report

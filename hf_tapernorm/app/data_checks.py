@@ -164,12 +164,15 @@ def _check_local_reading(data: Any, local: Optional[tuple[str, list[Path]]]) -> 
 
 
 def check_sample_by(data: Any, local: Mapping[str, Optional[tuple[str, list[Path]]]]) -> None:
-    """Refuse a --sample_by other than the default where no dataset the command reads is local text files (``local``:
-    option -> its builder and files, check_dataset_path's; None: the embedded corpus or a Hub dataset), the only ones
-    it cuts into documents: a json/csv/parquet row, a Hub dataset's row and an embedded file are one document
-    whatever it says, so the option would be ignored, yet recorded in the result and the run's report."""
+    """Refuse a --sample_by other than the default where any dataset the command reads is not local text files
+    (``local``: option -> its builder and files, check_dataset_path's; None: the embedded corpus or a Hub dataset),
+    the only ones it cuts into documents: a json/csv/parquet row, a Hub dataset's row and an embedded file are one
+    document whatever it says, so the option would be ignored for that dataset, yet recorded beside it in the result
+    and the run's report. It applies to every dataset the command reads, so one text file among them does not make
+    it right for the others."""
     sample_by = getattr(data, "sample_by", DEFAULT_SAMPLE_BY)  # a command without the option reads the default
-    if sample_by == DEFAULT_SAMPLE_BY or any(found and found[0] == "text" for found in local.values()):
+    uncut = [option for option, found in local.items() if not (found and found[0] == "text")]
+    if sample_by == DEFAULT_SAMPLE_BY or not uncut:
         return
     names = {
         "--dataset_name": data.dataset_name or EMBEDDED_CORPUS,
@@ -177,11 +180,12 @@ def check_sample_by(data: Any, local: Mapping[str, Optional[tuple[str, list[Path
     }
     read = [
         f"{option} '{names[option]}' is one document per {'file' if names[option] == EMBEDDED_CORPUS else 'row'}"
-        for option in local
+        for option in uncut
     ]
+    applies = " (the option applies to every dataset the command reads)" if len(uncut) < len(local) else ""
     raise DataError(
         f"--sample_by {sample_by}: only local text files (.txt, .md) are cut into documents by line, paragraph "
-        f"or file, and {' and '.join(read)}; leave the option out"
+        f"or file, and {' and '.join(read)}{applies}; leave the option out"
     )
 
 

@@ -56,13 +56,15 @@ READ_BY = {
 
 
 def check_device(name: str) -> None:
-    """A device torch can name and this machine has: cpu, or the accelerator torch finds (cuda, xpu, mps, ...)."""
+    """A device torch can name and this machine has: cpu (cpu:0; no cpu:1, check_cpu_index), or the accelerator torch
+    finds (cuda, xpu, mps, ...)."""
     try:
         device = torch.device(name)
     except RuntimeError:
         message = f"--devices {name!r} is not a device torch knows (cpu, cuda, cuda:1, mps, ...)"
         raise ConfigurationError(message) from None
     if device.type == "cpu":
+        check_cpu_index(name, device)
         return
     if device.type == "cuda":
         available, count = torch.cuda.is_available(), torch.cuda.device_count()
@@ -76,6 +78,13 @@ def check_device(name: str) -> None:
         raise ConfigurationError(f"device {name!r} requested but this machine has {count} {device.type} device(s)")
 
 
+def check_cpu_index(name: str, device: torch.device) -> None:
+    """Refuse a cpu name with an index past 0 (``cpu:1``): torch has one CPU device, whatever its cores, and runs
+    ``cpu:1`` on it, so the timing would be the CPU's recorded under a device this machine does not have."""
+    if device.type == "cpu" and device.index:
+        raise ConfigurationError(f"--devices {name!r}: the CPU is one device: name it cpu")
+
+
 def check_distinct_devices(names: Sequence[str]) -> None:
     """Refuse two names of one device in ``--devices`` (cpu and cpu:0; cuda and cuda:0, the device torch uses for
     ``cuda``): it would be timed twice, as two rows, where a value listed twice is refused (_check_list). A name
@@ -86,6 +95,7 @@ def check_distinct_devices(names: Sequence[str]) -> None:
             device = torch.device(name)
         except RuntimeError:
             continue
+        check_cpu_index(name, device)  # cpu:1 is no second name of the CPU, but a device torch does not have
         key = (device.type, _device_index(device))
         if key in seen:
             raise ConfigurationError(

@@ -159,19 +159,32 @@ def _texts(dataset: AnyDataset, column: str, *, heldout: bool, percentage: float
 
 def _named_texts(dataset: AnyDataset, column: str, *, heldout: bool, percentage: float) -> Iterator[tuple[str, str]]:
     """``(name, text)`` of one split's documents; the name is the ``path`` column where the corpus has one."""
+    empty = empty_cells_read_as_none(dataset)
     for index, row in enumerate(dataset):
-        text = row_text(row, index, column)
+        text = row_text(row, index, column, empty_cell=empty)
         if is_heldout(text, percentage) == heldout:
             name = row.get("path")
             yield (name if isinstance(name, str) else f"document {index}"), text
 
 
-def row_text(row: Mapping[str, Any], index: int, column: str, option: str = "--text_column") -> str:
+def empty_cells_read_as_none(dataset: AnyDataset) -> bool:
+    """Whether ``dataset`` is read from CSV files (the csv builder, streaming or not), whose empty cell ``datasets``
+    gives as None (pandas reads it as NaN): in a CSV an empty cell and a missing value are one thing, so such a text
+    cell is an empty document, as a JSONL row's "" is, where a JSON row's null is a row without its text."""
+    return getattr(getattr(dataset, "info", None), "builder_name", None) == "csv"
+
+
+def row_text(
+    row: Mapping[str, Any], index: int, column: str, option: str = "--text_column", *, empty_cell: bool = False
+) -> str:
     """The text of the dataset's row number ``index``, its ``column`` value (``option`` names the column). A row
     without one (JSON rows that name their text otherwise), or whose value is not text (a list, a number, an object:
     ``datasets`` reads such a column as JSON), is refused: skipping it, the corpus would train and score on the other
-    rows without a word."""
+    rows without a word. ``empty_cell``: the rows are a CSV's (empty_cells_read_as_none), whose None is an empty
+    cell, so an empty document."""
     text = row.get(column)
+    if text is None and empty_cell:
+        return ""
     if text is None:
         others = [k for k, v in row.items() if isinstance(v, str) and v]
         raise DataError(

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Optional
 
-from .corpus import row_text, text_column_of
+from .corpus import empty_cells_read_as_none, row_text, text_column_of
 from .heldout import PYTHON_DOCS, PYTHON_DOCS_DESCRIPTION, EvaluationSet, python_docs_documents, sample_blocks
 from .sources import load_text_dataset
 
@@ -28,7 +28,10 @@ def out_of_corpus_set(data, tokenizer, sink_ids: Sequence[int]) -> Optional[Eval
         dataset = load_text_dataset(name, sample_by=data.sample_by, cache_dir=data.data_cache_dir, split_option=None)
         option = "--out_of_corpus_text_column"
         column = text_column_of(dataset, data.out_of_corpus_text_column, option=option)
-        documents = ((f"document {i}", row_text(row, i, column, option)) for i, row in enumerate(dataset))
+        empty = empty_cells_read_as_none(dataset)
+        documents = (
+            (f"document {i}", row_text(row, i, column, option, empty_cell=empty)) for i, row in enumerate(dataset)
+        )
         description = f"every document of {name}"
     return sample_blocks(
         documents,

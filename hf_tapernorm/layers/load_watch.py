@@ -13,7 +13,8 @@ resume from and names the recipe fields that differ, which the state alone canno
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -48,6 +49,16 @@ class LoadWatch:
         teacher, all of whose norms are held at gate 1), into which the model's own state loads."""
         self.unplug()
         self.standing_down = True
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Check nothing inside: for a loader that checks what it loads itself, in words that name its folder
+        (``load_tapered``)."""
+        before, self.standing_down = self.standing_down, True
+        try:
+            yield
+        finally:
+            self.standing_down = before
 
     def __call__(self, module: nn.Module, state_dict, prefix: str, *_) -> None:
         if self.standing_down:

@@ -32,6 +32,7 @@ from ..config import (
 )
 from ..config_fields import check_tokenizer_to_save
 from ..errors import ConfigurationError, TaperStateError, UnsupportedModelError
+from ..layers.load_watch import load_watch_of
 from ..layers.patching import is_headless, patch_model
 from ..layers.saving import TAPERED_NOTE_KEY, mark_config_as_tapered
 from ..layers.taper_norm import tapered_norms
@@ -151,7 +152,8 @@ def load_tapered(
             f"tapered checkpoint '{folder}' holds tensors whose shapes do not fit its own config: {mismatched[:3]}"
             f"{' ...' if len(mismatched) > 3 else ''}; it was modified or written for another model"
         )
-    result = model.load_state_dict(state, strict=False)
+    with load_watch_of(model).paused():  # _check_loaded_state names what does not fit, and this folder
+        result = model.load_state_dict(state, strict=False)
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     missing = [k for k in result.missing_keys if k not in tied]
     if missing or result.unexpected_keys:

@@ -100,13 +100,19 @@ def test_gate_round_trip_after_calibration(tiny_model):
     assert torch.isfinite(logits).all()
 
 
-def test_state_dict_round_trip_of_a_patched_model(tiny_llama):
-    patch_model(tiny_llama, TaperNormConfig.paper())
-    tiny_llama.train()
+def _calibrated(model):
+    """``model`` patched with the paper's recipe, its statistics gathered in training mode and calibrated."""
+    patch_model(model, TaperNormConfig.paper())
+    model.train()
     with torch.no_grad():
         for ids in random_batches():
-            tiny_llama(ids)
-    calibrate(tiny_llama)
+            model(ids)
+    calibrate(model)
+    return model
+
+
+def test_state_dict_round_trip_of_a_patched_model(tiny_llama):
+    _calibrated(tiny_llama)
     set_gate(tiny_llama, 0.3)
     state = tiny_llama.state_dict()
     assert "model.layers.0.input_layernorm.taper_weight" in state
@@ -125,13 +131,7 @@ def test_state_of_another_taper_layout_is_refused_before_it_loads(tiny_llama):
     """A patched model that keeps a norm, given the state of one that tapered it (another keep_norms), loaded its
     statistics and calibration into the kept norm without a word (a Trainer resume then failed on the optimizer's
     parameter groups). Every patched model refuses it now, before anything loads, and its copies do too."""
-    patch_model(tiny_llama, TaperNormConfig.paper())
-    tiny_llama.train()
-    with torch.no_grad():
-        for ids in random_batches():
-            tiny_llama(ids)
-    calibrate(tiny_llama)
-    state = tiny_llama.state_dict()
+    state = _calibrated(tiny_llama).state_dict()
     keeps = TaperNormConfig.paper(keep_norms=["model.layers.1.*"])
     other = patch_model(build(tiny_llama_config(), seed=5), keeps)
     before = {key: value.clone() for key, value in other.state_dict().items()}

@@ -219,8 +219,7 @@ class TaperController:
         gate = self.schedule.gate(number)
         if not replay:
             self._refuse_going_back(step)
-            self._refuse_a_rising_gate_after_load_state(step, gate)
-            self._refuse_a_tapered_model_at_a_fresh_start(step, gate)
+            self._refuse_a_rising_gate(step, gate)
         self._last_step, self._last_call = step, f"step_begin({step})"
         if not self._trainable_checked:  # at the first step, when the loop has chosen what trains
             self._trainable_checked = True
@@ -264,36 +263,32 @@ class TaperController:
             f"lower one); {advice}"
         )
 
-    def _refuse_a_rising_gate_after_load_state(self, step: int, gate: float) -> None:
-        """The first step after load_state (check_resume not called): refuse a gate above the model's. A resumed
-        model holds the gate of its checkpoint's step, which the schedule never exceeds later on; a loop that starts
-        again at 0 (its start step forgotten) would set it back up over a model trained at the lower one."""
-        if not self._resumed_unchecked:
+    def _refuse_a_rising_gate(self, step: int, gate: float) -> None:
+        """The first step after load_state (check_resume not called), or of a new controller: refuse a gate above the
+        model's. A resumed model holds the gate of its checkpoint's step, which the schedule never exceeds later on,
+        and a model below gate 1 was tapered by an earlier run (or train()); a loop that starts again at 0 (its start
+        step forgotten), or a new schedule from its start, would set it back up over a model trained at the lower one.
+        """
+        after_load_state = self._resumed_unchecked
+        if not after_load_state and self._last_step is not None:
             return
         self._resumed_unchecked = False
         held = next((float(layer.gate) for _, layer in tapered_norms(self.model)), gate)
-        if gate > held + 1e-6:
+        if gate <= held + 1e-6:
+            return
+        if after_load_state:
             raise TaperStateError(
                 f"TaperController.step_begin({step}) after load_state: the model holds gate {held:.6f} and step "
                 f"{step} would set it back up to {gate:.6f} over a model trained at the lower one; start the resumed "
                 "loop at its step (for step in range(start_step, total_steps)) and call check_resume(start_step) "
                 "after load_state"
             )
-
-    def _refuse_a_tapered_model_at_a_fresh_start(self, step: int, gate: float) -> None:
-        """The first step of a controller that neither load_state nor check_resume started: refuse a gate above the
-        model's. A model below gate 1 was tapered by an earlier run (or train()); a new schedule from its start would
-        set the gate back up over a model trained at the lower one, without a word."""
-        if self._last_step is not None or self._resumed_unchecked:
-            return
-        held = next((float(layer.gate) for _, layer in tapered_norms(self.model)), gate)
-        if gate > held + 1e-6:
-            raise TaperStateError(
-                f"TaperController.step_begin({step}): the model holds gate {held:.6f}, so an earlier run tapered it, "
-                f"and this controller's step {step} would set it back up to {gate:.6f} over a model trained at the "
-                "lower one; to go on with that run, load_state(its checkpoint) and check_resume(its step) first; for a "
-                "new run, patch a fresh model"
-            )
+        raise TaperStateError(
+            f"TaperController.step_begin({step}): the model holds gate {held:.6f}, so an earlier run tapered it, and "
+            f"this controller's step {step} would set it back up to {gate:.6f} over a model trained at the lower one; "
+            "to go on with that run, load_state(its checkpoint) and check_resume(its step) first; for a new run, patch "
+            "a fresh model"
+        )
 
     def step_end(self, step: int, loss: Optional[float] = None, grad_norm: Optional[float] = None) -> None:
         """After update ``step + 1``: one EMA step from all micro-batches (all-reduced); divergence watch.

@@ -358,9 +358,10 @@ def test_a_checkpoint_of_an_unpatched_model_is_refused_before_the_trainer_loads_
     with pytest.raises(TaperStateError) as caught:
         _trainer_with_added_callback(tmp_path / "added", model).train(resume_from_checkpoint=str(checkpoint))
     assert str(caught.value) == (
-        "LlamaForCausalLM.load_state_dict: the state being loaded holds the norms' weights but no TaperNorm state "
-        "(gate, c, statistics), so it is an unpatched model's; load it before patch_model, or load a tapered "
-        "checkpoint with hf_tapernorm.load_tapered"
+        "LlamaForCausalLM.load_state_dict: the state being loaded holds the norms' weights but none of their "
+        "TaperNorm state (gate, c, statistics), as an unpatched model's does; load an unpatched model's weights "
+        "before patch_model, a tapered checkpoint with hf_tapernorm.load_tapered, or the norms' weights with their "
+        "TaperNorm state"
     )
     assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
 

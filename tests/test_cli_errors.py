@@ -59,6 +59,7 @@ def ws(tmp_path_factory) -> Path:
     (root / "mixed.jsonl").write_text("".join(json.dumps(row) + "\n" for row in mixed))
     lists = [{"text": [text] if i % 3 == 1 else text} for i, text in enumerate(corpus_documents(60))]
     (root / "lists.jsonl").write_text("".join(json.dumps(row) + "\n" for row in lists))
+    (root / "digits.csv").write_text("text\n" + "".join(f"{10**80 + i}\n" for i in range(40)))
     (root / "list.yaml").write_text("- a\n- b\n")
     (root / "empty.yaml").write_text("")
     (root / "unknown.yaml").write_text("max_steps: 4\nbogus_option: 3\n")
@@ -737,6 +738,13 @@ CASES = {
         2,
         "row 1 of 'text' is a list, not text: every row needs its text in 'text' as a string; fix the data, or pass "
         "--text_column",
+    ),
+    "eval: a csv column of long digit strings": (  # pandas typed it as a number: a traceback from pyarrow's overflow
+        lambda ws: [*_eval(ws), "--dataset_name", str(ws / "digits.csv")],
+        2,
+        "dataset '{ws}/digits.csv' has a CSV column of digits too long for a number, which is how the csv loader "
+        'types a column whose cells are all digits; write the texts as JSON Lines strings ({{"text": "..."}} per line) '
+        "instead",
     ),
     "taper: a tokenizer larger than the vocabulary": (
         lambda ws: taper(ws, ws / "out", "--sink", "none", model=str(ws / "small_vocab")),

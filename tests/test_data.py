@@ -1091,6 +1091,20 @@ def test_a_column_of_no_text_is_named_not_called_too_small(tmp_path, tokenizer, 
         assert str(refused.value).startswith(f"row 0 of 'text' is {kind}, not text: ")
 
 
+@pytest.mark.parametrize("cells, kind", [(["1000", "2000"], "a number"), (["True", "False"], "a boolean")])
+def test_a_csv_column_the_loader_typed_as_numbers_says_why_quoting_does_not_help(tmp_path, tokenizer, cells, kind):
+    """A CSV text column whose cells all read as numbers or true/false is typed so by the csv loader, quoted or not:
+    "fix the data" left the user nowhere. The refusal says why, and what to write instead."""
+    (tmp_path / "cells.csv").write_text("text\n" + "".join(f'"{cells[i % 2]}"\n' for i in range(150)))
+    dataset = load_text_dataset(str(tmp_path / "cells.csv"), cache_dir=str(tmp_path / "c"))
+    with pytest.raises(DataError) as refused:
+        _prepare(dataset, tokenizer, train_blocks=None)
+    assert str(refused.value) == (
+        f"row 0 of 'text' is {kind}, not text: the csv loader types a column whose cells all read as numbers or "
+        "true/false so, quoted or not; write the texts as JSON Lines strings, or pass --text_column"
+    )
+
+
 def test_an_out_of_corpus_row_that_is_not_text_is_named_not_skipped(tmp_path, tokenizer):
     """The out-of-corpus reader skipped rows whose text was null or not a string, as the corpus did: it refuses them
     now by the corpus's own check (corpus.row_text), naming its own column option."""

@@ -461,8 +461,8 @@ def test_a_left_padded_prompt_fed_in_two_calls_reads_as_in_one_where_a_row_start
     """A left-padded batch on a sink export, fed in two calls where the first holds only padding of a row: that row
     was counted from column 0 of the first call (its first token came later), and its logits were 0.49 off one call
     of the whole batch, in the torch export and ONNX Runtime alike. A continued call counts a row's padding on the
-    whole mask now. With the sink written in the input, such a first call is refused in one line (the row's sink
-    would come after the cache began), where it was refused as rows that mix the sink and no sink."""
+    whole mask now, 2D or 4D. With the sink written in the input, such a first call is refused in one line (the row's
+    sink would come after the cache began), where it was refused as rows that mix the sink and no sink."""
     from hf_tapernorm.integrations.onnx_runtime import OnnxCausalLM
 
     folder, _ = gpt2_sink
@@ -477,6 +477,13 @@ def test_a_left_padded_prompt_fed_in_two_calls_reads_as_in_one_where_a_row_start
         first = model(input_ids=ids[:, :split], attention_mask=mask[:, :split], use_cache=True)
         rest = model(input_ids=ids[:, split:], attention_mask=mask, cache=first.cache).logits
     attended = mask[:, split:].bool()
+    assert (rest[attended] - whole[:, split:][attended]).abs().max().item() <= 1e-4
+    length = ids.shape[1]  # the same with an additive 4D mask (causal and padding), cut for each call
+    allowed = torch.ones(length, length).tril().bool()[None, None] & mask[:, None, None, :].bool()
+    full = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        first = model(input_ids=ids[:, :split], attention_mask=full[:, :, :split, :split], use_cache=True)
+        rest = model(input_ids=ids[:, split:], attention_mask=full[:, :, split:, :], cache=first.cache).logits
     assert (rest[attended] - whole[:, split:][attended]).abs().max().item() <= 1e-4
     _, state = runtime.forward(ids[:, :split].numpy(), attention_mask=mask[:, :split].numpy())
     rest_onnx, _ = runtime.forward(ids[:, split:].numpy(), state, attention_mask=mask.numpy())

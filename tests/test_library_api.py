@@ -649,6 +649,16 @@ def test_a_new_controller_on_a_model_tapered_before_refuses_to_raise_its_gate(tm
         "that run, load_state(its checkpoint) and check_resume(its step) first; for a new run, patch a fresh model"
     )
     assert all(float(layer.gate) == held for _, layer in tapered_norms(model))
+    # A resume at step 0 is a fresh start, and a replayed step (a benchmark's) starts no run: both were let through.
+    resumed_at_0 = TaperController(model, total_steps=8)
+    resumed_at_0.check_resume(0)
+    replayed = TaperController(model, total_steps=8)
+    replayed.step_begin(0, replay=True)  # on purpose: it sets its step's gate
+    for _, layer in tapered_norms(model):
+        layer.set_gate(held)
+    for controller, step in ((resumed_at_0, 0), (replayed, 1)):
+        with pytest.raises(TaperStateError, match=rf"^TaperController\.step_begin\({step}\): the model holds gate"):
+            controller.step_begin(step)
     assert TaperController(_paper(taper_start=2, taper_end=6), total_steps=8).step_begin(0) == 1.0
 
 

@@ -75,7 +75,7 @@ def local_columns(builder: str, files: list[Path]) -> Optional[dict[str, Optiona
         if builder == "csv":
             return _csv_columns(first)
         return _first_record_columns(first)
-    except (OSError, ValueError, TypeError, ImportError):  # what the file holds only the loading judges
+    except (OSError, ValueError, TypeError, ImportError, OverflowError):  # what the file holds only the loading judges
         return None
 
 

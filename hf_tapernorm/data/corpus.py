@@ -192,6 +192,11 @@ def row_text(
             + (f" (it has {', '.join(others[:4])})" if others else "")
             + f": every row needs its text in '{column}'; fix the data, or pass {option}"
         )
+    if not isinstance(text, str) and empty_cell:  # a CSV: its loader typed the column by its cells
+        raise DataError(
+            f"row {index} of '{column}' is {_kind(text)}, not text: the csv loader types a column whose cells all "
+            f"read as numbers or true/false so, quoted or not; write the texts as JSON Lines strings, or pass {option}"
+        )
     if not isinstance(text, str):
         raise DataError(
             f"row {index} of '{column}' is {_kind(text)}, not text: every row needs its text in '{column}' as a "

@@ -321,6 +321,12 @@ def _load_error(source: str, error: BaseException) -> DataError:
             "to UTF-8 (e.g. iconv -f latin1 -t utf-8), or pass a text file"
         )
     reason = (str(cause).strip().splitlines() or [""])[0]
+    if isinstance(cause, OverflowError) and str(source).lower().endswith(".csv"):
+        return DataError(
+            f"dataset '{source}' has a CSV column of digits too long for a number, which is how the csv loader "
+            "types a column whose cells are all digits; write the texts as JSON Lines strings "
+            '({"text": "..."} per line) instead'
+        )
     if local_dataset_path(source) is not None:
         return DataError(
             f"could not load dataset '{source}' as a local file or folder: {type(cause).__name__}: {reason}"

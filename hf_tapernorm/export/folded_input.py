@@ -142,11 +142,11 @@ def read_input(
         elif order is not None and mask.shape[0] == order.shape[0] and mask.shape[-1] >= order.shape[1]:
             # The caller's mask has each left-padded row's sink after its pads; the cache has it first.
             kwargs["attention_mask"] = _reorder_keys(mask, order)
-    if continued and not state.in_input and state.row_offset is not None and mask is not None and mask.dim() == 2:
+    if continued and not state.in_input and state.row_offset is not None and mask is not None and mask.dim() in (2, 4):
         # A row all padding in the first call has its first token later: its padding is counted on the whole mask.
-        text = mask[:, n:] if mask.shape[-1] == past + length else mask  # the text's columns, the sink's left out
+        text = mask[..., n:] if mask.shape[-1] == past + length else mask  # the text's columns, the sink's left out
         if text.shape[-1] == past - n + length and text.shape[0] == state.row_offset.shape[0]:
-            state.row_offset = _leading_padding(text.ne(0)).to(state.row_offset.device)
+            state.row_offset = _leading_padding(_attended(text)).to(state.row_offset.device)
     positions = kwargs.get("position_ids")
     if positions is not None:
         if counts_without_sink and n:

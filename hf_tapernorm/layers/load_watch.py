@@ -114,9 +114,10 @@ def refuse_an_unpatched_models_state(model: nn.Module, loaded: Mapping[str, torc
         return
     if who is None:
         raise TaperStateError(
-            f"{type(model).__name__}.load_state_dict: the state being loaded holds the norms' weights but no TaperNorm "
-            "state (gate, c, statistics), so it is an unpatched model's; load it before patch_model, or load a "
-            "tapered checkpoint with hf_tapernorm.load_tapered"
+            f"{type(model).__name__}.load_state_dict: the state being loaded holds the norms' weights but none of "
+            "their TaperNorm state (gate, c, statistics), as an unpatched model's does; load an unpatched model's "
+            "weights before patch_model, a tapered checkpoint with hf_tapernorm.load_tapered, or the norms' weights "
+            "with their TaperNorm state"
         )
     raise TaperStateError(
         f"{who}: the checkpoint being loaded holds the norms' weights but no TaperNorm state (gate, c, statistics), "

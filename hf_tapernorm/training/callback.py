@@ -226,7 +226,7 @@ class TaperCallback(TrainerCallback):
     def _refuse_a_tapered_model(self, model) -> None:
         """A train() from step 0 (no resume) of a model an earlier train() or run tapered: its first step would set
         the gate back up over a model trained at a lower one (a second train() of a finished Trainer is a new run)."""
-        held = next((float(layer.gate) for _, layer in tapered_norms(model)), 1.0)
+        held = min((float(layer.gate) for _, layer in tapered_norms(model)), default=1.0)
         first = self.controller.schedule.gate(1)
         if first > held + 1e-6:
             raise TaperStateError(

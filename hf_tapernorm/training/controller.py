@@ -100,6 +100,7 @@ class TaperController:
         self._last_step: Optional[int] = None  # the latest step_begin's (or check_resume's): steps never go back
         self._last_call = ""  # the call that set _last_step, for the refusal
         self._resumed_unchecked = False  # load_state ran, check_resume did not: the next step_begin checks the gate
+        self._started = False  # a step (not a replay) began, or check_resume past 0: the gate is the run's
 
     def _distillation(self, given: Union[Distillation, bool, None]) -> Optional[Distillation]:
         if isinstance(given, Distillation):
@@ -183,8 +184,9 @@ class TaperController:
         checkpoint written with another schedule). The resumed loop goes on from ``step``: a later step_begin below
         it is refused, as a step that goes back is (a loop that forgot its start step would raise the gate again)."""
         self._last_step, self._last_call, self._resumed_unchecked = step, f"check_resume({step})", False
-        if step <= 0:
+        if step <= 0:  # a resume at step 0 is a fresh start: its first step is checked as one
             return
+        self._started = True
         # Past k_start every layer must be calibrated; before it, every layer must hold statistics.
         missing = [
             layer.site_name
@@ -270,10 +272,10 @@ class TaperController:
         step forgotten), or a new schedule from its start, would set it back up over a model trained at the lower one.
         """
         after_load_state = self._resumed_unchecked
-        if not after_load_state and self._last_step is not None:
+        if not after_load_state and self._started:
             return
-        self._resumed_unchecked = False
-        held = next((float(layer.gate) for _, layer in tapered_norms(self.model)), gate)
+        self._resumed_unchecked, self._started = False, True
+        held = min((float(layer.gate) for _, layer in tapered_norms(self.model)), default=gate)
         if gate <= held + 1e-6:
             return
         if after_load_state:

@@ -36,8 +36,8 @@ def test_export_refuses_a_non_empty_folder_without_overwrite(folded, tmp_path):
     ):
         export_folded(folded, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
-    export_folded(folded, tmp_path, overwrite=True, facts={"base_model": "openai-community/gpt2"})
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
+    export_folded(folded, tmp_path / "out", facts={"base_model": "openai-community/gpt2"})
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         ".hf_tapernorm_export.json",
         "README.md",
         "config.json",
@@ -46,9 +46,8 @@ def test_export_refuses_a_non_empty_folder_without_overwrite(folded, tmp_path):
         "generation_config.json",
         "model.safetensors",
         "modeling_folded.py",
-        "notes.txt",
     ]
-    assert export_manifest(tmp_path) == [  # what the export wrote, not the user's notes.txt
+    assert export_manifest(tmp_path / "out") == [
         "README.md",
         "config.json",
         "folded_input.py",
@@ -57,9 +56,63 @@ def test_export_refuses_a_non_empty_folder_without_overwrite(folded, tmp_path):
         "model.safetensors",
         "modeling_folded.py",
     ]
-    assert "base_model: openai-community/gpt2" in (tmp_path / "README.md").read_text()
+    assert "base_model: openai-community/gpt2" in (tmp_path / "out" / "README.md").read_text()
     with pytest.raises(ConfigurationError, match="it is a file"):
         export_folded(folded, tmp_path / "notes.txt")
+
+
+def _user_folder(folder: Path) -> dict[str, bytes]:
+    folder.mkdir()
+    (folder / "README.md").write_text("# my notes\n")
+    (folder / "generation_config.json").write_text('{"temperature": 0.3}\n')
+    return _files(folder)
+
+
+def test_export_folded_overwrite_refuses_a_folder_that_is_not_an_export(folded, tmp_path):
+    """overwrite=True replaced a user's README.md and generation_config.json without a word (only a folder holding
+    a non-export config.json was refused); now, as fold --overwrite, it replaces only an earlier export."""
+    before = _user_folder(tmp_path / "mine")
+    with pytest.raises(ConfigurationError) as caught:
+        export_folded(folded, tmp_path / "mine", overwrite=True)
+    assert str(caught.value) == (
+        f"refusing overwrite=True of {tmp_path / 'mine'}: it is not an earlier export (no .hf_tapernorm_export.json), "
+        "and overwrite=True replaces only one; choose a new folder"
+    )
+    assert _files(tmp_path / "mine") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+
+
+def test_export_folded_overwrite_refuses_an_export_holding_a_users_file(folded, tmp_path):
+    """An earlier export is replaced whole, so a file of the user's in it would go with it: it is named, kept."""
+    export = export_folded(folded, tmp_path / "export")
+    (export / "notes.txt").write_text("keep me")
+    before = _files(export)
+    with pytest.raises(ConfigurationError) as caught:
+        export_folded(folded, export, overwrite=True)
+    assert str(caught.value) == (
+        f"refusing overwrite=True of {export}: it holds files the export did not write (notes.txt), which replacing "
+        "it would delete; move them away first"
+    )
+    assert _files(export) == before
+
+
+def test_export_folded_overwrite_replaces_an_earlier_export_whole(folded, tmp_path):
+    """overwrite=True left the earlier export's tokenizer files and robustness_scan.json beside the new export and
+    in its manifest, so push uploaded them as the new export's; now the earlier export is replaced whole (written
+    beside, then swapped, as fold --overwrite does), and nothing of the write is left beside it."""
+    from hf_tapernorm.export.hub import files_to_push, recording_export
+
+    earlier = export_folded(fold_model(sink_tapered("llama")), tmp_path / "export", tokenizer=word_tokenizer(True))
+    with recording_export(earlier):
+        (earlier / "robustness_scan.json").write_text("{}\n")
+    assert {"tokenizer.json", "tokenizer_config.json", "robustness_scan.json"} <= set(export_manifest(earlier))
+    fresh = export_folded(folded, tmp_path / "fresh")
+    export_folded(folded, earlier, overwrite=True)
+    assert export_manifest(earlier) == export_manifest(fresh)
+    assert files_to_push(earlier) == export_manifest(fresh)
+    assert sorted(p.name for p in earlier.iterdir()) == sorted(p.name for p in fresh.iterdir())
+    assert json.loads((earlier / "config.json").read_text())["model_type"] == "tapernorm_gpt2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "fresh"]  # no .export.export-* left
 
 
 def test_export_refuses_an_unfolded_model(tmp_path):

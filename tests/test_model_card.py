@@ -100,3 +100,28 @@ def test_local_base_model_is_not_claimed_as_a_hub_id(internal, tmp_path):
 def test_unknown_fact_is_an_error(internal):
     with pytest.raises(ValueError, match=r"unknown model card facts: eval_losses; expected some of base_model, "):
         render_model_card(internal, {"eval_losses": {}})
+
+
+def test_the_cards_no_import_example_loads_model_and_tokenizer_without_a_prompt(tmp_path):
+    """The card's "Without it" example loaded the model only with trust_remote_code=True; AutoTokenizer of the
+    export in such a process (it reads config.json's auto_map) asked transformers' "run the custom code?" prompt.
+    The example now passes it to the tokenizer too, and runs as written in a fresh process, stdin closed."""
+    import os
+    import subprocess
+    import sys
+
+    from hf_tapernorm import export_folded
+    from tests.helpers import word_tokenizer
+
+    folder, folded = tmp_path / "out", fold_model(tapered("llama"))
+    export_folded(folded, folder, tokenizer=word_tokenizer(True), facts={"repo_id": str(folder)})
+    card = (folder / "README.md").read_text()
+    example = card.split("Without it, ", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert "AutoTokenizer.from_pretrained" in example
+    code = f"{example}print(type(model).__name__, type(tokenizer).__name__)\n"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          stdin=subprocess.DEVNULL, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "custom code" not in done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1] == f"{type(folded).__name__} TokenizersBackend"

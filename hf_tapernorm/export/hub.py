@@ -24,6 +24,8 @@ import hashlib
 import json
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
@@ -33,9 +35,9 @@ from transformers import PreTrainedModel
 
 from ..config_fields import check_tokenizer_to_save
 from ..errors import ConfigurationError, TaperStateError
-from ..utils import expand_user, file_in_the_way, saved_model_type
+from ..utils import expand_user, file_in_the_way
 from .model_card import attach_model_card
-from .modeling_folded import PREFIX, FoldedModelMixin, upload_export
+from .modeling_folded import FoldedModelMixin, upload_export
 
 logger = logging.getLogger(__name__)
 
@@ -168,10 +170,14 @@ def export_folded(
 ) -> Path:
     """Save a folded model (from ``fold_model``) with its model card, and its tokenizer when given; returns the folder.
 
-    Refuses a non-empty folder unless ``overwrite=True`` (then files of the same names are
-    replaced). ``facts`` fills the model card (see ``hf_tapernorm.export.model_card.FACT_KEYS``); the card
-    is attached to the model, so a later ``model.push_to_hub`` uploads the same README.md. Every file written
-    (the tokenizer's too) is in the export's manifest, so ``push_export`` uploads it.
+    Refuses a non-empty folder unless ``overwrite=True``, and even then one that is not an earlier export (no
+    export manifest) or that holds files its export did not write (a user's, named), as ``fold --overwrite`` does:
+    an earlier export is replaced whole (the new one is written beside it, in a hidden ``.NAME.export-*`` folder,
+    then swapped in), so none of its files (a tokenizer, a robustness scan) stays to be pushed as the new
+    export's, and a failed write leaves it as it was. ``facts`` fills the model card (see
+    ``hf_tapernorm.export.model_card.FACT_KEYS``); the card is attached to the model, so a later
+    ``model.push_to_hub`` uploads the same README.md. Every file written (the tokenizer's too) is in the export's
+    manifest, so ``push_export`` uploads it.
     """
     if not isinstance(model, FoldedModelMixin):
         raise TaperStateError(
@@ -180,41 +186,81 @@ def export_folded(
         )
     check_tokenizer_to_save(tokenizer, "export_folded")
     folder = expand_user(save_directory, f"export_folded: save_directory '{save_directory}'")  # "~/out": $HOME/out
-    _check_export_folder(folder, overwrite)
+    replace = _check_export_folder(folder, overwrite)
     if facts is not None and not isinstance(facts, Mapping):
         raise ConfigurationError(
             f"export_folded: facts= must be a mapping of model card facts, got {type(facts).__name__}"
         )
     if facts is not None or model.model_card is None:
         attach_model_card(model, facts)
+    (_replace_export if replace else _write_export)(folder, model, tokenizer)
+    logger.info("exported %s to %s", type(model).__name__, folder)
+    return folder
+
+
+def _write_export(folder: Path, model: PreTrainedModel, tokenizer: Any) -> None:
+    """Save the model (and the tokenizer) into ``folder``, every file in its manifest."""
     with recording_export(folder):
         model.save_pretrained(folder)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
             _log_sink_handling(model, tokenizer)
-    logger.info("exported %s to %s", type(model).__name__, folder)
-    return folder
 
 
-def _check_export_folder(folder: Path, overwrite: bool) -> None:
+def _replace_export(folder: Path, model: PreTrainedModel, tokenizer: Any) -> None:
+    """Write the export beside the earlier one ``folder`` (inside a hidden ``.NAME.export-*`` folder), then swap
+    them and delete the earlier one: no file of it survives into the new export, and a write that fails (a full
+    disk) leaves it whole under its name."""
+    container = Path(tempfile.mkdtemp(prefix=f".{folder.name}.export-", dir=folder.parent))
+    new, aside = container / "new", container / "old"  # new: created by save_pretrained with the usual mode
+    try:
+        _write_export(new, model, tokenizer)
+        os.replace(folder, aside)
+        try:
+            os.replace(new, folder)
+        except BaseException:
+            os.replace(aside, folder)
+            raise
+    except OSError as error:
+        raise ConfigurationError(
+            f"could not replace the earlier export {folder}: {error}; it is left as it was"
+        ) from error
+    finally:
+        shutil.rmtree(container, ignore_errors=True)
+
+
+def _check_export_folder(folder: Path, overwrite: bool) -> bool:
     """Refuse, before anything is written: a file on the way to ``folder``, a non-empty folder without
-    ``overwrite``, and (even with it) a folder holding another model, whose config.json and weights the export
-    would replace."""
+    ``overwrite``, and (even with it) a folder that is not an earlier export (no manifest: a user's model or files,
+    which the export would replace) or an export holding files it did not write (a user's, which go with it).
+    Returns whether ``folder`` holds an earlier export to replace."""
     blocking = file_in_the_way(folder)
     if blocking:
         raise ConfigurationError(f"cannot export into {folder}: {blocking} is a file")
     if not folder.is_dir() or not any(folder.iterdir()):
-        return
+        return False
     if not overwrite:
         raise ConfigurationError(
-            f"{folder} is not empty; choose a new folder or pass overwrite=True to replace its files"
+            f"{folder} is not empty; choose a new folder or pass overwrite=True to replace an earlier export"
         )
-    config = folder / "config.json"
-    if export_manifest(folder) is None and config.is_file() and not saved_model_type(config).startswith(PREFIX):
+    refusal = f"refusing overwrite=True of {folder}"
+    if export_manifest(folder) is None:
         raise ConfigurationError(
-            f"refusing overwrite=True of {folder}: it holds a model that is not an earlier export ({config.name} "
-            "without a tapernorm_* model_type), which the export would replace; choose a new folder"
+            f"{refusal}: it is not an earlier export (no {EXPORT_MANIFEST_NAME}), and overwrite=True replaces only "
+            "one; choose a new folder"
         )
+    foreign = sorted(set(_folder_files(folder)) - set(export_manifest(folder) or ()))
+    if folder.is_symlink() or Path.cwd().resolve().is_relative_to(folder.resolve()):
+        raise ConfigurationError(
+            f"{refusal}: it is a symbolic link, or the working folder or one above it; pass another folder"
+        )
+    if foreign:
+        listed = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
+        raise ConfigurationError(
+            f"{refusal}: it holds files the export did not write ({listed}), which replacing it would delete; "
+            "move them away first"
+        )
+    return True
 
 
 def _log_sink_handling(model: PreTrainedModel, tokenizer: Any) -> None:

@@ -11,8 +11,11 @@ from transformers import AutoModelForCausalLM
 from hf_tapernorm import TaperNormConfig, TaperStateError, export_folded, fold_model, patch_model
 from hf_tapernorm.layers.sink import set_sink_tokens, sink_prefix, sink_token_ids_of
 from hf_tapernorm.layers.taper_norm import tapered_norms
-from tests.conftest import build, random_batches, run_without_hf_tapernorm, tiny_llama_config
-from tests.helpers import tapered
+from tests.conftest import build, random_batches, run_without_hf_tapernorm, tiny_family_config, tiny_llama_config
+from tests.helpers import TEXT as BOS_TEXT
+from tests.helpers import relative, tapered
+from tests.helpers import sink_tapered as bos_sink_tapered
+from tests.helpers import with_sink as with_bos_sink
 
 SINK = [5]
 
@@ -187,3 +190,40 @@ def test_a_chunk_that_continues_a_cache_has_no_sink_position():
     with torch.no_grad():
         model(ids)  # a fresh forward holds the sink again
     assert all(layer.sink_active for _, layer in tapered_norms(model))
+
+
+# ----------------------------------------------------------------------------- OPT: a flattened MLP input, project_out
+@torch.no_grad()
+def test_every_sequence_of_an_opt_batch_keeps_its_sink_normalized():
+    """OPT's MLP norm reads its input flattened to ``[batch * seq, hidden]``: the patched norm took the first row
+    alone for the sink, so every other sequence's sink took the tapered branch (and entered calibration), and the
+    fold check of a trained OPT sink model failed on its 2-sequence probe. Each sequence's sink is its own now:
+    row 1 of a batch gives the logits it gives alone, its sink those of the unpatched model."""
+    model = bos_sink_tapered("opt")
+    reference = build(tiny_family_config("opt")).eval()
+    ids = with_bos_sink(BOS_TEXT)
+    together = model(ids).logits
+    alone = model(ids[1:]).logits
+    assert relative(together[1:], alone) < 1e-5
+    assert relative(together[:, :1], reference(ids).logits[:, :1]) < 1e-5
+
+
+@torch.no_grad()
+def test_an_opt_with_project_out_folds_a_sink_with_its_narrower_last_hidden_state(tmp_path):
+    """OPT with word_embed_proj_dim != hidden_size (facebook/opt-350m's shape) returns its last hidden state after
+    project_out, narrower than the others: storing the sink's hidden states raised "stack expects each tensor to be
+    equal size" after a whole training run. Now they are stored padded to the widest and read back at each entry's
+    width: the export gives the tapered model's logits, hidden states and generated tokens on [sink] + text."""
+    model = bos_sink_tapered("opt-project_out")
+    folded = fold_model(model)
+    assert folded.fold_report.max_rel_diff < 1e-5
+    ids = with_bos_sink(BOS_TEXT)
+    expected = model(ids, output_hidden_states=True)
+    for candidate in (folded, AutoModelForCausalLM.from_pretrained(export_folded(folded, tmp_path / "export"))):
+        actual = candidate.eval()(ids, output_hidden_states=True)
+        assert relative(actual.logits, expected.logits) < 1e-5
+        assert [h.shape[-1] for h in actual.hidden_states] == [32, 32, 16]
+        for got, want in zip(actual.hidden_states, expected.hidden_states):
+            assert relative(got, want) < 1e-5
+        generated = candidate.generate(ids, max_new_tokens=5, do_sample=False)
+        assert torch.equal(generated, model.generate(ids, max_new_tokens=5, do_sample=False))

@@ -262,9 +262,9 @@ def _restore_outputs(model: nn.Module, output: Any, call: SinkCall) -> None:
         full = _with_sink_rows(output.logits, restore.keep, stored["logits"])
         output["logits"] = _logits_to_keep(full, restore.keep_logits)
     if "hidden_states" in stored:
-        sink = stored["hidden_states"]  # [entries, n, hidden]
+        sink = stored["hidden_states"]  # [entries, n, widest]: each entry zero-padded to the widest
         output["hidden_states"] = tuple(
-            _with_sink_rows(h, restore.keep, None if sink is None else sink[i])
+            _with_sink_rows(h, restore.keep, None if sink is None else sink[i, ..., : h.shape[-1]])
             for i, h in enumerate(output.hidden_states)
         )
     if "attentions" in stored:

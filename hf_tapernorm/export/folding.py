@@ -197,11 +197,23 @@ def _fold_sites(model: PreTrainedModel, sites, tied: bool, tied_head: TiedHead) 
     return fold
 
 
+def _padded_stack(entries: list[torch.Tensor]) -> torch.Tensor:
+    """The hidden states as one ``[entries, n, widest]`` tensor, each zero-padded on the right to the widest.
+
+    Their widths can differ: OPT with ``word_embed_proj_dim`` != ``hidden_size`` (facebook/opt-350m) returns its
+    last hidden state after ``project_out``, narrower than the others. The export reads each entry back at the
+    width of the hidden state it goes with (``folded_sink._restore_outputs``), so the padding is never returned.
+    """
+    widest = max(entry.shape[-1] for entry in entries)
+    return torch.stack([nn.functional.pad(entry, (0, widest - entry.shape[-1])) for entry in entries])
+
+
 @torch.no_grad()
 def _sink_activations(model: PreTrainedModel, sink_ids: list[int]) -> dict[str, torch.Tensor]:
-    """The sink's hidden states (``[entries, n, hidden]``) and attention rows (``[layers, heads, n, n]``): constants,
-    as its keys and values are (its positions take the normalized branch at every gate and attend only to
-    themselves), which the export returns in the sink's columns of an input that starts with it.
+    """The sink's hidden states (``[entries, n, hidden]``, ``_padded_stack``) and attention rows
+    (``[layers, heads, n, n]``): constants, as its keys and values are (its positions take the normalized branch at
+    every gate and attend only to themselves), which the export returns in the sink's columns of an input that
+    starts with it.
 
     One forward of the sink alone, every norm computed (``normalized``), in eager attention (the one that returns
     its weights; the model's own is restored). A model that returns no attention weights stores none (its export
@@ -217,7 +229,7 @@ def _sink_activations(model: PreTrainedModel, sink_ids: list[int]) -> dict[str, 
     finally:
         model.set_attn_implementation(previous)
         model.train(was_training)
-    stored = {"sink_hidden_states": torch.stack([entry[0] for entry in output.hidden_states])}
+    stored = {"sink_hidden_states": _padded_stack([entry[0] for entry in output.hidden_states])}
     if output.attentions and all(weights is not None for weights in output.attentions):
         stored["sink_attentions"] = torch.stack([weights[0] for weights in output.attentions])
     return stored

@@ -73,12 +73,14 @@ def _mark_sink_forwards(model: nn.Module, args: tuple, kwargs: dict) -> None:
     gathered or gradient computed, and where evaluation and generation enter it. Text
     without the sink would have its first token kept normalized as the sink, so its logits would be neither the
     trained model's nor its export's (which reads such text as stored sink + text). Looks the layers up on every
-    call (not in a closure), so a deep-copied model marks its own.
+    call (not in a closure), so a deep-copied model marks its own. It also tells them the input's length, for a
+    norm that reads its input flattened to ``[batch * seq, hidden]`` (OPT's MLP norm: ``TaperNorm.sequence_length``).
     """
     cache = kwargs.get("cache")
     if cache is None:
         cache = kwargs.get("past_key_values")  # the older name, which transformers 5 still accepts
     fresh = cache is None or not hasattr(cache, "get_seq_length") or cache.get_seq_length() == 0
+    length = None
     if fresh:
         ids = model.tapernorm_config.sink_token_ids
         check_sink_not_padded(_forward_argument(model, args, kwargs, "attention_mask"), ids, type(model).__name__)
@@ -91,9 +93,12 @@ def _mark_sink_forwards(model: nn.Module, args: tuple, kwargs: dict) -> None:
             check_sink_first(input_ids, ids, where, also=also)
         elif inputs_embeds is not None:
             check_sink_embedded(inputs_embeds, model.get_input_embeddings(), ids, where, also=also)
+        given = input_ids if input_ids is not None else inputs_embeds
+        length = int(given.shape[1]) if given is not None and given.dim() >= 2 else None
     for module in model.modules():
         if isinstance(module, TaperNorm):
             module.sink_active = fresh
+            module.sequence_length = length
 
 
 def _forward_argument(model: nn.Module, args: tuple, kwargs: dict, name: str) -> Any:

@@ -107,6 +107,9 @@ class TaperNorm(nn.Module):
         self.sink_tokens = 0
         self.sink_active = True
         self.sequence_dim = -2  # the input's sequence axis, where the sink positions are (NormSite.sequence_dim)
+        # The length of the model's input in this forward (set with sink_active): a 2D input is rows of
+        # [batch * seq, hidden] (OPT flattens its MLP's input), whose sink rows are every sequence_length-th.
+        self.sequence_length: Optional[int] = None
         # Multiplies the calibrated c (set by patch_model): < 1 makes the linear branch conservative.
         # A token k x the typical scale runs away through gated MLPs once the gate closes; a smaller c
         # moves that threshold up, at a cost in fidelity (docs/fidelity.md).
@@ -215,11 +218,20 @@ class TaperNorm(nn.Module):
         if phase is _Phase.NORM:
             return self._normalized(h)
         sink = self.sink_tokens if self.sink_active else 0
-        dim = self.sequence_dim
-        if sink and h.dim() >= -dim and h.shape[dim] > sink:
-            head, rest = h.narrow(dim, 0, sink), h.narrow(dim, sink, h.shape[dim] - sink)
-            return torch.cat([self._normalized(head), self._tapered(rest, phase)], dim=dim)
+        rows, dim = self._by_sequence(h)
+        if sink and rows.dim() >= -dim and rows.shape[dim] > sink:
+            head, rest = rows.narrow(dim, 0, sink), rows.narrow(dim, sink, rows.shape[dim] - sink)
+            return torch.cat([self._normalized(head), self._tapered(rest, phase)], dim=dim).view_as(h)
         return self._tapered(h, phase)
+
+    def _by_sequence(self, h: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``h`` with its sequence axis, where the sink positions are cut: ``sequence_dim``, or, for an input that
+        the model flattened to ``[batch * seq, hidden]`` rows, a ``[batch, seq, hidden]`` view of it (else every
+        sequence's sink but the first would take the tapered branch)."""
+        length = self.sequence_length
+        if h.dim() == 2 and length and h.shape[0] % length == 0:
+            return h.view(-1, length, h.shape[-1]), -2
+        return h, self.sequence_dim
 
     def _tapered(self, h: torch.Tensor, phase: _Phase) -> torch.Tensor:
         if phase is _Phase.LINEAR:
@@ -228,9 +240,12 @@ class TaperNorm(nn.Module):
         return gate * self._normalized(h) + (1.0 - gate) * self._linear(h)
 
     def _accumulate(self, h: torch.Tensor) -> None:
-        sink, dim = self.sink_tokens, self.sequence_dim
-        if sink and self.sink_active and h.dim() >= -dim and h.shape[dim] > sink:
-            h = h.narrow(dim, sink, h.shape[dim] - sink)  # the sink stays normalized: the linear branch need not fit it
+        sink = self.sink_tokens
+        rows, dim = self._by_sequence(h)
+        if sink and self.sink_active and rows.dim() >= -dim and rows.shape[dim] > sink:
+            h = rows.narrow(
+                dim, sink, rows.shape[dim] - sink
+            )  # the sink stays normalized: the linear branch need not fit it
         sums = branch_statistics(
             h, self.effective_gain(), self.eps, centred=self.style is NormStyle.LAYER, per_channel=self.per_channel
         )

@@ -13,6 +13,7 @@ import runpy
 import socket
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from hf_tapernorm.architectures.sites import norm_sites
 from hf_tapernorm.bench import measure, runner, workloads
 from hf_tapernorm.bench import train_workloads as train
 from hf_tapernorm.bench import variants as var
-from hf_tapernorm.bench.arguments import BenchArguments, parse_arguments
+from hf_tapernorm.bench.arguments import BenchArguments, Case, cases, parse_arguments
 from hf_tapernorm.cli.main import main as cli_main
 from hf_tapernorm.data.sources import load_text_dataset
 from hf_tapernorm.errors import ConfigurationError
@@ -293,6 +294,24 @@ def test_interleaving_rotates_the_order_and_prepares_untimed():
     assert all(log[i] == ("prepare", log[i + 1][1]) for i in range(0, len(log), 2))
 
 
+@pytest.mark.parametrize("compiled, warmup, expected", [
+    (True, 0, list("abab")),  # compiled: one untimed run each (the compilation) before the timed repeat
+    (True, 2, list("ababab")),  # --warmup above 1 is kept
+    (False, 0, list("ab")),  # eager: --warmup 0 is taken as it is
+])  # fmt: skip
+def test_a_compiled_case_runs_each_variant_untimed_before_timing_it(compiled, warmup, expected):
+    """`--execution compile --warmup 0` timed each variant's first call, its compilation (1305 ms against 1.7 ms
+    warm, and a folded/original ratio of two compilations); a compiled case now runs every workload at least once,
+    untimed, whatever --warmup says."""
+    log: list = []
+    recorders = {name: _Recorder(name, log) for name in "ab"}
+    case = Case("last", 1, 8, None, "fp32", "cpu", 1, compiled=compiled)
+    arguments = SimpleNamespace(warmup=warmup, repeats=1, op_counts=False)
+    times, ops = runner._time(recorders, case, arguments)
+    assert [name for kind, name in log if kind == "run"] == expected
+    assert {name: len(series) for name, series in times.items()} == {"a": 1, "b": 1} and ops == {}
+
+
 def test_median_of_pair_ratios():
     assert measure.median_ratio([2.0, 3.0, 10.0], [1.0, 2.0, 2.0]) == 2.0
     # A load spike that hits both members of a pair cancels out; the medians of times would not.
@@ -452,6 +471,36 @@ def test_benchmark_end_to_end_writes_json_plot_and_tables(tmp_path, capsys, corp
     out = capsys.readouterr().out
     assert "speedup = original time" in out and "cost = workload step time" in out and "tapered-distilled" in out
     assert "vs flashnorm" in out and " flashnorm " in out
+
+
+def _result(mode: str, entry: dict, new_tokens) -> dict:
+    case = {"mode": mode, "batch": 1, "seq_len": 8, "new_tokens": new_tokens, "compiled": False}
+    return {"case": case, "label": f"{mode} b1 T8", "variants": {"original": entry}, "times_s": {}}
+
+
+def test_without_op_counts_the_aten_ops_column_prints_a_dash():
+    """With --no_op_counts the inference and train tables printed `nan` in the aten ops column (bench.json holds no
+    count); they print `-`, as every other empty column does, and a count where there is one."""
+    inference = {"median_ms": 1.0, "speedup_vs_original": 1.0}
+    train_entry = {"median_ms": 2.0, "cost_vs_normalized": 1.0, "gates": [], "teacher": False, "losses_finite": True}
+    table = runner.format_table([_result("last", inference, None), _result("train", train_entry, None)])
+    assert "nan" not in table
+    rows = [line for line in table.splitlines() if line.startswith(("last b1 T8", "train b1 T8"))]
+    assert len(rows) == 2 and rows[0].endswith(" -") and " - " in rows[1]
+    counted = runner.format_table([_result("last", {**inference, "aten_ops": 123.0}, None)])
+    assert counted.splitlines()[-1].endswith(" 123")
+
+
+def test_only_decode_cases_record_new_tokens_and_older_files_still_read():
+    """bench.json recorded `new_tokens: 32` (the decode default) for last, full and train cases, which decode
+    nothing; they record null now, decode its --new_tokens. An older file's results (32 everywhere) still read."""
+    arguments = parse_arguments(["--modes", "last", "full", "decode", "train", "--new_tokens", "5", "--threads", "1"])
+    recorded = {case.mode: case.new_tokens for case in cases(arguments, "fp32", "cpu")}
+    assert recorded == {"last": None, "full": None, "decode": 5, "train": None}
+    decode = next(case for case in cases(arguments, "fp32", "cpu") if case.mode == "decode")
+    assert decode.label() == "decode b1 T128+5 fp32 cpu 1t eager" and decode.steps == 5
+    older = [_result("last", {"median_ms": 1.0, "aten_ops": 7.0}, 32)]
+    assert "last b1 T8" in runner.format_table(older)
 
 
 def test_non_finite_training_losses_make_the_run_fail(tmp_path, monkeypatch, capsys):

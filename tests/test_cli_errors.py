@@ -418,6 +418,51 @@ CASES = {
         "bench.json and bench.png would become part of that input (every later command would read it changed); "
         "choose an --output_dir outside it",
     ),
+    # bench's and eval's outputs inside the model they read, or an export, joined that model folder (exit 0; a push
+    # then refused the export until they were moved)
+    "bench: the output folder is the model it reads": (
+        lambda ws: _bench(ws, "--output_dir", str(ws / "llama")),
+        2,
+        "error: --output_dir '{ws}/llama' is --model_name_or_path '{ws}/llama', which bench reads: bench.json and "
+        "bench.png would become part of that input (every later command would read it changed); choose an "
+        "--output_dir outside it",
+    ),
+    "bench: the output folder inside an export": (
+        lambda ws, run, tmp: _bench(ws, "--output_dir", str(run / "folded" / "b")),
+        2,
+        [
+            "error: --output_dir '",
+            "/folded/b' lies in '",
+            "/folded', a saved model's folder: bench.json and bench.png "
+            "would join the model (a push would upload them); choose an --output_dir outside it",
+        ],
+        NEEDS_RUN,
+    ),
+    "eval: the result file inside the model it evaluates": (
+        lambda ws: _eval(ws, "--output_json", str(ws / "llama" / "eval.json")),
+        2,
+        "error: --output_json '{ws}/llama/eval.json' lies inside --model_name_or_path '{ws}/llama', which eval reads: "
+        "the result would become part of that input",
+    ),
+    "eval: the result file inside the scan's reference": (
+        lambda ws: _eval(
+            ws, "--scan_reference", str(ws / "other_tokenizer"), "--output_json", str(ws / "other_tokenizer" / "r.json")
+        ),
+        2,
+        "error: --output_json '{ws}/other_tokenizer/r.json' lies inside --scan_reference '{ws}/other_tokenizer', "
+        "which eval reads",
+    ),
+    "eval: the result file inside an export it does not read": (
+        lambda ws, run, tmp: _eval(ws, "--output_json", str(run / "folded" / "eval.json")),
+        2,
+        [
+            "error: --output_json '",
+            "/folded/eval.json' lies in '",
+            "/folded', a saved model's folder: the result "
+            "would join the model (a push would upload them); choose an --output_json outside it",
+        ],
+        NEEDS_RUN,
+    ),
     "fold: the export inside the dataset folder that its run read and the scan reads": (
         lambda ws, tmp: fold(
             finished_run(taper(ws, tmp / "run", data="texts")) / "tapered", ws / "texts" / "exp", "--scan_windows", "2"

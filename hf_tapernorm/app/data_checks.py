@@ -252,6 +252,23 @@ def check_output_outside(
             )
 
 
+def check_output_outside_models(
+    option: str, output: str | os.PathLike, models: Mapping[str, Optional[str]], *, reader: str, written: str
+) -> None:
+    """Refuse an output (``output``, named by ``option``) that is, or lies in, a model folder the command reads
+    (``models``: what names each -> its path; as check_output_outside words it) or any other saved model's folder (an
+    export, a base model: config.json beside weights): ``written`` would join that model, a push would upload it
+    (and refuse an export until it is moved), a later load find the folder changed. Checked before anything loads."""
+    check_output_outside(option, output, models, reader=reader, written=written)
+    target = resolved_path(output, f"{option} '{output}'")
+    for folder in [target, *target.parents]:
+        if _saved_model(folder):
+            raise ConfigurationError(
+                f"{option} '{output}' {'is' if folder == target else 'lies in'} '{folder}', a saved model's folder: "
+                f"{written} would join the model (a push would upload them); choose an {option} outside it"
+            )
+
+
 def _check_cache_outside_data(path: str, read: dict[str, Optional[str]]) -> None:
     """Refuse a cache in (or equal to) a local dataset folder the command reads (option -> dataset name): the files
     ``datasets`` writes there (dataset_info.json, .arrow, .lock) would be read, by this command and every later one,
@@ -339,6 +356,7 @@ __all__ = [
     "check_hub_dataset",
     "check_hub_datasets",
     "check_output_outside",
+    "check_output_outside_models",
     "check_sample_by",
     "check_text_column",
     "datasets_read",

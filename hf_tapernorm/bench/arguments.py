@@ -20,7 +20,12 @@ from typing import Optional
 import torch
 
 from .._parsing import parse
-from ..app.data_checks import check_data_paths, check_hub_dataset, check_output_outside
+from ..app.data_checks import (
+    check_data_paths,
+    check_hub_dataset,
+    check_output_outside,
+    check_output_outside_models,
+)
 from ..app.run_lock import check_destination
 from ..app.validation import check_within_positions
 from ..data.sources import DEFAULT_SAMPLE_BY
@@ -229,7 +234,13 @@ class BenchArguments:
     compile_mode: Optional[str] = field(
         default=None, metadata=_help("torch.compile mode, e.g. reduce-overhead (CUDA graphs on GPU).")
     )
-    warmup: int = field(default=2, metadata=_help("Untimed runs of every variant before timing."))
+    warmup: int = field(
+        default=2,
+        metadata=_help(
+            "Untimed runs of every variant before timing; a compiled case (--execution compile) runs each at least "
+            "once, untimed, whatever this says: its first run compiles."
+        ),
+    )
     repeats: int = field(default=10, metadata=_help("Timed rounds; each runs every variant once, in rotating order."))
     calibration_batches: int = field(
         default=4,
@@ -284,6 +295,13 @@ class BenchArguments:
         self._check_unread_options()
         if "train" in self.modes and any(s < 4 for s in self.seq_lens):
             raise ConfigurationError("--modes train packs text blocks of --seq_lens tokens: each must be at least 4")
+        check_output_outside_models(  # as taper refuses its --output_dir in its model folder
+            "--output_dir",
+            self.output_dir,
+            {"--model_name_or_path": self.model_name_or_path},
+            reader="bench",
+            written="bench.json and bench.png",
+        )
         if "train" in self.modes:  # read once the tokenizer is loaded: a mistyped path is refused now
             check_data_paths(self._train_data())  # as taper and eval check theirs (the text column too)
             check_output_outside(  # as taper, eval and fold check theirs
@@ -411,7 +429,7 @@ class Case:
     mode: str
     batch: int
     seq_len: int
-    new_tokens: int
+    new_tokens: Optional[int]  # decode's only: None in the modes that decode nothing (bench.json records null)
     dtype: str
     device: str
     threads: int
@@ -433,7 +451,8 @@ def cases(arguments: BenchArguments, dtype: str, device: str) -> Iterator[Case]:
     for threads, execution, mode, batch, seq_len in itertools.product(
         arguments.threads, arguments.execution, arguments.modes, arguments.batch_sizes, arguments.seq_lens
     ):
-        yield Case(mode, batch, seq_len, arguments.new_tokens, dtype, device, threads, execution == "compile")
+        new_tokens = arguments.new_tokens if mode == "decode" else None
+        yield Case(mode, batch, seq_len, new_tokens, dtype, device, threads, execution == "compile")
 
 
 __all__ = [

@@ -23,6 +23,11 @@ def _ratio(value: Optional[float]) -> str:
     return f"{value:.3f}x" if value is not None else "-"
 
 
+def _count(value: Optional[float]) -> str:
+    """An op count, or ``-`` where none was counted (``--no_op_counts``), as every other empty column prints."""
+    return f"{value:.0f}" if value is not None else "-"
+
+
 def _inference_table(results: Sequence[Result]) -> list[str]:
     header = (
         f"{'case':<44} {'variant':<18} {'median ms':>10} {'vs original':>12} {'vs flashnorm':>13} {'vs limit':>9} "
@@ -42,7 +47,7 @@ def _inference_table(results: Sequence[Result]) -> list[str]:
                 f"{result['label']:<44} {name:<18} {entry['median_ms']:>10.2f} "
                 f"{_ratio(entry.get('speedup_vs_original')):>12} {_ratio(entry.get('speedup_vs_flashnorm')):>13} "
                 f"{_ratio(entry.get('speed_vs_limit')):>9} "
-                f"{entry.get('aten_ops', float('nan')):>9.0f}"
+                f"{_count(entry.get('aten_ops')):>9}"
             )
     return lines
 
@@ -91,7 +96,7 @@ def _train_table(results: Sequence[Result]) -> list[str]:
             lines.append(
                 f"{result['label']:<36} {name:<23} {entry['median_ms']:>10.2f} "
                 f"{_ratio(entry.get('cost_vs_normalized')):>14} {_ratio(entry.get('speedup_vs_fp32')):>8} "
-                f"{entry.get('aten_ops', float('nan')):>9.0f} "
+                f"{_count(entry.get('aten_ops')):>9} "
                 f"{gates:<26} {('yes' if entry['teacher'] else 'no'):<7} {finite}"
             )
     return lines

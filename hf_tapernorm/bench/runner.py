@@ -78,8 +78,15 @@ def _dynamo_counts() -> dict[str, int]:
 ORT_PREFIX = "ort-"  # the name of a variant run in ONNX Runtime: ort-original, ort-folded, ...
 
 
+def warmup_runs(case: Case, arguments: BenchArguments) -> int:
+    """The untimed runs of every workload before its timing: ``--warmup``, and at least one in a compiled case, whose
+    first call compiles: timed, it would measure the compilation (and a ratio of two compilations), not the run."""
+    return max(arguments.warmup, 1) if case.compiled else arguments.warmup
+
+
 def _time(workloads: dict, case: Case, arguments: BenchArguments) -> tuple[dict, dict]:
-    times = interleaved_times(workloads, warmup=arguments.warmup, repeats=arguments.repeats, device=case.device)
+    warmup = warmup_runs(case, arguments)
+    times = interleaved_times(workloads, warmup=warmup, repeats=arguments.repeats, device=case.device)
     counted = {name: w for name, w in workloads.items() if not name.startswith(ORT_PREFIX)}  # aten: torch's only
     ops = {name: op_counts(w) for name, w in counted.items()} if arguments.op_counts else {}
     return times, ops

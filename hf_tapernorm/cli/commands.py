@@ -52,6 +52,7 @@ from .destinations import (
     check_export_folder,
     check_result_file,
     check_result_outside_data,
+    check_result_outside_models,
 )
 from .export_arguments import FoldArguments, PushArguments
 from .fold_scan import (
@@ -118,6 +119,8 @@ def eval_main(argv: Sequence[str]) -> int:
     if output_json is not None:
         check_result_file(output_json)
         check_result_outside_data(output_json, data_args)
+        models = {"--model_name_or_path": model_args.model_name_or_path, "--scan_reference": eval_args.scan_reference}
+        check_result_outside_models(output_json, models)
     check_data_paths(data_args)  # the model loads before the data is read
     check_hub_datasets(data_args)
     source = resolve_model(model_args.model_name_or_path, model_args.gguf_file)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .._parsing import UsageError
-from ..app.data_checks import check_output_outside, datasets_read
+from ..app.data_checks import check_output_outside, check_output_outside_models, datasets_read
 from ..app.folder_writes import check_folder_destination, check_path_length, temporary_name
 from ..app.run_folder import LOCK_NAME
 from ..app.run_lock import check_destination, refuse_while_running, resolved_path, unreadable_place
@@ -87,6 +87,13 @@ def check_result_outside_data(path: Path, data: Any) -> None:
     """Refuse a result file in a local dataset folder that eval reads (``data``: its data arguments), or that is
     its dataset file: the result would be read as more of that dataset (app/data_checks.check_output_outside)."""
     check_output_outside("--output_json", path, datasets_read(data), reader="eval", written="the result")
+
+
+def check_result_outside_models(path: Path, models: Mapping[str, Optional[str]]) -> None:
+    """Refuse a result file in a model folder eval reads (``models``: option -> its path: the model, the scan's
+    reference) or in any other saved model's folder (an export): it would join that model, and push would upload it
+    or refuse the export (app/data_checks.check_output_outside_models)."""
+    check_output_outside_models("--output_json", path, models, reader="eval", written="the result")
 
 
 def check_export_outside_data(folder: Path, data: Any) -> None:
@@ -166,4 +173,5 @@ __all__ = [
     "check_export_outside_run_data",
     "check_result_file",
     "check_result_outside_data",
+    "check_result_outside_models",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -202,6 +203,14 @@ def _copy(source: Path, target: Path) -> Path:
     """``target``, a copy of the file ``source``."""
     target.write_bytes(source.read_bytes())
     return target
+
+
+def _without_tapered(run: Path) -> Path:
+    """The copy ``run`` as a run that stopped before it wrote tapered/ (and folded/): its checkpoint-N only."""
+    for name in ("tapered", "folded", "report.json"):
+        path = run / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return run
 
 
 def _held(folder: Path) -> Path:
@@ -472,6 +481,13 @@ CASES = {
         "robustness scan (--scan_windows 2) reads: the export would become part of that input (every later command "
         "would read it changed); choose an --output_dir outside it",
         ("tmp_path",),
+    ),
+    # probe33 row 6: --scan_reference with --scan_windows 0 was never read, without a word
+    "eval: --scan_reference with --scan_windows 0": (
+        lambda ws: _eval(ws, "--scan_windows", "0", "--scan_reference", str(ws / "other_tokenizer")),
+        2,
+        "error: --scan_reference '{ws}/other_tokenizer' is read only by the robustness scan, and --scan_windows 0 "
+        "runs none: give --scan_windows N (N > 0) to scan against it, or leave --scan_reference out",
     ),
     "eval: a scan reference with another tokenizer of the same size": (
         lambda ws: _eval(ws, "--scan_reference", str(ws / "other_tokenizer")),
@@ -1160,16 +1176,30 @@ CASES = {
         ["cannot read", "tapernorm_config.json"],
         NEEDS_RUN,
     ),
+    # probe33 row 8: a run folder was "not a saved Hugging Face model", naming neither tapered/ nor folded/
     "eval of the run folder itself": (
         lambda ws, run, tmp: evaluate(run, data=ws / "corpus.txt"),
         2,
-        ["folder without config.json"],
+        "error: --model_name_or_path '{ws}/run' is a taper run's folder, not a saved model: evaluate its folded "
+        "export, --model_name_or_path '{ws}/run/folded' (or '{ws}/run/tapered', the tapered checkpoint at g = 0)",
         NEEDS_RUN,
     ),
     "fold of the run folder itself": (
         lambda ws, run, tmp: fold(run, tmp / "x"),
         2,
-        ["folder without config.json"],
+        "error: --checkpoint '{ws}/run' is a taper run's folder, not a saved model: fold its tapered checkpoint, "
+        "--checkpoint '{ws}/run/tapered'",
+        NEEDS_RUN,
+    ),
+    "fold of the folder of a run that wrote no tapered/": (
+        lambda ws, run, tmp: fold(_without_tapered(copy_of(run, tmp)), tmp / "x"),
+        2,
+        [
+            "error: --checkpoint '",
+            "/run' is a taper run's folder, not a saved model: it holds no tapered/ (the run "
+            "did not finish): pass one of its checkpoint-N folders, '",
+            "/run/checkpoint-N'",
+        ],
         NEEDS_RUN,
     ),
     "fold --overwrite onto the run folder": (

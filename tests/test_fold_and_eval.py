@@ -203,6 +203,61 @@ def test_fold_refuses_a_checkpoint_above_gate_zero_before_loading_it(tmp_path, m
     assert not (tmp_path / "export").exists()
 
 
+@pytest.mark.parametrize(
+    ("kind", "scope", "why"),
+    [
+        (
+            "llama",
+            "all",
+            "its final norm feeds no tied lm_head (tie_word_embeddings is false, or a projection stands between them)",
+        ),
+        (
+            "gpt2",
+            "internal",
+            "its final norm transformer.ln_f is kept (tapernorm_config.json's scope or keep_norms), so the tied head "
+            "is unchanged",
+        ),
+    ],
+)
+def test_fold_refuses_tied_head_scale_where_it_changes_nothing_before_loading(kind, scope, why, tmp_path, monkeypatch):
+    """probe33 row 7: --tied_head scale on an untied head, or with the final norm kept, wrote the default export
+    (byte for byte) without a word; it is refused from the checkpoint's config and recipe before the weights load."""
+    import hf_tapernorm.cli.commands as commands
+    from hf_tapernorm import save_tapered
+
+    folder = save_tapered(tapered(kind, scope), tmp_path / "tapered")
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("loaded before --tied_head was checked"))
+    line = refused(fold(folder, tmp_path / "export", "--tied_head", "scale"))
+    assert line == (
+        f"hf-tapernorm fold: error: --tied_head scale has no effect on '{folder}': {why}; the export would be the "
+        "default one, so leave --tied_head out"
+    )
+    assert not (tmp_path / "export").exists()
+
+
+def test_fold_refuses_an_unused_tied_head_after_loading_where_the_config_cannot_tell(tmp_path, monkeypatch):
+    """Where no weightless copy can be built from the checkpoint's files, the loaded model answers: refused before
+    anything is written."""
+    from hf_tapernorm import save_tapered
+    from hf_tapernorm.app import tapered_checks
+
+    folder = save_tapered(tapered("llama", "all"), tmp_path / "tapered")
+    monkeypatch.setattr(tapered_checks, "_weightless", lambda checkpoint: None)
+    refused(fold(folder, tmp_path / "export", "--tied_head", "scale"), "--tied_head scale has no effect on")
+    assert not (tmp_path / "export").exists()
+
+
+def test_fold_with_tied_head_scale_keeps_the_tie_where_the_final_norm_meets_it(tmp_path):
+    """The choice still applies where it matters: a tapered final norm before a tied head."""
+    from hf_tapernorm import save_tapered
+
+    folder = save_tapered(tapered("gpt2", "all", tie_word_embeddings=True), tmp_path / "tapered")
+    code, _, stderr = run_main(fold(folder, tmp_path / "export", "--tied_head", "scale"))
+    assert code == 0, stderr
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["tied_head"] == "scale" and config["tie_word_embeddings"] is True
+
+
 def test_eval_and_fold_refuse_a_checkpoint_whose_sink_is_not_the_one_its_run_trained_with(ws, run, tmp_path):
     """A tapered checkpoint whose tapernorm_config.json had its sink_token_ids edited was evaluated and folded (the
     weights cannot tell: the sink is a position, not a tensor), and the export stored the wrong sink. The run's

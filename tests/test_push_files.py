@@ -184,3 +184,20 @@ def test_push_refuses_an_export_without_a_manifest(reference, tmp_path):
     (export / ".hf_tapernorm_export.json").unlink()
     message = error_of(["push", "--export_dir", str(export), "--repo_id", "me/x"])
     assert message.startswith(f"hf-tapernorm push: error: '{export}' has no export manifest")
+
+
+def test_push_of_an_unscanned_export_names_the_command_that_writes_a_scan_into_it(run, tmp_path, hub):
+    """probe33 row 9: push said "not scanned (hf-tapernorm eval --scan_reference <the base model> scans it)", but
+    eval's scan only prints its result and push kept saying "not scanned"; the hint now names fold's command, which
+    writes robustness_scan.json into the export, and following it (the run's folder for <run>) gets push a scan."""
+    folder = copy_of(run, tmp_path) / "folded"
+    code, stdout, stderr = run_main(["push", "--export_dir", str(folder), "--repo_id", "me/x"])
+    hint = f"hf-tapernorm fold --checkpoint <run>/tapered --output_dir {folder} --overwrite --scan_windows 16"
+    assert code == 0, stderr
+    assert f"{folder}: not scanned (fold writes a scan into an export: {hint}; eval's scan only prints its result)" in (
+        stdout.splitlines()
+    )
+    code, _, stderr = run_main(hint.replace("<run>", str(folder.parent)).split()[1:])
+    assert code == 0 and (folder / "robustness_scan.json").is_file(), stderr
+    code, stdout, stderr = run_main(["push", "--export_dir", str(folder), "--repo_id", "me/y"])
+    assert code == 0 and f"{folder}: robustness scan: " in stdout and "not scanned" not in stdout, stderr

@@ -16,9 +16,14 @@ import json
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import torch
+from transformers import AutoModelForCausalLM
+
 from ..config import CONFIG_NAME
 from ..errors import ConfigurationError
-from ..training.checkpoints import tapered_config_of
+from ..export.folding import tied_head_unused
+from ..layers.patching import patch_weightless
+from ..training.checkpoints import tapered_config_of, tapered_model_config
 from .training_run import IDENTITY_NAME
 
 
@@ -68,6 +73,37 @@ def refuse_unfoldable_gate(checkpoint: Union[str, Path], gate: Optional[float]) 
         )
 
 
+def refuse_unused_tied_head(
+    checkpoint: Union[str, Path], tied_head: str, model: Optional[torch.nn.Module] = None
+) -> None:
+    """Refuse ``fold --tied_head scale`` of ``checkpoint`` where the choice changes nothing (tied_head_unused: an
+    untied head, or a kept final norm): the export would be the default one, without a word. ``model``: the loaded
+    checkpoint; without it a weightless copy built from the checkpoint's config and recipe answers, before the
+    weights load (where that copy cannot be built, nothing is refused: fold asks again with the loaded model)."""
+    if tied_head != "scale":
+        return
+    if model is None:
+        model = _weightless(Path(checkpoint))
+    reason = tied_head_unused(model) if model is not None else None
+    if reason is not None:
+        raise ConfigurationError(
+            f"--tied_head scale has no effect on '{checkpoint}': {reason}; the export would be the default one, so "
+            "leave --tied_head out"
+        )
+
+
+def _weightless(checkpoint: Path) -> Optional[torch.nn.Module]:
+    """The patched tapered ``checkpoint`` on the meta device (its config and recipe, no weights); None where it
+    cannot be built from them (loading the checkpoint then names the problem)."""
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(tapered_model_config(checkpoint))
+        patch_weightless(model, tapered_config_of(checkpoint))
+    except Exception:  # noqa: BLE001 - transformers raises many types; the loaded model is checked instead
+        return None
+    return model
+
+
 def _json(path: Path) -> dict[str, Any]:
     try:
         values = json.loads(path.read_text())
@@ -76,4 +112,4 @@ def _json(path: Path) -> dict[str, Any]:
     return values if isinstance(values, dict) else {}
 
 
-__all__ = ["check_recorded_sink", "refuse_unfoldable_gate"]
+__all__ = ["check_recorded_sink", "refuse_unfoldable_gate", "refuse_unused_tied_head"]

@@ -20,10 +20,10 @@ from .._parsing import UsageError, parse
 from ..app.data_checks import check_data_paths, check_hub_datasets
 from ..app.preflight import check_export_space, full_disk_refused
 from ..app.record import evaluation_facts, run_card_facts
-from ..app.run_folder import RunFolder, write_file, write_folder
+from ..app.run_folder import MANIFEST_NAME, RunFolder, write_file, write_folder
 from ..app.run_lock import refuse_while_running, resolved_path
 from ..app.taper import save_export
-from ..app.tapered_checks import check_recorded_sink, refuse_unfoldable_gate
+from ..app.tapered_checks import check_recorded_sink, refuse_unfoldable_gate, refuse_unused_tied_head
 from ..app.validation import check_same_tokenizer, check_vocabulary, check_within_positions, fingerprint
 from ..config import sink_token_id
 from ..data.corpus import blocks_tensor, prepare_from_arguments
@@ -115,6 +115,7 @@ def eval_main(argv: Sequence[str]) -> int:
     """``hf-tapernorm eval``: held-out loss and perplexity of an original model, a tapered checkpoint
     (evaluated at g = 0) or a folded export, on the same held-out blocks as ``taper`` builds."""
     model_args, data_args, eval_args = parse([ModelArguments, DataArguments, EvalArguments], argv, "hf-tapernorm eval")
+    _refuse_unread_scan_reference(eval_args.scan_reference, data_args.scan_windows)
     output_json = Path(eval_args.output_json) if eval_args.output_json else None
     if output_json is not None:
         check_result_file(output_json)
@@ -123,6 +124,7 @@ def eval_main(argv: Sequence[str]) -> int:
         check_result_outside_models(output_json, models)
     check_data_paths(data_args)  # the model loads before the data is read
     check_hub_datasets(data_args)
+    _refuse_run_folder(model_args.model_name_or_path, "--model_name_or_path", _EVAL_RUN_HINT)
     source = resolve_model(model_args.model_name_or_path, model_args.gguf_file)
     block_size = data_args.block_size
     local = source.kind in ("folder", "folded")  # its unreadable config.json is the error, not the tokenizer's
@@ -191,6 +193,44 @@ def eval_main(argv: Sequence[str]) -> int:
         check_result_file(output_json)  # again: the evaluation took a while
         write_file(output_json, json.dumps({**result, "written_by": RESULT_MARK}, indent=2) + "\n")
     return 0
+
+
+def _refuse_unread_scan_reference(scan_reference: Optional[str], windows: int) -> None:
+    """Refuse ``--scan_reference`` with ``--scan_windows 0``: only the robustness scan reads it, and none runs, so it
+    was ignored without a word (as any other option no part of the command reads is refused)."""
+    if scan_reference is not None and not windows:
+        raise UsageError(
+            f"--scan_reference '{scan_reference}' is read only by the robustness scan, and --scan_windows 0 runs "
+            "none: give --scan_windows N (N > 0) to scan against it, or leave --scan_reference out"
+        )
+
+
+#: What a taper run folder holds (app/taper.py's outputs and its manifest), where a saved model holds config.json.
+_RUN_MARKS = ("report.json", MANIFEST_NAME, "tapered", "folded")
+_FOLD_RUN_HINT = "fold its tapered checkpoint, --checkpoint '{run}/tapered'"
+_EVAL_RUN_HINT = (
+    "evaluate its folded export, --model_name_or_path '{run}/folded' (or '{run}/tapered', the tapered checkpoint "
+    "at g = 0)"
+)
+
+
+def _refuse_run_folder(named: Optional[str], option: str, hint: str) -> None:
+    """Refuse a taper run's output folder (``named``) passed where a model goes, naming the model in it (``hint``,
+    formatted with the folder as typed): resolve_model would call it a folder that is no saved model, which says
+    nothing of the tapered/ or folded/ folder meant. A run that stopped before it wrote tapered/ is pointed at its
+    Trainer checkpoints."""
+    folder = expand_user(named, strict=False) if named else None
+    if folder is None or not folder.is_dir() or (folder / "config.json").exists():
+        return
+    if not any((folder / mark).exists() for mark in _RUN_MARKS):
+        return
+    run = str(named).rstrip("/")
+    where = hint.format(run=run)
+    if not (folder / "tapered").is_dir():
+        where = (
+            f"it holds no tapered/ (the run did not finish): pass one of its checkpoint-N folders, '{run}/checkpoint-N'"
+        )
+    raise UsageError(f"{option} '{named}' is a taper run's folder, not a saved model: {where}")
 
 
 def tokenizer_of(source: ModelSource, *, trust_remote_code: bool = False):
@@ -282,6 +322,7 @@ def scan_reference_of(source, named: Optional[str], windows: int) -> Optional[Mo
 def fold_main(argv: Sequence[str]) -> int:
     """``hf-tapernorm fold``: a saved tapered checkpoint at g = 0 -> a folded export (numerically checked)."""
     (fold_args,) = parse([FoldArguments], argv, "hf-tapernorm fold")
+    _refuse_run_folder(fold_args.checkpoint, "--checkpoint", _FOLD_RUN_HINT)
     source = resolve_model(fold_args.checkpoint)
     if source.kind == "hub":
         raise UsageError(
@@ -294,6 +335,7 @@ def fold_main(argv: Sequence[str]) -> int:
         )
     check_recorded_sink(source.path)  # these two before the weights load
     refuse_unfoldable_gate(source.path, saved_gate(source.path))
+    refuse_unused_tied_head(source.path, fold_args.tied_head)
     output_dir = Path(fold_args.output_dir)
     destination = resolved_path(output_dir, f"--output_dir '{output_dir}'")
     if destination == Path.cwd().resolve():
@@ -343,6 +385,7 @@ def _fold_into(
     tokenizer, texts = read
     model = load_model(source, trust_sharded_checkpoint=fold_args.trust_sharded_checkpoint)
     refuse_unfoldable_gate(source.path, gate_of(model))  # where the files did not tell (a sharded checkpoint)
+    refuse_unused_tied_head(source.path, fold_args.tied_head, model)  # where its config and recipe could not tell
     folded = fold_model(model, tied_head=fold_args.tied_head, tolerance=fold_args.tolerance)
     scan = fold_scan(texts, folded, tokenizer)
     facts = {**card, **({"robustness_scan": scan} if scan else {})} or None
@@ -408,7 +451,10 @@ def _export_scan(folder: Path) -> str:
     """The export's robustness scan in one line (``robustness_scan.json``), or why there is none."""
     path = folder / SCAN_FILE
     if not path.is_file():
-        return f"{folder}: not scanned (hf-tapernorm eval --scan_reference <the base model> scans it)"
+        return (
+            f"{folder}: not scanned (fold writes a scan into an export: hf-tapernorm fold --checkpoint <run>/tapered "
+            f"--output_dir {folder} --overwrite --scan_windows 16; eval's scan only prints its result)"
+        )
     try:
         scan = json.loads(path.read_text())
         return ("WARNING: " if scan["broken"] else "") + f"{folder}: robustness scan: {scan_summary(scan)}"

@@ -153,12 +153,24 @@ def unties_head(model: PreTrainedModel, tied_head: TiedHead = "untie") -> bool:
     """Whether ``fold_model(model, tied_head=tied_head)`` gives a tied lm_head weights of its own (one matrix more
     in the export). It reads the patched model's structure only, so a weightless (meta-device) copy answers: the
     disk an export needs is known before the weights load (``hf-tapernorm fold``)."""
+    return tied_head == "untie" and tied_head_unused(model) is None
+
+
+def tied_head_unused(model: PreTrainedModel) -> Optional[str]:
+    """Why ``tied_head`` changes nothing in the fold of the patched ``model`` (None where it does): the choice is
+    made only where the final norm's fold would change a tied lm_head. Like :func:`unties_head` it reads the
+    structure only, so a weightless copy answers and ``hf-tapernorm fold --tied_head scale`` is refused before
+    the weights load rather than writing the default export without a word."""
     arch = architecture_of(model)
-    tied = _is_tied(model, arch)
-    layers = ((site, model.get_submodule(site.path)) for site in norm_sites(model, arch))
-    return tied_head == "untie" and any(
-        isinstance(layer, TaperNorm) and _meets_tied_head(site, layer, tied) for site, layer in layers
-    )
+    if not _is_tied(model, arch):
+        return (
+            "its final norm feeds no tied lm_head (tie_word_embeddings is false, or a projection stands between them)"
+        )
+    layers = [(site, model.get_submodule(site.path)) for site in norm_sites(model, arch)]
+    if any(isinstance(layer, TaperNorm) and _meets_tied_head(site, layer, True) for site, layer in layers):
+        return None
+    final = next((f" {site.path}" for site, _ in layers if site.is_final), "")
+    return f"its final norm{final} is kept (tapernorm_config.json's scope or keep_norms), so the tied head is unchanged"
 
 
 def _fold_sites(model: PreTrainedModel, sites, tied: bool, tied_head: TiedHead) -> FoldState:
@@ -429,4 +441,12 @@ def flashnorm_model(
     return folded
 
 
-__all__ = ["FoldReport", "TIED_HEAD_CHOICES", "check_fold", "flashnorm_model", "fold_model", "unties_head"]
+__all__ = [
+    "FoldReport",
+    "TIED_HEAD_CHOICES",
+    "check_fold",
+    "flashnorm_model",
+    "fold_model",
+    "tied_head_unused",
+    "unties_head",
+]

@@ -115,16 +115,7 @@ def eval_main(argv: Sequence[str]) -> int:
     """``hf-tapernorm eval``: held-out loss and perplexity of an original model, a tapered checkpoint
     (evaluated at g = 0) or a folded export, on the same held-out blocks as ``taper`` builds."""
     model_args, data_args, eval_args = parse([ModelArguments, DataArguments, EvalArguments], argv, "hf-tapernorm eval")
-    _refuse_unread_scan_reference(eval_args.scan_reference, data_args.scan_windows)
-    output_json = Path(eval_args.output_json) if eval_args.output_json else None
-    if output_json is not None:
-        check_result_file(output_json)
-        check_result_outside_data(output_json, data_args)
-        models = {"--model_name_or_path": model_args.model_name_or_path, "--scan_reference": eval_args.scan_reference}
-        check_result_outside_models(output_json, models)
-    check_data_paths(data_args)  # the model loads before the data is read
-    check_hub_datasets(data_args)
-    _refuse_run_folder(model_args.model_name_or_path, "--model_name_or_path", _EVAL_RUN_HINT)
+    output_json = _check_eval_arguments(model_args, data_args, eval_args)
     source = resolve_model(model_args.model_name_or_path, model_args.gguf_file)
     block_size = data_args.block_size
     local = source.kind in ("folder", "folded")  # its unreadable config.json is the error, not the tokenizer's
@@ -193,6 +184,21 @@ def eval_main(argv: Sequence[str]) -> int:
         check_result_file(output_json)  # again: the evaluation took a while
         write_file(output_json, json.dumps({**result, "written_by": RESULT_MARK}, indent=2) + "\n")
     return 0
+
+
+def _check_eval_arguments(model_args, data_args, eval_args) -> Optional[Path]:
+    """eval's checks of its arguments, before anything is resolved or loaded; the --output_json path, if any."""
+    _refuse_unread_scan_reference(eval_args.scan_reference, data_args.scan_windows)
+    output_json = Path(eval_args.output_json) if eval_args.output_json else None
+    if output_json is not None:
+        check_result_file(output_json)
+        check_result_outside_data(output_json, data_args)
+        models = {"--model_name_or_path": model_args.model_name_or_path, "--scan_reference": eval_args.scan_reference}
+        check_result_outside_models(output_json, models)
+    check_data_paths(data_args)  # the model loads before the data is read
+    check_hub_datasets(data_args)
+    _refuse_run_folder(model_args.model_name_or_path, "--model_name_or_path", _EVAL_RUN_HINT)
+    return output_json
 
 
 def _refuse_unread_scan_reference(scan_reference: Optional[str], windows: int) -> None:

@@ -96,6 +96,22 @@ def test_export_folded_overwrite_refuses_an_export_holding_a_users_file(folded, 
     assert _files(export) == before
 
 
+@pytest.mark.parametrize("name", [".hf_tapernorm_notes.txt", ".hf_tapernorm_run.lock"])
+def test_export_folded_overwrite_refuses_a_bookkeeping_look_alike_or_a_commands_lock(folded, tmp_path, name):
+    """A user's file named like the package's bookkeeping went with the earlier export, and a running fold's lock
+    was swapped away under it: every bookkeeping name but the manifest is named as no file of the export now."""
+    export = export_folded(folded, tmp_path / "export")
+    (export / name).write_text("mine")
+    before = _files(export)
+    with pytest.raises(ConfigurationError) as caught:
+        export_folded(folded, export, overwrite=True)
+    assert str(caught.value) == (
+        f"refusing overwrite=True of {export}: it holds files the export did not write ({name}), which replacing "
+        "it would delete; move them away first"
+    )
+    assert _files(export) == before and (export / name).read_text() == "mine"
+
+
 def test_export_folded_overwrite_replaces_an_earlier_export_whole(folded, tmp_path):
     """overwrite=True left the earlier export's tokenizer files and robustness_scan.json beside the new export and
     in its manifest, so push uploaded them as the new export's; now the earlier export is replaced whole (written

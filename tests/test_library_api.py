@@ -653,9 +653,7 @@ def test_a_new_controller_on_a_model_tapered_before_refuses_to_raise_its_gate(tm
     resumed_at_0 = TaperController(model, total_steps=8)
     resumed_at_0.check_resume(0)
     replayed = TaperController(model, total_steps=8)
-    replayed.step_begin(0, replay=True)  # on purpose: it sets its step's gate
-    for _, layer in tapered_norms(model):
-        layer.set_gate(held)
+    replayed.step_begin(0, replay=True)  # on purpose: it sets its step's gate; the gate met is the model's before
     for controller, step in ((resumed_at_0, 0), (replayed, 1)):
         with pytest.raises(TaperStateError, match=rf"^TaperController\.step_begin\({step}\): the model holds gate"):
             controller.step_begin(step)

@@ -122,3 +122,20 @@ def test_eval_of_a_tapered_sink_checkpoint_in_bf16_says_its_readout_is_affine(tm
     assert result["sink_token_ids"] == [1]
     assert result["readout"]["affine"] is True
     assert result["readout"]["additivity_error"] < 1e-5
+
+
+def test_the_readout_check_reads_through_opts_project_out():
+    """An OPT whose project_out narrows the last hidden state (facebook/opt-350m's shape) ended eval in a traceback
+    (mat1 and mat2 shapes cannot be multiplied): the readout check applied the final norm and the head without the
+    projection between them. It reads through it now: a real final norm is not affine, a folded one is."""
+    from tests.conftest import tiny_family_config
+
+    ids = torch.randint(0, 128, (2, 16))
+    original = build(tiny_family_config("opt-project_out")).eval()
+    assert readout_additivity_error(original, ids) > 1e-2
+    patched = patch_model(build(tiny_family_config("opt-project_out")), TaperNormConfig.paper(scope="all")).train()
+    for batch in random_batches(128, n=4):
+        patched(input_ids=batch)
+    calibrate(patched)
+    set_gate(patched, 0.0)
+    assert readout_additivity_error(fold_model(patched.eval()), ids) < 1e-5

@@ -394,6 +394,10 @@ def test_fold_overwrite_replaces_only_an_earlier_export(workspace, tmp_path):
     (export / "mine.txt").unlink()
     assert run_main([*fold, str(export), "--overwrite"])[0] == 0  # an earlier export is replaced
     (export / ".hf_tapernorm_export.json").unlink()  # an export written before the manifest existed
+    # Only its shards' names are an export's: a user's model-notes.txt went with it (as any model-* name did).
+    (export / "model-notes.txt").write_text("user file")
+    assert "holds files an export does not write (model-notes.txt)" in error_of([*fold, str(export), "--overwrite"])
+    (export / "model-notes.txt").unlink()
     assert run_main([*fold, str(export), "--overwrite"])[0] == 0
     link = tmp_path / "link"
     link.symlink_to(export, target_is_directory=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
@@ -142,7 +143,7 @@ def check_export_folder(folder: Path, overwrite: bool, *, locked: bool = False) 
     if manifest is not None:
         foreign = [f for f in present if f not in manifest and f != EXPORT_MANIFEST_NAME]
     elif _is_folded_config(folder / "config.json"):
-        foreign = [f for f in present if f not in EXPORT_FILES and not f.startswith("model-")]
+        foreign = [f for f in present if f not in EXPORT_FILES and not _SHARD.fullmatch(f)]
     else:
         raise UsageError(
             f"refusing to --overwrite '{folder}': it is not an earlier export (no {EXPORT_MANIFEST_NAME}, and its "
@@ -154,6 +155,10 @@ def check_export_folder(folder: Path, overwrite: bool, *, locked: bool = False) 
             f"refusing to --overwrite '{folder}': it holds files an export does not write "
             f"({', '.join((foreign or links)[:8])}); move them away first"
         )
+
+
+#: The weight shards an export of an earlier version wrote (save_pretrained's names), beside EXPORT_FILES.
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json")
 
 
 def _is_folded_config(path: Path) -> bool:

@@ -250,6 +250,8 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
             "one; choose a new folder"
         )
     foreign = sorted(set(_folder_files(folder)) - set(export_manifest(folder) or ()))
+    # A bookkeeping name but the manifest is no file of the export: a running command's lock, or a user's look-alike.
+    foreign += sorted(p.name for p in folder.iterdir() if _is_bookkeeping(p.name) and p.name != EXPORT_MANIFEST_NAME)
     if folder.is_symlink() or Path.cwd().resolve().is_relative_to(folder.resolve()):
         raise ConfigurationError(
             f"{refusal}: it is a symbolic link, or the working folder or one above it; pass another folder"

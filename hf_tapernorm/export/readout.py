@@ -61,6 +61,12 @@ def readout_summary(config: Any) -> dict[str, Any]:
 
 
 @torch.no_grad()
+def _projection_after_the_final_norm(model: nn.Module) -> Optional[nn.Module]:
+    """The linear map between the final norm and the head, where the model has one (OPT's ``project_out``, when its
+    ``word_embed_proj_dim`` is not its hidden size): part of the readout, which is affine through it too."""
+    return next((m for name, m in model.named_modules() if name.rpartition(".")[2] == "project_out"), None)
+
+
 def readout_additivity_error(model: nn.Module, input_ids: torch.Tensor, *, seed: int = 0) -> Optional[float]:
     """max |R(a) + R(b) - R(0) - R(a + b)| / max |R(a + b)| over the text positions of ``input_ids``, where a + b is
     the residual stream entering the final norm, split at random channel by channel, and R is the final norm
@@ -91,11 +97,13 @@ def readout_additivity_error(model: nn.Module, input_ids: torch.Tensor, *, seed:
     mask = (torch.rand(stream.shape, generator=generator) < 0.5).to(stream)
     part_a, part_b = stream * mask, stream * (1 - mask)
     norm_fp32, head_fp32 = _in_float32(norm), _in_float32(head)
+    projection = _projection_after_the_final_norm(model)
+    project = _in_float32(projection) if projection is not None else nn.Identity()
     sink = _sink_positions(model, input_ids, stream)
 
     def readout(hidden: torch.Tensor) -> torch.Tensor:
         # The whole stream each time (a TaperNorm picks its sink positions by column), the sink's columns dropped after.
-        return head_fp32(norm_fp32(hidden))[..., sink:, :]
+        return head_fp32(project(norm_fp32(hidden)))[..., sink:, :]
 
     whole = readout(stream)
     if whole.numel() == 0:

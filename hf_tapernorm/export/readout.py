@@ -60,13 +60,13 @@ def readout_summary(config: Any) -> dict[str, Any]:
     }
 
 
-@torch.no_grad()
 def _projection_after_the_final_norm(model: nn.Module) -> Optional[nn.Module]:
     """The linear map between the final norm and the head, where the model has one (OPT's ``project_out``, when its
     ``word_embed_proj_dim`` is not its hidden size): part of the readout, which is affine through it too."""
     return next((m for name, m in model.named_modules() if name.rpartition(".")[2] == "project_out"), None)
 
 
+@torch.no_grad()
 def readout_additivity_error(model: nn.Module, input_ids: torch.Tensor, *, seed: int = 0) -> Optional[float]:
     """max |R(a) + R(b) - R(0) - R(a + b)| / max |R(a + b)| over the text positions of ``input_ids``, where a + b is
     the residual stream entering the final norm, split at random channel by channel, and R is the final norm

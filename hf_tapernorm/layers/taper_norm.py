@@ -218,10 +218,11 @@ class TaperNorm(nn.Module):
         if phase is _Phase.NORM:
             return self._normalized(h)
         sink = self.sink_tokens if self.sink_active else 0
-        rows, dim = self._by_sequence(h)
-        if sink and rows.dim() >= -dim and rows.shape[dim] > sink:
-            head, rest = rows.narrow(dim, 0, sink), rows.narrow(dim, sink, rows.shape[dim] - sink)
-            return torch.cat([self._normalized(head), self._tapered(rest, phase)], dim=dim).view_as(h)
+        if sink:
+            rows, dim = self._by_sequence(h)
+            if rows.dim() >= -dim and rows.shape[dim] > sink:
+                head, rest = rows.narrow(dim, 0, sink), rows.narrow(dim, sink, rows.shape[dim] - sink)
+                return torch.cat([self._normalized(head), self._tapered(rest, phase)], dim=dim).view_as(h)
         return self._tapered(h, phase)
 
     def _by_sequence(self, h: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -240,12 +241,11 @@ class TaperNorm(nn.Module):
         return gate * self._normalized(h) + (1.0 - gate) * self._linear(h)
 
     def _accumulate(self, h: torch.Tensor) -> None:
-        sink = self.sink_tokens
-        rows, dim = self._by_sequence(h)
-        if sink and self.sink_active and rows.dim() >= -dim and rows.shape[dim] > sink:
-            h = rows.narrow(
-                dim, sink, rows.shape[dim] - sink
-            )  # the sink stays normalized: the linear branch need not fit it
+        sink = self.sink_tokens if self.sink_active else 0
+        if sink:  # the sink stays normalized: the linear branch need not fit it
+            rows, dim = self._by_sequence(h)
+            if rows.dim() >= -dim and rows.shape[dim] > sink:
+                h = rows.narrow(dim, sink, rows.shape[dim] - sink)
         sums = branch_statistics(
             h, self.effective_gain(), self.eps, centred=self.style is NormStyle.LAYER, per_channel=self.per_channel
         )

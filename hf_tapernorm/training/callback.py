@@ -31,7 +31,7 @@ from ..errors import ConfigurationError, TaperStateError
 from ..layers.loss_terms import loss_terms_of
 from ..layers.scale_anchor import scale_anchors
 from ..layers.taper_norm import refuse_replaced_forward, tapered_norms
-from .controller import TaperController
+from .controller import TaperController, lowest_gate
 from .distributed import refuse_unsupported_sharding, refuse_unsupported_trainer_sharding
 from .divergence import DivergenceThresholds
 from .recipe_check import (
@@ -226,7 +226,7 @@ class TaperCallback(TrainerCallback):
     def _refuse_a_tapered_model(self, model) -> None:
         """A train() from step 0 (no resume) of a model an earlier train() or run tapered: its first step would set
         the gate back up over a model trained at a lower one (a second train() of a finished Trainer is a new run)."""
-        held = min((float(layer.gate) for _, layer in tapered_norms(model)), default=1.0)
+        held = lowest_gate(model)
         first = self.controller.schedule.gate(1)
         if first > held + 1e-6:
             raise TaperStateError(

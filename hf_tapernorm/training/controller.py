@@ -44,6 +44,12 @@ logger = logging.getLogger(__name__)
 _ANCHOR_SIZE = 3
 
 
+def lowest_gate(model: nn.Module, default: float = 1.0) -> float:
+    """The lowest gate of the model's tapered norms (``default`` where it has none): the gate a model holds, which a
+    new run's first step must not raise (TaperController, TaperCallback)."""
+    return min((float(layer.gate) for _, layer in tapered_norms(model)), default=default)
+
+
 class TaperController:
     """Sets the gate, gathers statistics, calibrates, distils and watches for divergence, per optimizer step.
 
@@ -101,7 +107,7 @@ class TaperController:
         self._last_call = ""  # the call that set _last_step, for the refusal
         self._resumed_unchecked = False  # load_state ran, check_resume did not: the next step_begin checks the gate
         self._started = False  # a step (not a replay) began, or check_resume past 0: the gate is the run's
-        self._gate_met = self._held_gate(1.0)  # the model's gate before any step of this controller (a replay's too)
+        self._gate_met = lowest_gate(model)  # the model's gate before any step of this controller (a replay's too)
 
     def _distillation(self, given: Union[Distillation, bool, None]) -> Optional[Distillation]:
         if isinstance(given, Distillation):
@@ -266,10 +272,6 @@ class TaperController:
             f"lower one); {advice}"
         )
 
-    def _held_gate(self, default: float) -> float:
-        """The lowest gate of the model's tapered norms (``default`` where it has none)."""
-        return min((float(layer.gate) for _, layer in tapered_norms(self.model)), default=default)
-
     def _refuse_a_rising_gate(self, step: int, gate: float) -> None:
         """The first step after load_state (check_resume not called), or of a new controller: refuse a gate above the
         model's. A resumed model holds the gate of its checkpoint's step, which the schedule never exceeds later on,
@@ -280,7 +282,9 @@ class TaperController:
         if not after_load_state and self._started:
             return
         self._resumed_unchecked, self._started = False, True
-        held = self._held_gate(gate) if after_load_state else min(self._held_gate(gate), self._gate_met)
+        held = lowest_gate(self.model, gate)
+        if not after_load_state:  # a replayed step may have raised it: the gate held is the one met
+            held = min(held, self._gate_met)
         if gate <= held + 1e-6:
             return
         if after_load_state:

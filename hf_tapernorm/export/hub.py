@@ -244,12 +244,13 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
             f"{folder} is not empty; choose a new folder or pass overwrite=True to replace an earlier export"
         )
     refusal = f"refusing overwrite=True of {folder}"
-    if export_manifest(folder) is None:
+    manifest = export_manifest(folder)
+    if manifest is None:
         raise ConfigurationError(
             f"{refusal}: it is not an earlier export (no {EXPORT_MANIFEST_NAME}), and overwrite=True replaces only "
             "one; choose a new folder"
         )
-    foreign = sorted(set(_folder_files(folder)) - set(export_manifest(folder) or ()))
+    foreign = sorted(set(_folder_files(folder)) - set(manifest))
     # A bookkeeping name but the manifest is no file of the export: a running command's lock, or a user's look-alike.
     foreign += sorted(p.name for p in folder.iterdir() if _is_bookkeeping(p.name) and p.name != EXPORT_MANIFEST_NAME)
     if folder.is_symlink() or Path.cwd().resolve().is_relative_to(folder.resolve()):

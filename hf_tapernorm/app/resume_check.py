@@ -116,8 +116,8 @@ def check_checkpoint(checkpoint: Path, *, trust_sharded_checkpoint: bool = False
         problem = _unreadable(path)
         if problem:
             raise ResumeCheckError(f"--resume: cannot read {path} ({problem}: truncated or damaged){restart}")
-    _check_listed_files(checkpoint, restart)
-    _check_digests(checkpoint)
+    record = _check_listed_files(checkpoint, restart)
+    _check_digests(checkpoint, record)
     _check_recipe_unedited(checkpoint, restart)
 
 
@@ -144,10 +144,11 @@ def _check_trainer_state(checkpoint: Path, restart: str) -> None:
         )
 
 
-def _check_listed_files(checkpoint: Path, restart: str) -> None:
-    """Every file the checkpoint held when it was written (its record's list) is still there."""
+def _check_listed_files(checkpoint: Path, restart: str) -> dict:
+    """Every file the checkpoint held when it was written (its record's list) is still there; returns the record."""
     try:
-        listed = json.loads((checkpoint / IDENTITY_NAME).read_text()).get(CHECKPOINT_FILES_KEY)
+        record = json.loads((checkpoint / IDENTITY_NAME).read_text())
+        listed = record.get(CHECKPOINT_FILES_KEY)
     except (OSError, UnicodeDecodeError, ValueError, AttributeError) as error:
         raise ResumeCheckError(
             f"--resume: cannot read {checkpoint / IDENTITY_NAME} ({first_line(error)}){restart}"
@@ -160,12 +161,12 @@ def _check_listed_files(checkpoint: Path, restart: str) -> None:
             f"--resume: {checkpoint} has no {missing[0]}{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}"
             f", which holds {what}{restart}"
         )
+    return record
 
 
-def _check_digests(checkpoint: Path) -> None:
-    """The files whose sha256 the checkpoint's record keeps (the teacher) are the ones the run wrote."""
-    record = json.loads((checkpoint / IDENTITY_NAME).read_text())  # read by _check_listed_files already
-    recorded = record.get(CHECKPOINT_DIGESTS_KEY) if isinstance(record, dict) else None
+def _check_digests(checkpoint: Path, record: dict) -> None:
+    """The files whose sha256 the checkpoint's ``record`` keeps (the teacher) are the ones the run wrote."""
+    recorded = record.get(CHECKPOINT_DIGESTS_KEY)
     if not isinstance(recorded, dict):
         if (checkpoint / SNAPSHOT_NAME).is_file():
             logger.info(

@@ -34,14 +34,13 @@ from typing import Any, Optional
 import torch
 from accelerate.utils import DynamoBackend, TorchDynamoPlugin
 from safetensors import SafetensorError, safe_open
-from transformers import AutoModelForCausalLM, Trainer, get_scheduler
+from transformers import Trainer, get_scheduler
 from transformers.integrations import get_reporting_integration_callbacks
 
 from ..config import TaperNormConfig
 from ..errors import ConfigurationError, first_line
 from ..export.folding import unties_head
-from ..layers.patching import patch_weightless
-from ..training.checkpoints import tapered_config_of, tapered_model_config
+from ..training.checkpoints import weightless_tapered
 from ..training.schedule import TaperSchedule, checked_scheduler_kwargs
 from ..utils import check_compile_options, check_seeds, expand_user
 
@@ -432,12 +431,8 @@ def check_export_space(output_dir: Path, checkpoint: Path, tied_head: str) -> in
     dtype = _stored_dtype(checkpoint)
     if dtype is None:
         return 0
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(tapered_model_config(checkpoint), dtype=dtype)
-    patch_weightless(model, tapered_config_of(checkpoint))
-    return check_free_space(
-        output_dir, {f"the folded export: {k}": v for k, v in export_writes(model, tied_head).items()}, "this fold"
-    )
+    writes = export_writes(weightless_tapered(checkpoint, dtype), tied_head)
+    return check_free_space(output_dir, {f"the folded export: {k}": v for k, v in writes.items()}, "this fold")
 
 
 #: safetensors' dtype names -> the floating dtypes a checkpoint's weights are stored in.

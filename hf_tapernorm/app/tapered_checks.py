@@ -17,13 +17,11 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from ..config import CONFIG_NAME
 from ..errors import ConfigurationError
 from ..export.folding import tied_head_unused
-from ..layers.patching import patch_weightless
-from ..training.checkpoints import tapered_config_of, tapered_model_config
+from ..training.checkpoints import tapered_config_of, weightless_tapered
 from .training_run import IDENTITY_NAME
 
 
@@ -96,12 +94,9 @@ def _weightless(checkpoint: Path) -> Optional[torch.nn.Module]:
     """The patched tapered ``checkpoint`` on the meta device (its config and recipe, no weights); None where it
     cannot be built from them (loading the checkpoint then names the problem)."""
     try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(tapered_model_config(checkpoint))
-        patch_weightless(model, tapered_config_of(checkpoint))
+        return weightless_tapered(checkpoint)
     except Exception:  # noqa: BLE001 - transformers raises many types; the loaded model is checked instead
         return None
-    return model
 
 
 def _json(path: Path) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from ..config import (
 from ..config_fields import check_tokenizer_to_save
 from ..errors import ConfigurationError, TaperStateError, UnsupportedModelError
 from ..layers.load_watch import load_watch_of
-from ..layers.patching import is_headless, patch_model
+from ..layers.patching import is_headless, patch_model, patch_weightless
 from ..layers.saving import TAPERED_NOTE_KEY, mark_config_as_tapered
 from ..layers.taper_norm import tapered_norms
 from ..utils import expand_user, load_dtype, refuse_weights_of_another_format
@@ -109,6 +109,14 @@ def tapered_config_of(folder: Union[str, os.PathLike]) -> TaperNormConfig:
     if not isinstance(values, dict):
         raise ConfigurationError(f"{path} holds a JSON {type(values).__name__}, not a TaperNormConfig; re-save it")
     return TaperNormConfig.from_dict(values)
+
+
+def weightless_tapered(folder: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """The tapered checkpoint ``folder`` as a patched model on the meta device: its config and its recipe, no
+    weights. For what the structure alone tells before the weights load (the export's size, which norms fold)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tapered_model_config(folder), dtype=dtype)
+    return patch_weightless(model, tapered_config_of(folder))
 
 
 def load_tapered(
@@ -243,5 +251,6 @@ __all__ = [
     "save_tapered",
     "saved_gate",
     "tapered_config_of",
+    "weightless_tapered",
     "tapered_model_config",
 ]

@@ -61,15 +61,14 @@ READ_BY = {
 
 
 def check_device(name: str) -> None:
-    """A device torch can name and this machine has: cpu (cpu:0; no cpu:1, check_cpu_index), or the accelerator torch
-    finds (cuda, xpu, mps, ...)."""
+    """A device torch can name and this machine has: cpu, or the accelerator torch finds (cuda, xpu, mps, ...). A cpu
+    index past 0 is refused before, with the names of one device (check_distinct_devices)."""
     try:
         device = torch.device(name)
     except RuntimeError:
         message = f"--devices {name!r} is not a device torch knows (cpu, cuda, cuda:1, mps, ...)"
         raise ConfigurationError(message) from None
     if device.type == "cpu":
-        check_cpu_index(name, device)
         return
     if device.type == "cuda":
         available, count = torch.cuda.is_available(), torch.cuda.device_count()

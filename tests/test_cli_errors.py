@@ -213,6 +213,18 @@ def _without_tapered(run: Path) -> Path:
     return run
 
 
+def _without(run: Path, *names: str) -> Path:
+    """The copy ``run`` without the folders ``names``."""
+    for name in names:
+        shutil.rmtree(run / name)
+    return run
+
+
+def _without_checkpoints(run: Path) -> Path:
+    """The copy ``run`` without its checkpoint-N folders: a run that stopped before it saved one."""
+    return _without(run, *(p.name for p in run.glob("checkpoint-*")))
+
+
 def _held(folder: Path) -> Path:
     """``folder`` with the lock of a running hf-tapernorm command (this test's parent process, alive) in it."""
     folder.mkdir()
@@ -1197,8 +1209,58 @@ CASES = {
         [
             "error: --checkpoint '",
             "/run' is a taper run's folder, not a saved model: it holds no tapered/ (the run "
-            "did not finish): pass one of its checkpoint-N folders, '",
-            "/run/checkpoint-N'",
+            "did not finish): fold one of its checkpoint-N folders, '",
+            "/run/checkpoint-6'",
+        ],
+        NEEDS_RUN,
+    ),
+    # probe34 row 12: "pass one of its checkpoint-N folders" to a run that saved none
+    "fold of the folder of a run that saved no checkpoint": (
+        lambda ws, run, tmp: fold(_without_checkpoints(_without_tapered(copy_of(run, tmp))), tmp / "x"),
+        2,
+        [
+            "error: --checkpoint '",
+            "/run' is a taper run's folder, not a saved model: it holds no tapered/ and no checkpoint-N folder (the "
+            "run stopped before it saved one), so nothing in it can be used; taper again into it (--output_dir '",
+            "/run' --overwrite)",
+        ],
+        NEEDS_RUN,
+    ),
+    # probe34 row 12: push, bench, eval --scan_reference and taper said "a folder without config.json" of a run folder
+    "bench of the run folder": (
+        lambda ws, run, tmp: [*_bench(ws)[:2], str(run), *_bench(ws)[3:]],
+        2,
+        "error: --model_name_or_path '{ws}/run' is a taper run's folder, not a saved model: bench builds its variants "
+        "from an ordinary model, which the run's outputs are not: pass the model the run started from, '{ws}/llama'",
+        NEEDS_RUN,
+    ),
+    "eval --scan_reference of the run folder": (
+        lambda ws, run, tmp: (
+            [*evaluate(run / "folded", data=ws / "corpus.txt")[:-2], "--scan_windows", "4"]
+            + ["--scan_reference", str(run)]
+        ),
+        2,
+        "error: --scan_reference '{ws}/run' is a taper run's folder, not a saved model: the scan compares with an "
+        "ordinary model: the run's original, --scan_reference '{ws}/llama' (a scan of '{ws}/run/folded' compares "
+        "with it without --scan_reference)",
+        NEEDS_RUN,
+    ),
+    "taper from the run folder": (
+        lambda ws, run, tmp: _taper(ws, model="run"),
+        2,
+        "error: --model_name_or_path '{ws}/run' is a taper run's folder, not a saved model: to continue this run, "
+        "--output_dir '{ws}/run' --resume (with its options); to taper again from the start, pass the model the run "
+        "started from, '{ws}/llama' (its tapered/ and folded/ are no starting point: taper refuses them)",
+        NEEDS_RUN,
+    ),
+    "push of the folder of a run that wrote no folded/": (
+        lambda ws, run, tmp: ["push", "--export_dir", str(_without(copy_of(run, tmp), "folded")), "--repo_id", "me/x"],
+        2,
+        [
+            "error: --export_dir '",
+            "/run' is a taper run's folder, not a saved model: it holds no folded/ export: fold its tapered "
+            "checkpoint (hf-tapernorm fold --checkpoint '",
+            "/run/tapered' --output_dir EXPORT) and push that export",
         ],
         NEEDS_RUN,
     ),
@@ -1274,7 +1336,8 @@ CASES = {
     "push of the run folder": (
         lambda ws, run, tmp: ["push", "--export_dir", str(run), "--repo_id", "me/x"],
         2,
-        ["folder without config.json"],
+        "error: --export_dir '{ws}/run' is a taper run's folder, not a saved model: push its folded export, "
+        "--export_dir '{ws}/run/folded'",
         NEEDS_RUN,
     ),
     "push of a manifest edited to name ../report.json": (

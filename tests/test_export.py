@@ -112,6 +112,36 @@ def test_export_folded_overwrite_refuses_a_bookkeeping_look_alike_or_a_commands_
     assert _files(export) == before and (export / name).read_text() == "mine"
 
 
+def test_export_folded_overwrite_refuses_an_export_whose_card_was_edited(folded, tmp_path):
+    """overwrite=True replaced a README.md card its owner had edited without a word; now the edited card (its sha256
+    is not the manifest's) is refused in one line, the export left as it was. Moved aside or deleted, the export is
+    replaced; an export whose manifest has no digest of its card (an earlier version's) is replaced as before; and
+    push's check of the files still takes an edited card (the card is prose its owner edits before a push)."""
+    from hf_tapernorm.export.hub import DIGESTS_KEY, EXPORT_MANIFEST_NAME, check_export_files
+
+    export = export_folded(folded, tmp_path / "export")
+    (export / "README.md").write_text("# my card\n")
+    check_export_files(export)  # push takes it
+    before = _files(export)
+    with pytest.raises(ConfigurationError) as caught:
+        export_folded(folded, export, overwrite=True)
+    assert str(caught.value) == (
+        f"refusing overwrite=True of {export}: its README.md was edited after the export wrote it (its sha256 is not "
+        "the one .hf_tapernorm_export.json recorded), and replacing the export would lose the edits; move README.md "
+        "out of the folder to keep it, or delete it to let the export be replaced"
+    )
+    assert _files(export) == before
+    (export / "README.md").unlink()
+    export_folded(folded, export, overwrite=True)
+    assert (export / "README.md").read_text() != "# my card\n"
+    manifest = json.loads((export / EXPORT_MANIFEST_NAME).read_text())
+    del manifest[DIGESTS_KEY]["README.md"]  # as an export written before the card's digest was checked
+    (export / EXPORT_MANIFEST_NAME).write_text(json.dumps(manifest))
+    (export / "README.md").write_text("# my card\n")
+    export_folded(folded, export, overwrite=True)
+    assert (export / "README.md").read_text() != "# my card\n"
+
+
 def test_export_folded_overwrite_replaces_an_earlier_export_whole(folded, tmp_path):
     """overwrite=True left the earlier export's tokenizer files and robustness_scan.json beside the new export and
     in its manifest, so push uploaded them as the new export's; now the earlier export is replaced whole (written

@@ -523,6 +523,23 @@ def test_eval_records_the_split_and_the_text_column_it_read(ws, tmp_path):
         assert recorded["cache_dir"] == str(tmp_path / "c") and recorded["sample_by"] == "paragraph"
 
 
+def test_eval_of_a_post_ln_opt_evaluates_it_without_a_folding_refusal(ws, tmp_path):
+    """eval of an original post-LN OPT (do_layer_norm_before=False) evaluated it in full, then stopped with "not
+    supported" from the readout check, which asked the architecture table for a final norm to fold. Evaluating a
+    base model folds nothing (taper is the command that refuses it): the result is written, its readout not affine,
+    with no additivity error (no final norm whose readout could be measured)."""
+    from tests.conftest import build, char_tokenizer, tiny_family_config
+
+    model = tmp_path / "opt_post_ln"
+    build(tiny_family_config("opt", do_layer_norm_before=False, max_position_embeddings=64)).save_pretrained(model)
+    char_tokenizer().save_pretrained(model)
+    code, stdout, stderr = run_main(evaluate(model, data=ws / "corpus.txt"))
+    assert code == 0, stderr[-2000:]
+    result = json.loads(stdout.strip().splitlines()[0])
+    assert result["kind"] == "folder" and result["perplexity"] > 1.0
+    assert result["readout"] == {"affine": False, "additivity_error": None}
+
+
 def test_eval_records_the_heldout_draw_and_the_dtype(ws, tmp_path):
     """`eval --output_json` with `--heldout_seed 1`, `--heldout_percentage 20` or `--dtype bfloat16` gave results
     whose losses differed while their JSON was otherwise the same: the held-out draw and the dtype were not recorded.

@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 from hf_tapernorm import TaperNormConfig
 from hf_tapernorm.app.run_folder import LOCK_NAME, MANIFEST_NAME, RunFolder, RunFolderError
 from hf_tapernorm.app.run_lock import process_start_time
+from hf_tapernorm.export.hub import files_to_push
 from hf_tapernorm.training.checkpoints import tapered_config_of
 from tests.conftest import build, save_tiny_model, tiny_llama_config
 from tests.helpers import error_of, run_main, snapshot, taper_argv, tapered_checkpoint
@@ -402,6 +403,28 @@ def test_fold_overwrite_replaces_only_an_earlier_export(workspace, tmp_path):
     link = tmp_path / "link"
     link.symlink_to(export, target_is_directory=True)
     assert "is a symbolic link" in error_of([*fold, str(link), "--overwrite"])
+
+
+def test_fold_overwrite_refuses_an_export_whose_card_was_edited(workspace, tmp_path):
+    """fold --overwrite replaced an export's README.md card that its owner had edited, without a word; now the
+    edited card (its sha256 is not the manifest's) is refused in one line and kept, push still uploads it, and once
+    it is moved aside the export is replaced."""
+    checkpoint = tapered_checkpoint(tmp_path / "tapered")
+    export = tmp_path / "export"
+    fold = ["fold", "--checkpoint", str(checkpoint), "--output_dir", str(export)]
+    assert run_main(fold)[0] == 0
+    (export / "README.md").write_text("# my card\n")
+    before = snapshot(export)
+    assert error_of([*fold, "--overwrite"]) == (
+        f"hf-tapernorm fold: error: refusing to --overwrite '{export}': its README.md was edited after the export "
+        "wrote it (its sha256 is not the one .hf_tapernorm_export.json recorded), and replacing the export would "
+        "lose the edits; move README.md out of the folder to keep it, or delete it to let the export be replaced"
+    )
+    assert snapshot(export) == before
+    assert "README.md" in files_to_push(export)  # push's check of the files takes an edited card
+    (export / "README.md").rename(tmp_path / "my_card.md")
+    assert run_main([*fold, "--overwrite"])[0] == 0
+    assert (export / "README.md").read_text() != "# my card\n"
 
 
 def test_eval_output_json_never_writes_over_a_file_it_did_not_create(workspace, tmp_path):

@@ -34,6 +34,7 @@ from ..utils import expand_user
 from .data_checks import check_data_paths, check_output_outside
 from .record import differences
 from .run_folder import RunFolder
+from .run_folder_hints import refuse_run_folder, taper_hint
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class TaperRequest:
     training: Any
 
     def __post_init__(self) -> None:
+        refuse_run_folder(self.model.model_name_or_path, "--model_name_or_path", taper_hint)
         check_output_outside(
             "--output_dir",
             self.training.output_dir,

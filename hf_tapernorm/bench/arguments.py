@@ -26,6 +26,7 @@ from ..app.data_checks import (
     check_output_outside,
     check_output_outside_models,
 )
+from ..app.run_folder_hints import bench_hint, refuse_run_folder
 from ..app.run_lock import check_destination
 from ..app.validation import check_within_positions
 from ..data.sources import DEFAULT_SAMPLE_BY
@@ -264,6 +265,7 @@ class BenchArguments:
 
     def __post_init__(self) -> None:
         expand_user_options(self, "model_name_or_path", "dataset_name", "output_dir")
+        refuse_run_folder(self.model_name_or_path, "--model_name_or_path", bench_hint)
         _check_list("norms", self.norms, NORMS)
         _check_list("variants", self.variants, KINDS)
         _check_list("modes", self.modes, MODES)

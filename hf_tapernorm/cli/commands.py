@@ -20,7 +20,8 @@ from .._parsing import UsageError, parse
 from ..app.data_checks import check_data_paths, check_hub_datasets
 from ..app.preflight import check_export_space, full_disk_refused
 from ..app.record import evaluation_facts, run_card_facts
-from ..app.run_folder import MANIFEST_NAME, RunFolder, write_file, write_folder
+from ..app.run_folder import RunFolder, write_file, write_folder
+from ..app.run_folder_hints import eval_hint, fold_hint, push_hint, refuse_run_folder, scan_reference_hint
 from ..app.run_lock import refuse_while_running, resolved_path
 from ..app.taper import save_export
 from ..app.tapered_checks import check_recorded_sink, refuse_unfoldable_gate, refuse_unused_tied_head
@@ -197,7 +198,8 @@ def _check_eval_arguments(model_args, data_args, eval_args) -> Optional[Path]:
         check_result_outside_models(output_json, models)
     check_data_paths(data_args)  # the model loads before the data is read
     check_hub_datasets(data_args)
-    _refuse_run_folder(model_args.model_name_or_path, "--model_name_or_path", _EVAL_RUN_HINT)
+    refuse_run_folder(model_args.model_name_or_path, "--model_name_or_path", eval_hint)
+    refuse_run_folder(eval_args.scan_reference, "--scan_reference", scan_reference_hint)
     return output_json
 
 
@@ -209,34 +211,6 @@ def _refuse_unread_scan_reference(scan_reference: Optional[str], windows: int) -
             f"--scan_reference '{scan_reference}' is read only by the robustness scan, and --scan_windows 0 runs "
             "none: give --scan_windows N (N > 0) to scan against it, or leave --scan_reference out"
         )
-
-
-#: What a taper run folder holds (app/taper.py's outputs and its manifest), where a saved model holds config.json.
-_RUN_MARKS = ("report.json", MANIFEST_NAME, "tapered", "folded")
-_FOLD_RUN_HINT = "fold its tapered checkpoint, --checkpoint '{run}/tapered'"
-_EVAL_RUN_HINT = (
-    "evaluate its folded export, --model_name_or_path '{run}/folded' (or '{run}/tapered', the tapered checkpoint "
-    "at g = 0)"
-)
-
-
-def _refuse_run_folder(named: Optional[str], option: str, hint: str) -> None:
-    """Refuse a taper run's output folder (``named``) passed where a model goes, naming the model in it (``hint``,
-    formatted with the folder as typed): resolve_model would call it a folder that is no saved model, which says
-    nothing of the tapered/ or folded/ folder meant. A run that stopped before it wrote tapered/ is pointed at its
-    Trainer checkpoints."""
-    folder = expand_user(named, strict=False) if named else None
-    if folder is None or not folder.is_dir() or (folder / "config.json").exists():
-        return
-    if not any((folder / mark).exists() for mark in _RUN_MARKS):
-        return
-    run = str(named).rstrip("/")
-    where = hint.format(run=run)
-    if not (folder / "tapered").is_dir():
-        where = (
-            f"it holds no tapered/ (the run did not finish): pass one of its checkpoint-N folders, '{run}/checkpoint-N'"
-        )
-    raise UsageError(f"{option} '{named}' is a taper run's folder, not a saved model: {where}")
 
 
 def tokenizer_of(source: ModelSource, *, trust_remote_code: bool = False):
@@ -328,7 +302,7 @@ def scan_reference_of(source, named: Optional[str], windows: int) -> Optional[Mo
 def fold_main(argv: Sequence[str]) -> int:
     """``hf-tapernorm fold``: a saved tapered checkpoint at g = 0 -> a folded export (numerically checked)."""
     (fold_args,) = parse([FoldArguments], argv, "hf-tapernorm fold")
-    _refuse_run_folder(fold_args.checkpoint, "--checkpoint", _FOLD_RUN_HINT)
+    refuse_run_folder(fold_args.checkpoint, "--checkpoint", fold_hint)
     source = resolve_model(fold_args.checkpoint)
     if source.kind == "hub":
         raise UsageError(
@@ -420,6 +394,7 @@ def push_main(argv: Sequence[str]) -> int:
     """``hf-tapernorm push``: upload the files an export wrote (its manifest) and the ``--include`` ones."""
     (push_args,) = parse([PushArguments], argv, "hf-tapernorm push")
     refuse_while_running(Path(push_args.export_dir), f"--export_dir '{push_args.export_dir}'")
+    refuse_run_folder(push_args.export_dir, "--export_dir", push_hint)
     source = resolve_model(push_args.export_dir)
     if source.kind != "folded":
         raise UsageError(

@@ -263,7 +263,30 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
             f"{refusal}: it holds files the export did not write ({listed}), which replacing it would delete; "
             "move them away first"
         )
+    if edited_card(folder):
+        raise ConfigurationError(f"{refusal}: {EDITED_CARD}")
     return True
+
+
+#: Why an export whose card its owner edited is not replaced, and what to do (export_folded's and fold's refusals).
+EDITED_CARD = (
+    f"its {CARD_NAME} was edited after the export wrote it (its sha256 is not the one {EXPORT_MANIFEST_NAME} "
+    f"recorded), and replacing the export would lose the edits; move {CARD_NAME} out of the folder to keep it, or "
+    "delete it to let the export be replaced"
+)
+
+
+def edited_card(folder: str | os.PathLike) -> bool:
+    """Whether the export in ``folder`` holds a model card that is not the one it wrote: its owner's edits, which
+    replacing the export would delete without a word. An export whose manifest recorded no digest of its card (an
+    earlier version's) cannot tell, and is replaced as before; push uploads an edited card (check_export_files)."""
+    folder = Path(folder)
+    manifest = _read_manifest(folder)
+    recorded = (manifest or {}).get(DIGESTS_KEY, {}).get(CARD_NAME)
+    card = folder / CARD_NAME
+    if recorded is None or not card.is_file() or card.is_symlink():
+        return False
+    return _sha256(card) != recorded
 
 
 def _log_sink_handling(model: PreTrainedModel, tokenizer: Any) -> None:
@@ -389,10 +412,12 @@ def glob_escape(name: str) -> str:
 
 
 __all__ = [
+    "EDITED_CARD",
     "EXPORT_MANIFEST_NAME",
     "BOOKKEEPING_PREFIX",
     "DIGESTS_KEY",
     "check_export_files",
+    "edited_card",
     "export_folded",
     "export_manifest",
     "files_to_push",

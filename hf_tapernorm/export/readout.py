@@ -20,20 +20,22 @@ from torch import nn
 from torch.func import functional_call
 
 from ..architectures.sites import norm_sites
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, UnsupportedModelError
 
 
 def final_norm_path(model: nn.Module) -> Optional[str]:
     """The path of ``model``'s final norm (relative to the ``*ForCausalLM`` model), or None without one.
 
     A folded export records it in its config (the module may be an identity now); any other model is read
-    from the architecture table or discovery."""
+    from the architecture table or discovery. A layout the table refuses to taper (post-LN OPT, whose last norm is
+    inside its last block, or an OPT without a final norm) has none to read through: None, so that evaluating such
+    a base model, which folds nothing, is not refused as taper is."""
     recorded = getattr(model.config, "final_norm", None)
     if recorded:
         return recorded
     try:
         sites = norm_sites(model)
-    except ConfigurationError:
+    except (ConfigurationError, UnsupportedModelError):
         return None
     return next((site.path for site in sites if site.is_final), None)
 

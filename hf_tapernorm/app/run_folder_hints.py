@@ -1,0 +1,165 @@
+"""A taper run's output folder passed where a model or an export goes: refused in one line that names what in it (or
+beside it) the command wants, where resolve_model would call it "a folder without config.json", which says nothing of
+the run's tapered/ checkpoint, its folded/ export or the model it started from.
+
+Each command wants another thing of a run: fold its tapered/ checkpoint, eval and push its folded/ export, and bench,
+taper and eval's ``--scan_reference`` an ordinary model, which a run's outputs are not: the model the run started from
+(its report records it), or for the scan the model a scan of the run compares with by itself. A run that stopped
+before it wrote tapered/ is pointed at the checkpoint-N folders it saved, or told that it saved none.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import ConfigurationError
+from ..utils import expand_user
+from .record import recorded_path, recorded_reference
+from .run_folder import MANIFEST_NAME
+
+#: What a taper run folder holds (app/taper.py's outputs and its manifest), where a saved model holds config.json.
+RUN_MARKS = ("report.json", MANIFEST_NAME, "tapered", "folded")
+_CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+
+#: A hint: (the run folder as typed, without a trailing "/"; the folder) -> what to pass instead.
+Hint = Callable[[str, Path], str]
+
+
+def run_folder(named: Optional[str]) -> Optional[Path]:
+    """The folder ``named`` when it is a taper run's output folder (no config.json, one of RUN_MARKS), else None."""
+    folder = expand_user(named, strict=False) if named else None
+    if folder is None or not folder.is_dir() or (folder / "config.json").exists():
+        return None
+    return folder if any((folder / mark).exists() for mark in RUN_MARKS) else None
+
+
+def refuse_run_folder(named: Optional[str], option: str, hint: Hint) -> None:
+    """Refuse (one line) a taper run's folder ``named`` given to ``option``, saying what to pass (``hint``)."""
+    folder = run_folder(named)
+    if folder is not None:
+        where = hint(str(named).rstrip("/"), folder)
+        raise ConfigurationError(f"{option} '{named}' is a taper run's folder, not a saved model: {where}")
+
+
+def checkpoints(folder: Path) -> list[str]:
+    """The run's Trainer checkpoint-N folders, by step."""
+    found = [(int(m.group(1)), p.name) for p in folder.iterdir() if (m := _CHECKPOINT.fullmatch(p.name)) and p.is_dir()]
+    return [name for _, name in sorted(found)]
+
+
+def unfinished(run: str, folder: Path, use: str, then: str = "") -> str:
+    """What a run without tapered/ holds instead: its latest checkpoint-N (``use``: what to do with it, ``then``: and
+    after), or that it saved none."""
+    saved = checkpoints(folder)
+    if saved:
+        return (
+            f"it holds no tapered/ (the run did not finish): {use} one of its checkpoint-N folders, "
+            f"'{run}/{saved[-1]}'{then}"
+        )
+    return (
+        "it holds no tapered/ and no checkpoint-N folder (the run stopped before it saved one), so nothing in it can "
+        f"be used; taper again into it (--output_dir '{run}' --overwrite)"
+    )
+
+
+def fold_hint(run: str, folder: Path) -> str:
+    if not (folder / "tapered").is_dir():
+        return unfinished(run, folder, "fold")
+    return f"fold its tapered checkpoint, --checkpoint '{run}/tapered'"
+
+
+def eval_hint(run: str, folder: Path) -> str:
+    if not (folder / "tapered").is_dir():
+        return unfinished(run, folder, "evaluate")
+    return (
+        f"evaluate its folded export, --model_name_or_path '{run}/folded' (or '{run}/tapered', the tapered checkpoint "
+        "at g = 0)"
+    )
+
+
+def push_hint(run: str, folder: Path) -> str:
+    if (folder / "folded").is_dir():
+        return f"push its folded export, --export_dir '{run}/folded'"
+    if (folder / "tapered").is_dir():
+        return (
+            f"it holds no folded/ export: fold its tapered checkpoint (hf-tapernorm fold --checkpoint '{run}/tapered' "
+            "--output_dir EXPORT) and push that export"
+        )
+    return unfinished(run, folder, "fold", ", and push that export")
+
+
+def bench_hint(run: str, folder: Path) -> str:
+    return f"bench builds its variants from an ordinary model, which the run's outputs are not: {_base(run, folder)}"
+
+
+def taper_hint(run: str, folder: Path) -> str:
+    return (
+        f"to continue this run, --output_dir '{run}' --resume (with its options); to taper again from the start, "
+        f"{_base(run, folder)} (its tapered/ and folded/ are no starting point: taper refuses them)"
+    )
+
+
+def scan_reference_hint(run: str, folder: Path) -> str:
+    facts = _report(folder)
+    try:
+        found = recorded_reference(facts, folder) if facts is not None else None
+    except (AttributeError, TypeError, ValueError, OSError):  # a report edited by hand: no reference from it
+        found = None
+    if found is not None:
+        return (
+            f"the scan compares with an ordinary model: the run's {found[1]}, --scan_reference '{found[0]}' (a scan of "
+            f"'{run}/folded' compares with it without --scan_reference)"
+        )
+    return f"the scan compares with an ordinary model: {_base(run, folder)}"
+
+
+def _base(run: str, folder: Path) -> str:
+    """Pass the model the run started from: its path or Hub id, where its report records one that is there."""
+    model = recorded_model(folder)
+    if model is not None:
+        return f"pass the model the run started from, '{model}'"
+    return f"pass the model the run started from (its report.json records none that is there, '{run}/report.json')"
+
+
+def recorded_model(folder: Path) -> Optional[str]:
+    """The model the run in ``folder`` started from, as its report records it (a Hub id, or a local path found from
+    any working folder that is still there); None without one."""
+    facts = _report(folder)
+    model = (facts or {}).get("model")
+    source = model.get("source") if isinstance(model, dict) else None
+    if not isinstance(source, str) or not source:
+        return None
+    if model.get("kind") == "hub":
+        return source
+    try:
+        path = recorded_path(facts, folder, source)
+        return str(path) if path is not None and path.exists() else None
+    except (AttributeError, TypeError, ValueError, OSError):  # a report edited by hand
+        return None
+
+
+def _report(folder: Path) -> Optional[dict[str, Any]]:
+    try:
+        facts = json.loads((folder / "report.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return facts if isinstance(facts, dict) else None
+
+
+__all__ = [
+    "RUN_MARKS",
+    "bench_hint",
+    "checkpoints",
+    "eval_hint",
+    "fold_hint",
+    "push_hint",
+    "recorded_model",
+    "refuse_run_folder",
+    "run_folder",
+    "scan_reference_hint",
+    "taper_hint",
+]

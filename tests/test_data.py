@@ -1224,3 +1224,102 @@ def test_sample_by_is_refused_where_no_text_file_is_read(hub, tmp_path):
     check_data_paths(mixed_report, recorded=True)  # fold's, of an earlier version's report
     check_data_paths(DataArguments(dataset_name="t.jsonl", sample_by="paragraph"))  # the default, as left out
     check_data_paths(DataArguments(dataset_name="t.jsonl", sample_by="line"), recorded=True)  # fold's, of a report
+
+
+# ============================================================================= files that hold nothing, or no character
+def _no_rows(folder: Path) -> dict[str, Path]:
+    """A CSV file of its header alone, a JSONL file of blank lines, a parquet file of a schema and no row, and a
+    folder of two header-only CSV files."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "header.csv").write_text("text\n")
+    (folder / "blank.jsonl").write_text("\n\n  \n")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), folder / "none.parquet")
+    (folder / "csvs").mkdir(exist_ok=True)
+    for name in ("a.csv", "b.csv"):
+        (folder / "csvs" / name).write_text("id,text\n")
+    return {name: folder / name for name in ("header.csv", "blank.jsonl", "none.parquet", "csvs")}
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_table_of_no_rows_is_refused_as_empty_as_a_file_of_no_bytes_is(tmp_path, streaming):
+    """A CSV file of its header alone and a JSONL file of blank lines were refused in datasets' words ('ValueError:
+    Instruction "train" corresponds to no data!'), a parquet file of no row in pyarrow's ('ArrowInvalid: BatchSize
+    must be greater than 0, got 0'). They are refused as a 0-byte file is: the dataset is empty, it holds no rows."""
+    for name, path in _no_rows(tmp_path / "data").items():
+        with pytest.raises(DataError) as refused:
+            load_text_dataset(str(path), streaming=streaming, cache_dir=str(tmp_path / "cache"))
+        what = "its files hold" if name == "csvs" else "the file holds"
+        assert str(refused.value) == f"dataset '{path}' is empty: {what} no rows"
+
+
+def test_a_lone_surrogate_escape_is_named_with_its_line_not_pandas_trailing_data(tmp_path):
+    """A JSONL file whose row 5 held the escape \\ud800 (half of a UTF-16 surrogate pair) was refused as "ValueError:
+    Trailing data at position ..." (the failure of the json builder's pandas fallback); pyarrow's reason was only in
+    a log line. The error names the line, its row and the escape. A pair (\\ud83d\\ude00) and an escaped backslash
+    before "ud800" are no lone surrogate."""
+    lines = [json.dumps({"text": d}) for d in corpus_documents(8)]
+    lines[1] = '{"text": "a smile \\ud83d\\ude00 here"}'
+    lines[2] = '{"text": "a path C:\\\\ud800 here"}'
+    lines[5] = '{"text": "abc \\ud800 def"}'
+    path = tmp_path / "surrogate.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError) as refused:
+        load_text_dataset(str(path), cache_dir=str(tmp_path / "cache"))
+    assert str(refused.value) == (
+        f"dataset '{path}': line 6 of surrogate.jsonl (row 5) holds \\ud800, half of a UTF-16 surrogate pair, which "
+        "is no character and which pyarrow's JSON reader refuses; fix or remove that escape"
+    )
+
+
+@pytest.mark.parametrize("distinct", [1, 3])
+def test_copies_of_few_documents_are_told_as_few_distinct_documents(tokenizer, distinct):
+    """150 copies of one document (or of 3) were "too small: its held-out split ... does not fill one block; use
+    more text": the split holds documents out by a hash of their text, so every copy falls on the side of its first,
+    and more copies never fill the other. The error says how many distinct documents the corpus holds."""
+    kept = [d for d in corpus_documents(60) if not is_heldout(d, 20.0)][:distinct]
+    copies = datasets.Dataset.from_dict({"text": kept * (150 // distinct)})
+    with pytest.raises(DataError) as refused:
+        _prepare(copies, tokenizer, source="copies.txt")
+    assert str(refused.value) == (
+        "dataset 'copies.txt' is too small: its held-out split (20% of documents held out) does not fill one block "
+        f"of 32 tokens; it holds only {distinct} distinct document(s) among its 150, and the split takes whole "
+        "documents by a hash of their text, so every copy of one falls on the same side: more copies never fill "
+        "it; use more distinct text"
+    )
+
+
+def test_a_compressed_data_file_is_refused_naming_how_to_decompress_it(hub):
+    """`--dataset_name data.jsonl.gz` was refused as "unsupported file type '.gz'", without a word of what to do.
+    datasets would read it, but the checks made before the model loads (its columns, whether it is empty) read a
+    file's bytes as its data: it is refused before the model loads, naming the command that decompresses it. A
+    compressed file of a suffix no builder reads stays an unsupported file type."""
+    import gzip
+
+    (hub / "data.jsonl.gz").write_bytes(gzip.compress(b'{"text": "x"}\n'))
+    (hub / "notes.docx.bz2").write_bytes(b"x")
+    assert error_of(_eval("--dataset_name", "data.jsonl.gz")) == (
+        "hf-tapernorm eval: error: --dataset_name 'data.jsonl.gz': a compressed file (.gz) is not read; decompress "
+        "it (gunzip -k 'data.jsonl.gz') and name the .jsonl file it writes ('data.jsonl')"
+    )
+    assert "unsupported file type '.bz2'; supported: .csv, .json" in error_of(_eval("--dataset_name", "notes.docx.bz2"))
+
+
+def test_a_linked_folder_in_a_data_folder_is_named_in_a_warning(ws, tmp_path, caplog):
+    """A data folder holding a link to a folder of text read its own files only, without a word (datasets does not
+    follow a link to a folder either). The files read are the same; one WARNING names the linked folder."""
+    (tmp_path / "external").mkdir()
+    (tmp_path / "external" / "more.txt").write_text("text the link points to\n\nand more of it")
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.txt").write_text((ws / "corpus.txt").read_text())
+    (tmp_path / "mixed" / "more").symlink_to(tmp_path / "external", target_is_directory=True)
+    with caplog.at_level("WARNING"):
+        documents = _documents(tmp_path / "mixed", tmp_path)
+    assert documents == _documents(ws / "corpus.txt", tmp_path)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "linked" in r.getMessage()]
+    assert warnings == [
+        f"dataset '{tmp_path / 'mixed'}': its 1 linked folder(s) (more) are not read, as datasets does not follow a "
+        "link to a folder; name the folder a link points to as the dataset, or copy its files in"
+    ]

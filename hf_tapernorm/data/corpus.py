@@ -301,6 +301,13 @@ def prepare_data(
                 facts += f"; it holds only {count} document(s) and the split takes whole documents"
                 advice = _split_advice(dataset)
                 raise TooLittleText(facts, advice)
+            distinct = _distinct_documents(dataset, column) if count is not None and heldout_percentage else None
+            if distinct is not None and distinct < min(count, 100.0 / heldout_percentage):  # copies, and few
+                facts += (
+                    f"; it holds only {distinct} distinct document(s) among its {count}, and the split takes whole "
+                    "documents by a hash of their text, so every copy of one falls on the same side"
+                )
+                raise TooLittleText(facts, ": more copies never fill it; use more distinct text")
             raise TooLittleText(facts, "; use more text or a smaller --block_size")
     if train_repeats and train_blocks and len(train) < train_blocks:
         logger.warning(
@@ -314,6 +321,12 @@ def prepare_data(
     return PackedData(
         _as_dataset(train, n), _as_dataset(heldout, n), source, block_size, column, list(prefix_ids), heldout_set
     )
+
+
+def _distinct_documents(dataset: datasets.Dataset, column: str) -> int:
+    """How many different texts the documents of ``dataset`` hold: copies of one document share its hash, so they
+    are all held out or all trained on, and a corpus of few distinct ones cannot fill both splits however long."""
+    return len(dataset.unique(column))
 
 
 def _split_advice(dataset: AnyDataset) -> str:

@@ -75,13 +75,9 @@ def folder_splits(
     metadata ``datasets`` reads from a card (:data:`_CARD_FIELDS`). The other names ``datasets`` skips in a data
     folder (its ``FILES_TO_IGNORE``: config.json, dataset_info.json beside the data) are never read: a model's
     config or a cache's record is not a document. README.md is the card rule's, as .md is this package's text."""
-    found = sorted(
-        p
-        for p in path.rglob("*")
-        if p.is_file()
-        and p.suffix.lower() in BUILDERS
-        and not any(part.startswith(".") for part in p.relative_to(path).parts)
-    )
+    entries = [p for p in path.rglob("*") if not any(part.startswith(".") for part in p.relative_to(path).parts)]
+    found = sorted(p for p in entries if p.is_file() and p.suffix.lower() in BUILDERS)
+    _warn_linked_folders(path, entries, name)
     _refuse_saved_dataset(path, found, name)
     card = path / datasets.config.REPOCARD_FILENAME  # README.md
     ignored = set(FILES_TO_IGNORE) - {card.name}
@@ -151,6 +147,20 @@ def _read_one_corpus(
         f"split; datasets would read {datasets_reads}",
     )
     return chosen
+
+
+def _warn_linked_folders(path: Path, entries: list[Path], name: str) -> None:
+    """A WARNING naming the links to folders among a folder's ``entries`` (its files and folders, hidden ones left
+    out): their files are not read, as ``datasets`` does not read them either (neither follows a link to a folder,
+    which may loop), and a user who linked a folder in meant its text to count."""
+    linked = sorted(p.relative_to(path).as_posix() for p in entries if p.is_symlink() and p.is_dir())
+    if linked:
+        shown = ", ".join(linked[:5]) + (", ..." if len(linked) > 5 else "")
+        warn_once(
+            ("linked folders", path, *linked),
+            f"{name}: its {len(linked)} linked folder(s) ({shown}) are not read, as datasets does not follow a link "
+            "to a folder; name the folder a link points to as the dataset, or copy its files in",
+        )
 
 
 def _refuse_saved_dataset(path: Path, found: list[Path], name: str) -> None:

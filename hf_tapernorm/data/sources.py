@@ -21,6 +21,7 @@ from typing import Optional, Union
 import datasets
 
 from ..utils import expand_user
+from .file_contents import holds_no_rows, lone_surrogate
 from .local_folders import BUILDERS, DataError, folder_splits, read_splits, split_names
 
 logger = logging.getLogger(__name__)
@@ -151,10 +152,41 @@ def local_splits(
     supported = f"{', '.join(sorted(BUILDERS))} (or a folder of such files, or a Hub dataset name)"
     if not path.is_dir():
         suffix = path.suffix.lower()
+        _refuse_compressed(path, name)
         if suffix not in BUILDERS:
             raise DataError(f"{name}: unsupported file type '{suffix or '(none)'}'; supported: {supported}")
         return BUILDERS[suffix], read_splits({"train": [path]}, [path], split, name, "a local file", False)
     return folder_splits(path, split, name, split_option)
+
+
+#: How to decompress a file of each compression suffix that ``datasets`` infers (its single-file compressions), keeping
+#: the compressed file.
+_DECOMPRESS = {".gz": "gunzip -k", ".gzip": "gunzip -k", ".bz2": "bunzip2 -k", ".xz": "unxz -k", ".lz4": "lz4 -d"}
+_DECOMPRESS.update({".zst": "unzstd", ".zstd": "unzstd"})
+
+
+def _refuse_compressed(path: Path, name: str) -> None:
+    """Refuse a compressed data file (data.jsonl.gz), naming how to decompress it. ``datasets`` would read it, but
+    every check that reads a file before the model loads (its columns, whether it is empty, a lone surrogate's line)
+    and --sample_by's rule read its bytes as the data, which they are not; the plain file reads as any other."""
+    suffixes = [suffix.lower() for suffix in path.suffixes[-2:]]
+    if len(suffixes) == 2 and suffixes[1] in _DECOMPRESS and suffixes[0] in BUILDERS:
+        plain = path.name[: -len(path.suffix)]
+        raise DataError(
+            f"{name}: a compressed file ({suffixes[1]}) is not read; decompress it ({_DECOMPRESS[suffixes[1]]} "
+            f"'{path}') and name the {suffixes[0]} file it writes ('{plain}')"
+        )
+
+
+def _check_not_empty(source: str, builder: str, files: list[Path]) -> None:
+    """Refuse a local dataset whose ``files`` hold nothing to read: 0 bytes (no text), or tables with no row
+    (file_contents.holds_no_rows), which ``datasets`` tells in its own words ("Instruction train corresponds to no
+    data", "BatchSize must be greater than 0")."""
+    what = "its files hold" if expand_user(source).is_dir() else "the file holds"
+    if all(f.stat().st_size == 0 for f in files):
+        raise DataError(f"dataset '{source}' is empty: {what} no text")
+    if holds_no_rows(builder, files):
+        raise DataError(f"dataset '{source}' is empty: {what} no rows")
 
 
 def load_text_dataset(
@@ -183,13 +215,13 @@ def load_text_dataset(
     if source is None or source == EMBEDDED_CORPUS:
         dataset = embedded_corpus()
         return dataset.to_iterable_dataset() if streaming else dataset
+    files: list[Path] = []
     try:
         local = local_splits(source, split=split, split_option=split_option)
         if local is not None:
             builder_name, splits = local
-            if all(f.stat().st_size == 0 for files in splits.values() for f in files):
-                what = "its files hold" if expand_user(source).is_dir() else "the file holds"
-                raise DataError(f"dataset '{source}' is empty: {what} no text")
+            files = [f for chosen in splits.values() for f in chosen]
+            _check_not_empty(source, builder_name, files)
             # utf-8-sig: a byte-order mark (Windows editors write one) is not text of the first document
             kwargs = {"sample_by": sample_by, "encoding": "utf-8-sig"} if builder_name == "text" else {}
             data_files = {name: [str(f) for f in files] for name, files in splits.items()}
@@ -205,7 +237,7 @@ def load_text_dataset(
     except DataError:
         raise
     except Exception as error:  # datasets raises many types (FileNotFoundError, ArrowInvalid, HF errors)
-        raise _load_error(source, error) from error
+        raise _load_error(source, error, files) from error
 
 
 def hub_dataset_builder(
@@ -311,10 +343,17 @@ def _selects_nothing(split: str) -> bool:
     return True
 
 
-def _load_error(source: str, error: BaseException) -> DataError:
-    """The one-line DataError for a dataset ``datasets`` could not load. A Hub name whose first folder is here
-    (``texts/corpuz``, ``texts/`` a local folder) is most likely a mistyped local path: the error says so."""
+def _load_error(source: str, error: BaseException, files: Optional[list[Path]] = None) -> DataError:
+    """The one-line DataError for a dataset ``datasets`` could not load (``files``: the local files it read). A Hub
+    name whose first folder is here (``texts/corpuz``, ``texts/`` a local folder) is most likely a mistyped local path:
+    the error says so."""
     cause = _root_cause(error)
+    surrogate = lone_surrogate(files) if files and "surrogate" in str(cause) else None
+    if surrogate is not None:
+        return DataError(
+            f"dataset '{source}': {surrogate}, half of a UTF-16 surrogate pair, which is no character and which "
+            "pyarrow's JSON reader refuses; fix or remove that escape"
+        )
     if isinstance(cause, UnicodeDecodeError):
         return DataError(
             f"dataset '{source}' is not UTF-8 text ({cause.reason} at byte {cause.start} of a file); convert it "
@@ -345,9 +384,17 @@ def _load_error(source: str, error: BaseException) -> DataError:
 
 
 def _root_cause(error: BaseException) -> BaseException:
-    """The innermost exception of a chain: datasets wraps what went wrong in "An error occurred while generating"."""
+    """The innermost exception of a chain: datasets wraps what went wrong in "An error occurred while generating". A
+    pyarrow error ends it: the json builder re-raises pyarrow's error from the handler of its pandas fallback, so the
+    error it holds as context is the fallback's failure (pandas' "Trailing data"), not its cause."""
+    import pyarrow as pa
+
     seen = {id(error)}
-    while (inner := error.__cause__ or error.__context__) is not None and id(inner) not in seen:
+    while (
+        not isinstance(error, pa.ArrowException)
+        and (inner := error.__cause__ or error.__context__) is not None
+        and id(inner) not in seen
+    ):
         seen.add(id(inner))
         error = inner
     return error

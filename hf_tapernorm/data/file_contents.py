@@ -1,0 +1,97 @@
+"""What a local dataset's files hold, where the ``datasets`` builders would say it in their own words: tables with no
+row (a CSV header alone, a JSONL file of blank lines, a parquet schema with no row group), and a JSON escape that is
+half of a UTF-16 surrogate pair (``\\ud800``), which pyarrow refuses and whose error pandas' fallback reader hides.
+
+sources.load_text_dataset asks :func:`holds_no_rows` before it builds a dataset, and :func:`lone_surrogate` after the
+json builder failed, so the user reads what is wrong with the file, and where.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Optional
+
+_CHUNK = 1 << 16
+
+#: A JSON backslash escape: ``\\uXXXX`` or any other escaped character (``\\\\`` consumed whole, so ``\\\\ud800`` is
+#: a backslash and text, not an escape).
+_ESCAPE = re.compile(r"\\(u[0-9a-fA-F]{4}|.)")
+
+
+def holds_no_rows(builder: str, files: list[Path]) -> bool:
+    """Whether every file of a table ``builder`` (json, csv, parquet) holds no row: 0 bytes, a JSON Lines file of
+    blank lines, a CSV file of its header alone, a parquet file of a schema and no row. ``datasets`` reads such
+    files as no split at all ("Instruction train corresponds to no data") or fails on them (pyarrow's "BatchSize
+    must be greater than 0"). Text files are the caller's (0 bytes: no text). A file that cannot be read so says
+    nothing: the loading reports it."""
+    reader = {"json": _blank, "csv": _header_only, "parquet": _no_parquet_rows}.get(builder)
+    if reader is None or not files:
+        return False
+    try:
+        return all(file.stat().st_size == 0 or reader(file) for file in files)
+    except (OSError, ValueError, ImportError):  # what else the file holds, the loading says
+        return False
+
+
+def _blank(path: Path) -> bool:
+    """Whether ``path`` holds only white space (and a byte-order mark), read until its first other byte."""
+    with path.open("rb") as handle:
+        first = True
+        while chunk := handle.read(_CHUNK):
+            if first:
+                chunk, first = chunk.removeprefix(b"\xef\xbb\xbf"), False
+            if chunk.strip():
+                return False
+    return True
+
+
+def _header_only(path: Path) -> bool:
+    """Whether the CSV file ``path`` has no row under its header, read as the ``datasets`` csv builder reads it."""
+    import pandas as pd
+    from datasets.packaged_modules.csv.csv import CsvConfig
+
+    with pd.read_csv(path, iterator=True, **CsvConfig().pd_read_csv_kwargs) as reader:
+        first = next(reader, None)
+    return first is None or first.empty
+
+
+def _no_parquet_rows(path: Path) -> bool:
+    """Whether the parquet file ``path`` records no row (its footer's count)."""
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path).metadata.num_rows == 0
+
+
+def lone_surrogate(files: list[Path]) -> Optional[str]:
+    """Where the first ``\\uD800``-``\\uDFFF`` escape that is not half of a pair lies in the JSON ``files``: "line N of
+    NAME (row N-1) holds \\uXXXX", a line of JSON Lines counted from 1; None for none."""
+    for path in files:
+        try:
+            with path.open(encoding="utf-8", errors="replace") as handle:
+                for number, line in enumerate(handle, start=1):
+                    escape = _lone_escape(line) if "\\u" in line else None
+                    if escape is not None:
+                        return f"line {number} of {path.name} (row {number - 1}) holds \\{escape}"
+        except OSError:
+            continue
+    return None
+
+
+def _lone_escape(line: str) -> Optional[str]:
+    """The first surrogate escape of ``line`` (``uD800``) that is not a high one directly followed by a low one."""
+    escapes = [(match.start(), match.end(), match.group(1)) for match in _ESCAPE.finditer(line)]
+    index = 0
+    while index < len(escapes):
+        start, end, escape = escapes[index]
+        code = int(escape[1:], 16) if escape[0] == "u" and len(escape) == 5 else None
+        if code is not None and 0xD800 <= code <= 0xDBFF and index + 1 < len(escapes):
+            following = escapes[index + 1]
+            low = following[2]
+            if following[0] == end and low[0] == "u" and len(low) == 5 and 0xDC00 <= int(low[1:], 16) <= 0xDFFF:
+                index += 2
+                continue
+        if code is not None and 0xD800 <= code <= 0xDFFF:
+            return escape
+        index += 1
+    return None

@@ -1323,3 +1323,22 @@ def test_a_linked_folder_in_a_data_folder_is_named_in_a_warning(ws, tmp_path, ca
         f"dataset '{tmp_path / 'mixed'}': its 1 linked folder(s) (more) are not read, as datasets does not follow a "
         "link to a folder; name the folder a link points to as the dataset, or copy its files in"
     ]
+
+
+def test_a_compressed_file_in_a_data_folder_is_named_in_a_warning(ws, tmp_path, caplog):
+    """A data folder holding a compressed data file (more.txt.gz) beside its text read the text alone, without a
+    word, where ``datasets`` would have read both. The files read are the same; one WARNING names the compressed one
+    and how to read it."""
+    import gzip
+
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.txt").write_text((ws / "corpus.txt").read_text())
+    (tmp_path / "mixed" / "more.txt.gz").write_bytes(gzip.compress(b"compressed text\n\nand more of it"))
+    with caplog.at_level("WARNING"):
+        documents = _documents(tmp_path / "mixed", tmp_path)
+    assert documents == _documents(ws / "corpus.txt", tmp_path)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "compressed" in r.getMessage()]
+    assert warnings == [
+        f"dataset '{tmp_path / 'mixed'}': its 1 compressed file(s) (more.txt.gz) are not read; decompress them in the "
+        "folder (gunzip -k FILE, unxz -k FILE, ...) to read their text"
+    ]

@@ -78,6 +78,7 @@ def folder_splits(
     entries = [p for p in path.rglob("*") if not any(part.startswith(".") for part in p.relative_to(path).parts)]
     found = sorted(p for p in entries if p.is_file() and p.suffix.lower() in BUILDERS)
     _warn_linked_folders(path, entries, name)
+    _warn_compressed_files(path, entries, name)
     _refuse_saved_dataset(path, found, name)
     card = path / datasets.config.REPOCARD_FILENAME  # README.md
     ignored = set(FILES_TO_IGNORE) - {card.name}
@@ -160,6 +161,30 @@ def _warn_linked_folders(path: Path, entries: list[Path], name: str) -> None:
             ("linked folders", path, *linked),
             f"{name}: its {len(linked)} linked folder(s) ({shown}) are not read, as datasets does not follow a link "
             "to a folder; name the folder a link points to as the dataset, or copy its files in",
+        )
+
+
+#: The single-file compressions ``datasets`` infers from a data file's last suffix (data.jsonl.gz).
+COMPRESSIONS = (".gz", ".gzip", ".bz2", ".xz", ".lz4", ".zst", ".zstd")
+
+
+def compressed_data_file(path: Path) -> bool:
+    """Whether ``path`` names a compressed data file of a supported type (data.jsonl.gz, notes.txt.xz)."""
+    suffixes = [suffix.lower() for suffix in path.suffixes[-2:]]
+    return len(suffixes) == 2 and suffixes[1] in COMPRESSIONS and suffixes[0] in BUILDERS
+
+
+def _warn_compressed_files(path: Path, entries: list[Path], name: str) -> None:
+    """A WARNING naming the compressed data files among a folder's ``entries``: ``datasets`` would read them, but
+    the checks made before a model loads read a file's bytes as its data, so they are not read (a compressed file
+    named alone is refused, sources._refuse_compressed); without a word, their text would be missing from the corpus."""
+    compressed = sorted(p.relative_to(path).as_posix() for p in entries if p.is_file() and compressed_data_file(p))
+    if compressed:
+        shown = ", ".join(compressed[:5]) + (", ..." if len(compressed) > 5 else "")
+        warn_once(
+            ("compressed files", path, *compressed),
+            f"{name}: its {len(compressed)} compressed file(s) ({shown}) are not read; decompress them in the folder "
+            "(gunzip -k FILE, unxz -k FILE, ...) to read their text",
         )
 
 

@@ -22,7 +22,7 @@ import datasets
 
 from ..utils import expand_user
 from .file_contents import holds_no_rows, lone_surrogate
-from .local_folders import BUILDERS, DataError, folder_splits, read_splits, split_names
+from .local_folders import BUILDERS, DataError, compressed_data_file, folder_splits, read_splits, split_names
 
 logger = logging.getLogger(__name__)
 
@@ -169,8 +169,8 @@ def _refuse_compressed(path: Path, name: str) -> None:
     """Refuse a compressed data file (data.jsonl.gz), naming how to decompress it. ``datasets`` would read it, but
     every check that reads a file before the model loads (its columns, whether it is empty, a lone surrogate's line)
     and --sample_by's rule read its bytes as the data, which they are not; the plain file reads as any other."""
-    suffixes = [suffix.lower() for suffix in path.suffixes[-2:]]
-    if len(suffixes) == 2 and suffixes[1] in _DECOMPRESS and suffixes[0] in BUILDERS:
+    if compressed_data_file(path):
+        suffixes = [suffix.lower() for suffix in path.suffixes[-2:]]
         plain = path.name[: -len(path.suffix)]
         raise DataError(
             f"{name}: a compressed file ({suffixes[1]}) is not read; decompress it ({_DECOMPRESS[suffixes[1]]} "

@@ -484,6 +484,60 @@ CASES = {
         ],
         NEEDS_RUN,
     ),
+    # probe34: bench's and eval's outputs inside a taper run's folder, fold's export inside another saved model or
+    # a run (but as its own folded/): written, then the run refused --overwrite and the outer export push
+    "bench: the output folder inside a taper run's folder": (
+        lambda ws, run, tmp: _bench(ws, "--output_dir", str(run / "bench")),
+        2,
+        [
+            "error: --output_dir '",
+            "/run/bench' lies in '",
+            "/run', a taper run's folder: bench.json and bench.png would mix with the run's files, which its "
+            "--overwrite and --resume then refuse; choose an --output_dir outside it",
+        ],
+        NEEDS_RUN,
+    ),
+    "eval: the result file inside a taper run's folder": (
+        lambda ws, run, tmp: _eval(ws, "--output_json", str(run / "eval.json")),
+        2,
+        [
+            "error: --output_json '",
+            "/run/eval.json' lies in '",
+            "/run', a taper run's folder: the result would mix with the run's files, which its --overwrite and "
+            "--resume then refuse; choose an --output_json outside it",
+        ],
+        NEEDS_RUN,
+    ),
+    "fold: the export inside an earlier export": (
+        lambda ws, run, tmp: fold(run / "tapered", run / "folded" / "inner"),
+        2,
+        [
+            "error: --output_dir '",
+            "/run/folded/inner' lies in '",
+            "/run/folded', a saved model's folder: the export would join the model (a push would upload them); "
+            "choose an --output_dir outside it",
+        ],
+        NEEDS_RUN,
+    ),
+    "fold: the export inside a base model's folder": (
+        lambda ws, run, tmp: fold(run / "tapered", ws / "llama" / "export"),
+        2,
+        "error: --output_dir '{ws}/llama/export' lies in '{ws}/llama', a saved model's folder: the export would join "
+        "the model (a push would upload them); choose an --output_dir outside it",
+        NEEDS_RUN,
+    ),
+    "fold: the export inside a taper run's folder, not its folded/": (
+        lambda ws, run, tmp: fold(run / "tapered", run / "export"),
+        2,
+        [
+            "error: --output_dir '",
+            "/run/export' lies in '",
+            "/run', a taper run's folder: the export would mix with the run's files, which its --overwrite and "
+            "--resume then refuse; choose an --output_dir outside it (or the run's own export, ",
+            "/run/folded)",
+        ],
+        NEEDS_RUN,
+    ),
     "fold: the export inside the dataset folder that its run read and the scan reads": (
         lambda ws, tmp: fold(
             finished_run(taper(ws, tmp / "run", data="texts")) / "tapered", ws / "texts" / "exp", "--scan_windows", "2"
@@ -1267,7 +1321,7 @@ CASES = {
     "fold --overwrite onto the run folder": (
         lambda ws, run, tmp: fold(copy_of(run, tmp) / "tapered", tmp / "run", "--overwrite"),
         2,
-        ["refusing to --overwrite", "not an earlier export"],
+        ["/run' is '", "/run', a taper run's folder: the export would mix with the run's files", "/run/folded)"],
         NEEDS_RUN,
     ),
     "eval --output_json naming a folder": (

@@ -142,6 +142,37 @@ def test_export_folded_overwrite_refuses_an_export_whose_card_was_edited(folded,
     assert (export / "README.md").read_text() != "# my card\n"
 
 
+def test_export_folded_overwrite_deletes_a_killed_replacements_leftover_and_keeps_a_live_ones(folded, tmp_path):
+    """A killed export_folded(overwrite=True) left its hidden ``.NAME.export-*`` folder (a random name, no mark)
+    beside the export, and nothing ever deleted it; now it is ``.NAME.export-PID``, marked before anything goes in
+    (as write_folder marks its own), and the next replacement deletes it once its writer is gone. A live writer's,
+    or a look-alike without the mark, stays; one under this write's own name that is no leftover is refused."""
+    import os
+
+    from hf_tapernorm._temporaries import WRITE_MARK
+
+    export = export_folded(folded, tmp_path / "export")
+    dead, alive = 2**22 + 54321, os.getppid()  # no such process; this test's parent
+    for name in (f".export.export-{dead}", f".export.export-{alive}", f".export.export-{dead + 1}"):
+        (tmp_path / name / "new").mkdir(parents=True)
+        (tmp_path / name / "new" / "config.json").write_text("{}")
+        if name != f".export.export-{dead + 1}":  # the look-alike carries no mark
+            (tmp_path / name / WRITE_MARK).write_text("")
+    export_folded(folded, export, overwrite=True)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [f".export.export-{alive}", f".export.export-{dead + 1}", "export"], left
+    (tmp_path / f".export.export-{os.getpid()}").mkdir()  # unmarked, under the name this write needs
+    before = _files(export)
+    with pytest.raises(ConfigurationError) as caught:
+        export_folded(folded, export, overwrite=True)
+    assert str(caught.value) == (
+        f"could not replace the earlier export {export}: '{tmp_path / f'.export.export-{os.getpid()}'}' is in the way "
+        "(hf-tapernorm writes through that name, and this one is no leftover of a write that is gone); nothing was "
+        "written: move it away, then export again"
+    )
+    assert _files(export) == before
+
+
 def test_export_folded_overwrite_replaces_an_earlier_export_whole(folded, tmp_path):
     """overwrite=True left the earlier export's tokenizer files and robustness_scan.json beside the new export and
     in its manifest, so push uploaded them as the new export's; now the earlier export is replaced whole (written

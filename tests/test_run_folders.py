@@ -490,6 +490,46 @@ def test_an_export_killed_by_sigkill_leaves_no_partial_copy_for_ever(tmp_path):
     assert left == [".export.partial-" + str(alive), ".other.partial-1", "export"], left
 
 
+def test_a_killed_export_folded_overwrite_in_a_run_is_no_users_file(workspace, run, tmp_path):
+    """export_folded(overwrite=True) of a run's folded/ killed mid-write left ``.folded.export-*`` in the run, and
+    the run's --overwrite named it as a user's file, for good; now it is marked and named after its writer's pid
+    (_temporaries.py), so --overwrite deletes it once the writer is gone. A live writer's is still refused."""
+    from hf_tapernorm._temporaries import WRITE_MARK
+
+    folder = copy_of(run, tmp_path)
+    dead, alive = 2**22 + 54321, os.getppid()  # no such process; this test's parent
+    for pid in (dead, alive):
+        (folder / f".folded.export-{pid}" / "new").mkdir(parents=True)
+        (folder / f".folded.export-{pid}" / WRITE_MARK).write_text("")  # what export_folded puts in first
+        (folder / f".folded.export-{pid}" / "new" / "config.json").write_text("{}")
+    argv = [*run_argv(workspace, folder), "--overwrite"]
+    assert f".folded.export-{alive}/" in error_of(argv)
+    assert (folder / f".folded.export-{dead}" / "new" / "config.json").is_file()  # refused: nothing deleted
+    shutil.rmtree(folder / f".folded.export-{alive}")
+    code, _, stderr = run_main(argv)
+    assert code == 0, stderr[-2000:]
+    assert not list(folder.glob(".folded.*")) and (folder / "folded" / "model.safetensors").is_file()
+
+
+def test_a_fold_with_a_scan_into_the_runs_folded_is_the_runs_export(workspace, tmp_path):
+    """push's hint for an unscanned export (fold --output_dir RUN/folded --overwrite --scan_windows N), followed:
+    the run's --overwrite then named folded/robustness_scan.json as no file of its own. The files the export in
+    folded/ recorded in its manifest are the run's export's now, whichever command wrote it."""
+    folder, argv = tmp_path / "run", taper_argv(workspace, tmp_path / "run", "--scan_windows", "0", steps=5)
+    assert run_main([*argv, "--distill_weight", "0"])[0] == 0
+    assert not (folder / "folded" / "robustness_scan.json").exists()
+    fold = fold_argv(folder / "tapered", folder / "folded", "--overwrite", "--scan_windows", "2")
+    code, _, stderr = run_main(fold)
+    assert code == 0, stderr[-2000:]
+    assert "robustness_scan.json" in json.loads((folder / "folded" / ".hf_tapernorm_export.json").read_text())["files"]
+    (folder / "folded" / "notes.txt").write_text("mine")  # not in the export's manifest: still the user's
+    assert "(folded/notes.txt)" in error_of([*argv, "--overwrite"])
+    (folder / "folded" / "notes.txt").unlink()
+    code, _, stderr = run_main([*argv, "--overwrite"])
+    assert code == 0, stderr[-2000:]
+    assert not (folder / "folded" / "robustness_scan.json").exists()  # the new run wrote no scan (--scan_windows 0)
+
+
 # ============================================================================= a live owner's lock, a dead owner's lock
 def test_a_second_command_is_locked_out_and_a_dead_owner_lock_is_taken_over(workspace, tmp_path, caplog):
     out = tmp_path / "run"

@@ -44,6 +44,9 @@ from ..utils import expand_user, holds_model_weights
 from .run_folder import RunFolder
 from .run_lock import check_destination, resolved_path
 
+#: The folder of a taper run that holds its export (taper writes it; ``fold --overwrite`` may replace it).
+RUN_EXPORT = "folded"
+
 
 def missing_local_dataset(name: Optional[str]) -> Optional[Path]:
     """The local path the dataset name ``name`` means when nothing is there (None: it is there, or not local)."""
@@ -253,19 +256,35 @@ def check_output_outside(
 
 
 def check_output_outside_models(
-    option: str, output: str | os.PathLike, models: Mapping[str, Optional[str]], *, reader: str, written: str
+    option: str,
+    output: str | os.PathLike,
+    models: Mapping[str, Optional[str]],
+    *,
+    reader: str,
+    written: str,
+    export: bool = False,
 ) -> None:
     """Refuse an output (``output``, named by ``option``) that is, or lies in, a model folder the command reads
-    (``models``: what names each -> its path; as check_output_outside words it) or any other saved model's folder (an
-    export, a base model: config.json beside weights): ``written`` would join that model, a push would upload it
-    (and refuse an export until it is moved), a later load find the folder changed. Checked before anything loads."""
+    (``models``: what names each -> its path; as check_output_outside words it), any other saved model's folder (an
+    export, a base model: config.json beside weights) or a taper run's folder: ``written`` would join that model (a
+    push would upload it, and refuse an export until it is moved; a later load find the folder changed) or the run
+    (its --overwrite and --resume refuse what it did not write). ``export``: the output is an export folder (fold's),
+    which may replace the earlier export it names (check_export_folder judges that) and be a run's own ``folded/``.
+    One check for every writer of bench's, eval's and fold's outputs; checked before anything loads."""
     check_output_outside(option, output, models, reader=reader, written=written)
     target = resolved_path(output, f"{option} '{output}'")
     for folder in [target, *target.parents]:
-        if _saved_model(folder):
+        where = f"{option} '{output}' {'is' if folder == target else 'lies in'} '{folder}'"
+        if _saved_model(folder) and not (export and folder == target):
             raise ConfigurationError(
-                f"{option} '{output}' {'is' if folder == target else 'lies in'} '{folder}', a saved model's folder: "
-                f"{written} would join the model (a push would upload them); choose an {option} outside it"
+                f"{where}, a saved model's folder: {written} would join the model (a push would upload them); "
+                f"choose an {option} outside it"
+            )
+        if _run_manifest(folder) is not None and not (export and target == folder / RUN_EXPORT):
+            own = f" (or the run's own export, {folder / RUN_EXPORT})" if export else ""
+            raise ConfigurationError(
+                f"{where}, a taper run's folder: {written} would mix with the run's files, which its --overwrite and "
+                f"--resume then refuse; choose an {option} outside it{own}"
             )
 
 

@@ -21,55 +21,39 @@ of that form is left alone, and named when it is in the way of a write.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 import shutil
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Optional
 
-from .run_lock import RunFolderError, is_pid, process_running
+from .._temporaries import (
+    DEFAULT_NAME_MAX,
+    LEFTOVER,
+    WRITE_MARK,
+    filesystem_limit,
+    leftover_of,
+    marked_and_abandoned,
+    name_max,
+    remove_abandoned,
+    temporary_name,
+    writer_gone,
+)
+from .._temporaries import make_marked_folder as _make_container
+from .run_lock import RunFolderError
 
-#: The form of what write_file and write_folder write before the rename (``.NAME.partial-PID``) and of the older
-#: folder write_folder sets aside (``.NAME.old-PID``): the only names a killed write leaves (``name``: the
-#: destination's name, or for a long one its start and a digest: temporary_name).
-LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>partial|old)-(?P<pid>[0-9]+)")
-#: The file write_folder puts into each temporary folder it makes, before anything else: what proves a leftover
-#: outside a run folder ours.
-WRITE_MARK = ".hf_tapernorm_write"
 #: The name of the folder inside each temporary container (``.NAME.partial-PID/w``, ``.NAME.old-PID/w``): short and
 #: fixed, not ``NAME``, so a temporary path never holds the destination's name twice.
 INNER = "w"
-#: The longest file name (bytes) assumed where the filesystem does not say (Linux's NAME_MAX).
-DEFAULT_NAME_MAX = 255
 #: The longest path (bytes, with its terminating NUL) assumed where the system does not say (Linux's PATH_MAX).
 DEFAULT_PATH_MAX = 4096
-_DIGEST_LENGTH = 12
-
-
-def _limit(folder: Path, setting: str, default: int) -> int:
-    """The filesystem limit ``setting`` (os.pathconf) of ``folder``, or of its first existing parent (a folder still
-    to be created lies on that one's filesystem); ``default`` where the system does not say."""
-    for place in [folder, *folder.parents]:
-        try:
-            limit = os.pathconf(place, setting)
-        except (OSError, ValueError):  # missing (yet), too long itself, or no such setting on this system
-            continue
-        return limit if limit > 0 else default
-    return default
-
-
-def name_max(folder: Path) -> int:
-    """The longest file name (in bytes) the filesystem of ``folder`` takes; DEFAULT_NAME_MAX where it does not say."""
-    return _limit(folder, "PC_NAME_MAX", DEFAULT_NAME_MAX)
 
 
 def path_max(folder: Path) -> int:
     """The longest path (bytes, with its terminating NUL) the system takes on the filesystem of ``folder``;
     DEFAULT_PATH_MAX where it does not say."""
-    return _limit(folder, "PC_PATH_MAX", DEFAULT_PATH_MAX)
+    return filesystem_limit(folder, "PC_PATH_MAX", DEFAULT_PATH_MAX)
 
 
 def check_path_length(final: Path, what: str, *, inside: Optional[str] = None) -> None:
@@ -157,21 +141,6 @@ def check_name_length(path: Path, what: str) -> None:
             )
 
 
-def temporary_name(path: Path, kind: str, pid: int, *, hidden: bool = True) -> Path:
-    """The sibling ``.NAME.KIND-PID`` (``hidden``; else ``NAME.KIND-PID``) of ``path``. Where that would be longer
-    than a file name may be, ``NAME`` is cut and a digest of the whole name added (``NAME-START~DIGEST``): the same
-    ``path``, kind and pid always give the same name, and a different name a different one."""
-    lead, suffix = ("." if hidden else ""), f".{kind}-{pid}"
-    room = name_max(path.parent) - len(os.fsencode(lead + suffix))
-    name = path.name
-    if len(os.fsencode(name)) > room:
-        digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:_DIGEST_LENGTH]
-        while name and len(os.fsencode(name)) + 1 + _DIGEST_LENGTH > room:
-            name = name[:-1]
-        name = f"{name}~{digest}"
-    return path.with_name(f"{lead}{name}{suffix}")
-
-
 def partial_name(path: Path) -> Path:
     """The hidden sibling this process writes ``path`` into before renaming it (``.NAME.partial-PID``)."""
     return temporary_name(path, "partial", os.getpid())
@@ -180,33 +149,6 @@ def partial_name(path: Path) -> Path:
 def old_name(path: Path) -> Path:
     """The hidden sibling this process moves the older folder ``path`` to while replacing it (``.NAME.old-PID``)."""
     return temporary_name(path, "old", os.getpid())
-
-
-def leftover_of(name: str, final: Path, kinds: Collection[str] = ("partial", "old")) -> bool:
-    """Whether ``name`` is a temporary name a write of ``final`` gives (``.NAME.partial-PID`` or ``.NAME.old-PID``,
-    of ``kinds``, any pid): exactly what temporary_name makes, so another destination's (or a user's look-alike,
-    ``.exp.old-007``) is not."""
-    found = LEFTOVER.fullmatch(name)
-    return (
-        found is not None
-        and found["kind"] in kinds
-        and temporary_name(final, found["kind"], int(found["pid"])).name == name
-    )
-
-
-def writer_gone(leftover: Path) -> bool:
-    """Whether the process a ``.NAME.partial-PID`` / ``.NAME.old-PID`` is named after is gone (a live one is still
-    writing it; a number that is no pid names no writer of ours). One of this process's own pid is no write in
-    progress either: write_folder removes its own before it returns, so it is an earlier process's of that pid."""
-    pid = int(leftover.name.rpartition("-")[2])
-    return is_pid(pid) and (pid == os.getpid() or not process_running(pid))
-
-
-def marked_and_abandoned(leftover: Path) -> bool:
-    """A killed write's leftover outside a run folder: a folder write_folder made (its mark is in it, a file) whose
-    writer is gone. A user's ``.exp.old-2023/`` carries no mark, and is never deleted."""
-    mark = leftover / WRITE_MARK
-    return mark.is_file() and not mark.is_symlink() and writer_gone(leftover)
 
 
 def folders_of(relative: str) -> list[str]:
@@ -270,9 +212,10 @@ def write_folder(
     if is_mount_point(final):  # the commands refuse it before loading (check_folder_destination); the last guard
         raise RunFolderError(mount_point_refusal(final, f"'{final}'"))
     tmp, old = partial_name(final), old_name(final)
-    _remove_abandoned(final, "partial", abandoned)  # a killed write of ``final`` (SIGKILL, power loss) left these
+    remove_abandoned(final, "partial", abandoned)  # a killed write of ``final`` (SIGKILL, power loss) left these
     if final.is_dir():
-        _remove_abandoned(final, "old", abandoned)  # ``final`` is whole: what a killed rewrite set aside is older
+        remove_abandoned(final, "old", abandoned)  # ``final`` is whole: what a killed rewrite set aside is older
+        remove_abandoned(final, "export", abandoned)  # and what a killed export_folded(overwrite=True) of it left
     for needed in (tmp, old) if final.is_dir() else (tmp,):
         if os.path.lexists(needed):
             raise RunFolderError(_in_the_way(needed, final))
@@ -304,7 +247,7 @@ def write_folder(
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     shutil.rmtree(tmp)
-    _remove_abandoned(final, "old", abandoned)  # earlier copies a killed rewrite set aside: ``final`` is whole again
+    remove_abandoned(final, "old", abandoned)  # earlier copies a killed rewrite set aside: ``final`` is whole again
 
 
 def _swap(final: Path, new: Path, tmp: Path, old: Path, kept: Collection[str]) -> Path:
@@ -329,16 +272,6 @@ def _swap(final: Path, new: Path, tmp: Path, old: Path, kept: Collection[str]) -
     return aside
 
 
-def _make_container(folder: Path) -> None:
-    """Create the temporary ``folder`` (and the folders above it) with write_folder's mark in it, before anything
-    else goes in: a kill from here on leaves a folder that is provably a write's of ours."""
-    folder.mkdir(parents=True)
-    (folder / WRITE_MARK).write_text(
-        "hf-tapernorm writes a folder through this one; a later write of the same folder deletes it once its "
-        "writer is gone\n"
-    )
-
-
 def _in_the_way(taken: Path, final: Path) -> str:
     """The refusal of a ``.NAME.partial-PID`` / ``.NAME.old-PID`` that a write of ``final`` needs but did not make."""
     return (
@@ -356,19 +289,6 @@ def _refuse_clashes(final: Path, written: list[str], keep: Collection[str]) -> N
             f"'{final}' holds files this command did not write ({listing(clashes)}) where it writes its own; "
             "nothing was replaced: move them away, then run it again (a taper run: with --resume)"
         )
-
-
-def _remove_abandoned(final: Path, kind: str, abandoned: Callable[[Path], bool]) -> None:
-    """Delete the ``.NAME.KIND-PID`` folders beside ``final`` (any pid; leftover_of) that are a killed write's
-    leftovers (``abandoned``)."""
-    try:
-        siblings = list(final.parent.iterdir())
-    except OSError:  # no folder yet (nothing to remove), or one this user may write but not list
-        return
-    for sibling in siblings:
-        ours = leftover_of(sibling.name, final, (kind,)) and sibling.is_dir() and not sibling.is_symlink()
-        if ours and abandoned(sibling):
-            shutil.rmtree(sibling, ignore_errors=True)
 
 
 __all__ = [

@@ -30,6 +30,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
+from ..export.hub import export_files
 from .checkpoint_files import checkpoint_of as _checkpoint_of
 from .checkpoint_files import unrecorded_checkpoints
 from .folder_writes import (
@@ -210,9 +211,11 @@ class RunFolder:
         """Which of ``files`` are the command's: those its manifest lists (``listed``), those in an ``adopted``
         folder, and those of a checkpoint it has not recorded yet (the Trainer saves a checkpoint whole, then the
         command records it: a kill in between leaves it unrecorded; checkpoint_files.py: only when every file in it
-        is one a checkpoint holds). A file added to a checkpoint it recorded, or to an output folder, is not."""
+        is one a checkpoint holds), and those an export in an output folder recorded (hub.export_files: a fold
+        into RUN/folded). A file added to a checkpoint it recorded, or to an output folder, is not."""
         files = list(files)
         unrecorded = unrecorded_checkpoints(files, {_checkpoint_of(entry) for entry in listed})
+        listed = {*listed, *(o + f for o in self.outputs if o.endswith("/") for f in export_files(self.path / o))}
         return [f for f in files if f in listed or _is_output(f, self.adopted) or _checkpoint_of(f) in unrecorded]
 
     def foreign_files(self) -> list[str]:

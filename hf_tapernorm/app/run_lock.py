@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from .._temporaries import is_pid, process_running
 from ..errors import ConfigurationError
 from ..utils import expand_user
 
@@ -53,8 +54,6 @@ _FLOCK_TRIES, _FLOCK_PAUSE = 10, 0.002
 _TAKE_TRIES = 10
 #: The most of a lock file read: a record is one short JSON line.
 _RECORD_BYTES = 65536
-#: The largest pid a system gives (Linux: at most 2**22; os.kill overflows beyond a C int).
-_MAX_PID = 2**31 - 1
 _KINDS = {
     stat.S_IFIFO: "a named pipe",
     stat.S_IFLNK: "a symbolic link",
@@ -106,23 +105,6 @@ def _parsed(record: bytes) -> dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError):
         return {}
     return owner if isinstance(owner, dict) else {}
-
-
-def is_pid(value: Any) -> bool:
-    """Whether ``value`` can name a process: an int in 1 .. 2**31 - 1, not a bool (os.kill overflows beyond, and
-    0 and -1 name process groups)."""
-    return type(value) is int and 0 < value <= _MAX_PID
-
-
-def process_running(pid: int) -> bool:
-    """Whether process ``pid`` (``is_pid``) runs, this user's or another's."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # alive, another user's
-    return True
 
 
 def _pid_of(owner: dict[str, Any]) -> Optional[int]:

@@ -97,6 +97,14 @@ def check_result_outside_models(path: Path, models: Mapping[str, Optional[str]])
     check_output_outside_models("--output_json", path, models, reader="eval", written="the result")
 
 
+def check_export_outside_models(folder: Path) -> None:
+    """Refuse an export folder (fold's ``--output_dir``) inside another saved model's folder (an earlier export, a base
+    model) or inside a taper run's folder but as the run's own ``folded/``: the export would join that model (push
+    then refuses the outer export) or the run (its --overwrite and --resume refuse it as no file of theirs). The
+    folder itself may be an earlier export: check_export_folder judges whether it may be replaced."""
+    check_output_outside_models("--output_dir", folder, {}, reader="fold", written="the export", export=True)
+
+
 def check_export_outside_data(folder: Path, data: Any) -> None:
     """Refuse an export folder in a local dataset folder that fold's robustness scan reads (``data``: the data
     arguments of the run's recorded texts): the export's files would be read as more of the run's own texts by this
@@ -177,6 +185,7 @@ __all__ = [
     "RESULT_MARK",
     "check_export_folder",
     "check_export_outside_data",
+    "check_export_outside_models",
     "check_export_outside_run_data",
     "check_result_file",
     "check_result_outside_data",

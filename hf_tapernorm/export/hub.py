@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
@@ -33,6 +32,7 @@ from typing import Any, Optional
 
 from transformers import PreTrainedModel
 
+from .._temporaries import make_marked_folder, remove_abandoned, temporary_name
 from ..config_fields import check_tokenizer_to_save
 from ..errors import ConfigurationError, TaperStateError
 from ..utils import expand_user, file_in_the_way
@@ -48,6 +48,8 @@ DIGESTS_KEY = "files_sha256"
 CARD_NAME = "README.md"
 #: The start of the names of the package's bookkeeping files (the manifest, a command's lock): no export content.
 BOOKKEEPING_PREFIX = ".hf_tapernorm_"
+#: The kind of the hidden folder an export is replaced through (``.NAME.export-PID``: _temporaries.py).
+EXPORT_KIND = "export"
 
 
 def _is_bookkeeping(relative: str) -> bool:
@@ -95,6 +97,18 @@ def export_manifest(folder: str | os.PathLike) -> Optional[list[str]]:
     """The files an export wrote (its manifest), each a relative path inside ``folder``; None without one."""
     manifest = _read_manifest(Path(folder))
     return None if manifest is None else list(manifest["files"])
+
+
+def export_files(folder: str | os.PathLike) -> list[str]:
+    """The files the export in ``folder`` recorded as its own (relative), its manifest among them; none where it is
+    no export, a link, or its manifest is damaged. A run folder takes them as its own in its ``folded/``: a fold
+    into it (with a scan the run's export had not) replaces the run's export with another of the same run."""
+    folder = Path(folder)
+    try:
+        listed = None if folder.is_symlink() else export_manifest(folder)
+    except ConfigurationError:
+        return []
+    return [] if listed is None else [*listed, EXPORT_MANIFEST_NAME]
 
 
 def _sha256(path: Path) -> str:
@@ -172,11 +186,11 @@ def export_folded(
 
     Refuses a non-empty folder unless ``overwrite=True``, and even then one that is not an earlier export (no
     export manifest) or that holds files its export did not write (a user's, named), as ``fold --overwrite`` does:
-    an earlier export is replaced whole (the new one is written beside it, in a hidden ``.NAME.export-*`` folder,
-    then swapped in), so none of its files (a tokenizer, a robustness scan) stays to be pushed as the new
-    export's, and a failed write leaves it as it was. ``facts`` fills the model card (see
-    ``hf_tapernorm.export.model_card.FACT_KEYS``); the card is attached to the model, so a later
-    ``model.push_to_hub`` uploads the same README.md. Every file written (the tokenizer's too) is in the export's
+    an earlier export is replaced whole (the new one is written beside it, in a hidden ``.NAME.export-PID`` folder,
+    then swapped in; a killed replacement's leftover there is deleted), so none of its files (a tokenizer, a
+    robustness scan) stays to be pushed as the new export's, and a failed write leaves it as it was. ``facts``
+    fills the model card (see ``hf_tapernorm.export.model_card.FACT_KEYS``); the card is attached to the model, so a
+    later ``model.push_to_hub`` uploads the same README.md. Every file written (the tokenizer's too) is in the export's
     manifest, so ``push_export`` uploads it.
     """
     if not isinstance(model, FoldedModelMixin):
@@ -208,10 +222,20 @@ def _write_export(folder: Path, model: PreTrainedModel, tokenizer: Any) -> None:
 
 
 def _replace_export(folder: Path, model: PreTrainedModel, tokenizer: Any) -> None:
-    """Write the export beside the earlier one ``folder`` (inside a hidden ``.NAME.export-*`` folder), then swap
-    them and delete the earlier one: no file of it survives into the new export, and a write that fails (a full
-    disk) leaves it whole under its name."""
-    container = Path(tempfile.mkdtemp(prefix=f".{folder.name}.export-", dir=folder.parent))
+    """Write the export beside the earlier one ``folder`` (inside the hidden ``.NAME.export-PID`` folder, marked
+    before anything goes in: _temporaries.py), then swap them and delete the earlier one: no file of it survives
+    into the new export, and a write that fails (a full disk) leaves it whole under its name. A killed replacement's
+    folder (marked, its writer gone) is deleted first, as a run folder's --overwrite deletes one inside it; a live
+    writer's, or a user's under that name, is refused."""
+    remove_abandoned(folder, EXPORT_KIND)
+    container = temporary_name(folder, EXPORT_KIND, os.getpid())
+    if os.path.lexists(container):
+        raise ConfigurationError(
+            f"could not replace the earlier export {folder}: '{container}' is in the way (hf-tapernorm writes "
+            "through that name, and this one is no leftover of a write that is gone); nothing was written: move it "
+            "away, then export again"
+        )
+    make_marked_folder(container)
     new, aside = container / "new", container / "old"  # new: created by save_pretrained with the usual mode
     try:
         _write_export(new, model, tokenizer)

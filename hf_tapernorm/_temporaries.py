@@ -1,0 +1,148 @@
+"""The temporary folders a write goes through beside its destination: their names, their mark, and whether a
+killed write left one.
+
+A write of ``NAME`` goes through hidden siblings ``.NAME.KIND-PID`` (app/folder_writes.py: ``partial``, ``old``;
+export/hub.py's replacement of an export: ``export``). Each is created with :data:`WRITE_MARK` in it before
+anything else (:func:`make_marked_folder`), so a kill at any moment leaves a folder that provably is a write's of
+ours, named after its writer's pid: a later write of the same destination, and a run folder's ``--overwrite`` or
+``--resume`` around it, delete one whose writer is gone (:func:`marked_and_abandoned`), and leave alone a live
+writer's and a user's look-alike without the mark. Here, at the bottom of the package's layers, so that both
+writers (export/ sits below app/) name and mark theirs in one way, and every cleanup recognises both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Any
+
+#: The form of a write's temporary sibling (``name``: the destination's name, or for a long one its start and a
+#: digest: temporary_name; ``kind``: which write made it).
+LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>partial|old|export)-(?P<pid>[0-9]+)")
+#: The file each writer puts into each temporary folder it makes, before anything else: what proves a leftover
+#: outside a run folder ours.
+WRITE_MARK = ".hf_tapernorm_write"
+#: The longest file name (bytes) assumed where the filesystem does not say (Linux's NAME_MAX).
+DEFAULT_NAME_MAX = 255
+#: The largest pid a system gives (Linux: at most 2**22; os.kill overflows beyond a C int).
+_MAX_PID = 2**31 - 1
+_DIGEST_LENGTH = 12
+
+
+def filesystem_limit(folder: Path, setting: str, default: int) -> int:
+    """The filesystem limit ``setting`` (os.pathconf) of ``folder``, or of its first existing parent (a folder still
+    to be created lies on that one's filesystem); ``default`` where the system does not say."""
+    for place in [folder, *folder.parents]:
+        try:
+            limit = os.pathconf(place, setting)
+        except (OSError, ValueError):  # missing (yet), too long itself, or no such setting on this system
+            continue
+        return limit if limit > 0 else default
+    return default
+
+
+def name_max(folder: Path) -> int:
+    """The longest file name (in bytes) the filesystem of ``folder`` takes; DEFAULT_NAME_MAX where it does not say."""
+    return filesystem_limit(folder, "PC_NAME_MAX", DEFAULT_NAME_MAX)
+
+
+def temporary_name(path: Path, kind: str, pid: int, *, hidden: bool = True) -> Path:
+    """The sibling ``.NAME.KIND-PID`` (``hidden``; else ``NAME.KIND-PID``) of ``path``. Where that would be longer
+    than a file name may be, ``NAME`` is cut and a digest of the whole name added (``NAME-START~DIGEST``): the same
+    ``path``, kind and pid always give the same name, and a different name a different one."""
+    lead, suffix = ("." if hidden else ""), f".{kind}-{pid}"
+    room = name_max(path.parent) - len(os.fsencode(lead + suffix))
+    name = path.name
+    if len(os.fsencode(name)) > room:
+        digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:_DIGEST_LENGTH]
+        while name and len(os.fsencode(name)) + 1 + _DIGEST_LENGTH > room:
+            name = name[:-1]
+        name = f"{name}~{digest}"
+    return path.with_name(f"{lead}{name}{suffix}")
+
+
+def leftover_of(name: str, final: Path, kinds: Collection[str] = ("partial", "old")) -> bool:
+    """Whether ``name`` is a temporary name a write of ``final`` gives (``.NAME.KIND-PID`` of ``kinds``, any pid):
+    exactly what temporary_name makes, so another destination's (or a user's look-alike, ``.exp.old-007``) is not."""
+    found = LEFTOVER.fullmatch(name)
+    return (
+        found is not None
+        and found["kind"] in kinds
+        and temporary_name(final, found["kind"], int(found["pid"])).name == name
+    )
+
+
+def is_pid(value: Any) -> bool:
+    """Whether ``value`` can name a process: an int in 1 .. 2**31 - 1, not a bool (os.kill overflows beyond, and
+    0 and -1 name process groups)."""
+    return type(value) is int and 0 < value <= _MAX_PID
+
+
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` (``is_pid``) runs, this user's or another's."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, another user's
+    return True
+
+
+def writer_gone(leftover: Path) -> bool:
+    """Whether the process a ``.NAME.KIND-PID`` is named after is gone (a live one is still writing it; a number
+    that is no pid names no writer of ours). One of this process's own pid is no write in progress either: each
+    writer removes its own before it returns, so it is an earlier process's of that pid."""
+    pid = int(leftover.name.rpartition("-")[2])
+    return is_pid(pid) and (pid == os.getpid() or not process_running(pid))
+
+
+def marked_and_abandoned(leftover: Path) -> bool:
+    """A killed write's leftover outside a run folder's records: a folder a writer made (its mark is in it, a file)
+    whose writer is gone. A user's ``.exp.old-2023/`` carries no mark, and is never deleted."""
+    mark = leftover / WRITE_MARK
+    return mark.is_file() and not mark.is_symlink() and writer_gone(leftover)
+
+
+def make_marked_folder(folder: Path) -> None:
+    """Create the temporary ``folder`` (and the folders above it) with the writers' mark in it, before anything
+    else goes in: a kill from here on leaves a folder that is provably a write's of ours."""
+    folder.mkdir(parents=True)
+    (folder / WRITE_MARK).write_text(
+        "hf-tapernorm writes a folder through this one; a later write of the same folder deletes it once its "
+        "writer is gone\n"
+    )
+
+
+def remove_abandoned(final: Path, kind: str, abandoned: Callable[[Path], bool] = marked_and_abandoned) -> None:
+    """Delete the ``.NAME.KIND-PID`` folders beside ``final`` (any pid; leftover_of) that are a killed write's
+    leftovers (``abandoned``)."""
+    try:
+        siblings = list(final.parent.iterdir())
+    except OSError:  # no folder yet (nothing to remove), or one this user may write but not list
+        return
+    for sibling in siblings:
+        ours = leftover_of(sibling.name, final, (kind,)) and sibling.is_dir() and not sibling.is_symlink()
+        if ours and abandoned(sibling):
+            shutil.rmtree(sibling, ignore_errors=True)
+
+
+__all__ = [
+    "DEFAULT_NAME_MAX",
+    "LEFTOVER",
+    "WRITE_MARK",
+    "filesystem_limit",
+    "is_pid",
+    "leftover_of",
+    "make_marked_folder",
+    "marked_and_abandoned",
+    "name_max",
+    "process_running",
+    "remove_abandoned",
+    "temporary_name",
+    "writer_gone",
+]

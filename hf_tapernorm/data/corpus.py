@@ -291,24 +291,7 @@ def prepare_data(
             and not (name == "training" and train_blocks == 0)
             and not (name == "held-out" and not heldout_blocks)
         ):
-            count = len(dataset) if isinstance(dataset, datasets.Dataset) else None
-            few = name == "held-out" and count is not None and count < 100.0 / heldout_percentage
-            facts = (
-                f"dataset '{source}' is too small: its {name} split ({heldout_percentage:g}% of documents held "
-                f"out) does not fill one block of {block_size} tokens"
-            )
-            if few:
-                facts += f"; it holds only {count} document(s) and the split takes whole documents"
-                advice = _split_advice(dataset)
-                raise TooLittleText(facts, advice)
-            distinct = _distinct_documents(dataset, column) if count is not None and heldout_percentage else None
-            if distinct is not None and distinct < min(count, 100.0 / heldout_percentage):  # copies, and few
-                facts += (
-                    f"; it holds only {distinct} distinct document(s) among its {count}, and the split takes whole "
-                    "documents by a hash of their text, so every copy of one falls on the same side"
-                )
-                raise TooLittleText(facts, ": more copies never fill it; use more distinct text")
-            raise TooLittleText(facts, "; use more text or a smaller --block_size")
+            raise _too_little_text(dataset, column, source, name, heldout_percentage, block_size)
     if train_repeats and train_blocks and len(train) < train_blocks:
         logger.warning(
             "dataset '%s' holds %d training blocks of %d tokens, fewer than the %d the run reads: it will repeat",
@@ -321,6 +304,32 @@ def prepare_data(
     return PackedData(
         _as_dataset(train, n), _as_dataset(heldout, n), source, block_size, column, list(prefix_ids), heldout_set
     )
+
+
+def _too_little_text(
+    dataset: AnyDataset, column: str, source: str, name: str, heldout_percentage: float, block_size: int
+) -> TooLittleText:
+    """Why the ``name`` split (training or held-out) of ``dataset`` fills no block, and what to do: too few documents
+    for the held-out split (which takes whole documents), too few distinct ones (copies of one share its hash, so
+    they fall on one side), or too little text."""
+    count = len(dataset) if isinstance(dataset, datasets.Dataset) else None
+    few = name == "held-out" and count is not None and count < 100.0 / heldout_percentage
+    facts = (
+        f"dataset '{source}' is too small: its {name} split ({heldout_percentage:g}% of documents held "
+        f"out) does not fill one block of {block_size} tokens"
+    )
+    if few:
+        facts += f"; it holds only {count} document(s) and the split takes whole documents"
+        advice = _split_advice(dataset)
+        return TooLittleText(facts, advice)
+    distinct = _distinct_documents(dataset, column) if count is not None and heldout_percentage else None
+    if distinct is not None and distinct < min(count, 100.0 / heldout_percentage):  # copies, and few
+        facts += (
+            f"; it holds only {distinct} distinct document(s) among its {count}, and the split takes whole "
+            "documents by a hash of their text, so every copy of one falls on the same side"
+        )
+        return TooLittleText(facts, ": more copies never fill it; use more distinct text")
+    return TooLittleText(facts, "; use more text or a smaller --block_size")
 
 
 def _distinct_documents(dataset: datasets.Dataset, column: str) -> int:

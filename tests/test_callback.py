@@ -393,8 +393,8 @@ def test_reporting_integrations_without_place_first_are_warned_about(caplog):
     caplog.clear()
     placed = TaperCallback(K_START, K_END)
     placed.placed_first = True
-    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.training.callback"):
-        placed.on_train_begin(args, state, None, model=model)
+    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.training.callback"):  # another Trainer's state
+        placed.on_train_begin(args, TrainerState(max_steps=STEPS), None, model=model)
     assert "miss the taper/* log keys" not in caplog.text
 
 
@@ -404,6 +404,140 @@ def test_place_first_needs_exactly_one_taper_callback(tmp_path):
     trainer = Trainer(model=model, args=args, train_dataset=_dataset(8), callbacks=[Reporter()])
     with pytest.raises(ConfigurationError, match=r"place_first: the Trainer holds 0 TaperCallback\(s\)"):
         place_first(trainer)
+
+
+TWO_CALLBACKS = (
+    "TaperCallback: the Trainer holds 2 or more TaperCallback(s); keep one: each sets the gate at every step, and the "
+    "last one's window would win (pass one in Trainer(callbacks=[...]), or add one with trainer.add_callback, not both)"
+)
+
+
+def _small_args(output_dir: Path, **overrides) -> TrainingArguments:
+    """Arguments of an 8-step run (16 rows of batch 2 per epoch), no checkpoints."""
+    options = dict(
+        output_dir=str(output_dir),
+        max_steps=8,
+        per_device_train_batch_size=2,
+        learning_rate=3e-3,
+        report_to=[],
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    return TrainingArguments(**{**options, **overrides})
+
+
+def _patched() -> torch.nn.Module:
+    return patch_model(build(tiny_llama_config(), seed=0), TaperNormConfig.paper(ema_rate=0.1))
+
+
+@pytest.mark.parametrize("same", [False, True], ids=["two windows", "the same callback twice"])
+def test_two_taper_callbacks_in_one_trainer_are_refused_when_it_is_built(tmp_path, same):
+    """Trainer(callbacks=[TaperCallback(2, 5), TaperCallback(2, 6)]) trained to the end without a word, the gate
+    following the last one's window (place_first alone knew that two are an error). Refused inside Trainer(...) now,
+    two identical ones as well (each would calibrate and set the gate)."""
+    first = TaperCallback(2, 5)
+    with pytest.raises(ConfigurationError) as caught:
+        Trainer(model=_patched(), args=_small_args(tmp_path), train_dataset=_dataset(16),
+                callbacks=[first, first if same else TaperCallback(2, 6)])  # fmt: skip
+    assert str(caught.value) == TWO_CALLBACKS
+
+
+def test_a_second_taper_callback_added_later_is_refused_before_the_first_step(tmp_path):
+    """trainer.add_callback(TaperCallback(3, 5)) beside Trainer(callbacks=[TaperCallback(2, 6)]) trained with the
+    3-5 window, without a word. The Trainer sends the added one no event before train(): refused at its
+    on_train_begin, before any step; the model keeps gate 1."""
+    model = _patched()
+    trainer = Trainer(model=model, args=_small_args(tmp_path), train_dataset=_dataset(16),
+                      callbacks=[TaperCallback(2, 6)])  # fmt: skip
+    trainer.add_callback(TaperCallback(3, 5))
+    with pytest.raises(ConfigurationError) as caught:
+        trainer.train()
+    assert str(caught.value) == TWO_CALLBACKS
+    assert trainer.state.global_step == 0 and gate_of(model) == 1.0
+
+
+def test_one_taper_callback_passes_the_check_in_every_train(tmp_path):
+    """The check counts the callbacks of one Trainer state: a second train() (a new state) of one callback is no
+    second callback."""
+    trainer = Trainer(model=_patched(), args=_small_args(tmp_path), train_dataset=_dataset(16),
+                      callbacks=[TaperCallback(2, 6)])  # fmt: skip
+    trainer.train()
+    with pytest.raises(TaperStateError, match="an earlier train\\(\\) or run tapered it"):
+        trainer.train()  # refused for the model it tapered, not for a second callback
+
+
+def _decay_rates(trainer: Trainer) -> list[float]:
+    return [entry["learning_rate"] for entry in trainer.state.log_history if "taper/gate" in entry]
+
+
+def test_two_trainers_sharing_arguments_each_decay_after_their_own_taper(tmp_path):
+    """One TrainingArguments(max_steps=8, lr_scheduler_type="warmup_stable_decay") for two Trainers: the first one's
+    TaperCallback(2, 6) wrote num_decay_steps=2 into the shared arguments, and the second (window 2-4) read it as the
+    user's: its learning rate stayed up until step 7, three steps after its gate reached 0. Each gets its own now
+    (2, then 4), and the user's kwargs dict is never changed in place."""
+    given: dict = {}
+    args = _small_args(tmp_path, lr_scheduler_type="warmup_stable_decay", lr_scheduler_kwargs=given)
+    first = Trainer(model=_patched(), args=args, train_dataset=_dataset(16), callbacks=[TaperCallback(2, 6)])
+    assert args.lr_scheduler_kwargs == {"num_decay_steps": 2}
+    first.train()
+    second = Trainer(model=_patched(), args=args, train_dataset=_dataset(16), callbacks=[TaperCallback(2, 4)])
+    assert args.lr_scheduler_kwargs == {"num_decay_steps": 4} and given == {}
+    second.train()
+    # Cosine decays from the gate's 0: step 4 of the second (num_decay_steps 4), step 6 of the first (2).
+    assert _decay_rates(second) == pytest.approx([3e-3] * 5 + [2.561e-3, 1.5e-3, 0.439e-3], abs=1e-6)
+    assert _decay_rates(first) == pytest.approx([3e-3] * 7 + [1.5e-3], abs=1e-6)
+
+
+def test_a_users_num_decay_steps_is_kept_by_every_trainer(tmp_path):
+    """A num_decay_steps the user set (also after a Trainer had written its own) is the user's: never recomputed."""
+    args = _small_args(tmp_path, lr_scheduler_type="warmup_stable_decay", lr_scheduler_kwargs={"num_decay_steps": 5})
+    Trainer(model=_patched(), args=args, train_dataset=_dataset(16), callbacks=[TaperCallback(2, 4)])
+    assert args.lr_scheduler_kwargs == {"num_decay_steps": 5}
+    args.lr_scheduler_kwargs = {}
+    Trainer(model=_patched(), args=args, train_dataset=_dataset(16), callbacks=[TaperCallback(2, 6)])
+    args.lr_scheduler_kwargs["num_decay_steps"] = 3  # the user's change of the written dict
+    Trainer(model=_patched(), args=args, train_dataset=_dataset(16), callbacks=[TaperCallback(2, 4)])
+    assert args.lr_scheduler_kwargs == {"num_decay_steps": 3}
+
+
+def test_an_added_callback_refuses_another_trainers_decay_steps(tmp_path):
+    """A callback added with trainer.add_callback gets no event before the Trainer builds its scheduler, which would
+    then decay after another Trainer's taper end (num_decay_steps written for that one's window): refused before the
+    first step, naming both values."""
+    args = _small_args(tmp_path, lr_scheduler_type="warmup_stable_decay")
+    Trainer(model=_patched(), args=args, train_dataset=_dataset(16), callbacks=[TaperCallback(2, 6)])
+    trainer = Trainer(model=_patched(), args=args, train_dataset=_dataset(16))
+    trainer.add_callback(TaperCallback(2, 4))
+    with pytest.raises(ConfigurationError) as caught:
+        trainer.train()
+    assert str(caught.value) == (
+        "TaperCallback: lr_scheduler_kwargs holds num_decay_steps=2, which another Trainer's TaperCallback set for "
+        "its window on these TrainingArguments (this run's is 4), and the Trainer built the scheduler with it before "
+        "this callback, added with trainer.add_callback, saw a step; pass the callback in Trainer(callbacks=[...]) "
+        "(it sets the value when the Trainer is built), or set num_decay_steps in lr_scheduler_kwargs"
+    )
+
+
+def test_warmup_stable_decay_by_epochs_without_decay_steps_is_refused_when_the_trainer_is_built(tmp_path):
+    """The README's recipe (warmup_stable_decay, no num_decay_steps) with num_train_epochs instead of max_steps
+    failed in trainer.train() with transformers' TypeError (get_wsd_schedule() missing num_decay_steps): the Trainer
+    builds the scheduler before any event that knows an epoch run's length. Refused in one line inside Trainer(...)
+    now, naming both ways out; with num_decay_steps given, the run by epochs trains."""
+    args = _small_args(tmp_path, max_steps=-1, num_train_epochs=2, lr_scheduler_type="warmup_stable_decay")
+    with pytest.raises(ConfigurationError) as caught:
+        Trainer(model=_patched(), args=args, train_dataset=_dataset(16), callbacks=[TaperCallback(2, 5)])
+    assert str(caught.value) == (
+        "TaperCallback: lr_scheduler_type='warmup_stable_decay' without num_decay_steps decays the learning rate after "
+        "the gate reaches 0, a step known only from max_steps, and this run is set by num_train_epochs; set max_steps "
+        "in TrainingArguments, or lr_scheduler_kwargs={'num_decay_steps': N}"
+    )
+    args.lr_scheduler_kwargs = {"num_decay_steps": 11}
+    trainer = Trainer(model=_patched(), args=args, train_dataset=_dataset(16), callbacks=[TaperCallback(2, 5)])
+    trainer.train()
+    assert trainer.state.global_step == 16 and args.lr_scheduler_kwargs == {"num_decay_steps": 11}
 
 
 def test_resume_without_patching_fails_clearly(reference, tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -30,6 +31,7 @@ from hf_tapernorm import (
 )
 from hf_tapernorm.config import config_of
 from hf_tapernorm.layers import set_gate, tapered_norms
+from hf_tapernorm.training import TaperSchedule
 from tests.conftest import build, char_tokenizer, random_batches, save_tiny_model, tiny_llama_config
 from tests.helpers import IDS, logits, relative_error, snapshot, tapered, tapered_checkpoint
 
@@ -578,6 +580,37 @@ def test_a_controller_step_that_goes_back_is_refused():
     )
     assert controller.gate == gate and all(float(layer.gate) == gate for _, layer in tapered_norms(model))
     assert controller.step_begin(2, replay=True) > gate
+
+
+@pytest.mark.parametrize("step", [0.5, 1.5, True, False, float("nan"), torch.tensor(0.5), torch.tensor(True), "1"])
+def test_a_controller_step_that_is_no_whole_number_is_refused(step):
+    """step_begin(i / 2) (a loop passing its micro-batch over the accumulation) set a new gate for every micro-batch
+    (1, 0.983, 0.933, ...), each with its own statistics update, and step_begin(True/False) read as steps 1 and 0,
+    without a word, where total_steps=2.5 or True is refused. Refused in one line now, as total_steps is."""
+    controller = TaperController(_paper(taper_start=2, taper_end=6).train(), total_steps=8)
+    with pytest.raises(ConfigurationError) as caught:
+        controller.step_begin(step)
+    assert str(caught.value) == (
+        f"TaperController.step_begin: step must be a whole number of optimizer steps completed (an int), got "
+        f"{step!r}; count optimizer updates, not micro-batches (the gate is constant over one update's)"
+    )
+    assert controller.gate == 1.0 and controller._last_step is None  # nothing was set
+
+
+def test_a_controller_takes_whole_steps_of_any_number_type():
+    """Whole numbers that are no int (3.0, a tensor, a numpy integer: a loop's own counters) stay accepted, read as
+    the int they hold (a tensor step gave a float32 tensor gate, off the schedule's by its rounding)."""
+    model = _paper(taper_start=2, taper_end=6).train()
+    controller = TaperController(model, total_steps=8)
+    steps = [0, 1.0, torch.tensor(2), numpy.int64(3)]
+    gates = []
+    for step in steps:
+        gates.append(controller.step_begin(step))
+        ids = random_batches(n=1, seed=int(step))[0]
+        model(input_ids=ids, labels=ids).loss.backward()
+        controller.step_end(int(step))
+    assert gates == pytest.approx([TaperSchedule(2, 6, total_steps=8).gate(k) for k in (1, 2, 3, 4)], abs=1e-12)
+    assert controller._last_step == 3 and type(controller._last_step) is int
 
 
 def _saved_at_step_5(folder: Path) -> Path:

@@ -43,7 +43,15 @@ from .recipe_check import (
     stop_watching_checkpoint_loads,
     watch_checkpoint_loads,
 )
-from .schedule import TaperSchedule, decay_learning_rate_after_the_taper, fit_default_window
+from .schedule import (
+    TaperSchedule,
+    decay_learning_rate_after_the_taper,
+    decay_steps_missing,
+    decay_steps_of,
+    fit_default_window,
+    forget_written_decay,
+    written_decay_steps,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -133,11 +141,19 @@ class TaperCallback(TrainerCallback):
         return TaperSchedule(start, end, allow_incomplete=self.allow_incomplete).resolve(total_steps)
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
+        refuse_a_second_taper_callback(self, state)
         self._trainer_built_seen = True
         self._check_the_trainer(args, model)
         max_steps = getattr(args, "max_steps", None)
         if model is not None and max_steps and max_steps > 0:  # a schedule that does not fit fails here, not later
             decay_learning_rate_after_the_taper(args, self._schedule(config_of(model), max_steps))
+        elif decay_steps_missing(args):  # the Trainer builds the scheduler in train(), before any event of ours
+            forget_written_decay(args)
+            raise ConfigurationError(
+                "TaperCallback: lr_scheduler_type='warmup_stable_decay' without num_decay_steps decays the learning "
+                "rate after the gate reaches 0, a step known only from max_steps, and this run is set by "
+                "num_train_epochs; set max_steps in TrainingArguments, or lr_scheduler_kwargs={'num_decay_steps': N}"
+            )
 
     def _check_the_trainer(self, args, model) -> None:
         """What is refused before training: when the Trainer is built (on_init_end), or at on_train_begin for a
@@ -186,6 +202,7 @@ class TaperCallback(TrainerCallback):
         self._watched = model
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        refuse_a_second_taper_callback(self, state)  # train() starts a new state: one added by add_callback counts
         if not self._trainer_built_seen:  # trainer.add_callback(...): the checks of Trainer(...) run now, before a step
             self._check_the_trainer(args, model)
         refuse_replaced_forward(model, "TaperCallback")  # the Trainer applies use_liger_kernel in train()
@@ -198,6 +215,8 @@ class TaperCallback(TrainerCallback):
             )
         config = config_of(model)
         self.controller = TaperController(model, self._schedule(config, state.max_steps), thresholds=self.thresholds)
+        if not self._trainer_built_seen:  # the Trainer built the scheduler before this first event
+            self._refuse_anothers_decay(args)
         self._loss_checked = not loss_terms_on_the_model_loss(model)  # nothing to lose: nothing to check
         loss_terms_of(model).forwards_without_loss = 0  # counted from this run's first forward
         if state.global_step > 0:
@@ -215,6 +234,20 @@ class TaperCallback(TrainerCallback):
             if self.controller.distillation is not None
             else "",
         )
+
+    def _refuse_anothers_decay(self, args) -> None:
+        """A callback added with trainer.add_callback, on arguments where an earlier Trainer's TaperCallback wrote
+        num_decay_steps for its own window: the Trainer has built the scheduler with it, before any event of this
+        callback, so the learning rate would decay from another run's taper end."""
+        written, own = written_decay_steps(args), decay_steps_of(self.controller.schedule)
+        if written is not None and written != own:
+            raise ConfigurationError(
+                f"TaperCallback: lr_scheduler_kwargs holds num_decay_steps={written}, which another Trainer's "
+                f"TaperCallback set for its window on these TrainingArguments (this run's is {own}), and the Trainer "
+                "built the scheduler with it before this callback, added with trainer.add_callback, saw a step; pass "
+                "the callback in Trainer(callbacks=[...]) (it sets the value when the Trainer is built), or set "
+                "num_decay_steps in lr_scheduler_kwargs"
+            )
 
     def _resume(self, args, state, config: TaperNormConfig) -> None:
         folder = resumed_checkpoint(args, state)
@@ -350,16 +383,43 @@ def resumed_checkpoint(args, state: TrainerState) -> Path:
     )
 
 
+#: The attribute of a TrainerState where each TaperCallback the Trainer calls with it writes itself down: callbacks
+#: are not shown the Trainer's list, but every callback of one Trainer gets the same state (a new one per train()).
+_SEEN_ON_STATE = "_tapernorm_callbacks"
+
+
+def refuse_a_second_taper_callback(callback: TaperCallback, state: TrainerState) -> None:
+    """Refuse a Trainer holding two TaperCallbacks (or one twice): each would set the gate at every step, and the last
+    one's window would win without a word. Called first in on_init_end and on_train_begin, which the Trainer sends
+    each callback once per state: the second one called finds the first written down."""
+    if state is None:  # called by hand, outside a Trainer: nothing to count
+        return
+    seen = state.__dict__.setdefault(_SEEN_ON_STATE, [])
+    seen.append(callback)
+    refuse_other_than_one(len(seen), "TaperCallback", at_least=True)
+
+
+def refuse_other_than_one(count: int, who: str, *, at_least: bool = False) -> None:
+    """The Trainer must hold exactly one TaperCallback (``count`` of them found; ``at_least``: more may follow)."""
+    if count == 1:
+        return
+    held = f"{count} or more" if at_least else str(count)
+    advice = (
+        "pass one in Trainer(callbacks=[...])"
+        if count == 0
+        else "keep one: each sets the gate at every step, and the last one's window would win (pass one in "
+        "Trainer(callbacks=[...]), or add one with trainer.add_callback, not both)"
+    )
+    raise ConfigurationError(f"{who}: the Trainer holds {held} TaperCallback(s); {advice}")
+
+
 def place_first(trainer) -> TaperCallback:
     """Move the trainer's TaperCallback to the front of its callbacks, so that every callback (reporters
     included) reads the ``taper/*`` log keys; returns it. Call it after building the Trainer, before
     ``train()``: ``Trainer.callback_handler.callbacks`` is the list the Trainer calls in order."""
     callbacks = trainer.callback_handler.callbacks
     found = [callback for callback in callbacks if isinstance(callback, TaperCallback)]
-    if len(found) != 1:
-        raise ConfigurationError(
-            f"place_first: the Trainer holds {len(found)} TaperCallback(s); pass one in Trainer(callbacks=[...])"
-        )
+    refuse_other_than_one(len(found), "place_first")
     callbacks.remove(found[0])
     callbacks.insert(0, found[0])
     found[0].placed_first = True

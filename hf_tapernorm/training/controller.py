@@ -224,6 +224,7 @@ class TaperController:
 
         Steps never go back (refused); ``replay=True`` runs an earlier step again on purpose, as a benchmark that
         times the same steps over and over does (the gate rises with it)."""
+        step = whole_step(step, "step_begin")
         number = step + 1
         gate = self.schedule.gate(number)
         if not replay:
@@ -376,6 +377,24 @@ class TaperController:
         if self.distillation is not None:
             metrics.update(self.distillation.log_metrics())
         return metrics
+
+
+def whole_step(step: object, call: str) -> int:
+    """``step`` as an int, refused in one line unless a whole number: a bool (read as 0 or 1), or a fraction (a loop
+    passing its micro-batch over the accumulation) would set a new gate for every micro-batch, each with its own
+    statistics update; a text is no number. Whole numbers of any kind are taken: 3.0, a tensor or a numpy integer."""
+    dtype = getattr(step, "dtype", None)
+    boolean = isinstance(step, bool) or dtype is torch.bool or getattr(dtype, "kind", None) == "b"
+    try:
+        value = None if boolean or isinstance(step, (str, bytes)) else float(step)
+    except (TypeError, ValueError, RuntimeError):  # not a number, or a tensor or array of several
+        value = None
+    if value is None or not math.isfinite(value) or value != math.floor(value):
+        raise ConfigurationError(
+            f"TaperController.{call}: step must be a whole number of optimizer steps completed (an int), got "
+            f"{step!r}; count optimizer updates, not micro-batches (the gate is constant over one update's)"
+        )
+    return int(value)
 
 
 _ADVICE = "Lower the learning rate, taper more slowly (a later taper_end) or keep more norms (keep_norms)"

@@ -143,23 +143,70 @@ def fit_default_window(
     return taper_start, taper_end
 
 
+#: The attribute of a TrainingArguments where decay_learning_rate_after_the_taper records what it wrote: the kwargs
+#: dict it gave ``args.lr_scheduler_kwargs`` and the num_decay_steps in it (a user's value is never recomputed).
+_WRITTEN_DECAY = "_tapernorm_written_decay"
+
+
 def decay_learning_rate_after_the_taper(args, schedule: TaperSchedule) -> None:
     """With ``lr_scheduler_type="warmup_stable_decay"`` and no ``num_decay_steps``, decay once the gate is 0.
 
     The learning rate then stays up while the gate falls, and the model has decaying steps left at g = 0
-    to repair what the taper changed (docs/fidelity.md). An explicit ``num_decay_steps`` is left alone.
+    to repair what the taper changed (docs/fidelity.md). An explicit ``num_decay_steps`` is left alone. The
+    arguments get a new kwargs dict (the user's is never changed in place), and the value written is recorded on
+    them: one TrainingArguments shared by two Trainers gets each its own window's, not the first one's read as
+    the user's.
     """
-    kind = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
-    if kind != "warmup_stable_decay":
+    if not decay_steps_missing(args):
         return
-    kwargs = args.lr_scheduler_kwargs if isinstance(args.lr_scheduler_kwargs, dict) else {}
-    if "num_decay_steps" not in kwargs and "num_stable_steps" not in kwargs:
-        args.lr_scheduler_kwargs = {**kwargs, "num_decay_steps": max(1, schedule.total_steps - schedule.k_end)}
-        logger.info(
-            "the learning rate decays over the %d steps after the gate reaches 0 (step %d)",
-            args.lr_scheduler_kwargs["num_decay_steps"],
-            schedule.k_end,
-        )
+    written = {**users_scheduler_kwargs(args), "num_decay_steps": decay_steps_of(schedule)}
+    args.lr_scheduler_kwargs = written
+    setattr(args, _WRITTEN_DECAY, (written, written["num_decay_steps"]))
+    logger.info(
+        "the learning rate decays over the %d steps after the gate reaches 0 (step %d)",
+        written["num_decay_steps"],
+        schedule.k_end,
+    )
+
+
+def decay_steps_of(schedule: TaperSchedule) -> int:
+    """The num_decay_steps of a resolved schedule: the steps after the gate reaches 0 (at least 1)."""
+    return max(1, schedule.total_steps - schedule.k_end)
+
+
+def written_decay_steps(args) -> Optional[int]:
+    """The num_decay_steps of ``args.lr_scheduler_kwargs`` where decay_learning_rate_after_the_taper wrote it (for
+    this run or an earlier one sharing the arguments), unchanged since; None where the user set it, or nobody did."""
+    kwargs = getattr(args, "lr_scheduler_kwargs", None)
+    written, value = getattr(args, _WRITTEN_DECAY, (None, None))
+    return value if written is not None and kwargs is written and kwargs.get("num_decay_steps") == value else None
+
+
+def users_scheduler_kwargs(args) -> dict[str, Any]:
+    """``args.lr_scheduler_kwargs`` as the user gave them: without the num_decay_steps that
+    decay_learning_rate_after_the_taper wrote (for an earlier Trainer's window, where the arguments are shared)."""
+    kwargs = getattr(args, "lr_scheduler_kwargs", None)
+    kwargs = kwargs if isinstance(kwargs, dict) else {}
+    if written_decay_steps(args) is not None:  # ours, unchanged since
+        return {key: item for key, item in kwargs.items() if key != "num_decay_steps"}
+    return kwargs
+
+
+def decay_steps_missing(args) -> bool:
+    """Whether the run is a ``warmup_stable_decay`` one whose user set neither num_decay_steps nor num_stable_steps:
+    the decay is then the taper's to place (decay_learning_rate_after_the_taper)."""
+    kind = getattr(args, "lr_scheduler_type", None)
+    if getattr(kind, "value", kind) != "warmup_stable_decay":
+        return False
+    kwargs = users_scheduler_kwargs(args)
+    return "num_decay_steps" not in kwargs and "num_stable_steps" not in kwargs
+
+
+def forget_written_decay(args) -> None:
+    """Give ``args`` back the user's scheduler kwargs, without a num_decay_steps written for another run."""
+    if written_decay_steps(args) is not None:
+        args.lr_scheduler_kwargs = users_scheduler_kwargs(args)
+        setattr(args, _WRITTEN_DECAY, (None, None))
 
 
 #: Why the Trainer's own arguments of the scheduler are no keys of --lr_scheduler_kwargs: the Trainer passes

@@ -5,11 +5,12 @@ turns what this reads into the command line it stands for; this module knows the
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import re
 from collections.abc import Collection
-from typing import IO, Any
+from typing import IO, Any, Optional
 
 import yaml
 
@@ -210,4 +211,27 @@ def _as_written(node: yaml.Node, value: Any) -> Any:
     return value
 
 
-__all__ = ["BARE_TILDE", "load_values"]
+#: YAML's other types, as a refusal names them: no option takes them, and str() would make each text nobody wrote.
+_FOREIGN = {
+    set: "a set (!!set)",
+    tuple: "ordered pairs (!!omap or !!pairs)",
+    bytes: "binary data (!!binary)",
+    datetime.date: "a date (!!timestamp)",  # datetime.datetime too
+}
+
+
+def foreign_value(value: Any) -> Optional[str]:
+    """What ``value`` (an option's, as :func:`load_values` read it) holds that is no text, number, bool, null, list
+    or object, in words (``a set (!!set)``), or None. YAML's tags make them (``!!set``, ``!!omap``, ``!!binary``, an
+    explicit ``!!timestamp`` where it is not an option's text as written), and str() would give an option text that
+    nobody wrote: ``output_json: !!set {r.json: null}`` wrote a file named ``{'r.json'}``. Lists' items and objects'
+    keys and values are looked into too."""
+    if value is None or value is BARE_TILDE or isinstance(value, (str, int, float)):  # bool is an int
+        return None
+    if isinstance(value, (list, dict)):
+        items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        return next((found for found in map(foreign_value, items) if found is not None), None)
+    return next((words for kind, words in _FOREIGN.items() if isinstance(value, kind)), f"a {type(value).__name__}")
+
+
+__all__ = ["BARE_TILDE", "foreign_value", "load_values"]

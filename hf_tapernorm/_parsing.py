@@ -29,7 +29,7 @@ from typing import Any, NoReturn, Optional, Union
 import yaml
 from transformers import HfArgumentParser
 
-from ._options_reading import BARE_TILDE, load_values
+from ._options_reading import BARE_TILDE, foreign_value, load_values
 from .errors import ConfigurationError, TaperNormError
 from .utils import BARE_TILDE_OPTIONS, check_seeds, expand_user
 
@@ -59,6 +59,7 @@ class _Parser(HfArgumentParser):
         self.flags: dict[str, argparse.Action] = {}
         self.source = source  # the options file being read, named in every error
         self.hints, self.separators, self.empty, self.numbers, self.multiline = _declared(dataclass_types)
+        self.enum_choices = _enum_choices(dataclass_types)
         super().__init__(list(dataclass_types), prog=prog, allow_abbrev=False)  # a flag is its whole name
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
@@ -69,6 +70,8 @@ class _Parser(HfArgumentParser):
         if kwargs.get("nargs") in ("+", "*") and "action" not in kwargs:
             kwargs["action"] = _ListItems
         action = super().add_argument(*args, **kwargs)
+        if action.choices is None and action.nargs is None and action.dest in self.enum_choices:
+            action.choices = self.enum_choices[action.dest]  # refused as argparse refuses a choice: option named
         if action.type is str:  # a field's option: its declared type tells a one-line text (a path, a name)
             hint = self.hints.get(action.dest)
             one_line = hint is not None and _is_text(hint) and action.dest not in self.multiline
@@ -275,6 +278,25 @@ def _declared(
     return hints, separators, empty, numbers, multiline
 
 
+def _enum_choices(dataclass_types: Sequence[type]) -> dict[str, list[str]]:
+    """field name -> the values of the Enum a class declares it as, for a field whose class (or a class it derives
+    from) declares it as an Enum, in whichever class of the MRO: a subclass that redeclares TrainingArguments'
+    ``lr_scheduler_type: SchedulerType | str`` as ``str`` (for its own default) still takes only a SchedulerType,
+    which TrainingArguments checks only after the parse, naming no option ("COSINE is not a valid SchedulerType").
+    HfArgumentParser gives such a field's own Enum its choices; these give the redeclared one the same."""
+    choices: dict[str, list[str]] = {}
+    for cls in dataclass_types:
+        for base in reversed(cls.__mro__):
+            if not dataclasses.is_dataclass(base):
+                continue
+            declared = typing.get_type_hints(base)
+            for name in base.__dict__.get("__annotations__", {}):
+                kinds = [m for m in _members(declared.get(name)) if isinstance(m, type) and issubclass(m, enum.Enum)]
+                if kinds:
+                    choices[name] = [str(item.value) for item in kinds[0]]
+    return choices
+
+
 def _is_text(hint: Any) -> bool:
     """Whether an option's values are text (a path, a name, a choice of words; or a list of them), not numbers."""
     members = [typing.get_args(m)[0] if typing.get_origin(m) is list else m for m in _members(hint)]
@@ -314,6 +336,7 @@ def _command_line(parser: _Parser, values: dict[str, Any]) -> list[str]:
         flag = flags[key]
         name = flag.dest
         action, hint = parser.options[name], hints[name]
+        _refuse_foreign(value, key, hint, parser)
         if flag is not action and flag.nargs == 0 and value is not None:  # --no_private: true sets it, false not
             value = flag.const if _as_bool(value, key, action, parser) else not flag.const
         if value == [] and name in empty:
@@ -337,6 +360,17 @@ def _command_line(parser: _Parser, values: dict[str, Any]) -> list[str]:
     return argv
 
 
+def _refuse_foreign(value: Any, key: str, hint: Any, parser: _Parser) -> None:
+    """Refuse an options file's value that holds what no option takes and argv cannot carry (a YAML set, ordered
+    pairs, binary data, a tagged date: _options_reading.foreign_value), naming the file and the option."""
+    found = foreign_value(value)
+    if found is not None:
+        raise UsageError(
+            f"{parser.source}: {key} takes {_type_text(hint)}, got {found}, which no option takes: write it as text, "
+            "a number, true or false, a list or an object"
+        )
+
+
 def _as_bool(value: Any, key: str, action: argparse.Action, parser: _Parser) -> bool:
     """The value of a flag that takes none (``no_private``), read as its option's bool (true, no, 1, ...)."""
     try:
@@ -352,14 +386,12 @@ def _as_text(value: Any, key: str, hint: Any, action: argparse.Action, parser: _
     where the field's type takes them (a bool, a dict), and numbers as numbers however the file wrote them
     (``"max_steps": 2e1`` for an integer option is 20). A bool, a number or an object for an option of another type
     (``"output_dir": true`` would be a folder named true, ``1e1`` one named 10.0), a list in a list, text that is no
-    number, or a fraction for an integer option, is refused naming the option; so are YAML's binary data and a null
-    item in a list, which a file can carry and argv cannot. Text goes to the option's own type, which refuses what
-    no path or name can hold (:func:`_text`) whatever the source."""
+    number, or a fraction for an integer option, is refused naming the option; so is a null item in a list, which a
+    file can carry and argv cannot (YAML's other types were refused before: :func:`_refuse_foreign`). Text goes to
+    the option's own type, which refuses what no path or name can hold (:func:`_text`) whatever the source."""
     name = parser.source
     if value is None:  # an item of a list (an option's own null is its default): `[null]` would be the text None
         raise UsageError(f"{name}: {key} holds an empty item (null): remove it, or write the value")
-    if isinstance(value, (bytes, bytearray)):  # YAML's !!binary: str() would make it the text "b'...'"
-        raise UsageError(f"{name}: {key} takes {_type_text(hint)}, got binary data (!!binary); write it as text")
     if (
         isinstance(value, (int, float))
         and not isinstance(value, bool)

@@ -682,6 +682,19 @@ CASES = {
         2,
         "error: --dataset_config_name c: a configuration is one of a Hub dataset's; the embedded corpus has none",
     ),
+    # TaperTrainingArguments redeclares lr_scheduler_type as text: "COSINE is not a valid SchedulerType", naming no
+    # option, where every other bad choice names its option (and the options file it came from)
+    "taper: --lr_scheduler_type COSINE": (
+        _trainer(["--lr_scheduler_type", "COSINE"]),
+        2,
+        "error: argument --lr_scheduler_type/--lr-scheduler-type: invalid choice: 'COSINE' (choose from 'linear', ",
+    ),
+    "taper: lr_scheduler_type: COSINE in an options file": (
+        _taper_options_file(lr_scheduler_type="COSINE"),
+        2,
+        "run.json: argument --lr_scheduler_type/--lr-scheduler-type: invalid choice: 'COSINE' (choose from ",
+        ("tmp_path",),
+    ),
     "taper: --optim adamw_bnb_8bit": (
         _trainer(["--optim", "adamw_bnb_8bit"]),
         2,
@@ -910,6 +923,30 @@ CASES = {
         2,
         "error: --out_of_corpus_dataset '{ws}/emptydir' is a folder that holds no .csv/.json/",
     ),
+    # the training corpus as the out-of-corpus text: its "out of corpus" loss was the corpus's own, printed and
+    # recorded without a word (however the path was spelled, for eval too, and for a Hub name or the embedded corpus)
+    **{
+        f"{command} --out_of_corpus_dataset {what}": (
+            lambda ws, command=command, name=name, corpus=corpus: [
+                *(_taper if command == "taper" else _eval)(ws, "--out_of_corpus_blocks", "2"),
+                *(["--dataset_name", corpus.format(ws=ws)] if corpus else []),
+                "--out_of_corpus_dataset",
+                name.format(ws=ws),
+            ],
+            2,
+            f"error: --out_of_corpus_dataset '{name}' names {part}the training corpus (--dataset_name "
+            f"'{corpus or '{ws}/corpus.txt'}'); name text the model was not trained on, or leave it out",
+        )
+        for command, what, name, corpus, part in [
+            ("taper", "the corpus file", "{ws}/corpus.txt", None, ""),
+            ("eval", "the corpus file", "{ws}/corpus.txt", None, ""),
+            ("taper", "the corpus file spelled otherwise", "{ws}/texts/../corpus.txt", None, ""),
+            ("taper", "the corpus folder with a slash", "{ws}/texts/", "{ws}/texts", ""),
+            ("taper", "a file of the corpus folder", "{ws}/texts/part1.txt", "{ws}/texts", "part of "),
+            ("taper", "the corpus's Hub name", "Me/One", "me/one", ""),
+            ("eval", "the embedded corpus", "python-stdlib", "python-stdlib", ""),
+        ]
+    },  # fmt: skip
     "bench --modes train with a --dataset_name folder without data files": (
         lambda ws: _bench(ws, "--modes", "train", "--dataset_name", str(ws / "emptydir")),
         2,

@@ -1342,3 +1342,46 @@ def test_a_compressed_file_in_a_data_folder_is_named_in_a_warning(ws, tmp_path, 
         f"dataset '{tmp_path / 'mixed'}': its 1 compressed file(s) (more.txt.gz) are not read; decompress them in the "
         "folder (gunzip -k FILE, unxz -k FILE, ...) to read their text"
     ]
+
+
+@pytest.mark.parametrize(
+    ("corpus", "split", "config", "other", "refused"),
+    [
+        ("texts", None, None, "texts/a.txt", "names part of the training corpus"),
+        ("texts/a.txt", None, None, "link.txt", "names the training corpus"),  # a link to the corpus
+        ("texts/a.txt", None, None, "texts/b.txt", None),
+        ("splits", "train", None, "splits/test.txt", None),  # the corpus reads the train split alone
+        ("splits", "test", None, "splits/test.txt", "names the training corpus"),
+        ("me/one", "test", None, "me/one", None),  # the out-of-corpus text reads the train split
+        ("me/one", None, "cfg", "me/one", None),  # another configuration may hold other text
+        ("me/one", "train[:10%]+test", None, "me/one", "names part of the training corpus"),
+        ("me/one", None, None, "me/other", None),
+    ],
+)
+def test_the_out_of_corpus_text_is_refused_only_where_it_is_the_training_corpus(
+    corpus, split, config, other, refused, tmp_path, monkeypatch
+):
+    """`--out_of_corpus_dataset` naming the training corpus gave an "out of corpus" loss that was the corpus's own,
+    without a word; it is refused where its text is the corpus's (the same files however spelled, some of them, the
+    same Hub dataset's train split), and text beside it (another file or split, another configuration) is not."""
+    from hf_tapernorm.app.data_checks import check_dataset_path, check_out_of_corpus_differs
+    from hf_tapernorm.cli.arguments import DataArguments
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("texts/a.txt", "texts/b.txt", "splits/train.txt", "splits/test.txt"):
+        Path(name).parent.mkdir(exist_ok=True)
+        Path(name).write_text("\n\n".join(corpus_documents(20, seed=len(name))))
+    Path("link.txt").symlink_to(tmp_path / "texts" / "a.txt")
+    data = DataArguments(
+        dataset_name=corpus, dataset_split=split, dataset_config_name=config, out_of_corpus_dataset=other,
+        out_of_corpus_blocks=2,
+    )  # fmt: skip
+    local = {
+        "--dataset_name": check_dataset_path("--dataset_name", corpus, split, "--dataset_split"),
+        "--out_of_corpus_dataset": check_dataset_path("--out_of_corpus_dataset", other),
+    }
+    if refused is None:
+        check_out_of_corpus_differs(data, local)
+        return
+    with pytest.raises(DataError, match=re.escape(f"--out_of_corpus_dataset '{other}' {refused} (--dataset_name")):
+        check_out_of_corpus_differs(data, local)

@@ -7,10 +7,13 @@ command line would refuse only after training (``tied_head: scal``) is refused b
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
 import os
 import re
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -339,6 +342,10 @@ YAML_AS_WRITTEN = {
     "taper text_column a time": (
         "taper", "text_column: 2001-12-14t21:59:43.10-05:00\n", {"text_column": "2001-12-14t21:59:43.10-05:00"},
     ),
+    "taper run_name and output_dir dates": (  # a date-looking text is text, tagged !!timestamp or not
+        "taper", "run_name: 2024-01-01\noutput_dir: !!timestamp 2024-01-02\n",
+        {"run_name": "2024-01-01", "output_dir": "2024-01-02"},
+    ),
     "eval out_of_corpus_text_column 010": (
         "eval", "out_of_corpus_text_column: 010\n", {"out_of_corpus_text_column": "010"},
     ),
@@ -531,6 +538,84 @@ def test_a_text_option_with_a_line_break_or_binary_data_is_refused(text, expecte
     (tmp_path / "run.yaml").write_text(text)
     with pytest.raises(UsageError, match=re.escape(expected)):
         parsed("taper", [str(tmp_path / "run.yaml")])
+
+
+#: name -> (command, a YAML options file's line, the refusal after "{file}: "): a value of a YAML type no option takes
+YAML_TYPES = {
+    "eval output_json: !!set": (
+        "eval", "output_json: !!set {result.json: null}", "output_json takes text, got a set (!!set), which no option "
+        "takes: write it as text, a number, true or false, a list or an object",
+    ),
+    "taper keep_norms: !!set": (
+        "taper", "keep_norms: !!set {model.norm: null, model.layers.0.input_layernorm: null}",
+        "keep_norms takes text, got a set (!!set), which no option takes",
+    ),
+    "taper report_to: [!!set]": ("taper", "report_to: [!!set {none: null}]", "report_to takes "),
+    "taper lr_scheduler_kwargs: !!omap": (
+        "taper", "lr_scheduler_kwargs: !!omap [{min_lr_rate: 0.1}]",
+        "lr_scheduler_kwargs takes an object or text, got ordered pairs (!!omap or !!pairs), which no option takes",
+    ),
+    "taper lr_scheduler_kwargs holding a !!timestamp": (
+        "taper", "lr_scheduler_kwargs: {min_lr_rate: !!timestamp 2024-01-01}",
+        "lr_scheduler_kwargs takes an object or text, got a date (!!timestamp), which no option takes",
+    ),
+    "taper use_cpu: !!timestamp": ("taper", "use_cpu: !!timestamp 2024-01-01 10:00:00", "use_cpu takes "),
+    "taper learning_rate: !!binary": (
+        "taper", "learning_rate: !!binary aGVsbG8=", "learning_rate takes a number, got binary data (!!binary)",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(YAML_TYPES))
+def test_a_yaml_type_no_option_takes_is_refused_naming_the_file_and_option(name, tmp_path, monkeypatch):
+    """A value of a YAML type that is no text, number, bool, list or object became str(value): eval wrote its result
+    to a file named {'result.json'}, keep_norms was the patterns "{'model.norm'" and "...'}", and a date or a set inside
+    an object option was a TypeError traceback. Each is refused in one line naming the file and the option; nothing is
+    written."""
+    monkeypatch.chdir(tmp_path)
+    command, line, expected = YAML_TYPES[name]
+    path = tmp_path / "run.yaml"
+    path.write_text(f"model_name_or_path: m\n{line}\n")
+    status, _, stderr = run_main([command, str(path)])
+    lines = stderr.strip().splitlines()
+    assert status == 2 and len(lines) == 1, stderr[-2000:]
+    assert lines[0].startswith(f"hf-tapernorm {command}: error: {path}: {expected}"), lines[0]
+    assert "which no option takes" in lines[0]
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def _enum_options(classes: list[type]) -> list[str]:
+    """The fields that a class of ``classes``, or one it derives from, declares as an Enum (``optim``, and
+    ``lr_scheduler_type``, which TaperTrainingArguments redeclares as text)."""
+    found = []
+    for cls in classes:
+        for base in cls.__mro__:
+            if dataclasses.is_dataclass(base):
+                hints = typing.get_type_hints(base)
+                for name in vars(base).get("__annotations__", {}):
+                    members = typing.get_args(hints[name]) or (hints[name],)
+                    if any(isinstance(m, type) and issubclass(m, enum.Enum) for m in members):
+                        found.append(name)
+    return sorted(set(found))
+
+
+ENUM_OPTIONS = [(command, name) for command, classes in COMMANDS.items() for name in _enum_options(classes)]
+
+
+@pytest.mark.parametrize(("command", "name"), ENUM_OPTIONS)
+def test_every_enum_option_refuses_a_bad_choice_naming_the_option(command, name, tmp_path):
+    """`--lr_scheduler_type COSINE` (flag or file) was "COSINE is not a valid SchedulerType, please select one of
+    [...]", naming no option and no file: TaperTrainingArguments redeclares the field as text, so the parser gave it
+    no choices and TrainingArguments refused it after the parse. Every option a class declares as an Enum is now
+    refused as argparse refuses a choice, naming the option (and the options file it came from)."""
+    assert ("taper", "lr_scheduler_type") in ENUM_OPTIONS and ("taper", "optim") in ENUM_OPTIONS
+    flags = f"--{name}" + (f"/--{name.replace('_', '-')}" if "_" in name else "")
+    refusal = f"argument {flags}: invalid choice: 'BOGUS' (choose from "
+    with pytest.raises(UsageError, match=re.escape(refusal)):
+        parsed(command, [f"--{name}", "BOGUS"])
+    (tmp_path / "run.yaml").write_text(f"{name}: BOGUS\n")
+    with pytest.raises(UsageError, match=re.escape(f"run.yaml: {refusal}")):
+        parsed(command, [str(tmp_path / "run.yaml")])
 
 
 # ============================================================================= a value is a value, whatever it holds

@@ -140,6 +140,7 @@ def check_data_paths(data: Any, own_folder: Optional[str] = None, *, recorded: b
     _check_local_reading(data, local["--dataset_name"])
     if not recorded:
         check_sample_by(data, local)
+        check_out_of_corpus_differs(data, local)
     for option, name in read.items():
         check_text_column(option, name, local[option], *_text_column(data, option))
     if data.data_cache_dir:
@@ -163,6 +164,32 @@ def _check_local_reading(data: Any, local: Optional[tuple[str, list[Path]]]) -> 
         raise DataError(
             f"--out_of_corpus_text_column {data.out_of_corpus_text_column}: the out-of-corpus text {PYTHON_DOCS} is "
             "the Python documentation, which has no columns (leave the option out, or name an --out_of_corpus_dataset)"
+        )
+
+
+def check_out_of_corpus_differs(data: Any, local: Mapping[str, Optional[tuple[str, list[Path]]]]) -> None:
+    """Refuse an --out_of_corpus_dataset that names the training corpus (--dataset_name), or part of it: its loss
+    would be the corpus's own, printed and recorded as the measure of text the model was not trained on. The same
+    corpus is the embedded one twice; one Hub dataset with no --dataset_config_name and its train split (what the
+    out-of-corpus text reads; a slice of train: part of it); or local files all among the corpus's (``local``:
+    option -> its builder and files, check_dataset_path's), however the path is spelled or linked."""
+    other = datasets_read(data).get("--out_of_corpus_dataset")
+    if other is None:
+        return
+    corpus = data.dataset_name or EMBEDDED_CORPUS
+    theirs, ours = local.get("--out_of_corpus_dataset"), local.get("--dataset_name")
+    if theirs is None and ours is None:
+        named = other.casefold() == corpus.casefold() and not data.dataset_config_name
+        split = (data.dataset_split or "train").replace(" ", "")
+        same = named and split == "train"  # its train split, which the out-of-corpus text reads whole
+        part = named and not same and any(s.split("[")[0] == "train" for s in split.split("+"))
+    else:
+        files = [{os.path.realpath(f) for f in found[1]} if found else set() for found in (theirs, ours)]
+        same, part = bool(files[0]) and files[0] == files[1], bool(files[0]) and files[0] < files[1]
+    if same or part:
+        raise DataError(
+            f"--out_of_corpus_dataset '{other}' names {'part of ' if part else ''}the training corpus (--dataset_name "
+            f"'{corpus}'); name text the model was not trained on, or leave it out"
         )
 
 
@@ -375,6 +402,7 @@ __all__ = [
     "check_hub_dataset",
     "check_hub_datasets",
     "check_output_outside",
+    "check_out_of_corpus_differs",
     "check_output_outside_models",
     "check_sample_by",
     "check_text_column",

@@ -225,6 +225,24 @@ def _without_checkpoints(run: Path) -> Path:
     return _without(run, *(p.name for p in run.glob("checkpoint-*")))
 
 
+def _stopped_mid_taper(run: Path) -> Path:
+    """The copy ``run`` as a run that stopped before its taper ended: its checkpoint-N saved at gate 0.5."""
+    from safetensors.torch import load_file, save_file
+
+    for weights in run.glob("checkpoint-*/model.safetensors"):
+        tensors = load_file(weights)
+        save_file({k: v.fill_(0.5) if k.endswith(".gate") else v for k, v in tensors.items()}, weights)
+    return run
+
+
+def _without_records(run: Path) -> Path:
+    """The copy ``run`` with no record of its model: no identity in its manifest, no checkpoint's tapernorm_run.json."""
+    edit_json(run / ".hf_tapernorm_run.json", identity={})
+    for record in run.glob("checkpoint-*/tapernorm_run.json"):
+        record.unlink()
+    return run
+
+
 def _held(folder: Path) -> Path:
     """``folder`` with the lock of a running hf-tapernorm command (this test's parent process, alive) in it."""
     folder.mkdir()
@@ -1359,6 +1377,93 @@ CASES = {
         lambda ws, run, tmp: fold(copy_of(run, tmp) / "tapered", tmp / "run", "--overwrite"),
         2,
         ["/run' is '", "/run', a taper run's folder: the export would mix with the run's files", "/run/folded)"],
+        NEEDS_RUN,
+    ),
+    # probe36 rows 13-14: a run killed before report.json: "its report.json records none that is there" (there was
+    # none, and its manifest records the model), and fold/push pointed at a checkpoint saved at gate 0.5
+    "bench of a run killed before its report": (
+        lambda ws, run, tmp: [*_bench(ws)[:2], str(_without_tapered(copy_of(run, tmp))), *_bench(ws)[3:]],
+        2,
+        "bench builds its variants from an ordinary model, which the run's outputs are not: pass the model the run "
+        "started from, '{ws}/llama'",
+        NEEDS_RUN,
+    ),
+    "eval --scan_reference of a run killed before its report, with no record of its model": (
+        lambda ws, run, tmp: (
+            [*evaluate(run / "folded", data=ws / "corpus.txt")[:-2], "--scan_windows", "4"]
+            + ["--scan_reference", str(_without_records(_without_tapered(copy_of(run, tmp))))]
+        ),
+        2,
+        "the scan compares with an ordinary model: pass the model the run started from (the run wrote no "
+        "report.json, and nothing in it records the model)",
+        NEEDS_RUN,
+    ),
+    "fold of a run that stopped before its taper ended": (
+        lambda ws, run, tmp: fold(_stopped_mid_taper(_without_tapered(copy_of(run, tmp))), tmp / "x"),
+        2,
+        [
+            "/run' is a taper run's folder, not a saved model: it holds no tapered/ and no checkpoint-N folder saved "
+            "at gate 0 (the run stopped before its taper ended): continue it, hf-tapernorm taper --output_dir '",
+            "/run' --resume (with its options), then fold its tapered/",
+        ],
+        NEEDS_RUN,
+    ),
+    "push of a run that stopped before its taper ended": (
+        lambda ws, run, tmp: [
+            *["push", "--export_dir", str(_stopped_mid_taper(_without_tapered(copy_of(run, tmp))))],
+            *["--repo_id", "me/x"],
+        ],
+        2,
+        ["--resume (with its options), then fold its tapered/, and push that export"],
+        NEEDS_RUN,
+    ),
+    # probe36 row 3: taper's --output_dir inside another run, its export or checkpoint, or a killed run trained and
+    # wrote a whole run there; now refused as bench's, eval's and fold's outputs are
+    "taper: the output folder inside a run's export": (
+        lambda ws, run, tmp: _taper(ws, "--output_dir", str(copy_of(run, tmp) / "folded" / "sub")),
+        2,
+        [
+            "error: --output_dir '",
+            "/run/folded/sub' lies in '",
+            "/run/folded', a saved model's folder: its checkpoints and reports would join the model (a push would "
+            "upload them); choose an --output_dir outside it",
+        ],
+        NEEDS_RUN,
+    ),
+    "taper: the output folder inside a run's tapered checkpoint": (
+        lambda ws, run, tmp: _taper(ws, "--output_dir", str(copy_of(run, tmp) / "tapered" / "sub")),
+        2,
+        ["/run/tapered/sub' lies in '", "/run/tapered', a saved model's folder"],
+        NEEDS_RUN,
+    ),
+    "taper: the output folder inside a finished run": (
+        lambda ws, run, tmp: _taper(ws, "--output_dir", str(copy_of(run, tmp) / "sub")),
+        2,
+        [
+            "error: --output_dir '",
+            "/run/sub' lies in '",
+            "/run', a taper run's folder: its checkpoints and reports would mix with the run's files, which its "
+            "--overwrite and --resume then refuse; choose an --output_dir outside it",
+        ],
+        NEEDS_RUN,
+    ),
+    "taper: the output folder inside a killed run": (
+        lambda ws, run, tmp: _taper(ws, "--output_dir", str(_without_tapered(copy_of(run, tmp)) / "sub")),
+        2,
+        ["/run/sub' lies in '", "/run', a taper run's folder"],
+        NEEDS_RUN,
+    ),
+    # probe36 row 4: another run's tapered/ folded into a run's folded/ was taken as that run's own export
+    "fold of another run's checkpoint into a run's folded/": (
+        lambda ws, run, tmp: fold(run / "tapered", copy_of(run, tmp, "runB") / "folded", "--overwrite"),
+        2,
+        [
+            "error: --output_dir '",
+            "/runB/folded' is the export of the taper run in '",
+            "/runB', and --checkpoint '{ws}/run/tapered' is not that run's (its tapered/ or a checkpoint-N), while the "
+            "run's report describes its own fold: fold '",
+            "/runB/tapered' into it, or write this export to a folder outside the run",
+        ],
         NEEDS_RUN,
     ),
     "eval --output_json naming a folder": (

@@ -530,6 +530,46 @@ def test_a_fold_with_a_scan_into_the_runs_folded_is_the_runs_export(workspace, t
     assert not (folder / "folded" / "robustness_scan.json").exists()  # the new run wrote no scan (--scan_windows 0)
 
 
+@pytest.mark.parametrize("option", ["--overwrite", "--resume"])
+def test_taper_refuses_to_replace_a_run_export_whose_card_was_edited(workspace, run, tmp_path, monkeypatch, option):
+    """taper --overwrite, and --resume of the finished run (which writes its export anew), replaced an edited
+    README.md card in the run's folded/ without a word, where fold --overwrite refuses it; now both refuse in one
+    line, before anything is loaded, deleted or trained, and the card is kept."""
+    folder = copy_of(run, tmp_path)
+    card = folder / "folded" / "README.md"
+    card.write_text(card.read_text() + "MY EDIT\n")
+    before = snapshot(folder)
+    no_loading(monkeypatch)
+    assert error_of([*run_argv(workspace, folder), option]) == (
+        f"hf-tapernorm taper: error: refusing to {option} '{folder}', which writes its export '{folder / 'folded'}' "
+        "anew: its README.md was edited after the export wrote it (its sha256 is not the one "
+        ".hf_tapernorm_export.json recorded), and replacing the export would lose the edits; move README.md out of "
+        "the folder to keep it, or delete it to let the export be replaced"
+    )
+    assert snapshot(folder) == before
+
+
+def test_resume_of_a_finished_run_names_the_scan_its_new_export_drops(workspace, tmp_path, caplog):
+    """fold --scan_windows N into RUN/folded (push's hint), then taper --resume of the finished run: the resume folds
+    and exports again (its --scan_windows 0 writes no scan) and dropped robustness_scan.json without a word. The
+    export is the run's (fold takes only the run's own checkpoint into it), so it is still replaced, and a WARNING
+    names the scan first; a resume that scans writes a scan of its own and says nothing."""
+    folder, argv = tmp_path / "run", taper_argv(workspace, tmp_path / "run", "--scan_windows", "0", steps=5)
+    assert run_main([*argv, "--distill_weight", "0"])[0] == 0
+    fold = fold_argv(folder / "tapered", folder / "folded", "--overwrite", "--scan_windows", "2")
+    assert run_main(fold)[0] == 0
+    caplog.set_level("WARNING")
+    code, _, stderr = run_main([*argv, "--distill_weight", "0", "--resume"])
+    assert code == 0, stderr[-2000:]
+    assert not (folder / "folded" / "robustness_scan.json").exists()
+    warned = [r.getMessage() for r in caplog.records if "robustness_scan.json" in r.getMessage()]
+    assert warned == [
+        f"--resume of {folder} writes its export {folder / 'folded'} anew, and its robustness_scan.json (the "
+        "robustness scan a fold wrote there) goes with the old export: copy it out of the folder to keep it, or "
+        "scan the new export with fold --scan_windows N"
+    ]
+
+
 # ============================================================================= a live owner's lock, a dead owner's lock
 def test_a_second_command_is_locked_out_and_a_dead_owner_lock_is_taken_over(workspace, tmp_path, caplog):
     out = tmp_path / "run"

@@ -290,6 +290,7 @@ def check_output_outside_models(
     reader: str,
     written: str,
     export: bool = False,
+    run: bool = False,
 ) -> None:
     """Refuse an output (``output``, named by ``option``) that is, or lies in, a model folder the command reads
     (``models``: what names each -> its path; as check_output_outside words it), any other saved model's folder (an
@@ -297,7 +298,9 @@ def check_output_outside_models(
     push would upload it, and refuse an export until it is moved; a later load find the folder changed) or the run
     (its --overwrite and --resume refuse what it did not write). ``export``: the output is an export folder (fold's),
     which may replace the earlier export it names (check_export_folder judges that) and be a run's own ``folded/``.
-    One check for every writer of bench's, eval's and fold's outputs; checked before anything loads."""
+    ``run``: the output is a taper run's folder (taper's), which may be an earlier run of its own (RunFolder.check
+    judges whether --overwrite or --resume may use it), but lies in no other run, export or model.
+    One check for every writer of taper's, bench's, eval's and fold's outputs; checked before anything loads."""
     check_output_outside(option, output, models, reader=reader, written=written)
     target = resolved_path(output, f"{option} '{output}'")
     for folder in [target, *target.parents]:
@@ -307,7 +310,8 @@ def check_output_outside_models(
                 f"{where}, a saved model's folder: {written} would join the model (a push would upload them); "
                 f"choose an {option} outside it"
             )
-        if _run_manifest(folder) is not None and not (export and target == folder / RUN_EXPORT):
+        own_run = (export and target == folder / RUN_EXPORT) or (run and folder == target)
+        if run_manifest(folder) is not None and not own_run:
             own = f" (or the run's own export, {folder / RUN_EXPORT})" if export else ""
             raise ConfigurationError(
                 f"{where}, a taper run's folder: {written} would mix with the run's files, which its --overwrite and "
@@ -355,7 +359,7 @@ def check_cache_folder(path: str, own_folder: Optional[str] = None) -> None:
                 f"{what} lies in '{folder}', a saved model's folder: the cache's files would join the model (a push "
                 "would upload them, a --resume find the model changed); choose a --data_cache_dir outside it"
             )
-        manifest = _run_manifest(folder)
+        manifest = run_manifest(folder)
         if manifest is not None:
             _check_in_run(what, cache, folder, manifest)
 
@@ -368,7 +372,7 @@ def _saved_model(folder: Path) -> bool:
         return False
 
 
-def _run_manifest(folder: Path) -> Optional[dict[str, Any]]:
+def run_manifest(folder: Path) -> Optional[dict[str, Any]]:
     """The manifest of the run folder ``folder`` (None: it is none, or this user cannot look into it)."""
     try:
         return RunFolder(folder).manifest()
@@ -404,6 +408,7 @@ __all__ = [
     "check_output_outside",
     "check_out_of_corpus_differs",
     "check_output_outside_models",
+    "run_manifest",
     "check_sample_by",
     "check_text_column",
     "datasets_read",

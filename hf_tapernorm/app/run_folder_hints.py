@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import ConfigurationError
+from ..training.checkpoints import saved_gate
 from ..utils import expand_user
 from .record import recorded_path, recorded_reference
 from .run_folder import MANIFEST_NAME
+from .training_run import IDENTITY_NAME
 
 #: What a taper run folder holds (app/taper.py's outputs and its manifest), where a saved model holds config.json.
 RUN_MARKS = ("report.json", MANIFEST_NAME, "tapered", "folded")
@@ -51,10 +53,19 @@ def checkpoints(folder: Path) -> list[str]:
     return [name for _, name in sorted(found)]
 
 
-def unfinished(run: str, folder: Path, use: str, then: str = "") -> str:
+def unfinished(run: str, folder: Path, use: str, then: str = "", *, folds: bool = False) -> str:
     """What a run without tapered/ holds instead: its latest checkpoint-N (``use``: what to do with it, ``then``: and
-    after), or that it saved none."""
+    after), or that it saved none. ``folds``: the command folds the checkpoint, so only one saved at gate 0 is named
+    (refuse_unfoldable_gate refuses the others); without one, the run is to be continued to the end of its taper."""
     saved = checkpoints(folder)
+    if folds:
+        saved = [name for name in saved if _foldable(folder / name)]
+        if not saved and checkpoints(folder):
+            return (
+                "it holds no tapered/ and no checkpoint-N folder saved at gate 0 (the run stopped before its taper "
+                f"ended): continue it, hf-tapernorm taper --output_dir '{run}' --resume (with its options), then {use} "
+                f"its tapered/{then}"
+            )
     if saved:
         return (
             f"it holds no tapered/ (the run did not finish): {use} one of its checkpoint-N folders, "
@@ -66,9 +77,15 @@ def unfinished(run: str, folder: Path, use: str, then: str = "") -> str:
     )
 
 
+def _foldable(checkpoint: Path) -> bool:
+    """Whether ``checkpoint`` was saved at gate 0, or its files cannot tell (sharded: fold tells once it loads)."""
+    gate = saved_gate(checkpoint)
+    return gate is None or gate <= 0.0
+
+
 def fold_hint(run: str, folder: Path) -> str:
     if not (folder / "tapered").is_dir():
-        return unfinished(run, folder, "fold")
+        return unfinished(run, folder, "fold", folds=True)
     return f"fold its tapered checkpoint, --checkpoint '{run}/tapered'"
 
 
@@ -89,7 +106,7 @@ def push_hint(run: str, folder: Path) -> str:
             f"it holds no folded/ export: fold its tapered checkpoint (hf-tapernorm fold --checkpoint '{run}/tapered' "
             "--output_dir EXPORT) and push that export"
         )
-    return unfinished(run, folder, "fold", ", and push that export")
+    return unfinished(run, folder, "fold", ", and push that export", folds=True)
 
 
 def bench_hint(run: str, folder: Path) -> str:
@@ -118,18 +135,32 @@ def scan_reference_hint(run: str, folder: Path) -> str:
 
 
 def _base(run: str, folder: Path) -> str:
-    """Pass the model the run started from: its path or Hub id, where its report records one that is there."""
+    """Pass the model the run started from: its path or Hub id, where its report (or, for a run stopped before it
+    wrote one, its manifest or a checkpoint's record) records one that is there."""
     model = recorded_model(folder)
     if model is not None:
         return f"pass the model the run started from, '{model}'"
-    return f"pass the model the run started from (its report.json records none that is there, '{run}/report.json')"
+    if (folder / "report.json").exists():
+        return f"pass the model the run started from (its report.json records none that is there, '{run}/report.json')"
+    named = next((record["model"] for record in _identities(folder) if isinstance(record.get("model"), str)), None)
+    if named is not None:
+        return (
+            f"pass the model the run started from (the run wrote no report.json; its records name '{named}', which "
+            "is not there)"
+        )
+    return "pass the model the run started from (the run wrote no report.json, and nothing in it records the model)"
 
 
 def recorded_model(folder: Path) -> Optional[str]:
     """The model the run in ``folder`` started from, as its report records it (a Hub id, or a local path found from
-    any working folder that is still there); None without one."""
+    any working folder that is still there), else as its manifest or a checkpoint records it (a run killed before its
+    report: a Hub id, or an absolute path that is still there); None without one."""
     facts = _report(folder)
-    model = (facts or {}).get("model")
+    return _reported_model(facts, folder) if facts is not None else _identity_model(folder)
+
+
+def _reported_model(facts: dict[str, Any], folder: Path) -> Optional[str]:
+    model = facts.get("model")
     source = model.get("source") if isinstance(model, dict) else None
     if not isinstance(source, str) or not source:
         return None
@@ -140,6 +171,36 @@ def recorded_model(folder: Path) -> Optional[str]:
         return str(path) if path is not None and path.exists() else None
     except (AttributeError, TypeError, ValueError, OSError):  # a report edited by hand
         return None
+
+
+def _identity_model(folder: Path) -> Optional[str]:
+    """The model a run's identity records (app/validation.run_identity): a Hub id where it fingerprinted no local
+    contents (``model_contents`` None), else its path where that is absolute and there (a relative one was relative
+    to a working folder the identity does not record)."""
+    for record in _identities(folder):
+        model = record.get("model")
+        if not isinstance(model, str) or not model:
+            continue
+        if "model_contents" in record and record["model_contents"] is None:
+            return model
+        if Path(model).is_absolute() and Path(model).exists():
+            return model
+    return None
+
+
+def _identities(folder: Path) -> list[dict[str, Any]]:
+    """The run's identity as its manifest records it, then as its checkpoints do (the latest first)."""
+    records = [_json(folder / MANIFEST_NAME).get("identity")]
+    records += [_json(folder / name / IDENTITY_NAME) for name in reversed(checkpoints(folder))]
+    return [record for record in records if isinstance(record, dict)]
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    return values if isinstance(values, dict) else {}
 
 
 def _report(folder: Path) -> Optional[dict[str, Any]]:

@@ -47,6 +47,7 @@ from .preflight import check_disk_space, check_trainer_options, check_training_b
 from .record import RunRecord, far_worse_warning, global_batch_blocks, new_run_record, precision_line
 from .report import PLOTS, summary_lines, write_report
 from .resume_check import check_resumable
+from .run_export import check_run_export
 from .run_folder import RunFolder, inside_folder, write_file
 from .showcase import greedy_continuations, ops_per_generated_token
 from .training_run import LOG_KEYS, LOSS_TERM_KEYS, RecordCallback, recorded_identity, train
@@ -191,6 +192,7 @@ def _check_folder(request: TaperRequest, output: RunFolder, source: ModelSource)
             "--baseline_from": request.run.baseline_from,
         }
         check_inputs_outside(output.path, inputs, "--overwrite" if request.run.overwrite else "--resume")
+        check_run_export(output.path, resume=request.run.resume, scans=bool(request.data.scan_windows))
     stale_checkpoints = (
         check_resumable(output.path, trust_sharded_checkpoint=request.model.trust_sharded_checkpoint)
         if request.run.resume

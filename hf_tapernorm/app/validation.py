@@ -31,7 +31,7 @@ from ..errors import ConfigurationError, UnsupportedModelError
 from ..evaluation.models import ModelSource, ModelSourceError, load_tokenizer, read_model_config
 from ..training.schedule import TaperSchedule, fit_default_window
 from ..utils import expand_user
-from .data_checks import check_data_paths, check_output_outside
+from .data_checks import check_data_paths, check_output_outside_models
 from .record import differences
 from .run_folder import RunFolder
 from .run_folder_hints import refuse_run_folder, taper_hint
@@ -53,7 +53,7 @@ class TaperRequest:
 
     def __post_init__(self) -> None:
         refuse_run_folder(self.model.model_name_or_path, "--model_name_or_path", taper_hint)
-        check_output_outside(
+        check_output_outside_models(  # nor in another run, an export or a saved model, as bench, eval and fold
             "--output_dir",
             self.training.output_dir,
             {
@@ -63,6 +63,7 @@ class TaperRequest:
             },
             reader="the run",
             written="its checkpoints and reports",
+            run=True,
         )
         check_data_paths(self.data, own_folder=self.training.output_dir)  # as eval, fold's scan and bench check theirs
 

@@ -330,7 +330,8 @@ def fold_main(argv: Sequence[str]) -> int:
             f"--output_dir '{output_dir}' lies inside --checkpoint '{fold_args.checkpoint}', which fold reads; "
             "choose a folder outside the checkpoint"
         )
-    check_export_outside_models(output_dir)  # an export inside an export, a model or a run (but as its folded/)
+    # an export inside an export, a model or a run (but as its folded/, and of that run's checkpoint)
+    check_export_outside_models(output_dir, Path(source.path))
     check_export_folder(output_dir, fold_args.overwrite)
     check_export_space(output_dir, Path(source.path), fold_args.tied_head)  # before the weights load
     report = run_report(Path(source.path).resolve().parent)  # read once: the scan, the data check and the card

@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .._parsing import UsageError
-from ..app.data_checks import check_output_outside, check_output_outside_models, datasets_read
+from ..app.checkpoint_files import CHECKPOINT_NAME
+from ..app.data_checks import (
+    RUN_EXPORT,
+    check_output_outside,
+    check_output_outside_models,
+    datasets_read,
+    run_manifest,
+)
 from ..app.folder_writes import check_folder_destination, check_path_length, temporary_name
 from ..app.run_folder import LOCK_NAME
 from ..app.run_lock import check_destination, refuse_while_running, resolved_path, unreadable_place
@@ -97,12 +104,32 @@ def check_result_outside_models(path: Path, models: Mapping[str, Optional[str]])
     check_output_outside_models("--output_json", path, models, reader="eval", written="the result")
 
 
-def check_export_outside_models(folder: Path) -> None:
+def check_export_outside_models(folder: Path, checkpoint: Path) -> None:
     """Refuse an export folder (fold's ``--output_dir``) inside another saved model's folder (an earlier export, a base
     model) or inside a taper run's folder but as the run's own ``folded/``: the export would join that model (push
     then refuses the outer export) or the run (its --overwrite and --resume refuse it as no file of theirs). The
-    folder itself may be an earlier export: check_export_folder judges whether it may be replaced."""
+    folder itself may be an earlier export: check_export_folder judges whether it may be replaced. A run's own
+    ``folded/`` takes only a fold of that run's ``checkpoint`` (check_run_export_source)."""
     check_output_outside_models("--output_dir", folder, {}, reader="fold", written="the export", export=True)
+    check_run_export_source(folder, checkpoint)
+
+
+def check_run_export_source(folder: Path, checkpoint: Path) -> None:
+    """Refuse a fold into a taper run's own ``folded/`` (``folder``) of a ``checkpoint`` that is not that run's
+    ``tapered/`` or one of its ``checkpoint-N`` (resolved paths): the run would take another model's export as its
+    own, while its report and card describe its own fold and losses."""
+    target = resolved_path(folder, f"--output_dir '{folder}'")
+    run = target.parent
+    if target.name != RUN_EXPORT or run_manifest(run) is None:
+        return
+    source = resolved_path(checkpoint, f"--checkpoint '{checkpoint}'")
+    if source.parent == run and (source.name == "tapered" or CHECKPOINT_NAME.fullmatch(source.name)):
+        return
+    raise UsageError(
+        f"--output_dir '{folder}' is the export of the taper run in '{run}', and --checkpoint '{checkpoint}' is not "
+        f"that run's (its tapered/ or a checkpoint-N), while the run's report describes its own fold: fold "
+        f"'{run / 'tapered'}' into it, or write this export to a folder outside the run"
+    )
 
 
 def check_export_outside_data(folder: Path, data: Any) -> None:

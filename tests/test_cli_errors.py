@@ -205,6 +205,20 @@ def _copy(source: Path, target: Path) -> Path:
     return target
 
 
+def _written(target: Path, text: str) -> Path:
+    """``target``, written with ``text``."""
+    target.write_text(text)
+    return target
+
+
+def _with_hard_link(ws: Path, folder: Path) -> Path:
+    """``folder``, holding a hard link of the workspace's corpus.txt and another text file."""
+    folder.mkdir()
+    os.link(ws / "corpus.txt", folder / "corpus.txt")
+    (folder / "other.txt").write_text("\n\n".join(corpus_documents(40, seed=7)))
+    return folder
+
+
 def _without_tapered(run: Path) -> Path:
     """The copy ``run`` as a run that stopped before it wrote tapered/ (and folded/): its checkpoint-N only."""
     for name in ("tapered", "folded", "report.json"):
@@ -934,6 +948,13 @@ CASES = {
     # the hostile probe: what a new user hands the CLI
     "empty data file": (lambda ws: _taper(ws, data="empty.txt"), 2, ["empty.txt", "is empty"]),
     "binary data file": (lambda ws: _taper(ws, data="binary.txt"), 2, ["not UTF-8", "convert it"]),
+    # a JSON array of no item: it was datasets' 'Instruction "train" corresponds to no data!'
+    "eval on a json file of an empty array": (
+        lambda ws, tmp: _eval(ws, "--dataset_name", str(_written(tmp / "empty_arr.json", "  [ ]\n"))),
+        2,
+        ["error: dataset '", "/empty_arr.json' is empty: the file holds no rows"],
+        ("tmp_path",),
+    ),
     "data folder without text files": (lambda ws: _taper(ws, data="emptydir"), 2, ["holds no", ".txt"]),
     # refused before loading by the loader's own rule (sources.local_data_files), for every data option and command
     "taper --out_of_corpus_dataset folder without data files": (
@@ -965,6 +986,21 @@ CASES = {
             ("eval", "the embedded corpus", "python-stdlib", "python-stdlib", ""),
         ]
     },  # fmt: skip
+    # a hard link of the corpus inside a folder of more text: it was evaluated, partly the corpus's own text
+    "eval --out_of_corpus_dataset a folder holding a hard link of the corpus": (
+        lambda ws, tmp: [
+            *_eval(ws, "--out_of_corpus_blocks", "2"),
+            "--out_of_corpus_dataset",
+            str(_with_hard_link(ws, tmp / "sup")),
+        ],
+        2,
+        [
+            "error: --out_of_corpus_dataset '",
+            "/sup' names text of the training corpus: its file 'corpus.txt' (--dataset_name '",
+            "/corpus.txt'); name text the model was not trained on, or leave it out",
+        ],
+        ("tmp_path",),
+    ),  # fmt: skip
     "bench --modes train with a --dataset_name folder without data files": (
         lambda ws: _bench(ws, "--modes", "train", "--dataset_name", str(ws / "emptydir")),
         2,

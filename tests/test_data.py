@@ -1213,7 +1213,8 @@ def test_sample_by_is_refused_where_no_text_file_is_read(hub, tmp_path):
             "hf-tapernorm eval: error: --sample_by line: only local text files (.txt, .md) are cut into documents by "
             f"line, paragraph or file, and {uncut} is one document per row {applies}"
         )
-    for dataset, ooc in (("corpus.txt", "python-docs"), ("corpus.txt", "texts"), ("texts", "python-docs")):
+    # texts/ holds a copy of corpus.txt, refused as out-of-corpus text (check_out_of_corpus_differs): todo.txt instead
+    for dataset, ooc in (("corpus.txt", "python-docs"), ("corpus.txt", "todo.txt"), ("texts", "python-docs")):
         check_data_paths(DataArguments(dataset_name=dataset, out_of_corpus_dataset=ooc, sample_by="line"))
     check_data_paths(  # the out-of-corpus dataset is not read
         DataArguments(
@@ -1253,6 +1254,24 @@ def test_a_table_of_no_rows_is_refused_as_empty_as_a_file_of_no_bytes_is(tmp_pat
             load_text_dataset(str(path), streaming=streaming, cache_dir=str(tmp_path / "cache"))
         what = "its files hold" if name == "csvs" else "the file holds"
         assert str(refused.value) == f"dataset '{path}' is empty: {what} no rows"
+
+
+def test_a_json_array_of_no_item_is_refused_as_empty(tmp_path):
+    """A JSON file holding an empty array ('[]', '  [ ]' over lines, after a byte-order mark) was refused in datasets'
+    words ('ValueError: Instruction "train" corresponds to no data!'); it holds no rows, and is told so. An array of
+    one row, or an object, is no empty file."""
+    from hf_tapernorm.data.file_contents import holds_no_rows
+
+    texts = {"empty.json": b"[]", "spaced.json": b"  [\n\t ]\n", "bom.json": b"\xef\xbb\xbf [ ]"}
+    for name, content in texts.items():
+        path = tmp_path / name
+        path.write_bytes(content)
+        with pytest.raises(DataError) as refused:
+            load_text_dataset(str(path), cache_dir=str(tmp_path / "cache"))
+        assert str(refused.value) == f"dataset '{path}' is empty: the file holds no rows"
+    for content in (b'[{"text": "a"}]', b"[[]]", b"{}", b"[ ] x"):
+        (tmp_path / "rows.json").write_bytes(content)
+        assert not holds_no_rows("json", [tmp_path / "rows.json"]), content
 
 
 def test_a_lone_surrogate_escape_is_named_with_its_line_not_pandas_trailing_data(tmp_path):
@@ -1350,6 +1369,12 @@ def test_a_compressed_file_in_a_data_folder_is_named_in_a_warning(ws, tmp_path, 
         ("texts", None, None, "texts/a.txt", "names part of the training corpus"),
         ("texts/a.txt", None, None, "link.txt", "names the training corpus"),  # a link to the corpus
         ("texts/a.txt", None, None, "texts/b.txt", None),
+        ("texts/a.txt", None, None, "hard.txt", "names the training corpus"),  # a hard link: the same file
+        ("texts", None, None, "hard.txt", "names part of the training corpus"),
+        ("sup/corpus.txt", None, None, "sup", "names text of the training corpus: its file 'corpus.txt'"),  # superset
+        ("texts/a.txt", None, None, "copy.txt", "is a copy of the training corpus"),  # the same bytes
+        ("texts", None, None, "copy.txt", "is a copy of part of the training corpus"),
+        ("texts/a.txt", None, None, "mix", None),  # a copy among other text: a WARNING (below)
         ("splits", "train", None, "splits/test.txt", None),  # the corpus reads the train split alone
         ("splits", "test", None, "splits/test.txt", "names the training corpus"),
         ("me/one", "test", None, "me/one", None),  # the out-of-corpus text reads the train split
@@ -1363,15 +1388,24 @@ def test_the_out_of_corpus_text_is_refused_only_where_it_is_the_training_corpus(
 ):
     """`--out_of_corpus_dataset` naming the training corpus gave an "out of corpus" loss that was the corpus's own,
     without a word; it is refused where its text is the corpus's (the same files however spelled, some of them, the
-    same Hub dataset's train split), and text beside it (another file or split, another configuration) is not."""
+    same Hub dataset's train split), and text beside it (another file or split, another configuration) is not.
+    A hard link of the corpus, a folder holding the corpus's file and more, and a byte-identical copy were taken;
+    they are refused now (a copy among other files gets a WARNING)."""
+    import os
+    import shutil
+
     from hf_tapernorm.app.data_checks import check_dataset_path, check_out_of_corpus_differs
     from hf_tapernorm.cli.arguments import DataArguments
 
     monkeypatch.chdir(tmp_path)
-    for name in ("texts/a.txt", "texts/b.txt", "splits/train.txt", "splits/test.txt"):
+    for name in ("texts/a.txt", "texts/b.txt", "splits/train.txt", "splits/test.txt", "sup/more.txt", "mix/m.txt"):
         Path(name).parent.mkdir(exist_ok=True)
-        Path(name).write_text("\n\n".join(corpus_documents(20, seed=len(name))))
+        Path(name).write_text("\n\n".join(corpus_documents(20, seed=sum(map(ord, name)))))
     Path("link.txt").symlink_to(tmp_path / "texts" / "a.txt")
+    os.link("texts/a.txt", "hard.txt")
+    os.link("texts/b.txt", "sup/corpus.txt")
+    shutil.copy("texts/a.txt", "copy.txt")
+    shutil.copy("texts/a.txt", "mix/copy.txt")
     data = DataArguments(
         dataset_name=corpus, dataset_split=split, dataset_config_name=config, out_of_corpus_dataset=other,
         out_of_corpus_blocks=2,
@@ -1385,3 +1419,28 @@ def test_the_out_of_corpus_text_is_refused_only_where_it_is_the_training_corpus(
         return
     with pytest.raises(DataError, match=re.escape(f"--out_of_corpus_dataset '{other}' {refused} (--dataset_name")):
         check_out_of_corpus_differs(data, local)
+
+
+def test_an_out_of_corpus_folder_holding_a_copy_of_a_corpus_file_is_named_in_a_warning(tmp_path, caplog):
+    """A byte-identical copy of a corpus file among other out-of-corpus text was read as out-of-corpus text without a
+    word; it is named in a WARNING (the whole out-of-corpus text a copy: refused, above)."""
+    import shutil
+
+    from hf_tapernorm.app.data_checks import check_dataset_path, check_out_of_corpus_differs
+    from hf_tapernorm.cli.arguments import DataArguments
+
+    (tmp_path / "mix").mkdir()
+    (tmp_path / "corpus.txt").write_text("\n\n".join(corpus_documents(20, seed=1)))
+    (tmp_path / "mix" / "other.txt").write_text("\n\n".join(corpus_documents(20, seed=2)))
+    shutil.copy(tmp_path / "corpus.txt", tmp_path / "mix" / "copy.txt")
+    corpus, other = str(tmp_path / "corpus.txt"), str(tmp_path / "mix")
+    data = DataArguments(dataset_name=corpus, out_of_corpus_dataset=other, out_of_corpus_blocks=2)
+    local = {"--dataset_name": check_dataset_path("--dataset_name", corpus)}
+    local["--out_of_corpus_dataset"] = check_dataset_path("--out_of_corpus_dataset", other)
+    with caplog.at_level("WARNING"):
+        check_out_of_corpus_differs(data, local)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"--out_of_corpus_dataset '{other}': 'copy.txt' holds the same bytes as a file of the training corpus "
+        f"(--dataset_name '{corpus}'), so the out-of-corpus loss is partly the corpus's own; name text the model was "
+        "not trained on"
+    ]

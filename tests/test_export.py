@@ -192,6 +192,74 @@ def test_export_folded_overwrite_replaces_an_earlier_export_whole(folded, tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "fresh"]  # no .export.export-* left
 
 
+class _Killed(BaseException):
+    """A kill: raised inside the write, with the write's own cleanup switched off (SIGKILL runs none)."""
+
+
+def test_a_killed_fresh_export_leaves_a_leftover_the_next_export_deletes_not_a_half_export(
+    folded, tmp_path, monkeypatch
+):
+    """export_folded into a new folder, killed after the weights and before the tokenizer, left a half export (no
+    tokenizer, no manifest) under its final name, which export_folded(overwrite=True) then refused as "not an earlier
+    export". Now a fresh export is written in the hidden ``.NAME.export-PID`` folder and renamed when complete: the
+    kill leaves only that leftover, which the next export (overwrite or not) deletes."""
+    import os
+
+    from hf_tapernorm.export import hub
+
+    tokenizer = word_tokenizer(False)
+    with monkeypatch.context() as patched:
+        patched.setattr(type(tokenizer), "save_pretrained", mock.Mock(side_effect=_Killed))
+        patched.setattr(hub, "shutil", SimpleNamespace(rmtree=lambda *a, **k: None))
+        with pytest.raises(_Killed):
+            export_folded(folded, tmp_path / "exp", tokenizer=tokenizer)
+    leftover = f".exp.export-{os.getpid()}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [leftover]
+    assert (tmp_path / leftover / "new" / "model.safetensors").is_file()
+    export_folded(folded, tmp_path / "exp", tokenizer=tokenizer, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]
+    assert {"tokenizer.json", "model.safetensors"} <= set(export_manifest(tmp_path / "exp"))
+
+
+def test_an_export_into_an_empty_folder_replaces_it_keeping_its_mode_or_writes_through_a_link(folded, tmp_path):
+    """An existing empty folder is still written (now by renaming the complete export onto it, its permissions
+    kept, nothing left beside it); an empty folder reached through a symbolic link is written into, the link kept."""
+    empty = tmp_path / "empty"
+    empty.mkdir(mode=0o750)
+    empty.chmod(0o750)
+    export_folded(folded, empty)
+    assert (empty / "model.safetensors").is_file() and empty.stat().st_mode & 0o777 == 0o750
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    export_folded(folded, tmp_path / "link")
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "target" / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "link", "target"]
+
+
+def test_every_export_deletes_a_killed_swaps_leftover_and_warns_of_the_export_in_it(folded, tmp_path, caplog):
+    """export_folded(overwrite=True) killed between its two renames left ``.exp.export-PID/`` (the earlier export in
+    old/, the new one in new/) and no exp/; the next export_folded(m, "exp") wrote exp/ but left the leftover beside
+    it, as only the replacing path removed leftovers. Every write removes them now, and one that holds the earlier
+    export while nothing is under its name is named in a WARNING (that export goes with it)."""
+    import os
+
+    from hf_tapernorm._temporaries import WRITE_MARK
+
+    exp, leftover = tmp_path / "exp", tmp_path / f".exp.export-{2**22 + 54321}"  # no such process
+    export_folded(folded, exp)
+    leftover.mkdir()
+    (leftover / WRITE_MARK).write_text("")
+    os.replace(exp, leftover / "old")
+    export_folded(folded, leftover / "new")
+    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.export.hub"):
+        export_folded(folded, exp)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"deleting '{leftover}', left by an export_folded(overwrite=True) of {exp} killed before it renamed its new "
+        "export into place: it held the earlier export (old/), which the new one written now replaces"
+    ]
+
+
 def test_export_refuses_an_unfolded_model(tmp_path):
     model = tapered("llama")
     with pytest.raises(

@@ -299,3 +299,16 @@ def test_a_bind_mount_from_the_same_filesystem_is_a_mount_point(tmp_path):
     finally:
         subprocess.run(["umount", str(mount)], check=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mnt", "src"]
+
+
+def test_a_first_write_removes_a_killed_fresh_exports_leftover_beside_it(tmp_path):
+    """export_folded writes every export beside its folder (``.NAME.export-PID``) and renames it into place, so one
+    killed before the rename leaves no folder under the name, only the leftover. ``fold --output_dir NAME`` (a
+    write_folder of a folder not there yet) removed such leftovers only beside a folder that was there, and left
+    this one for good; now any write of the folder removes it (marked, its writer gone), and keeps a live one's."""
+    final = tmp_path / "exp"
+    for pid in (DEAD, os.getppid()):  # a killed writer's, and a running process's
+        (tmp_path / f".exp.export-{pid}" / "new").mkdir(parents=True)
+        (tmp_path / f".exp.export-{pid}" / WRITE_MARK).write_text("")
+    write_folder(final, _write({"config.json": "{}"}))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".exp.export-{os.getppid()}", "exp"]

@@ -22,6 +22,7 @@ output (taper's run folder, eval's result, fold's export, bench's results) is ke
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import Any, Optional
 from ..data.columns import choose_text_column, local_columns, string_columns
 from ..data.corpus import load_documents
 from ..data.heldout import PYTHON_DOCS
+from ..data.out_of_corpus import corpus_files_among
 from ..data.sources import (
     DEFAULT_SAMPLE_BY,
     EMBEDDED_CORPUS,
@@ -43,6 +45,8 @@ from ..errors import ConfigurationError
 from ..utils import expand_user, holds_model_weights
 from .run_folder import RunFolder
 from .run_lock import check_destination, resolved_path
+
+logger = logging.getLogger(__name__)
 
 #: The folder of a taper run that holds its export (taper writes it; ``fold --overwrite`` may replace it).
 RUN_EXPORT = "folded"
@@ -168,11 +172,13 @@ def _check_local_reading(data: Any, local: Optional[tuple[str, list[Path]]]) -> 
 
 
 def check_out_of_corpus_differs(data: Any, local: Mapping[str, Optional[tuple[str, list[Path]]]]) -> None:
-    """Refuse an --out_of_corpus_dataset that names the training corpus (--dataset_name), or part of it: its loss
-    would be the corpus's own, printed and recorded as the measure of text the model was not trained on. The same
-    corpus is the embedded one twice; one Hub dataset with no --dataset_config_name and its train split (what the
-    out-of-corpus text reads; a slice of train: part of it); or local files all among the corpus's (``local``:
-    option -> its builder and files, check_dataset_path's), however the path is spelled or linked."""
+    """Refuse an --out_of_corpus_dataset that names the training corpus (--dataset_name), part of it, or text of it:
+    its loss would be (partly) the corpus's own, printed and recorded as the measure of text the model was not
+    trained on. The same corpus is the embedded one twice; one Hub dataset with no --dataset_config_name and its train
+    split (what the out-of-corpus text reads; a slice of train: part of it); or local files (``local``: option -> its
+    builder and files, check_dataset_path's): refused when any is a file of the corpus however its path is spelled or
+    linked (hard links too), or when all are copies of its files (the same bytes: the same text); a copy among other
+    files is named in a WARNING (a file two datasets share by chance, a licence, need not stop a command)."""
     other = datasets_read(data).get("--out_of_corpus_dataset")
     if other is None:
         return
@@ -183,14 +189,34 @@ def check_out_of_corpus_differs(data: Any, local: Mapping[str, Optional[tuple[st
         split = (data.dataset_split or "train").replace(" ", "")
         same = named and split == "train"  # its train split, which the out-of-corpus text reads whole
         part = named and not same and any(s.split("[")[0] == "train" for s in split.split("+"))
+        refusal = "names the training corpus" if same else "names part of the training corpus" if part else None
     else:
-        files = [{os.path.realpath(f) for f in found[1]} if found else set() for found in (theirs, ours)]
-        same, part = bool(files[0]) and files[0] == files[1], bool(files[0]) and files[0] < files[1]
-    if same or part:
+        refusal = None if theirs is None or ours is None else _corpus_text_among(other, corpus, theirs[1], ours[1])
+    if refusal:
         raise DataError(
-            f"--out_of_corpus_dataset '{other}' names {'part of ' if part else ''}the training corpus (--dataset_name "
-            f"'{corpus}'); name text the model was not trained on, or leave it out"
+            f"--out_of_corpus_dataset '{other}' {refusal} (--dataset_name '{corpus}'); name text the model was not "
+            "trained on, or leave it out"
         )
+
+
+def _corpus_text_among(other: str, corpus: str, files: list[Path], corpus_files: list[Path]) -> Optional[str]:
+    """What check_out_of_corpus_differs says of the out-of-corpus ``files`` that hold the corpus's text (None: none
+    do, or only copies among other files, named in a WARNING here)."""
+    same, copies = corpus_files_among(files, corpus_files)
+    if len(same) + len(copies) == len(files):
+        whole = {*same.values(), *copies.values()} == set(corpus_files)
+        return f"{'is a copy of' if copies else 'names'} {'' if whole else 'part of '}the training corpus"
+    if same:
+        return f"names text of the training corpus: its file '{next(iter(same)).name}'"
+    if copies:
+        logger.warning(
+            "--out_of_corpus_dataset '%s': %s the same bytes as a file of the training corpus (--dataset_name "
+            "'%s'), so the out-of-corpus loss is partly the corpus's own; name text the model was not trained on",
+            other,
+            ", ".join(f"'{path.name}'" for path in copies) + (" hold" if len(copies) > 1 else " holds"),
+            corpus,
+        )
+    return None
 
 
 def check_sample_by(data: Any, local: Mapping[str, Optional[tuple[str, list[Path]]]]) -> None:

@@ -213,9 +213,9 @@ def write_folder(
         raise RunFolderError(mount_point_refusal(final, f"'{final}'"))
     tmp, old = partial_name(final), old_name(final)
     remove_abandoned(final, "partial", abandoned)  # a killed write of ``final`` (SIGKILL, power loss) left these
+    remove_abandoned(final, "export", abandoned)  # and a killed export_folded of it (it writes beside, then renames)
     if final.is_dir():
         remove_abandoned(final, "old", abandoned)  # ``final`` is whole: what a killed rewrite set aside is older
-        remove_abandoned(final, "export", abandoned)  # and what a killed export_folded(overwrite=True) of it left
     for needed in (tmp, old) if final.is_dir() else (tmp,):
         if os.path.lexists(needed):
             raise RunFolderError(_in_the_way(needed, final))

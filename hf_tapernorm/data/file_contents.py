@@ -1,6 +1,7 @@
 """What a local dataset's files hold, where the ``datasets`` builders would say it in their own words: tables with no
-row (a CSV header alone, a JSONL file of blank lines, a parquet schema with no row group), and a JSON escape that is
-half of a UTF-16 surrogate pair (``\\ud800``), which pyarrow refuses and whose error pandas' fallback reader hides.
+row (a CSV header alone, a JSONL file of blank lines, a JSON array of no item, a parquet schema with no row group),
+and a JSON escape that is half of a UTF-16 surrogate pair (``\\ud800``), which pyarrow refuses and whose error
+pandas' fallback reader hides.
 
 sources.load_text_dataset asks :func:`holds_no_rows` before it builds a dataset, and :func:`lone_surrogate` after the
 json builder failed, so the user reads what is wrong with the file, and where.
@@ -21,11 +22,11 @@ _ESCAPE = re.compile(r"\\(u[0-9a-fA-F]{4}|.)")
 
 def holds_no_rows(builder: str, files: list[Path]) -> bool:
     """Whether every file of a table ``builder`` (json, csv, parquet) holds no row: 0 bytes, a JSON Lines file of
-    blank lines, a CSV file of its header alone, a parquet file of a schema and no row. ``datasets`` reads such
-    files as no split at all ("Instruction train corresponds to no data") or fails on them (pyarrow's "BatchSize
-    must be greater than 0"). Text files are the caller's (0 bytes: no text). A file that cannot be read so says
-    nothing: the loading reports it."""
-    reader = {"json": _blank, "csv": _header_only, "parquet": _no_parquet_rows}.get(builder)
+    blank lines, a JSON array of no item (``[]``, ``  [ ]``), a CSV file of its header alone, a parquet file of a
+    schema and no row. ``datasets`` reads such files as no split at all ("Instruction train corresponds to no data")
+    or fails on them (pyarrow's "BatchSize must be greater than 0"). Text files are the caller's (0 bytes: no text).
+    A file that cannot be read so says nothing: the loading reports it."""
+    reader = {"json": _no_json_rows, "csv": _header_only, "parquet": _no_parquet_rows}.get(builder)
     if reader is None or not files:
         return False
     try:
@@ -34,16 +35,19 @@ def holds_no_rows(builder: str, files: list[Path]) -> bool:
         return False
 
 
-def _blank(path: Path) -> bool:
-    """Whether ``path`` holds only white space (and a byte-order mark), read until its first other byte."""
+def _no_json_rows(path: Path) -> bool:
+    """Whether ``path`` holds only white space (a byte-order mark first) or a JSON array of no item (``[ ]``), read
+    until it holds more than those two characters."""
+    shown = b""
     with path.open("rb") as handle:
         first = True
         while chunk := handle.read(_CHUNK):
             if first:
                 chunk, first = chunk.removeprefix(b"\xef\xbb\xbf"), False
-            if chunk.strip():
+            shown += b"".join(chunk.split())
+            if not b"[]".startswith(shown):
                 return False
-    return True
+    return shown in (b"", b"[]")
 
 
 def _header_only(path: Path) -> bool:

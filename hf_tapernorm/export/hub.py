@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 from transformers import PreTrainedModel
 
-from .._temporaries import make_marked_folder, remove_abandoned, temporary_name
+from .._temporaries import make_marked_folder, marked_and_abandoned, remove_abandoned, temporary_name
 from ..config_fields import check_tokenizer_to_save
 from ..errors import ConfigurationError, TaperStateError
 from ..utils import expand_user, file_in_the_way
@@ -185,10 +185,11 @@ def export_folded(
     """Save a folded model (from ``fold_model``) with its model card, and its tokenizer when given; returns the folder.
 
     Refuses a non-empty folder unless ``overwrite=True``, and even then one that is not an earlier export (no
-    export manifest) or that holds files its export did not write (a user's, named), as ``fold --overwrite`` does:
-    an earlier export is replaced whole (the new one is written beside it, in a hidden ``.NAME.export-PID`` folder,
-    then swapped in; a killed replacement's leftover there is deleted), so none of its files (a tokenizer, a
-    robustness scan) stays to be pushed as the new export's, and a failed write leaves it as it was. ``facts``
+    export manifest) or that holds files its export did not write (a user's, named), as ``fold --overwrite`` does.
+    Every export is written beside its folder, in a hidden ``.NAME.export-PID`` folder, and renamed into place when
+    complete (a killed write's leftover there is deleted by the next write): a kill never leaves a half export under
+    the name. An earlier export is replaced whole (swapped out), so none of its files (a tokenizer, a robustness
+    scan) stays to be pushed as the new export's, and a failed write leaves it as it was. ``facts``
     fills the model card (see ``hf_tapernorm.export.model_card.FACT_KEYS``); the card is attached to the model, so a
     later ``model.push_to_hub`` uploads the same README.md. Every file written (the tokenizer's too) is in the export's
     manifest, so ``push_export`` uploads it.
@@ -207,7 +208,7 @@ def export_folded(
         )
     if facts is not None or model.model_card is None:
         attach_model_card(model, facts)
-    (_replace_export if replace else _write_export)(folder, model, tokenizer)
+    _write_beside(folder, model, tokenizer, replace)
     logger.info("exported %s to %s", type(model).__name__, folder)
     return folder
 
@@ -221,36 +222,76 @@ def _write_export(folder: Path, model: PreTrainedModel, tokenizer: Any) -> None:
             _log_sink_handling(model, tokenizer)
 
 
-def _replace_export(folder: Path, model: PreTrainedModel, tokenizer: Any) -> None:
-    """Write the export beside the earlier one ``folder`` (inside the hidden ``.NAME.export-PID`` folder, marked
-    before anything goes in: _temporaries.py), then swap them and delete the earlier one: no file of it survives
-    into the new export, and a write that fails (a full disk) leaves it whole under its name. A killed replacement's
-    folder (marked, its writer gone) is deleted first, as a run folder's --overwrite deletes one inside it; a live
-    writer's, or a user's under that name, is refused."""
-    remove_abandoned(folder, EXPORT_KIND)
+def _write_beside(folder: Path, model: PreTrainedModel, tokenizer: Any, replace: bool) -> None:
+    """Write the export beside ``folder`` (inside the hidden ``.NAME.export-PID`` folder, marked before anything goes
+    in: _temporaries.py), then rename it into place: a kill leaves a recognisable leftover, never a half export under
+    the final name. An earlier export (``replace``) is swapped out and deleted, so no file of it survives into the new
+    export, and a write that fails (a full disk) leaves it whole under its name; an empty folder is replaced by the
+    rename (its permissions kept), or written into where no rename may replace it (a symbolic link, a mount point, the
+    working folder). Killed writes' folders beside it (marked, their writer gone) are deleted first, as a run
+    folder's --overwrite deletes one inside it; a live writer's, or a user's under that name, is refused."""
+    remove_abandoned(folder, EXPORT_KIND, lambda leftover: _abandoned_export(leftover, folder))
+    if not replace and _written_in_place(folder):
+        _write_export(folder, model, tokenizer)
+        return
+    what = "replace the earlier export" if replace else "write the export"
     container = temporary_name(folder, EXPORT_KIND, os.getpid())
     if os.path.lexists(container):
         raise ConfigurationError(
-            f"could not replace the earlier export {folder}: '{container}' is in the way (hf-tapernorm writes "
-            "through that name, and this one is no leftover of a write that is gone); nothing was written: move it "
-            "away, then export again"
+            f"could not {what} {folder}: '{container}' is in the way (hf-tapernorm writes through that name, and this "
+            "one is no leftover of a write that is gone); nothing was written: move it away, then export again"
         )
     make_marked_folder(container)
     new, aside = container / "new", container / "old"  # new: created by save_pretrained with the usual mode
     try:
         _write_export(new, model, tokenizer)
-        os.replace(folder, aside)
-        try:
-            os.replace(new, folder)
-        except BaseException:
-            os.replace(aside, folder)
-            raise
+        if replace:
+            _swap_in(folder, new, aside)
+        else:
+            if folder.is_dir():
+                shutil.copymode(folder, new)
+            os.replace(new, folder)  # onto an empty folder: replaced; one that is no longer empty: refused
     except OSError as error:
-        raise ConfigurationError(
-            f"could not replace the earlier export {folder}: {error}; it is left as it was"
-        ) from error
+        left = "it is left as it was" if replace else "nothing was written"
+        raise ConfigurationError(f"could not {what} {folder}: {error}; {left}") from error
     finally:
         shutil.rmtree(container, ignore_errors=True)
+
+
+def _swap_in(folder: Path, new: Path, aside: Path) -> None:
+    """Set the earlier export ``folder`` aside and rename ``new`` into its place (put back if that fails)."""
+    os.replace(folder, aside)
+    try:
+        os.replace(new, folder)
+    except BaseException:
+        os.replace(aside, folder)
+        raise
+
+
+def _written_in_place(folder: Path) -> bool:
+    """Whether ``folder`` (new, or empty) is one a rename may not replace: a name ending in ``..`` or ``.``, a
+    symbolic link (its target is the user's), a mount point (the kernel refuses), the working folder or one above it
+    (the shell would sit in a deleted folder). The export is written into it, as before."""
+    if folder.name in ("", ".", ".."):
+        return True
+    in_use = folder.is_dir() and Path.cwd().resolve().is_relative_to(folder.resolve())
+    return folder.is_symlink() or os.path.ismount(folder) or in_use
+
+
+def _abandoned_export(leftover: Path, folder: Path) -> bool:
+    """Whether ``leftover`` is a killed export's folder (marked_and_abandoned), deleted then. One that holds a whole
+    earlier export of ``folder`` while nothing is under that name (a replacement killed between its two renames) is
+    named in a WARNING: that export goes with it, and only there could the user have taken it back."""
+    if not marked_and_abandoned(leftover):
+        return False
+    if (leftover / "old" / EXPORT_MANIFEST_NAME).is_file() and not os.path.lexists(folder):
+        logger.warning(
+            "deleting '%s', left by an export_folded(overwrite=True) of %s killed before it renamed its new export "
+            "into place: it held the earlier export (old/), which the new one written now replaces",
+            leftover,
+            folder,
+        )
+    return True
 
 
 def _check_export_folder(folder: Path, overwrite: bool) -> bool:

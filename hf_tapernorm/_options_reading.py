@@ -15,12 +15,16 @@ from typing import IO, Any, Optional
 import yaml
 
 
-def load_values(handle: IO[str], json_syntax: bool, as_written: Collection[str]) -> Any:
+def load_values(
+    handle: IO[str], json_syntax: bool, as_written: Collection[str], words_as_written: Collection[str] = ()
+) -> Any:
     """What an open options file holds (JSON when ``json_syntax``, else YAML): JSON numbers keep the text the file
     holds (:class:`_Written`); YAML reads numbers as YAML 1.2 does (:class:`_Loader`), and the value of a text or
     number option (``as_written``: a folder, a dataset name, a step count) is its text as written, given to the
     option's own type as the flag's text is: ``output_dir: 010`` is the folder 010, ``learning_rate: 0x10`` is
     refused as ``--learning_rate 0x10`` is; an option written as a bare ``~`` is :data:`BARE_TILDE`, not ``None``.
+    ``words_as_written``: the options among whose choices is a word YAML 1.1 reads as a bool (``save_strategy``'s
+    ``no``): their plain ``no`` is the text written, as ``--save_strategy no`` is, not false.
     The syntaxes' own errors (ValueError, yaml.YAMLError, RecursionError) pass to the caller, which names the file."""
     if json_syntax:
         return json.load(
@@ -38,6 +42,8 @@ def load_values(handle: IO[str], json_syntax: bool, as_written: Collection[str])
         for key, value in node.value:  # merge keys already flattened into it; the last of a key wins
             if isinstance(key.value, str) and key.value.replace("-", "_") in as_written:
                 values[key.value] = _as_written(value, values[key.value])
+            if isinstance(key.value, str) and key.value.replace("-", "_") in words_as_written:
+                values[key.value] = _word_as_written(value, values[key.value])
             if key.value in values and value.tag == _NULL and value.value == "~":  # values' key: text, not `1:`
                 values[key.value] = BARE_TILDE
     return values
@@ -211,6 +217,29 @@ def _as_written(node: yaml.Node, value: Any) -> Any:
     return value
 
 
+#: The tag of YAML's bools (YAML 1.1's plain yes/no/true/false/on/off, in any of three cases).
+_BOOL = "tag:yaml.org,2002:bool"
+
+#: The words YAML 1.1 reads as bools, in lower case.
+_BOOL_WORDS = {"yes", "no", "true", "false", "on", "off"}
+
+
+def has_a_yaml_bool_word(choices: Collection[Any]) -> bool:
+    """Whether an option's ``choices`` hold a word YAML 1.1 reads as a bool (``--save_strategy no``): its plain YAML
+    value is then read as the word written (``words_as_written`` of :func:`load_values`)."""
+    return any(str(choice) in _BOOL_WORDS for choice in choices)
+
+
+def _word_as_written(node: yaml.Node, value: Any) -> Any:
+    """``value`` with every plain (unquoted) scalar YAML read as a bool as the word the file holds: ``no`` is the
+    choice ``no``, where YAML 1.1 reads false; ``NO`` stays ``NO``, refused as ``--save_strategy NO`` is."""
+    if isinstance(node, yaml.ScalarNode) and node.tag == _BOOL and node.style is None and isinstance(value, bool):
+        return node.value
+    if isinstance(node, yaml.SequenceNode) and isinstance(value, list):
+        return [_word_as_written(item, v) for item, v in zip(node.value, value)]
+    return value
+
+
 #: YAML's other types, as a refusal names them: no option takes them, and str() would make each text nobody wrote.
 _FOREIGN = {
     set: "a set (!!set)",
@@ -234,4 +263,4 @@ def foreign_value(value: Any) -> Optional[str]:
     return next((words for kind, words in _FOREIGN.items() if isinstance(value, kind)), f"a {type(value).__name__}")
 
 
-__all__ = ["BARE_TILDE", "foreign_value", "load_values"]
+__all__ = ["BARE_TILDE", "foreign_value", "has_a_yaml_bool_word", "load_values"]

@@ -29,7 +29,7 @@ from typing import Any, NoReturn, Optional, Union
 import yaml
 from transformers import HfArgumentParser
 
-from ._options_reading import BARE_TILDE, foreign_value, load_values
+from ._options_reading import BARE_TILDE, foreign_value, has_a_yaml_bool_word, load_values
 from .errors import ConfigurationError, TaperNormError
 from .utils import BARE_TILDE_OPTIONS, check_seeds, expand_user
 
@@ -159,7 +159,8 @@ def parse(dataclass_types: Sequence[type], argv: Sequence[str], prog: str) -> tu
             if action.dest in parser.hints
             and (_is_text(parser.hints[action.dest]) or action.type in (int, _finite_float))
         }
-        values = _read_options_file(path, source, as_written)
+        words = {flag for flag, action in parser.flags.items() if has_a_yaml_bool_word(action.choices or ())}
+        values = _read_options_file(path, source, as_written, words)
         argv = _command_line(parser, values)
         bare = frozenset(parser.flags[key.replace("-", "_")].dest for key, v in values.items() if v is BARE_TILDE)
     else:
@@ -242,13 +243,14 @@ def _check_options_file(path: str, name: str) -> None:
         )
 
 
-def _read_options_file(path: str, name: str, as_written: Collection[str]) -> dict[str, Any]:
+def _read_options_file(path: str, name: str, as_written: Collection[str], words: Collection[str]) -> dict[str, Any]:
     """The object of an options file (JSON or YAML, read by _options_reading.load_values: ``as_written`` are the
-    options whose value is their text as written), or a UsageError naming the file. A leading byte order mark (what
-    some editors write into UTF-8) is no part of the text."""
+    options whose value is their text as written, ``words`` those whose plain ``no`` is the word, not false), or a
+    UsageError naming the file. A leading byte order mark (what some editors write into UTF-8) is no part of the
+    text."""
     try:
         with open(path, encoding="utf-8-sig") as handle:
-            values = load_values(handle, path.lower().endswith(".json"), as_written)
+            values = load_values(handle, path.lower().endswith(".json"), as_written, words)
     except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError, RecursionError) as error:  # deep: recursion
         raise UsageError(
             f"{name}: cannot read it ({str(error).splitlines()[0] if str(error) else type(error).__name__})"

@@ -521,6 +521,59 @@ def test_an_added_callback_refuses_another_trainers_decay_steps(tmp_path):
     )
 
 
+def test_a_trainer_built_before_another_on_shared_arguments_refuses_its_decay_steps(tmp_path):
+    """Trainer A (TaperCallback(2, 6)) and then Trainer B (TaperCallback(2, 4)) built on one TrainingArguments, then
+    A.train(): A trained with B's num_decay_steps=4 (its learning rate decayed from step 5, while its gate still
+    fell), without a word. A's train() is refused now before the first step, naming both values; B trains."""
+    args = _small_args(tmp_path, lr_scheduler_type="warmup_stable_decay")
+    model = _patched()
+    first = Trainer(model=model, args=args, train_dataset=_dataset(16), callbacks=[TaperCallback(2, 6)])
+    second = Trainer(model=_patched(), args=args, train_dataset=_dataset(16), callbacks=[TaperCallback(2, 4)])
+    with pytest.raises(ConfigurationError) as caught:
+        first.train()
+    assert str(caught.value) == (
+        "TaperCallback: lr_scheduler_kwargs holds num_decay_steps=4, which another Trainer's TaperCallback set for "
+        "its window on these shared TrainingArguments (this run's is 2), and the Trainer built the scheduler with it; "
+        "give each Trainer its own TrainingArguments and change none after building it, or set num_decay_steps in "
+        "lr_scheduler_kwargs"
+    )
+    assert first.state.global_step == 0 and gate_of(model) == 1.0
+    second.train()
+    assert _decay_rates(second) == pytest.approx([3e-3] * 5 + [2.561e-3, 1.5e-3, 0.439e-3], abs=1e-6)
+
+
+def test_max_steps_changed_after_the_trainer_was_built_refuses_the_written_decay_steps(tmp_path):
+    """args.max_steps changed from 8 to 10 after Trainer(callbacks=[TaperCallback(2, 5)]) was built: it trained 10
+    steps with num_decay_steps=3 (computed for 8), so the learning rate stayed up until step 8 although the gate
+    reached 0 at step 5. Refused at the start of train() now, naming both lengths."""
+    args = _small_args(tmp_path, lr_scheduler_type="warmup_stable_decay")
+    trainer = Trainer(model=_patched(), args=args, train_dataset=_dataset(16), callbacks=[TaperCallback(2, 5)])
+    args.max_steps = 10
+    with pytest.raises(ConfigurationError) as caught:
+        trainer.train()
+    assert str(caught.value) == (
+        "TaperCallback: lr_scheduler_kwargs holds num_decay_steps=3, set for max_steps=8 when the Trainer was built, "
+        "but this run has max_steps=10 (this run's is 5), and the Trainer built the scheduler with it; give each "
+        "Trainer its own TrainingArguments and change none after building it, or set num_decay_steps in "
+        "lr_scheduler_kwargs"
+    )
+    assert trainer.state.global_step == 0
+
+
+def test_num_stable_steps_without_num_decay_steps_is_refused_when_the_trainer_is_built(tmp_path):
+    """lr_scheduler_kwargs={"num_stable_steps": 3} with warmup_stable_decay and no num_decay_steps failed in train()
+    with transformers' TypeError (get_wsd_schedule() missing num_decay_steps): the callback leaves a user's
+    num_stable_steps alone and set nothing. Refused in one line inside Trainer(...) now, naming num_decay_steps."""
+    args = _small_args(tmp_path, lr_scheduler_type="warmup_stable_decay", lr_scheduler_kwargs={"num_stable_steps": 3})
+    with pytest.raises(ConfigurationError) as caught:
+        Trainer(model=_patched(), args=args, train_dataset=_dataset(16), callbacks=[TaperCallback(2, 5)])
+    assert str(caught.value) == (
+        "TaperCallback: lr_scheduler_type='warmup_stable_decay' with num_stable_steps needs num_decay_steps in "
+        "lr_scheduler_kwargs too (the scheduler fails in train() without it); add num_decay_steps, or leave "
+        "num_stable_steps out and TaperCallback sets num_decay_steps to the steps after the gate reaches 0"
+    )
+
+
 def test_warmup_stable_decay_by_epochs_without_decay_steps_is_refused_when_the_trainer_is_built(tmp_path):
     """The README's recipe (warmup_stable_decay, no num_decay_steps) with num_train_epochs instead of max_steps
     failed in trainer.train() with transformers' TypeError (get_wsd_schedule() missing num_decay_steps): the Trainer

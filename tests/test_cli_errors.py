@@ -1643,6 +1643,27 @@ CASES = {
         for command, options in PATH_OPTIONS.items()
         for option in options
     },
+    # the CLI's traceback switch took every --debug, so the Trainer's --debug (in taper --help) left its value over,
+    # and the refusal of that value came as a traceback (the switch re-raises): a --debug before a debug feature is
+    # the Trainer's option now, and a command without one refuses it in one line
+    "taper: the Trainer's --debug with a feature, then a refused option": (
+        lambda ws: _taper(ws, "--debug", "underflow_overflow", "--ema_rate", "0"),
+        2,
+        "error: --ema_rate must be in",
+    ),
+    "fold: the Trainer's --debug with a feature, which fold has not": (
+        lambda ws: [
+            "fold",
+            "--checkpoint",
+            str(ws / "llama"),
+            "--output_dir",
+            str(ws / "f"),
+            "--debug",
+            "underflow_overflow",
+        ],
+        2,
+        "error: unrecognized arguments: ['--debug', 'underflow_overflow'] (see hf-tapernorm fold --help)",
+    ),
     "taper: an options file's output_dir under a ~user this machine does not have": (
         _no_user_in_options_file,
         2,

@@ -597,6 +597,26 @@ def test_a_controller_step_that_is_no_whole_number_is_refused(step):
     assert controller.gate == 1.0 and controller._last_step is None  # nothing was set
 
 
+@pytest.mark.parametrize("call", ["check_resume", "step_end", "check"])
+@pytest.mark.parametrize("step", [2.5, True, "3", None])
+def test_every_controller_call_taking_a_step_refuses_one_that_is_no_whole_number(call, step):
+    """step_begin refused fractions and bools, but check_resume(2.5) or check_resume(True) set the loop's step to
+    2.5 or True and checked the gate of that step ("optimizer step True"), step_end(2.5) was taken, and "3" or None
+    gave a raw TypeError. Every call taking a step refuses them in one line now, before changing anything."""
+    model = _paper(taper_start=2, taper_end=6).train()
+    controller = TaperController(model, total_steps=8)
+    controller.step_begin(0)
+    ids = random_batches(n=1, seed=0)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    with pytest.raises(ConfigurationError) as caught:
+        getattr(controller, call)(step)
+    assert str(caught.value) == (
+        f"TaperController.{call}: step must be a whole number of optimizer steps completed (an int), got "
+        f"{step!r}; count optimizer updates, not micro-batches (the gate is constant over one update's)"
+    )
+    assert controller._last_step == 0 and controller._last_call == "step_begin(0)"
+
+
 def test_a_controller_takes_whole_steps_of_any_number_type():
     """Whole numbers that are no int (3.0, a tensor, a numpy integer: a loop's own counters) stay accepted, read as
     the int they hold (a tensor step gave a float32 tensor gate, off the schedule's by its rounding)."""

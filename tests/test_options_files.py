@@ -370,6 +370,24 @@ def test_a_text_option_keeps_the_yaml_text_as_written(name, tmp_path, monkeypatc
         assert values["learning_rate"] == 1e-3
 
 
+@pytest.mark.parametrize("option", ["save_strategy", "eval_strategy", "logging_strategy"])
+def test_a_plain_yaml_no_is_the_choice_no_as_its_flag_reads_it(option, tmp_path):
+    """`save_strategy: no` was YAML 1.1's false, refused as "takes one of no, steps, epoch, best or text, got false"
+    although the file wrote no, as the command line does. An option with `no` among its choices reads the plain word
+    as written now, as `--save_strategy no` does; `NO` is refused as `--save_strategy NO` is."""
+    (tmp_path / "run.yaml").write_text(f"output_dir: out\n{option}: no\n")
+    from_file = parsed("taper", [str(tmp_path / "run.yaml")])[-1]
+    from_flags = parsed("taper", ["--output_dir", "out", f"--{option}", "no"])[-1]
+    assert getattr(from_file, option).value == getattr(from_flags, option).value == "no"
+    (tmp_path / "run.yaml").write_text(f"output_dir: out\n{option}: NO\n")
+    with pytest.raises(UsageError) as from_file:
+        parsed("taper", [str(tmp_path / "run.yaml")])
+    with pytest.raises(UsageError) as from_flags:
+        parsed("taper", ["--output_dir", "out", f"--{option}", "NO"])
+    assert str(from_file.value) == f"{tmp_path / 'run.yaml'}: {from_flags.value}"
+    assert f"argument --{option}/--{option.replace('_', '-')}: invalid choice: 'NO'" in str(from_flags.value)
+
+
 def test_two_reporters_from_a_file_or_a_comma_separated_flag_are_the_trainer_s_list(tmp_path):
     """`report_to: [tensorboard, wandb]`, as the Trainer's own configs write it, was refused ("takes one value, got
     the list"), and `--report_to tensorboard,wandb` reached the Trainer as one reporter named "tensorboard,wandb".

@@ -179,6 +179,30 @@ def test_debug_shows_the_traceback(workspace, tmp_path):
         run_main([*taper_argv(workspace, tmp_path / "o"), "--ema_rate", "0", "--debug"])
 
 
+@pytest.mark.parametrize(
+    ("words", "switched", "debug"),
+    [
+        (["--debug"], True, []),
+        (["--debug", "--max_steps", "3"], True, []),
+        (["--debug", "underflow_overflow"], False, ["underflow_overflow"]),
+        (["--debug", "underflow_overflow", "tpu_metrics_debug"], False, ["underflow_overflow", "tpu_metrics_debug"]),
+        (["--debug", "underflow_overflow tpu_metrics_debug"], False, ["underflow_overflow", "tpu_metrics_debug"]),
+        (["--debug", "--debug", "underflow_overflow"], True, ["underflow_overflow"]),
+    ],
+)
+def test_debug_before_a_debug_feature_is_the_trainers_option(workspace, tmp_path, words, switched, debug):
+    """The traceback switch took every --debug out of the command line, so the Trainer's --debug underflow_overflow
+    (in taper --help) left its value over as an unrecognized argument, refused with a traceback. A --debug followed
+    by debug features is the Trainer's option now (a quoted list of them too, as an options file reads it)."""
+    from hf_tapernorm._parsing import parse
+    from hf_tapernorm.cli.arguments import TaperTrainingArguments
+    from hf_tapernorm.cli.main import take_debug_switch
+
+    taken, argv = take_debug_switch(["taper", "--output_dir", str(tmp_path), *words])
+    (args,) = parse([TaperTrainingArguments], argv[1:], "hf-tapernorm taper")
+    assert taken is switched and [option.value for option in args.debug] == debug
+
+
 def test_damaged_checkpoints_name_the_file(workspace, finished, tmp_path):
     import shutil
 

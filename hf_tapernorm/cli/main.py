@@ -3,7 +3,8 @@
 Every error the package explains (``TaperNormError``) prints as ``hf-tapernorm COMMAND: error: ...`` on
 stderr with exit status 2 (usage, configuration, model or data problems) or 1 (training diverged, the
 fold check failed: the run was valid, its result is not, and nothing was exported). ``--debug`` (anywhere
-on the command line) or ``HF_TAPERNORM_DEBUG=1`` shows the traceback instead.
+on the command line, but before a debug feature: ``--debug underflow_overflow`` is the Trainer's option) or
+``HF_TAPERNORM_DEBUG=1`` shows the traceback instead.
 
 SIGTERM (``docker stop``, Slurm, Kubernetes) is Ctrl-C: during training both save a checkpoint and stop
 (app/training_run.py); anywhere else both unwind the command, so a half-written output is removed, the
@@ -93,8 +94,8 @@ def main(argv: Optional[Sequence[str]] = None, *, extension: Optional[TaperExten
     """Entry point of the ``hf-tapernorm`` console script; returns the exit status. ``extension`` (a
     ``TaperExtension``, for ``taper`` only) is how an experiment runs the command with its own training parts."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
-    argv = [a for a in argv if a != DEBUG_FLAG]
+    switched, argv = take_debug_switch(argv)
+    debug = switched or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
@@ -127,6 +128,36 @@ def main(argv: Optional[Sequence[str]] = None, *, extension: Optional[TaperExten
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def take_debug_switch(argv: list[str]) -> tuple[bool, list[str]]:
+    """Whether ``argv`` asks for tracebacks, and ``argv`` without that switch. ``--debug`` followed by debug features
+    (``--debug underflow_overflow``, also ``"underflow_overflow tpu_metrics_debug"`` as one word) is the Trainer's
+    option of the same name, left to the command's parser; any other ``--debug`` is the switch. Taking every
+    ``--debug`` left the Trainer's value over, and its refusal came as a traceback (the switch re-raises)."""
+    kept, switched, features = [], False, False
+    for index, word in enumerate(argv):
+        if features:  # the Trainer's parser takes the features as words: "a b" is a, b (as an options file reads it)
+            kept.extend(word.split())
+            features = False
+        elif word != DEBUG_FLAG:
+            kept.append(word)
+        elif _debug_features(argv[index + 1 : index + 2]):
+            kept.append(word)
+            features = True
+        else:
+            switched = True
+    return switched, kept
+
+
+def _debug_features(following: list[str]) -> bool:
+    """Whether the word after ``--debug`` (a list of none or one) names TrainingArguments' debug features only."""
+    names = following[0].split() if following else []
+    if not names or following[0].startswith("-"):
+        return False
+    from transformers.debug_utils import DebugOption  # on use: `hf-tapernorm --help` stays instant
+
+    return all(name in {option.value for option in DebugOption} for name in names)
 
 
 class Terminated(KeyboardInterrupt):

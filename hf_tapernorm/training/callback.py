@@ -50,6 +50,8 @@ from .schedule import (
     decay_steps_of,
     fit_default_window,
     forget_written_decay,
+    stable_steps_without_decay,
+    written_decay_run_length,
     written_decay_steps,
 )
 
@@ -144,6 +146,12 @@ class TaperCallback(TrainerCallback):
         refuse_a_second_taper_callback(self, state)
         self._trainer_built_seen = True
         self._check_the_trainer(args, model)
+        if stable_steps_without_decay(args):  # transformers' get_wsd_schedule fails in train() without it
+            raise ConfigurationError(
+                "TaperCallback: lr_scheduler_type='warmup_stable_decay' with num_stable_steps needs num_decay_steps "
+                "in lr_scheduler_kwargs too (the scheduler fails in train() without it); add num_decay_steps, or leave "
+                "num_stable_steps out and TaperCallback sets num_decay_steps to the steps after the gate reaches 0"
+            )
         max_steps = getattr(args, "max_steps", None)
         if model is not None and max_steps and max_steps > 0:  # a schedule that does not fit fails here, not later
             decay_learning_rate_after_the_taper(args, self._schedule(config_of(model), max_steps))
@@ -215,8 +223,7 @@ class TaperCallback(TrainerCallback):
             )
         config = config_of(model)
         self.controller = TaperController(model, self._schedule(config, state.max_steps), thresholds=self.thresholds)
-        if not self._trainer_built_seen:  # the Trainer built the scheduler before this first event
-            self._refuse_anothers_decay(args)
+        self._refuse_anothers_decay(args, state.max_steps)  # the Trainer built the scheduler before this event
         self._loss_checked = not loss_terms_on_the_model_loss(model)  # nothing to lose: nothing to check
         loss_terms_of(model).forwards_without_loss = 0  # counted from this run's first forward
         if state.global_step > 0:
@@ -235,19 +242,33 @@ class TaperCallback(TrainerCallback):
             else "",
         )
 
-    def _refuse_anothers_decay(self, args) -> None:
-        """A callback added with trainer.add_callback, on arguments where an earlier Trainer's TaperCallback wrote
-        num_decay_steps for its own window: the Trainer has built the scheduler with it, before any event of this
-        callback, so the learning rate would decay from another run's taper end."""
+    def _refuse_anothers_decay(self, args, max_steps: int) -> None:
+        """Refuse a num_decay_steps that a TaperCallback wrote into the arguments for another window or run length
+        than this run's: the Trainer has built the scheduler with it, before this first event of train(), so the
+        learning rate would decay from another taper end. Written by another Trainer's callback sharing the arguments
+        (built after this Trainer, or before this callback added with trainer.add_callback), or by this one for
+        a max_steps changed since this Trainer was built."""
         written, own = written_decay_steps(args), decay_steps_of(self.controller.schedule)
-        if written is not None and written != own:
+        if written is None or written == own:
+            return
+        held = f"TaperCallback: lr_scheduler_kwargs holds num_decay_steps={written}"
+        if not self._trainer_built_seen:
             raise ConfigurationError(
-                f"TaperCallback: lr_scheduler_kwargs holds num_decay_steps={written}, which another Trainer's "
-                f"TaperCallback set for its window on these TrainingArguments (this run's is {own}), and the Trainer "
-                "built the scheduler with it before this callback, added with trainer.add_callback, saw a step; pass "
-                "the callback in Trainer(callbacks=[...]) (it sets the value when the Trainer is built), or set "
-                "num_decay_steps in lr_scheduler_kwargs"
+                f"{held}, which another Trainer's TaperCallback set for its window on these TrainingArguments (this "
+                f"run's is {own}), and the Trainer built the scheduler with it before this callback, added with "
+                "trainer.add_callback, saw a step; pass the callback in Trainer(callbacks=[...]) (it sets the value "
+                "when the Trainer is built), or set num_decay_steps in lr_scheduler_kwargs"
             )
+        computed_for = written_decay_run_length(args)
+        if computed_for != max_steps:
+            why = f"set for max_steps={computed_for} when the Trainer was built, but this run has max_steps={max_steps}"
+        else:
+            why = "which another Trainer's TaperCallback set for its window on these shared TrainingArguments"
+        raise ConfigurationError(
+            f"{held}, {why} (this run's is {own}), and the Trainer built the scheduler with it; give each Trainer "
+            "its own TrainingArguments and change none after building it, or set num_decay_steps in "
+            "lr_scheduler_kwargs"
+        )
 
     def _resume(self, args, state, config: TaperNormConfig) -> None:
         folder = resumed_checkpoint(args, state)

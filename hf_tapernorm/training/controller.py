@@ -190,6 +190,7 @@ class TaperController:
         """Refuse a model whose TaperNorm state does not fit ``step`` (dropped by a non-strict load, or a
         checkpoint written with another schedule). The resumed loop goes on from ``step``: a later step_begin below
         it is refused, as a step that goes back is (a loop that forgot its start step would raise the gate again)."""
+        step = whole_step(step, "check_resume")
         self._last_step, self._last_call, self._resumed_unchecked = step, f"check_resume({step})", False
         if step <= 0:  # a resume at step 0 is a fresh start: its first step is checked as one
             return
@@ -308,6 +309,7 @@ class TaperController:
         ``loss``: the step's loss when the loop computes it outside the model (the model's own
         ``outputs.loss`` is watched automatically). ``grad_norm``: the step's gradient norm, when known.
         """
+        step = whole_step(step, "step_end")  # before the statistics step: a refused call changes nothing
         update_statistics(self.model)
         anchor_rows, own_loss = self._reduce_step()
         for anchor, row in zip(self.anchors, anchor_rows):
@@ -325,6 +327,7 @@ class TaperController:
 
     def check(self, step: int, *, loss=None, grad_norm=None, scales=()) -> None:
         """Feed the divergence watch for update ``step + 1`` (the Trainer adapter adds the gradient norm here)."""
+        step = whole_step(step, "check")
         self.watch.check(
             f"at optimizer step {step + 1} (gate {self.gate:.4f})",
             loss=loss,

@@ -144,7 +144,8 @@ def fit_default_window(
 
 
 #: The attribute of a TrainingArguments where decay_learning_rate_after_the_taper records what it wrote: the kwargs
-#: dict it gave ``args.lr_scheduler_kwargs`` and the num_decay_steps in it (a user's value is never recomputed).
+#: dict it gave ``args.lr_scheduler_kwargs``, the num_decay_steps in it (a user's value is never recomputed) and the
+#: run length it was computed for.
 _WRITTEN_DECAY = "_tapernorm_written_decay"
 
 
@@ -161,7 +162,7 @@ def decay_learning_rate_after_the_taper(args, schedule: TaperSchedule) -> None:
         return
     written = {**users_scheduler_kwargs(args), "num_decay_steps": decay_steps_of(schedule)}
     args.lr_scheduler_kwargs = written
-    setattr(args, _WRITTEN_DECAY, (written, written["num_decay_steps"]))
+    setattr(args, _WRITTEN_DECAY, (written, written["num_decay_steps"], schedule.total_steps))
     logger.info(
         "the learning rate decays over the %d steps after the gate reaches 0 (step %d)",
         written["num_decay_steps"],
@@ -178,8 +179,13 @@ def written_decay_steps(args) -> Optional[int]:
     """The num_decay_steps of ``args.lr_scheduler_kwargs`` where decay_learning_rate_after_the_taper wrote it (for
     this run or an earlier one sharing the arguments), unchanged since; None where the user set it, or nobody did."""
     kwargs = getattr(args, "lr_scheduler_kwargs", None)
-    written, value = getattr(args, _WRITTEN_DECAY, (None, None))
+    written, value, _ = getattr(args, _WRITTEN_DECAY, (None, None, None))
     return value if written is not None and kwargs is written and kwargs.get("num_decay_steps") == value else None
+
+
+def written_decay_run_length(args) -> Optional[int]:
+    """The max_steps that the num_decay_steps of written_decay_steps was computed for (None where there is none)."""
+    return getattr(args, _WRITTEN_DECAY, (None, None, None))[2] if written_decay_steps(args) is not None else None
 
 
 def users_scheduler_kwargs(args) -> dict[str, Any]:
@@ -202,11 +208,23 @@ def decay_steps_missing(args) -> bool:
     return "num_decay_steps" not in kwargs and "num_stable_steps" not in kwargs
 
 
+def stable_steps_without_decay(args) -> bool:
+    """Whether the run is a ``warmup_stable_decay`` one whose user set num_stable_steps and no num_decay_steps, which
+    transformers' get_wsd_schedule always needs (a TypeError from train() otherwise)."""
+    kind = getattr(args, "lr_scheduler_type", None)
+    kwargs = users_scheduler_kwargs(args)
+    return (
+        getattr(kind, "value", kind) == "warmup_stable_decay"
+        and "num_stable_steps" in kwargs
+        and ("num_decay_steps" not in kwargs)
+    )
+
+
 def forget_written_decay(args) -> None:
     """Give ``args`` back the user's scheduler kwargs, without a num_decay_steps written for another run."""
     if written_decay_steps(args) is not None:
         args.lr_scheduler_kwargs = users_scheduler_kwargs(args)
-        setattr(args, _WRITTEN_DECAY, (None, None))
+        setattr(args, _WRITTEN_DECAY, (None, None, None))
 
 
 #: Why the Trainer's own arguments of the scheduler are no keys of --lr_scheduler_kwargs: the Trainer passes

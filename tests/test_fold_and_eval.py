@@ -25,7 +25,7 @@ from hf_tapernorm.app.run_folder import MANIFEST_NAME
 from hf_tapernorm.app.training_run import IDENTITY_NAME as IDENTITY
 from hf_tapernorm.cli import fold_scan
 from hf_tapernorm.evaluation.models import load_tokenizer, resolve_model
-from tests.conftest import save_tiny_model
+from tests.conftest import corpus_documents, save_tiny_model
 from tests.helpers import (
     cached_hub_dataset,
     edit_json,
@@ -579,8 +579,8 @@ def test_a_data_cache_in_a_dataset_folder_is_refused_before_it_spoils_the_folder
     texts, jsons = tmp_path / "textdir", tmp_path / "jdir"
     texts.mkdir()
     jsons.mkdir()
-    (texts / "a.txt").write_text((ws / "corpus.txt").read_text())
-    documents = (ws / "corpus.txt").read_text().split("\n\n")
+    documents = corpus_documents(150, seed=1)  # not the corpus: an out-of-corpus folder of it is refused
+    (texts / "a.txt").write_text("\n\n".join(documents))
     (jsons / "a.json").write_text("\n".join(json.dumps({"text": d}) for d in documents))
     for option, extra in [("--dataset_name", []), ("--out_of_corpus_dataset", ["--out_of_corpus_blocks", "2"])]:
         for folder, cache in [(texts, texts / "cache"), (jsons, jsons / "c" / "d"), (texts, texts)]:

@@ -1358,8 +1358,8 @@ def test_a_compressed_file_in_a_data_folder_is_named_in_a_warning(ws, tmp_path, 
     assert documents == _documents(ws / "corpus.txt", tmp_path)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "compressed" in r.getMessage()]
     assert warnings == [
-        f"dataset '{tmp_path / 'mixed'}': its 1 compressed file(s) (more.txt.gz) are not read; decompress them in the "
-        "folder (gunzip -k FILE, unxz -k FILE, ...) to read their text"
+        f"dataset '{tmp_path / 'mixed'}': its 1 compressed file(s) (more.txt.gz) are not read, as the checks before "
+        "loading cannot read them; decompress them in the folder (gunzip -k FILE, unxz -k FILE, ...) to read their text"
     ]
 
 

@@ -154,14 +154,24 @@ def _warn_linked_folders(path: Path, entries: list[Path], name: str) -> None:
     """A WARNING naming the links to folders among a folder's ``entries`` (its files and folders, hidden ones left
     out): their files are not read, as ``datasets`` does not read them either (neither follows a link to a folder,
     which may loop), and a user who linked a folder in meant its text to count."""
-    linked = sorted(p.relative_to(path).as_posix() for p in entries if p.is_symlink() and p.is_dir())
-    if linked:
-        shown = ", ".join(linked[:5]) + (", ..." if len(linked) > 5 else "")
-        warn_once(
-            ("linked folders", path, *linked),
-            f"{name}: its {len(linked)} linked folder(s) ({shown}) are not read, as datasets does not follow a link "
-            "to a folder; name the folder a link points to as the dataset, or copy its files in",
-        )
+    linked = [p for p in entries if p.is_symlink() and p.is_dir()]
+    _warn_unread(
+        path,
+        linked,
+        name,
+        "linked folder(s)",
+        "as datasets does not follow a link to a folder; name the "
+        "folder a link points to as the dataset, or copy its files in",
+    )
+
+
+def _warn_unread(path: Path, unread: list[Path], name: str, kind: str, why: str) -> None:
+    """One WARNING (once per process) naming the entries of the folder ``path`` that reading it skips (``unread``,
+    of ``kind``), and ``why`` with what to do: without it, their text would be missing from the corpus unnoticed."""
+    if unread:
+        listed = sorted(p.relative_to(path).as_posix() for p in unread)
+        shown = ", ".join(listed[:5]) + (", ..." if len(listed) > 5 else "")
+        warn_once((kind, path, *listed), f"{name}: its {len(listed)} {kind} ({shown}) are not read, {why}")
 
 
 #: The single-file compressions ``datasets`` infers from a data file's last suffix (data.jsonl.gz).
@@ -177,15 +187,16 @@ def compressed_data_file(path: Path) -> bool:
 def _warn_compressed_files(path: Path, entries: list[Path], name: str) -> None:
     """A WARNING naming the compressed data files among a folder's ``entries``: ``datasets`` would read them, but
     the checks made before a model loads read a file's bytes as its data, so they are not read (a compressed file
-    named alone is refused, sources._refuse_compressed); without a word, their text would be missing from the corpus."""
-    compressed = sorted(p.relative_to(path).as_posix() for p in entries if p.is_file() and compressed_data_file(p))
-    if compressed:
-        shown = ", ".join(compressed[:5]) + (", ..." if len(compressed) > 5 else "")
-        warn_once(
-            ("compressed files", path, *compressed),
-            f"{name}: its {len(compressed)} compressed file(s) ({shown}) are not read; decompress them in the folder "
-            "(gunzip -k FILE, unxz -k FILE, ...) to read their text",
-        )
+    named alone is refused, sources._refuse_compressed)."""
+    compressed = [p for p in entries if p.is_file() and compressed_data_file(p)]
+    _warn_unread(
+        path,
+        compressed,
+        name,
+        "compressed file(s)",
+        "as the checks before loading cannot read them; "
+        "decompress them in the folder (gunzip -k FILE, unxz -k FILE, ...) to read their text",
+    )
 
 
 def _refuse_saved_dataset(path: Path, found: list[Path], name: str) -> None:

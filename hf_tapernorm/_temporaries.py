@@ -8,6 +8,11 @@ ours, named after its writer's pid: a later write of the same destination, and a
 ``--resume`` around it, delete one whose writer is gone (:func:`marked_and_abandoned`), and leave alone a live
 writer's and a user's look-alike without the mark. Here, at the bottom of the package's layers, so that both
 writers (export/ sits below app/) name and mark theirs in one way, and every cleanup recognises both.
+
+A write into a folder that exists and must stay (its owner, group and ACLs, a link to it, a shell sitting in it:
+export_folded into an existing folder) goes through a marked ``.hf_tapernorm_writing-PID`` INSIDE it instead
+(:func:`writing_inside`; a bookkeeping name, never uploaded; on the folder's filesystem, so :func:`move_up` renames),
+and the next such write deletes a killed one's (:func:`remove_abandoned_inside`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ DEFAULT_NAME_MAX = 255
 #: The largest pid a system gives (Linux: at most 2**22; os.kill overflows beyond a C int).
 _MAX_PID = 2**31 - 1
 _DIGEST_LENGTH = 12
+#: The form of the temporary folder a write into an existing folder goes through, inside it (writing_inside).
+WRITING_INSIDE = re.compile(r"\.hf_tapernorm_writing-[0-9]+")
 
 
 def filesystem_limit(folder: Path, setting: str, default: int) -> int:
@@ -131,18 +138,59 @@ def remove_abandoned(final: Path, kind: str, abandoned: Callable[[Path], bool] =
             shutil.rmtree(sibling, ignore_errors=True)
 
 
+def writing_inside(folder: Path, pid: int) -> Path:
+    """The hidden ``.hf_tapernorm_writing-PID`` folder inside ``folder`` that a write of process ``pid`` goes
+    through."""
+    return folder / f".hf_tapernorm_writing-{pid}"
+
+
+def remove_abandoned_inside(folder: Path) -> None:
+    """Delete the ``.hf_tapernorm_writing-PID`` folders inside ``folder`` that killed writes left (marked, writer
+    gone), before the folder is judged empty or an earlier write's; a live writer's stays."""
+    if not folder.is_dir():
+        return
+    for entry in folder.iterdir():
+        ours = WRITING_INSIDE.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink()
+        if ours and marked_and_abandoned(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def remove_listed(folder: Path, names: Collection[str]) -> None:
+    """Delete the files ``names`` (relative paths) in ``folder``, and the folders inside it they leave empty."""
+    for name in names:
+        path = folder / name
+        path.unlink(missing_ok=True)
+        for parent in path.parents:
+            if parent == folder or any(parent.iterdir()):
+                break
+            parent.rmdir()
+
+
+def move_up(container: Path, folder: Path, *, first: str) -> None:
+    """Rename every entry of ``container`` (its mark left) into ``folder``, ``first`` before the others: a write's
+    record of its files goes up first, so a kill mid-move leaves a folder that names itself an (incomplete) write."""
+    names = sorted(n for n in os.listdir(container) if n not in (first, WRITE_MARK))
+    for name in [first, *names]:
+        os.replace(container / name, folder / name)
+
+
 __all__ = [
     "DEFAULT_NAME_MAX",
     "LEFTOVER",
     "WRITE_MARK",
+    "WRITING_INSIDE",
     "filesystem_limit",
     "is_pid",
     "leftover_of",
     "make_marked_folder",
     "marked_and_abandoned",
+    "move_up",
     "name_max",
     "process_running",
     "remove_abandoned",
+    "remove_abandoned_inside",
+    "remove_listed",
     "temporary_name",
     "writer_gone",
+    "writing_inside",
 ]

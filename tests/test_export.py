@@ -161,15 +161,19 @@ def test_export_folded_overwrite_deletes_a_killed_replacements_leftover_and_keep
     export_folded(folded, export, overwrite=True)
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == [f".export.export-{alive}", f".export.export-{dead + 1}", "export"], left
-    (tmp_path / f".export.export-{os.getpid()}").mkdir()  # unmarked, under the name this write needs
-    before = _files(export)
+    (tmp_path / f".fresh.export-{os.getpid()}").mkdir()  # unmarked, under the name a new folder's write needs
     with pytest.raises(ConfigurationError) as caught:
-        export_folded(folded, export, overwrite=True)
+        export_folded(folded, tmp_path / "fresh")
     assert str(caught.value) == (
-        f"could not replace the earlier export {export}: '{tmp_path / f'.export.export-{os.getpid()}'}' is in the way "
-        "(hf-tapernorm writes through that name, and this one is no leftover of a write that is gone); nothing was "
-        "written: move it away, then export again"
+        f"could not write the export {tmp_path / 'fresh'}: '{tmp_path / f'.fresh.export-{os.getpid()}'}' is in the "
+        "way (hf-tapernorm writes through that name, and this one is no leftover of a write that is gone); nothing "
+        "was written: move it away, then export again"
     )
+    assert not (tmp_path / "fresh").exists()
+    (export / f".hf_tapernorm_writing-{os.getpid()}").mkdir()  # unmarked, where a replacement writes (inside)
+    before = _files(export)
+    with pytest.raises(ConfigurationError, match=rf"\(\.hf_tapernorm_writing-{os.getpid()}\), which replacing"):
+        export_folded(folded, export, overwrite=True)
     assert _files(export) == before
 
 
@@ -221,19 +225,80 @@ def test_a_killed_fresh_export_leaves_a_leftover_the_next_export_deletes_not_a_h
     assert {"tokenizer.json", "model.safetensors"} <= set(export_manifest(tmp_path / "exp"))
 
 
-def test_an_export_into_an_empty_folder_replaces_it_keeping_its_mode_or_writes_through_a_link(folded, tmp_path):
-    """An existing empty folder is still written (now by renaming the complete export onto it, its permissions
-    kept, nothing left beside it); an empty folder reached through a symbolic link is written into, the link kept."""
+def test_an_export_into_an_existing_empty_folder_keeps_the_folder_its_group_and_a_link(folded, tmp_path):
+    """An existing empty folder was replaced by a new one (a rename onto it): its inode, owner, setgid group and ACLs
+    were lost, the files got the writer's group, and a shell sitting in it was left in a deleted folder. Now the
+    export is written inside it (through a hidden ``.hf_tapernorm_writing-PID`` there, moved up when complete): the
+    folder stays, with its group, which its files take; a link to an empty folder is written through, kept."""
+    import os
+
     empty = tmp_path / "empty"
-    empty.mkdir(mode=0o750)
-    empty.chmod(0o750)
+    empty.mkdir()
+    if os.geteuid() == 0:
+        group = 54321  # root may give a folder any group
+    else:
+        group = next((g for g in os.getgroups() if g != os.getegid()), None)
+        if group is None:
+            pytest.skip("needs root or a second group to give the folder")
+    os.chown(empty, -1, group)
+    empty.chmod(0o2750)  # a shared folder: its files take its group
+    before = empty.stat()
     export_folded(folded, empty)
-    assert (empty / "model.safetensors").is_file() and empty.stat().st_mode & 0o777 == 0o750
+    after = empty.stat()
+    assert (after.st_ino, after.st_gid, after.st_mode & 0o7777) == (before.st_ino, group, 0o2750)
+    assert {p.stat().st_gid for p in empty.iterdir()} == {group}
+    assert set(export_manifest(empty)) == {p.name for p in empty.iterdir()} - {".hf_tapernorm_export.json"}
     (tmp_path / "target").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "target")
     export_folded(folded, tmp_path / "link")
     assert (tmp_path / "link").is_symlink() and (tmp_path / "target" / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "link", "target"]
+    assert not [p for p in (tmp_path / "target").iterdir() if p.name.startswith(".hf_tapernorm_writing")]
+
+
+@pytest.mark.parametrize("earlier, kill", [(False, SystemExit), (True, KeyboardInterrupt)])
+def test_a_kill_mid_move_in_the_working_folder_leaves_an_export_overwrite_replaces(
+    folded, tmp_path, monkeypatch, earlier, kill
+):
+    """export_folded into the working folder (written in place) killed after the weights left a half export (no
+    tokenizer, no manifest) that a retry with overwrite=True refused as "not an earlier export", and overwrite=True of
+    the working folder was refused outright. Now the export is written in a marked ``.hf_tapernorm_writing-PID``
+    inside it and moved up manifest first: a kill mid-move (a SIGKILL: the hidden folder stays) leaves an incomplete
+    export, which push refuses, and the retry with overwrite=True deletes the leftover and replaces it, in place."""
+    import os
+
+    from hf_tapernorm.export import hub
+    from hf_tapernorm.export.hub import files_to_push
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    inode, fresh = work.stat().st_ino, export_folded(folded, tmp_path / "fresh")
+    if earlier:
+        export_folded(fold_model(sink_tapered("llama")), ".", tokenizer=word_tokenizer(True))
+    container, real_replace, moved = f".hf_tapernorm_writing-{os.getpid()}", os.replace, []
+
+    def replace_then_die(source, destination):
+        if Path(source).parent.name == container:
+            moved.append(Path(source).name)
+            if len(moved) > 1:
+                raise kill()
+        real_replace(source, destination)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "replace", replace_then_die)
+        patched.setattr(hub, "shutil", SimpleNamespace(rmtree=lambda *a, **k: None))
+        with pytest.raises(kill):
+            export_folded(folded, ".", overwrite=earlier)
+    assert moved[0] == ".hf_tapernorm_export.json" and (work / container).is_dir()
+    assert export_manifest(work) == export_manifest(fresh)
+    assert not (work / "tokenizer.json").exists()  # the earlier export's files went before the move
+    with pytest.raises(ConfigurationError, match=r"lacks files of its export \("):
+        files_to_push(work)
+    export_folded(folded, ".", overwrite=True)
+    assert work.stat().st_ino == inode
+    assert sorted(p.name for p in work.iterdir()) == sorted(p.name for p in fresh.iterdir())
+    assert files_to_push(work) == export_manifest(fresh)
 
 
 def test_every_export_deletes_a_killed_swaps_leftover_and_warns_of_the_export_in_it(folded, tmp_path, caplog):

@@ -32,7 +32,16 @@ from typing import Any, Optional
 
 from transformers import PreTrainedModel
 
-from .._temporaries import make_marked_folder, marked_and_abandoned, remove_abandoned, temporary_name
+from .._temporaries import (
+    make_marked_folder,
+    marked_and_abandoned,
+    move_up,
+    remove_abandoned,
+    remove_abandoned_inside,
+    remove_listed,
+    temporary_name,
+    writing_inside,
+)
 from ..config_fields import check_tokenizer_to_save
 from ..errors import ConfigurationError, TaperStateError
 from ..utils import expand_user, file_in_the_way
@@ -186,13 +195,14 @@ def export_folded(
 
     Refuses a non-empty folder unless ``overwrite=True``, and even then one that is not an earlier export (no
     export manifest) or that holds files its export did not write (a user's, named), as ``fold --overwrite`` does.
-    Every export is written beside its folder, in a hidden ``.NAME.export-PID`` folder, and renamed into place when
-    complete (a killed write's leftover there is deleted by the next write): a kill never leaves a half export under
-    the name. An earlier export is replaced whole (swapped out), so none of its files (a tokenizer, a robustness
-    scan) stays to be pushed as the new export's, and a failed write leaves it as it was. ``facts``
-    fills the model card (see ``hf_tapernorm.export.model_card.FACT_KEYS``); the card is attached to the model, so a
-    later ``model.push_to_hub`` uploads the same README.md. Every file written (the tokenizer's too) is in the export's
-    manifest, so ``push_export`` uploads it.
+    A new folder is written beside, in a hidden ``.NAME.export-PID``, and renamed into place when complete; an
+    existing one (empty, or an earlier export) is kept and written inside, in a hidden ``.hf_tapernorm_writing-PID``
+    whose files move up when complete, the manifest first (a killed write's leftover is deleted by the next write): a
+    kill never leaves a half export a retry cannot replace. An earlier export is replaced whole, so none of its files
+    (a tokenizer, a robustness scan) stays to be pushed as the new export's; a failed write leaves it as it was.
+    ``facts`` fills the model card (see ``hf_tapernorm.export.model_card.FACT_KEYS``); the card is attached to the
+    model, so a later ``model.push_to_hub`` uploads the same README.md. Every file written (the tokenizer's too) is in
+    the export's manifest, so ``push_export`` uploads it.
     """
     if not isinstance(model, FoldedModelMixin):
         raise TaperStateError(
@@ -201,6 +211,7 @@ def export_folded(
         )
     check_tokenizer_to_save(tokenizer, "export_folded")
     folder = expand_user(save_directory, f"export_folded: save_directory '{save_directory}'")  # "~/out": $HOME/out
+    remove_abandoned_inside(folder)
     replace = _check_export_folder(folder, overwrite)
     if facts is not None and not isinstance(facts, Mapping):
         raise ConfigurationError(
@@ -208,7 +219,7 @@ def export_folded(
         )
     if facts is not None or model.model_card is None:
         attach_model_card(model, facts)
-    _write_beside(folder, model, tokenizer, replace)
+    _write_to(folder, model, tokenizer, replace)
     logger.info("exported %s to %s", type(model).__name__, folder)
     return folder
 
@@ -222,60 +233,62 @@ def _write_export(folder: Path, model: PreTrainedModel, tokenizer: Any) -> None:
             _log_sink_handling(model, tokenizer)
 
 
-def _write_beside(folder: Path, model: PreTrainedModel, tokenizer: Any, replace: bool) -> None:
-    """Write the export beside ``folder`` (inside the hidden ``.NAME.export-PID`` folder, marked before anything goes
-    in: _temporaries.py), then rename it into place: a kill leaves a recognisable leftover, never a half export under
-    the final name. An earlier export (``replace``) is swapped out and deleted, so no file of it survives into the new
-    export, and a write that fails (a full disk) leaves it whole under its name; an empty folder is replaced by the
-    rename (its permissions kept), or written into where no rename may replace it (a symbolic link, a mount point, the
-    working folder). Killed writes' folders beside it (marked, their writer gone) are deleted first, as a run
-    folder's --overwrite deletes one inside it; a live writer's, or a user's under that name, is refused."""
+def _write_to(folder: Path, model: PreTrainedModel, tokenizer: Any, replace: bool) -> None:
+    """Write a new folder beside it, an existing one (empty, or an earlier export) inside it, which keeps the folder:
+    its owner, group, ACLs, a link to it, a mount point, a shell in it. Killed writes' leftovers beside go first."""
     remove_abandoned(folder, EXPORT_KIND, lambda leftover: _abandoned_export(leftover, folder))
-    if not replace and _written_in_place(folder):
-        _write_export(folder, model, tokenizer)
-        return
-    what = "replace the earlier export" if replace else "write the export"
-    container = temporary_name(folder, EXPORT_KIND, os.getpid())
+    if folder.name in ("", ".", ".."):
+        folder.mkdir(parents=True, exist_ok=True)  # no name to write beside: "." or "new/.."
+    if folder.is_dir():
+        _write_inside(folder, model, tokenizer, replace)
+    else:
+        _write_beside(folder, model, tokenizer)
+
+
+def _claim(folder: Path, container: Path, what: str) -> Path:
+    """Make the marked ``container`` a write of ``folder`` goes through; refuse a folder in the way (no leftover)."""
     if os.path.lexists(container):
         raise ConfigurationError(
             f"could not {what} {folder}: '{container}' is in the way (hf-tapernorm writes through that name, and this "
             "one is no leftover of a write that is gone); nothing was written: move it away, then export again"
         )
     make_marked_folder(container)
-    new, aside = container / "new", container / "old"  # new: created by save_pretrained with the usual mode
+    return container
+
+
+def _write_beside(folder: Path, model: PreTrainedModel, tokenizer: Any) -> None:
+    """Write a new ``folder``'s export in the hidden, marked ``.NAME.export-PID`` beside it (_temporaries.py), then
+    rename it into place: a kill leaves a recognisable leftover, never a half export under the final name."""
+    container = _claim(folder, temporary_name(folder, EXPORT_KIND, os.getpid()), "write the export")
+    new = container / "new"
     try:
         _write_export(new, model, tokenizer)
-        if replace:
-            _swap_in(folder, new, aside)
-        else:
-            if folder.is_dir():
-                shutil.copymode(folder, new)
-            os.replace(new, folder)  # onto an empty folder: replaced; one that is no longer empty: refused
+        os.replace(new, folder)
     except OSError as error:
-        left = "it is left as it was" if replace else "nothing was written"
-        raise ConfigurationError(f"could not {what} {folder}: {error}; {left}") from error
+        raise ConfigurationError(f"could not write the export {folder}: {error}; nothing was written") from error
     finally:
         shutil.rmtree(container, ignore_errors=True)
 
 
-def _swap_in(folder: Path, new: Path, aside: Path) -> None:
-    """Set the earlier export ``folder`` aside and rename ``new`` into its place (put back if that fails)."""
-    os.replace(folder, aside)
+def _write_inside(folder: Path, model: PreTrainedModel, tokenizer: Any, replace: bool) -> None:
+    """Write the export into the existing ``folder`` through a hidden, marked ``.hf_tapernorm_writing-PID`` inside it
+    (bookkeeping: never uploaded; on its filesystem, so the moves are renames), then move it up: an earlier export's
+    files are deleted only once the new export is complete (a failed write leaves it as it was), and the new manifest
+    goes up first, so a kill mid-move leaves an export (incomplete: push refuses it) that overwrite=True replaces."""
+    what = "replace the earlier export" if replace else "write the export"
+    container = _claim(folder, writing_inside(folder, os.getpid()), what)
+    moving = False
     try:
-        os.replace(new, folder)
-    except BaseException:
-        os.replace(aside, folder)
-        raise
-
-
-def _written_in_place(folder: Path) -> bool:
-    """Whether ``folder`` (new, or empty) is one a rename may not replace: a name ending in ``..`` or ``.``, a
-    symbolic link (its target is the user's), a mount point (the kernel refuses), the working folder or one above it
-    (the shell would sit in a deleted folder). The export is written into it, as before."""
-    if folder.name in ("", ".", ".."):
-        return True
-    in_use = folder.is_dir() and Path.cwd().resolve().is_relative_to(folder.resolve())
-    return folder.is_symlink() or os.path.ismount(folder) or in_use
+        _write_export(container, model, tokenizer)
+        moving = True
+        if replace:
+            remove_listed(folder, export_manifest(folder) or ())  # the manifest: replaced by the new one's
+        move_up(container, folder, first=EXPORT_MANIFEST_NAME)
+    except OSError as error:
+        left = "the export in it is incomplete; export again with overwrite=True" if moving else "it is as it was"
+        raise ConfigurationError(f"could not {what} {folder}: {error}; {left}") from error
+    finally:
+        shutil.rmtree(container, ignore_errors=True)
 
 
 def _abandoned_export(leftover: Path, folder: Path) -> bool:
@@ -318,10 +331,6 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
     foreign = sorted(set(_folder_files(folder)) - set(manifest))
     # A bookkeeping name but the manifest is no file of the export: a running command's lock, or a user's look-alike.
     foreign += sorted(p.name for p in folder.iterdir() if _is_bookkeeping(p.name) and p.name != EXPORT_MANIFEST_NAME)
-    if folder.is_symlink() or Path.cwd().resolve().is_relative_to(folder.resolve()):
-        raise ConfigurationError(
-            f"{refusal}: it is a symbolic link, or the working folder or one above it; pass another folder"
-        )
     if foreign:
         listed = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
         raise ConfigurationError(

@@ -491,6 +491,37 @@ def test_two_trainers_sharing_arguments_each_decay_after_their_own_taper(tmp_pat
     assert _decay_rates(first) == pytest.approx([3e-3] * 7 + [1.5e-3], abs=1e-6)
 
 
+@pytest.mark.parametrize("copied", ["replace", "deepcopy", "pickle"])
+def test_a_copy_of_the_arguments_gets_its_own_written_decay_steps(tmp_path, copied):
+    """Trainer(args, callbacks=[TaperCallback(2, 5)]) wrote num_decay_steps=3 (for 8 steps) into args, then
+    ``dataclasses.replace(args, max_steps=12)`` (or a deepcopy) carried the dict without the mark kept on the
+    arguments, and a second Trainer took 3 as the user's: its learning rate stayed up until step 9, four steps after
+    its gate reached 0. The mark travels with the dict now: the copy's Trainer writes its own (7), and trains as on
+    arguments of its own; the written dict still reads as a plain dict (to_dict, json)."""
+    import dataclasses
+
+    args = _small_args(tmp_path / "a", lr_scheduler_type="warmup_stable_decay")
+    Trainer(model=_patched(), args=args, train_dataset=_dataset(16), callbacks=[TaperCallback(2, 5)])
+    assert json.loads(args.to_json_string())["lr_scheduler_kwargs"] == {"num_decay_steps": 3}
+    if copied == "replace":
+        copy_of_args = dataclasses.replace(args, max_steps=12, output_dir=str(tmp_path / "b"))
+    else:
+        copy_of_args = copy.deepcopy(args) if copied == "deepcopy" else pickle.loads(pickle.dumps(args))
+        copy_of_args.max_steps, copy_of_args.output_dir = 12, str(tmp_path / "b")
+    copied_run = Trainer(
+        model=_patched(), args=copy_of_args, train_dataset=_dataset(16), callbacks=[TaperCallback(2, 5)]
+    )
+    assert copy_of_args.lr_scheduler_kwargs == {"num_decay_steps": 7} and args.lr_scheduler_kwargs == {
+        "num_decay_steps": 3
+    }
+    copied_run.train()
+    own_args = _small_args(tmp_path / "c", max_steps=12, lr_scheduler_type="warmup_stable_decay")
+    own = Trainer(model=_patched(), args=own_args, train_dataset=_dataset(16), callbacks=[TaperCallback(2, 5)])
+    own.train()
+    assert _decay_rates(copied_run)[:7] == pytest.approx([3e-3] * 6 + [2.85145e-3], abs=1e-6)
+    assert _decay_rates(copied_run) == pytest.approx(_decay_rates(own), abs=1e-12)
+
+
 def test_a_users_num_decay_steps_is_kept_by_every_trainer(tmp_path):
     """A num_decay_steps the user set (also after a Trainer had written its own) is the user's: never recomputed."""
     args = _small_args(tmp_path, lr_scheduler_type="warmup_stable_decay", lr_scheduler_kwargs={"num_decay_steps": 5})

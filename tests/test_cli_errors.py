@@ -1664,6 +1664,18 @@ CASES = {
         2,
         "error: unrecognized arguments: ['--debug', 'underflow_overflow'] (see hf-tapernorm fold --help)",
     ),
+    # a --debug before a value that is no debug feature (misspelt, a comma list) was the traceback switch, and the
+    # value left over was refused as a traceback: after the command word it is the Trainer's option, refused in one line
+    "taper: the Trainer's --debug with a misspelt feature": (
+        lambda ws: _taper(ws, "--debug", "underflw_overflow"),
+        2,
+        "error: argument --debug: invalid DebugOption value: 'underflw_overflow' (see hf-tapernorm taper --help)",
+    ),
+    "taper: the Trainer's --debug with a comma list": (
+        lambda ws: _taper(ws, "--debug", "underflow_overflow,tpu_metrics_debug"),
+        2,
+        "error: argument --debug: invalid DebugOption value: 'underflow_overflow,tpu_metrics_debug' (see ",
+    ),
     "taper: an options file's output_dir under a ~user this machine does not have": (
         _no_user_in_options_file,
         2,

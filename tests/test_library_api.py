@@ -633,6 +633,43 @@ def test_a_controller_takes_whole_steps_of_any_number_type():
     assert controller._last_step == 3 and type(controller._last_step) is int
 
 
+@pytest.mark.parametrize("call", ["step_begin", "check_resume", "step_end", "check"])
+@pytest.mark.parametrize("step", [-1, numpy.int64(-2), torch.tensor(-3), -1.0])
+def test_a_negative_controller_step_is_refused(call, step):
+    """step_begin(-1) returned gate 1.0 and recorded step -1, check_resume(-3) and step_end(-1) were taken, and
+    check(-1) named "optimizer step 0": a negative step counts no updates completed (the Trainer's global_step starts
+    at 0). Every call taking a step refuses it in one line now, before changing anything."""
+    model = _paper(taper_start=2, taper_end=6).train()
+    controller = TaperController(model, total_steps=8)
+    controller.step_begin(0)
+    ids = random_batches(n=1, seed=0)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    with pytest.raises(ConfigurationError) as caught:
+        getattr(controller, call)(step)
+    assert str(caught.value) == (
+        f"TaperController.{call}: step must be the number of optimizer steps completed, 0 or more, got {step!r}; "
+        "the first update is step_begin(0) (the Trainer's state.global_step, which starts at 0)"
+    )
+    assert controller._last_step == 0 and controller._last_call == "step_begin(0)"
+
+
+@pytest.mark.parametrize("call", ["step_begin", "check_resume", "step_end", "check"])
+def test_a_controller_step_too_large_for_a_float_is_no_overflow_error(call):
+    """step_begin(10**400) (and check_resume, step_end) raised OverflowError ("int too large to convert to float")
+    from the step check, which read every step through float(). An int is read as one now: 10**400 is a whole step,
+    and a float that overflows (10.0**400 is inf) is refused in one line."""
+    from hf_tapernorm.training.controller import whole_step
+
+    assert whole_step(10**400, call) == 10**400 and whole_step(numpy.uint64(2**64 - 1), call) == 2**64 - 1
+    assert whole_step(torch.tensor(2**62), call) == 2**62 and type(whole_step(numpy.int64(7), call)) is int
+    with pytest.raises(ConfigurationError) as caught:
+        whole_step(float("1e400"), call)
+    assert str(caught.value) == (
+        f"TaperController.{call}: step must be a whole number of optimizer steps completed (an int), got inf; count "
+        "optimizer updates, not micro-batches (the gate is constant over one update's)"
+    )
+
+
 def _saved_at_step_5(folder: Path) -> Path:
     """A paper taper of 8 steps (window 2 -> 6), its model and controller state saved after 5 steps."""
     model = _paper(taper_start=2, taper_end=6).train()

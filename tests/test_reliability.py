@@ -203,6 +203,43 @@ def test_debug_before_a_debug_feature_is_the_trainers_option(workspace, tmp_path
     assert taken is switched and [option.value for option in args.debug] == debug
 
 
+@pytest.mark.parametrize(
+    "value", ["underflw_overflow", "UNDERFLOW_OVERFLOW", "underflow_overflow,tpu_metrics_debug", ""]
+)
+def test_debug_before_a_value_that_is_no_feature_is_the_trainers_option_refused_in_one_line(tmp_path, value):
+    """``taper --debug underflw_overflow`` (misspelt, upper case, a comma list, ``""``): the word was no debug feature,
+    so --debug was taken as the traceback switch and the value left over was refused as a traceback. After the
+    command word, --debug before a value is the Trainer's option now, and its parser names the value in one line."""
+    from hf_tapernorm._parsing import UsageError, parse
+    from hf_tapernorm.cli.arguments import TaperTrainingArguments
+    from hf_tapernorm.cli.main import take_debug_switch
+
+    taken, argv = take_debug_switch(["taper", "--output_dir", str(tmp_path), "--debug", value])
+    assert taken is False and argv[-2:] == ["--debug", value]
+    with pytest.raises(UsageError) as refused:
+        parse([TaperTrainingArguments], argv[1:], "hf-tapernorm taper")
+    assert (
+        str(refused.value) == f"argument --debug: invalid DebugOption value: {value!r} (see hf-tapernorm taper --help)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "kept"),
+    [
+        (["--debug", "taper", "--max_steps", "3"], ["taper", "--max_steps", "3"]),
+        (["taper", "--debug", "run.yaml"], ["taper", "run.yaml"]),
+        (["taper", "--debug", "RUN.YML"], ["taper", "RUN.YML"]),
+        (["eval", "--debug", "run.json", "--debug"], ["eval", "run.json"]),
+    ],
+)
+def test_debug_before_the_command_or_an_options_file_is_the_switch(argv, kept):
+    """The rule that gives a value after --debug to the Trainer leaves the switch where it was: before the command
+    word (``hf-tapernorm --debug taper``), before an options file (``taper --debug run.yaml``) and last."""
+    from hf_tapernorm.cli.main import take_debug_switch
+
+    assert take_debug_switch(argv) == (True, kept)
+
+
 def test_damaged_checkpoints_name_the_file(workspace, finished, tmp_path):
     import shutil
 

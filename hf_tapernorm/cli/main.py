@@ -3,7 +3,8 @@
 Every error the package explains (``TaperNormError``) prints as ``hf-tapernorm COMMAND: error: ...`` on
 stderr with exit status 2 (usage, configuration, model or data problems) or 1 (training diverged, the
 fold check failed: the run was valid, its result is not, and nothing was exported). ``--debug`` (anywhere
-on the command line, but before a debug feature: ``--debug underflow_overflow`` is the Trainer's option) or
+on the command line, but before a value after the command word: ``--debug underflow_overflow`` is the Trainer's
+option) or
 ``HF_TAPERNORM_DEBUG=1`` shows the traceback instead.
 
 SIGTERM (``docker stop``, Slurm, Kubernetes) is Ctrl-C: during training both save a checkpoint and stop
@@ -131,33 +132,37 @@ def main(argv: Optional[Sequence[str]] = None, *, extension: Optional[TaperExten
 
 
 def take_debug_switch(argv: list[str]) -> tuple[bool, list[str]]:
-    """Whether ``argv`` asks for tracebacks, and ``argv`` without that switch. ``--debug`` followed by debug features
-    (``--debug underflow_overflow``, also ``"underflow_overflow tpu_metrics_debug"`` as one word) is the Trainer's
-    option of the same name, left to the command's parser; any other ``--debug`` is the switch. Taking every
-    ``--debug`` left the Trainer's value over, and its refusal came as a traceback (the switch re-raises)."""
-    kept, switched, features = [], False, False
+    """Whether ``argv`` asks for tracebacks, and ``argv`` without that switch. After the command word, ``--debug``
+    followed by a value (a word that starts with no ``-`` and names no options file) is the Trainer's option of that
+    name, left to the command's parser, which refuses a value that is no debug feature in one line; any other
+    ``--debug`` (before the command word, last, before an option or an options file) is the switch. Taking the
+    ``--debug`` of a misspelt feature left its value over, refused as a traceback (the switch re-raises)."""
+    kept, switched, value_next = [], False, False
     for index, word in enumerate(argv):
-        if features:  # the Trainer's parser takes the features as words: "a b" is a, b (as an options file reads it)
-            kept.extend(word.split())
-            features = False
+        if value_next:  # the Trainer's parser takes the features as words: "a b" is a, b (as an options file reads it)
+            kept.extend(word.split() or [word])
+            value_next = False
         elif word != DEBUG_FLAG:
             kept.append(word)
-        elif _debug_features(argv[index + 1 : index + 2]):
+        elif kept and _debug_value(argv[index + 1 : index + 2]):  # kept: the command word came before it
             kept.append(word)
-            features = True
+            value_next = True
         else:
             switched = True
     return switched, kept
 
 
-def _debug_features(following: list[str]) -> bool:
-    """Whether the word after ``--debug`` (a list of none or one) names TrainingArguments' debug features only."""
-    names = following[0].split() if following else []
-    if not names or following[0].startswith("-"):
-        return False
-    from transformers.debug_utils import DebugOption  # on use: `hf-tapernorm --help` stays instant
+#: The endings of an options file (``taper run.yaml``): ``--debug run.yaml`` is the switch, then the file.
+_OPTIONS_FILE_ENDINGS = (".json", ".yaml", ".yml")
 
-    return all(name in {option.value for option in DebugOption} for name in names)
+
+def _debug_value(following: list[str]) -> bool:
+    """Whether the word after ``--debug`` (a list of none or one) is a value of the Trainer's option: one that starts
+    with no ``-`` and is no options file (a misspelt feature too, so that the parser names it)."""
+    if not following:
+        return False
+    word = following[0]
+    return not word.startswith("-") and not word.strip().lower().endswith(_OPTIONS_FILE_ENDINGS)
 
 
 class Terminated(KeyboardInterrupt):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from pathlib import Path
 from typing import Optional, Union
 
@@ -383,21 +384,39 @@ class TaperController:
 
 
 def whole_step(step: object, call: str) -> int:
-    """``step`` as an int, refused in one line unless a whole number: a bool (read as 0 or 1), or a fraction (a loop
-    passing its micro-batch over the accumulation) would set a new gate for every micro-batch, each with its own
-    statistics update; a text is no number. Whole numbers of any kind are taken: 3.0, a tensor or a numpy integer."""
-    dtype = getattr(step, "dtype", None)
-    boolean = isinstance(step, bool) or dtype is torch.bool or getattr(dtype, "kind", None) == "b"
-    try:
-        value = None if boolean or isinstance(step, (str, bytes)) else float(step)
-    except (TypeError, ValueError, RuntimeError):  # not a number, or a tensor or array of several
-        value = None
-    if value is None or not math.isfinite(value) or value != math.floor(value):
+    """``step`` as an int, refused in one line unless a whole number of 0 or more: a bool (read as 0 or 1), or a
+    fraction (a loop passing its micro-batch over the accumulation) would set a new gate for every micro-batch, each
+    with its own statistics update; a text is no number, and a negative step no count of updates completed (the
+    Trainer's global_step starts at 0). Whole numbers of any kind are taken: 3.0, a tensor or a numpy integer; an
+    int is read as one (operator.index), never through a float, which an int too large for one overflows."""
+    value = _whole_number(step)
+    if value is None:
         raise ConfigurationError(
             f"TaperController.{call}: step must be a whole number of optimizer steps completed (an int), got "
             f"{step!r}; count optimizer updates, not micro-batches (the gate is constant over one update's)"
         )
-    return int(value)
+    if value < 0:
+        raise ConfigurationError(
+            f"TaperController.{call}: step must be the number of optimizer steps completed, 0 or more, got {step!r}; "
+            "the first update is step_begin(0) (the Trainer's state.global_step, which starts at 0)"
+        )
+    return value
+
+
+def _whole_number(step: object) -> Optional[int]:
+    """The whole number ``step`` holds (an int, a numpy or torch integer, a whole float), or None for anything else."""
+    dtype = getattr(step, "dtype", None)
+    if isinstance(step, (bool, str, bytes)) or dtype is torch.bool or getattr(dtype, "kind", None) == "b":
+        return None
+    try:
+        return operator.index(step)  # ints of any size and kind, without a float's rounding or overflow
+    except (TypeError, ValueError, RuntimeError):
+        pass
+    try:
+        value = float(step)
+    except (TypeError, ValueError, RuntimeError, OverflowError):  # not a number, several, or too large for a float
+        return None
+    return int(value) if math.isfinite(value) and value == math.floor(value) else None
 
 
 _ADVICE = "Lower the learning rate, taper more slowly (a later taper_end) or keep more norms (keep_norms)"

@@ -143,10 +143,17 @@ def fit_default_window(
     return taper_start, taper_end
 
 
-#: The attribute of a TrainingArguments where decay_learning_rate_after_the_taper records what it wrote: the kwargs
-#: dict it gave ``args.lr_scheduler_kwargs``, the num_decay_steps in it (a user's value is never recomputed) and the
-#: run length it was computed for.
-_WRITTEN_DECAY = "_tapernorm_written_decay"
+class WrittenDecayKwargs(dict):
+    """The ``lr_scheduler_kwargs`` that decay_learning_rate_after_the_taper writes: a dict (the scheduler, to_dict and
+    json read it as one) that carries the num_decay_steps it wrote and the run length it was computed for. The mark
+    travels with the dict, so a copy of the arguments (``dataclasses.replace``, ``copy.deepcopy``, a pickle) still
+    tells the written value from a user's, where a mark on the arguments was lost and the copy's value read as the
+    user's."""
+
+    def __init__(self, kwargs: dict[str, Any], decay_steps: int, run_length: Optional[int]) -> None:
+        super().__init__(kwargs, num_decay_steps=decay_steps)
+        self.decay_steps = decay_steps
+        self.run_length = run_length
 
 
 def decay_learning_rate_after_the_taper(args, schedule: TaperSchedule) -> None:
@@ -154,18 +161,17 @@ def decay_learning_rate_after_the_taper(args, schedule: TaperSchedule) -> None:
 
     The learning rate then stays up while the gate falls, and the model has decaying steps left at g = 0
     to repair what the taper changed (docs/fidelity.md). An explicit ``num_decay_steps`` is left alone. The
-    arguments get a new kwargs dict (the user's is never changed in place), and the value written is recorded on
-    them: one TrainingArguments shared by two Trainers gets each its own window's, not the first one's read as
+    arguments get a new kwargs dict (the user's is never changed in place), a WrittenDecayKwargs: one
+    TrainingArguments shared by two Trainers (or copied) gets each its own window's, not the first one's read as
     the user's.
     """
     if not decay_steps_missing(args):
         return
-    written = {**users_scheduler_kwargs(args), "num_decay_steps": decay_steps_of(schedule)}
+    written = WrittenDecayKwargs(users_scheduler_kwargs(args), decay_steps_of(schedule), schedule.total_steps)
     args.lr_scheduler_kwargs = written
-    setattr(args, _WRITTEN_DECAY, (written, written["num_decay_steps"], schedule.total_steps))
     logger.info(
         "the learning rate decays over the %d steps after the gate reaches 0 (step %d)",
-        written["num_decay_steps"],
+        written.decay_steps,
         schedule.k_end,
     )
 
@@ -177,15 +183,17 @@ def decay_steps_of(schedule: TaperSchedule) -> int:
 
 def written_decay_steps(args) -> Optional[int]:
     """The num_decay_steps of ``args.lr_scheduler_kwargs`` where decay_learning_rate_after_the_taper wrote it (for
-    this run or an earlier one sharing the arguments), unchanged since; None where the user set it, or nobody did."""
+    this run, an earlier one sharing the arguments, or the arguments these were copied from), unchanged since; None
+    where the user set it, or nobody did."""
     kwargs = getattr(args, "lr_scheduler_kwargs", None)
-    written, value, _ = getattr(args, _WRITTEN_DECAY, (None, None, None))
-    return value if written is not None and kwargs is written and kwargs.get("num_decay_steps") == value else None
+    if not isinstance(kwargs, WrittenDecayKwargs) or kwargs.get("num_decay_steps") != kwargs.decay_steps:
+        return None
+    return kwargs.decay_steps
 
 
 def written_decay_run_length(args) -> Optional[int]:
     """The max_steps that the num_decay_steps of written_decay_steps was computed for (None where there is none)."""
-    return getattr(args, _WRITTEN_DECAY, (None, None, None))[2] if written_decay_steps(args) is not None else None
+    return args.lr_scheduler_kwargs.run_length if written_decay_steps(args) is not None else None
 
 
 def users_scheduler_kwargs(args) -> dict[str, Any]:
@@ -224,7 +232,6 @@ def forget_written_decay(args) -> None:
     """Give ``args`` back the user's scheduler kwargs, without a num_decay_steps written for another run."""
     if written_decay_steps(args) is not None:
         args.lr_scheduler_kwargs = users_scheduler_kwargs(args)
-        setattr(args, _WRITTEN_DECAY, (None, None, None))
 
 
 #: Why the Trainer's own arguments of the scheduler are no keys of --lr_scheduler_kwargs: the Trainer passes

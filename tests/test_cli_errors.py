@@ -257,6 +257,16 @@ def _without_records(run: Path) -> Path:
     return run
 
 
+def _with_relative_model(run: Path, ws: Path) -> Path:
+    """The copy ``run`` as a run started with a relative model path, 'llama' from the run's parent folder (where
+    ``llama`` is, a link to the workspace's model), killed before its report: its records name 'llama'."""
+    (run.parent / "llama").symlink_to(ws / "llama")
+    edit_json(run / ".hf_tapernorm_run.json", identity={"model": "llama", "model_contents": "0" * 64})
+    for record in run.glob("checkpoint-*/tapernorm_run.json"):
+        record.unlink()
+    return run
+
+
 def _held(folder: Path) -> Path:
     """``folder`` with the lock of a running hf-tapernorm command (this test's parent process, alive) in it."""
     folder.mkdir()
@@ -955,6 +965,20 @@ CASES = {
         ["error: dataset '", "/empty_arr.json' is empty: the file holds no rows"],
         ("tmp_path",),
     ),
+    # probe37 row 7: a JSON object and an array of empty objects: "cannot tell which column holds the text (columns:
+    # none); pass --text_column", which could not help; the dataset is empty
+    **{
+        f"eval on a json file of {what} as {option}": (
+            lambda ws, tmp, option=option, text=text: _eval(
+                ws, "--out_of_corpus_blocks", "2", option, str(_written(tmp / "rows.json", text))
+            ),
+            2,
+            ["error: dataset '", "/rows.json' is empty: its rows hold no columns, so no text; name a dataset of text"],
+            ("tmp_path",),
+        )
+        for what, text in (("an empty object", "{}\n"), ("an array of empty objects", "[{}]\n"))
+        for option in ("--dataset_name", "--out_of_corpus_dataset")
+    },
     "data folder without text files": (lambda ws: _taper(ws, data="emptydir"), 2, ["holds no", ".txt"]),
     # refused before loading by the loader's own rule (sources.local_data_files), for every data option and command
     "taper --out_of_corpus_dataset folder without data files": (
@@ -1422,6 +1446,18 @@ CASES = {
         2,
         "bench builds its variants from an ordinary model, which the run's outputs are not: pass the model the run "
         "started from, '{ws}/llama'",
+        NEEDS_RUN,
+    ),
+    # probe37 row 4: a killed run started with a relative model path: "which is not there", though it was (beside
+    # the run, where it was started from); the path is looked for there (and from the working folder) now
+    "bench of a killed run whose records name a relative model path": (
+        lambda ws, run, tmp: [
+            *_bench(ws)[:2],
+            str(_with_relative_model(_without_tapered(copy_of(run, tmp)), ws)),
+            *_bench(ws)[3:],
+        ],  # fmt: skip
+        2,
+        ["pass the model the run started from, '", "/llama'"],
         NEEDS_RUN,
     ),
     "eval --scan_reference of a run killed before its report, with no record of its model": (

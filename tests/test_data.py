@@ -1375,6 +1375,7 @@ def test_a_compressed_file_in_a_data_folder_is_named_in_a_warning(ws, tmp_path, 
         ("texts/a.txt", None, None, "copy.txt", "is a copy of the training corpus"),  # the same bytes
         ("texts", None, None, "copy.txt", "is a copy of part of the training corpus"),
         ("texts/a.txt", None, None, "mix", None),  # a copy among other text: a WARNING (below)
+        ("texts/a.txt", None, None, "withempty", "is a copy of the training corpus"),  # a copy and an empty file
         ("splits", "train", None, "splits/test.txt", None),  # the corpus reads the train split alone
         ("splits", "test", None, "splits/test.txt", "names the training corpus"),
         ("me/one", "test", None, "me/one", None),  # the out-of-corpus text reads the train split
@@ -1390,7 +1391,8 @@ def test_the_out_of_corpus_text_is_refused_only_where_it_is_the_training_corpus(
     without a word; it is refused where its text is the corpus's (the same files however spelled, some of them, the
     same Hub dataset's train split), and text beside it (another file or split, another configuration) is not.
     A hard link of the corpus, a folder holding the corpus's file and more, and a byte-identical copy were taken;
-    they are refused now (a copy among other files gets a WARNING)."""
+    they are refused now (a copy among other files gets a WARNING). A copy beside an empty file got only that
+    WARNING (the empty file counted as other text); a file with no text is not counted now, so it is refused."""
     import os
     import shutil
 
@@ -1406,6 +1408,9 @@ def test_the_out_of_corpus_text_is_refused_only_where_it_is_the_training_corpus(
     os.link("texts/b.txt", "sup/corpus.txt")
     shutil.copy("texts/a.txt", "copy.txt")
     shutil.copy("texts/a.txt", "mix/copy.txt")
+    Path("withempty").mkdir()
+    shutil.copy("texts/a.txt", "withempty/copy.txt")
+    Path("withempty/empty.txt").write_text("")
     data = DataArguments(
         dataset_name=corpus, dataset_split=split, dataset_config_name=config, out_of_corpus_dataset=other,
         out_of_corpus_blocks=2,
@@ -1419,6 +1424,58 @@ def test_the_out_of_corpus_text_is_refused_only_where_it_is_the_training_corpus(
         return
     with pytest.raises(DataError, match=re.escape(f"--out_of_corpus_dataset '{other}' {refused} (--dataset_name")):
         check_out_of_corpus_differs(data, local)
+
+
+@pytest.mark.parametrize("form", ["jsonl", "json array", "trailing newline", "crlf", "first half"])
+def test_out_of_corpus_text_of_the_corpus_documents_in_another_form_is_refused(form, tmp_path, tokenizer):
+    """The corpus's documents in another form than its bytes (JSON Lines or a JSON array of its texts, one trailing
+    newline, CRLF line ends, its first half) were read as out-of-corpus text without a word: only a byte copy was
+    refused. The documents are compared now (line ends and surrounding white space aside): every one a corpus
+    document, the out-of-corpus set is refused in one line."""
+    from hf_tapernorm.cli.arguments import DataArguments
+    from hf_tapernorm.data.out_of_corpus import out_of_corpus_set
+
+    docs = corpus_documents(40, seed=3)
+    (tmp_path / "corpus.txt").write_text("\n\n".join(docs))
+    texts = docs[:20] if form == "first half" else docs
+    name, body = {
+        "jsonl": ("o.jsonl", "".join(json.dumps({"text": d}) + "\n" for d in docs)),
+        "json array": ("o.json", json.dumps([{"text": d} for d in docs])),
+        "trailing newline": ("o.txt", "\n\n".join(docs) + "\n"),
+        "crlf": ("o.txt", "\r\n\r\n".join(d.replace("\n", "\r\n") for d in docs)),
+        "first half": ("o.txt", "\n\n".join(texts)),
+    }[form]
+    (tmp_path / name).write_bytes(body.encode())
+    data = DataArguments(dataset_name=str(tmp_path / "corpus.txt"), out_of_corpus_dataset=str(tmp_path / name),
+                         out_of_corpus_blocks=2, block_size=32, data_cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    with pytest.raises(DataError) as refusal:
+        out_of_corpus_set(data, tokenizer, [])
+    assert str(refusal.value) == (
+        f"--out_of_corpus_dataset '{tmp_path / name}': every one of its {len(texts)} documents is a document of the "
+        f"training corpus (--dataset_name '{tmp_path / 'corpus.txt'}'), so its loss would be the corpus's own; name "
+        "text the model was not trained on, or leave it out"
+    )
+
+
+def test_out_of_corpus_text_holding_some_corpus_documents_is_named_in_a_warning(tmp_path, tokenizer, caplog):
+    """Some of the corpus's documents among other out-of-corpus text (not a byte copy of a file) were read without a
+    word; a WARNING names how many of its documents are the corpus's, and the set is still built."""
+    from hf_tapernorm.cli.arguments import DataArguments
+    from hf_tapernorm.data.out_of_corpus import out_of_corpus_set
+
+    docs, others = corpus_documents(40, seed=3), corpus_documents(30, seed=4)
+    (tmp_path / "corpus.txt").write_text("\n\n".join(docs))
+    (tmp_path / "o.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in others + docs[:10]))
+    corpus, other = str(tmp_path / "corpus.txt"), str(tmp_path / "o.jsonl")
+    data = DataArguments(dataset_name=corpus, out_of_corpus_dataset=other, out_of_corpus_blocks=2, block_size=32,
+                         data_cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    with caplog.at_level("WARNING"):
+        assert out_of_corpus_set(data, tokenizer, []).blocks.shape == (2, 32)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"--out_of_corpus_dataset '{other}': 10 of its 40 documents are documents of the training corpus "
+        f"(--dataset_name '{corpus}'), so the out-of-corpus loss is partly the corpus's own; name text the model was "
+        "not trained on"
+    ]
 
 
 def test_an_out_of_corpus_folder_holding_a_copy_of_a_corpus_file_is_named_in_a_warning(tmp_path, caplog):

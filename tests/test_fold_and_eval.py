@@ -974,7 +974,7 @@ def test_fold_scans_the_text_its_run_read_as_the_run_read_it(ws, tmp_path, monke
 
     cache = cached_hub_dataset(tmp_path / "hubcache", ws / "corpus.txt")
     ooc = tmp_path / "ooc.txt"
-    ooc.write_text("\n\n".join(reversed((ws / "corpus.txt").read_text().split("\n\n"))))
+    ooc.write_text("\n\n".join(corpus_documents(150, seed=1)))  # not the corpus's documents: those are refused
     out = tmp_path / "run"
     extra = ["--dataset_name", "me/one", "--data_cache_dir", str(cache), "--out_of_corpus_dataset", str(ooc)]
     with hub_offline():
@@ -1027,7 +1027,7 @@ def test_fold_scans_the_out_of_corpus_text_from_the_column_its_run_read(ws, tmp_
     the same column; the report of an earlier version, without the key, reads as None (the default choice)."""
     import hf_tapernorm.cli.commands as commands
 
-    docs = (ws / "corpus.txt").read_text().split("\n\n")
+    docs = corpus_documents(150, seed=1)  # not the corpus's documents: those are refused
     ooc = tmp_path / "ooc.jsonl"
     ooc.write_text("".join(json.dumps({"body": d, "title": d[:9]}) + "\n" for d in reversed(docs)))
     extra = ["--out_of_corpus_dataset", str(ooc), "--out_of_corpus_text_column", "body", "--out_of_corpus_blocks", "2"]

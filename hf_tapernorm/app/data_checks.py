@@ -31,7 +31,7 @@ from typing import Any, Optional
 from ..data.columns import choose_text_column, local_columns, string_columns
 from ..data.corpus import load_documents
 from ..data.heldout import PYTHON_DOCS
-from ..data.out_of_corpus import corpus_files_among
+from ..data.out_of_corpus import corpus_files_among, holds_text
 from ..data.sources import (
     DEFAULT_SAMPLE_BY,
     EMBEDDED_CORPUS,
@@ -178,7 +178,9 @@ def check_out_of_corpus_differs(data: Any, local: Mapping[str, Optional[tuple[st
     split (what the out-of-corpus text reads; a slice of train: part of it); or local files (``local``: option -> its
     builder and files, check_dataset_path's): refused when any is a file of the corpus however its path is spelled or
     linked (hard links too), or when all are copies of its files (the same bytes: the same text); a copy among other
-    files is named in a WARNING (a file two datasets share by chance, a licence, need not stop a command)."""
+    files is named in a WARNING (a file two datasets share by chance, a licence, need not stop a command). The same
+    documents in another form (other line ends, JSON Lines of the texts) are refused once the texts are read
+    (data/out_of_corpus.check_documents_outside_corpus)."""
     other = datasets_read(data).get("--out_of_corpus_dataset")
     if other is None:
         return
@@ -201,9 +203,12 @@ def check_out_of_corpus_differs(data: Any, local: Mapping[str, Optional[tuple[st
 
 def _corpus_text_among(other: str, corpus: str, files: list[Path], corpus_files: list[Path]) -> Optional[str]:
     """What check_out_of_corpus_differs says of the out-of-corpus ``files`` that hold the corpus's text (None: none
-    do, or only copies among other files, named in a WARNING here)."""
+    do, or only copies among other files, named in a WARNING here). A file with no text (empty, or white space) is
+    not counted: it adds nothing to the out-of-corpus text, so a copy of the corpus beside one is a copy all the same
+    (an out-of-corpus dataset of no text at all is refused as empty when it is read)."""
+    files = [path for path in files if holds_text(path)]
     same, copies = corpus_files_among(files, corpus_files)
-    if len(same) + len(copies) == len(files):
+    if files and len(same) + len(copies) == len(files):
         whole = {*same.values(), *copies.values()} == set(corpus_files)
         return f"{'is a copy of' if copies else 'names'} {'' if whole else 'part of '}the training corpus"
     if same:

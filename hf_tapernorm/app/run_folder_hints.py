@@ -11,6 +11,7 @@ before it wrote tapered/ is pointed at the checkpoint-N folders it saved, or tol
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -144,9 +145,10 @@ def _base(run: str, folder: Path) -> str:
         return f"pass the model the run started from (its report.json records none that is there, '{run}/report.json')"
     named = next((record["model"] for record in _identities(folder) if isinstance(record.get("model"), str)), None)
     if named is not None:
+        where = "is not there" if Path(named).is_absolute() else "is found neither from here nor beside the run"
         return (
             f"pass the model the run started from (the run wrote no report.json; its records name '{named}', which "
-            "is not there)"
+            f"{where})"
         )
     return "pass the model the run started from (the run wrote no report.json, and nothing in it records the model)"
 
@@ -154,7 +156,7 @@ def _base(run: str, folder: Path) -> str:
 def recorded_model(folder: Path) -> Optional[str]:
     """The model the run in ``folder`` started from, as its report records it (a Hub id, or a local path found from
     any working folder that is still there), else as its manifest or a checkpoint records it (a run killed before its
-    report: a Hub id, or an absolute path that is still there); None without one."""
+    report: a Hub id, or a path that is still there, from the working folder or beside the run); None without one."""
     facts = _report(folder)
     return _reported_model(facts, folder) if facts is not None else _identity_model(folder)
 
@@ -175,17 +177,28 @@ def _reported_model(facts: dict[str, Any], folder: Path) -> Optional[str]:
 
 def _identity_model(folder: Path) -> Optional[str]:
     """The model a run's identity records (app/validation.run_identity): a Hub id where it fingerprinted no local
-    contents (``model_contents`` None), else its path where that is absolute and there (a relative one was relative
-    to a working folder the identity does not record)."""
+    contents (``model_contents`` None), else its path where that is there (_local_model)."""
     for record in _identities(folder):
         model = record.get("model")
         if not isinstance(model, str) or not model:
             continue
         if "model_contents" in record and record["model_contents"] is None:
             return model
-        if Path(model).is_absolute() and Path(model).exists():
-            return model
+        found = _local_model(model, folder)
+        if found is not None:
+            return found
     return None
+
+
+def _local_model(model: str, folder: Path) -> Optional[str]:
+    """The recorded local model path ``model`` as this command can pass it, where it is there: an absolute path, else
+    a relative one from the working folder (as typed) or from the run's parent folder (where a run is most often
+    started from: ``--output_dir RUN``), the identity recording no working folder of its own. None: not there."""
+    path = Path(model)
+    if path.is_absolute() or path.exists():
+        return model if path.exists() else None
+    beside = Path(os.path.abspath(folder)).parent / path
+    return str(beside) if beside.exists() else None
 
 
 def _identities(folder: Path) -> list[dict[str, Any]]:

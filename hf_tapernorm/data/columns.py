@@ -34,9 +34,14 @@ def choose_text_column(
     """The column holding the text: ``requested``, else ``text``, else the only string column of ``columns``.
 
     DataError (naming ``option``, the option that names the column, and ``what``, the dataset, where the caller
-    knows its name) for a requested column the dataset lacks, and for no or several string columns without a
-    ``text`` one. None when only the types not known yet could decide (the loading decides then, every type known)."""
-    names = ", ".join(columns) or "none"
+    knows its name) for a requested column the dataset lacks, for no or several string columns without a ``text``
+    one, and for no column at all (rows of ``{}``: the dataset is empty, which no column option mends). None when
+    only the types not known yet could decide (the loading decides then, every type known)."""
+    if not columns:  # no column to name or choose: --text_column cannot help
+        raise DataError(
+            f"{what or 'the dataset'} is empty: its rows hold no columns, so no text; name a dataset of text"
+        )
+    names = ", ".join(columns)
     if requested is not None:
         if requested not in columns:
             subject = what or "the dataset"

@@ -6,21 +6,28 @@ Why a second text, and why the Python documentation by default: data/heldout.py.
 from __future__ import annotations
 
 import filecmp
+import logging
 import os
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Optional
 
-from .corpus import empty_cells_read_as_none, row_text, text_column_of
+from .corpus import empty_cells_read_as_none, load_documents, row_text, text_column_of
 from .heldout import PYTHON_DOCS, PYTHON_DOCS_DESCRIPTION, EvaluationSet, python_docs_documents, sample_blocks
-from .sources import load_text_dataset
+from .sources import EMBEDDED_CORPUS, DataError, load_text_dataset, text_digest
+
+logger = logging.getLogger(__name__)
+_CHUNK = 1 << 16
 
 
 def out_of_corpus_set(data, tokenizer, sink_ids: Sequence[int]) -> Optional[EvaluationSet]:
     """``data.out_of_corpus_blocks`` blocks of ``data.out_of_corpus_dataset`` (None when the count is 0), a dataset's
     text read from its ``data.out_of_corpus_text_column`` (None: as --text_column's default chooses).
 
-    The draw uses ``data.heldout_seed``, so every run of a comparison reads the same blocks.
+    The draw uses ``data.heldout_seed``, so every run of a comparison reads the same blocks. A dataset whose every
+    document is one of the corpus's is refused, and one holding some of them named in a WARNING
+    (check_documents_outside_corpus).
     """
     if not data.out_of_corpus_blocks:
         return None
@@ -32,6 +39,8 @@ def out_of_corpus_set(data, tokenizer, sink_ids: Sequence[int]) -> Optional[Eval
         option = "--out_of_corpus_text_column"
         column = text_column_of(dataset, data.out_of_corpus_text_column, option=option)
         empty = empty_cells_read_as_none(dataset)
+        texts = (row_text(row, i, column, option, empty_cell=empty) for i, row in enumerate(dataset))
+        check_documents_outside_corpus(data, texts)
         documents = (
             (f"document {i}", row_text(row, i, column, option, empty_cell=empty)) for i, row in enumerate(dataset)
         )
@@ -46,6 +55,66 @@ def out_of_corpus_set(data, tokenizer, sink_ids: Sequence[int]) -> Optional[Eval
         name="out-of-corpus",
         description=description,
     )
+
+
+def document_key(text: str) -> int:
+    """The hash by which two documents are the same text: line ends and surrounding white space aside, as the text
+    loader reads a file (universal newlines: CRLF is LF) and as a JSON row or a file's last paragraph may keep them."""
+    return text_digest(text.replace("\r\n", "\n").replace("\r", "\n").strip())
+
+
+def check_documents_outside_corpus(data, texts: Iterable[str]) -> None:
+    """Refuse (one line) out-of-corpus ``texts`` (the documents of ``data.out_of_corpus_dataset``) of which every one
+    is a document of the corpus ``data`` names, and name in a WARNING how many are where some are: their loss is the
+    corpus's own, printed and recorded as the loss of text the model was not trained on. The files' bytes
+    (app/data_checks.py, before the model loads) tell a copy of a file only; the same documents in another form (JSON
+    Lines of the texts, another line end, a trailing newline, part of them) are found here by their text
+    (document_key). Documents with no text are not counted. A streamed corpus is not read whole for this (it may be
+    far larger than what a command reads of it)."""
+    ours = Counter(document_key(text) for text in texts if text.strip())
+    if not ours or data.streaming:
+        return
+    corpus = load_documents(data)
+    column = text_column_of(corpus, data.text_column)
+    found: set[int] = set()
+    for batch in corpus.select_columns([column]).iter(batch_size=1024):
+        found.update(key for text in batch[column] if isinstance(text, str) and (key := document_key(text)) in ours)
+        if len(found) == len(ours):
+            break
+    shared, total = sum(ours[key] for key in found), sum(ours.values())
+    name, source = data.out_of_corpus_dataset, data.dataset_name or EMBEDDED_CORPUS
+    if shared == total:
+        raise DataError(
+            f"--out_of_corpus_dataset '{name}': every one of its {total} documents is a document of the training "
+            f"corpus (--dataset_name '{source}'), so its loss would be the corpus's own; name text the model was not "
+            "trained on, or leave it out"
+        )
+    if shared:
+        logger.warning(
+            "--out_of_corpus_dataset '%s': %d of its %d documents are documents of the training corpus (--dataset_name "
+            "'%s'), so the out-of-corpus loss is partly the corpus's own; name text the model was not trained on",
+            name,
+            shared,
+            total,
+            source,
+        )
+
+
+def holds_text(path: Path) -> bool:
+    """Whether the file ``path`` holds anything but white space (a byte-order mark first): an empty file is no text
+    of an out-of-corpus dataset, so neither a copy of the corpus nor other text beside it (a file that cannot be
+    read counts as text: its loading tells what is wrong)."""
+    try:
+        with path.open("rb") as handle:
+            first = True
+            while chunk := handle.read(_CHUNK):
+                if first:
+                    chunk, first = chunk.removeprefix(b"\xef\xbb\xbf"), False
+                if chunk.strip():
+                    return True
+    except OSError:  # a file this user cannot read: counted, as its loading will tell
+        return True
+    return False
 
 
 def _identity(path: Path) -> tuple[int, int]:
@@ -76,4 +145,10 @@ def corpus_files_among(files: Sequence[Path], corpus: Sequence[Path]) -> tuple[d
     return same, copies
 
 
-__all__ = ["corpus_files_among", "out_of_corpus_set"]
+__all__ = [
+    "check_documents_outside_corpus",
+    "corpus_files_among",
+    "document_key",
+    "holds_text",
+    "out_of_corpus_set",
+]

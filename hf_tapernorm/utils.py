@@ -239,13 +239,19 @@ def load_dtype(dtype: Union[torch.dtype, str, None], what: str) -> Union[torch.d
     return LOAD_DTYPES[name]
 
 
+def json_object(path: Path) -> dict[str, Any]:
+    """The JSON object the file ``path`` holds; {} when it is missing, unreadable, no JSON or no object: for what a
+    record may tell (a hint, a type), where a missing or damaged record tells nothing."""
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    return values if isinstance(values, dict) else {}
+
+
 def saved_model_type(config_file: Path) -> str:
     """The ``model_type`` a saved ``config.json`` names; "" when the file is missing, unreadable or names none."""
-    try:
-        values = json.loads(config_file.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return ""
-    model_type = values.get("model_type") if isinstance(values, dict) else None
+    model_type = json_object(config_file).get("model_type")
     return model_type if isinstance(model_type, str) else ""
 
 
@@ -293,6 +299,7 @@ def holds_model_weights(folder: Path) -> bool:
 
 
 __all__ = [
+    "json_object",
     "SEED_LIMIT",
     "check_compile_options",
     "compile_backends",

@@ -526,7 +526,7 @@ CASES = {
         ],
         NEEDS_RUN,
     ),
-    # probe34: bench's and eval's outputs inside a taper run's folder, fold's export inside another saved model or
+    # bench's and eval's outputs inside a taper run's folder, fold's export inside another saved model or
     # a run (but as its own folded/): written, then the run refused --overwrite and the outer export push
     "bench: the output folder inside a taper run's folder": (
         lambda ws, run, tmp: _bench(ws, "--output_dir", str(run / "bench")),
@@ -590,7 +590,7 @@ CASES = {
         "would read it changed); choose an --output_dir outside it",
         ("tmp_path",),
     ),
-    # probe33 row 6: --scan_reference with --scan_windows 0 was never read, without a word
+    # --scan_reference with --scan_windows 0 was never read, without a word
     "eval: --scan_reference with --scan_windows 0": (
         lambda ws: _eval(ws, "--scan_windows", "0", "--scan_reference", str(ws / "other_tokenizer")),
         2,
@@ -965,7 +965,7 @@ CASES = {
         ["error: dataset '", "/empty_arr.json' is empty: the file holds no rows"],
         ("tmp_path",),
     ),
-    # probe37 row 7: a JSON object and an array of empty objects: "cannot tell which column holds the text (columns:
+    # a JSON object and an array of empty objects: "cannot tell which column holds the text (columns:
     # none); pass --text_column", which could not help; the dataset is empty
     **{
         f"eval on a json file of {what} as {option}": (
@@ -1357,7 +1357,7 @@ CASES = {
         ["cannot read", "tapernorm_config.json"],
         NEEDS_RUN,
     ),
-    # probe33 row 8: a run folder was "not a saved Hugging Face model", naming neither tapered/ nor folded/
+    # a run folder was "not a saved Hugging Face model", naming neither tapered/ nor folded/
     "eval of the run folder itself": (
         lambda ws, run, tmp: evaluate(run, data=ws / "corpus.txt"),
         2,
@@ -1383,7 +1383,7 @@ CASES = {
         ],
         NEEDS_RUN,
     ),
-    # probe34 row 12: "pass one of its checkpoint-N folders" to a run that saved none
+    # "pass one of its checkpoint-N folders" to a run that saved none
     "fold of the folder of a run that saved no checkpoint": (
         lambda ws, run, tmp: fold(_without_checkpoints(_without_tapered(copy_of(run, tmp))), tmp / "x"),
         2,
@@ -1395,7 +1395,7 @@ CASES = {
         ],
         NEEDS_RUN,
     ),
-    # probe34 row 12: push, bench, eval --scan_reference and taper said "a folder without config.json" of a run folder
+    # push, bench, eval --scan_reference and taper said "a folder without config.json" of a run folder
     "bench of the run folder": (
         lambda ws, run, tmp: [*_bench(ws)[:2], str(run), *_bench(ws)[3:]],
         2,
@@ -1439,7 +1439,7 @@ CASES = {
         ["/run' is '", "/run', a taper run's folder: the export would mix with the run's files", "/run/folded)"],
         NEEDS_RUN,
     ),
-    # probe36 rows 13-14: a run killed before report.json: "its report.json records none that is there" (there was
+    # a run killed before report.json: "its report.json records none that is there" (there was
     # none, and its manifest records the model), and fold/push pointed at a checkpoint saved at gate 0.5
     "bench of a run killed before its report": (
         lambda ws, run, tmp: [*_bench(ws)[:2], str(_without_tapered(copy_of(run, tmp))), *_bench(ws)[3:]],
@@ -1448,7 +1448,7 @@ CASES = {
         "started from, '{ws}/llama'",
         NEEDS_RUN,
     ),
-    # probe37 row 4: a killed run started with a relative model path: "which is not there", though it was (beside
+    # a killed run started with a relative model path: "which is not there", though it was (beside
     # the run, where it was started from); the path is looked for there (and from the working folder) now
     "bench of a killed run whose records name a relative model path": (
         lambda ws, run, tmp: [
@@ -1489,7 +1489,7 @@ CASES = {
         ["--resume (with its options), then fold its tapered/, and push that export"],
         NEEDS_RUN,
     ),
-    # probe36 row 3: taper's --output_dir inside another run, its export or checkpoint, or a killed run trained and
+    # taper's --output_dir inside another run, its export or checkpoint, or a killed run trained and
     # wrote a whole run there; now refused as bench's, eval's and fold's outputs are
     "taper: the output folder inside a run's export": (
         lambda ws, run, tmp: _taper(ws, "--output_dir", str(copy_of(run, tmp) / "folded" / "sub")),
@@ -1525,7 +1525,7 @@ CASES = {
         ["/run/sub' lies in '", "/run', a taper run's folder"],
         NEEDS_RUN,
     ),
-    # probe36 row 4: another run's tapered/ folded into a run's folded/ was taken as that run's own export
+    # another run's tapered/ folded into a run's folded/ was taken as that run's own export
     "fold of another run's checkpoint into a run's folded/": (
         lambda ws, run, tmp: fold(run / "tapered", copy_of(run, tmp, "runB") / "folded", "--overwrite"),
         2,

@@ -220,7 +220,7 @@ def test_fold_refuses_a_checkpoint_above_gate_zero_before_loading_it(tmp_path, m
     ],
 )
 def test_fold_refuses_tied_head_scale_where_it_changes_nothing_before_loading(kind, scope, why, tmp_path, monkeypatch):
-    """probe33 row 7: --tied_head scale on an untied head, or with the final norm kept, wrote the default export
+    """--tied_head scale on an untied head, or with the final norm kept, wrote the default export
     (byte for byte) without a word; it is refused from the checkpoint's config and recipe before the weights load."""
     import hf_tapernorm.cli.commands as commands
     from hf_tapernorm import save_tapered

@@ -187,7 +187,7 @@ def test_push_refuses_an_export_without_a_manifest(reference, tmp_path):
 
 
 def test_push_of_an_unscanned_export_names_the_command_that_writes_a_scan_into_it(run, tmp_path, hub):
-    """probe33 row 9: push said "not scanned (hf-tapernorm eval --scan_reference <the base model> scans it)", but
+    """push said "not scanned (hf-tapernorm eval --scan_reference <the base model> scans it)", but
     eval's scan only prints its result and push kept saying "not scanned"; the hint now names fold's command, which
     writes robustness_scan.json into the export, and following it (the run's folder for <run>) gets push a scan."""
     folder = copy_of(run, tmp_path) / "folded"

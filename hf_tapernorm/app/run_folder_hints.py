@@ -10,7 +10,6 @@ before it wrote tapered/ is pointed at the checkpoint-N folders it saved, or tol
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from typing import Any, Optional
 
 from ..errors import ConfigurationError
 from ..training.checkpoints import saved_gate
-from ..utils import expand_user
+from ..utils import expand_user, json_object
 from .record import recorded_path, recorded_reference
 from .run_folder import MANIFEST_NAME
 from .training_run import IDENTITY_NAME
@@ -203,25 +202,14 @@ def _local_model(model: str, folder: Path) -> Optional[str]:
 
 def _identities(folder: Path) -> list[dict[str, Any]]:
     """The run's identity as its manifest records it, then as its checkpoints do (the latest first)."""
-    records = [_json(folder / MANIFEST_NAME).get("identity")]
-    records += [_json(folder / name / IDENTITY_NAME) for name in reversed(checkpoints(folder))]
+    records = [json_object(folder / MANIFEST_NAME).get("identity")]
+    records += [json_object(folder / name / IDENTITY_NAME) for name in reversed(checkpoints(folder))]
     return [record for record in records if isinstance(record, dict)]
 
 
-def _json(path: Path) -> dict[str, Any]:
-    try:
-        values = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return {}
-    return values if isinstance(values, dict) else {}
-
-
 def _report(folder: Path) -> Optional[dict[str, Any]]:
-    try:
-        facts = json.loads((folder / "report.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return facts if isinstance(facts, dict) else None
+    """The run's report.json values (None: none, or one that is damaged)."""
+    return json_object(folder / "report.json") or None
 
 
 __all__ = [

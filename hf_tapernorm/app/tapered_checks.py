@@ -12,9 +12,8 @@ its run) has nothing to tell an edit from an intent by, and is not checked.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 
@@ -22,6 +21,7 @@ from ..config import CONFIG_NAME
 from ..errors import ConfigurationError
 from ..export.folding import tied_head_unused
 from ..training.checkpoints import tapered_config_of, weightless_tapered
+from ..utils import json_object
 from .training_run import IDENTITY_NAME
 
 
@@ -33,7 +33,7 @@ def _recorded_sink(checkpoint: Path) -> Optional[tuple[list[int], Path]]:
     if checkpoint.name == "tapered":  # a run's tapered/ folder (app/taper.py writes it), beside the run's report
         records.append(checkpoint.parent / "report.json")
     for path in records:
-        recipe = _json(path).get("taper")
+        recipe = json_object(path).get("taper")
         ids = recipe.get("sink_token_ids") if isinstance(recipe, dict) else None
         if isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             return ids, path
@@ -97,14 +97,6 @@ def _weightless(checkpoint: Path) -> Optional[torch.nn.Module]:
         return weightless_tapered(checkpoint)
     except Exception:  # noqa: BLE001 - transformers raises many types; the loaded model is checked instead
         return None
-
-
-def _json(path: Path) -> dict[str, Any]:
-    try:
-        values = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return {}
-    return values if isinstance(values, dict) else {}
 
 
 __all__ = ["check_recorded_sink", "refuse_unfoldable_gate", "refuse_unused_tied_head"]

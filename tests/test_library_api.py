@@ -597,17 +597,23 @@ def test_a_controller_step_that_is_no_whole_number_is_refused(step):
     assert controller.gate == 1.0 and controller._last_step is None  # nothing was set
 
 
+def _controller_after_one_backward() -> TaperController:
+    """A controller whose first step began and whose backward ran: the state each refused call must leave as it is."""
+    model = _paper(taper_start=2, taper_end=6).train()
+    controller = TaperController(model, total_steps=8)
+    controller.step_begin(0)
+    ids = random_batches(n=1, seed=0)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    return controller
+
+
 @pytest.mark.parametrize("call", ["check_resume", "step_end", "check"])
 @pytest.mark.parametrize("step", [2.5, True, "3", None])
 def test_every_controller_call_taking_a_step_refuses_one_that_is_no_whole_number(call, step):
     """step_begin refused fractions and bools, but check_resume(2.5) or check_resume(True) set the loop's step to
     2.5 or True and checked the gate of that step ("optimizer step True"), step_end(2.5) was taken, and "3" or None
     gave a raw TypeError. Every call taking a step refuses them in one line now, before changing anything."""
-    model = _paper(taper_start=2, taper_end=6).train()
-    controller = TaperController(model, total_steps=8)
-    controller.step_begin(0)
-    ids = random_batches(n=1, seed=0)[0]
-    model(input_ids=ids, labels=ids).loss.backward()
+    controller = _controller_after_one_backward()
     with pytest.raises(ConfigurationError) as caught:
         getattr(controller, call)(step)
     assert str(caught.value) == (
@@ -639,11 +645,7 @@ def test_a_negative_controller_step_is_refused(call, step):
     """step_begin(-1) returned gate 1.0 and recorded step -1, check_resume(-3) and step_end(-1) were taken, and
     check(-1) named "optimizer step 0": a negative step counts no updates completed (the Trainer's global_step starts
     at 0). Every call taking a step refuses it in one line now, before changing anything."""
-    model = _paper(taper_start=2, taper_end=6).train()
-    controller = TaperController(model, total_steps=8)
-    controller.step_begin(0)
-    ids = random_batches(n=1, seed=0)[0]
-    model(input_ids=ids, labels=ids).loss.backward()
+    controller = _controller_after_one_backward()
     with pytest.raises(ConfigurationError) as caught:
         getattr(controller, call)(step)
     assert str(caught.value) == (

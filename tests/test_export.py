@@ -160,7 +160,7 @@ def test_export_folded_overwrite_deletes_a_killed_replacements_leftover_and_keep
             (tmp_path / name / WRITE_MARK).write_text("")
     export_folded(folded, export, overwrite=True)
     left = sorted(p.name for p in tmp_path.iterdir())
-    assert left == [f".export.export-{alive}", f".export.export-{dead + 1}", "export"], left
+    assert left == sorted([f".export.export-{alive}", f".export.export-{dead + 1}", "export"]), left
     (tmp_path / f".fresh.export-{os.getpid()}").mkdir()  # unmarked, under the name a new folder's write needs
     with pytest.raises(ConfigurationError) as caught:
         export_folded(folded, tmp_path / "fresh")

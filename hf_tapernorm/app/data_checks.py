@@ -30,8 +30,9 @@ from typing import Any, Optional
 
 from ..data.columns import choose_text_column, local_columns, string_columns
 from ..data.corpus import load_documents
+from ..data.file_contents import holds_text
 from ..data.heldout import PYTHON_DOCS
-from ..data.out_of_corpus import corpus_files_among, holds_text
+from ..data.out_of_corpus import corpus_files_among
 from ..data.sources import (
     DEFAULT_SAMPLE_BY,
     EMBEDDED_CORPUS,

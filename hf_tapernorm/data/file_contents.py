@@ -10,6 +10,7 @@ json builder failed, so the user reads what is wrong with the file, and where.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -39,15 +40,31 @@ def _no_json_rows(path: Path) -> bool:
     """Whether ``path`` holds only white space (a byte-order mark first) or a JSON array of no item (``[ ]``), read
     until it holds more than those two characters."""
     shown = b""
+    for chunk in _chunks(path):
+        shown += b"".join(chunk.split())
+        if not b"[]".startswith(shown):
+            return False
+    return shown in (b"", b"[]")
+
+
+def holds_text(path: Path) -> bool:
+    """Whether the file ``path`` holds anything but white space (a byte-order mark first): an empty file is no text
+    of an out-of-corpus dataset, so neither a copy of the corpus nor other text beside it (a file that cannot be
+    read counts as text: its loading tells what is wrong)."""
+    try:
+        return any(chunk.strip() for chunk in _chunks(path))
+    except OSError:  # a file this user cannot read: counted, as its loading will tell
+        return True
+
+
+def _chunks(path: Path) -> Iterator[bytes]:
+    """The bytes of ``path`` in chunks, read as they are asked for, without a leading byte-order mark."""
     with path.open("rb") as handle:
         first = True
         while chunk := handle.read(_CHUNK):
             if first:
                 chunk, first = chunk.removeprefix(b"\xef\xbb\xbf"), False
-            shown += b"".join(chunk.split())
-            if not b"[]".startswith(shown):
-                return False
-    return shown in (b"", b"[]")
+            yield chunk
 
 
 def _header_only(path: Path) -> bool:

@@ -18,7 +18,6 @@ from .heldout import PYTHON_DOCS, PYTHON_DOCS_DESCRIPTION, EvaluationSet, python
 from .sources import EMBEDDED_CORPUS, DataError, load_text_dataset, text_digest
 
 logger = logging.getLogger(__name__)
-_CHUNK = 1 << 16
 
 
 def out_of_corpus_set(data, tokenizer, sink_ids: Sequence[int]) -> Optional[EvaluationSet]:
@@ -100,23 +99,6 @@ def check_documents_outside_corpus(data, texts: Iterable[str]) -> None:
         )
 
 
-def holds_text(path: Path) -> bool:
-    """Whether the file ``path`` holds anything but white space (a byte-order mark first): an empty file is no text
-    of an out-of-corpus dataset, so neither a copy of the corpus nor other text beside it (a file that cannot be
-    read counts as text: its loading tells what is wrong)."""
-    try:
-        with path.open("rb") as handle:
-            first = True
-            while chunk := handle.read(_CHUNK):
-                if first:
-                    chunk, first = chunk.removeprefix(b"\xef\xbb\xbf"), False
-                if chunk.strip():
-                    return True
-    except OSError:  # a file this user cannot read: counted, as its loading will tell
-        return True
-    return False
-
-
 def _identity(path: Path) -> tuple[int, int]:
     """The file ``path`` is (its device and inode, links followed): the same for a hard link, a symbolic link, and
     any spelling of its path."""
@@ -149,6 +131,5 @@ __all__ = [
     "check_documents_outside_corpus",
     "corpus_files_among",
     "document_key",
-    "holds_text",
     "out_of_corpus_set",
 ]

@@ -174,14 +174,16 @@ def _warn_unread(path: Path, unread: list[Path], name: str, kind: str, why: str)
         warn_once((kind, path, *listed), f"{name}: its {len(listed)} {kind} ({shown}) are not read, {why}")
 
 
-#: The single-file compressions ``datasets`` infers from a data file's last suffix (data.jsonl.gz).
-COMPRESSIONS = (".gz", ".gzip", ".bz2", ".xz", ".lz4", ".zst", ".zstd")
+#: The single-file compressions ``datasets`` infers from a data file's last suffix (data.jsonl.gz), each with the
+#: command that decompresses it and keeps the compressed file.
+DECOMPRESS = {".gz": "gunzip -k", ".gzip": "gunzip -k", ".bz2": "bunzip2 -k", ".xz": "unxz -k", ".lz4": "lz4 -d"}
+DECOMPRESS.update({".zst": "unzstd", ".zstd": "unzstd"})
 
 
 def compressed_data_file(path: Path) -> bool:
     """Whether ``path`` names a compressed data file of a supported type (data.jsonl.gz, notes.txt.xz)."""
     suffixes = [suffix.lower() for suffix in path.suffixes[-2:]]
-    return len(suffixes) == 2 and suffixes[1] in COMPRESSIONS and suffixes[0] in BUILDERS
+    return len(suffixes) == 2 and suffixes[1] in DECOMPRESS and suffixes[0] in BUILDERS
 
 
 def _warn_compressed_files(path: Path, entries: list[Path], name: str) -> None:

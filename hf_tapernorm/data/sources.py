@@ -22,7 +22,15 @@ import datasets
 
 from ..utils import expand_user
 from .file_contents import holds_no_rows, lone_surrogate
-from .local_folders import BUILDERS, DataError, compressed_data_file, folder_splits, read_splits, split_names
+from .local_folders import (
+    BUILDERS,
+    DECOMPRESS,
+    DataError,
+    compressed_data_file,
+    folder_splits,
+    read_splits,
+    split_names,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -159,12 +167,6 @@ def local_splits(
     return folder_splits(path, split, name, split_option)
 
 
-#: How to decompress a file of each compression suffix that ``datasets`` infers (its single-file compressions), keeping
-#: the compressed file.
-_DECOMPRESS = {".gz": "gunzip -k", ".gzip": "gunzip -k", ".bz2": "bunzip2 -k", ".xz": "unxz -k", ".lz4": "lz4 -d"}
-_DECOMPRESS.update({".zst": "unzstd", ".zstd": "unzstd"})
-
-
 def _refuse_compressed(path: Path, name: str) -> None:
     """Refuse a compressed data file (data.jsonl.gz), naming how to decompress it. ``datasets`` would read it, but
     every check that reads a file before the model loads (its columns, whether it is empty, a lone surrogate's line)
@@ -173,7 +175,7 @@ def _refuse_compressed(path: Path, name: str) -> None:
         suffixes = [suffix.lower() for suffix in path.suffixes[-2:]]
         plain = path.name[: -len(path.suffix)]
         raise DataError(
-            f"{name}: a compressed file ({suffixes[1]}) is not read; decompress it ({_DECOMPRESS[suffixes[1]]} "
+            f"{name}: a compressed file ({suffixes[1]}) is not read; decompress it ({DECOMPRESS[suffixes[1]]} "
             f"'{path}') and name the {suffixes[0]} file it writes ('{plain}')"
         )
 

@@ -209,23 +209,21 @@ def users_scheduler_kwargs(args) -> dict[str, Any]:
 def decay_steps_missing(args) -> bool:
     """Whether the run is a ``warmup_stable_decay`` one whose user set neither num_decay_steps nor num_stable_steps:
     the decay is then the taper's to place (decay_learning_rate_after_the_taper)."""
-    kind = getattr(args, "lr_scheduler_type", None)
-    if getattr(kind, "value", kind) != "warmup_stable_decay":
-        return False
     kwargs = users_scheduler_kwargs(args)
-    return "num_decay_steps" not in kwargs and "num_stable_steps" not in kwargs
+    return _warmup_stable_decay(args) and "num_decay_steps" not in kwargs and "num_stable_steps" not in kwargs
 
 
 def stable_steps_without_decay(args) -> bool:
     """Whether the run is a ``warmup_stable_decay`` one whose user set num_stable_steps and no num_decay_steps, which
     transformers' get_wsd_schedule always needs (a TypeError from train() otherwise)."""
-    kind = getattr(args, "lr_scheduler_type", None)
     kwargs = users_scheduler_kwargs(args)
-    return (
-        getattr(kind, "value", kind) == "warmup_stable_decay"
-        and "num_stable_steps" in kwargs
-        and ("num_decay_steps" not in kwargs)
-    )
+    return _warmup_stable_decay(args) and "num_stable_steps" in kwargs and "num_decay_steps" not in kwargs
+
+
+def _warmup_stable_decay(args) -> bool:
+    """Whether ``args`` train with the ``warmup_stable_decay`` scheduler (its name, or the SchedulerType)."""
+    kind = getattr(args, "lr_scheduler_type", None)
+    return getattr(kind, "value", kind) == "warmup_stable_decay"
 
 
 def forget_written_decay(args) -> None:

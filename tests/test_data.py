@@ -1326,41 +1326,46 @@ def test_a_compressed_data_file_is_refused_naming_how_to_decompress_it(hub):
     assert "unsupported file type '.bz2'; supported: .csv, .json" in error_of(_eval("--dataset_name", "notes.docx.bz2"))
 
 
-def test_a_linked_folder_in_a_data_folder_is_named_in_a_warning(ws, tmp_path, caplog):
-    """A data folder holding a link to a folder of text read its own files only, without a word (datasets does not
-    follow a link to a folder either). The files read are the same; one WARNING names the linked folder."""
+def _link_a_folder(tmp_path: Path) -> None:
     (tmp_path / "external").mkdir()
     (tmp_path / "external" / "more.txt").write_text("text the link points to\n\nand more of it")
-    (tmp_path / "mixed").mkdir()
-    (tmp_path / "mixed" / "a.txt").write_text((ws / "corpus.txt").read_text())
     (tmp_path / "mixed" / "more").symlink_to(tmp_path / "external", target_is_directory=True)
-    with caplog.at_level("WARNING"):
-        documents = _documents(tmp_path / "mixed", tmp_path)
-    assert documents == _documents(ws / "corpus.txt", tmp_path)
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "linked" in r.getMessage()]
-    assert warnings == [
-        f"dataset '{tmp_path / 'mixed'}': its 1 linked folder(s) (more) are not read, as datasets does not follow a "
-        "link to a folder; name the folder a link points to as the dataset, or copy its files in"
-    ]
 
 
-def test_a_compressed_file_in_a_data_folder_is_named_in_a_warning(ws, tmp_path, caplog):
-    """A data folder holding a compressed data file (more.txt.gz) beside its text read the text alone, without a
-    word, where ``datasets`` would have read both. The files read are the same; one WARNING names the compressed one
-    and how to read it."""
+def _compress_a_file(tmp_path: Path) -> None:
     import gzip
 
+    (tmp_path / "mixed" / "more.txt.gz").write_bytes(gzip.compress(b"compressed text\n\nand more of it"))
+
+
+@pytest.mark.parametrize(
+    "add, warned",
+    [
+        (
+            _link_a_folder,
+            "its 1 linked folder(s) (more) are not read, as datasets does not follow a link to a folder; name the "
+            "folder a link points to as the dataset, or copy its files in",
+        ),
+        (
+            _compress_a_file,
+            "its 1 compressed file(s) (more.txt.gz) are not read, as the checks before loading cannot read them; "
+            "decompress them in the folder (gunzip -k FILE, unxz -k FILE, ...) to read their text",
+        ),
+    ],
+    ids=["a linked folder", "a compressed file"],
+)
+def test_what_a_data_folder_s_read_skips_is_named_in_a_warning(ws, tmp_path, caplog, add, warned):
+    """A data folder holding a link to a folder of text, or a compressed data file (more.txt.gz), beside its text
+    read the text alone, without a word (datasets follows no link to a folder either; it would read the compressed
+    file). The files read are the same; one WARNING names what is skipped, and what to do."""
     (tmp_path / "mixed").mkdir()
     (tmp_path / "mixed" / "a.txt").write_text((ws / "corpus.txt").read_text())
-    (tmp_path / "mixed" / "more.txt.gz").write_bytes(gzip.compress(b"compressed text\n\nand more of it"))
+    add(tmp_path)
     with caplog.at_level("WARNING"):
         documents = _documents(tmp_path / "mixed", tmp_path)
     assert documents == _documents(ws / "corpus.txt", tmp_path)
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "compressed" in r.getMessage()]
-    assert warnings == [
-        f"dataset '{tmp_path / 'mixed'}': its 1 compressed file(s) (more.txt.gz) are not read, as the checks before "
-        "loading cannot read them; decompress them in the folder (gunzip -k FILE, unxz -k FILE, ...) to read their text"
-    ]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "are not read" in r.getMessage()]
+    assert warnings == [f"dataset '{tmp_path / 'mixed'}': {warned}"]
 
 
 @pytest.mark.parametrize(

@@ -82,24 +82,13 @@ def test_export_folded_overwrite_refuses_a_folder_that_is_not_an_export(folded, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
 
 
-def test_export_folded_overwrite_refuses_an_export_holding_a_users_file(folded, tmp_path):
-    """An earlier export is replaced whole, so a file of the user's in it would go with it: it is named, kept."""
-    export = export_folded(folded, tmp_path / "export")
-    (export / "notes.txt").write_text("keep me")
-    before = _files(export)
-    with pytest.raises(ConfigurationError) as caught:
-        export_folded(folded, export, overwrite=True)
-    assert str(caught.value) == (
-        f"refusing overwrite=True of {export}: it holds files the export did not write (notes.txt), which replacing "
-        "it would delete; move them away first"
-    )
-    assert _files(export) == before
-
-
-@pytest.mark.parametrize("name", [".hf_tapernorm_notes.txt", ".hf_tapernorm_run.lock"])
-def test_export_folded_overwrite_refuses_a_bookkeeping_look_alike_or_a_commands_lock(folded, tmp_path, name):
-    """A user's file named like the package's bookkeeping went with the earlier export, and a running fold's lock
-    was swapped away under it: every bookkeeping name but the manifest is named as no file of the export now."""
+@pytest.mark.parametrize("name", ["notes.txt", ".hf_tapernorm_notes.txt", ".hf_tapernorm_run.lock"])
+def test_export_folded_overwrite_refuses_a_users_file_a_bookkeeping_look_alike_or_a_commands_lock(
+    folded, tmp_path, name
+):
+    """An earlier export is replaced whole, so a file of the user's in it would go with it: it is named, kept. A
+    user's file named like the package's bookkeeping went with the earlier export, and a running fold's lock was
+    swapped away under it: every bookkeeping name but the manifest is named as no file of the export now."""
     export = export_folded(folded, tmp_path / "export")
     (export / name).write_text("mine")
     before = _files(export)

@@ -50,7 +50,7 @@ _EXPORTS = {
     "save_sharded_checkpoint": "training.sharded",
     "load_sharded_checkpoint": "training.sharded",
     "fold_model": "export.folding",
-    "export_folded": "export.hub",
+    "export_folded": "export.writing",
 }
 
 __all__ = sorted([*_EXPORTS, *errors.__all__, "__version__"])
@@ -69,7 +69,7 @@ run_after_import("transformers.models.auto.configuration_auto", _register_folded
 if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
     from .config import TaperNormConfig
     from .export.folding import fold_model
-    from .export.hub import export_folded
+    from .export.writing import export_folded
     from .layers.patching import patch_model
     from .training.callback import TaperCallback
     from .training.checkpoints import load_tapered, save_tapered

@@ -2,7 +2,7 @@
 killed write left one.
 
 A write of ``NAME`` goes through hidden siblings ``.NAME.KIND-PID`` (app/folder_writes.py: ``partial``, ``old``;
-export/hub.py's write of an export: ``export``). Each is created with :data:`WRITE_MARK` in it before
+export/writing.py's write of an export: ``export``). Each is created with :data:`WRITE_MARK` in it before
 anything else (:func:`make_marked_folder`), so a kill at any moment leaves a folder that provably is a write's of
 ours, named after its writer's pid: a later write of the same destination, and a run folder's ``--overwrite`` or
 ``--resume`` around it, delete one whose writer is gone (:func:`marked_and_abandoned`), and leave alone a live

@@ -15,7 +15,7 @@ from huggingface_hub import HfApi
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from hf_tapernorm import ConfigurationError, TaperStateError, export_folded, fold_model
-from hf_tapernorm.export.hub import export_manifest
+from hf_tapernorm.export.manifest import export_manifest
 from tests.conftest import build, tiny_llama_config
 from tests.helpers import TEXT, relative, sink_tapered, tapered, with_sink, word_tokenizer
 
@@ -106,7 +106,7 @@ def test_export_folded_overwrite_refuses_an_export_whose_card_was_edited(folded,
     is not the manifest's) is refused in one line, the export left as it was. Moved aside or deleted, the export is
     replaced; an export whose manifest has no digest of its card (an earlier version's) is replaced as before; and
     push's check of the files still takes an edited card (the card is prose its owner edits before a push)."""
-    from hf_tapernorm.export.hub import DIGESTS_KEY, EXPORT_MANIFEST_NAME, check_export_files
+    from hf_tapernorm.export.manifest import DIGESTS_KEY, EXPORT_MANIFEST_NAME, check_export_files
 
     export = export_folded(folded, tmp_path / "export")
     (export / "README.md").write_text("# my card\n")
@@ -170,7 +170,8 @@ def test_export_folded_overwrite_replaces_an_earlier_export_whole(folded, tmp_pa
     """overwrite=True left the earlier export's tokenizer files and robustness_scan.json beside the new export and
     in its manifest, so push uploaded them as the new export's; now the earlier export is replaced whole (written
     beside, then swapped, as fold --overwrite does), and nothing of the write is left beside it."""
-    from hf_tapernorm.export.hub import files_to_push, recording_export
+    from hf_tapernorm.export.hub import files_to_push
+    from hf_tapernorm.export.manifest import recording_export
 
     earlier = export_folded(fold_model(sink_tapered("llama")), tmp_path / "export", tokenizer=word_tokenizer(True))
     with recording_export(earlier):
@@ -198,12 +199,12 @@ def test_a_killed_fresh_export_leaves_a_leftover_the_next_export_deletes_not_a_h
     kill leaves only that leftover, which the next export (overwrite or not) deletes."""
     import os
 
-    from hf_tapernorm.export import hub
+    from hf_tapernorm.export import writing
 
     tokenizer = word_tokenizer(False)
     with monkeypatch.context() as patched:
         patched.setattr(type(tokenizer), "save_pretrained", mock.Mock(side_effect=_Killed))
-        patched.setattr(hub, "shutil", SimpleNamespace(rmtree=lambda *a, **k: None))
+        patched.setattr(writing, "shutil", SimpleNamespace(rmtree=lambda *a, **k: None))
         with pytest.raises(_Killed):
             export_folded(folded, tmp_path / "exp", tokenizer=tokenizer)
     leftover = f".exp.export-{os.getpid()}"
@@ -256,7 +257,7 @@ def test_a_kill_mid_move_in_the_working_folder_leaves_an_export_overwrite_replac
     export, which push refuses, and the retry with overwrite=True deletes the leftover and replaces it, in place."""
     import os
 
-    from hf_tapernorm.export import hub
+    from hf_tapernorm.export import writing
     from hf_tapernorm.export.hub import files_to_push
 
     work = tmp_path / "work"
@@ -276,7 +277,7 @@ def test_a_kill_mid_move_in_the_working_folder_leaves_an_export_overwrite_replac
 
     with monkeypatch.context() as patched:
         patched.setattr(os, "replace", replace_then_die)
-        patched.setattr(hub, "shutil", SimpleNamespace(rmtree=lambda *a, **k: None))
+        patched.setattr(writing, "shutil", SimpleNamespace(rmtree=lambda *a, **k: None))
         with pytest.raises(kill):
             export_folded(folded, ".", overwrite=earlier)
     assert moved[0] == ".hf_tapernorm_export.json" and (work / container).is_dir()
@@ -305,7 +306,7 @@ def test_every_export_deletes_a_killed_swaps_leftover_and_warns_of_the_export_in
     (leftover / WRITE_MARK).write_text("")
     os.replace(exp, leftover / "old")
     export_folded(folded, leftover / "new")
-    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.export.hub"):
+    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.export.writing"):
         export_folded(folded, exp)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
@@ -395,7 +396,7 @@ def test_export_folded_writes_the_tokenizer_into_the_manifest_and_says_how_a_lea
     model = sink_tapered("llama")
     folded = fold_model(model)
     tokenizer = word_tokenizer(adds_bos=True)
-    with caplog.at_level(logging.INFO, logger="hf_tapernorm.export.hub"):
+    with caplog.at_level(logging.INFO, logger="hf_tapernorm.export.writing"):
         folder = export_folded(folded, tmp_path / "out", tokenizer=tokenizer)
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(export_manifest(folder))
     messages = [r for r in caplog.records if "adds the sink token(s)" in r.getMessage()]

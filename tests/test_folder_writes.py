@@ -28,7 +28,7 @@ from hf_tapernorm.app.folder_writes import (
 )
 from hf_tapernorm.app.run_folder import RunFolder
 from hf_tapernorm.app.run_lock import RunFolderError
-from hf_tapernorm.export.hub import EXPORT_MANIFEST_NAME
+from hf_tapernorm.export.manifest import EXPORT_MANIFEST_NAME
 from tests.conftest import corpus_documents
 from tests.helpers import error_of, run_main, snapshot, tapered_checkpoint
 from tests.helpers import short_eval_argv as evaluate

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_tapernorm import save_tapered
 from hf_tapernorm.app.run_lock import LOCK_NAME, process_start_time
-from hf_tapernorm.export.hub import DIGESTS_KEY, EXPORT_MANIFEST_NAME, recording_export
+from hf_tapernorm.export.manifest import DIGESTS_KEY, EXPORT_MANIFEST_NAME, recording_export
 from tests.conftest import char_tokenizer
 from tests.helpers import edit_json, error_of, run_main, tapered
 

@@ -3,7 +3,7 @@ deleted or trained.
 
 Either writes the run's export anew (a ``--resume`` of a finished run too: it folds its tapered model again and
 re-exports), so what its owner added to the export since goes with it. A model card edited after the export wrote
-it is refused, as ``fold --overwrite`` refuses it (export/hub.py ``edited_card``). The robustness scan a later
+it is refused, as ``fold --overwrite`` refuses it (export/manifest.py ``edited_card``). The robustness scan a later
 ``fold --scan_windows N`` wrote into ``folded/`` is the run's to replace (the export's manifest lists it, and the
 export was made from the run's own tapered/, fold_main checks that), but a run with ``--scan_windows 0`` writes
 none in its place: a WARNING names it, before anything is deleted.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import ConfigurationError
 from ..evaluation.scan import SCAN_FILE
-from ..export.hub import EDITED_CARD, edited_card, export_manifest
+from ..export.manifest import EDITED_CARD, edited_card, export_manifest
 from .data_checks import RUN_EXPORT
 from .run_lock import RunFolderError
 

@@ -30,7 +30,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
-from ..export.hub import export_files
+from ..export.manifest import export_files
 from .checkpoint_files import checkpoint_of as _checkpoint_of
 from .checkpoint_files import unrecorded_checkpoints
 from .folder_writes import (

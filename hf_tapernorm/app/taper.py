@@ -33,7 +33,8 @@ from ..evaluation.models import ModelSource, load_model, load_tokenizer, resolve
 from ..evaluation.scan import SCAN_FILE, robustness_scan, scan_line
 from ..evaluation.scores import broken_blocks, evaluate_set, per_document
 from ..export.folding import fold_model
-from ..export.hub import export_folded, recording_export
+from ..export.manifest import recording_export
+from ..export.writing import export_folded
 from ..layers.patching import gate_of, patch_model, plan_patch
 from ..layers.scale_anchor import scale_anchors
 from ..layers.taper_norm import tapered_norms

@@ -26,7 +26,7 @@ from ..app.folder_writes import check_folder_destination, check_path_length, tem
 from ..app.run_folder import LOCK_NAME
 from ..app.run_lock import check_destination, refuse_while_running, resolved_path, unreadable_place
 from ..evaluation.scan import SCAN_FILE
-from ..export.hub import EDITED_CARD, EXPORT_MANIFEST_NAME, edited_card, export_manifest
+from ..export.manifest import EDITED_CARD, EXPORT_MANIFEST_NAME, edited_card, export_manifest
 
 #: What an export folder holds (export_folded + the tokenizer); anything else in it is the user's.
 EXPORT_FILES = (

@@ -28,7 +28,7 @@ _EXPORTS = {
     "fold_model": "folding",
     "flashnorm_model": "folding",
     "FoldReport": "fold_check",
-    "export_folded": "hub",
+    "export_folded": "writing",
     "push_export": "hub",
     "render_model_card": "model_card",
     "attach_model_card": "model_card",
@@ -45,7 +45,8 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 if TYPE_CHECKING:
     from .fold_check import FoldReport
     from .folding import flashnorm_model, fold_model
-    from .hub import export_folded, push_export
+    from .hub import push_export
     from .model_card import attach_model_card, render_model_card
     from .readout import final_norm_path, readout_additivity_error, readout_summary
     from .registration import register_folded_classes
+    from .writing import export_folded

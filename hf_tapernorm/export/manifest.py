@@ -1,0 +1,194 @@
+"""An export's manifest (``.hf_tapernorm_export.json``): the files it wrote, each with its sha256.
+
+Pushing uploads exactly the files of the manifest (hub.py): anything else in the folder (a ``.env`` with a token,
+notes) is no export file. The package's own bookkeeping files (``.hf_tapernorm_*``: a command's lock with its pid and
+host, a manifest) are never export content.
+
+The model card and the robustness scan state figures of the files they were written with, so the manifest also
+records the sha256 of every file as the export wrote it (a writer that rewrites one inside ``recording_export``, the
+scan or the card, records its new digest), and a push verifies them: weights edited, a fine-tuned model saved over the
+export, an edited config.json, modeling code or scan would otherwise be published under a card and a scan that
+describe another model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
+
+EXPORT_MANIFEST_NAME = ".hf_tapernorm_export.json"
+#: The manifest's record of the files the card and the scan describe: file -> its sha256 as the export wrote it.
+DIGESTS_KEY = "files_sha256"
+#: The model card: written with the export, but prose its owner may edit by hand before a push.
+CARD_NAME = "README.md"
+#: The start of the names of the package's bookkeeping files (the manifest, a command's lock): no export content.
+BOOKKEEPING_PREFIX = ".hf_tapernorm_"
+
+
+def is_bookkeeping(relative: str) -> bool:
+    return "/" not in relative and relative.startswith(BOOKKEEPING_PREFIX)
+
+
+def folder_files(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``folder`` (relative posix path -> (size, mtime_ns)), the bookkeeping files excluded."""
+    found = {}
+    for root, dirs, names in os.walk(folder):
+        for name in [*names, *(d for d in dirs if Path(root, d).is_symlink())]:
+            path = Path(root, name)
+            relative = path.relative_to(folder).as_posix()
+            if not is_bookkeeping(relative):
+                info = path.lstat()
+                found[relative] = (info.st_size, info.st_mtime_ns)
+    return found
+
+
+def _read_manifest(folder: Path) -> Optional[dict[str, Any]]:
+    """The export manifest of ``folder`` (checked: every entry a relative path inside it), or None without one."""
+    path = folder / EXPORT_MANIFEST_NAME
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+        entries, digests = manifest.get("files"), manifest.get(DIGESTS_KEY, {})
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        entries = digests = None
+    valid = (
+        isinstance(entries, list)
+        and all(
+            isinstance(e, str) and e and not os.path.isabs(e) and ".." not in Path(e).parts and "\\" not in e
+            for e in entries
+        )
+        and isinstance(digests, dict)
+        and all(name in entries and isinstance(digest, str) for name, digest in digests.items())
+    )
+    if not valid:
+        raise ConfigurationError(f"the export manifest {path} is damaged or was edited; re-export the model")
+    return manifest
+
+
+def export_manifest(folder: str | os.PathLike) -> Optional[list[str]]:
+    """The files an export wrote (its manifest), each a relative path inside ``folder``; None without one."""
+    manifest = _read_manifest(Path(folder))
+    return None if manifest is None else list(manifest["files"])
+
+
+def export_files(folder: str | os.PathLike) -> list[str]:
+    """The files the export in ``folder`` recorded as its own (relative), its manifest among them; none where it is
+    no export, a link, or its manifest is damaged. A run folder takes them as its own in its ``folded/``: a fold
+    into it (with a scan the run's export had not) replaces the run's export with another of the same run."""
+    folder = Path(folder)
+    try:
+        listed = None if folder.is_symlink() else export_manifest(folder)
+    except ConfigurationError:
+        return []
+    return [] if listed is None else [*listed, EXPORT_MANIFEST_NAME]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@contextmanager
+def recording_export(folder: str | os.PathLike) -> Iterator[Path]:
+    """Add every file written or rewritten inside the ``with`` block to ``folder``'s export manifest, with its
+    sha256 (a file left untouched keeps the digest recorded when it was written)."""
+    folder = Path(folder)
+    before = folder_files(folder) if folder.is_dir() else {}
+    yield folder
+    after = folder_files(folder)
+    previous = _read_manifest(folder) or {"files": []}
+    written = {name for name, stamp in after.items() if before.get(name) != stamp}
+    files = sorted({*(name for name in previous["files"] if name in after), *written})
+    recorded = previous.get(DIGESTS_KEY, {})
+    digests = {
+        name: recorded[name] if name in recorded and name not in written else _sha256(folder / name)
+        for name in files
+        if (folder / name).is_file() and not (folder / name).is_symlink()  # push refuses a link
+    }
+    (folder / EXPORT_MANIFEST_NAME).write_text(
+        json.dumps({"tool": "hf-tapernorm", "files": files, DIGESTS_KEY: digests}, indent=2, sort_keys=True) + "\n"
+    )
+
+
+def check_export_files(folder: str | os.PathLike) -> None:
+    """Refuse (ConfigurationError, the files named) an export whose files are not the ones its card and scan were
+    written with: each file of the manifest but the card itself must still have the sha256 the export recorded."""
+    folder = Path(folder)
+    manifest = _read_manifest(folder)
+    if manifest is None:
+        return  # files_to_push refuses it
+    if DIGESTS_KEY not in manifest:
+        logger.warning(
+            "%s was exported by an earlier version, which recorded no digest of its files: push cannot check that "
+            "its model card and robustness scan describe them; re-export it with hf-tapernorm fold to have them "
+            "checked",
+            folder,
+        )
+        return
+    recorded = manifest[DIGESTS_KEY]
+    changed = [
+        name
+        for name in manifest["files"]
+        if name != CARD_NAME  # the card is prose its owner may edit; what it is about is checked
+        and (not (folder / name).is_file() or recorded.get(name) != _sha256(folder / name))
+    ]
+    if changed:
+        listed = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+        raise ConfigurationError(
+            f"'{folder}': {listed} changed after the export wrote {'it' if len(changed) == 1 else 'them'} (the "
+            f"sha256 {EXPORT_MANIFEST_NAME} recorded differs: edited, or a model saved over the export), so the "
+            "upload would not be the model its README.md and robustness scan describe; write a fresh export with "
+            "hf-tapernorm fold --overwrite from the tapered checkpoint, whose card and scan are of its files "
+            "(weights changed on purpose need a card of their own: hf-tapernorm eval --scan_reference measures them)"
+        )
+
+
+#: Why an export whose card its owner edited is not replaced, and what to do (export_folded's and fold's refusals).
+EDITED_CARD = (
+    f"its {CARD_NAME} was edited after the export wrote it (its sha256 is not the one {EXPORT_MANIFEST_NAME} "
+    f"recorded), and replacing the export would lose the edits; move {CARD_NAME} out of the folder to keep it, or "
+    "delete it to let the export be replaced"
+)
+
+
+def edited_card(folder: str | os.PathLike) -> bool:
+    """Whether the export in ``folder`` holds a model card that is not the one it wrote: its owner's edits, which
+    replacing the export would delete without a word. An export whose manifest recorded no digest of its card (an
+    earlier version's) cannot tell, and is replaced as before; push uploads an edited card (check_export_files)."""
+    folder = Path(folder)
+    manifest = _read_manifest(folder)
+    recorded = (manifest or {}).get(DIGESTS_KEY, {}).get(CARD_NAME)
+    card = folder / CARD_NAME
+    if recorded is None or not card.is_file() or card.is_symlink():
+        return False
+    return _sha256(card) != recorded
+
+
+__all__ = [
+    "BOOKKEEPING_PREFIX",
+    "CARD_NAME",
+    "DIGESTS_KEY",
+    "EDITED_CARD",
+    "EXPORT_MANIFEST_NAME",
+    "check_export_files",
+    "edited_card",
+    "export_files",
+    "export_manifest",
+    "folder_files",
+    "is_bookkeeping",
+    "recording_export",
+]

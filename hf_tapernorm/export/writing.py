@@ -1,0 +1,221 @@
+"""Write a folded model to a folder: safetensors, config with auto_map, modeling code, model card, tokenizer.
+
+``save_pretrained`` of the folded class does the writing (transformers copies ``modeling_folded.py`` because the
+classes are registered for the Auto classes); this adds what an export needs on top: no silent overwrite of an
+existing folder, the model card filled with the run facts, a manifest of the files written (manifest.py), and writes a
+kill never leaves half done under the export's name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional
+
+from transformers import PreTrainedModel
+
+from .._temporaries import (
+    make_marked_folder,
+    marked_and_abandoned,
+    move_up,
+    remove_abandoned,
+    remove_abandoned_inside,
+    remove_listed,
+    temporary_name,
+    writing_inside,
+)
+from ..config_fields import check_tokenizer_to_save
+from ..errors import ConfigurationError, TaperStateError
+from ..utils import expand_user, file_in_the_way
+from .manifest import (
+    EDITED_CARD,
+    EXPORT_MANIFEST_NAME,
+    edited_card,
+    export_manifest,
+    folder_files,
+    is_bookkeeping,
+    recording_export,
+)
+from .model_card import attach_model_card
+from .modeling_folded import FoldedModelMixin
+
+logger = logging.getLogger(__name__)
+
+#: The kind of the hidden folder a new export is written through (``.NAME.export-PID``: _temporaries.py).
+EXPORT_KIND = "export"
+
+
+def export_folded(
+    model: PreTrainedModel,
+    save_directory: str | os.PathLike,
+    *,
+    tokenizer: Any = None,
+    overwrite: bool = False,
+    facts: Optional[Mapping[str, Any]] = None,
+) -> Path:
+    """Save a folded model (from ``fold_model``) with its model card, and its tokenizer when given; returns the folder.
+
+    Refuses a non-empty folder unless ``overwrite=True``, and even then one that is not an earlier export (no
+    export manifest) or that holds files its export did not write (a user's, named), as ``fold --overwrite`` does.
+    A new folder is written beside, in a hidden ``.NAME.export-PID``, and renamed into place when complete; an
+    existing one (empty, or an earlier export) is kept and written inside, in a hidden ``.hf_tapernorm_writing-PID``
+    whose files move up when complete, the manifest first (a killed write's leftover is deleted by the next write): a
+    kill never leaves a half export a retry cannot replace. An earlier export is replaced whole, so none of its files
+    (a tokenizer, a robustness scan) stays to be pushed as the new export's; a failed write leaves it as it was.
+    ``facts`` fills the model card (see ``hf_tapernorm.export.model_card.FACT_KEYS``); the card is attached to the
+    model, so a later ``model.push_to_hub`` uploads the same README.md. Every file written (the tokenizer's too) is in
+    the export's manifest, so ``push_export`` uploads it.
+    """
+    if not isinstance(model, FoldedModelMixin):
+        raise TaperStateError(
+            f"export_folded expects a folded model from fold_model, got {type(model).__name__}; "
+            "call fold_model(model) after tapering to gate 0"
+        )
+    check_tokenizer_to_save(tokenizer, "export_folded")
+    folder = expand_user(save_directory, f"export_folded: save_directory '{save_directory}'")  # "~/out": $HOME/out
+    remove_abandoned_inside(folder)
+    replace = _check_export_folder(folder, overwrite)
+    if facts is not None and not isinstance(facts, Mapping):
+        raise ConfigurationError(
+            f"export_folded: facts= must be a mapping of model card facts, got {type(facts).__name__}"
+        )
+    if facts is not None or model.model_card is None:
+        attach_model_card(model, facts)
+    _write_to(folder, model, tokenizer, replace)
+    logger.info("exported %s to %s", type(model).__name__, folder)
+    return folder
+
+
+def _write_export(folder: Path, model: PreTrainedModel, tokenizer: Any) -> None:
+    """Save the model (and the tokenizer) into ``folder``, every file in its manifest."""
+    with recording_export(folder):
+        model.save_pretrained(folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+            _log_sink_handling(model, tokenizer)
+
+
+def _write_to(folder: Path, model: PreTrainedModel, tokenizer: Any, replace: bool) -> None:
+    """Write a new folder beside it, an existing one (empty, or an earlier export) inside it, which keeps the folder:
+    its owner, group, ACLs, a link to it, a mount point, a shell in it. Killed writes' leftovers beside go first."""
+    remove_abandoned(folder, EXPORT_KIND, lambda leftover: _abandoned_export(leftover, folder))
+    if folder.name in ("", ".", ".."):
+        folder.mkdir(parents=True, exist_ok=True)  # no name to write beside: "." or "new/.."
+    if folder.is_dir():
+        _write_inside(folder, model, tokenizer, replace)
+    else:
+        _write_beside(folder, model, tokenizer)
+
+
+def _claim(folder: Path, container: Path, what: str) -> Path:
+    """Make the marked ``container`` a write of ``folder`` goes through; refuse a folder in the way (no leftover)."""
+    if os.path.lexists(container):
+        raise ConfigurationError(
+            f"could not {what} {folder}: '{container}' is in the way (hf-tapernorm writes through that name, and this "
+            "one is no leftover of a write that is gone); nothing was written: move it away, then export again"
+        )
+    make_marked_folder(container)
+    return container
+
+
+def _write_beside(folder: Path, model: PreTrainedModel, tokenizer: Any) -> None:
+    """Write a new ``folder``'s export in the hidden, marked ``.NAME.export-PID`` beside it (_temporaries.py), then
+    rename it into place: a kill leaves a recognisable leftover, never a half export under the final name."""
+    container = _claim(folder, temporary_name(folder, EXPORT_KIND, os.getpid()), "write the export")
+    new = container / "new"
+    try:
+        _write_export(new, model, tokenizer)
+        os.replace(new, folder)
+    except OSError as error:
+        raise ConfigurationError(f"could not write the export {folder}: {error}; nothing was written") from error
+    finally:
+        shutil.rmtree(container, ignore_errors=True)
+
+
+def _write_inside(folder: Path, model: PreTrainedModel, tokenizer: Any, replace: bool) -> None:
+    """Write the export into the existing ``folder`` through a hidden, marked ``.hf_tapernorm_writing-PID`` inside it
+    (bookkeeping: never uploaded; on its filesystem, so the moves are renames), then move it up: an earlier export's
+    files are deleted only once the new export is complete (a failed write leaves it as it was), and the new manifest
+    goes up first, so a kill mid-move leaves an export (incomplete: push refuses it) that overwrite=True replaces."""
+    what = "replace the earlier export" if replace else "write the export"
+    container = _claim(folder, writing_inside(folder, os.getpid()), what)
+    moving = False
+    try:
+        _write_export(container, model, tokenizer)
+        moving = True
+        if replace:
+            remove_listed(folder, export_manifest(folder) or ())  # the manifest: replaced by the new one's
+        move_up(container, folder, first=EXPORT_MANIFEST_NAME)
+    except OSError as error:
+        left = "the export in it is incomplete; export again with overwrite=True" if moving else "it is as it was"
+        raise ConfigurationError(f"could not {what} {folder}: {error}; {left}") from error
+    finally:
+        shutil.rmtree(container, ignore_errors=True)
+
+
+def _abandoned_export(leftover: Path, folder: Path) -> bool:
+    """Whether ``leftover`` is a killed export's folder (marked_and_abandoned), deleted then. One that holds a whole
+    earlier export of ``folder`` while nothing is under that name (a replacement killed between its two renames) is
+    named in a WARNING: that export goes with it, and only there could the user have taken it back."""
+    if not marked_and_abandoned(leftover):
+        return False
+    if (leftover / "old" / EXPORT_MANIFEST_NAME).is_file() and not os.path.lexists(folder):
+        logger.warning(
+            "deleting '%s', left by an export_folded(overwrite=True) of %s killed before it renamed its new export "
+            "into place: it held the earlier export (old/), which the new one written now replaces",
+            leftover,
+            folder,
+        )
+    return True
+
+
+def _check_export_folder(folder: Path, overwrite: bool) -> bool:
+    """Refuse, before anything is written: a file on the way to ``folder``, a non-empty folder without
+    ``overwrite``, and (even with it) a folder that is not an earlier export (no manifest: a user's model or files,
+    which the export would replace) or an export holding files it did not write (a user's, which go with it).
+    Returns whether ``folder`` holds an earlier export to replace."""
+    blocking = file_in_the_way(folder)
+    if blocking:
+        raise ConfigurationError(f"cannot export into {folder}: {blocking} is a file")
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return False
+    if not overwrite:
+        raise ConfigurationError(
+            f"{folder} is not empty; choose a new folder or pass overwrite=True to replace an earlier export"
+        )
+    refusal = f"refusing overwrite=True of {folder}"
+    manifest = export_manifest(folder)
+    if manifest is None:
+        raise ConfigurationError(
+            f"{refusal}: it is not an earlier export (no {EXPORT_MANIFEST_NAME}), and overwrite=True replaces only "
+            "one; choose a new folder"
+        )
+    foreign = sorted(set(folder_files(folder)) - set(manifest))
+    # A bookkeeping name but the manifest is no file of the export: a running command's lock, or a user's look-alike.
+    foreign += sorted(p.name for p in folder.iterdir() if is_bookkeeping(p.name) and p.name != EXPORT_MANIFEST_NAME)
+    if foreign:
+        listed = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
+        raise ConfigurationError(
+            f"{refusal}: it holds files the export did not write ({listed}), which replacing it would delete; "
+            "move them away first"
+        )
+    if edited_card(folder):
+        raise ConfigurationError(f"{refusal}: {EDITED_CARD}")
+    return True
+
+
+def _log_sink_handling(model: PreTrainedModel, tokenizer: Any) -> None:
+    """Say (info) how a sink export reads the tokenizer's output: a leading sink stands for the stored one."""
+    sink = list(getattr(model.config, "sink_token_ids", None) or [])
+    if sink and tokenizer("a")["input_ids"][: len(sink)] == sink:
+        logger.info(
+            "the tokenizer adds the sink token(s) %s itself: the export reads a leading sink as its stored one, so "
+            "model(**tokenizer(text)) and the text tokenized with add_special_tokens=False give the same logits",
+            sink,
+        )
+
+
+__all__ = ["export_folded"]

@@ -1,5 +1,5 @@
 """How the text of an options file reads (``hf-tapernorm CMD run.json``): JSON numbers with the text the file
-holds, YAML with YAML 1.2's numbers, and the value of a text or number option as its text as written. _parsing.py
+holds, YAML with YAML 1.2's numbers, and the value of a text or number option as its text as written. _options_file.py
 turns what this reads into the command line it stands for; this module knows the two syntaxes only.
 """
 

@@ -491,7 +491,7 @@ def test_two_trainers_sharing_arguments_each_decay_after_their_own_taper(tmp_pat
     assert _decay_rates(first) == pytest.approx([3e-3] * 7 + [1.5e-3], abs=1e-6)
 
 
-@pytest.mark.parametrize("copied", ["replace", "deepcopy", "pickle"])
+@pytest.mark.parametrize("copied", ["replace", "deepcopy", "pickle", "asdict"])
 def test_a_copy_of_the_arguments_gets_its_own_written_decay_steps(tmp_path, copied):
     """Trainer(args, callbacks=[TaperCallback(2, 5)]) wrote num_decay_steps=3 (for 8 steps) into args, then
     ``dataclasses.replace(args, max_steps=12)`` (or a deepcopy) carried the dict without the mark kept on the
@@ -505,6 +505,10 @@ def test_a_copy_of_the_arguments_gets_its_own_written_decay_steps(tmp_path, copi
     assert json.loads(args.to_json_string())["lr_scheduler_kwargs"] == {"num_decay_steps": 3}
     if copied == "replace":
         copy_of_args = dataclasses.replace(args, max_steps=12, output_dir=str(tmp_path / "b"))
+    elif copied == "asdict":  # arguments rebuilt from their dict: asdict rebuilds each dict value from its pairs
+        values = dataclasses.asdict(args)
+        init = {f.name: values[f.name] for f in dataclasses.fields(args) if f.init}
+        copy_of_args = TrainingArguments(**{**init, "max_steps": 12, "output_dir": str(tmp_path / "b")})
     else:
         copy_of_args = copy.deepcopy(args) if copied == "deepcopy" else pickle.loads(pickle.dumps(args))
         copy_of_args.max_steps, copy_of_args.output_dir = 12, str(tmp_path / "b")
@@ -520,6 +524,20 @@ def test_a_copy_of_the_arguments_gets_its_own_written_decay_steps(tmp_path, copi
     own.train()
     assert _decay_rates(copied_run)[:7] == pytest.approx([3e-3] * 6 + [2.85145e-3], abs=1e-6)
     assert _decay_rates(copied_run) == pytest.approx(_decay_rates(own), abs=1e-12)
+
+
+def test_the_arguments_print_and_convert_after_the_callback_wrote_the_decay_steps(tmp_path):
+    """Once TaperCallback wrote num_decay_steps, ``print(args)`` (TrainingArguments' str and repr call
+    dataclasses.asdict), ``dataclasses.asdict`` and ``astuple`` raised TypeError: they rebuild a dict value from its
+    pairs, which the written dict's constructor did not take. They read it as the dict it is now."""
+    import dataclasses
+
+    args = _small_args(tmp_path, lr_scheduler_type="warmup_stable_decay")
+    Trainer(model=_patched(), args=args, train_dataset=_dataset(16), callbacks=[TaperCallback(2, 5)])
+    assert "lr_scheduler_kwargs={'num_decay_steps': 3}," in str(args) and repr(args) == str(args)
+    assert dataclasses.asdict(args)["lr_scheduler_kwargs"] == {"num_decay_steps": 3}
+    assert {"num_decay_steps": 3} in dataclasses.astuple(args)
+    assert type(args.lr_scheduler_kwargs)(args.lr_scheduler_kwargs).run_length == 8
 
 
 def test_a_users_num_decay_steps_is_kept_by_every_trainer(tmp_path):

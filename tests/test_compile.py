@@ -115,7 +115,8 @@ def test_moving_gate_in_training_does_not_recompile(arch):
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     graphs = []
     for step, gate in enumerate((0.9, 0.8, 0.7), start=2):
-        set_gate(model, gate)
+        controller.step_begin(step)
+        set_gate(model, gate)  # gates of its own, on the buffer the schedule's go to
         set_gate(reference, gate)
         loss = compiled(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -130,6 +131,8 @@ def test_moving_gate_in_training_does_not_recompile(arch):
     assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
     set_gate(model, 0.0)  # leaving the taper is a new phase: exactly one more graph, then none
     for step in (5, 6):
+        controller.step_begin(step)
+        set_gate(model, 0.0)
         compiled(input_ids=ids, labels=ids).loss.backward()
         controller.step_end(step)
     assert backend.graphs == 3

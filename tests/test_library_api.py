@@ -655,6 +655,36 @@ def test_a_negative_controller_step_is_refused(call, step):
     assert controller._last_step == 0 and controller._last_call == "step_begin(0)"
 
 
+@pytest.mark.parametrize(
+    ("calls", "refused", "began"),
+    [
+        ([], 0, "no step begun"),
+        (["begin 0"], 5, "the step step_begin(0) began"),
+        (["begin 0", "end 0"], 0, "no step begun"),
+    ],
+)
+def test_a_step_end_that_ends_no_begun_step_is_refused(calls, refused, began):
+    """step_end(0) with no step_begin, step_end(5) after step_begin(0), or a second step_end(0) were taken: each folded
+    the micro-batches' statistics into the EMA again (or at a gate never set) and logged the watch under another
+    update. step_end ends the step step_begin began, with its number, once; a refused call changes nothing."""
+    model = _paper(taper_start=2, taper_end=6).train()
+    controller = TaperController(model, total_steps=8)
+    ids = random_batches(n=1, seed=0)[0]
+    for call in calls:
+        kind, step = call.split()
+        getattr(controller, f"step_{kind}")(int(step))
+        model(input_ids=ids, labels=ids).loss.backward()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(TaperStateError) as caught:
+        controller.step_end(refused)
+    last = f"step_begin({calls[-1].split()[1]})" if calls else "none"
+    assert str(caught.value) == (
+        f"TaperController.step_end({refused}) with {began} (the last call was {last}): each optimizer update is "
+        "step_begin(step) before its forward passes, then step_end(step) with the same step after optimizer.step()"
+    )
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+
+
 @pytest.mark.parametrize("call", ["step_begin", "check_resume", "step_end", "check"])
 def test_a_controller_step_too_large_for_a_float_is_no_overflow_error(call):
     """step_begin(10**400) (and check_resume, step_end) raised OverflowError ("int too large to convert to float")

@@ -296,13 +296,13 @@ def test_a_loss_spike_that_persists_stops_the_run_and_a_lone_one_does_not():
     controller = _controller(DivergenceThresholds(spike_ratio=3.0, spike_steps=3, min_history=4))
     losses = [2.0, 2.1, 1.9, 2.2, 2.0, 9.0, 2.1, 2.0, 8.0, 12.0]  # one bad batch at step 6, then a breakdown
     for step, loss in enumerate(losses):
-        controller.step_end(step, loss=loss)
+        controller.check(step, loss=loss)
     with pytest.raises(
         TaperDivergenceError,
         match=r"optimizer step 11 .*the training loss has been above 3x its "
         r"running median \(2\) for 3 consecutive steps \(now 40",
     ):
-        controller.step_end(10, loss=40.0)
+        controller.check(10, loss=40.0)
 
 
 def test_a_gradient_norm_spike_stops_the_run():

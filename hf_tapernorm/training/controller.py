@@ -106,6 +106,7 @@ class TaperController:
         self._trainable_checked = False
         self._last_step: Optional[int] = None  # the latest step_begin's (or check_resume's): steps never go back
         self._last_call = ""  # the call that set _last_step, for the refusal
+        self._open_step: Optional[int] = None  # the step step_begin began and step_end has not ended
         self._resumed_unchecked = False  # load_state ran, check_resume did not: the next step_begin checks the gate
         self._started = False  # a step (not a replay) began, or check_resume past 0: the gate is the run's
         self._gate_met = lowest_gate(model)  # the model's gate before any step of this controller (a replay's too)
@@ -232,7 +233,7 @@ class TaperController:
         if not replay:
             self._refuse_going_back(step)
             self._refuse_a_rising_gate(step, gate)
-        self._last_step, self._last_call = step, f"step_begin({step})"
+        self._last_step, self._last_call, self._open_step = step, f"step_begin({step})", step
         if not self._trainable_checked:  # at the first step, when the loop has chosen what trains
             self._trainable_checked = True
             warn_if_taper_parameters_frozen(self.model)
@@ -305,12 +306,15 @@ class TaperController:
         )
 
     def step_end(self, step: int, loss: Optional[float] = None, grad_norm: Optional[float] = None) -> None:
-        """After update ``step + 1``: one EMA step from all micro-batches (all-reduced); divergence watch.
+        """After update ``step + 1``: one EMA step from all micro-batches (all-reduced); divergence watch. It ends
+        the step ``step_begin(step)`` began, once (refused otherwise).
 
         ``loss``: the step's loss when the loop computes it outside the model (the model's own
         ``outputs.loss`` is watched automatically). ``grad_norm``: the step's gradient norm, when known.
         """
         step = whole_step(step, "step_end")  # before the statistics step: a refused call changes nothing
+        self._refuse_another_step_end(step)
+        self._open_step = None
         update_statistics(self.model)
         anchor_rows, own_loss = self._reduce_step()
         for anchor, row in zip(self.anchors, anchor_rows):
@@ -325,6 +329,20 @@ class TaperController:
             if row[TOKENS] > 0
         )
         self.check(step, loss=loss, grad_norm=grad_norm, scales=scales)
+
+    def _refuse_another_step_end(self, step: int) -> None:
+        """Refuse a step_end that ends no step_begin's step: the EMA statistics it folds in and the divergence watch
+        it feeds are of the update step_begin set the gate for, so one with no step_begin (or a second for the same
+        step) would count micro-batches twice or at a gate never set, and another step number would log the watch
+        under the wrong update."""
+        if self._open_step == step:
+            return
+        began = f"the step step_begin({self._open_step}) began" if self._open_step is not None else "no step begun"
+        raise TaperStateError(
+            f"TaperController.step_end({step}) with {began} (the last call was {self._last_call or 'none'}): each "
+            f"optimizer update is step_begin(step) before its forward passes, then step_end(step) with the same step "
+            "after optimizer.step()"
+        )
 
     def check(self, step: int, *, loss=None, grad_norm=None, scales=()) -> None:
         """Feed the divergence watch for update ``step + 1`` (the Trainer adapter adds the gradient norm here)."""

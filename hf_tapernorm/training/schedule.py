@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -148,12 +149,25 @@ class WrittenDecayKwargs(dict):
     json read it as one) that carries the num_decay_steps it wrote and the run length it was computed for. The mark
     travels with the dict, so a copy of the arguments (``dataclasses.replace``, ``copy.deepcopy``, a pickle) still
     tells the written value from a user's, where a mark on the arguments was lost and the copy's value read as the
-    user's."""
+    user's.
 
-    def __init__(self, kwargs: dict[str, Any], decay_steps: int, run_length: Optional[int]) -> None:
-        super().__init__(kwargs, num_decay_steps=decay_steps)
-        self.decay_steps = decay_steps
-        self.run_length = run_length
+    Built from the pairs alone, as ``dataclasses.asdict`` and ``astuple`` copy a dict (``str(args)`` and ``repr(args)``
+    call asdict), it is a copy of a written value: its num_decay_steps is the mark, its run length unknown."""
+
+    def __init__(
+        self,
+        kwargs: Mapping[str, Any] | Iterable[tuple[str, Any]] = (),
+        decay_steps: Optional[int] = None,
+        run_length: Optional[int] = None,
+    ) -> None:
+        super().__init__(kwargs)
+        if decay_steps is not None:
+            self["num_decay_steps"] = decay_steps
+        elif isinstance(kwargs, WrittenDecayKwargs):  # type(kw)(kw): the same mark
+            decay_steps, run_length = kwargs.decay_steps, kwargs.run_length
+        else:
+            decay_steps = self.get("num_decay_steps")
+        self.decay_steps, self.run_length = decay_steps, run_length
 
 
 def decay_learning_rate_after_the_taper(args, schedule: TaperSchedule) -> None:

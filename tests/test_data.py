@@ -1506,3 +1506,92 @@ def test_an_out_of_corpus_folder_holding_a_copy_of_a_corpus_file_is_named_in_a_w
         f"(--dataset_name '{corpus}'), so the out-of-corpus loss is partly the corpus's own; name text the model was "
         "not trained on"
     ]
+
+
+def _ooc_data(tmp_path: Path, corpus: str, other: str, **kwargs):
+    from hf_tapernorm.cli.arguments import DataArguments
+
+    return DataArguments(dataset_name=corpus, out_of_corpus_dataset=other, out_of_corpus_blocks=2, block_size=32,
+                         data_cache_dir=str(tmp_path / "cache"), **kwargs)  # fmt: skip
+
+
+def _shown(paragraph: str) -> str:
+    return repr(paragraph if len(paragraph) <= 40 else paragraph[:40] + "...")
+
+
+@pytest.mark.parametrize("form", ["one row", "rows of three", "re-wrapped"])
+def test_the_corpus_text_cut_at_other_document_boundaries_is_refused_by_its_paragraphs(form, tmp_path, tokenizer):
+    """The corpus's text as one JSON Lines row (its documents joined by blank lines), as rows of three documents, or
+    re-wrapped (doubled spaces, a line break inside each paragraph) was evaluated as out-of-corpus text: documents were
+    compared whole only. Paragraphs of 80 or more characters are compared too (white space runs as one space), and
+    a text nearly all of whose paragraphs are the corpus's is refused in one line naming two of them."""
+    from hf_tapernorm.data.out_of_corpus import out_of_corpus_set
+
+    docs = corpus_documents(40, seed=3)
+    (tmp_path / "corpus.txt").write_text("\n\n".join(docs))
+    rows = {
+        "one row": ["\n\n".join(docs)],
+        "rows of three": ["\n\n".join(docs[i : i + 3]) for i in range(0, len(docs), 3)],
+        "re-wrapped": ["  ".join(d.split(" ", 4)[:4]) + " \n " + d.split(" ", 4)[4] for d in docs],
+    }[form]
+    (tmp_path / "o.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
+    corpus, other = str(tmp_path / "corpus.txt"), str(tmp_path / "o.jsonl")
+    long = [d for d in docs if len(d) >= 80]
+    assert 0 < len(long) < len(docs)  # short ones are left out of the count
+    with pytest.raises(DataError) as refusal:
+        out_of_corpus_set(_ooc_data(tmp_path, corpus, other), tokenizer, [])
+    assert str(refusal.value) == (
+        f"--out_of_corpus_dataset '{other}': {len(long)} of its {len(long)} paragraphs of 80 or more characters "
+        f"(100% of their text) are paragraphs of the training corpus (--dataset_name '{corpus}'), such as "
+        f"{_shown(long[0])}, {_shown(long[1])}, so its loss would be the corpus's own; name text the model was not "
+        "trained on, or leave it out"
+    )
+
+
+def test_only_long_shared_paragraphs_are_named_in_a_warning_not_short_common_ones(tmp_path, tokenizer, caplog):
+    """Paragraphs are compared with the corpus's, but short common ones (`}`, `Returns:`, a short heading), which
+    texts written apart share, are not: a text sharing only those with the corpus is read without a WARNING and not
+    refused, however many of its paragraphs they are. One long corpus paragraph inside another document (which the
+    whole-document comparison did not see) is named in a WARNING, and the set is still built."""
+    from hf_tapernorm.data.out_of_corpus import out_of_corpus_set
+
+    def code(prose: list[str]) -> list[str]:
+        return [f"Returns:\n\n{p}\n\n}}\n\n}}\n\nExample usage" for p in prose]
+
+    docs, others = corpus_documents(40, seed=3), corpus_documents(30, seed=4)
+    long = [d for d in docs if len(d) >= 80]
+    (tmp_path / "corpus.txt").write_text("\n\n".join(code(docs)))
+    (tmp_path / "o.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in code(others)))
+    (tmp_path / "p.jsonl").write_text(
+        "".join(json.dumps({"text": d}) + "\n" for d in code(others[:-1]) + [others[-1] + "\n\n" + long[5]])
+    )
+    corpus = str(tmp_path / "corpus.txt")
+    counted = sum(len(d) >= 80 for d in others) + 1
+    with caplog.at_level("WARNING"):
+        assert out_of_corpus_set(_ooc_data(tmp_path, corpus, str(tmp_path / "o.jsonl")), tokenizer, []) is not None
+        assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
+        assert out_of_corpus_set(_ooc_data(tmp_path, corpus, str(tmp_path / "p.jsonl")), tokenizer, []) is not None
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"--out_of_corpus_dataset '{tmp_path / 'p.jsonl'}': 1 of its {counted} paragraphs of 80 or more characters are "
+        f"paragraphs of the training corpus (--dataset_name '{corpus}'), such as {_shown(long[5])}, so the "
+        "out-of-corpus loss is partly the corpus's own; name text the model was not trained on"
+    ]
+
+
+def test_a_streamed_corpus_says_the_out_of_corpus_text_was_compared_by_file_only(tmp_path, tokenizer, caplog):
+    """With --streaming the corpus's documents were not compared with the out-of-corpus text, without a word: the
+    corpus's documents as JSON Lines were evaluated as out-of-corpus text, where without --streaming they are refused.
+    A stream is not read twice, so the set is still built, and a WARNING says the text was compared by file only."""
+    from hf_tapernorm.data.out_of_corpus import out_of_corpus_set
+
+    docs = corpus_documents(40, seed=3)
+    (tmp_path / "corpus.txt").write_text("\n\n".join(docs))
+    (tmp_path / "o.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    corpus, other = str(tmp_path / "corpus.txt"), str(tmp_path / "o.jsonl")
+    with caplog.at_level("WARNING"):
+        assert out_of_corpus_set(_ooc_data(tmp_path, corpus, other, streaming=True), tokenizer, []) is not None
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"--out_of_corpus_dataset '{other}': compared with the training corpus (--dataset_name '{corpus}') by file "
+        "only, not by its text: a streamed corpus (--streaming) is not read twice; make sure it is not the corpus's "
+        "text in another form, or leave --streaming out to have its text compared"
+    ]

@@ -8,8 +8,10 @@ from __future__ import annotations
 import filecmp
 import logging
 import os
+import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -25,8 +27,8 @@ def out_of_corpus_set(data, tokenizer, sink_ids: Sequence[int]) -> Optional[Eval
     text read from its ``data.out_of_corpus_text_column`` (None: as --text_column's default chooses).
 
     The draw uses ``data.heldout_seed``, so every run of a comparison reads the same blocks. A dataset whose every
-    document is one of the corpus's is refused, and one holding some of them named in a WARNING
-    (check_documents_outside_corpus).
+    document, or nearly all of whose paragraphs, are the corpus's is refused, and one holding some of them named in a
+    WARNING (check_documents_outside_corpus).
     """
     if not data.out_of_corpus_blocks:
         return None
@@ -59,43 +61,162 @@ def out_of_corpus_set(data, tokenizer, sink_ids: Sequence[int]) -> Optional[Eval
 def document_key(text: str) -> int:
     """The hash by which two documents are the same text: line ends and surrounding white space aside, as the text
     loader reads a file (universal newlines: CRLF is LF) and as a JSON row or a file's last paragraph may keep them."""
-    return text_digest(text.replace("\r\n", "\n").replace("\r", "\n").strip())
+    return text_digest(_unix_line_ends(text).strip())
+
+
+MIN_PARAGRAPH_CHARS = 80
+"""The paragraphs compared with the corpus's are this long or longer (white space runs counted as one space): a
+shorter one (a closing brace, ``Returns:``, a heading, a line of a licence) recurs in texts written apart, so sharing
+it tells nothing of where a text came from, and many such would make a real text look like the corpus's."""
+
+NEARLY_ALL = 0.9
+"""The share of an out-of-corpus text's compared paragraphs (by their characters) that, found in the corpus, refuses
+it: the corpus's text cut anew with a few paragraphs edited or added is still the corpus's."""
+
+_BLANK_LINE = re.compile(r"\n\s*\n")
+
+
+def _unix_line_ends(text: str) -> str:
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def paragraphs_compared(text: str) -> list[str]:
+    """The paragraphs of ``text`` (parts between blank lines) that are compared with the corpus's, their white space
+    runs one space each (a text re-wrapped or re-indented is the same text), MIN_PARAGRAPH_CHARS long or longer."""
+    parts = (" ".join(part.split()) for part in _BLANK_LINE.split(_unix_line_ends(text)))
+    return [part for part in parts if len(part) >= MIN_PARAGRAPH_CHARS]
+
+
+@dataclass
+class _TextKeys:
+    """What is kept of a text to compare it with the corpus: its documents' and paragraphs' hashes (how many times
+    each), and each paragraph's length. Hashes only, so the memory is bounded whatever the texts' length."""
+
+    documents: Counter = field(default_factory=Counter)
+    paragraphs: Counter = field(default_factory=Counter)
+    lengths: dict[int, int] = field(default_factory=dict)
+
+    def add(self, text: str) -> None:
+        self.documents[document_key(text)] += 1
+        for paragraph in paragraphs_compared(text):
+            key = text_digest(paragraph)
+            self.paragraphs[key] += 1
+            self.lengths[key] = len(paragraph)
+
+    def characters(self, keys: Iterable[int]) -> int:
+        return sum(self.paragraphs[key] * self.lengths[key] for key in keys)
+
+
+@dataclass
+class _Found:
+    """Which of a text's documents and paragraphs (their hashes) the corpus holds, and a few of the paragraphs."""
+
+    documents: set[int] = field(default_factory=set)
+    paragraphs: set[int] = field(default_factory=set)
+    examples: list[str] = field(default_factory=list)
+
+
+def _find_in_corpus(data, ours: _TextKeys) -> _Found:
+    """The corpus ``data`` names read once, its documents and paragraphs looked up in ``ours``; a paragraph is
+    hashed only where its length is one of ours (most are not), and the reading stops once all are found."""
+    corpus = load_documents(data)
+    column = text_column_of(corpus, data.text_column)
+    lengths, found = set(ours.lengths.values()), _Found()
+    for batch in corpus.select_columns([column]).iter(batch_size=1024):
+        for text in batch[column]:
+            if not isinstance(text, str):
+                continue
+            if (key := document_key(text)) in ours.documents:
+                found.documents.add(key)
+            for paragraph in paragraphs_compared(text):
+                if len(paragraph) in lengths and (key := text_digest(paragraph)) in ours.paragraphs:
+                    if key not in found.paragraphs and len(found.examples) < 2:
+                        found.examples.append(paragraph)
+                    found.paragraphs.add(key)
+        if len(found.documents) == len(ours.documents) and len(found.paragraphs) == len(ours.paragraphs):
+            break
+    return found
+
+
+def _quoted(paragraphs: Sequence[str]) -> str:
+    return ", ".join(repr(p if len(p) <= 40 else p[:40] + "...") for p in paragraphs)
 
 
 def check_documents_outside_corpus(data, texts: Iterable[str]) -> None:
     """Refuse (one line) out-of-corpus ``texts`` (the documents of ``data.out_of_corpus_dataset``) of which every one
-    is a document of the corpus ``data`` names, and name in a WARNING how many are where some are: their loss is the
-    corpus's own, printed and recorded as the loss of text the model was not trained on. The files' bytes
-    (app/data_checks.py, before the model loads) tell a copy of a file only; the same documents in another form (JSON
-    Lines of the texts, another line end, a trailing newline, part of them) are found here by their text
-    (document_key). Documents with no text are not counted. A streamed corpus is not read whole for this (it may be
-    far larger than what a command reads of it)."""
-    ours = Counter(document_key(text) for text in texts if text.strip())
-    if not ours or data.streaming:
-        return
-    corpus = load_documents(data)
-    column = text_column_of(corpus, data.text_column)
-    found: set[int] = set()
-    for batch in corpus.select_columns([column]).iter(batch_size=1024):
-        found.update(key for text in batch[column] if isinstance(text, str) and (key := document_key(text)) in ours)
-        if len(found) == len(ours):
-            break
-    shared, total = sum(ours[key] for key in found), sum(ours.values())
+    is a document of the corpus ``data`` names, or whose paragraphs nearly all are paragraphs of it, and name in a
+    WARNING how many are where some are: their loss is the corpus's own, printed and recorded as the loss of text the
+    model was not trained on. The files' bytes (app/data_checks.py, before the model loads) tell a copy of a file
+    only; the same documents in another form (JSON Lines of the texts, another line end, a trailing newline, part of
+    them) are found here by their text (document_key), and the corpus's text cut at other document boundaries (one
+    row of all of it, a file per chapter) by its paragraphs (paragraphs_compared: short ones, which texts written
+    apart share, are left out; NEARLY_ALL of the rest's characters refuses). Documents with no text are not counted.
+    A streamed corpus is not read for this (it may be far larger than what a command reads of it, and a stream is
+    not read twice): a WARNING says the text was compared by file only."""
+    ours = _TextKeys()
+    for text in texts:
+        if text.strip():
+            ours.add(text)
     name, source = data.out_of_corpus_dataset, data.dataset_name or EMBEDDED_CORPUS
-    if shared == total:
+    if not ours.documents:
+        return
+    if data.streaming:
+        logger.warning(
+            "--out_of_corpus_dataset '%s': compared with the training corpus (--dataset_name '%s') by file only, not "
+            "by its text: a streamed corpus (--streaming) is not read twice; make sure it is not the corpus's text in "
+            "another form, or leave --streaming out to have its text compared",
+            name,
+            source,
+        )
+        return
+    found = _find_in_corpus(data, ours)
+    _refuse_corpus_text(name, source, ours, found)
+    _warn_corpus_text(name, source, ours, found)
+
+
+def _refuse_corpus_text(name: str, source: str, ours: _TextKeys, found: _Found) -> None:
+    """Refuse out-of-corpus text whose every document, or nearly all of whose paragraphs, are the corpus's."""
+    total = sum(ours.documents.values())
+    if sum(ours.documents[key] for key in found.documents) == total:
         raise DataError(
             f"--out_of_corpus_dataset '{name}': every one of its {total} documents is a document of the training "
             f"corpus (--dataset_name '{source}'), so its loss would be the corpus's own; name text the model was not "
             "trained on, or leave it out"
         )
+    shared, characters = ours.characters(found.paragraphs), ours.characters(ours.paragraphs)
+    if characters and shared >= NEARLY_ALL * characters:
+        raise DataError(
+            f"--out_of_corpus_dataset '{name}': {sum(ours.paragraphs[k] for k in found.paragraphs)} of its "
+            f"{sum(ours.paragraphs.values())} paragraphs of {MIN_PARAGRAPH_CHARS} or more characters "
+            f"({100 * shared // characters}% of their text) are paragraphs of the training corpus (--dataset_name "
+            f"'{source}'), such as {_quoted(found.examples)}, so its loss would be the corpus's own; name text the "
+            "model was not trained on, or leave it out"
+        )
+
+
+def _warn_corpus_text(name: str, source: str, ours: _TextKeys, found: _Found) -> None:
+    """Name in a WARNING how many of the out-of-corpus documents, or else of its paragraphs, are the corpus's."""
+    shared = sum(ours.documents[key] for key in found.documents)
     if shared:
         logger.warning(
             "--out_of_corpus_dataset '%s': %d of its %d documents are documents of the training corpus (--dataset_name "
             "'%s'), so the out-of-corpus loss is partly the corpus's own; name text the model was not trained on",
             name,
             shared,
-            total,
+            sum(ours.documents.values()),
             source,
+        )
+    elif found.paragraphs:
+        logger.warning(
+            "--out_of_corpus_dataset '%s': %d of its %d paragraphs of %d or more characters are paragraphs of the "
+            "training corpus (--dataset_name '%s'), such as %s, so the out-of-corpus loss is partly the corpus's own; "
+            "name text the model was not trained on",
+            name,
+            sum(ours.paragraphs[key] for key in found.paragraphs),
+            sum(ours.paragraphs.values()),
+            MIN_PARAGRAPH_CHARS,
+            source,
+            _quoted(found.examples),
         )
 
 
@@ -130,6 +251,9 @@ def corpus_files_among(files: Sequence[Path], corpus: Sequence[Path]) -> tuple[d
 __all__ = [
     "check_documents_outside_corpus",
     "corpus_files_among",
+    "MIN_PARAGRAPH_CHARS",
+    "NEARLY_ALL",
     "document_key",
+    "paragraphs_compared",
     "out_of_corpus_set",
 ]

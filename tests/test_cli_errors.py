@@ -19,6 +19,7 @@ import yaml
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from hf_tapernorm.app.validation import fingerprint
 from tests.conftest import build, char_tokenizer, corpus_documents, tiny_llama_config
 from tests.helpers import copy_run as copy_of
 from tests.helpers import edit_json, error_of, finished_run, one_model_workspace, run_main, taper_argv, truncate
@@ -1433,6 +1434,21 @@ CASES = {
         ],
         NEEDS_RUN,
     ),
+    # a finished run without folded/ (folded elsewhere, or its export moved away): eval named '<run>/folded',
+    # which is not there; it names the tapered/ checkpoint the run holds, or folding into '<run>/folded' first
+    "eval of the folder of a run that wrote no folded/": (
+        lambda ws, run, tmp: evaluate(_without(copy_of(run, tmp), "folded"), data=ws / "corpus.txt"),
+        2,
+        [
+            "error: --model_name_or_path '",
+            "/run' is a taper run's folder, not a saved model: it holds no folded/ export: evaluate its tapered "
+            "checkpoint (at g = 0), --model_name_or_path '",
+            "/run/tapered', or fold it first (hf-tapernorm fold --checkpoint '",
+            "/run/tapered' --output_dir '",
+            "/run/folded') and evaluate that export",
+        ],
+        NEEDS_RUN,
+    ),
     "fold --overwrite onto the run folder": (
         lambda ws, run, tmp: fold(copy_of(run, tmp) / "tapered", tmp / "run", "--overwrite"),
         2,
@@ -1760,6 +1776,35 @@ def test_a_mistyped_model_path_is_named_as_such(workspace, tmp_path):
     lines = stderr.strip().splitlines()
     assert status == 2 and len(lines) == 1, stderr  # transformers' message runs over two lines
     assert "'no_such/folder' (no local folder of that name, so it was taken as a Hub id: check the path" in lines[0]
+
+
+def test_a_killed_run_s_relative_model_path_is_named_only_where_it_holds_the_recorded_model(
+    ws, short_run, tmp_path, monkeypatch
+):
+    """A run started with a relative --model_name_or_path (its records name 'llama', with the model's digests) and
+    killed, then named to bench from another working folder holding another model under 'llama': the hint said
+    "pass the model the run started from, 'llama'", the other model. A path found from here or beside the run is
+    named only where its files are the ones the run recorded (the one beside the run, here), else the hint says the
+    model there is not the one the run started from."""
+    run = _without_tapered(copy_of(short_run, tmp_path / "started"))
+    contents = fingerprint(str(ws / "llama"), weights_by_size=True)
+    edit_json(run / ".hf_tapernorm_run.json", identity={"model": "llama", "model_contents": contents})
+    for record in run.glob("checkpoint-*/tapernorm_run.json"):
+        record.unlink()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "llama").symlink_to(ws / "other_tokenizer")  # another tiny Llama, other weights
+    monkeypatch.chdir(elsewhere)
+    argv = [*_bench(ws)[:2], str(run), *_bench(ws)[3:]]
+    head = f"hf-tapernorm bench: error: --model_name_or_path '{run}' is a taper run's folder, not a saved model: "
+    head += "bench builds its variants from an ordinary model, which the run's outputs are not: "
+    assert error_of(argv) == (
+        f"{head}pass the model the run started from (the run wrote no report.json; its records name 'llama', and "
+        f"the model at '{elsewhere / 'llama'}' is not the one the run started from: its files differ from the ones "
+        "the run recorded)"
+    )
+    (run.parent / "llama").symlink_to(ws / "llama")  # where the run was started from
+    assert error_of(argv) == f"{head}pass the model the run started from, '{run.parent / 'llama'}'"
 
 
 def test_report_to_wandb_without_a_login_is_refused_before_the_model_loads(ws, tmp_path, monkeypatch):

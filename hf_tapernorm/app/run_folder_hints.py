@@ -89,19 +89,32 @@ def fold_hint(run: str, folder: Path) -> str:
     return f"fold its tapered checkpoint, --checkpoint '{run}/tapered'"
 
 
+def finished_outputs(folder: Path) -> tuple[str, ...]:
+    """Which of its finished outputs the run in ``folder`` holds, "folded" (its folded export) and "tapered" (its
+    tapered checkpoint): eval's and push's hints name only what is there (a run folded elsewhere, or whose export
+    was moved away, holds tapered/ alone; a run that did not finish, neither)."""
+    return tuple(name for name in ("folded", "tapered") if (folder / name).is_dir())
+
+
 def eval_hint(run: str, folder: Path) -> str:
-    if not (folder / "tapered").is_dir():
-        return unfinished(run, folder, "evaluate")
-    return (
-        f"evaluate its folded export, --model_name_or_path '{run}/folded' (or '{run}/tapered', the tapered checkpoint "
-        "at g = 0)"
-    )
+    held = finished_outputs(folder)
+    if "folded" in held:
+        tapered = f" (or '{run}/tapered', the tapered checkpoint at g = 0)" if "tapered" in held else ""
+        return f"evaluate its folded export, --model_name_or_path '{run}/folded'{tapered}"
+    if "tapered" in held:
+        return (
+            f"it holds no folded/ export: evaluate its tapered checkpoint (at g = 0), --model_name_or_path "
+            f"'{run}/tapered', or fold it first (hf-tapernorm fold --checkpoint '{run}/tapered' --output_dir "
+            f"'{run}/folded') and evaluate that export"
+        )
+    return unfinished(run, folder, "evaluate")
 
 
 def push_hint(run: str, folder: Path) -> str:
-    if (folder / "folded").is_dir():
+    held = finished_outputs(folder)
+    if "folded" in held:
         return f"push its folded export, --export_dir '{run}/folded'"
-    if (folder / "tapered").is_dir():
+    if "tapered" in held:
         return (
             f"it holds no folded/ export: fold its tapered checkpoint (hf-tapernorm fold --checkpoint '{run}/tapered' "
             "--output_dir EXPORT) and push that export"
@@ -142,14 +155,27 @@ def _base(run: str, folder: Path) -> str:
         return f"pass the model the run started from, '{model}'"
     if (folder / "report.json").exists():
         return f"pass the model the run started from (its report.json records none that is there, '{run}/report.json')"
-    named = next((record["model"] for record in _identities(folder) if isinstance(record.get("model"), str)), None)
+    named = next((record["model"] for record in _identities(folder) if _named_model(record)), None)
     if named is not None:
-        where = "is not there" if Path(named).is_absolute() else "is found neither from here nor beside the run"
         return (
-            f"pass the model the run started from (the run wrote no report.json; its records name '{named}', which "
-            f"{where})"
+            f"pass the model the run started from (the run wrote no report.json; its records name '{named}', "
+            f"{_not_found(named, folder)})"
         )
     return "pass the model the run started from (the run wrote no report.json, and nothing in it records the model)"
+
+
+def _not_found(named: str, folder: Path) -> str:
+    """Why the recorded local model ``named`` is not passed: nothing is there, or what is there holds other files
+    than the ones the run recorded (another model under the same relative path, or one saved over since)."""
+    there = [os.path.abspath(path) for path in _local_paths(named, folder)]
+    if there:
+        places = " and ".join(f"'{path}'" for path in there)
+        verb = "the model at {} is" if len(there) == 1 else "the models at {} are"
+        return (
+            f"and {verb.format(places)} not the one the run started from: its files differ from the ones the run "
+            "recorded"
+        )
+    return "which is not there" if Path(named).is_absolute() else "which is found neither from here nor beside the run"
 
 
 def recorded_model(folder: Path) -> Optional[str]:
@@ -176,28 +202,46 @@ def _reported_model(facts: dict[str, Any], folder: Path) -> Optional[str]:
 
 def _identity_model(folder: Path) -> Optional[str]:
     """The model a run's identity records (app/validation.run_identity): a Hub id where it fingerprinted no local
-    contents (``model_contents`` None), else its path where that is there (_local_model)."""
-    for record in _identities(folder):
-        model = record.get("model")
-        if not isinstance(model, str) or not model:
-            continue
-        if "model_contents" in record and record["model_contents"] is None:
+    contents (``model_contents`` None), else the first place its path names that holds the files it recorded
+    (_local_paths, _holds_recorded)."""
+    for record in filter(_named_model, _identities(folder)):
+        model, contents = record["model"], record.get("model_contents")
+        if "model_contents" in record and contents is None:
             return model
-        found = _local_model(model, folder)
+        found = next((path for path in _local_paths(model, folder) if _holds_recorded(path, contents)), None)
         if found is not None:
             return found
     return None
 
 
-def _local_model(model: str, folder: Path) -> Optional[str]:
-    """The recorded local model path ``model`` as this command can pass it, where it is there: an absolute path, else
-    a relative one from the working folder (as typed) or from the run's parent folder (where a run is most often
-    started from: ``--output_dir RUN``), the identity recording no working folder of its own. None: not there."""
+def _named_model(record: dict[str, Any]) -> bool:
+    """Whether an identity ``record`` names a model (a non-empty string)."""
+    return isinstance(record.get("model"), str) and bool(record["model"])
+
+
+def _local_paths(model: str, folder: Path) -> list[str]:
+    """Where the recorded local model path ``model`` is now, as this command can pass it: an absolute path, else a
+    relative one from the working folder (as typed) and from the run's parent folder (where a run is most often
+    started from: ``--output_dir RUN``), the identity recording no working folder of its own. Only those that are
+    there, each folder once."""
     path = Path(model)
-    if path.is_absolute() or path.exists():
-        return model if path.exists() else None
-    beside = Path(os.path.abspath(folder)).parent / path
-    return str(beside) if beside.exists() else None
+    places = [model] if path.is_absolute() else [model, str(Path(os.path.abspath(folder)).parent / path)]
+    found: dict[str, str] = {}
+    for place in places:
+        if os.path.exists(place):
+            found.setdefault(os.path.realpath(place), place)
+    return list(found.values())
+
+
+def _holds_recorded(path: str, contents: object) -> bool:
+    """Whether ``path`` holds the files the run recorded of its model (run_identity's ``model_contents``): from
+    another working folder a relative path names another model, and a model may be saved over since. A record
+    without them (a run of an older version, or edited by hand) cannot tell: the path is taken."""
+    if not isinstance(contents, dict):
+        return True
+    from .validation import holds_recorded_contents  # validation imports this module: imported when first needed
+
+    return holds_recorded_contents(path, contents)
 
 
 def _identities(folder: Path) -> list[dict[str, Any]]:
@@ -217,6 +261,7 @@ __all__ = [
     "bench_hint",
     "checkpoints",
     "eval_hint",
+    "finished_outputs",
     "fold_hint",
     "push_hint",
     "recorded_model",

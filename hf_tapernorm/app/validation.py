@@ -323,6 +323,19 @@ def run_identity(
     return identity
 
 
+def holds_recorded_contents(path: str, contents: dict[str, Any]) -> bool:
+    """Whether the local model at ``path`` holds the files a run recorded of its model (``model_contents`` of
+    run_identity), a weight file an older version recorded by its size alone ("N bytes") matching by that size."""
+    try:
+        found = fingerprint(path, weights_by_size=True)
+    except OSError:  # unreadable here: not shown to hold the run's model
+        return False
+    if found is None:
+        return False
+    recorded = {"model_contents": contents}
+    return _with_legacy_fingerprints(recorded, {"model_contents": found})["model_contents"] == contents
+
+
 def _with_legacy_fingerprints(saved: dict[str, Any], identity: dict[str, Any]) -> dict[str, Any]:
     """``identity`` with each sampled weight fingerprint cut to the "N bytes" that runs of older versions recorded
     for the same file, so such a run still resumes (its weights were identified by size only)."""
@@ -479,6 +492,7 @@ __all__ = [
     "check_vocabulary",
     "check_within_positions",
     "fingerprint",
+    "holds_recorded_contents",
     "fit_default_schedule",
     "fit_default_warmup",
     "max_positions",

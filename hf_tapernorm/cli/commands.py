@@ -25,7 +25,7 @@ from ..app.run_folder_hints import eval_hint, fold_hint, push_hint, refuse_run_f
 from ..app.run_lock import refuse_while_running, resolved_path
 from ..app.taper import save_export
 from ..app.tapered_checks import check_recorded_sink, refuse_unfoldable_gate, refuse_unused_tied_head
-from ..app.validation import check_same_tokenizer, check_vocabulary, check_within_positions, fingerprint
+from ..app.validation import check_same_tokenizer, check_vocabulary, check_within_positions, holds_recorded_contents
 from ..config import sink_token_id
 from ..data.corpus import blocks_tensor, prepare_from_arguments
 from ..data.out_of_corpus import out_of_corpus_set
@@ -258,7 +258,7 @@ def _holds_recorded_model(recorded: str, contents: object) -> bool:
     path = expand_user(recorded, strict=False)  # recorded on another machine, a ~user may be unknown here
     if not path.exists():
         return False
-    if path.is_absolute() or fingerprint(recorded, weights_by_size=True) == contents:
+    if path.is_absolute() or (isinstance(contents, dict) and holds_recorded_contents(recorded, contents)):
         return True
     logger.warning(
         "the run recorded its model as '%s', relative to the folder it was started in; '%s' here holds another model, "

@@ -19,7 +19,7 @@ import yaml
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from hf_tapernorm.app.validation import fingerprint
+from hf_tapernorm.app.fingerprints import fingerprint
 from tests.conftest import build, char_tokenizer, corpus_documents, tiny_llama_config
 from tests.helpers import copy_run as copy_of
 from tests.helpers import edit_json, error_of, finished_run, one_model_workspace, run_main, taper_argv, truncate
@@ -206,9 +206,9 @@ def _copy(source: Path, target: Path) -> Path:
     return target
 
 
-def _written(target: Path, text: str) -> Path:
-    """``target``, written with ``text``."""
-    target.write_text(text)
+def _written(target: Path, text: str, encoding: str = "utf-8") -> Path:
+    """``target``, written with ``text`` (in ``encoding``)."""
+    target.write_text(text, encoding=encoding)
     return target
 
 
@@ -925,9 +925,9 @@ CASES = {
     "eval: a csv column of long digit strings": (  # pandas typed it as a number: a traceback from pyarrow's overflow
         lambda ws: [*_eval(ws), "--dataset_name", str(ws / "digits.csv")],
         2,
-        "dataset '{ws}/digits.csv' has a CSV column of digits too long for a number, which is how the csv loader "
-        'types a column whose cells are all digits; write the texts as JSON Lines strings ({{"text": "..."}} per line) '
-        "instead",
+        "--dataset_name '{ws}/digits.csv' has a CSV column of digits too long for a number, which is how the csv "
+        "loader types a column whose cells are all digits; write the texts as JSON Lines strings "
+        '({{"text": "..."}} per line) instead',
     ),
     "taper: a tokenizer larger than the vocabulary": (
         lambda ws: taper(ws, ws / "out", "--sink", "none", model=str(ws / "small_vocab")),
@@ -963,7 +963,71 @@ CASES = {
     "eval on a json file of an empty array": (
         lambda ws, tmp: _eval(ws, "--dataset_name", str(_written(tmp / "empty_arr.json", "  [ ]\n"))),
         2,
-        ["error: dataset '", "/empty_arr.json' is empty: the file holds no rows"],
+        ["error: --dataset_name '", "/empty_arr.json' is empty: the file holds no rows"],
+        ("tmp_path",),
+    ),
+    # the out-of-corpus text's refusals said "dataset 'PATH'", not which of the command's two datasets was meant
+    **{
+        f"eval --out_of_corpus_dataset {what}": (
+            lambda ws, tmp, file=file, content=content: _eval(
+                ws, "--out_of_corpus_blocks", "2", "--out_of_corpus_dataset", str(_written(tmp / file, content))
+            ),
+            2,
+            [f"error: {option}'", f"/{file}'{said}"],
+            ("tmp_path",),
+        )
+        for what, file, content, option, said in [
+            (
+                "a header-only csv",
+                "h.csv",
+                "\ufefftext\n",
+                "--out_of_corpus_dataset ",
+                " is empty: the file holds no rows",
+            ),
+            (
+                "a json array of no item",
+                "e.json",
+                "[]",
+                "--out_of_corpus_dataset ",
+                " is empty: the file holds no rows",
+            ),
+            (
+                "a file of a byte-order mark",
+                "bom.txt",
+                "\ufeff",
+                "--out_of_corpus_dataset ",
+                " is empty: the file holds no text",
+            ),
+            (
+                "a csv of blank lines",
+                "blank.csv",
+                "\n\n\n",
+                "--out_of_corpus_dataset ",
+                " is empty: the file holds no rows",
+            ),
+            (
+                "rows of null text",
+                "nulls.jsonl",
+                '{"text": null}\n' * 2,
+                "row 0 of --out_of_corpus_dataset ",
+                " has no 'text' value: every row needs its text in 'text'; fix the data",
+            ),
+        ]
+    },  # fmt: skip
+    "eval --out_of_corpus_dataset a UTF-16 file": (
+        lambda ws, tmp: _eval(
+            ws,
+            "--out_of_corpus_blocks",
+            "2",
+            "--out_of_corpus_dataset",
+            str(_written(tmp / "w.txt", "wide text\n", "utf-16")),
+        ),
+        2,
+        [
+            "error: --out_of_corpus_dataset '",
+            "/w.txt' is UTF-16 text (told by its byte-order mark), not UTF-8: convert it (iconv -f utf-16 -t utf-8 '",
+            "/w.utf8.txt') and name the file it writes",
+        ],
         ("tmp_path",),
     ),
     # a JSON object and an array of empty objects: "cannot tell which column holds the text (columns:
@@ -974,7 +1038,10 @@ CASES = {
                 ws, "--out_of_corpus_blocks", "2", option, str(_written(tmp / "rows.json", text))
             ),
             2,
-            ["error: dataset '", "/rows.json' is empty: its rows hold no columns, so no text; name a dataset of text"],
+            [
+                f"error: {option} '",
+                "/rows.json' is empty: its rows hold no columns, so no text; name a dataset of text",
+            ],
             ("tmp_path",),
         )
         for what, text in (("an empty object", "{}\n"), ("an array of empty objects", "[{}]\n"))
@@ -1035,12 +1102,14 @@ CASES = {
     "bench --modes train on a csv without a string column": (
         lambda ws: _bench(ws, "--modes", "train", "--dataset_name", str(ws / "nocol.csv")),
         2,
-        "error: dataset '{ws}/nocol.csv': cannot tell which column holds the text (columns: a, b); pass --text_column",
+        "error: --dataset_name '{ws}/nocol.csv': cannot tell which column holds the text (columns: a, b); pass "
+        "--text_column",
     ),
     "eval on a csv without a string column": (
         lambda ws: _eval(ws, "--dataset_name", str(ws / "nocol.csv")),
         2,
-        "error: dataset '{ws}/nocol.csv': cannot tell which column holds the text (columns: a, b); pass --text_column",
+        "error: --dataset_name '{ws}/nocol.csv': cannot tell which column holds the text (columns: a, b); pass "
+        "--text_column",
     ),
     "eval --dataset_name a file of an unsupported type": (
         lambda ws, tmp: _eval(ws, "--dataset_name", str(_copy(ws / "corpus.txt", tmp / "corpus.weird"))),
@@ -1649,7 +1718,13 @@ CASES = {
         ["tapernorm_config.json was edited after the run wrote it", "ema_rate: 0.5 in the file, 0.01 recorded"],
         NEEDS_RUN,
     ),
-    "data of blank lines only": (_data("blank.txt", "\n\n   \n\t\n\n"), 2, ["blank.txt' is too small"], NEEDS_RUN),
+    # it was "too small ... holds only 1 document(s) ...: split the text into more", advice that cannot help
+    "data of blank lines only": (
+        _data("blank.txt", "\n\n   \n\t\n\n"),
+        2,
+        ["--dataset_name '", "blank.txt' is empty: the file holds no text"],
+        NEEDS_RUN,
+    ),
     "data of one huge line": (
         _data("line.txt", " ".join(corpus_documents(150))),
         2,

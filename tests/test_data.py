@@ -404,11 +404,11 @@ def test_what_the_loading_would_ignore_or_refuse_late_is_refused_first(hub):
             "validation), a slice of it (train[:10%], train[100:200]), or several joined by + (no spaces)"
         )
     assert error_of(_eval("--dataset_name", "corpus.txt", "--text_column", "body")).endswith(
-        "--text_column body: dataset 'corpus.txt' has no column 'body'; its columns: text"
+        "--text_column body: --dataset_name 'corpus.txt' has no column 'body'; its columns: text"
     )
     assert error_of(
         _eval("--dataset_name", "me/one", "--data_cache_dir", "hubcache", "--text_column", "body")
-    ).endswith("--text_column body: dataset 'me/one' has no column 'body'; its columns: text")
+    ).endswith("--text_column body: --dataset_name 'me/one' has no column 'body'; its columns: text")
     for data in (["--dataset_name", "corpus.txt"], []):
         what = "the local dataset 'corpus.txt'" if data else "the embedded corpus"
         assert error_of(_eval(*data, "--dataset_config_name", "cfg2")).endswith(
@@ -484,11 +484,11 @@ def test_the_text_column_is_chosen_before_the_model_loads_by_the_loading_s_own_r
     cached_hub_dataset(hub / "hubcols", hub / "t.jsonl", repo="me/cols")
     for name in [*names, "me/cols"]:
         cache = ["--data_cache_dir", "hubcols" if name == "me/cols" else str(tmp_path / "c")]
-        assert error_of(_eval("--dataset_name", name, *cache)).endswith(f"dataset '{name}': {cannot}")
+        assert error_of(_eval("--dataset_name", name, *cache)).endswith(f"--dataset_name '{name}': {cannot}")
         with pytest.raises(DataError, match=r"^cannot tell which column holds the text \(columns: id, body, title\)"):
             text_column_of(load_text_dataset(name, cache_dir=cache[1]))  # the loading's words, its rule
         assert error_of(_eval("--dataset_name", name, *cache, "--text_column", "nosuch")).endswith(
-            f"--text_column nosuch: dataset '{name}' has no column 'nosuch'; its columns: id, body, title"
+            f"--text_column nosuch: --dataset_name '{name}' has no column 'nosuch'; its columns: id, body, title"
         )
     for name in names:  # a column named, or the only string column: accepted first, read so later
         check_text_column("--dataset_name", name, check_dataset_path("--dataset_name", name), "title")
@@ -957,11 +957,12 @@ def test_the_out_of_corpus_text_is_read_from_the_column_its_option_names(hub, tm
     ooc = ["--out_of_corpus_blocks", "2", "--data_cache_dir", "hubcols", "--dataset_name", "corpus.txt"]
     for name in ("t.jsonl", "me/cols"):
         assert error_of(_eval(*ooc, "--out_of_corpus_dataset", name)).endswith(
-            f"dataset '{name}': cannot tell which column holds the text (columns: id, body, title); pass "
-            "--out_of_corpus_text_column"
+            f"--out_of_corpus_dataset '{name}': cannot tell which column holds the text (columns: id, body, title); "
+            "pass --out_of_corpus_text_column"
         )
         assert error_of(_eval(*ooc, "--out_of_corpus_dataset", name, "--out_of_corpus_text_column", "text")).endswith(
-            f"--out_of_corpus_text_column text: dataset '{name}' has no column 'text'; its columns: id, body, title"
+            f"--out_of_corpus_text_column text: --out_of_corpus_dataset '{name}' has no column 'text'; its columns: "
+            "id, body, title"
         )
         for column in ("body", "title"):
             data = DataArguments(out_of_corpus_dataset=name, out_of_corpus_text_column=column, out_of_corpus_blocks=2,
@@ -1035,7 +1036,7 @@ def test_corpus_that_is_not_utf8_or_one_long_line_is_explained(workspace, tmp_pa
     argv = taper_argv(workspace, tmp_path / "run", "--data_cache_dir", str(tmp_path / "cache"))
     argv[argv.index("--dataset_name") + 1] = str(latin1)
     message = error_of(argv)  # was "DatasetGenerationError: An error occurred while generating the dataset"
-    assert message.startswith(f"hf-tapernorm taper: error: dataset '{latin1}' is not UTF-8 text (invalid continu")
+    assert message.startswith(f"hf-tapernorm taper: error: --dataset_name '{latin1}' is not UTF-8 text (invalid cont")
     assert message.endswith("convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8), or pass a text file")
     one_line = tmp_path / "one_line.txt"
     one_line.write_text(" ".join(["the quick brown fox"] * 3000))
@@ -1084,8 +1085,7 @@ def test_a_column_of_no_text_is_named_not_called_too_small(tmp_path, tokenizer, 
         _prepare(dataset, tokenizer, train_blocks=train_blocks)
     if kind is None:
         assert str(refused.value) == (
-            "row 0 of the dataset has no 'text' value: every row needs its text in 'text'; fix the data, or pass "
-            "--text_column"
+            "row 0 of dataset 'python-stdlib' has no 'text' value: every row needs its text in 'text'; fix the data"
         )
     else:
         assert str(refused.value).startswith(f"row 0 of 'text' is {kind}, not text: ")
@@ -1120,8 +1120,8 @@ def test_an_out_of_corpus_row_that_is_not_text_is_named_not_skipped(tmp_path, to
     with pytest.raises(DataError) as refused:
         out_of_corpus_set(data, tokenizer, [])
     assert str(refused.value) == (
-        "row 1 of the dataset has no 'text' value: every row needs its text in 'text'; fix the data, or pass "
-        "--out_of_corpus_text_column"
+        f"row 1 of --out_of_corpus_dataset '{name}' has no 'text' value: every row needs its text in 'text'; fix the "
+        "data"
     )
 
 
@@ -1174,8 +1174,7 @@ def test_an_empty_csv_cell_is_an_empty_document_as_a_jsonl_empty_string_is(tmp_p
         with pytest.raises(DataError) as refused:
             _prepare(load(name), tokenizer)
         assert str(refused.value) == (
-            "row 2 of the dataset has no 'text' value: every row needs its text in 'text'; fix the data, or pass "
-            "--text_column"
+            "row 2 of dataset 'python-stdlib' has no 'text' value: every row needs its text in 'text'; fix the data"
         )
 
 
@@ -1349,7 +1348,7 @@ def _compress_a_file(tmp_path: Path) -> None:
         (
             _compress_a_file,
             "its 1 compressed file(s) (more.txt.gz) are not read, as the checks before loading cannot read them; "
-            "decompress them in the folder (gunzip -k FILE, unxz -k FILE, ...) to read their text",
+            "decompress them in the folder (gunzip -k FILE, unzip FILE, tar -xzf FILE, ...) to read their text",
         ),
     ],
     ids=["a linked folder", "a compressed file"],
@@ -1594,4 +1593,156 @@ def test_a_streamed_corpus_says_the_out_of_corpus_text_was_compared_by_file_only
         f"--out_of_corpus_dataset '{other}': compared with the training corpus (--dataset_name '{corpus}') by file "
         "only, not by its text: a streamed corpus (--streaming) is not read twice; make sure it is not the corpus's "
         "text in another form, or leave --streaming out to have its text compared"
+    ]
+
+
+# ======================================================================== what a data file holds, told by its option
+@pytest.mark.parametrize(
+    "name, content",
+    [
+        ("bom.txt", b"\xef\xbb\xbf"),
+        ("blank.txt", b"\n\n  \n\t\n"),
+        ("bom.md", b"\xef\xbb\xbf\n"),
+        ("blank.csv", b"\n\n\n"),
+        ("bomblank.csv", b"\xef\xbb\xbf\n\n"),
+    ],
+)
+def test_a_file_of_white_space_alone_is_refused_as_empty(tmp_path, name, content):
+    """A .txt of a UTF-8 byte-order mark alone was refused in datasets' words (SchemaInferenceError: Please pass
+    `features`), a .csv of blank lines in pandas' (EmptyDataError: No columns to parse from file), and a .txt or .md
+    of white space as "too small ... split the text into more", advice that cannot help. Each is empty, told as a
+    0-byte file, a header-only CSV or `[]` is, before any builder reads it."""
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(DataError) as refused:
+        load_text_dataset(str(path), cache_dir=str(tmp_path / "c"), name=f"--dataset_name '{path}'")
+    what = "no text" if name.endswith((".txt", ".md")) else "no rows"
+    assert str(refused.value) == f"--dataset_name '{path}' is empty: the file holds {what}"
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be"])
+@pytest.mark.parametrize("in_folder", [False, True], ids=["a file", "in a folder"])
+def test_a_utf16_file_is_named_with_the_command_that_converts_it(tmp_path, encoding, in_folder):
+    """A UTF-16 file (its byte-order mark first) was refused as "dataset 'X' is not UTF-8 text (invalid start byte
+    at byte 0 of a file); ... iconv -f latin1", advice that mangles it, and in a folder without naming the file. It
+    is named now, told UTF-16 by its mark, with the iconv command that converts it, under the option's name."""
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("plain text\n\nand more")
+    path = folder / "b.txt"
+    path.write_bytes("\ufeffwide text\n\nand more".encode(encoding))
+    source = folder if in_folder else path
+    subject = f"--out_of_corpus_dataset '{source}'"
+    with pytest.raises(DataError) as refused:
+        load_text_dataset(str(source), cache_dir=str(tmp_path / "c"), name=subject, split_option=None)
+    command = f"iconv -f utf-16 -t utf-8 '{path}' > '{folder / 'b.utf8.txt'}'"
+    told = "UTF-16 text (told by its byte-order mark), not UTF-8"
+    assert str(refused.value) == (
+        f"{subject}: its file 'b.txt' is {told}: convert it ({command}) and move the UTF-16 file out of the folder"
+        if in_folder
+        else f"{subject} is {told}: convert it ({command}) and name the file it writes"
+    )
+
+
+def test_a_folder_s_file_that_is_not_utf8_is_named(tmp_path):
+    """In a folder, a file that is not UTF-8 was told as "not UTF-8 text (... at byte 9 of a file)": which file, the
+    user had to find. The file is named, and the byte in it."""
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("plain text\n\nand more")
+    (folder / "b.txt").write_bytes("a b c\n\nd \xff f".encode("latin-1"))
+    with pytest.raises(DataError) as refused:
+        load_text_dataset(str(folder), cache_dir=str(tmp_path / "c"), name=f"--dataset_name '{folder}'")
+    assert str(refused.value) == (
+        f"--dataset_name '{folder}': its file 'b.txt' is not UTF-8 text (invalid start byte at byte 9); convert it to "
+        "UTF-8 (e.g. iconv -f latin1 -t utf-8), or pass a text file"
+    )
+
+
+def test_rows_of_null_text_name_the_dataset_and_no_column_option_where_no_other_column_holds_text(tmp_path, tokenizer):
+    """JSONL rows `{"text": null}` were refused as "row 0 of the dataset has no 'text' value ...; fix the data, or pass
+    --text_column": no file named, and the column option cannot help where `text` is the only column. The dataset is
+    named; the option is advised only where the row holds text in another column."""
+    name = str(_jsonl(tmp_path / "nulls.jsonl", [None] * 150))
+    with pytest.raises(DataError) as refused:
+        _prepare(load_text_dataset(name, cache_dir=str(tmp_path / "c")), tokenizer, source=name)
+    assert str(refused.value) == (
+        f"row 0 of dataset '{name}' has no 'text' value: every row needs its text in 'text'; fix the data"
+    )
+    (tmp_path / "other.jsonl").write_text('{"text": null, "body": "words"}\n' * 150)
+    with pytest.raises(DataError) as refused:
+        _prepare(load_text_dataset(str(tmp_path / "other.jsonl"), cache_dir=str(tmp_path / "c")), tokenizer)
+    assert str(refused.value).endswith(
+        "(it has body): every row needs its text in 'text'; fix the data, or pass --text_column"
+    )
+
+
+def _zip(path: Path) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("inner.txt", "zipped text\n\nand more")
+
+
+def _tar(path: Path) -> None:
+    import io
+    import tarfile
+
+    mode = "w:gz" if path.name.endswith(("gz", "tgz")) else "w:xz"
+    with tarfile.open(path, mode) as archive:
+        data = b"packed text"
+        info = tarfile.TarInfo("inner.txt")
+        info.size = len(data)
+        archive.addfile(info, io.BytesIO(data))
+
+
+def _compressed(path: Path) -> None:
+    import gzip
+    import lzma
+
+    data = b"compressed text"
+    path.write_bytes(lzma.compress(data) if path.suffix == ".xz" else gzip.compress(data))
+
+
+@pytest.mark.parametrize(
+    "name, write, refusal",
+    [
+        ("o.zip", _zip, "an archive (.zip) is not read; extract it (unzip '{path}') and name the data file it writes, "
+         "or a folder of them"),
+        ("x.tar.gz", _tar, "an archive (.tar.gz) is not read; extract it (tar -xzf '{path}') and name the data file "
+         "it writes, or a folder of them"),
+        ("x.tgz", _tar, "an archive (.tgz) is not read; extract it (tar -xzf '{path}') and name the data file it "
+         "writes, or a folder of them"),
+        ("x.tar.xz", _tar, "an archive (.tar.xz) is not read; extract it (tar -xJf '{path}') and name the data file "
+         "it writes, or a folder of them"),
+        ("x.gz", _compressed, "a compressed file (.gz) is not read; decompress it (gunzip -k '{path}') and name the "
+         "file it writes ('x') with the suffix of its type (.csv, .json, .jsonl, .md, .parquet, .text, .txt)"),
+        ("x.xz", _compressed, "a compressed file (.xz) is not read; decompress it (unxz -k '{path}') and name the "
+         "file it writes ('x') with the suffix of its type (.csv, .json, .jsonl, .md, .parquet, .text, .txt)"),
+    ],
+)  # fmt: skip
+def test_an_archive_is_refused_alone_and_named_in_a_folder(tmp_path, caplog, name, write, refusal):
+    """A .zip was refused as an unsupported file type, and x.tar.gz, x.tgz or x.gz too, without a word of what to
+    do; in a folder beside text files they were skipped without a WARNING, where a .txt.gz is named in one. (datasets
+    itself extracts a .zip in a folder of text files, which the checks before loading cannot read.) Named alone, each
+    is refused with the command that unpacks it; in a folder, named in the WARNING of the files not read."""
+    from hf_tapernorm.data.sources import local_splits
+
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("plain text\n\nand more")
+    path = folder / name
+    write(path)
+    with pytest.raises(DataError) as refused:
+        local_splits(str(path), f"--out_of_corpus_dataset '{path}'")
+    assert str(refused.value) == f"--out_of_corpus_dataset '{path}': " + refusal.format(path=path)
+    with caplog.at_level("WARNING"):
+        assert local_splits(str(folder), f"--out_of_corpus_dataset '{folder}'") == (
+            "text",
+            {"train": [folder / "a.txt"]},
+        )
+    assert [r.getMessage() for r in caplog.records] == [
+        f"--out_of_corpus_dataset '{folder}': its 1 compressed file(s) ({name}) are not read, as the checks before "
+        "loading cannot read them; decompress them in the folder (gunzip -k FILE, unzip FILE, tar -xzf FILE, ...) to "
+        "read their text"
     ]

@@ -171,7 +171,7 @@ def test_data_errors_say_what_is_wrong(workspace, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     message = error_of([*taper_argv(workspace, tmp_path / "o"), "--dataset_name", str(empty)])
-    assert message == f"hf-tapernorm taper: error: dataset '{empty}' is empty: the file holds no text"
+    assert message == f"hf-tapernorm taper: error: --dataset_name '{empty}' is empty: the file holds no text"
 
 
 def test_debug_shows_the_traceback(workspace, tmp_path):

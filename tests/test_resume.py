@@ -396,13 +396,13 @@ def test_resume_refuses_other_weights_of_the_same_size(workspace, reference, tmp
 
 
 def test_a_legacy_weight_fingerprint_still_resumes():
-    from hf_tapernorm.app.validation import _with_legacy_fingerprints
+    from hf_tapernorm.app.fingerprints import with_legacy_fingerprints
 
     saved = {"model_contents": {"model.safetensors": "100 bytes", "config.json": "abc"}}
     now = {"model_contents": {"model.safetensors": "100 bytes, sampled sha256 ff", "config.json": "abc"}}
-    assert _with_legacy_fingerprints(saved, now)["model_contents"] == saved["model_contents"]
+    assert with_legacy_fingerprints(saved, now)["model_contents"] == saved["model_contents"]
     other = {"model_contents": {"model.safetensors": "101 bytes, sampled sha256 ff", "config.json": "abc"}}
-    assert _with_legacy_fingerprints(saved, other) == other
+    assert with_legacy_fingerprints(saved, other) == other
 
 
 @pytest.mark.parametrize("edit", ["delete tapered/", "truncate report.json", "edit tapered/tapernorm_config.json"])

@@ -94,7 +94,7 @@ def check_hub_dataset(
         raise DataError(f"{option}: {error}") from error
     if builder.info.features:  # a dataset whose card records no features: only the loading sees its columns
         choose_text_column(
-            string_columns(builder.info.features), text_column, option=column_option, what=f"dataset '{name}'"
+            string_columns(builder.info.features), text_column, option=column_option, what=f"{option} '{name}'"
         )
 
 
@@ -113,7 +113,7 @@ def check_text_column(
     if local is None and name not in (None, EMBEDDED_CORPUS):
         return
     columns = {"text": True} if local is None else local_columns(*local)
-    what = "the embedded corpus" if local is None else f"dataset '{name}'"
+    what = "the embedded corpus" if local is None else f"{option} '{name}'"
     if columns is not None:
         choose_text_column(columns, text_column, option=column_option, what=what)
 

@@ -19,6 +19,7 @@ from typing import Any, Optional
 from ..errors import ConfigurationError
 from ..training.checkpoints import saved_gate
 from ..utils import expand_user, json_object
+from .fingerprints import holds_recorded_contents
 from .record import recorded_path, recorded_reference
 from .run_folder import MANIFEST_NAME
 from .training_run import IDENTITY_NAME
@@ -239,8 +240,6 @@ def _holds_recorded(path: str, contents: object) -> bool:
     without them (a run of an older version, or edited by hand) cannot tell: the path is taken."""
     if not isinstance(contents, dict):
         return True
-    from .validation import holds_recorded_contents  # validation imports this module: imported when first needed
-
     return holds_recorded_contents(path, contents)
 
 

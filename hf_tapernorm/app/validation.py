@@ -14,7 +14,6 @@ A new check goes where its input is: this module, for a check on an option of th
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 from collections.abc import Mapping
@@ -32,6 +31,7 @@ from ..evaluation.models import ModelSource, ModelSourceError, load_tokenizer, r
 from ..training.schedule import TaperSchedule, fit_default_window
 from ..utils import expand_user
 from .data_checks import check_data_paths, check_output_outside_models
+from .fingerprints import fingerprint, with_legacy_fingerprints
 from .record import differences
 from .run_folder import RunFolder
 from .run_folder_hints import refuse_run_folder, taper_hint
@@ -242,47 +242,6 @@ RESULT_NEUTRAL_OPTIONS = frozenset(
 )  # fmt: skip
 #: Options a Trainer resume takes from optimizer.pt/scheduler.pt (param_groups, base_lrs), not from the command.
 IGNORED_ON_RESUME = frozenset({"learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "optim"})
-#: Files above this size are identified by size and modification time instead of their SHA-256.
-_HASHED_BYTES = 1 << 30
-
-
-#: A large file's fingerprint reads this many evenly spaced chunks of _SAMPLE_BYTES (the whole file when smaller).
-_SAMPLES, _SAMPLE_BYTES = 32, 1 << 18
-
-
-def _sampled_digest(file: Path, size: int) -> str:
-    """SHA-256 of evenly spaced chunks of ``file``: other weights of the same size (a fine-tune of the same model
-    saved over it) change every tensor, so they differ here too, at the cost of a few MiB read, not the file."""
-    digest = hashlib.sha256()
-    with file.open("rb") as handle:
-        if size <= _SAMPLES * _SAMPLE_BYTES:
-            digest.update(handle.read())
-        else:
-            for index in range(_SAMPLES):
-                handle.seek((size - _SAMPLE_BYTES) * index // (_SAMPLES - 1))
-                digest.update(handle.read(_SAMPLE_BYTES))
-    return digest.hexdigest()
-
-
-def fingerprint(path: Optional[str], *, weights_by_size: bool = False) -> Optional[dict[str, Any]]:
-    """What a local file or folder holds (relative name -> SHA-256, or size): the same path with other contents is
-    another dataset or model. None for a Hub name. ``weights_by_size``: identify ``*.safetensors``/``*.bin``/``*.gguf``
-    by size and a hash of evenly spaced chunks (hashing a model's weights whole at every start costs minutes)."""
-    root = expand_user(path) if path else None
-    if root is None or not root.exists():
-        return None
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file() and p.name[0] != ".")
-    found = {}
-    for file in files:
-        name = file.name if root.is_file() else file.relative_to(root).as_posix()
-        info = file.stat()
-        by_size = info.st_size > _HASHED_BYTES or (weights_by_size and file.suffix in (".safetensors", ".bin", ".gguf"))
-        if by_size:
-            found[name] = f"{info.st_size} bytes, sampled sha256 {_sampled_digest(file, info.st_size)}"
-        else:
-            with file.open("rb") as handle:
-                found[name] = hashlib.file_digest(handle, "sha256").hexdigest()
-    return found
 
 
 def run_identity(
@@ -321,34 +280,6 @@ def run_identity(
         raise ValueError(f"TaperExtension: data_facts {taken} are keys of the run's own data identity")
     identity["data"].update(json.loads(json.dumps(dict(data_facts or {}), default=str)))
     return identity
-
-
-def holds_recorded_contents(path: str, contents: dict[str, Any]) -> bool:
-    """Whether the local model at ``path`` holds the files a run recorded of its model (``model_contents`` of
-    run_identity), a weight file an older version recorded by its size alone ("N bytes") matching by that size."""
-    try:
-        found = fingerprint(path, weights_by_size=True)
-    except OSError:  # unreadable here: not shown to hold the run's model
-        return False
-    if found is None:
-        return False
-    recorded = {"model_contents": contents}
-    return _with_legacy_fingerprints(recorded, {"model_contents": found})["model_contents"] == contents
-
-
-def _with_legacy_fingerprints(saved: dict[str, Any], identity: dict[str, Any]) -> dict[str, Any]:
-    """``identity`` with each sampled weight fingerprint cut to the "N bytes" that runs of older versions recorded
-    for the same file, so such a run still resumes (its weights were identified by size only)."""
-    old, new = saved.get("model_contents"), identity.get("model_contents")
-    if not (isinstance(old, dict) and isinstance(new, dict)):
-        return identity
-    contents = {
-        name: old[name]
-        if isinstance(old.get(name), str) and old[name].endswith(" bytes") and str(value).startswith(old[name] + ",")
-        else value
-        for name, value in new.items()
-    }
-    return {**identity, "model_contents": contents}
 
 
 def _with_current_recipe(saved: dict[str, Any]) -> dict[str, Any]:
@@ -454,7 +385,7 @@ def check_resume_identity(folder: RunFolder, identity: dict[str, Any], allowed: 
     if saved is None:
         raise ConfigurationError(f"--resume: '{folder.path}' records no run identity; it cannot be checked, start over")
     saved, current = _with_loaded_dtype(_with_current_recipe(saved), identity)
-    changed = differences(saved, _same_contents_same_name(saved, _with_legacy_fingerprints(saved, current)))
+    changed = differences(saved, _same_contents_same_name(saved, with_legacy_fingerprints(saved, current)))
     refused = {k: v for k, v in changed.items() if k.rsplit(".", 1)[-1] not in allowed and k not in allowed}
     if refused:
         listing = "; ".join(f"{k}: {old!r} in the run, {new!r} now" for k, (old, new) in list(refused.items())[:6])
@@ -491,8 +422,6 @@ __all__ = [
     "check_lengths_within_positions",
     "check_vocabulary",
     "check_within_positions",
-    "fingerprint",
-    "holds_recorded_contents",
     "fit_default_schedule",
     "fit_default_warmup",
     "max_positions",

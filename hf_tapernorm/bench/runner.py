@@ -256,7 +256,10 @@ def run_benchmark(
 
 def _train_text(arguments: BenchArguments, source: ModelSource) -> TrainText:
     tokenizer = load_tokenizer(source)
-    dataset = load_text_dataset(arguments.dataset_name, config_name=arguments.dataset_config_name, split_option=None)
+    name = f"--dataset_name '{arguments.dataset_name}'" if arguments.dataset_name is not None else None
+    dataset = load_text_dataset(
+        arguments.dataset_name, config_name=arguments.dataset_config_name, split_option=None, name=name
+    )
     return TrainText(tokenizer, dataset, arguments.dataset_name or EMBEDDED_CORPUS, arguments.text_column)
 
 

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from .._parsing import UsageError, parse
 from ..app.data_checks import check_data_paths, check_hub_datasets
+from ..app.fingerprints import holds_recorded_contents
 from ..app.preflight import check_export_space, full_disk_refused
 from ..app.record import evaluation_facts, run_card_facts
 from ..app.run_folder import RunFolder, write_file, write_folder
@@ -25,7 +26,7 @@ from ..app.run_folder_hints import eval_hint, fold_hint, push_hint, refuse_run_f
 from ..app.run_lock import refuse_while_running, resolved_path
 from ..app.taper import save_export
 from ..app.tapered_checks import check_recorded_sink, refuse_unfoldable_gate, refuse_unused_tied_head
-from ..app.validation import check_same_tokenizer, check_vocabulary, check_within_positions, holds_recorded_contents
+from ..app.validation import check_same_tokenizer, check_vocabulary, check_within_positions
 from ..config import sink_token_id
 from ..data.corpus import blocks_tensor, prepare_from_arguments
 from ..data.out_of_corpus import out_of_corpus_set

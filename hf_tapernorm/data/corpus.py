@@ -56,6 +56,7 @@ def load_documents(data) -> AnyDataset:
         streaming=data.streaming,
         sample_by=data.sample_by,
         cache_dir=data.data_cache_dir,
+        name=f"--dataset_name '{data.dataset_name}'" if data.dataset_name is not None else None,
     )
 
 
@@ -152,16 +153,19 @@ def pack_documents(
     return blocks
 
 
-def _texts(dataset: AnyDataset, column: str, *, heldout: bool, percentage: float) -> Iterator[str]:
-    for _, text in _named_texts(dataset, column, heldout=heldout, percentage=percentage):
+def _texts(dataset: AnyDataset, column: str, *, heldout: bool, percentage: float, what: str) -> Iterator[str]:
+    for _, text in _named_texts(dataset, column, heldout=heldout, percentage=percentage, what=what):
         yield text
 
 
-def _named_texts(dataset: AnyDataset, column: str, *, heldout: bool, percentage: float) -> Iterator[tuple[str, str]]:
-    """``(name, text)`` of one split's documents; the name is the ``path`` column where the corpus has one."""
+def _named_texts(
+    dataset: AnyDataset, column: str, *, heldout: bool, percentage: float, what: str = "the dataset"
+) -> Iterator[tuple[str, str]]:
+    """``(name, text)`` of one split's documents; the name is the ``path`` column where the corpus has one.
+    ``what``: the dataset, in a refusal of a row (row_text)."""
     empty = empty_cells_read_as_none(dataset)
     for index, row in enumerate(dataset):
-        text = row_text(row, index, column, empty_cell=empty)
+        text = row_text(row, index, column, empty_cell=empty, what=what)
         if is_heldout(text, percentage) == heldout:
             name = row.get("path")
             yield (name if isinstance(name, str) else f"document {index}"), text
@@ -175,22 +179,30 @@ def empty_cells_read_as_none(dataset: AnyDataset) -> bool:
 
 
 def row_text(
-    row: Mapping[str, Any], index: int, column: str, option: str = "--text_column", *, empty_cell: bool = False
+    row: Mapping[str, Any],
+    index: int,
+    column: str,
+    option: str = "--text_column",
+    *,
+    empty_cell: bool = False,
+    what: str = "the dataset",
 ) -> str:
     """The text of the dataset's row number ``index``, its ``column`` value (``option`` names the column). A row
     without one (JSON rows that name their text otherwise), or whose value is not text (a list, a number, an object:
     ``datasets`` reads such a column as JSON), is refused: skipping it, the corpus would train and score on the other
     rows without a word. ``empty_cell``: the rows are a CSV's (empty_cells_read_as_none), whose None is an empty
-    cell, so an empty document."""
+    cell, so an empty document. ``what``: the dataset (``dataset 'PATH'``), which a refusal names; it advises
+    ``option`` only where the row holds text in another column, which the option could name."""
     text = row.get(column)
     if text is None and empty_cell:
         return ""
     if text is None:
         others = [k for k, v in row.items() if isinstance(v, str) and v]
         raise DataError(
-            f"row {index} of the dataset has no '{column}' value"
+            f"row {index} of {what} has no '{column}' value"
             + (f" (it has {', '.join(others[:4])})" if others else "")
-            + f": every row needs its text in '{column}'; fix the data, or pass {option}"
+            + f": every row needs its text in '{column}'; fix the data"
+            + (f", or pass {option}" if others else "")
         )
     if not isinstance(text, str) and empty_cell:  # a CSV: its loader typed the column by its cells
         raise DataError(
@@ -271,14 +283,14 @@ def prepare_data(
     if not heldout_blocks:
         heldout_percentage = 0.0  # is_heldout holds out no document
     else:
-        texts = _named_texts(dataset, column, heldout=True, percentage=heldout_percentage)
+        texts = _named_texts(dataset, column, heldout=True, percentage=heldout_percentage, what=f"dataset '{source}'")
         description = f"{heldout_percentage:g}% of the documents of {source}, held out by a hash of their text"
         heldout_set = _heldout_set(texts, tokenizer, block_size, heldout_blocks, heldout_seed, prefix_ids, description)
     heldout = heldout_set.blocks.tolist() if heldout_set is not None else []
     train = []
     if train_blocks != 0:
         train = pack_documents(
-            _texts(dataset, column, heldout=False, percentage=heldout_percentage),
+            _texts(dataset, column, heldout=False, percentage=heldout_percentage, what=f"dataset '{source}'"),
             tokenizer,
             block_size,
             max_blocks=train_blocks,

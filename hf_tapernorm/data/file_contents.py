@@ -3,12 +3,18 @@ row (a CSV header alone, a JSONL file of blank lines, a JSON array of no item, a
 and a JSON escape that is half of a UTF-16 surrogate pair (``\\ud800``), which pyarrow refuses and whose error
 pandas' fallback reader hides.
 
-sources.load_text_dataset asks :func:`holds_no_rows` before it builds a dataset, and :func:`lone_surrogate` after the
-json builder failed, so the user reads what is wrong with the file, and where.
+A text file in another encoding than UTF-8 is told by its byte-order mark (:func:`foreign_encoding`: a UTF-16 file
+that a Windows editor wrote), and the first byte that is not UTF-8 found in the file that holds it
+(:func:`first_not_utf8`), where the builders say only that some file is not.
+
+sources.load_text_dataset asks :func:`holds_text`, :func:`holds_no_rows` and :func:`foreign_encoding` before it builds
+a dataset, and :func:`lone_surrogate` and :func:`first_not_utf8` after a builder failed, so the user reads what is
+wrong with the file, and where.
 """
 
 from __future__ import annotations
 
+import codecs
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,14 +30,15 @@ _ESCAPE = re.compile(r"\\(u[0-9a-fA-F]{4}|.)")
 def holds_no_rows(builder: str, files: list[Path]) -> bool:
     """Whether every file of a table ``builder`` (json, csv, parquet) holds no row: 0 bytes, a JSON Lines file of
     blank lines, a JSON array of no item (``[]``, ``  [ ]``), a CSV file of its header alone, a parquet file of a
-    schema and no row. ``datasets`` reads such files as no split at all ("Instruction train corresponds to no data")
-    or fails on them (pyarrow's "BatchSize must be greater than 0"). Text files are the caller's (0 bytes: no text).
+    schema and no row, and a json or csv file of white space alone (a byte-order mark first: pandas' "No columns to
+    parse from file"). ``datasets`` reads such files as no split at all ("Instruction train corresponds to no data")
+    or fails on them (pyarrow's "BatchSize must be greater than 0"). Text files are the caller's (:func:`holds_text`).
     A file that cannot be read so says nothing: the loading reports it."""
     reader = {"json": _no_json_rows, "csv": _header_only, "parquet": _no_parquet_rows}.get(builder)
     if reader is None or not files:
         return False
     try:
-        return all(file.stat().st_size == 0 or reader(file) for file in files)
+        return all(not holds_text(file) or reader(file) for file in files)
     except (OSError, ValueError, ImportError):  # what else the file holds, the loading says
         return False
 
@@ -82,6 +89,53 @@ def _no_parquet_rows(path: Path) -> bool:
     import pyarrow.parquet as pq
 
     return pq.ParquetFile(path).metadata.num_rows == 0
+
+
+#: The byte-order marks of the other encodings of Unicode that an editor writes, with iconv's name of each; UTF-32
+#: LE's first, as it begins with UTF-16 LE's.
+_BOMS = (
+    (b"\xff\xfe\x00\x00", "UTF-32"),
+    (b"\x00\x00\xfe\xff", "UTF-32"),
+    (b"\xff\xfe", "UTF-16"),
+    (b"\xfe\xff", "UTF-16"),
+)
+
+
+def foreign_encoding(files: list[Path]) -> Optional[tuple[Path, str]]:
+    """The first of ``files`` that starts with a UTF-16 or UTF-32 byte-order mark, and that encoding (None: none
+    does). Read as UTF-8, such a file fails at its first byte, and the usual advice for text that is not UTF-8
+    (iconv from latin1) would turn each of its characters into two; its mark tells the encoding to convert from."""
+    for path in files:
+        try:
+            with path.open("rb") as handle:
+                start = handle.read(4)
+        except OSError:  # the loading says what is wrong with it
+            continue
+        encoding = next((name for mark, name in _BOMS if start.startswith(mark)), None)
+        if encoding is not None:
+            return path, encoding
+    return None
+
+
+def first_not_utf8(files: list[Path]) -> Optional[tuple[Path, int, str]]:
+    """The first of ``files`` that is not UTF-8 text, the offset of its first byte that is not, and why (the
+    decoder's reason: "invalid start byte"); None for none. The builders' error names no file, which in a folder
+    leaves the user to find it."""
+    for path in files:
+        decoder, offset, pending = codecs.getincrementaldecoder("utf-8")(), 0, 0
+        try:
+            with path.open("rb") as handle:
+                while chunk := handle.read(_CHUNK):
+                    pending = len(decoder.getstate()[0])  # a character's first bytes, kept from the last chunk
+                    decoder.decode(chunk)
+                    offset += len(chunk)
+                pending = len(decoder.getstate()[0])
+                decoder.decode(b"", final=True)
+        except UnicodeDecodeError as error:  # its start counts the bytes kept before the chunk
+            return path, offset - pending + error.start, error.reason
+        except OSError:
+            continue
+    return None
 
 
 def lone_surrogate(files: list[Path]) -> Optional[str]:

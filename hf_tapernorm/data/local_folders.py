@@ -175,29 +175,71 @@ def _warn_unread(path: Path, unread: list[Path], name: str, kind: str, why: str)
 
 
 #: The single-file compressions ``datasets`` infers from a data file's last suffix (data.jsonl.gz), each with the
-#: command that decompresses it and keeps the compressed file.
+#: command that decompresses it and keeps the compressed file, and the archives (:data:`ARCHIVES`), each with the
+#: command that extracts its files.
 DECOMPRESS = {".gz": "gunzip -k", ".gzip": "gunzip -k", ".bz2": "bunzip2 -k", ".xz": "unxz -k", ".lz4": "lz4 -d"}
 DECOMPRESS.update({".zst": "unzstd", ".zstd": "unzstd"})
+DECOMPRESS.update({".zip": "unzip", ".tar": "tar -xf", ".tar.gz": "tar -xzf", ".tgz": "tar -xzf"})
+DECOMPRESS.update({".tar.bz2": "tar -xjf", ".tbz2": "tar -xjf", ".tar.xz": "tar -xJf", ".txz": "tar -xJf"})
+DECOMPRESS.update({".tar.zst": "tar --zstd -xf", ".7z": "7z x"})
+
+#: The suffixes of :data:`DECOMPRESS` that name archives: files of files, not one file compressed.
+ARCHIVES = frozenset({".zip", ".tar", ".tgz", ".tbz2", ".txz", ".7z"}) | {
+    s for s in DECOMPRESS if s.startswith(".tar.")
+}
 
 
-def compressed_data_file(path: Path) -> bool:
-    """Whether ``path`` names a compressed data file of a supported type (data.jsonl.gz, notes.txt.xz)."""
-    suffixes = [suffix.lower() for suffix in path.suffixes[-2:]]
-    return len(suffixes) == 2 and suffixes[1] in DECOMPRESS and suffixes[0] in BUILDERS
+def packed_file(path: Path) -> Optional[str]:
+    """The suffix of :data:`DECOMPRESS` (its longest) by which ``path`` is an archive (o.zip, x.tar.gz) or a
+    compressed data file (data.jsonl.gz, or x.gz, whose name tells no type); None for any other file, such as
+    notes.docx.bz2, whose text no builder reads compressed or not."""
+    name = path.name.lower()
+    suffix = max((s for s in DECOMPRESS if name.endswith(s) and len(name) > len(s)), key=len, default=None)
+    if suffix is None or suffix in ARCHIVES:
+        return suffix
+    inner = Path(name[: -len(suffix)]).suffix
+    return suffix if inner in BUILDERS or not inner else None
+
+
+def refuse_packed(path: Path, name: str) -> None:
+    """Refuse (DataError, its subject ``name``) an archive or a compressed data file named alone (packed_file),
+    naming the command that unpacks it. ``datasets`` reads a compressed file and a zip archive, but every check that
+    reads a file before the model loads (its columns, whether it is empty, a lone surrogate's line) and --sample_by's
+    rule read its bytes as the data, which they are not; the files it holds read as any other."""
+    suffix = packed_file(path)
+    if suffix is None:
+        return
+    command = f"{DECOMPRESS[suffix]} '{path}'"
+    if suffix in ARCHIVES:
+        raise DataError(
+            f"{name}: an archive ({suffix}) is not read; extract it ({command}) and name the data file it writes, or "
+            "a folder of them"
+        )
+    plain = path.name[: -len(suffix)]
+    inner = Path(plain).suffix.lower()
+    if inner:
+        raise DataError(
+            f"{name}: a compressed file ({suffix}) is not read; decompress it ({command}) and name the {inner} file "
+            f"it writes ('{plain}')"
+        )
+    raise DataError(
+        f"{name}: a compressed file ({suffix}) is not read; decompress it ({command}) and name the file it writes "
+        f"('{plain}') with the suffix of its type ({', '.join(sorted(BUILDERS))})"
+    )
 
 
 def _warn_compressed_files(path: Path, entries: list[Path], name: str) -> None:
-    """A WARNING naming the compressed data files among a folder's ``entries``: ``datasets`` would read them, but
-    the checks made before a model loads read a file's bytes as its data, so they are not read (a compressed file
-    named alone is refused, sources._refuse_compressed)."""
-    compressed = [p for p in entries if p.is_file() and compressed_data_file(p)]
+    """A WARNING naming the archives and compressed data files among a folder's ``entries`` (packed_file):
+    ``datasets`` would read some of them (a .zip, a .jsonl.gz), but the checks made before a model loads read a
+    file's bytes as its data, so they are not read (one named alone is refused, refuse_packed)."""
+    compressed = [p for p in entries if p.is_file() and packed_file(p)]
     _warn_unread(
         path,
         compressed,
         name,
         "compressed file(s)",
         "as the checks before loading cannot read them; "
-        "decompress them in the folder (gunzip -k FILE, unxz -k FILE, ...) to read their text",
+        "decompress them in the folder (gunzip -k FILE, unzip FILE, tar -xzf FILE, ...) to read their text",
     )
 
 

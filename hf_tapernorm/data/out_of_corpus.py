@@ -36,14 +36,18 @@ def out_of_corpus_set(data, tokenizer, sink_ids: Sequence[int]) -> Optional[Eval
     if name == PYTHON_DOCS:
         documents, description = python_docs_documents(), PYTHON_DOCS_DESCRIPTION
     else:
-        dataset = load_text_dataset(name, sample_by=data.sample_by, cache_dir=data.data_cache_dir, split_option=None)
+        what = f"--out_of_corpus_dataset '{name}'"  # the subject of its refusals, as the early checks name it
+        dataset = load_text_dataset(
+            name, sample_by=data.sample_by, cache_dir=data.data_cache_dir, split_option=None, name=what
+        )
         option = "--out_of_corpus_text_column"
         column = text_column_of(dataset, data.out_of_corpus_text_column, option=option)
         empty = empty_cells_read_as_none(dataset)
-        texts = (row_text(row, i, column, option, empty_cell=empty) for i, row in enumerate(dataset))
+        texts = (row_text(row, i, column, option, empty_cell=empty, what=what) for i, row in enumerate(dataset))
         check_documents_outside_corpus(data, texts)
         documents = (
-            (f"document {i}", row_text(row, i, column, option, empty_cell=empty)) for i, row in enumerate(dataset)
+            (f"document {i}", row_text(row, i, column, option, empty_cell=empty, what=what))
+            for i, row in enumerate(dataset)
         )
         description = f"every document of {name}"
     return sample_blocks(

@@ -21,16 +21,8 @@ from typing import Optional, Union
 import datasets
 
 from ..utils import expand_user
-from .file_contents import holds_no_rows, lone_surrogate
-from .local_folders import (
-    BUILDERS,
-    DECOMPRESS,
-    DataError,
-    compressed_data_file,
-    folder_splits,
-    read_splits,
-    split_names,
-)
+from .file_contents import first_not_utf8, foreign_encoding, holds_no_rows, holds_text, lone_surrogate
+from .local_folders import BUILDERS, DataError, folder_splits, read_splits, refuse_packed, split_names
 
 logger = logging.getLogger(__name__)
 
@@ -160,35 +152,50 @@ def local_splits(
     supported = f"{', '.join(sorted(BUILDERS))} (or a folder of such files, or a Hub dataset name)"
     if not path.is_dir():
         suffix = path.suffix.lower()
-        _refuse_compressed(path, name)
+        refuse_packed(path, name)
         if suffix not in BUILDERS:
             raise DataError(f"{name}: unsupported file type '{suffix or '(none)'}'; supported: {supported}")
         return BUILDERS[suffix], read_splits({"train": [path]}, [path], split, name, "a local file", False)
     return folder_splits(path, split, name, split_option)
 
 
-def _refuse_compressed(path: Path, name: str) -> None:
-    """Refuse a compressed data file (data.jsonl.gz), naming how to decompress it. ``datasets`` would read it, but
-    every check that reads a file before the model loads (its columns, whether it is empty, a lone surrogate's line)
-    and --sample_by's rule read its bytes as the data, which they are not; the plain file reads as any other."""
-    if compressed_data_file(path):
-        suffixes = [suffix.lower() for suffix in path.suffixes[-2:]]
-        plain = path.name[: -len(path.suffix)]
-        raise DataError(
-            f"{name}: a compressed file ({suffixes[1]}) is not read; decompress it ({DECOMPRESS[suffixes[1]]} "
-            f"'{path}') and name the {suffixes[0]} file it writes ('{plain}')"
-        )
+def _check_contents(name: str, source: str, builder: str, files: list[Path]) -> None:
+    """Refuse (DataError, its subject ``name``) a local dataset whose ``files`` hold nothing to read, or a file of
+    them in another encoding than UTF-8 that its byte-order mark tells, before a builder reads them."""
+    path = expand_user(source)
+    _check_not_empty(name, path.is_dir(), builder, files)
+    if builder != "parquet":
+        _check_utf8_mark(name, path if path.is_dir() else None, files)
 
 
-def _check_not_empty(source: str, builder: str, files: list[Path]) -> None:
-    """Refuse a local dataset whose ``files`` hold nothing to read: 0 bytes (no text), or tables with no row
-    (file_contents.holds_no_rows), which ``datasets`` tells in its own words ("Instruction train corresponds to no
-    data", "BatchSize must be greater than 0")."""
-    what = "its files hold" if expand_user(source).is_dir() else "the file holds"
-    if all(f.stat().st_size == 0 for f in files):
-        raise DataError(f"dataset '{source}' is empty: {what} no text")
+def _check_not_empty(name: str, folder: bool, builder: str, files: list[Path]) -> None:
+    """Refuse a local dataset whose ``files`` hold nothing to read: no byte, or text files of white space alone (a
+    byte-order mark first), no text; tables with no row (file_contents.holds_no_rows: white space alone too).
+    ``datasets`` tells them in its own words ("Instruction train corresponds to no data", "SchemaInferenceError:
+    Please pass `features`", pandas' "No columns to parse from file"), or reads one blank document, "too small"."""
+    what = "its files hold" if folder else "the file holds"
+    if all(f.stat().st_size == 0 for f in files) or (builder == "text" and not any(map(holds_text, files))):
+        raise DataError(f"{name} is empty: {what} no text")
     if holds_no_rows(builder, files):
-        raise DataError(f"dataset '{source}' is empty: {what} no rows")
+        raise DataError(f"{name} is empty: {what} no rows")
+
+
+def _check_utf8_mark(name: str, folder: Optional[Path], files: list[Path]) -> None:
+    """Refuse a file of ``files`` (those of ``folder``; None: the file named alone) whose byte-order mark says it is
+    UTF-16 or UTF-32 text (file_contents.foreign_encoding), naming it and the iconv command that converts it: read
+    as UTF-8 it fails at its first byte, and the advice for other text (from latin1) would mangle it."""
+    found = foreign_encoding(files)
+    if found is None:
+        return
+    path, encoding = found
+    command = f"iconv -f {encoding.lower()} -t utf-8 '{path}' > '{path.with_name(path.stem + '.utf8' + path.suffix)}'"
+    told = f"{encoding} text (told by its byte-order mark), not UTF-8"
+    if folder is None:
+        raise DataError(f"{name} is {told}: convert it ({command}) and name the file it writes")
+    raise DataError(
+        f"{name}: its file '{path.relative_to(folder)}' is {told}: convert it ({command}) and move the {encoding} "
+        "file out of the folder"
+    )
 
 
 def load_text_dataset(
@@ -200,6 +207,7 @@ def load_text_dataset(
     sample_by: str = DEFAULT_SAMPLE_BY,
     cache_dir: Optional[str] = None,
     split_option: Optional[str] = "--dataset_split",
+    name: Optional[str] = None,
 ) -> AnyDataset:
     """Load a corpus as a `datasets` dataset of documents.
 
@@ -207,7 +215,9 @@ def load_text_dataset(
     (txt/md: one document per ``sample_by`` unit = "line" | "paragraph" | "document"; json/jsonl,
     parquet, csv: one document per row); otherwise a Hub dataset name (with ``config_name``). ``split``: a split
     expression (test, train[:10%]+validation); None, the default, reads the train split (:func:`local_splits` for a
-    folder whose files form splits; ``split_option``, the option a refusal advises).
+    folder whose files form splits; ``split_option``, the option a refusal advises). ``name``: the subject of a local
+    dataset's refusals, as local_splits takes it (default ``dataset 'SOURCE'``; a command names its option,
+    ``--out_of_corpus_dataset 'PATH'``, as its early checks do).
 
     The steps are those of ``datasets.load_dataset`` (its builder, ``download_and_prepare``, ``as_dataset``), with the
     rows of each split counted between the last two: a slice that selects none of them (train[100:] of 50 rows) is
@@ -219,11 +229,11 @@ def load_text_dataset(
         return dataset.to_iterable_dataset() if streaming else dataset
     files: list[Path] = []
     try:
-        local = local_splits(source, split=split, split_option=split_option)
+        local = local_splits(source, name, split=split, split_option=split_option)
         if local is not None:
             builder_name, splits = local
             files = [f for chosen in splits.values() for f in chosen]
-            _check_not_empty(source, builder_name, files)
+            _check_contents(name or f"dataset '{source}'", source, builder_name, files)
             # utf-8-sig: a byte-order mark (Windows editors write one) is not text of the first document
             kwargs = {"sample_by": sample_by, "encoding": "utf-8-sig"} if builder_name == "text" else {}
             data_files = {name: [str(f) for f in files] for name, files in splits.items()}
@@ -239,7 +249,7 @@ def load_text_dataset(
     except DataError:
         raise
     except Exception as error:  # datasets raises many types (FileNotFoundError, ArrowInvalid, HF errors)
-        raise _load_error(source, error, files) from error
+        raise _load_error(source, error, files, name) from error
 
 
 def hub_dataset_builder(
@@ -345,33 +355,31 @@ def _selects_nothing(split: str) -> bool:
     return True
 
 
-def _load_error(source: str, error: BaseException, files: Optional[list[Path]] = None) -> DataError:
-    """The one-line DataError for a dataset ``datasets`` could not load (``files``: the local files it read). A Hub
-    name whose first folder is here (``texts/corpuz``, ``texts/`` a local folder) is most likely a mistyped local path:
-    the error says so."""
+def _load_error(
+    source: str, error: BaseException, files: Optional[list[Path]] = None, name: Optional[str] = None
+) -> DataError:
+    """The one-line DataError for a dataset ``datasets`` could not load (``files``: the local files it read; ``name``:
+    the subject, default ``dataset 'SOURCE'``). A Hub name whose first folder is here (``texts/corpuz``, ``texts/`` a
+    local folder) is most likely a mistyped local path: the error says so."""
     cause = _root_cause(error)
+    name = name or f"dataset '{source}'"
     surrogate = lone_surrogate(files) if files and "surrogate" in str(cause) else None
     if surrogate is not None:
         return DataError(
-            f"dataset '{source}': {surrogate}, half of a UTF-16 surrogate pair, which is no character and which "
+            f"{name}: {surrogate}, half of a UTF-16 surrogate pair, which is no character and which "
             "pyarrow's JSON reader refuses; fix or remove that escape"
         )
     if isinstance(cause, UnicodeDecodeError):
-        return DataError(
-            f"dataset '{source}' is not UTF-8 text ({cause.reason} at byte {cause.start} of a file); convert it "
-            "to UTF-8 (e.g. iconv -f latin1 -t utf-8), or pass a text file"
-        )
+        return _not_utf8(name, source, cause, files or [])
     reason = (str(cause).strip().splitlines() or [""])[0]
     if isinstance(cause, OverflowError) and str(source).lower().endswith(".csv"):
         return DataError(
-            f"dataset '{source}' has a CSV column of digits too long for a number, which is how the csv loader "
+            f"{name} has a CSV column of digits too long for a number, which is how the csv loader "
             "types a column whose cells are all digits; write the texts as JSON Lines strings "
             '({"text": "..."} per line) instead'
         )
     if local_dataset_path(source) is not None:
-        return DataError(
-            f"could not load dataset '{source}' as a local file or folder: {type(cause).__name__}: {reason}"
-        )
+        return DataError(f"could not load {name} as a local file or folder: {type(cause).__name__}: {reason}")
     here = [folder for folder in Path(source).parents if folder != Path(".") and folder.is_dir()]
     mistyped = (
         f" ('{here[0]}' is a local folder, but it holds no '{Path(source).relative_to(here[0])}': a local path is "
@@ -382,6 +390,23 @@ def _load_error(source: str, error: BaseException, files: Optional[list[Path]] =
     return DataError(
         f"could not load dataset '{source}' as a Hub dataset (offline or missing?){mistyped}: "
         f"{type(cause).__name__}: {reason}"
+    )
+
+
+def _not_utf8(name: str, source: str, cause: UnicodeDecodeError, files: list[Path]) -> DataError:
+    """The refusal of a local dataset that is not UTF-8 text, naming the file of ``files`` that is not and where
+    (file_contents.first_not_utf8; ``cause``, the builder's error, which names no file, where none is found)."""
+    found = first_not_utf8(files)
+    folder = expand_user(source)
+    where = f"{cause.reason} at byte {cause.start} of a file"
+    subject = f"{name} is"
+    if found is not None:
+        path, offset, reason = found
+        where = f"{reason} at byte {offset}"
+        if folder.is_dir():
+            subject = f"{name}: its file '{path.relative_to(folder)}' is"
+    return DataError(
+        f"{subject} not UTF-8 text ({where}); convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8), or pass a text file"
     )
 
 

@@ -1,0 +1,85 @@
+"""What a local file or folder holds, by digest: a run records its model's and data's (run_identity), so the same
+path with other contents (another model under a relative path, a fine-tune saved over it, edited data) is told
+apart on --resume, by a run folder's hints and by the tokenizer a fold or eval finds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Optional
+
+from ..utils import expand_user
+
+#: Files above this size are identified by size and modification time instead of their SHA-256.
+_HASHED_BYTES = 1 << 30
+
+
+#: A large file's fingerprint reads this many evenly spaced chunks of _SAMPLE_BYTES (the whole file when smaller).
+_SAMPLES, _SAMPLE_BYTES = 32, 1 << 18
+
+
+def _sampled_digest(file: Path, size: int) -> str:
+    """SHA-256 of evenly spaced chunks of ``file``: other weights of the same size (a fine-tune of the same model
+    saved over it) change every tensor, so they differ here too, at the cost of a few MiB read, not the file."""
+    digest = hashlib.sha256()
+    with file.open("rb") as handle:
+        if size <= _SAMPLES * _SAMPLE_BYTES:
+            digest.update(handle.read())
+        else:
+            for index in range(_SAMPLES):
+                handle.seek((size - _SAMPLE_BYTES) * index // (_SAMPLES - 1))
+                digest.update(handle.read(_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def fingerprint(path: Optional[str], *, weights_by_size: bool = False) -> Optional[dict[str, Any]]:
+    """What a local file or folder holds (relative name -> SHA-256, or size): the same path with other contents is
+    another dataset or model. None for a Hub name. ``weights_by_size``: identify ``*.safetensors``/``*.bin``/``*.gguf``
+    by size and a hash of evenly spaced chunks (hashing a model's weights whole at every start costs minutes)."""
+    root = expand_user(path) if path else None
+    if root is None or not root.exists():
+        return None
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file() and p.name[0] != ".")
+    found = {}
+    for file in files:
+        name = file.name if root.is_file() else file.relative_to(root).as_posix()
+        info = file.stat()
+        by_size = info.st_size > _HASHED_BYTES or (weights_by_size and file.suffix in (".safetensors", ".bin", ".gguf"))
+        if by_size:
+            found[name] = f"{info.st_size} bytes, sampled sha256 {_sampled_digest(file, info.st_size)}"
+        else:
+            with file.open("rb") as handle:
+                found[name] = hashlib.file_digest(handle, "sha256").hexdigest()
+    return found
+
+
+def holds_recorded_contents(path: str, contents: dict[str, Any]) -> bool:
+    """Whether the local model at ``path`` holds the files a run recorded of its model (``model_contents`` of
+    run_identity), a weight file an older version recorded by its size alone ("N bytes") matching by that size."""
+    try:
+        found = fingerprint(path, weights_by_size=True)
+    except OSError:  # unreadable here: not shown to hold the run's model
+        return False
+    if found is None:
+        return False
+    recorded = {"model_contents": contents}
+    return with_legacy_fingerprints(recorded, {"model_contents": found})["model_contents"] == contents
+
+
+def with_legacy_fingerprints(saved: dict[str, Any], identity: dict[str, Any]) -> dict[str, Any]:
+    """``identity`` with each sampled weight fingerprint cut to the "N bytes" that runs of older versions recorded
+    for the same file, so such a run still resumes (its weights were identified by size only)."""
+    old, new = saved.get("model_contents"), identity.get("model_contents")
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return identity
+    contents = {
+        name: old[name]
+        if isinstance(old.get(name), str) and old[name].endswith(" bytes") and str(value).startswith(old[name] + ",")
+        else value
+        for name, value in new.items()
+    }
+    return {**identity, "model_contents": contents}
+
+
+__all__ = ["fingerprint", "holds_recorded_contents", "with_legacy_fingerprints"]

@@ -12,7 +12,9 @@ writers (export/ sits below app/) name and mark theirs in one way, and every cle
 A write into a folder that exists and must stay (its owner, group and ACLs, a link to it, a shell sitting in it:
 export_folded into an existing folder) goes through a marked ``.hf_tapernorm_writing-PID`` INSIDE it instead
 (:func:`writing_inside`; a bookkeeping name, never uploaded; on the folder's filesystem, so :func:`move_up` renames),
-and the next such write deletes a killed one's (:func:`remove_abandoned_inside`).
+and the next write of the folder (export_folded, fold, a run's ``--overwrite`` or ``--resume``) deletes a killed
+one's (:func:`remove_abandoned_inside`, :func:`abandoned_write_folder`), while a live one's is named
+(:func:`write_in_progress`) and push refuses either.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import re
 import shutil
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 #: The form of a write's temporary sibling (``name``: the destination's name, or for a long one its start and a
 #: digest: temporary_name; ``kind``: which write made it).
@@ -144,14 +146,45 @@ def writing_inside(folder: Path, pid: int) -> Path:
     return folder / f".hf_tapernorm_writing-{pid}"
 
 
+def is_write_folder(path: Path) -> bool:
+    """Whether ``path`` is a write's marked temporary folder: named ``.NAME.KIND-PID`` (beside what it writes) or
+    ``.hf_tapernorm_writing-PID`` (inside), a folder (not a link) holding the writers' mark."""
+    named = LEFTOVER.fullmatch(path.name) or WRITING_INSIDE.fullmatch(path.name)
+    mark = path / WRITE_MARK
+    return bool(named) and path.is_dir() and not path.is_symlink() and mark.is_file() and not mark.is_symlink()
+
+
+def abandoned_write_folder(path: Path) -> bool:
+    """Whether ``path`` is a killed write's temporary folder (is_write_folder, its writer gone): hf-tapernorm's to
+    delete, never a user's file, wherever it lies (a run folder's ``folded/``, an export)."""
+    return is_write_folder(path) and writer_gone(path)
+
+
+def writes_inside(folder: Path) -> list[Path]:
+    """The marked ``.hf_tapernorm_writing-PID`` folders inside ``folder`` (writing_inside), live or killed."""
+    try:
+        entries = sorted(folder.iterdir()) if folder.is_dir() else []
+    except OSError:  # a folder this user may not list: the write's own checks say so
+        return []
+    return [entry for entry in entries if WRITING_INSIDE.fullmatch(entry.name) and is_write_folder(entry)]
+
+
+def write_in_progress(folder: Path) -> Optional[str]:
+    """The words naming a live write into ``folder`` (its ``.hf_tapernorm_writing-PID``, writer running), or None:
+    a second write would mix its files with that one's, so each write refuses the folder, saying so."""
+    live = [entry for entry in writes_inside(folder) if not writer_gone(entry)]
+    if not live:
+        return None
+    pid = live[0].name.rpartition("-")[2]
+    return f"another write of {folder} is in progress (pid {pid}, through '{live[0].name}')"
+
+
 def remove_abandoned_inside(folder: Path) -> None:
     """Delete the ``.hf_tapernorm_writing-PID`` folders inside ``folder`` that killed writes left (marked, writer
-    gone), before the folder is judged empty or an earlier write's; a live writer's stays."""
-    if not folder.is_dir():
-        return
-    for entry in folder.iterdir():
-        ours = WRITING_INSIDE.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink()
-        if ours and marked_and_abandoned(entry):
+    gone), before the folder is judged empty or an earlier write's; a live writer's stays. Every write into an
+    existing folder calls it first: export_folded, fold's write_folder and its check of the folder."""
+    for entry in writes_inside(folder):
+        if writer_gone(entry):
             shutil.rmtree(entry, ignore_errors=True)
 
 
@@ -179,8 +212,10 @@ __all__ = [
     "LEFTOVER",
     "WRITE_MARK",
     "WRITING_INSIDE",
+    "abandoned_write_folder",
     "filesystem_limit",
     "is_pid",
+    "is_write_folder",
     "leftover_of",
     "make_marked_folder",
     "marked_and_abandoned",
@@ -191,6 +226,8 @@ __all__ = [
     "remove_abandoned_inside",
     "remove_listed",
     "temporary_name",
+    "write_in_progress",
     "writer_gone",
+    "writes_inside",
     "writing_inside",
 ]

@@ -78,6 +78,27 @@ def file_in_the_way(folder: Path) -> Optional[str]:
     return None
 
 
+def dangling_parent_step(path: Path, what: str) -> Optional[str]:
+    """The refusal (a line starting with ``what``) of a ``path`` with a ``..`` after a folder that does not exist, or
+    None: the kernel takes it for no folder, a lexical reading for the one above, and a write that created the
+    missing folder would go into the folder above instead (a user's, not empty) and leave a stray folder behind."""
+    parts = path.parts
+    for depth, part in enumerate(parts):
+        if part != ".." or depth == 0:
+            continue
+        before = Path(*parts[:depth])
+        try:
+            os.stat(before)
+        except FileNotFoundError:
+            return (
+                f"{what}: '{before}' does not exist, so the '..' after it names no folder; name the folder without "
+                f"'..' ('{os.path.normpath(path)}')"
+            )
+        except OSError:  # a file on the way, or a folder this user cannot read: the destination checks say so
+            return None
+    return None
+
+
 def expand_user(path: Union[str, os.PathLike], what: str = "", *, strict: bool = True) -> Path:
     """``path`` with a leading ``~`` or ``~user`` expanded as ``Path.expanduser`` does. Every path the package
     takes is expanded here, so "~/out" is the home folder's everywhere (never a folder named "~"), and a home

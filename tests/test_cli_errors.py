@@ -176,6 +176,30 @@ def _edited_manifest(entry):
     return make
 
 
+def _incomplete_export(ws, run, tmp):
+    """``eval`` of a copy of the run's export that a write killed while moving its files into place left without
+    its tokenizer's files (its manifest lists them)."""
+    folder = copy_of(run, tmp)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / "folded" / name).unlink()
+    return evaluate(folder / "folded", data=ws / "corpus.txt")
+
+
+def _fold_beside_a_live_write(*extra: str):
+    """``fold`` into an empty folder an export_folded is writing into (its marked ``.hf_tapernorm_writing-PID``, of
+    a running process)."""
+
+    def make(ws, run, tmp):
+        from hf_tapernorm._temporaries import WRITE_MARK
+
+        container = tmp / "D" / f".hf_tapernorm_writing-{os.getppid()}"
+        container.mkdir(parents=True)
+        (container / WRITE_MARK).write_text("")
+        return fold(run / "tapered", tmp / "D", *extra)
+
+    return make
+
+
 def _push_with(relative: str):
     def make(ws, run, tmp):
         folder = copy_of(run, tmp)
@@ -1700,6 +1724,27 @@ CASES = {
         NEEDS_RUN,
     ),
     "push of a manifest edited to name '*'": (_edited_manifest("*"), 2, ["lacks files of its export (*)"], NEEDS_RUN),
+    # a kill mid-move left the export without its tokenizer: eval failed in the tokenizer's loader (a ValueError)
+    "eval of an export a killed write left incomplete": (
+        _incomplete_export,
+        2,
+        [
+            "/folded' is an incomplete export: it lacks files of its export (tokenizer.json, tokenizer_config.json), "
+            "which its manifest lists",
+            "export it again with overwrite=True (hf-tapernorm fold --overwrite)",
+        ],
+        NEEDS_RUN,
+    ),
+    # a live export_folded writing into D was not named: "not empty", then "not an earlier export"
+    **{
+        " ".join(["fold", *extra, "into a folder an export_folded is writing"]): (
+            _fold_beside_a_live_write(*extra),
+            2,
+            ["/D': another write of ", f"is in progress (pid {os.getppid()}, through '.hf_tapernorm_writing-"],
+            NEEDS_RUN,
+        )
+        for extra in ((), ("--overwrite",))
+    },
     "push with a hidden .cache/token": (
         _push_with(".cache/token"),
         2,

@@ -95,8 +95,9 @@ def test_export_folded_overwrite_refuses_a_users_file_a_bookkeeping_look_alike_o
     with pytest.raises(ConfigurationError) as caught:
         export_folded(folded, export, overwrite=True)
     assert str(caught.value) == (
-        f"refusing overwrite=True of {export}: it holds files the export did not write ({name}), which replacing "
-        "it would delete; move them away first"
+        f"refusing overwrite=True of {export}: it holds files the export did not write ({name}), which would stay "
+        "beside the new export's (a replacement deletes only the files of the earlier one's manifest), and push "
+        "refuses an export mixed with other files; move them away first"
     )
     assert _files(export) == before and (export / name).read_text() == "mine"
 
@@ -161,7 +162,7 @@ def test_export_folded_overwrite_deletes_a_killed_replacements_leftover_and_keep
     assert not (tmp_path / "fresh").exists()
     (export / f".hf_tapernorm_writing-{os.getpid()}").mkdir()  # unmarked, where a replacement writes (inside)
     before = _files(export)
-    with pytest.raises(ConfigurationError, match=rf"\(\.hf_tapernorm_writing-{os.getpid()}\), which replacing"):
+    with pytest.raises(ConfigurationError, match=rf"\(\.hf_tapernorm_writing-{os.getpid()}\), which would stay"):
         export_folded(folded, export, overwrite=True)
     assert _files(export) == before
 
@@ -283,7 +284,7 @@ def test_a_kill_mid_move_in_the_working_folder_leaves_an_export_overwrite_replac
     assert moved[0] == ".hf_tapernorm_export.json" and (work / container).is_dir()
     assert export_manifest(work) == export_manifest(fresh)
     assert not (work / "tokenizer.json").exists()  # the earlier export's files went before the move
-    with pytest.raises(ConfigurationError, match=r"lacks files of its export \("):
+    with pytest.raises(ConfigurationError, match=rf"holds '{container}', the leftover of a killed write"):
         files_to_push(work)
     export_folded(folded, ".", overwrite=True)
     assert work.stat().st_ino == inode
@@ -459,3 +460,88 @@ def test_fine_tuning_a_sink_export_with_gradient_checkpointing_matches_without(t
     assert all(torch.allclose(p.grad, grads[n], atol=1e-6) for n, p in folded.named_parameters() if n in grads)
     with pytest.raises(ValueError, match="a cache cannot be passed while training with gradient checkpointing"):
         folded(input_ids=labels, cache=DynamicCache(config=folded.config))
+
+
+def _users_folder(folder: Path) -> dict[str, bytes]:
+    folder.mkdir()
+    (folder / "README.md").write_text("MINE")
+    (folder / "config.json").write_text('{"mine": 1}')
+    return _files(folder)
+
+
+def test_export_folded_refuses_a_dotdot_after_a_missing_folder_before_creating_it(folded, tmp_path, monkeypatch):
+    """export_folded(m, "DIR/nothere/..") (DIR a user's folder) created nothere/ and wrote into DIR, replacing its
+    README.md and config.json: the non-empty check looked at a folder that did not exist. Likewise "new/.." from a
+    non-empty working folder. Now both are refused, as fold --output_dir refuses them, before anything is created."""
+    mine = tmp_path / "mine"
+    before = _users_folder(mine)
+    with pytest.raises(ConfigurationError) as refused:
+        export_folded(folded, mine / "nothere" / "..")
+    assert str(refused.value) == (
+        f"export_folded: save_directory '{mine / 'nothere' / '..'}': '{mine / 'nothere'}' does not exist, so the "
+        f"'..' after it names no folder; name the folder without '..' ('{mine}')"
+    )
+    monkeypatch.chdir(mine)
+    with pytest.raises(ConfigurationError, match=r"^export_folded: save_directory 'new/..': 'new' does not exist"):
+        export_folded(folded, "new/..")
+    assert _files(mine) == before and sorted(p.name for p in mine.iterdir()) == ["README.md", "config.json"]
+
+
+def test_export_folded_names_a_write_in_progress_in_the_folder(folded, tmp_path):
+    """A live export_folded writing into D (its marked ``.hf_tapernorm_writing-PID`` there), then export_folded(D):
+    refused as "not empty", and with overwrite=True as "not an earlier export": the live write was never named. Now
+    both say another write of D is in progress, with its pid; nothing is touched."""
+    import os
+
+    from hf_tapernorm._temporaries import WRITE_MARK
+
+    target, pid = tmp_path / "target", os.getppid()  # a running process
+    (target / f".hf_tapernorm_writing-{pid}").mkdir(parents=True)
+    (target / f".hf_tapernorm_writing-{pid}" / WRITE_MARK).write_text("")
+    before = _files(target)
+    for overwrite in (False, True):
+        with pytest.raises(ConfigurationError) as refused:
+            export_folded(folded, target, overwrite=overwrite)
+        assert str(refused.value) == (
+            f"cannot export into {target}: another write of {target} is in progress (pid {pid}, through "
+            f"'.hf_tapernorm_writing-{pid}'); wait for it to finish, or choose a new folder"
+        )
+    assert _files(target) == before
+
+
+def test_export_folded_overwrite_warns_of_weights_changed_since_the_export(folded, tmp_path, caplog):
+    """export_folded(overwrite=True) of an export whose model.safetensors its owner had saved over replaced it without
+    a word (an edited card is refused, and push refuses such weights). It still replaces them, as asked, and names the
+    changed files in a WARNING; an unchanged export is replaced without one."""
+    export = export_folded(folded, tmp_path / "export")
+    export_folded(folded, export, overwrite=True)
+    weights = export / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.export.writing"):
+        export_folded(folded, export, overwrite=True)
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"overwrite=True of {export} replaces model.safetensors, changed after the earlier export wrote it (the "
+        "sha256 .hf_tapernorm_export.json recorded differs): copy it out of the folder first to keep the changes"
+    ]
+    assert weights.read_bytes() != bytes(data)
+
+
+def test_export_folded_overwrite_of_an_export_with_a_git_clone_says_why_it_refuses(folded, tmp_path):
+    """An earlier export holding ``.git/`` and ``.gitattributes`` (a clone of the pushed repository) was refused
+    "which replacing it would delete": no longer true, a replacement deletes only the files of the earlier
+    manifest. The refusal stands (push refuses an export mixed with other files), with that reason."""
+    export = export_folded(folded, tmp_path / "export")
+    (export / ".git").mkdir()
+    (export / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (export / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    before = _files(export)
+    with pytest.raises(ConfigurationError) as refused:
+        export_folded(folded, export, overwrite=True)
+    assert str(refused.value) == (
+        f"refusing overwrite=True of {export}: it holds files the export did not write (.git/HEAD, .gitattributes), "
+        "which would stay beside the new export's (a replacement deletes only the files of the earlier one's "
+        "manifest), and push refuses an export mixed with other files; move them away first"
+    )
+    assert _files(export) == before

@@ -201,3 +201,67 @@ def test_push_of_an_unscanned_export_names_the_command_that_writes_a_scan_into_i
     assert code == 0 and (folder / "robustness_scan.json").is_file(), stderr
     code, stdout, stderr = run_main(["push", "--export_dir", str(folder), "--repo_id", "me/y"])
     assert code == 0 and f"{folder}: robustness scan: " in stdout and "not scanned" not in stdout, stderr
+
+
+def _with_write_inside(export: Path, pid: int, *, marked: bool = True) -> Path:
+    """``export`` holding a write's ``.hf_tapernorm_writing-PID`` as export_folded(overwrite=True) leaves it when
+    killed mid-write (its mark, a half-written model), or an unmarked look-alike (``marked=False``)."""
+    from hf_tapernorm._temporaries import WRITE_MARK
+
+    container = export / f".hf_tapernorm_writing-{pid}"
+    container.mkdir()
+    if marked:
+        (container / WRITE_MARK).write_text("")
+    (container / "config.json").write_text("{}")
+    (container / "model.safetensors").write_bytes(b"half written")
+    return container
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> Path:
+    """An export of a tiny folded model (export_folded), without a run: the cases copy it."""
+    from hf_tapernorm import export_folded, fold_model
+    from tests.helpers import tapered
+
+    return export_folded(fold_model(tapered("gpt2", "all")), tmp_path_factory.mktemp("exported") / "export")
+
+
+def test_push_refuses_an_export_a_killed_or_running_write_left_its_folder_in(exported, tmp_path):
+    """A killed export_folded(overwrite=True) left its marked ``.hf_tapernorm_writing-PID/`` in the export, and push
+    refused its files as "files the export did not write ... --include", whose advice uploaded them. Now push names it
+    as a killed write's leftover and says to export again with overwrite=True (which deletes it); a live write's is
+    named as a write in progress."""
+    import os
+
+    export = Path(shutil.copytree(exported, tmp_path / "export"))
+    dead = 2**22 + 54321  # no such process
+    _with_write_inside(export, dead)
+    with pytest.raises(ConfigurationError) as refused:
+        files_to_push(export, ["*"])
+    assert str(refused.value) == (
+        f"'{export}' holds '.hf_tapernorm_writing-{dead}', the leftover of a killed write of the export (its "
+        "half-written files are never uploaded, and the export beside it may be incomplete); export again with "
+        "overwrite=True (hf-tapernorm fold --overwrite), which deletes it, then push"
+    )
+    shutil.rmtree(export / f".hf_tapernorm_writing-{dead}")
+    _with_write_inside(export, os.getppid())  # a running process: a write in progress
+    with pytest.raises(ConfigurationError) as refused:
+        files_to_push(export)
+    assert str(refused.value) == (
+        f"'{export}': another write of {export} is in progress (pid {os.getppid()}, through "
+        f"'.hf_tapernorm_writing-{os.getppid()}'); wait for it to finish, then push"
+    )
+
+
+@pytest.mark.parametrize("include", ["*", ".hf_tapernorm_writing-*/*", ".hf_tapernorm_writing-7/model.safetensors"])
+def test_nothing_under_a_bookkeeping_folder_is_uploaded_whatever_include_names(exported, tmp_path, include):
+    """``push --include '*'`` (or a pattern naming it) uploaded the files under a ``.hf_tapernorm_writing-PID/``
+    folder (a half-written model, the write's mark): bookkeeping was recognised by its top-level name only. Now no
+    file under a ``.hf_tapernorm_*`` name, a folder's too, is ever uploaded."""
+    from hf_tapernorm.export.manifest import export_manifest
+
+    export = Path(shutil.copytree(exported, tmp_path / "export"))
+    _with_write_inside(export, 7, marked=False)  # a look-alike: not a write's, and still bookkeeping
+    (export / "sub").mkdir()
+    (export / "sub" / ".hf_tapernorm_run.lock").write_text("pid 7")
+    assert files_to_push(export, [include]) == sorted(export_manifest(export))

@@ -1422,3 +1422,61 @@ def test_eval_output_json_through_a_symbolic_link_loop_names_the_loop(workspace,
         "leads back into itself (a loop); fix or remove it"
     )
     assert os.listdir(tmp_path / "lp") == ["loop"]
+
+
+# ============================================================================= a killed export_folded's leftover
+def _marked_write_inside(folder: Path, pid: int) -> Path:
+    """The ``.hf_tapernorm_writing-PID`` a killed (or running) export_folded(overwrite=True) has in ``folder``."""
+    from hf_tapernorm._temporaries import WRITE_MARK
+
+    container = folder / f".hf_tapernorm_writing-{pid}"
+    container.mkdir(parents=True)
+    (container / WRITE_MARK).write_text("")
+    (container / "model.safetensors").write_bytes(b"half written")
+    return container
+
+
+def test_a_killed_export_folded_leftover_in_a_runs_export_is_no_users_file(tmp_path):
+    """export_folded(RUN/folded, overwrite=True) killed mid-write left its marked ``.hf_tapernorm_writing-PID/`` in the
+    run's export, and taper --resume and --overwrite refused its files as "files this command did not write": only
+    another export_folded removed it. Now the run folder takes it for what it is (a killed write's, its writer gone),
+    never a user's file, and deletes it as it deletes the other leftovers; a running writer's stays foreign."""
+    run = tmp_path / "run"
+    (run / "folded").mkdir(parents=True)
+    (run / "folded" / "config.json").write_text("{}")
+    (run / MANIFEST_NAME).write_text(json.dumps({"tool": "hf-tapernorm", "files": ["folded/config.json"]}))
+    dead = _marked_write_inside(run / "folded", 2**22 + 54321)  # no such process
+    folder = RunFolder(run, outputs=("folded/",))
+    assert folder.foreign_files() == []
+    assert folder.check(overwrite=False, resume=True, has_checkpoint=lambda: True) is False
+    assert folder.check(overwrite=True, resume=False, has_checkpoint=lambda: True) is True
+    folder.remove_partials()
+    assert not dead.exists() and (run / "folded" / "config.json").is_file()
+    live = _marked_write_inside(run / "folded", os.getppid())  # a running process's write
+    assert folder.foreign_files() == [
+        f"folded/{live.name}/.hf_tapernorm_write",
+        f"folded/{live.name}/model.safetensors",
+    ]
+
+
+def test_fold_deletes_a_killed_export_folded_leftover_and_names_a_running_one(tmp_path):
+    """fold --output_dir D --overwrite of an earlier export holding a killed export_folded's marked
+    ``.hf_tapernorm_writing-PID/`` refused it as "files an export does not write", though push's advice was to export
+    again. Now fold's check deletes it (export_folded does the same), and a running writer's is named."""
+    from hf_tapernorm import export_folded, fold_model
+    from hf_tapernorm._parsing import UsageError
+    from hf_tapernorm.cli.commands import check_export_folder
+    from tests.helpers import tapered
+
+    export = export_folded(fold_model(tapered("gpt2", "all")), tmp_path / "export")
+    listed = sorted(os.listdir(export))
+    dead = _marked_write_inside(export, 2**22 + 54321)
+    check_export_folder(export, overwrite=True)
+    assert not dead.exists() and sorted(os.listdir(export)) == listed
+    live = _marked_write_inside(export, os.getppid())
+    with pytest.raises(UsageError) as refused:
+        check_export_folder(export, overwrite=True)
+    assert str(refused.value) == (
+        f"output folder '{export}': another write of {export} is in progress (pid {os.getppid()}, through "
+        f"'{live.name}'); wait for it to finish, or choose another --output_dir"
+    )

@@ -37,10 +37,12 @@ from .._temporaries import (
     marked_and_abandoned,
     name_max,
     remove_abandoned,
+    remove_abandoned_inside,
     temporary_name,
     writer_gone,
 )
 from .._temporaries import make_marked_folder as _make_container
+from ..utils import dangling_parent_step
 from .run_lock import RunFolderError
 
 #: The name of the folder inside each temporary container (``.NAME.partial-PID/w``, ``.NAME.old-PID/w``): short and
@@ -77,20 +79,9 @@ def check_folder_destination(final: Path, what: str, *, inside: str) -> None:
     would leave a folder the command never writes), a mount point (mount_point_refusal), or one whose temporary
     paths pass PATH_MAX (check_path_length, ``inside``: the longest relative path written into it)."""
     check_name_length(final, what)
-    parts = final.parts
-    for depth, part in enumerate(parts):
-        if part != ".." or depth == 0:
-            continue
-        before = Path(*parts[:depth])
-        try:
-            os.stat(before)
-        except FileNotFoundError:
-            raise RunFolderError(
-                f"{what}: '{before}' does not exist, so the '..' after it names no folder; name the folder without "
-                f"'..' ('{os.path.normpath(final)}')"
-            ) from None
-        except OSError:  # a file on the way, or a folder this user cannot read: the destination checks say so
-            break
+    dangling = dangling_parent_step(final, what)  # export_folded refuses it with the same words
+    if dangling:
+        raise RunFolderError(dangling)
     if is_mount_point(final):
         raise RunFolderError(mount_point_refusal(final, what))
     check_path_length(final, what, inside=inside)
@@ -216,6 +207,7 @@ def write_folder(
     remove_abandoned(final, "export", abandoned)  # and a killed export_folded of it (it writes beside, then renames)
     if final.is_dir():
         remove_abandoned(final, "old", abandoned)  # ``final`` is whole: what a killed rewrite set aside is older
+        remove_abandoned_inside(final)  # and what a killed export_folded into it left inside (never a user's file)
     for needed in (tmp, old) if final.is_dir() else (tmp,):
         if os.path.lexists(needed):
             raise RunFolderError(_in_the_way(needed, final))

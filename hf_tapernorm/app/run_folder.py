@@ -30,6 +30,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
+from .._temporaries import abandoned_write_folder
 from ..export.manifest import export_files
 from .checkpoint_files import checkpoint_of as _checkpoint_of
 from .checkpoint_files import unrecorded_checkpoints
@@ -37,7 +38,6 @@ from .folder_writes import (
     LEFTOVER,
     folders_of,
     leftover_of,
-    marked_and_abandoned,
     old_name,
     partial_name,
     write_file,
@@ -156,17 +156,16 @@ class RunFolder:
     def _abandoned(self, files: Iterable[str]) -> set[str]:
         """What another hf-tapernorm command that is gone left among ``files``, anywhere in the folder (a ``fold`` into
         its ``folded/`` killed by SIGKILL): the stale lock of a folder inside it (RunLock.is_stale: the lock a command
-        taking it takes over) and a temporary folder of a write, marked by its writer, whose writer is gone
-        (folder_writes.marked_and_abandoned). They are hf-tapernorm's, not a user's: --overwrite and --resume delete
-        them (remove_partials). A lock that is held, or no lock record, and a look-alike without the mark are not."""
+        taking it takes over) and a write's marked temporary folder whose writer is gone (abandoned_write_folder: a
+        ``.NAME.KIND-PID``, an export_folded's ``.hf_tapernorm_writing-PID``). They are hf-tapernorm's, not a user's:
+        --overwrite and --resume delete them (remove_partials). A held lock, no lock record, an unmarked one are not."""
         left: set[str] = set()
         containers: dict[str, bool] = {}
         for relative in files:
-            folders = [f for f in folders_of(relative) if LEFTOVER.fullmatch(f.rpartition("/")[2])]
-            for folder in folders:
+            for folder in folders_of(relative):
                 if folder not in containers:
-                    containers[folder] = marked_and_abandoned(self.path / folder)
-            container = next((folder for folder in folders if containers[folder]), None)
+                    containers[folder] = abandoned_write_folder(self.path / folder)
+            container = next((folder for folder in folders_of(relative) if containers[folder]), None)
             inner, _, name = relative.rpartition("/")
             if container is not None:
                 left.add(container)

@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufCo
 
 from ..errors import ConfigurationError, first_line
 from ..export.folded_sink import plain_load_of_export
+from ..export.manifest import incomplete_export
 from ..training.checkpoints import is_tapered_checkpoint, load_tapered, tapered_model_config
 from ..utils import expand_user, load_dtype
 
@@ -104,6 +105,9 @@ def resolve_model(model_name_or_path: Optional[str] = None, gguf_file: Optional[
             if not (path / gguf_file).is_file():
                 raise ModelSourceError(f"GGUF file '{gguf_file}' not found in '{model_name_or_path}'")
             return ModelSource(str(path), gguf_file, "gguf")
+        incomplete = incomplete_export(path, f"model '{model_name_or_path}'")  # a tokenizer's error would say less
+        if incomplete:
+            raise ModelSourceError(incomplete)
         if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
             raise ModelSourceError(
                 f"'{model_name_or_path}' holds PEFT adapters (adapter_config.json), not a whole model: merge them into "

@@ -16,9 +16,10 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
+from .._temporaries import write_in_progress, writes_inside
 from ..errors import ConfigurationError
 from ..utils import expand_user
-from .manifest import EXPORT_MANIFEST_NAME, check_export_files, export_manifest, folder_files
+from .manifest import EXPORT_MANIFEST_NAME, check_export_files, export_manifest, folder_files, incomplete_export
 from .modeling_folded import upload_export
 
 logger = logging.getLogger(__name__)
@@ -28,12 +29,14 @@ def files_to_push(folder: str | os.PathLike, include: Sequence[str] = ()) -> lis
     """The files ``push_export`` uploads: the export's manifest, plus the other files ``include`` names.
 
     Refuses (ConfigurationError, the files listed) a folder without a manifest, one holding a symbolic link,
-    one missing a file of its manifest, one holding a file neither the manifest nor ``include`` names, and one
-    whose files are not those its card and scan were written with (check_export_files). The bookkeeping files
-    (``.hf_tapernorm_*``: a lock, a manifest) are never uploaded, whatever ``include`` names.
+    one missing a file of its manifest, one holding a file neither the manifest nor ``include`` names, one a write
+    is in progress in or a killed write left its temporary folder in, and one whose files are not those its card
+    and scan were written with (check_export_files). The bookkeeping files (``.hf_tapernorm_*``: a lock, a manifest,
+    everything under a write's ``.hf_tapernorm_writing-PID/``) are never uploaded, whatever ``include`` names.
     """
     folder = Path(folder)
     include = _include_patterns([include] if isinstance(include, str) else include)  # a string's letters: "*"
+    _refuse_writes_inside(folder)
     manifest = export_manifest(folder)
     if manifest is None:
         raise ConfigurationError(
@@ -44,11 +47,9 @@ def files_to_push(folder: str | os.PathLike, include: Sequence[str] = ()) -> lis
     links = [name for name in present if (folder / name).is_symlink()]
     if links:
         raise ConfigurationError(f"'{folder}' holds symbolic links ({', '.join(links[:8])}); push refuses them")
-    missing = [name for name in manifest if name not in present]
-    if missing:
-        raise ConfigurationError(
-            f"'{folder}' lacks files of its export ({', '.join(missing[:8])}); re-export it with hf-tapernorm fold"
-        )
+    incomplete = incomplete_export(folder, f"'{folder}'")
+    if incomplete:
+        raise ConfigurationError(incomplete)
     extra = sorted(name for name in present if name not in manifest)
     included = [name for name in extra if _matches(name, include)]
     refused = [name for name in extra if name not in included]
@@ -60,6 +61,21 @@ def files_to_push(folder: str | os.PathLike, include: Sequence[str] = ()) -> lis
         )
     check_export_files(folder)
     return sorted([*manifest, *included])
+
+
+def _refuse_writes_inside(folder: Path) -> None:
+    """Refuse an export a write is in progress in, or one a killed write left its ``.hf_tapernorm_writing-PID`` in
+    (half-written files, never uploaded): the export beside it may be incomplete, or about to be replaced."""
+    live = write_in_progress(folder)
+    if live:
+        raise ConfigurationError(f"'{folder}': {live}; wait for it to finish, then push")
+    left = [entry.name for entry in writes_inside(folder)]
+    if left:
+        raise ConfigurationError(
+            f"'{folder}' holds '{left[0]}', the leftover of a killed write of the export (its half-written files are "
+            "never uploaded, and the export beside it may be incomplete); export again with overwrite=True "
+            "(hf-tapernorm fold --overwrite), which deletes it, then push"
+        )
 
 
 def _include_patterns(include: Iterable[str]) -> list[str]:

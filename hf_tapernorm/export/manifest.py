@@ -36,7 +36,10 @@ BOOKKEEPING_PREFIX = ".hf_tapernorm_"
 
 
 def is_bookkeeping(relative: str) -> bool:
-    return "/" not in relative and relative.startswith(BOOKKEEPING_PREFIX)
+    """Whether the file ``relative`` (a posix path in an export) is bookkeeping, never export content: a name of the
+    package's (``.hf_tapernorm_*``), or a file anywhere under a folder of such a name (a write's
+    ``.hf_tapernorm_writing-PID/``, with a half-written model and the write's mark)."""
+    return any(part.startswith(BOOKKEEPING_PREFIX) for part in relative.split("/"))
 
 
 def folder_files(folder: Path) -> dict[str, tuple[int, int]]:
@@ -139,13 +142,7 @@ def check_export_files(folder: str | os.PathLike) -> None:
             folder,
         )
         return
-    recorded = manifest[DIGESTS_KEY]
-    changed = [
-        name
-        for name in manifest["files"]
-        if name != CARD_NAME  # the card is prose its owner may edit; what it is about is checked
-        and (not (folder / name).is_file() or recorded.get(name) != _sha256(folder / name))
-    ]
+    changed = changed_export_files(folder)
     if changed:
         listed = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
         raise ConfigurationError(
@@ -155,6 +152,46 @@ def check_export_files(folder: str | os.PathLike) -> None:
             "hf-tapernorm fold --overwrite from the tapered checkpoint, whose card and scan are of its files "
             "(weights changed on purpose need a card of their own: hf-tapernorm eval --scan_reference measures them)"
         )
+
+
+def changed_export_files(folder: str | os.PathLike) -> list[str]:
+    """The files of the export in ``folder``'s manifest, but the card (prose its owner may edit), that are missing or
+    no longer have the sha256 the export recorded; none for an export of a version that recorded no digests."""
+    folder = Path(folder)
+    manifest = _read_manifest(folder)
+    if manifest is None or DIGESTS_KEY not in manifest:
+        return []
+    recorded = manifest[DIGESTS_KEY]
+    return [
+        name
+        for name in manifest["files"]
+        if name != CARD_NAME and (not (folder / name).is_file() or recorded.get(name) != _sha256(folder / name))
+    ]
+
+
+def missing_export_files(folder: str | os.PathLike) -> list[str]:
+    """The files ``folder``'s export manifest lists that are not in it (a write killed while it moved them into
+    place; a file deleted since); none without a manifest, or with a damaged one (its readers say so)."""
+    try:
+        listed = export_manifest(folder) or []
+    except ConfigurationError:
+        return []
+    present = folder_files(Path(folder))
+    return [name for name in listed if name not in present]
+
+
+def incomplete_export(folder: str | os.PathLike, what: str) -> Optional[str]:
+    """The refusal (a line starting with ``what``) of an export in ``folder`` that lacks files of its manifest, or
+    None: push, eval and every reader of the folder say the same, before anything loads."""
+    missing = missing_export_files(folder)
+    if not missing:
+        return None
+    listed = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    return (
+        f"{what} is an incomplete export: it lacks files of its export ({listed}), which its manifest lists (a write "
+        "killed while it moved them into place, or files deleted since); export it again with overwrite=True "
+        "(hf-tapernorm fold --overwrite)"
+    )
 
 
 #: Why an export whose card its owner edited is not replaced, and what to do (export_folded's and fold's refusals).
@@ -184,11 +221,14 @@ __all__ = [
     "DIGESTS_KEY",
     "EDITED_CARD",
     "EXPORT_MANIFEST_NAME",
+    "changed_export_files",
     "check_export_files",
     "edited_card",
     "export_files",
     "export_manifest",
     "folder_files",
+    "incomplete_export",
     "is_bookkeeping",
+    "missing_export_files",
     "recording_export",
 ]

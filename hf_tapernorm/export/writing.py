@@ -25,14 +25,16 @@ from .._temporaries import (
     remove_abandoned_inside,
     remove_listed,
     temporary_name,
+    write_in_progress,
     writing_inside,
 )
 from ..config_fields import check_tokenizer_to_save
 from ..errors import ConfigurationError, TaperStateError
-from ..utils import expand_user, file_in_the_way
+from ..utils import dangling_parent_step, expand_user, file_in_the_way
 from .manifest import (
     EDITED_CARD,
     EXPORT_MANIFEST_NAME,
+    changed_export_files,
     edited_card,
     export_manifest,
     folder_files,
@@ -59,7 +61,9 @@ def export_folded(
     """Save a folded model (from ``fold_model``) with its model card, and its tokenizer when given; returns the folder.
 
     Refuses a non-empty folder unless ``overwrite=True``, and even then one that is not an earlier export (no
-    export manifest) or that holds files its export did not write (a user's, named), as ``fold --overwrite`` does.
+    export manifest) or that holds files its export did not write (a user's, named), as ``fold --overwrite`` does;
+    a folder another write is in progress in, and a ``..`` after a missing folder, are refused too. Files of an
+    earlier export changed since it wrote them (its weights, its config) are named in a WARNING as they are replaced.
     A new folder is written beside, in a hidden ``.NAME.export-PID``, and renamed into place when complete; an
     existing one (empty, or an earlier export) is kept and written inside, in a hidden ``.hf_tapernorm_writing-PID``
     whose files move up when complete, the manifest first (a killed write's leftover is deleted by the next write): a
@@ -76,6 +80,9 @@ def export_folded(
         )
     check_tokenizer_to_save(tokenizer, "export_folded")
     folder = expand_user(save_directory, f"export_folded: save_directory '{save_directory}'")  # "~/out": $HOME/out
+    dangling = dangling_parent_step(folder, f"export_folded: save_directory '{save_directory}'")
+    if dangling:  # "DIR/nothere/..": creating nothere/ would write into DIR, a folder no check looked at
+        raise ConfigurationError(dangling)
     remove_abandoned_inside(folder)
     replace = _check_export_folder(folder, overwrite)
     if facts is not None and not isinstance(facts, Mapping):
@@ -180,6 +187,9 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
     blocking = file_in_the_way(folder)
     if blocking:
         raise ConfigurationError(f"cannot export into {folder}: {blocking} is a file")
+    live = write_in_progress(folder)  # its files and this export's would mix
+    if live:
+        raise ConfigurationError(f"cannot export into {folder}: {live}; wait for it to finish, or choose a new folder")
     if not folder.is_dir() or not any(folder.iterdir()):
         return False
     if not overwrite:
@@ -199,12 +209,30 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
     if foreign:
         listed = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
         raise ConfigurationError(
-            f"{refusal}: it holds files the export did not write ({listed}), which replacing it would delete; "
-            "move them away first"
+            f"{refusal}: it holds files the export did not write ({listed}), which would stay beside the new "
+            "export's (a replacement deletes only the files of the earlier one's manifest), and push refuses an "
+            "export mixed with other files; move them away first"
         )
     if edited_card(folder):
         raise ConfigurationError(f"{refusal}: {EDITED_CARD}")
+    _warn_changed(folder)
     return True
+
+
+def _warn_changed(folder: Path) -> None:
+    """Name (WARNING) the files of the earlier export in ``folder`` changed since it wrote them (weights saved over
+    it, an edited config): overwrite=True replaces them as asked, but they may be someone's work, unlike a card."""
+    changed = [name for name in changed_export_files(folder) if (folder / name).is_file()]  # not a killed move's
+    if changed:
+        logger.warning(
+            "overwrite=True of %s replaces %s, changed after the earlier export wrote %s (the sha256 %s recorded "
+            "differs): copy %s out of the folder first to keep the changes",
+            folder,
+            ", ".join(changed),
+            "it" if len(changed) == 1 else "them",
+            EXPORT_MANIFEST_NAME,
+            "it" if len(changed) == 1 else "them",
+        )
 
 
 def _log_sink_handling(model: PreTrainedModel, tokenizer: Any) -> None:

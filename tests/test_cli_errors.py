@@ -185,6 +185,20 @@ def _incomplete_export(ws, run, tmp):
     return evaluate(folder / "folded", data=ws / "corpus.txt")
 
 
+def _incomplete_reference(ws, run, tmp):
+    """``eval --scan_reference`` of a copy of the run's export that lacks its tokenizer.json."""
+    folder = copy_of(run, tmp)
+    (folder / "folded" / "tokenizer.json").unlink()
+    return evaluate(run / "folded", "--scan_windows", "2", "--scan_reference", str(folder / "folded"))
+
+
+def _push_without_a_card(ws, run, tmp):
+    """``push --export_dir`` of a copy of the run's export whose README.md was deleted."""
+    folder = copy_of(run, tmp)
+    (folder / "folded" / "README.md").unlink()
+    return ["push", "--export_dir", str(folder / "folded"), "--repo_id", "me/x"]
+
+
 def _fold_beside_a_live_write(*extra: str):
     """``fold`` into an empty folder an export_folded is writing into (its marked ``.hf_tapernorm_writing-PID``, of
     a running process)."""
@@ -1729,10 +1743,27 @@ CASES = {
         _incomplete_export,
         2,
         [
+            "error: --model_name_or_path '",
             "/folded' is an incomplete export: it lacks files of its export (tokenizer.json, tokenizer_config.json), "
             "which its manifest lists",
             "export it again with overwrite=True (hf-tapernorm fold --overwrite)",
         ],
+        NEEDS_RUN,
+    ),
+    # both said "model '...' is an incomplete export", as if --model_name_or_path were meant
+    "eval --scan_reference of an incomplete export": (
+        _incomplete_reference,
+        2,
+        [
+            "error: --scan_reference '",
+            "/folded' is an incomplete export: it lacks files of its export (tokenizer.json)",
+        ],
+        NEEDS_RUN,
+    ),
+    "push of an export without its README.md": (
+        _push_without_a_card,
+        2,
+        ["error: --export_dir '", "/folded' is an incomplete export: it lacks files of its export (README.md)"],
         NEEDS_RUN,
     ),
     # a live export_folded writing into D was not named: "not empty", then "not an earlier export"

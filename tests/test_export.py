@@ -15,6 +15,8 @@ from huggingface_hub import HfApi
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from hf_tapernorm import ConfigurationError, TaperStateError, export_folded, fold_model
+from hf_tapernorm.evaluation.models import load_model, resolve_model
+from hf_tapernorm.export.hub import files_to_push
 from hf_tapernorm.export.manifest import export_manifest
 from tests.conftest import build, tiny_llama_config
 from tests.helpers import TEXT, relative, sink_tapered, tapered, with_sink, word_tokenizer
@@ -519,13 +521,51 @@ def test_export_folded_overwrite_warns_of_weights_changed_since_the_export(folde
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.export.writing"):
+    with caplog.at_level(logging.WARNING, logger="hf_tapernorm.export.manifest"):
         export_folded(folded, export, overwrite=True)
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
         f"overwrite=True of {export} replaces model.safetensors, changed after the earlier export wrote it (the "
         "sha256 .hf_tapernorm_export.json recorded differs): copy it out of the folder first to keep the changes"
     ]
     assert weights.read_bytes() != bytes(data)
+
+
+@pytest.mark.parametrize(
+    "deleted", [["README.md"], ["generation_config.json"], ["README.md", "generation_config.json"]]
+)
+def test_an_export_lacking_only_files_loading_does_not_read_loads_with_a_warning(folded, tmp_path, caplog, deleted):
+    """eval, bench and taper (resolve_model) refused an export whose only missing files were its README.md card or
+    generation_config.json as "an incomplete export", though the model loads without them. It loads now, and a
+    WARNING names them; push (files_to_push) still refuses any missing file."""
+    export = export_folded(folded, tmp_path / "export")
+    for name in deleted:
+        (export / name).unlink()
+    with caplog.at_level(logging.WARNING):
+        source = resolve_model(str(export), option="--model_name_or_path")
+    assert source.kind == "folded"
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"--model_name_or_path '{export}' lacks {', '.join(deleted)} of its export, which its manifest lists: it "
+        f"loads without {'it' if len(deleted) == 1 else 'them'}, but push refuses it until it is exported again "
+        "(hf-tapernorm fold --overwrite)"
+    ]
+    assert torch.equal(load_model(source).lm_head.weight, folded.lm_head.weight)
+    with pytest.raises(ConfigurationError, match=rf"^'{export}' is an incomplete export: it lacks files of its export"):
+        files_to_push(export)
+
+
+def test_an_export_lacking_a_file_loading_reads_is_refused_by_its_option(folded, tmp_path):
+    """An export missing a file loading reads (here config.json, beside its card) is still refused before loading,
+    and the refusal names the option the path came from (it said "model '...'", whatever the option)."""
+    export = export_folded(folded, tmp_path / "export")
+    for name in ("README.md", "config.json"):
+        (export / name).unlink()
+    with pytest.raises(ConfigurationError) as caught:
+        resolve_model(str(export), option="--scan_reference")
+    assert str(caught.value) == (
+        f"--scan_reference '{export}' is an incomplete export: it lacks files of its export (README.md, config.json), "
+        "which its manifest lists (a write killed while it moved them into place, or files deleted since); export it "
+        "again with overwrite=True (hf-tapernorm fold --overwrite)"
+    )
 
 
 def test_export_folded_overwrite_of_an_export_with_a_git_clone_says_why_it_refuses(folded, tmp_path):

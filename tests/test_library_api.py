@@ -560,16 +560,18 @@ def test_callback_allow_changes_given_as_one_string_is_one_field():
 
 def test_a_controller_step_that_goes_back_is_refused():
     """A loop whose step counter restarts (the batch index of each epoch) set the gate back up (0.905 after 0.3)
-    over a model trained at the lower gate, without a word. Refused in one line now; the same step again (a retried
-    update) is fine, and replay=True (a benchmark timing the same steps over) runs an earlier step on purpose."""
+    over a model trained at the lower gate, without a word. Refused in one line now; the same step again before its
+    step_end (a retried update) is fine, and replay=True (a benchmark timing the same steps over) runs an earlier
+    step on purpose."""
     model = _paper(taper_start=2, taper_end=6).train()
     controller = TaperController(model, total_steps=8)
-    for step in range(6):
+    for step in range(5):
         controller.step_begin(step)
         ids = random_batches(n=1, seed=step)[0]
         model(input_ids=ids, labels=ids).loss.backward()
         controller.step_end(step)
     gate = controller.step_begin(5)
+    assert controller.step_begin(5) == gate
     with pytest.raises(TaperStateError) as caught:
         controller.step_begin(1)
     assert str(caught.value) == (
@@ -683,6 +685,65 @@ def test_a_step_end_that_ends_no_begun_step_is_refused(calls, refused, began):
         "step_begin(step) before its forward passes, then step_end(step) with the same step after optimizer.step()"
     )
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+
+
+def test_a_step_begun_again_after_its_step_end_is_refused():
+    """step_begin(0), step_end(0), step_begin(0), step_end(0) was taken: update 0 was begun and ended twice, its
+    statistics counted twice under one step number (ema_steps 2). step_begin of the step step_end ended is refused in
+    one line now, changing nothing; replay=True (a benchmark repeating steps) still takes it."""
+    model = _paper(taper_start=2, taper_end=6).train()
+    controller = TaperController(model, total_steps=8)
+    ids = random_batches(n=1, seed=0)[0]
+    controller.step_begin(0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    controller.step_end(0)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(TaperStateError) as caught:
+        controller.step_begin(0)
+    assert str(caught.value) == (
+        "TaperController.step_begin(0) after step_end(0): that update was ended and its statistics counted; the next "
+        "update is step_begin(1) (a retried update calls step_begin(0) again before step_end, and replay=True "
+        "repeats steps on purpose)"
+    )
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+    assert controller.step_begin(0, replay=True) == 1.0 and controller.step_begin(1) == 1.0
+
+
+def _first_layer_after(calls: list[str]) -> dict[str, torch.Tensor]:
+    """The first tapered norm's float state after ``calls`` ("begin N", "end N", "fwd A"/"fwd B": a forward and
+    backward of batch A or B) on a fresh paper-recipe model and controller."""
+    torch.manual_seed(0)
+    model = _paper(taper_start=2, taper_end=6).train()
+    controller = TaperController(model, total_steps=8)
+    batches = dict(zip("AB", random_batches(n=2, seed=3)))
+    for call in calls:
+        kind, arg = call.split()
+        if kind == "fwd":
+            model(input_ids=batches[arg], labels=batches[arg]).loss.backward()
+        else:
+            getattr(controller, f"step_{kind}")(int(arg))
+    _, layer = next(iter(tapered_norms(model)))
+    return {
+        k: v.detach().clone() for k, v in layer.state_dict().items() if v.dtype.is_floating_point or k == "ema_steps"
+    }
+
+
+@pytest.mark.parametrize(
+    ("calls", "clean"),
+    [
+        (["begin 0", "fwd B", "begin 0", "fwd A", "end 0"], ["begin 0", "fwd A", "end 0"]),
+        (["begin 0", "fwd B", "begin 1", "fwd A", "end 1"], ["begin 1", "fwd A", "end 1"]),
+    ],
+    ids=["retried step", "step never ended"],
+)
+def test_a_step_begin_drops_the_statistics_of_no_completed_update(calls, clean):
+    """A retried update (step_begin(0), a forward given up, step_begin(0), forward, step_end(0)) folded the given-up
+    attempt's micro-batch statistics into step 0, and step_begin(1) after step_begin(0) without step_end(0) folded
+    step 0's micro-batches into update 1. A step_begin starts its update's statistics afresh now: the state is that
+    of the completed update alone."""
+    got, want = _first_layer_after(calls), _first_layer_after(clean)
+    assert int(got["ema_steps"]) == int(want["ema_steps"]) == 1
+    assert all(torch.allclose(got[name], want[name], rtol=0, atol=1e-12) for name in want)
 
 
 @pytest.mark.parametrize("call", ["step_begin", "check_resume", "step_end", "check"])

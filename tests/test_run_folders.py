@@ -9,6 +9,7 @@ Each case checks the exit code, the first line of the error, and the files on di
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
@@ -547,6 +548,58 @@ def test_taper_refuses_to_replace_a_run_export_whose_card_was_edited(workspace, 
         "the folder to keep it, or delete it to let the export be replaced"
     )
     assert snapshot(folder) == before
+
+
+def _flip_last_byte(path: Path) -> bytes:
+    """Change ``path`` as a model saved over an export would (its sha256 no longer the one the export recorded)."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    return bytes(data)
+
+
+def _changed_warnings(caplog) -> list[str]:
+    return [
+        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "changed after" in r.getMessage()
+    ]
+
+
+def test_fold_overwrite_warns_of_weights_changed_since_the_export(reference, tmp_path, caplog):
+    """fold --overwrite of an export whose model.safetensors its owner had saved over replaced it without a word,
+    where export_folded(overwrite=True) names it in a WARNING (fold writes through write_folder, around that check).
+    It still replaces them, as asked, with the same WARNING (manifest.warn_changed_export)."""
+    export = tmp_path / "export"
+    code, _, stderr = run_main(fold_argv(reference / "tapered", export))
+    assert code == 0, stderr[-2000:]
+    changed = _flip_last_byte(export / "model.safetensors")
+    caplog.set_level(logging.WARNING)
+    code, _, stderr = run_main(fold_argv(reference / "tapered", export, "--overwrite"))
+    assert code == 0, stderr[-2000:]
+    assert _changed_warnings(caplog) == [
+        f"--overwrite of '{export}' replaces model.safetensors, changed after the earlier export wrote it (the sha256 "
+        ".hf_tapernorm_export.json recorded differs): copy it out of the folder first to keep the changes"
+    ]
+    assert (export / "model.safetensors").read_bytes() != changed
+
+
+@pytest.mark.parametrize("option", ["--overwrite", "--resume"])
+def test_taper_warns_of_weights_changed_in_the_run_export_it_replaces(
+    workspace, run, tmp_path, monkeypatch, caplog, option
+):
+    """taper --overwrite, and --resume of the finished run, replaced a model.safetensors and config.json saved over
+    the run's folded/ export without a word; they name them in fold's WARNING now, before anything is loaded."""
+    folder = copy_of(run, tmp_path)
+    _flip_last_byte(folder / "folded" / "model.safetensors")
+    (folder / "folded" / "config.json").write_text((folder / "folded" / "config.json").read_text() + "\n")
+    no_loading(monkeypatch)
+    caplog.set_level(logging.WARNING)
+    with pytest.raises(AssertionError, match="loaded the model or the data before refusing"):
+        run_main([*run_argv(workspace, folder), option])
+    assert _changed_warnings(caplog) == [
+        f"{option} of {folder}, which writes its export {folder / 'folded'} anew, replaces config.json, "
+        "model.safetensors, changed after the earlier export wrote them (the sha256 .hf_tapernorm_export.json "
+        "recorded differs): copy them out of the folder first to keep the changes"
+    ]
 
 
 def test_resume_of_a_finished_run_names_the_scan_its_new_export_drops(workspace, tmp_path, caplog):

@@ -3,7 +3,8 @@ deleted or trained.
 
 Either writes the run's export anew (a ``--resume`` of a finished run too: it folds its tapered model again and
 re-exports), so what its owner added to the export since goes with it. A model card edited after the export wrote
-it is refused, as ``fold --overwrite`` refuses it (export/manifest.py ``edited_card``). The robustness scan a later
+it is refused, as ``fold --overwrite`` refuses it (export/manifest.py ``edited_card``), and weights or a config
+changed since are named in a WARNING (``warn_changed_export``, as fold's). The robustness scan a later
 ``fold --scan_windows N`` wrote into ``folded/`` is the run's to replace (the export's manifest lists it, and the
 export was made from the run's own tapered/, fold_main checks that), but a run with ``--scan_windows 0`` writes
 none in its place: a WARNING names it, before anything is deleted.
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from ..errors import ConfigurationError
 from ..evaluation.scan import SCAN_FILE
-from ..export.manifest import EDITED_CARD, edited_card, export_manifest
+from ..export.manifest import EDITED_CARD, edited_card, export_manifest, warn_changed_export
 from .data_checks import RUN_EXPORT
 from .run_lock import RunFolderError
 
@@ -25,7 +26,8 @@ logger = logging.getLogger(__name__)
 
 def check_run_export(run: Path, *, resume: bool, scans: bool) -> None:
     """Refuse ``--overwrite`` or ``--resume`` (``resume``) of the run in ``run`` whose export holds an edited card;
-    warn of a robustness scan in it that the new export does not replace (``scans``: the run scans its export)."""
+    warn of its files changed since the export wrote them (weights saved over it), and of a robustness scan in it
+    that the new export does not replace (``scans``: the run scans its export)."""
     export = run / RUN_EXPORT
     try:
         edited, files = edited_card(export), export_manifest(export) or []
@@ -34,6 +36,7 @@ def check_run_export(run: Path, *, resume: bool, scans: bool) -> None:
     verb = "--resume" if resume else "--overwrite"
     if edited:
         raise RunFolderError(f"refusing to {verb} '{run}', which writes its export '{export}' anew: {EDITED_CARD}")
+    warn_changed_export(export, f"{verb} of {run}, which writes its export {export} anew,")
     if SCAN_FILE in files and not scans:
         logger.warning(
             "%s of %s writes its export %s anew, and its %s (the robustness scan a fold wrote there) goes with the "

@@ -92,7 +92,7 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
     started = time.time()
     state = PartialState()
     training_args, run = request.training, request.run
-    source = resolve_model(request.model.model_name_or_path, request.model.gguf_file)
+    source = resolve_model(request.model.model_name_or_path, request.model.gguf_file, option="--model_name_or_path")
     if source.kind in ("tapered", "folded"):
         raise ConfigurationError(
             f"'{source.path}' is already a {source.kind} model; taper starts from an ordinary model"
@@ -235,7 +235,7 @@ def resolve_baseline(path: Optional[str]) -> Optional[ModelSource]:
             f"--baseline_from '{path}' holds no model: name the folder of an earlier --baseline run "
             "(its baseline/model) or a saved model folder"
         )
-    source = resolve_model(str(folder))
+    source = resolve_model(str(folder), option="--baseline_from")
     if source.kind != "folder":
         raise ConfigurationError(
             f"--baseline_from '{path}' is a {source.kind} model; it must name an earlier --baseline run "

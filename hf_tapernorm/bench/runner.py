@@ -300,7 +300,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _benchmark(arguments: BenchArguments, argv: Optional[Sequence[str]]) -> int:
     """``main`` once its output folder is locked."""
-    source = resolve_model(arguments.model_name_or_path, arguments.gguf_file)
+    source = resolve_model(arguments.model_name_or_path, arguments.gguf_file, option="--model_name_or_path")
     if source.kind in ("tapered", "folded"):
         raise ConfigurationError(
             f"'{source.path}' is a {source.kind} model; the benchmark builds its variants "

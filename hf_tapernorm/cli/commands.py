@@ -44,6 +44,7 @@ from ..evaluation.scan import SCAN_FILE, robustness_scan, scan_line, scan_summar
 from ..evaluation.scores import evaluate_set, heldout_loss
 from ..export.folding import fold_model
 from ..export.hub import push_export
+from ..export.manifest import warn_changed_export
 from ..export.readout import readout_facts
 from ..layers.patching import gate_of, set_gate
 from ..training.checkpoints import saved_gate, tapered_config_of
@@ -119,7 +120,7 @@ def eval_main(argv: Sequence[str]) -> int:
     (evaluated at g = 0) or a folded export, on the same held-out blocks as ``taper`` builds."""
     model_args, data_args, eval_args = parse([ModelArguments, DataArguments, EvalArguments], argv, "hf-tapernorm eval")
     output_json = _check_eval_arguments(model_args, data_args, eval_args)
-    source = resolve_model(model_args.model_name_or_path, model_args.gguf_file)
+    source = resolve_model(model_args.model_name_or_path, model_args.gguf_file, option="--model_name_or_path")
     block_size = data_args.block_size
     local = source.kind in ("folder", "folded")  # its unreadable config.json is the error, not the tokenizer's
     hf_config = (read_model_config if local else model_config)(source, model_args.trust_remote_code)
@@ -286,7 +287,7 @@ def scan_reference_of(source, named: Optional[str], windows: int) -> Optional[Mo
     original) of the run whose tapered/ or folded/ folder ``source`` is; None (with a log line) when there is none to
     compare with."""
     if named is not None:
-        return resolve_model(named)
+        return resolve_model(named, option="--scan_reference")
     if source.kind not in ("tapered", "folded"):
         return None
     run = Path(source.path).resolve().parent
@@ -305,7 +306,7 @@ def fold_main(argv: Sequence[str]) -> int:
     """``hf-tapernorm fold``: a saved tapered checkpoint at g = 0 -> a folded export (numerically checked)."""
     (fold_args,) = parse([FoldArguments], argv, "hf-tapernorm fold")
     refuse_run_folder(fold_args.checkpoint, "--checkpoint", fold_hint)
-    source = resolve_model(fold_args.checkpoint)
+    source = resolve_model(fold_args.checkpoint, option="--checkpoint")
     if source.kind == "hub":
         raise UsageError(
             f"--checkpoint '{fold_args.checkpoint}': no such folder; fold reads a local tapered checkpoint"
@@ -345,6 +346,7 @@ def fold_main(argv: Sequence[str]) -> int:
     export.lock()  # held until the export is written: a second command into this folder is refused meanwhile
     try:
         check_export_folder(output_dir, fold_args.overwrite, locked=True)  # another command may have written it
+        warn_changed_export(output_dir, f"--overwrite of '{output_dir}'")  # as export_folded(overwrite=True) does
         return _fold_into(output_dir, source, fold_args, (tokenizer, texts), card)
     finally:
         export.unlock()
@@ -399,7 +401,7 @@ def push_main(argv: Sequence[str]) -> int:
     (push_args,) = parse([PushArguments], argv, "hf-tapernorm push")
     refuse_while_running(Path(push_args.export_dir), f"--export_dir '{push_args.export_dir}'")
     refuse_run_folder(push_args.export_dir, "--export_dir", push_hint)
-    source = resolve_model(push_args.export_dir)
+    source = resolve_model(push_args.export_dir, option="--export_dir", whole_export=True)
     if source.kind != "folded":
         raise UsageError(
             f"'{push_args.export_dir}' is not a folded export (its config's model_type is not tapernorm_*)"

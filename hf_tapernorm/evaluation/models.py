@@ -85,17 +85,27 @@ def _kind_of_folder(folder: Path) -> str:
     return "folder"
 
 
-def resolve_model(model_name_or_path: Optional[str] = None, gguf_file: Optional[str] = None) -> ModelSource:
+def resolve_model(
+    model_name_or_path: Optional[str] = None,
+    gguf_file: Optional[str] = None,
+    *,
+    option: str = "model",
+    whole_export: bool = False,
+) -> ModelSource:
     """Decide what ``model_name_or_path`` (+ ``gguf_file``) names, failing early with a clear message.
 
     None means the embedded default. A path to a ``.gguf`` file is split into folder + file name.
     A string that is not an existing path is taken as a Hub id (checked only when loading).
+    ``option``: where the path came from (``--scan_reference``), which a refusal names, as the user typed it.
+    An export lacking a file its manifest lists is refused where loading reads that file, else warned of (a deleted
+    model card); ``whole_export`` (push, which uploads every file) refuses any missing file.
     """
     if model_name_or_path is None:
         if gguf_file is not None:
             raise ModelSourceError("--gguf_file needs --model_name_or_path (the folder or Hub id holding the file)")
         return embedded_model()
-    path = expand_user(model_name_or_path, f"model '{model_name_or_path}'")
+    named = f"{option} '{model_name_or_path}'"
+    path = expand_user(model_name_or_path, named)
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise ModelSourceError(f"model file '{model_name_or_path}' not found")
@@ -105,7 +115,7 @@ def resolve_model(model_name_or_path: Optional[str] = None, gguf_file: Optional[
             if not (path / gguf_file).is_file():
                 raise ModelSourceError(f"GGUF file '{gguf_file}' not found in '{model_name_or_path}'")
             return ModelSource(str(path), gguf_file, "gguf")
-        incomplete = incomplete_export(path, f"model '{model_name_or_path}'")  # a tokenizer's error would say less
+        incomplete = incomplete_export(path, named, loading=not whole_export)  # a tokenizer's error would say less
         if incomplete:
             raise ModelSourceError(incomplete)
         if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():

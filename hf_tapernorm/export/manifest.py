@@ -169,6 +169,26 @@ def changed_export_files(folder: str | os.PathLike) -> list[str]:
     ]
 
 
+def warn_changed_export(folder: str | os.PathLike, replacing: str) -> None:
+    """Name (WARNING) the files of the earlier export in ``folder`` changed since it wrote them (weights saved over
+    it, an edited config): a replacement (``replacing``: who replaces it, e.g. ``"overwrite=True of E"``) deletes
+    them as asked, but they may be someone's work, unlike a card. export_folded, fold --overwrite and a run's
+    --overwrite/--resume of its folded/ all warn here, in the same words."""
+    folder = Path(folder)
+    changed = [name for name in changed_export_files(folder) if (folder / name).is_file()]  # not a killed move's
+    if changed:
+        pronoun = "it" if len(changed) == 1 else "them"
+        logger.warning(
+            "%s replaces %s, changed after the earlier export wrote %s (the sha256 %s recorded differs): copy %s out "
+            "of the folder first to keep the changes",
+            replacing,
+            ", ".join(changed),
+            pronoun,
+            EXPORT_MANIFEST_NAME,
+            pronoun,
+        )
+
+
 def missing_export_files(folder: str | os.PathLike) -> list[str]:
     """The files ``folder``'s export manifest lists that are not in it (a write killed while it moved them into
     place; a file deleted since); none without a manifest, or with a damaged one (its readers say so)."""
@@ -180,10 +200,26 @@ def missing_export_files(folder: str | os.PathLike) -> list[str]:
     return [name for name in listed if name not in present]
 
 
-def incomplete_export(folder: str | os.PathLike, what: str) -> Optional[str]:
-    """The refusal (a line starting with ``what``) of an export in ``folder`` that lacks files of its manifest, or
-    None: push, eval and every reader of the folder say the same, before anything loads."""
+#: The files of an export that loading it does not read (the card, generation defaults, the robustness scan): an
+#: export lacking only these still loads, so eval, bench and taper warn of them where push refuses them.
+NOT_LOADED = frozenset({CARD_NAME, "generation_config.json", "robustness_scan.json"})
+
+
+def incomplete_export(folder: str | os.PathLike, what: str, *, loading: bool = False) -> Optional[str]:
+    """The refusal (a line starting with ``what``: the option and its value) of an export in ``folder`` that lacks
+    files of its manifest, or None: push, eval and every reader of the folder say the same, before anything loads.
+    ``loading`` (a reader that loads the model, not push): refuse only where a file loading reads is missing, and
+    name the others (:data:`NOT_LOADED`) in a WARNING: a deleted card does not stop an evaluation."""
     missing = missing_export_files(folder)
+    if loading and missing and all(name in NOT_LOADED for name in missing):
+        logger.warning(
+            "%s lacks %s of its export, which its manifest lists: it loads without %s, but push refuses it until it "
+            "is exported again (hf-tapernorm fold --overwrite)",
+            what,
+            ", ".join(missing),
+            "it" if len(missing) == 1 else "them",
+        )
+        return None
     if not missing:
         return None
     listed = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
@@ -221,6 +257,7 @@ __all__ = [
     "DIGESTS_KEY",
     "EDITED_CARD",
     "EXPORT_MANIFEST_NAME",
+    "NOT_LOADED",
     "changed_export_files",
     "check_export_files",
     "edited_card",
@@ -231,4 +268,5 @@ __all__ = [
     "is_bookkeeping",
     "missing_export_files",
     "recording_export",
+    "warn_changed_export",
 ]

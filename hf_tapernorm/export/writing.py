@@ -34,12 +34,12 @@ from ..utils import dangling_parent_step, expand_user, file_in_the_way
 from .manifest import (
     EDITED_CARD,
     EXPORT_MANIFEST_NAME,
-    changed_export_files,
     edited_card,
     export_manifest,
     folder_files,
     is_bookkeeping,
     recording_export,
+    warn_changed_export,
 )
 from .model_card import attach_model_card
 from .modeling_folded import FoldedModelMixin
@@ -215,24 +215,8 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
         )
     if edited_card(folder):
         raise ConfigurationError(f"{refusal}: {EDITED_CARD}")
-    _warn_changed(folder)
+    warn_changed_export(folder, f"overwrite=True of {folder}")
     return True
-
-
-def _warn_changed(folder: Path) -> None:
-    """Name (WARNING) the files of the earlier export in ``folder`` changed since it wrote them (weights saved over
-    it, an edited config): overwrite=True replaces them as asked, but they may be someone's work, unlike a card."""
-    changed = [name for name in changed_export_files(folder) if (folder / name).is_file()]  # not a killed move's
-    if changed:
-        logger.warning(
-            "overwrite=True of %s replaces %s, changed after the earlier export wrote %s (the sha256 %s recorded "
-            "differs): copy %s out of the folder first to keep the changes",
-            folder,
-            ", ".join(changed),
-            "it" if len(changed) == 1 else "them",
-            EXPORT_MANIFEST_NAME,
-            "it" if len(changed) == 1 else "them",
-        )
 
 
 def _log_sink_handling(model: PreTrainedModel, tokenizer: Any) -> None:

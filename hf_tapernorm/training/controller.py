@@ -107,6 +107,7 @@ class TaperController:
         self._last_step: Optional[int] = None  # the latest step_begin's (or check_resume's): steps never go back
         self._last_call = ""  # the call that set _last_step, for the refusal
         self._open_step: Optional[int] = None  # the step step_begin began and step_end has not ended
+        self._ended_step: Optional[int] = None  # the step the latest step_end ended: begun again, it counts twice
         self._resumed_unchecked = False  # load_state ran, check_resume did not: the next step_begin checks the gate
         self._started = False  # a step (not a replay) began, or check_resume past 0: the gate is the run's
         self._gate_met = lowest_gate(model)  # the model's gate before any step of this controller (a replay's too)
@@ -225,14 +226,17 @@ class TaperController:
     def step_begin(self, step: int, *, replay: bool = False) -> float:
         """Before the micro-batches of update ``step + 1``: calibrate at k_start, set and return its gate.
 
-        Steps never go back (refused); ``replay=True`` runs an earlier step again on purpose, as a benchmark that
-        times the same steps over and over does (the gate rises with it)."""
+        Steps never go back, nor is a step step_end ended begun again (refused); ``replay=True`` runs an earlier step
+        again on purpose, as a benchmark that times the same steps over and over does (the gate rises with it). Its
+        update's statistics start afresh (_discard_pending)."""
         step = whole_step(step, "step_begin")
         number = step + 1
         gate = self.schedule.gate(number)
         if not replay:
             self._refuse_going_back(step)
+            self._refuse_an_ended_step(step)
             self._refuse_a_rising_gate(step, gate)
+        self._discard_pending(step)
         self._last_step, self._last_call, self._open_step = step, f"step_begin({step})", step
         if not self._trainable_checked:  # at the first step, when the loop has chosen what trains
             self._trainable_checked = True
@@ -261,7 +265,7 @@ class TaperController:
         """Refuse a step below the previous one. The gate follows the step, so a counter that restarts (the batch
         index of each epoch) would raise the gate again over a model already trained at a lower one; no run goes
         back (a resumed run is a new controller, which load_state restores and check_resume starts at its step). The
-        same step again is a retried update, and allowed."""
+        same step again, before its step_end, is a retried update, and allowed (_refuse_an_ended_step)."""
         if self._last_step is None or step >= self._last_step:
             return
         advice = (
@@ -275,6 +279,27 @@ class TaperController:
             "whole run and must not go back (the gate follows them, and would rise again over a model trained at a "
             f"lower one); {advice}"
         )
+
+    def _refuse_an_ended_step(self, step: int) -> None:
+        """Refuse step_begin of the step step_end ended: begun and ended again, its statistics and watch would count
+        twice under one number. A retry calls step_begin again before step_end; a benchmark's repeats say replay."""
+        if step == self._ended_step:
+            raise TaperStateError(
+                f"TaperController.step_begin({step}) after step_end({step}): that update was ended and its statistics "
+                f"counted; the next update is step_begin({step + 1}) (a retried update calls step_begin({step}) again "
+                "before step_end, and replay=True repeats steps on purpose)"
+            )
+
+    def _discard_pending(self, step: int) -> None:
+        """Drop the statistics, scale sums and losses micro-batches gathered since the last step_end (an attempt given
+        up, e.g. after an out-of-memory error, or a step never ended): they belong to no completed update, and
+        step_end would fold them into this one. Local: every rank makes the same calls; step_end all-reduces."""
+        holders = [*(layer for _, layer in tapered_norms(self.model, include_kept=True)), *self.anchors]
+        dropped = [holder for holder in holders if holder.pending is not None]
+        for holder in dropped:
+            holder.pending = None
+        if loss_terms_of(self.model).take_pending_loss() is not None or dropped:
+            logger.info("TaperController.step_begin(%d): dropped what micro-batches gathered since step_end", step)
 
     def _refuse_a_rising_gate(self, step: int, gate: float) -> None:
         """The first step after load_state (check_resume not called), or of a new controller: refuse a gate above the
@@ -314,7 +339,7 @@ class TaperController:
         """
         step = whole_step(step, "step_end")  # before the statistics step: a refused call changes nothing
         self._refuse_another_step_end(step)
-        self._open_step = None
+        self._open_step, self._ended_step = None, step
         update_statistics(self.model)
         anchor_rows, own_loss = self._reduce_step()
         for anchor, row in zip(self.anchors, anchor_rows):

@@ -1068,6 +1068,64 @@ CASES = {
         ],
         ("tmp_path",),
     ),
+    # a corpus's null text row was "row 1 of dataset 'PATH'", where the out-of-corpus one names its option
+    **{
+        f"{command} --dataset_name of null text rows": (
+            make,
+            2,
+            "error: row 1 of --dataset_name '{ws}/nulls.jsonl' has no 'text' value: every row needs its text in "
+            "'text'; fix the data",
+        )
+        for command, make in [
+            ("eval", lambda ws: _eval(ws, "--dataset_name", str(ws / "nulls.jsonl"))),
+            ("taper", lambda ws: _taper(ws, data="nulls.jsonl")),
+            (
+                "bench --modes train",
+                lambda ws: _bench(ws, "--modes", "train", "--dataset_name", str(ws / "nulls.jsonl")),
+            ),
+        ]
+    },
+    # a file of Unicode white space alone (no-break, em and ideographic spaces) was "too small" or "does not fill
+    # one block": it holds no text
+    **{
+        f"{command} on a file of Unicode white space": (
+            lambda ws, tmp, make=make: make(ws, str(_written(tmp / "nbsp.txt", "\u00a0\u2003\n\u3000\n\n"))),
+            2,
+            [f"error: {option} '", "/nbsp.txt' is empty: the file holds no text"],
+            ("tmp_path",),
+        )
+        for command, option, make in [
+            ("eval", "--dataset_name", lambda ws, path: _eval(ws, "--dataset_name", path)),
+            (
+                "eval --out_of_corpus_dataset",
+                "--out_of_corpus_dataset",
+                lambda ws, path: _eval(ws, "--out_of_corpus_blocks", "2", "--out_of_corpus_dataset", path),
+            ),
+            (
+                "bench --modes train",
+                "--dataset_name",
+                lambda ws, path: _bench(ws, "--modes", "train", "--dataset_name", path),
+            ),
+        ]
+    },
+    # UTF-16 without a byte-order mark (a NUL every other byte) was evaluated as text of NULs with --sample_by line
+    "eval --sample_by line on UTF-16LE without a byte-order mark": (
+        lambda ws, tmp: _eval(
+            ws,
+            "--sample_by",
+            "line",
+            "--dataset_name",
+            str(_written(tmp / "u16.txt", "wide text\n" * 300, "utf-16-le")),
+        ),
+        2,
+        [
+            "error: --dataset_name '",
+            "/u16.txt' is UTF-16LE text without a byte-order mark (NUL every other byte), not UTF-8: convert it (iconv "
+            "-f utf-16le -t utf-8 '",
+            "/u16.utf8.txt') and name the file it writes",
+        ],
+        ("tmp_path",),
+    ),
     # a JSON object and an array of empty objects: "cannot tell which column holds the text (columns:
     # none); pass --text_column", which could not help; the dataset is empty
     **{

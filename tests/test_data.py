@@ -1475,11 +1475,67 @@ def test_out_of_corpus_text_holding_some_corpus_documents_is_named_in_a_warning(
                          data_cache_dir=str(tmp_path / "cache"))  # fmt: skip
     with caplog.at_level("WARNING"):
         assert out_of_corpus_set(data, tokenizer, []).blocks.shape == (2, 32)
+    shared, total = (sum(len(d) >= 80 for d in texts) for texts in (docs[:10], others + docs[:10]))
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
-        f"--out_of_corpus_dataset '{other}': 10 of its 40 documents are documents of the training corpus "
-        f"(--dataset_name '{corpus}'), so the out-of-corpus loss is partly the corpus's own; name text the model was "
-        "not trained on"
+        f"--out_of_corpus_dataset '{other}': {shared} of its {total} documents of 80 or more characters are documents "
+        f"of the training corpus (--dataset_name '{corpus}'), so the out-of-corpus loss is partly the corpus's own; "
+        "name text the model was not trained on"
     ]
+
+
+def test_short_documents_shared_with_the_corpus_are_no_warning_but_all_shared_is_refused(tmp_path, tokenizer, caplog):
+    """Line-cut code (argparse against optparse, --sample_by line) got "156 of 1403 documents are documents of the
+    training corpus": the shared ones were `\"\"\"`, `else:` and `#`, which texts written apart share. A WARNING
+    counts documents of 80 or more characters only, as paragraphs are compared. A text whose every document is the
+    corpus's is still refused, however short they are: texts written apart do not share every one of theirs."""
+    from hf_tapernorm.data.out_of_corpus import out_of_corpus_set
+
+    short = ['"""', "else:", "#", "Output::", "return None"]
+    docs, others = corpus_documents(40, seed=3), corpus_documents(30, seed=4)
+    (tmp_path / "corpus.txt").write_text("\n\n".join(docs + short))
+    (tmp_path / "o.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in others + short * 10))
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in short * 10))
+    corpus, other, same = (str(tmp_path / name) for name in ("corpus.txt", "o.jsonl", "s.jsonl"))
+    with caplog.at_level("WARNING"):
+        assert out_of_corpus_set(_ooc_data(tmp_path, corpus, other), tokenizer, []).blocks.shape == (2, 32)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
+    with pytest.raises(DataError) as refusal:
+        out_of_corpus_set(_ooc_data(tmp_path, corpus, same), tokenizer, [])
+    assert str(refusal.value) == (
+        f"--out_of_corpus_dataset '{same}': every one of its 50 documents is a document of the training corpus "
+        f"(--dataset_name '{corpus}'), so its loss would be the corpus's own; name text the model was not trained on, "
+        "or leave it out"
+    )
+
+
+def test_a_line_cut_copy_of_the_corpus_is_refused_by_its_paragraphs_joined_back(tmp_path, tokenizer, caplog):
+    """With --sample_by line, the corpus re-wrapped at 40 columns with CRLF line ends was evaluated as out-of-corpus
+    text: every line is under 80 characters, so nothing was compared. The lines of a line-cut text (a blank line is
+    an empty document) are joined back in file order, on both sides, and their paragraphs compared; another text
+    cut so is read without a WARNING."""
+    import textwrap
+
+    from hf_tapernorm.data.out_of_corpus import out_of_corpus_set
+
+    docs = corpus_documents(40, seed=3)
+    (tmp_path / "corpus.txt").write_text("\n\n".join(docs))
+    wrapped = "\r\n\r\n".join("\r\n".join(textwrap.wrap(d, 40)) for d in docs)
+    (tmp_path / "wrapped.txt").write_bytes(wrapped.encode())
+    (tmp_path / "other.txt").write_text("\n\n".join("\n".join(textwrap.wrap(d, 40)) for d in corpus_documents(40, 4)))
+    corpus, other = str(tmp_path / "corpus.txt"), str(tmp_path / "wrapped.txt")
+    long = [" ".join(d.split()) for d in docs if len(" ".join(d.split())) >= 80]
+    with pytest.raises(DataError) as refusal:
+        out_of_corpus_set(_ooc_data(tmp_path, corpus, other, sample_by="line"), tokenizer, [])
+    assert str(refusal.value) == (
+        f"--out_of_corpus_dataset '{other}': {len(long)} of its {len(long)} paragraphs of 80 or more characters "
+        f"(100% of their text) are paragraphs of the training corpus (--dataset_name '{corpus}'), such as "
+        f"{_shown(long[0])}, {_shown(long[1])}, so its loss would be the corpus's own; name text the model was not "
+        "trained on, or leave it out"
+    )
+    with caplog.at_level("WARNING"):
+        data = _ooc_data(tmp_path, corpus, str(tmp_path / "other.txt"), sample_by="line")
+        assert out_of_corpus_set(data, tokenizer, []) is not None
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
 
 
 def test_an_out_of_corpus_folder_holding_a_copy_of_a_corpus_file_is_named_in_a_warning(tmp_path, caplog):
@@ -1605,13 +1661,15 @@ def test_a_streamed_corpus_says_the_out_of_corpus_text_was_compared_by_file_only
         ("bom.md", b"\xef\xbb\xbf\n"),
         ("blank.csv", b"\n\n\n"),
         ("bomblank.csv", b"\xef\xbb\xbf\n\n"),
+        ("nbsp.txt", "\u00a0\u2003\n\u3000\n\n\u00a0".encode() * 5000),  # Unicode's, over several chunks
     ],
 )
 def test_a_file_of_white_space_alone_is_refused_as_empty(tmp_path, name, content):
     """A .txt of a UTF-8 byte-order mark alone was refused in datasets' words (SchemaInferenceError: Please pass
     `features`), a .csv of blank lines in pandas' (EmptyDataError: No columns to parse from file), and a .txt or .md
-    of white space as "too small ... split the text into more", advice that cannot help. Each is empty, told as a
-    0-byte file, a header-only CSV or `[]` is, before any builder reads it."""
+    of white space as "too small ... split the text into more", advice that cannot help, and a .txt of Unicode white
+    space alone (no-break, em and ideographic spaces) so still. Each is empty, told as a 0-byte file, a header-only
+    CSV or `[]` is, before any builder reads it."""
     path = tmp_path / name
     path.write_bytes(content)
     with pytest.raises(DataError) as refused:
@@ -1642,6 +1700,78 @@ def test_a_utf16_file_is_named_with_the_command_that_converts_it(tmp_path, encod
         if in_folder
         else f"{subject} is {told}: convert it ({command}) and name the file it writes"
     )
+
+
+@pytest.mark.parametrize(
+    "encoding, told",
+    [
+        ("utf-16-le", "UTF-16LE text without a byte-order mark (NUL every other byte)"),
+        ("utf-16-be", "UTF-16BE text without a byte-order mark (NUL every other byte)"),
+        ("utf-32-le", "UTF-32LE text without a byte-order mark (NUL three bytes of every four)"),
+    ],
+)
+@pytest.mark.parametrize("in_folder", [False, True], ids=["a file", "in a folder"])
+def test_a_file_of_nul_bytes_is_refused_before_it_is_read(tmp_path, encoding, told, in_folder):
+    """A UTF-16 file without a byte-order mark (a NUL every other byte, which is valid UTF-8) was evaluated as text
+    of NULs with --sample_by line, or refused as "too small". A file whose first chunk is largely NUL is refused
+    before any builder reads it, naming it and the iconv command its NULs' places tell (a path with a quote quoted
+    for the shell); binary data of NULs is refused as not UTF-8 text; a stray NUL in real text is read."""
+    import shlex
+    import subprocess
+
+    folder = tmp_path / "it's"
+    folder.mkdir()
+    (folder / "a.txt").write_text("plain text\n\nand more")
+    path = folder / "b.txt"
+    path.write_bytes("wide text, café\n\nand more\n".encode(encoding) * 50)
+    source = folder if in_folder else path
+    subject = f"--dataset_name '{source}'"
+    with pytest.raises(DataError) as refused:
+        load_text_dataset(str(source), cache_dir=str(tmp_path / "c"), name=subject, sample_by="line")
+    iconv = encoding.replace("-", "").replace("utf", "utf-")
+    command = f"iconv -f {iconv} -t utf-8 {shlex.quote(str(path))} > {shlex.quote(str(folder / 'b.utf8.txt'))}"
+    assert str(refused.value) == (
+        f"{subject}: its file 'b.txt' is {told}, not UTF-8: convert it ({command}) and move the "
+        f"{iconv.upper()[:6]} file out of the folder"
+        if in_folder
+        else f"{subject} is {told}, not UTF-8: convert it ({command}) and name the file it writes"
+    )
+    subprocess.run(command, shell=True, check=True)
+    assert (folder / "b.utf8.txt").read_text() == "wide text, café\n\nand more\n" * 50
+    (tmp_path / "bin.txt").write_bytes(b"\x00\x00\x07\x00\x01" * 100)
+    with pytest.raises(DataError) as refused:
+        load_text_dataset(str(tmp_path / "bin.txt"), cache_dir=str(tmp_path / "c"), name="--dataset_name 'bin.txt'")
+    assert str(refused.value) == (
+        "--dataset_name 'bin.txt': it holds NUL bytes, so it is not UTF-8 text (binary data, or text in another "
+        "encoding): name a UTF-8 text file"
+    )
+    (tmp_path / "stray.txt").write_text("plain text\x00 with one stray NUL\n\nand more")
+    assert len(load_text_dataset(str(tmp_path / "stray.txt"), cache_dir=str(tmp_path / "c"))) == 2
+
+
+def test_a_printed_command_quotes_a_path_holding_a_quote_for_the_shell(tmp_path):
+    """The iconv command of a UTF-16 file under `it's/` was printed as `iconv ... '/x/it's/u.txt'`, broken shell.
+    Every printed command of the data refusals (iconv, gunzip, tar, ...) quotes its paths as shlex.quote does, and
+    the printed iconv command runs."""
+    import subprocess
+
+    folder = tmp_path / "it's"
+    folder.mkdir()
+    (folder / "u.txt").write_text("wide text\n\nand more", encoding="utf-16")
+    with pytest.raises(DataError) as refused:
+        load_text_dataset(str(folder / "u.txt"), cache_dir=str(tmp_path / "c"))
+    quoted = str(folder).replace("'", "'\"'\"'")
+    command = f"iconv -f utf-16 -t utf-8 '{quoted}/u.txt' > '{quoted}/u.utf8.txt'"
+    assert str(refused.value) == (
+        f"dataset '{folder}/u.txt' is UTF-16 text (told by its byte-order mark), not UTF-8: convert it ({command}) "
+        "and name the file it writes"
+    )
+    subprocess.run(command, shell=True, check=True)
+    assert (folder / "u.utf8.txt").read_text() == "wide text\n\nand more"
+    (folder / "x.tar.gz").write_bytes(b"")
+    with pytest.raises(DataError) as refused:
+        load_text_dataset(str(folder / "x.tar.gz"), cache_dir=str(tmp_path / "c"))
+    assert f"extract it (tar -xzf '{quoted}/x.tar.gz')" in str(refused.value)
 
 
 def test_a_folder_s_file_that_is_not_utf8_is_named(tmp_path):

@@ -39,7 +39,7 @@ from torch import nn
 from ..config import TaperNormConfig
 from ..data.corpus import prepare_data
 from ..data.local_folders import TooLittleText
-from ..data.sources import AnyDataset, DataError
+from ..data.sources import EMBEDDED_CORPUS, AnyDataset, DataError
 from ..errors import TaperDivergenceError
 from ..layers.patching import patch_model
 from ..training.controller import TaperController
@@ -81,6 +81,7 @@ def text_batches(
             source=source,
             prefix_ids=prefix_ids,
             train_repeats=False,  # too few blocks are refused below: the batches are never read twice
+            what=f"--dataset_name '{source}'" if source != EMBEDDED_CORPUS else None,  # a row refused names the option
         )
     except TooLittleText:  # its words are taper's (a held-out split, --block_size): bench has neither
         raise DataError(

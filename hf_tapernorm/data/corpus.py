@@ -73,6 +73,7 @@ def prepare_from_arguments(data, tokenizer, *, train_blocks: Optional[int], pref
         source=data.dataset_name or EMBEDDED_CORPUS,
         prefix_ids=prefix_ids,
         heldout_seed=data.heldout_seed,
+        what=f"--dataset_name '{data.dataset_name}'" if data.dataset_name is not None else None,
     )
 
 
@@ -264,6 +265,7 @@ def prepare_data(
     prefix_ids: Sequence[int] = (),
     heldout_seed: int = 0,
     train_repeats: bool = True,
+    what: Optional[str] = None,
 ) -> PackedData:
     """Split documents into train/held-out, tokenize and pack each into blocks (``labels = input_ids``).
 
@@ -275,22 +277,25 @@ def prepare_data(
     measures speed). Raises ``DataError`` when a needed split cannot fill a single block. ``train_repeats``: the
     reader goes over the training blocks again when they are fewer than ``train_blocks`` (taper's Trainer: a WARNING
     says so); False where the caller refuses so short a split itself (bench's train mode), which no WARNING precedes.
+    ``what``: the dataset in a refusal of a row (row_text), a command's option and its value (``--dataset_name
+    'PATH'``); default ``dataset 'SOURCE'``.
     """
     if not 0.0 < heldout_percentage < 100.0:
         raise DataError(f"heldout_percentage must be in (0, 100), got {heldout_percentage}")
     column = text_column_of(dataset, text_column)
+    what = what or f"dataset '{source}'"
     heldout_set = None
     if not heldout_blocks:
         heldout_percentage = 0.0  # is_heldout holds out no document
     else:
-        texts = _named_texts(dataset, column, heldout=True, percentage=heldout_percentage, what=f"dataset '{source}'")
+        texts = _named_texts(dataset, column, heldout=True, percentage=heldout_percentage, what=what)
         description = f"{heldout_percentage:g}% of the documents of {source}, held out by a hash of their text"
         heldout_set = _heldout_set(texts, tokenizer, block_size, heldout_blocks, heldout_seed, prefix_ids, description)
     heldout = heldout_set.blocks.tolist() if heldout_set is not None else []
     train = []
     if train_blocks != 0:
         train = pack_documents(
-            _texts(dataset, column, heldout=False, percentage=heldout_percentage, what=f"dataset '{source}'"),
+            _texts(dataset, column, heldout=False, percentage=heldout_percentage, what=what),
             tokenizer,
             block_size,
             max_blocks=train_blocks,

@@ -4,12 +4,12 @@ and a JSON escape that is half of a UTF-16 surrogate pair (``\\ud800``), which p
 pandas' fallback reader hides.
 
 A text file in another encoding than UTF-8 is told by its byte-order mark (:func:`foreign_encoding`: a UTF-16 file
-that a Windows editor wrote), and the first byte that is not UTF-8 found in the file that holds it
-(:func:`first_not_utf8`), where the builders say only that some file is not.
+that a Windows editor wrote), or without one by its NUL bytes (:func:`nul_bytes`), and the first byte that is not
+UTF-8 found in the file that holds it (:func:`first_not_utf8`), where the builders say only that some file is not.
 
-sources.load_text_dataset asks :func:`holds_text`, :func:`holds_no_rows` and :func:`foreign_encoding` before it builds
-a dataset, and :func:`lone_surrogate` and :func:`first_not_utf8` after a builder failed, so the user reads what is
-wrong with the file, and where.
+sources.load_text_dataset asks :func:`holds_text`, :func:`holds_no_rows`, :func:`foreign_encoding` and
+:func:`nul_bytes` before it builds a dataset, and :func:`lone_surrogate` and :func:`first_not_utf8` after a builder
+failed, so the user reads what is wrong with the file, and where.
 """
 
 from __future__ import annotations
@@ -57,11 +57,16 @@ def _no_json_rows(path: Path) -> bool:
 def holds_text(path: Path) -> bool:
     """Whether the file ``path`` holds anything but white space (a byte-order mark first): an empty file is no text
     of an out-of-corpus dataset, so neither a copy of the corpus nor other text beside it (a file that cannot be
-    read counts as text: its loading tells what is wrong)."""
+    read counts as text: its loading tells what is wrong). White space is Unicode's (``str.strip``: no-break and
+    ideographic spaces too, which hold no text either), read chunk by chunk as UTF-8; a byte that is not UTF-8 counts
+    as text, which its loading refuses in its own words."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     try:
-        return any(chunk.strip() for chunk in _chunks(path))
+        if any(decoder.decode(chunk).strip() for chunk in _chunks(path)):
+            return True
     except OSError:  # a file this user cannot read: counted, as its loading will tell
         return True
+    return bool(decoder.decode(b"", final=True).strip())
 
 
 def _chunks(path: Path) -> Iterator[bytes]:
@@ -114,6 +119,36 @@ def foreign_encoding(files: list[Path]) -> Optional[tuple[Path, str]]:
         encoding = next((name for mark, name in _BOMS if start.startswith(mark)), None)
         if encoding is not None:
             return path, encoding
+    return None
+
+
+#: Where the NUL bytes lie (their offsets modulo 4) in text of another encoding written without a byte-order mark,
+#: mostly ASCII (one NUL or three beside each character), with iconv's name of that encoding.
+_NUL_PATTERNS = {
+    frozenset({1, 3}): "utf-16le",
+    frozenset({0, 2}): "utf-16be",
+    frozenset({1, 2, 3}): "utf-32le",
+    frozenset({0, 1, 2}): "utf-32be",
+}
+
+
+def nul_bytes(files: list[Path]) -> Optional[tuple[Path, Optional[str]]]:
+    """The first of ``files`` whose first chunk is an eighth or more NUL bytes, and the encoding that their places
+    tell (every other byte: UTF-16, three of four: UTF-32, each LE or BE), or None (binary data, or no telling);
+    None for no such file. A NUL is valid UTF-8, so such a file reads without an error, as text of NULs between its
+    characters (UTF-16 without a byte-order mark), which no tokenizer reads as the text it holds. Real text holds
+    no NUL, or a stray one; an eighth is far above that."""
+    for path in files:
+        try:
+            with path.open("rb") as handle:
+                start = handle.read(_CHUNK)
+        except OSError:  # the loading says what is wrong with it
+            continue
+        if not start or start.count(0) * 8 < len(start):
+            continue
+        counts = [start[place::4].count(0) for place in range(4)]
+        places = frozenset(p for p in range(4) if counts[p] * 2 >= len(start[p::4]) and counts[p])
+        return path, _NUL_PATTERNS.get(places)
     return None
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import datasets
 from datasets.data_files import FILES_TO_IGNORE
@@ -189,6 +189,12 @@ ARCHIVES = frozenset({".zip", ".tar", ".tgz", ".tbz2", ".txz", ".7z"}) | {
 }
 
 
+def shell_quoted(path: Union[Path, str]) -> str:
+    """``path`` as one word of a shell command that a refusal prints, always in single quotes (a quote in it as
+    shlex.quote writes one: ``'it'"'"'s/u.txt'``), so the command runs as printed whatever the path holds."""
+    return "'" + str(path).replace("'", "'\"'\"'") + "'"
+
+
 def packed_file(path: Path) -> Optional[str]:
     """The suffix of :data:`DECOMPRESS` (its longest) by which ``path`` is an archive (o.zip, x.tar.gz) or a
     compressed data file (data.jsonl.gz, or x.gz, whose name tells no type); None for any other file, such as
@@ -209,7 +215,7 @@ def refuse_packed(path: Path, name: str) -> None:
     suffix = packed_file(path)
     if suffix is None:
         return
-    command = f"{DECOMPRESS[suffix]} '{path}'"
+    command = f"{DECOMPRESS[suffix]} {shell_quoted(path)}"
     if suffix in ARCHIVES:
         raise DataError(
             f"{name}: an archive ({suffix}) is not read; extract it ({command}) and name the data file it writes, or "

@@ -10,14 +10,14 @@ import logging
 import os
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from .corpus import empty_cells_read_as_none, load_documents, row_text, text_column_of
 from .heldout import PYTHON_DOCS, PYTHON_DOCS_DESCRIPTION, EvaluationSet, python_docs_documents, sample_blocks
-from .sources import EMBEDDED_CORPUS, DataError, load_text_dataset, text_digest
+from .sources import EMBEDDED_CORPUS, AnyDataset, DataError, load_text_dataset, text_digest
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def out_of_corpus_set(data, tokenizer, sink_ids: Sequence[int]) -> Optional[Eval
         column = text_column_of(dataset, data.out_of_corpus_text_column, option=option)
         empty = empty_cells_read_as_none(dataset)
         texts = (row_text(row, i, column, option, empty_cell=empty, what=what) for i, row in enumerate(dataset))
-        check_documents_outside_corpus(data, texts)
+        check_documents_outside_corpus(data, texts, line_cut=cut_by_line(dataset, data.sample_by))
         documents = (
             (f"document {i}", row_text(row, i, column, option, empty_cell=empty, what=what))
             for i, row in enumerate(dataset)
@@ -69,9 +69,10 @@ def document_key(text: str) -> int:
 
 
 MIN_PARAGRAPH_CHARS = 80
-"""The paragraphs compared with the corpus's are this long or longer (white space runs counted as one space): a
-shorter one (a closing brace, ``Returns:``, a heading, a line of a licence) recurs in texts written apart, so sharing
-it tells nothing of where a text came from, and many such would make a real text look like the corpus's."""
+"""The paragraphs compared with the corpus's are this long or longer (white space runs counted as one space), and so
+are the documents a WARNING counts as the corpus's: a shorter one (a closing brace, ``else:``, ``Returns:``, a
+heading, a line of a licence) recurs in texts written apart, so sharing it tells nothing of where a text came from,
+and many such would make a real text look like the corpus's."""
 
 NEARLY_ALL = 0.9
 """The share of an out-of-corpus text's compared paragraphs (by their characters) that, found in the corpus, refuses
@@ -84,6 +85,37 @@ def _unix_line_ends(text: str) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
+def long_enough(text: str) -> bool:
+    """Whether ``text`` is MIN_PARAGRAPH_CHARS long or longer, its white space runs one space each."""
+    return len(" ".join(text.split())) >= MIN_PARAGRAPH_CHARS
+
+
+def cut_by_line(dataset: AnyDataset, sample_by: str) -> bool:
+    """Whether ``dataset``'s documents are the lines of text files (--sample_by line): the ``text`` builder keeps a
+    blank line as an empty document, so its documents, joined in file order, are the text again."""
+    return sample_by == "line" and getattr(getattr(dataset, "info", None), "builder_name", None) == "text"
+
+
+def _with_paragraphs(texts: Iterable[str], line_cut: bool) -> Iterator[tuple[str, list[str]]]:
+    """Each of ``texts`` (documents in file order) with the paragraphs compared (paragraphs_compared) that it ends:
+    its own; for a line-cut text (cut_by_line), those of the lines before it, joined back, where it is a blank line
+    (and of the last lines, with an empty document after the last). Lines are each shorter than a paragraph, so
+    compared alone they would never be: a re-wrapped copy of the corpus would pass as another text. One paragraph's
+    lines are kept at a time."""
+    lines: list[str] = []
+    for text in texts:
+        if not line_cut:
+            yield text, paragraphs_compared(text)
+        elif text.strip():
+            lines.append(text)
+            yield text, []
+        else:
+            yield text, paragraphs_compared("\n".join(lines))
+            lines = []
+    if lines:
+        yield "", paragraphs_compared("\n".join(lines))
+
+
 def paragraphs_compared(text: str) -> list[str]:
     """The paragraphs of ``text`` (parts between blank lines) that are compared with the corpus's, their white space
     runs one space each (a text re-wrapped or re-indented is the same text), MIN_PARAGRAPH_CHARS long or longer."""
@@ -94,15 +126,22 @@ def paragraphs_compared(text: str) -> list[str]:
 @dataclass
 class _TextKeys:
     """What is kept of a text to compare it with the corpus: its documents' and paragraphs' hashes (how many times
-    each), and each paragraph's length. Hashes only, so the memory is bounded whatever the texts' length."""
+    each), which documents are long enough to count in a WARNING (long_enough), and each paragraph's length. Hashes
+    only, so the memory is bounded whatever the texts' length."""
 
     documents: Counter = field(default_factory=Counter)
+    long: set[int] = field(default_factory=set)
     paragraphs: Counter = field(default_factory=Counter)
     lengths: dict[int, int] = field(default_factory=dict)
 
-    def add(self, text: str) -> None:
-        self.documents[document_key(text)] += 1
-        for paragraph in paragraphs_compared(text):
+    def add(self, document: str, paragraphs: list[str]) -> None:
+        """Count ``document`` (unless it is white space alone) and ``paragraphs`` (those _with_paragraphs gives)."""
+        if document.strip():
+            key = document_key(document)
+            self.documents[key] += 1
+            if long_enough(document):
+                self.long.add(key)
+        for paragraph in paragraphs:
             key = text_digest(paragraph)
             self.paragraphs[key] += 1
             self.lengths[key] = len(paragraph)
@@ -126,17 +165,16 @@ def _find_in_corpus(data, ours: _TextKeys) -> _Found:
     corpus = load_documents(data)
     column = text_column_of(corpus, data.text_column)
     lengths, found = set(ours.lengths.values()), _Found()
-    for batch in corpus.select_columns([column]).iter(batch_size=1024):
-        for text in batch[column]:
-            if not isinstance(text, str):
-                continue
-            if (key := document_key(text)) in ours.documents:
-                found.documents.add(key)
-            for paragraph in paragraphs_compared(text):
-                if len(paragraph) in lengths and (key := text_digest(paragraph)) in ours.paragraphs:
-                    if key not in found.paragraphs and len(found.examples) < 2:
-                        found.examples.append(paragraph)
-                    found.paragraphs.add(key)
+    batches = corpus.select_columns([column]).iter(batch_size=1024)
+    texts = (text for batch in batches for text in batch[column] if isinstance(text, str))
+    for text, paragraphs in _with_paragraphs(texts, cut_by_line(corpus, data.sample_by)):
+        if text.strip() and (key := document_key(text)) in ours.documents:
+            found.documents.add(key)
+        for paragraph in paragraphs:
+            if len(paragraph) in lengths and (key := text_digest(paragraph)) in ours.paragraphs:
+                if key not in found.paragraphs and len(found.examples) < 2:
+                    found.examples.append(paragraph)
+                found.paragraphs.add(key)
         if len(found.documents) == len(ours.documents) and len(found.paragraphs) == len(ours.paragraphs):
             break
     return found
@@ -146,7 +184,7 @@ def _quoted(paragraphs: Sequence[str]) -> str:
     return ", ".join(repr(p if len(p) <= 40 else p[:40] + "...") for p in paragraphs)
 
 
-def check_documents_outside_corpus(data, texts: Iterable[str]) -> None:
+def check_documents_outside_corpus(data, texts: Iterable[str], *, line_cut: bool = False) -> None:
     """Refuse (one line) out-of-corpus ``texts`` (the documents of ``data.out_of_corpus_dataset``) of which every one
     is a document of the corpus ``data`` names, or whose paragraphs nearly all are paragraphs of it, and name in a
     WARNING how many are where some are: their loss is the corpus's own, printed and recorded as the loss of text the
@@ -154,13 +192,16 @@ def check_documents_outside_corpus(data, texts: Iterable[str]) -> None:
     only; the same documents in another form (JSON Lines of the texts, another line end, a trailing newline, part of
     them) are found here by their text (document_key), and the corpus's text cut at other document boundaries (one
     row of all of it, a file per chapter) by its paragraphs (paragraphs_compared: short ones, which texts written
-    apart share, are left out; NEARLY_ALL of the rest's characters refuses). Documents with no text are not counted.
+    apart share, are left out; NEARLY_ALL of the rest's characters refuses). ``line_cut``: ``texts`` are the lines
+    of text files, blank ones included (cut_by_line), whose paragraphs are those of the lines joined back, as are the
+    corpus's where it is cut so. Documents with no text are not counted, and the WARNING counts documents as long as
+    a paragraph compared only: a short one shared (``else:``) tells nothing. The refusal counts every document, however
+    short: texts written apart do not share every one of theirs.
     A streamed corpus is not read for this (it may be far larger than what a command reads of it, and a stream is
     not read twice): a WARNING says the text was compared by file only."""
     ours = _TextKeys()
-    for text in texts:
-        if text.strip():
-            ours.add(text)
+    for text, paragraphs in _with_paragraphs(texts, line_cut):
+        ours.add(text, paragraphs)
     name, source = data.out_of_corpus_dataset, data.dataset_name or EMBEDDED_CORPUS
     if not ours.documents:
         return
@@ -200,14 +241,16 @@ def _refuse_corpus_text(name: str, source: str, ours: _TextKeys, found: _Found) 
 
 def _warn_corpus_text(name: str, source: str, ours: _TextKeys, found: _Found) -> None:
     """Name in a WARNING how many of the out-of-corpus documents, or else of its paragraphs, are the corpus's."""
-    shared = sum(ours.documents[key] for key in found.documents)
+    shared = sum(ours.documents[key] for key in found.documents & ours.long)
     if shared:
         logger.warning(
-            "--out_of_corpus_dataset '%s': %d of its %d documents are documents of the training corpus (--dataset_name "
-            "'%s'), so the out-of-corpus loss is partly the corpus's own; name text the model was not trained on",
+            "--out_of_corpus_dataset '%s': %d of its %d documents of %d or more characters are documents of the "
+            "training corpus (--dataset_name '%s'), so the out-of-corpus loss is partly the corpus's own; name text "
+            "the model was not trained on",
             name,
             shared,
-            sum(ours.documents.values()),
+            sum(ours.documents[key] for key in ours.long),
+            MIN_PARAGRAPH_CHARS,
             source,
         )
     elif found.paragraphs:
@@ -255,6 +298,8 @@ def corpus_files_among(files: Sequence[Path], corpus: Sequence[Path]) -> tuple[d
 __all__ = [
     "check_documents_outside_corpus",
     "corpus_files_among",
+    "cut_by_line",
+    "long_enough",
     "MIN_PARAGRAPH_CHARS",
     "NEARLY_ALL",
     "document_key",

@@ -21,8 +21,8 @@ from typing import Optional, Union
 import datasets
 
 from ..utils import expand_user
-from .file_contents import first_not_utf8, foreign_encoding, holds_no_rows, holds_text, lone_surrogate
-from .local_folders import BUILDERS, DataError, folder_splits, read_splits, refuse_packed, split_names
+from .file_contents import first_not_utf8, foreign_encoding, holds_no_rows, holds_text, lone_surrogate, nul_bytes
+from .local_folders import BUILDERS, DataError, folder_splits, read_splits, refuse_packed, shell_quoted, split_names
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +166,7 @@ def _check_contents(name: str, source: str, builder: str, files: list[Path]) -> 
     _check_not_empty(name, path.is_dir(), builder, files)
     if builder != "parquet":
         _check_utf8_mark(name, path if path.is_dir() else None, files)
+        _check_no_nul(name, path if path.is_dir() else None, files)
 
 
 def _check_not_empty(name: str, folder: bool, builder: str, files: list[Path]) -> None:
@@ -188,12 +189,39 @@ def _check_utf8_mark(name: str, folder: Optional[Path], files: list[Path]) -> No
     if found is None:
         return
     path, encoding = found
-    command = f"iconv -f {encoding.lower()} -t utf-8 '{path}' > '{path.with_name(path.stem + '.utf8' + path.suffix)}'"
     told = f"{encoding} text (told by its byte-order mark), not UTF-8"
+    _refuse_encoding(name, folder, path, encoding, told)
+
+
+def _check_no_nul(name: str, folder: Optional[Path], files: list[Path]) -> None:
+    """Refuse a file of ``files`` whose first chunk is largely NUL bytes (file_contents.nul_bytes): UTF-16 or UTF-32
+    text without a byte-order mark, or binary data. NUL is valid UTF-8, so the builders read it without a word, as
+    text with a NUL between its characters (or as too little text, no line or paragraph telling)."""
+    found = nul_bytes(files)
+    if found is None:
+        return
+    path, encoding = found
+    if encoding is not None:
+        places = "every other byte" if encoding.startswith("utf-16") else "three bytes of every four"
+        told = f"{encoding.upper()} text without a byte-order mark (NUL {places}), not UTF-8"
+        _refuse_encoding(name, folder, path, encoding, told)
+    what = f"its file '{path.relative_to(folder)}'" if folder is not None else "it"
+    raise DataError(
+        f"{name}: {what} holds NUL bytes, so it is not UTF-8 text (binary data, or text in another encoding): "
+        "name a UTF-8 text file" + (", or move it out of the folder" if folder is not None else "")
+    )
+
+
+def _refuse_encoding(name: str, folder: Optional[Path], path: Path, encoding: str, told: str) -> None:
+    """Refuse ``path`` (of ``folder``; None: the file named alone), ``told`` to be text in ``encoding`` (iconv's
+    name of it), naming the iconv command that converts it, its paths quoted for the shell."""
+    converted = path.with_name(path.stem + ".utf8" + path.suffix)
+    command = f"iconv -f {encoding.lower()} -t utf-8 {shell_quoted(path)} > {shell_quoted(converted)}"
     if folder is None:
         raise DataError(f"{name} is {told}: convert it ({command}) and name the file it writes")
+    kind = encoding.upper().removesuffix("LE").removesuffix("BE")
     raise DataError(
-        f"{name}: its file '{path.relative_to(folder)}' is {told}: convert it ({command}) and move the {encoding} "
+        f"{name}: its file '{path.relative_to(folder)}' is {told}: convert it ({command}) and move the {kind} "
         "file out of the folder"
     )
 

@@ -102,12 +102,30 @@ def process_running(pid: int) -> bool:
     return True
 
 
+def system_pid_max() -> int:
+    """The largest pid this system gives (Linux: /proc/sys/kernel/pid_max, less one); where it does not say (no
+    /proc), the largest any system gives (_MAX_PID)."""
+    try:
+        return min(int(Path("/proc/sys/kernel/pid_max").read_text()) - 1, _MAX_PID)
+    except (OSError, ValueError):
+        return _MAX_PID
+
+
 def writer_gone(leftover: Path) -> bool:
-    """Whether the process a ``.NAME.KIND-PID`` is named after is gone (a live one is still writing it; a number
-    that is no pid names no writer of ours). One of this process's own pid is no write in progress either: each
-    writer removes its own before it returns, so it is an earlier process's of that pid."""
+    """Whether the process a ``.NAME.KIND-PID`` is named after is gone (a live one is still writing it). A number
+    that is no pid here (0, or above the system's largest: system_pid_max) names no writer at all, so no live one.
+    One of this process's own pid is no write in progress either: each writer removes its own before it returns, so
+    it is an earlier process's of that pid.
+
+    A running process of that pid is taken for the writer whatever it runs: its command line (/proc/PID/cmdline)
+    is not asked whether it is Python. The writer may be a Python embedded in another program or renamed by it
+    (uwsgi, a frozen executable, setproctitle), so "not Python" would delete a live write's folder under it, which
+    is data lost; a reused pid (a reboot, a container's pid 1) costs a refusal only, and that refusal
+    (write_in_progress) says which folder to delete when no hf-tapernorm command is running."""
     pid = int(leftover.name.rpartition("-")[2])
-    return is_pid(pid) and (pid == os.getpid() or not process_running(pid))
+    if not is_pid(pid) or pid > system_pid_max():
+        return True
+    return pid == os.getpid() or not process_running(pid)
 
 
 def marked_and_abandoned(leftover: Path) -> bool:
@@ -176,7 +194,10 @@ def write_in_progress(folder: Path) -> Optional[str]:
     if not live:
         return None
     pid = live[0].name.rpartition("-")[2]
-    return f"another write of {folder} is in progress (pid {pid}, through '{live[0].name}')"
+    return (
+        f"another write of {folder} is in progress (pid {pid}, through '{live[0].name}'; if no hf-tapernorm command "
+        f"is running, pid {pid} is another program's and that folder a killed write's: delete '{live[0]}')"
+    )
 
 
 def remove_abandoned_inside(folder: Path) -> None:
@@ -226,6 +247,7 @@ __all__ = [
     "remove_abandoned_inside",
     "remove_listed",
     "temporary_name",
+    "system_pid_max",
     "write_in_progress",
     "writer_gone",
     "writes_inside",

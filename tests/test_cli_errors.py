@@ -489,6 +489,30 @@ CASES = {
         2,
         "--output_dir '{ws}/llama/run' lies inside --model_name_or_path '{ws}/llama'",
     ),
+    # probe 40: a '..' after a missing folder in an output option: bench --output_dir missing/.. replaced the user's
+    # bench.json in the folder above and left a stray missing/; taper accepted missing/../run (a stray missing/ left
+    # even when refused later), eval said "not writable", fold "the working folder". Every output option now refuses
+    # it in utils.dangling_parent_step's words (app/data_checks.output_target), before anything is created
+    **{
+        f"{command}: a '..' after a missing folder in {option} {tail}": (
+            lambda ws, run, tmp, make=make, tail=tail: make(ws, run, str(ws / "missing" / ".." / tail).rstrip("/")),
+            2,
+            f"error: {option} '{{ws}}/missing/..{'/' + tail if tail else ''}': '{{ws}}/missing' does not exist, so "
+            f"the '..' after it names no folder; name the folder without '..' ('{{ws}}{'/' + tail if tail else ''}')",
+            NEEDS_RUN,
+        )
+        for command, option, make in (
+            ("taper", "--output_dir", lambda ws, run, out: [*taper_argv(ws, ws / "x"), "--output_dir", out]),
+            ("bench", "--output_dir", lambda ws, run, out: _bench(ws, "--output_dir", out)),
+            ("eval", "--output_json", lambda ws, run, out: _eval(ws, "--output_json", out)),
+            (
+                "fold",
+                "--output_dir",
+                lambda ws, run, out: ["fold", "--checkpoint", str(run / "tapered"), "--output_dir", out],
+            ),
+        )
+        for tail in ("", "out.json" if option == "--output_json" else "out")
+    },
     # probe 23: an output inside a dataset folder the command reads was written there, and every later command on
     # that folder refused it ("mixes file types (json, text)"); each is now refused as taper's --output_dir is
     "eval: the result file inside the dataset folder": (
@@ -1236,6 +1260,13 @@ CASES = {
     "model is a text file": (lambda ws: _taper(ws, model="corpus.txt"), 2, ["is a file, not a model", "config.json"]),
     "model config not JSON": (lambda ws: _taper(ws, model="badjson"), 2, ["cannot read the config", "badjson"]),
     "block size beyond positions": (lambda ws: _taper(ws, "--block_size", "100000"), 2, ["64 positions"]),
+    # probe 40: a taper refused after it locked its run folder removed the folder, but not the ones above it that the
+    # lock created (--output_dir new/deeper/run left a stray new/deeper/): every folder it created is removed again
+    "block size beyond positions, into a run folder under missing folders": (
+        lambda ws: [*taper_argv(ws, ws / "new" / "deeper" / "run"), "--block_size", "100000"],
+        2,
+        "error: --block_size 100000 exceeds the model's 64 positions",
+    ),
     "batch size 0": (lambda ws: _taper(ws, "--per_device_train_batch_size", "0"), 2, ["--per_device_train_batch_size"]),
     "held out 100%": (lambda ws: _taper(ws, "--heldout_percentage", "100"), 2, ["--heldout_percentage"]),
     "taper end before start": (lambda ws: _taper(ws, "--taper_start", "0.9", "--taper_end", "0.5"), 2, ["--taper_end"]),
@@ -1546,6 +1577,31 @@ CASES = {
             "/run' is a taper run's folder, not a saved model: it holds no tapered/ (the run "
             "did not finish): fold one of its checkpoint-N folders, '",
             "/run/checkpoint-6'",
+        ],
+        NEEDS_RUN,
+    ),
+    # probe 40: a finished run (its report.json says so) whose tapered/ and folded/ were moved away was said to
+    # hold "no tapered/ (the run did not finish)"; now its outputs are named missing, the run finished
+    "eval of a finished run whose tapered/ and folded/ were moved away": (
+        lambda ws, run, tmp: _eval(ws, "--model_name_or_path", str(_without(copy_of(run, tmp), "tapered", "folded"))),
+        2,
+        [
+            "/run' is a taper run's folder, not a saved model: its tapered/ and folded/ are missing (moved or "
+            "deleted: its report.json says the run finished): evaluate one of its checkpoint-N folders, '",
+            "/run/checkpoint-6'",
+        ],
+        NEEDS_RUN,
+    ),
+    "eval of a finished run whose tapered/, folded/ and checkpoints were moved away": (
+        lambda ws, run, tmp: _eval(
+            ws, "--model_name_or_path", str(_without_checkpoints(_without(copy_of(run, tmp), "tapered", "folded")))
+        ),
+        2,
+        [
+            "/run' is a taper run's folder, not a saved model: its tapered/ and folded/ are missing (moved or "
+            "deleted: its report.json says the run finished), and it holds no checkpoint-N folder: move them back "
+            "into '",
+            "/run', or taper again into it (--output_dir '",
         ],
         NEEDS_RUN,
     ),
@@ -2014,6 +2070,30 @@ def test_a_killed_run_s_relative_model_path_is_named_only_where_it_holds_the_rec
     )
     (run.parent / "llama").symlink_to(ws / "llama")  # where the run was started from
     assert error_of(argv) == f"{head}pass the model the run started from, '{run.parent / 'llama'}'"
+
+
+def test_a_killed_legacy_run_s_relative_model_path_is_named_beside_the_run_and_said_unchecked(
+    ws, short_run, tmp_path, monkeypatch
+):
+    """A run started with a relative --model_name_or_path whose records hold no digests of it (a legacy record),
+    killed, then named to bench from another working folder holding another model under 'llama': the hint named
+    'llama', the other model, without a word. With no digests the place beside the run comes first, and the hint
+    says that the path could not be checked."""
+    run = _without_tapered(copy_of(short_run, tmp_path / "started"))
+    edit_json(run / ".hf_tapernorm_run.json", identity={"model": "llama"})
+    for record in run.glob("checkpoint-*/tapernorm_run.json"):
+        record.unlink()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "llama").symlink_to(ws / "other_tokenizer")
+    monkeypatch.chdir(elsewhere)
+    argv = [*_bench(ws)[:2], str(run), *_bench(ws)[3:]]
+    head = f"hf-tapernorm bench: error: --model_name_or_path '{run}' is a taper run's folder, not a saved model: "
+    head += "bench builds its variants from an ordinary model, which the run's outputs are not: "
+    unchecked = " (its records name 'llama', which could not be checked: the run recorded no digests of it)"
+    assert error_of(argv) == f"{head}pass the model the run started from, 'llama'{unchecked}"
+    (run.parent / "llama").symlink_to(ws / "llama")  # where the run was started from
+    assert error_of(argv) == f"{head}pass the model the run started from, '{run.parent / 'llama'}'{unchecked}"
 
 
 def test_report_to_wandb_without_a_login_is_refused_before_the_model_loads(ws, tmp_path, monkeypatch):

@@ -489,6 +489,21 @@ def test_export_folded_refuses_a_dotdot_after_a_missing_folder_before_creating_i
     assert _files(mine) == before and sorted(p.name for p in mine.iterdir()) == ["README.md", "config.json"]
 
 
+def test_export_folded_names_a_link_to_a_missing_folder_before_writing(folded, tmp_path, monkeypatch):
+    """export_folded(m, "dl"), dl a symbolic link to a folder that does not exist: the whole export was written
+    beside and the rename failed at the end, "[Errno 20] Not a directory: '.dl.export-PID/new' -> 'dl'". Now it is
+    refused before anything is written, saying that dl is a link to a missing folder; nothing is left beside."""
+    monkeypatch.chdir(tmp_path)
+    Path("dl").symlink_to("nothere")
+    with pytest.raises(ConfigurationError) as refused:
+        export_folded(folded, "dl")
+    assert str(refused.value) == (
+        "cannot export into dl: dl is a link to a folder that does not exist ('nothere'); create that folder, or "
+        "choose another"
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["dl"]
+
+
 def test_export_folded_names_a_write_in_progress_in_the_folder(folded, tmp_path):
     """A live export_folded writing into D (its marked ``.hf_tapernorm_writing-PID`` there), then export_folded(D):
     refused as "not empty", and with overwrite=True as "not an earlier export": the live write was never named. Now
@@ -506,7 +521,9 @@ def test_export_folded_names_a_write_in_progress_in_the_folder(folded, tmp_path)
             export_folded(folded, target, overwrite=overwrite)
         assert str(refused.value) == (
             f"cannot export into {target}: another write of {target} is in progress (pid {pid}, through "
-            f"'.hf_tapernorm_writing-{pid}'); wait for it to finish, or choose a new folder"
+            f"'.hf_tapernorm_writing-{pid}'; if no hf-tapernorm command is running, pid {pid} is another program's "
+            f"and that folder a killed write's: delete '{target / f'.hf_tapernorm_writing-{pid}'}'); wait for it to "
+            "finish, or choose a new folder"
         )
     assert _files(target) == before
 

@@ -312,3 +312,48 @@ def test_a_first_write_removes_a_killed_fresh_exports_leftover_beside_it(tmp_pat
         (tmp_path / f".exp.export-{pid}" / WRITE_MARK).write_text("")
     write_folder(final, _write({"config.json": "{}"}))
     assert sorted(p.name for p in tmp_path.iterdir()) == [f".exp.export-{os.getppid()}", "exp"]
+
+
+@pytest.mark.parametrize("number", ["1099511627776", "0", "pid_max"])
+def test_a_marked_write_named_after_no_pid_is_no_live_writer(tmp_path, number):
+    """A marked ``.hf_tapernorm_writing-N`` inside an export whose N is no pid (0, above 2**31 - 1, or above the
+    system's pid_max) was taken for a live write: fold --overwrite, export_folded and push said "another write ... is
+    in progress; wait" forever. No process has such a number: it is a killed write's leftover, deleted by the next
+    write, and named by no refusal."""
+    from hf_tapernorm._temporaries import (
+        WRITE_MARK,
+        remove_abandoned_inside,
+        system_pid_max,
+        write_in_progress,
+        writer_gone,
+    )
+
+    if number == "pid_max":
+        if not Path("/proc/sys/kernel/pid_max").is_file():
+            pytest.skip("the system does not say its pid_max")
+        number = str(system_pid_max() + 1)
+    export = tmp_path / "export"
+    leftover = export / f".hf_tapernorm_writing-{number}"
+    leftover.mkdir(parents=True)
+    (leftover / WRITE_MARK).write_text("")
+    assert writer_gone(leftover) and write_in_progress(export) is None
+    remove_abandoned_inside(export)
+    assert not leftover.exists() and export.is_dir()
+
+
+def test_the_largest_pid_is_the_system_s_where_it_says_and_any_system_s_elsewhere(monkeypatch):
+    """A number is no pid above /proc/sys/kernel/pid_max (less one) on Linux; where there is no /proc, above the
+    largest any system gives (2**31 - 1), as before."""
+    from hf_tapernorm import _temporaries
+
+    if Path("/proc/sys/kernel/pid_max").is_file():
+        assert _temporaries.system_pid_max() == int(Path("/proc/sys/kernel/pid_max").read_text()) - 1
+    real = Path.read_text
+
+    def no_proc(path: Path, *args, **kwargs) -> str:
+        if str(path).startswith("/proc/"):
+            raise FileNotFoundError(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", no_proc)
+    assert _temporaries.system_pid_max() == 2**31 - 1

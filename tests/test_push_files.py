@@ -249,7 +249,9 @@ def test_push_refuses_an_export_a_killed_or_running_write_left_its_folder_in(exp
         files_to_push(export)
     assert str(refused.value) == (
         f"'{export}': another write of {export} is in progress (pid {os.getppid()}, through "
-        f"'.hf_tapernorm_writing-{os.getppid()}'); wait for it to finish, then push"
+        f"'.hf_tapernorm_writing-{os.getppid()}'; if no hf-tapernorm command is running, pid {os.getppid()} is "
+        f"another program's and that folder a killed write's: delete "
+        f"'{export / f'.hf_tapernorm_writing-{os.getppid()}'}'); wait for it to finish, then push"
     )
 
 

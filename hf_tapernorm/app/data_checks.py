@@ -43,7 +43,7 @@ from ..data.sources import (
     local_dataset_path,
 )
 from ..errors import ConfigurationError
-from ..utils import expand_user, holds_model_weights
+from ..utils import dangling_parent_step, expand_user, holds_model_weights
 from .run_folder import RunFolder
 from .run_lock import check_destination, resolved_path
 
@@ -291,6 +291,25 @@ def datasets_read(data: Any) -> dict[str, Optional[str]]:
     return read
 
 
+def output_target(option: str, output: str | os.PathLike) -> Path:
+    """The resolved path (run_lock.resolved_path) of an output (``output``, named by ``option``: taper's, fold's and
+    bench's ``--output_dir``, eval's ``--output_json``), refusing a ``..`` after a folder that does not exist
+    (utils.dangling_parent_step: the kernel takes it for no folder, a lexical reading for the folder above, and the
+    write that created the missing folder would fill the one above, a user's, and leave a stray folder). Every output
+    check starts here, before anything is created, so each command refuses it in the same words."""
+    refuse_dangling_output(option, output)
+    return resolved_path(output, f"{option} '{output}'")
+
+
+def refuse_dangling_output(option: str, output: str | os.PathLike) -> None:
+    """output_target's refusal of a ``..`` after a folder that does not exist, for a check that resolves the path
+    its own way (eval's --output_json: check_result_file)."""
+    what = f"{option} '{output}'"
+    dangling = dangling_parent_step(expand_user(output, what), what)
+    if dangling:
+        raise ConfigurationError(dangling)
+
+
 def check_output_outside(
     option: str, output: str | os.PathLike, inputs: Mapping[str, Optional[str]], *, reader: str, written: str
 ) -> None:
@@ -300,7 +319,7 @@ def check_output_outside(
     would be read as more of that dataset, or refused as a mix of file types, by this and every later command on it;
     a model folder or dataset a taper run reads would differ at its ``--resume``. ``reader``: who reads the inputs
     ("eval"). One check for taper, eval, fold's scan and bench, so that each refuses this in the same words."""
-    target = resolved_path(output, f"{option} '{output}'")
+    target = output_target(option, output)
     for name, value in inputs.items():
         path = expand_user(value, f"{name} '{value}'") if value else None
         if path is None or not path.exists():
@@ -438,6 +457,8 @@ __all__ = [
     "check_hub_dataset",
     "check_hub_datasets",
     "check_output_outside",
+    "output_target",
+    "refuse_dangling_output",
     "check_out_of_corpus_differs",
     "check_output_outside_models",
     "run_manifest",

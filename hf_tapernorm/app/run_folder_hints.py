@@ -57,25 +57,44 @@ def checkpoints(folder: Path) -> list[str]:
 def unfinished(run: str, folder: Path, use: str, then: str = "", *, folds: bool = False) -> str:
     """What a run without tapered/ holds instead: its latest checkpoint-N (``use``: what to do with it, ``then``: and
     after), or that it saved none. ``folds``: the command folds the checkpoint, so only one saved at gate 0 is named
-    (refuse_unfoldable_gate refuses the others); without one, the run is to be continued to the end of its taper."""
-    saved = checkpoints(folder)
+    (refuse_unfoldable_gate refuses the others); without one, the run is to be continued to the end of its taper.
+    A run whose report.json says it finished did finish: its outputs were moved or deleted since (moved_outputs)."""
+    saved, gone = checkpoints(folder), moved_outputs(folder)
     if folds:
         saved = [name for name in saved if _foldable(folder / name)]
-        if not saved and checkpoints(folder):
+        if not saved and checkpoints(folder) and gone is None:
             return (
                 "it holds no tapered/ and no checkpoint-N folder saved at gate 0 (the run stopped before its taper "
                 f"ended): continue it, hf-tapernorm taper --output_dir '{run}' --resume (with its options), then {use} "
                 f"its tapered/{then}"
             )
     if saved:
+        held = gone or "it holds no tapered/ (the run did not finish)"
+        return f"{held}: {use} one of its checkpoint-N folders, '{run}/{saved[-1]}'{then}"
+    if gone is not None:
+        kind = "checkpoint-N folder saved at gate 0" if folds and checkpoints(folder) else "checkpoint-N folder"
         return (
-            f"it holds no tapered/ (the run did not finish): {use} one of its checkpoint-N folders, "
-            f"'{run}/{saved[-1]}'{then}"
+            f"{gone}, and it holds no {kind}: move them back into '{run}', or taper again into it (--output_dir "
+            f"'{run}' --overwrite)"
         )
     return (
         "it holds no tapered/ and no checkpoint-N folder (the run stopped before it saved one), so nothing in it can "
         f"be used; taper again into it (--output_dir '{run}' --overwrite)"
     )
+
+
+def moved_outputs(folder: Path) -> Optional[str]:
+    """Where the run in ``folder`` finished (its report.json's status), which of its finished outputs are missing
+    ("its tapered/ and folded/ are missing (...)"), else None: a run that finished and whose outputs were moved away
+    or deleted is not one that "did not finish", and continuing it (--resume) is not what would bring them back."""
+    facts = _report(folder)
+    if facts is None or facts.get("status") != "finished":
+        return None
+    missing = [f"{name}/" for name in ("tapered", "folded") if not (folder / name).is_dir()]
+    if not missing:
+        return None
+    are = "is" if len(missing) == 1 else "are"
+    return f"its {' and '.join(missing)} {are} missing (moved or deleted: its report.json says the run finished)"
 
 
 def _foldable(checkpoint: Path) -> bool:
@@ -152,6 +171,12 @@ def _base(run: str, folder: Path) -> str:
     """Pass the model the run started from: its path or Hub id, where its report (or, for a run stopped before it
     wrote one, its manifest or a checkpoint's record) records one that is there."""
     model = recorded_model(folder)
+    unchecked = _unchecked_model(folder) if model is not None else None
+    if unchecked is not None:
+        return (
+            f"pass the model the run started from, '{model}' (its records name '{unchecked}', which could not be "
+            "checked: the run recorded no digests of it)"
+        )
     if model is not None:
         return f"pass the model the run started from, '{model}'"
     if (folder / "report.json").exists():
@@ -205,14 +230,29 @@ def _identity_model(folder: Path) -> Optional[str]:
     """The model a run's identity records (app/validation.run_identity): a Hub id where it fingerprinted no local
     contents (``model_contents`` None), else the first place its path names that holds the files it recorded
     (_local_paths, _holds_recorded)."""
+    return _identity_found(folder)[0]
+
+
+def _unchecked_model(folder: Path) -> Optional[str]:
+    """The local model path (as recorded) that recorded_model names for a run without report.json although nothing
+    could check it: its record holds no digests of the model (a run of an older version, or edited by hand)."""
+    return _identity_found(folder)[1] if _report(folder) is None else None
+
+
+def _identity_found(folder: Path) -> tuple[Optional[str], Optional[str]]:
+    """(_identity_model's answer, the recorded path when that answer could not be checked against digests). Without
+    digests the place beside the run comes first: a run is most often started from beside it, and from another
+    working folder the same relative path may name another model."""
     for record in filter(_named_model, _identities(folder)):
         model, contents = record["model"], record.get("model_contents")
         if "model_contents" in record and contents is None:
-            return model
-        found = next((path for path in _local_paths(model, folder) if _holds_recorded(path, contents)), None)
+            return model, None
+        checked = isinstance(contents, dict)
+        places = _local_paths(model, folder, beside_first=not checked)
+        found = next((path for path in places if _holds_recorded(path, contents)), None)
         if found is not None:
-            return found
-    return None
+            return found, None if checked else model
+    return None, None
 
 
 def _named_model(record: dict[str, Any]) -> bool:
@@ -220,13 +260,15 @@ def _named_model(record: dict[str, Any]) -> bool:
     return isinstance(record.get("model"), str) and bool(record["model"])
 
 
-def _local_paths(model: str, folder: Path) -> list[str]:
+def _local_paths(model: str, folder: Path, *, beside_first: bool = False) -> list[str]:
     """Where the recorded local model path ``model`` is now, as this command can pass it: an absolute path, else a
     relative one from the working folder (as typed) and from the run's parent folder (where a run is most often
     started from: ``--output_dir RUN``), the identity recording no working folder of its own. Only those that are
-    there, each folder once."""
+    there, each folder once. ``beside_first``: the run's parent folder first, where no digests can tell the two
+    apart (the run is most often started from beside it; from another working folder the path names another)."""
     path = Path(model)
     places = [model] if path.is_absolute() else [model, str(Path(os.path.abspath(folder)).parent / path)]
+    places = places[::-1] if beside_first else places
     found: dict[str, str] = {}
     for place in places:
         if os.path.exists(place):
@@ -262,6 +304,7 @@ __all__ = [
     "eval_hint",
     "finished_outputs",
     "fold_hint",
+    "moved_outputs",
     "push_hint",
     "recorded_model",
     "refuse_run_folder",

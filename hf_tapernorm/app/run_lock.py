@@ -137,7 +137,7 @@ class RunLock:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.path = folder / LOCK_NAME
-        self.created_folder = False
+        self.created_folders: list[Path] = []  # by mkdir, deepest first: removed again while empty
         self.held = False
         self._descriptor: Optional[int] = None  # the open lock file whose flock this process holds
 
@@ -174,7 +174,7 @@ class RunLock:
         """Hold the lock: an exclusive flock on the file the path names (created if there is none), then this
         process's record written into it; RunFolderError when another live command holds it."""
         try:
-            self.created_folder = not self.folder.exists()
+            self.created_folders = [p for p in [self.folder, *self.folder.parents] if not os.path.lexists(p)]
             self.folder.mkdir(parents=True, exist_ok=True)
             for _ in range(_TAKE_TRIES):
                 try:
@@ -347,7 +347,8 @@ class RunLock:
 
     def release(self) -> None:
         """Delete the lock file (while its flock is still held, so no one takes the file being deleted), then let
-        go of it; the folder too when the lock created it and it is still empty."""
+        go of it; the folder too when the lock created it and it is still empty, and the ones above it created with
+        it (``--output_dir new/run``: no stray new/)."""
         if not self.held or self._descriptor is None:
             return
         try:
@@ -357,8 +358,10 @@ class RunLock:
             os.close(self._descriptor)
             self._descriptor, self.held = None, False
             _HELD.discard(self)
-        if self.created_folder and self.folder.is_dir() and not any(self.folder.iterdir()):
-            self.folder.rmdir()  # a command refused before it wrote anything leaves no folder behind
+        for folder in self.created_folders:  # a command refused before it wrote anything leaves no folder behind
+            if not folder.is_dir() or any(folder.iterdir()):
+                break
+            folder.rmdir()
 
 
 def _this_process() -> dict[str, Any]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .._parsing import UsageError, parse
-from ..app.data_checks import check_data_paths, check_hub_datasets
+from ..app.data_checks import check_data_paths, check_hub_datasets, output_target
 from ..app.fingerprints import holds_recorded_contents
 from ..app.preflight import check_export_space, full_disk_refused
 from ..app.record import evaluation_facts, run_card_facts
@@ -320,7 +320,7 @@ def fold_main(argv: Sequence[str]) -> int:
     refuse_unfoldable_gate(source.path, saved_gate(source.path))
     refuse_unused_tied_head(source.path, fold_args.tied_head)
     output_dir = Path(fold_args.output_dir)
-    destination = resolved_path(output_dir, f"--output_dir '{output_dir}'")
+    destination = output_target("--output_dir", output_dir)  # a '..' after a missing folder: refused
     if destination == Path.cwd().resolve():
         raise UsageError(
             f"--output_dir '{output_dir}' is the working folder: fold writes its export beside the folder and renames "

@@ -184,6 +184,11 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
     ``overwrite``, and (even with it) a folder that is not an earlier export (no manifest: a user's model or files,
     which the export would replace) or an export holding files it did not write (a user's, which go with it).
     Returns whether ``folder`` holds an earlier export to replace."""
+    if folder.is_symlink() and not folder.exists():  # the write would fail at its end, in the OS's words
+        raise ConfigurationError(
+            f"cannot export into {folder}: {folder} is a link to a folder that does not exist "
+            f"('{os.readlink(folder)}'); create that folder, or choose another"
+        )
     blocking = file_in_the_way(folder)
     if blocking:
         raise ConfigurationError(f"cannot export into {folder}: {blocking} is a file")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -47,15 +46,13 @@ from .extension import TaperExtension, TrainingData, TrainingInputs
 from .preflight import check_disk_space, check_trainer_options, check_training_blocks
 from .record import RunRecord, far_worse_warning, global_batch_blocks, new_run_record, precision_line
 from .report import PLOTS, summary_lines, write_report
-from .resume_check import check_resumable
-from .run_export import check_run_export
 from .run_folder import RunFolder, inside_folder, write_file
+from .run_preparation import check_run_folder, finished_run, prepare_run_folder
 from .showcase import greedy_continuations, ops_per_generated_token
-from .training_run import LOG_KEYS, LOSS_TERM_KEYS, RecordCallback, recorded_identity, train
+from .training_run import LOG_KEYS, LOSS_TERM_KEYS, RecordCallback, train
 from .validation import (
     TaperRequest,
     check_baseline_identity,
-    check_inputs_outside,
     check_lengths_within_positions,
     check_resume_identity,
     check_schedule,
@@ -97,7 +94,7 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
         raise ConfigurationError(
             f"'{source.path}' is already a {source.kind} model; taper starts from an ordinary model"
         )
-    must_empty, stale_checkpoints = _check_folder(request, output, source)
+    must_empty, stale_checkpoints = check_run_folder(request, output, source)
     check_hub_datasets(request.data)  # it writes into the datasets cache: after every check that writes nothing
 
     tokenizer = load_tokenizer(source, trust_remote_code=request.model.trust_remote_code)
@@ -139,7 +136,7 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
     reference_text = out_of_corpus_set(request.data, tokenizer, config.sink_token_ids)
     model = load_model(source, dtype=request.model.dtype, trust_remote_code=request.model.trust_remote_code)
     if state.is_main_process:
-        _prepare_folder(output, must_empty, stale_checkpoints if run.resume else None, identity)
+        prepare_run_folder(output, must_empty, stale_checkpoints if run.resume else None, identity)
     state.wait_for_everyone()
 
     record = new_run_record(request, source, model, packed, config, schedule, allowed_changes)
@@ -157,7 +154,7 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
             if record.history and record.training.steps is None:  # how far training got
                 last = record.history[-1]
                 record.training.steps, record.training.final_gate = last["step"], last.get("gate")
-            if run.resume and _finished(output.path):  # its results stand: only this --resume failed
+            if run.resume and finished_run(output.path):  # its results stand: only this --resume failed
                 logger.warning("the run in %s had finished: its report stays as it was", output.path)
             else:
                 write_run_report(output, record)
@@ -165,56 +162,6 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
         raise
     finally:
         logger.info("taper: %.0f s in all", time.time() - started)
-
-
-def _finished(folder: Path) -> bool:
-    """Whether ``folder`` holds the report of a finished run (a failed --resume of it must not replace that report,
-    whose tapered/ and folded/ outputs are still there)."""
-    try:
-        return json.loads((folder / "report.json").read_text()).get("status") == "finished"
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-        return False
-
-
-def _check_folder(request: TaperRequest, output: RunFolder, source: ModelSource) -> tuple[bool, list[Path]]:
-    """Whether the run folder must be emptied (``--overwrite``) and the checkpoints a resumed run must drop, after
-    checking that nothing the run reads lies in what it deletes or rewrites."""
-    must_empty = output.check(
-        overwrite=request.run.overwrite,
-        resume=request.run.resume,
-        has_checkpoint=lambda: bool(list(output.path.glob("**/checkpoint-*"))),
-        recorded_identity=lambda: recorded_identity(output.path),
-    )
-    if must_empty or request.run.resume:  # nothing this run reads may lie in what it deletes or rewrites
-        inputs = {
-            "--model_name_or_path": source.describe() if source.kind != "hub" else None,
-            "--dataset_name": request.data.dataset_name,
-            "--out_of_corpus_dataset": request.data.out_of_corpus_dataset,
-            "--baseline_from": request.run.baseline_from,
-        }
-        check_inputs_outside(output.path, inputs, "--overwrite" if request.run.overwrite else "--resume")
-        check_run_export(output.path, resume=request.run.resume, scans=bool(request.data.scan_windows))
-    stale_checkpoints = (
-        check_resumable(output.path, trust_sharded_checkpoint=request.model.trust_sharded_checkpoint)
-        if request.run.resume
-        else []
-    )
-    return must_empty, stale_checkpoints
-
-
-def _prepare_folder(output: RunFolder, must_empty: bool, stale_checkpoints: Optional[list[Path]], identity) -> None:
-    """Empty the folder (``must_empty``), or, resuming (``stale_checkpoints`` not None), remove what a stopped run
-    was writing; then record the folder's files (a resumed run's identity is rewritten once it has trained)."""
-    if must_empty:
-        output.empty()
-    if stale_checkpoints is None:
-        output.record(identity=identity)
-        return
-    output.remove_partials()
-    for checkpoint in stale_checkpoints:
-        logger.warning("removing %s: it was being written when the run stopped (incomplete)", checkpoint)
-        shutil.rmtree(checkpoint)
-    output.record()
 
 
 def prepare_run_data(request: TaperRequest, tokenizer, sink_ids: list[int]) -> PackedData:

@@ -489,7 +489,7 @@ CASES = {
         2,
         "--output_dir '{ws}/llama/run' lies inside --model_name_or_path '{ws}/llama'",
     ),
-    # probe 40: a '..' after a missing folder in an output option: bench --output_dir missing/.. replaced the user's
+    # a '..' after a missing folder in an output option: bench --output_dir missing/.. replaced the user's
     # bench.json in the folder above and left a stray missing/; taper accepted missing/../run (a stray missing/ left
     # even when refused later), eval said "not writable", fold "the working folder". Every output option now refuses
     # it in utils.dangling_parent_step's words (app/data_checks.output_target), before anything is created
@@ -513,7 +513,7 @@ CASES = {
         )
         for tail in ("", "out.json" if option == "--output_json" else "out")
     },
-    # probe 23: an output inside a dataset folder the command reads was written there, and every later command on
+    # an output inside a dataset folder the command reads was written there, and every later command on
     # that folder refused it ("mixes file types (json, text)"); each is now refused as taper's --output_dir is
     "eval: the result file inside the dataset folder": (
         lambda ws: [*_eval(ws, "--output_json", str(ws / "texts" / "res.json")), "--dataset_name", str(ws / "texts")],
@@ -1260,7 +1260,7 @@ CASES = {
     "model is a text file": (lambda ws: _taper(ws, model="corpus.txt"), 2, ["is a file, not a model", "config.json"]),
     "model config not JSON": (lambda ws: _taper(ws, model="badjson"), 2, ["cannot read the config", "badjson"]),
     "block size beyond positions": (lambda ws: _taper(ws, "--block_size", "100000"), 2, ["64 positions"]),
-    # probe 40: a taper refused after it locked its run folder removed the folder, but not the ones above it that the
+    # a taper refused after it locked its run folder removed the folder, but not the ones above it that the
     # lock created (--output_dir new/deeper/run left a stray new/deeper/): every folder it created is removed again
     "block size beyond positions, into a run folder under missing folders": (
         lambda ws: [*taper_argv(ws, ws / "new" / "deeper" / "run"), "--block_size", "100000"],
@@ -1580,7 +1580,7 @@ CASES = {
         ],
         NEEDS_RUN,
     ),
-    # probe 40: a finished run (its report.json says so) whose tapered/ and folded/ were moved away was said to
+    # a finished run (its report.json says so) whose tapered/ and folded/ were moved away was said to
     # hold "no tapered/ (the run did not finish)"; now its outputs are named missing, the run finished
     "eval of a finished run whose tapered/ and folded/ were moved away": (
         lambda ws, run, tmp: _eval(ws, "--model_name_or_path", str(_without(copy_of(run, tmp), "tapered", "folded"))),

@@ -871,7 +871,7 @@ def test_a_command_that_finds_a_running_command_above_once_locked_gives_its_fold
     monkeypatch.setattr(RunLock, "_take", outer_starts_meanwhile)
     with pytest.raises(RunFolderError, match=f"output folder '{inner}' lies in '{outer}', which a running"):
         RunFolder(inner).lock()
-    # the folded/ its lock created is removed with it (probe 40: no stray folder); the outer one holds a lock
+    # the folded/ its lock created is removed with it (no stray folder); the outer one holds a lock
     assert not inner.exists() and sorted(p.name for p in outer.iterdir()) == [LOCK_NAME]
 
 

@@ -227,8 +227,8 @@ class TaperController:
         """Before the micro-batches of update ``step + 1``: calibrate at k_start, set and return its gate.
 
         Steps never go back, nor is a step step_end ended begun again (refused); ``replay=True`` runs an earlier step
-        again on purpose, as a benchmark that times the same steps over and over does (the gate rises with it). Its
-        update's statistics start afresh (_discard_pending)."""
+        again on purpose, as a benchmark that times the same steps over and over does (the gate rises with it). After
+        a step never ended, the update's statistics start afresh (_discard_pending)."""
         step = whole_step(step, "step_begin")
         number = step + 1
         gate = self.schedule.gate(number)
@@ -236,7 +236,8 @@ class TaperController:
             self._refuse_going_back(step)
             self._refuse_an_ended_step(step)
             self._refuse_a_rising_gate(step, gate)
-        self._discard_pending(step)
+        if self._open_step is not None:  # a step begun and never ended: a retry, or a step given up
+            self._discard_pending(step)
         self._last_step, self._last_call, self._open_step = step, f"step_begin({step})", step
         if not self._trainable_checked:  # at the first step, when the loop has chosen what trains
             self._trainable_checked = True
@@ -291,15 +292,15 @@ class TaperController:
             )
 
     def _discard_pending(self, step: int) -> None:
-        """Drop the statistics, scale sums and losses micro-batches gathered since the last step_end (an attempt given
-        up, e.g. after an out-of-memory error, or a step never ended): they belong to no completed update, and
-        step_end would fold them into this one. Local: every rank makes the same calls; step_end all-reduces."""
+        """Drop what micro-batches gathered in a step begun and never ended (an attempt given up after an out-of-memory
+        error, a step skipped): no completed update's, which step_end would fold into this one. Forwards before the
+        first step are kept (calibration reads them). Local: every rank makes the same calls; step_end all-reduces."""
         holders = [*(layer for _, layer in tapered_norms(self.model, include_kept=True)), *self.anchors]
         dropped = [holder for holder in holders if holder.pending is not None]
         for holder in dropped:
             holder.pending = None
         if loss_terms_of(self.model).take_pending_loss() is not None or dropped:
-            logger.info("TaperController.step_begin(%d): dropped what micro-batches gathered since step_end", step)
+            logger.info("TaperController.step_begin(%d): dropped what a step never ended gathered", step)
 
     def _refuse_a_rising_gate(self, step: int, gate: float) -> None:
         """The first step after load_state (check_resume not called), or of a new controller: refuse a gate above the

@@ -1538,6 +1538,49 @@ def test_a_line_cut_copy_of_the_corpus_is_refused_by_its_paragraphs_joined_back(
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
 
 
+@pytest.mark.parametrize("cap", [None, 300], ids=["joined", "past the cap"])
+@pytest.mark.parametrize(
+    "layout, sample_by",
+    [
+        ("one per line vs wrapped", "line"),
+        ("wrapped vs one per line", "line"),
+        ("wrapped vs one per line", "paragraph"),
+    ],
+)
+def test_a_copy_of_the_corpus_with_one_document_per_line_is_refused_by_its_lines(
+    tmp_path, tokenizer, monkeypatch, layout, sample_by, cap
+):
+    """A corpus of one document per line (no blank line) against its documents re-wrapped with blank lines between
+    them (and the reverse) was evaluated as out-of-corpus text without a word: joined back, the lines of a file
+    without blank lines are one paragraph, which matches nothing. A long line of a paragraph is compared alone too,
+    on both sides, and the refusal counts a paragraph's found lines as its text; past MAX_JOINED_CHARS the lines are
+    not joined (nor kept) any longer, and each is compared alone."""
+    import textwrap
+
+    from hf_tapernorm.data import out_of_corpus
+
+    if cap is not None:
+        monkeypatch.setattr(out_of_corpus, "MAX_JOINED_CHARS", cap)
+    docs = [" ".join(d.split()) for d in corpus_documents(40, seed=3)]
+    (tmp_path / "oneline.txt").write_text("\n".join(docs) + "\n")
+    (tmp_path / "wrapped.txt").write_text("\n\n".join(textwrap.fill(d, 60) for d in docs))
+    corpus, other = (str(tmp_path / n) for n in (("oneline.txt", "wrapped.txt") if layout[0] == "o" else
+                                                 ("wrapped.txt", "oneline.txt")))  # fmt: skip
+    long = [d for d in docs if len(d) >= 80]
+    if layout[0] == "o" or cap is not None and sample_by == "line":
+        count, percent = len(long), 100
+    else:  # one paragraph of all the lines, found by its long lines
+        count, percent = 1, 100 * sum(map(len, long)) // len(" ".join(docs))
+    with pytest.raises(DataError) as refusal:
+        out_of_corpus.out_of_corpus_set(_ooc_data(tmp_path, corpus, other, sample_by=sample_by), tokenizer, [])
+    assert str(refusal.value) == (
+        f"--out_of_corpus_dataset '{other}': {count} of its {count} paragraphs of 80 or more characters "
+        f"({percent}% of their text) are paragraphs of the training corpus (--dataset_name '{corpus}'), such as "
+        f"{_shown(long[0])}, {_shown(long[1])}, so its loss would be the corpus's own; name text the model was not "
+        "trained on, or leave it out"
+    )
+
+
 def test_an_out_of_corpus_folder_holding_a_copy_of_a_corpus_file_is_named_in_a_warning(tmp_path, caplog):
     """A byte-identical copy of a corpus file among other out-of-corpus text was read as out-of-corpus text without a
     word; it is named in a WARNING (the whole out-of-corpus text a copy: refused, above)."""
@@ -1747,6 +1790,63 @@ def test_a_file_of_nul_bytes_is_refused_before_it_is_read(tmp_path, encoding, to
     )
     (tmp_path / "stray.txt").write_text("plain text\x00 with one stray NUL\n\nand more")
     assert len(load_text_dataset(str(tmp_path / "stray.txt"), cache_dir=str(tmp_path / "c"))) == 2
+
+
+@pytest.mark.parametrize(
+    "encoding, words, told",
+    [
+        ("utf-16-le", ["привет", "мир", "это", "текст", "большой", "книга"], "NUL at odd offsets only"),
+        ("utf-16-be", ["καλημέρα", "κόσμε", "αυτό", "είναι", "κείμενο", "βιβλίο"], "NUL at even offsets only"),
+    ],
+)
+def test_utf16_without_a_mark_whose_letters_are_not_ascii_is_refused(tmp_path, encoding, words, told):
+    """Cyrillic UTF-16LE without a byte-order mark (a NUL only after its spaces and line ends, below an eighth of its
+    bytes, the rest valid UTF-8) was read as text of control characters, or refused as "too small"; Greek UTF-16BE
+    was refused as "invalid start byte ... iconv -f latin1", which gives mojibake. Both are told UTF-16 by where
+    their NULs lie (one parity only, and `0A 00` / `00 0A` line ends), with the iconv command that converts them. A
+    UTF-8 text with a NUL every 200 bytes, at one parity too, is read."""
+    import subprocess
+
+    text = "\n\n".join(" ".join(random.Random(i).choice(words) for _ in range(40)) for i in range(30)) + "\n"
+    path = tmp_path / "t.txt"
+    path.write_bytes(text.encode(encoding))
+    assert text.encode(encoding).count(0) * 8 < len(text.encode(encoding))  # below nul_bytes' share of ASCII text
+    with pytest.raises(DataError) as refused:
+        load_text_dataset(str(path), cache_dir=str(tmp_path / "c"), name="--dataset_name 't.txt'", sample_by="line")
+    iconv = encoding.replace("-", "").replace("utf", "utf-")
+    command = f"iconv -f {iconv} -t utf-8 '{path}' > '{tmp_path / 't.utf8.txt'}'"
+    assert str(refused.value) == (
+        f"--dataset_name 't.txt' is {iconv.upper()} text without a byte-order mark ({told}), not UTF-8: convert it "
+        f"({command}) and name the file it writes"
+    )
+    subprocess.run(command, shell=True, check=True)
+    assert (tmp_path / "t.utf8.txt").read_text() == text
+    (tmp_path / "every200.txt").write_bytes((("x" * 59 + "\n") * 3 + "y" * 19 + "\0").encode() * 200)
+    every200 = load_text_dataset(str(tmp_path / "every200.txt"), cache_dir=str(tmp_path / "c"), sample_by="line")
+    assert len(every200) == 601 and sum("\0" in line for line in every200["text"]) == 200
+
+
+def test_a_printed_command_of_a_relative_path_starting_with_a_dash_runs(tmp_path, monkeypatch):
+    """`--dataset_name=-x16.txt` (UTF-16LE without a mark, named relative) printed `iconv ... '-x16.txt' > ...`,
+    which iconv refused ("invalid option -- 'x'"): quoting does not stop a leading '-' from being read as an option.
+    A relative path starting with '-' is printed as './-x16.txt' in every printed command, and the command runs."""
+    import subprocess
+
+    monkeypatch.chdir(tmp_path)
+    Path("-x16.txt").write_bytes("wide text\n\nand more\n".encode("utf-16-le") * 20)
+    with pytest.raises(DataError) as refused:
+        load_text_dataset("-x16.txt", cache_dir=str(tmp_path / "c"), name="--dataset_name '-x16.txt'")
+    command = "iconv -f utf-16le -t utf-8 './-x16.txt' > './-x16.utf8.txt'"
+    assert str(refused.value) == (
+        f"--dataset_name '-x16.txt' is UTF-16LE text without a byte-order mark (NUL every other byte), not UTF-8: "
+        f"convert it ({command}) and name the file it writes"
+    )
+    subprocess.run(command, shell=True, check=True)
+    assert Path("-x16.utf8.txt").read_text() == "wide text\n\nand more\n" * 20
+    Path("-x.tar.gz").write_bytes(b"")
+    with pytest.raises(DataError) as refused:
+        load_text_dataset("-x.tar.gz", cache_dir=str(tmp_path / "c"))
+    assert "extract it (tar -xzf './-x.tar.gz')" in str(refused.value)
 
 
 def test_a_printed_command_quotes_a_path_holding_a_quote_for_the_shell(tmp_path):

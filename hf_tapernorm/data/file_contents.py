@@ -132,24 +132,58 @@ _NUL_PATTERNS = {
 }
 
 
-def nul_bytes(files: list[Path]) -> Optional[tuple[Path, Optional[str]]]:
-    """The first of ``files`` whose first chunk is an eighth or more NUL bytes, and the encoding that their places
-    tell (every other byte: UTF-16, three of four: UTF-32, each LE or BE), or None (binary data, or no telling);
-    None for no such file. A NUL is valid UTF-8, so such a file reads without an error, as text of NULs between its
-    characters (UTF-16 without a byte-order mark), which no tokenizer reads as the text it holds. Real text holds
-    no NUL, or a stray one; an eighth is far above that."""
+def nul_bytes(files: list[Path]) -> Optional[tuple[Path, Optional[str], str]]:
+    """The first of ``files`` whose first chunk holds NUL bytes as text of another encoding or binary data does, the
+    encoding that their places tell (utf-16le, utf-32be: iconv's names) or None (binary data, or no telling), and
+    where they lie ("every other byte"); None for no such file. A NUL is valid UTF-8, so such a file reads without an
+    error, as text of NULs between its characters, which no tokenizer reads as the text it holds. A chunk an eighth
+    or more NUL is told by their places (every other byte: UTF-16, three of four: UTF-32, each LE or BE), or else is
+    binary; with fewer, by :func:`utf16_by_nul_parity` (Cyrillic or Greek UTF-16 holds a NUL beside its ASCII
+    characters only). Real text holds no NUL, or a stray few, which tell neither."""
     for path in files:
         try:
             with path.open("rb") as handle:
                 start = handle.read(_CHUNK)
         except OSError:  # the loading says what is wrong with it
             continue
-        if not start or start.count(0) * 8 < len(start):
-            continue
-        counts = [start[place::4].count(0) for place in range(4)]
-        places = frozenset(p for p in range(4) if counts[p] * 2 >= len(start[p::4]) and counts[p])
-        return path, _NUL_PATTERNS.get(places)
+        many = bool(start) and start.count(0) * 8 >= len(start)
+        encoding = _encoding_by_nul_places(start) if many else None
+        if encoding is not None:
+            return path, encoding, "every other byte" if encoding.startswith("utf-16") else "three bytes of every four"
+        encoding = utf16_by_nul_parity(start)
+        if encoding is not None:
+            return path, encoding, f"at {'odd' if encoding.endswith('le') else 'even'} offsets only"
+        if many:
+            return path, None, "an eighth of its bytes or more"
     return None
+
+
+def _encoding_by_nul_places(start: bytes) -> Optional[str]:
+    """The encoding that the NULs of ``start`` (an eighth or more of it) tell by their offsets modulo 4."""
+    counts = [start[place::4].count(0) for place in range(4)]
+    places = frozenset(p for p in range(4) if counts[p] * 2 >= len(start[p::4]) and counts[p])
+    return _NUL_PATTERNS.get(places)
+
+
+#: How many NULs, at least, tell UTF-16 by their parity alone: fewer may be a stray few of a real text.
+MIN_PARITY_NULS = 8
+
+
+def utf16_by_nul_parity(start: bytes) -> Optional[str]:
+    """ "utf-16le" or "utf-16be" where the NULs of ``start`` (a file's first bytes) lie at odd offsets (LE) or at even
+    ones (BE), all but an eighth of them or fewer (U+0100, U+4E00: a NUL on the other side), and where its line ends
+    are UTF-16's (``0A 00`` LE, ``00 0A`` BE, at an even offset) or its NULs a thirty-second of it or more (a text of
+    no line end); None otherwise. Text whose letters are not ASCII holds a NUL only beside a space, a digit or a line
+    end, too few for the share that nul_bytes asks of ASCII text, and its other bytes may be valid UTF-8 (Cyrillic
+    UTF-16LE reads as control characters); a stray NUL of a real UTF-8 text lies at either parity, never beside its
+    line ends."""
+    odd, even = start[1::2].count(0), start[0::2].count(0)
+    most, fewest, encoding = max(odd, even), min(odd, even), "utf-16le" if odd > even else "utf-16be"
+    if most < MIN_PARITY_NULS or fewest * 8 > most:
+        return None
+    line_end = b"\n\x00" if encoding == "utf-16le" else b"\x00\n"
+    line_ends = sum(1 for m in re.finditer(re.escape(line_end), start) if m.start() % 2 == 0)
+    return encoding if line_ends >= 2 or most * 32 >= len(start) else None
 
 
 def first_not_utf8(files: list[Path]) -> Optional[tuple[Path, int, str]]:

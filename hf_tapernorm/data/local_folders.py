@@ -191,8 +191,13 @@ ARCHIVES = frozenset({".zip", ".tar", ".tgz", ".tbz2", ".txz", ".7z"}) | {
 
 def shell_quoted(path: Union[Path, str]) -> str:
     """``path`` as one word of a shell command that a refusal prints, always in single quotes (a quote in it as
-    shlex.quote writes one: ``'it'"'"'s/u.txt'``), so the command runs as printed whatever the path holds."""
-    return "'" + str(path).replace("'", "'\"'\"'") + "'"
+    shlex.quote writes one: ``'it'"'"'s/u.txt'``), so the command runs as printed whatever the path holds. A relative
+    path that starts with ``-`` gets ``./`` first: quoting does not stop iconv or tar from reading ``-x16.txt`` as an
+    option."""
+    text = str(path)
+    if text.startswith("-"):
+        text = "./" + text
+    return "'" + text.replace("'", "'\"'\"'") + "'"
 
 
 def packed_file(path: Path) -> Optional[str]:

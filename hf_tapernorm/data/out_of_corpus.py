@@ -96,63 +96,144 @@ def cut_by_line(dataset: AnyDataset, sample_by: str) -> bool:
     return sample_by == "line" and getattr(getattr(dataset, "info", None), "builder_name", None) == "text"
 
 
-def _with_paragraphs(texts: Iterable[str], line_cut: bool) -> Iterator[tuple[str, list[str]]]:
-    """Each of ``texts`` (documents in file order) with the paragraphs compared (paragraphs_compared) that it ends:
-    its own; for a line-cut text (cut_by_line), those of the lines before it, joined back, where it is a blank line
-    (and of the last lines, with an empty document after the last). Lines are each shorter than a paragraph, so
-    compared alone they would never be: a re-wrapped copy of the corpus would pass as another text. One paragraph's
-    lines are kept at a time."""
-    lines: list[str] = []
+MAX_JOINED_CHARS = 1 << 16
+"""The most characters of a line-cut text's lines (cut_by_line) joined back into one paragraph: past it, the lines
+are compared each alone (long_enough ones), and none of that paragraph is kept. A file of one document per line and
+no blank line would otherwise be held whole, as one paragraph that matches nothing."""
+
+#: A paragraph compared (its white space runs one space each) and the lines of it compared each alone.
+Paragraph = tuple[str, list[str]]
+
+
+def _with_paragraphs(texts: Iterable[str], line_cut: bool) -> Iterator[tuple[str, list[Paragraph]]]:
+    """Each of ``texts`` (documents in file order) with the paragraphs compared (paragraphs_with_lines) that it
+    ends: its own; for a line-cut text (cut_by_line), those of the lines before it, joined back, where it is a blank
+    line (and of the last lines, with an empty document after the last). Lines are mostly shorter than a paragraph,
+    so compared alone they would not be: a re-wrapped copy of the corpus would pass as another text. One
+    paragraph's lines are kept at a time, MAX_JOINED_CHARS of them at most."""
+    joined = _JoinedLines()
     for text in texts:
         if not line_cut:
-            yield text, paragraphs_compared(text)
+            yield text, paragraphs_with_lines(text)
         elif text.strip():
-            lines.append(text)
-            yield text, []
+            yield text, joined.add(text)
         else:
-            yield text, paragraphs_compared("\n".join(lines))
-            lines = []
-    if lines:
-        yield "", paragraphs_compared("\n".join(lines))
+            yield text, joined.end()
+    if line_cut:
+        yield "", joined.end()
+
+
+class _JoinedLines:
+    """The lines of a line-cut text's paragraph, joined back where it ends (a blank line), or each compared alone
+    once they pass MAX_JOINED_CHARS (that paragraph is then compared by its lines only)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.size = 0
+        self.too_long = False
+
+    def add(self, line: str) -> list[Paragraph]:
+        """Keep ``line``; the paragraphs that it makes compared alone (those of every kept line, past the cap)."""
+        if self.too_long:
+            return _line_alone(line)
+        self.lines.append(line)
+        self.size += len(line)
+        if self.size <= MAX_JOINED_CHARS:
+            return []
+        kept, self.lines, self.size, self.too_long = self.lines, [], 0, True
+        return [paragraph for each in kept for paragraph in _line_alone(each)]
+
+    def end(self) -> list[Paragraph]:
+        """The paragraph of the kept lines (none past the cap: its lines were compared alone), and start anew."""
+        text, too_long = "\n".join(self.lines), self.too_long
+        self.lines, self.size, self.too_long = [], 0, False
+        return [] if too_long else paragraphs_with_lines(text)
+
+
+def _line_alone(line: str) -> list[Paragraph]:
+    """``line`` as a paragraph of its own, if it is long_enough."""
+    text = " ".join(line.split())
+    return [(text, [])] if len(text) >= MIN_PARAGRAPH_CHARS else []
 
 
 def paragraphs_compared(text: str) -> list[str]:
     """The paragraphs of ``text`` (parts between blank lines) that are compared with the corpus's, their white space
     runs one space each (a text re-wrapped or re-indented is the same text), MIN_PARAGRAPH_CHARS long or longer."""
-    parts = (" ".join(part.split()) for part in _BLANK_LINE.split(_unix_line_ends(text)))
-    return [part for part in parts if len(part) >= MIN_PARAGRAPH_CHARS]
+    return [paragraph for paragraph, _ in paragraphs_with_lines(text)]
+
+
+def paragraphs_with_lines(text: str) -> list[Paragraph]:
+    """The paragraphs_compared of ``text``, each with those of its lines (when it has more than one) that are
+    MIN_PARAGRAPH_CHARS long or longer: a text of one document per line and no blank line is one paragraph, which
+    never matches the same documents re-wrapped with blank lines between them, while its lines do."""
+    found = []
+    for part in _BLANK_LINE.split(_unix_line_ends(text)):
+        paragraph = " ".join(part.split())
+        if len(paragraph) < MIN_PARAGRAPH_CHARS:
+            continue
+        lines = (" ".join(line.split()) for line in part.split("\n"))
+        found.append((paragraph, [line for line in lines if len(line) >= MIN_PARAGRAPH_CHARS and line != paragraph]))
+    return found
 
 
 @dataclass
 class _TextKeys:
     """What is kept of a text to compare it with the corpus: its documents' and paragraphs' hashes (how many times
-    each), which documents are long enough to count in a WARNING (long_enough), and each paragraph's length. Hashes
-    only, so the memory is bounded whatever the texts' length."""
+    each), which documents are long enough to count in a WARNING (long_enough), each paragraph's length, and the
+    hashes and lengths of the long lines of each paragraph (paragraphs_with_lines). Hashes only, so the memory is
+    bounded whatever the texts' length."""
 
     documents: Counter = field(default_factory=Counter)
     long: set[int] = field(default_factory=set)
     paragraphs: Counter = field(default_factory=Counter)
     lengths: dict[int, int] = field(default_factory=dict)
+    lines: dict[int, set[int]] = field(default_factory=dict)
+    line_lengths: dict[int, int] = field(default_factory=dict)
 
-    def add(self, document: str, paragraphs: list[str]) -> None:
+    def add(self, document: str, paragraphs: list[Paragraph]) -> None:
         """Count ``document`` (unless it is white space alone) and ``paragraphs`` (those _with_paragraphs gives)."""
         if document.strip():
             key = document_key(document)
             self.documents[key] += 1
             if long_enough(document):
                 self.long.add(key)
-        for paragraph in paragraphs:
+        for paragraph, lines in paragraphs:
             key = text_digest(paragraph)
             self.paragraphs[key] += 1
             self.lengths[key] = len(paragraph)
+            for line in lines:
+                line_key = text_digest(line)
+                self.lines.setdefault(key, set()).add(line_key)
+                self.line_lengths[line_key] = len(line)
+
+    def holds(self, key: int) -> bool:
+        """Whether ``key`` is the hash of one of the paragraphs or of their lines."""
+        return key in self.paragraphs or key in self.line_lengths
+
+    def found(self, keys: set[int]) -> set[int]:
+        """The paragraphs found (``keys``: the hashes found), whole or by one of their lines or more."""
+        return {key for key in self.paragraphs if key in keys or not keys.isdisjoint(self.lines.get(key, ()))}
 
     def characters(self, keys: Iterable[int]) -> int:
         return sum(self.paragraphs[key] * self.lengths[key] for key in keys)
 
+    def shared_characters(self, keys: set[int]) -> int:
+        """The characters of the paragraphs found (``keys``: the hashes found): a paragraph's own where it is found
+        whole, else those of its lines found (its length at most)."""
+        total = 0
+        for key, count in self.paragraphs.items():
+            if key in keys:
+                total += count * self.lengths[key]
+            else:
+                lines = sum(self.line_lengths[line] for line in self.lines.get(key, ()) if line in keys)
+                total += count * min(lines, self.lengths[key])
+        return total
+
 
 @dataclass
 class _Found:
-    """Which of a text's documents and paragraphs (their hashes) the corpus holds, and a few of the paragraphs."""
+    """Which of a text's documents and paragraphs or their lines (their hashes) the corpus holds, and a few of the
+    paragraphs."""
 
     documents: set[int] = field(default_factory=set)
     paragraphs: set[int] = field(default_factory=set)
@@ -160,22 +241,24 @@ class _Found:
 
 
 def _find_in_corpus(data, ours: _TextKeys) -> _Found:
-    """The corpus ``data`` names read once, its documents and paragraphs looked up in ``ours``; a paragraph is
-    hashed only where its length is one of ours (most are not), and the reading stops once all are found."""
+    """The corpus ``data`` names read once, its documents and paragraphs (and their long lines) looked up in
+    ``ours``'s paragraphs and lines; a text is hashed only where its length is one of ours (most are not), and the
+    reading stops once all documents and paragraphs are found whole."""
     corpus = load_documents(data)
     column = text_column_of(corpus, data.text_column)
-    lengths, found = set(ours.lengths.values()), _Found()
+    lengths, found, whole = {*ours.lengths.values(), *ours.line_lengths.values()}, _Found(), 0
     batches = corpus.select_columns([column]).iter(batch_size=1024)
     texts = (text for batch in batches for text in batch[column] if isinstance(text, str))
     for text, paragraphs in _with_paragraphs(texts, cut_by_line(corpus, data.sample_by)):
         if text.strip() and (key := document_key(text)) in ours.documents:
             found.documents.add(key)
-        for paragraph in paragraphs:
-            if len(paragraph) in lengths and (key := text_digest(paragraph)) in ours.paragraphs:
-                if key not in found.paragraphs and len(found.examples) < 2:
-                    found.examples.append(paragraph)
+        for candidate in (each for paragraph, lines in paragraphs for each in (paragraph, *lines)):
+            if len(candidate) in lengths and ours.holds(key := text_digest(candidate)) and key not in found.paragraphs:
+                if len(found.examples) < 2:
+                    found.examples.append(candidate)
                 found.paragraphs.add(key)
-        if len(found.documents) == len(ours.documents) and len(found.paragraphs) == len(ours.paragraphs):
+                whole += key in ours.paragraphs
+        if len(found.documents) == len(ours.documents) and whole == len(ours.paragraphs):
             break
     return found
 
@@ -191,8 +274,9 @@ def check_documents_outside_corpus(data, texts: Iterable[str], *, line_cut: bool
     model was not trained on. The files' bytes (app/data_checks.py, before the model loads) tell a copy of a file
     only; the same documents in another form (JSON Lines of the texts, another line end, a trailing newline, part of
     them) are found here by their text (document_key), and the corpus's text cut at other document boundaries (one
-    row of all of it, a file per chapter) by its paragraphs (paragraphs_compared: short ones, which texts written
-    apart share, are left out; NEARLY_ALL of the rest's characters refuses). ``line_cut``: ``texts`` are the lines
+    row of all of it, a file per chapter, one document per line) by its paragraphs and their lines
+    (paragraphs_with_lines: short ones, which texts written apart share, are left out; NEARLY_ALL of the rest's
+    characters refuses). ``line_cut``: ``texts`` are the lines
     of text files, blank ones included (cut_by_line), whose paragraphs are those of the lines joined back, as are the
     corpus's where it is cut so. Documents with no text are not counted, and the WARNING counts documents as long as
     a paragraph compared only: a short one shared (``else:``) tells nothing. The refusal counts every document, however
@@ -228,10 +312,10 @@ def _refuse_corpus_text(name: str, source: str, ours: _TextKeys, found: _Found) 
             f"corpus (--dataset_name '{source}'), so its loss would be the corpus's own; name text the model was not "
             "trained on, or leave it out"
         )
-    shared, characters = ours.characters(found.paragraphs), ours.characters(ours.paragraphs)
+    shared, characters = ours.shared_characters(found.paragraphs), ours.characters(ours.paragraphs)
     if characters and shared >= NEARLY_ALL * characters:
         raise DataError(
-            f"--out_of_corpus_dataset '{name}': {sum(ours.paragraphs[k] for k in found.paragraphs)} of its "
+            f"--out_of_corpus_dataset '{name}': {sum(ours.paragraphs[k] for k in ours.found(found.paragraphs))} of its "
             f"{sum(ours.paragraphs.values())} paragraphs of {MIN_PARAGRAPH_CHARS} or more characters "
             f"({100 * shared // characters}% of their text) are paragraphs of the training corpus (--dataset_name "
             f"'{source}'), such as {_quoted(found.examples)}, so its loss would be the corpus's own; name text the "
@@ -259,7 +343,7 @@ def _warn_corpus_text(name: str, source: str, ours: _TextKeys, found: _Found) ->
             "training corpus (--dataset_name '%s'), such as %s, so the out-of-corpus loss is partly the corpus's own; "
             "name text the model was not trained on",
             name,
-            sum(ours.paragraphs[key] for key in found.paragraphs),
+            sum(ours.paragraphs[key] for key in ours.found(found.paragraphs)),
             sum(ours.paragraphs.values()),
             MIN_PARAGRAPH_CHARS,
             source,
@@ -303,6 +387,9 @@ __all__ = [
     "MIN_PARAGRAPH_CHARS",
     "NEARLY_ALL",
     "document_key",
+    "MAX_JOINED_CHARS",
+    "Paragraph",
     "paragraphs_compared",
+    "paragraphs_with_lines",
     "out_of_corpus_set",
 ]

@@ -194,15 +194,15 @@ def _check_utf8_mark(name: str, folder: Optional[Path], files: list[Path]) -> No
 
 
 def _check_no_nul(name: str, folder: Optional[Path], files: list[Path]) -> None:
-    """Refuse a file of ``files`` whose first chunk is largely NUL bytes (file_contents.nul_bytes): UTF-16 or UTF-32
-    text without a byte-order mark, or binary data. NUL is valid UTF-8, so the builders read it without a word, as
-    text with a NUL between its characters (or as too little text, no line or paragraph telling)."""
+    """Refuse a file of ``files`` whose first chunk holds NUL bytes as other text or binary data does
+    (file_contents.nul_bytes): UTF-16 or UTF-32 text without a byte-order mark (ASCII or not), or binary data. NUL
+    is valid UTF-8, so the builders read it without a word, as text with a NUL between its characters (or as too
+    little text, no line or paragraph telling)."""
     found = nul_bytes(files)
     if found is None:
         return
-    path, encoding = found
+    path, encoding, places = found
     if encoding is not None:
-        places = "every other byte" if encoding.startswith("utf-16") else "three bytes of every four"
         told = f"{encoding.upper()} text without a byte-order mark (NUL {places}), not UTF-8"
         _refuse_encoding(name, folder, path, encoding, told)
     what = f"its file '{path.relative_to(folder)}'" if folder is not None else "it"

@@ -121,7 +121,7 @@ def writer_gone(leftover: Path) -> bool:
     is not asked whether it is Python. The writer may be a Python embedded in another program or renamed by it
     (uwsgi, a frozen executable, setproctitle), so "not Python" would delete a live write's folder under it, which
     is data lost; a reused pid (a reboot, a container's pid 1) costs a refusal only, and that refusal
-    (write_in_progress) says which folder to delete when no hf-tapernorm command is running."""
+    (write_in_progress) names the process, and which folder to delete if it is not the writer."""
     pid = int(leftover.name.rpartition("-")[2])
     if not is_pid(pid) or pid > system_pid_max():
         return True
@@ -187,16 +187,34 @@ def writes_inside(folder: Path) -> list[Path]:
     return [entry for entry in entries if WRITING_INSIDE.fullmatch(entry.name) and is_write_folder(entry)]
 
 
+def process_command(pid: int) -> Optional[str]:
+    """The command line of process ``pid`` as the system says it (/proc/PID/cmdline, its arguments joined by
+    spaces), or None where it does not say (no /proc, another user's process hidden, the process gone)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    words = [os.fsdecode(word) for word in raw.split(b"\0") if word]
+    return " ".join(words) or None
+
+
 def write_in_progress(folder: Path) -> Optional[str]:
     """The words naming a live write into ``folder`` (its ``.hf_tapernorm_writing-PID``, writer running), or None:
-    a second write would mix its files with that one's, so each write refuses the folder, saying so."""
+    a second write would mix its files with that one's, so each write refuses the folder, saying so.
+
+    The writer may be any Python program calling export_folded, not only an hf-tapernorm command, so the words name
+    the process by its command line where the system says it, and say to delete the folder only if that process is
+    not the writer (a pid reused after a restart): deleting a live write's folder loses the earlier export and the
+    new one."""
     live = [entry for entry in writes_inside(folder) if not writer_gone(entry)]
     if not live:
         return None
     pid = live[0].name.rpartition("-")[2]
+    command = process_command(int(pid))
+    process = f"pid {pid}: {command}" if command else f"pid {pid}"
     return (
-        f"another write of {folder} is in progress (pid {pid}, through '{live[0].name}'; if no hf-tapernorm command "
-        f"is running, pid {pid} is another program's and that folder a killed write's: delete '{live[0]}')"
+        f"another write of {folder} is in progress ({process}, through '{live[0].name}'; delete '{live[0]}' only if "
+        f"process {pid} is not writing this export, its pid reused after a restart)"
     )
 
 
@@ -242,6 +260,7 @@ __all__ = [
     "marked_and_abandoned",
     "move_up",
     "name_max",
+    "process_command",
     "process_running",
     "remove_abandoned",
     "remove_abandoned_inside",

@@ -19,6 +19,7 @@ import yaml
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from hf_tapernorm._temporaries import process_command
 from hf_tapernorm.app.fingerprints import fingerprint
 from tests.conftest import build, char_tokenizer, corpus_documents, tiny_llama_config
 from tests.helpers import copy_run as copy_of
@@ -174,6 +175,16 @@ def _edited_manifest(entry):
         return ["push", "--export_dir", str(folder / "folded"), "--repo_id", "me/x"]
 
     return make
+
+
+def _dangling_link(ws: Path, command: str, target: str) -> str:
+    """``ws/links/COMMAND``, a symbolic link to ``ws/links/TARGET``, which does not exist."""
+    link = ws / "links" / command
+    link.parent.mkdir(exist_ok=True)
+    if link.is_symlink():
+        link.unlink()
+    link.symlink_to(ws / "links" / target)
+    return str(link)
 
 
 def _incomplete_export(ws, run, tmp):
@@ -512,6 +523,33 @@ CASES = {
             ),
         )
         for tail in ("", "out.json" if option == "--output_json" else "out")
+    },
+    # a symbolic link to a folder that does not exist as an output (or on the way to --output_json's file): bench
+    # and taper said "cannot write into output folder 'dl': File exists EEXIST", eval "the folder 'dl' does not
+    # exist; create it first" (mkdir dl fails). Every output option now refuses it in export_folded's words
+    # (app/data_checks.refuse_dangling_output), before anything is created
+    **{
+        f"{command}: {option} through a link to a missing folder ({target})": (
+            lambda ws, run, tmp, make=make, name=command, target=target: make(
+                ws, run, _dangling_link(ws, name, target)
+            ),
+            2,
+            f"error: {option} '{{ws}}/links/{command}{'/r.json' if option == '--output_json' else ''}': "
+            f"'{{ws}}/links/{command}' is a link to a folder that does not exist ('{{ws}}/links/{target}'); create "
+            "that folder, or choose another",
+            NEEDS_RUN,
+        )
+        for command, option, make in (
+            ("taper", "--output_dir", lambda ws, run, out: [*taper_argv(ws, ws / "x"), "--output_dir", out]),
+            ("bench", "--output_dir", lambda ws, run, out: _bench(ws, "--output_dir", out)),
+            ("eval", "--output_json", lambda ws, run, out: _eval(ws, "--output_json", out + "/r.json")),
+            (
+                "fold",
+                "--output_dir",
+                lambda ws, run, out: ["fold", "--checkpoint", str(run / "tapered"), "--output_dir", out],
+            ),
+        )
+        for target in ("gone", "nowhere/gone")
     },
     # an output inside a dataset folder the command reads was written there, and every later command on
     # that folder refused it ("mixes file types (json, text)"); each is now refused as taper's --output_dir is
@@ -1885,7 +1923,11 @@ CASES = {
         " ".join(["fold", *extra, "into a folder an export_folded is writing"]): (
             _fold_beside_a_live_write(*extra),
             2,
-            ["/D': another write of ", f"is in progress (pid {os.getppid()}, through '.hf_tapernorm_writing-"],
+            [
+                "/D': another write of ",
+                f"is in progress (pid {os.getppid()}: {process_command(os.getppid())}, through '.hf_tapernorm_writing-",
+                f"' only if process {os.getppid()} is not writing this export, its pid reused after a restart)",
+            ],
             NEEDS_RUN,
         )
         for extra in ((), ("--overwrite",))

@@ -510,7 +510,7 @@ def test_export_folded_names_a_write_in_progress_in_the_folder(folded, tmp_path)
     both say another write of D is in progress, with its pid; nothing is touched."""
     import os
 
-    from hf_tapernorm._temporaries import WRITE_MARK
+    from hf_tapernorm._temporaries import WRITE_MARK, process_command
 
     target, pid = tmp_path / "target", os.getppid()  # a running process
     (target / f".hf_tapernorm_writing-{pid}").mkdir(parents=True)
@@ -520,10 +520,10 @@ def test_export_folded_names_a_write_in_progress_in_the_folder(folded, tmp_path)
         with pytest.raises(ConfigurationError) as refused:
             export_folded(folded, target, overwrite=overwrite)
         assert str(refused.value) == (
-            f"cannot export into {target}: another write of {target} is in progress (pid {pid}, through "
-            f"'.hf_tapernorm_writing-{pid}'; if no hf-tapernorm command is running, pid {pid} is another program's "
-            f"and that folder a killed write's: delete '{target / f'.hf_tapernorm_writing-{pid}'}'); wait for it to "
-            "finish, or choose a new folder"
+            f"cannot export into {target}: another write of {target} is in progress (pid {pid}: "
+            f"{process_command(pid)}, through '.hf_tapernorm_writing-{pid}'; delete "
+            f"'{target / f'.hf_tapernorm_writing-{pid}'}' only if process {pid} is not writing this export, its pid "
+            "reused after a restart); wait for it to finish, or choose a new folder"
         )
     assert _files(target) == before
 

@@ -341,6 +341,40 @@ def test_a_marked_write_named_after_no_pid_is_no_live_writer(tmp_path, number):
     assert not leftover.exists() and export.is_dir()
 
 
+def test_a_live_write_is_named_by_its_command_line_and_its_folder_never_called_a_killed_write_s(tmp_path, monkeypatch):
+    """A live library export_folded (a Python script, no hf-tapernorm command) into E, then fold --overwrite into E:
+    the refusal said "if no hf-tapernorm command is running, pid N is another program's ...: delete" its folder, and
+    a user who followed it lost both exports. Now it names the process by its command line (/proc/N/cmdline) and
+    says to delete the folder only if that process is not writing the export; where the system does not say, the
+    pid alone."""
+    import sys
+
+    from hf_tapernorm import _temporaries
+    from hf_tapernorm._temporaries import WRITE_MARK, write_in_progress
+
+    if not Path("/proc/self/cmdline").is_file():
+        pytest.skip("the system does not say a process's command line")
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "libwrite.py"])
+    try:
+        export = tmp_path / "export"
+        live = export / f".hf_tapernorm_writing-{writer.pid}"
+        live.mkdir(parents=True)
+        (live / WRITE_MARK).write_text("")
+        advice = f"; delete '{live}' only if process {writer.pid} is not writing this export, its pid reused after"
+        assert write_in_progress(export) == (
+            f"another write of {export} is in progress (pid {writer.pid}: {sys.executable} -c import time; "
+            f"time.sleep(60) libwrite.py, through '{live.name}'{advice} a restart)"
+        )
+        monkeypatch.setattr(_temporaries, "process_command", lambda pid: None)  # no /proc
+        assert write_in_progress(export) == (
+            f"another write of {export} is in progress (pid {writer.pid}, through '{live.name}'{advice} a restart)"
+        )
+        assert "no hf-tapernorm command" not in write_in_progress(export) and live.is_dir()
+    finally:
+        writer.kill()
+        writer.wait()
+
+
 def test_the_largest_pid_is_the_system_s_where_it_says_and_any_system_s_elsewhere(monkeypatch):
     """A number is no pid above /proc/sys/kernel/pid_max (less one) on Linux; where there is no /proc, above the
     largest any system gives (2**31 - 1), as before."""

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from hf_tapernorm._temporaries import process_command
 from hf_tapernorm.errors import ConfigurationError
 from hf_tapernorm.export.hub import files_to_push
 from tests.helpers import copy_run as copy_of
@@ -248,10 +249,10 @@ def test_push_refuses_an_export_a_killed_or_running_write_left_its_folder_in(exp
     with pytest.raises(ConfigurationError) as refused:
         files_to_push(export)
     assert str(refused.value) == (
-        f"'{export}': another write of {export} is in progress (pid {os.getppid()}, through "
-        f"'.hf_tapernorm_writing-{os.getppid()}'; if no hf-tapernorm command is running, pid {os.getppid()} is "
-        f"another program's and that folder a killed write's: delete "
-        f"'{export / f'.hf_tapernorm_writing-{os.getppid()}'}'); wait for it to finish, then push"
+        f"'{export}': another write of {export} is in progress (pid {os.getppid()}: {process_command(os.getppid())}, "
+        f"through '.hf_tapernorm_writing-{os.getppid()}'; delete '{export / f'.hf_tapernorm_writing-{os.getppid()}'}' "
+        f"only if process {os.getppid()} is not writing this export, its pid reused after a restart); wait for it to "
+        "finish, then push"
     )
 
 

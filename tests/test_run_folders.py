@@ -567,12 +567,16 @@ def _changed_warnings(caplog) -> list[str]:
 def test_fold_overwrite_warns_of_weights_changed_since_the_export(reference, tmp_path, caplog):
     """fold --overwrite of an export whose model.safetensors its owner had saved over replaced it without a word,
     where export_folded(overwrite=True) names it in a WARNING (fold writes through write_folder, around that check).
-    It still replaces them, as asked, with the same WARNING (manifest.warn_changed_export)."""
+    It still replaces them, as asked, with the same WARNING (manifest.warn_changed_export), once fold goes ahead:
+    a fold refused after its check of the folder (its fold check, here) said "replaces" though nothing was."""
     export = tmp_path / "export"
     code, _, stderr = run_main(fold_argv(reference / "tapered", export))
     assert code == 0, stderr[-2000:]
     changed = _flip_last_byte(export / "model.safetensors")
     caplog.set_level(logging.WARNING)
+    code, _, stderr = run_main(fold_argv(reference / "tapered", export, "--overwrite", "--tolerance", "1e-300"))
+    assert code != 0 and "logits differ from the unfolded" in stderr, stderr[-2000:]
+    assert _changed_warnings(caplog) == [] and (export / "model.safetensors").read_bytes() == changed
     code, _, stderr = run_main(fold_argv(reference / "tapered", export, "--overwrite"))
     assert code == 0, stderr[-2000:]
     assert _changed_warnings(caplog) == [
@@ -587,13 +591,25 @@ def test_taper_warns_of_weights_changed_in_the_run_export_it_replaces(
     workspace, run, tmp_path, monkeypatch, caplog, option
 ):
     """taper --overwrite, and --resume of the finished run, replaced a model.safetensors and config.json saved over
-    the run's folded/ export without a word; they name them in fold's WARNING now, before anything is loaded."""
+    the run's folded/ export without a word; they name them in fold's WARNING now. It came before the checks that
+    then refused the run (a --block_size beyond the model's positions): "replaces ..." though nothing was. Now it
+    comes once the run goes ahead (prepare_run_folder, before the folder is emptied or cleaned), and a refused run
+    says nothing of it."""
+    import hf_tapernorm.app.taper as taper_pipeline
+
     folder = copy_of(run, tmp_path)
     _flip_last_byte(folder / "folded" / "model.safetensors")
     (folder / "folded" / "config.json").write_text((folder / "folded" / "config.json").read_text() + "\n")
-    no_loading(monkeypatch)
     caplog.set_level(logging.WARNING)
-    with pytest.raises(AssertionError, match="loaded the model or the data before refusing"):
+    code, _, stderr = run_main([*run_argv(workspace, folder), option, "--block_size", "100000"])
+    assert code == 2 and "--block_size 100000" in stderr, stderr[-2000:]
+    assert _changed_warnings(caplog) == []
+
+    def stop(*args, **kwargs):
+        raise AssertionError("stopped once the folder was prepared")
+
+    monkeypatch.setattr(taper_pipeline, "new_run_record", stop)  # right after prepare_run_folder: nothing trains
+    with pytest.raises(AssertionError, match="stopped once the folder was prepared"):
         run_main([*run_argv(workspace, folder), option])
     assert _changed_warnings(caplog) == [
         f"{option} of {folder}, which writes its export {folder / 'folded'} anew, replaces config.json, "
@@ -1519,6 +1535,7 @@ def test_fold_deletes_a_killed_export_folded_leftover_and_names_a_running_one(tm
     again. Now fold's check deletes it (export_folded does the same), and a running writer's is named."""
     from hf_tapernorm import export_folded, fold_model
     from hf_tapernorm._parsing import UsageError
+    from hf_tapernorm._temporaries import process_command
     from hf_tapernorm.cli.commands import check_export_folder
     from tests.helpers import tapered
 
@@ -1531,7 +1548,8 @@ def test_fold_deletes_a_killed_export_folded_leftover_and_names_a_running_one(tm
     with pytest.raises(UsageError) as refused:
         check_export_folder(export, overwrite=True)
     assert str(refused.value) == (
-        f"output folder '{export}': another write of {export} is in progress (pid {os.getppid()}, through "
-        f"'{live.name}'; if no hf-tapernorm command is running, pid {os.getppid()} is another program's and that "
-        f"folder a killed write's: delete '{live}'); wait for it to finish, or choose another --output_dir"
+        f"output folder '{export}': another write of {export} is in progress (pid {os.getppid()}: "
+        f"{process_command(os.getppid())}, through '{live.name}'; delete '{live}' only if process {os.getppid()} is "
+        "not writing this export, its pid reused after a restart); wait for it to finish, or choose another "
+        "--output_dir"
     )

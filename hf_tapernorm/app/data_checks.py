@@ -301,13 +301,35 @@ def output_target(option: str, output: str | os.PathLike) -> Path:
     return resolved_path(output, f"{option} '{output}'")
 
 
-def refuse_dangling_output(option: str, output: str | os.PathLike) -> None:
-    """output_target's refusal of a ``..`` after a folder that does not exist, for a check that resolves the path
-    its own way (eval's --output_json: check_result_file)."""
+def refuse_dangling_output(option: str, output: str | os.PathLike, *, folder: bool = True) -> None:
+    """output_target's refusal of a ``..`` after a folder that does not exist, and of a symbolic link to a folder
+    that does not exist on the way (the output itself where it is a ``folder``): mkdir of such a link fails with
+    EEXIST, and of a folder under it with ENOENT; one line instead, in export_folded's words. Also for a check that
+    resolves the path its own way (eval's --output_json, a file: check_result_file)."""
     what = f"{option} '{output}'"
-    dangling = dangling_parent_step(expand_user(output, what), what)
-    if dangling:
-        raise ConfigurationError(dangling)
+    path = expand_user(output, what)
+    refusal = dangling_parent_step(path, what)
+    link = dangling_link(path if folder else path.parent)
+    if refusal or link:
+        raise ConfigurationError(refusal or f"{what}: {link}")
+
+
+def dangling_link(path: Path) -> Optional[str]:
+    """The words naming the first symbolic link on ``path`` (a folder above it, or itself) whose target does not
+    exist, or None (a link loop or an unreadable folder: the destination checks say so)."""
+    for place in [*reversed(path.parents), path]:
+        try:
+            if not place.is_symlink():
+                continue
+            os.stat(place)
+        except FileNotFoundError:
+            return (
+                f"'{place}' is a link to a folder that does not exist ('{os.readlink(place)}'); create that folder, "
+                "or choose another"
+            )
+        except OSError:
+            return None
+    return None
 
 
 def check_output_outside(
@@ -458,6 +480,7 @@ __all__ = [
     "check_hub_datasets",
     "check_output_outside",
     "output_target",
+    "dangling_link",
     "refuse_dangling_output",
     "check_out_of_corpus_differs",
     "check_output_outside_models",

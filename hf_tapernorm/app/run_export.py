@@ -4,10 +4,10 @@ deleted or trained.
 Either writes the run's export anew (a ``--resume`` of a finished run too: it folds its tapered model again and
 re-exports), so what its owner added to the export since goes with it. A model card edited after the export wrote
 it is refused, as ``fold --overwrite`` refuses it (export/manifest.py ``edited_card``), and weights or a config
-changed since are named in a WARNING (``warn_changed_export``, as fold's). The robustness scan a later
-``fold --scan_windows N`` wrote into ``folded/`` is the run's to replace (the export's manifest lists it, and the
-export was made from the run's own tapered/, fold_main checks that), but a run with ``--scan_windows 0`` writes
-none in its place: a WARNING names it, before anything is deleted.
+changed since are named in a WARNING (``warn_changed_export``, as fold's) once the run goes ahead. The robustness
+scan a later ``fold --scan_windows N`` wrote into ``folded/`` is the run's to replace (the export's manifest lists
+it, and the export was made from the run's own tapered/, fold_main checks that), but a run with ``--scan_windows 0``
+writes none in its place: a WARNING names it, after every refusal and before anything is deleted.
 """
 
 from __future__ import annotations
@@ -24,18 +24,28 @@ from .run_lock import RunFolderError
 logger = logging.getLogger(__name__)
 
 
-def check_run_export(run: Path, *, resume: bool, scans: bool) -> None:
-    """Refuse ``--overwrite`` or ``--resume`` (``resume``) of the run in ``run`` whose export holds an edited card;
-    warn of its files changed since the export wrote them (weights saved over it), and of a robustness scan in it
-    that the new export does not replace (``scans``: the run scans its export)."""
+def check_run_export(run: Path, *, resume: bool) -> None:
+    """Refuse ``--overwrite`` or ``--resume`` (``resume``) of the run in ``run`` whose export holds an edited card."""
     export = run / RUN_EXPORT
     try:
-        edited, files = edited_card(export), export_manifest(export) or []
+        edited = edited_card(export)
+    except ConfigurationError:  # a damaged export manifest: none of its files are the run's (RunFolder.check)
+        return
+    if edited:
+        verb = "--resume" if resume else "--overwrite"
+        raise RunFolderError(f"refusing to {verb} '{run}', which writes its export '{export}' anew: {EDITED_CARD}")
+
+
+def warn_run_export(run: Path, *, resume: bool, scans: bool) -> None:
+    """Warn of the files of the run's export changed since the export wrote them (weights saved over it), and of a
+    robustness scan in it that the new export does not replace (``scans``: the run scans its export). Called once
+    the run goes ahead (prepare_run_folder, after every check that can refuse it): a refused run replaces nothing."""
+    export = run / RUN_EXPORT
+    try:
+        files = export_manifest(export) or []
     except ConfigurationError:  # a damaged export manifest: none of its files are the run's (RunFolder.check)
         return
     verb = "--resume" if resume else "--overwrite"
-    if edited:
-        raise RunFolderError(f"refusing to {verb} '{run}', which writes its export '{export}' anew: {EDITED_CARD}")
     warn_changed_export(export, f"{verb} of {run}, which writes its export {export} anew,")
     if SCAN_FILE in files and not scans:
         logger.warning(
@@ -48,4 +58,4 @@ def check_run_export(run: Path, *, resume: bool, scans: bool) -> None:
         )
 
 
-__all__ = ["check_run_export"]
+__all__ = ["check_run_export", "warn_run_export"]

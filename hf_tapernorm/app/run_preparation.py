@@ -13,7 +13,7 @@ from typing import Optional
 
 from ..evaluation.models import ModelSource
 from .resume_check import check_resumable
-from .run_export import check_run_export
+from .run_export import check_run_export, warn_run_export
 from .run_folder import RunFolder
 from .training_run import recorded_identity
 from .validation import TaperRequest, check_inputs_outside
@@ -47,7 +47,7 @@ def check_run_folder(request: TaperRequest, output: RunFolder, source: ModelSour
             "--baseline_from": request.run.baseline_from,
         }
         check_inputs_outside(output.path, inputs, "--overwrite" if request.run.overwrite else "--resume")
-        check_run_export(output.path, resume=request.run.resume, scans=bool(request.data.scan_windows))
+        check_run_export(output.path, resume=request.run.resume)
     stale_checkpoints = (
         check_resumable(output.path, trust_sharded_checkpoint=request.model.trust_sharded_checkpoint)
         if request.run.resume
@@ -56,9 +56,16 @@ def check_run_folder(request: TaperRequest, output: RunFolder, source: ModelSour
     return must_empty, stale_checkpoints
 
 
-def prepare_run_folder(output: RunFolder, must_empty: bool, stale_checkpoints: Optional[list[Path]], identity) -> None:
+def prepare_run_folder(
+    output: RunFolder, must_empty: bool, stale_checkpoints: Optional[list[Path]], identity, *, scans: bool
+) -> None:
     """Empty the folder (``must_empty``), or, resuming (``stale_checkpoints`` not None), remove what a stopped run
-    was writing; then record the folder's files (a resumed run's identity is rewritten once it has trained)."""
+    was writing; then record the folder's files (a resumed run's identity is rewritten once it has trained). First
+    the WARNING of what the new export replaces (warn_run_export; ``scans``: the run scans its export): the run goes
+    ahead now, every check that could refuse it passed."""
+    resume = stale_checkpoints is not None
+    if must_empty or resume:
+        warn_run_export(output.path, resume=resume, scans=scans)
     if must_empty:
         output.empty()
     if stale_checkpoints is None:

@@ -136,7 +136,8 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
     reference_text = out_of_corpus_set(request.data, tokenizer, config.sink_token_ids)
     model = load_model(source, dtype=request.model.dtype, trust_remote_code=request.model.trust_remote_code)
     if state.is_main_process:
-        prepare_run_folder(output, must_empty, stale_checkpoints if run.resume else None, identity)
+        stale = stale_checkpoints if run.resume else None
+        prepare_run_folder(output, must_empty, stale, identity, scans=bool(request.data.scan_windows))
     state.wait_for_everyone()
 
     record = new_run_record(request, source, model, packed, config, schedule, allowed_changes)

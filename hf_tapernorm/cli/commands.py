@@ -346,7 +346,6 @@ def fold_main(argv: Sequence[str]) -> int:
     export.lock()  # held until the export is written: a second command into this folder is refused meanwhile
     try:
         check_export_folder(output_dir, fold_args.overwrite, locked=True)  # another command may have written it
-        warn_changed_export(output_dir, f"--overwrite of '{output_dir}'")  # as export_folded(overwrite=True) does
         return _fold_into(output_dir, source, fold_args, (tokenizer, texts), card)
     finally:
         export.unlock()
@@ -375,6 +374,7 @@ def _fold_into(
     folded = fold_model(model, tied_head=fold_args.tied_head, tolerance=fold_args.tolerance)
     scan = fold_scan(texts, folded, tokenizer)
     facts = {**card, **({"robustness_scan": scan} if scan else {})} or None
+    warn_changed_export(output_dir, f"--overwrite of '{output_dir}'")  # after every refusal, as export_folded warns
     with full_disk_refused(output_dir):
         write_folder(output_dir, lambda tmp: save_export(folded, tokenizer, tmp, facts))  # replaces an earlier export
     print(json.dumps({"export": str(output_dir), "fold": folded.fold_report.to_dict()}))

@@ -69,7 +69,7 @@ def check_result_file(path: Path) -> None:
     Checked before the model loads; a model's config.json or a user's file is never written over, and a path whose
     temporary sibling would pass PATH_MAX is refused (before the absolute path it resolves to could be).
     """
-    refuse_dangling_output("--output_json", path)  # a '..' after a missing folder: as every output refuses it
+    refuse_dangling_output("--output_json", path, folder=False)  # as every output refuses it
     check_path_length(path, f"--output_json {path}")
     try:
         if not resolved_path(path.parent, f"--output_json {path}").is_dir():  # a symbolic link loop: one line

@@ -83,12 +83,12 @@ def export_folded(
     dangling = dangling_parent_step(folder, f"export_folded: save_directory '{save_directory}'")
     if dangling:  # "DIR/nothere/..": creating nothere/ would write into DIR, a folder no check looked at
         raise ConfigurationError(dangling)
-    remove_abandoned_inside(folder)
-    replace = _check_export_folder(folder, overwrite)
-    if facts is not None and not isinstance(facts, Mapping):
+    if facts is not None and not isinstance(facts, Mapping):  # before the folder's check, which warns of changes
         raise ConfigurationError(
             f"export_folded: facts= must be a mapping of model card facts, got {type(facts).__name__}"
         )
+    remove_abandoned_inside(folder)
+    replace = _check_export_folder(folder, overwrite)
     if facts is not None or model.model_card is None:
         attach_model_card(model, facts)
     _write_to(folder, model, tokenizer, replace)

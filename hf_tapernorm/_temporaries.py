@@ -187,15 +187,21 @@ def writes_inside(folder: Path) -> list[Path]:
     return [entry for entry in entries if WRITING_INSIDE.fullmatch(entry.name) and is_write_folder(entry)]
 
 
+#: The most characters of a writer's command line a refusal shows (a long one would fill the terminal).
+_COMMAND_SHOWN = 200
+
+
 def process_command(pid: int) -> Optional[str]:
     """The command line of process ``pid`` as the system says it (/proc/PID/cmdline, its arguments joined by
-    spaces), or None where it does not say (no /proc, another user's process hidden, the process gone)."""
+    spaces, on one line: control characters escaped, cut after _COMMAND_SHOWN characters), or None where it does
+    not say (no /proc, another user's process hidden, the process gone)."""
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return None
     words = [os.fsdecode(word) for word in raw.split(b"\0") if word]
-    return " ".join(words) or None
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in " ".join(words))  # one line: \n escaped
+    return (text if len(text) <= _COMMAND_SHOWN else text[:_COMMAND_SHOWN] + "...") or None
 
 
 def write_in_progress(folder: Path) -> Optional[str]:

@@ -78,6 +78,35 @@ def file_in_the_way(folder: Path) -> Optional[str]:
     return None
 
 
+def dangling_link(path: Path) -> Optional[str]:
+    """The words naming the first symbolic link on ``path`` (a folder above it, or itself) whose target does not
+    exist, or None (a link loop or an unreadable folder: the destination checks say so). In a chain of links the last
+    one is named, with the target that is missing: that is the folder to create."""
+    for place in [*reversed(path.parents), path]:
+        try:
+            if not place.is_symlink():
+                continue
+            os.stat(place)
+        except FileNotFoundError:
+            last = _last_link(place)
+            return (
+                f"'{last}' is a link to a folder that does not exist ('{os.readlink(last)}'); create that folder, "
+                "or choose another"
+            )
+        except OSError:
+            return None
+    return None
+
+
+def _last_link(link: Path) -> Path:
+    """The last link of the chain ``link`` starts (a link to a link ...), each seen once."""
+    seen = {link}
+    while (target := Path(link.parent, os.readlink(link))).is_symlink() and target not in seen:
+        seen.add(target)
+        link = target
+    return link
+
+
 def dangling_parent_step(path: Path, what: str) -> Optional[str]:
     """The refusal (a line starting with ``what``) of a ``path`` with a ``..`` after a folder that does not exist, or
     None: the kernel takes it for no folder, a lexical reading for the one above, and a write that created the
@@ -328,6 +357,7 @@ __all__ = [
     "expand_user",
     "BARE_TILDE_OPTIONS",
     "expand_user_options",
+    "dangling_link",
     "file_in_the_way",
     "holds_model_weights",
     "refuse_weights_of_another_format",

@@ -498,7 +498,7 @@ def test_export_folded_names_a_link_to_a_missing_folder_before_writing(folded, t
     with pytest.raises(ConfigurationError) as refused:
         export_folded(folded, "dl")
     assert str(refused.value) == (
-        "cannot export into dl: dl is a link to a folder that does not exist ('nothere'); create that folder, or "
+        "cannot export into dl: 'dl' is a link to a folder that does not exist ('nothere'); create that folder, or "
         "choose another"
     )
     assert [p.name for p in tmp_path.iterdir()] == ["dl"]
@@ -583,6 +583,33 @@ def test_an_export_lacking_a_file_loading_reads_is_refused_by_its_option(folded,
         "which its manifest lists (a write killed while it moved them into place, or files deleted since); export it "
         "again with overwrite=True (hf-tapernorm fold --overwrite)"
     )
+
+
+def test_export_folded_refuses_unknown_facts_before_it_warns_of_what_it_replaces(folded, tmp_path, caplog):
+    """``export_folded(overwrite=True, facts={"bogus_fact": 1})`` of an export whose weights changed warned "replaces
+    model.safetensors" and then refused the facts: nothing was replaced. The card is rendered first now, so a refusal
+    comes before the WARNING, and the export is as it was."""
+    export = export_folded(folded, tmp_path / "exp")
+    with (export / "model.safetensors").open("ab") as weights:
+        weights.write(b"\0")  # changed after the export wrote it
+    before = (export / "model.safetensors").read_bytes()
+    with caplog.at_level(logging.WARNING), pytest.raises(ValueError, match="bogus_fact"):
+        export_folded(folded, export, overwrite=True, facts={"bogus_fact": 1})
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert (export / "model.safetensors").read_bytes() == before
+
+
+def test_export_folded_names_a_link_to_a_missing_folder_above_it(folded, tmp_path):
+    """``export_folded(m, "dl/sub")``, dl a link to a folder that does not exist, raised FileExistsError; only a link
+    that was the folder itself was named. A link anywhere above it is named now, before anything is written."""
+    (tmp_path / "dl").symlink_to(tmp_path / "nothere")
+    with pytest.raises(ConfigurationError) as caught:
+        export_folded(folded, tmp_path / "dl" / "sub")
+    assert str(caught.value) == (
+        f"cannot export into {tmp_path / 'dl' / 'sub'}: '{tmp_path / 'dl'}' is a link to a folder that does not exist "
+        f"('{tmp_path / 'nothere'}'); create that folder, or choose another"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dl"]
 
 
 def test_export_folded_overwrite_of_an_export_with_a_git_clone_says_why_it_refuses(folded, tmp_path):

@@ -375,6 +375,59 @@ def test_a_live_write_is_named_by_its_command_line_and_its_folder_never_called_a
         writer.wait()
 
 
+def test_a_live_writers_command_line_is_shown_on_one_line_and_cut(tmp_path):
+    """A writer started as a multi-line ``python -c`` made the one-line refusal span three lines (its newlines
+    printed raw), and one with a 6000-character command line printed all of it. The command line is shown on one
+    line now, control characters escaped, cut after 200 characters."""
+    import sys
+
+    from hf_tapernorm._temporaries import process_command
+
+    if not Path("/proc/self/cmdline").is_file():
+        pytest.skip("the system does not say a process's command line")
+    writers = [
+        subprocess.Popen([sys.executable, "-c", "import time\ntime.sleep(60)"]),
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "x" * 6000]),
+    ]
+    try:
+        shown = [process_command(writer.pid) for writer in writers]
+    finally:
+        for writer in writers:
+            writer.kill()
+            writer.wait()
+    assert shown[0] == f"{sys.executable} -c import time\\ntime.sleep(60)"
+    assert "\n" not in shown[1] and len(shown[1]) == 203 and shown[1].endswith("xxx...")
+
+
+def test_a_chain_of_links_to_a_missing_folder_names_its_last_link(tmp_path):
+    """``dl2 -> dl -> nothere``: the refusal named dl2 and its target dl ("create that folder"), itself a dangling
+    link that cannot be created as a folder. The last link of the chain is named, with the target that is missing."""
+    from hf_tapernorm.utils import dangling_link
+
+    (tmp_path / "dl").symlink_to(tmp_path / "nothere")
+    (tmp_path / "dl2").symlink_to(tmp_path / "dl")
+    assert dangling_link(tmp_path / "dl2" / "run") == (
+        f"'{tmp_path / 'dl'}' is a link to a folder that does not exist ('{tmp_path / 'nothere'}'); create that "
+        "folder, or choose another"
+    )
+    (tmp_path / "nothere").mkdir()
+    assert dangling_link(tmp_path / "dl2" / "run") is None
+
+
+def test_eval_output_json_under_a_file_is_named_as_a_file(tmp_path):
+    """``eval --output_json corpus.txt/r.json`` (a file where its folder goes) said "the folder 'corpus.txt' does
+    not exist; create it first", which could not be done. The file is named."""
+    from hf_tapernorm._parsing import UsageError
+    from hf_tapernorm.cli.destinations import check_result_file
+
+    (tmp_path / "corpus.txt").write_text("text\n")
+    (tmp_path / "filelink").symlink_to(tmp_path / "corpus.txt")
+    for parent in ("corpus.txt", "filelink"):
+        with pytest.raises(UsageError) as caught:
+            check_result_file(tmp_path / parent / "r.json")
+        assert str(caught.value) == f"--output_json {tmp_path / parent / 'r.json'}: '{tmp_path / parent}' is a file"
+
+
 def test_the_largest_pid_is_the_system_s_where_it_says_and_any_system_s_elsewhere(monkeypatch):
     """A number is no pid above /proc/sys/kernel/pid_max (less one) on Linux; where there is no /proc, above the
     largest any system gives (2**31 - 1), as before."""

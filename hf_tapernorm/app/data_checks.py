@@ -43,7 +43,7 @@ from ..data.sources import (
     local_dataset_path,
 )
 from ..errors import ConfigurationError
-from ..utils import dangling_parent_step, expand_user, holds_model_weights
+from ..utils import dangling_link, dangling_parent_step, expand_user, holds_model_weights
 from .run_folder import RunFolder
 from .run_lock import check_destination, resolved_path
 
@@ -314,24 +314,6 @@ def refuse_dangling_output(option: str, output: str | os.PathLike, *, folder: bo
         raise ConfigurationError(refusal or f"{what}: {link}")
 
 
-def dangling_link(path: Path) -> Optional[str]:
-    """The words naming the first symbolic link on ``path`` (a folder above it, or itself) whose target does not
-    exist, or None (a link loop or an unreadable folder: the destination checks say so)."""
-    for place in [*reversed(path.parents), path]:
-        try:
-            if not place.is_symlink():
-                continue
-            os.stat(place)
-        except FileNotFoundError:
-            return (
-                f"'{place}' is a link to a folder that does not exist ('{os.readlink(place)}'); create that folder, "
-                "or choose another"
-            )
-        except OSError:
-            return None
-    return None
-
-
 def check_output_outside(
     option: str, output: str | os.PathLike, inputs: Mapping[str, Optional[str]], *, reader: str, written: str
 ) -> None:
@@ -480,7 +462,6 @@ __all__ = [
     "check_hub_datasets",
     "check_output_outside",
     "output_target",
-    "dangling_link",
     "refuse_dangling_output",
     "check_out_of_corpus_differs",
     "check_output_outside_models",

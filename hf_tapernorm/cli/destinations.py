@@ -29,6 +29,7 @@ from ..app.run_folder import LOCK_NAME
 from ..app.run_lock import check_destination, refuse_while_running, resolved_path, unreadable_place
 from ..evaluation.scan import SCAN_FILE
 from ..export.manifest import EDITED_CARD, EXPORT_MANIFEST_NAME, edited_card, export_manifest
+from ..utils import file_in_the_way
 
 #: What an export folder holds (export_folded + the tokenizer); anything else in it is the user's.
 EXPORT_FILES = (
@@ -71,6 +72,9 @@ def check_result_file(path: Path) -> None:
     """
     refuse_dangling_output("--output_json", path, folder=False)  # as every output refuses it
     check_path_length(path, f"--output_json {path}")
+    blocking = file_in_the_way(path.parent)  # "the folder does not exist; create it" could not be followed
+    if blocking:
+        raise UsageError(f"--output_json {path}: '{path.parent if blocking == 'it' else blocking}' is a file")
     try:
         if not resolved_path(path.parent, f"--output_json {path}").is_dir():  # a symbolic link loop: one line
             raise UsageError(f"--output_json {path}: the folder '{path.parent}' does not exist; create it first")

@@ -30,7 +30,7 @@ from .._temporaries import (
 )
 from ..config_fields import check_tokenizer_to_save
 from ..errors import ConfigurationError, TaperStateError
-from ..utils import dangling_parent_step, expand_user, file_in_the_way
+from ..utils import dangling_link, dangling_parent_step, expand_user, file_in_the_way
 from .manifest import (
     EDITED_CARD,
     EXPORT_MANIFEST_NAME,
@@ -41,7 +41,7 @@ from .manifest import (
     recording_export,
     warn_changed_export,
 )
-from .model_card import attach_model_card
+from .model_card import render_model_card
 from .modeling_folded import FoldedModelMixin
 
 logger = logging.getLogger(__name__)
@@ -87,10 +87,12 @@ def export_folded(
         raise ConfigurationError(
             f"export_folded: facts= must be a mapping of model card facts, got {type(facts).__name__}"
         )
+    # The card first: unknown facts are refused before the folder's check, which warns of what it replaces.
+    card = render_model_card(model, facts) if facts is not None or model.model_card is None else None
     remove_abandoned_inside(folder)
     replace = _check_export_folder(folder, overwrite)
-    if facts is not None or model.model_card is None:
-        attach_model_card(model, facts)
+    if card is not None:
+        model.model_card = card  # attach_model_card's, once the folder is known to be written
     _write_to(folder, model, tokenizer, replace)
     logger.info("exported %s to %s", type(model).__name__, folder)
     return folder
@@ -184,11 +186,9 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
     ``overwrite``, and (even with it) a folder that is not an earlier export (no manifest: a user's model or files,
     which the export would replace) or an export holding files it did not write (a user's, which go with it).
     Returns whether ``folder`` holds an earlier export to replace."""
-    if folder.is_symlink() and not folder.exists():  # the write would fail at its end, in the OS's words
-        raise ConfigurationError(
-            f"cannot export into {folder}: {folder} is a link to a folder that does not exist "
-            f"('{os.readlink(folder)}'); create that folder, or choose another"
-        )
+    link = dangling_link(folder)  # the write would fail at its end, in the OS's words (a link above it too)
+    if link:
+        raise ConfigurationError(f"cannot export into {folder}: {link}")
     blocking = file_in_the_way(folder)
     if blocking:
         raise ConfigurationError(f"cannot export into {folder}: {blocking} is a file")

@@ -72,10 +72,10 @@ def check_result_file(path: Path) -> None:
     """
     refuse_dangling_output("--output_json", path, folder=False)  # as every output refuses it
     check_path_length(path, f"--output_json {path}")
-    blocking = file_in_the_way(path.parent)  # "the folder does not exist; create it" could not be followed
-    if blocking:
-        raise UsageError(f"--output_json {path}: '{path.parent if blocking == 'it' else blocking}' is a file")
     try:
+        blocking = file_in_the_way(path.parent)  # "the folder does not exist; create it" could not be followed
+        if blocking:
+            raise UsageError(f"--output_json {path}: '{path.parent if blocking == 'it' else blocking}' is a file")
         if not resolved_path(path.parent, f"--output_json {path}").is_dir():  # a symbolic link loop: one line
             raise UsageError(f"--output_json {path}: the folder '{path.parent}' does not exist; create it first")
         if path.is_symlink() or (path.exists() and not path.is_file()):

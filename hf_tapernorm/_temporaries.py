@@ -131,8 +131,13 @@ def writer_gone(leftover: Path) -> bool:
 def marked_and_abandoned(leftover: Path) -> bool:
     """A killed write's leftover outside a run folder's records: a folder a writer made (its mark is in it, a file)
     whose writer is gone. A user's ``.exp.old-2023/`` carries no mark, and is never deleted."""
-    mark = leftover / WRITE_MARK
-    return mark.is_file() and not mark.is_symlink() and writer_gone(leftover)
+    return _marked(leftover) and writer_gone(leftover)
+
+
+def _marked(folder: Path) -> bool:
+    """Whether ``folder`` holds the writers' mark (a file, not a link): it was made by make_marked_folder."""
+    mark = folder / WRITE_MARK
+    return mark.is_file() and not mark.is_symlink()
 
 
 def make_marked_folder(folder: Path) -> None:
@@ -168,8 +173,7 @@ def is_write_folder(path: Path) -> bool:
     """Whether ``path`` is a write's marked temporary folder: named ``.NAME.KIND-PID`` (beside what it writes) or
     ``.hf_tapernorm_writing-PID`` (inside), a folder (not a link) holding the writers' mark."""
     named = LEFTOVER.fullmatch(path.name) or WRITING_INSIDE.fullmatch(path.name)
-    mark = path / WRITE_MARK
-    return bool(named) and path.is_dir() and not path.is_symlink() and mark.is_file() and not mark.is_symlink()
+    return bool(named) and path.is_dir() and not path.is_symlink() and _marked(path)
 
 
 def abandoned_write_folder(path: Path) -> bool:

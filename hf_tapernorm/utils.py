@@ -78,6 +78,13 @@ def file_in_the_way(folder: Path) -> Optional[str]:
     return None
 
 
+def some_names(names: Sequence[str], shown: int = 8) -> str:
+    """The first ``shown`` of ``names``, comma-separated, and how many more there are: a refusal names what it is
+    about without printing a folder's every file."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
 def dangling_link(path: Path) -> Optional[str]:
     """The words naming the first symbolic link on ``path`` (a folder above it, or itself) whose target does not
     exist, or None (a link loop or an unreadable folder: the destination checks say so). In a chain of links the last
@@ -358,6 +365,7 @@ __all__ = [
     "BARE_TILDE_OPTIONS",
     "expand_user_options",
     "dangling_link",
+    "some_names",
     "file_in_the_way",
     "holds_model_weights",
     "refuse_weights_of_another_format",

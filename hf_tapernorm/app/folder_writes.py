@@ -42,7 +42,7 @@ from .._temporaries import (
     writer_gone,
 )
 from .._temporaries import make_marked_folder as _make_container
-from ..utils import dangling_parent_step
+from ..utils import dangling_parent_step, some_names
 from .run_lock import RunFolderError
 
 #: The name of the folder inside each temporary container (``.NAME.partial-PID/w``, ``.NAME.old-PID/w``): short and
@@ -158,7 +158,7 @@ def listing(files: list[str], present: Iterable[str] = ()) -> str:
         whole = next((f for f in folders_of(relative) if listed[f] > 1 and holds[f] == listed[f]), None)
         names.append(relative if whole is None else f"{whole}/")
     names = list(dict.fromkeys(names))
-    return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return some_names(names)
 
 
 def write_file(path: Path, text: str) -> None:

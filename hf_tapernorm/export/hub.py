@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from .._temporaries import write_in_progress, writes_inside
 from ..errors import ConfigurationError
-from ..utils import expand_user
+from ..utils import expand_user, some_names
 from .manifest import EXPORT_MANIFEST_NAME, check_export_files, export_manifest, folder_files, incomplete_export
 from .modeling_folded import upload_export
 
@@ -55,9 +55,8 @@ def files_to_push(folder: str | os.PathLike, include: Sequence[str] = ()) -> lis
     refused = [name for name in extra if name not in included]
     if refused:
         raise ConfigurationError(
-            f"'{folder}' holds files the export did not write ({', '.join(refused[:8])}"
-            f"{f' and {len(refused) - 8} more' if len(refused) > 8 else ''}); they are not uploaded: move them "
-            "away, or name the ones to publish with --include PATTERN"
+            f"'{folder}' holds files the export did not write ({some_names(refused)}); they are not uploaded: move "
+            "them away, or name the ones to publish with --include PATTERN"
         )
     check_export_files(folder)
     return sorted([*manifest, *included])

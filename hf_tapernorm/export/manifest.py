@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import ConfigurationError
+from ..utils import some_names
 
 logger = logging.getLogger(__name__)
 
@@ -144,9 +145,9 @@ def check_export_files(folder: str | os.PathLike) -> None:
         return
     changed = changed_export_files(folder)
     if changed:
-        listed = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
         raise ConfigurationError(
-            f"'{folder}': {listed} changed after the export wrote {'it' if len(changed) == 1 else 'them'} (the "
+            f"'{folder}': {some_names(changed, 4)} changed after the export wrote "
+            f"{'it' if len(changed) == 1 else 'them'} (the "
             f"sha256 {EXPORT_MANIFEST_NAME} recorded differs: edited, or a model saved over the export), so the "
             "upload would not be the model its README.md and robustness scan describe; write a fresh export with "
             "hf-tapernorm fold --overwrite from the tapered checkpoint, whose card and scan are of its files "
@@ -222,11 +223,10 @@ def incomplete_export(folder: str | os.PathLike, what: str, *, loading: bool = F
         return None
     if not missing:
         return None
-    listed = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
     return (
-        f"{what} is an incomplete export: it lacks files of its export ({listed}), which its manifest lists (a write "
-        "killed while it moved them into place, or files deleted since); export it again with overwrite=True "
-        "(hf-tapernorm fold --overwrite)"
+        f"{what} is an incomplete export: it lacks files of its export ({some_names(missing)}), which its manifest "
+        "lists (a write killed while it moved them into place, or files deleted since); export it again with "
+        "overwrite=True (hf-tapernorm fold --overwrite)"
     )
 
 

@@ -30,7 +30,7 @@ from .._temporaries import (
 )
 from ..config_fields import check_tokenizer_to_save
 from ..errors import ConfigurationError, TaperStateError
-from ..utils import dangling_link, dangling_parent_step, expand_user, file_in_the_way
+from ..utils import dangling_link, dangling_parent_step, expand_user, file_in_the_way, some_names
 from .manifest import (
     EDITED_CARD,
     EXPORT_MANIFEST_NAME,
@@ -212,10 +212,9 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
     # A bookkeeping name but the manifest is no file of the export: a running command's lock, or a user's look-alike.
     foreign += sorted(p.name for p in folder.iterdir() if is_bookkeeping(p.name) and p.name != EXPORT_MANIFEST_NAME)
     if foreign:
-        listed = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
         raise ConfigurationError(
-            f"{refusal}: it holds files the export did not write ({listed}), which would stay beside the new "
-            "export's (a replacement deletes only the files of the earlier one's manifest), and push refuses an "
+            f"{refusal}: it holds files the export did not write ({some_names(foreign)}), which would stay beside the "
+            "new export's (a replacement deletes only the files of the earlier one's manifest), and push refuses an "
             "export mixed with other files; move them away first"
         )
     if edited_card(folder):

@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -341,6 +342,20 @@ def test_a_marked_write_named_after_no_pid_is_no_live_writer(tmp_path, number):
     assert not leftover.exists() and export.is_dir()
 
 
+def _command_line_shown(pid: int, seconds: float = 10.0) -> bool:
+    """Whether /proc says the command line ``pid`` was started with (a ``python -c`` that sleeps) within
+    ``seconds``: a process just started may not show it yet (seen on a loaded CI machine), and a sandbox may never
+    show it."""
+    from hf_tapernorm._temporaries import process_command
+
+    deadline = time.monotonic() + seconds
+    while "time.sleep(60)" not in (process_command(pid) or ""):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def test_a_live_write_is_named_by_its_command_line_and_its_folder_never_called_a_killed_write_s(tmp_path, monkeypatch):
     """A live library export_folded (a Python script, no hf-tapernorm command) into E, then fold --overwrite into E:
     the refusal said "if no hf-tapernorm command is running, pid N is another program's ...: delete" its folder, and
@@ -356,6 +371,8 @@ def test_a_live_write_is_named_by_its_command_line_and_its_folder_never_called_a
         pytest.skip("the system does not say a process's command line")
     writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "libwrite.py"])
     try:
+        if not _command_line_shown(writer.pid):
+            pytest.skip("the system did not say the writer's command line")
         export = tmp_path / "export"
         live = export / f".hf_tapernorm_writing-{writer.pid}"
         live.mkdir(parents=True)
@@ -390,6 +407,8 @@ def test_a_live_writers_command_line_is_shown_on_one_line_and_cut(tmp_path):
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "x" * 6000]),
     ]
     try:
+        if not all(_command_line_shown(writer.pid) for writer in writers):
+            pytest.skip("the system did not say the writers' command lines")
         shown = [process_command(writer.pid) for writer in writers]
     finally:
         for writer in writers:

@@ -1581,6 +1581,30 @@ def test_a_copy_of_the_corpus_with_one_document_per_line_is_refused_by_its_lines
     )
 
 
+def test_a_line_cut_text_past_the_join_cap_names_what_it_could_not_compare(tmp_path, tokenizer, monkeypatch, caplog):
+    """With --sample_by line, a text with no blank line longer than MAX_JOINED_CHARS, wrapped at 60 columns, against
+    the corpus's same text wrapped at 70 was evaluated without a word: past the cap its lines are compared alone, and
+    all are under 80 characters. A WARNING now names the characters that could not be compared."""
+    import textwrap
+
+    from hf_tapernorm.data import out_of_corpus
+
+    monkeypatch.setattr(out_of_corpus, "MAX_JOINED_CHARS", 2000)
+    text = " ".join(" ".join(d.split()) for d in corpus_documents(40, seed=3))
+    (tmp_path / "corpus.txt").write_text(textwrap.fill(text, 70) + "\n")
+    (tmp_path / "rewrapped.txt").write_text(textwrap.fill(text, 60) + "\n")
+    corpus, other = str(tmp_path / "corpus.txt"), str(tmp_path / "rewrapped.txt")
+    with caplog.at_level("WARNING"):
+        assert out_of_corpus.out_of_corpus_set(_ooc_data(tmp_path, corpus, other, sample_by="line"), tokenizer, [])
+    characters = sum(len(line) for line in textwrap.wrap(text, 60))
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"--out_of_corpus_dataset '{other}': {characters} characters of its text were not compared with the training "
+        f"corpus (--dataset_name '{corpus}'): they are lines under 80 characters in a run of more than 2000 characters "
+        "with no blank line (--sample_by line), too long to join back into paragraphs; make sure it is not the "
+        "corpus's text in another form, or put blank lines between its paragraphs"
+    ]
+
+
 def test_an_out_of_corpus_folder_holding_a_copy_of_a_corpus_file_is_named_in_a_warning(tmp_path, caplog):
     """A byte-identical copy of a corpus file among other out-of-corpus text was read as out-of-corpus text without a
     word; it is named in a WARNING (the whole out-of-corpus text a copy: refused, above)."""

@@ -105,13 +105,16 @@ no blank line would otherwise be held whole, as one paragraph that matches nothi
 Paragraph = tuple[str, list[str]]
 
 
-def _with_paragraphs(texts: Iterable[str], line_cut: bool) -> Iterator[tuple[str, list[Paragraph]]]:
+def _with_paragraphs(
+    texts: Iterable[str], line_cut: bool, joined: Optional[_JoinedLines] = None
+) -> Iterator[tuple[str, list[Paragraph]]]:
     """Each of ``texts`` (documents in file order) with the paragraphs compared (paragraphs_with_lines) that it
     ends: its own; for a line-cut text (cut_by_line), those of the lines before it, joined back, where it is a blank
     line (and of the last lines, with an empty document after the last). Lines are mostly shorter than a paragraph,
     so compared alone they would not be: a re-wrapped copy of the corpus would pass as another text. One
-    paragraph's lines are kept at a time, MAX_JOINED_CHARS of them at most."""
-    joined = _JoinedLines()
+    paragraph's lines are kept at a time, MAX_JOINED_CHARS of them at most (``joined``: where they are kept, to
+    read afterwards what could not be compared)."""
+    joined = joined or _JoinedLines()
     for text in texts:
         if not line_cut:
             yield text, paragraphs_with_lines(text)
@@ -125,23 +128,34 @@ def _with_paragraphs(texts: Iterable[str], line_cut: bool) -> Iterator[tuple[str
 
 class _JoinedLines:
     """The lines of a line-cut text's paragraph, joined back where it ends (a blank line), or each compared alone
-    once they pass MAX_JOINED_CHARS (that paragraph is then compared by its lines only)."""
+    once they pass MAX_JOINED_CHARS (that paragraph is then compared by its lines only, and its lines too short to
+    compare alone are counted in ``uncompared``, their characters)."""
 
     def __init__(self) -> None:
         self.lines: list[str] = []
         self.size = 0
         self.too_long = False
+        self.uncompared = 0
 
     def add(self, line: str) -> list[Paragraph]:
         """Keep ``line``; the paragraphs that it makes compared alone (those of every kept line, past the cap)."""
         if self.too_long:
-            return _line_alone(line)
+            return self._alone([line])
         self.lines.append(line)
         self.size += len(line)
         if self.size <= MAX_JOINED_CHARS:
             return []
         kept, self.lines, self.size, self.too_long = self.lines, [], 0, True
-        return [paragraph for each in kept for paragraph in _line_alone(each)]
+        return self._alone(kept)
+
+    def _alone(self, lines: list[str]) -> list[Paragraph]:
+        """The paragraphs of ``lines`` compared alone (_line_alone), counting the characters of those too short."""
+        found = []
+        for line in lines:
+            paragraph = _line_alone(line)
+            self.uncompared += 0 if paragraph else len(" ".join(line.split()))
+            found += paragraph
+        return found
 
     def end(self) -> list[Paragraph]:
         """The paragraph of the kept lines (none past the cap: its lines were compared alone), and start anew."""
@@ -283,8 +297,8 @@ def check_documents_outside_corpus(data, texts: Iterable[str], *, line_cut: bool
     short: texts written apart do not share every one of theirs.
     A streamed corpus is not read for this (it may be far larger than what a command reads of it, and a stream is
     not read twice): a WARNING says the text was compared by file only."""
-    ours = _TextKeys()
-    for text, paragraphs in _with_paragraphs(texts, line_cut):
+    ours, joined = _TextKeys(), _JoinedLines()
+    for text, paragraphs in _with_paragraphs(texts, line_cut, joined):
         ours.add(text, paragraphs)
     name, source = data.out_of_corpus_dataset, data.dataset_name or EMBEDDED_CORPUS
     if not ours.documents:
@@ -301,6 +315,7 @@ def check_documents_outside_corpus(data, texts: Iterable[str], *, line_cut: bool
     found = _find_in_corpus(data, ours)
     _refuse_corpus_text(name, source, ours, found)
     _warn_corpus_text(name, source, ours, found)
+    _warn_uncompared(name, source, joined.uncompared)
 
 
 def _refuse_corpus_text(name: str, source: str, ours: _TextKeys, found: _Found) -> None:
@@ -348,6 +363,23 @@ def _warn_corpus_text(name: str, source: str, ours: _TextKeys, found: _Found) ->
             MIN_PARAGRAPH_CHARS,
             source,
             _quoted(found.examples),
+        )
+
+
+def _warn_uncompared(name: str, source: str, characters: int) -> None:
+    """Name in a WARNING the ``characters`` of a line-cut out-of-corpus text that were not compared with the corpus:
+    short lines of a run past MAX_JOINED_CHARS with no blank line, which a re-wrapped copy of the corpus could be."""
+    if characters:
+        logger.warning(
+            "--out_of_corpus_dataset '%s': %d characters of its text were not compared with the training corpus "
+            "(--dataset_name '%s'): they are lines under %d characters in a run of more than %d characters with no "
+            "blank line (--sample_by line), too long to join back into paragraphs; make sure it is not the corpus's "
+            "text in another form, or put blank lines between its paragraphs",
+            name,
+            characters,
+            source,
+            MIN_PARAGRAPH_CHARS,
+            MAX_JOINED_CHARS,
         )
 
 

@@ -586,6 +586,26 @@ def test_fold_overwrite_warns_of_weights_changed_since_the_export(reference, tmp
     assert (export / "model.safetensors").read_bytes() != changed
 
 
+def test_fold_overwrite_refused_by_a_folder_in_the_way_says_nothing_of_what_it_would_replace(
+    reference, tmp_path, caplog
+):
+    """fold --overwrite of an export whose weights had changed, with a folder not of its writes under the name it
+    writes through (a pid clash), named the changed weights as replaced, then refused the write: nothing was
+    replaced. The WARNING comes once write_folder's checks have passed (its before_write)."""
+    from hf_tapernorm.app.folder_writes import partial_name
+
+    export = tmp_path / "export"
+    code, _, stderr = run_main(fold_argv(reference / "tapered", export))
+    assert code == 0, stderr[-2000:]
+    changed = _flip_last_byte(export / "model.safetensors")
+    (partial_name(export) / "mine").mkdir(parents=True)  # not a leftover: no writers' mark
+    caplog.set_level(logging.WARNING)
+    code, _, stderr = run_main(fold_argv(reference / "tapered", export, "--overwrite"))
+    assert code == 2 and f"'{partial_name(export)}' is in the way of writing '{export}'" in stderr, stderr[-2000:]
+    assert _changed_warnings(caplog) == [] and (export / "model.safetensors").read_bytes() == changed
+    assert (partial_name(export) / "mine").is_dir()
+
+
 @pytest.mark.parametrize("option", ["--overwrite", "--resume"])
 def test_taper_warns_of_weights_changed_in_the_run_export_it_replaces(
     workspace, run, tmp_path, monkeypatch, caplog, option

@@ -182,6 +182,7 @@ def write_folder(
     write: Callable[[Path], None],
     *,
     before_rename: Optional[Callable[[list[str]], None]] = None,
+    before_write: Optional[Callable[[], None]] = None,
     keep: Callable[[], Collection[str]] = tuple,
     abandoned: Callable[[Path], bool] = marked_and_abandoned,
 ) -> None:
@@ -190,8 +191,9 @@ def write_folder(
 
     Nothing half-written ever carries the final name, and an older complete folder survives a failed
     rewrite under its name. ``before_rename`` receives the written files (relative) before the rename (a manifest
-    records them). A symbolic link at ``final`` is refused: its target is not ours to replace; so is a mount point,
-    which no rename replaces. ``keep``: the files of the
+    records them); ``before_write`` is called once every check of ``final`` has passed, before anything is written
+    (a WARNING of what the write replaces belongs after every refusal). A symbolic link at ``final`` is refused:
+    its target is not ours to replace; so is a mount point, which no rename replaces. ``keep``: the files of the
     older ``final`` that are not the writer's (relative; asked once the new folder is written, just before the
     rename): they are moved into the new folder, never deleted, and a new file of the same name is refused
     before anything is replaced. ``abandoned``: whether a ``.NAME.partial-PID`` / ``.NAME.old-PID`` beside
@@ -211,6 +213,8 @@ def write_folder(
     for needed in (tmp, old) if final.is_dir() else (tmp,):
         if os.path.lexists(needed):
             raise RunFolderError(_in_the_way(needed, final))
+    if before_write is not None:
+        before_write()
     _make_container(tmp)
     new = tmp / INNER
     try:

@@ -374,9 +374,12 @@ def _fold_into(
     folded = fold_model(model, tied_head=fold_args.tied_head, tolerance=fold_args.tolerance)
     scan = fold_scan(texts, folded, tokenizer)
     facts = {**card, **({"robustness_scan": scan} if scan else {})} or None
-    warn_changed_export(output_dir, f"--overwrite of '{output_dir}'")  # after every refusal, as export_folded warns
-    with full_disk_refused(output_dir):
-        write_folder(output_dir, lambda tmp: save_export(folded, tokenizer, tmp, facts))  # replaces an earlier export
+    with full_disk_refused(output_dir):  # replaces an earlier export, named in a WARNING after every refusal
+        write_folder(
+            output_dir,
+            lambda tmp: save_export(folded, tokenizer, tmp, facts),
+            before_write=lambda: warn_changed_export(output_dir, f"--overwrite of '{output_dir}'"),
+        )
     print(json.dumps({"export": str(output_dir), "fold": folded.fold_report.to_dict()}))
     warning = scan_line(scan or {}, where=str(output_dir / SCAN_FILE))
     if warning:

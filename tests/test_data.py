@@ -1850,6 +1850,35 @@ def test_utf16_without_a_mark_whose_letters_are_not_ascii_is_refused(tmp_path, e
     assert len(every200) == 601 and sum("\0" in line for line in every200["text"]) == 200
 
 
+@pytest.mark.parametrize(
+    "encoding, words, told",
+    [
+        ("utf-16-le", ["достопримечательность", "непредсказуемость", "высокопревосходительство"], "odd"),
+        ("utf-16-be", ["ηλεκτρομαγνητισμός", "αλληλοσυμπληρωματικός", "αντιπροσωπευτικότητα"], "even"),
+    ],
+)
+def test_utf16_without_a_mark_of_one_line_is_told_by_its_alphabet(tmp_path, encoding, words, told):
+    """Cyrillic UTF-16LE without a byte-order mark, one line of long words (its NULs, after its spaces only, under a
+    thirty-second of its bytes, no UTF-16 line end) was read as control characters and refused as "too small". Its
+    high bytes are NUL or 04 (one alphabet): told UTF-16LE. UTF-8 Cyrillic records each ending in a NUL at an odd
+    offset, fewer than a thirty-second of its bytes, are read."""
+    rng = random.Random(1)
+    text = " ".join(rng.choice(words) for _ in range(300))
+    path = tmp_path / "t.txt"
+    path.write_bytes(text.encode(encoding))
+    assert text.encode(encoding).count(0) >= 8 and text.encode(encoding).count(0) * 32 < len(text.encode(encoding))
+    with pytest.raises(DataError) as refused:
+        load_text_dataset(str(path), cache_dir=str(tmp_path / "c"), name="--dataset_name 't.txt'")
+    iconv = encoding.replace("-", "").replace("utf", "utf-")
+    assert str(refused.value).startswith(
+        f"--dataset_name 't.txt' is {iconv.upper()} text without a byte-order mark (NUL at {told} offsets only)"
+    )
+    records = tmp_path / "records.txt"
+    records.write_bytes("привет мир, как дела сегодня\0".encode() * 200)
+    assert {i % 2 for i, byte in enumerate(records.read_bytes()) if byte == 0} == {1}
+    assert len(load_text_dataset(str(records), cache_dir=str(tmp_path / "c"))) == 1
+
+
 def test_a_printed_command_of_a_relative_path_starting_with_a_dash_runs(tmp_path, monkeypatch):
     """`--dataset_name=-x16.txt` (UTF-16LE without a mark, named relative) printed `iconv ... '-x16.txt' > ...`,
     which iconv refused ("invalid option -- 'x'"): quoting does not stop a leading '-' from being read as an option.

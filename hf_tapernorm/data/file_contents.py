@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import codecs
 import re
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
@@ -172,18 +173,28 @@ MIN_PARITY_NULS = 8
 def utf16_by_nul_parity(start: bytes) -> Optional[str]:
     """ "utf-16le" or "utf-16be" where the NULs of ``start`` (a file's first bytes) lie at odd offsets (LE) or at even
     ones (BE), all but an eighth of them or fewer (U+0100, U+4E00: a NUL on the other side), and where its line ends
-    are UTF-16's (``0A 00`` LE, ``00 0A`` BE, at an even offset) or its NULs a thirty-second of it or more (a text of
-    no line end); None otherwise. Text whose letters are not ASCII holds a NUL only beside a space, a digit or a line
-    end, too few for the share that nul_bytes asks of ASCII text, and its other bytes may be valid UTF-8 (Cyrillic
-    UTF-16LE reads as control characters); a stray NUL of a real UTF-8 text lies at either parity, never beside its
-    line ends."""
+    are UTF-16's (``0A 00`` LE, ``00 0A`` BE, at an even offset), its NULs a thirty-second of it or more, or its
+    high bytes those of one alphabet (_one_alphabet: a text of no line end); None otherwise. Text whose letters are
+    not ASCII holds a NUL only beside a space, a digit or a line end, too few for the share that nul_bytes asks of
+    ASCII text, and its other bytes may be valid UTF-8 (Cyrillic UTF-16LE reads as control characters); a stray NUL
+    of a real UTF-8 text lies at either parity, never beside its line ends."""
     odd, even = start[1::2].count(0), start[0::2].count(0)
     most, fewest, encoding = max(odd, even), min(odd, even), "utf-16le" if odd > even else "utf-16be"
     if most < MIN_PARITY_NULS or fewest * 8 > most:
         return None
     line_end = b"\n\x00" if encoding == "utf-16le" else b"\x00\n"
     line_ends = sum(1 for m in re.finditer(re.escape(line_end), start) if m.start() % 2 == 0)
-    return encoding if line_ends >= 2 or most * 32 >= len(start) else None
+    return encoding if line_ends >= 2 or most * 32 >= len(start) or _one_alphabet(start, encoding) else None
+
+
+def _one_alphabet(start: bytes, encoding: str) -> bool:
+    """Whether the high bytes of ``start`` read as ``encoding`` (UTF-16) are nearly all (nine in ten) NUL or one value
+    from 01 to 1F: text of one alphabet (Cyrillic, Greek, Hebrew, Arabic: U+0100 to U+1FFF) with its spaces and
+    digits, in one line (no line end to tell it). A UTF-8 text's bytes at one parity are ASCII letters or bytes of
+    80 and above, spread over many values."""
+    high = start[1::2] if encoding == "utf-16le" else start[0::2]
+    letters = Counter(byte for byte in high if 0 < byte < 0x20).most_common(1)
+    return bool(letters) and (high.count(0) + letters[0][1]) * 10 >= len(high) * 9
 
 
 def first_not_utf8(files: list[Path]) -> Optional[tuple[Path, int, str]]:

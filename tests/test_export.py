@@ -629,3 +629,122 @@ def test_export_folded_overwrite_of_an_export_with_a_git_clone_says_why_it_refus
         "manifest), and push refuses an export mixed with other files; move them away first"
     )
     assert _files(export) == before
+
+
+_WRONG_FACTS = [
+    ({"tags": "abc"}, "model card facts of the wrong type: 'tags' takes a list of str, got str"),
+    ({"tags": ["ok", 1]}, "model card facts of the wrong type: 'tags' takes a list of str, got a list holding int"),
+    ({"schedule": "abc"}, "model card facts of the wrong type: 'schedule' takes a mapping, got str"),
+    (
+        {"robustness_scan": "bogus", "tokens": True},
+        "model card facts of the wrong type: 'robustness_scan' takes a mapping (ScanResult.to_dict()), got str; "
+        "'tokens' takes an int or a str, got bool",
+    ),
+    (
+        {1: 2},
+        "unknown model card facts: 1; expected some of base_model, license, repo_id, model_name, dataset, tokens, "
+        "schedule, eval_loss, speed, robustness_scan, tags, warning",
+    ),
+]
+
+
+@pytest.mark.parametrize(("facts", "message"), _WRONG_FACTS)
+def test_export_folded_refuses_facts_of_the_wrong_type_before_anything_is_written(
+    folded, tmp_path, caplog, facts, message
+):
+    """``facts={"tags": "abc"}`` gave a card tagged a, b and c; ``{1: 2}``, ``{"schedule": "abc"}`` and
+    ``{"robustness_scan": "bogus"}`` raised a bare TypeError or ValueError from inside the card's rendering. Each
+    fact's type is checked first now: one ConfigurationError names the facts and the types they take, before the
+    WARNING of what an overwrite replaces, and nothing is written."""
+    export = export_folded(folded, tmp_path / "exp")
+    with (export / "model.safetensors").open("ab") as weights:
+        weights.write(b"\0")  # changed after the export wrote it: a write that went ahead would warn
+    before = _files(tmp_path)
+    with caplog.at_level(logging.WARNING), pytest.raises(ConfigurationError) as refused:
+        export_folded(folded, export, overwrite=True, facts=facts)
+    assert str(refused.value) == message
+    with pytest.raises(ConfigurationError) as refused_new:
+        export_folded(folded, tmp_path / "new", facts=facts)
+    assert str(refused_new.value) == message
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert _files(tmp_path) == before
+
+
+def test_export_folded_takes_no_tags_as_none(folded, tmp_path):
+    """``facts={"tags": None}`` raised "TypeError: Value after * must be an iterable"; None is a fact not given, as
+    for every other fact: the card is the one without tags."""
+    with_none = export_folded(folded, tmp_path / "none", facts={"base_model": "org/model", "tags": None})
+    without = export_folded(folded, tmp_path / "without", facts={"base_model": "org/model"})
+    assert (with_none / "README.md").read_text() == (without / "README.md").read_text()
+
+
+@pytest.mark.parametrize("overwrite", ["no", 0, None])
+def test_export_folded_refuses_an_overwrite_that_is_not_a_bool(folded, tmp_path, overwrite):
+    """``export_folded(m, EXPORT, overwrite="no")`` replaced the export ("no" is a true string). An ``overwrite``
+    that is not True or False is refused now, in one line naming it, and the export is as it was."""
+    export = export_folded(folded, tmp_path / "exp")
+    before = _files(tmp_path)
+    with pytest.raises(ConfigurationError) as refused:
+        export_folded(folded, export, overwrite=overwrite)
+    assert str(refused.value) == (f"export_folded: overwrite= must be True or False, got {type(overwrite).__name__}")
+    assert _files(tmp_path) == before
+
+
+@pytest.mark.parametrize("place", ["new", "empty", "export"])
+def test_a_second_thread_exporting_the_same_folder_is_refused_as_a_write_in_progress(
+    folded, tmp_path, monkeypatch, place
+):
+    """Two threads of one process calling export_folded on one folder both wrote through the same pid-named
+    ``.hf_tapernorm_writing-PID`` (or ``.NAME.export-PID``), and each took the other's for a killed write's leftover
+    (this process's own pid counts as gone): one deleted the other's files, so a call returned with the export
+    lacking files, or a refusal said "it is as it was" of a folder that had changed. A second call while the first
+    writes is refused now as a write in progress, touching nothing, and the first completes its export."""
+    import os
+    import threading
+
+    from hf_tapernorm.export import writing
+    from hf_tapernorm.export.manifest import changed_export_files, missing_export_files
+
+    target = tmp_path / "target"
+    if place == "empty":
+        target.mkdir()
+    elif place == "export":
+        export_folded(folded, target)
+    inside, release = threading.Event(), threading.Event()
+    real_write_export = writing._write_export
+
+    def held_write_export(folder, model, tokenizer):
+        real_write_export(folder, model, tokenizer)
+        if threading.current_thread() is thread:  # the first write waits, inside, until the second was tried
+            inside.set()
+            assert release.wait(60)
+
+    monkeypatch.setattr(writing, "_write_export", held_write_export)
+    errors: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            export_folded(folded, target, overwrite=True)
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            errors.append(error)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert inside.wait(60)
+        before = _files(tmp_path)
+        for overwrite in (False, True):
+            with pytest.raises(ConfigurationError) as refused:
+                export_folded(folded, target, overwrite=overwrite)
+            assert str(refused.value) == (
+                f"cannot export into {target}: another write of {target} is in progress (export_folded in another "
+                f"thread of this process, pid {os.getpid()}); wait for it to finish, or choose a new folder"
+            )
+        assert _files(tmp_path) == before
+    finally:
+        release.set()
+        thread.join(60)
+    assert errors == []
+    assert missing_export_files(target) == [] and changed_export_files(target) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]
+    export_folded(folded, target, overwrite=True)  # the folder is free again once the first write returned

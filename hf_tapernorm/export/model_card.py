@@ -9,6 +9,8 @@ The YAML header is built with huggingface_hub's ``ModelCardData`` so the Hub und
 
 from __future__ import annotations
 
+import numbers
+import os
 import re
 from collections.abc import Mapping
 from importlib import resources
@@ -18,6 +20,7 @@ from typing import Any, Optional
 from huggingface_hub import ModelCard, ModelCardData
 from torch import nn
 
+from ..errors import ConfigurationError
 from .readout import readout_summary
 
 TEMPLATE_NAME = "folded_model.md"
@@ -59,16 +62,71 @@ FACT_KEYS = (
 )
 
 
+_TEXT = (str,)
+_MAPPING = (Mapping,)
+#: What each fact takes (None, for any, is the fact not given), in the words a refusal says it in.
+_FACT_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "base_model": ((str, os.PathLike), "a str (a Hub id or a path)"),
+    "license": (_TEXT, "a str"),
+    "repo_id": (_TEXT, "a str"),
+    "model_name": (_TEXT, "a str"),
+    "dataset": (_TEXT, "a str"),
+    "tokens": ((numbers.Integral, str), "an int or a str"),
+    "schedule": (_MAPPING, "a mapping"),
+    "eval_loss": (_MAPPING, "a mapping"),
+    "speed": (_MAPPING, "a mapping"),
+    "robustness_scan": (_MAPPING, "a mapping (ScanResult.to_dict())"),
+    "tags": ((list, tuple), "a list of str"),
+    "warning": (_TEXT, "a str"),
+}
+
+
+def _fact_fits(key: str, value: Any) -> bool:
+    """Whether ``value`` is of the type fact ``key`` takes (_FACT_TYPES): a str is no list of tags ("abc" would
+    be the tags a, b, c), and a bool no token count."""
+    types, _ = _FACT_TYPES[key]
+    if value is None:
+        return True
+    if isinstance(value, bool) or not isinstance(value, types):
+        return False
+    return key != "tags" or all(isinstance(tag, str) for tag in value)
+
+
+def _kind(value: Any) -> str:
+    """The type of ``value`` a refusal names: a list's or tuple's with the type of its first item that is no str."""
+    if isinstance(value, (list, tuple)):
+        other = next((item for item in value if not isinstance(item, str)), None)
+        if other is not None:
+            return f"a {type(value).__name__} holding {type(other).__name__}"
+    return type(value).__name__
+
+
+def check_facts(facts: Mapping[Any, Any]) -> None:
+    """Refuse, in one ConfigurationError, facts that are not FACT_KEYS and facts of another type than theirs: the
+    card would render them wrong ("abc" as three tags) or fail half-way in a bare TypeError or ValueError."""
+    unknown = sorted(str(key) for key in facts if key not in FACT_KEYS)
+    if unknown:
+        raise ConfigurationError(
+            f"unknown model card facts: {', '.join(unknown)}; expected some of {', '.join(FACT_KEYS)}"
+        )
+    wrong = [
+        f"{key!r} takes {_FACT_TYPES[key][1]}, got {_kind(value)}"
+        for key, value in facts.items()
+        if not _fact_fits(key, value)
+    ]
+    if wrong:
+        raise ConfigurationError(f"model card facts of the wrong type: {'; '.join(wrong)}")
+
+
 def _is_hub_id(name: str) -> bool:
     return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).exists()
 
 
 def render_model_card(model: nn.Module, facts: Optional[Mapping[str, Any]] = None) -> str:
-    """The README.md text (YAML metadata + Markdown) for a folded model and the given run facts."""
+    """The README.md text (YAML metadata + Markdown) for a folded model and the given run facts (check_facts: each
+    of FACT_KEYS, of its type; None is a fact not given)."""
     facts = dict(facts or {})
-    unknown = sorted(set(facts) - set(FACT_KEYS))
-    if unknown:
-        raise ValueError(f"unknown model card facts: {', '.join(unknown)}; expected some of {', '.join(FACT_KEYS)}")
+    check_facts(facts)
     config = model.config
     base_model = str(facts.get("base_model") or config.name_or_path or config.base_model_type)
     repo_id = facts.get("repo_id") or "path/to/exported/folder"
@@ -80,7 +138,7 @@ def render_model_card(model: nn.Module, facts: Optional[Mapping[str, Any]] = Non
         library_name="transformers",
         pipeline_tag="text-generation",
         license=facts.get("license"),
-        tags=["hf_tapernorm", "tapernorm", "norm-free", config.base_model_type, *facts.get("tags", [])],
+        tags=["hf_tapernorm", "tapernorm", "norm-free", config.base_model_type, *(facts.get("tags") or [])],
     )
     if config.final_norm in config.scaled_norms:
         final_summary = "tapered; kept as one explicit per-channel scale so the tied embeddings survive"
@@ -144,4 +202,4 @@ def attach_model_card(model: nn.Module, facts: Optional[Mapping[str, Any]] = Non
     return model.model_card
 
 
-__all__ = ["FACT_KEYS", "attach_model_card", "render_model_card"]
+__all__ = ["FACT_KEYS", "attach_model_card", "check_facts", "render_model_card"]

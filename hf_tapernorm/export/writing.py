@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
@@ -49,6 +51,12 @@ logger = logging.getLogger(__name__)
 #: The kind of the hidden folder a new export is written through (``.NAME.export-PID``: _temporaries.py).
 EXPORT_KIND = "export"
 
+#: The folders (their real paths) this process's export_folded calls are writing now. A second call's write of one
+#: goes through the same ``.hf_tapernorm_writing-PID`` (or ``.NAME.export-PID``), which its pid cannot tell from
+#: a killed write's (writer_gone counts this process's own pid as gone): it would delete the first's files.
+_WRITING_NOW: set[str] = set()
+_WRITING_NOW_LOCK = threading.Lock()
+
 
 def export_folded(
     model: PreTrainedModel,
@@ -62,14 +70,16 @@ def export_folded(
 
     Refuses a non-empty folder unless ``overwrite=True``, and even then one that is not an earlier export (no
     export manifest) or that holds files its export did not write (a user's, named), as ``fold --overwrite`` does;
-    a folder another write is in progress in, and a ``..`` after a missing folder, are refused too. Files of an
+    a folder another write is in progress in (another process's, or another thread's of this one), a ``..`` after a
+    missing folder, and an ``overwrite`` that is not a bool (``"no"`` is true) are refused too. Files of an
     earlier export changed since it wrote them (its weights, its config) are named in a WARNING as they are replaced.
     A new folder is written beside, in a hidden ``.NAME.export-PID``, and renamed into place when complete; an
     existing one (empty, or an earlier export) is kept and written inside, in a hidden ``.hf_tapernorm_writing-PID``
     whose files move up when complete, the manifest first (a killed write's leftover is deleted by the next write): a
     kill never leaves a half export a retry cannot replace. An earlier export is replaced whole, so none of its files
     (a tokenizer, a robustness scan) stays to be pushed as the new export's; a failed write leaves it as it was.
-    ``facts`` fills the model card (see ``hf_tapernorm.export.model_card.FACT_KEYS``); the card is attached to the
+    ``facts`` fills the model card (see ``hf_tapernorm.export.model_card.FACT_KEYS``; an unknown fact, or one of
+    another type, is refused before anything is written or warned of); the card is attached to the
     model, so a later ``model.push_to_hub`` uploads the same README.md. Every file written (the tokenizer's too) is in
     the export's manifest, so ``push_export`` uploads it.
     """
@@ -79,6 +89,8 @@ def export_folded(
             "call fold_model(model) after tapering to gate 0"
         )
     check_tokenizer_to_save(tokenizer, "export_folded")
+    if not isinstance(overwrite, bool):  # "no" is true: it would replace the export it was meant to keep
+        raise ConfigurationError(f"export_folded: overwrite= must be True or False, got {type(overwrite).__name__}")
     folder = expand_user(save_directory, f"export_folded: save_directory '{save_directory}'")  # "~/out": $HOME/out
     dangling = dangling_parent_step(folder, f"export_folded: save_directory '{save_directory}'")
     if dangling:  # "DIR/nothere/..": creating nothere/ would write into DIR, a folder no check looked at
@@ -89,13 +101,35 @@ def export_folded(
         )
     # The card first: unknown facts are refused before the folder's check, which warns of what it replaces.
     card = render_model_card(model, facts) if facts is not None or model.model_card is None else None
-    remove_abandoned_inside(folder)
-    replace = _check_export_folder(folder, overwrite)
-    if card is not None:
-        model.model_card = card  # attach_model_card's, once the folder is known to be written
-    _write_to(folder, model, tokenizer, replace)
+    with _only_write_in_this_process(folder):  # before the leftovers' cleanup, which would take its folder for one
+        remove_abandoned_inside(folder)
+        replace = _check_export_folder(folder, overwrite)
+        if card is not None:
+            model.model_card = card  # attach_model_card's, once the folder is known to be written
+        _write_to(folder, model, tokenizer, replace)
     logger.info("exported %s to %s", type(model).__name__, folder)
     return folder
+
+
+@contextmanager
+def _only_write_in_this_process(folder: Path) -> Iterator[None]:
+    """Hold ``folder`` as written by this call for its duration; refuse it while another thread's call writes it
+    (_WRITING_NOW): both would write through the same pid-named folder, and each would take the other's for a
+    killed write's leftover. A link to the folder and the folder itself are one folder."""
+    key = os.path.realpath(folder)
+    with _WRITING_NOW_LOCK:
+        busy = key in _WRITING_NOW
+        _WRITING_NOW.add(key)
+    if busy:
+        raise ConfigurationError(
+            f"cannot export into {folder}: another write of {folder} is in progress (export_folded in another thread "
+            f"of this process, pid {os.getpid()}); wait for it to finish, or choose a new folder"
+        )
+    try:
+        yield
+    finally:
+        with _WRITING_NOW_LOCK:
+            _WRITING_NOW.discard(key)
 
 
 def _write_export(folder: Path, model: PreTrainedModel, tokenizer: Any) -> None:

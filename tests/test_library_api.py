@@ -19,6 +19,7 @@ from hf_tapernorm import (
     ConfigurationError,
     TaperCallback,
     TaperController,
+    TaperDivergenceError,
     TaperNormConfig,
     TaperStateError,
     UnsupportedModelError,
@@ -658,17 +659,20 @@ def test_a_negative_controller_step_is_refused(call, step):
 
 
 @pytest.mark.parametrize(
-    ("calls", "refused", "began"),
+    ("calls", "refused", "began", "last"),
     [
-        ([], 0, "no step begun"),
-        (["begin 0"], 5, "the step step_begin(0) began"),
-        (["begin 0", "end 0"], 0, "no step begun"),
+        ([], 0, "no step begun", "none"),
+        (["begin 0"], 5, "the step step_begin(0) began", "step_begin(0)"),
+        (["begin 0", "end 0"], 0, "no step begun", "step_end(0): step 0 has ended already"),
+        (["begin 0", "end 0"], 5, "no step begun", "step_end(0)"),
     ],
 )
-def test_a_step_end_that_ends_no_begun_step_is_refused(calls, refused, began):
+def test_a_step_end_that_ends_no_begun_step_is_refused(calls, refused, began, last):
     """step_end(0) with no step_begin, step_end(5) after step_begin(0), or a second step_end(0) were taken: each folded
     the micro-batches' statistics into the EMA again (or at a gate never set) and logged the watch under another
-    update. step_end ends the step step_begin began, with its number, once; a refused call changes nothing."""
+    update. step_end ends the step step_begin began, with its number, once; a refused call changes nothing. The
+    refusal of a second step_end(0) said "the last call was step_begin(0)" beside "no step begun", contradicting
+    itself: it names step_end(0) as the last call now, and says that step 0 has ended already."""
     model = _paper(taper_start=2, taper_end=6).train()
     controller = TaperController(model, total_steps=8)
     ids = random_batches(n=1, seed=0)[0]
@@ -679,12 +683,78 @@ def test_a_step_end_that_ends_no_begun_step_is_refused(calls, refused, began):
     before = {name: value.clone() for name, value in model.state_dict().items()}
     with pytest.raises(TaperStateError) as caught:
         controller.step_end(refused)
-    last = f"step_begin({calls[-1].split()[1]})" if calls else "none"
     assert str(caught.value) == (
         f"TaperController.step_end({refused}) with {began} (the last call was {last}): each optimizer update is "
         "step_begin(step) before its forward passes, then step_end(step) with the same step after optimizer.step()"
     )
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+
+
+@pytest.mark.parametrize("call", ["step_end", "check"])
+@pytest.mark.parametrize("name", ["loss", "grad_norm"])
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ("2.0", "'2.0'"),
+        ("x", "'x'"),
+        ([1.0], "[1.0]"),
+        (True, "True"),
+        (1 + 2j, "(1+2j)"),
+        (torch.tensor([1.0, 2.0]), "a Tensor of shape (2,)"),
+        (numpy.array([1.0, 2.0]), "a ndarray of shape (2,)"),
+    ],
+)
+def test_a_loss_or_grad_norm_that_is_no_number_is_refused_changing_nothing(call, name, value, shown):
+    """check(0, loss="2.0"), step_end(0, loss="x"), step_end(0, grad_norm=[1.0]) and check(0,
+    loss=torch.tensor([1.0, 2.0])) raised a raw TypeError or ValueError from the divergence watch, step_end's after it
+    had folded the step into the EMA statistics and ended it. Refused in one line now, naming the argument and what
+    it takes, before anything changes."""
+    controller = _controller_after_one_backward()
+    model = controller.model
+    before = {key: tensor.clone() for key, tensor in model.state_dict().items()}
+    with pytest.raises(ConfigurationError) as caught:
+        getattr(controller, call)(0, **{name: value})
+    advice = {
+        "loss": "the step's loss (outputs.loss, or loss.item())",
+        "grad_norm": "the step's gradient norm (what clip_grad_norm_ returns)",
+    }[name]
+    assert str(caught.value) == (
+        f"TaperController.{call}: {name} must be a number or a one-element tensor, got {shown}; pass {advice}"
+    )
+    assert all(torch.equal(tensor, before[key]) for key, tensor in model.state_dict().items())
+    assert controller._open_step == 0 and controller._ended_step is None and controller._last_call == "step_begin(0)"
+    assert not controller.watch.loss.values and not controller.watch.grad_norm.values
+
+
+def test_a_step_end_refused_for_its_loss_can_be_retried():
+    """step_begin(0), a forward, step_end(0, loss="2.0") (refused), then step_end(0, loss=2.0): the refused call had
+    folded the step into the EMA and ended it, so the retry was refused ("no step begun") and the step's divergence
+    check never ran. The arguments are checked first now: the retry ends the step as if the refused call never
+    happened."""
+    controller = _controller_after_one_backward()
+    with pytest.raises(ConfigurationError):
+        controller.step_end(0, loss="2.0")
+    controller.step_end(0, loss=2.0)
+    clean = _controller_after_one_backward()
+    clean.step_end(0, loss=2.0)
+    got, want = controller.model.state_dict(), clean.model.state_dict()
+    assert all(torch.allclose(got[key], want[key], rtol=0, atol=1e-12) for key in want if want[key].is_floating_point())
+    assert list(controller.watch.loss.values) == list(clean.watch.loss.values) == [2.0]
+    assert controller._ended_step == 0 and controller._open_step is None
+
+
+@pytest.mark.parametrize(
+    "value", [2, 2.0, numpy.float32(2.0), numpy.array(2.0), torch.tensor(2.0), torch.tensor([2.0]), numpy.array([2.0])]
+)
+def test_a_loss_and_grad_norm_of_one_number_of_any_kind_are_watched(value):
+    """Numbers of any kind (a numpy scalar, a one-element tensor or array) stay accepted, watched as the float they
+    hold; nan and inf still stop the run at the divergence watch."""
+    controller = _controller_after_one_backward()
+    controller.check(0, loss=value, grad_norm=value)
+    assert list(controller.watch.loss.values) == list(controller.watch.grad_norm.values) == [2.0]
+    assert all(type(v) is float for v in controller.watch.loss.values)
+    with pytest.raises(TaperDivergenceError, match="the training loss is not finite"):
+        controller.step_end(0, loss=torch.tensor([float("nan")]))
 
 
 def test_a_step_begun_again_after_its_step_end_is_refused():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 from pathlib import Path
 from typing import Optional, Union
 
@@ -27,6 +26,7 @@ from ..layers.scale_anchor import DEVIATION_SUM, SCALE_SUM, TOKENS, ScaleAnchor,
 from ..layers.taper_norm import tapered_norms
 from ..utils import all_reduce_sum, expand_user
 from .calibration import calibrate, update_statistics
+from .controller_checks import watched_value, whole_step
 from .distillation import SHARDED_SNAPSHOT_NAME, SNAPSHOT_NAME, Distillation, frozen_copy
 from .distributed import (
     is_main_process,
@@ -105,7 +105,7 @@ class TaperController:
         self._window = torch.zeros(_ANCHOR_SIZE, dtype=torch.float64)  # anchor sums since the last log_metrics()
         self._trainable_checked = False
         self._last_step: Optional[int] = None  # the latest step_begin's (or check_resume's): steps never go back
-        self._last_call = ""  # the call that set _last_step, for the refusal
+        self._last_call = ""  # the latest of step_begin, step_end and check_resume (with its step), for the refusals
         self._open_step: Optional[int] = None  # the step step_begin began and step_end has not ended
         self._ended_step: Optional[int] = None  # the step the latest step_end ended: begun again, it counts twice
         self._resumed_unchecked = False  # load_state ran, check_resume did not: the next step_begin checks the gate
@@ -339,8 +339,9 @@ class TaperController:
         ``outputs.loss`` is watched automatically). ``grad_norm``: the step's gradient norm, when known.
         """
         step = whole_step(step, "step_end")  # before the statistics step: a refused call changes nothing
+        loss, grad_norm = watched_value(loss, "loss", "step_end"), watched_value(grad_norm, "grad_norm", "step_end")
         self._refuse_another_step_end(step)
-        self._open_step, self._ended_step = None, step
+        self._open_step, self._ended_step, self._last_call = None, step, f"step_end({step})"
         update_statistics(self.model)
         anchor_rows, own_loss = self._reduce_step()
         for anchor, row in zip(self.anchors, anchor_rows):
@@ -364,15 +365,17 @@ class TaperController:
         if self._open_step == step:
             return
         began = f"the step step_begin({self._open_step}) began" if self._open_step is not None else "no step begun"
+        ended = f": step {step} has ended already" if step == self._ended_step and self._open_step is None else ""
         raise TaperStateError(
-            f"TaperController.step_end({step}) with {began} (the last call was {self._last_call or 'none'}): each "
-            f"optimizer update is step_begin(step) before its forward passes, then step_end(step) with the same step "
-            "after optimizer.step()"
+            f"TaperController.step_end({step}) with {began} (the last call was {self._last_call or 'none'}{ended}): "
+            "each optimizer update is step_begin(step) before its forward passes, then step_end(step) with the same "
+            "step after optimizer.step()"
         )
 
     def check(self, step: int, *, loss=None, grad_norm=None, scales=()) -> None:
         """Feed the divergence watch for update ``step + 1`` (the Trainer adapter adds the gradient norm here)."""
         step = whole_step(step, "check")
+        loss, grad_norm = watched_value(loss, "loss", "check"), watched_value(grad_norm, "grad_norm", "check")
         self.watch.check(
             f"at optimizer step {step + 1} (gate {self.gate:.4f})",
             loss=loss,
@@ -425,42 +428,6 @@ class TaperController:
         if self.distillation is not None:
             metrics.update(self.distillation.log_metrics())
         return metrics
-
-
-def whole_step(step: object, call: str) -> int:
-    """``step`` as an int, refused in one line unless a whole number of 0 or more: a bool (read as 0 or 1), or a
-    fraction (a loop passing its micro-batch over the accumulation) would set a new gate for every micro-batch, each
-    with its own statistics update; a text is no number, and a negative step no count of updates completed (the
-    Trainer's global_step starts at 0). Whole numbers of any kind are taken: 3.0, a tensor or a numpy integer; an
-    int is read as one (operator.index), never through a float, which an int too large for one overflows."""
-    value = _whole_number(step)
-    if value is None:
-        raise ConfigurationError(
-            f"TaperController.{call}: step must be a whole number of optimizer steps completed (an int), got "
-            f"{step!r}; count optimizer updates, not micro-batches (the gate is constant over one update's)"
-        )
-    if value < 0:
-        raise ConfigurationError(
-            f"TaperController.{call}: step must be the number of optimizer steps completed, 0 or more, got {step!r}; "
-            "the first update is step_begin(0) (the Trainer's state.global_step, which starts at 0)"
-        )
-    return value
-
-
-def _whole_number(step: object) -> Optional[int]:
-    """The whole number ``step`` holds (an int, a numpy or torch integer, a whole float), or None for anything else."""
-    dtype = getattr(step, "dtype", None)
-    if isinstance(step, (bool, str, bytes)) or dtype is torch.bool or getattr(dtype, "kind", None) == "b":
-        return None
-    try:
-        return operator.index(step)  # ints of any size and kind, without a float's rounding or overflow
-    except (TypeError, ValueError, RuntimeError):
-        pass
-    try:
-        value = float(step)
-    except (TypeError, ValueError, RuntimeError, OverflowError):  # not a number, several, or too large for a float
-        return None
-    return int(value) if math.isfinite(value) and value == math.floor(value) else None
 
 
 _ADVICE = "Lower the learning rate, taper more slowly (a later taper_end) or keep more norms (keep_norms)"

@@ -1,0 +1,103 @@
+"""The argument checks of TaperController's calls, each run before the call changes anything.
+
+A call refused halfway (the EMA statistics folded in, the step ended) could not be retried: every argument is read
+here first, into the plain int or float the controller goes on with, or refused in one line naming it.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Optional
+
+import torch
+
+from ..errors import ConfigurationError
+
+
+def whole_step(step: object, call: str) -> int:
+    """``step`` as an int, refused in one line unless a whole number of 0 or more: a bool (read as 0 or 1), or a
+    fraction (a loop passing its micro-batch over the accumulation) would set a new gate for every micro-batch, each
+    with its own statistics update; a text is no number, and a negative step no count of updates completed (the
+    Trainer's global_step starts at 0). Whole numbers of any kind are taken: 3.0, a tensor or a numpy integer; an
+    int is read as one (operator.index), never through a float, which an int too large for one overflows."""
+    value = _whole_number(step)
+    if value is None:
+        raise ConfigurationError(
+            f"TaperController.{call}: step must be a whole number of optimizer steps completed (an int), got "
+            f"{step!r}; count optimizer updates, not micro-batches (the gate is constant over one update's)"
+        )
+    if value < 0:
+        raise ConfigurationError(
+            f"TaperController.{call}: step must be the number of optimizer steps completed, 0 or more, got {step!r}; "
+            "the first update is step_begin(0) (the Trainer's state.global_step, which starts at 0)"
+        )
+    return value
+
+
+def _whole_number(step: object) -> Optional[int]:
+    """The whole number ``step`` holds (an int, a numpy or torch integer, a whole float), or None for anything else."""
+    dtype = getattr(step, "dtype", None)
+    if isinstance(step, (bool, str, bytes)) or dtype is torch.bool or getattr(dtype, "kind", None) == "b":
+        return None
+    try:
+        return operator.index(step)  # ints of any size and kind, without a float's rounding or overflow
+    except (TypeError, ValueError, RuntimeError):
+        pass
+    try:
+        value = float(step)
+    except (TypeError, ValueError, RuntimeError, OverflowError):  # not a number, several, or too large for a float
+        return None
+    return int(value) if math.isfinite(value) and value == math.floor(value) else None
+
+
+#: What each watched value is, for the refusal's advice.
+_WATCHED = {
+    "loss": "the step's loss (outputs.loss, or loss.item())",
+    "grad_norm": "the step's gradient norm (what clip_grad_norm_ returns)",
+}
+
+
+def watched_value(value: object, name: str, call: str) -> Optional[float]:
+    """``value`` (the ``loss`` or ``grad_norm`` of step_end or check) as a float, None for None, refused in one line
+    unless one number: a text would have raised a raw TypeError from the watch, and a tensor of several values a
+    ValueError, after step_end had already folded the step into the statistics. A number of any kind is taken (a
+    numpy scalar, a one-element tensor); nan and inf are numbers, which the divergence watch stops the run on."""
+    if value is None:
+        return None
+    number = _one_number(value)
+    if number is None:
+        raise ConfigurationError(
+            f"TaperController.{call}: {name} must be a number or a one-element tensor, got {_shown(value)}; "
+            f"pass {_WATCHED[name]}"
+        )
+    return number
+
+
+def _one_number(value: object) -> Optional[float]:
+    """The one real number ``value`` holds (a Python, numpy or torch number, a one-element array), else None."""
+    numel = getattr(value, "numel", None)
+    size = numel() if callable(numel) else getattr(value, "size", None)
+    if isinstance(size, int):  # a tensor or a numpy array or scalar: one element, read as a Python number
+        if size != 1:
+            return None
+        value = value.item()
+    if isinstance(value, (bool, str, bytes)):  # float("2.0") would read a text; a bool is no loss
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an int too large for a float: not finite, as the watch reads it
+        return math.inf if value > 0 else -math.inf
+    except (TypeError, ValueError, RuntimeError):  # not a number (a list, a complex number, ...)
+        return None
+
+
+def _shown(value: object) -> str:
+    """``value`` for the refusal: a tensor or array by its shape, anything else as Python writes it."""
+    shape = getattr(value, "shape", None)
+    if shape is not None and hasattr(value, "dtype") and len(tuple(shape)) > 0:
+        return f"a {type(value).__name__} of shape {tuple(shape)}"
+    return repr(value)
+
+
+__all__ = ["watched_value", "whole_step"]

@@ -1320,9 +1320,54 @@ def test_a_compressed_data_file_is_refused_naming_how_to_decompress_it(hub):
     (hub / "notes.docx.bz2").write_bytes(b"x")
     assert error_of(_eval("--dataset_name", "data.jsonl.gz")) == (
         "hf-tapernorm eval: error: --dataset_name 'data.jsonl.gz': a compressed file (.gz) is not read; decompress "
-        "it (gunzip -k 'data.jsonl.gz') and name the .jsonl file it writes ('data.jsonl')"
+        "it (gzip -dc 'data.jsonl.gz' > 'data.jsonl') and name the .jsonl file it writes ('data.jsonl')"
     )
     assert "unsupported file type '.bz2'; supported: .csv, .json" in error_of(_eval("--dataset_name", "notes.docx.bz2"))
+
+
+@pytest.mark.parametrize(
+    "name, tool",
+    [
+        ("DATA.TXT.BZ2", "bzip2"),
+        ("DATA.TXT.XZ", "xz"),
+        ("data.txt.gzip", "gzip"),
+        ("DATA.TXT.GZ", "gzip"),
+        ("data.txt.lz4", "lz4"),
+        ("data.txt.zst", "zstd"),
+        ("DATA.TXT.ZSTD", "zstd"),
+    ],
+)
+@pytest.mark.parametrize("option", ["--dataset_name", "--out_of_corpus_dataset"])
+def test_a_printed_decompress_command_writes_the_file_it_names(tmp_path, name, tool, option):
+    """`DATA.TXT.BZ2`, `DATA.TXT.XZ` and `data.txt.gzip` are refused as compressed files (their suffix matched in any
+    case, .gzip too), but the printed `bunzip2 -k` wrote `DATA.TXT.BZ2.out`, not the 'DATA.TXT' the message named,
+    and `unxz -k` and `gunzip -k` refused the suffix and wrote nothing (`lz4 -d` writes to a pipe when not in a
+    terminal). The printed command decompresses to standard output into the file the message names, and it runs as
+    printed, writing that file's text."""
+    import shutil
+    import subprocess
+
+    from hf_tapernorm.data.sources import local_splits
+
+    if shutil.which(tool) is None:
+        pytest.skip(f"{tool} is not installed")
+    folder = tmp_path / "it's"
+    folder.mkdir()
+    path = folder / name
+    text = "compressed text\n\nand more of it\n"
+    path.write_bytes(subprocess.run([tool, "-c"], input=text.encode(), capture_output=True, check=True).stdout)
+    plain = name[: name.rindex(".")]
+    subject = f"{option} '{path}'"
+    with pytest.raises(DataError) as refused:
+        local_splits(str(path), subject)
+    quoted = str(folder).replace("'", "'\"'\"'")
+    command = f"{tool} -dc '{quoted}/{name}' > '{quoted}/{plain}'"
+    assert str(refused.value) == (
+        f"{subject}: a compressed file ({Path(name.lower()).suffix}) is not read; decompress it ({command}) and name "
+        f"the .txt file it writes ('{plain}')"
+    )
+    subprocess.run(command, shell=True, check=True, capture_output=True)
+    assert (folder / plain).read_text() == text
 
 
 def _link_a_folder(tmp_path: Path) -> None:
@@ -1816,6 +1861,48 @@ def test_a_file_of_nul_bytes_is_refused_before_it_is_read(tmp_path, encoding, to
     assert len(load_text_dataset(str(tmp_path / "stray.txt"), cache_dir=str(tmp_path / "c"))) == 2
 
 
+@pytest.mark.parametrize("utf8_bytes", [3001, 78001], ids=["within the first chunk", "past it"])
+@pytest.mark.parametrize("in_folder", [False, True], ids=["a file", "in a folder"])
+def test_utf8_text_followed_by_utf16_is_refused_naming_where_its_nuls_begin(tmp_path, utf8_bytes, in_folder):
+    """UTF-8 text followed by UTF-16LE text (`cat a.txt b16.txt`, the UTF-16 part at an odd offset) was refused as
+    "UTF-16BE text without a byte-order mark" with an iconv command that fails; with 78 KB of UTF-8 first, only the
+    first 64 KB was looked at, and the file was read as text with a NUL between characters, without a word. Its last
+    chunk is read too, and both are refused as UTF-8 text up to the byte where NULs begin, with no iconv of the whole
+    file. A UTF-8 file past the first chunk, without a NUL, is read; a UTF-16LE file of that size is told as before."""
+    import subprocess
+
+    words = ["plain", "text", "words", "café", "more"]
+    utf8 = "\n\n".join(" ".join(random.Random(i).choice(words) for _ in range(12)) for i in range(20000)).encode()
+    utf8 = utf8[: utf8_bytes - 2].decode("utf-8", "ignore").encode() + b"\n\n"
+    assert len(utf8) % 2 == 1  # the UTF-16 part starts at an odd offset: its NULs lie at even ones
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("plain text\n\nand more")
+    path = folder / "half.txt"
+    path.write_bytes(utf8 + "wide text, café\n\nand more\n".encode("utf-16-le") * 3000)
+    source = folder if in_folder else path
+    subject = f"--dataset_name '{source}'"
+    with pytest.raises(DataError) as refused:
+        load_text_dataset(str(source), cache_dir=str(tmp_path / "c"), name=subject)
+    what = "its file 'half.txt'" if in_folder else "it"
+    todo = ", or move the file out of the folder" if in_folder else ", and name the UTF-8 text"
+    assert str(refused.value) == (
+        f"{subject}: {what} is UTF-8 text in its first {len(utf8) + 1} bytes, then holds NUL bytes from byte "
+        f"{len(utf8) + 1} (text in another encoding, or binary data): split that part off or convert it alone to "
+        f"UTF-8{todo}"
+    )
+    path.write_bytes(utf8 * 2)
+    assert len(load_text_dataset(str(path), cache_dir=str(tmp_path / "c"), sample_by="paragraph")) > 0
+    path.write_bytes("wide text, café\n\nand more\n".encode("utf-16-le") * 3000)
+    with pytest.raises(DataError) as refused:
+        load_text_dataset(str(path), cache_dir=str(tmp_path / "c"), name="t")
+    command = f"iconv -f utf-16le -t utf-8 '{path}' > '{folder / 'half.utf8.txt'}'"
+    assert str(refused.value).endswith(
+        f"(NUL every other byte), not UTF-8: convert it ({command}) and name the file it writes"
+    )
+    subprocess.run(command, shell=True, check=True)
+
+
 @pytest.mark.parametrize(
     "encoding, words, told",
     [
@@ -1998,10 +2085,12 @@ def _compressed(path: Path) -> None:
          "writes, or a folder of them"),
         ("x.tar.xz", _tar, "an archive (.tar.xz) is not read; extract it (tar -xJf '{path}') and name the data file "
          "it writes, or a folder of them"),
-        ("x.gz", _compressed, "a compressed file (.gz) is not read; decompress it (gunzip -k '{path}') and name the "
-         "file it writes ('x') with the suffix of its type (.csv, .json, .jsonl, .md, .parquet, .text, .txt)"),
-        ("x.xz", _compressed, "a compressed file (.xz) is not read; decompress it (unxz -k '{path}') and name the "
-         "file it writes ('x') with the suffix of its type (.csv, .json, .jsonl, .md, .parquet, .text, .txt)"),
+        ("x.gz", _compressed, "a compressed file (.gz) is not read; decompress it (gzip -dc '{path}' > "
+         "'{path.parent}/x') and name the file it writes ('x') with the suffix of its type (.csv, .json, .jsonl, .md, "
+         ".parquet, .text, .txt)"),
+        ("x.xz", _compressed, "a compressed file (.xz) is not read; decompress it (xz -dc '{path}' > "
+         "'{path.parent}/x') and name the file it writes ('x') with the suffix of its type (.csv, .json, .jsonl, .md, "
+         ".parquet, .text, .txt)"),
     ],
 )  # fmt: skip
 def test_an_archive_is_refused_alone_and_named_in_a_folder(tmp_path, caplog, name, write, refusal):

@@ -19,7 +19,7 @@ import re
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Optional
+from typing import BinaryIO, NamedTuple, Optional
 
 _CHUNK = 1 << 16
 
@@ -133,29 +133,108 @@ _NUL_PATTERNS = {
 }
 
 
-def nul_bytes(files: list[Path]) -> Optional[tuple[Path, Optional[str], str]]:
-    """The first of ``files`` whose first chunk holds NUL bytes as text of another encoding or binary data does, the
-    encoding that their places tell (utf-16le, utf-32be: iconv's names) or None (binary data, or no telling), and
-    where they lie ("every other byte"); None for no such file. A NUL is valid UTF-8, so such a file reads without an
+class NulBytes(NamedTuple):
+    """Where a file holds NUL bytes (:func:`nul_bytes`): the encoding their places tell (utf-16le, utf-32be: iconv's
+    names; None: binary data, no telling, or a file that is UTF-8 text before them), where they lie ("every other
+    byte"), and, for a file whose start is UTF-8 text without a NUL, the offset at which they begin (None: from its
+    start), which no iconv of the whole file converts."""
+
+    path: Path
+    encoding: Optional[str]
+    places: str
+    text_end: Optional[int] = None
+
+
+def nul_bytes(files: list[Path]) -> Optional[NulBytes]:
+    """The first of ``files`` whose first chunk, or last chunk, holds NUL bytes as text of another encoding or binary
+    data does (:class:`NulBytes`); None for no such file. A NUL is valid UTF-8, so such a file reads without an
     error, as text of NULs between its characters, which no tokenizer reads as the text it holds. A chunk an eighth
     or more NUL is told by their places (every other byte: UTF-16, three of four: UTF-32, each LE or BE), or else is
     binary; with fewer, by :func:`utf16_by_nul_parity` (Cyrillic or Greek UTF-16 holds a NUL beside its ASCII
-    characters only). Real text holds no NUL, or a stray few, which tell neither."""
+    characters only). Real text holds no NUL, or a stray few, which tell neither. The last chunk is read too (one
+    seek, whatever the file's size): UTF-8 text followed by UTF-16 text (``cat a.txt b16.txt``) starts clean."""
     for path in files:
         try:
-            with path.open("rb") as handle:
-                start = handle.read(_CHUNK)
+            found = _nul_bytes_of(path)
         except OSError:  # the loading says what is wrong with it
             continue
-        many = bool(start) and start.count(0) * 8 >= len(start)
-        encoding = _encoding_by_nul_places(start) if many else None
-        if encoding is not None:
-            return path, encoding, "every other byte" if encoding.startswith("utf-16") else "three bytes of every four"
-        encoding = utf16_by_nul_parity(start)
-        if encoding is not None:
-            return path, encoding, f"at {'odd' if encoding.endswith('le') else 'even'} offsets only"
-        if many:
-            return path, None, "an eighth of its bytes or more"
+        if found is not None:
+            return found
+    return None
+
+
+def _nul_bytes_of(path: Path) -> Optional[NulBytes]:
+    """Where the file ``path`` holds NUL bytes as other text or binary data does (nul_bytes), by its first chunk,
+    then by its last (from an offset a multiple of 4, so that their places read as the file's)."""
+    with path.open("rb") as handle:
+        start = handle.read(_CHUNK)
+        told = _nuls_told(start)
+        if told is not None:
+            text_end = _utf8_text_before_nul(start)
+            return NulBytes(path, told[0] if text_end is None else None, told[1], text_end)
+        size = handle.seek(0, 2)
+        if size <= _CHUNK:
+            return None
+        offset = max(_CHUNK, (size - _CHUNK) // 4 * 4)
+        handle.seek(offset)
+        end = handle.read()
+        told = _nuls_told(end)
+        if told is None:
+            return None
+        handle.seek(_CHUNK)
+        first = _first_nul(handle, offset)
+        return NulBytes(path, None, told[1], offset + end.index(0) if first is None else first)
+
+
+def _nuls_told(chunk: bytes) -> Optional[tuple[Optional[str], str]]:
+    """The encoding the NULs of ``chunk`` tell (None: binary data, or no telling) and where they lie; None where it
+    holds none, or a stray few, as real text may."""
+    many = bool(chunk) and chunk.count(0) * 8 >= len(chunk)
+    encoding = _encoding_by_nul_places(chunk) if many else None
+    if encoding is not None:
+        return encoding, "every other byte" if encoding.startswith("utf-16") else "three bytes of every four"
+    encoding = utf16_by_nul_parity(chunk)
+    if encoding is not None:
+        return encoding, f"at {'odd' if encoding.endswith('le') else 'even'} offsets only"
+    return (None, "an eighth of its bytes or more") if many else None
+
+
+#: How many bytes of UTF-8 text, at least, before a file's first NUL tell a file that is text at its start: text of
+#: another encoding without a mark has its first NUL within a byte or two, or reads as control characters before it.
+MIN_TEXT_BEFORE_NUL = 16
+
+#: The control characters that no UTF-8 text holds (white space's are left out); UTF-16 Cyrillic reads as them.
+_CONTROLS = re.compile("[\x00-\x08\x0e-\x1f\x7f]")
+
+
+def _utf8_text_before_nul(start: bytes) -> Optional[int]:
+    """The offset of the first NUL of ``start`` (a file's first chunk) where the bytes before it are UTF-8 text (but
+    for the last, which may be the other text's first: UTF-16LE's) without control characters, of
+    :data:`MIN_TEXT_BEFORE_NUL` bytes or more; None otherwise (the NULs are the whole file's encoding)."""
+    first = start.find(0)
+    if first < MIN_TEXT_BEFORE_NUL:
+        return None
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(start[: first - 1])
+    except UnicodeDecodeError:
+        return None
+    return None if _CONTROLS.search(text) else first
+
+
+#: How many chunks, at most, are read to find where NULs begin in a file whose last chunk alone told them.
+_SCANNED_CHUNKS = 256
+
+
+def _first_nul(handle: BinaryIO, stop: int) -> Optional[int]:
+    """The offset of the first NUL that ``handle`` holds from where it stands up to ``stop`` (a file refused for the
+    NULs from there on), read for :data:`_SCANNED_CHUNKS` chunks at most; None for none read."""
+    for _ in range(_SCANNED_CHUNKS):
+        at = handle.tell()
+        chunk = handle.read(min(_CHUNK, stop - at))
+        if not chunk:
+            return None
+        if 0 in chunk:
+            return at + chunk.index(0)
     return None
 
 

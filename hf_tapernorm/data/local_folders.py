@@ -175,10 +175,11 @@ def _warn_unread(path: Path, unread: list[Path], name: str, kind: str, why: str)
 
 
 #: The single-file compressions ``datasets`` infers from a data file's last suffix (data.jsonl.gz), each with the
-#: command that decompresses it and keeps the compressed file, and the archives (:data:`ARCHIVES`), each with the
-#: command that extracts its files.
-DECOMPRESS = {".gz": "gunzip -k", ".gzip": "gunzip -k", ".bz2": "bunzip2 -k", ".xz": "unxz -k", ".lz4": "lz4 -d"}
-DECOMPRESS.update({".zst": "unzstd", ".zstd": "unzstd"})
+#: command that decompresses it to its standard output (refuse_packed names the file it writes: gunzip, unxz and
+#: bunzip2 pick that name themselves from a suffix they must know, in lower case, and lz4 writes to a pipe when not
+#: run in a terminal), and the archives (:data:`ARCHIVES`), each with the command that extracts its files.
+DECOMPRESS = {".gz": "gzip -dc", ".gzip": "gzip -dc", ".bz2": "bzip2 -dc", ".xz": "xz -dc", ".lz4": "lz4 -dc"}
+DECOMPRESS.update({".zst": "zstd -dc", ".zstd": "zstd -dc"})
 DECOMPRESS.update({".zip": "unzip", ".tar": "tar -xf", ".tar.gz": "tar -xzf", ".tgz": "tar -xzf"})
 DECOMPRESS.update({".tar.bz2": "tar -xjf", ".tbz2": "tar -xjf", ".tar.xz": "tar -xJf", ".txz": "tar -xJf"})
 DECOMPRESS.update({".tar.zst": "tar --zstd -xf", ".7z": "7z x"})
@@ -214,9 +215,10 @@ def packed_file(path: Path) -> Optional[str]:
 
 def refuse_packed(path: Path, name: str) -> None:
     """Refuse (DataError, its subject ``name``) an archive or a compressed data file named alone (packed_file),
-    naming the command that unpacks it. ``datasets`` reads a compressed file and a zip archive, but every check that
-    reads a file before the model loads (its columns, whether it is empty, a lone surrogate's line) and --sample_by's
-    rule read its bytes as the data, which they are not; the files it holds read as any other."""
+    naming the command that unpacks it (a compressed file's into the file the message names). ``datasets`` reads a
+    compressed file and a zip archive, but every check that reads a file before the model loads (its columns, whether
+    it is empty, a lone surrogate's line) and --sample_by's rule read its bytes as the data, which they are not; the
+    files it holds read as any other."""
     suffix = packed_file(path)
     if suffix is None:
         return
@@ -227,6 +229,7 @@ def refuse_packed(path: Path, name: str) -> None:
             "a folder of them"
         )
     plain = path.name[: -len(suffix)]
+    command += f" > {shell_quoted(path.parent / plain)}"  # the name the message gives, whatever the suffix's case
     inner = Path(plain).suffix.lower()
     if inner:
         raise DataError(

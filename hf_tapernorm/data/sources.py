@@ -194,18 +194,24 @@ def _check_utf8_mark(name: str, folder: Optional[Path], files: list[Path]) -> No
 
 
 def _check_no_nul(name: str, folder: Optional[Path], files: list[Path]) -> None:
-    """Refuse a file of ``files`` whose first chunk holds NUL bytes as other text or binary data does
+    """Refuse a file of ``files`` whose first or last chunk holds NUL bytes as other text or binary data does
     (file_contents.nul_bytes): UTF-16 or UTF-32 text without a byte-order mark (ASCII or not), or binary data. NUL
     is valid UTF-8, so the builders read it without a word, as text with a NUL between its characters (or as too
     little text, no line or paragraph telling)."""
     found = nul_bytes(files)
     if found is None:
         return
-    path, encoding, places = found
+    path, encoding, places, text_end = found
     if encoding is not None:
         told = f"{encoding.upper()} text without a byte-order mark (NUL {places}), not UTF-8"
         _refuse_encoding(name, folder, path, encoding, told)
     what = f"its file '{path.relative_to(folder)}'" if folder is not None else "it"
+    if text_end is not None:  # UTF-8 text, then another encoding's (cat a.txt b16.txt): no iconv converts it whole
+        raise DataError(
+            f"{name}: {what} is UTF-8 text in its first {text_end} bytes, then holds NUL bytes from byte {text_end} "
+            "(text in another encoding, or binary data): split that part off or convert it alone to UTF-8"
+            + (", or move the file out of the folder" if folder is not None else ", and name the UTF-8 text")
+        )
     raise DataError(
         f"{name}: {what} holds NUL bytes, so it is not UTF-8 text (binary data, or text in another encoding): "
         "name a UTF-8 text file" + (", or move it out of the folder" if folder is not None else "")

@@ -1432,6 +1432,24 @@ CASES = {
         2,
         ["not an earlier result"],
     ),
+    # a path with no file name in it stopped with a traceback ("PosixPath('.') has an empty name"), rc 1
+    **{
+        f"eval --output_json {given}": (
+            lambda ws, given=given: _eval(ws, "--output_json", given),
+            2,
+            f"error: --output_json {given} is a symbolic link or a folder; name a new file",
+        )
+        for given in (".", "/", "./")
+    },
+    # a trailing '/' (a folder that does not exist, or a new file's name) wrote the result to a file of that name
+    **{
+        f"eval --output_json {name}/ (a trailing slash)": (
+            lambda ws, name=name: _eval(ws, "--output_json", f"{ws / name}/"),
+            2,
+            f"error: --output_json {{ws}}/{name}/ ends with '/', which names a folder; name a file",
+        )
+        for name in ("nodir", "result.json")
+    },
     "eval of a missing model": (lambda ws: ["eval", "--model_name_or_path", str(ws / "nothing")], 2, ["not found"]),
     "fold of an original model": (
         lambda ws: ["fold", "--checkpoint", str(ws / "llama"), "--output_dir", str(ws / "x")],

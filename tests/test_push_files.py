@@ -268,3 +268,21 @@ def test_nothing_under_a_bookkeeping_folder_is_uploaded_whatever_include_names(e
     (export / "sub").mkdir()
     (export / "sub" / ".hf_tapernorm_run.lock").write_text("pid 7")
     assert files_to_push(export, [include]) == sorted(export_manifest(export))
+
+
+def test_push_names_an_include_pattern_that_matches_only_bookkeeping_files(run, tmp_path, hub, caplog):
+    """``push --include .hf_tapernorm_notes`` (a user's file under a bookkeeping name) exited 0 without uploading it,
+    and nothing said so. It is still not uploaded (bookkeeping never is), and a WARNING names the pattern whose every
+    match is a bookkeeping name; a pattern that also matches a user's other file ('*') says nothing."""
+    folder = copy_of(run, tmp_path)
+    (folder / "folded" / ".hf_tapernorm_notes").write_text("mine")
+    caplog.set_level("WARNING", logger="hf_tapernorm.export.hub")
+    assert _push(folder / "folded", "me/notes", "--include", ".hf_tapernorm_notes") == 0
+    assert ".hf_tapernorm_notes" not in hub.sent["me/notes"]
+    assert caplog.messages == [
+        "--include '.hf_tapernorm_notes' names only hf-tapernorm's bookkeeping files (.hf_tapernorm_notes), which are "
+        "never uploaded: rename a file of yours out of the .hf_tapernorm_* names to publish it"
+    ]
+    caplog.clear()
+    assert _push(folder / "folded", "me/all", "--include", "*") == 0
+    assert caplog.messages == []

@@ -512,6 +512,33 @@ def test_a_killed_export_folded_overwrite_in_a_run_is_no_users_file(workspace, r
     assert not list(folder.glob(".folded.*")) and (folder / "folded" / "model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("option", ["--overwrite", "--resume"])
+@pytest.mark.parametrize("inside", ["folded", "."])
+def test_taper_names_a_live_export_folded_write_in_its_run_folder(
+    workspace, run, tmp_path, monkeypatch, option, inside
+):
+    """A live export_folded's marked ``.hf_tapernorm_writing-PID/`` in RUN/folded/ (or in RUN), then taper
+    --overwrite or --resume: it was refused as "files hf-tapernorm did not write ...; move them away first", and
+    moving a live write's folder breaks that write. Now the run names the write in progress as fold does
+    (write_in_progress), before the folder's files are judged, and nothing is touched."""
+    from hf_tapernorm._temporaries import WRITE_MARK, write_in_progress
+
+    folder, alive = copy_of(run, tmp_path), os.getppid()  # this test's parent: a live process
+    live = folder / inside / f".hf_tapernorm_writing-{alive}"
+    live.mkdir()
+    (live / WRITE_MARK).write_text("")
+    (live / "model.safetensors").write_bytes(b"half")
+    before = snapshot(folder)
+    no_loading(monkeypatch)
+    words = write_in_progress(live.parent)
+    assert words.startswith(f"another write of {live.parent} is in progress (pid {alive}")
+    assert error_of([*run_argv(workspace, folder), option]) == (
+        f"hf-tapernorm taper: error: output folder '{folder}': {words}; wait for it to finish, or choose another "
+        "--output_dir"
+    )
+    assert snapshot(folder) == before
+
+
 def test_a_fold_with_a_scan_into_the_runs_folded_is_the_runs_export(workspace, tmp_path):
     """push's hint for an unscanned export (fold --output_dir RUN/folded --overwrite --scan_windows N), followed:
     the run's --overwrite then named folded/robustness_scan.json as no file of its own. The files the export in
@@ -584,6 +611,31 @@ def test_fold_overwrite_warns_of_weights_changed_since_the_export(reference, tmp
         ".hf_tapernorm_export.json recorded differs): copy it out of the folder first to keep the changes"
     ]
     assert (export / "model.safetensors").read_bytes() != changed
+
+
+def test_fold_overwrite_without_a_scan_names_the_scan_it_drops(reference, tmp_path, caplog):
+    """fold --scan_windows 2 into EXPORT, then fold --overwrite with --scan_windows 0: the earlier (unedited)
+    robustness_scan.json was deleted without a word, where a run's --overwrite/--resume names it. Now fold names it
+    in the run's words once it goes ahead (not when refused later, by its fold check); a fold that scans says
+    nothing."""
+    export = tmp_path / "export"
+    code, _, stderr = run_main(fold_argv(reference / "tapered", export, "--scan_windows", "2"))
+    assert code == 0 and (export / "robustness_scan.json").is_file(), stderr[-2000:]
+    caplog.set_level(logging.WARNING)
+    code, _, stderr = run_main(fold_argv(reference / "tapered", export, "--overwrite", "--tolerance", "1e-300"))
+    assert code != 0 and "logits differ from the unfolded" in stderr, stderr[-2000:]
+    assert not [r for r in caplog.records if "robustness_scan.json" in r.getMessage()]
+    code, _, stderr = run_main(fold_argv(reference / "tapered", export, "--overwrite", "--scan_windows", "2"))
+    assert code == 0, stderr[-2000:]
+    assert not [r for r in caplog.records if "robustness_scan.json" in r.getMessage()]
+    code, _, stderr = run_main(fold_argv(reference / "tapered", export, "--overwrite"))
+    assert code == 0, stderr[-2000:]
+    assert [r.getMessage() for r in caplog.records if "robustness_scan.json" in r.getMessage()] == [
+        f"--overwrite of '{export}' writes an export without a scan, and its robustness_scan.json (the robustness "
+        "scan a fold wrote there) goes with the old export: copy it out of the folder to keep it, or scan the new "
+        "export with fold --scan_windows N"
+    ]
+    assert not (export / "robustness_scan.json").exists()
 
 
 def test_fold_overwrite_refused_by_a_folder_in_the_way_says_nothing_of_what_it_would_replace(

@@ -42,20 +42,30 @@ def warn_run_export(run: Path, *, resume: bool, scans: bool) -> None:
     the run goes ahead (prepare_run_folder, after every check that can refuse it): a refused run replaces nothing."""
     export = run / RUN_EXPORT
     try:
-        files = export_manifest(export) or []
+        export_manifest(export)
     except ConfigurationError:  # a damaged export manifest: none of its files are the run's (RunFolder.check)
         return
     verb = "--resume" if resume else "--overwrite"
     warn_changed_export(export, f"{verb} of {run}, which writes its export {export} anew,")
-    if SCAN_FILE in files and not scans:
+    if not scans:
+        warn_dropped_scan(export, f"{verb} of {run} writes its export {export} anew, and")
+
+
+def warn_dropped_scan(export: Path, replacing: str) -> None:
+    """Warn that the robustness scan an earlier fold wrote into ``export`` (its manifest lists it) goes with the
+    export, where the new one has none (``--scan_windows 0``): a run's --overwrite/--resume of its folded/ and fold
+    --overwrite say so in the same words (``replacing``: who replaces it, and how), once they go ahead."""
+    try:
+        files = export_manifest(export) or []
+    except ConfigurationError:  # a damaged export manifest: its files are no export's, and the write refuses them
+        return
+    if SCAN_FILE in files and (export / SCAN_FILE).is_file():
         logger.warning(
-            "%s of %s writes its export %s anew, and its %s (the robustness scan a fold wrote there) goes with the "
-            "old export: copy it out of the folder to keep it, or scan the new export with fold --scan_windows N",
-            verb,
-            run,
-            export,
+            "%s its %s (the robustness scan a fold wrote there) goes with the old export: copy it out of the folder "
+            "to keep it, or scan the new export with fold --scan_windows N",
+            replacing,
             SCAN_FILE,
         )
 
 
-__all__ = ["check_run_export", "warn_run_export"]
+__all__ = ["check_run_export", "warn_dropped_scan", "warn_run_export"]

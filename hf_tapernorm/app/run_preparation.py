@@ -11,10 +11,11 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+from .._temporaries import write_in_progress
 from ..evaluation.models import ModelSource
 from .resume_check import check_resumable
 from .run_export import check_run_export, warn_run_export
-from .run_folder import RunFolder
+from .run_folder import RunFolder, RunFolderError
 from .training_run import recorded_identity
 from .validation import TaperRequest, check_inputs_outside
 
@@ -33,6 +34,7 @@ def finished_run(folder: Path) -> bool:
 def check_run_folder(request: TaperRequest, output: RunFolder, source: ModelSource) -> tuple[bool, list[Path]]:
     """Whether the run folder must be emptied (``--overwrite``) and the checkpoints a resumed run must drop, after
     checking that nothing the run reads lies in what it deletes or rewrites."""
+    refuse_live_writes(output)
     must_empty = output.check(
         overwrite=request.run.overwrite,
         resume=request.run.resume,
@@ -54,6 +56,20 @@ def check_run_folder(request: TaperRequest, output: RunFolder, source: ModelSour
         else []
     )
     return must_empty, stale_checkpoints
+
+
+def refuse_live_writes(output: RunFolder) -> None:
+    """Refuse a run folder, or an output folder in it (its ``folded/``), that an ``export_folded`` is writing into
+    now (its ``.hf_tapernorm_writing-PID``, writer running), naming that write as fold does (write_in_progress).
+    Checked before the folder's files are judged: among them that write's folder would be named a user's file to
+    move away, and moving a live write's folder breaks it."""
+    folders = [output.path, *(output.path / name for name in output.outputs if name.endswith("/"))]
+    for folder in folders:
+        live = write_in_progress(folder)
+        if live:
+            raise RunFolderError(
+                f"output folder '{output.path}': {live}; wait for it to finish, or choose another --output_dir"
+            )
 
 
 def prepare_run_folder(
@@ -78,4 +94,4 @@ def prepare_run_folder(
     output.record()
 
 
-__all__ = ["check_run_folder", "finished_run", "prepare_run_folder"]
+__all__ = ["check_run_folder", "finished_run", "prepare_run_folder", "refuse_live_writes"]

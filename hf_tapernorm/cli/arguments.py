@@ -465,7 +465,10 @@ class EvalArguments:
 
     def __post_init__(self) -> None:
         expand_user_options(self, "output_json", "scan_reference")
-        self.output_json = self.output_json and str(expand_user(self.output_json))  # a quoted '~/r.json' too
+        given = self.output_json
+        expanded = given and str(expand_user(given))  # a quoted '~/r.json' too
+        # a trailing '/' (a folder's name), which Path drops, is kept for check_result_file to refuse
+        self.output_json = expanded and (expanded.rstrip("/") + "/" if given.endswith("/") else expanded)
 
 
 __all__ = [

@@ -21,6 +21,7 @@ from ..app.data_checks import check_data_paths, check_hub_datasets, output_targe
 from ..app.fingerprints import holds_recorded_contents
 from ..app.preflight import check_export_space, full_disk_refused
 from ..app.record import evaluation_facts, run_card_facts
+from ..app.run_export import warn_dropped_scan
 from ..app.run_folder import RunFolder, write_file, write_folder
 from ..app.run_folder_hints import eval_hint, fold_hint, push_hint, refuse_run_folder, scan_reference_hint
 from ..app.run_lock import refuse_while_running, resolved_path
@@ -195,7 +196,7 @@ def _check_eval_arguments(model_args, data_args, eval_args) -> Optional[Path]:
     _refuse_unread_scan_reference(eval_args.scan_reference, data_args.scan_windows)
     output_json = Path(eval_args.output_json) if eval_args.output_json else None
     if output_json is not None:
-        check_result_file(output_json)
+        check_result_file(eval_args.output_json)  # as given: a trailing '/' names a folder
         check_result_outside_data(output_json, data_args)
         models = {"--model_name_or_path": model_args.model_name_or_path, "--scan_reference": eval_args.scan_reference}
         check_result_outside_models(output_json, models)
@@ -378,13 +379,22 @@ def _fold_into(
         write_folder(
             output_dir,
             lambda tmp: save_export(folded, tokenizer, tmp, facts),
-            before_write=lambda: warn_changed_export(output_dir, f"--overwrite of '{output_dir}'"),
+            before_write=lambda: _warn_replaced_export(output_dir, scans=bool(scan)),
         )
     print(json.dumps({"export": str(output_dir), "fold": folded.fold_report.to_dict()}))
     warning = scan_line(scan or {}, where=str(output_dir / SCAN_FILE))
     if warning:
         print(warning)
     return 0
+
+
+def _warn_replaced_export(output_dir: Path, *, scans: bool) -> None:
+    """fold --overwrite's WARNINGs of what its new export replaces, given once every check has passed (write_folder's
+    before_write): files changed since the earlier export wrote them, and the earlier scan where this fold writes
+    none (``scans``), as a run's --overwrite of its folded/ warns."""
+    warn_changed_export(output_dir, f"--overwrite of '{output_dir}'")
+    if not scans:
+        warn_dropped_scan(output_dir, f"--overwrite of '{output_dir}' writes an export without a scan, and")
 
 
 def _run_card_facts(source: ModelSource, report: Optional[dict]) -> dict:

@@ -64,12 +64,15 @@ LONGEST_EXPORT_PATH = max(
 RESULT_MARK = "hf-tapernorm eval"
 
 
-def check_result_file(path: Path) -> None:
+def check_result_file(given: str | os.PathLike) -> None:
     """``--output_json`` may name a new file in an existing folder, or an earlier result of ``eval``; nothing else.
 
     Checked before the model loads; a model's config.json or a user's file is never written over, and a path whose
-    temporary sibling would pass PATH_MAX is refused (before the absolute path it resolves to could be).
+    temporary sibling would pass PATH_MAX is refused (before the absolute path it resolves to could be). ``given``:
+    the path as the user wrote it (refuse_folder_name reads its trailing '/', which Path drops).
     """
+    refuse_folder_name(given)
+    path = Path(given)
     refuse_dangling_output("--output_json", path, folder=False)  # as every output refuses it
     check_path_length(path, f"--output_json {path}")
     try:
@@ -96,6 +99,17 @@ def check_result_file(path: Path) -> None:
             f"--output_json {path} exists and is not an earlier result of hf-tapernorm eval; it is left as it is, "
             "name a new file"
         )
+
+
+def refuse_folder_name(given: str | os.PathLike) -> None:
+    """Refuse an ``--output_json`` that names a folder by its form: no file name at all (``.``, ``/``, ``./``: the
+    temporary name of the write has none to build on), or a trailing '/' (``nodir/``, ``earlier.json/``): Path drops
+    the slash, so the result went to a file of that name, where the user named a folder."""
+    text = os.fspath(given)
+    if not Path(text).name:
+        raise UsageError(f"--output_json {text} is a symbolic link or a folder; name a new file")
+    if text.endswith(("/", os.sep)):
+        raise UsageError(f"--output_json {text} ends with '/', which names a folder; name a file")
 
 
 def check_result_outside_data(path: Path, data: Any) -> None:

@@ -65,7 +65,9 @@ class PushArguments:
         metadata=option_help(
             "Only the files the export wrote are uploaded; any other file in --export_dir is refused unless one of "
             "these fnmatch patterns names its path inside it, e.g. --include 'samples/*.txt' ('notes.txt': the "
-            "top-level file only; '*' also matches '/'; './' is dropped). Repeated --include patterns add up."
+            "top-level file only; '*' also matches '/'; './' is dropped). Repeated --include patterns add up. The "
+            "package's bookkeeping files (.hf_tapernorm_* names, and files under such a folder) are never uploaded, "
+            "whatever a pattern names; a WARNING names a pattern that matches only those."
         ),
     )
     token: Optional[str] = field(default=None, metadata=option_help("Hub token (default: the logged-in one)."))

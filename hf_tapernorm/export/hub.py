@@ -19,7 +19,15 @@ from typing import Any, Optional
 from .._temporaries import write_in_progress, writes_inside
 from ..errors import ConfigurationError
 from ..utils import expand_user, some_names
-from .manifest import EXPORT_MANIFEST_NAME, check_export_files, export_manifest, folder_files, incomplete_export
+from .manifest import (
+    BOOKKEEPING_PREFIX,
+    EXPORT_MANIFEST_NAME,
+    check_export_files,
+    export_manifest,
+    folder_files,
+    incomplete_export,
+    is_bookkeeping,
+)
 from .modeling_folded import upload_export
 
 logger = logging.getLogger(__name__)
@@ -59,7 +67,24 @@ def files_to_push(folder: str | os.PathLike, include: Sequence[str] = ()) -> lis
             "them away, or name the ones to publish with --include PATTERN"
         )
     check_export_files(folder)
+    _warn_bookkeeping_only(folder, include)
     return sorted([*manifest, *included])
+
+
+def _warn_bookkeeping_only(folder: Path, include: Sequence[str]) -> None:
+    """Warn of each --include pattern whose every match in ``folder`` is a bookkeeping name (``.hf_tapernorm_*``,
+    never uploaded): a user's file named so would stay behind without a word, though a pattern named it."""
+    names = sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*") if not path.is_dir())
+    for pattern in include:
+        matched = [name for name in names if _matches(name, [pattern])]
+        if matched and all(is_bookkeeping(name) for name in matched):
+            logger.warning(
+                "--include %r names only hf-tapernorm's bookkeeping files (%s), which are never uploaded: rename a "
+                "file of yours out of the %s* names to publish it",
+                pattern,
+                some_names(matched),
+                BOOKKEEPING_PREFIX,
+            )
 
 
 def _refuse_writes_inside(folder: Path) -> None:

@@ -1774,13 +1774,15 @@ def test_a_streamed_corpus_says_the_out_of_corpus_text_was_compared_by_file_only
         ("blank.csv", b"\n\n\n"),
         ("bomblank.csv", b"\xef\xbb\xbf\n\n"),
         ("nbsp.txt", "\u00a0\u2003\n\u3000\n\n\u00a0".encode() * 5000),  # Unicode's, over several chunks
+        ("zw.txt", "\u200b\ufeff\u200d \n\u2060\n\n".encode() * 10),  # zero-width spaces, joiners, marks
     ],
 )
 def test_a_file_of_white_space_alone_is_refused_as_empty(tmp_path, name, content):
     """A .txt of a UTF-8 byte-order mark alone was refused in datasets' words (SchemaInferenceError: Please pass
     `features`), a .csv of blank lines in pandas' (EmptyDataError: No columns to parse from file), and a .txt or .md
     of white space as "too small ... split the text into more", advice that cannot help, and a .txt of Unicode white
-    space alone (no-break, em and ideographic spaces) so still. Each is empty, told as a 0-byte file, a header-only
+    space alone (no-break, em and ideographic spaces) so still, and one of zero-width spaces and marks (which show
+    nothing) too, or read as out-of-corpus text of invisible characters. Each is empty, told as a 0-byte file, a header-only
     CSV or `[]` is, before any builder reads it."""
     path = tmp_path / name
     path.write_bytes(content)

@@ -55,19 +55,28 @@ def _no_json_rows(path: Path) -> bool:
     return shown in (b"", b"[]")
 
 
+#: Characters that show nothing: Unicode's white space (no-break and ideographic spaces too) and its invisible
+#: format characters (zero-width spaces and joiners, a byte-order mark inside the text, bidirectional marks).
+_INVISIBLE = re.compile(r"[\s\u00ad\u061c\u180e\u200b-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff]*")
+
+
+def _visible(text: str) -> bool:
+    return _INVISIBLE.fullmatch(text) is None
+
+
 def holds_text(path: Path) -> bool:
-    """Whether the file ``path`` holds anything but white space (a byte-order mark first): an empty file is no text
-    of an out-of-corpus dataset, so neither a copy of the corpus nor other text beside it (a file that cannot be
-    read counts as text: its loading tells what is wrong). White space is Unicode's (``str.strip``: no-break and
-    ideographic spaces too, which hold no text either), read chunk by chunk as UTF-8; a byte that is not UTF-8 counts
+    """Whether the file ``path`` holds anything but characters that show nothing (_INVISIBLE: white space, zero-width
+    spaces, a byte-order mark): an empty file is no text of an out-of-corpus dataset, so neither a copy of the corpus
+    nor other text beside it, and a corpus of it would be refused as too small to split (a file that cannot be read
+    counts as text: its loading tells what is wrong). Read chunk by chunk as UTF-8; a byte that is not UTF-8 counts
     as text, which its loading refuses in its own words."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     try:
-        if any(decoder.decode(chunk).strip() for chunk in _chunks(path)):
+        if any(_visible(decoder.decode(chunk)) for chunk in _chunks(path)):
             return True
     except OSError:  # a file this user cannot read: counted, as its loading will tell
         return True
-    return bool(decoder.decode(b"", final=True).strip())
+    return _visible(decoder.decode(b"", final=True))
 
 
 def _chunks(path: Path) -> Iterator[bytes]:

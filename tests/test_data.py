@@ -1782,8 +1782,8 @@ def test_a_file_of_white_space_alone_is_refused_as_empty(tmp_path, name, content
     `features`), a .csv of blank lines in pandas' (EmptyDataError: No columns to parse from file), and a .txt or .md
     of white space as "too small ... split the text into more", advice that cannot help, and a .txt of Unicode white
     space alone (no-break, em and ideographic spaces) so still, and one of zero-width spaces and marks (which show
-    nothing) too, or read as out-of-corpus text of invisible characters. Each is empty, told as a 0-byte file, a header-only
-    CSV or `[]` is, before any builder reads it."""
+    nothing) too, or read as out-of-corpus text of invisible characters. Each is empty, told as a 0-byte file, a
+    header-only CSV or `[]` is, before any builder reads it."""
     path = tmp_path / name
     path.write_bytes(content)
     with pytest.raises(DataError) as refused:

@@ -166,6 +166,23 @@ def _truncated_tapernorm_config(command):
     return _edited_tapered(command, lambda tapered: truncate(tapered / "tapernorm_config.json"))
 
 
+def _without_file(command, name):
+    """eval or fold of a copy of the run whose tapered/ folder lacks ``name``."""
+    return _edited_tapered(command, lambda tapered: (tapered / name).unlink())
+
+
+def _weightless_model(command, name="model.safetensors"):
+    """``bench`` or ``taper`` of a copy of the workspace's model without its file ``name``."""
+
+    def make(ws, run, tmp):
+        model = shutil.copytree(ws / "llama", tmp / "llama")
+        (model / name).unlink()
+        argv = _bench(ws) if command == "bench" else _taper(ws)
+        return [*argv[:2], str(model), *argv[3:]]
+
+    return make
+
+
 def _edited_manifest(entry):
     def make(ws, run, tmp):
         folder = copy_of(run, tmp)
@@ -1596,6 +1613,115 @@ CASES = {
         _tapered_config_string("fold"),
         2,
         ["cannot read the config of tapered checkpoint", "num_hidden_layers"],
+        NEEDS_RUN,
+    ),
+    # tapered checkpoints lacking a file: the refusals named no option ("tapered checkpoint '...' has no
+    # .safetensors weights", "'...' is a folder without config.json"), and eval of one lacking tapernorm_config.json
+    # said transformers' "does not recognize this architecture ... out of date"
+    "fold of a tapered checkpoint without its weights": (
+        _without_file("fold", "model.safetensors"),
+        2,
+        [
+            "error: --checkpoint '",
+            "/tapered' is a tapered checkpoint that has no .safetensors weights: restore them from its run, or pass a "
+            "complete checkpoint (a run's tapered/ or a checkpoint-N)",
+        ],
+        NEEDS_RUN,
+    ),
+    "fold of a tapered checkpoint without its config.json": (
+        _without_file("fold", "config.json"),
+        2,
+        [
+            "error: --checkpoint '",
+            "/tapered' is a tapered checkpoint without its config.json: restore the file from its run, or pass a "
+            "complete checkpoint (a run's tapered/ or a checkpoint-N)",
+        ],
+        NEEDS_RUN,
+    ),
+    "fold of a tapered checkpoint without its tapernorm_config.json": (
+        _without_file("fold", "tapernorm_config.json"),
+        2,
+        [
+            "error: --checkpoint '",
+            "/tapered' is a tapered checkpoint without its tapernorm_config.json (its config.json names the model "
+            "type 'hf_tapernorm_tapered_llama', which only that file makes loadable): restore the file from its run, "
+            "or pass a complete checkpoint (a run's tapered/ or a checkpoint-N)",
+        ],
+        NEEDS_RUN,
+    ),
+    "eval of a tapered checkpoint without its weights": (
+        _without_file("eval", "model.safetensors"),
+        2,
+        [
+            "error: --model_name_or_path '",
+            "/tapered' is a tapered checkpoint that has no .safetensors weights: restore them from its run, or pass a "
+            "complete checkpoint (a run's tapered/ or a checkpoint-N)",
+        ],
+        NEEDS_RUN,
+    ),
+    "eval of a tapered checkpoint without its config.json": (
+        _without_file("eval", "config.json"),
+        2,
+        [
+            "error: --model_name_or_path '",
+            "/tapered' is a tapered checkpoint without its config.json: restore the file from its run, or pass a "
+            "complete checkpoint (a run's tapered/ or a checkpoint-N)",
+        ],
+        NEEDS_RUN,
+    ),
+    "eval of a tapered checkpoint without its tapernorm_config.json": (
+        _without_file("eval", "tapernorm_config.json"),
+        2,
+        [
+            "error: --model_name_or_path '",
+            "/tapered' is a tapered checkpoint without its tapernorm_config.json (its config.json names the model "
+            "type 'hf_tapernorm_tapered_llama', which only that file makes loadable): restore the file from its run, "
+            "or pass a complete checkpoint (a run's tapered/ or a checkpoint-N)",
+        ],
+        NEEDS_RUN,
+    ),
+    # a model folder without its weights: transformers' "cannot load model '...': OSError: Error no file named
+    # model.safetensors" as the model loaded, naming no option; without config.json, no option either
+    "bench of a model folder without its weights": (
+        _weightless_model("bench"),
+        2,
+        [
+            "error: --model_name_or_path '",
+            "/llama' has no weights: none of model.safetensors, model.safetensors.index.json, pytorch_model.bin, "
+            "pytorch_model.bin.index.json is in it; copy the model's weights into it, or pass the folder of a "
+            "complete saved model",
+        ],
+        NEEDS_RUN,
+    ),
+    "bench of a model folder without config.json": (
+        _weightless_model("bench", "config.json"),
+        2,
+        [
+            "error: --model_name_or_path '",
+            "/llama' is a folder without config.json: not a saved Hugging Face model (for a GGUF file pass its "
+            "path or --gguf_file)",
+        ],
+        NEEDS_RUN,
+    ),
+    "taper of a model folder without its weights": (
+        _weightless_model("taper"),
+        2,
+        [
+            "error: --model_name_or_path '",
+            "/llama' has no weights: none of model.safetensors, model.safetensors.index.json, pytorch_model.bin, "
+            "pytorch_model.bin.index.json is in it; copy the model's weights into it, or pass the folder of a "
+            "complete saved model",
+        ],
+        NEEDS_RUN,
+    ),
+    "taper of a model folder without config.json": (
+        _weightless_model("taper", "config.json"),
+        2,
+        [
+            "error: --model_name_or_path '",
+            "/llama' is a folder without config.json: not a saved Hugging Face model (for a GGUF file pass its "
+            "path or --gguf_file)",
+        ],
         NEEDS_RUN,
     ),
     "eval of a truncated tapernorm_config.json": (

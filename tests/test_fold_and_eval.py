@@ -24,7 +24,7 @@ from hf_tapernorm import (
 from hf_tapernorm.app.run_folder import MANIFEST_NAME
 from hf_tapernorm.app.training_run import IDENTITY_NAME as IDENTITY
 from hf_tapernorm.cli import fold_scan
-from hf_tapernorm.evaluation.models import load_tokenizer, resolve_model
+from hf_tapernorm.evaluation.models import ModelSourceError, load_tokenizer, resolve_model
 from tests.conftest import corpus_documents, save_tiny_model
 from tests.helpers import (
     cached_hub_dataset,
@@ -184,6 +184,47 @@ def test_loading_a_tapered_checkpoints_tokenizer_gives_no_model_type_warning(run
 
 
 # ============================================================================= checkpoints fold and eval refuse
+def test_a_model_lacking_its_weights_is_refused_naming_its_option_before_anything_loads(ws, run, tmp_path, monkeypatch):
+    """A tapered checkpoint without its .safetensors weights was refused as "tapered checkpoint '...' has no
+    .safetensors weights" only as its weights loaded, and eval of a plain model without its weights said
+    transformers' "cannot load model '...': OSError: Error no file named model.safetensors" once its tokenizer had
+    loaded; neither named the option. Both are now refused from the folder's files, before the tokenizer or the
+    model loads, naming --checkpoint or --model_name_or_path as typed."""
+    import hf_tapernorm.cli.commands as commands
+
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(commands, "load_tokenizer", lambda *a, **k: pytest.fail("the tokenizer was loaded"))
+    tapered = copy_of(run, tmp_path) / "tapered"
+    (tapered / "model.safetensors").unlink()
+    what = (
+        "' is a tapered checkpoint that has no .safetensors weights: restore them from its run, or pass a complete "
+        "checkpoint (a run's tapered/ or a checkpoint-N)"
+    )
+    line = refused(fold(tapered, tmp_path / "export"))
+    assert line == f"hf-tapernorm fold: error: --checkpoint '{tapered}{what}"
+    assert not (tmp_path / "export").exists()
+    line = refused(evaluate(tapered, data=ws / "corpus.txt"))
+    assert line == f"hf-tapernorm eval: error: --model_name_or_path '{tapered}{what}"
+    plain = shutil.copytree(ws / "llama", tmp_path / "llama")
+    (plain / "model.safetensors").unlink()
+    line = refused(evaluate(plain, data=ws / "corpus.txt"))
+    assert line == (
+        f"hf-tapernorm eval: error: --model_name_or_path '{plain}' has no weights: none of model.safetensors, "
+        "model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json is in it; copy the model's "
+        "weights into it, or pass the folder of a complete saved model"
+    )
+
+
+def test_a_checkpoint_without_its_weights_still_lends_its_tokenizer(run, tmp_path):
+    """Only the tokenizer of a run's tapered/ is read where a checkpoint-N lacks one: a tapered/ without its weights
+    still lends it (resolve_model(weights=False)), while a load of it is refused."""
+    tapered = copy_of(run, tmp_path) / "tapered"
+    (tapered / "model.safetensors").unlink()
+    assert load_tokenizer(resolve_model(str(tapered), weights=False))("ab")["input_ids"] == [97, 98]
+    with pytest.raises(ModelSourceError, match="has no .safetensors weights"):
+        resolve_model(str(tapered))
+
+
 def test_fold_refuses_a_checkpoint_above_gate_zero_before_loading_it(tmp_path, monkeypatch):
     """A checkpoint saved mid-taper was refused only once the model had loaded and been patched (twice); its gate is
     read from its files (the TaperNorm gate tensors; kept norms hold 1) before the weights load."""
@@ -866,7 +907,7 @@ def test_a_report_naming_a_folder_without_a_model_as_the_scans_reference_is_refu
     name = "baseline" if section == "export" else "original"
     assert line.startswith(
         f"hf-tapernorm fold: error: --scan_windows 2: the {name} model that the run's report.json "
-        f"('{copy / 'report.json'}') names in {field} cannot be read ('{ws}' is a folder without config.json"
+        f"('{copy / 'report.json'}') names in {field} cannot be read (model '{ws}' is a folder without config.json"
     )
     assert line.endswith(
         "; fold with --scan_windows 0 (hf-tapernorm eval --scan_reference scans the export later, on any data)"

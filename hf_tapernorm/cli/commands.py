@@ -314,8 +314,8 @@ def fold_main(argv: Sequence[str]) -> int:
         )
     if source.kind != "tapered":
         raise UsageError(
-            f"'{fold_args.checkpoint}' is not a tapered checkpoint (no tapernorm_config.json); "
-            f"it is a {source.kind} model"
+            f"--checkpoint '{fold_args.checkpoint}' is not a tapered checkpoint (no tapernorm_config.json); "
+            f"it is a {source.kind} model: pass a taper run's tapered/ or one of its checkpoint-N folders"
         )
     check_recorded_sink(source.path)  # these two before the weights load
     refuse_unfoldable_gate(source.path, saved_gate(source.path))

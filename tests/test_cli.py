@@ -185,10 +185,14 @@ def test_fold_command_exports_a_tapered_checkpoint(finished_run, tmp_path):
     code, _, stderr = run_main(["fold", "--checkpoint", str(out / "tapered"), "--output_dir", str(target)])
     assert code == 2 and f"output folder '{target}' is not empty; pass --overwrite" in stderr
     code, _, stderr = run_main(["fold", "--checkpoint", str(out / "folded"), "--output_dir", str(tmp_path / "x")])
-    assert code == 2 and (
-        f"--checkpoint '{out / 'folded'}' is not a tapered checkpoint (no tapernorm_config.json); it is a folded "
-        "model: pass a taper run's tapered/ or one of its checkpoint-N folders"
-    ) in stderr
+    assert (
+        code == 2
+        and (
+            f"--checkpoint '{out / 'folded'}' is not a tapered checkpoint (no tapernorm_config.json); it is a folded "
+            "model: pass a taper run's tapered/ or one of its checkpoint-N folders"
+        )
+        in stderr
+    )
 
 
 def test_distillation_from_the_gate_start_snapshot_is_off_until_the_gate_drops(finished_run, default_run):

@@ -183,6 +183,13 @@ def _weightless_model(command, name="model.safetensors"):
     return make
 
 
+def _fold_of_a_plain_folder_without_config(ws, run, tmp):
+    """fold --checkpoint of a copy of the workspace's model without its config.json."""
+    model = shutil.copytree(ws / "llama", tmp / "llama")
+    (model / "config.json").unlink()
+    return ["fold", "--checkpoint", str(model), "--output_dir", str(tmp / "out")]
+
+
 def _edited_manifest(entry):
     def make(ws, run, tmp):
         folder = copy_of(run, tmp)
@@ -1711,6 +1718,16 @@ CASES = {
             "/llama' has no weights: none of model.safetensors, model.safetensors.index.json, pytorch_model.bin, "
             "pytorch_model.bin.index.json is in it; copy the model's weights into it, or pass the folder of a "
             "complete saved model",
+        ],
+        NEEDS_RUN,
+    ),
+    # fold --checkpoint reads no GGUF file, but was told to pass one with --gguf_file, an option fold does not have
+    "fold of a model folder without config.json": (
+        _fold_of_a_plain_folder_without_config,
+        2,
+        [
+            "error: --checkpoint '",
+            "/llama' is a folder without config.json: not a saved Hugging Face model",
         ],
         NEEDS_RUN,
     ),

@@ -225,6 +225,21 @@ def test_a_checkpoint_without_its_weights_still_lends_its_tokenizer(run, tmp_pat
         resolve_model(str(tapered))
 
 
+@pytest.mark.parametrize("option", ["--checkpoint", "--model_name_or_path"])
+def test_a_folder_without_config_json_is_told_to_pass_a_gguf_file_only_where_the_option_reads_one(ws, tmp_path, option):
+    """fold --checkpoint of a folder without config.json was told "for a GGUF file pass its path or --gguf_file",
+    an option fold does not have (nor --baseline_from, --scan_reference, push's --export_dir). Only an option that
+    reads a GGUF file says so."""
+    plain = shutil.copytree(ws / "llama", tmp_path / "llama")
+    (plain / "config.json").unlink()
+    gguf = " (for a GGUF file pass its path or --gguf_file)" if option == "--model_name_or_path" else ""
+    with pytest.raises(ModelSourceError) as refusal:
+        resolve_model(str(plain), option=option)
+    assert str(refusal.value) == (
+        f"{option} '{plain}' is a folder without config.json: not a saved Hugging Face model{gguf}"
+    )
+
+
 def test_fold_refuses_a_checkpoint_above_gate_zero_before_loading_it(tmp_path, monkeypatch):
     """A checkpoint saved mid-taper was refused only once the model had loaded and been patched (twice); its gate is
     read from its files (the TaperNorm gate tensors; kept norms hold 1) before the weights load."""

@@ -108,14 +108,13 @@ def _restore(what: str) -> str:
     return f"restore {what} from its run, or pass a complete checkpoint (a run's tapered/ or a checkpoint-N)"
 
 
-def _without_config(folder: Path, named: str) -> str:
-    """The refusal of a local folder without config.json, naming the option it came from."""
+def _without_config(folder: Path, named: str, option: str) -> str:
+    """The refusal of a local folder without config.json, naming the option it came from (``named``); where that
+    option reads a GGUF file too (``option``: --model_name_or_path, or the library's "model"), how to pass one."""
     if is_tapered_checkpoint(folder):
         return f"{named} is a tapered checkpoint without its config.json: {_restore('the file')}"
-    return (
-        f"{named} is a folder without config.json: not a saved Hugging Face model "
-        "(for a GGUF file pass its path or --gguf_file)"
-    )
+    gguf = " (for a GGUF file pass its path or --gguf_file)" if option in ("--model_name_or_path", "model") else ""
+    return f"{named} is a folder without config.json: not a saved Hugging Face model{gguf}"
 
 
 def _refuse_weightless(source: ModelSource, named: str) -> None:
@@ -177,7 +176,7 @@ def resolve_model(
                 "and pass the merged folder"
             )
         if not (path / "config.json").is_file():
-            raise ModelSourceError(_without_config(path, named))
+            raise ModelSourceError(_without_config(path, named, option))
         try:
             source = ModelSource(str(path), None, _kind_of_folder(path, named))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:

@@ -171,16 +171,26 @@ def _without_file(command, name):
     return _edited_tapered(command, lambda tapered: (tapered / name).unlink())
 
 
-def _weightless_model(command, name="model.safetensors"):
-    """``bench`` or ``taper`` of a copy of the workspace's model without its file ``name``."""
+def _weightless_model(command, name="model.safetensors", files: dict[str, str] | None = None):
+    """``bench``, ``taper`` or ``eval`` of a copy of the workspace's model without its file ``name``, holding
+    ``files`` (name -> text) instead."""
 
     def make(ws, run, tmp):
         model = shutil.copytree(ws / "llama", tmp / "llama")
         (model / name).unlink()
-        argv = _bench(ws) if command == "bench" else _taper(ws)
+        for file, text in (files or {}).items():
+            (model / file).write_text(text)
+        argv = {"bench": _bench, "taper": _taper, "eval": _eval}[command](ws)
         return [*argv[:2], str(model), *argv[3:]]
 
     return make
+
+
+def _baseline_from_tapered_without_its_recipe(ws, run, tmp):
+    """taper --baseline_from a copy of the run's tapered/ without its tapernorm_config.json."""
+    tapered = copy_of(run, tmp) / "tapered"
+    (tapered / "tapernorm_config.json").unlink()
+    return _taper(ws, "--baseline_from", str(tapered))
 
 
 def _fold_of_a_plain_folder_without_config(ws, run, tmp):
@@ -1738,6 +1748,68 @@ CASES = {
             "error: --model_name_or_path '",
             "/llama' is a folder without config.json: not a saved Hugging Face model (for a GGUF file pass its "
             "path or --gguf_file)",
+        ],
+        NEEDS_RUN,
+    ),
+    # a weightless model folder holding something else: "copy the model's weights into it" for PEFT adapters beside
+    # a copied config.json, or a GGUF file; a sharded model's missing shards failed as it loaded, naming no option
+    "eval of a model folder of PEFT adapters with a copied config.json": (
+        _weightless_model("eval", files={"adapter_config.json": "{}", "adapter_model.safetensors": ""}),
+        2,
+        [
+            "error: --model_name_or_path '",
+            "/llama' holds PEFT adapters (adapter_config.json), not a whole model: merge them into their base model "
+            "(PeftModel.from_pretrained(base, folder).merge_and_unload().save_pretrained(...)) and pass the merged "
+            "folder",
+        ],
+        NEEDS_RUN,
+    ),
+    "eval of a model folder holding a GGUF file and config.json": (
+        _weightless_model("eval", files={"model.gguf": "GGUF"}),
+        2,
+        [
+            "error: --model_name_or_path '",
+            "/llama' has no weights but the GGUF file model.gguf: pass --gguf_file model.gguf to read it",
+        ],
+        NEEDS_RUN,
+    ),
+    "eval of a sharded model without its shards": (
+        _weightless_model(
+            "eval",
+            files={
+                "model.safetensors.index.json": json.dumps(
+                    {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+                )
+            },
+        ),
+        2,
+        [
+            "error: --model_name_or_path '",
+            "/llama' lacks 2 of the 2 shard file(s) its model.safetensors.index.json names "
+            "(model-00001-of-00002.safetensors, model-00002-of-00002.safetensors): copy them into it, or pass the "
+            "folder of a complete saved model",
+        ],
+        NEEDS_RUN,
+    ),
+    "bench of a sharded model with a damaged index": (
+        _weightless_model("bench", files={"model.safetensors.index.json": '{"weight_map": '}),
+        2,
+        [
+            "error: --model_name_or_path '",
+            "/llama' has a damaged model.safetensors.index.json (JSONDecodeError: Expecting value: line 1 column 16 "
+            "(char 15)): restore it, or pass the folder of a complete saved model",
+        ],
+        NEEDS_RUN,
+    ),
+    # --baseline_from was told to "pass a complete checkpoint (a run's tapered/ or a checkpoint-N)", which it refuses
+    "taper --baseline_from a tapered checkpoint without its tapernorm_config.json": (
+        _baseline_from_tapered_without_its_recipe,
+        2,
+        [
+            "error: --baseline_from '",
+            "/tapered' is a tapered checkpoint without its tapernorm_config.json (its config.json names the model "
+            "type 'hf_tapernorm_tapered_llama', which only that file makes loadable): --baseline_from takes no "
+            "tapered checkpoint; name an earlier --baseline run (or its baseline/model folder)",
         ],
         NEEDS_RUN,
     ),

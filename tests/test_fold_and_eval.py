@@ -165,6 +165,26 @@ def test_eval_and_fold_of_a_trainer_checkpoint_find_the_runs_tokenizer(ws, basel
     assert load_tokenizer(resolve_model(str(export)))("ab")["input_ids"] == [97, 98]
 
 
+def test_a_checkpoint_is_evaluated_with_the_recorded_model_s_tokenizer_where_tapered_cannot_lend_it(
+    ws, baseline_run, tmp_path, caplog
+):
+    """eval of a complete checkpoint-N whose run's tapered/ lacks its tapernorm_config.json was refused as "model
+    '.../tapered' is a tapered checkpoint without its tapernorm_config.json ... or pass a complete checkpoint": the
+    tapered/ read only for its tokenizer was refused as a model. It is skipped now, and the recorded original model
+    lends the tokenizer, as before; the checkpoint scores as the run reported it."""
+    run = copy_of(baseline_run, tmp_path)
+    (run / "tapered" / "tapernorm_config.json").unlink()
+    caplog.set_level(logging.INFO, logger="hf_tapernorm")
+    code, stdout, stderr = run_main(
+        evaluate(run / "checkpoint-6", "--heldout_percentage", "10", data=ws / "corpus.txt")
+    )
+    assert code == 0, stderr[-2000:]
+    assert f"holds no tokenizer: using its run's, from {ws / 'llama'}" in caplog.text
+    result = json.loads(stdout.strip().splitlines()[0])
+    report = json.loads((run / "report.json").read_text())
+    assert result["kind"] == "tapered" and result["loss"] == pytest.approx(report["heldout"]["tapered"]["loss"], 1e-5)
+
+
 def test_loading_a_tapered_checkpoints_tokenizer_gives_no_model_type_warning(run):
     """Every command that read a tapered checkpoint's tokenizer (fold, eval) printed transformers' WARNING "You are
     using a model of type `hf_tapernorm_tapered_llama` to instantiate a model of type ``": AutoTokenizer's fallback

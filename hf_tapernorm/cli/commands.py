@@ -238,11 +238,16 @@ def tokenizer_of(source: ModelSource, *, trust_remote_code: bool = False):
 
 
 def _run_tokenizer_sources(runs: list[Path]) -> list[ModelSource]:
-    """Where a taper run's tokenizer is: each run folder's tapered/ export, then the original model it recorded."""
+    """Where a taper run's tokenizer is: each run folder's tapered/ export, then the original model it recorded. Only
+    the tokenizer is wanted: a tapered/ that cannot lend it (its tapernorm_config.json lost) is skipped, as the
+    recorded model is; refusing it refused eval of a complete checkpoint-N."""
     sources = []
     for run in runs:
         if (run / "tapered" / "config.json").is_file():
-            sources.append(resolve_model(str(run / "tapered"), weights=False))  # only its tokenizer is read
+            try:
+                sources.append(resolve_model(str(run / "tapered"), weights=False))  # only its tokenizer is read
+            except ModelSourceError as error:
+                logger.info("%s lends no tokenizer: %s", run / "tapered", error)
         identity = (RunFolder(run).manifest() or {}).get("identity") or {}
         recorded = identity.get("model")
         if isinstance(recorded, str) and _holds_recorded_model(recorded, identity.get("model_contents")):

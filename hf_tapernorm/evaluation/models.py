@@ -83,7 +83,7 @@ def embedded_model() -> ModelSource:
     )
 
 
-def _kind_of_folder(folder: Path, named: str) -> str:
+def _kind_of_folder(folder: Path, named: str, option: str) -> str:
     """The folder's kind ("folded", "tapered" or "folder"). A tapered checkpoint's config.json without its recipe
     is refused here, in these words: transformers' own ("does not recognize this architecture ... out of date")
     sent users to upgrade it."""
@@ -98,13 +98,19 @@ def _kind_of_folder(folder: Path, named: str) -> str:
     if model_type.startswith(TAPERED_TYPE_PREFIX):
         raise ModelSourceError(
             f"{named} is a tapered checkpoint without its {CONFIG_NAME} (its config.json names the model type "
-            f"'{model_type}', which only that file makes loadable): {_restore('the file')}"
+            f"'{model_type}', which only that file makes loadable): {_restore('the file', option)}"
         )
     return "folder"
 
 
-def _restore(what: str) -> str:
-    """What to do about a tapered checkpoint lacking ``what`` (its files, as the run wrote them)."""
+def _restore(what: str, option: str) -> str:
+    """What to do about a tapered checkpoint lacking ``what`` (its files, as the run wrote them). --baseline_from
+    takes no tapered checkpoint, complete or not: it is told what it takes, as the run's own check words it (the
+    advice to restore the file or pass a complete checkpoint led to that refusal)."""
+    if option == "--baseline_from":
+        return (
+            "--baseline_from takes no tapered checkpoint; name an earlier --baseline run (or its baseline/model folder)"
+        )
     return f"restore {what} from its run, or pass a complete checkpoint (a run's tapered/ or a checkpoint-N)"
 
 
@@ -112,25 +118,84 @@ def _without_config(folder: Path, named: str, option: str) -> str:
     """The refusal of a local folder without config.json, naming the option it came from (``named``); where that
     option reads a GGUF file too (``option``: --model_name_or_path, or the library's "model"), how to pass one."""
     if is_tapered_checkpoint(folder):
-        return f"{named} is a tapered checkpoint without its config.json: {_restore('the file')}"
-    gguf = " (for a GGUF file pass its path or --gguf_file)" if option in ("--model_name_or_path", "model") else ""
+        return f"{named} is a tapered checkpoint without its config.json: {_restore('the file', option)}"
+    gguf = " (for a GGUF file pass its path or --gguf_file)" if _reads_gguf(option) else ""
     return f"{named} is a folder without config.json: not a saved Hugging Face model{gguf}"
 
 
-def _refuse_weightless(source: ModelSource, named: str) -> None:
+def _reads_gguf(option: str) -> bool:
+    """Whether ``option`` (as a refusal names it) reads a GGUF file too: --model_name_or_path, or the library's."""
+    return option in ("--model_name_or_path", "model")
+
+
+def _peft_refusal(named: str) -> str:
+    """The refusal of a folder of PEFT adapters (``named``: how the refusal names it), with how to merge them."""
+    return (
+        f"{named} holds PEFT adapters (adapter_config.json), not a whole model: merge them into their base model "
+        "(PeftModel.from_pretrained(base, folder).merge_and_unload().save_pretrained(...)) and pass the merged folder"
+    )
+
+
+def _refuse_weightless(source: ModelSource, named: str, option: str) -> None:
     """Refuse a local model folder without the weight files its loading reads, before anything else is read (the
-    tokenizer, the data): transformers said so only when the model loaded, in words that named no option."""
+    tokenizer, the data): transformers said so only when the model loaded, in words that named no option. What the
+    folder holds instead (PEFT adapters, a GGUF file) is named, with what to do about it: "copy the model's weights
+    into it" misled there."""
     folder = Path(source.path)
     if source.kind == "tapered":
         if not holds_tapered_weights(folder):
             raise ModelSourceError(
-                f"{named} is a tapered checkpoint that has no .safetensors weights: {_restore('them')}"
+                f"{named} is a tapered checkpoint that has no .safetensors weights: {_restore('them', option)}"
             )
-    elif not any((folder / name).is_file() for name in PLAIN_WEIGHT_NAMES):
+        return
+    weights = next((folder / name for name in PLAIN_WEIGHT_NAMES if (folder / name).is_file()), None)
+    if weights is None:
+        raise ModelSourceError(_weightless(folder, named, option))
+    if weights.name.endswith(".index.json"):
+        _refuse_missing_shards(weights, named)
+
+
+def _weightless(folder: Path, named: str, option: str) -> str:
+    """The refusal of a plain folder without weight files, naming the adapters or GGUF file it holds instead."""
+    if (folder / "adapter_config.json").is_file():
+        return _peft_refusal(named)
+    gguf = sorted(folder.glob("*.gguf"))
+    if gguf and _reads_gguf(option):
+        return f"{named} has no weights but the GGUF file {gguf[0].name}: pass --gguf_file {gguf[0].name} to read it"
+    return (
+        f"{named} has no weights: none of {', '.join(PLAIN_WEIGHT_NAMES)} is in it; copy the model's weights "
+        "into it, or pass the folder of a complete saved model"
+    )
+
+
+def _refuse_missing_shards(index: Path, named: str) -> None:
+    """Refuse a sharded model whose index is unreadable or names a shard file that is not there: loading failed
+    with "cannot load model: FileNotFoundError", naming no option, once the tokenizer had loaded."""
+    try:
+        shards = _shard_names(index)
+    except (OSError, UnicodeDecodeError, ValueError) as error:
         raise ModelSourceError(
-            f"{named} has no weights: none of {', '.join(PLAIN_WEIGHT_NAMES)} is in it; copy the model's weights "
-            "into it, or pass the folder of a complete saved model"
+            f"{named} has a damaged {index.name} ({first_line(error)}): restore it, or pass the folder of a complete "
+            "saved model"
+        ) from None
+    missing = [shard for shard in shards if not (index.parent / shard).is_file()]
+    if missing:
+        raise ModelSourceError(
+            f"{named} lacks {len(missing)} of the {len(shards)} shard file(s) its {index.name} names "
+            f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}): copy them into it, or pass the folder "
+            "of a complete saved model"
         )
+
+
+def _shard_names(index: Path) -> list[str]:
+    """The shard files a sharded model's index names (its weight_map's values); a ValueError where it names none."""
+    content = json.loads(index.read_text())
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError("it holds no weight_map of tensor names to shard files")
+    if not all(isinstance(shard, str) and shard for shard in weight_map.values()):
+        raise ValueError("its weight_map names a shard that is no file name")
+    return sorted(set(weight_map.values()))
 
 
 def resolve_model(
@@ -170,19 +235,15 @@ def resolve_model(
         if incomplete:
             raise ModelSourceError(incomplete)
         if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
-            raise ModelSourceError(
-                f"'{model_name_or_path}' holds PEFT adapters (adapter_config.json), not a whole model: merge them into "
-                "their base model (PeftModel.from_pretrained(base, folder).merge_and_unload().save_pretrained(...)) "
-                "and pass the merged folder"
-            )
+            raise ModelSourceError(_peft_refusal(f"'{model_name_or_path}'"))
         if not (path / "config.json").is_file():
             raise ModelSourceError(_without_config(path, named, option))
         try:
-            source = ModelSource(str(path), None, _kind_of_folder(path, named))
+            source = ModelSource(str(path), None, _kind_of_folder(path, named, option))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
             raise ModelSourceError(f"cannot read the config of '{model_name_or_path}': {error}") from error
         if weights:
-            _refuse_weightless(source, named)
+            _refuse_weightless(source, named, option)
         return source
     if path.is_file():
         raise ModelSourceError(

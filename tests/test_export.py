@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
+import numpy
 import pytest
 import torch
 from huggingface_hub import HfApi
@@ -641,6 +642,15 @@ _WRONG_FACTS = [
         "'tokens' takes an int or a str, got bool",
     ),
     (
+        {"eval_loss": {"heldout": {"before": 2.0, "after": 2.1}}},
+        "model card facts of the wrong type: 'eval_loss' takes a mapping of numbers or str, got a dict holding dict",
+    ),
+    (
+        {"speed": {"a": True}, "eval_loss": {"b": 2.0, "c": torch.tensor([1.0, 2.0])}},
+        "model card facts of the wrong type: 'speed' takes a mapping of numbers or str, got a dict holding bool; "
+        "'eval_loss' takes a mapping of numbers or str, got a dict holding Tensor",
+    ),
+    (
         {1: 2},
         "unknown model card facts: 1; expected some of base_model, license, repo_id, model_name, dataset, tokens, "
         "schedule, eval_loss, speed, robustness_scan, tags, warning",
@@ -653,8 +663,9 @@ def test_export_folded_refuses_facts_of_the_wrong_type_before_anything_is_writte
     folded, tmp_path, caplog, facts, message
 ):
     """``facts={"tags": "abc"}`` gave a card tagged a, b and c; ``{1: 2}``, ``{"schedule": "abc"}`` and
-    ``{"robustness_scan": "bogus"}`` raised a bare TypeError or ValueError from inside the card's rendering. Each
-    fact's type is checked first now: one ConfigurationError names the facts and the types they take, before the
+    ``{"robustness_scan": "bogus"}`` raised a bare TypeError or ValueError from inside the card's rendering; an
+    eval_loss of nested mappings showed a dict in the card's table. Each fact's type is checked first now (eval_loss's
+    and speed's values: numbers or str): one ConfigurationError names the facts and the types they take, before the
     WARNING of what an overwrite replaces, and nothing is written."""
     export = export_folded(folded, tmp_path / "exp")
     with (export / "model.safetensors").open("ab") as weights:
@@ -688,6 +699,40 @@ def test_export_folded_refuses_an_overwrite_that_is_not_a_bool(folded, tmp_path,
         export_folded(folded, export, overwrite=overwrite)
     assert str(refused.value) == (f"export_folded: overwrite= must be True or False, got {type(overwrite).__name__}")
     assert _files(tmp_path) == before
+
+
+@pytest.mark.parametrize(("overwrite", "name"), [(numpy.int64(1), "numpy.int64"), (torch.tensor(1), "torch.Tensor")])
+def test_export_folded_names_the_type_of_an_overwrite_that_is_not_a_bool_by_its_module(
+    folded, tmp_path, overwrite, name
+):
+    """``overwrite=np.True_`` was refused as "must be True or False, got bool" (numpy 2 calls its bool ``bool``),
+    which contradicts itself. A type that is no builtin is named with its module now."""
+    export = export_folded(folded, tmp_path / "exp")
+    before = _files(tmp_path)
+    with pytest.raises(ConfigurationError) as refused:
+        export_folded(folded, export, overwrite=overwrite)
+    assert str(refused.value) == f"export_folded: overwrite= must be True or False, got {name}"
+    assert _files(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    ("yes", "no"),
+    [
+        (numpy.True_, numpy.False_),
+        (torch.tensor(True), torch.tensor([False])),
+        (numpy.array([True]), numpy.array(False)),
+    ],
+)
+def test_export_folded_takes_a_numpy_or_torch_bool_as_the_bool_it_holds(folded, tmp_path, yes, no):
+    """``overwrite=np.True_`` (or ``a > b`` of tensors) was refused; a numpy bool, and a bool tensor or array of one
+    element, is read as the bool it holds now: True replaces an earlier export, False refuses it."""
+    export = export_folded(folded, tmp_path / "exp")
+    (export / "README.md").unlink()  # a replacement writes it again
+    with pytest.raises(ConfigurationError, match="is not empty; choose a new folder or pass overwrite=True"):
+        export_folded(folded, export, overwrite=no)
+    assert not (export / "README.md").exists()
+    assert export_folded(folded, export, overwrite=yes) == export
+    assert (export / "README.md").is_file()
 
 
 @pytest.mark.parametrize("place", ["new", "empty", "export"])

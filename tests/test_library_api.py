@@ -726,6 +726,35 @@ def test_a_loss_or_grad_norm_that_is_no_number_is_refused_changing_nothing(call,
     assert not controller.watch.loss.values and not controller.watch.grad_norm.values
 
 
+def _data_frame() -> object:
+    return pytest.importorskip("pandas").DataFrame([[2.0]])
+
+
+@pytest.mark.parametrize("call", ["step_end", "check"])
+@pytest.mark.parametrize("name", ["loss", "grad_norm"])
+@pytest.mark.parametrize(
+    ("make", "shown"),
+    [
+        (lambda: torch.empty((), device="meta"), "a Tensor on the meta device (it holds no value)"),
+        (lambda: torch.empty((1,), device="meta"), "a Tensor on the meta device (it holds no value)"),
+        (_data_frame, "a DataFrame of shape (1, 1)"),
+    ],
+)
+def test_a_loss_or_grad_norm_without_an_item_is_refused_in_one_line(call, name, make, shown):
+    """check(0, loss=torch.empty((), device="meta")) raised "RuntimeError: Tensor.item() cannot be called on meta
+    tensors", and loss=pd.DataFrame([[2.0]]) "AttributeError: 'DataFrame' object has no attribute 'item'": the
+    one-element value's .item() ran outside the checks. Both are refused now in the one line every other non-number
+    gets, before anything changes."""
+    value = make()
+    controller = _controller_after_one_backward()
+    with pytest.raises(ConfigurationError) as caught:
+        getattr(controller, call)(0, **{name: value})
+    assert str(caught.value).startswith(f"TaperController.{call}: {name} must be a number or a one-element tensor, ")
+    assert f", got {shown}; pass " in str(caught.value) and "\n" not in str(caught.value)
+    assert controller._open_step == 0 and controller._ended_step is None
+    assert not controller.watch.loss.values and not controller.watch.grad_norm.values
+
+
 def test_a_step_end_refused_for_its_loss_can_be_retried():
     """step_begin(0), a forward, step_end(0, loss="2.0") (refused), then step_end(0, loss=2.0): the refused call had
     folded the step into the EMA and ended it, so the retry was refused ("no step begun") and the step's divergence

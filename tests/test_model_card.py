@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import enum
+
+import numpy
 import pytest
+import torch
 from huggingface_hub import ModelCard
 
 from hf_tapernorm import fold_model
@@ -100,6 +104,64 @@ def test_local_base_model_is_not_claimed_as_a_hub_id(internal, tmp_path):
 def test_unknown_fact_is_an_error(internal):
     with pytest.raises(ValueError, match=r"unknown model card facts: eval_losses; expected some of base_model, "):
         render_model_card(internal, {"eval_losses": {}})
+
+
+class _License(str, enum.Enum):
+    MIT = "mit"
+
+
+def test_text_facts_of_a_str_subclass_are_written_as_the_text_they_hold(internal):
+    """``facts={"license": np.str_("mit")}``, a ``str, Enum`` member as the license, or tags of np.str_ passed the
+    facts' check (each is a str), but the card's YAML wrote them as ``!!python/object/apply`` tags, and its re-parse
+    raised yaml's ConstructorError. Each text fact and tag is read as the plain str it holds now (base_model already
+    was), so the card reads back as that text."""
+    facts = {
+        "base_model": _License.MIT,
+        "license": numpy.str_("mit"),
+        "tags": [numpy.str_("smollm2"), _License.MIT],
+        "dataset": numpy.str_("org/data"),
+        "model_name": _License.MIT,
+    }
+    text = render_model_card(internal, facts)
+    assert "!!python" not in text
+    data = ModelCard(text).data.to_dict()
+    assert data["license"] == "mit" and type(data["license"]) is str
+    assert data["tags"] == ["hf_tapernorm", "tapernorm", "norm-free", "llama", "smollm2", "mit"]
+    assert text.startswith("---\n") and "\n# mit\n" in text and "| Training data | org/data |" in text
+    assert render_model_card(internal, {"license": _License.MIT}) == render_model_card(internal, {"license": "mit"})
+
+
+def test_eval_loss_and_speed_show_numbers_of_any_kind_as_numbers(internal):
+    """``facts={"eval_loss": {"heldout": torch.tensor(2.5)}}`` showed ``| heldout | tensor(2.5000) |`` in the card.
+    A one-element tensor or array and a numpy number are shown as the number they hold now (a float32 as the shortest
+    text of its own precision); texts ("1.12x") stay as they are."""
+    facts = {
+        "eval_loss": {
+            "tensor": torch.tensor(2.5),
+            "float32 tensor": torch.tensor([3.0584]),
+            "bf16 tensor": torch.tensor(3.0625, dtype=torch.bfloat16),
+            "float32": numpy.float32(3.0584),
+            "array": numpy.array([[2.25]]),
+            "int64": numpy.int64(3),
+        },
+        "speed": {"folded / base": "1.12x", "numpy text": numpy.str_("2x"), "ratio": 1.5},
+        "tokens": numpy.int64(1234567),
+    }
+    text = render_model_card(internal, facts)
+    for line in (
+        "| tensor | 2.5 |",
+        "| float32 tensor | 3.0584 |",
+        "| bf16 tensor | 3.0625 |",
+        "| float32 | 3.0584 |",
+        "| array | 2.25 |",
+        "| int64 | 3 |",
+        "| folded / base | 1.12x |",
+        "| numpy text | 2x |",
+        "| ratio | 1.5 |",
+        "| Training tokens | 1,234,567 |",
+    ):
+        assert line in text, line
+    assert "tensor(" not in text and "array(" not in text
 
 
 def test_the_cards_no_import_example_loads_model_and_tokenizer_without_a_prompt(tmp_path):

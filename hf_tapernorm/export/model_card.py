@@ -17,6 +17,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
+import torch
 from huggingface_hub import ModelCard, ModelCardData
 from torch import nn
 
@@ -64,6 +66,8 @@ FACT_KEYS = (
 
 _TEXT = (str,)
 _MAPPING = (Mapping,)
+#: The facts whose mapping is shown as a table of figures: each value a number or a text ("1.12x").
+_FIGURES = ("eval_loss", "speed")
 #: What each fact takes (None, for any, is the fact not given), in the words a refusal says it in.
 _FACT_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "base_model": ((str, os.PathLike), "a str (a Hub id or a path)"),
@@ -73,8 +77,8 @@ _FACT_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "dataset": (_TEXT, "a str"),
     "tokens": ((numbers.Integral, str), "an int or a str"),
     "schedule": (_MAPPING, "a mapping"),
-    "eval_loss": (_MAPPING, "a mapping"),
-    "speed": (_MAPPING, "a mapping"),
+    "eval_loss": (_MAPPING, "a mapping of numbers or str"),
+    "speed": (_MAPPING, "a mapping of numbers or str"),
     "robustness_scan": (_MAPPING, "a mapping (ScanResult.to_dict())"),
     "tags": ((list, tuple), "a list of str"),
     "warning": (_TEXT, "a str"),
@@ -89,16 +93,77 @@ def _fact_fits(key: str, value: Any) -> bool:
         return True
     if isinstance(value, bool) or not isinstance(value, types):
         return False
+    if key in _FIGURES:
+        return all(_is_figure(figure) for figure in value.values())
     return key != "tags" or all(isinstance(tag, str) for tag in value)
 
 
+def _is_figure(value: Any) -> bool:
+    """Whether ``value`` is one cell of eval_loss's or speed's table: a text, or one number of any kind."""
+    return isinstance(value, str) or _figure_number(value) is not None
+
+
+def _figure_number(value: Any) -> Optional[float | int]:
+    """The number ``value`` holds (a Python or numpy number, a one-element tensor or array) as a Python int or
+    float, else None: a tensor would show as "tensor(2.5000)", and a bool or a mapping is no figure. A float of less
+    than double precision is read as the shortest text of its own precision (a float32 loss 3.0584 shows as that,
+    not as 3.0583999156951904)."""
+    if isinstance(value, (bool, str, bytes)) or getattr(value, "is_meta", False) is True:
+        return None
+    numel = getattr(value, "numel", None)
+    if callable(numel):  # a tensor: through numpy, which has no bfloat16
+        if numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            return None
+        value = value.detach().cpu()
+        value = (value.float() if value.dtype == torch.bfloat16 else value).reshape(()).numpy()
+    if isinstance(value, np.ndarray):
+        value = value.reshape(-1)[0] if value.size == 1 else None
+    if isinstance(value, np.floating):
+        return float(str(value))
+    if isinstance(value, numbers.Integral) and not isinstance(value, np.bool_):
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, np.bool_):
+        return float(value)
+    return None
+
+
 def _kind(value: Any) -> str:
-    """The type of ``value`` a refusal names: a list's or tuple's with the type of its first item that is no str."""
+    """The type of ``value`` a refusal names: a list's or tuple's with the type of its first item that is no str, a
+    mapping's with the type of its first value that is no figure (a number or a str)."""
     if isinstance(value, (list, tuple)):
         other = next((item for item in value if not isinstance(item, str)), None)
         if other is not None:
             return f"a {type(value).__name__} holding {type(other).__name__}"
+    if isinstance(value, Mapping):
+        others = [item for item in value.values() if not _is_figure(item)]  # None among them: a figure not given
+        if others:
+            return f"a {type(value).__name__} holding {type(others[0]).__name__}"
     return type(value).__name__
+
+
+def _plain_facts(facts: Mapping[str, Any]) -> dict[str, Any]:
+    """``facts`` (checked) with each text as a plain str and each figure as a Python number: the card's YAML writes a
+    str subclass (a numpy str, a ``str, Enum`` member) as a python object tag, which its own re-parse refuses."""
+    plain = {key: _plain_text(value) for key, value in facts.items()}
+    if plain.get("tags"):
+        plain["tags"] = [_plain_text(tag) for tag in plain["tags"]]
+    if isinstance(plain.get("tokens"), numbers.Integral):
+        plain["tokens"] = int(plain["tokens"])  # a numpy int too, so the card writes its thousands separators
+    for key in _FIGURES:
+        if plain.get(key):
+            plain[key] = {_plain_text(name): _plain_figure(value) for name, value in plain[key].items()}
+    return plain
+
+
+def _plain_text(value: Any) -> Any:
+    """A str (of any subclass) as the plain str of the text it holds (str() of a ``str, Enum`` member is its name);
+    anything else as it is."""
+    return str.__str__(value) if isinstance(value, str) else value
+
+
+def _plain_figure(value: Any) -> float | int | str:
+    """One cell of eval_loss's or speed's table (_is_figure): its text, or the number it holds."""
+    return _plain_text(value) if isinstance(value, str) else _figure_number(value)
 
 
 def check_facts(facts: Mapping[Any, Any]) -> None:
@@ -127,6 +192,7 @@ def render_model_card(model: nn.Module, facts: Optional[Mapping[str, Any]] = Non
     of FACT_KEYS, of its type; None is a fact not given)."""
     facts = dict(facts or {})
     check_facts(facts)
+    facts = _plain_facts(facts)
     config = model.config
     base_model = str(facts.get("base_model") or config.name_or_path or config.base_model_type)
     repo_id = facts.get("repo_id") or "path/to/exported/folder"

@@ -81,7 +81,10 @@ def _one_number(value: object) -> Optional[float]:
     if isinstance(size, int):  # a tensor or a numpy array or scalar: one element, read as a Python number
         if size != 1:
             return None
-        value = value.item()
+        try:
+            value = value.item()
+        except (AttributeError, TypeError, ValueError, RuntimeError):  # a meta tensor's (no value), a DataFrame's
+            return None
     if isinstance(value, (bool, str, bytes)):  # float("2.0") would read a text; a bool is no loss
         return None
     try:
@@ -93,9 +96,12 @@ def _one_number(value: object) -> Optional[float]:
 
 
 def _shown(value: object) -> str:
-    """``value`` for the refusal: a tensor or array by its shape, anything else as Python writes it."""
+    """``value`` for the refusal: a tensor, array or table by its shape (a DataFrame's repr takes several lines),
+    anything else as Python writes it."""
+    if getattr(value, "is_meta", False) is True:  # its repr, "tensor(..., device='meta')", hides why it is refused
+        return f"a {type(value).__name__} on the meta device (it holds no value)"
     shape = getattr(value, "shape", None)
-    if shape is not None and hasattr(value, "dtype") and len(tuple(shape)) > 0:
+    if isinstance(shape, tuple) and len(shape) > 0:  # torch.Size is a tuple
         return f"a {type(value).__name__} of shape {tuple(shape)}"
     return repr(value)
 

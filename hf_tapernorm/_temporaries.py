@@ -217,13 +217,37 @@ def write_in_progress(folder: Path) -> Optional[str]:
     not the writer (a pid reused after a restart): deleting a live write's folder loses the earlier export and the
     new one."""
     live = [entry for entry in writes_inside(folder) if not writer_gone(entry)]
-    if not live:
+    return _naming_live_write(folder, live[0]) if live else None
+
+
+def write_beside_in_progress(final: Path) -> Optional[str]:
+    """The words naming a live write of ``final`` through a temporary folder beside it (``.NAME.KIND-PID``, marked,
+    writer running: export_folded of a folder not there yet, or fold's write_folder), or None, as write_in_progress
+    names one inside: a run's ``--overwrite`` or ``--resume`` would otherwise take that folder for a user's file to
+    move away, and moving it breaks the write."""
+    try:
+        siblings = sorted(final.parent.iterdir())
+    except OSError:  # no folder yet, or one this user may not list: no write of ours goes on in it
         return None
-    pid = live[0].name.rpartition("-")[2]
+    live = [
+        entry
+        for entry in siblings
+        if leftover_of(entry.name, final, ("partial", "old", "export"))
+        and is_write_folder(entry)
+        and not writer_gone(entry)
+    ]
+    return _naming_live_write(final, live[0]) if live else None
+
+
+def _naming_live_write(folder: Path, live: Path) -> str:
+    """The words naming the live write of ``folder`` through ``live`` (a marked temporary folder named after its
+    writer's pid): the process by its command line where the system says it, and which folder to delete only if
+    that process is not the writer."""
+    pid = live.name.rpartition("-")[2]
     command = process_command(int(pid))
     process = f"pid {pid}: {command}" if command else f"pid {pid}"
     return (
-        f"another write of {folder} is in progress ({process}, through '{live[0].name}'; delete '{live[0]}' only if "
+        f"another write of {folder} is in progress ({process}, through '{live.name}'; delete '{live}' only if "
         f"process {pid} is not writing this export, its pid reused after a restart)"
     )
 
@@ -277,6 +301,7 @@ __all__ = [
     "remove_listed",
     "temporary_name",
     "system_pid_max",
+    "write_beside_in_progress",
     "write_in_progress",
     "writer_gone",
     "writes_inside",

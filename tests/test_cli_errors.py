@@ -407,6 +407,13 @@ def _no_user_in_options_file(ws, tmp):
     return ["taper", str(tmp / "run.yaml")]
 
 
+def _earlier_result(ws: Path, name: str) -> Path:
+    """``ws / name``, an earlier result of eval there when ``name`` ends in .json (a file --output_json may replace)."""
+    if name.endswith(".json"):
+        (ws / name).write_text(json.dumps({"written_by": "hf-tapernorm eval"}))
+    return ws / name
+
+
 #: the fixtures a row of a finished run needs (besides the workspace): the run, and a folder to copy it into
 NEEDS_RUN = ("short_run", "tmp_path")
 
@@ -1483,6 +1490,16 @@ CASES = {
             f"error: --output_json {{ws}}/{name}/ ends with '/', which names a folder; name a file",
         )
         for name in ("nodir", "result.json")
+    },
+    # a trailing '/.' (a folder that does not exist, or an earlier result) wrote the result to a file 'nodir', or
+    # replaced the earlier result 'earlier.json': Path dropped the '/.' before the check saw it
+    **{
+        f"eval --output_json {name}/. (a trailing '/.')": (
+            lambda ws, name=name: _eval(ws, "--output_json", f"{_earlier_result(ws, name)}/."),
+            2,
+            f"error: --output_json {{ws}}/{name}/. ends with '/.', which names a folder; name a file",
+        )
+        for name in ("nodir", "earlier.json")
     },
     "eval of a missing model": (lambda ws: ["eval", "--model_name_or_path", str(ws / "nothing")], 2, ["not found"]),
     "fold of an original model": (

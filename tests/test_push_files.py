@@ -286,3 +286,29 @@ def test_push_names_an_include_pattern_that_matches_only_bookkeeping_files(run, 
     caplog.clear()
     assert _push(folder / "folded", "me/all", "--include", "*") == 0
     assert caplog.messages == []
+
+
+@pytest.mark.parametrize("pattern", [".*", ".hf_tapernorm_export.json", ".hf_tapernorm_*"])
+def test_an_include_pattern_matching_only_the_packages_own_files_warns_of_nothing(exported, tmp_path, caplog, pattern):
+    """``push --include '.*'`` (or one naming the manifest) of an untouched export: a WARNING advised to "rename a
+    file of yours out of the .hf_tapernorm_* names", where the only match was the export's own manifest, which
+    renaming would unmake. The package's own files (the manifest, a lock) are no user's: the WARNING names only the
+    bookkeeping-named files that are not, and says nothing where there are none."""
+    from hf_tapernorm.app.run_folder import LOCK_NAME
+    from hf_tapernorm.export.manifest import export_manifest
+
+    export = Path(shutil.copytree(exported, tmp_path / "export"))
+    (export / LOCK_NAME).write_text("pid 7")
+    caplog.set_level("WARNING", logger="hf_tapernorm.export.hub")
+    assert files_to_push(export, [pattern]) == sorted(export_manifest(export))
+    assert caplog.messages == []
+    (export / ".hf_tapernorm_notes").write_text("mine")  # a user's file under a bookkeeping name: named alone
+    assert files_to_push(export, [pattern]) == sorted(export_manifest(export))
+    assert caplog.messages == (
+        []
+        if pattern == ".hf_tapernorm_export.json"
+        else [
+            f"--include '{pattern}' names only hf-tapernorm's bookkeeping files (.hf_tapernorm_notes), which are never "
+            "uploaded: rename a file of yours out of the .hf_tapernorm_* names to publish it"
+        ]
+    )

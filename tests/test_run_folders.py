@@ -504,7 +504,7 @@ def test_a_killed_export_folded_overwrite_in_a_run_is_no_users_file(workspace, r
         (folder / f".folded.export-{pid}" / WRITE_MARK).write_text("")  # what export_folded puts in first
         (folder / f".folded.export-{pid}" / "new" / "config.json").write_text("{}")
     argv = [*run_argv(workspace, folder), "--overwrite"]
-    assert f".folded.export-{alive}/" in error_of(argv)
+    assert f"another write of {folder / 'folded'} is in progress (pid {alive}" in error_of(argv)  # a live write
     assert (folder / f".folded.export-{dead}" / "new" / "config.json").is_file()  # refused: nothing deleted
     shutil.rmtree(folder / f".folded.export-{alive}")
     code, _, stderr = run_main(argv)
@@ -513,14 +513,15 @@ def test_a_killed_export_folded_overwrite_in_a_run_is_no_users_file(workspace, r
 
 
 @pytest.mark.parametrize("option", ["--overwrite", "--resume"])
-@pytest.mark.parametrize("inside", ["folded", "."])
+@pytest.mark.parametrize("inside", ["folded", ".", "checkpoint-10"])
 def test_taper_names_a_live_export_folded_write_in_its_run_folder(
     workspace, run, tmp_path, monkeypatch, option, inside
 ):
     """A live export_folded's marked ``.hf_tapernorm_writing-PID/`` in RUN/folded/ (or in RUN), then taper
     --overwrite or --resume: it was refused as "files hf-tapernorm did not write ...; move them away first", and
     moving a live write's folder breaks that write. Now the run names the write in progress as fold does
-    (write_in_progress), before the folder's files are judged, and nothing is touched."""
+    (write_in_progress), before the folder's files are judged, and nothing is touched: in any folder directly in the
+    run, a checkpoint-N too (it was still named a user's file there)."""
     from hf_tapernorm._temporaries import WRITE_MARK, write_in_progress
 
     folder, alive = copy_of(run, tmp_path), os.getppid()  # this test's parent: a live process
@@ -534,6 +535,35 @@ def test_taper_names_a_live_export_folded_write_in_its_run_folder(
     assert words.startswith(f"another write of {live.parent} is in progress (pid {alive}")
     assert error_of([*run_argv(workspace, folder), option]) == (
         f"hf-tapernorm taper: error: output folder '{folder}': {words}; wait for it to finish, or choose another "
+        "--output_dir"
+    )
+    assert snapshot(folder) == before
+
+
+@pytest.mark.parametrize("option", ["--overwrite", "--resume"])
+@pytest.mark.parametrize(("output", "present"), [("folded", False), ("folded", True), ("tapered", True)])
+def test_taper_names_a_live_export_folded_write_beside_an_output_folder(
+    workspace, run, tmp_path, monkeypatch, option, output, present
+):
+    """A live export_folded of a new RUN/folded writes through a marked ``.folded.export-PID/`` beside it, in the run
+    folder; taper --overwrite or --resume then refused with "it holds files hf-tapernorm did not write
+    (.folded.export-N/...); move them away first", and moving a live write's folder breaks it. Now the run names
+    that write in progress (write_beside_in_progress), as it names one inside, and nothing is touched."""
+    from hf_tapernorm._temporaries import WRITE_MARK, process_command
+
+    folder, alive = copy_of(run, tmp_path), os.getppid()  # this test's parent: a live process
+    if not present:
+        shutil.rmtree(folder / output)
+    live = folder / f".{output}.export-{alive}"
+    (live / "new").mkdir(parents=True)
+    (live / WRITE_MARK).write_text("")
+    (live / "new" / "model.safetensors").write_bytes(b"half")
+    before = snapshot(folder)
+    no_loading(monkeypatch)
+    assert error_of([*run_argv(workspace, folder), option]) == (
+        f"hf-tapernorm taper: error: output folder '{folder}': another write of {folder / output} is in progress "
+        f"(pid {alive}: {process_command(alive)}, through '{live.name}'; delete '{live}' only if process {alive} is "
+        "not writing this export, its pid reused after a restart); wait for it to finish, or choose another "
         "--output_dir"
     )
     assert snapshot(folder) == before

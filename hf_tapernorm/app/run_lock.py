@@ -42,11 +42,11 @@ from typing import Any, Optional
 
 from .._temporaries import is_pid, process_running
 from ..errors import ConfigurationError
+from ..export.manifest import LOCK_NAME
 from ..utils import expand_user
 
 logger = logging.getLogger(__name__)
 
-LOCK_NAME = ".hf_tapernorm_run.lock"
 #: How long a flock is asked for before the lock counts as held: another command's look at the lock holds a
 #: shared flock for a moment; a holder holds its exclusive one for the whole command.
 _FLOCK_TRIES, _FLOCK_PAUSE = 10, 0.002

@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
-from .._temporaries import write_in_progress
+from .._temporaries import write_beside_in_progress, write_in_progress
 from ..evaluation.models import ModelSource
 from .resume_check import check_resumable
 from .run_export import check_run_export, warn_run_export
@@ -59,17 +60,30 @@ def check_run_folder(request: TaperRequest, output: RunFolder, source: ModelSour
 
 
 def refuse_live_writes(output: RunFolder) -> None:
-    """Refuse a run folder, or an output folder in it (its ``folded/``), that an ``export_folded`` is writing into
-    now (its ``.hf_tapernorm_writing-PID``, writer running), naming that write as fold does (write_in_progress).
-    Checked before the folder's files are judged: among them that write's folder would be named a user's file to
-    move away, and moving a live write's folder breaks it."""
-    folders = [output.path, *(output.path / name for name in output.outputs if name.endswith("/"))]
-    for folder in folders:
-        live = write_in_progress(folder)
-        if live:
-            raise RunFolderError(
-                f"output folder '{output.path}': {live}; wait for it to finish, or choose another --output_dir"
-            )
+    """Refuse a run folder that a write is going on in now, naming that write as fold does: an ``export_folded`` (or
+    fold) writing into the folder or a folder directly in it (its ``folded/``, a ``checkpoint-N``) through a
+    ``.hf_tapernorm_writing-PID`` (write_in_progress), or writing one of its output folders not there yet through a
+    ``.NAME.export-PID`` beside it, in the run folder (write_beside_in_progress). Checked before the folder's files
+    are judged: among them that write's folder would be named a user's file to move away, and moving a live write's
+    folder breaks it."""
+    words = next(_live_writes(output), None)
+    if words:
+        raise RunFolderError(
+            f"output folder '{output.path}': {words}; wait for it to finish, or choose another --output_dir"
+        )
+
+
+def _live_writes(output: RunFolder) -> Iterator[str]:
+    """The words naming each live write in the run folder (refuse_live_writes), the run folder's own first."""
+    outputs = [output.path / name.rstrip("/") for name in output.outputs if name.endswith("/")]
+    try:
+        inner = sorted(entry for entry in output.path.iterdir() if entry.is_dir() and not entry.is_symlink())
+    except OSError:  # no folder yet (nothing written in it), or one this user may not list: its own checks say so
+        inner = []
+    for folder in [output.path, *dict.fromkeys([*outputs, *inner])]:
+        words = write_in_progress(folder) or write_beside_in_progress(folder)
+        if words:
+            yield words
 
 
 def prepare_run_folder(

@@ -467,8 +467,9 @@ class EvalArguments:
         expand_user_options(self, "output_json", "scan_reference")
         given = self.output_json
         expanded = given and str(expand_user(given))  # a quoted '~/r.json' too
-        # a trailing '/' (a folder's name), which Path drops, is kept for check_result_file to refuse
-        self.output_json = expanded and (expanded.rstrip("/") + "/" if given.endswith("/") else expanded)
+        # a trailing '/' or '/.' (a folder's name), which Path drops, is kept for check_result_file to refuse
+        ending = next((end for end in ("/", "/.") if given and given.endswith(end)), "")
+        self.output_json = expanded and (expanded.rstrip("/") + ending if ending else expanded)
 
 
 __all__ = [

@@ -103,13 +103,14 @@ def check_result_file(given: str | os.PathLike) -> None:
 
 def refuse_folder_name(given: str | os.PathLike) -> None:
     """Refuse an ``--output_json`` that names a folder by its form: no file name at all (``.``, ``/``, ``./``: the
-    temporary name of the write has none to build on), or a trailing '/' (``nodir/``, ``earlier.json/``): Path drops
-    the slash, so the result went to a file of that name, where the user named a folder."""
+    temporary name of the write has none to build on), or a trailing '/' or '/.' (``nodir/``, ``earlier.json/.``):
+    Path drops them, so the result went to a file of that name, where the user named a folder."""
     text = os.fspath(given)
     if not Path(text).name:
         raise UsageError(f"--output_json {text} is a symbolic link or a folder; name a new file")
-    if text.endswith(("/", os.sep)):
-        raise UsageError(f"--output_json {text} ends with '/', which names a folder; name a file")
+    for ending in ("/", os.sep, "/.", os.sep + "."):
+        if text.endswith(ending):
+            raise UsageError(f"--output_json {text} ends with '{ending}', which names a folder; name a file")
 
 
 def check_result_outside_data(path: Path, data: Any) -> None:

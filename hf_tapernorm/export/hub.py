@@ -16,12 +16,13 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
-from .._temporaries import write_in_progress, writes_inside
+from .._temporaries import is_write_folder, write_in_progress, writes_inside
 from ..errors import ConfigurationError
 from ..utils import expand_user, some_names
 from .manifest import (
     BOOKKEEPING_PREFIX,
     EXPORT_MANIFEST_NAME,
+    LOCK_NAME,
     check_export_files,
     export_manifest,
     folder_files,
@@ -73,18 +74,35 @@ def files_to_push(folder: str | os.PathLike, include: Sequence[str] = ()) -> lis
 
 def _warn_bookkeeping_only(folder: Path, include: Sequence[str]) -> None:
     """Warn of each --include pattern whose every match in ``folder`` is a bookkeeping name (``.hf_tapernorm_*``,
-    never uploaded): a user's file named so would stay behind without a word, though a pattern named it."""
+    never uploaded): a user's file named so would stay behind without a word, though a pattern named it. The
+    WARNING names only such files that are not the package's own (_package_own): advising to rename the export's
+    manifest out of those names would unmake the export, so a pattern matching only the package's files says
+    nothing."""
     names = sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*") if not path.is_dir())
     for pattern in include:
         matched = [name for name in names if _matches(name, [pattern])]
-        if matched and all(is_bookkeeping(name) for name in matched):
+        users = [name for name in matched if not _package_own(folder, name)]
+        if users and all(is_bookkeeping(name) for name in matched):
             logger.warning(
                 "--include %r names only hf-tapernorm's bookkeeping files (%s), which are never uploaded: rename a "
                 "file of yours out of the %s* names to publish it",
                 pattern,
-                some_names(matched),
+                some_names(users),
                 BOOKKEEPING_PREFIX,
             )
+
+
+#: The files hf-tapernorm itself keeps in an export: its manifest, and a running command's lock.
+_PACKAGE_FILES = (EXPORT_MANIFEST_NAME, LOCK_NAME)
+
+
+def _package_own(folder: Path, name: str) -> bool:
+    """Whether the file ``name`` (relative to ``folder``) is one hf-tapernorm keeps there, never a user's: an
+    export's manifest, a lock, or a file in a write's marked temporary folder (is_write_folder)."""
+    parts = name.split("/")
+    if parts[-1] in _PACKAGE_FILES:
+        return True
+    return any(is_write_folder(folder.joinpath(*parts[: depth + 1])) for depth in range(len(parts) - 1))
 
 
 def _refuse_writes_inside(folder: Path) -> None:

@@ -34,6 +34,8 @@ DIGESTS_KEY = "files_sha256"
 CARD_NAME = "README.md"
 #: The start of the names of the package's bookkeeping files (the manifest, a command's lock): no export content.
 BOOKKEEPING_PREFIX = ".hf_tapernorm_"
+#: A running command's lock (app/run_lock.py takes it), in a run folder or an export a command writes.
+LOCK_NAME = BOOKKEEPING_PREFIX + "run.lock"
 
 
 def is_bookkeeping(relative: str) -> bool:
@@ -257,6 +259,7 @@ __all__ = [
     "DIGESTS_KEY",
     "EDITED_CARD",
     "EXPORT_MANIFEST_NAME",
+    "LOCK_NAME",
     "NOT_LOADED",
     "changed_export_files",
     "check_export_files",

@@ -1370,6 +1370,39 @@ def test_a_printed_decompress_command_writes_the_file_it_names(tmp_path, name, t
     assert (folder / plain).read_text() == text
 
 
+def test_a_printed_command_never_writes_onto_a_file_that_exists(tmp_path):
+    """`data.txt.gz` beside the user's own `data.txt` was refused printing `gzip -dc '.../data.txt.gz' >
+    '.../data.txt'`, which, run as printed, replaced that file with the decompressed text; an iconv command so wrote
+    onto an existing `b.utf8.txt`. The printed command writes a name no file has (data.unpacked.txt, then
+    data.unpacked-2.txt), which the message names, and the user's files stay as they were."""
+    import gzip
+    import subprocess
+
+    from hf_tapernorm.data.sources import local_splits
+
+    (tmp_path / "data.txt").write_text("MY OWN NOTES")
+    (tmp_path / "data.unpacked.txt").write_text("MORE NOTES")
+    path = tmp_path / "data.txt.gz"
+    path.write_bytes(gzip.compress(b"compressed text\n\nand more of it\n"))
+    with pytest.raises(DataError) as refused:
+        local_splits(str(path), "--dataset_name 'd'")
+    command = f"gzip -dc '{path}' > '{tmp_path / 'data.unpacked-2.txt'}'"
+    assert str(refused.value) == (
+        f"--dataset_name 'd': a compressed file (.gz) is not read; decompress it ({command}) and name the .txt file it "
+        "writes ('data.unpacked-2.txt')"
+    )
+    subprocess.run(command, shell=True, check=True)
+    assert (tmp_path / "data.txt").read_text() == "MY OWN NOTES"
+    assert (tmp_path / "data.unpacked.txt").read_text() == "MORE NOTES"
+    assert (tmp_path / "data.unpacked-2.txt").read_text() == "compressed text\n\nand more of it\n"
+    wide = tmp_path / "b.txt"
+    wide.write_bytes("wide text\n\nand more\n".encode("utf-16"))
+    (tmp_path / "b.utf8.txt").write_text("MINE")
+    with pytest.raises(DataError) as refused:
+        load_text_dataset(str(wide), cache_dir=str(tmp_path / "c"), name="t")
+    assert f"> '{tmp_path / 'b.utf8-2.txt'}')" in str(refused.value)
+
+
 def _link_a_folder(tmp_path: Path) -> None:
     (tmp_path / "external").mkdir()
     (tmp_path / "external" / "more.txt").write_text("text the link points to\n\nand more of it")
@@ -1643,10 +1676,71 @@ def test_a_line_cut_text_past_the_join_cap_names_what_it_could_not_compare(tmp_p
         assert out_of_corpus.out_of_corpus_set(_ooc_data(tmp_path, corpus, other, sample_by="line"), tokenizer, [])
     characters = sum(len(line) for line in textwrap.wrap(text, 60))
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
-        f"--out_of_corpus_dataset '{other}': {characters} characters of its text were not compared with the training "
-        f"corpus (--dataset_name '{corpus}'): they are lines under 80 characters in a run of more than 2000 characters "
-        "with no blank line (--sample_by line), too long to join back into paragraphs; make sure it is not the "
-        "corpus's text in another form, or put blank lines between its paragraphs"
+        _uncompared(other, corpus, characters)
+    ]
+
+
+def _uncompared(other: str, corpus: str, characters: int) -> str:
+    return (
+        f"--out_of_corpus_dataset '{other}': {characters} characters of its text were compared with the training "
+        f"corpus (--dataset_name '{corpus}') line by line only, and not found: they are lines of a run of more than "
+        "2000 characters with no blank line (--sample_by line), too long to join back into paragraphs, each compared "
+        "alone (those under 80 characters not at all), which finds the corpus's text only where its lines are the "
+        "same; make sure it is not the corpus's text in another form (re-wrapped), or put blank lines between its "
+        "paragraphs"
+    )
+
+
+def test_a_line_cut_text_rewrapped_in_long_lines_past_the_join_cap_counts_them_as_not_found(
+    tmp_path, tokenizer, monkeypatch, caplog
+):
+    """With --sample_by line, the corpus re-wrapped at 100 columns (lines of 80 or more characters) with no blank line,
+    past MAX_JOINED_CHARS, was reported as mostly compared: the WARNING counted only its lines under 80 characters,
+    but its long lines, compared alone, can match only the same lines of the corpus. Every character of such a run
+    that was not found is counted now (a line the corpus holds is not), and the words say how it was compared."""
+    import textwrap
+
+    from hf_tapernorm.data import out_of_corpus
+
+    monkeypatch.setattr(out_of_corpus, "MAX_JOINED_CHARS", 2000)
+    text = " ".join(" ".join(d.split()) for d in corpus_documents(40, seed=3))
+    shared = " ".join(" ".join(d.split()) for d in corpus_documents(2, seed=5))[:120]
+    (tmp_path / "corpus.txt").write_text(textwrap.fill(text, 70) + "\n\n" + shared + "\n")
+    rewrapped = textwrap.wrap(text, 100)
+    (tmp_path / "rewrapped.txt").write_text("\n".join(rewrapped) + "\n" + shared + "\n")
+    corpus, other = str(tmp_path / "corpus.txt"), str(tmp_path / "rewrapped.txt")
+    assert sum(len(line) >= 80 for line in rewrapped) > 0.9 * len(rewrapped)
+    with caplog.at_level("WARNING"):
+        assert out_of_corpus.out_of_corpus_set(_ooc_data(tmp_path, corpus, other, sample_by="line"), tokenizer, [])
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings[-1] == _uncompared(other, corpus, sum(map(len, rewrapped)))
+    long = sum(len(line) >= 80 for line in rewrapped) + 1
+    assert warnings[0].startswith(f"--out_of_corpus_dataset '{other}': 1 of its {long} documents of 80 or more ")
+    assert len(warnings) == 2
+
+
+def test_a_paragraph_found_by_some_of_its_lines_is_named_as_holding_corpus_text_with_its_share(
+    tmp_path, tokenizer, caplog
+):
+    """With --sample_by paragraph, a text of one paragraph sharing two of its lines with the corpus got "1 of its 1
+    paragraphs of 80 or more characters are paragraphs of the training corpus", which reads as all of it. The
+    WARNING names the share of the compared text found, as the refusal does, and says the paragraph holds text of
+    the corpus, not that it is one of its paragraphs."""
+    from hf_tapernorm.data.out_of_corpus import out_of_corpus_set
+
+    lines = [" ".join(d.split()) for d in corpus_documents(60, seed=3) if len(" ".join(d.split())) >= 80]
+    (tmp_path / "corpus.txt").write_text("\n\n".join(lines[:20]))
+    mine = [" ".join(d.split()) for d in corpus_documents(60, seed=4) if len(" ".join(d.split())) >= 80][:8]
+    (tmp_path / "mine.txt").write_text("\n".join(mine[:4] + lines[3:5] + mine[4:]) + "\n")
+    corpus, other = str(tmp_path / "corpus.txt"), str(tmp_path / "mine.txt")
+    with caplog.at_level("WARNING"):
+        assert out_of_corpus_set(_ooc_data(tmp_path, corpus, other, sample_by="paragraph"), tokenizer, [])
+    percent = 100 * len(lines[3] + lines[4]) // len(" ".join(mine[:4] + lines[3:5] + mine[4:]))
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"--out_of_corpus_dataset '{other}': 1 of its 1 paragraphs of 80 or more characters ({percent}% of their "
+        f"text) hold text of the training corpus (--dataset_name '{corpus}'), such as {_shown(lines[3])}, "
+        f"{_shown(lines[4])}, so the out-of-corpus loss is partly the corpus's own; name text the model was not "
+        "trained on"
     ]
 
 
@@ -1720,7 +1814,7 @@ def test_only_long_shared_paragraphs_are_named_in_a_warning_not_short_common_one
     texts written apart share, are not: a text sharing only those with the corpus is read without a WARNING and not
     refused, however many of its paragraphs they are. One long corpus paragraph inside another document (which the
     whole-document comparison did not see) is named in a WARNING, and the set is still built."""
-    from hf_tapernorm.data.out_of_corpus import out_of_corpus_set
+    from hf_tapernorm.data.out_of_corpus import out_of_corpus_set, paragraphs_compared
 
     def code(prose: list[str]) -> list[str]:
         return [f"Returns:\n\n{p}\n\n}}\n\n}}\n\nExample usage" for p in prose]
@@ -1734,14 +1828,17 @@ def test_only_long_shared_paragraphs_are_named_in_a_warning_not_short_common_one
     )
     corpus = str(tmp_path / "corpus.txt")
     counted = sum(len(d) >= 80 for d in others) + 1
+    compared = sum(len(p) for d in others for p in paragraphs_compared(d)) + len(" ".join(long[5].split()))
+    percent = 100 * len(" ".join(long[5].split())) // compared
     with caplog.at_level("WARNING"):
         assert out_of_corpus_set(_ooc_data(tmp_path, corpus, str(tmp_path / "o.jsonl")), tokenizer, []) is not None
         assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
         assert out_of_corpus_set(_ooc_data(tmp_path, corpus, str(tmp_path / "p.jsonl")), tokenizer, []) is not None
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
-        f"--out_of_corpus_dataset '{tmp_path / 'p.jsonl'}': 1 of its {counted} paragraphs of 80 or more characters are "
-        f"paragraphs of the training corpus (--dataset_name '{corpus}'), such as {_shown(long[5])}, so the "
-        "out-of-corpus loss is partly the corpus's own; name text the model was not trained on"
+        f"--out_of_corpus_dataset '{tmp_path / 'p.jsonl'}': 1 of its {counted} paragraphs of 80 or more characters "
+        f"({percent}% of their text) are paragraphs of the training corpus (--dataset_name '{corpus}'), such as "
+        f"{_shown(long[5])}, so the out-of-corpus loss is partly the corpus's own; name text the model was not trained "
+        "on"
     ]
 
 
@@ -1775,6 +1872,9 @@ def test_a_streamed_corpus_says_the_out_of_corpus_text_was_compared_by_file_only
         ("bomblank.csv", b"\xef\xbb\xbf\n\n"),
         ("nbsp.txt", "\u00a0\u2003\n\u3000\n\n\u00a0".encode() * 5000),  # Unicode's, over several chunks
         ("zw.txt", "\u200b\ufeff\u200d \n\u2060\n\n".encode() * 10),  # zero-width spaces, joiners, marks
+        ("vs.txt", "\ufe0e\ufe0f\u034f\n\u180b\u17b4\n".encode() * 10),  # variation selectors, U+034F
+        ("hangul.txt", "\u3164\u115f\u1160\uffa0\n".encode() * 10),  # Hangul fillers
+        ("tags.txt", "".join(map(chr, range(0xE0020, 0xE0080))).encode() + "\U000e0001\U000e01ef".encode()),
     ],
 )
 def test_a_file_of_white_space_alone_is_refused_as_empty(tmp_path, name, content):
@@ -1782,8 +1882,9 @@ def test_a_file_of_white_space_alone_is_refused_as_empty(tmp_path, name, content
     `features`), a .csv of blank lines in pandas' (EmptyDataError: No columns to parse from file), and a .txt or .md
     of white space as "too small ... split the text into more", advice that cannot help, and a .txt of Unicode white
     space alone (no-break, em and ideographic spaces) so still, and one of zero-width spaces and marks (which show
-    nothing) too, or read as out-of-corpus text of invisible characters. Each is empty, told as a 0-byte file, a
-    header-only CSV or `[]` is, before any builder reads it."""
+    nothing) too, or read as out-of-corpus text of invisible characters, and one of other default-ignorable
+    characters (variation selectors, Hangul fillers, tag characters, U+034F) still so. Each is empty, told as a
+    0-byte file, a header-only CSV or `[]` is, before any builder reads it."""
     path = tmp_path / name
     path.write_bytes(content)
     with pytest.raises(DataError) as refused:
@@ -1903,6 +2004,53 @@ def test_utf8_text_followed_by_utf16_is_refused_naming_where_its_nuls_begin(tmp_
         f"(NUL every other byte), not UTF-8: convert it ({command}) and name the file it writes"
     )
     subprocess.run(command, shell=True, check=True)
+
+
+@pytest.mark.parametrize("pad", [100, 4096], ids=["100 NULs", "4 KiB of NULs"])
+@pytest.mark.parametrize("lines", [600, 3000], ids=["a small file", "past the first chunk"])
+def test_utf8_text_padded_with_a_run_of_nuls_is_refused_naming_where_they_begin(tmp_path, pad, lines):
+    """UTF-8 text followed by a run of NULs (a NUL-padded or truncated file) under an eighth of the chunk that holds
+    them was read with the NULs in its text, without a word (refused only from an eighth on). A run of 16 NULs or
+    more, which no text holds, is refused naming the byte where they begin; UTF-32 text (runs of two or three NULs)
+    is told as UTF-32 as before."""
+    text = b"".join(b"plain english text line number %d for probing\n" % i for i in range(lines))
+    path = tmp_path / "pad.txt"
+    path.write_bytes(text + bytes(pad))
+    with pytest.raises(DataError) as refused:
+        load_text_dataset(str(path), cache_dir=str(tmp_path / "c"), name="--dataset_name 'pad.txt'")
+    assert str(refused.value) == (
+        f"--dataset_name 'pad.txt': it is UTF-8 text in its first {len(text)} bytes, then holds NUL bytes from byte "
+        f"{len(text)} (text in another encoding, or binary data): split that part off or convert it alone to UTF-8, "
+        "and name the UTF-8 text"
+    )
+    path.write_bytes(text.decode().encode("utf-32-le"))
+    with pytest.raises(DataError) as refused:
+        load_text_dataset(str(path), cache_dir=str(tmp_path / "c"), name="t")
+    assert "t is UTF-32LE text without a byte-order mark (NUL three bytes of every four)" in str(refused.value)
+
+
+def test_nuls_past_the_scanned_chunks_are_named_at_the_latest_not_at_a_false_byte(tmp_path, monkeypatch):
+    """17 MiB of UTF-8 then UTF-16 was refused naming "NUL bytes from byte 18240257", the start of the last chunk:
+    the scan for the first NUL stops after _SCANNED_CHUNKS chunks, and the NULs began at byte 17825793. Where the scan
+    stops short, the byte is named as the latest where they begin (here with the scan cut to one chunk)."""
+    from hf_tapernorm.data import file_contents
+
+    monkeypatch.setattr(file_contents, "_SCANNED_CHUNKS", 1)
+    text = b"".join(b"plain english text line number %d for probing\n" % i for i in range(5000))
+    path = tmp_path / "half.txt"
+    path.write_bytes(text + "abc def ghi\n".encode("utf-16-le") * 20000)
+    end = (path.stat().st_size - (1 << 16)) // 4 * 4
+    with pytest.raises(DataError) as refused:
+        load_text_dataset(str(path), cache_dir=str(tmp_path / "c"), name="--dataset_name 'half.txt'")
+    assert str(refused.value) == (
+        f"--dataset_name 'half.txt': it is UTF-8 text at its start, then holds NUL bytes by byte {end + 1} at the "
+        "latest (text in another encoding, or binary data): split that part off or convert it alone to UTF-8, and "
+        "name the UTF-8 text"
+    )
+    monkeypatch.setattr(file_contents, "_SCANNED_CHUNKS", 256)
+    with pytest.raises(DataError) as refused:
+        load_text_dataset(str(path), cache_dir=str(tmp_path / "c"), name="t")
+    assert f"in its first {len(text) + 1} bytes, then holds NUL bytes from byte {len(text) + 1} " in str(refused.value)
 
 
 @pytest.mark.parametrize(

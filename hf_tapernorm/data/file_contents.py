@@ -55,9 +55,13 @@ def _no_json_rows(path: Path) -> bool:
     return shown in (b"", b"[]")
 
 
-#: Characters that show nothing: Unicode's white space (no-break and ideographic spaces too) and its invisible
-#: format characters (zero-width spaces and joiners, a byte-order mark inside the text, bidirectional marks).
-_INVISIBLE = re.compile(r"[\s\u00ad\u061c\u180e\u200b-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff]*")
+#: Characters that show nothing: Unicode's white space (no-break and ideographic spaces too) and its
+#: Default_Ignorable_Code_Point set (zero-width spaces and joiners, a byte-order mark inside the text, bidirectional
+#: marks, variation selectors, Hangul fillers, tag characters, U+034F), with U+180E (once a space).
+_INVISIBLE = re.compile(
+    r"[\s\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f\u202a-\u202e\u2060-\u206f\u3164"
+    r"\ufe00-\ufe0f\ufeff\uffa0\ufff0-\ufff8\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0000-\U000e0fff]*"
+)
 
 
 def _visible(text: str) -> bool:
@@ -146,12 +150,14 @@ class NulBytes(NamedTuple):
     """Where a file holds NUL bytes (:func:`nul_bytes`): the encoding their places tell (utf-16le, utf-32be: iconv's
     names; None: binary data, no telling, or a file that is UTF-8 text before them), where they lie ("every other
     byte"), and, for a file whose start is UTF-8 text without a NUL, the offset at which they begin (None: from its
-    start), which no iconv of the whole file converts."""
+    start), which no iconv of the whole file converts; ``at_the_latest``: they begin there or before (the scan for
+    their first stopped short of it, :data:`_SCANNED_CHUNKS`)."""
 
     path: Path
     encoding: Optional[str]
     places: str
     text_end: Optional[int] = None
+    at_the_latest: bool = False
 
 
 def nul_bytes(files: list[Path]) -> Optional[NulBytes]:
@@ -191,8 +197,10 @@ def _nul_bytes_of(path: Path) -> Optional[NulBytes]:
         if told is None:
             return None
         handle.seek(_CHUNK)
-        first = _first_nul(handle, offset)
-        return NulBytes(path, None, told[1], offset + end.index(0) if first is None else first)
+        first, whole = _first_nul(handle, offset)
+        if first is None:
+            return NulBytes(path, None, told[1], offset + end.index(0), at_the_latest=not whole)
+        return NulBytes(path, None, told[1], first)
 
 
 def _nuls_told(chunk: bytes) -> Optional[tuple[Optional[str], str]]:
@@ -205,7 +213,15 @@ def _nuls_told(chunk: bytes) -> Optional[tuple[Optional[str], str]]:
     encoding = utf16_by_nul_parity(chunk)
     if encoding is not None:
         return encoding, f"at {'odd' if encoding.endswith('le') else 'even'} offsets only"
-    return (None, "an eighth of its bytes or more") if many else None
+    if many:
+        return None, "an eighth of its bytes or more"
+    return (None, f"in a run of {MIN_NUL_RUN} or more") if _NUL_RUN in chunk else None
+
+
+#: How many NULs in a row, at least, make a run that no text holds, whatever its encoding (UTF-32 holds two or
+#: three): NUL padding, a truncated or preallocated file, binary data.
+MIN_NUL_RUN = 16
+_NUL_RUN = bytes(MIN_NUL_RUN)
 
 
 #: How many bytes of UTF-8 text, at least, before a file's first NUL tell a file that is text at its start: text of
@@ -234,17 +250,18 @@ def _utf8_text_before_nul(start: bytes) -> Optional[int]:
 _SCANNED_CHUNKS = 256
 
 
-def _first_nul(handle: BinaryIO, stop: int) -> Optional[int]:
+def _first_nul(handle: BinaryIO, stop: int) -> tuple[Optional[int], bool]:
     """The offset of the first NUL that ``handle`` holds from where it stands up to ``stop`` (a file refused for the
-    NULs from there on), read for :data:`_SCANNED_CHUNKS` chunks at most; None for none read."""
+    NULs from there on), read for :data:`_SCANNED_CHUNKS` chunks at most (None for none read), and whether every
+    byte up to ``stop`` was read (no NUL before ``stop``, where none was found)."""
     for _ in range(_SCANNED_CHUNKS):
         at = handle.tell()
         chunk = handle.read(min(_CHUNK, stop - at))
         if not chunk:
-            return None
+            return None, True
         if 0 in chunk:
-            return at + chunk.index(0)
-    return None
+            return at + chunk.index(0), True
+    return None, handle.tell() >= stop
 
 
 def _encoding_by_nul_places(start: bytes) -> Optional[str]:

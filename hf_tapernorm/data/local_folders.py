@@ -201,6 +201,19 @@ def shell_quoted(path: Union[Path, str]) -> str:
     return "'" + text.replace("'", "'\"'\"'") + "'"
 
 
+def unused_name(path: Path, tag: str, *, keep: bool = True) -> Path:
+    """The first name that no file has of ``path`` itself (``keep``), ``NAME.TAG.SUFFIX``, ``NAME.TAG-2.SUFFIX``,
+    ...: a printed command writes its output with ``>``, which would replace a file of the user's (data.txt beside
+    data.txt.gz) without a word."""
+    if keep and not os.path.lexists(path):
+        return path
+    stem, suffix = (path.stem, path.suffix) if path.suffix else (path.name, "")
+    number = 1
+    while os.path.lexists(candidate := path.with_name(f"{stem}.{tag}{f'-{number}' if number > 1 else ''}{suffix}")):
+        number += 1
+    return candidate
+
+
 def packed_file(path: Path) -> Optional[str]:
     """The suffix of :data:`DECOMPRESS` (its longest) by which ``path`` is an archive (o.zip, x.tar.gz) or a
     compressed data file (data.jsonl.gz, or x.gz, whose name tells no type); None for any other file, such as
@@ -228,7 +241,7 @@ def refuse_packed(path: Path, name: str) -> None:
             f"{name}: an archive ({suffix}) is not read; extract it ({command}) and name the data file it writes, or "
             "a folder of them"
         )
-    plain = path.name[: -len(suffix)]
+    plain = unused_name(path.parent / path.name[: -len(suffix)], "unpacked").name
     command += f" > {shell_quoted(path.parent / plain)}"  # the name the message gives, whatever the suffix's case
     inner = Path(plain).suffix.lower()
     if inner:

@@ -22,7 +22,16 @@ import datasets
 
 from ..utils import expand_user
 from .file_contents import first_not_utf8, foreign_encoding, holds_no_rows, holds_text, lone_surrogate, nul_bytes
-from .local_folders import BUILDERS, DataError, folder_splits, read_splits, refuse_packed, shell_quoted, split_names
+from .local_folders import (
+    BUILDERS,
+    DataError,
+    folder_splits,
+    read_splits,
+    refuse_packed,
+    shell_quoted,
+    split_names,
+    unused_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -201,14 +210,17 @@ def _check_no_nul(name: str, folder: Optional[Path], files: list[Path]) -> None:
     found = nul_bytes(files)
     if found is None:
         return
-    path, encoding, places, text_end = found
+    path, encoding, places, text_end, at_the_latest = found
     if encoding is not None:
         told = f"{encoding.upper()} text without a byte-order mark (NUL {places}), not UTF-8"
         _refuse_encoding(name, folder, path, encoding, told)
     what = f"its file '{path.relative_to(folder)}'" if folder is not None else "it"
     if text_end is not None:  # UTF-8 text, then another encoding's (cat a.txt b16.txt): no iconv converts it whole
+        where = f"in its first {text_end} bytes, then holds NUL bytes from byte {text_end}"
+        if at_the_latest:  # the scan for the first NUL stopped short of it
+            where = f"at its start, then holds NUL bytes by byte {text_end} at the latest"
         raise DataError(
-            f"{name}: {what} is UTF-8 text in its first {text_end} bytes, then holds NUL bytes from byte {text_end} "
+            f"{name}: {what} is UTF-8 text {where} "
             "(text in another encoding, or binary data): split that part off or convert it alone to UTF-8"
             + (", or move the file out of the folder" if folder is not None else ", and name the UTF-8 text")
         )
@@ -221,7 +233,7 @@ def _check_no_nul(name: str, folder: Optional[Path], files: list[Path]) -> None:
 def _refuse_encoding(name: str, folder: Optional[Path], path: Path, encoding: str, told: str) -> None:
     """Refuse ``path`` (of ``folder``; None: the file named alone), ``told`` to be text in ``encoding`` (iconv's
     name of it), naming the iconv command that converts it, its paths quoted for the shell."""
-    converted = path.with_name(path.stem + ".utf8" + path.suffix)
+    converted = unused_name(path, "utf8", keep=False)
     command = f"iconv -f {encoding.lower()} -t utf-8 {shell_quoted(path)} > {shell_quoted(converted)}"
     if folder is None:
         raise DataError(f"{name} is {told}: convert it ({command}) and name the file it writes")

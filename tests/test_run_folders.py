@@ -569,6 +569,26 @@ def test_taper_names_a_live_export_folded_write_beside_an_output_folder(
     assert snapshot(folder) == before
 
 
+def test_fold_names_a_live_export_folded_writing_its_output_folder_anew(reference, tmp_path, monkeypatch):
+    """fold into a folder not there yet, while a live export_folded of it writes through a marked
+    ``.NAME.export-PID/`` beside it: fold went ahead, and the other writer's rename into place then failed. The live
+    write is named before anything loads, as one inside the folder is."""
+    import hf_tapernorm.cli.commands as commands
+    from hf_tapernorm._temporaries import WRITE_MARK, process_command
+
+    export, alive = tmp_path / "export", os.getppid()  # this test's parent: a live process
+    live = tmp_path / f".export.export-{alive}"
+    (live / "new").mkdir(parents=True)
+    (live / WRITE_MARK).write_text("")
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert error_of(fold_argv(reference / "tapered", export)) == (
+        f"hf-tapernorm fold: error: output folder '{export}': another write of {export} is in progress (pid {alive}: "
+        f"{process_command(alive)}, through '{live.name}'; delete '{live}' only if process {alive} is not writing "
+        "this export, its pid reused after a restart); wait for it to finish, or choose another --output_dir"
+    )
+    assert not export.exists() and (live / WRITE_MARK).is_file()
+
+
 def test_a_fold_with_a_scan_into_the_runs_folded_is_the_runs_export(workspace, tmp_path):
     """push's hint for an unscanned export (fold --output_dir RUN/folded --overwrite --scan_windows N), followed:
     the run's --overwrite then named folded/robustness_scan.json as no file of its own. The files the export in

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .._parsing import UsageError
-from .._temporaries import remove_abandoned_inside, write_in_progress
+from .._temporaries import remove_abandoned_inside, write_beside_in_progress, write_in_progress
 from ..app.checkpoint_files import CHECKPOINT_NAME
 from ..app.data_checks import (
     RUN_EXPORT,
@@ -179,7 +179,8 @@ def check_export_folder(folder: Path, overwrite: bool, *, locked: bool = False) 
     The folder's lock file is no content; ``locked``: this command holds it (only the folders above are checked
     for another command's). A mount point, a ``..`` after a missing folder and a path too long for the export's
     temporary files are refused too (check_folder_destination): the write would fail at the end, after the fold; so
-    is a folder an ``export_folded`` is writing into, and what a killed one left inside is deleted first.
+    is a folder an ``export_folded`` is writing into (or anew, beside it), and what a killed one left inside is
+    deleted first.
     """
     what = f"output folder '{folder}'"
     try:
@@ -191,7 +192,9 @@ def check_export_folder(folder: Path, overwrite: bool, *, locked: bool = False) 
     check_folder_destination(folder, f"--output_dir '{folder}'", inside=LONGEST_EXPORT_PATH)
     advice = "wait for it to finish, or choose a folder outside it"  # a running command may write it: one is lost
     check_destination(folder, what, advice=advice, above=locked, renamed_into_parent=True)
-    live = write_in_progress(folder)  # an export_folded writing into it: its files and this export's would mix
+    # an export_folded writing into it (its files and this export's would mix), or writing it anew beside it (the
+    # second rename into place fails, after the fold)
+    live = write_in_progress(folder) or write_beside_in_progress(folder)
     if live:
         raise UsageError(f"{what}: {live}; wait for it to finish, or choose another --output_dir")
     remove_abandoned_inside(folder)  # a killed export_folded's leftover is no user's file: deleted, as it does

@@ -1795,7 +1795,13 @@ CASES = {
             "eval",
             files={
                 "model.safetensors.index.json": json.dumps(
-                    {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+                    {
+                        "metadata": {},
+                        "weight_map": {
+                            "a": "model-00001-of-00002.safetensors",
+                            "b": "model-00002-of-00002.safetensors",
+                        },
+                    }
                 )
             },
         ),

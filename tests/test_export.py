@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -138,11 +139,12 @@ def test_export_folded_overwrite_refuses_an_export_whose_card_was_edited(folded,
 def test_export_folded_overwrite_deletes_a_killed_replacements_leftover_and_keeps_a_live_ones(folded, tmp_path):
     """A killed export_folded(overwrite=True) left its hidden ``.NAME.export-*`` folder (a random name, no mark)
     beside the export, and nothing ever deleted it; now it is ``.NAME.export-PID``, marked before anything goes in
-    (as write_folder marks its own), and the next replacement deletes it once its writer is gone. A live writer's,
-    or a look-alike without the mark, stays; one under this write's own name that is no leftover is refused."""
+    (as write_folder marks its own), and the next replacement deletes it once its writer is gone. A look-alike
+    without the mark stays; a live writer's is a write in progress, refused (its rename would fail, or replace this
+    export); one under this write's own name that is no leftover is refused."""
     import os
 
-    from hf_tapernorm._temporaries import WRITE_MARK
+    from hf_tapernorm._temporaries import WRITE_MARK, process_command
 
     export = export_folded(folded, tmp_path / "export")
     dead, alive = 2**22 + 54321, os.getppid()  # no such process; this test's parent
@@ -151,9 +153,18 @@ def test_export_folded_overwrite_deletes_a_killed_replacements_leftover_and_keep
         (tmp_path / name / "new" / "config.json").write_text("{}")
         if name != f".export.export-{dead + 1}":  # the look-alike carries no mark
             (tmp_path / name / WRITE_MARK).write_text("")
+    live = tmp_path / f".export.export-{alive}"
+    with pytest.raises(ConfigurationError) as caught:
+        export_folded(folded, export, overwrite=True)
+    assert str(caught.value) == (
+        f"cannot export into {export}: another write of {export} is in progress (pid {alive}: "
+        f"{process_command(alive)}, through '{live.name}'; delete '{live}' only if process {alive} is not writing "
+        "this export, its pid reused after a restart); wait for it to finish, or choose a new folder"
+    )
+    shutil.rmtree(live)
     export_folded(folded, export, overwrite=True)
     left = sorted(p.name for p in tmp_path.iterdir())
-    assert left == sorted([f".export.export-{alive}", f".export.export-{dead + 1}", "export"]), left
+    assert left == sorted([f".export.export-{dead + 1}", "export"]), left
     (tmp_path / f".fresh.export-{os.getpid()}").mkdir()  # unmarked, under the name a new folder's write needs
     with pytest.raises(ConfigurationError) as caught:
         export_folded(folded, tmp_path / "fresh")

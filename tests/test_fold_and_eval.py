@@ -260,6 +260,61 @@ def test_a_folder_without_config_json_is_told_to_pass_a_gguf_file_only_where_the
     )
 
 
+def test_peft_adapters_beside_a_whole_model_are_refused(ws, tmp_path):
+    """A model merged and saved into the folder its adapters were in (adapter_config.json and adapter weights beside
+    config.json and model.safetensors) was evaluated without a word: loading applied the adapters on top of the merged
+    weights again, another model than the one asked for."""
+    model = shutil.copytree(ws / "llama", tmp_path / "merged")
+    (model / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "x"}))
+    with pytest.raises(ModelSourceError) as refusal:
+        resolve_model(str(model), option="--model_name_or_path")
+    assert str(refusal.value) == (
+        f"--model_name_or_path '{model}' holds PEFT adapters (adapter_config.json) beside its weights "
+        "(model.safetensors), which loading applies on top of them: move the adapter files out of the folder to read "
+        "the model alone, or pass the base model and merge the adapters into it first"
+    )
+
+
+def _sharded(folder: Path, shards: list[str], **extra) -> None:
+    """Replace ``folder``'s model.safetensors by an index naming ``shards`` (the first one the weights renamed)."""
+    (folder / "model.safetensors").rename(folder / shards[0])
+    weight_map = {f"t{i}": shard for i, shard in enumerate(shards)}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map, **extra}))
+
+
+def test_a_sharded_tapered_checkpoint_lacking_a_shard_is_refused_before_it_loads(run, tmp_path):
+    """A tapered checkpoint hand-sharded with an index, one shard missing: eval said its tensors did not match the
+    patched model, and fold that it was "saved at gate 1", neither true. The index's shards are checked first, as a
+    plain model's are; a stale index beside a whole model.safetensors (which the loader reads) is no refusal."""
+    tapered = copy_of(run, tmp_path) / "tapered"
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    _sharded(tapered, shards)
+    with pytest.raises(ModelSourceError) as refusal:
+        resolve_model(str(tapered), option="--checkpoint")
+    assert str(refusal.value) == (
+        f"--checkpoint '{tapered}' lacks 1 of the 2 shard file(s) its model.safetensors.index.json names "
+        "(model-00002-of-00002.safetensors): copy them into it, or pass the folder of a complete saved model"
+    )
+    (tapered / shards[0]).rename(tapered / "model.safetensors")
+    assert resolve_model(str(tapered), option="--checkpoint").kind == "tapered"
+
+
+def test_a_sharded_model_whose_index_has_no_metadata_is_refused_as_damaged(ws, tmp_path):
+    """A hand-written index with a weight_map but no metadata passed the shard check, then failed at load with
+    "cannot load model: KeyError: 'metadata'", naming no option: transformers reads both."""
+    model = shutil.copytree(ws / "llama", tmp_path / "sharded")
+    _sharded(model, ["model-00001-of-00001.safetensors"])
+    with pytest.raises(ModelSourceError) as refusal:
+        resolve_model(str(model), option="--model_name_or_path")
+    assert str(refusal.value) == (
+        f"--model_name_or_path '{model}' has a damaged model.safetensors.index.json (it holds no metadata mapping): "
+        "restore it, or pass the folder of a complete saved model"
+    )
+    _sharded_index = json.loads((model / "model.safetensors.index.json").read_text())
+    (model / "model.safetensors.index.json").write_text(json.dumps({**_sharded_index, "metadata": {}}))
+    assert resolve_model(str(model), option="--model_name_or_path").kind == "folder"
+
+
 def test_fold_refuses_a_checkpoint_above_gate_zero_before_loading_it(tmp_path, monkeypatch):
     """A checkpoint saved mid-taper was refused only once the model had loaded and been patched (twice); its gate is
     read from its files (the TaperNorm gate tensors; kept norms hold 1) before the weights load."""

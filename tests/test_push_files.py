@@ -288,6 +288,23 @@ def test_push_names_an_include_pattern_that_matches_only_bookkeeping_files(run, 
     assert caplog.messages == []
 
 
+def test_a_users_look_alike_of_the_packages_files_deeper_in_an_export_is_named(exported, tmp_path, caplog):
+    """A user's ``sub/.hf_tapernorm_export.json`` or ``sub/.hf_tapernorm_run.lock`` named by --include was taken for
+    the package's own (the manifest's and the lock's names, at any depth) and left behind without a word; the
+    package keeps those at the export's top only, so deeper ones are named in the WARNING."""
+    export = Path(shutil.copytree(exported, tmp_path / "export"))
+    (export / "sub").mkdir()
+    for name in (".hf_tapernorm_export.json", ".hf_tapernorm_run.lock"):
+        (export / "sub" / name).write_text("mine")
+    caplog.set_level("WARNING", logger="hf_tapernorm.export.hub")
+    files_to_push(export, ["sub/*"])
+    assert caplog.messages == [
+        "--include 'sub/*' names only hf-tapernorm's bookkeeping files (sub/.hf_tapernorm_export.json, "
+        "sub/.hf_tapernorm_run.lock), which are never uploaded: rename a file of yours out of the .hf_tapernorm_* "
+        "names to publish it"
+    ]
+
+
 @pytest.mark.parametrize("pattern", [".*", ".hf_tapernorm_export.json", ".hf_tapernorm_*"])
 def test_an_include_pattern_matching_only_the_packages_own_files_warns_of_nothing(exported, tmp_path, caplog, pattern):
     """``push --include '.*'`` (or one naming the manifest) of an untouched export: a WARNING advised to "rename a

@@ -147,10 +147,19 @@ def _refuse_weightless(source: ModelSource, named: str, option: str) -> None:
             raise ModelSourceError(
                 f"{named} is a tapered checkpoint that has no .safetensors weights: {_restore('them', option)}"
             )
+        index = folder / PLAIN_WEIGHT_NAMES[1]  # a hand-sharded one: its loader reads the shards that are there
+        if index.is_file() and not (folder / PLAIN_WEIGHT_NAMES[0]).is_file():
+            _refuse_missing_shards(index, named, loaded_by_transformers=False)
         return
     weights = next((folder / name for name in PLAIN_WEIGHT_NAMES if (folder / name).is_file()), None)
     if weights is None:
         raise ModelSourceError(_weightless(folder, named, option))
+    if (folder / "adapter_config.json").is_file():  # a model merged and saved where its adapters were
+        raise ModelSourceError(
+            f"{named} holds PEFT adapters (adapter_config.json) beside its weights ({weights.name}), which loading "
+            "applies on top of them: move the adapter files out of the folder to read the model alone, or pass the "
+            "base model and merge the adapters into it first"
+        )
     if weights.name.endswith(".index.json"):
         _refuse_missing_shards(weights, named)
 
@@ -168,15 +177,17 @@ def _weightless(folder: Path, named: str, option: str) -> str:
     )
 
 
-def _refuse_missing_shards(index: Path, named: str) -> None:
+def _refuse_missing_shards(index: Path, named: str, *, loaded_by_transformers: bool = True) -> None:
     """Refuse a sharded model whose index is unreadable or names a shard file that is not there: loading failed
-    with "cannot load model: FileNotFoundError", naming no option, once the tokenizer had loaded."""
+    with "cannot load model: FileNotFoundError", naming no option, once the tokenizer had loaded (a tapered one's
+    loader read the shards that were there, and said the missing weights were those of a checkpoint above gate 0).
+    ``loaded_by_transformers``: its index must hold what transformers reads (its metadata too)."""
     try:
-        shards = _shard_names(index)
+        shards = _shard_names(index, metadata=loaded_by_transformers)
     except (OSError, UnicodeDecodeError, ValueError) as error:
+        why = str(error) if type(error) is ValueError else first_line(error)  # _shard_names' own words, or the OS's
         raise ModelSourceError(
-            f"{named} has a damaged {index.name} ({first_line(error)}): restore it, or pass the folder of a complete "
-            "saved model"
+            f"{named} has a damaged {index.name} ({why}): restore it, or pass the folder of a complete saved model"
         ) from None
     missing = [shard for shard in shards if not (index.parent / shard).is_file()]
     if missing:
@@ -187,12 +198,15 @@ def _refuse_missing_shards(index: Path, named: str) -> None:
         )
 
 
-def _shard_names(index: Path) -> list[str]:
-    """The shard files a sharded model's index names (its weight_map's values); a ValueError where it names none."""
+def _shard_names(index: Path, *, metadata: bool) -> list[str]:
+    """The shard files a sharded model's index names (its weight_map's values); a ValueError where it names none,
+    or (``metadata``) lacks the metadata mapping transformers reads beside it (a KeyError at load)."""
     content = json.loads(index.read_text())
     weight_map = content.get("weight_map") if isinstance(content, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise ValueError("it holds no weight_map of tensor names to shard files")
+    if metadata and not isinstance(content.get("metadata"), dict):
+        raise ValueError("it holds no metadata mapping")
     if not all(isinstance(shard, str) and shard for shard in weight_map.values()):
         raise ValueError("its weight_map names a shard that is no file name")
     return sorted(set(weight_map.values()))

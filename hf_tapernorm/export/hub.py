@@ -100,7 +100,7 @@ def _package_own(folder: Path, name: str) -> bool:
     """Whether the file ``name`` (relative to ``folder``) is one hf-tapernorm keeps there, never a user's: an
     export's manifest, a lock, or a file in a write's marked temporary folder (is_write_folder)."""
     parts = name.split("/")
-    if parts[-1] in _PACKAGE_FILES:
+    if len(parts) == 1 and name in _PACKAGE_FILES:  # kept at the export's top only: deeper, a user's look-alike
         return True
     return any(is_write_folder(folder.joinpath(*parts[: depth + 1])) for depth in range(len(parts) - 1))
 

@@ -27,6 +27,7 @@ from .._temporaries import (
     remove_abandoned_inside,
     remove_listed,
     temporary_name,
+    write_beside_in_progress,
     write_in_progress,
     writing_inside,
 )
@@ -243,7 +244,7 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
     blocking = file_in_the_way(folder)
     if blocking:
         raise ConfigurationError(f"cannot export into {folder}: {blocking} is a file")
-    live = write_in_progress(folder)  # its files and this export's would mix
+    live = write_in_progress(folder) or write_beside_in_progress(folder)  # files mixed, or one export lost
     if live:
         raise ConfigurationError(f"cannot export into {folder}: {live}; wait for it to finish, or choose a new folder")
     if not folder.is_dir() or not any(folder.iterdir()):

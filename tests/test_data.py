@@ -1401,6 +1401,14 @@ def test_a_printed_command_never_writes_onto_a_file_that_exists(tmp_path):
     with pytest.raises(DataError) as refused:
         load_text_dataset(str(wide), cache_dir=str(tmp_path / "c"), name="t")
     assert f"> '{tmp_path / 'b.utf8-2.txt'}')" in str(refused.value)
+    (tmp_path / "notes").write_text("MINE")  # a file of no type's suffix: the new name's '.unpacked' is no type
+    (tmp_path / "notes.gz").write_bytes(gzip.compress(b"compressed text\n"))
+    with pytest.raises(DataError) as refused:
+        local_splits(str(tmp_path / "notes.gz"), "--dataset_name 'n'")
+    assert str(refused.value).endswith(
+        f"> '{tmp_path / 'notes.unpacked'}') and name the file it writes ('notes.unpacked') with the suffix of its "
+        "type (.csv, .json, .jsonl, .md, .parquet, .text, .txt)"
+    )
 
 
 def _link_a_folder(tmp_path: Path) -> None:
@@ -1646,14 +1654,14 @@ def test_a_copy_of_the_corpus_with_one_document_per_line_is_refused_by_its_lines
                                                  ("wrapped.txt", "oneline.txt")))  # fmt: skip
     long = [d for d in docs if len(d) >= 80]
     if layout[0] == "o" or cap is not None and sample_by == "line":
-        count, percent = len(long), 100
+        count, percent, shared_as = len(long), 100, "are paragraphs of"
     else:  # one paragraph of all the lines, found by its long lines
-        count, percent = 1, 100 * sum(map(len, long)) // len(" ".join(docs))
+        count, percent, shared_as = 1, 100 * sum(map(len, long)) // len(" ".join(docs)), "hold text of"
     with pytest.raises(DataError) as refusal:
         out_of_corpus.out_of_corpus_set(_ooc_data(tmp_path, corpus, other, sample_by=sample_by), tokenizer, [])
     assert str(refusal.value) == (
         f"--out_of_corpus_dataset '{other}': {count} of its {count} paragraphs of 80 or more characters "
-        f"({percent}% of their text) are paragraphs of the training corpus (--dataset_name '{corpus}'), such as "
+        f"({percent}% of their text) {shared_as} the training corpus (--dataset_name '{corpus}'), such as "
         f"{_shown(long[0])}, {_shown(long[1])}, so its loss would be the corpus's own; name text the model was not "
         "trained on, or leave it out"
     )
@@ -2029,6 +2037,28 @@ def test_utf8_text_padded_with_a_run_of_nuls_is_refused_naming_where_they_begin(
     assert "t is UTF-32LE text without a byte-order mark (NUL three bytes of every four)" in str(refused.value)
 
 
+def test_a_run_of_nuls_across_the_last_chunks_start_or_after_a_terminal_log_is_told(tmp_path):
+    """Sixteen NULs across the start of the last 64 KiB read (8 on each side of it) were read without a word, and a
+    UTF-8 log holding ANSI colours (ESC) before its NUL padding was told "not UTF-8 text ... name a UTF-8 text file",
+    where the same log without ESC is told UTF-8 up to the NULs. The last chunk is read from MIN_NUL_RUN bytes
+    earlier, and ESC counts as text's."""
+    from hf_tapernorm.data.file_contents import _CHUNK, MIN_NUL_RUN
+
+    size = 200_000
+    offset = (size - _CHUNK) // 4 * 4  # where the last chunk was read from
+    text = b"".join(b"plain english text line number %d for probing\n" % i for i in range(10_000))
+    path = tmp_path / "straddle.txt"
+    path.write_bytes(text[: offset - 8] + bytes(MIN_NUL_RUN) + text[offset + 8 : size])
+    with pytest.raises(DataError) as refused:
+        load_text_dataset(str(path), cache_dir=str(tmp_path / "c"), name="s")
+    assert f"then holds NUL bytes from byte {offset - 8} " in str(refused.value)
+    log = b"".join(b"\x1b[31mERROR\x1b[0m request %d failed\n" % i for i in range(50))
+    path.write_bytes(log + bytes(32))
+    with pytest.raises(DataError) as refused:
+        load_text_dataset(str(path), cache_dir=str(tmp_path / "c"), name="s")
+    assert str(refused.value).startswith(f"s: it is UTF-8 text in its first {len(log)} bytes, then holds NUL bytes")
+
+
 def test_nuls_past_the_scanned_chunks_are_named_at_the_latest_not_at_a_false_byte(tmp_path, monkeypatch):
     """17 MiB of UTF-8 then UTF-16 was refused naming "NUL bytes from byte 18240257", the start of the last chunk:
     the scan for the first NUL stops after _SCANNED_CHUNKS chunks, and the NULs began at byte 17825793. Where the scan
@@ -2039,7 +2069,7 @@ def test_nuls_past_the_scanned_chunks_are_named_at_the_latest_not_at_a_false_byt
     text = b"".join(b"plain english text line number %d for probing\n" % i for i in range(5000))
     path = tmp_path / "half.txt"
     path.write_bytes(text + "abc def ghi\n".encode("utf-16-le") * 20000)
-    end = (path.stat().st_size - (1 << 16)) // 4 * 4
+    end = (path.stat().st_size - (1 << 16)) // 4 * 4 - file_contents.MIN_NUL_RUN  # where the last chunk is read
     with pytest.raises(DataError) as refused:
         load_text_dataset(str(path), cache_dir=str(tmp_path / "c"), name="--dataset_name 'half.txt'")
     assert str(refused.value) == (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import decimal
 import enum
 
 import numpy
@@ -134,7 +135,8 @@ def test_text_facts_of_a_str_subclass_are_written_as_the_text_they_hold(internal
 def test_eval_loss_and_speed_show_numbers_of_any_kind_as_numbers(internal):
     """``facts={"eval_loss": {"heldout": torch.tensor(2.5)}}`` showed ``| heldout | tensor(2.5000) |`` in the card.
     A one-element tensor or array and a numpy number are shown as the number they hold now (a float32 as the shortest
-    text of its own precision); texts ("1.12x") stay as they are."""
+    text of its own precision; a float8 one, which numpy lacks, and a Decimal too); texts ("1.12x") stay as they
+    are."""
     facts = {
         "eval_loss": {
             "tensor": torch.tensor(2.5),
@@ -143,6 +145,8 @@ def test_eval_loss_and_speed_show_numbers_of_any_kind_as_numbers(internal):
             "float32": numpy.float32(3.0584),
             "array": numpy.array([[2.25]]),
             "int64": numpy.int64(3),
+            "float8 tensor": torch.tensor(2.5).to(torch.float8_e4m3fn),  # no numpy dtype: a TypeError at render
+            "decimal": decimal.Decimal("2.75"),  # a number numbers.Real does not count
         },
         "speed": {"folded / base": "1.12x", "numpy text": numpy.str_("2x"), "ratio": 1.5},
         "tokens": numpy.int64(1234567),
@@ -155,6 +159,8 @@ def test_eval_loss_and_speed_show_numbers_of_any_kind_as_numbers(internal):
         "| float32 | 3.0584 |",
         "| array | 2.25 |",
         "| int64 | 3 |",
+        "| float8 tensor | 2.5 |",
+        "| decimal | 2.75 |",
         "| folded / base | 1.12x |",
         "| numpy text | 2x |",
         "| ratio | 1.5 |",

@@ -190,7 +190,8 @@ def _nul_bytes_of(path: Path) -> Optional[NulBytes]:
         size = handle.seek(0, 2)
         if size <= _CHUNK:
             return None
-        offset = max(_CHUNK, (size - _CHUNK) // 4 * 4)
+        # MIN_NUL_RUN (a multiple of 4) earlier: a run across the chunk's start is read whole
+        offset = max(_CHUNK, (size - _CHUNK) // 4 * 4) - MIN_NUL_RUN
         handle.seek(offset)
         end = handle.read()
         told = _nuls_told(end)
@@ -228,8 +229,9 @@ _NUL_RUN = bytes(MIN_NUL_RUN)
 #: another encoding without a mark has its first NUL within a byte or two, or reads as control characters before it.
 MIN_TEXT_BEFORE_NUL = 16
 
-#: The control characters that no UTF-8 text holds (white space's are left out); UTF-16 Cyrillic reads as them.
-_CONTROLS = re.compile("[\x00-\x08\x0e-\x1f\x7f]")
+#: The control characters that no UTF-8 text holds (white space's are left out, and ESC, which a terminal log's
+#: colours hold); UTF-16 Cyrillic reads as them.
+_CONTROLS = re.compile("[\x00-\x08\x0e-\x1a\x1c-\x1f\x7f]")
 
 
 def _utf8_text_before_nul(start: bytes) -> Optional[int]:

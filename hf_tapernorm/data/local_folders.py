@@ -241,9 +241,10 @@ def refuse_packed(path: Path, name: str) -> None:
             f"{name}: an archive ({suffix}) is not read; extract it ({command}) and name the data file it writes, or "
             "a folder of them"
         )
-    plain = unused_name(path.parent / path.name[: -len(suffix)], "unpacked").name
+    original = path.name[: -len(suffix)]
+    plain = unused_name(path.parent / original, "unpacked").name
     command += f" > {shell_quoted(path.parent / plain)}"  # the name the message gives, whatever the suffix's case
-    inner = Path(plain).suffix.lower()
+    inner = Path(original).suffix.lower()  # the data's type: notes.unpacked (notes taken) is no .unpacked file
     if inner:
         raise DataError(
             f"{name}: a compressed file ({suffix}) is not read; decompress it ({command}) and name the {inner} file "

@@ -339,13 +339,19 @@ def _refuse_corpus_text(name: str, source: str, ours: _TextKeys, found: _Found) 
         )
     shared, characters = ours.shared_characters(found.paragraphs), ours.characters(ours.paragraphs)
     if characters and shared >= NEARLY_ALL * characters:
+        holding = ours.found(found.paragraphs)
         raise DataError(
-            f"--out_of_corpus_dataset '{name}': {sum(ours.paragraphs[k] for k in ours.found(found.paragraphs))} of its "
+            f"--out_of_corpus_dataset '{name}': {sum(ours.paragraphs[k] for k in holding)} of its "
             f"{sum(ours.paragraphs.values())} paragraphs of {MIN_PARAGRAPH_CHARS} or more characters "
-            f"({100 * shared // characters}% of their text) are paragraphs of the training corpus (--dataset_name "
-            f"'{source}'), such as {_quoted(found.examples)}, so its loss would be the corpus's own; name text the "
-            "model was not trained on, or leave it out"
+            f"({100 * shared // characters}% of their text) {_shared_as(holding, found)} the training corpus "
+            f"(--dataset_name '{source}'), such as {_quoted(found.examples)}, so its loss would be the corpus's own; "
+            "name text the model was not trained on, or leave it out"
         )
+
+
+def _shared_as(holding: set[int], found: _Found) -> str:
+    """How the paragraphs ``holding`` corpus text hold it: each found whole, or some by their lines only."""
+    return "are paragraphs of" if holding <= found.paragraphs else "hold text of"
 
 
 def _warn_corpus_text(name: str, source: str, ours: _TextKeys, found: _Found) -> None:
@@ -373,7 +379,7 @@ def _warn_corpus_text(name: str, source: str, ours: _TextKeys, found: _Found) ->
             sum(ours.paragraphs.values()),
             MIN_PARAGRAPH_CHARS,
             100 * ours.shared_characters(found.paragraphs) // ours.characters(ours.paragraphs),
-            "are paragraphs of" if holding <= found.paragraphs else "hold text of",  # found whole, or by lines
+            _shared_as(holding, found),
             source,
             _quoted(found.examples),
         )

@@ -9,6 +9,7 @@ The YAML header is built with huggingface_hub's ``ModelCardData`` so the Hub und
 
 from __future__ import annotations
 
+import decimal
 import numbers
 import os
 import re
@@ -111,11 +112,16 @@ def _figure_number(value: Any) -> Optional[float | int]:
     if isinstance(value, (bool, str, bytes)) or getattr(value, "is_meta", False) is True:
         return None
     numel = getattr(value, "numel", None)
-    if callable(numel):  # a tensor: through numpy, which has no bfloat16
+    if callable(numel):  # a tensor: through numpy where it has the dtype (float32's shortest text), else as a float
         if numel() != 1 or value.dtype == torch.bool or value.is_complex():
             return None
         value = value.detach().cpu()
-        value = (value.float() if value.dtype == torch.bfloat16 else value).reshape(()).numpy()
+        value = value.dequantize() if value.is_quantized else value
+        if value.dtype not in (torch.float16, torch.float32, torch.float64) and value.is_floating_point():
+            value = value.float()  # bfloat16, float8: no numpy dtype
+        value = value.reshape(()).numpy()
+    if isinstance(value, decimal.Decimal):  # a number, which numbers.Real does not count
+        return None if value.is_snan() else float(value)  # a signalling NaN: float() refuses it
     if isinstance(value, np.ndarray):
         value = value.reshape(-1)[0] if value.size == 1 else None
     if isinstance(value, np.floating):

@@ -2039,9 +2039,9 @@ def test_utf8_text_padded_with_a_run_of_nuls_is_refused_naming_where_they_begin(
 
 def test_a_run_of_nuls_across_the_last_chunks_start_or_after_a_terminal_log_is_told(tmp_path):
     """Sixteen NULs across the start of the last 64 KiB read (8 on each side of it) were read without a word, and a
-    UTF-8 log holding ANSI colours (ESC) before its NUL padding was told "not UTF-8 text ... name a UTF-8 text file",
-    where the same log without ESC is told UTF-8 up to the NULs. The last chunk is read from MIN_NUL_RUN bytes
-    earlier, and ESC counts as text's."""
+    UTF-8 log holding ANSI colours (ESC), a title sequence's BEL or a progress bar's backspace before its NUL padding
+    was told "not UTF-8 text ... name a UTF-8 text file", where the same log without them is told UTF-8 up to the
+    NULs. The last chunk is read from MIN_NUL_RUN bytes earlier, and those count as text's."""
     from hf_tapernorm.data.file_contents import _CHUNK, MIN_NUL_RUN
 
     size = 200_000
@@ -2052,11 +2052,29 @@ def test_a_run_of_nuls_across_the_last_chunks_start_or_after_a_terminal_log_is_t
     with pytest.raises(DataError) as refused:
         load_text_dataset(str(path), cache_dir=str(tmp_path / "c"), name="s")
     assert f"then holds NUL bytes from byte {offset - 8} " in str(refused.value)
-    log = b"".join(b"\x1b[31mERROR\x1b[0m request %d failed\n" % i for i in range(50))
+    log = b"\x1b]0;title\x07" + b"".join(b"\x1b[31mERROR\x1b[0m request %d failed 9\x08%%\n" % i for i in range(50))
     path.write_bytes(log + bytes(32))
     with pytest.raises(DataError) as refused:
         load_text_dataset(str(path), cache_dir=str(tmp_path / "c"), name="s")
     assert str(refused.value).startswith(f"s: it is UTF-8 text in its first {len(log)} bytes, then holds NUL bytes")
+
+
+@pytest.mark.parametrize("size", [70_000, 100_000], ids=["under two chunks", "past two chunks"])
+def test_nuls_after_the_first_chunk_of_a_small_file_are_named_at_their_start(tmp_path, size):
+    """A file of 64 to 128 KiB whose NULs lie past its first 64 KiB (UTF-8 then UTF-16, or NUL padding) was
+    refused in a Python error's words ("read length must be non-negative"): the last chunk's read start fell below
+    the first chunk's end. It is told as before, naming where the NULs begin, and a run across byte 65536 is named
+    from its true start."""
+    text = b"".join(b"plain english text line number %d for probing\n" % i for i in range(5000))[:size]
+    path = tmp_path / "cat16.txt"
+    path.write_bytes(text + "abc def\n".encode("utf-16-le") * 5000)
+    with pytest.raises(DataError) as refused:
+        load_text_dataset(str(path), cache_dir=str(tmp_path / "c"), name="s")
+    assert str(refused.value).startswith(f"s: it is UTF-8 text in its first {size + 1} bytes, then holds NUL bytes ")
+    path.write_bytes(text[: 65536 - 8] + bytes(16) + text[65536 + 8 :])
+    with pytest.raises(DataError) as refused:
+        load_text_dataset(str(path), cache_dir=str(tmp_path / "c"), name="s")
+    assert str(refused.value).startswith(f"s: it is UTF-8 text in its first {65536 - 8} bytes, then holds NUL bytes ")
 
 
 def test_nuls_past_the_scanned_chunks_are_named_at_the_latest_not_at_a_false_byte(tmp_path, monkeypatch):

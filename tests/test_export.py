@@ -136,6 +136,22 @@ def test_export_folded_overwrite_refuses_an_export_whose_card_was_edited(folded,
     assert (export / "README.md").read_text() != "# my card\n"
 
 
+def test_export_folded_through_a_link_names_a_live_write_beside_its_target(folded, tmp_path):
+    """``export_folded(m, LINK, overwrite=True)`` with a live ``.Y.export-PID`` beside LINK's target Y went ahead:
+    the check looked beside LINK only. Beside the target is looked at too."""
+    import os
+
+    from hf_tapernorm._temporaries import WRITE_MARK
+
+    target = export_folded(folded, tmp_path / "y")
+    (tmp_path / "link").symlink_to(target, target_is_directory=True)
+    live = tmp_path / f".y.export-{os.getppid()}"
+    live.mkdir()
+    (live / WRITE_MARK).write_text("")
+    with pytest.raises(ConfigurationError, match=r"another write of .*y is in progress"):
+        export_folded(folded, tmp_path / "link", overwrite=True)
+
+
 def test_export_folded_overwrite_deletes_a_killed_replacements_leftover_and_keeps_a_live_ones(folded, tmp_path):
     """A killed export_folded(overwrite=True) left its hidden ``.NAME.export-*`` folder (a random name, no mark)
     beside the export, and nothing ever deleted it; now it is ``.NAME.export-PID``, marked before anything goes in
@@ -660,6 +676,15 @@ _WRONG_FACTS = [
         {"speed": {"a": True}, "eval_loss": {"b": 2.0, "c": torch.tensor([1.0, 2.0])}},
         "model card facts of the wrong type: 'speed' takes a mapping of numbers or str, got a dict holding bool; "
         "'eval_loss' takes a mapping of numbers or str, got a dict holding Tensor",
+    ),
+    (  # int() of a timedelta64 (a numpy integer) raised a TypeError
+        {"speed": {"t": numpy.timedelta64(5, "s")}},
+        "model card facts of the wrong type: 'speed' takes a mapping of numbers or str, got a dict holding timedelta64",
+    ),
+    (  # a sparse tensor of one element: reshape raised a RuntimeError; it holds the number 2.5, read as such
+        {"eval_loss": {"h": torch.tensor([[2.5]]).to_sparse(), "x": numpy.datetime64("2026-01-01")}},
+        "model card facts of the wrong type: 'eval_loss' takes a mapping of numbers or str, got a dict holding "
+        "datetime64",
     ),
     (
         {1: 2},

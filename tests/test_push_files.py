@@ -288,6 +288,27 @@ def test_push_names_an_include_pattern_that_matches_only_bookkeeping_files(run, 
     assert caplog.messages == []
 
 
+def test_push_refuses_an_export_a_live_write_is_replacing_beside_it(exported, tmp_path):
+    """push of E while a fold or export_folded replaced it through a marked ``.E.partial-PID`` / ``.E.export-PID``
+    beside it went ahead, uploading while E was about to be swapped for the new export. It is refused as a write in
+    progress, as one inside E is."""
+    import os
+
+    from hf_tapernorm._temporaries import WRITE_MARK, process_command
+
+    export, alive = Path(shutil.copytree(exported, tmp_path / "export")), os.getppid()  # a live process
+    live = tmp_path / f".export.partial-{alive}"
+    live.mkdir()
+    (live / WRITE_MARK).write_text("")
+    with pytest.raises(ConfigurationError) as refused:
+        files_to_push(export)
+    assert str(refused.value) == (
+        f"'{export}': another write of {export} is in progress (pid {alive}: {process_command(alive)}, through "
+        f"'{live.name}'; delete '{live}' only if process {alive} is not writing this export, its pid reused after a "
+        "restart); wait for it to finish, then push"
+    )
+
+
 def test_a_users_look_alike_of_the_packages_files_deeper_in_an_export_is_named(exported, tmp_path, caplog):
     """A user's ``sub/.hf_tapernorm_export.json`` or ``sub/.hf_tapernorm_run.lock`` named by --include was taken for
     the package's own (the manifest's and the lock's names, at any depth) and left behind without a word; the

@@ -197,7 +197,7 @@ def _nul_bytes_of(path: Path) -> Optional[NulBytes]:
         told = _nuls_told(end)
         if told is None:
             return None
-        handle.seek(_CHUNK)
+        handle.seek(_CHUNK - MIN_NUL_RUN)  # the first chunk's end too: a run across it begins there
         first, whole = _first_nul(handle, offset)
         if first is None:
             return NulBytes(path, None, told[1], offset + end.index(0), at_the_latest=not whole)
@@ -229,9 +229,9 @@ _NUL_RUN = bytes(MIN_NUL_RUN)
 #: another encoding without a mark has its first NUL within a byte or two, or reads as control characters before it.
 MIN_TEXT_BEFORE_NUL = 16
 
-#: The control characters that no UTF-8 text holds (white space's are left out, and ESC, which a terminal log's
-#: colours hold); UTF-16 Cyrillic reads as them.
-_CONTROLS = re.compile("[\x00-\x08\x0e-\x1a\x1c-\x1f\x7f]")
+#: The control characters that no UTF-8 text holds (white space's are left out, and those a terminal log holds:
+#: BEL ending a title sequence, backspace of a progress bar, ESC of colours); UTF-16 Cyrillic reads as them.
+_CONTROLS = re.compile("[\x00-\x06\x0e-\x1a\x1c-\x1f\x7f]")
 
 
 def _utf8_text_before_nul(start: bytes) -> Optional[int]:

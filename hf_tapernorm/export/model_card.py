@@ -109,13 +109,22 @@ def _figure_number(value: Any) -> Optional[float | int]:
     float, else None: a tensor would show as "tensor(2.5000)", and a bool or a mapping is no figure. A float of less
     than double precision is read as the shortest text of its own precision (a float32 loss 3.0584 shows as that,
     not as 3.0583999156951904)."""
-    if isinstance(value, (bool, str, bytes)) or getattr(value, "is_meta", False) is True:
+    try:
+        return _read_figure(value)
+    except (TypeError, ValueError, RuntimeError, NotImplementedError):  # a timedelta, a dtype holding no number
+        return None
+
+
+def _read_figure(value: Any) -> Optional[float | int]:
+    """_figure_number's reading, which may raise for a value that holds no number."""
+    if isinstance(value, (bool, str, bytes, np.timedelta64)) or getattr(value, "is_meta", False) is True:
         return None
     numel = getattr(value, "numel", None)
     if callable(numel):  # a tensor: through numpy where it has the dtype (float32's shortest text), else as a float
         if numel() != 1 or value.dtype == torch.bool or value.is_complex():
             return None
         value = value.detach().cpu()
+        value = value.to_dense() if value.layout != torch.strided else value  # a sparse one
         value = value.dequantize() if value.is_quantized else value
         if value.dtype not in (torch.float16, torch.float32, torch.float64) and value.is_floating_point():
             value = value.float()  # bfloat16, float8: no numpy dtype

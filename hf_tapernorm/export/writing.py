@@ -244,7 +244,8 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
     blocking = file_in_the_way(folder)
     if blocking:
         raise ConfigurationError(f"cannot export into {folder}: {blocking} is a file")
-    live = write_in_progress(folder) or write_beside_in_progress(folder)  # files mixed, or one export lost
+    # files mixed, or one export lost; beside the folder a link names too (its target's name)
+    live = write_in_progress(folder) or write_beside_in_progress(folder) or write_beside_in_progress(folder.resolve())
     if live:
         raise ConfigurationError(f"cannot export into {folder}: {live}; wait for it to finish, or choose a new folder")
     if not folder.is_dir() or not any(folder.iterdir()):

@@ -288,10 +288,10 @@ def test_push_names_an_include_pattern_that_matches_only_bookkeeping_files(run, 
     assert caplog.messages == []
 
 
-def test_push_refuses_an_export_a_live_write_is_replacing_beside_it(exported, tmp_path):
+def test_push_refuses_an_export_a_live_write_is_replacing_beside_it(exported, tmp_path, monkeypatch):
     """push of E while a fold or export_folded replaced it through a marked ``.E.partial-PID`` / ``.E.export-PID``
-    beside it went ahead, uploading while E was about to be swapped for the new export. It is refused as a write in
-    progress, as one inside E is."""
+    beside it went ahead, uploading while E was about to be swapped for the new export, and so did push through a
+    link to E or as '.' from inside it. It is refused as a write in progress, as one inside E is."""
     import os
 
     from hf_tapernorm._temporaries import WRITE_MARK, process_command
@@ -307,6 +307,12 @@ def test_push_refuses_an_export_a_live_write_is_replacing_beside_it(exported, tm
         f"'{live.name}'; delete '{live}' only if process {alive} is not writing this export, its pid reused after a "
         "restart); wait for it to finish, then push"
     )
+    (tmp_path / "link").symlink_to(export, target_is_directory=True)  # beside a link, the write is beside its target
+    with pytest.raises(ConfigurationError, match=rf"another write of {export} is in progress"):
+        files_to_push(tmp_path / "link")
+    monkeypatch.chdir(export)  # '.', whose name is none
+    with pytest.raises(ConfigurationError, match=rf"another write of {export} is in progress"):
+        files_to_push(".")
 
 
 def test_a_users_look_alike_of_the_packages_files_deeper_in_an_export_is_named(exported, tmp_path, caplog):

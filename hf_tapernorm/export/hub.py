@@ -108,7 +108,8 @@ def _package_own(folder: Path, name: str) -> bool:
 def _refuse_writes_inside(folder: Path) -> None:
     """Refuse an export a write is in progress in, or one a killed write left its ``.hf_tapernorm_writing-PID`` in
     (half-written files, never uploaded): the export beside it may be incomplete, or about to be replaced."""
-    live = write_in_progress(folder) or write_beside_in_progress(folder)  # a replacement of it, too
+    # a replacement of it, too, beside the folder a link or '.' names (its target's name)
+    live = write_in_progress(folder) or write_beside_in_progress(folder) or write_beside_in_progress(folder.resolve())
     if live:
         raise ConfigurationError(f"'{folder}': {live}; wait for it to finish, then push")
     left = [entry.name for entry in writes_inside(folder)]

@@ -223,8 +223,8 @@ def write_in_progress(folder: Path) -> Optional[str]:
 def write_beside_in_progress(final: Path) -> Optional[str]:
     """The words naming a live write of ``final`` through a temporary folder beside it (``.NAME.KIND-PID``, marked,
     writer running: export_folded of a folder not there yet, or fold's write_folder), or None, as write_in_progress
-    names one inside: a run's ``--overwrite`` or ``--resume`` would otherwise take that folder for a user's file to
-    move away, and moving it breaks the write."""
+    names one inside (live_write_of asks both): a run's ``--overwrite`` would otherwise take that folder for a user's
+    file to move away, and moving it breaks the write."""
     try:
         siblings = sorted(final.parent.iterdir())
     except OSError:  # no folder yet, or one this user may not list: no write of ours goes on in it
@@ -237,6 +237,18 @@ def write_beside_in_progress(final: Path) -> Optional[str]:
         and not writer_gone(entry)
     ]
     return _naming_live_write(final, live[0]) if live else None
+
+
+def live_write_of(folder: Path) -> Optional[str]:
+    """The words naming a live write of ``folder``: inside it (write_in_progress), or beside it under its own name or,
+    through a link or '.', its target's (write_beside_in_progress); None for none. A second write of a folder being
+    written mixes its files with the first's or loses one export, and a push of it uploads half of each, so fold,
+    export_folded, push and a run's --overwrite/--resume each refuse it, naming the writer."""
+    try:
+        target = folder.resolve()
+    except (OSError, RuntimeError):  # a link loop: the folder's own checks say so
+        target = folder
+    return write_in_progress(folder) or write_beside_in_progress(folder) or write_beside_in_progress(target)
 
 
 def _naming_live_write(folder: Path, live: Path) -> str:
@@ -301,6 +313,7 @@ __all__ = [
     "remove_listed",
     "temporary_name",
     "system_pid_max",
+    "live_write_of",
     "write_beside_in_progress",
     "write_in_progress",
     "writer_gone",

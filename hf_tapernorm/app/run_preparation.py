@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
-from .._temporaries import write_beside_in_progress, write_in_progress
+from .._temporaries import live_write_of
 from ..evaluation.models import ModelSource
 from .resume_check import check_resumable
 from .run_export import check_run_export, warn_run_export
@@ -63,7 +63,7 @@ def refuse_live_writes(output: RunFolder) -> None:
     """Refuse a run folder that a write is going on in now, naming that write as fold does: an ``export_folded`` (or
     fold) writing into the folder or a folder directly in it (its ``folded/``, a ``checkpoint-N``) through a
     ``.hf_tapernorm_writing-PID`` (write_in_progress), or writing one of its output folders not there yet through a
-    ``.NAME.export-PID`` beside it, in the run folder (write_beside_in_progress). Checked before the folder's files
+    ``.NAME.export-PID`` beside it, in the run folder (live_write_of). Checked before the folder's files
     are judged: among them that write's folder would be named a user's file to move away, and moving a live write's
     folder breaks it."""
     words = next(_live_writes(output), None)
@@ -81,7 +81,7 @@ def _live_writes(output: RunFolder) -> Iterator[str]:
     except OSError:  # no folder yet (nothing written in it), or one this user may not list: its own checks say so
         inner = []
     for folder in [output.path, *dict.fromkeys([*outputs, *inner])]:
-        words = write_in_progress(folder) or write_beside_in_progress(folder)
+        words = live_write_of(folder)
         if words:
             yield words
 

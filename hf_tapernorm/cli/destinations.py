@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .._parsing import UsageError
-from .._temporaries import remove_abandoned_inside, write_beside_in_progress, write_in_progress
+from .._temporaries import live_write_of, remove_abandoned_inside
 from ..app.checkpoint_files import CHECKPOINT_NAME
 from ..app.data_checks import (
     RUN_EXPORT,
@@ -194,7 +194,7 @@ def check_export_folder(folder: Path, overwrite: bool, *, locked: bool = False) 
     check_destination(folder, what, advice=advice, above=locked, renamed_into_parent=True)
     # an export_folded writing into it (its files and this export's would mix), or writing it anew beside it (the
     # second rename into place fails, after the fold)
-    live = write_in_progress(folder) or write_beside_in_progress(folder)
+    live = live_write_of(folder)
     if live:
         raise UsageError(f"{what}: {live}; wait for it to finish, or choose another --output_dir")
     remove_abandoned_inside(folder)  # a killed export_folded's leftover is no user's file: deleted, as it does

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
-from .._temporaries import is_write_folder, write_beside_in_progress, write_in_progress, writes_inside
+from .._temporaries import is_write_folder, live_write_of, writes_inside
 from ..errors import ConfigurationError
 from ..utils import expand_user, some_names
 from .manifest import (
@@ -108,8 +108,7 @@ def _package_own(folder: Path, name: str) -> bool:
 def _refuse_writes_inside(folder: Path) -> None:
     """Refuse an export a write is in progress in, or one a killed write left its ``.hf_tapernorm_writing-PID`` in
     (half-written files, never uploaded): the export beside it may be incomplete, or about to be replaced."""
-    # a replacement of it, too, beside the folder a link or '.' names (its target's name)
-    live = write_in_progress(folder) or write_beside_in_progress(folder) or write_beside_in_progress(folder.resolve())
+    live = live_write_of(folder)  # a write into it, or a replacement of it
     if live:
         raise ConfigurationError(f"'{folder}': {live}; wait for it to finish, then push")
     left = [entry.name for entry in writes_inside(folder)]

@@ -20,6 +20,7 @@ from typing import Any, Optional
 from transformers import PreTrainedModel
 
 from .._temporaries import (
+    live_write_of,
     make_marked_folder,
     marked_and_abandoned,
     move_up,
@@ -27,8 +28,6 @@ from .._temporaries import (
     remove_abandoned_inside,
     remove_listed,
     temporary_name,
-    write_beside_in_progress,
-    write_in_progress,
     writing_inside,
 )
 from ..config_fields import check_tokenizer_to_save
@@ -244,8 +243,7 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
     blocking = file_in_the_way(folder)
     if blocking:
         raise ConfigurationError(f"cannot export into {folder}: {blocking} is a file")
-    # files mixed, or one export lost; beside the folder a link names too (its target's name)
-    live = write_in_progress(folder) or write_beside_in_progress(folder) or write_beside_in_progress(folder.resolve())
+    live = live_write_of(folder)  # its files and this export's would mix, or one export be lost
     if live:
         raise ConfigurationError(f"cannot export into {folder}: {live}; wait for it to finish, or choose a new folder")
     if not folder.is_dir() or not any(folder.iterdir()):

@@ -129,6 +129,8 @@ def test_a_checkpoint_s_tokenizer_is_never_read_from_another_model_at_the_record
     manifest = json.loads((run / MANIFEST_NAME).read_text())
     manifest["identity"]["model"] = "llama"  # as `taper --model_name_or_path llama` from ws records it
     (run / MANIFEST_NAME).write_text(json.dumps(manifest))
+    for record in run.glob("checkpoint-*/tapernorm_run.json"):  # and each checkpoint's own record
+        record.write_text(json.dumps({**json.loads(record.read_text()), "model": "llama"}))
     argv = evaluate(next(run.glob("checkpoint-*")), data=ws / "corpus.txt")
     monkeypatch.chdir(ws)  # where the run was started: the same model there
     code, stdout, stderr = run_main(argv)
@@ -185,6 +187,41 @@ def test_a_checkpoint_is_evaluated_with_the_recorded_model_s_tokenizer_where_tap
     assert result["kind"] == "tapered" and result["loss"] == pytest.approx(report["heldout"]["tapered"]["loss"], 1e-5)
 
 
+def test_a_gpt2_folder_without_tokenizer_files_holds_no_tokenizer(tmp_path):
+    """A GPT-2 Trainer checkpoint-N holds no tokenizer files, but transformers built one from nothing (one token,
+    every text encoded to no token), so fold exported it, push uploaded it and eval called the data "too small"; the
+    run's tokenizer was never looked for. A local folder without tokenizer files holds none now (refused, so
+    tokenizer_of takes the run's)."""
+    from transformers import GPT2LMHeadModel
+
+    from tests.helpers import tiny_gpt2_config
+
+    GPT2LMHeadModel(tiny_gpt2_config()).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ModelSourceError) as refusal:
+        load_tokenizer(resolve_model(str(tmp_path / "gpt2")))
+    assert str(refusal.value) == (
+        f"cannot load a tokenizer from '{tmp_path / 'gpt2'}': it holds no tokenizer files (none of tokenizer.json, "
+        "tokenizer_config.json, tokenizer.model, ...)"
+    )
+
+
+def test_a_checkpoint_copied_out_of_its_run_takes_the_tokenizer_of_the_model_it_recorded(ws, baseline_run, tmp_path):
+    """A complete tapered checkpoint copied out of its run folder (renamed, or moved) was refused "cannot load a
+    tokenizer", and fold exported it without one, though its own tapernorm_run.json records the original model and
+    its files' digests, and that model is there. Its recorded model lends the tokenizer, as a run's does."""
+    lonely = Path(shutil.copytree(next(baseline_run.glob("checkpoint-*")), tmp_path / "lonely-ckpt"))
+    code, stdout, stderr = run_main(evaluate(lonely, "--heldout_percentage", "10", data=ws / "corpus.txt"))
+    assert code == 0, stderr[-2000:]
+    report = json.loads((baseline_run / "report.json").read_text())
+    assert json.loads(stdout.strip().splitlines()[0])["loss"] == pytest.approx(
+        report["heldout"]["tapered"]["loss"], 1e-5
+    )
+    code, _, stderr = run_main(["fold", "--checkpoint", str(lonely), "--output_dir", str(tmp_path / "export"),
+                                "--scan_windows", "0"])  # fmt: skip
+    assert code == 0, stderr[-2000:]
+    assert load_tokenizer(resolve_model(str(tmp_path / "export")))("ab")["input_ids"] == [97, 98]
+
+
 def test_loading_a_tapered_checkpoints_tokenizer_gives_no_model_type_warning(run):
     """Every command that read a tapered checkpoint's tokenizer (fold, eval) printed transformers' WARNING "You are
     using a model of type `hf_tapernorm_tapered_llama` to instantiate a model of type ``": AutoTokenizer's fallback
@@ -210,10 +247,11 @@ def test_a_model_lacking_its_weights_is_refused_naming_its_option_before_anythin
     transformers' "cannot load model '...': OSError: Error no file named model.safetensors" once its tokenizer had
     loaded; neither named the option. Both are now refused from the folder's files, before the tokenizer or the
     model loads, naming --checkpoint or --model_name_or_path as typed."""
+    import hf_tapernorm.app.run_tokenizer as run_tokenizer
     import hf_tapernorm.cli.commands as commands
 
     monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
-    monkeypatch.setattr(commands, "load_tokenizer", lambda *a, **k: pytest.fail("the tokenizer was loaded"))
+    monkeypatch.setattr(run_tokenizer, "load_tokenizer", lambda *a, **k: pytest.fail("the tokenizer was loaded"))
     tapered = copy_of(run, tmp_path) / "tapered"
     (tapered / "model.safetensors").unlink()
     what = (

@@ -18,13 +18,13 @@ from typing import Any, Optional
 
 from .._parsing import UsageError, parse
 from ..app.data_checks import check_data_paths, check_hub_datasets, output_target
-from ..app.fingerprints import holds_recorded_contents
 from ..app.preflight import check_export_space, full_disk_refused
 from ..app.record import evaluation_facts, run_card_facts
 from ..app.run_export import warn_dropped_scan
 from ..app.run_folder import RunFolder, write_file, write_folder
 from ..app.run_folder_hints import eval_hint, fold_hint, push_hint, refuse_run_folder, scan_reference_hint
 from ..app.run_lock import refuse_while_running, resolved_path
+from ..app.run_tokenizer import tokenizer_of
 from ..app.taper import save_export
 from ..app.tapered_checks import check_recorded_sink, refuse_unfoldable_gate, refuse_unused_tied_head
 from ..app.validation import check_same_tokenizer, check_vocabulary, check_within_positions
@@ -36,7 +36,6 @@ from ..evaluation.models import (
     ModelSource,
     ModelSourceError,
     load_model,
-    load_tokenizer,
     model_config,
     read_model_config,
     resolve_model,
@@ -49,7 +48,6 @@ from ..export.manifest import warn_changed_export
 from ..export.readout import readout_facts
 from ..layers.patching import gate_of, set_gate
 from ..training.checkpoints import saved_gate, tapered_config_of
-from ..utils import expand_user
 from .arguments import DataArguments, EvalArguments, ModelArguments
 from .destinations import (
     RESULT_MARK,
@@ -215,66 +213,6 @@ def _refuse_unread_scan_reference(scan_reference: Optional[str], windows: int) -
             f"--scan_reference '{scan_reference}' is read only by the robustness scan, and --scan_windows 0 runs "
             "none: give --scan_windows N (N > 0) to scan against it, or leave --scan_reference out"
         )
-
-
-def tokenizer_of(source: ModelSource, *, trust_remote_code: bool = False):
-    """The model's tokenizer; for a Trainer ``checkpoint-N`` of a taper run (the Trainer saves none there) the run's:
-    its tapered/ export's, else the original model's that the run recorded. ModelSourceError when there is none."""
-    try:
-        return load_tokenizer(source, trust_remote_code=trust_remote_code)
-    except ModelSourceError as error:
-        folder = resolved_path(source.path, f"model '{source.path}'")
-        if not folder.name.startswith("checkpoint-"):
-            raise
-        runs = [folder.parent, folder.parent.parent] if folder.parent.name == "baseline" else [folder.parent]
-        for candidate in _run_tokenizer_sources(runs):
-            try:
-                tokenizer = load_tokenizer(candidate, trust_remote_code=trust_remote_code)
-            except ModelSourceError:
-                continue
-            logger.info("%s holds no tokenizer: using its run's, from %s", source.path, candidate.describe())
-            return tokenizer
-        raise ModelSourceError(f"{error}; nor does its run folder hold one (tapered/, or the recorded model)") from None
-
-
-def _run_tokenizer_sources(runs: list[Path]) -> list[ModelSource]:
-    """Where a taper run's tokenizer is: each run folder's tapered/ export, then the original model it recorded. Only
-    the tokenizer is wanted: a tapered/ that cannot lend it (its tapernorm_config.json lost) is skipped, as the
-    recorded model is; refusing it refused eval of a complete checkpoint-N."""
-    sources = []
-    for run in runs:
-        if (run / "tapered" / "config.json").is_file():
-            try:
-                sources.append(resolve_model(str(run / "tapered"), weights=False))  # only its tokenizer is read
-            except ModelSourceError as error:
-                logger.info("%s lends no tokenizer: %s", run / "tapered", error)
-        identity = (RunFolder(run).manifest() or {}).get("identity") or {}
-        recorded = identity.get("model")
-        if isinstance(recorded, str) and _holds_recorded_model(recorded, identity.get("model_contents")):
-            try:
-                sources.append(resolve_model(recorded, weights=False))
-            except ModelSourceError:
-                continue
-    return sources
-
-
-def _holds_recorded_model(recorded: str, contents: object) -> bool:
-    """Whether the model path a run recorded (as typed) holds that model from this working folder: an absolute path
-    that is there, or a relative one whose files are the ones the run recorded (``contents``). A relative path is
-    relative to the taper's working folder, which the manifest does not record: from another folder it may name
-    another model, whose tokenizer would score the checkpoint without a word."""
-    path = expand_user(recorded, strict=False)  # recorded on another machine, a ~user may be unknown here
-    if not path.exists():
-        return False
-    if path.is_absolute() or (isinstance(contents, dict) and holds_recorded_contents(recorded, contents)):
-        return True
-    logger.warning(
-        "the run recorded its model as '%s', relative to the folder it was started in; '%s' here holds another model, "
-        "whose tokenizer is not used",
-        recorded,
-        path.resolve(),
-    )
-    return False
 
 
 def _check_scan_reference(reference, tokenizer, source, block_size: int, trust_remote_code: bool) -> None:

@@ -278,10 +278,33 @@ def _hub_hint(source: ModelSource) -> str:
     return " (no local folder of that name, so it was taken as a Hub id: check the path, or the network and cache)"
 
 
+#: The files a saved tokenizer is read from (any one of them). A local folder holding none has no tokenizer, where
+#: transformers builds GPT-2's from nothing: one token, which encodes every text to no token at all.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "tekken.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "special_tokens_map.json",
+)
+
+
 def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False):
     """The tokenizer stored with the model (GGUF files carry theirs). A tapered checkpoint's config (a model type
     transformers does not know, on purpose) is handed over read: transformers' own fallback read it with a WARNING
-    that the model type mismatched, in every command that loads one."""
+    that the model type mismatched, in every command that loads one. A local folder without tokenizer files
+    (TOKENIZER_FILES: a Trainer checkpoint-N) has none: refused, so a caller looks for its run's."""
+    local = source.kind in ("folder", "tapered", "folded") and not source.gguf_file
+    if local and not any((Path(source.path) / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelSourceError(
+            f"cannot load a tokenizer from '{source.describe()}': it holds no tokenizer files (none of "
+            f"{', '.join(TOKENIZER_FILES[:3])}, ...)"
+        )
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     if source.kind == "tapered":
         kwargs["config"] = read_model_config(source)

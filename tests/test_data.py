@@ -1690,22 +1690,21 @@ def test_a_line_cut_text_past_the_join_cap_names_what_it_could_not_compare(tmp_p
 
 def _uncompared(other: str, corpus: str, characters: int) -> str:
     return (
-        f"--out_of_corpus_dataset '{other}': {characters} characters of its text were compared with the training "
-        f"corpus (--dataset_name '{corpus}') line by line only, and not found: they are lines of a run of more than "
-        "2000 characters with no blank line (--sample_by line), too long to join back into paragraphs, each compared "
-        "alone (those under 80 characters not at all), which finds the corpus's text only where its lines are the "
-        "same; make sure it is not the corpus's text in another form (re-wrapped), or put blank lines between its "
+        f"--out_of_corpus_dataset '{other}': {characters} characters of its text were not compared with the training "
+        f"corpus (--dataset_name '{corpus}'): they are lines under 80 characters in a run of more than 2000 characters "
+        "with no blank line (--sample_by line), too long to join back into paragraphs and each too short to compare "
+        "alone; make sure it is not the corpus's text in another form (re-wrapped), or put blank lines between its "
         "paragraphs"
     )
 
 
-def test_a_line_cut_text_rewrapped_in_long_lines_past_the_join_cap_counts_them_as_not_found(
+def test_a_line_cut_text_of_long_lines_past_the_join_cap_is_warned_of_only_for_its_short_lines(
     tmp_path, tokenizer, monkeypatch, caplog
 ):
-    """With --sample_by line, the corpus re-wrapped at 100 columns (lines of 80 or more characters) with no blank line,
-    past MAX_JOINED_CHARS, was reported as mostly compared: the WARNING counted only its lines under 80 characters,
-    but its long lines, compared alone, can match only the same lines of the corpus. Every character of such a run
-    that was not found is counted now (a line the corpus holds is not), and the words say how it was compared."""
+    """With --sample_by line, a text of one document per line and no blank line past MAX_JOINED_CHARS, its lines of
+    80 or more characters (the input --sample_by line is for), got a WARNING that all of it was "compared line by
+    line only, and not found", though each line was compared. Only lines too short to compare alone are counted: here
+    the last line of the text; the one long line shared with the corpus is named as a shared document."""
     import textwrap
 
     from hf_tapernorm.data import out_of_corpus
@@ -1714,17 +1713,17 @@ def test_a_line_cut_text_rewrapped_in_long_lines_past_the_join_cap_counts_them_a
     text = " ".join(" ".join(d.split()) for d in corpus_documents(40, seed=3))
     shared = " ".join(" ".join(d.split()) for d in corpus_documents(2, seed=5))[:120]
     (tmp_path / "corpus.txt").write_text(textwrap.fill(text, 70) + "\n\n" + shared + "\n")
-    rewrapped = textwrap.wrap(text, 100)
-    (tmp_path / "rewrapped.txt").write_text("\n".join(rewrapped) + "\n" + shared + "\n")
-    corpus, other = str(tmp_path / "corpus.txt"), str(tmp_path / "rewrapped.txt")
-    assert sum(len(line) >= 80 for line in rewrapped) > 0.9 * len(rewrapped)
+    lines = textwrap.wrap(text, 100)
+    (tmp_path / "lines.txt").write_text("\n".join(lines) + "\n" + shared + "\n")
+    corpus, other = str(tmp_path / "corpus.txt"), str(tmp_path / "lines.txt")
+    short = [line for line in lines if len(line) < 80]
+    assert len(short) == 1
     with caplog.at_level("WARNING"):
         assert out_of_corpus.out_of_corpus_set(_ooc_data(tmp_path, corpus, other, sample_by="line"), tokenizer, [])
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert warnings[-1] == _uncompared(other, corpus, sum(map(len, rewrapped)))
-    long = sum(len(line) >= 80 for line in rewrapped) + 1
+    long = len(lines) - len(short) + 1
     assert warnings[0].startswith(f"--out_of_corpus_dataset '{other}': 1 of its {long} documents of 80 or more ")
-    assert len(warnings) == 2
+    assert warnings[1:] == [_uncompared(other, corpus, len(short[0]))]
 
 
 def test_a_paragraph_found_by_some_of_its_lines_is_named_as_holding_corpus_text_with_its_share(

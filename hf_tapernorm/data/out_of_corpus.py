@@ -129,16 +129,13 @@ def _with_paragraphs(
 class _JoinedLines:
     """The lines of a line-cut text's paragraph, joined back where it ends (a blank line), or each compared alone
     once they pass MAX_JOINED_CHARS (that paragraph is then compared by its lines only, and its lines too short to
-    compare alone are counted in ``uncompared``, their characters; ``track``: the others' hashes are counted in
-    ``alone``, their characters, to count afterwards those not found, as a line compared alone finds only the same
-    line)."""
+    compare alone are counted in ``uncompared``, their characters)."""
 
-    def __init__(self, track: bool = False) -> None:
+    def __init__(self) -> None:
         self.lines: list[str] = []
         self.size = 0
         self.too_long = False
         self.uncompared = 0
-        self.alone: Optional[Counter] = Counter() if track else None
 
     def add(self, line: str) -> list[Paragraph]:
         """Keep ``line``; the paragraphs that it makes compared alone (those of every kept line, past the cap)."""
@@ -157,15 +154,8 @@ class _JoinedLines:
         for line in lines:
             paragraph = _line_alone(line)
             self.uncompared += 0 if paragraph else len(" ".join(line.split()))
-            if paragraph and self.alone is not None:
-                self.alone[text_digest(paragraph[0][0])] += len(paragraph[0][0])
             found += paragraph
         return found
-
-    def not_found(self, found: set[int]) -> int:
-        """The characters of the lines compared alone that are not among ``found`` (the hashes found in the corpus),
-        with those too short to compare."""
-        return self.uncompared + sum(chars for key, chars in (self.alone or {}).items() if key not in found)
 
     def end(self) -> list[Paragraph]:
         """The paragraph of the kept lines (none past the cap: its lines were compared alone), and start anew."""
@@ -307,7 +297,7 @@ def check_documents_outside_corpus(data, texts: Iterable[str], *, line_cut: bool
     short: texts written apart do not share every one of theirs.
     A streamed corpus is not read for this (it may be far larger than what a command reads of it, and a stream is
     not read twice): a WARNING says the text was compared by file only."""
-    ours, joined = _TextKeys(), _JoinedLines(track=True)
+    ours, joined = _TextKeys(), _JoinedLines()
     for text, paragraphs in _with_paragraphs(texts, line_cut, joined):
         ours.add(text, paragraphs)
     name, source = data.out_of_corpus_dataset, data.dataset_name or EMBEDDED_CORPUS
@@ -325,7 +315,7 @@ def check_documents_outside_corpus(data, texts: Iterable[str], *, line_cut: bool
     found = _find_in_corpus(data, ours)
     _refuse_corpus_text(name, source, ours, found)
     _warn_corpus_text(name, source, ours, found)
-    _warn_uncompared(name, source, joined.not_found(found.paragraphs))
+    _warn_uncompared(name, source, joined.uncompared)
 
 
 def _refuse_corpus_text(name: str, source: str, ours: _TextKeys, found: _Found) -> None:
@@ -386,22 +376,22 @@ def _warn_corpus_text(name: str, source: str, ours: _TextKeys, found: _Found) ->
 
 
 def _warn_uncompared(name: str, source: str, characters: int) -> None:
-    """Name in a WARNING the ``characters`` of a line-cut out-of-corpus text that were compared with the corpus line
-    by line only and not found: lines of a run past MAX_JOINED_CHARS with no blank line, each compared alone (short
-    ones not at all), which finds only the same lines: a re-wrapped copy of the corpus (at any width) is not found."""
+    """Name in a WARNING the ``characters`` of a line-cut out-of-corpus text that were not compared with the corpus:
+    lines under MIN_PARAGRAPH_CHARS of a run past MAX_JOINED_CHARS with no blank line, too long to join back into
+    paragraphs and each too short to compare alone, which a re-wrapped copy of the corpus could be. Its long lines
+    are compared alone, and a text of one document per line (what --sample_by line reads) gets no word for them."""
     if characters:
         logger.warning(
-            "--out_of_corpus_dataset '%s': %d characters of its text were compared with the training corpus "
-            "(--dataset_name '%s') line by line only, and not found: they are lines of a run of more than %d "
-            "characters with no blank line (--sample_by line), too long to join back into paragraphs, each compared "
-            "alone (those under %d characters not at all), which finds the corpus's text only where its lines are "
-            "the same; make sure it is not the corpus's text in another form (re-wrapped), or put blank lines between "
+            "--out_of_corpus_dataset '%s': %d characters of its text were not compared with the training corpus "
+            "(--dataset_name '%s'): they are lines under %d characters in a run of more than %d characters with no "
+            "blank line (--sample_by line), too long to join back into paragraphs and each too short to compare "
+            "alone; make sure it is not the corpus's text in another form (re-wrapped), or put blank lines between "
             "its paragraphs",
             name,
             characters,
             source,
-            MAX_JOINED_CHARS,
             MIN_PARAGRAPH_CHARS,
+            MAX_JOINED_CHARS,
         )
 
 

@@ -41,12 +41,11 @@ def warn_run_export(run: Path, *, resume: bool, scans: bool) -> None:
     robustness scan in it that the new export does not replace (``scans``: the run scans its export). Called once
     the run goes ahead (prepare_run_folder, after every check that can refuse it): a refused run replaces nothing."""
     export = run / RUN_EXPORT
+    verb = "--resume" if resume else "--overwrite"
     try:
-        export_manifest(export)
+        warn_changed_export(export, f"{verb} of {run}, which writes its export {export} anew,")
     except ConfigurationError:  # a damaged export manifest: none of its files are the run's (RunFolder.check)
         return
-    verb = "--resume" if resume else "--overwrite"
-    warn_changed_export(export, f"{verb} of {run}, which writes its export {export} anew,")
     if not scans:
         warn_dropped_scan(export, f"{verb} of {run} writes its export {export} anew, and")
 

@@ -149,12 +149,15 @@ class _JoinedLines:
         return self._alone(kept)
 
     def _alone(self, lines: list[str]) -> list[Paragraph]:
-        """The paragraphs of ``lines`` compared alone (_line_alone), counting the characters of those too short."""
+        """Each of ``lines`` as a paragraph of its own (its white space runs one space each) where it is
+        MIN_PARAGRAPH_CHARS long or longer; the characters of the others are counted in ``uncompared``."""
         found = []
         for line in lines:
-            paragraph = _line_alone(line)
-            self.uncompared += 0 if paragraph else len(" ".join(line.split()))
-            found += paragraph
+            text = " ".join(line.split())
+            if len(text) >= MIN_PARAGRAPH_CHARS:
+                found.append((text, []))
+            else:
+                self.uncompared += len(text)
         return found
 
     def end(self) -> list[Paragraph]:
@@ -162,12 +165,6 @@ class _JoinedLines:
         text, too_long = "\n".join(self.lines), self.too_long
         self.lines, self.size, self.too_long = [], 0, False
         return [] if too_long else paragraphs_with_lines(text)
-
-
-def _line_alone(line: str) -> list[Paragraph]:
-    """``line`` as a paragraph of its own, if it is long_enough."""
-    text = " ".join(line.split())
-    return [(text, [])] if len(text) >= MIN_PARAGRAPH_CHARS else []
 
 
 def paragraphs_compared(text: str) -> list[str]:

@@ -26,7 +26,7 @@ from ..errors import ConfigurationError, first_line
 from ..export.folded_sink import plain_load_of_export
 from ..export.manifest import incomplete_export
 from ..training.checkpoints import holds_tapered_weights, is_tapered_checkpoint, load_tapered, tapered_model_config
-from ..utils import expand_user, load_dtype
+from ..utils import expand_user, load_dtype, some_names
 
 logger = logging.getLogger(__name__)
 
@@ -193,8 +193,7 @@ def _refuse_missing_shards(index: Path, named: str, *, loaded_by_transformers: b
     if missing:
         raise ModelSourceError(
             f"{named} lacks {len(missing)} of the {len(shards)} shard file(s) its {index.name} names "
-            f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}): copy them into it, or pass the folder "
-            "of a complete saved model"
+            f"({some_names(missing, 3)}): copy them into it, or pass the folder of a complete saved model"
         )
 
 

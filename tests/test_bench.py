@@ -766,3 +766,28 @@ def test_a_text_filling_no_block_for_the_train_mode_is_refused_in_benchs_words(t
         "mode needs 5 (--batch_sizes x (1 + --calibration_batches)): use more text or a smaller --seq_lens"
     )
     assert not (tmp_path / "out" / "bench.json").exists()
+
+
+def test_the_train_mode_of_a_trainer_checkpoint_reads_its_runs_tokenizer(tmp_path, monkeypatch, capsys):
+    """bench --modes train of a --baseline run's baseline/checkpoint-N (no tokenizer files, as the Trainer saves it)
+    was refused "cannot load a tokenizer ...: it holds no tokenizer files", where eval and fold of the same folder
+    find the run's. bench takes the run's tokenizer as they do: here the text is counted with it, before loading."""
+    from hf_tapernorm.app.run_folder import MANIFEST_NAME
+
+    model = save_tiny_model(tmp_path / "tiny")
+    checkpoint = tmp_path / "run" / "baseline" / "checkpoint-6"
+    checkpoint.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        (checkpoint / name).write_bytes((model / name).read_bytes())
+    manifest = {"tool": "hf-tapernorm", "identity": {"model": str(model)}, "files": []}
+    (tmp_path / "run" / MANIFEST_NAME).write_text(json.dumps(manifest))
+    short = tmp_path / "short.txt"
+    short.write_text("a short text here.\n")
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    argv = ["bench", "--model_name_or_path", str(checkpoint), "--modes", "train", "--dataset_name", str(short)]
+    argv += ["--seq_lens", "16", "--batch_sizes", "1", "--output_dir", str(tmp_path / "out")]
+    assert cli_main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"hf-tapernorm bench: error: dataset '{short}' holds 1 blocks of 16 tokens; the train mode needs 5 "
+        "(--batch_sizes x (1 + --calibration_batches))"
+    )

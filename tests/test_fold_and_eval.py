@@ -200,8 +200,8 @@ def test_a_gpt2_folder_without_tokenizer_files_holds_no_tokenizer(tmp_path):
     with pytest.raises(ModelSourceError) as refusal:
         load_tokenizer(resolve_model(str(tmp_path / "gpt2")))
     assert str(refusal.value) == (
-        f"cannot load a tokenizer from '{tmp_path / 'gpt2'}': it holds no tokenizer files (none of tokenizer.json, "
-        "tokenizer_config.json, tokenizer.model, ...)"
+        f"cannot load a tokenizer from '{tmp_path / 'gpt2'}': it holds no tokenizer vocabulary (none of "
+        "tokenizer.json, tokenizer.model, tekken.json, vocab.json, ...)"
     )
 
 
@@ -220,6 +220,118 @@ def test_a_checkpoint_copied_out_of_its_run_takes_the_tokenizer_of_the_model_it_
                                 "--scan_windows", "0"])  # fmt: skip
     assert code == 0, stderr[-2000:]
     assert load_tokenizer(resolve_model(str(tmp_path / "export")))("ab")["input_ids"] == [97, 98]
+
+
+def _records_model(checkpoint: Path, model: Path, run: Path | None = None, **contents) -> None:
+    """Point the checkpoint's own record (and its run's manifest) at ``model``, recording its files now."""
+    from hf_tapernorm.app.fingerprints import fingerprint
+
+    recorded = {"model": str(model), "model_contents": fingerprint(str(model), weights_by_size=True), **contents}
+    edit_json(checkpoint / IDENTITY, **recorded)
+    if run is not None:
+        manifest = json.loads((run / MANIFEST_NAME).read_text())
+        manifest["identity"].update(recorded)
+        (run / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
+def test_a_recorded_model_given_another_tokenizer_since_lends_none(ws, baseline_run, tmp_path, caplog):
+    """A checkpoint without tokenizer files whose record names its model by an absolute path took whatever tokenizer
+    that folder held now: a model given another tokenizer since lent it without a word (another loss; fold exported
+    it). The recorded model lends its tokenizer only where its tokenizer files are the ones the run recorded; eval
+    refuses otherwise, saying why. A record of an older version, without model_contents, still lends it."""
+    from tests.helpers import word_tokenizer
+
+    model = Path(shutil.copytree(ws / "llama", tmp_path / "llama"))
+    lonely = Path(shutil.copytree(baseline_run / "checkpoint-6", tmp_path / "lonely"))
+    _records_model(lonely, model)
+    word_tokenizer(adds_bos=False).save_pretrained(model)  # the user's model folder holds another tokenizer now
+    caplog.set_level(logging.INFO, logger="hf_tapernorm")
+    line = refused(evaluate(lonely, data=ws / "corpus.txt"))
+    assert line.endswith("nor does its run folder hold one (tapered/, or the recorded model)")
+    assert (
+        f"the run recorded its model '{model}', whose tokenizer files are not the ones the run recorded (changed "
+        "since): its tokenizer is not used" in caplog.text
+    )
+    code, _, stderr = run_main(fold(lonely, tmp_path / "export"))
+    assert code == 0, stderr[-2000:]
+    assert not (tmp_path / "export" / "tokenizer.json").exists()
+    edit_json(lonely / IDENTITY, model_contents=None)  # as a run of an older version recorded it
+    code, _, stderr = run_main(evaluate(lonely, data=ws / "corpus.txt"))
+    assert code == 0, stderr[-2000:]
+    assert f"holds no tokenizer: using its run's, from {model}" in caplog.text
+
+
+def test_a_checkpoint_of_another_run_put_into_a_run_folder_reads_its_own_runs_tokenizer(
+    ws, baseline_run, tmp_path, caplog
+):
+    """A checkpoint of run B copied into run A's folder as checkpoint-99 took run A's tapered/ tokenizer, though its
+    own tapernorm_run.json records another model: the export held a tokenizer the model never trained with. The
+    checkpoint's own record wins: its recorded model lends the tokenizer where it holds the recorded files, and
+    where it does not, eval refuses saying the checkpoint belongs to another run."""
+    from tests.helpers import word_tokenizer
+
+    run = copy_of(baseline_run, tmp_path)
+    other = save_tiny_model(tmp_path / "other", "llama", seed=1)
+    word_tokenizer(adds_bos=False).save_pretrained(other)
+    stranger = Path(shutil.copytree(run / "checkpoint-6", run / "checkpoint-99"))
+    _records_model(stranger, other)
+    caplog.set_level(logging.INFO, logger="hf_tapernorm")
+    code, _, stderr = run_main(evaluate(stranger, data=ws / "corpus.txt"))
+    assert code == 0, stderr[-2000:]
+    assert f"records another model than its run folder {run}: that run's tokenizer is not used" in caplog.text
+    assert f"holds no tokenizer: using its run's, from {other}" in caplog.text
+    (other / "tokenizer.json").unlink()
+    line = refused(evaluate(stranger, data=ws / "corpus.txt"))
+    assert line.endswith(
+        f"it is a checkpoint of another run than the folder '{run}' it lies in (its tapernorm_run.json records "
+        "another model), and the model it records holds no tokenizer here: copy that run's tokenizer files into it"
+    )
+    _records_model(run / "checkpoint-6", other, run)  # a run of that same model: its own checkpoint still reads
+    code, _, stderr = run_main(evaluate(run / "checkpoint-6", data=ws / "corpus.txt"))  # tapered/'s tokenizer
+    assert code == 0, stderr[-2000:]
+
+
+@pytest.mark.parametrize("settings", [{"special_tokens_map.json": '{"eos_token": "<|endoftext|>"}'},
+                                      {"tokenizer_config.json": '{"eos_token": "<|endoftext|>"}'}])  # fmt: skip
+def test_a_gpt2_folder_with_tokenizer_settings_but_no_vocabulary_holds_no_tokenizer(tmp_path, settings):
+    """A GPT-2 checkpoint holding only special_tokens_map.json or only tokenizer_config.json counted as holding a
+    tokenizer, and transformers built one from nothing (one token, every text encoded to none): eval called the
+    corpus too small, fold exported it. A folder holds a tokenizer only with a vocabulary file; settings alone fall
+    back to the run's, as a folder without tokenizer files does."""
+    from transformers import GPT2LMHeadModel
+
+    from tests.helpers import tiny_gpt2_config
+
+    GPT2LMHeadModel(tiny_gpt2_config()).save_pretrained(tmp_path / "gpt2")
+    for name, text in settings.items():
+        (tmp_path / "gpt2" / name).write_text(text)
+    with pytest.raises(ModelSourceError) as refusal:
+        load_tokenizer(resolve_model(str(tmp_path / "gpt2")))
+    assert str(refusal.value) == (
+        f"cannot load a tokenizer from '{tmp_path / 'gpt2'}': it holds no tokenizer vocabulary (none of "
+        "tokenizer.json, tokenizer.model, tekken.json, vocab.json, ...)"
+    )
+
+
+@pytest.mark.parametrize("files", ["tokenizer.json", "vocab.json+merges.txt"])
+def test_a_gpt2_folder_with_a_vocabulary_alone_loads_its_tokenizer(tmp_path, files):
+    """The vocabulary check refuses no real tokenizer: a GPT-2 folder with tokenizer.json only, or vocab.json and
+    merges.txt only, loads its own."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import GPT2LMHeadModel
+
+    from tests.helpers import tiny_gpt2_config
+
+    folder = tmp_path / "gpt2"
+    GPT2LMHeadModel(tiny_gpt2_config()).save_pretrained(folder)
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(corpus_documents(20), vocab_size=300, special_tokens=["<|endoftext|>"])
+    if files == "tokenizer.json":
+        bpe.save(str(folder / "tokenizer.json"))
+    else:
+        bpe.save_model(str(folder))
+    tokenizer = load_tokenizer(resolve_model(str(folder)))
+    assert len(tokenizer) == 300 and tokenizer("the quick fox")["input_ids"] == bpe.encode("the quick fox").ids
 
 
 def test_loading_a_tapered_checkpoints_tokenizer_gives_no_model_type_warning(run):

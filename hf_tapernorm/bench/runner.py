@@ -25,12 +25,13 @@ import torch
 from torch import nn
 
 from ..app.run_lock import RunLock
+from ..app.run_tokenizer import tokenizer_of
 from ..app.validation import weightless_model
 from ..architectures.sites import model_type_of, norm_sites
 from ..config import TaperNormConfig
 from ..data.sources import EMBEDDED_CORPUS, AnyDataset, load_text_dataset
 from ..errors import ConfigurationError
-from ..evaluation.models import ModelSource, load_model, load_tokenizer, model_config, resolve_model
+from ..evaluation.models import ModelSource, load_model, model_config, resolve_model
 from ..utils import cpu_has_fast_bf16
 from .arguments import DTYPES, BenchArguments, Case, cases, parse_arguments
 from .measure import interleaved_times, median_ratio, op_counts, summarize
@@ -255,7 +256,9 @@ def run_benchmark(
 
 
 def _train_text(arguments: BenchArguments, source: ModelSource) -> TrainText:
-    tokenizer = load_tokenizer(source)
+    """The train mode's text: the model's tokenizer (a Trainer checkpoint-N's is its run's, as eval and fold find
+    it) and the corpus."""
+    tokenizer = tokenizer_of(source)
     name = f"--dataset_name '{arguments.dataset_name}'" if arguments.dataset_name is not None else None
     dataset = load_text_dataset(
         arguments.dataset_name, config_name=arguments.dataset_config_name, split_option=None, name=name

@@ -277,8 +277,8 @@ def _hub_hint(source: ModelSource) -> str:
     return " (no local folder of that name, so it was taken as a Hub id: check the path, or the network and cache)"
 
 
-#: The files a saved tokenizer is read from (any one of them). A local folder holding none has no tokenizer, where
-#: transformers builds GPT-2's from nothing: one token, which encodes every text to no token at all.
+#: The files a saved tokenizer is read from (TokenizersBackend, sentencepiece and BPE tokenizers' ``vocab_files_names``,
+#: their settings and added tokens): what a run records of its model's tokenizer.
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -289,20 +289,53 @@ TOKENIZER_FILES = (
     "merges.txt",
     "spiece.model",
     "sentencepiece.bpe.model",
+    "sentencepiece.model",
+    "spm.model",
     "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
 )
+
+#: The TOKENIZER_FILES that hold a vocabulary; a local folder holds a tokenizer only with one of them (or with a
+#: tokenizer_config.json whose auto_map names remote code, which reads its own files). Settings alone
+#: (tokenizer_config.json, special_tokens_map.json) hold none: transformers built GPT-2's from nothing, one token
+#: that encodes every text to no token at all.
+VOCABULARY_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tekken.json",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "sentencepiece.model",
+    "spm.model",
+)
+
+
+def holds_tokenizer(folder: Path) -> bool:
+    """Whether the local ``folder`` holds a tokenizer: a vocabulary file (VOCABULARY_FILES), or a remote-code
+    tokenizer its tokenizer_config.json names."""
+    if any((folder / name).is_file() for name in VOCABULARY_FILES):
+        return True
+    try:
+        settings = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(settings, dict) and isinstance(settings.get("auto_map"), (dict, list))
 
 
 def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False):
     """The tokenizer stored with the model (GGUF files carry theirs). A tapered checkpoint's config (a model type
     transformers does not know, on purpose) is handed over read: transformers' own fallback read it with a WARNING
-    that the model type mismatched, in every command that loads one. A local folder without tokenizer files
-    (TOKENIZER_FILES: a Trainer checkpoint-N) has none: refused, so a caller looks for its run's."""
+    that the model type mismatched, in every command that loads one. A local folder without a vocabulary
+    (holds_tokenizer: a Trainer checkpoint-N, or one holding only tokenizer settings) has none: refused, so a caller
+    looks for its run's."""
     local = source.kind in ("folder", "tapered", "folded") and not source.gguf_file
-    if local and not any((Path(source.path) / name).is_file() for name in TOKENIZER_FILES):
+    if local and not holds_tokenizer(Path(source.path)):
         raise ModelSourceError(
-            f"cannot load a tokenizer from '{source.describe()}': it holds no tokenizer files (none of "
-            f"{', '.join(TOKENIZER_FILES[:3])}, ...)"
+            f"cannot load a tokenizer from '{source.describe()}': it holds no tokenizer vocabulary (none of "
+            f"{', '.join(VOCABULARY_FILES[:4])}, ...)"
         )
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     if source.kind == "tapered":

@@ -10,6 +10,7 @@ TransformerLens turns them off for the whole process when imported, so the tests
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -356,3 +357,49 @@ def test_other_auto_classes_refuse_an_export_in_one_line(export, head):
     assert str(refused.value) == expected
     with pytest.raises(UnsupportedModelError, match=f"^{head}: '.*' is a folded export \\({model_type}\\), which"):
         auto.from_config(folded.config)
+
+
+_PAST_THE_TABLE = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+try:
+    model(input_ids=torch.ones(1, 65, dtype=torch.long))
+except ValueError as error:
+    print(type(model).__module__, "hf_tapernorm" in sys.modules, error)
+"""
+
+
+def test_an_export_without_a_sink_refuses_a_call_past_its_learned_positions_in_one_line(tmp_path):
+    """A sinkless GPT-2 export (64 learned positions here) failed past its table with torch.embedding's bare
+    "IndexError: index out of range in self", on a long input, a continued cache and generate; a sink export and
+    OnnxCausalLM said it in one line. Now it refuses alike, and the copy of the code in the export says so too."""
+    folder = export_folded(fold_model(tapered("gpt2")), tmp_path / "out", tokenizer=char_tokenizer())
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    said = "TaperNormGPT2LMHeadModel: this model has 64 learned positions; this call reaches {}: shorten the input or "
+    said += "crop the cache"
+    ids = torch.randint(3, 100, (1, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert model(input_ids=ids).logits.shape == (1, 64, 128)  # the whole table is still read
+        with pytest.raises(ValueError) as error:
+            model(input_ids=torch.cat([ids, ids[:, :1]], 1))
+        assert str(error.value) == said.format(65)
+        cache = model(input_ids=ids[:, :40], use_cache=True).past_key_values
+        with pytest.raises(ValueError) as error:
+            model(input_ids=ids[:, :30], past_key_values=cache)
+        assert str(error.value) == said.format(70)
+        with pytest.raises(ValueError) as error:
+            model.generate(ids[:, :60], max_new_tokens=8, do_sample=False)
+        assert str(error.value) == said.format(65)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_"))}
+    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", _PAST_THE_TABLE, str(folder)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.stdout.strip().endswith("False " + said.format(65)), done.stdout + done.stderr[-2000:]
+    assert done.stdout.startswith("transformers_modules."), done.stdout  # the export's own copy of the code
+    assert fold_model(tapered("llama")).position_table_size == 0  # RoPE: no table, nothing checked

@@ -6,8 +6,13 @@ folder is byte-for-byte what it was.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import resource
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -30,7 +35,7 @@ from hf_tapernorm import (
 from hf_tapernorm.layers import set_gate, tapered_norms
 from hf_tapernorm.training import DivergenceThresholds, TaperSchedule, calibrate
 from tests.conftest import build, random_batches, tiny_llama_config
-from tests.helpers import error_of, run_main, snapshot, taper_argv
+from tests.helpers import SUBPROCESS_ENV, error_of, run_main, short_taper_argv, snapshot, taper_argv
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +44,58 @@ def finished(workspace, tmp_path_factory):
     code, _, stderr = run_main(taper_argv(workspace, out, "--distill_weight", "0", steps=8))
     assert code == 0, stderr
     return out
+
+
+# ----------------------------------------------------------------------------- a disk that fills up during the run
+def _file_size_limit() -> None:
+    """``ulimit -f 60`` (60 KiB) in the child, which gets EFBIG past it (SIGXFSZ ignored, as Python does itself)."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (60 * 1024, 60 * 1024))
+
+
+def test_a_file_size_limit_hit_by_the_first_checkpoint_is_one_line_with_no_checkpoint_to_resume(workspace, tmp_path):
+    """It was a SafetensorError traceback ("File too large (os error 27)") and exit 1 (fold already said it in one
+    line); now one line naming --output_dir and that no complete checkpoint was kept, and the report says why."""
+    run_main(short_taper_argv(workspace, tmp_path / "warm", "--max_steps", "1"))  # the data cache, written unlimited
+    out = tmp_path / "run"
+    argv = short_taper_argv(workspace, out, "--save_steps", "3")
+    done = subprocess.run(
+        [sys.executable, "-m", "hf_tapernorm.cli", *argv], env=SUBPROCESS_ENV, preexec_fn=_file_size_limit,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    line = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert line == (
+        f"hf-tapernorm taper: error: --output_dir {out}: its disk could not take what the run writes "
+        "(SafetensorError: Error while serializing: I/O error: File too large (os error 27)); it kept no complete "
+        "checkpoint for --resume to continue from: free space (or lift the file-size limit) and start over with "
+        "--overwrite, or choose an --output_dir on another disk"
+    ), line
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"].startswith("failed: SafetensorError: ") and "File too large" in report["status"]
+
+
+def test_a_disk_that_fills_up_while_tapered_is_written_names_the_checkpoint_resume_continues_from(
+    workspace, tmp_path, monkeypatch
+):
+    """ENOSPC while tapered/ was written (after the Trainer's last checkpoint) was a traceback; now one line that
+    names the checkpoint --resume continues from, and the report records the OSError as before."""
+    import hf_tapernorm.app.taper as taper
+
+    def full(model, folder, tokenizer=None):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(taper, "save_tapered", full)
+    out = tmp_path / "run"
+    line = error_of(short_taper_argv(workspace, out))
+    assert line == (
+        f"hf-tapernorm taper: error: --output_dir {out}: its disk could not take what the run writes "
+        "(OSError: [Errno 28] No space left on device); free space (or lift the file-size limit), then rerun the same "
+        f"command with --resume: it continues from the last complete checkpoint, {out / 'checkpoint-6'}"
+    ), line
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "failed: OSError: [Errno 28] No space left on device"
+    assert not (out / "tapered").exists() and (out / "checkpoint-6" / "tapernorm_run.json").is_file()
 
 
 # ----------------------------------------------------------------------------- the output folder

@@ -9,8 +9,8 @@ whether it can log in). What only this recipe knows is checked by name: options 
 its schedule, a Trainer evaluation without an evaluation set, checkpoints that could not be resumed, and a Hub push
 from inside the run. And the disk: a run whose folder cannot hold the checkpoint and the exports it will write is
 refused before it trains, and a fold whose folder cannot hold its export before its weights load (one check,
-check_free_space, for both; a disk that fills up anyway while an export is written is one line too,
-full_disk_refused).
+check_free_space, for both; a disk that fills up anyway while an export, a checkpoint or a report is written is one
+line too, full_disk_refused).
 
 The checks ``taper`` runs before work starts are split by what they read, so each has one place:
 validation.py the request and the model's config (the recipe, schedule, positions, the run's identity);
@@ -27,7 +27,7 @@ import errno
 import math
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -458,12 +458,18 @@ def _stored_dtype(checkpoint: Path) -> Optional[torch.dtype]:
     return max(set(found), key=found.count) if found else None
 
 
+#: What a fold says after its disk filled up: write_folder removed the partial export.
+NOTHING_KEPT = "nothing was kept: free space (or lift the file-size limit), or choose an --output_dir on another disk"
+
+
 @contextlib.contextmanager
-def full_disk_refused(output_dir: Path) -> Iterator[None]:
+def full_disk_refused(
+    output_dir: Path, writing: str = "the export", then: Callable[[], str] = lambda: NOTHING_KEPT
+) -> Iterator[None]:
     """A disk that fills up while ``output_dir`` is written (OSError ENOSPC or EDQUOT, or EFBIG: a file-size limit,
     ``ulimit -f`` or FAT32's 4 GiB; or safetensors' serializing
-    error that wraps it) as one line (ConfigurationError) naming the folder; any other error passes unchanged. The
-    writer removes its partial folder itself (write_folder)."""
+    error that wraps it) as one line (ConfigurationError) naming the folder, ``writing`` (what was being written)
+    and ``then()`` (what is left and what to do, asked once the disk has filled); any other error passes unchanged."""
     try:
         yield
     except (OSError, SafetensorError) as error:
@@ -473,8 +479,7 @@ def full_disk_refused(output_dir: Path) -> Iterator[None]:
         if not full:
             raise
         raise ConfigurationError(
-            f"--output_dir {output_dir}: its disk could not take the export ({first_line(error)}); nothing was kept: "
-            "free space (or lift the file-size limit), or choose an --output_dir on another disk"
+            f"--output_dir {output_dir}: its disk could not take {writing} ({first_line(error)}); {then()}"
         ) from None
 
 

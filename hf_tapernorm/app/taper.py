@@ -43,13 +43,13 @@ from ..training.schedule import decay_learning_rate_after_the_taper
 from .data_checks import check_hub_datasets
 from .epochs import blocks_trained, check_accumulation_within_epoch
 from .extension import TaperExtension, TrainingData, TrainingInputs
-from .preflight import check_disk_space, check_trainer_options, check_training_blocks
+from .preflight import check_disk_space, check_trainer_options, check_training_blocks, full_disk_refused
 from .record import RunRecord, far_worse_warning, global_batch_blocks, new_run_record, precision_line
 from .report import PLOTS, summary_lines, write_report
 from .run_folder import RunFolder, inside_folder, write_file
 from .run_preparation import check_run_folder, finished_run, prepare_run_folder
 from .showcase import greedy_continuations, ops_per_generated_token
-from .training_run import LOG_KEYS, LOSS_TERM_KEYS, RecordCallback, train
+from .training_run import LOG_KEYS, LOSS_TERM_KEYS, RecordCallback, resume_advice, train
 from .validation import (
     TaperRequest,
     check_baseline_identity,
@@ -147,6 +147,14 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
         record.export["baseline_model"] = str(Path(baseline_source.path).resolve())  # found from any folder
     pipeline = _Pipeline(request, record, packed, tokenizer, output, identity, source, reference_text, baseline_source)
     pipeline.extension, pipeline.training_data = extension, training_data  # the baseline: its data, no parts
+    with full_disk_refused(output.path, "what the run writes", then=lambda: resume_advice(output.path)):
+        return _run_recorded(pipeline, model, started)
+
+
+def _run_recorded(pipeline: _Pipeline, model, started: float) -> int:
+    """``pipeline.run(model)``; a failure is recorded in the run's report (the exception's own type and text) before
+    it propagates: a full disk then becomes one line (full_disk_refused, around this)."""
+    record, output, state = pipeline.record, pipeline.output, pipeline.state
     try:
         return pipeline.run(model)
     except BaseException as error:  # divergence, fold check, Ctrl-C outside training: say so, export nothing
@@ -155,7 +163,7 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
             if record.history and record.training.steps is None:  # how far training got
                 last = record.history[-1]
                 record.training.steps, record.training.final_gate = last["step"], last.get("gate")
-            if run.resume and finished_run(output.path):  # its results stand: only this --resume failed
+            if pipeline.request.run.resume and finished_run(output.path):  # its results stand: only --resume failed
                 logger.warning("the run in %s had finished: its report stays as it was", output.path)
             else:
                 write_run_report(output, record)

@@ -168,6 +168,20 @@ def incomplete_checkpoints(folder: Path) -> list[Path]:
     )
 
 
+def resume_advice(folder: Path) -> str:
+    """What to do after a run into ``folder`` stopped on a full disk, and what ``--resume`` would continue from."""
+    checkpoint = last_checkpoint(folder)
+    if checkpoint is None:
+        return (
+            "it kept no complete checkpoint for --resume to continue from: free space (or lift the file-size limit) "
+            "and start over with --overwrite, or choose an --output_dir on another disk"
+        )
+    return (
+        "free space (or lift the file-size limit), then rerun the same command with --resume: it continues from "
+        f"the last complete checkpoint, {checkpoint}"
+    )
+
+
 def recorded_identity(folder: Path) -> Optional[dict[str, Any]]:
     """The run identity recorded in the last complete checkpoint (to rebuild a lost manifest)."""
     complete = complete_checkpoints(folder)
@@ -253,6 +267,7 @@ __all__ = [
     "incomplete_checkpoints",
     "last_checkpoint",
     "recorded_identity",
+    "resume_advice",
     "train",
     "training_history",
 ]

@@ -99,7 +99,8 @@ def read_input(
       pads before it get position 0 (they are masked, and a learned position table has no negative rows).
     - ``token_type_ids`` (GPT-2) are refused: they would change the sink's embedding, whose states the export stores
       as computed without them, so no call with them could give the tapered model's answer.
-    - A call that reaches past a learned position table is refused (``max_positions``).
+    - A call that reaches past a learned position table is refused (``max_positions``; an export without a sink
+      refuses it too, with ``check_plain_call``).
     """
     if contract.token_ids and kwargs.get("token_type_ids") is not None:
         raise ValueError(
@@ -155,6 +156,19 @@ def read_input(
         steps = torch.arange(past, past + length, device=state.row_offset.device)
         kwargs["position_ids"] = (steps[None, :] - state.row_offset[:, None]).clamp(min=0)
     return state, restore
+
+
+def check_plain_call(model: nn.Module, limit: int, args: tuple, kwargs: dict) -> None:
+    """Refuse a call of an export without a stored sink that reaches past its learned position table of ``limit``
+    rows (``_check_positions``, as ``read_input`` refuses it for a sink export): its base class would fail in
+    ``torch.embedding`` with an IndexError that names neither the table nor the call."""
+    inputs = args[0] if args else kwargs.get("input_ids")
+    if inputs is None:
+        inputs = kwargs.get("inputs_embeds")
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+    if inputs is not None and inputs.dim() >= 2:
+        _check_positions(SinkContract(type(model).__name__, max_positions=limit), past + inputs.shape[1])
 
 
 def _attended(mask: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
+from .folded_input import check_plain_call, learned_positions
 from .folded_sink import PREFIX, attention_modules, finish_sink_call, give_back_sink_cache, prepare_sink_call
 
 RESTORE_CONFIG = "restore the config.json the export wrote"  # ends every refusal of an edited config.json
@@ -138,6 +139,7 @@ class FoldedModelMixin:
     def __init__(self, config, *args, **kwargs) -> None:
         super().__init__(config, *args, **kwargs)
         self._apply_fold_structure()
+        self.position_table_size = 0 if config.sink_token_ids else learned_positions(self)  # a sink's: read_input's
 
     def _apply_fold_structure(self) -> None:
         config = self.config
@@ -473,6 +475,8 @@ def _sink_forward(base_forward):
     @functools.wraps(base_forward)
     def forward(self, *args: Any, **kwargs: Any):
         if not self.config.sink_token_ids:
+            if self.position_table_size:  # a learned table (GPT-2): refused past it as a sink export is, in one line
+                check_plain_call(self, self.position_table_size, args, kwargs)
             return base_forward(self, *args, **kwargs)
         args, kwargs, call = prepare_sink_call(self, args, kwargs)
         return finish_sink_call(self, kwargs, base_forward(self, *args, **kwargs), call)

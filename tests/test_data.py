@@ -1849,6 +1849,63 @@ def test_only_long_shared_paragraphs_are_named_in_a_warning_not_short_common_one
     ]
 
 
+@pytest.mark.parametrize("sample_by", ["paragraph", "line"])
+@pytest.mark.parametrize("layout", ["rules under headings", "rules between documents", "drawn table borders"])
+def test_rule_lines_shared_with_the_corpus_are_no_text_to_compare(layout, sample_by, tmp_path, tokenizer, caplog):
+    """An unrelated out-of-corpus text sharing only rule lines of 80 `-` or `=` with the corpus got a WARNING: "80 of
+    its 80 paragraphs ... hold text of the training corpus ..., such as '-----...'" (a rule under every heading), or
+    "79 of its 159 documents ... are documents of the training corpus" (one rule between documents, counted 79
+    times). A line, paragraph or document without a letter or a digit (a rule, a drawn table's border) is layout,
+    no text to compare: the set is built without a WARNING."""
+    from hf_tapernorm.data.out_of_corpus import out_of_corpus_set
+
+    def laid_out(docs: list[str], heading: str) -> str:
+        if layout == "rules under headings":
+            return "\n\n".join(f"{heading} {i}\n{'-' * 80}\n{d}" for i, d in enumerate(docs))
+        if layout == "rules between documents":
+            return f"\n\n{'=' * 80}\n\n".join(docs)
+        border = "+" + "-" * 30 + "+" + "-" * 48 + "+"
+        return "\n\n".join(
+            f"{heading} {i}\n{'╔' + '═' * 80 + '╗'}\n{border}\n{d}\n{border}" for i, d in enumerate(docs)
+        )
+
+    (tmp_path / "corpus.txt").write_text(laid_out(corpus_documents(40, seed=3), "Part"))
+    (tmp_path / "other.txt").write_text(laid_out(corpus_documents(40, seed=4), "Chapter"))
+    corpus, other = str(tmp_path / "corpus.txt"), str(tmp_path / "other.txt")
+    with caplog.at_level("WARNING"):
+        assert out_of_corpus_set(_ooc_data(tmp_path, corpus, other, sample_by=sample_by), tokenizer, []) is not None
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
+
+
+LICENCE_LINE = "This chapter is licensed under the Creative Commons Attribution-ShareAlike 4.0 International License."
+
+
+def test_a_licence_line_repeated_in_both_texts_is_counted_at_each_repeat_and_is_no_refusal(tmp_path, tokenizer, caplog):
+    """A licence line under every heading of the corpus and of an unrelated out-of-corpus text: the loss is taken
+    over every repeat, so each paragraph holding it counts, with the share of the text it is (every repeat's
+    characters), and that share, under NEARLY_ALL, is a WARNING, not a refusal. Counting a repeated text once would
+    understate how much of the loss is the corpus's own."""
+    from hf_tapernorm.data.out_of_corpus import out_of_corpus_set
+
+    def laid_out(docs: list[str], heading: str) -> str:
+        return "Table of Contents\n\n" + "\n\n".join(f"{heading} {i}\n{LICENCE_LINE}\n{d}" for i, d in enumerate(docs))
+
+    docs, others = corpus_documents(40, seed=3), corpus_documents(40, seed=4)
+    (tmp_path / "corpus.txt").write_text(laid_out(docs, "Part"))
+    (tmp_path / "other.txt").write_text(laid_out(others, "Chapter"))
+    corpus, other = str(tmp_path / "corpus.txt"), str(tmp_path / "other.txt")
+    with caplog.at_level("WARNING"):
+        assert out_of_corpus_set(_ooc_data(tmp_path, corpus, other), tokenizer, []) is not None
+    paragraphs = [f"Chapter {i} {LICENCE_LINE} {d}" for i, d in enumerate(others)]
+    percent = 100 * len(LICENCE_LINE) * len(paragraphs) // sum(map(len, paragraphs))
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"--out_of_corpus_dataset '{other}': {len(paragraphs)} of its {len(paragraphs)} paragraphs of 80 or more "
+        f"characters ({percent}% of their text) hold text of the training corpus (--dataset_name '{corpus}'), such as "
+        f"{_shown(LICENCE_LINE)}, so the out-of-corpus loss is partly the corpus's own; name text the model was not "
+        "trained on"
+    ]
+
+
 def test_a_streamed_corpus_says_the_out_of_corpus_text_was_compared_by_file_only(tmp_path, tokenizer, caplog):
     """With --streaming the corpus's documents were not compared with the out-of-corpus text, without a word: the
     corpus's documents as JSON Lines were evaluated as out-of-corpus text, where without --streaming they are refused.

@@ -90,6 +90,19 @@ def long_enough(text: str) -> bool:
     return len(" ".join(text.split())) >= MIN_PARAGRAPH_CHARS
 
 
+def has_text(text: str) -> bool:
+    """Whether ``text`` holds a letter or a digit: a line of punctuation or drawing alone (a rule of ``-`` or ``=``
+    under a heading or between documents, a table's border, box-drawing characters) is layout, which texts written
+    apart share, so it is no text to compare with the corpus's, however long."""
+    return any(character.isalnum() for character in text)
+
+
+def compared(text: str) -> bool:
+    """Whether ``text`` (its white space runs one space each) is compared with the corpus's: long_enough, and
+    has_text."""
+    return len(text) >= MIN_PARAGRAPH_CHARS and has_text(text)
+
+
 def cut_by_line(dataset: AnyDataset, sample_by: str) -> bool:
     """Whether ``dataset``'s documents are the lines of text files (--sample_by line): the ``text`` builder keeps a
     blank line as an empty document, so its documents, joined in file order, are the text again."""
@@ -98,7 +111,7 @@ def cut_by_line(dataset: AnyDataset, sample_by: str) -> bool:
 
 MAX_JOINED_CHARS = 1 << 16
 """The most characters of a line-cut text's lines (cut_by_line) joined back into one paragraph: past it, the lines
-are compared each alone (long_enough ones), and none of that paragraph is kept. A file of one document per line and
+are compared each alone (those compared), and none of that paragraph is kept. A file of one document per line and
 no blank line would otherwise be held whole, as one paragraph that matches nothing."""
 
 #: A paragraph compared (its white space runs one space each) and the lines of it compared each alone.
@@ -149,14 +162,14 @@ class _JoinedLines:
         return self._alone(kept)
 
     def _alone(self, lines: list[str]) -> list[Paragraph]:
-        """Each of ``lines`` as a paragraph of its own (its white space runs one space each) where it is
-        MIN_PARAGRAPH_CHARS long or longer; the characters of the others are counted in ``uncompared``."""
+        """Each of ``lines`` as a paragraph of its own (its white space runs one space each) where it is compared;
+        the characters of the others that have text are counted in ``uncompared``."""
         found = []
         for line in lines:
             text = " ".join(line.split())
-            if len(text) >= MIN_PARAGRAPH_CHARS:
+            if compared(text):
                 found.append((text, []))
-            else:
+            elif has_text(text):
                 self.uncompared += len(text)
         return found
 
@@ -169,28 +182,29 @@ class _JoinedLines:
 
 def paragraphs_compared(text: str) -> list[str]:
     """The paragraphs of ``text`` (parts between blank lines) that are compared with the corpus's, their white space
-    runs one space each (a text re-wrapped or re-indented is the same text), MIN_PARAGRAPH_CHARS long or longer."""
+    runs one space each (a text re-wrapped or re-indented is the same text), MIN_PARAGRAPH_CHARS long or longer and
+    with text (compared)."""
     return [paragraph for paragraph, _ in paragraphs_with_lines(text)]
 
 
 def paragraphs_with_lines(text: str) -> list[Paragraph]:
     """The paragraphs_compared of ``text``, each with those of its lines (when it has more than one) that are
-    MIN_PARAGRAPH_CHARS long or longer: a text of one document per line and no blank line is one paragraph, which
+    compared too: a text of one document per line and no blank line is one paragraph, which
     never matches the same documents re-wrapped with blank lines between them, while its lines do."""
     found = []
     for part in _BLANK_LINE.split(_unix_line_ends(text)):
         paragraph = " ".join(part.split())
-        if len(paragraph) < MIN_PARAGRAPH_CHARS:
+        if not compared(paragraph):
             continue
         lines = (" ".join(line.split()) for line in part.split("\n"))
-        found.append((paragraph, [line for line in lines if len(line) >= MIN_PARAGRAPH_CHARS and line != paragraph]))
+        found.append((paragraph, [line for line in lines if compared(line) and line != paragraph]))
     return found
 
 
 @dataclass
 class _TextKeys:
     """What is kept of a text to compare it with the corpus: its documents' and paragraphs' hashes (how many times
-    each), which documents are long enough to count in a WARNING (long_enough), each paragraph's length, and the
+    each), which documents count in a WARNING (compared: long_enough, with text), each paragraph's length, and the
     hashes and lengths of the long lines of each paragraph (paragraphs_with_lines). Hashes only, so the memory is
     bounded whatever the texts' length."""
 
@@ -206,7 +220,7 @@ class _TextKeys:
         if document.strip():
             key = document_key(document)
             self.documents[key] += 1
-            if long_enough(document):
+            if compared(" ".join(document.split())):
                 self.long.add(key)
         for paragraph, lines in paragraphs:
             key = text_digest(paragraph)
@@ -424,6 +438,8 @@ __all__ = [
     "check_documents_outside_corpus",
     "corpus_files_among",
     "cut_by_line",
+    "compared",
+    "has_text",
     "long_enough",
     "MIN_PARAGRAPH_CHARS",
     "NEARLY_ALL",

@@ -7,18 +7,29 @@ by _options_reading.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import json
 import os
+import re
 import stat
 import typing
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
+from contextvars import ContextVar
 from typing import Any, NoReturn, Optional, Protocol
 
 import yaml
 
 from ._option_types import UsageError, finite_float, hint_members, is_text, takes_a_list, type_text
 from ._options_reading import BARE_TILDE, foreign_value, load_values
+from .errors import TaperNormError
 from .utils import expand_user
+
+#: The options file the running command read (as named, its folder) and the relative paths it gave, by flag. A path
+#: in a file is read from the working folder, as its flag would be; a refusal that it is not found says so.
+_READ_FROM_FILE: ContextVar[Optional[tuple[str, str, dict[str, list[str]]]]] = ContextVar(
+    "read_from_file", default=None
+)
 
 
 class OptionsParser(Protocol):
@@ -229,12 +240,63 @@ def _as_text(value: Any, key: str, hint: Any, action: argparse.Action, parser: O
     return str(value)
 
 
+def note_file_paths(parser: OptionsParser, path: str, values: dict[str, Any]) -> None:
+    """Note the options file being read (``path``; parser.source as named) and the relative paths it gives (each
+    text value, a list's items too, that is no absolute path nor ``~``), for :func:`with_file_path_hint`."""
+    paths: dict[str, list[str]] = {}
+    for key, value in values.items():
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, str) and item and not os.path.isabs(item) and not item.startswith("~"):
+                paths.setdefault(f"--{parser.flags[key.replace('-', '_')].dest}", []).append(item)
+    _READ_FROM_FILE.set((parser.source or path, os.path.dirname(path), paths))
+
+
+@contextlib.contextmanager
+def file_paths_noted() -> Iterator[None]:
+    """A command's scope for :func:`note_file_paths`: nothing is noted when it begins, and its notes end with it (a
+    second command in the same process reads its own file, or none)."""
+    token = _READ_FROM_FILE.set(None)
+    try:
+        yield
+    finally:
+        _READ_FROM_FILE.reset(token)
+
+
+def with_file_path_hint(error: TaperNormError) -> TaperNormError:
+    """``error``, where it says that a relative path an options file gave is not found (``'corpus.txt' not found``),
+    saying that the path came from the file and was looked for in the working folder, not the file's: the file
+    reads exactly as the same flags, so a path in it is written from the working folder, which a user who keeps the
+    file beside its data would not guess. Any other error as it is. One place for every refusal of a missing path."""
+    noted = _READ_FROM_FILE.get()
+    if noted is None:
+        return error
+    name, folder, paths = noted
+    message = str(error)
+    for flag, values in paths.items():
+        for value in values:
+            found = re.search(rf"'{re.escape(value)}' not found(?=$|[:;])", message)
+            if found is None or os.path.lexists(value):
+                continue
+            source = f"from {name}" if flag in message[: found.start()] else f"{flag} in {name}"
+            hinted = copy.copy(error)
+            hinted.args = (
+                f"{message[: found.start()]}'{value}' ({source}) not found in the working folder {os.getcwd()}"
+                f"{message[found.end() :]}; paths in an options file are read from the working folder, not the "
+                f"file's ({folder}): write them from the working folder, or as absolute paths",
+            )
+            return hinted
+    return error
+
+
 __all__ = [
     "OptionsParser",
     "check_options_file",
     "command_line",
+    "file_paths_noted",
     "is_options_file",
+    "note_file_paths",
     "options_file_among",
     "read_options_file",
     "refuse_misplaced",
+    "with_file_path_hint",
 ]

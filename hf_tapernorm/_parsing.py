@@ -37,6 +37,7 @@ from ._options_file import (
     check_options_file,
     command_line,
     is_options_file,
+    note_file_paths,
     options_file_among,
     read_options_file,
     refuse_misplaced,
@@ -128,6 +129,7 @@ def parse(dataclass_types: Sequence[type], argv: Sequence[str], prog: str) -> tu
         words = {flag for flag, action in parser.flags.items() if has_a_yaml_bool_word(action.choices or ())}
         values = read_options_file(path, source, as_written, words)
         argv = command_line(parser, values)
+        note_file_paths(parser, path, values)  # a refusal that one of its paths is not found says where it looked
         bare = frozenset(parser.flags[key.replace("-", "_")].dest for key, v in values.items() if v is BARE_TILDE)
     else:
         misplaced = options_file_among(parser, argv)

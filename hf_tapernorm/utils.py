@@ -7,7 +7,7 @@ import importlib.util
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextvars import ContextVar
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -274,26 +274,56 @@ def check_compile_options(backend: Optional[str], mode: Optional[str], flags: tu
         raise ConfigurationError(f"{flags[1]} {mode!r} is not a torch.compile mode: {', '.join(modes)}")
 
 
-#: the dtypes a model loads in (an export, a tapered checkpoint), by the names a caller may give as text
+#: The dtypes a model loads in (an export, a tapered checkpoint), by torch's name of each.
 LOAD_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+#: The short name of each dtype of LOAD_DTYPES (bench --dtypes and its reports spell fp32): every option and
+#: parameter that takes a dtype by name takes either spelling, so that one options file holds a name every command
+#: reads (a bench file's ``fp32`` and an eval file's ``float32`` are the same dtype).
+SHORT_DTYPE_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64"}
+
+
+def dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    """The names a refusal lists for ``dtypes``: both spellings of each (``float32/fp32, bfloat16/bf16``)."""
+    names = (str(dtype).removeprefix("torch.") for dtype in dtypes)
+    return ", ".join(f"{name}/{SHORT_DTYPE_NAMES[name]}" for name in names)
+
+
+def read_dtype(
+    value: Union[torch.dtype, str], accepted: Sequence[torch.dtype], refusal: str, suffix: str = ""
+) -> torch.dtype:
+    """The torch dtype among ``accepted`` that ``value`` names: the dtype itself, torch's name of it (``"float32"``,
+    ``"torch.float32"``) or its short name (``"fp32"``). The one reader of a dtype's name, so that every command and
+    loader takes the same spellings; anything else is refused as ``{refusal}: give one of <accepted, both
+    spellings>{suffix}``."""
+    if isinstance(value, torch.dtype) and value in accepted:
+        return value
+    name = value.removeprefix("torch.") if isinstance(value, str) else None
+    long_name = {short: long for long, short in SHORT_DTYPE_NAMES.items()}.get(name, name)
+    dtype = LOAD_DTYPES.get(long_name) if long_name is not None else None
+    if dtype is None or dtype not in accepted:
+        raise ConfigurationError(f"{refusal}: give one of {dtype_names(accepted)}{suffix}")
+    return dtype
+
+
+def dtype_name(value: str, refusal: str) -> str:
+    """Torch's name (``"bfloat16"``) of the dtype a model loads in that ``value`` names (``"bf16"`` too): read_dtype,
+    for an option kept as text (a run's identity, a report)."""
+    return str(read_dtype(value, tuple(LOAD_DTYPES.values()), refusal)).removeprefix("torch.")
 
 
 def load_dtype(dtype: Union[torch.dtype, str, None], what: str) -> Union[torch.dtype, str, None]:
     """``dtype`` as a torch dtype, ``"auto"`` or None, for the loaders' ``dtype=`` (``load_export``,
-    ``load_tapered``): a name (``"float32"``, ``"torch.bfloat16"``) is the torch dtype it names, so that text and
-    ``torch.float32`` are the same request; anything else, a torch dtype a model cannot load in (``torch.int64``,
-    ``torch.complex64``, ``torch.float8_e4m3fn``: transformers' ValueError or a TypeError deep in the load) or an
-    unknown name (``getattr(torch, name)``'s AttributeError) included, is refused naming ``dtype``, ``what`` loads
-    (``"an export"``) and the accepted ones."""
-    if dtype is None or dtype == "auto" or dtype in LOAD_DTYPES.values():
+    ``load_tapered``): a name (``"float32"``, ``"torch.bfloat16"``, ``"bf16"``: read_dtype) is the torch dtype it
+    names, so that text and ``torch.float32`` are the same request; anything else, a torch dtype a model cannot load
+    in (``torch.int64``, ``torch.complex64``, ``torch.float8_e4m3fn``: transformers' ValueError or a TypeError deep in
+    the load) or an unknown name (``getattr(torch, name)``'s AttributeError) included, is refused naming ``dtype``,
+    ``what`` loads (``"an export"``) and the accepted ones."""
+    if dtype is None or dtype == "auto":
         return dtype
-    name = dtype.removeprefix("torch.") if isinstance(dtype, str) else None
-    if name not in LOAD_DTYPES:
-        raise ConfigurationError(
-            f"dtype={dtype!r} is no dtype {what} loads in: give one of {', '.join(LOAD_DTYPES)} (as text or a torch "
-            "dtype: torch.bfloat16), or auto"
-        )
-    return LOAD_DTYPES[name]
+    refusal = f"dtype={dtype!r} is no dtype {what} loads in"
+    return read_dtype(
+        dtype, tuple(LOAD_DTYPES.values()), refusal, " (as text or a torch dtype: torch.bfloat16), or auto"
+    )
 
 
 def json_object(path: Path) -> dict[str, Any]:
@@ -369,7 +399,10 @@ __all__ = [
     "file_in_the_way",
     "holds_model_weights",
     "refuse_weights_of_another_format",
+    "dtype_name",
+    "dtype_names",
     "load_dtype",
+    "read_dtype",
     "saved_model_type",
     "all_reduce_max",
     "all_reduce_sum",

@@ -547,7 +547,7 @@ def test_bf16_variants_are_loaded_not_cast_so_folded_adds_no_cast(tmp_path):
 # ----------------------------------------------------------------------------- bf16 autocast and ONNX Runtime
 @pytest.mark.parametrize("argv, message", [
     (["--train_precisions", "bf16"], "--train_precisions must include fp32"),
-    (["--train_precisions", "fp32", "fp16"], "'fp16' not among fp32, bf16"),
+    (["--train_precisions", "fp32", "fp16"], "'fp16' is none of its dtypes: give one of float32/fp32, bfloat16/bf16$"),
     (["--runtimes", "tensorrt"], "--runtimes: 'tensorrt' not among torch, onnxruntime"),
     (["--runtimes", "onnxruntime", "--variants", "explicit", "limit"], "runs the original and folded variants"),
     (["--runtimes", "onnxruntime", "--dtypes", "bf16"], "use --dtypes fp32 --devices cpu"),

@@ -217,8 +217,8 @@ def test_load_tapered_takes_dtype_as_load_export_does(tmp_path):
         with pytest.raises(ConfigurationError) as caught:
             load_tapered(folder, dtype=dtype)
         assert str(caught.value) == (
-            f"dtype={dtype!r} is no dtype a tapered checkpoint loads in: give one of float32, float16, bfloat16, "
-            "float64 (as text or a torch dtype: torch.bfloat16), or auto"
+            f"dtype={dtype!r} is no dtype a tapered checkpoint loads in: give one of float32/fp32, float16/fp16, "
+            "bfloat16/bf16, float64/fp64 (as text or a torch dtype: torch.bfloat16), or auto"
         )
 
 

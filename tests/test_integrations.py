@@ -899,6 +899,7 @@ def test_dtype_given_as_text_is_the_torch_dtype_it_names_and_a_bad_name_is_one_l
         assert load_export(model, dtype=dtype) is model
     assert load_export(folder, dtype="auto").dtype == torch.float32  # the dtype its config.json records
     assert load_export(folder, dtype="bfloat16").dtype == torch.bfloat16
+    assert load_export(folder, dtype="bf16").dtype == torch.bfloat16  # bench's spelling too (it was refused)
     with pytest.raises(ConfigurationError, match=r"convert it first \(model.to\(torch.bfloat16\)"):
         load_export(model, dtype="bfloat16")
     for bogus in ("bogus", "int8", 3):
@@ -1006,8 +1007,8 @@ def test_a_dtype_an_export_cannot_load_in_is_one_line_naming_the_accepted_ones(e
             with pytest.raises(ConfigurationError) as error:
                 call(exports["llama-sink"], dtype=dtype)
             assert str(error.value) == (
-                f"dtype={dtype} is no dtype an export loads in: give one of float32, float16, bfloat16, float64 (as "
-                "text or a torch dtype: torch.bfloat16), or auto"
+                f"dtype={dtype} is no dtype an export loads in: give one of float32/fp32, float16/fp16, bfloat16/bf16, "
+                "float64/fp64 (as text or a torch dtype: torch.bfloat16), or auto"
             )
     assert load_export(exports["llama-sink"], dtype=torch.float64).dtype == torch.float64
 

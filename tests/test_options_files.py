@@ -933,3 +933,51 @@ def test_null_and_a_bare_tilde_for_other_options_are_still_the_default(tmp_path)
     (tmp_path / "run.yaml").write_text("output_dir: null\ndata_cache_dir:\nsink: ~\nlr_scheduler_type: ~\n")
     *_, training = parsed("taper", [str(tmp_path / "run.yaml")])
     assert (training.output_dir, training.lr_scheduler_type) == ("runs/taper", "warmup_stable_decay")
+
+
+def test_one_dtype_spelling_serves_every_command_and_load_export(tmp_path, monkeypatch):
+    """bench took fp32/bf16/fp16 only ("--dtypes: 'float32' not among fp32, bf16, fp16") while eval's --dtype and
+    load_export took float32/bfloat16/float16 only, so no options file held a dtype both read. Now every place that
+    takes a dtype by name reads both spellings (utils.read_dtype), keeping its own in what it records."""
+    import torch
+
+    from hf_tapernorm.utils import load_dtype
+
+    monkeypatch.chdir(tmp_path)  # bench checks its default output folder
+    for long, short in (("float32", "fp32"), ("bfloat16", "bf16"), ("float16", "fp16")):
+        (bench,) = parsed("bench", [str(write_options(tmp_path, "b.json", {"dtypes": [long]}))])
+        assert bench.dtypes == [short]  # bench.json keeps the short name
+        model = parsed("eval", [str(write_options(tmp_path, "e.yaml", {"dtype": short}))])[0]
+        assert model.dtype == long  # eval's results and a run's identity keep torch's name
+        assert load_dtype(short, "an export") is load_dtype(long, "an export") is getattr(torch, long)
+    with pytest.raises(ConfigurationError) as refused:
+        parsed("bench", [str(write_options(tmp_path, "b.json", {"dtypes": ["float64"]}))])
+    assert str(refused.value) == (
+        "--dtypes: 'float64' is none of its dtypes: give one of float32/fp32, bfloat16/bf16, float16/fp16"
+    )
+
+
+def test_a_relative_path_of_an_options_file_not_found_says_where_it_was_looked_for(tmp_path, monkeypatch):
+    """A relative path in an options file is read from the working folder (the file reads as the same flags), but
+    its refusal ("--dataset_name 'corpus.txt' not found") named neither the file nor the folder searched, so a
+    user who kept the file beside its data could not tell why. Now the refusal says both, in one place (the CLI's
+    error handler); the same path given as a flag is refused as before."""
+    files, work = tmp_path / "files", tmp_path / "work"
+    files.mkdir(), work.mkdir()
+    (files / "corpus.txt").write_text("text\n")
+    monkeypatch.chdir(work)
+    options = write_options(files, "e1.yaml", {"model_name_or_path": "../model", "dataset_name": "corpus.txt"})
+    assert error_of(["eval", str(options)]) == (
+        f"hf-tapernorm eval: error: --dataset_name 'corpus.txt' (from {options}) not found in the working folder "
+        f"{work}: no such file or folder; paths in an options file are read from the working folder, not the "
+        f"file's ({files}): write them from the working folder, or as absolute paths"
+    )
+    fold = write_options(files, "f1.yaml", {"checkpoint": "../run/tapered", "output_dir": "out"})
+    assert error_of(["fold", str(fold)]) == (
+        f"hf-tapernorm fold: error: model '../run/tapered' (--checkpoint in {fold}) not found in the working folder "
+        f"{work}: no such folder or file; paths in an options file are read from the working folder, not the "
+        f"file's ({files}): write them from the working folder, or as absolute paths"
+    )
+    assert error_of(["eval", "--model_name_or_path", "../model", "--dataset_name", "corpus.txt"]) == (
+        "hf-tapernorm eval: error: --dataset_name 'corpus.txt' not found: no such file or folder"
+    )

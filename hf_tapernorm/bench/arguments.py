@@ -31,7 +31,7 @@ from ..app.run_lock import check_destination
 from ..app.validation import check_within_positions
 from ..data.sources import DEFAULT_SAMPLE_BY
 from ..errors import ConfigurationError
-from ..utils import check_compile_options, expand_user, expand_user_options
+from ..utils import SHORT_DTYPE_NAMES, check_compile_options, expand_user, expand_user_options, read_dtype
 from .variants import OF_THE_ORIGINAL
 
 PROG = "hf-tapernorm bench"
@@ -147,6 +147,19 @@ def _help(text: str) -> dict:
     return {"help": text}
 
 
+def short_dtypes(name: str, values: Sequence, shorts: Sequence[str]) -> list:
+    """``values`` of the dtype list option ``name`` in the benchmark's spelling (``shorts``, keys of DTYPES: fp32),
+    each read by utils.read_dtype, so that ``float32`` is fp32 here as ``fp32`` is float32 to eval's --dtype;
+    bench.json keeps the short names. A value that is no text is left as it is (argparse gives each item its type)."""
+    accepted = tuple(DTYPES[short] for short in shorts)
+    return [
+        SHORT_DTYPE_NAMES[str(read_dtype(v, accepted, f"--{name}: {v!r} is none of its dtypes")).removeprefix("torch.")]
+        if isinstance(v, str)
+        else v
+        for v in values
+    ]
+
+
 def _check_list(name: str, values: Sequence, choices: Optional[Sequence] = None) -> None:
     """A list option: not empty, no value twice (it would be timed twice), each among ``choices`` when given."""
     if not values:
@@ -204,9 +217,9 @@ class BenchArguments:
     train_precisions: list[str] = field(
         default_factory=lambda: ["fp32"],
         metadata=_help(
-            "The train mode's arithmetic: fp32, and bf16 (autocast over fp32 master weights, as taper --bf16 "
-            "trains). Each value beyond fp32 adds every workload again (named workload+bf16), interleaved with "
-            "the fp32 ones; its ratio to the same workload in fp32 is printed."
+            "The train mode's arithmetic: fp32 (float32), and bf16 (bfloat16: autocast over fp32 master weights, as "
+            "taper --bf16 trains). Each value beyond fp32 adds every workload again (named workload+bf16), "
+            "interleaved with the fp32 ones; its ratio to the same workload in fp32 is printed."
         ),
     )
     runtimes: list[str] = field(
@@ -220,7 +233,10 @@ class BenchArguments:
     batch_sizes: list[int] = field(default_factory=lambda: [1], metadata=_help("Sequences per batch."))
     seq_lens: list[int] = field(default_factory=lambda: [128], metadata=_help("Sequence (decode: prompt) length."))
     new_tokens: int = field(default=32, metadata=_help("Decoded tokens per decode run."))
-    dtypes: list[str] = field(default_factory=lambda: ["fp32"], metadata=_help("Weight dtypes: fp32, bf16, fp16."))
+    dtypes: list[str] = field(
+        default_factory=lambda: ["fp32"],
+        metadata=_help("Weight dtypes: fp32, bf16, fp16 (or float32, bfloat16, float16)."),
+    )
     devices: list[str] = field(default_factory=lambda: ["cpu"], metadata=_help("cpu, cuda, cuda:1, ..."))
     threads: list[int] = field(
         default_factory=lambda: [min(2, usable_cpus())],
@@ -266,6 +282,8 @@ class BenchArguments:
     def __post_init__(self) -> None:
         expand_user_options(self, "model_name_or_path", "dataset_name", "output_dir")
         refuse_run_folder(self.model_name_or_path, "--model_name_or_path", bench_hint)
+        self.dtypes = short_dtypes("dtypes", self.dtypes, tuple(DTYPES))
+        self.train_precisions = short_dtypes("train_precisions", self.train_precisions, TRAIN_PRECISIONS)
         _check_list("norms", self.norms, NORMS)
         _check_list("variants", self.variants, KINDS)
         _check_list("modes", self.modes, MODES)

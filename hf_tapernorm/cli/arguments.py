@@ -28,12 +28,13 @@ from ..app.validation import IGNORED_ON_RESUME
 from ..config import OptionField, TaperNormConfig, parse_step
 from ..data.sources import DEFAULT_SAMPLE_BY, EMBEDDED_CORPUS
 from ..errors import ConfigurationError
-from ..utils import accelerator_available, cpu_has_fast_bf16, expand_user, expand_user_options
+from ..utils import accelerator_available, cpu_has_fast_bf16, dtype_name, expand_user, expand_user_options
 from .unread_options import TrainerOptionsNotRead
 
 logger = logging.getLogger(__name__)
 
-DTYPES = ("float32", "bfloat16", "float16", "auto")
+#: --dtype's choices: torch's names, auto, and the short names bench --dtypes takes (utils.read_dtype reads both)
+DTYPES = ("float32", "bfloat16", "float16", "auto", "fp32", "bf16", "fp16")
 
 
 TRUST_SHARDED_HELP = (
@@ -80,14 +81,16 @@ class ModelArguments:
         ),
     )
     gguf_file: Optional[str] = field(default=None, metadata=option_help("GGUF file name inside --model_name_or_path."))
-    dtype: Optional[Literal["float32", "bfloat16", "float16", "auto"]] = field(
-        default=None, metadata=option_help("Weights dtype (default: as transformers loads the model).")
+    dtype: Optional[Literal["float32", "bfloat16", "float16", "auto", "fp32", "bf16", "fp16"]] = field(
+        default=None, metadata=option_help("Weights dtype (default: as transformers loads the model); fp32 is float32.")
     )
     trust_remote_code: bool = field(default=False, metadata=option_help("Allow custom modeling code of the model."))
     trust_sharded_checkpoint: bool = field(default=False, metadata=option_help(TRUST_SHARDED_HELP))
 
     def __post_init__(self) -> None:
         expand_user_options(self, "model_name_or_path")
+        if self.dtype not in (None, "auto"):  # one name per dtype in a run's identity and reports: torch's
+            self.dtype = dtype_name(self.dtype, f"--dtype {self.dtype!r}")
 
 
 @dataclass

@@ -109,26 +109,38 @@ def main(argv: Optional[Sequence[str]] = None, *, extension: Optional[TaperExten
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _terminate)
+    from .._options_file import file_paths_noted  # with the command: `hf-tapernorm --help` imports no torch
+
+    try:
+        with file_paths_noted():
+            return _run(command, rest, extension, debug)
+    except KeyboardInterrupt as interruption:
+        terminated = isinstance(interruption, Terminated)
+        print(f"hf-tapernorm {command}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return 143 if terminated else 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(command: str, rest: list[str], extension: Optional[TaperExtension], debug: bool) -> int:
+    """Run ``command``; an error the package explains is one line (a path an options file gave that is not found
+    says where it was looked for: with_file_path_hint), exit status 2 (1: a run whose result failed)."""
+    from .._options_file import with_file_path_hint
+
     try:
         if extension is not None:
             if command != "taper":
                 raise ValueError(f"main(extension=...) applies to the taper command, not '{command}'")
             return taper_main(rest, extension)
         return COMMANDS[command][0](rest)
-    except KeyboardInterrupt as interruption:
-        terminated = isinstance(interruption, Terminated)
-        print(f"hf-tapernorm {command}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
-        return 143 if terminated else 130
     except TaperNormError as error:
         if debug:
             raise
         failed_run = isinstance(error, (TaperDivergenceError, FoldCheckError))
         suffix = "; no export was written" if failed_run else ""
-        print(f"hf-tapernorm {command}: error: {error}{suffix}", file=sys.stderr)
+        print(f"hf-tapernorm {command}: error: {with_file_path_hint(error)}{suffix}", file=sys.stderr)
         return 1 if failed_run else 2
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def take_debug_switch(argv: list[str]) -> tuple[bool, list[str]]:

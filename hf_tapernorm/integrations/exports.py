@@ -60,10 +60,10 @@ def load_export(
 ) -> PreTrainedModel:
     """The folded model of ``source`` (a folder ``export_folded`` wrote, or a folded model), in eval mode.
 
-    ``dtype`` (a torch dtype, its name as text, or ``"auto"``): a folder loads in it (default float32; ``"auto"``:
-    the dtype its config.json records, as ``from_pretrained`` reads it); a model stays in its own (``"auto"``:
-    whatever that is), and a ``dtype`` other than its own is refused rather than converted: converting in place
-    would change the caller's model, and a copy would double its memory without a word.
+    ``dtype`` (a torch dtype, its name as text: ``"bfloat16"`` or ``"bf16"``, or ``"auto"``): a folder loads in it
+    (default float32; ``"auto"``: the dtype its config.json records, as ``from_pretrained`` reads it); a model stays
+    in its own (``"auto"``: whatever that is), and a ``dtype`` other than its own is refused rather than converted:
+    converting in place would change the caller's model, and a copy would double its memory without a word.
     Refuses a folder without a config, a tapered checkpoint or patched model (fold it first), and
     (``folded_only``) a model that is not folded: the integrations that need the export's structure (folded norms
     as identities, the stored sink) set it. Refuses an export loaded as its plain base class (its config.json's

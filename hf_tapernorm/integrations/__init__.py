@@ -6,7 +6,8 @@
   (extra ``interpretability``);
 - :func:`export_onnx`, :class:`OnnxCausalLM` (onnx_runtime.py): the export (or any causal LM) as an ONNX graph
   with its KV cache and stored sink, run in ONNX Runtime (extra ``onnx``);
-- :func:`load_export` (exports.py): an export folder (or any causal LM folder) loaded for these tools;
+- :func:`load_export` (exports.py): an export folder (or, with ``folded_only=False``, any causal LM folder)
+  loaded for these tools;
 - :func:`require`, :class:`MissingExtraError` (extras.py): import an extra's package, or one line naming the extra.
 
 None of these packages is a dependency of hf_tapernorm: each module imports its tool when a function is

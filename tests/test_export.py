@@ -136,6 +136,34 @@ def test_export_folded_overwrite_refuses_an_export_whose_card_was_edited(folded,
     assert (export / "README.md").read_text() != "# my card\n"
 
 
+def test_export_folded_overwrite_refuses_an_export_whose_generation_config_was_edited(folded, tmp_path):
+    """overwrite=True replaced a generation_config.json its owner had edited (sampling defaults: do_sample,
+    temperature) with only a WARNING, where an edited card is refused; now the generation defaults are its owner's to
+    edit as the card is: the replacement is refused in one line naming the file, and the export left byte for byte.
+    With the card edited too, both are named in the same words."""
+    export = export_folded(folded, tmp_path / "export")
+    config = json.loads((export / "generation_config.json").read_text())
+    (export / "generation_config.json").write_text(json.dumps({**config, "do_sample": True, "temperature": 0.7}))
+    before = _files(export)
+    with pytest.raises(ConfigurationError) as caught:
+        export_folded(folded, export, overwrite=True)
+    assert str(caught.value) == (
+        f"refusing overwrite=True of {export}: its generation_config.json was edited after the export wrote it (its "
+        "sha256 is not the one .hf_tapernorm_export.json recorded), and replacing the export would lose the edits; "
+        "move generation_config.json out of the folder to keep it, or delete it to let the export be replaced"
+    )
+    assert _files(export) == before
+    (export / "README.md").write_text("# my card\n")
+    with pytest.raises(ConfigurationError) as caught:
+        export_folded(folded, export, overwrite=True)
+    assert str(caught.value) == (
+        f"refusing overwrite=True of {export}: its README.md and generation_config.json were edited after the export "
+        "wrote them (their sha256 are not the ones .hf_tapernorm_export.json recorded), and replacing the export "
+        "would lose the edits; move README.md and generation_config.json out of the folder to keep them, or delete "
+        "them to let the export be replaced"
+    )
+
+
 def test_export_folded_through_a_link_names_a_live_write_beside_its_target(folded, tmp_path):
     """``export_folded(m, LINK, overwrite=True)`` with a live ``.Y.export-PID`` beside LINK's target Y went ahead:
     the check looked beside LINK only. Beside the target is looked at too."""

@@ -141,6 +141,29 @@ def test_push_of_an_export_whose_model_card_was_emptied_uploads_it_as_is(run, tm
     assert _push(folder / "folded", "me/empty_card") == 0 and "README.md" in hub.sent["me/empty_card"]
 
 
+def test_push_uploads_an_edited_generation_config_and_says_so(run, tmp_path, hub, caplog):
+    """An export whose generation_config.json its owner edited (do_sample, temperature, max_new_tokens) was refused
+    as "changed after the export wrote it ..., so the upload would not be the model its README.md and robustness scan
+    describe", though generation defaults change no weight or logit. Now it is uploaded as the edited file, with an
+    INFO line naming the edit; an edited tokenizer_config.json (it can change tokenization) is still refused."""
+    folder = copy_of(run, tmp_path) / "folded"
+    generation = folder / "generation_config.json"
+    edited = {**json.loads(generation.read_text()), "do_sample": True, "temperature": 0.7, "max_new_tokens": 64}
+    generation.write_text(json.dumps(edited))
+    caplog.set_level("INFO", logger="hf_tapernorm.export.manifest")
+    assert _push(folder, "me/generation") == 0 and "generation_config.json" in hub.sent["me/generation"]
+    assert json.loads(generation.read_text()) == edited  # the upload reads the folder: the edit is what is sent
+    assert caplog.messages == [
+        f"{folder}: generation_config.json edited after the export wrote it (the sha256 .hf_tapernorm_export.json "
+        "recorded differs); uploading the edit, which changes no weight the card and the robustness scan describe"
+    ]
+    tokenizer_config = folder / "tokenizer_config.json"
+    tokenizer_config.write_text(json.dumps({**json.loads(tokenizer_config.read_text()), "add_bos_token": False}))
+    assert "tokenizer_config.json changed after the export wrote it" in error_of(
+        ["push", "--export_dir", str(folder), "--repo_id", "me/tokenizer"]
+    )
+
+
 def test_push_uploads_only_the_files_of_the_export(reference, tmp_path, hub):
     from huggingface_hub.utils import filter_repo_objects
 

@@ -428,6 +428,32 @@ def test_fold_overwrite_refuses_an_export_whose_card_was_edited(workspace, tmp_p
     assert (export / "README.md").read_text() != "# my card\n"
 
 
+def test_fold_overwrite_refuses_an_export_whose_generation_config_was_edited(workspace, tmp_path):
+    """fold --overwrite replaced a generation_config.json its owner had edited (do_sample, temperature,
+    max_new_tokens) with only a WARNING, and push's refusal of the edit advised exactly that fold --overwrite: the
+    edit was lost. Now it is refused as an edited card is, in one line naming the file, the export left byte for
+    byte; push uploads the edit; once the file is moved aside the export is replaced."""
+    checkpoint = tapered_checkpoint(tmp_path / "tapered")
+    export = tmp_path / "export"
+    fold = ["fold", "--checkpoint", str(checkpoint), "--output_dir", str(export)]
+    assert run_main(fold)[0] == 0
+    generation = export / "generation_config.json"
+    edited = {**json.loads(generation.read_text()), "do_sample": True, "temperature": 0.7, "max_new_tokens": 64}
+    generation.write_text(json.dumps(edited))
+    before = snapshot(export)
+    assert error_of([*fold, "--overwrite"]) == (
+        f"hf-tapernorm fold: error: refusing to --overwrite '{export}': its generation_config.json was edited after "
+        "the export wrote it (its sha256 is not the one .hf_tapernorm_export.json recorded), and replacing the export "
+        "would lose the edits; move generation_config.json out of the folder to keep it, or delete it to let the "
+        "export be replaced"
+    )
+    assert snapshot(export) == before
+    assert "generation_config.json" in files_to_push(export)  # push's check of the files takes the edit
+    generation.rename(tmp_path / "my_generation_config.json")
+    assert run_main([*fold, "--overwrite"])[0] == 0
+    assert "do_sample" not in json.loads(generation.read_text())
+
+
 def test_eval_output_json_never_writes_over_a_file_it_did_not_create(workspace, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(workspace / "llama", model)
@@ -608,20 +634,24 @@ def test_a_fold_with_a_scan_into_the_runs_folded_is_the_runs_export(workspace, t
     assert not (folder / "folded" / "robustness_scan.json").exists()  # the new run wrote no scan (--scan_windows 0)
 
 
+@pytest.mark.parametrize("name", ["README.md", "generation_config.json"])
 @pytest.mark.parametrize("option", ["--overwrite", "--resume"])
-def test_taper_refuses_to_replace_a_run_export_whose_card_was_edited(workspace, run, tmp_path, monkeypatch, option):
+def test_taper_refuses_to_replace_a_run_export_whose_card_was_edited(
+    workspace, run, tmp_path, monkeypatch, option, name
+):
     """taper --overwrite, and --resume of the finished run (which writes its export anew), replaced an edited
     README.md card in the run's folded/ without a word, where fold --overwrite refuses it; now both refuse in one
-    line, before anything is loaded, deleted or trained, and the card is kept."""
+    line, before anything is loaded, deleted or trained, and the card is kept. An edited generation_config.json (its
+    owner's sampling defaults, which push uploads) was replaced with only a WARNING: it is refused and kept too."""
     folder = copy_of(run, tmp_path)
-    card = folder / "folded" / "README.md"
-    card.write_text(card.read_text() + "MY EDIT\n")
+    edited = folder / "folded" / name
+    edited.write_text(edited.read_text() + "\n")  # still JSON, for generation_config.json
     before = snapshot(folder)
     no_loading(monkeypatch)
     assert error_of([*run_argv(workspace, folder), option]) == (
         f"hf-tapernorm taper: error: refusing to {option} '{folder}', which writes its export '{folder / 'folded'}' "
-        "anew: its README.md was edited after the export wrote it (its sha256 is not the one "
-        ".hf_tapernorm_export.json recorded), and replacing the export would lose the edits; move README.md out of "
+        f"anew: its {name} was edited after the export wrote it (its sha256 is not the one "
+        f".hf_tapernorm_export.json recorded), and replacing the export would lose the edits; move {name} out of "
         "the folder to keep it, or delete it to let the export be replaced"
     )
     assert snapshot(folder) == before

@@ -2,12 +2,13 @@
 deleted or trained.
 
 Either writes the run's export anew (a ``--resume`` of a finished run too: it folds its tapered model again and
-re-exports), so what its owner added to the export since goes with it. A model card edited after the export wrote
-it is refused, as ``fold --overwrite`` refuses it (export/manifest.py ``edited_card``), and weights or a config
-changed since are named in a WARNING (``warn_changed_export``, as fold's) once the run goes ahead. The robustness
-scan a later ``fold --scan_windows N`` wrote into ``folded/`` is the run's to replace (the export's manifest lists
-it, and the export was made from the run's own tapered/, fold_main checks that), but a run with ``--scan_windows 0``
-writes none in its place: a WARNING names it, after every refusal and before anything is deleted.
+re-exports), so what its owner added to the export since goes with it. A model card or generation_config.json edited
+after the export wrote it is refused, as ``fold --overwrite`` refuses it (export/manifest.py ``edited_files``), and
+weights or a config changed since are named in a WARNING (``warn_changed_export``, as fold's) once the run goes
+ahead. The robustness scan a later ``fold --scan_windows N`` wrote into ``folded/`` is the run's to replace (the
+export's manifest lists it, and the export was made from the run's own tapered/, fold_main checks that), but a run
+with ``--scan_windows 0`` writes none in its place: a WARNING names it, after every refusal and before anything is
+deleted.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from ..errors import ConfigurationError
 from ..evaluation.scan import SCAN_FILE
-from ..export.manifest import EDITED_CARD, edited_card, export_manifest, warn_changed_export
+from ..export.manifest import edited_files, edited_refusal, export_manifest, warn_changed_export
 from .data_checks import RUN_EXPORT
 from .run_lock import RunFolderError
 
@@ -25,15 +26,18 @@ logger = logging.getLogger(__name__)
 
 
 def check_run_export(run: Path, *, resume: bool) -> None:
-    """Refuse ``--overwrite`` or ``--resume`` (``resume``) of the run in ``run`` whose export holds an edited card."""
+    """Refuse ``--overwrite`` or ``--resume`` (``resume``) of the run in ``run`` whose export holds an edited card or
+    generation_config.json (its owner's edits, which the new export would lose)."""
     export = run / RUN_EXPORT
     try:
-        edited = edited_card(export)
+        edited = edited_files(export)
     except ConfigurationError:  # a damaged export manifest: none of its files are the run's (RunFolder.check)
         return
     if edited:
         verb = "--resume" if resume else "--overwrite"
-        raise RunFolderError(f"refusing to {verb} '{run}', which writes its export '{export}' anew: {EDITED_CARD}")
+        raise RunFolderError(
+            f"refusing to {verb} '{run}', which writes its export '{export}' anew: {edited_refusal(edited)}"
+        )
 
 
 def warn_run_export(run: Path, *, resume: bool, scans: bool) -> None:

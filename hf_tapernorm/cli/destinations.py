@@ -28,7 +28,7 @@ from ..app.folder_writes import check_folder_destination, check_path_length, tem
 from ..app.run_folder import LOCK_NAME
 from ..app.run_lock import check_destination, refuse_while_running, resolved_path, unreadable_place
 from ..evaluation.scan import SCAN_FILE
-from ..export.manifest import EDITED_CARD, EXPORT_MANIFEST_NAME, edited_card, export_manifest
+from ..export.manifest import EXPORT_MANIFEST_NAME, edited_files, edited_refusal, export_manifest
 from ..utils import file_in_the_way
 
 #: What an export folder holds (export_folded + the tokenizer); anything else in it is the user's.
@@ -220,8 +220,9 @@ def check_export_folder(folder: Path, overwrite: bool, *, locked: bool = False) 
             f"refusing to --overwrite '{folder}': it holds files an export does not write "
             f"({', '.join((foreign or links)[:8])}); move them away first"
         )
-    if manifest is not None and edited_card(folder):
-        raise UsageError(f"refusing to --overwrite '{folder}': {EDITED_CARD}")
+    edited = [] if manifest is None else edited_files(folder)
+    if edited:
+        raise UsageError(f"refusing to --overwrite '{folder}': {edited_refusal(edited)}")
 
 
 #: The weight shards an export of an earlier version wrote (save_pretrained's names), beside EXPORT_FILES.

@@ -4,7 +4,8 @@ Pushing uploads the files of the export's manifest (``modeling_folded.upload_exp
 ``folded.push_to_hub``): anything else in the folder (a ``.env`` with a token, notes) is listed and refused unless
 ``include`` names it, because ``upload_folder`` publishes whatever a folder holds. The package's own bookkeeping files
 (``.hf_tapernorm_*``) are never uploaded, whatever ``include`` says; files changed since the export wrote them are
-refused (``manifest.check_export_files``), so a card and a scan are published only with the weights they describe.
+refused (``manifest.check_export_files``), so a card and a scan are published only with the weights they describe,
+but the card and generation_config.json, which its owner may edit (``manifest.OWNER_EDITABLE``), go up edited.
 """
 
 from __future__ import annotations

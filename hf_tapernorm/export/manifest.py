@@ -8,7 +8,8 @@ The model card and the robustness scan state figures of the files they were writ
 records the sha256 of every file as the export wrote it (a writer that rewrites one inside ``recording_export``, the
 scan or the card, records its new digest), and a push verifies them: weights edited, a fine-tuned model saved over the
 export, an edited config.json, modeling code or scan would otherwise be published under a card and a scan that
-describe another model.
+describe another model. The files its owner may edit by hand (:data:`OWNER_EDITABLE`: the card, the generation
+defaults) describe no weight or logit: push uploads them edited, and a replacement of the export refuses to lose them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ EXPORT_MANIFEST_NAME = ".hf_tapernorm_export.json"
 DIGESTS_KEY = "files_sha256"
 #: The model card: written with the export, but prose its owner may edit by hand before a push.
 CARD_NAME = "README.md"
+#: The generation defaults (do_sample, temperature, max_new_tokens): its owner's to edit, as the card is.
+GENERATION_CONFIG_NAME = "generation_config.json"
+#: The files of an export its owner may edit by hand before a push: neither changes the weights or the logits that
+#: the card and the robustness scan describe, so push uploads them edited (an INFO line names them), and a
+#: replacement of the export refuses to lose the edits (edited_files). tokenizer_config.json is not among them: an
+#: edit there changes tokenization (add_bos_token, which a stored sink relies on; the chat template).
+OWNER_EDITABLE = (CARD_NAME, GENERATION_CONFIG_NAME)
 #: The start of the names of the package's bookkeeping files (the manifest, a command's lock): no export content.
 BOOKKEEPING_PREFIX = ".hf_tapernorm_"
 #: A running command's lock (app/run_lock.py takes it), in a run folder or an export a command writes.
@@ -132,7 +140,8 @@ def recording_export(folder: str | os.PathLike) -> Iterator[Path]:
 
 def check_export_files(folder: str | os.PathLike) -> None:
     """Refuse (ConfigurationError, the files named) an export whose files are not the ones its card and scan were
-    written with: each file of the manifest but the card itself must still have the sha256 the export recorded."""
+    written with: each file of the manifest but those its owner may edit (:data:`OWNER_EDITABLE`, named in an INFO
+    line when edited) must still have the sha256 the export recorded."""
     folder = Path(folder)
     manifest = _read_manifest(folder)
     if manifest is None:
@@ -155,11 +164,22 @@ def check_export_files(folder: str | os.PathLike) -> None:
             "hf-tapernorm fold --overwrite from the tapered checkpoint, whose card and scan are of its files "
             "(weights changed on purpose need a card of their own: hf-tapernorm eval --scan_reference measures them)"
         )
+    edited = edited_files(folder)
+    if edited:
+        logger.info(
+            "%s: %s edited after the export wrote %s (the sha256 %s recorded differs); uploading the edit, which "
+            "changes no weight the card and the robustness scan describe",
+            folder,
+            " and ".join(edited),
+            "it" if len(edited) == 1 else "them",
+            EXPORT_MANIFEST_NAME,
+        )
 
 
 def changed_export_files(folder: str | os.PathLike) -> list[str]:
-    """The files of the export in ``folder``'s manifest, but the card (prose its owner may edit), that are missing or
-    no longer have the sha256 the export recorded; none for an export of a version that recorded no digests."""
+    """The files of the export in ``folder``'s manifest, but those its owner may edit (:data:`OWNER_EDITABLE`), that
+    are missing or no longer have the sha256 the export recorded; none for an export of a version that recorded no
+    digests."""
     folder = Path(folder)
     manifest = _read_manifest(folder)
     if manifest is None or DIGESTS_KEY not in manifest:
@@ -168,14 +188,16 @@ def changed_export_files(folder: str | os.PathLike) -> list[str]:
     return [
         name
         for name in manifest["files"]
-        if name != CARD_NAME and (not (folder / name).is_file() or recorded.get(name) != _sha256(folder / name))
+        if name not in OWNER_EDITABLE
+        and (not (folder / name).is_file() or recorded.get(name) != _sha256(folder / name))
     ]
 
 
 def warn_changed_export(folder: str | os.PathLike, replacing: str) -> None:
     """Name (WARNING) the files of the earlier export in ``folder`` changed since it wrote them (weights saved over
-    it, an edited config): a replacement (``replacing``: who replaces it, e.g. ``"overwrite=True of E"``) deletes
-    them as asked, but they may be someone's work, unlike a card. export_folded, fold --overwrite and a run's
+    it, an edited config.json): a replacement (``replacing``: who replaces it, e.g. ``"overwrite=True of E"``)
+    deletes them as asked, but they may be someone's work (an edited card or generation_config.json is refused
+    instead: edited_files). export_folded, fold --overwrite and a run's
     --overwrite/--resume of its folded/ all warn here, in the same words."""
     folder = Path(folder)
     changed = [name for name in changed_export_files(folder) if (folder / name).is_file()]  # not a killed move's
@@ -205,7 +227,7 @@ def missing_export_files(folder: str | os.PathLike) -> list[str]:
 
 #: The files of an export that loading it does not read (the card, generation defaults, the robustness scan): an
 #: export lacking only these still loads, so eval, bench and taper warn of them where push refuses them.
-NOT_LOADED = frozenset({CARD_NAME, "generation_config.json", "robustness_scan.json"})
+NOT_LOADED = frozenset({CARD_NAME, GENERATION_CONFIG_NAME, "robustness_scan.json"})
 
 
 def incomplete_export(folder: str | os.PathLike, what: str, *, loading: bool = False) -> Optional[str]:
@@ -232,38 +254,50 @@ def incomplete_export(folder: str | os.PathLike, what: str, *, loading: bool = F
     )
 
 
-#: Why an export whose card its owner edited is not replaced, and what to do (export_folded's and fold's refusals).
-EDITED_CARD = (
-    f"its {CARD_NAME} was edited after the export wrote it (its sha256 is not the one {EXPORT_MANIFEST_NAME} "
-    f"recorded), and replacing the export would lose the edits; move {CARD_NAME} out of the folder to keep it, or "
-    "delete it to let the export be replaced"
-)
+def edited_refusal(edited: list[str]) -> str:
+    """Why an export whose owner edited ``edited`` (edited_files) is not replaced, and what to do: export_folded's,
+    fold's and a run's --overwrite/--resume refusals, in the same words."""
+    names = " and ".join(edited)
+    one = len(edited) == 1
+    it = "it" if one else "them"
+    return (
+        f"its {names} {'was' if one else 'were'} edited after the export wrote {it} "
+        f"({'its sha256 is not the one' if one else 'their sha256 are not the ones'} {EXPORT_MANIFEST_NAME} "
+        f"recorded), and replacing the export would lose the edits; move {names} out of the folder to keep {it}, or "
+        f"delete {it} to let the export be replaced"
+    )
 
 
-def edited_card(folder: str | os.PathLike) -> bool:
-    """Whether the export in ``folder`` holds a model card that is not the one it wrote: its owner's edits, which
-    replacing the export would delete without a word. An export whose manifest recorded no digest of its card (an
-    earlier version's) cannot tell, and is replaced as before; push uploads an edited card (check_export_files)."""
+def edited_files(folder: str | os.PathLike) -> list[str]:
+    """The files its owner may edit (:data:`OWNER_EDITABLE`: the card, the generation defaults) that the export in
+    ``folder`` holds and did not write so: its owner's edits, which replacing the export would delete without a word,
+    and which push uploads. A file whose digest the manifest did not record (an earlier version's export) cannot
+    tell, and is replaced as before; a deleted one is an incomplete export's (incomplete_export)."""
     folder = Path(folder)
-    manifest = _read_manifest(folder)
-    recorded = (manifest or {}).get(DIGESTS_KEY, {}).get(CARD_NAME)
-    card = folder / CARD_NAME
-    if recorded is None or not card.is_file() or card.is_symlink():
-        return False
-    return _sha256(card) != recorded
+    recorded = (_read_manifest(folder) or {}).get(DIGESTS_KEY, {})
+    return [
+        name
+        for name in OWNER_EDITABLE
+        if name in recorded
+        and (folder / name).is_file()
+        and not (folder / name).is_symlink()
+        and _sha256(folder / name) != recorded[name]
+    ]
 
 
 __all__ = [
     "BOOKKEEPING_PREFIX",
     "CARD_NAME",
     "DIGESTS_KEY",
-    "EDITED_CARD",
     "EXPORT_MANIFEST_NAME",
+    "GENERATION_CONFIG_NAME",
     "LOCK_NAME",
     "NOT_LOADED",
+    "OWNER_EDITABLE",
     "changed_export_files",
     "check_export_files",
-    "edited_card",
+    "edited_files",
+    "edited_refusal",
     "export_files",
     "export_manifest",
     "folder_files",

@@ -34,9 +34,9 @@ from ..config_fields import check_tokenizer_to_save
 from ..errors import ConfigurationError, TaperStateError
 from ..utils import dangling_link, dangling_parent_step, expand_user, file_in_the_way, some_names
 from .manifest import (
-    EDITED_CARD,
     EXPORT_MANIFEST_NAME,
-    edited_card,
+    edited_files,
+    edited_refusal,
     export_manifest,
     folder_files,
     is_bookkeeping,
@@ -268,8 +268,9 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
             "new export's (a replacement deletes only the files of the earlier one's manifest), and push refuses an "
             "export mixed with other files; move them away first"
         )
-    if edited_card(folder):
-        raise ConfigurationError(f"{refusal}: {EDITED_CARD}")
+    edited = edited_files(folder)
+    if edited:
+        raise ConfigurationError(f"{refusal}: {edited_refusal(edited)}")
     warn_changed_export(folder, f"overwrite=True of {folder}")
     return True
 

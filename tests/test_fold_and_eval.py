@@ -18,6 +18,7 @@ import pytest
 from safetensors import SafetensorError
 
 from hf_tapernorm import (
+    ConfigurationError,
     export_folded,
     fold_model,
 )
@@ -1172,6 +1173,55 @@ def test_eval_refuses_a_block_size_past_its_scan_references_positions_before_loa
         f"hf-tapernorm eval: error: --block_size 100 (the scan's reference '{ws / 'llama'}' reads it too) exceeds the "
         "model's 64 positions"
     )
+
+
+def _scan_reference_argv(ws: Path, reference: Path) -> list[str]:
+    return evaluate(ws / "llama", "--scan_windows", "2", "--scan_reference", str(reference), data=ws / "corpus.txt")
+
+
+def test_eval_refuses_a_scan_reference_whose_tokenizer_cannot_be_read_before_loading(ws, tmp_path, monkeypatch):
+    """A damaged GGUF file as --scan_reference got "the scan reference <its folder> has no tokenizer: it is assumed
+    to share the model's" (the wrong folder and the wrong reason); then the model loaded and the whole evaluation ran
+    before "cannot load model". Now any reference tokenizer that is there but unreadable (the GGUF file, a damaged
+    tokenizer.json) is refused in one line naming the file, before a model loads."""
+    import hf_tapernorm.cli.commands as commands
+
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    (tmp_path / "gg").mkdir()
+    gguf = tmp_path / "gg" / "bad.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00garbage")
+    assert refused(_scan_reference_argv(ws, gguf)) == (
+        f"hf-tapernorm eval: error: --scan_reference '{gguf}': its tokenizer cannot be read (error: unpack_from "
+        "requires a buffer of at least 24 bytes for unpacking 20 bytes at offset 4 (actual buffer size is 15)), so "
+        "the scan could not score the model's blocks with it: repair or replace it, or pass another --scan_reference"
+    )
+    damaged = tmp_path / "damaged"
+    shutil.copytree(ws / "llama", damaged)
+    (damaged / "tokenizer.json").write_text("{not json")
+    assert refused(_scan_reference_argv(ws, damaged)) == (
+        f"hf-tapernorm eval: error: --scan_reference '{damaged}': its tokenizer cannot be read (JSONDecodeError: "
+        "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)), so the scan could not score "
+        "the model's blocks with it: repair or replace it, or pass another --scan_reference"
+    )
+
+
+def test_a_scan_reference_folder_without_a_tokenizer_is_assumed_to_share_the_models(ws, tmp_path, monkeypatch, caplog):
+    """A local folder that holds no tokenizer at all still passes the check with the WARNING, which names it."""
+    import hf_tapernorm.cli.commands as commands
+
+    loaded = []
+
+    def stop(source, **kwargs):
+        loaded.append(source.path)  # the check passed: the evaluated model is about to load
+        raise ConfigurationError("stop here")
+
+    monkeypatch.setattr(commands, "load_model", stop)
+    bare = tmp_path / "bare"
+    shutil.copytree(ws / "llama", bare, ignore=shutil.ignore_patterns("tokenizer*"))
+    with caplog.at_level(logging.WARNING):
+        refused(_scan_reference_argv(ws, bare), "stop here")
+    assert f"the scan reference {bare} has no tokenizer: it is assumed to share the model's" in caplog.text
+    assert loaded == [str(ws / "llama")]
 
 
 def test_eval_scan_of_a_run_whose_report_names_its_baseline_wrongly_is_one_line_before_loading(

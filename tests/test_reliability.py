@@ -13,6 +13,7 @@ import resource
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -73,6 +74,61 @@ def test_a_file_size_limit_hit_by_the_first_checkpoint_is_one_line_with_no_check
     ), line
     report = json.loads((out / "report.json").read_text())
     assert report["status"].startswith("failed: SafetensorError: ") and "File too large" in report["status"]
+
+
+def _torch_save_size_limit() -> None:
+    """``ulimit -f 100`` (100 KiB, as the probe): a bf16 checkpoint's model.safetensors fits, its optimizer.pt
+    (written by torch.save) does not."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100 * 1024, 100 * 1024))
+
+
+def test_a_file_size_limit_hit_by_torch_save_in_a_checkpoint_is_one_line(workspace, tmp_path):
+    """torch.save's writer failing on optimizer.pt (RuntimeError "unexpected pos ..." raised while handling
+    "basic_ios::clear: iostream error") was a traceback and exit 1, as full_disk_refused knew only OSError and
+    SafetensorError; now the same one line as for safetensors, since a file-size limit is set."""
+    run_main(short_taper_argv(workspace, tmp_path / "warm", "--max_steps", "1"))  # the data cache, written unlimited
+    out = tmp_path / "run"
+    argv = short_taper_argv(workspace, out, "--save_steps", "3", "--dtype", "bf16")
+    done = subprocess.run(
+        [sys.executable, "-m", "hf_tapernorm.cli", *argv], env=SUBPROCESS_ENV, preexec_fn=_torch_save_size_limit,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    line = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert line.startswith(
+        f"hf-tapernorm taper: error: --output_dir {out}: its disk could not take what the run writes (RuntimeError: "
+    ), line
+    assert "unexpected pos" in line and line.endswith(
+        "); it kept no complete checkpoint for --resume to continue from: free space (or lift the file-size limit) "
+        "and start over with --overwrite, or choose an --output_dir on another disk"
+    ), line
+    assert (out / "checkpoint-3" / "model.safetensors").is_file()  # the limit was hit after it, in torch.save's file
+    assert (out / "checkpoint-3" / "optimizer.pt").stat().st_size == 100 * 1024
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"].startswith("failed: RuntimeError: ") and "unexpected pos" in report["status"]
+
+
+def test_a_torch_writer_error_with_room_on_the_disk_and_no_size_limit_passes_unchanged(tmp_path, monkeypatch):
+    """Only a full disk or a file-size limit makes torch's writer failure a full disk: the same words with room
+    left and no limit are some other fault, and are not renamed."""
+    import hf_tapernorm.app.full_disk as full_disk
+
+    monkeypatch.setattr(full_disk.resource, "getrlimit", lambda which: (full_disk.resource.RLIM_INFINITY,) * 2)
+    error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 101632 vs 101524")
+    with pytest.raises(RuntimeError) as raised, full_disk.full_disk_refused(tmp_path, "what the run writes"):
+        raise error
+    assert raised.value is error
+    full = SimpleNamespace(free=full_disk.FULL_MARGIN - 1)
+    monkeypatch.setattr(full_disk.shutil, "disk_usage", lambda path: full)
+    refusal = full_disk.full_disk_refused(tmp_path / "not yet", "what the run writes")
+    with (
+        pytest.raises(ConfigurationError, match=r"its disk could not take what the run writes \(RuntimeError: "),
+        refusal,
+    ):
+        raise error
+    with pytest.raises(RuntimeError, match="mat1 and mat2"), full_disk.full_disk_refused(tmp_path):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")  # not the writer's words: never a full disk
 
 
 def test_a_disk_that_fills_up_while_tapered_is_written_names_the_checkpoint_resume_continues_from(

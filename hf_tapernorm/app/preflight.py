@@ -10,7 +10,7 @@ its schedule, a Trainer evaluation without an evaluation set, checkpoints that c
 from inside the run. And the disk: a run whose folder cannot hold the checkpoint and the exports it will write is
 refused before it trains, and a fold whose folder cannot hold its export before its weights load (one check,
 check_free_space, for both; a disk that fills up anyway while an export, a checkpoint or a report is written is one
-line too, full_disk_refused).
+line too: full_disk.py).
 
 The checks ``taper`` runs before work starts are split by what they read, so each has one place:
 validation.py the request and the model's config (the recipe, schedule, positions, the run's identity);
@@ -21,13 +21,10 @@ the run needs.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import errno
 import math
 import os
 import shutil
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -458,31 +455,6 @@ def _stored_dtype(checkpoint: Path) -> Optional[torch.dtype]:
     return max(set(found), key=found.count) if found else None
 
 
-#: What a fold says after its disk filled up: write_folder removed the partial export.
-NOTHING_KEPT = "nothing was kept: free space (or lift the file-size limit), or choose an --output_dir on another disk"
-
-
-@contextlib.contextmanager
-def full_disk_refused(
-    output_dir: Path, writing: str = "the export", then: Callable[[], str] = lambda: NOTHING_KEPT
-) -> Iterator[None]:
-    """A disk that fills up while ``output_dir`` is written (OSError ENOSPC or EDQUOT, or EFBIG: a file-size limit,
-    ``ulimit -f`` or FAT32's 4 GiB; or safetensors' serializing
-    error that wraps it) as one line (ConfigurationError) naming the folder, ``writing`` (what was being written)
-    and ``then()`` (what is left and what to do, asked once the disk has filled); any other error passes unchanged."""
-    try:
-        yield
-    except (OSError, SafetensorError) as error:
-        full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or any(
-            mark in str(error) for mark in ("No space left on device", "Disk quota exceeded", "File too large")
-        )
-        if not full:
-            raise
-        raise ConfigurationError(
-            f"--output_dir {output_dir}: its disk could not take {writing} ({first_line(error)}); {then()}"
-        ) from None
-
-
 def _gigabytes(count: int) -> str:
     return f"{count / 1e9:.2f} GB"
 
@@ -494,7 +466,6 @@ __all__ = [
     "check_trainer_options",
     "check_training_blocks",
     "export_writes",
-    "full_disk_refused",
     "refuse_trainer_evaluation",
     "run_writes",
 ]

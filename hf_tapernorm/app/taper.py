@@ -43,7 +43,8 @@ from ..training.schedule import decay_learning_rate_after_the_taper
 from .data_checks import check_hub_datasets
 from .epochs import blocks_trained, check_accumulation_within_epoch
 from .extension import TaperExtension, TrainingData, TrainingInputs
-from .preflight import check_disk_space, check_trainer_options, check_training_blocks, full_disk_refused
+from .full_disk import full_disk_refused
+from .preflight import check_disk_space, check_trainer_options, check_training_blocks
 from .record import RunRecord, far_worse_warning, global_batch_blocks, new_run_record, precision_line
 from .report import PLOTS, summary_lines, write_report
 from .run_folder import RunFolder, inside_folder, write_file

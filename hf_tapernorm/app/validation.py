@@ -26,8 +26,8 @@ from transformers import AutoModelForCausalLM, PreTrainedConfig
 
 from ..config import TaperNormConfig, sink_token_id
 from ..data.sources import EMBEDDED_CORPUS
-from ..errors import ConfigurationError, UnsupportedModelError
-from ..evaluation.models import ModelSource, ModelSourceError, load_tokenizer, read_model_config
+from ..errors import ConfigurationError, UnsupportedModelError, first_line
+from ..evaluation.models import ModelSource, ModelSourceError, holds_tokenizer, load_tokenizer, read_model_config
 from ..training.schedule import TaperSchedule, fit_default_window
 from ..utils import expand_user
 from .data_checks import check_data_paths, check_output_outside_models
@@ -195,12 +195,22 @@ def check_same_tokenizer(
 ) -> None:
     """Refuse a reference model (the robustness scan's) whose tokenizer is another than the evaluated model's: the
     same ids would be other text for it, so its losses on the model's blocks measure nothing, whatever the sizes of
-    the two vocabularies. A reference without a tokenizer of its own cannot be checked (a log line says so)."""
+    the two vocabularies. A local folder that holds no tokenizer cannot be checked (a WARNING says so); a tokenizer
+    that is there but cannot be read (a damaged GGUF file or tokenizer.json) is refused here, before the evaluated
+    model loads, not after the whole evaluation when the scan loads the reference."""
+    if _holds_no_tokenizer(reference):
+        logger.warning(
+            "the scan reference %s has no tokenizer: it is assumed to share the model's", reference.describe()
+        )
+        return
     try:
         other = load_tokenizer(reference, trust_remote_code=trust_remote_code)
-    except ModelSourceError:
-        logger.warning("the scan reference %s has no tokenizer: it is assumed to share the model's", reference.path)
-        return
+    except ModelSourceError as error:
+        raise ConfigurationError(
+            f"--scan_reference '{reference.describe()}': its tokenizer cannot be read "
+            f"({first_line(error.__cause__ or error)}), so the scan could not score the model's blocks with it: "
+            "repair or replace it, or pass another --scan_reference"
+        ) from None
     ours, theirs = tokenizer.get_vocab(), other.get_vocab()
     if ours != theirs:
         texts, other_texts = {i: t for t, i in ours.items()}, {i: t for t, i in theirs.items()}
@@ -210,6 +220,12 @@ def check_same_tokenizer(
             f"{max(len(texts), len(other_texts))} token ids are other text): it would be scored on text it does not "
             "read; pass a --scan_reference with the model's own tokenizer (its original, or a baseline trained from it)"
         )
+
+
+def _holds_no_tokenizer(reference: ModelSource) -> bool:
+    """A local folder (no GGUF file) without a tokenizer of its own: load_tokenizer's refusal that is no damage."""
+    local = reference.kind in ("folder", "tapered", "folded") and not reference.gguf_file
+    return local and not holds_tokenizer(Path(reference.path))
 
 
 def max_positions(hf_config) -> Optional[int]:

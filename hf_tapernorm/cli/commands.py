@@ -18,7 +18,8 @@ from typing import Any, Optional
 
 from .._parsing import UsageError, parse
 from ..app.data_checks import check_data_paths, check_hub_datasets, output_target
-from ..app.preflight import check_export_space, full_disk_refused
+from ..app.full_disk import full_disk_refused
+from ..app.preflight import check_export_space
 from ..app.record import evaluation_facts, run_card_facts
 from ..app.run_export import warn_dropped_scan
 from ..app.run_folder import RunFolder, write_file, write_folder

@@ -1,0 +1,98 @@
+"""A disk that fills up while a folder is written, as one line: full_disk_refused.
+
+The check before a run or a fold (preflight.check_free_space) counts what it will write; the disk can still fill
+up meanwhile (another process, a quota, a file-size limit), and the writers then fail in their own words: an
+OSError (ENOSPC, EDQUOT, EFBIG), safetensors' SafetensorError that wraps one, or torch.save's archive writer, whose
+C++ stream only says that it failed (a RuntimeError: "unexpected pos ...", "PytorchStreamWriter failed ...",
+"basic_ios::clear: iostream error"). The words of that last one are the same whatever the stream's trouble was, so
+it is taken for a full disk only where the disk is full or a file-size limit is set; otherwise it passes unchanged,
+like any other error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Optional
+
+from safetensors import SafetensorError
+
+from ..errors import ConfigurationError, first_line
+
+try:
+    import resource
+except ImportError:  # Windows: no file-size limit to read
+    resource = None  # type: ignore[assignment]
+
+#: What a fold says after its disk filled up: write_folder removed the partial export.
+NOTHING_KEPT = "nothing was kept: free space (or lift the file-size limit), or choose an --output_dir on another disk"
+
+#: The system's words for a full disk, a quota or a file-size limit, in an error that carries no errno.
+_FULL_WORDS = ("No space left on device", "Disk quota exceeded", "File too large")
+
+#: torch.save's archive writer (caffe2's PytorchStreamWriter over a C++ ostream) when a write fails.
+_TORCH_WRITER_WORDS = ("unexpected pos", "file write failed", "PytorchStreamWriter failed", "iostream error")
+
+#: Free bytes under which a disk counts as full once a write failed: a failed write fills it up to the last blocks.
+FULL_MARGIN = 16 * 2**20
+
+
+@contextlib.contextmanager
+def full_disk_refused(
+    output_dir: Path, writing: str = "the export", then: Callable[[], str] = lambda: NOTHING_KEPT
+) -> Iterator[None]:
+    """A disk that fills up while ``output_dir`` is written (see the module docstring) as one line
+    (ConfigurationError) naming the folder, ``writing`` (what was being written) and ``then()`` (what is left and
+    what to do, asked once the disk has filled); any other error passes unchanged."""
+    try:
+        yield
+    except (OSError, SafetensorError, RuntimeError) as error:
+        if not (_says_full(error) or (_torch_writer_failed(error) and _disk_full_or_limited(output_dir))):
+            raise
+        raise ConfigurationError(
+            f"--output_dir {output_dir}: its disk could not take {writing} ({first_line(error)}); {then()}"
+        ) from None
+
+
+def _says_full(error: BaseException) -> bool:
+    """An OSError or a SafetensorError that names a full disk, a quota or a file-size limit."""
+    if not isinstance(error, (OSError, SafetensorError)):
+        return False
+    return getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or any(
+        words in str(error) for words in _FULL_WORDS
+    )
+
+
+def _torch_writer_failed(error: BaseException) -> bool:
+    """A RuntimeError of torch.save's writer: its text, or that of an error in its chain (the writer's "unexpected
+    pos" is raised while the stream's "iostream error" is handled), is the writer's."""
+    if not isinstance(error, RuntimeError):
+        return False
+    seen: set[int] = set()
+    link: Optional[BaseException] = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if any(words in str(link) for words in _TORCH_WRITER_WORDS):
+            return True
+        link = link.__cause__ or link.__context__
+    return False
+
+
+def _disk_full_or_limited(output_dir: Path) -> bool:
+    """Whether a write into ``output_dir`` can have failed for want of room: its disk has under FULL_MARGIN free,
+    or a file-size limit (``ulimit -f``) is set."""
+    if resource is not None and resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY:
+        return True
+    folder = Path(output_dir).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return shutil.disk_usage(folder).free < FULL_MARGIN
+    except OSError:
+        return False
+
+
+__all__ = ["FULL_MARGIN", "NOTHING_KEPT", "full_disk_refused"]

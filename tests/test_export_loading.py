@@ -403,3 +403,59 @@ def test_an_export_without_a_sink_refuses_a_call_past_its_learned_positions_in_o
     assert done.stdout.strip().endswith("False " + said.format(65)), done.stdout + done.stderr[-2000:]
     assert done.stdout.startswith("transformers_modules."), done.stdout  # the export's own copy of the code
     assert fold_model(tapered("llama")).position_table_size == 0  # RoPE: no table, nothing checked
+
+
+_BY_POSITIONS = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+ids = torch.randint(3, 100, (2, 66), generator=torch.Generator().manual_seed(0))
+mask = torch.ones_like(ids)
+mask[:, :5] = 0
+def run(name, call):
+    try:
+        print(name, "ran", list(call().shape))
+    except Exception as error:
+        print(name, type(error).__name__, error)
+def generate(new):
+    return model.generate(ids[:, :62], attention_mask=mask[:, :62], max_new_tokens=new, do_sample=False, pad_token_id=0)
+with torch.no_grad():
+    run("generate", lambda: generate(8))
+    run("generate+1", lambda: generate(9))
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    run("padded", lambda: model(input_ids=ids, attention_mask=mask, position_ids=positions).logits)
+    run("past", lambda: model(input_ids=ids[:, :10], position_ids=torch.arange(60, 70)[None]).logits)
+print(type(model).__module__, "hf_tapernorm" in sys.modules)
+"""
+
+
+def test_an_export_without_a_sink_counts_the_positions_a_call_uses_against_its_table(tmp_path):
+    """The sinkless export's check counted the cache and the padded input, not the positions the call uses: a
+    left-padded generate whose positions fit its 64 (transformers passes position_ids from the mask) and a 66-column
+    left-padded forward with position_ids up to 60 were refused, and position_ids 60..69 on 10 tokens passed the check
+    and failed with IndexError. Now a call reaches one past its largest position_id (cache + input without them):
+    what fits runs, as stock GPT-2 runs it, and what does not is refused in one line, in the export's own copy too."""
+    folder = export_folded(fold_model(tapered("gpt2")), tmp_path / "out", tokenizer=char_tokenizer())
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    ids = torch.randint(3, 100, (2, 62), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[:, :5] = 0
+    with torch.no_grad():
+        padded = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        alone = model.generate(ids[:, 5:], max_new_tokens=8, do_sample=False)
+    assert torch.equal(padded[:, 62:], alone[:, 57:])  # each row reads positions 0..63, as without its pads
+    said = "TaperNormGPT2LMHeadModel: this model has 64 learned positions; this call reaches {}: shorten the input or "
+    said += "crop the cache"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_"))}
+    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", _BY_POSITIONS, str(folder)], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    lines = done.stdout.strip().splitlines()
+    assert lines[:-1] == [
+        "generate ran [2, 70]",
+        "generate+1 ValueError " + said.format(65),
+        "padded ran [2, 66, 128]",
+        "past ValueError " + said.format(70),
+    ], done.stdout + done.stderr[-2000:]
+    assert lines[-1].startswith("transformers_modules.") and lines[-1].endswith(" False")  # the export's own code

@@ -334,3 +334,33 @@ def test_a_gpt2_eos_sink_export_records_its_positions_and_refuses_past_them_in_o
         with pytest.raises(ValueError, match=rf"the stored sink takes position\(s\) 0..{n - 1} .* {limit} tokens"):
             folded(input_ids=torch.randint(3, 100, (1, limit)))
     assert fold_model(sink_tapered("llama")).config.sink_max_positions == 0  # rotary: no table
+
+
+def test_a_gpt2_sink_export_counts_the_positions_a_call_uses_against_its_table():
+    """A sink export counted the cache (sink included) and the padded input against its 64 learned positions, as the
+    sinkless one did: a left-padded generate that fits (63 positions of text after the sink) and a 66-column
+    left-padded forward, with or without position_ids, were refused, and position_ids 55..64 on 10 tokens (65 after
+    the sink) failed with IndexError. Now it counts the positions it computes at, the sink's shift included."""
+    folded = fold_model(tapered("gpt2", "internal", sink_token_ids=[5])).eval()
+    said = (
+        "TaperNormGPT2LMHeadModel: the stored sink takes position(s) 0..0 of this model's 64 learned positions, so "
+        "the sink and the text together hold at most 64 tokens (63 of text; sink_max_positions in config.json); "
+        "this call reaches {}: shorten the input or crop the cache"
+    )
+    ids = torch.randint(6, 100, (2, 66), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[:, :5] = 0
+    with torch.no_grad():
+        padded = folded.generate(ids[:, :61], attention_mask=mask[:, :61], max_new_tokens=8, do_sample=False)
+        alone = folded.generate(ids[:, 5:61], max_new_tokens=8, do_sample=False)
+        assert torch.equal(padded[:, 61:], alone[:, 56:])  # text at positions 1..63, as without its pads
+        with pytest.raises(ValueError) as error:
+            folded.generate(ids[:, :61], attention_mask=mask[:, :61], max_new_tokens=9, do_sample=False)
+        assert str(error.value) == said.format(65)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        given = folded(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        counted = folded(input_ids=ids, attention_mask=mask).logits  # per row from its first token, as given
+        assert relative(counted[:, 5:], given[:, 5:]) <= 1e-5
+        with pytest.raises(ValueError) as error:
+            folded(input_ids=ids[:, :10], position_ids=torch.arange(55, 65)[None])
+        assert str(error.value) == said.format(66)

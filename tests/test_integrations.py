@@ -518,6 +518,40 @@ def test_onnx_runtime_refuses_past_the_position_table_as_the_torch_export_does(g
         runtime.forward(ids[:, 60:].numpy(), state)
 
 
+def test_onnx_runtime_counts_the_positions_a_left_padded_generate_uses_as_the_torch_export_does(
+    gpt2_sink, gpt2_sink_graph, exports, onnx_graphs
+):
+    """OnnxCausalLM read_input's count of the cache and the padded input: a left-padded generate whose positions fit
+    the 64-row table was refused, with a sink and without, and a left-padded forward of a sink graph too. Now it counts
+    the positions it feeds, as the torch export does: what fits runs with the export's tokens, one more is refused in
+    the export's words, and a forward without a sink, fed at its columns, is still refused past the table."""
+    from hf_tapernorm.integrations.onnx_runtime import OnnxCausalLM
+
+    ids = torch.randint(3, 100, (2, 66), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[:, :5] = 0
+    for folder, graph, length in (
+        (gpt2_sink[0], gpt2_sink_graph, 61),
+        (exports["gpt2-all"], onnx_graphs["gpt2-all"], 62),
+    ):
+        runtime = OnnxCausalLM(graph, threads=1)
+        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        prompt, attended = ids[:, :length], mask[:, :length]
+        with torch.no_grad():
+            greedy = model.generate(prompt, attention_mask=attended, max_new_tokens=8, do_sample=False, pad_token_id=0)
+            with pytest.raises(ValueError) as torch_error:
+                model.generate(prompt, attention_mask=attended, max_new_tokens=9, do_sample=False, pad_token_id=0)
+        assert (runtime.generate(prompt.numpy(), 8, attention_mask=attended.numpy()) == greedy.numpy()).all()
+        with pytest.raises(ConfigurationError) as onnx_error:
+            runtime.generate(prompt.numpy(), 9, attention_mask=attended.numpy())
+        said = str(torch_error.value).split(": ", 1)[1]
+        assert "this call reaches 65" in said and str(onnx_error.value).endswith(": " + said)
+    logits, _ = OnnxCausalLM(gpt2_sink_graph, threads=1).forward(ids[:, 1:].numpy(), attention_mask=mask[:, 1:].numpy())
+    assert logits.shape == (2, 65, 128)  # the sink and 60 tokens of text after 5 pads: positions 0..60
+    with pytest.raises(ConfigurationError, match="64 learned positions; this call reaches 66: shorten the input"):
+        OnnxCausalLM(onnx_graphs["gpt2-all"], threads=1).forward(ids.numpy(), attention_mask=mask.numpy())
+
+
 def test_onnx_runtime_continues_gemma2_s_sliding_and_full_layers_past_the_window(tmp_path):
     """Gemma 2 mixes sliding-window layers (window 8 here) with full ones. The graph used to carry each sliding
     layer's own cache, cut to the window with its mask offset fixed when traced, so a state continued past the

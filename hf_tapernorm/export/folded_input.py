@@ -100,7 +100,8 @@ def read_input(
     - ``token_type_ids`` (GPT-2) are refused: they would change the sink's embedding, whose states the export stores
       as computed without them, so no call with them could give the tapered model's answer.
     - A call that reaches past a learned position table is refused (``max_positions``; an export without a sink
-      refuses it too, with ``check_plain_call``).
+      refuses it too, with ``check_plain_call``): past the largest of the positions it is computed at (the sink's
+      counted), so a left-padded row's pads do not count.
     """
     if contract.token_ids and kwargs.get("token_type_ids") is not None:
         raise ValueError(
@@ -134,7 +135,6 @@ def read_input(
         counts_without_sink, order = columns is None, None
     else:
         counts_without_sink, order = not state.in_input, state.mask_order
-    _check_positions(contract, past + length)
     mask = kwargs.get("attention_mask")
     if mask is not None and mask.dim() in (2, 4):
         counts_without_sink = mask.shape[-1] == past + length - n
@@ -155,20 +155,33 @@ def read_input(
     elif state.row_offset is not None and state.row_offset.shape[0] == batch:
         steps = torch.arange(past, past + length, device=state.row_offset.device)
         kwargs["position_ids"] = (steps[None, :] - state.row_offset[:, None]).clamp(min=0)
+    check_positions(contract, kwargs.get("position_ids"), past + length)
     return state, restore
 
 
 def check_plain_call(model: nn.Module, limit: int, args: tuple, kwargs: dict) -> None:
     """Refuse a call of an export without a stored sink that reaches past its learned position table of ``limit``
-    rows (``_check_positions``, as ``read_input`` refuses it for a sink export): its base class would fail in
-    ``torch.embedding`` with an IndexError that names neither the table nor the call."""
+    rows (``check_positions``, as ``read_input`` refuses it for a sink export): its base class would fail in
+    ``torch.embedding`` with an IndexError that names neither the table nor the call. The positions it reads are
+    its ``position_ids`` where given (``generate()`` gives them from the mask), else the cache's and the input's
+    columns."""
     inputs = args[0] if args else kwargs.get("input_ids")
     if inputs is None:
         inputs = kwargs.get("inputs_embeds")
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
     if inputs is not None and inputs.dim() >= 2:
-        _check_positions(SinkContract(type(model).__name__, max_positions=limit), past + inputs.shape[1])
+        contract = SinkContract(type(model).__name__, max_positions=limit)
+        check_positions(contract, kwargs.get("position_ids"), past + inputs.shape[1])
+
+
+def check_positions(contract: SinkContract, positions: Optional[torch.Tensor], end: int) -> None:
+    """Refuse a call whose positions reach past the contract's learned position table: one past its largest
+    position where ``positions`` are given (a left-padded row starts at 0 after its pads), else ``end`` (the cache's
+    columns and the input's). One max over the positions, only where there is a table."""
+    if contract.max_positions and positions is not None and positions.numel():
+        end = int(positions.max()) + 1
+    _check_positions(contract, end)
 
 
 def _attended(mask: torch.Tensor) -> torch.Tensor:

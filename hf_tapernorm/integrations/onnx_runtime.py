@@ -35,7 +35,7 @@ from ..app.folder_writes import check_folder_destination
 from ..app.run_folder import write_folder
 from ..app.run_lock import refuse_while_running, resolved_path
 from ..errors import ConfigurationError, first_line
-from ..export.folded_input import SinkContract, read_input
+from ..export.folded_input import SinkContract, check_positions, read_input
 from ..export.folded_sink import restore_logits
 from ..utils import expand_user, file_in_the_way
 from .exports import base_class, load_export, local_path
@@ -307,12 +307,21 @@ class OnnxCausalLM:
         positions = kwargs.get("position_ids")
         if positions is None or not (self.sink is not None or per_row):
             positions = torch.arange(past, past + length).expand(batch, -1)
+            self._check_columns(past + length)  # read_input checked the positions it counts per row
         feed = {"input_ids": ids, "attention_mask": mask, "position_ids": np.ascontiguousarray(positions.numpy())}
         feed.update(zip(self.past_names, state["past"]))
         logits, *present = self.session.run(None, feed)
         if restore is not None:
             logits = restore_logits(torch.from_numpy(logits), restore, self.sink_logits).numpy()
         return logits, {"past": present, "mask": mask, "length": past + length, "sink": sink_state, "per_row": per_row}
+
+    def _check_columns(self, end: int) -> None:
+        """Refuse a call fed at its columns (no sink, ``forward``) that reach past the position table, in the words
+        of the torch export, which feeds transformers' GPT-2 its columns too."""
+        try:
+            check_positions(self.contract, None, end)
+        except ValueError as error:
+            raise ConfigurationError(str(error)) from None
 
     def _rows(self, name: str, values: Any) -> Any:
         """``values`` (``input_ids`` or ``attention_mask``) as an int64 ``[batch, columns]`` array, or a one-line

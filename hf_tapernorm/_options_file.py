@@ -240,15 +240,43 @@ def _as_text(value: Any, key: str, hint: Any, action: argparse.Action, parser: O
     return str(value)
 
 
+#: The options whose values are paths (each command's arguments check them by name: utils.expand_user_options), the
+#: only ones whose relative values an options file gives :func:`with_file_path_hint` speaks of: a Hub repository
+#: (push's --repo_id) or a scheduler's name that is not found is no path looked for in the working folder.
+PATH_OPTIONS = frozenset(
+    {
+        "model_name_or_path",
+        "dataset_name",
+        "out_of_corpus_dataset",
+        "data_cache_dir",
+        "baseline_from",
+        "output_dir",
+        "output_json",
+        "scan_reference",
+        "checkpoint",
+        "export_dir",
+    }
+)
+
+
 def note_file_paths(parser: OptionsParser, path: str, values: dict[str, Any]) -> None:
     """Note the options file being read (``path``; parser.source as named) and the relative paths it gives (each
-    text value, a list's items too, that is no absolute path nor ``~``), for :func:`with_file_path_hint`."""
+    text value of a path option, :data:`PATH_OPTIONS`, a list's items too, that is no absolute path nor ``~``), for
+    :func:`with_file_path_hint`."""
     paths: dict[str, list[str]] = {}
     for key, value in values.items():
+        name = parser.flags[key.replace("-", "_")].dest
+        if name not in PATH_OPTIONS:
+            continue
         for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, str) and item and not os.path.isabs(item) and not item.startswith("~"):
-                paths.setdefault(f"--{parser.flags[key.replace('-', '_')].dest}", []).append(item)
+            if isinstance(item, str) and item and not _absolute(item):
+                paths.setdefault(f"--{name}", []).append(item)
     _READ_FROM_FILE.set((parser.source or path, os.path.dirname(path), paths))
+
+
+def _absolute(path: str) -> bool:
+    """Whether ``path`` is read from no working folder: absolute, or the home folder's (``~``)."""
+    return os.path.isabs(path) or path.startswith("~")
 
 
 @contextlib.contextmanager
@@ -263,10 +291,12 @@ def file_paths_noted() -> Iterator[None]:
 
 
 def with_file_path_hint(error: TaperNormError) -> TaperNormError:
-    """``error``, where it says that a relative path an options file gave is not found (``'corpus.txt' not found``),
-    saying that the path came from the file and was looked for in the working folder, not the file's: the file
-    reads exactly as the same flags, so a path in it is written from the working folder, which a user who keeps the
-    file beside its data would not guess. Any other error as it is. One place for every refusal of a missing path."""
+    """``error``, where it quotes a relative path an options file gave (``'corpus.txt'``) that does not exist from
+    the working folder, however it goes on (``not found``, ``no such folder``, taken as a Hub id), saying that the
+    path came from the file and was looked for in the working folder, not the file's: the file reads exactly as the
+    same flags, so a path in it is written from the working folder, which a user who keeps the file beside its data
+    would not guess (a Hub id the file meant is from the file too: the hint is true either way). Any other error as
+    it is. One place for every refusal of a missing path."""
     noted = _READ_FROM_FILE.get()
     if noted is None:
         return error
@@ -274,22 +304,37 @@ def with_file_path_hint(error: TaperNormError) -> TaperNormError:
     message = str(error)
     for flag, values in paths.items():
         for value in values:
-            found = re.search(rf"'{re.escape(value)}' not found(?=$|[:;])", message)
-            if found is None or os.path.lexists(value):
+            if f"'{value}'" not in message or os.path.lexists(value):
                 continue
-            source = f"from {name}" if flag in message[: found.start()] else f"{flag} in {name}"
             hinted = copy.copy(error)
-            hinted.args = (
-                f"{message[: found.start()]}'{value}' ({source}) not found in the working folder {os.getcwd()}"
-                f"{message[found.end() :]}; paths in an options file are read from the working folder, not the "
-                f"file's ({folder}): write them from the working folder, or as absolute paths",
-            )
+            hinted.args = (_hinted(message, flag, value, name, folder),)
             return hinted
     return error
 
 
+def _hinted(message: str, flag: str, value: str, name: str, folder: str) -> str:
+    """``message`` saying that ``value`` (``flag``'s in the options file ``name``, in ``folder``) was looked for in
+    the working folder: "'X' not found" reads "'X' (from FILE) not found in the working folder CWD", any other
+    wording is kept and the hint follows it."""
+    files = f"not the file's ({folder}): write them from the working folder, or as absolute paths"
+    quoted = f"'{value}'"
+    found = re.search(rf"{re.escape(quoted)} not found(?=$|[:;])", message)
+    if found is None:
+        named = quoted if flag in message[: message.index(quoted)] else f"{flag} {quoted}"
+        return (
+            f"{message}; {named} came from {name}: paths in an options file are read from the working folder "
+            f"({os.getcwd()}), {files}"
+        )
+    source = f"from {name}" if flag in message[: found.start()] else f"{flag} in {name}"
+    return (
+        f"{message[: found.start()]}{quoted} ({source}) not found in the working folder {os.getcwd()}"
+        f"{message[found.end() :]}; paths in an options file are read from the working folder, {files}"
+    )
+
+
 __all__ = [
     "OptionsParser",
+    "PATH_OPTIONS",
     "check_options_file",
     "command_line",
     "file_paths_noted",

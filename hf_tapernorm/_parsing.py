@@ -72,6 +72,9 @@ class _Parser(HfArgumentParser):
         super().__init__(list(dataclass_types), prog=prog, allow_abbrev=False)  # a flag is its whole name
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        negated = kwargs.pop("negated_help", None)  # a bool field's text for its --no_ twin, which shares its help
+        if negated is not None and kwargs.get("action") == "store_false":  # its option's default is the default
+            kwargs.update(help=negated, default=argparse.SUPPRESS)
         if isinstance(kwargs.get("help"), str):  # argparse %-formats it: a help's % is a percent sign, never a spec
             kwargs["help"] = _PERCENT.sub("%%", kwargs["help"])
         if kwargs.get("type") is float:  # one check for every number option of every command, before any work

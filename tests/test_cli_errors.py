@@ -1531,7 +1531,13 @@ CASES = {
     "push of a missing export": (
         lambda ws: ["push", "--export_dir", str(ws / "nothing"), "--repo_id", "me/x"],
         2,
-        ["not found"],
+        "error: --export_dir '{ws}/nothing' not found: no such folder; name the folded export taper or fold wrote",
+    ),
+    # a relative one was "'no_such_export' is not a folded export (its config's model_type is not tapernorm_*)"
+    "push of a missing export named relatively": (
+        lambda ws: ["push", "--export_dir", "no_such_export", "--repo_id", "me/x"],
+        2,
+        "error: --export_dir 'no_such_export' not found: no such folder; name the folded export taper or fold wrote",
     ),
     "push to a malformed repo id": (
         lambda ws: ["push", "--export_dir", str(ws / "llama"), "--repo_id", "me/x/y"],

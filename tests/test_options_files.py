@@ -439,6 +439,21 @@ def test_a_key_spelled_like_a_negative_flag_is_that_flag(command, values, argv, 
         parsed("push", [str(tmp_path / "bad.yaml")])
 
 
+def test_push_s_no_private_has_its_own_help_text(capsys):
+    """push --help gave --no_private the text of --private ("Create the repository as private ...", default False):
+    transformers gives a bool's --no_ twin its option's help. A field's ``negated_help`` is the twin's text now."""
+    from hf_tapernorm.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["push", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    private, twin = text.split("--no_private, --no-private ", 1)
+    assert "--private [PRIVATE] Create the repository as private (the default: " in private
+    assert twin.startswith(
+        "Create the repository as public (as --private false). An existing repository keeps its visibility. --include"
+    )
+
+
 #: name -> (command, an options file's text, the start of its one-line error after "hf-tapernorm CMD: error: FILE: ")
 UNREADABLE = {
     "JSON nested 100000 deep": (
@@ -981,3 +996,91 @@ def test_a_relative_path_of_an_options_file_not_found_says_where_it_was_looked_f
     assert error_of(["eval", "--model_name_or_path", "../model", "--dataset_name", "corpus.txt"]) == (
         "hf-tapernorm eval: error: --dataset_name 'corpus.txt' not found: no such file or folder"
     )
+
+
+def _hint(name: Path, work: Path, files: Path) -> str:
+    """What a refusal that quotes a relative path from the options file ``name`` says of it after its own words."""
+    return (
+        f"came from {name}: paths in an options file are read from the working folder ({work}), not the file's "
+        f"({files}): write them from the working folder, or as absolute paths"
+    )
+
+
+def test_a_relative_path_of_an_options_file_is_hinted_however_its_refusal_reads(tmp_path, monkeypatch):
+    """The hint was given only where a refusal read "'X' not found": fold's "--checkpoint 'myrun/tapered': no such
+    folder" (a path with a space or a quote too) and push's "'nothere' is not a folded export" (a missing folder)
+    named neither the file nor the working folder. Now a refusal that quotes a relative path a path option of the
+    file gave, missing from the working folder, says so after its own words ("'X' not found" is reworded as before).
+    A path that exists, and a value of an option that is no path (push's --repo_id), get no hint."""
+    files, work = tmp_path / "files", tmp_path / "work"
+    files.mkdir(), work.mkdir()
+    monkeypatch.chdir(work)
+    for checkpoint in ("myrun/tapered", "my run/it's tapered"):
+        fold = write_options(files, "f.yaml", {"checkpoint": checkpoint, "output_dir": "out"})
+        assert error_of(["fold", str(fold)]) == (
+            f"hf-tapernorm fold: error: --checkpoint '{checkpoint}': no such folder; fold reads a local tapered "
+            f"checkpoint; '{checkpoint}' {_hint(fold, work, files)}"
+        )
+    push = write_options(files, "p.yaml", {"export_dir": "nothere", "repo_id": "me/x"})
+    assert error_of(["push", str(push)]) == (
+        f"hf-tapernorm push: error: --export_dir 'nothere' (from {push}) not found in the working folder {work}: no "
+        "such folder; name the folded export taper or fold wrote; paths in an options file are read from the "
+        f"working folder, not the file's ({files}): write them from the working folder, or as absolute paths"
+    )
+    (work / "plain").mkdir()  # exists: whatever is wrong with it, it was found
+    fold = write_options(files, "f.yaml", {"checkpoint": "plain", "output_dir": "out"})
+    assert "came from" not in error_of(["fold", str(fold)])
+    (work / "e").mkdir()
+    push = write_options(files, "p.yaml", {"export_dir": "e", "repo_id": "me/a..b"})
+    assert error_of(["push", str(push)]).startswith("hf-tapernorm push: error: --repo_id 'me/a..b' is not a valid")
+    assert "came from" not in error_of(["push", str(push)])
+
+
+def test_a_model_path_of_an_options_file_taken_as_a_hub_id_is_hinted(tmp_path, monkeypatch):
+    """eval of a file's ``model_name_or_path: myrun/folded`` (a path written from the file's folder) was refused as
+    a Hub id, "no local folder of that name, so it was taken as a Hub id", without a word of the file. Now it says
+    that the name came from the file and where paths in it are read from (true of a Hub id too)."""
+    files, work = tmp_path / "files", tmp_path / "work"
+    files.mkdir(), work.mkdir()
+    (work / "corpus.txt").write_text("some text\n" * 20)
+    monkeypatch.chdir(work)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # no network retries for the Hub id
+    options = write_options(files, "e.yaml", {"model_name_or_path": "myrun/folded", "dataset_name": "corpus.txt"})
+    message = error_of(["eval", str(options)])
+    assert "cannot load a tokenizer from 'myrun/folded' (no local folder of that name, so it was taken as a Hub id" in (
+        message
+    )
+    assert message.endswith(f"; --model_name_or_path 'myrun/folded' {_hint(options, work, files)}")
+
+
+def test_the_options_file_path_hint_speaks_only_of_path_options():
+    """The hint is limited to PATH_OPTIONS, the options whose values are paths: every option that a command's
+    arguments check as a path (utils.expand_user_options) is one of them, so that a new path option is not left out."""
+    import ast
+
+    from hf_tapernorm._options_file import PATH_OPTIONS
+
+    checked = set()
+    for source in Path("hf_tapernorm").rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "expand_user_options":
+                checked |= {arg.value for arg in node.args[1:] if isinstance(arg, ast.Constant)}
+    assert checked == PATH_OPTIONS
+
+
+def test_dtype_takes_every_spelling_read_dtype_reads(tmp_path):
+    """eval/taper --dtype torch.float32 was argparse's "invalid choice" (its choices listed seven names) while bench
+    --dtypes and load_export took it (utils.read_dtype). Now --dtype reads every spelling read_dtype reads, or auto,
+    and keeps torch's name (a run's identity, eval's results); anything else is one line naming --dtype, from the
+    command line or a file, at parse time."""
+    for given, kept in (("torch.float32", "float32"), ("torch.bfloat16", "bfloat16"), ("fp16", "float16")):
+        assert parsed("eval", ["--dtype", given])[0].dtype == kept
+        options = write_options(tmp_path, "t.yaml", {"dtype": given, "max_steps": 4})
+        assert parsed("taper", [str(options)])[0].dtype == kept
+    assert parsed("eval", ["--dtype", "auto"])[0].dtype == "auto"
+    for bad in ("float64", "FP32", "torch.int8"):
+        with pytest.raises(ConfigurationError) as refused:
+            parsed("eval", [str(write_options(tmp_path, "e.yaml", {"dtype": bad}))])
+        assert str(refused.value) == (
+            f"--dtype '{bad}': give one of float32/fp32, bfloat16/bf16, float16/fp16, or auto"
+        )

@@ -28,13 +28,13 @@ from ..app.validation import IGNORED_ON_RESUME
 from ..config import OptionField, TaperNormConfig, parse_step
 from ..data.sources import DEFAULT_SAMPLE_BY, EMBEDDED_CORPUS
 from ..errors import ConfigurationError
-from ..utils import accelerator_available, cpu_has_fast_bf16, dtype_name, expand_user, expand_user_options
+from ..utils import accelerator_available, cpu_has_fast_bf16, expand_user, expand_user_options, read_dtype
 from .unread_options import TrainerOptionsNotRead
 
 logger = logging.getLogger(__name__)
 
-#: --dtype's choices: torch's names, auto, and the short names bench --dtypes takes (utils.read_dtype reads both)
-DTYPES = ("float32", "bfloat16", "float16", "auto", "fp32", "bf16", "fp16")
+#: The dtypes --dtype loads a model in (or auto), by any name utils.read_dtype reads, as bench --dtypes and load_export
+MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 TRUST_SHARDED_HELP = (
@@ -81,8 +81,12 @@ class ModelArguments:
         ),
     )
     gguf_file: Optional[str] = field(default=None, metadata=option_help("GGUF file name inside --model_name_or_path."))
-    dtype: Optional[Literal["float32", "bfloat16", "float16", "auto", "fp32", "bf16", "fp16"]] = field(
-        default=None, metadata=option_help("Weights dtype (default: as transformers loads the model); fp32 is float32.")
+    dtype: Optional[str] = field(
+        default=None,
+        metadata=option_help(
+            "Weights dtype: float32/fp32, bfloat16/bf16, float16/fp16 (torch.float32 too) or auto (default: as "
+            "transformers loads the model)."
+        ),
     )
     trust_remote_code: bool = field(default=False, metadata=option_help("Allow custom modeling code of the model."))
     trust_sharded_checkpoint: bool = field(default=False, metadata=option_help(TRUST_SHARDED_HELP))
@@ -90,7 +94,8 @@ class ModelArguments:
     def __post_init__(self) -> None:
         expand_user_options(self, "model_name_or_path")
         if self.dtype not in (None, "auto"):  # one name per dtype in a run's identity and reports: torch's
-            self.dtype = dtype_name(self.dtype, f"--dtype {self.dtype!r}")
+            dtype = read_dtype(self.dtype, MODEL_DTYPES, f"--dtype {self.dtype!r}", ", or auto")
+            self.dtype = str(dtype).removeprefix("torch.")
 
 
 @dataclass
@@ -479,7 +484,7 @@ __all__ = [
     "TRUST_SHARDED_HELP",
     "check_positive",
     "option_help",
-    "DTYPES",
+    "MODEL_DTYPES",
     "DataArguments",
     "EvalArguments",
     "ModelArguments",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -49,6 +50,7 @@ from ..export.manifest import warn_changed_export
 from ..export.readout import readout_facts
 from ..layers.patching import gate_of, set_gate
 from ..training.checkpoints import saved_gate, tapered_config_of
+from ..utils import expand_user
 from .arguments import DataArguments, EvalArguments, ModelArguments
 from .destinations import (
     RESULT_MARK,
@@ -353,10 +355,20 @@ def _run_card_facts(source: ModelSource, report: Optional[dict]) -> dict:
     return facts
 
 
+def _refuse_missing_export(export_dir: str) -> None:
+    """Refuse an --export_dir that names nothing, whatever its form: a relative name is no Hub id to push (push
+    uploads a local export), so it was not "a folded export (its config's model_type ...)" that was missing."""
+    if not os.path.lexists(expand_user(export_dir)):
+        raise UsageError(
+            f"--export_dir '{export_dir}' not found: no such folder; name the folded export taper or fold wrote"
+        )
+
+
 def push_main(argv: Sequence[str]) -> int:
     """``hf-tapernorm push``: upload the files an export wrote (its manifest) and the ``--include`` ones."""
     (push_args,) = parse([PushArguments], argv, "hf-tapernorm push")
     refuse_while_running(Path(push_args.export_dir), f"--export_dir '{push_args.export_dir}'")
+    _refuse_missing_export(push_args.export_dir)  # after a loop on the way (resolved_path) is named as such
     refuse_run_folder(push_args.export_dir, "--export_dir", push_hint)
     source = resolve_model(push_args.export_dir, option="--export_dir", whole_export=True)
     if source.kind != "folded":

@@ -57,7 +57,9 @@ class PushArguments:
         default=True,
         metadata=option_help(
             "Create the repository as private (the default: publishing is a decision; --private false or "
-            "--no_private creates a public one). An existing repository keeps its visibility."
+            "--no_private creates a public one). An existing repository keeps its visibility.",
+            negated_help="Create the repository as public (as --private false). An existing repository keeps its "
+            "visibility.",
         ),
     )
     include: list[str] = field(

@@ -1205,6 +1205,23 @@ def test_eval_refuses_a_scan_reference_whose_tokenizer_cannot_be_read_before_loa
     )
 
 
+def test_a_scan_reference_taken_as_a_hub_id_is_told_so_not_called_damaged(ws, tmp_path, monkeypatch):
+    """--scan_reference someorg/somemodel (no local folder of that name, not in the cache, offline) was refused "its
+    tokenizer cannot be read (...): repair or replace it": nothing was damaged. It says now, as --model_name_or_path
+    does, that the name was taken as a Hub id, before a model loads."""
+    import hf_tapernorm.cli.commands as commands
+
+    monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # no network retries for the Hub id
+    monkeypatch.chdir(tmp_path)
+    line = refused(_scan_reference_argv(ws, Path("someorg/somemodel")))
+    assert line.startswith(
+        "hf-tapernorm eval: error: --scan_reference 'someorg/somemodel': no local folder of that name, so it was "
+        "taken as a Hub id, whose tokenizer cannot be read ("
+    ), line
+    assert line.endswith("): check the path, or the network and cache"), line
+
+
 def test_a_scan_reference_folder_without_a_tokenizer_is_assumed_to_share_the_models(ws, tmp_path, monkeypatch, caplog):
     """A local folder that holds no tokenizer at all still passes the check with the WARNING, which names it."""
     import hf_tapernorm.cli.commands as commands

@@ -36,7 +36,7 @@ from hf_tapernorm import (
 from hf_tapernorm.layers import set_gate, tapered_norms
 from hf_tapernorm.training import DivergenceThresholds, TaperSchedule, calibrate
 from tests.conftest import build, random_batches, tiny_llama_config
-from tests.helpers import SUBPROCESS_ENV, error_of, run_main, short_taper_argv, snapshot, taper_argv
+from tests.helpers import SUBPROCESS_ENV, error_of, run_main, short_fold_argv, short_taper_argv, snapshot, taper_argv
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +152,39 @@ def test_a_disk_that_fills_up_while_tapered_is_written_names_the_checkpoint_resu
     report = json.loads((out / "report.json").read_text())
     assert report["status"] == "failed: OSError: [Errno 28] No space left on device"
     assert not (out / "tapered").exists() and (out / "checkpoint-6" / "tapernorm_run.json").is_file()
+
+
+def test_a_full_disk_while_an_export_is_written_is_the_full_disk_line_not_a_temporary_folders(
+    workspace, finished, tmp_path, monkeypatch
+):
+    """ENOSPC while an export's files (its config.json: an OSError, not safetensors' error) were written was refused
+    as "could not write the export .E.partial-PID/w: [Errno 28] ...; nothing was written": a hidden temporary folder
+    already gone, no word of the disk, and in taper no --resume advice. The file the OSError names (a writer's
+    temporary one) is left out of the line. export/writing.py's own refusal is raised from
+    the OSError, which full_disk_refused reads: fold's folder and advice, taper's checkpoint to resume from."""
+    import hf_tapernorm.export.writing as writing
+
+    def full(folder, model, tokenizer):
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / "config.json"))
+
+    monkeypatch.setattr(writing, "_write_export", full)
+    fold_dir = tmp_path / "fold"
+    line = error_of(short_fold_argv(finished / "tapered", fold_dir))
+    assert line == (
+        f"hf-tapernorm fold: error: --output_dir {fold_dir}: its disk could not take the export (OSError: [Errno 28] "
+        "No space left on device); nothing was kept: free space (or lift the file-size limit), or choose an "
+        "--output_dir on another disk"
+    ), line
+    assert not fold_dir.exists()
+    out = tmp_path / "run"
+    line = error_of(short_taper_argv(workspace, out))
+    assert line.startswith(f"hf-tapernorm taper: error: --output_dir {out}: its disk could not take what the run "), (
+        line
+    )
+    assert line.endswith(
+        "free space (or lift the file-size limit), then rerun the same command with --resume: it continues from the "
+        f"last complete checkpoint, {out / 'checkpoint-6'}"
+    ), line
 
 
 # ----------------------------------------------------------------------------- the output folder

@@ -1,12 +1,12 @@
 """A disk that fills up while a folder is written, as one line: full_disk_refused.
 
-The check before a run or a fold (preflight.check_free_space) counts what it will write; the disk can still fill
-up meanwhile (another process, a quota, a file-size limit), and the writers then fail in their own words: an
-OSError (ENOSPC, EDQUOT, EFBIG), safetensors' SafetensorError that wraps one, or torch.save's archive writer, whose
-C++ stream only says that it failed (a RuntimeError: "unexpected pos ...", "PytorchStreamWriter failed ...",
-"basic_ios::clear: iostream error"). The words of that last one are the same whatever the stream's trouble was, so
-it is taken for a full disk only where the disk is full or a file-size limit is set; otherwise it passes unchanged,
-like any other error.
+The check before a run or a fold (preflight.check_free_space) counts what it will write; the disk can still fill up
+meanwhile (another process, a quota, a file-size limit), and the writers then fail in their own words: an OSError
+(ENOSPC, EDQUOT, EFBIG; or the package's own refusal raised from one), safetensors' SafetensorError that wraps one,
+or torch.save's archive writer, whose C++ stream only says that it failed (a RuntimeError: "unexpected pos ...",
+"PytorchStreamWriter failed ...", "basic_ios::clear: iostream error"). The words of that last one are the same
+whatever the stream's trouble was, so it is taken for a full disk only where the disk is full or a file-size limit
+is set; otherwise it passes unchanged, like any other error.
 """
 
 from __future__ import annotations
@@ -49,12 +49,36 @@ def full_disk_refused(
     what to do, asked once the disk has filled); any other error passes unchanged."""
     try:
         yield
-    except (OSError, SafetensorError, RuntimeError) as error:
-        if not (_says_full(error) or (_torch_writer_failed(error) and _disk_full_or_limited(output_dir))):
+    except (OSError, SafetensorError, RuntimeError, ConfigurationError) as error:
+        full = _full_disk_error(error, output_dir)
+        if full is None:
             raise
         raise ConfigurationError(
-            f"--output_dir {output_dir}: its disk could not take {writing} ({first_line(error)}); {then()}"
+            f"--output_dir {output_dir}: its disk could not take {writing} ({_shown(full)}); {then()}"
         ) from None
+
+
+def _full_disk_error(error: BaseException, output_dir: Path) -> Optional[BaseException]:
+    """The error in ``error``'s chain of causes that says the disk is full: itself, or the OSError a writer's own
+    refusal was raised from (export/writing.py names its hidden temporary folder and says nothing of the disk), or
+    torch's writer failing where the disk is full or limited; None otherwise."""
+    seen: set[int] = set()
+    link: Optional[BaseException] = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if _says_full(link):
+            return link
+        link = link.__cause__
+    if _torch_writer_failed(error) and _disk_full_or_limited(output_dir):
+        return error
+    return None
+
+
+def _shown(error: BaseException) -> str:
+    """``error`` in one line; an OSError without the file it names, which is a writer's hidden temporary one."""
+    if isinstance(error, OSError) and error.errno is not None and error.strerror:
+        return f"{type(error).__name__}: [Errno {error.errno}] {error.strerror}"
+    return first_line(error)
 
 
 def _says_full(error: BaseException) -> bool:

@@ -206,10 +206,15 @@ def check_same_tokenizer(
     try:
         other = load_tokenizer(reference, trust_remote_code=trust_remote_code)
     except ModelSourceError as error:
+        cause = first_line(error.__cause__ or error)
+        if reference.kind == "hub":  # nothing is damaged: a name that is no local folder, not in the cache
+            raise ConfigurationError(
+                f"--scan_reference '{reference.describe()}': no local folder of that name, so it was taken as a Hub "
+                f"id, whose tokenizer cannot be read ({cause}): check the path, or the network and cache"
+            ) from None
         raise ConfigurationError(
-            f"--scan_reference '{reference.describe()}': its tokenizer cannot be read "
-            f"({first_line(error.__cause__ or error)}), so the scan could not score the model's blocks with it: "
-            "repair or replace it, or pass another --scan_reference"
+            f"--scan_reference '{reference.describe()}': its tokenizer cannot be read ({cause}), so the scan could "
+            "not score the model's blocks with it: repair or replace it, or pass another --scan_reference"
         ) from None
     ours, theirs = tokenizer.get_vocab(), other.get_vocab()
     if ours != theirs:

@@ -1045,7 +1045,16 @@ def test_corpus_that_is_not_utf8_or_one_long_line_is_explained(workspace, tmp_pa
     assert (
         "held-out split (10% of documents held out) does not fill one block of 32 tokens; it holds only 1 " in message
     )
-    assert message.endswith("split the text into more (blank lines between paragraphs, or --sample_by line)")
+    # not "or --sample_by line": a file of one line has no more lines to cut
+    assert message.endswith("split the text into more lines or paragraphs (each of its documents is one line already)")
+    argv += ["--sample_by", "line"]
+    message = error_of(argv)
+    assert message.endswith("split the text into more lines or paragraphs (each of its documents is one line already)")
+    lines = tmp_path / "paragraph.txt"
+    lines.write_text("\n".join(["the quick brown fox jumps"] * 600))  # one paragraph of many lines
+    argv[argv.index("--dataset_name") + 1] = str(lines)
+    argv = argv[:-2]
+    assert error_of(argv).endswith("split the text into more (blank lines between paragraphs, or --sample_by line)")
     assert not (tmp_path / "run").exists()
 
 

@@ -1082,7 +1082,8 @@ def test_eval_refuses_a_heldout_split_that_fills_no_block_before_loading(ws, run
         assert line == (
             f"hf-tapernorm eval: error: dataset '{ws / 'corpus.txt'}' is too small: its held-out split (1e-09% of "
             "documents held out) does not fill one block of 32 tokens; it holds only 150 document(s) and the split "
-            "takes whole documents: split the text into more (blank lines between paragraphs, or --sample_by line)"
+            "takes whole documents: split the text into more lines or paragraphs (each of its documents is one line "
+            "already)"
         )
 
 

@@ -337,8 +337,7 @@ def _too_little_text(
     )
     if few:
         facts += f"; it holds only {count} document(s) and the split takes whole documents"
-        advice = _split_advice(dataset)
-        return TooLittleText(facts, advice)
+        return TooLittleText(facts, _split_advice(dataset, column))
     distinct = _distinct_documents(dataset, column) if count is not None and heldout_percentage else None
     if distinct is not None and distinct < min(count, 100.0 / heldout_percentage):  # copies, and few
         facts += (
@@ -355,12 +354,15 @@ def _distinct_documents(dataset: datasets.Dataset, column: str) -> int:
     return len(dataset.unique(column))
 
 
-def _split_advice(dataset: AnyDataset) -> str:
+def _split_advice(dataset: AnyDataset, column: str) -> str:
     """How to split a dataset of too few documents into more: --sample_by cuts local text files only (the
-    ``text`` builder's; app/data_checks.py refuses it for any other dataset)."""
-    if getattr(getattr(dataset, "info", None), "builder_name", None) == "text":
+    ``text`` builder's; app/data_checks.py refuses it for any other dataset), and --sample_by line only where a
+    document holds several lines (a one-line file, or one already cut by line, has no more documents to give)."""
+    if getattr(getattr(dataset, "info", None), "builder_name", None) != "text":
+        return ": split the text into more documents (rows)"
+    if any("\n" in text.strip() for text in dataset[column]):
         return ": split the text into more (blank lines between paragraphs, or --sample_by line)"
-    return ": split the text into more documents (rows)"
+    return ": split the text into more lines or paragraphs (each of its documents is one line already)"
 
 
 def _heldout_set(texts, tokenizer, block_size: int, count: int, seed: int, prefix_ids, description: str):

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -261,3 +264,81 @@ def test_token_type_ids_on_a_gpt2_sink_export_are_refused_in_one_line():
             folded(input_ids=call, token_type_ids=torch.zeros_like(call))
     with torch.no_grad():
         assert folded(input_ids=ids, token_type_ids=None).logits.shape == (2, 11, folded.config.vocab_size)
+
+
+# ----------------------------------------------------------------------------- given positions
+def sink_position_refusal(position: int) -> str:
+    return (
+        f"TaperNormGPT2LMHeadModel: position_ids put the stored sink [127] at position {position} in row 0; this "
+        "export stores its states at position 0: count positions from the sink (0), or pass no position_ids"
+    )
+
+
+def test_position_ids_that_put_the_stored_sink_elsewhere_than_0_are_refused_in_one_line():
+    """Given position_ids on a sink-first input were re-based on the sink's column: 50..70 and 110..130 (past the
+    64-row table) ran silently with the logits of 0..20, the caller's offset dropped. The stored sink's states are
+    computed at 0, so those calls are refused now; positions that give the sink 0 (from 0, or as generate() counts a
+    left-padded mask, the sink at a different column in each row) keep the default's logits and generations."""
+    model, folded = tapered_and_folded("gpt2")
+    text = random_batches(vocab=120, n=1, batch=1, length=20, seed=5)[0] + 3  # never the sink
+    ids = torch.cat([torch.full((1, 1), EOS), text], dim=1)
+    with torch.no_grad():
+        for offset in (50, 110):
+            with pytest.raises(ValueError) as error:
+                folded(input_ids=ids, position_ids=torch.arange(21)[None] + offset)
+            assert str(error.value) == sink_position_refusal(offset)
+        assert torch.equal(folded(input_ids=ids, position_ids=torch.arange(21)[None]).logits, folded(ids).logits)
+        tokenizer = left_padding_tokenizer()
+        texts = ["hello world", "hi", "a longer line of text"]
+        batch = tokenizer(["<eos>" + text for text in texts], padding=True, return_tensors="pt")
+        mask = batch.attention_mask
+        assert mask[:, 0].eq(0).any() and mask[:, 0].any()  # the sink at a different column in each row
+        default = folded(**batch).logits
+        for pads in (1, -1):  # generate()'s positions (pads at 1), and the plain cumsum (pads at -1)
+            positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, pads)
+            given = folded(**batch, position_ids=positions).logits
+            assert torch.equal(given[mask.bool()], default[mask.bool()])
+        generated = folded.generate(**batch, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        for row, text in enumerate(texts):
+            single = model.generate(
+                torch.tensor([[EOS, *tokenizer(text).input_ids]]), max_new_tokens=4, do_sample=False
+            )
+            assert torch.equal(generated[row, -4:], single[0, -4:])
+
+
+_SINK_POSITIONS = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+text = torch.randint(3, 120, (1, 20), generator=torch.Generator().manual_seed(0))
+ids = torch.cat([torch.tensor([[127]]), text], 1)
+with torch.no_grad():
+    for offset in (50, 110):
+        try:
+            model(ids, position_ids=torch.arange(21)[None] + offset)
+            print(offset, "ran")
+        except ValueError as error:
+            print(offset, error)
+    print("from 0", torch.equal(model(ids, position_ids=torch.arange(21)[None]).logits, model(ids).logits))
+print(type(model).__module__, "hf_tapernorm" in sys.modules)
+"""
+
+
+def test_the_exports_own_copy_refuses_position_ids_that_move_the_stored_sink(tmp_path):
+    """The export ships its own folded_input.py: its copy re-based given position_ids on the sink's column, so a
+    call at 50.. or 110.. ran with the logits of 0..; it refuses them in one line now, under ``python -I``."""
+    _, folded = tapered_and_folded("gpt2")
+    folder = export_folded(folded, tmp_path / "out", tokenizer=char_tokenizer())
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_"))}
+    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", _SINK_POSITIONS, str(folder)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    lines = done.stdout.strip().splitlines()
+    expected = [f"{offset} {sink_position_refusal(offset)}" for offset in (50, 110)] + ["from 0 True"]
+    assert lines[:-1] == expected, done.stdout + done.stderr[-2000:]
+    assert lines[-1].startswith("transformers_modules.") and lines[-1].endswith(" False")  # the export's own code

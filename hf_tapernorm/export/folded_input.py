@@ -91,8 +91,9 @@ def read_input(
 
     - A fresh call either starts every row with the sink tokens, as a tokenizer that adds BOS gives them (at each
       row's first attended column under left padding): those columns are dropped and stand for the stored ones
-      (positions count from the sink, the sink's logits come back from the stored ones); or it is the text alone:
-      positions count from the first text token, and a mask may leave out the sink's columns.
+      (positions count from the sink, the sink's logits come back from the stored ones; given ``position_ids`` that
+      put the sink elsewhere than at 0 are refused: its states are stored as computed there); or it is the text
+      alone: positions count from the first text token, and a mask may leave out the sink's columns.
     - A mask (2D ``[batch, keys]`` or 4D ``[batch, heads, queries, keys]``, boolean or additive) one sink shorter
       than cache + input counts without the sink: the sink's columns are put in front, attended by every query.
     - Without ``position_ids``, each left-padded row counts from its own first token, as ``generate()`` does; the
@@ -299,18 +300,37 @@ def _take_sink_from_input(
         kwargs["attention_mask"] = _reorder_keys(rows, order)
     positions = kwargs.get("position_ids")
     if positions is None:
-        positions = torch.arange(length, device=ids.device).expand(batch, -1)
-    if positions.dim() == 2:
-        positions = positions.expand(batch, -1) if positions.shape[0] != batch else positions
         # The stored keys sit at positions 0..n-1: each row counts from its own first sink token (pads before it: 0).
-        counted = positions - positions.gather(1, columns[:, :1])
-        kwargs["position_ids"] = _drop_columns(counted, keep).clamp(min=0)
+        counted = torch.arange(length, device=ids.device).expand(batch, -1)
+        kwargs["position_ids"] = _drop_columns(counted - columns[:, :1], keep).clamp(min=0)
+    elif positions.dim() == 2:
+        positions = positions.expand(batch, -1) if positions.shape[0] != batch else positions
+        _check_sink_positions(contract, positions, columns)
+        kwargs["position_ids"] = _drop_columns(positions, keep).clamp(min=0)  # pads before the sink: 0, masked
     keep_logits = kwargs.get("logits_to_keep", 0)
     # The last k columns come out of the model unchanged when no row's sink is among them.
     passes = isinstance(keep_logits, int) and keep_logits > 0 and length - keep_logits > int(columns.max())
     if not passes:
         kwargs["logits_to_keep"] = 0
     return order, SinkRestore(keep, None if passes else keep_logits, labels)
+
+
+def _check_sink_positions(contract: SinkContract, positions: torch.Tensor, columns: torch.Tensor) -> None:
+    """Refuse given ``position_ids`` that put a row's sink elsewhere than at 0..n-1: the export stores the sink's
+    states as computed there, so no other position can be honoured, and counting the text from it silently drops
+    the caller's offset. ``generate()`` gives the sink 0 in every row (its positions count the mask)."""
+    n = columns.shape[1]
+    given = positions.gather(1, columns)
+    wrong = given.ne(torch.arange(n, device=given.device)).any(dim=1)
+    if bool(wrong.any()):
+        row = int(wrong.nonzero()[0])
+        at = given[row].tolist()
+        where = f"position {at[0]}" if n == 1 else f"positions {at}"
+        stored = "position 0" if n == 1 else f"positions 0..{n - 1}"
+        raise ValueError(
+            f"{contract.owner}: position_ids put the stored sink {list(contract.token_ids)} at {where} in row {row}; "
+            f"this export stores its states at {stored}: count positions from the sink (0), or pass no position_ids"
+        )
 
 
 def _check_shape(contract: SinkContract, inputs: torch.Tensor, name: str) -> None:

@@ -225,3 +225,75 @@ def test_calibration_scale_multiplies_the_linear_branch_of_every_fit():
         ConfigurationError, match="TaperNormConfig.experimental.calibration_scale must be positive, got 0"
     ):
         patch_model(build(tiny_llama_config()), TaperNormConfig.paper(experimental={"calibration_scale": 0}))
+
+
+def _taper_steps(controller, optimizer, steps) -> dict:
+    """Optimizer steps ``steps`` of a controller's loop (SGD, so a resume carries no optimizer state); returns the
+    teacher's weights as the step at the taper's start set them (empty when no step in ``steps`` took them)."""
+    teacher = {}
+    for step in steps:
+        controller.step_begin(step)
+        if step == controller.schedule.k_start and controller.distillation.teacher is not None:
+            teacher = {k: v.clone() for k, v in controller.distillation.teacher.state_dict().items()}
+        ids = random_batches(n=1, seed=step)[0]
+        controller.model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        controller.step_end(step)
+    return teacher
+
+
+def _resumed(folder, step: int, caplog) -> tuple[dict, dict, str]:
+    """Resume the 8-step taper (window 2 -> 6) from ``folder`` at ``step``, to its end: (the teacher its step at the
+    taper's start took, the final weights, the warnings it logged)."""
+    from hf_tapernorm import TaperController, load_tapered
+
+    model = load_tapered(folder).train()
+    controller = TaperController(model, total_steps=8)
+    controller.load_state(folder)
+    controller.check_resume(step)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_tapernorm"):
+        teacher = _taper_steps(controller, torch.optim.SGD(model.parameters(), lr=0.05), range(step, 8))
+    warnings = "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+    return teacher, model.state_dict(), warnings
+
+
+def test_a_run_resumed_at_the_taper_s_first_step_takes_the_gate_start_snapshot_without_a_warning(tmp_path, caplog):
+    """A taper stopped right after step k_start (its checkpoint written at g = 1, before any snapshot was due) and
+    resumed there warned that the gate-start snapshot was not in the checkpoint and that the run "distils from the
+    model as resumed", though the model as resumed IS the gate-start model and the result equalled the
+    uninterrupted run's. The previous update's gate (the schedule's, 1 there) now tells the distillation so: no
+    warning, the same teacher and the same final weights. A checkpoint one step later without its snapshot still
+    warns."""
+    from hf_tapernorm import TaperController, save_tapered
+
+    model = patch_model(
+        build(tiny_llama_config()), TaperNormConfig.paper(taper_start=2, taper_end=6, distill_weight=1.0)
+    ).train()
+    controller = TaperController(model, total_steps=8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    teacher = {}
+    for step in range(8):
+        teacher = _taper_steps(controller, optimizer, [step]) or teacher
+        if step + 1 in (2, 3):  # checkpoints after 2 and 3 optimizer steps; the later one without its snapshot
+            save_tapered(model, tmp_path / f"checkpoint-{step + 1}")
+            if step + 1 == 2:
+                controller.save_state(tmp_path / "checkpoint-2")
+    assert not (tmp_path / "checkpoint-2" / "distillation_teacher.safetensors").exists()  # none was due at g = 1
+    final = model.state_dict()
+
+    resumed_teacher, resumed_final, warnings = _resumed(tmp_path / "checkpoint-2", 2, caplog)
+    assert warnings == ""
+    assert resumed_teacher.keys() == teacher.keys() and teacher
+    for name, value in teacher.items():
+        torch.testing.assert_close(resumed_teacher[name], value, rtol=0, atol=1e-6)
+    for name, value in final.items():
+        torch.testing.assert_close(resumed_final[name], value, rtol=0, atol=1e-6)
+
+    _, _, warnings = _resumed(tmp_path / "checkpoint-3", 3, caplog)
+    assert (
+        'Distillation(distill_from="gate_start"): training started with the gate already below 1 (a resumed run?) '
+        "and the snapshot taken at the start of the taper is not in the checkpoint; this run distils from the model "
+        "as resumed" in warnings
+    )

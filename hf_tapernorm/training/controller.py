@@ -259,7 +259,7 @@ class TaperController:
         set_gate(self.model, gate)
         self.gate = gate
         if self.distillation is not None:
-            self.distillation.step_begin(self.model, gate)
+            self.distillation.step_begin(self.model, gate, previous_gate=self.schedule.gate(step))
         return gate
 
     def _refuse_going_back(self, step: int) -> None:

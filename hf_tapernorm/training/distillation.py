@@ -128,7 +128,9 @@ class Distillation:
         self._from_gate_start = from_gate_start
         self._until_taper_end = distill_until == "taper_end"
         self._fade_with_gate = distill_schedule == "gate"
-        self._saw_gate_one = False  # a step (or training forward) at g = 1 ran in this process
+        # The model as it stands was trained at g = 1 only: a step (or training forward) at g = 1 ran in this process,
+        # or the caller said the previous update's gate was 1 (a run resumed at the taper's start).
+        self._saw_gate_one = False
         self._teacher_final = not from_gate_start  # no later change of the teacher
         self._gate: Optional[float] = None  # the current step's gate, when a controller tells it
         self._window = torch.zeros(2)  # sum of the terms added to training losses, forwards (since the last log)
@@ -186,9 +188,16 @@ class Distillation:
         self._saw_gate_one = self._teacher_final = True
         return self.teacher
 
-    def step_begin(self, model: nn.Module, gate: float) -> None:
-        """Before the forwards of an optimizer step with ``gate``: snapshot or release the teacher when due."""
+    def step_begin(self, model: nn.Module, gate: float, *, previous_gate: Optional[float] = None) -> None:
+        """Before the forwards of an optimizer step with ``gate``: snapshot or release the teacher when due.
+
+        ``previous_gate``: the schedule's gate of the update before this one, when the caller knows it. At 1, the
+        model as it stands was trained at g = 1 only, so it is the gate-start model even in a process that ran no
+        step at g = 1: a run resumed from a checkpoint of the taper's first step (written before any snapshot was
+        due) takes the snapshot the uninterrupted run took, without a warning."""
         self._gate = gate
+        if previous_gate is not None and previous_gate >= 1.0:
+            self._saw_gate_one = True
         self._update_teacher(model, gate)
 
     def _update_teacher(self, model: nn.Module, gate: float) -> None:

@@ -9,6 +9,7 @@ The Hub is never reached: ``HfApi`` is replaced by a stand-in that applies the s
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -379,3 +380,97 @@ def test_an_include_pattern_matching_only_the_packages_own_files_warns_of_nothin
             "uploaded: rename a file of yours out of the .hf_tapernorm_* names to publish it"
         ]
     )
+
+
+def test_push_holds_the_export_it_uploads_against_fold_and_export_folded(run, tmp_path, hub, monkeypatch):
+    """push held no lock on the export it uploaded: a fold --overwrite (or export_folded(overwrite=True)) of the same
+    folder during the upload went ahead and replaced the export under it, so upload_folder, which reads the files as
+    it sends them, could publish a mix of two exports. Now push holds the folder's run lock from before its checks to
+    the end of the upload: both are refused in one line naming the push's process, the upload sends exactly the
+    manifest (never the lock file), and the lock is gone after the push."""
+    import os
+    import socket
+
+    from hf_tapernorm import export_folded, fold_model
+    from hf_tapernorm.app.run_folder import LOCK_NAME
+    from hf_tapernorm.export.manifest import export_manifest
+    from tests.helpers import tapered
+
+    export = Path(shutil.copytree(run / "folded", tmp_path / "export"))
+    before = {name: (export / name).read_bytes() for name in export_manifest(export)}
+    fold = ["fold", "--checkpoint", str(run / "tapered"), "--output_dir", str(export), "--overwrite"]
+    seen = {}
+
+    def upload_racing_a_fold(api, **options):
+        seen["fold"] = error_of(fold)
+        with pytest.raises(ConfigurationError) as refused:
+            export_folded(fold_model(tapered("gpt2", "all")), export, overwrite=True)
+        seen["export_folded"] = str(refused.value)
+        seen["lock"] = (export / LOCK_NAME).is_file()
+        return hub.upload_folder(**options)
+
+    monkeypatch.setattr(__import__("huggingface_hub").HfApi, "upload_folder", upload_racing_a_fold)
+    code, _, stderr = run_main(["push", "--export_dir", str(export), "--repo_id", "me/raced"])
+    assert code == 0, stderr
+    assert seen["lock"] and not (export / LOCK_NAME).exists()
+    pid, host = os.getpid(), socket.gethostname()
+    said = (
+        f"hf-tapernorm fold: error: output folder '{export}' is in use: a running hf-tapernorm command owns it (pid "
+        f"{pid} on host {host} since @; if no hf-tapernorm command runs as pid {pid} on {host} (it was killed, its "
+        f"container or pod restarted, or the folder was copied), the lock is stale: delete {export / LOCK_NAME}); @"
+    )
+    assert re.fullmatch(r"[^;]+".join(re.escape(part) for part in said.split("@")[:2]) + ".+", seen["fold"])
+    assert seen["export_folded"] == (
+        f"cannot export into {export}: a running hf-tapernorm command holds it (pid {pid}: {process_command(pid)}); "
+        "wait for it to finish, or choose a new folder"
+    )
+    assert hub.sent["me/raced"] == sorted(export_manifest(export))
+    assert {name: (export / name).read_bytes() for name in export_manifest(export)} == before
+
+
+def test_a_failed_push_leaves_no_lock_and_a_killed_ones_is_taken_over(run, tmp_path, hub, monkeypatch):
+    """The lock push holds goes with it however the push ends: an upload that fails leaves no lock file behind, and
+    a killed push's lock (its process gone) is stale, so the next push takes it over and uploads."""
+    import huggingface_hub
+
+    from hf_tapernorm.app.run_folder import LOCK_NAME
+
+    export = Path(shutil.copytree(run / "folded", tmp_path / "export"))
+
+    def failing(api, **options):
+        assert (export / LOCK_NAME).is_file()
+        raise OSError("connection reset")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(huggingface_hub.HfApi, "upload_folder", failing)
+        message = error_of(["push", "--export_dir", str(export), "--repo_id", "me/failed"])
+    assert message.startswith(f"hf-tapernorm push: error: cannot push '{export}' to me/failed: OSError: connection")
+    assert not (export / LOCK_NAME).exists()
+    (export / LOCK_NAME).write_text(json.dumps({"pid": 2147483646, "host": __import__("socket").gethostname()}))
+    assert _push(export, "me/after") == 0
+    assert not (export / LOCK_NAME).exists() and "me/after" in hub.sent
+
+
+def test_a_taper_overwrite_of_the_run_whose_export_push_uploads_is_refused(ws, run, tmp_path, hub, monkeypatch):
+    """A taper --overwrite of the run whose folded/ push was uploading went ahead; now the push's lock in folded/
+    refuses it in one line naming that folder and the push's process, and the export is uploaded as it was."""
+    import os
+
+    import huggingface_hub
+
+    from hf_tapernorm.export.manifest import export_manifest
+
+    copy = copy_of(run, tmp_path)
+    seen = {}
+
+    def upload_racing_a_taper(api, **options):
+        seen["taper"] = error_of(taper(ws, copy, "--overwrite"))
+        return hub.upload_folder(**options)
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", upload_racing_a_taper)
+    assert _push(copy / "folded", "me/run") == 0
+    assert seen["taper"].startswith(
+        f"hf-tapernorm taper: error: output folder '{copy}' holds 'folded', which a running hf-tapernorm command owns "
+        f"(pid {os.getpid()} on host "
+    ), seen["taper"]
+    assert hub.sent["me/run"] == sorted(export_manifest(copy / "folded"))

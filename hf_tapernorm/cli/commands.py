@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,7 +26,7 @@ from ..app.record import evaluation_facts, run_card_facts
 from ..app.run_export import warn_dropped_scan
 from ..app.run_folder import RunFolder, write_file, write_folder
 from ..app.run_folder_hints import eval_hint, fold_hint, push_hint, refuse_run_folder, scan_reference_hint
-from ..app.run_lock import refuse_while_running, resolved_path
+from ..app.run_lock import RunLock, refuse_while_running, resolved_path
 from ..app.run_tokenizer import tokenizer_of
 from ..app.taper import save_export
 from ..app.tapered_checks import check_recorded_sink, refuse_unfoldable_gate, refuse_unused_tied_head
@@ -375,6 +376,32 @@ def push_main(argv: Sequence[str]) -> int:
         raise UsageError(
             f"'{push_args.export_dir}' is not a folded export (its config's model_type is not tapernorm_*)"
         )
+    with _holding_export(Path(source.path), f"--export_dir '{push_args.export_dir}'"):
+        return _push_held(push_args, source)
+
+
+@contextmanager
+def _holding_export(folder: Path, what: str) -> Iterator[None]:
+    """Hold the export's run lock while push checks and uploads it: upload_folder reads the files as it sends them,
+    so a fold --overwrite, a taper --overwrite/--resume of its run or an export_folded(overwrite=True) replacing them
+    meanwhile would publish a mix of two exports, or files other than those checked; each of them is refused while
+    the lock is held, naming the push. The lock file is bookkeeping (never in the upload) and goes with the push,
+    whatever its end; a killed push's is stale, taken over by the next command. A folder this user cannot write into
+    is pushed without it: no command of this user can replace its files either."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        yield
+        return
+    refuse_while_running(folder, what)  # a command that took it since push's first look: named as push names one
+    lock = RunLock(folder)
+    lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _push_held(push_args: PushArguments, source: ModelSource) -> int:
+    """Check and upload the export ``source`` (whose lock push holds): its card, then push_export's checks."""
     if not (Path(source.path) / "README.md").is_file():
         raise UsageError(
             f"'{push_args.export_dir}' has no README.md model card; re-export it with hf-tapernorm taper or fold"

@@ -164,7 +164,12 @@ def push_export(
     ``before_upload`` receives those files once the folder has passed every check, before anything is sent (the
     command line says there what the export's scan found). A ``repo_id`` without an owner (``name``) is the
     token's user's, as on the Hub; the log names the repository it becomes and, before anything is sent, the files
-    (those ``include`` added named apart)."""
+    (those ``include`` added named apart).
+
+    It takes no lock on the folder: the run lock is app/'s (run_lock.RunLock), which this layer does not import.
+    ``hf-tapernorm push`` holds it around this call, so a fold or export_folded(overwrite=True) replacing the export
+    during the upload is refused; a library caller gets the checks above (a write in progress then is refused) and
+    holds the lock itself where a write of the export may race the upload."""
     folder = expand_user(folder, f"push_export: '{folder}'")
     files = files_to_push(folder, include)
     if before_upload is not None:

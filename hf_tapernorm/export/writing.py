@@ -8,9 +8,12 @@ kill never leaves half done under the export's name.
 
 from __future__ import annotations
 
+import fcntl
+import json
 import logging
 import os
 import shutil
+import stat
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -20,10 +23,12 @@ from typing import Any, Optional
 from transformers import PreTrainedModel
 
 from .._temporaries import (
+    is_pid,
     live_write_of,
     make_marked_folder,
     marked_and_abandoned,
     move_up,
+    process_command,
     remove_abandoned,
     remove_abandoned_inside,
     remove_listed,
@@ -35,6 +40,7 @@ from ..errors import ConfigurationError, TaperStateError
 from ..utils import dangling_link, dangling_parent_step, expand_user, file_in_the_way, some_names
 from .manifest import (
     EXPORT_MANIFEST_NAME,
+    LOCK_NAME,
     edited_files,
     edited_refusal,
     export_manifest,
@@ -246,6 +252,12 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
     live = live_write_of(folder)  # its files and this export's would mix, or one export be lost
     if live:
         raise ConfigurationError(f"cannot export into {folder}: {live}; wait for it to finish, or choose a new folder")
+    holder = _lock_holder(folder)
+    if holder:
+        raise ConfigurationError(
+            f"cannot export into {folder}: a running hf-tapernorm command holds it ({holder}); wait for it to finish, "
+            "or choose a new folder"
+        )
     if not folder.is_dir() or not any(folder.iterdir()):
         return False
     if not overwrite:
@@ -273,6 +285,41 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
         raise ConfigurationError(f"{refusal}: {edited_refusal(edited)}")
     warn_changed_export(folder, f"overwrite=True of {folder}")
     return True
+
+
+def _lock_holder(folder: Path) -> Optional[str]:
+    """The process holding ``folder``'s run lock (``.hf_tapernorm_run.lock`` under a flock: a push uploading the
+    export, a fold writing it), named by its pid and command line; None when no one holds it (none, or a killed
+    command's). Replacing the export under a push would publish a mix of two exports. The lock itself is app/'s
+    (run_lock.py); this only looks, as its other readers do: a shared flock asked for once, without waiting."""
+    try:
+        descriptor = os.open(folder / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:  # none, a link, or one this user cannot read: the folder's other checks name it
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            return None
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            record = os.pread(descriptor, 65536, 0)
+        else:
+            return None  # free: a killed command's lock, which the foreign files' check names
+    finally:
+        os.close(descriptor)
+    return _process_named(record)
+
+
+def _process_named(record: bytes) -> str:
+    """The lock's owner as its record (one JSON line) names it: its pid and, where the system says, its command."""
+    try:
+        pid = json.loads(record.decode()).get("pid")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        pid = None
+    if not is_pid(pid):
+        return "its lock's record is unreadable"
+    command = process_command(pid)
+    return f"pid {pid}: {command}" if command else f"pid {pid}"
 
 
 def _log_sink_handling(model: PreTrainedModel, tokenizer: Any) -> None:

@@ -164,6 +164,18 @@ def test_export_folded_overwrite_refuses_an_export_whose_generation_config_was_e
     )
 
 
+def test_export_folded_overwrite_takes_a_killed_commands_lock_for_bookkeeping_not_a_users_file(folded, tmp_path):
+    """A push killed mid-upload leaves its run lock (no process holds it) in the export; export_folded(overwrite=True)
+    refused it as a file "the export did not write ... push refuses an export mixed with other files", though push
+    and fold --overwrite take such a lock over. A lock no one holds is the package's own: the export is replaced."""
+    from hf_tapernorm.export.manifest import LOCK_NAME
+
+    export = export_folded(folded, tmp_path / "export")
+    (export / LOCK_NAME).write_text(json.dumps({"pid": 2**22 + 12345, "host": "gone", "command": "push"}) + "\n")
+    assert export_folded(folded, export, overwrite=True) == export
+    assert (export / "model.safetensors").is_file()
+
+
 def test_export_folded_through_a_link_names_a_live_write_beside_its_target(folded, tmp_path):
     """``export_folded(m, LINK, overwrite=True)`` with a live ``.Y.export-PID`` beside LINK's target Y went ahead:
     the check looked beside LINK only. Beside the target is looked at too."""

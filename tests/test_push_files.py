@@ -165,6 +165,32 @@ def test_push_uploads_an_edited_generation_config_and_says_so(run, tmp_path, hub
     )
 
 
+@pytest.mark.parametrize(
+    "edit, reason",
+    [
+        ('{"temperature": 0.3,', "It looks like the config file at"),
+        ("[1, 2]", "'list' object is not a mapping"),
+        ('{"max_new_tokens": -5}', "`max_new_tokens` must be greater than 0, but is -5."),
+    ],
+)
+def test_push_refuses_an_edited_generation_config_transformers_cannot_read(run, tmp_path, hub, edit, reason):
+    """An edited generation_config.json that is broken JSON, a list, or holds a value transformers refuses was
+    uploaded with the INFO line "changes no weight": the published model then failed to load (or dropped the edit).
+    push reads it as transformers will, and refuses it in one line naming the file, nothing sent."""
+    folder = copy_of(run, tmp_path) / "folded"
+    (folder / "generation_config.json").write_text(edit)
+    line = error_of(["push", "--export_dir", str(folder), "--repo_id", "me/generation"])
+    assert line.startswith(
+        f"hf-tapernorm push: error: {folder}: its generation_config.json was edited after the export wrote it, and "
+        f"transformers cannot read it ("
+    ), line
+    assert reason in line and line.endswith(
+        "so the pushed model would not load, or would drop the edit; fix the edit, or move the file out and write a "
+        "fresh export (hf-tapernorm fold --overwrite)"
+    ), line
+    assert "me/generation" not in hub.sent
+
+
 def test_push_uploads_only_the_files_of_the_export(reference, tmp_path, hub):
     from huggingface_hub.utils import filter_repo_objects
 

@@ -23,7 +23,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import ConfigurationError
+from transformers import GenerationConfig
+
+from ..errors import ConfigurationError, first_line
 from ..utils import some_names
 
 logger = logging.getLogger(__name__)
@@ -165,6 +167,8 @@ def check_export_files(folder: str | os.PathLike) -> None:
             "(weights changed on purpose need a card of their own: hf-tapernorm eval --scan_reference measures them)"
         )
     edited = edited_files(folder)
+    if GENERATION_CONFIG_NAME in edited:
+        _check_generation_config(folder)
     if edited:
         logger.info(
             "%s: %s edited after the export wrote %s (the sha256 %s recorded differs); uploading the edit, which "
@@ -174,6 +178,19 @@ def check_export_files(folder: str | os.PathLike) -> None:
             "it" if len(edited) == 1 else "them",
             EXPORT_MANIFEST_NAME,
         )
+
+
+def _check_generation_config(folder: Path) -> None:
+    """Refuse an edited generation_config.json that transformers cannot read (broken JSON, a list, a value it
+    refuses such as max_new_tokens -5): from_pretrained of the pushed repository would fail, or drop the edit."""
+    try:
+        GenerationConfig.from_pretrained(folder)
+    except (OSError, TypeError, ValueError) as error:
+        raise ConfigurationError(
+            f"{folder}: its {GENERATION_CONFIG_NAME} was edited after the export wrote it, and transformers cannot "
+            f"read it ({first_line(error)}), so the pushed model would not load, or would drop the edit; fix "
+            "the edit, or move the file out and write a fresh export (hf-tapernorm fold --overwrite)"
+        ) from None
 
 
 def changed_export_files(folder: str | os.PathLike) -> list[str]:

@@ -273,7 +273,12 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
         )
     foreign = sorted(set(folder_files(folder)) - set(manifest))
     # A bookkeeping name but the manifest is no file of the export: a running command's lock, or a user's look-alike.
-    foreign += sorted(p.name for p in folder.iterdir() if is_bookkeeping(p.name) and p.name != EXPORT_MANIFEST_NAME)
+    # A lock no one holds (a killed push's or fold's, _lock_holder found it free) is the package's own: left beside.
+    foreign += sorted(
+        p.name
+        for p in folder.iterdir()
+        if is_bookkeeping(p.name) and p.name != EXPORT_MANIFEST_NAME and not _free_lock(p)
+    )
     if foreign:
         raise ConfigurationError(
             f"{refusal}: it holds files the export did not write ({some_names(foreign)}), which would stay beside the "
@@ -285,6 +290,12 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
         raise ConfigurationError(f"{refusal}: {edited_refusal(edited)}")
     warn_changed_export(folder, f"overwrite=True of {folder}")
     return True
+
+
+def _free_lock(path: Path) -> bool:
+    """Whether ``path`` is a run lock file no command holds now (_check_export_folder asked _lock_holder first): a
+    killed command's, which push leaves out and the next command takes over, no file of the user's."""
+    return path.name == LOCK_NAME and path.is_file() and not path.is_symlink()
 
 
 def _lock_holder(folder: Path) -> Optional[str]:

@@ -1055,6 +1055,12 @@ def test_corpus_that_is_not_utf8_or_one_long_line_is_explained(workspace, tmp_pa
     argv[argv.index("--dataset_name") + 1] = str(lines)
     argv = argv[:-2]
     assert error_of(argv).endswith("split the text into more (blank lines between paragraphs, or --sample_by line)")
+    paragraphs = tmp_path / "paragraphs.txt"  # paragraphs between blank lines, read as one document
+    paragraphs.write_text("\n\n".join(f"paragraph {i} of the quick brown fox" for i in range(150)))
+    argv[argv.index("--dataset_name") + 1] = str(paragraphs)
+    assert error_of([*argv, "--sample_by", "document"]).endswith(
+        ": read each of its paragraphs as a document (--sample_by paragraph, the default), or split it into more"
+    )
     assert not (tmp_path / "run").exists()
 
 

@@ -187,6 +187,25 @@ def test_a_full_disk_while_an_export_is_written_is_the_full_disk_line_not_a_temp
     ), line
 
 
+def test_a_full_disk_at_the_run_manifests_first_write_is_the_full_disk_line(workspace, tmp_path, monkeypatch):
+    """The run folder's manifest, written before training, was outside the full-disk check: ENOSPC there was a
+    traceback (exit 1). It is the same one line, with no checkpoint for --resume to continue from."""
+    from hf_tapernorm.app.run_folder import RunFolder
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(RunFolder, "_write_manifest", full)
+    out = tmp_path / "run"
+    line = error_of(short_taper_argv(workspace, out))
+    assert line == (
+        f"hf-tapernorm taper: error: --output_dir {out}: its disk could not take what the run writes (OSError: "
+        "[Errno 28] No space left on device); it kept no complete checkpoint for --resume to continue from: free "
+        "space (or lift the file-size limit) and start over with --overwrite, or choose an --output_dir on another "
+        "disk"
+    ), line
+
+
 # ----------------------------------------------------------------------------- the output folder
 def test_resume_without_a_checkpoint_refuses_a_folder_with_files(workspace, tmp_path):
     out = tmp_path / "x"

@@ -138,7 +138,8 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
     model = load_model(source, dtype=request.model.dtype, trust_remote_code=request.model.trust_remote_code)
     if state.is_main_process:
         stale = stale_checkpoints if run.resume else None
-        prepare_run_folder(output, must_empty, stale, identity, scans=bool(request.data.scan_windows))
+        with full_disk_refused(output.path, "what the run writes", then=lambda: resume_advice(output.path)):
+            prepare_run_folder(output, must_empty, stale, identity, scans=bool(request.data.scan_windows))
     state.wait_for_everyone()
 
     record = new_run_record(request, source, model, packed, config, schedule, allowed_changes)

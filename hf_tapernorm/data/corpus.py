@@ -360,7 +360,10 @@ def _split_advice(dataset: AnyDataset, column: str) -> str:
     document holds several lines (a one-line file, or one already cut by line, has no more documents to give)."""
     if getattr(getattr(dataset, "info", None), "builder_name", None) != "text":
         return ": split the text into more documents (rows)"
-    if any("\n" in text.strip() for text in dataset[column]):
+    texts = [text.strip() for text in dataset[column]]
+    if any("\n\n" in text for text in texts):  # cut by document: the paragraphs datasets splits on are there
+        return ": read each of its paragraphs as a document (--sample_by paragraph, the default), or split it into more"
+    if any("\n" in text for text in texts):
         return ": split the text into more (blank lines between paragraphs, or --sample_by line)"
     return ": split the text into more lines or paragraphs (each of its documents is one line already)"
 

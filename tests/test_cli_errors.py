@@ -2222,7 +2222,7 @@ CASES = {
     "data of one huge line": (
         _data("line.txt", " ".join(corpus_documents(150))),
         2,
-        ["holds only 1 document(s)", "--sample_by line"],
+        ["holds only 1 document(s)", "split the text into more lines or paragraphs (each of its documents is one line"],
         NEEDS_RUN,
     ),
     "scan_windows -1": (

@@ -306,6 +306,27 @@ def test_position_ids_that_put_the_stored_sink_elsewhere_than_0_are_refused_in_o
             assert torch.equal(generated[row, -4:], single[0, -4:])
 
 
+def test_one_dimensional_position_ids_on_a_sink_first_input_are_one_row_for_every_row():
+    """1D position_ids (as GPT-2 takes them) on a sink-first input kept the sink's column: a RuntimeError of sizes
+    deep in the model, and a 1D offset one shorter than the input ran without a word at positions 50..69. A 1D row
+    is read as [1, L], as 2D positions are (from 0: the default's logits; an offset: refused), and a length that is
+    not the input's is refused in one line."""
+    _, folded = tapered_and_folded("gpt2")
+    text = random_batches(vocab=120, n=1, batch=1, length=20, seed=5)[0] + 3
+    ids = torch.cat([torch.full((1, 1), EOS), text], dim=1)
+    with torch.no_grad():
+        assert torch.equal(folded(input_ids=ids, position_ids=torch.arange(21)).logits, folded(ids).logits)
+        with pytest.raises(ValueError) as error:
+            folded(input_ids=ids, position_ids=torch.arange(21) + 50)
+        assert str(error.value) == sink_position_refusal(50)
+        with pytest.raises(ValueError) as error:
+            folded(input_ids=ids, position_ids=torch.arange(20) + 50)
+    assert str(error.value) == (
+        "TaperNormGPT2LMHeadModel: position_ids hold 20 positions for 21 input columns; give one position per "
+        "column, or pass no position_ids"
+    )
+
+
 _SINK_POSITIONS = """
 import sys, torch
 from transformers import AutoModelForCausalLM

@@ -303,7 +303,13 @@ def _take_sink_from_input(
         # The stored keys sit at positions 0..n-1: each row counts from its own first sink token (pads before it: 0).
         counted = torch.arange(length, device=ids.device).expand(batch, -1)
         kwargs["position_ids"] = _drop_columns(counted - columns[:, :1], keep).clamp(min=0)
-    elif positions.dim() == 2:
+    elif positions.dim() in (1, 2):  # one row (1D, as GPT-2 takes it, or [1, L]) stands for every row
+        if positions.shape[-1] != length:
+            raise ValueError(
+                f"{contract.owner}: position_ids hold {positions.shape[-1]} positions for {length} input columns; "
+                "give one position per column, or pass no position_ids"
+            )
+        positions = positions.reshape(1, -1) if positions.dim() == 1 else positions
         positions = positions.expand(batch, -1) if positions.shape[0] != batch else positions
         _check_sink_positions(contract, positions, columns)
         kwargs["position_ids"] = _drop_columns(positions, keep).clamp(min=0)  # pads before the sink: 0, masked

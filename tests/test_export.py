@@ -176,6 +176,37 @@ def test_export_folded_overwrite_takes_a_killed_commands_lock_for_bookkeeping_no
     assert (export / "model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("failure", ["OSError", "SafetensorError"])
+def test_export_folded_onto_a_full_disk_says_so_naming_the_folder(folded, tmp_path, monkeypatch, failure):
+    """export_folded onto a full disk raised "could not write the export E: [Errno 27] File too large:
+    '.../hf_tapernorm/export/modeling_folded.py' -> '.E.export-PID/new/...'" (the package's source and a temporary
+    name), or safetensors' bare SafetensorError. It is one ConfigurationError naming the folder and the disk."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    import hf_tapernorm.export.writing as writing
+
+    def full(folder, model, tokenizer):
+        if failure == "OSError":
+            raise OSError(errno.EFBIG, "File too large", str(folder / "modeling_folded.py"))
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(writing, "_write_export", full)
+    with pytest.raises(ConfigurationError) as caught:
+        export_folded(folded, tmp_path / "export")
+    reason = (
+        "[Errno 27] File too large"
+        if failure == "OSError"
+        else "SafetensorError: Error while serializing: I/O error: No space left on device (os error 28)"
+    )
+    assert str(caught.value) == (
+        f"could not write the export {tmp_path / 'export'}: its disk is full or a file-size limit was reached "
+        f"({reason}); nothing was written: free space, or choose a folder on another disk"
+    )
+    assert not (tmp_path / "export").exists()
+
+
 def test_export_folded_through_a_link_names_a_live_write_beside_its_target(folded, tmp_path):
     """``export_folded(m, LINK, overwrite=True)`` with a live ``.Y.export-PID`` beside LINK's target Y went ahead:
     the check looked beside LINK only. Beside the target is looked at too."""

@@ -12,7 +12,6 @@ is set; otherwise it passes unchanged, like any other error.
 from __future__ import annotations
 
 import contextlib
-import errno
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Optional
 from safetensors import SafetensorError
 
 from ..errors import ConfigurationError, first_line
+from ..utils import says_disk_full
 
 try:
     import resource
@@ -29,9 +29,6 @@ except ImportError:  # Windows: no file-size limit to read
 
 #: What a fold says after its disk filled up: write_folder removed the partial export.
 NOTHING_KEPT = "nothing was kept: free space (or lift the file-size limit), or choose an --output_dir on another disk"
-
-#: The system's words for a full disk, a quota or a file-size limit, in an error that carries no errno.
-_FULL_WORDS = ("No space left on device", "Disk quota exceeded", "File too large")
 
 #: torch.save's archive writer (caffe2's PytorchStreamWriter over a C++ ostream) when a write fails.
 _TORCH_WRITER_WORDS = ("unexpected pos", "file write failed", "PytorchStreamWriter failed", "iostream error")
@@ -66,7 +63,7 @@ def _full_disk_error(error: BaseException, output_dir: Path) -> Optional[BaseExc
     link: Optional[BaseException] = error
     while link is not None and id(link) not in seen:
         seen.add(id(link))
-        if _says_full(link):
+        if says_disk_full(link):
             return link
         link = link.__cause__
     if _torch_writer_failed(error) and _disk_full_or_limited(output_dir):
@@ -79,15 +76,6 @@ def _shown(error: BaseException) -> str:
     if isinstance(error, OSError) and error.errno is not None and error.strerror:
         return f"{type(error).__name__}: [Errno {error.errno}] {error.strerror}"
     return first_line(error)
-
-
-def _says_full(error: BaseException) -> bool:
-    """An OSError or a SafetensorError that names a full disk, a quota or a file-size limit."""
-    if not isinstance(error, (OSError, SafetensorError)):
-        return False
-    return getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or any(
-        words in str(error) for words in _FULL_WORDS
-    )
 
 
 def _torch_writer_failed(error: BaseException) -> bool:

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
+from safetensors import SafetensorError
 from transformers import PreTrainedModel
 
 from .._temporaries import (
@@ -36,8 +37,8 @@ from .._temporaries import (
     writing_inside,
 )
 from ..config_fields import check_tokenizer_to_save
-from ..errors import ConfigurationError, TaperStateError
-from ..utils import dangling_link, dangling_parent_step, expand_user, file_in_the_way, some_names
+from ..errors import ConfigurationError, TaperStateError, first_line
+from ..utils import dangling_link, dangling_parent_step, expand_user, file_in_the_way, says_disk_full, some_names
 from .manifest import (
     EXPORT_MANIFEST_NAME,
     LOCK_NAME,
@@ -195,10 +196,25 @@ def _write_beside(folder: Path, model: PreTrainedModel, tokenizer: Any) -> None:
     try:
         _write_export(new, model, tokenizer)
         os.replace(new, folder)
-    except OSError as error:
+    except (OSError, SafetensorError) as error:
+        _refuse_full_disk(error, folder, "write the export", "nothing was written")
+        if isinstance(error, SafetensorError):
+            raise
         raise ConfigurationError(f"could not write the export {folder}: {error}; nothing was written") from error
     finally:
         shutil.rmtree(container, ignore_errors=True)
+
+
+def _refuse_full_disk(error: BaseException, folder: Path, what: str, left: str) -> None:
+    """Refuse a write that failed for want of room (utils.says_disk_full) in one line naming ``folder`` and the disk,
+    not the writer's hidden temporary file (the OSError names it); raised from ``error``, which the CLI's full-disk
+    line reads. Any other error: nothing (the caller raises its own)."""
+    if says_disk_full(error):
+        reason = f"[Errno {error.errno}] {error.strerror}" if getattr(error, "strerror", None) else first_line(error)
+        raise ConfigurationError(
+            f"could not {what} {folder}: its disk is full or a file-size limit was reached ({reason}); {left}: free "
+            "space, or choose a folder on another disk"
+        ) from error
 
 
 def _write_inside(folder: Path, model: PreTrainedModel, tokenizer: Any, replace: bool) -> None:
@@ -215,8 +231,11 @@ def _write_inside(folder: Path, model: PreTrainedModel, tokenizer: Any, replace:
         if replace:
             remove_listed(folder, export_manifest(folder) or ())  # the manifest: replaced by the new one's
         move_up(container, folder, first=EXPORT_MANIFEST_NAME)
-    except OSError as error:
+    except (OSError, SafetensorError) as error:
         left = "the export in it is incomplete; export again with overwrite=True" if moving else "it is as it was"
+        _refuse_full_disk(error, folder, what, left)
+        if isinstance(error, SafetensorError):
+            raise
         raise ConfigurationError(f"could not {what} {folder}: {error}; {left}") from error
     finally:
         shutil.rmtree(container, ignore_errors=True)
@@ -293,9 +312,16 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
 
 
 def _free_lock(path: Path) -> bool:
-    """Whether ``path`` is a run lock file no command holds now (_check_export_folder asked _lock_holder first): a
-    killed command's, which push leaves out and the next command takes over, no file of the user's."""
-    return path.name == LOCK_NAME and path.is_file() and not path.is_symlink()
+    """Whether ``path`` is a run lock no command holds now (_check_export_folder asked _lock_holder first) that a
+    command wrote (its record names a pid): a killed push's or fold's, which push leaves out and the next command
+    takes over. A file of the user's under that name is not one, and is named as theirs."""
+    if path.name != LOCK_NAME or not path.is_file() or path.is_symlink():
+        return False
+    try:
+        record = json.loads(path.read_bytes()[:65536].decode())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(record, dict) and is_pid(record.get("pid"))
 
 
 def _lock_holder(folder: Path) -> Optional[str]:

@@ -171,9 +171,19 @@ def test_export_folded_overwrite_takes_a_killed_commands_lock_for_bookkeeping_no
     from hf_tapernorm.export.manifest import LOCK_NAME
 
     export = export_folded(folded, tmp_path / "export")
-    (export / LOCK_NAME).write_text(json.dumps({"pid": 2**22 + 12345, "host": "gone", "command": "push"}) + "\n")
+    import os
+    import socket
+
+    record = {"pid": 2**22 + 12345, "host": socket.gethostname(), "command": "push"}
+    (export / LOCK_NAME).write_text(json.dumps(record) + "\n")
     assert export_folded(folded, export, overwrite=True) == export
     assert (export / "model.safetensors").is_file()
+    for other in ({**record, "pid": os.getpid()}, {**record, "host": "another-host"}):  # may run: not a leftover
+        (export / LOCK_NAME).write_text(json.dumps(other) + "\n")
+        with pytest.raises(
+            ConfigurationError, match=r"holds files the export did not write \(\.hf_tapernorm_run\.lock\)"
+        ):
+            export_folded(folded, export, overwrite=True)
 
 
 @pytest.mark.parametrize("failure", ["OSError", "SafetensorError"])

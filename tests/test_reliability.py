@@ -206,6 +206,23 @@ def test_a_full_disk_at_the_run_manifests_first_write_is_the_full_disk_line(work
     ), line
 
 
+def test_a_manifest_write_that_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """A full disk while the run manifest was written left its half-written .hf_tapernorm_run.json.tmp in the user's
+    folder; the write that fails removes it, and the error goes on to the full-disk line."""
+    import hf_tapernorm.app.run_folder as run_folder
+
+    folder = run_folder.RunFolder(tmp_path / "run")
+    (tmp_path / "run").mkdir()
+
+    def full(source, destination):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(run_folder.os, "replace", full)
+    with pytest.raises(OSError):
+        folder._write_manifest({"files": []})
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == []
+
+
 # ----------------------------------------------------------------------------- the output folder
 def test_resume_without_a_checkpoint_refuses_a_folder_with_files(workspace, tmp_path):
     out = tmp_path / "x"

@@ -416,8 +416,12 @@ class RunFolder:
 
     def _write_manifest(self, manifest: dict[str, Any]) -> None:
         tmp = self.manifest_path.with_name(MANIFEST_NAME + ".tmp")
-        tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, self.manifest_path)
+        try:
+            tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+            os.replace(tmp, self.manifest_path)
+        except OSError:  # a full disk: no half-written manifest is left in the user's folder
+            tmp.unlink(missing_ok=True)
+            raise
 
     def write_output(self, name: str, write: Callable[[Path], None]) -> Path:
         """``write_folder`` of the subfolder ``name``, its files registered in the manifest before the rename, and the

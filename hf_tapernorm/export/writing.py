@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import stat
 import threading
 from collections.abc import Iterator, Mapping
@@ -313,15 +314,24 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
 
 def _free_lock(path: Path) -> bool:
     """Whether ``path`` is a run lock no command holds now (_check_export_folder asked _lock_holder first) that a
-    command wrote (its record names a pid): a killed push's or fold's, which push leaves out and the next command
-    takes over. A file of the user's under that name is not one, and is named as theirs."""
+    command of this host wrote and whose process is gone (its record names the pid and host): a killed push's or
+    fold's, which push leaves out and the next command takes over. A file of the user's under that name is not
+    one, and is named as theirs."""
     if path.name != LOCK_NAME or not path.is_file() or path.is_symlink():
         return False
     try:
         record = json.loads(path.read_bytes()[:65536].decode())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
-    return isinstance(record, dict) and is_pid(record.get("pid"))
+    if not isinstance(record, dict) or not is_pid(record.get("pid")) or record.get("host") != socket.gethostname():
+        return False  # another host's command may run: only its own host can tell
+    try:
+        os.kill(record["pid"], 0)
+    except ProcessLookupError:
+        return True  # its command is gone
+    except OSError:
+        return False
+    return False  # its process runs (without the lock's flock): not taken for a leftover
 
 
 def _lock_holder(folder: Path) -> Optional[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import functools
 import importlib.util
 import json
@@ -16,7 +15,6 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
 from torch import nn
 
 from .errors import ConfigurationError
@@ -387,22 +385,7 @@ def holds_model_weights(folder: Path) -> bool:
     return _first_file(folder, WEIGHT_FILES) is not None
 
 
-#: The system's words for a full disk, a quota or a file-size limit, in an error that carries no errno.
-_DISK_FULL_WORDS = ("No space left on device", "Disk quota exceeded", "File too large")
-
-
-def says_disk_full(error: BaseException) -> bool:
-    """Whether ``error`` is an OSError or safetensors' SafetensorError that names a full disk, a quota or a file-size
-    limit (ENOSPC, EDQUOT, EFBIG): the writers (export_folded, the CLI's full-disk line) say so in one line."""
-    if not isinstance(error, (OSError, SafetensorError)):
-        return False
-    return getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or any(
-        words in str(error) for words in _DISK_FULL_WORDS
-    )
-
-
 __all__ = [
-    "says_disk_full",
     "json_object",
     "SEED_LIMIT",
     "check_compile_options",

@@ -167,17 +167,22 @@ def test_export_folded_overwrite_refuses_an_export_whose_generation_config_was_e
 def test_export_folded_overwrite_takes_a_killed_commands_lock_for_bookkeeping_not_a_users_file(folded, tmp_path):
     """A push killed mid-upload leaves its run lock (no process holds it) in the export; export_folded(overwrite=True)
     refused it as a file "the export did not write ... push refuses an export mixed with other files", though push
-    and fold --overwrite take such a lock over. A lock no one holds is the package's own: the export is replaced."""
-    from hf_tapernorm.export.manifest import LOCK_NAME
-
-    export = export_folded(folded, tmp_path / "export")
+    and fold --overwrite take such a lock over. A lock no one holds is the package's own: the export is replaced.
+    export_folded judges it as the lock's own taker does (one reader): an empty lock (its command killed as it took
+    it) and one whose pid now names another process (another start time) are left over too, as fold takes them."""
     import os
     import socket
 
+    from hf_tapernorm.app.run_lock import process_start_time
+    from hf_tapernorm.export.manifest import LOCK_NAME
+
+    export = export_folded(folded, tmp_path / "export")
     record = {"pid": 2**22 + 12345, "host": socket.gethostname(), "command": "push"}
-    (export / LOCK_NAME).write_text(json.dumps(record) + "\n")
-    assert export_folded(folded, export, overwrite=True) == export
-    assert (export / "model.safetensors").is_file()
+    reused = {"pid": os.getpid(), "host": socket.gethostname(), "started": (process_start_time(os.getpid()) or 0) + 1}
+    for leftover in (json.dumps(record) + "\n", "", json.dumps(reused)):
+        (export / LOCK_NAME).write_text(leftover)
+        assert export_folded(folded, export, overwrite=True) == export
+        assert (export / "model.safetensors").is_file()
     for other in ({**record, "pid": os.getpid()}, {**record, "host": "another-host"}):  # may run: not a leftover
         (export / LOCK_NAME).write_text(json.dumps(other) + "\n")
         with pytest.raises(
@@ -206,7 +211,7 @@ def test_export_folded_onto_a_full_disk_says_so_naming_the_folder(folded, tmp_pa
     with pytest.raises(ConfigurationError) as caught:
         export_folded(folded, tmp_path / "export")
     reason = (
-        "[Errno 27] File too large"
+        "OSError: [Errno 27] File too large"
         if failure == "OSError"
         else "SafetensorError: Error while serializing: I/O error: No space left on device (os error 28)"
     )

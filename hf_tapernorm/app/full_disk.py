@@ -19,8 +19,8 @@ from typing import Optional
 
 from safetensors import SafetensorError
 
-from ..errors import ConfigurationError, first_line
-from ..utils import says_disk_full
+from .._disk_errors import disk_error_text, says_disk_full
+from ..errors import ConfigurationError
 
 try:
     import resource
@@ -51,7 +51,7 @@ def full_disk_refused(
         if full is None:
             raise
         raise ConfigurationError(
-            f"--output_dir {output_dir}: its disk could not take {writing} ({_shown(full)}); {then()}"
+            f"--output_dir {output_dir}: its disk could not take {writing} ({disk_error_text(full)}); {then()}"
         ) from None
 
 
@@ -59,23 +59,20 @@ def _full_disk_error(error: BaseException, output_dir: Path) -> Optional[BaseExc
     """The error in ``error``'s chain of causes that says the disk is full: itself, or the OSError a writer's own
     refusal was raised from (export/writing.py names its hidden temporary folder and says nothing of the disk), or
     torch's writer failing where the disk is full or limited; None otherwise."""
+    full = next((link for link in _chain(error, contexts=False) if says_disk_full(link)), None)
+    if full is None and _torch_writer_failed(error) and _disk_full_or_limited(output_dir):
+        return error
+    return full
+
+
+def _chain(error: BaseException, *, contexts: bool) -> Iterator[BaseException]:
+    """``error`` and the errors it was raised from (``contexts``: and those raised while it was handled), each once."""
     seen: set[int] = set()
     link: Optional[BaseException] = error
     while link is not None and id(link) not in seen:
         seen.add(id(link))
-        if says_disk_full(link):
-            return link
-        link = link.__cause__
-    if _torch_writer_failed(error) and _disk_full_or_limited(output_dir):
-        return error
-    return None
-
-
-def _shown(error: BaseException) -> str:
-    """``error`` in one line; an OSError without the file it names, which is a writer's hidden temporary one."""
-    if isinstance(error, OSError) and error.errno is not None and error.strerror:
-        return f"{type(error).__name__}: [Errno {error.errno}] {error.strerror}"
-    return first_line(error)
+        yield link
+        link = link.__cause__ or (link.__context__ if contexts else None)
 
 
 def _torch_writer_failed(error: BaseException) -> bool:
@@ -83,14 +80,7 @@ def _torch_writer_failed(error: BaseException) -> bool:
     pos" is raised while the stream's "iostream error" is handled), is the writer's."""
     if not isinstance(error, RuntimeError):
         return False
-    seen: set[int] = set()
-    link: Optional[BaseException] = error
-    while link is not None and id(link) not in seen:
-        seen.add(id(link))
-        if any(words in str(link) for words in _TORCH_WRITER_WORDS):
-            return True
-        link = link.__cause__ or link.__context__
-    return False
+    return any(any(words in str(link) for words in _TORCH_WRITER_WORDS) for link in _chain(error, contexts=True))
 
 
 def _disk_full_or_limited(output_dir: Path) -> bool:

@@ -31,15 +31,24 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import logging
 import os
-import socket
 import stat
-import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
+from .._lock_file import (
+    RECORD_BYTES,
+    NotALockFile,
+    flocked,
+    look_at_lock,
+    open_lock_file,
+    parsed_record,
+    pid_of,
+    process_start_time,
+    this_process_record,
+    why_gone,
+)
 from .._temporaries import is_pid, process_running
 from ..errors import ConfigurationError
 from ..export.manifest import LOCK_NAME
@@ -47,70 +56,16 @@ from ..utils import expand_user
 
 logger = logging.getLogger(__name__)
 
-#: How long a flock is asked for before the lock counts as held: another command's look at the lock holds a
-#: shared flock for a moment; a holder holds its exclusive one for the whole command.
-_FLOCK_TRIES, _FLOCK_PAUSE = 10, 0.002
 #: How often a lock released meanwhile (the path names another file, or none) is taken again.
 _TAKE_TRIES = 10
-#: The most of a lock file read: a record is one short JSON line.
-_RECORD_BYTES = 65536
-_KINDS = {
-    stat.S_IFIFO: "a named pipe",
-    stat.S_IFLNK: "a symbolic link",
-    stat.S_IFDIR: "a folder",
-    stat.S_IFSOCK: "a socket",
-    stat.S_IFCHR: "a device",
-    stat.S_IFBLK: "a device",
-}
-
-
-class RunFolderError(ConfigurationError):
-    """The output folder cannot be used as asked (the message says why and lists foreign files)."""
-
-
-def process_start_time(pid: int) -> Optional[int]:
-    """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat`` field 22), or None where the
-    system does not say (no ``/proc``) or there is no such process. With the pid it names one process for good."""
-    try:
-        stat_line = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat_line[stat_line.rfind(")") + 2 :].split()  # the command name (field 2) may hold spaces, parentheses
-    try:
-        return int(fields[22 - 3])  # fields[0] is field 3
-    except (IndexError, ValueError):
-        return None
-
-
-def _flocked(descriptor: int, operation: int) -> bool:
-    """Whether the flock ``operation`` (LOCK_EX, LOCK_SH) was granted, asked for a moment without blocking."""
-    for attempt in range(_FLOCK_TRIES):
-        try:
-            fcntl.flock(descriptor, operation | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if attempt + 1 < _FLOCK_TRIES:
-                time.sleep(_FLOCK_PAUSE)
-    return False
 
 
 def _file_id(status: os.stat_result) -> tuple[int, int]:
     return status.st_dev, status.st_ino
 
 
-def _parsed(record: bytes) -> dict[str, Any]:
-    """A lock's record as a dict ({} when it is not one)."""
-    try:
-        owner = json.loads(record.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return {}
-    return owner if isinstance(owner, dict) else {}
-
-
-def _pid_of(owner: dict[str, Any]) -> Optional[int]:
-    """The pid a record names, or None when it is no pid (``is_pid``)."""
-    pid = owner.get("pid")
-    return pid if is_pid(pid) else None
+class RunFolderError(ConfigurationError):
+    """The output folder cannot be used as asked (the message says why and lists foreign files)."""
 
 
 #: The locks this process holds (until released, whether or not their RunLock is still referenced): a child it
@@ -210,18 +165,18 @@ class RunLock:
     def _take_file(self, descriptor: int) -> bool:
         """Take the lock through the open lock file ``descriptor``; False when the path no longer names that file
         (released meanwhile: try again), RunFolderError when another live command holds it."""
-        if not _flocked(descriptor, fcntl.LOCK_EX):
-            raise self._in_use(self.owner_text(os.pread(descriptor, _RECORD_BYTES, 0)))
+        if not flocked(descriptor, fcntl.LOCK_EX):
+            raise self._in_use(self.owner_text(os.pread(descriptor, RECORD_BYTES, 0)))
         if self._named() != _file_id(os.fstat(descriptor)):
             return False
-        record = os.pread(descriptor, _RECORD_BYTES, 0)
+        record = os.pread(descriptor, RECORD_BYTES, 0)
         if record:
-            why = self._why_gone(_parsed(record))
+            why = why_gone(parsed_record(record))
             if why is None:
                 raise self._in_use(self.owner_text(record))
             logger.warning("taking over the lock of %s: %s", self.folder, why)
         os.ftruncate(descriptor, 0)
-        os.pwrite(descriptor, json.dumps(_this_process()).encode(), 0)
+        os.pwrite(descriptor, this_process_record(), 0)
         return True
 
     def _unwritable_why(self) -> str:
@@ -245,35 +200,26 @@ class RunLock:
             return None
 
     def _open(self, flags: int) -> int:
-        """The lock file opened without following a link and without waiting; RunFolderError, without opening it,
-        when it is not a regular file (a named pipe would block the reader)."""
+        """The lock file opened (open_lock_file); RunFolderError, without opening it, when it is not a regular file."""
         try:
-            mode = os.lstat(self.path).st_mode
-        except FileNotFoundError:
-            mode = stat.S_IFREG
-        if stat.S_ISREG(mode):
-            descriptor = os.open(self.path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
-            mode = os.fstat(descriptor).st_mode
-            if stat.S_ISREG(mode):
-                return descriptor
-            os.close(descriptor)  # replaced between the look and the open
-        raise RunFolderError(
-            f"output folder '{self.folder}': its lock {self.path} is {_KINDS.get(stat.S_IFMT(mode), 'no file')}, "
-            "not a file hf-tapernorm wrote; remove it if no hf-tapernorm command is using the folder, or choose "
-            "another --output_dir"
-        )
+            return open_lock_file(self.path, flags)
+        except NotALockFile as not_a_file:
+            raise RunFolderError(
+                f"output folder '{self.folder}': its lock {self.path} is {not_a_file.kind}, not a file hf-tapernorm "
+                "wrote; remove it if no hf-tapernorm command is using the folder, or choose another --output_dir"
+            ) from None
 
     def owner_text(self, record: bytes) -> str:
         """Who holds the lock (``record``: the lock file's content), how to tell that it is stale, and the file to
         delete then (one line)."""
-        owner = _parsed(record)
-        pid = _pid_of(owner)
+        owner = parsed_record(record)
+        pid = pid_of(owner)
         if pid is None:
             return (
                 f"its lock {self.path} is unreadable; if no hf-tapernorm command is using the folder, the lock is "
                 f"stale: delete {self.path}"
             )
-        why = self._why_gone(owner)
+        why = why_gone(owner)
         if why is not None:  # asked of a held flock only: a process the owner started holds it
             return (
                 f"a process that pid {pid} started still holds its lock {self.path} ({why}: a child it forked keeps "
@@ -286,35 +232,6 @@ class RunLock:
             f"stale: delete {self.path}"
         )
 
-    @staticmethod
-    def _why_gone(owner: dict[str, Any]) -> Optional[str]:
-        """Why the recorded ``owner`` is gone (its process ended, or its pid now names another process), or None."""
-        pid, host, started = _pid_of(owner), owner.get("host"), owner.get("started")
-        if pid is None or host != socket.gethostname():
-            return None  # another machine's (a shared disk) or unreadable: not ours to judge
-        if not process_running(pid):
-            return f"its process {pid} is gone"
-        now = process_start_time(pid)  # alive: its start time tells whether it is still the lock's owner
-        if isinstance(started, int) and now is not None and now != started:
-            return f"pid {pid} now belongs to another process (started at another time than the lock's owner)"
-        return None
-
-    def _look(self) -> Optional[tuple[bool, bytes]]:
-        """Whether the lock is stale, one a command taking it takes over (no one holds its flock, and its record is
-        empty or names an owner that is gone), and its record; None when it is gone or no regular file now."""
-        try:
-            descriptor = self._open(os.O_RDONLY)
-        except (FileNotFoundError, RunFolderError):
-            return None
-        try:
-            free = _flocked(descriptor, fcntl.LOCK_SH)
-            if free:
-                fcntl.flock(descriptor, fcntl.LOCK_UN)
-            record = os.pread(descriptor, _RECORD_BYTES, 0)
-            return free and (not record or self._why_gone(_parsed(record)) is not None), record
-        finally:
-            os.close(descriptor)
-
     def held_by_another(self) -> Optional[str]:
         """Who holds this folder's lock (owner_text), when another live command does (None: free, or its owner is
         gone). It only looks: a lock that is not a regular file is no lock of ours here, and is never read."""
@@ -326,15 +243,16 @@ class RunLock:
         except (FileNotFoundError, NotADirectoryError):
             return None
         try:
-            look = self._look()
+            look = look_at_lock(self.path)
         except PermissionError:
             return self.owner_text(b"")  # a lock this user cannot read: its owner cannot be told
-        return None if look is None or look[0] else self.owner_text(look[1])
+        return None if look is None or look.stale else self.owner_text(look.record)
 
     def is_stale(self) -> bool:
-        """Whether the path is a lock file a gone command left (``_look``; not another host's, nor unreadable)."""
+        """Whether the path is a lock file a gone command left (LockLook.stale; not another host's, nor unreadable)."""
         try:
-            return not self.held and stat.S_ISREG(os.lstat(self.path).st_mode) and (self._look() or (False,))[0]
+            look = None if self.held else look_at_lock(self.path)
+            return look is not None and look.stale
         except OSError:
             return False
 
@@ -362,16 +280,6 @@ class RunLock:
             if not folder.is_dir() or any(folder.iterdir()):
                 break
             folder.rmdir()
-
-
-def _this_process() -> dict[str, Any]:
-    """The lock's record of its owner: this process."""
-    return {
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "started": process_start_time(os.getpid()),
-        "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    }
 
 
 def resolved_path(path: str | os.PathLike, what: str) -> Path:

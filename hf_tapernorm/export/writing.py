@@ -8,13 +8,9 @@ kill never leaves half done under the export's name.
 
 from __future__ import annotations
 
-import fcntl
-import json
 import logging
 import os
 import shutil
-import socket
-import stat
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -24,8 +20,9 @@ from typing import Any, Optional
 from safetensors import SafetensorError
 from transformers import PreTrainedModel
 
+from .._disk_errors import disk_error_text, says_disk_full
+from .._lock_file import look_at_lock, parsed_record, pid_of
 from .._temporaries import (
-    is_pid,
     live_write_of,
     make_marked_folder,
     marked_and_abandoned,
@@ -38,8 +35,14 @@ from .._temporaries import (
     writing_inside,
 )
 from ..config_fields import check_tokenizer_to_save
-from ..errors import ConfigurationError, TaperStateError, first_line
-from ..utils import dangling_link, dangling_parent_step, expand_user, file_in_the_way, says_disk_full, some_names
+from ..errors import ConfigurationError, TaperStateError
+from ..utils import (
+    dangling_link,
+    dangling_parent_step,
+    expand_user,
+    file_in_the_way,
+    some_names,
+)
 from .manifest import (
     EXPORT_MANIFEST_NAME,
     LOCK_NAME,
@@ -207,14 +210,13 @@ def _write_beside(folder: Path, model: PreTrainedModel, tokenizer: Any) -> None:
 
 
 def _refuse_full_disk(error: BaseException, folder: Path, what: str, left: str) -> None:
-    """Refuse a write that failed for want of room (utils.says_disk_full) in one line naming ``folder`` and the disk,
-    not the writer's hidden temporary file (the OSError names it); raised from ``error``, which the CLI's full-disk
-    line reads. Any other error: nothing (the caller raises its own)."""
+    """Refuse a write that failed for want of room (_disk_errors.says_disk_full) in one line naming ``folder`` and the
+    disk, not the writer's hidden temporary file (the OSError names it); raised from ``error``, which the CLI's
+    full-disk line reads. Any other error: nothing (the caller raises its own)."""
     if says_disk_full(error):
-        reason = f"[Errno {error.errno}] {error.strerror}" if getattr(error, "strerror", None) else first_line(error)
         raise ConfigurationError(
-            f"could not {what} {folder}: its disk is full or a file-size limit was reached ({reason}); {left}: free "
-            "space, or choose a folder on another disk"
+            f"could not {what} {folder}: its disk is full or a file-size limit was reached ({disk_error_text(error)}); "
+            f"{left}: free space, or choose a folder on another disk"
         ) from error
 
 
@@ -313,57 +315,32 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
 
 
 def _free_lock(path: Path) -> bool:
-    """Whether ``path`` is a run lock no command holds now (_check_export_folder asked _lock_holder first) that a
-    command of this host wrote and whose process is gone (its record names the pid and host): a killed push's or
-    fold's, which push leaves out and the next command takes over. A file of the user's under that name is not
-    one, and is named as theirs."""
-    if path.name != LOCK_NAME or not path.is_file() or path.is_symlink():
+    """Whether ``path`` is a stale run lock (_lock_file.LockLook.stale: no one holds it, and it is empty or names a
+    process of this host that is gone), a killed push's or fold's, which push leaves out and the next command takes
+    over, as a taper or fold into the folder would. A file of the user's under that name is not one, and is named as
+    theirs; nor is one of another host, whose command only that host can tell gone."""
+    if path.name != LOCK_NAME:
         return False
     try:
-        record = json.loads(path.read_bytes()[:65536].decode())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    if not isinstance(record, dict) or not is_pid(record.get("pid")) or record.get("host") != socket.gethostname():
-        return False  # another host's command may run: only its own host can tell
-    try:
-        os.kill(record["pid"], 0)
-    except ProcessLookupError:
-        return True  # its command is gone
+        look = look_at_lock(path)
     except OSError:
         return False
-    return False  # its process runs (without the lock's flock): not taken for a leftover
+    return look is not None and look.stale
 
 
 def _lock_holder(folder: Path) -> Optional[str]:
     """The process holding ``folder``'s run lock (``.hf_tapernorm_run.lock`` under a flock: a push uploading the
     export, a fold writing it), named by its pid and command line; None when no one holds it (none, or a killed
     command's). Replacing the export under a push would publish a mix of two exports. The lock itself is app/'s
-    (run_lock.py); this only looks, as its other readers do: a shared flock asked for once, without waiting."""
+    (run_lock.py); this only looks (_lock_file.look_at_lock), as its other readers do."""
     try:
-        descriptor = os.open(folder / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:  # none, a link, or one this user cannot read: the folder's other checks name it
+        look = look_at_lock(folder / LOCK_NAME)
+    except OSError:  # one this user cannot read: the folder's other checks name it
         return None
-    try:
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-            return None
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            record = os.pread(descriptor, 65536, 0)
-        else:
-            return None  # free: a killed command's lock, which the foreign files' check names
-    finally:
-        os.close(descriptor)
-    return _process_named(record)
-
-
-def _process_named(record: bytes) -> str:
-    """The lock's owner as its record (one JSON line) names it: its pid and, where the system says, its command."""
-    try:
-        pid = json.loads(record.decode()).get("pid")
-    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        pid = None
-    if not is_pid(pid):
+    if look is None or look.free:
+        return None  # none, or a killed command's, which the foreign files' check judges
+    pid = pid_of(parsed_record(look.record))
+    if pid is None:
         return "its lock's record is unreadable"
     command = process_command(pid)
     return f"pid {pid}: {command}" if command else f"pid {pid}"

@@ -72,6 +72,8 @@ def test_defaults_compare_what_the_default_recipe_exports():
     (["--variants", "all-folded"], "--variants: 'all-folded' not among"),
     (["--modes", "last", "last"], "--modes lists a value twice"),
     (["--dtypes", "fp8"], "--dtypes: 'fp8'"),
+    (["--dtypes", "fp32", "float32"], "^--dtypes lists one dtype twice: fp32 and float32 are both fp32$"),
+    (["--dtypes", "bf16", "fp32", "bf16"], "^--dtypes lists a value twice: bf16 fp32 bf16$"),
     (["--repeats", "0"], "--repeats must be at least 1"),
     (["--batch_sizes", "0"], "--batch_sizes must be positive"),
     (["--modes", "train", "--seq_lens", "3"], "at least 4"),
@@ -791,3 +793,32 @@ def test_the_train_mode_of_a_trainer_checkpoint_reads_its_runs_tokenizer(tmp_pat
         f"hf-tapernorm bench: error: dataset '{short}' holds 1 blocks of 16 tokens; the train mode needs 5 "
         "(--batch_sizes x (1 + --calibration_batches))"
     )
+
+
+def test_a_full_disk_while_the_variants_are_saved_is_one_line_naming_the_temporary_folder(
+    tmp_path, monkeypatch, capsys
+):
+    """bench saves each variant and loads it back from the system's temporary folder; a full disk there (or a
+    file-size limit) ended in a traceback naming a file of a folder already gone, where fold and taper say so in one
+    line. It is one line naming the temporary folder and how to point it elsewhere (TMPDIR)."""
+    import errno
+    import tempfile
+
+    model = str(save_tiny_model(tmp_path / "tiny"))
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+
+    def full(model, folder, *args):
+        raise OSError(errno.EFBIG, "File too large", str(folder / "model.safetensors"))
+
+    monkeypatch.setattr(var, "_reloaded", full)
+    argv = ["bench", "--model_name_or_path", model, "--modes", "last", "--batch_sizes", "1", "--seq_lens", "16"]
+    capsys.readouterr()
+    assert cli_main([*argv, "--warmup", "1", "--repeats", "1", "--calibration_batches", "1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"hf-tapernorm bench: error: the temporary folder {temporary}: its disk could not take the benchmark's saved "
+        "models (OSError: [Errno 27] File too large); free space there (or lift the file-size limit), or set TMPDIR "
+        "to a folder on another disk"
+    )
+    assert not any(temporary.iterdir())

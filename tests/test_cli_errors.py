@@ -2177,7 +2177,12 @@ CASES = {
     "push of an export without its README.md": (
         _push_without_a_card,
         2,
-        ["error: --export_dir '", "/folded' is an incomplete export: it lacks files of its export (README.md)"],
+        [
+            "error: --export_dir '",
+            "/folded' lacks README.md, which its export wrote and push publishes with its weights (a copy an earlier "
+            "push left on the Hub would stay beside these); write your own in its place (push uploads its owner's "
+            "edits), or export it again with overwrite=True (hf-tapernorm fold --overwrite)",
+        ],
         NEEDS_RUN,
     ),
     # a live export_folded writing into D was not named: "not empty", then "not an earlier export"

@@ -667,7 +667,8 @@ def test_export_folded_overwrite_warns_of_weights_changed_since_the_export(folde
 def test_an_export_lacking_only_files_loading_does_not_read_loads_with_a_warning(folded, tmp_path, caplog, deleted):
     """eval, bench and taper (resolve_model) refused an export whose only missing files were its README.md card or
     generation_config.json as "an incomplete export", though the model loads without them. It loads now, and a
-    WARNING names them; push (files_to_push) still refuses any missing file."""
+    WARNING names them; push (files_to_push) still refuses them missing, saying that a file of the owner's may take
+    their place."""
     export = export_folded(folded, tmp_path / "export")
     for name in deleted:
         (export / name).unlink()
@@ -680,8 +681,17 @@ def test_an_export_lacking_only_files_loading_does_not_read_loads_with_a_warning
         "(hf-tapernorm fold --overwrite)"
     ]
     assert torch.equal(load_model(source).lm_head.weight, folded.lm_head.weight)
-    with pytest.raises(ConfigurationError, match=rf"^'{export}' is an incomplete export: it lacks files of its export"):
+    with pytest.raises(ConfigurationError) as refusal:
         files_to_push(export)
+    place = "its place" if len(deleted) == 1 else "their place"
+    assert str(refusal.value) == (  # deleted by its owner: what may take its place is said
+        f"'{export}' lacks {' and '.join(deleted)}, which its export wrote and push publishes with its weights (a copy "
+        f"an earlier push left on the Hub would stay beside these); write your own in {place} (push uploads its "
+        "owner's edits), or export it again with overwrite=True (hf-tapernorm fold --overwrite)"
+    )
+    for name in deleted:  # an owner's own file in its place is an owner's edit, pushed
+        (export / name).write_text("{}" if name.endswith(".json") else "# my card\n")
+    assert set(deleted) <= set(files_to_push(export))
 
 
 def test_an_export_lacking_a_file_loading_reads_is_refused_by_its_option(folded, tmp_path):

@@ -292,6 +292,45 @@ def test_a_checkpoint_of_another_run_put_into_a_run_folder_reads_its_own_runs_to
     assert code == 0, stderr[-2000:]
 
 
+def test_a_checkpoint_of_another_run_put_into_a_run_folder_is_not_scanned_against_that_runs_model(
+    ws, baseline_run, tmp_path, caplog
+):
+    """A checkpoint of another run copied into a run folder took that folder's tokenizer no longer, but the robustness
+    scan still compared it with the folder's baseline or original, a model it never was (fold wrote "no broken
+    window ... against the original model" into the export's card and robustness_scan.json, eval recorded that
+    reference); fold's card named that run's base model too. Now neither scans it, each saying why in a WARNING with
+    its way out, and fold's card names no base model of that run; the run's own checkpoint is scanned as before."""
+    from tests.helpers import word_tokenizer
+
+    run = copy_of(baseline_run, tmp_path)
+    other = save_tiny_model(tmp_path / "other", "llama", seed=1)
+    word_tokenizer(adds_bos=False).save_pretrained(other)
+    stranger = Path(shutil.copytree(run / "checkpoint-6", run / "checkpoint-99"))
+    _records_model(stranger, other)
+    caplog.set_level(logging.WARNING, logger="hf_tapernorm")
+    why = (
+        f"no robustness scan: {stranger} records another model than the run folder {run} it lies in (a checkpoint of "
+        "another run), so that run's baseline or original is not its reference; "
+    )
+    result = tmp_path / "result.json"
+    code, _, stderr = run_main(
+        evaluate(stranger, "--scan_windows", "2", "--output_json", str(result), data=ws / "corpus.txt")
+    )
+    assert code == 0, stderr[-2000:]
+    assert why + "pass --scan_reference" in caplog.text
+    assert "robustness_scan" not in json.loads(result.read_text())
+    caplog.clear()
+    code, _, stderr = run_main([*fold(stranger, tmp_path / "export")[:-1], "2"])
+    assert code == 0, stderr[-2000:]
+    assert why + "scan the export with hf-tapernorm eval --scan_reference" in caplog.text
+    assert not (tmp_path / "export" / "robustness_scan.json").exists()
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "Robustness scan" not in card and "base_model:" not in card
+    code, _, stderr = run_main([*fold(run / "checkpoint-6", tmp_path / "own")[:-1], "2"])
+    assert code == 0, stderr[-2000:]
+    assert json.loads((tmp_path / "own" / "robustness_scan.json").read_text())["reference"] == "baseline"
+
+
 @pytest.mark.parametrize("settings", [{"special_tokens_map.json": '{"eos_token": "<|endoftext|>"}'},
                                       {"tokenizer_config.json": '{"eos_token": "<|endoftext|>"}'}])  # fmt: skip
 def test_a_gpt2_folder_with_tokenizer_settings_but_no_vocabulary_holds_no_tokenizer(tmp_path, settings):

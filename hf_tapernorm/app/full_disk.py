@@ -39,11 +39,16 @@ FULL_MARGIN = 16 * 2**20
 
 @contextlib.contextmanager
 def full_disk_refused(
-    output_dir: Path, writing: str = "the export", then: Callable[[], str] = lambda: NOTHING_KEPT
+    output_dir: Path,
+    writing: str = "the export",
+    then: Callable[[], str] = lambda: NOTHING_KEPT,
+    *,
+    named: str = "--output_dir",
 ) -> Iterator[None]:
     """A disk that fills up while ``output_dir`` is written (see the module docstring) as one line
-    (ConfigurationError) naming the folder, ``writing`` (what was being written) and ``then()`` (what is left and
-    what to do, asked once the disk has filled); any other error passes unchanged."""
+    (ConfigurationError) naming the folder (``named``: what it is to the user, the option that gave it), ``writing``
+    (what was being written) and ``then()`` (what is left and what to do, asked once the disk has filled); any other
+    error passes unchanged."""
     try:
         yield
     except (OSError, SafetensorError, RuntimeError, ConfigurationError) as error:
@@ -51,7 +56,7 @@ def full_disk_refused(
         if full is None:
             raise
         raise ConfigurationError(
-            f"--output_dir {output_dir}: its disk could not take {writing} ({disk_error_text(full)}); {then()}"
+            f"{named} {output_dir}: its disk could not take {writing} ({disk_error_text(full)}); {then()}"
         ) from None
 
 

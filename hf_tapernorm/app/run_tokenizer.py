@@ -69,6 +69,14 @@ def _checkpoint_tokenizer_sources(folder: Path) -> tuple[list[ModelSource], list
     return sources + ([recorded] if recorded is not None else []), foreign
 
 
+def checkpoint_of_another_run(checkpoint: Path) -> bool:
+    """Whether the tapered ``checkpoint`` records (its own tapernorm_run.json) another model than the run folder it
+    lies in does (a checkpoint of another run put there): that folder's tokenizer, data and scan reference are not
+    this model's, and a scan against its original would score the checkpoint against a stranger."""
+    identity = (RunFolder(checkpoint.parent).manifest() or {}).get("identity")
+    return not _records_same_model(_json_object(checkpoint / IDENTITY_NAME), identity)
+
+
 def _json_object(file: Path) -> dict:
     """The JSON object in ``file``; an empty one where it is missing or unreadable."""
     try:
@@ -163,4 +171,4 @@ def _holds_recorded_tokenizer(path: Path, contents: dict) -> bool:
     return found == recorded
 
 
-__all__ = ["tokenizer_of"]
+__all__ = ["checkpoint_of_another_run", "tokenizer_of"]

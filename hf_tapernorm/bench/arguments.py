@@ -152,12 +152,18 @@ def short_dtypes(name: str, values: Sequence, shorts: Sequence[str]) -> list:
     each read by utils.read_dtype, so that ``float32`` is fp32 here as ``fp32`` is float32 to eval's --dtype;
     bench.json keeps the short names. A value that is no text is left as it is (argparse gives each item its type)."""
     accepted = tuple(DTYPES[short] for short in shorts)
-    return [
+    read = [
         SHORT_DTYPE_NAMES[str(read_dtype(v, accepted, f"--{name}: {v!r} is none of its dtypes")).removeprefix("torch.")]
         if isinstance(v, str)
         else v
         for v in values
     ]
+    typed: dict[object, object] = {}
+    for value, short in zip(values, read):  # two spellings of one dtype: named as typed, not as read
+        if short in typed and typed[short] != value:
+            raise ConfigurationError(f"--{name} lists one dtype twice: {typed[short]} and {value} are both {short}")
+        typed.setdefault(short, value)
+    return read
 
 
 def _check_list(name: str, values: Sequence, choices: Optional[Sequence] = None) -> None:

@@ -10,6 +10,7 @@ variants to ONNX and runs them. This module only wires them together, so a reade
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..app.full_disk import full_disk_refused
 from ..app.run_lock import RunLock
 from ..app.run_tokenizer import tokenizer_of
 from ..app.validation import weightless_model
@@ -210,7 +212,7 @@ def _run_group(
 ) -> list[Result]:
     """Every case of one dtype and device; the inference variants are built once, from ``base``."""
     results = []
-    with tempfile.TemporaryDirectory(prefix="hf_tapernorm_bench_") as workdir:
+    with tempfile.TemporaryDirectory(prefix="hf_tapernorm_bench_") as workdir, _temporary_disk(Path(workdir).parent):
         graphs = None
         if any(mode != "train" for mode in arguments.modes):
             specs, variants, facts = _inference_variants(base, arguments, Path(workdir))
@@ -230,6 +232,18 @@ def _run_group(
                 result["dynamo"] = _dynamo_counts()
             results.append(result)
     return results
+
+
+def _temporary_disk(folder: Path) -> contextlib.AbstractContextManager[None]:
+    """A disk that fills up while the variants are saved and reloaded (or their ONNX graphs written) in a folder of
+    the system's temporary ``folder``, as one line naming it (the folder of the variants is gone by then) and saying
+    where to point it instead."""
+    return full_disk_refused(
+        folder,
+        "the benchmark's saved models",
+        lambda: "free space there (or lift the file-size limit), or set TMPDIR to a folder on another disk",
+        named="the temporary folder",
+    )
 
 
 def run_benchmark(

@@ -16,6 +16,7 @@ from typing import Any, Optional, get_args, get_type_hints
 from .._parsing import UsageError
 from ..app.data_checks import check_data_paths, check_hub_datasets, missing_local_dataset
 from ..app.record import recorded_path, recorded_reference
+from ..app.run_tokenizer import checkpoint_of_another_run
 from ..app.validation import max_positions
 from ..data.corpus import prepare_from_arguments
 from ..data.heldout import PYTHON_DOCS, PYTHON_DOCS_DESCRIPTION, EvaluationSet
@@ -41,7 +42,9 @@ def scan_plan(
     (``output_dir``) that would land in one."""
     if not windows:
         return None
-    run = Path(source.path).resolve().parent
+    run = scan_run_folder(source, "scan the export with hf-tapernorm eval --scan_reference")
+    if run is None:
+        return None
     reference = recorded_reference_of(run, facts, windows)
     if facts is None or reference is None:
         logger.warning(
@@ -341,6 +344,23 @@ def run_report(folder: Path) -> Optional[dict]:
     return facts if isinstance(facts, dict) else None
 
 
+def scan_run_folder(source: ModelSource, way_out: str) -> Optional[Path]:
+    """The run folder whose recorded reference (and data) the scan of the tapered or folded ``source`` reads: the one
+    it lies in; None, said in a WARNING ending in ``way_out``, where ``source`` is a checkpoint of another run put
+    there (checkpoint_of_another_run), which that folder's original would score as a stranger."""
+    model = Path(source.path).resolve()
+    if checkpoint_of_another_run(model):
+        logger.warning(
+            "no robustness scan: %s records another model than the run folder %s it lies in (a checkpoint of another "
+            "run), so that run's baseline or original is not its reference; %s",
+            source.path,
+            model.parent,
+            way_out,
+        )
+        return None
+    return model.parent
+
+
 def recorded_reference_of(
     run: Path, facts: Optional[dict], windows: int, way_out: str = ""
 ) -> Optional[tuple[ModelSource, str]]:
@@ -387,6 +407,7 @@ __all__ = [
     "fold_scan",
     "recorded_reference_of",
     "run_report",
+    "scan_run_folder",
     "scan_plan",
     "scan_positions",
     "scan_texts",

@@ -264,6 +264,13 @@ def incomplete_export(folder: str | os.PathLike, what: str, *, loading: bool = F
         return None
     if not missing:
         return None
+    if all(name in OWNER_EDITABLE for name in missing):  # deleted by its owner, most likely: say what takes its place
+        place = "its place" if len(missing) == 1 else "their place"
+        return (
+            f"{what} lacks {' and '.join(missing)}, which its export wrote and push publishes with its weights (a "
+            f"copy an earlier push left on the Hub would stay beside these); write your own in {place} (push uploads "
+            "its owner's edits), or export it again with overwrite=True (hf-tapernorm fold --overwrite)"
+        )
     return (
         f"{what} is an incomplete export: it lacks files of its export ({some_names(missing)}), which its manifest "
         "lists (a write killed while it moved them into place, or files deleted since); export it again with "

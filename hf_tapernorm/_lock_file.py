@@ -55,6 +55,13 @@ class LockLook(NamedTuple):
         """Free, and left by a command that is gone: its record is empty or names an owner that is gone."""
         return self.free and (not self.record or why_gone(parsed_record(self.record)) is not None)
 
+    @property
+    def held_here(self) -> bool:
+        """Held, by this process (its record names this pid and host): a command writing inside the folder it holds
+        (a taper run its folded/) is not another command at work there."""
+        owner = parsed_record(self.record)
+        return not self.free and pid_of(owner) == os.getpid() and owner.get("host") == socket.gethostname()
+
 
 def process_start_time(pid: int) -> Optional[int]:
     """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat`` field 22), or None where the
@@ -111,6 +118,55 @@ def why_gone(owner: dict[str, Any]) -> Optional[str]:
     return None
 
 
+def owner_text(path: Path, record: bytes) -> str:
+    """Who holds the lock at ``path`` (``record``: its content), how to tell that it is stale, and the file to delete
+    then (one line)."""
+    owner = parsed_record(record)
+    pid = pid_of(owner)
+    if pid is None:
+        return (
+            f"its lock {path} is unreadable; if no hf-tapernorm command is using the folder, the lock is stale: "
+            f"delete {path}"
+        )
+    why = why_gone(owner)
+    if why is not None:  # asked of a held flock only: a process the owner started holds it
+        return (
+            f"a process that pid {pid} started still holds its lock {path} ({why}: a child it forked keeps the lock "
+            "file open); wait for that process to end, or stop it"
+        )
+    host, since = owner.get("host"), owner.get("since")
+    return (
+        f"pid {pid} on host {host}{f' since {since}' if since else ''}; if no hf-tapernorm command runs as pid {pid} "
+        f"on {host} (it was killed, its container or pod restarted, or the folder was copied), the lock is stale: "
+        f"delete {path}"
+    )
+
+
+def remove_stale_lock(path: Path) -> Optional[str]:
+    """Delete the lock file at ``path`` where it is stale (LockLook.stale), as a command taking it over and letting it
+    go would, under its exclusive flock (a command taking it at the same moment finds the path names no file it
+    locked, and tries again); returns why it was stale, None where nothing was deleted (none, held, or not stale)."""
+    try:
+        descriptor = open_lock_file(path, os.O_RDWR)
+    except (OSError, NotALockFile):  # none, or one this user cannot write: not this caller's to delete
+        return None
+    try:
+        if not flocked(descriptor, fcntl.LOCK_EX):
+            return None
+        status, named = os.fstat(descriptor), os.lstat(path)
+        if (status.st_dev, status.st_ino) != (named.st_dev, named.st_ino):
+            return None  # taken and let go meanwhile: another file now
+        record = os.pread(descriptor, RECORD_BYTES, 0)
+        why = why_gone(parsed_record(record)) if record else "it is empty (its command was killed as it took it)"
+        if why is not None:
+            os.unlink(path)
+        return why
+    except FileNotFoundError:
+        return None
+    finally:
+        os.close(descriptor)
+
+
 def this_process_record() -> bytes:
     """The lock's record of its owner, this process: its pid, host, start time, and when it took the lock."""
     return json.dumps(
@@ -163,9 +219,11 @@ __all__ = [
     "flocked",
     "look_at_lock",
     "open_lock_file",
+    "owner_text",
     "parsed_record",
     "pid_of",
     "process_start_time",
+    "remove_stale_lock",
     "this_process_record",
     "why_gone",
 ]

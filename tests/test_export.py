@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import socket
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -106,6 +108,51 @@ def test_export_folded_overwrite_refuses_a_users_file_a_bookkeeping_look_alike_o
     assert _files(export) == before and (export / name).read_text() == "mine"
 
 
+@pytest.mark.parametrize("leftover", ["", json.dumps({"pid": 2**22 + 12345, "host": socket.gethostname()})])
+def test_export_folded_into_a_folder_holding_only_a_killed_commands_lock_writes_the_export(
+    folded, tmp_path, caplog, leftover
+):
+    """A fold killed once it had taken its lock leaves a folder holding only that lock (empty, or naming a process
+    that is gone); export_folded called it "not empty" (overwrite=True: "not an earlier export"), where fold takes it
+    over and writes. The stale lock is deleted, as fold's taking it over would, with a WARNING; the export written."""
+    from hf_tapernorm.export.manifest import LOCK_NAME
+
+    folder = tmp_path / "killed"
+    folder.mkdir()
+    (folder / LOCK_NAME).write_text(leftover)
+    with caplog.at_level(logging.WARNING, logger="hf_tapernorm"):
+        assert export_folded(folded, folder) == folder
+    assert (folder / "model.safetensors").is_file() and not (folder / LOCK_NAME).exists()
+    assert f"deleted the lock {folder / LOCK_NAME}, left by a command that is gone: " in caplog.text
+
+
+def test_export_folded_inside_a_folder_a_running_command_holds_is_refused_but_not_inside_its_own(folded, tmp_path):
+    """export_folded looked only at its own folder's lock: into a subfolder of a running taper's run folder it wrote
+    without a word, where every command refuses (refuse_while_running). It judges the folders above as they do; a
+    lock this process holds (a taper run writing its own folded/) is its own command's, and not refused."""
+    from hf_tapernorm.app.run_lock import RunLock
+    from hf_tapernorm.export.manifest import LOCK_NAME
+
+    live = tmp_path / "live"
+    live.mkdir()
+    (live / LOCK_NAME).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))
+    with pytest.raises(ConfigurationError) as refusal:
+        export_folded(folded, live / "sub" / "export")
+    assert str(refusal.value) == (
+        f"cannot export into {live / 'sub' / 'export'}: it lies in '{live}', which a running hf-tapernorm command "
+        f"owns (pid {os.getppid()} on host {socket.gethostname()}; if no hf-tapernorm command runs as pid "
+        f"{os.getppid()} on {socket.gethostname()} (it was killed, its container or pod restarted, or the folder was "
+        f"copied), the lock is stale: delete {live / LOCK_NAME}); wait for it to finish, or choose a folder outside it"
+    )
+    assert sorted(p.name for p in live.iterdir()) == [LOCK_NAME]
+    own = RunLock(tmp_path / "run")
+    own.acquire()
+    try:
+        assert export_folded(folded, tmp_path / "run" / "folded") == tmp_path / "run" / "folded"
+    finally:
+        own.release()
+
+
 def test_export_folded_overwrite_refuses_an_export_whose_card_was_edited(folded, tmp_path):
     """overwrite=True replaced a README.md card its owner had edited without a word; now the edited card (its sha256
     is not the manifest's) is refused in one line, the export left as it was. Moved aside or deleted, the export is
@@ -170,8 +217,6 @@ def test_export_folded_overwrite_takes_a_killed_commands_lock_for_bookkeeping_no
     and fold --overwrite take such a lock over. A lock no one holds is the package's own: the export is replaced.
     export_folded judges it as the lock's own taker does (one reader): an empty lock (its command killed as it took
     it) and one whose pid now names another process (another start time) are left over too, as fold takes them."""
-    import os
-    import socket
 
     from hf_tapernorm.app.run_lock import process_start_time
     from hf_tapernorm.export.manifest import LOCK_NAME
@@ -182,7 +227,7 @@ def test_export_folded_overwrite_takes_a_killed_commands_lock_for_bookkeeping_no
     for leftover in (json.dumps(record) + "\n", "", json.dumps(reused)):
         (export / LOCK_NAME).write_text(leftover)
         assert export_folded(folded, export, overwrite=True) == export
-        assert (export / "model.safetensors").is_file()
+        assert (export / "model.safetensors").is_file() and not (export / LOCK_NAME).exists()  # not left in it
     for other in ({**record, "pid": os.getpid()}, {**record, "host": "another-host"}):  # may run: not a leftover
         (export / LOCK_NAME).write_text(json.dumps(other) + "\n")
         with pytest.raises(
@@ -225,7 +270,6 @@ def test_export_folded_onto_a_full_disk_says_so_naming_the_folder(folded, tmp_pa
 def test_export_folded_through_a_link_names_a_live_write_beside_its_target(folded, tmp_path):
     """``export_folded(m, LINK, overwrite=True)`` with a live ``.Y.export-PID`` beside LINK's target Y went ahead:
     the check looked beside LINK only. Beside the target is looked at too."""
-    import os
 
     from hf_tapernorm._temporaries import WRITE_MARK
 
@@ -244,7 +288,6 @@ def test_export_folded_overwrite_deletes_a_killed_replacements_leftover_and_keep
     (as write_folder marks its own), and the next replacement deletes it once its writer is gone. A look-alike
     without the mark stays; a live writer's is a write in progress, refused (its rename would fail, or replace this
     export); one under this write's own name that is no leftover is refused."""
-    import os
 
     from hf_tapernorm._temporaries import WRITE_MARK, process_command
 
@@ -314,7 +357,6 @@ def test_a_killed_fresh_export_leaves_a_leftover_the_next_export_deletes_not_a_h
     tokenizer, no manifest) under its final name, which export_folded(overwrite=True) then refused as "not an earlier
     export". Now a fresh export is written in the hidden ``.NAME.export-PID`` folder and renamed when complete: the
     kill leaves only that leftover, which the next export (overwrite or not) deletes."""
-    import os
 
     from hf_tapernorm.export import writing
 
@@ -337,7 +379,6 @@ def test_an_export_into_an_existing_empty_folder_keeps_the_folder_its_group_and_
     were lost, the files got the writer's group, and a shell sitting in it was left in a deleted folder. Now the
     export is written inside it (through a hidden ``.hf_tapernorm_writing-PID`` there, moved up when complete): the
     folder stays, with its group, which its files take; a link to an empty folder is written through, kept."""
-    import os
 
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -372,7 +413,6 @@ def test_a_kill_mid_move_in_the_working_folder_leaves_an_export_overwrite_replac
     the working folder was refused outright. Now the export is written in a marked ``.hf_tapernorm_writing-PID``
     inside it and moved up manifest first: a kill mid-move (a SIGKILL: the hidden folder stays) leaves an incomplete
     export, which push refuses, and the retry with overwrite=True deletes the leftover and replaces it, in place."""
-    import os
 
     from hf_tapernorm.export import writing
     from hf_tapernorm.export.hub import files_to_push
@@ -413,7 +453,6 @@ def test_every_export_deletes_a_killed_swaps_leftover_and_warns_of_the_export_in
     old/, the new one in new/) and no exp/; the next export_folded(m, "exp") wrote exp/ but left the leftover beside
     it, as only the replacing path removed leftovers. Every write removes them now, and one that holds the earlier
     export while nothing is under its name is named in a WARNING (that export goes with it)."""
-    import os
 
     from hf_tapernorm._temporaries import WRITE_MARK
 
@@ -491,7 +530,6 @@ def test_push_to_hub_uploads_exactly_the_export(folded, tmp_path):
 @pytest.mark.parametrize("first", ["hf_tapernorm", "transformers"])
 def test_an_export_loads_through_the_auto_classes_in_a_fresh_process(folded, tmp_path, first):
     """``import hf_tapernorm`` registers the folded types lazily, whichever of the two is imported first."""
-    import os
     import subprocess
     import sys
 
@@ -622,7 +660,6 @@ def test_export_folded_names_a_write_in_progress_in_the_folder(folded, tmp_path)
     """A live export_folded writing into D (its marked ``.hf_tapernorm_writing-PID`` there), then export_folded(D):
     refused as "not empty", and with overwrite=True as "not an earlier export": the live write was never named. Now
     both say another write of D is in progress, with its pid; nothing is touched."""
-    import os
 
     from hf_tapernorm._temporaries import WRITE_MARK, process_command
 
@@ -876,7 +913,6 @@ def test_a_second_thread_exporting_the_same_folder_is_refused_as_a_write_in_prog
     (this process's own pid counts as gone): one deleted the other's files, so a call returned with the export
     lacking files, or a refusal said "it is as it was" of a folder that had changed. A second call while the first
     writes is refused now as a write in progress, touching nothing, and the first completes its export."""
-    import os
     import threading
 
     from hf_tapernorm.export import writing

@@ -43,8 +43,8 @@ from .._lock_file import (
     flocked,
     look_at_lock,
     open_lock_file,
+    owner_text,
     parsed_record,
-    pid_of,
     process_start_time,
     this_process_record,
     why_gone,
@@ -210,27 +210,8 @@ class RunLock:
             ) from None
 
     def owner_text(self, record: bytes) -> str:
-        """Who holds the lock (``record``: the lock file's content), how to tell that it is stale, and the file to
-        delete then (one line)."""
-        owner = parsed_record(record)
-        pid = pid_of(owner)
-        if pid is None:
-            return (
-                f"its lock {self.path} is unreadable; if no hf-tapernorm command is using the folder, the lock is "
-                f"stale: delete {self.path}"
-            )
-        why = why_gone(owner)
-        if why is not None:  # asked of a held flock only: a process the owner started holds it
-            return (
-                f"a process that pid {pid} started still holds its lock {self.path} ({why}: a child it forked keeps "
-                "the lock file open); wait for that process to end, or stop it"
-            )
-        host, since = owner.get("host"), owner.get("since")
-        return (
-            f"pid {pid} on host {host}{f' since {since}' if since else ''}; if no hf-tapernorm command runs as pid "
-            f"{pid} on {host} (it was killed, its container or pod restarted, or the folder was copied), the lock is "
-            f"stale: delete {self.path}"
-        )
+        """Who holds the lock (``record``: the lock file's content): _lock_file.owner_text."""
+        return owner_text(self.path, record)
 
     def held_by_another(self) -> Optional[str]:
         """Who holds this folder's lock (owner_text), when another live command does (None: free, or its owner is

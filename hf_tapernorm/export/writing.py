@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from transformers import PreTrainedModel
 
 from .._disk_errors import disk_error_text, says_disk_full
-from .._lock_file import look_at_lock, parsed_record, pid_of
+from .._lock_file import LockLook, look_at_lock, owner_text, parsed_record, pid_of, remove_stale_lock
 from .._temporaries import (
     live_write_of,
     make_marked_folder,
@@ -274,12 +274,10 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
     live = live_write_of(folder)  # its files and this export's would mix, or one export be lost
     if live:
         raise ConfigurationError(f"cannot export into {folder}: {live}; wait for it to finish, or choose a new folder")
-    holder = _lock_holder(folder)
-    if holder:
-        raise ConfigurationError(
-            f"cannot export into {folder}: a running hf-tapernorm command holds it ({holder}); wait for it to finish, "
-            "or choose a new folder"
-        )
+    held = _held_by_a_command(folder)
+    if held:
+        raise ConfigurationError(f"cannot export into {folder}: {held}")
+    _remove_stale_lock(folder)
     if not folder.is_dir() or not any(folder.iterdir()):
         return False
     if not overwrite:
@@ -295,12 +293,7 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
         )
     foreign = sorted(set(folder_files(folder)) - set(manifest))
     # A bookkeeping name but the manifest is no file of the export: a running command's lock, or a user's look-alike.
-    # A lock no one holds (a killed push's or fold's, _lock_holder found it free) is the package's own: left beside.
-    foreign += sorted(
-        p.name
-        for p in folder.iterdir()
-        if is_bookkeeping(p.name) and p.name != EXPORT_MANIFEST_NAME and not _free_lock(p)
-    )
+    foreign += sorted(p.name for p in folder.iterdir() if is_bookkeeping(p.name) and p.name != EXPORT_MANIFEST_NAME)
     if foreign:
         raise ConfigurationError(
             f"{refusal}: it holds files the export did not write ({some_names(foreign)}), which would stay beside the "
@@ -314,18 +307,39 @@ def _check_export_folder(folder: Path, overwrite: bool) -> bool:
     return True
 
 
-def _free_lock(path: Path) -> bool:
-    """Whether ``path`` is a stale run lock (_lock_file.LockLook.stale: no one holds it, and it is empty or names a
-    process of this host that is gone), a killed push's or fold's, which push leaves out and the next command takes
-    over, as a taper or fold into the folder would. A file of the user's under that name is not one, and is named as
-    theirs; nor is one of another host, whose command only that host can tell gone."""
-    if path.name != LOCK_NAME:
-        return False
-    try:
-        look = look_at_lock(path)
-    except OSError:
-        return False
-    return look is not None and look.stale
+def _remove_stale_lock(folder: Path) -> None:
+    """Delete ``folder``'s run lock where it is stale (_lock_file.remove_stale_lock: a killed push's or fold's, an
+    empty one), as a fold or taper into the folder takes it over and lets it go: not counted as the folder's content,
+    nor left in the export. A lock of a live process without its flock, another host's, or a file of the user's
+    under that name stays, and is named as a file the export did not write."""
+    why = remove_stale_lock(folder / LOCK_NAME)
+    if why is not None:
+        logger.warning("deleted the lock %s, left by a command that is gone: %s", folder / LOCK_NAME, why)
+
+
+def _held_by_a_command(folder: Path) -> Optional[str]:
+    """Why ``folder`` is another command's now (its refusal's reason and way out), or None: a command holds its run
+    lock (_lock_holder), or the lock of a folder above it (a taper run writing its checkpoints and export, a fold),
+    judged as the commands judge a folder they write into (app/run_lock.refuse_while_running): a lock another host's
+    command or an unreadable record may hold counts too. A lock this process holds is its own command's, writing
+    inside its folder."""
+    holder = _lock_holder(folder)
+    if holder:
+        return f"a running hf-tapernorm command holds it ({holder}); wait for it to finish, or choose a new folder"
+    for above in Path(os.path.realpath(folder)).parents:
+        try:
+            look = look_at_lock(above / LOCK_NAME)
+        except PermissionError:  # a lock this user cannot read: its owner cannot be told
+            look = LockLook(free=False, record=b"")
+        except OSError:
+            continue
+        if look is not None and not look.stale and not look.held_here:
+            owner = owner_text(above / LOCK_NAME, look.record)
+            return (
+                f"it lies in '{above}', which a running hf-tapernorm command owns ({owner}); wait for it to finish, "
+                "or choose a folder outside it"
+            )
+    return None
 
 
 def _lock_holder(folder: Path) -> Optional[str]:

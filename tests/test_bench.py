@@ -74,6 +74,7 @@ def test_defaults_compare_what_the_default_recipe_exports():
     (["--dtypes", "fp8"], "--dtypes: 'fp8'"),
     (["--dtypes", "fp32", "float32"], "^--dtypes lists one dtype twice: fp32 and float32 are both fp32$"),
     (["--dtypes", "bf16", "fp32", "bf16"], "^--dtypes lists a value twice: bf16 fp32 bf16$"),
+    (["--dtypes", "float32", "float32"], "^--dtypes lists a value twice: float32 float32$"),
     (["--repeats", "0"], "--repeats must be at least 1"),
     (["--batch_sizes", "0"], "--batch_sizes must be positive"),
     (["--modes", "train", "--seq_lens", "3"], "at least 4"),

@@ -309,8 +309,8 @@ def test_a_checkpoint_of_another_run_put_into_a_run_folder_is_not_scanned_agains
     _records_model(stranger, other)
     caplog.set_level(logging.WARNING, logger="hf_tapernorm")
     why = (
-        f"no robustness scan: {stranger} records another model than the run folder {run} it lies in (a checkpoint of "
-        "another run), so that run's baseline or original is not its reference; "
+        f"no robustness scan of {stranger}: the run in {run} did not write it (its manifest lists no file of "
+        "checkpoint-99/), so that run's baseline or original is not its reference; "
     )
     result = tmp_path / "result.json"
     code, _, stderr = run_main(
@@ -329,6 +329,75 @@ def test_a_checkpoint_of_another_run_put_into_a_run_folder_is_not_scanned_agains
     code, _, stderr = run_main([*fold(run / "checkpoint-6", tmp_path / "own")[:-1], "2"])
     assert code == 0, stderr[-2000:]
     assert json.loads((tmp_path / "own" / "robustness_scan.json").read_text())["reference"] == "baseline"
+
+
+def test_an_export_or_checkpoint_a_run_did_not_write_is_not_scanned_against_that_runs_model(
+    ws, baseline_run, tmp_path, caplog
+):
+    """A run's folded/ or tapered/ copied into another run's folder (as foldedG/, taperedG/) was scanned against that
+    run's baseline without a word (an export has no tapernorm_run.json to tell it by), and fold's card was titled
+    after that run's model; so was a checkpoint of the run's own folder whose record names another model. A folder
+    the run's manifest lists no file of, or one recording another model, is not the run's: no scan, said why."""
+    run = copy_of(baseline_run, tmp_path)
+    shutil.copytree(run / "folded", run / "foldedG")
+    shutil.copytree(run / "tapered", run / "taperedG")
+    caplog.set_level(logging.WARNING, logger="hf_tapernorm")
+    result = tmp_path / "result.json"
+    argv = evaluate(run / "foldedG", "--scan_windows", "2", "--output_json", str(result), data=ws / "corpus.txt")
+    assert run_main(argv)[0] == 0
+    assert "robustness_scan" not in json.loads(result.read_text())
+    assert (
+        f"no robustness scan of {run / 'foldedG'}: the run in {run} did not write it (its manifest lists no file of "
+        "foldedG/), so that run's baseline or original is not its reference; pass --scan_reference"
+    ) in caplog.text
+    code, _, stderr = run_main([*fold(run / "taperedG", tmp_path / "export")[:-1], "2"])
+    assert code == 0, stderr[-2000:]
+    assert not (tmp_path / "export" / "robustness_scan.json").exists()
+    assert "base_model:" not in (tmp_path / "export" / "README.md").read_text()
+    other = save_tiny_model(tmp_path / "other", "llama", seed=1)
+    _records_model(run / "checkpoint-6", other)  # listed by the run, but recording another model
+    caplog.clear()
+    code, _, stderr = run_main([*fold(run / "checkpoint-6", tmp_path / "c6")[:-1], "2"])
+    assert code == 0, stderr[-2000:]
+    assert (
+        f"no robustness scan of {run / 'checkpoint-6'}: it records another model than the run in {run} (a checkpoint "
+        "of another run), so that run's baseline or original is not its reference; scan the export with "
+        "hf-tapernorm eval --scan_reference"
+    ) in caplog.text
+
+
+def test_a_runs_original_given_another_model_since_or_gone_is_not_its_scans_reference(
+    ws, baseline_run, tmp_path, caplog
+):
+    """A run without a baseline is scanned against its original; that folder given another model since (a fine-tune
+    saved over it, another model copied there) was scanned against as the original without a word, though the run
+    recorded its files; and an original moved away was told as a run folder "that names no baseline or original".
+    The original is the reference only while it holds the files the run recorded; otherwise a WARNING says which."""
+    run = copy_of(baseline_run, tmp_path)
+    original = Path(shutil.copytree(ws / "llama", tmp_path / "original"))
+    report = json.loads((run / "report.json").read_text())
+    report["export"]["baseline_model"] = None  # as a run without --baseline
+    report["model"]["source"] = str(original)
+    (run / "report.json").write_text(json.dumps(report))
+    caplog.set_level(logging.WARNING, logger="hf_tapernorm")
+    result = tmp_path / "result.json"
+    argv = evaluate(run / "folded", "--scan_windows", "2", "--output_json", str(result), data=ws / "corpus.txt")
+    assert run_main(argv)[0] == 0
+    assert json.loads(result.read_text())["robustness_scan"]["reference"] == str(original)
+    save_tiny_model(original, "llama", seed=1)  # other weights saved over it
+    assert run_main(argv)[0] == 0
+    assert "robustness_scan" not in json.loads(result.read_text())
+    assert (
+        f"the original model that the run in {run} recorded is not there ({original}, or holds another model now: "
+        "its files are not the ones the run recorded): the robustness scan has no model of the run to compare with"
+    ) in caplog.text
+    shutil.rmtree(original)
+    caplog.clear()
+    assert run_main(argv)[0] == 0
+    assert (
+        f"the original model that the run in {run} recorded is not there ({original}): the robustness scan has no "
+        "model of the run to compare with"
+    ) in caplog.text
 
 
 @pytest.mark.parametrize("settings", [{"special_tokens_map.json": '{"eos_token": "<|endoftext|>"}'},
@@ -1183,6 +1252,9 @@ def test_a_report_naming_a_folder_without_a_model_as_the_scans_reference_is_refu
     edits = {"export": {**report["export"], "baseline_model": None}}  # model.source is read where none is recorded
     edits[section] = {**edits.get(section, report[section]), key: str(ws)}
     edit_json(copy / "report.json", **edits)
+    manifest = json.loads((copy / MANIFEST_NAME).read_text())
+    manifest["identity"].pop("model_contents")  # a run recording its original's files skips one that changed since
+    (copy / MANIFEST_NAME).write_text(json.dumps(manifest))
     monkeypatch.setattr(commands, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     line = refused(fold(copy / "tapered", tmp_path / "export", "--scan_windows", "2"))
     name = "baseline" if section == "export" else "original"

@@ -18,6 +18,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 #: A Trainer's checkpoint folder, ``checkpoint-<step>``: only that name (``checkpoint-6-keep`` is a user's).
 CHECKPOINT_NAME = re.compile(rf"{re.escape(PREFIX_CHECKPOINT_DIR)}-[0-9]+")
 
+#: The file a tapered checkpoint records its run in (the run's identity and the checkpoint's files).
+IDENTITY_NAME = "tapernorm_run.json"
+
 #: Files the Trainer (model, optimizer, scheduler, scaler, RNG states, state, arguments, config, tokenizer,
 #: PEFT adapter, sharded weights, DeepSpeed's pointers) and this package (run identity, TaperNorm config,
 #: distillation teacher) write directly into a checkpoint folder.
@@ -58,7 +61,7 @@ CHECKPOINT_FILES = (
     "processor_config.json",
     "latest",
     "zero_to_fp32.py",
-    "tapernorm_run.json",
+    IDENTITY_NAME,
     "tapernorm_config.json",
     "tapernorm.json",
     "distillation_teacher.safetensors",

@@ -23,6 +23,7 @@ from typing import Any, Optional
 from ..config import TaperNormConfig
 from ..data.sources import local_dataset_path
 from ..utils import expand_user, parameter_count
+from .run_membership import holds_the_runs_model
 
 logger = logging.getLogger(__name__)
 
@@ -437,7 +438,15 @@ def recorded_reference(facts: dict[str, Any], run_folder: Path) -> Optional[tupl
     if baseline is not None and _is_there(baseline):
         return baseline, "baseline"
     original = recorded_path(facts, run_folder, model.get("source")) if model.get("kind") != "hub" else None
-    found = original is not None and _is_there(original)
+    found = original is not None and _is_there(original) and holds_the_runs_model(original, run_folder)
+    if original is not None and not found and baseline is None:
+        logger.warning(
+            "the original model that the run in %s recorded is not there (%s%s): the robustness scan has no model of "
+            "the run to compare with",
+            run_folder,
+            original,
+            ", or holds another model now: its files are not the ones the run recorded" if _is_there(original) else "",
+        )
     if baseline is not None:
         logger.warning(
             "the baseline that the run in %s recorded is not there (%s): the robustness scan compares with %s",

@@ -7,7 +7,6 @@ and eval still need the tokenizer the run trained with: its tapered/ export's, e
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Optional
@@ -17,6 +16,7 @@ from ..utils import expand_user
 from .fingerprints import fingerprint, holds_recorded_contents
 from .run_folder import RunFolder
 from .run_lock import resolved_path
+from .run_membership import json_object, records_same_model
 from .training_run import IDENTITY_NAME
 
 logger = logging.getLogger(__name__)
@@ -57,9 +57,9 @@ def _checkpoint_tokenizer_sources(folder: Path) -> tuple[list[ModelSource], list
     runs = []
     if folder.name.startswith("checkpoint-"):
         runs = [folder.parent, folder.parent.parent] if folder.parent.name == "baseline" else [folder.parent]
-    own = _json_object(folder / IDENTITY_NAME)
+    own = json_object(folder / IDENTITY_NAME)
     identities = [(run, (RunFolder(run).manifest() or {}).get("identity")) for run in runs]
-    foreign = [run for run, identity in identities if not _records_same_model(own, identity)]
+    foreign = [run for run, identity in identities if not records_same_model(own, identity)]
     for run in foreign:
         logger.info("%s records another model than its run folder %s: that run's tokenizer is not used", folder, run)
     mine = [(run, identity) for run, identity in identities if run not in foreign]
@@ -67,31 +67,6 @@ def _checkpoint_tokenizer_sources(folder: Path) -> tuple[list[ModelSource], list
     told = any(isinstance(identity, dict) and identity.get("model") == own.get("model") for _, identity in mine)
     recorded = None if told else _recorded_model(own)  # the run's record named the same model: looked at once
     return sources + ([recorded] if recorded is not None else []), foreign
-
-
-def checkpoint_of_another_run(checkpoint: Path) -> bool:
-    """Whether the tapered ``checkpoint`` records (its own tapernorm_run.json) another model than the run folder it
-    lies in does (a checkpoint of another run put there): that folder's tokenizer, data and scan reference are not
-    this model's, and a scan against its original would score the checkpoint against a stranger."""
-    identity = (RunFolder(checkpoint.parent).manifest() or {}).get("identity")
-    return not _records_same_model(_json_object(checkpoint / IDENTITY_NAME), identity)
-
-
-def _json_object(file: Path) -> dict:
-    """The JSON object in ``file``; an empty one where it is missing or unreadable."""
-    try:
-        found = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return {}
-    return found if isinstance(found, dict) else {}
-
-
-def _records_same_model(own: dict, identity: object) -> bool:
-    """Whether a checkpoint's own record (``own``) and its run's ``identity`` name the same model: the same path as
-    typed and the same recorded files. Where either records no model there is nothing to tell them apart by."""
-    if not isinstance(identity, dict) or not isinstance(own.get("model"), str) or "model" not in identity:
-        return True
-    return own["model"] == identity["model"] and own.get("model_contents") == identity.get("model_contents")
 
 
 def _run_tokenizer_sources(runs: list[tuple[Path, object]]) -> list[ModelSource]:
@@ -171,4 +146,4 @@ def _holds_recorded_tokenizer(path: Path, contents: dict) -> bool:
     return found == recorded
 
 
-__all__ = ["checkpoint_of_another_run", "tokenizer_of"]
+__all__ = ["tokenizer_of"]

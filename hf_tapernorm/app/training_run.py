@@ -32,12 +32,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ..training.callback import TaperCallback, place_first
 from ..training.distillation import SNAPSHOT_NAME
 from ..utils import all_reduce_max
+from .checkpoint_files import IDENTITY_NAME
 from .report import history_from_log
 from .run_folder import RunFolder
 
 logger = logging.getLogger(__name__)
 
-IDENTITY_NAME = "tapernorm_run.json"
 #: The key of IDENTITY_NAME that lists the checkpoint's files (relative paths); the rest is the run's identity.
 CHECKPOINT_FILES_KEY = "checkpoint_files"
 #: The key of IDENTITY_NAME that maps the checkpoint's files a resume cannot rebuild (the teacher) to their sha256.

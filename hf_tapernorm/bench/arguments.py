@@ -159,10 +159,12 @@ def short_dtypes(name: str, values: Sequence, shorts: Sequence[str]) -> list:
         for v in values
     ]
     typed: dict[object, object] = {}
-    for value, short in zip(values, read):  # two spellings of one dtype: named as typed, not as read
+    for value, short in zip(values, read):  # a dtype twice: named as typed, not as read
         if short in typed and typed[short] != value:
             raise ConfigurationError(f"--{name} lists one dtype twice: {typed[short]} and {value} are both {short}")
-        typed.setdefault(short, value)
+        if short in typed:
+            raise ConfigurationError(f"--{name} lists a value twice: {' '.join(map(str, values))}")
+        typed[short] = value
     return read
 
 

@@ -27,7 +27,8 @@ from ..app.run_export import warn_dropped_scan
 from ..app.run_folder import RunFolder, write_file, write_folder
 from ..app.run_folder_hints import eval_hint, fold_hint, push_hint, refuse_run_folder, scan_reference_hint
 from ..app.run_lock import RunLock, refuse_while_running, resolved_path
-from ..app.run_tokenizer import checkpoint_of_another_run, tokenizer_of
+from ..app.run_membership import not_the_runs
+from ..app.run_tokenizer import tokenizer_of
 from ..app.taper import save_export
 from ..app.tapered_checks import check_recorded_sink, refuse_unfoldable_gate, refuse_unused_tied_head
 from ..app.validation import check_same_tokenizer, check_vocabulary, check_within_positions
@@ -246,7 +247,8 @@ def scan_reference_of(source, named: Optional[str], windows: int) -> Optional[Mo
     reference = recorded_reference_of(run, run_report(run), windows, way_out)
     if reference is None:
         logger.warning(
-            "no robustness scan: %s is not in a run folder that names its baseline or original; pass --scan_reference",
+            "no robustness scan: %s is not in a run folder that names a baseline or original model still there; pass "
+            "--scan_reference",
             source.path,
         )
         return None
@@ -287,8 +289,8 @@ def fold_main(argv: Sequence[str]) -> int:
     check_export_outside_models(output_dir, Path(source.path))
     check_export_folder(output_dir, fold_args.overwrite)
     check_export_space(output_dir, Path(source.path), fold_args.tied_head)  # before the weights load
-    checkpoint = Path(source.path).resolve()  # a checkpoint of another run put there: that run's report is not its
-    report = None if checkpoint_of_another_run(checkpoint) else run_report(checkpoint.parent)  # scan, data, card
+    checkpoint = Path(source.path).resolve()  # a folder copied into a run's: that run's report is not its
+    report = None if not_the_runs(checkpoint) else run_report(checkpoint.parent)  # the scan, the data, the card
     plan = scan_plan(source, fold_args.scan_windows, output_dir, report)  # and what the scan reads
     check_export_outside_run(source, output_dir, report)  # with or without a scan: the run's data stays as it read it
     card = _run_card_facts(source, report)

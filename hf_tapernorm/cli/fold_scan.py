@@ -16,7 +16,7 @@ from typing import Any, Optional, get_args, get_type_hints
 from .._parsing import UsageError
 from ..app.data_checks import check_data_paths, check_hub_datasets, missing_local_dataset
 from ..app.record import recorded_path, recorded_reference
-from ..app.run_tokenizer import checkpoint_of_another_run
+from ..app.run_membership import not_the_runs
 from ..app.validation import max_positions
 from ..data.corpus import prepare_from_arguments
 from ..data.heldout import PYTHON_DOCS, PYTHON_DOCS_DESCRIPTION, EvaluationSet
@@ -48,8 +48,8 @@ def scan_plan(
     reference = recorded_reference_of(run, facts, windows)
     if facts is None or reference is None:
         logger.warning(
-            "no robustness scan: %s is not in a taper run folder that names its data and baseline or original; scan "
-            "the export with hf-tapernorm eval --scan_reference",
+            "no robustness scan: %s is not in a taper run folder that names its data and a baseline or original model "
+            "still there; scan the export with hf-tapernorm eval --scan_reference",
             source.path,
         )
         return None
@@ -346,15 +346,15 @@ def run_report(folder: Path) -> Optional[dict]:
 
 def scan_run_folder(source: ModelSource, way_out: str) -> Optional[Path]:
     """The run folder whose recorded reference (and data) the scan of the tapered or folded ``source`` reads: the one
-    it lies in; None, said in a WARNING ending in ``way_out``, where ``source`` is a checkpoint of another run put
-    there (checkpoint_of_another_run), which that folder's original would score as a stranger."""
+    it lies in; None, said in a WARNING ending in ``way_out``, where ``source`` is not that run's (not_the_runs: a
+    folder copied in, a checkpoint of another run), which that run's original would score as a stranger."""
     model = Path(source.path).resolve()
-    if checkpoint_of_another_run(model):
+    why = not_the_runs(model)
+    if why is not None:
         logger.warning(
-            "no robustness scan: %s records another model than the run folder %s it lies in (a checkpoint of another "
-            "run), so that run's baseline or original is not its reference; %s",
+            "no robustness scan of %s: %s, so that run's baseline or original is not its reference; %s",
             source.path,
-            model.parent,
+            why,
             way_out,
         )
         return None

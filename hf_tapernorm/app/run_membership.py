@@ -1,0 +1,76 @@
+"""Whether a tapered checkpoint or an export belongs to the taper run folder it lies in.
+
+A run folder's facts (its report's baseline and original, its data, its tokenizer) describe the models that run
+wrote: its ``tapered/``, ``folded/`` and ``checkpoint-N`` folders. A folder copied in from elsewhere (another run's
+checkpoint as ``checkpoint-99``, another run's export as ``foldedG``) lies there too, and those facts are not its: a
+robustness scan against that run's original would score it against a model it never was; so would one against an
+original model folder given another model since the run recorded it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from .checkpoint_files import IDENTITY_NAME
+from .fingerprints import holds_recorded_contents
+from .run_folder import RunFolder
+
+
+def json_object(file: Path) -> dict:
+    """The JSON object in ``file``; an empty one where it is missing or unreadable."""
+    try:
+        found = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def records_same_model(own: dict, identity: object) -> bool:
+    """Whether a checkpoint's own record (``own``) and its run's ``identity`` name the same model: the same path as
+    typed and the same recorded files. Where either records no model there is nothing to tell them apart by."""
+    if not isinstance(identity, dict) or not isinstance(own.get("model"), str) or "model" not in identity:
+        return True
+    return own["model"] == identity["model"] and own.get("model_contents") == identity.get("model_contents")
+
+
+def checkpoint_of_another_run(checkpoint: Path) -> bool:
+    """Whether the tapered ``checkpoint`` records (its own tapernorm_run.json) another model than the run folder it
+    lies in does (a checkpoint of another run put there)."""
+    identity = (RunFolder(checkpoint.parent).manifest() or {}).get("identity")
+    return not records_same_model(json_object(checkpoint / IDENTITY_NAME), identity)
+
+
+def holds_the_runs_model(original: Path, run_folder: Path) -> bool:
+    """Whether ``original`` still holds the model the run in ``run_folder`` recorded (its manifest's model_contents),
+    where the run recorded them: a folder given another model since (a fine-tune saved over it, another model copied
+    there) is not the run's original, and a scan against it would compare with a stranger."""
+    identity = (RunFolder(run_folder).manifest() or {}).get("identity")
+    contents = identity.get("model_contents") if isinstance(identity, dict) else None
+    return not isinstance(contents, dict) or holds_recorded_contents(str(original), contents)
+
+
+def not_the_runs(model: Path) -> Optional[str]:
+    """Why the checkpoint or export folder ``model`` (resolved) is not the run's whose folder it lies in, or None: the
+    run's manifest lists no file of it (a folder copied in, which that run never wrote), or it records another model
+    (checkpoint_of_another_run). A folder without a run's manifest above it is no run's: None, for the callers'
+    own "not in a run folder"."""
+    manifest = RunFolder(model.parent).manifest()
+    if manifest is None:
+        return None
+    prefix = model.name + "/"
+    if not any(isinstance(entry, str) and entry.startswith(prefix) for entry in manifest.get("files", [])):
+        return f"the run in {model.parent} did not write it (its manifest lists no file of {model.name}/)"
+    if checkpoint_of_another_run(model):
+        return f"it records another model than the run in {model.parent} (a checkpoint of another run)"
+    return None
+
+
+__all__ = [
+    "checkpoint_of_another_run",
+    "holds_the_runs_model",
+    "json_object",
+    "not_the_runs",
+    "records_same_model",
+]

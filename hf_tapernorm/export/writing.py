@@ -36,13 +36,7 @@ from .._temporaries import (
 )
 from ..config_fields import check_tokenizer_to_save
 from ..errors import ConfigurationError, TaperStateError
-from ..utils import (
-    dangling_link,
-    dangling_parent_step,
-    expand_user,
-    file_in_the_way,
-    some_names,
-)
+from ..utils import dangling_link, dangling_parent_step, expand_user, file_in_the_way, some_names
 from .manifest import (
     EXPORT_MANIFEST_NAME,
     LOCK_NAME,

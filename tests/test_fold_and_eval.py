@@ -309,8 +309,8 @@ def test_a_checkpoint_of_another_run_put_into_a_run_folder_is_not_scanned_agains
     _records_model(stranger, other)
     caplog.set_level(logging.WARNING, logger="hf_tapernorm")
     why = (
-        f"no robustness scan of {stranger}: the run in {run} did not write it (its manifest lists no file of "
-        "checkpoint-99/), so that run's baseline or original is not its reference; "
+        f"no robustness scan of {stranger}: it records another model than the run in {run} (a checkpoint of another "
+        "run), so that run's baseline or original is not its reference; "
     )
     result = tmp_path / "result.json"
     code, _, stderr = run_main(
@@ -354,8 +354,15 @@ def test_an_export_or_checkpoint_a_run_did_not_write_is_not_scanned_against_that
     assert code == 0, stderr[-2000:]
     assert not (tmp_path / "export" / "robustness_scan.json").exists()
     assert "base_model:" not in (tmp_path / "export" / "README.md").read_text()
+    manifest = json.loads((run / MANIFEST_NAME).read_text())
+    listed = manifest["files"]
+    manifest["files"] = [entry for entry in listed if not entry.startswith("checkpoint-6/")]
+    (run / MANIFEST_NAME).write_text(json.dumps(manifest))  # as a kill between its save and the run's record leaves it
+    code, _, stderr = run_main([*fold(run / "checkpoint-6", tmp_path / "unrecorded")[:-1], "2"])
+    assert code == 0, stderr[-2000:]
+    assert json.loads((tmp_path / "unrecorded" / "robustness_scan.json").read_text())["reference"] == "baseline"
     other = save_tiny_model(tmp_path / "other", "llama", seed=1)
-    _records_model(run / "checkpoint-6", other)  # listed by the run, but recording another model
+    _records_model(run / "checkpoint-6", other)  # a checkpoint of the run's, but recording another model
     caplog.clear()
     code, _, stderr = run_main([*fold(run / "checkpoint-6", tmp_path / "c6")[:-1], "2"])
     assert code == 0, stderr[-2000:]
@@ -372,7 +379,8 @@ def test_a_runs_original_given_another_model_since_or_gone_is_not_its_scans_refe
     """A run without a baseline is scanned against its original; that folder given another model since (a fine-tune
     saved over it, another model copied there) was scanned against as the original without a word, though the run
     recorded its files; and an original moved away was told as a run folder "that names no baseline or original".
-    The original is the reference only while it holds the files the run recorded; otherwise a WARNING says which."""
+    The original is the reference only while it holds the weights the run recorded (a notes file, a re-saved
+    tokenizer setting or a .git/ folder beside them change no model); otherwise a WARNING says which case it is."""
     run = copy_of(baseline_run, tmp_path)
     original = Path(shutil.copytree(ws / "llama", tmp_path / "original"))
     report = json.loads((run / "report.json").read_text())
@@ -384,12 +392,19 @@ def test_a_runs_original_given_another_model_since_or_gone_is_not_its_scans_refe
     argv = evaluate(run / "folded", "--scan_windows", "2", "--output_json", str(result), data=ws / "corpus.txt")
     assert run_main(argv)[0] == 0
     assert json.loads(result.read_text())["robustness_scan"]["reference"] == str(original)
+    (original / "NOTES.md").write_text("my notes\n")  # beside the same weights: the same model
+    edit_json(original / "tokenizer_config.json", local_files_only=True)  # as a re-save through transformers adds
+    (original / ".git").mkdir()  # a cloned repository's bookkeeping
+    (original / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    assert run_main(argv)[0] == 0
+    assert json.loads(result.read_text())["robustness_scan"]["reference"] == str(original)
+    assert "the original model" not in caplog.text
     save_tiny_model(original, "llama", seed=1)  # other weights saved over it
     assert run_main(argv)[0] == 0
     assert "robustness_scan" not in json.loads(result.read_text())
     assert (
-        f"the original model that the run in {run} recorded is not there ({original}, or holds another model now: "
-        "its files are not the ones the run recorded): the robustness scan has no model of the run to compare with"
+        f"the original model that the run in {run} recorded holds other weights now ({original}: not the files the "
+        "run recorded): the robustness scan has no model of the run to compare with"
     ) in caplog.text
     shutil.rmtree(original)
     caplog.clear()

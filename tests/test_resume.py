@@ -405,6 +405,29 @@ def test_a_legacy_weight_fingerprint_still_resumes():
     assert with_legacy_fingerprints(saved, other) == other
 
 
+def test_a_models_hidden_folders_are_no_part_of_its_fingerprint(tmp_path):
+    """A model fetched by git clone had its .git/ files fingerprinted: any git action there (a commit, a fetch)
+    refused --resume ("model_contents..git/COMMIT_EDITMSG ...") and dropped the scan against the original. Files in
+    hidden folders (.git/, .cache/ of a Hub download) are no part of a model's or dataset's contents, and a run an
+    older version recorded with them is compared without them."""
+    from hf_tapernorm.app.fingerprints import fingerprint, holds_recorded_contents, visible_identity
+
+    model = tmp_path / "model"
+    (model / ".git" / "logs").mkdir(parents=True)
+    (model / ".cache" / "huggingface").mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    (model / ".git" / "logs" / "HEAD").write_text("commit\n")
+    (model / ".cache" / "huggingface" / "config.json.metadata").write_text("etag\n")
+    (model / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    found = fingerprint(str(model), weights_by_size=True)
+    assert sorted(found) == ["config.json", "model.safetensors"]
+    older = {**found, ".git/logs/HEAD": "0" * 64, ".cache/huggingface/config.json.metadata": "1" * 64}
+    assert holds_recorded_contents(str(model), older)
+    saved = {"model_contents": older, "data": {"contents": {"a.txt": "2" * 64, ".git/HEAD": "3" * 64}}}
+    assert visible_identity(saved) == {"model_contents": found, "data": {"contents": {"a.txt": "2" * 64}}}
+
+
 @pytest.mark.parametrize("edit", ["delete tapered/", "truncate report.json", "edit tapered/tapernorm_config.json"])
 def test_resume_of_a_finished_run_edited_by_hand_restores_its_outputs(ws, run, tmp_path, edit):
     folder = copy_of(run, tmp_path)

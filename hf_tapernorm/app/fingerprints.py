@@ -6,10 +6,15 @@ apart on --resume, by a run folder's hints and by the tokenizer a fold or eval f
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Any, Optional
 
 from ..utils import expand_user
+
+#: The weight files of a model folder (or a GGUF file): identified by size and sampled chunks, and what makes two
+#: folders the same model.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
 
 #: Files above this size are identified by size and modification time instead of their SHA-256.
 _HASHED_BYTES = 1 << 30
@@ -40,18 +45,62 @@ def fingerprint(path: Optional[str], *, weights_by_size: bool = False) -> Option
     root = expand_user(path) if path else None
     if root is None or not root.exists():
         return None
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file() and p.name[0] != ".")
+    files = [root] if root.is_file() else _visible_files(root)
     found = {}
     for file in files:
         name = file.name if root.is_file() else file.relative_to(root).as_posix()
         info = file.stat()
-        by_size = info.st_size > _HASHED_BYTES or (weights_by_size and file.suffix in (".safetensors", ".bin", ".gguf"))
+        by_size = info.st_size > _HASHED_BYTES or (weights_by_size and file.suffix in WEIGHT_SUFFIXES)
         if by_size:
             found[name] = f"{info.st_size} bytes, sampled sha256 {_sampled_digest(file, info.st_size)}"
         else:
             with file.open("rb") as handle:
                 found[name] = hashlib.file_digest(handle, "sha256").hexdigest()
     return found
+
+
+def _visible_files(root: Path) -> list[Path]:
+    """The files under ``root`` but hidden ones and those in hidden folders (``.git/`` of a cloned model repository,
+    ``.cache/`` of a Hub download): what git or a download tool writes there is no part of the model or data."""
+    found = []
+    for folder, folders, names in os.walk(root):
+        folders[:] = [name for name in folders if not name.startswith(".")]
+        found += [Path(folder, name) for name in names if not name.startswith(".") and Path(folder, name).is_file()]
+    return sorted(found)
+
+
+def visible_contents(contents: dict[str, Any]) -> dict[str, Any]:
+    """Recorded ``contents`` without the files _visible_files leaves out, which older versions recorded too."""
+    return {name: value for name, value in contents.items() if not any(p.startswith(".") for p in name.split("/"))}
+
+
+def visible_identity(identity: dict[str, Any]) -> dict[str, Any]:
+    """A run's recorded ``identity`` with its model's and data's contents as visible_contents: a run an older version
+    recorded with its model's ``.git/`` files resumes after a git action there."""
+    identity = {**identity}
+    if isinstance(identity.get("model_contents"), dict):
+        identity["model_contents"] = visible_contents(identity["model_contents"])
+    data = identity.get("data")
+    if isinstance(data, dict) and isinstance(data.get("contents"), dict):
+        identity["data"] = {**data, "contents": visible_contents(data["contents"])}
+    return identity
+
+
+def holds_recorded_weights(path: str, contents: dict[str, Any]) -> bool:
+    """Whether the local model at ``path`` holds the weight files (``WEIGHT_SUFFIXES``) a run recorded of its model,
+    whatever else changed beside them (a notes file, a re-saved tokenizer_config.json): the same weights are the same
+    model to compare with. Where no weight file was recorded, every recorded file (holds_recorded_contents)."""
+    recorded = {name: v for name, v in visible_contents(contents).items() if Path(name).suffix in WEIGHT_SUFFIXES}
+    if not recorded:
+        return holds_recorded_contents(path, contents)
+    try:
+        found = fingerprint(path, weights_by_size=True) or {}
+    except OSError:  # unreadable here: not shown to hold the run's model
+        return False
+    weights = {name: v for name, v in found.items() if Path(name).suffix in WEIGHT_SUFFIXES}
+    return with_legacy_fingerprints({"model_contents": recorded}, {"model_contents": weights})["model_contents"] == (
+        recorded
+    )
 
 
 def holds_recorded_contents(path: str, contents: dict[str, Any]) -> bool:
@@ -63,6 +112,7 @@ def holds_recorded_contents(path: str, contents: dict[str, Any]) -> bool:
         return False
     if found is None:
         return False
+    contents = visible_contents(contents)
     recorded = {"model_contents": contents}
     return with_legacy_fingerprints(recorded, {"model_contents": found})["model_contents"] == contents
 
@@ -82,4 +132,12 @@ def with_legacy_fingerprints(saved: dict[str, Any], identity: dict[str, Any]) ->
     return {**identity, "model_contents": contents}
 
 
-__all__ = ["fingerprint", "holds_recorded_contents", "with_legacy_fingerprints"]
+__all__ = [
+    "WEIGHT_SUFFIXES",
+    "fingerprint",
+    "holds_recorded_contents",
+    "holds_recorded_weights",
+    "visible_contents",
+    "visible_identity",
+    "with_legacy_fingerprints",
+]

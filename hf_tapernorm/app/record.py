@@ -438,14 +438,16 @@ def recorded_reference(facts: dict[str, Any], run_folder: Path) -> Optional[tupl
     if baseline is not None and _is_there(baseline):
         return baseline, "baseline"
     original = recorded_path(facts, run_folder, model.get("source")) if model.get("kind") != "hub" else None
-    found = original is not None and _is_there(original) and holds_the_runs_model(original, run_folder)
+    there = original is not None and _is_there(original)
+    found = there and holds_the_runs_model(original, run_folder)
     if original is not None and not found and baseline is None:
         logger.warning(
-            "the original model that the run in %s recorded is not there (%s%s): the robustness scan has no model of "
-            "the run to compare with",
+            "the original model that the run in %s recorded %s: the robustness scan has no model of the run to compare "
+            "with",
             run_folder,
-            original,
-            ", or holds another model now: its files are not the ones the run recorded" if _is_there(original) else "",
+            f"holds other weights now ({original}: not the files the run recorded)"
+            if there
+            else f"is not there ({original})",
         )
     if baseline is not None:
         logger.warning(

@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from .checkpoint_files import IDENTITY_NAME
-from .fingerprints import holds_recorded_contents
+from .checkpoint_files import CHECKPOINT_NAME, IDENTITY_NAME
+from .fingerprints import holds_recorded_weights
 from .run_folder import RunFolder
 
 
@@ -43,12 +43,13 @@ def checkpoint_of_another_run(checkpoint: Path) -> bool:
 
 
 def holds_the_runs_model(original: Path, run_folder: Path) -> bool:
-    """Whether ``original`` still holds the model the run in ``run_folder`` recorded (its manifest's model_contents),
-    where the run recorded them: a folder given another model since (a fine-tune saved over it, another model copied
-    there) is not the run's original, and a scan against it would compare with a stranger."""
+    """Whether ``original`` still holds the weights of the model the run in ``run_folder`` recorded (its manifest's
+    model_contents), where the run recorded them: a folder given other weights since (a fine-tune saved over it,
+    another model copied there) is not the run's original, and a scan against it would compare with a stranger; a
+    notes file beside them or a re-saved tokenizer setting changes no model."""
     identity = (RunFolder(run_folder).manifest() or {}).get("identity")
     contents = identity.get("model_contents") if isinstance(identity, dict) else None
-    return not isinstance(contents, dict) or holds_recorded_contents(str(original), contents)
+    return not isinstance(contents, dict) or holds_recorded_weights(str(original), contents)
 
 
 def not_the_runs(model: Path) -> Optional[str]:
@@ -60,7 +61,9 @@ def not_the_runs(model: Path) -> Optional[str]:
     if manifest is None:
         return None
     prefix = model.name + "/"
-    if not any(isinstance(entry, str) and entry.startswith(prefix) for entry in manifest.get("files", [])):
+    listed = any(isinstance(entry, str) and entry.startswith(prefix) for entry in manifest.get("files", []))
+    unrecorded = CHECKPOINT_NAME.fullmatch(model.name) and (model / IDENTITY_NAME).is_file()  # a kill before record()
+    if not (listed or unrecorded):
         return f"the run in {model.parent} did not write it (its manifest lists no file of {model.name}/)"
     if checkpoint_of_another_run(model):
         return f"it records another model than the run in {model.parent} (a checkpoint of another run)"

@@ -31,7 +31,7 @@ from ..evaluation.models import ModelSource, ModelSourceError, holds_tokenizer, 
 from ..training.schedule import TaperSchedule, fit_default_window
 from ..utils import expand_user
 from .data_checks import check_data_paths, check_output_outside_models
-from .fingerprints import fingerprint, with_legacy_fingerprints
+from .fingerprints import fingerprint, visible_identity, with_legacy_fingerprints
 from .record import differences
 from .run_folder import RunFolder
 from .run_folder_hints import refuse_run_folder, taper_hint
@@ -405,7 +405,7 @@ def check_resume_identity(folder: RunFolder, identity: dict[str, Any], allowed: 
     saved = (folder.manifest() or {}).get("identity")
     if saved is None:
         raise ConfigurationError(f"--resume: '{folder.path}' records no run identity; it cannot be checked, start over")
-    saved, current = _with_loaded_dtype(_with_current_recipe(saved), identity)
+    saved, current = _with_loaded_dtype(_with_current_recipe(visible_identity(saved)), identity)
     changed = differences(saved, _same_contents_same_name(saved, with_legacy_fingerprints(saved, current)))
     refused = {k: v for k, v in changed.items() if k.rsplit(".", 1)[-1] not in allowed and k not in allowed}
     if refused:

@@ -429,6 +429,24 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_finishes_the_same_run(workspace, d
         assert torch.allclose(resumed[key].double(), uninterrupted[key].double(), rtol=1e-4, atol=1e-6), key
 
 
+def test_taper_runs_from_a_thread_that_is_not_the_main_one(workspace, tmp_path):
+    """``hf_tapernorm.cli.main(["taper", ...])`` from a worker thread (a notebook's, a web UI's) loaded the model and
+    data, then failed as training began ("signal only works in main thread"), leaving a failed run that --resume
+    could not continue. Only the main thread may set signal handlers: elsewhere the run goes without them."""
+    import threading
+
+    from hf_tapernorm.cli.main import main
+
+    out = tmp_path / "run"
+    result = {}
+    argv = taper_argv(workspace, out, "--scan_windows", "0", "--out_of_corpus_blocks", "0", steps=6)
+    worker = threading.Thread(target=lambda: result.setdefault("code", main(argv)))
+    worker.start()
+    worker.join()
+    assert result == {"code": 0}
+    assert json.loads((out / "report.json").read_text())["status"] == "finished"
+
+
 # ----------------------------------------------------------------------------- push, bench, sources, defaults
 def test_push_uploads_the_export_folder_as_written(finished_run, hub):
     out, _ = finished_run

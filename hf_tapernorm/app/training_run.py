@@ -2,7 +2,8 @@
 
 First Ctrl-C (SIGINT) or SIGTERM (what ``docker stop``, Slurm and Kubernetes send): finish the current
 optimizer step, save a checkpoint (the Trainer's own: model, optimizer, scheduler, RNG, trainer state, plus
-what TaperCallback adds), stop; ``--resume`` continues it. A second signal aborts without one. Each
+what TaperCallback adds), stop; ``--resume`` continues it. A second signal aborts without one. (Only a run in
+the main thread can catch them: one started from another thread, a notebook's or a web UI's worker, runs without.) Each
 checkpoint also gets the run's identity (``tapernorm_run.json``), written last, so its presence marks a
 complete checkpoint (a kill while one is written leaves an incomplete one, which ``--resume`` skips), with the
 list of the files the checkpoint holds then (a resume refuses one that lost a file: the distillation teacher's
@@ -19,6 +20,7 @@ import json
 import logging
 import os
 import signal
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -76,6 +78,9 @@ class InterruptCallback(TrainerCallback):
         self._previous: dict[int, Any] = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
+        if threading.current_thread() is not threading.main_thread():  # only the main thread may set a handler
+            logger.info("taper runs outside the main thread: a signal stops it as Python's default does, unsaved")
+            return
         if not self._previous:
             self._previous = {number: signal.signal(number, self._handle) for number in STOP_SIGNALS}
 

@@ -447,6 +447,24 @@ def test_taper_runs_from_a_thread_that_is_not_the_main_one(workspace, tmp_path):
     assert json.loads((out / "report.json").read_text())["status"] == "finished"
 
 
+def test_a_run_outside_the_main_thread_stops_with_a_checkpoint_once_the_main_thread_has_ended(monkeypatch):
+    """Ctrl-C reaches only the main thread: uncaught there, it ended the program's main thread while a taper in a
+    worker thread trained on, then failed folding in a shutting-down interpreter (a traceback, no export). Such a run
+    stops after its step with a checkpoint once the main thread has ended, as a signal would stop it."""
+    import threading
+    from types import SimpleNamespace
+
+    from hf_tapernorm.app.training_run import InterruptCallback
+
+    interrupt = InterruptCallback()
+    worker = threading.Thread(target=lambda: interrupt.on_train_begin(None, None, None))
+    worker.start()
+    worker.join()
+    assert not interrupt.poll()  # the main thread runs
+    monkeypatch.setattr(threading, "main_thread", lambda: SimpleNamespace(is_alive=lambda: False))
+    assert interrupt.poll() and interrupt.signal_name == "SIGINT"
+
+
 # ----------------------------------------------------------------------------- push, bench, sources, defaults
 def test_push_uploads_the_export_folder_as_written(finished_run, hub):
     out, _ = finished_run

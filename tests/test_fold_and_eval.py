@@ -379,8 +379,8 @@ def test_a_runs_original_given_another_model_since_or_gone_is_not_its_scans_refe
     """A run without a baseline is scanned against its original; that folder given another model since (a fine-tune
     saved over it, another model copied there) was scanned against as the original without a word, though the run
     recorded its files; and an original moved away was told as a run folder "that names no baseline or original".
-    The original is the reference only while it holds the weights the run recorded (a notes file, a re-saved
-    tokenizer setting or a .git/ folder beside them change no model); otherwise a WARNING says which case it is."""
+    The original is the reference only while it holds the weights and config the run recorded (a notes file, a
+    re-saved tokenizer setting or a .git/ folder beside them change no model); otherwise a WARNING says which."""
     run = copy_of(baseline_run, tmp_path)
     original = Path(shutil.copytree(ws / "llama", tmp_path / "original"))
     report = json.loads((run / "report.json").read_text())
@@ -403,9 +403,17 @@ def test_a_runs_original_given_another_model_since_or_gone_is_not_its_scans_refe
     assert run_main(argv)[0] == 0
     assert "robustness_scan" not in json.loads(result.read_text())
     assert (
-        f"the original model that the run in {run} recorded holds other weights now ({original}: not the files the "
-        "run recorded): the robustness scan has no model of the run to compare with"
+        f"the original model that the run in {run} recorded holds another model now ({original}: its weights or "
+        "config.json are not the ones the run recorded): the robustness scan has no model of the run to compare with"
     ) in caplog.text
+    shutil.rmtree(original)
+    shutil.copytree(ws / "llama", original)
+    assert run_main(argv)[0] == 0 and "robustness_scan" in json.loads(result.read_text())  # the same model again
+    edit_json(original / "config.json", hidden_act="relu")  # the same weights computing another function
+    caplog.clear()
+    assert run_main(argv)[0] == 0
+    assert "robustness_scan" not in json.loads(result.read_text())
+    assert "holds another model now" in caplog.text
     shutil.rmtree(original)
     caplog.clear()
     assert run_main(argv)[0] == 0

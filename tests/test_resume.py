@@ -409,7 +409,8 @@ def test_a_models_hidden_folders_are_no_part_of_its_fingerprint(tmp_path):
     """A model fetched by git clone had its .git/ files fingerprinted: any git action there (a commit, a fetch)
     refused --resume ("model_contents..git/COMMIT_EDITMSG ...") and dropped the scan against the original. Files in
     hidden folders (.git/, .cache/ of a Hub download) are no part of a model's or dataset's contents, and a run an
-    older version recorded with them is compared without them."""
+    older version recorded with them is compared without them; a single dataset file named with a dot still is its
+    own contents (--resume of a run on ".corpus.txt" was refused)."""
     from hf_tapernorm.app.fingerprints import fingerprint, holds_recorded_contents, visible_identity
 
     model = tmp_path / "model"
@@ -426,6 +427,10 @@ def test_a_models_hidden_folders_are_no_part_of_its_fingerprint(tmp_path):
     assert holds_recorded_contents(str(model), older)
     saved = {"model_contents": older, "data": {"contents": {"a.txt": "2" * 64, ".git/HEAD": "3" * 64}}}
     assert visible_identity(saved) == {"model_contents": found, "data": {"contents": {"a.txt": "2" * 64}}}
+    hidden_file = tmp_path / ".corpus.txt"  # a dataset file named with a dot is the data itself
+    hidden_file.write_text("text\n")
+    recorded = {"data": {"contents": fingerprint(str(hidden_file))}}
+    assert visible_identity(recorded) == recorded and list(recorded["data"]["contents"]) == [".corpus.txt"]
 
 
 @pytest.mark.parametrize("edit", ["delete tapered/", "truncate report.json", "edit tapered/tapernorm_config.json"])

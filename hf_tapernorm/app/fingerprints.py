@@ -70,8 +70,9 @@ def _visible_files(root: Path) -> list[Path]:
 
 
 def visible_contents(contents: dict[str, Any]) -> dict[str, Any]:
-    """Recorded ``contents`` without the files _visible_files leaves out, which older versions recorded too."""
-    return {name: value for name, value in contents.items() if not any(p.startswith(".") for p in name.split("/"))}
+    """Recorded ``contents`` without the files in hidden folders, which older versions recorded too (they left out
+    hidden file names already; a single hidden file given as a dataset or model is its own contents)."""
+    return {name: value for name, value in contents.items() if not any(p.startswith(".") for p in name.split("/")[:-1])}
 
 
 def visible_identity(identity: dict[str, Any]) -> dict[str, Any]:
@@ -86,18 +87,24 @@ def visible_identity(identity: dict[str, Any]) -> dict[str, Any]:
     return identity
 
 
+def _defines_the_model(name: str) -> bool:
+    """A weight file (``WEIGHT_SUFFIXES``) or the config: what the model computes (a changed activation or rope base
+    is another model with the same weights); notes and tokenizer settings are not."""
+    return Path(name).suffix in WEIGHT_SUFFIXES or name == "config.json"
+
+
 def holds_recorded_weights(path: str, contents: dict[str, Any]) -> bool:
-    """Whether the local model at ``path`` holds the weight files (``WEIGHT_SUFFIXES``) a run recorded of its model,
-    whatever else changed beside them (a notes file, a re-saved tokenizer_config.json): the same weights are the same
-    model to compare with. Where no weight file was recorded, every recorded file (holds_recorded_contents)."""
-    recorded = {name: v for name, v in visible_contents(contents).items() if Path(name).suffix in WEIGHT_SUFFIXES}
-    if not recorded:
+    """Whether the local model at ``path`` holds the weight files and config.json a run recorded of its model,
+    whatever else changed beside them (a notes file, a re-saved tokenizer_config.json): the same model to compare
+    with. Where no weight file was recorded, every recorded file (holds_recorded_contents)."""
+    recorded = {name: v for name, v in visible_contents(contents).items() if _defines_the_model(name)}
+    if not any(Path(name).suffix in WEIGHT_SUFFIXES for name in recorded):
         return holds_recorded_contents(path, contents)
     try:
         found = fingerprint(path, weights_by_size=True) or {}
     except OSError:  # unreadable here: not shown to hold the run's model
         return False
-    weights = {name: v for name, v in found.items() if Path(name).suffix in WEIGHT_SUFFIXES}
+    weights = {name: v for name, v in found.items() if _defines_the_model(name)}
     return with_legacy_fingerprints({"model_contents": recorded}, {"model_contents": weights})["model_contents"] == (
         recorded
     )

@@ -43,10 +43,10 @@ def checkpoint_of_another_run(checkpoint: Path) -> bool:
 
 
 def holds_the_runs_model(original: Path, run_folder: Path) -> bool:
-    """Whether ``original`` still holds the weights of the model the run in ``run_folder`` recorded (its manifest's
-    model_contents), where the run recorded them: a folder given other weights since (a fine-tune saved over it,
-    another model copied there) is not the run's original, and a scan against it would compare with a stranger; a
-    notes file beside them or a re-saved tokenizer setting changes no model."""
+    """Whether ``original`` still holds the model the run in ``run_folder`` recorded (its manifest's model_contents:
+    the weights and config.json), where the run recorded them: a folder given other weights or another config since
+    (a fine-tune saved over it, another model copied there) is not the run's original, and a scan against it would
+    compare with a stranger; a notes file beside them or a re-saved tokenizer setting changes no model."""
     identity = (RunFolder(run_folder).manifest() or {}).get("identity")
     contents = identity.get("model_contents") if isinstance(identity, dict) else None
     return not isinstance(contents, dict) or holds_recorded_weights(str(original), contents)

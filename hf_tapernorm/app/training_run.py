@@ -2,8 +2,9 @@
 
 First Ctrl-C (SIGINT) or SIGTERM (what ``docker stop``, Slurm and Kubernetes send): finish the current
 optimizer step, save a checkpoint (the Trainer's own: model, optimizer, scheduler, RNG, trainer state, plus
-what TaperCallback adds), stop; ``--resume`` continues it. A second signal aborts without one. (Only a run in
-the main thread can catch them: one started from another thread, a notebook's or a web UI's worker, runs without.) Each
+what TaperCallback adds), stop; ``--resume`` continues it. A second signal aborts without one. (Only the main
+thread receives them: a run started from another thread, a notebook's or a web UI's worker, stops so once the main
+thread has ended.) Each
 checkpoint also gets the run's identity (``tapernorm_run.json``), written last, so its presence marks a
 complete checkpoint (a kill while one is written leaves an incomplete one, which ``--resume`` skips), with the
 list of the files the checkpoint holds then (a resume refuses one that lost a file: the distillation teacher's
@@ -76,10 +77,15 @@ class InterruptCallback(TrainerCallback):
         self.requested = False
         self.signal_name: Optional[str] = None
         self._previous: dict[int, Any] = {}
+        self._outside_main = False
 
     def on_train_begin(self, args, state, control, **kwargs):
         if threading.current_thread() is not threading.main_thread():  # only the main thread may set a handler
-            logger.info("taper runs outside the main thread: a signal stops it as Python's default does, unsaved")
+            self._outside_main = True
+            logger.info(
+                "taper runs outside the main thread: Ctrl-C and SIGTERM reach the main thread, not this run; should "
+                "the main thread end, the run stops after its step with a checkpoint"
+            )
             return
         if not self._previous:
             self._previous = {number: signal.signal(number, self._handle) for number in STOP_SIGNALS}
@@ -109,7 +115,12 @@ class InterruptCallback(TrainerCallback):
         )
 
     def poll(self) -> bool:
-        """The flag, agreed across processes so every rank stops (and saves) at the same step."""
+        """The flag, agreed across processes so every rank stops (and saves) at the same step. A run in another
+        thread stops once the main thread has ended (an uncaught Ctrl-C there): the interpreter is shutting down, and
+        the export's loaders would fail in it."""
+        if self._outside_main and not self.requested and not threading.main_thread().is_alive():
+            logger.warning("the main thread has ended: stopping after this step with a checkpoint")
+            self.requested, self.signal_name = True, "SIGINT"
         flag = torch.tensor([1.0 if self.requested else 0.0])
         self.requested = bool(all_reduce_max(flag).item())
         return self.requested

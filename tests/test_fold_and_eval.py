@@ -398,6 +398,9 @@ def test_a_runs_original_given_another_model_since_or_gone_is_not_its_scans_refe
     (original / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     assert run_main(argv)[0] == 0
     assert json.loads(result.read_text())["robustness_scan"]["reference"] == str(original)
+    (original / "pytorch_model.bin").write_bytes(b"a copy transformers does not load beside safetensors")
+    assert run_main(argv)[0] == 0
+    assert json.loads(result.read_text())["robustness_scan"]["reference"] == str(original)
     assert "the original model" not in caplog.text
     save_tiny_model(original, "llama", seed=1)  # other weights saved over it
     assert run_main(argv)[0] == 0

@@ -12,8 +12,8 @@ from typing import Any, Optional
 
 from ..utils import expand_user
 
-#: The weight files of a model folder (or a GGUF file): identified by size and sampled chunks, and what makes two
-#: folders the same model.
+#: The weight files of a model folder (or a GGUF file): identified by size and sampled chunks; with config.json,
+#: what makes two folders the same model.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
 
 #: Files above this size are identified by size and modification time instead of their SHA-256.

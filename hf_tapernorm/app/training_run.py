@@ -4,8 +4,8 @@ First Ctrl-C (SIGINT) or SIGTERM (what ``docker stop``, Slurm and Kubernetes sen
 optimizer step, save a checkpoint (the Trainer's own: model, optimizer, scheduler, RNG, trainer state, plus
 what TaperCallback adds), stop; ``--resume`` continues it. A second signal aborts without one. (Only the main
 thread receives them: a run started from another thread, a notebook's or a web UI's worker, stops so once the main
-thread has ended.) Each
-checkpoint also gets the run's identity (``tapernorm_run.json``), written last, so its presence marks a
+thread has ended.) Each checkpoint also gets the run's identity (``tapernorm_run.json``), written last, so its
+presence marks a
 complete checkpoint (a kill while one is written leaves an incomplete one, which ``--resume`` skips), with the
 list of the files the checkpoint holds then (a resume refuses one that lost a file: the distillation teacher's
 snapshot, say, which the run cannot rebuild) and the sha256 of that snapshot (a resume refuses a teacher replaced by

@@ -1,16 +1,15 @@
 """One Trainer run of the pipeline: Ctrl-C or SIGTERM saves a resumable checkpoint, every checkpoint records the run.
 
-First Ctrl-C (SIGINT) or SIGTERM (what ``docker stop``, Slurm and Kubernetes send): finish the current
-optimizer step, save a checkpoint (the Trainer's own: model, optimizer, scheduler, RNG, trainer state, plus
-what TaperCallback adds), stop; ``--resume`` continues it. A second signal aborts without one. (Only the main
-thread receives them: a run started from another thread, a notebook's or a web UI's worker, stops so once the main
-thread has ended.) Each checkpoint also gets the run's identity (``tapernorm_run.json``), written last, so its
-presence marks a
-complete checkpoint (a kill while one is written leaves an incomplete one, which ``--resume`` skips), with the
-list of the files the checkpoint holds then (a resume refuses one that lost a file: the distillation teacher's
-snapshot, say, which the run cannot rebuild) and the sha256 of that snapshot (a resume refuses a teacher replaced by
-another run's or edited: the run would distil from it without a word), and the run folder's manifest is refreshed,
-so a later command knows these files are the run's.
+First Ctrl-C (SIGINT) or SIGTERM (what ``docker stop``, Slurm and Kubernetes send): finish the current optimizer
+step, save a checkpoint (the Trainer's own: model, optimizer, scheduler, RNG, trainer state, plus what TaperCallback
+adds), stop; ``--resume`` continues it. A second signal aborts without one. (Only the main thread receives them: a
+run started from another thread, a notebook's or a web UI's worker, stops so once the main thread has ended.) Each
+checkpoint also gets the run's identity (``tapernorm_run.json``), written last, so its presence marks a complete
+checkpoint (a kill while one is written leaves an incomplete one, which ``--resume`` skips), with the list of the
+files the checkpoint holds then (a resume refuses one that lost a file: the distillation teacher's snapshot, say,
+which the run cannot rebuild) and the sha256 of that snapshot (a resume refuses a teacher replaced by another run's
+or edited: the run would distil from it without a word), and the run folder's manifest is refreshed, so a later
+command knows these files are the run's.
 """
 
 from __future__ import annotations

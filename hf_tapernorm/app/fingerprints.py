@@ -95,24 +95,24 @@ def _defines_the_model(name: str) -> bool:
 
 def holds_recorded_weights(path: str, contents: dict[str, Any]) -> bool:
     """Whether the local model at ``path`` holds the weight files and config.json a run recorded of its model,
-    whatever else changed beside them (a notes file, a re-saved tokenizer_config.json): the same model to compare
-    with. A ``.bin`` beside safetensors is not what transformers loads, and is not compared. Where no weight file
-    was recorded, every recorded file (holds_recorded_contents). The same tensors saved into other files (shards
-    joined) cannot be told the same without reading them: not the recorded files."""
+    whatever else changed beside them (a notes file, a re-saved tokenizer_config.json, a weight file transformers does
+    not load: a ``.bin`` beside safetensors, a ``consolidated.safetensors`` beside the model's): the same model to
+    compare with. config.json is compared by its bytes (only its digest was recorded), so a re-save by another
+    transformers version counts as a change. Where no weight file was recorded, every recorded file
+    (holds_recorded_contents). The same tensors saved into other files (shards joined) cannot be told the same
+    without reading them: not the recorded files."""
     recorded = {name: v for name, v in visible_contents(contents).items() if _defines_the_model(name)}
     if not any(Path(name).suffix in WEIGHT_SUFFIXES for name in recorded):
         return holds_recorded_contents(path, contents)
-    safetensors = any(name.endswith(".safetensors") for name in recorded)  # what transformers loads beside a .bin
-
-    def counted(name: str) -> bool:
-        return _defines_the_model(name) and not (safetensors and name.endswith(".bin"))
-
+    if any(name.endswith(".safetensors") for name in recorded):  # what transformers loads beside a .bin
+        recorded = {name: v for name, v in recorded.items() if not name.endswith(".bin")}
     try:
         found = fingerprint(path, weights_by_size=True) or {}
     except OSError:  # unreadable here: not shown to hold the run's model
         return False
-    recorded = {name: v for name, v in recorded.items() if counted(name)}
-    weights = {name: v for name, v in found.items() if counted(name)}
+    if not any(name.endswith(".safetensors") for name in recorded) and any(n.endswith(".safetensors") for n in found):
+        return False  # safetensors where the run read a .bin: what transformers loads now
+    weights = {name: found[name] for name in recorded if name in found}  # other files beside are not loaded
     return with_legacy_fingerprints({"model_contents": recorded}, {"model_contents": weights})["model_contents"] == (
         recorded
     )

@@ -445,7 +445,8 @@ def recorded_reference(facts: dict[str, Any], run_folder: Path) -> Optional[tupl
             "the original model that the run in %s recorded %s: the robustness scan has no model of the run to compare "
             "with",
             run_folder,
-            f"holds another model now ({original}: its weights or config.json are not the ones the run recorded)"
+            f"holds another model now ({original}: its weights or config.json changed since the run recorded them; "
+            "a re-save by another transformers version counts too; --scan_reference compares with it anyway)"
             if there
             else f"is not there ({original})",
         )

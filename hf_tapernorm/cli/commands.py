@@ -68,6 +68,7 @@ from .fold_scan import (
     check_export_outside_run,
     common_positions,
     fold_scan,
+    names_a_reference,
     recorded_reference_of,
     run_report,
     scan_plan,
@@ -244,15 +245,15 @@ def scan_reference_of(source, named: Optional[str], windows: int) -> Optional[Mo
     if run is None:
         return None
     way_out = "name the model to compare with (--scan_reference), or evaluate with --scan_windows 0"
-    reference = recorded_reference_of(run, run_report(run), windows, way_out)
-    if reference is None:
+    facts = run_report(run)
+    reference = recorded_reference_of(run, facts, windows, way_out)
+    if reference is None and not names_a_reference(facts):  # else recorded_reference said why
         logger.warning(
             "no robustness scan: %s is not in a run folder that names a baseline or original model still there; pass "
             "--scan_reference",
             source.path,
         )
-        return None
-    return reference[0]
+    return None if reference is None else reference[0]
 
 
 def fold_main(argv: Sequence[str]) -> int:

@@ -46,12 +46,13 @@ def scan_plan(
     if run is None:
         return None
     reference = recorded_reference_of(run, facts, windows)
-    if facts is None or reference is None:
+    if reference is None and not names_a_reference(facts):  # else recorded_reference said why
         logger.warning(
             "no robustness scan: %s is not in a taper run folder that names its data and a baseline or original model "
             "still there; scan the export with hf-tapernorm eval --scan_reference",
             source.path,
         )
+    if facts is None or reference is None:
         return None
     report = RecordedFacts(facts, run, windows)
     recorded = report.section("data")
@@ -344,6 +345,16 @@ def run_report(folder: Path) -> Optional[dict]:
     return facts if isinstance(facts, dict) else None
 
 
+def names_a_reference(facts: Optional[dict]) -> bool:
+    """Whether a run's report names a baseline or a local original for its scan: where neither is the reference
+    (gone, or holding another model now), app/record.recorded_reference has said why in a WARNING."""
+    if not isinstance(facts, dict):
+        return False
+    export, model = facts.get("export") or {}, facts.get("model") or {}
+    named = isinstance(export, dict) and export.get("baseline_model")
+    return bool(named or (isinstance(model, dict) and model.get("kind") != "hub" and model.get("source")))
+
+
 def scan_run_folder(source: ModelSource, way_out: str) -> Optional[Path]:
     """The run folder whose recorded reference (and data) the scan of the tapered or folded ``source`` reads: the one
     it lies in; None, said in a WARNING ending in ``way_out``, where ``source`` is not that run's (not_the_runs: a
@@ -405,6 +416,7 @@ __all__ = [
     "check_export_outside_run",
     "common_positions",
     "fold_scan",
+    "names_a_reference",
     "recorded_reference_of",
     "run_report",
     "scan_run_folder",

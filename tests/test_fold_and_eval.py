@@ -25,7 +25,7 @@ from hf_tapernorm import (
 from hf_tapernorm.app.run_folder import MANIFEST_NAME
 from hf_tapernorm.app.training_run import IDENTITY_NAME as IDENTITY
 from hf_tapernorm.cli import fold_scan
-from hf_tapernorm.evaluation.models import ModelSourceError, load_tokenizer, resolve_model
+from hf_tapernorm.evaluation.models import ModelSourceError, load_model, load_tokenizer, resolve_model
 from tests.conftest import corpus_documents, save_tiny_model
 from tests.helpers import (
     cached_hub_dataset,
@@ -1604,3 +1604,28 @@ def test_a_cache_folder_of_its_own_in_a_run_folder_is_allowed_and_the_runs_folde
     assert any(own.iterdir())
     code, _, stderr = run_main([*taper(ws, copy, "--overwrite"), "--data_cache_dir", str(own)])  # its cache now
     assert code == 0, stderr[-2000:]
+
+
+def test_a_model_loaded_after_the_main_thread_has_ended_is_not_blamed(ws, monkeypatch):
+    """eval or fold through cli.main in a worker thread, after an uncaught Ctrl-C ended the main thread: loading failed
+    in the shutting-down interpreter ("cannot schedule new futures after interpreter shutdown"), said as "cannot load
+    model '...'" as if the model were broken. It says the main thread has ended, and that nothing more loads."""
+    import threading
+    from types import SimpleNamespace
+
+    import hf_tapernorm.evaluation.models as models
+
+    def shutting_down(*args, **kwargs):
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", shutting_down)
+    source = resolve_model(str(ws / "llama"))
+    with pytest.raises(ModelSourceError, match="cannot schedule new futures"):
+        load_model(source)  # the main thread runs: the loader's own words
+    monkeypatch.setattr(threading, "main_thread", lambda: SimpleNamespace(is_alive=lambda: False))
+    with pytest.raises(ModelSourceError) as refusal:
+        load_model(source)
+    assert str(refusal.value) == (
+        f"cannot load model '{ws / 'llama'}': the program's main thread has ended (an uncaught Ctrl-C?), and the "
+        "interpreter shutting down loads nothing more; run the command again"
+    )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -397,6 +398,11 @@ def load_model(
     try:  # folded exports load through the Auto classes: importing hf_tapernorm registered them
         model, loading = AutoModelForCausalLM.from_pretrained(source.path, output_loading_info=True, **kwargs)
     except Exception as error:
+        if not threading.main_thread().is_alive():  # a command in a worker thread: loaders' pools refuse to start
+            raise ModelSourceError(
+                f"cannot load model '{source.describe()}': the program's main thread has ended (an uncaught Ctrl-C?), "
+                "and the interpreter shutting down loads nothing more; run the command again"
+            ) from error
         raise ModelSourceError(
             f"cannot load model '{source.describe()}'{_hub_hint(source)}: {first_line(error)}"
         ) from error

@@ -373,6 +373,23 @@ def test_an_export_or_checkpoint_a_run_did_not_write_is_not_scanned_against_that
     ) in caplog.text
 
 
+def test_a_model_safetensors_added_beside_a_sharded_originals_shards_is_another_model(tmp_path):
+    """A sharded original given a model.safetensors beside its shards was still the scan's reference, though
+    transformers loads that file first: the scan compared with other weights without a word."""
+    from hf_tapernorm.app.fingerprints import fingerprint, holds_recorded_weights
+
+    original = tmp_path / "sharded"
+    original.mkdir()
+    (original / "config.json").write_text("{}")
+    (original / "model.safetensors.index.json").write_text("{}")
+    for shard in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        (original / shard).write_bytes(shard.encode())
+    recorded = fingerprint(str(original), weights_by_size=True)
+    assert holds_recorded_weights(str(original), recorded)
+    (original / "model.safetensors").write_bytes(b"other weights, loaded first")
+    assert not holds_recorded_weights(str(original), recorded)
+
+
 def test_a_runs_original_given_another_model_since_or_gone_is_not_its_scans_reference(
     ws, baseline_run, tmp_path, caplog
 ):

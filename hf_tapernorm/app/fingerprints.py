@@ -112,6 +112,8 @@ def holds_recorded_weights(path: str, contents: dict[str, Any]) -> bool:
         return False
     if not any(name.endswith(".safetensors") for name in recorded) and any(n.endswith(".safetensors") for n in found):
         return False  # safetensors where the run read a .bin: what transformers loads now
+    if "model.safetensors" in found and "model.safetensors" not in recorded:
+        return False  # one file beside the shards the run read: transformers loads it first
     weights = {name: found[name] for name in recorded if name in found}  # other files beside are not loaded
     return with_legacy_fingerprints({"model_contents": recorded}, {"model_contents": weights})["model_contents"] == (
         recorded

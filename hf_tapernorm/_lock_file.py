@@ -142,6 +142,25 @@ def owner_text(path: Path, record: bytes) -> str:
     )
 
 
+def live_owner(path: Path, *, this_process_too: bool = True) -> Optional[str]:
+    """Who holds the lock at ``path`` (owner_text), when a live command does; None when there is none, it is stale,
+    or it is no regular file (no lock of ours, never read); unless ``this_process_too``, None for a lock this process
+    holds too. A lock this user cannot read is held by someone it cannot name; a folder on the way this user cannot
+    search raises PermissionError, for the caller to name."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        look = look_at_lock(path)
+    except PermissionError:
+        return owner_text(path, b"")
+    if look is None or look.stale or (look.held_here and not this_process_too):
+        return None
+    return owner_text(path, look.record)
+
+
 def remove_stale_lock(path: Path) -> Optional[str]:
     """Delete the lock file at ``path`` where it is stale (LockLook.stale), as a command taking it over and letting it
     go would, under its exclusive flock (a command taking it at the same moment finds the path names no file it
@@ -217,6 +236,7 @@ __all__ = [
     "NotALockFile",
     "RECORD_BYTES",
     "flocked",
+    "live_owner",
     "look_at_lock",
     "open_lock_file",
     "owner_text",

@@ -41,6 +41,7 @@ from .._lock_file import (
     RECORD_BYTES,
     NotALockFile,
     flocked,
+    live_owner,
     look_at_lock,
     open_lock_file,
     owner_text,
@@ -216,18 +217,7 @@ class RunLock:
     def held_by_another(self) -> Optional[str]:
         """Who holds this folder's lock (owner_text), when another live command does (None: free, or its owner is
         gone). It only looks: a lock that is not a regular file is no lock of ours here, and is never read."""
-        if self.held:
-            return None
-        try:  # a folder on the way this user cannot search raises here, for the caller to name
-            if not stat.S_ISREG(os.lstat(self.path).st_mode):
-                return None
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        try:
-            look = look_at_lock(self.path)
-        except PermissionError:
-            return self.owner_text(b"")  # a lock this user cannot read: its owner cannot be told
-        return None if look is None or look.stale else self.owner_text(look.record)
+        return None if self.held else live_owner(self.path)
 
     def is_stale(self) -> bool:
         """Whether the path is a lock file a gone command left (LockLook.stale; not another host's, nor unreadable)."""

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from .checkpoint_files import CHECKPOINT_NAME, IDENTITY_NAME
+from .checkpoint_files import IDENTITY_NAME, checkpoint_of, unrecorded_checkpoints
 from .fingerprints import holds_recorded_weights
 from .run_folder import RunFolder
 
@@ -52,6 +52,16 @@ def holds_the_runs_model(original: Path, run_folder: Path) -> bool:
     return not isinstance(contents, dict) or holds_recorded_weights(str(original), contents)
 
 
+def _unrecorded_checkpoint(model: Path, entries: list[str]) -> bool:
+    """Whether ``model`` is a complete checkpoint (its run record written last) the run folder counts as its own
+    though its manifest does not list it yet (a kill between its save and the record): checkpoint_files'
+    unrecorded_checkpoints, the run folder's own rule."""
+    if not (model / IDENTITY_NAME).is_file():
+        return False
+    files = [f"{model.name}/{path.relative_to(model).as_posix()}" for path in model.rglob("*") if path.is_file()]
+    return model.name in unrecorded_checkpoints(files, {checkpoint_of(entry) for entry in entries})
+
+
 def not_the_runs(model: Path) -> Optional[str]:
     """Why the checkpoint or export folder ``model`` (resolved) is not the run's whose folder it lies in, or None: the
     run's manifest lists no file of it (a folder copied in, which that run never wrote), or it records another model
@@ -60,10 +70,9 @@ def not_the_runs(model: Path) -> Optional[str]:
     manifest = RunFolder(model.parent).manifest()
     if manifest is None:
         return None
-    prefix = model.name + "/"
-    listed = any(isinstance(entry, str) and entry.startswith(prefix) for entry in manifest.get("files", []))
-    unrecorded = CHECKPOINT_NAME.fullmatch(model.name) and (model / IDENTITY_NAME).is_file()  # a kill before record()
-    if not (listed or unrecorded):
+    entries = [entry for entry in manifest.get("files", []) if isinstance(entry, str)]
+    listed = any(entry.startswith(model.name + "/") for entry in entries)
+    if not (listed or _unrecorded_checkpoint(model, entries)):
         return f"the run in {model.parent} did not write it (its manifest lists no file of {model.name}/)"
     if checkpoint_of_another_run(model):
         return f"it records another model than the run in {model.parent} (a checkpoint of another run)"

@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from transformers import PreTrainedModel
 
 from .._disk_errors import disk_error_text, says_disk_full
-from .._lock_file import LockLook, look_at_lock, owner_text, parsed_record, pid_of, remove_stale_lock
+from .._lock_file import live_owner, look_at_lock, owner_text, parsed_record, pid_of, remove_stale_lock
 from .._temporaries import (
     live_write_of,
     make_marked_folder,
@@ -322,13 +322,12 @@ def _held_by_a_command(folder: Path) -> Optional[str]:
         return f"a running hf-tapernorm command holds it ({holder}); wait for it to finish, or choose a new folder"
     for above in Path(os.path.realpath(folder)).parents:
         try:
-            look = look_at_lock(above / LOCK_NAME)
-        except PermissionError:  # a lock this user cannot read: its owner cannot be told
-            look = LockLook(free=False, record=b"")
+            owner = live_owner(above / LOCK_NAME, this_process_too=False)
+        except PermissionError:  # a folder on the way this user cannot search: its lock's owner cannot be told
+            owner = owner_text(above / LOCK_NAME, b"")
         except OSError:
             continue
-        if look is not None and not look.stale and not look.held_here:
-            owner = owner_text(above / LOCK_NAME, look.record)
+        if owner is not None:
             return (
                 f"it lies in '{above}', which a running hf-tapernorm command owns ({owner}); wait for it to finish, "
                 "or choose a folder outside it"

@@ -8,12 +8,28 @@ the operation), so ``except ValueError`` in user code keeps working.
 
 from __future__ import annotations
 
+import threading
+from typing import Optional
+
 
 def first_line(error: BaseException) -> str:
     """``Type: first line`` of an error raised by a dependency: their messages run over several lines, and the
     package's own errors are one line."""
     text = (str(error).strip().splitlines() or [""])[0]
     return f"{type(error).__name__}: {text}".rstrip(": ")
+
+
+def main_thread_ended() -> Optional[str]:
+    """Why nothing more loads, when this call runs in a worker thread whose program's main thread has ended (a
+    notebook's or web UI's thread after an uncaught Ctrl-C); None otherwise. The interpreter is shutting down then: it
+    starts no worker pools and registers no exit hooks, so a loader's failure there says nothing of the model or the
+    dataset it was given, and a first ``import torch`` fails."""
+    if threading.main_thread().is_alive():
+        return None
+    return (
+        "the program's main thread has ended (an uncaught Ctrl-C?), and the interpreter shutting down loads "
+        "nothing more; run the command again"
+    )
 
 
 class TaperNormError(Exception):

@@ -25,6 +25,7 @@ from hf_tapernorm import (
 from hf_tapernorm.app.run_folder import MANIFEST_NAME
 from hf_tapernorm.app.training_run import IDENTITY_NAME as IDENTITY
 from hf_tapernorm.cli import fold_scan
+from hf_tapernorm.data import DataError, load_text_dataset
 from hf_tapernorm.evaluation.models import ModelSourceError, load_model, load_tokenizer, resolve_model
 from tests.conftest import corpus_documents, save_tiny_model
 from tests.helpers import (
@@ -1623,26 +1624,36 @@ def test_a_cache_folder_of_its_own_in_a_run_folder_is_allowed_and_the_runs_folde
     assert code == 0, stderr[-2000:]
 
 
-def test_a_model_loaded_after_the_main_thread_has_ended_is_not_blamed(ws, monkeypatch):
+def test_a_command_after_the_main_thread_has_ended_blames_neither_model_nor_data(ws, monkeypatch):
     """eval or fold through cli.main in a worker thread, after an uncaught Ctrl-C ended the main thread: loading failed
     in the shutting-down interpreter ("cannot schedule new futures after interpreter shutdown"), said as "cannot load
-    model '...'" as if the model were broken. It says the main thread has ended, and that nothing more loads."""
+    model '...'" or "could not load dataset '...'" as if either were broken, and a command whose first `import torch`
+    came then was a traceback. Each says the main thread has ended, and that nothing more loads."""
     import threading
-    from types import SimpleNamespace
 
+    import hf_tapernorm.data.sources as sources
     import hf_tapernorm.evaluation.models as models
 
     def shutting_down(*args, **kwargs):
         raise RuntimeError("cannot schedule new futures after interpreter shutdown")
 
     monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", shutting_down)
-    source = resolve_model(str(ws / "llama"))
+    monkeypatch.setattr(sources.datasets, "load_dataset_builder", shutting_down)
+    source, corpus = resolve_model(str(ws / "llama")), str(ws / "corpus.txt")
     with pytest.raises(ModelSourceError, match="cannot schedule new futures"):
-        load_model(source)  # the main thread runs: the loader's own words
+        load_model(source)  # the main thread runs: the loaders' own words
+    with pytest.raises(DataError, match="cannot schedule new futures"):
+        load_text_dataset(corpus)
+    ended = (
+        "the program's main thread has ended (an uncaught Ctrl-C?), and the interpreter shutting down loads nothing "
+        "more; run the command again"
+    )
     monkeypatch.setattr(threading, "main_thread", lambda: SimpleNamespace(is_alive=lambda: False))
     with pytest.raises(ModelSourceError) as refusal:
         load_model(source)
-    assert str(refusal.value) == (
-        f"cannot load model '{ws / 'llama'}': the program's main thread has ended (an uncaught Ctrl-C?), and the "
-        "interpreter shutting down loads nothing more; run the command again"
-    )
+    assert str(refusal.value) == f"cannot load model '{ws / 'llama'}': {ended}"
+    with pytest.raises(DataError) as refusal:
+        load_text_dataset(corpus)
+    assert str(refusal.value) == f"could not load dataset '{corpus}': {ended}"
+    code, stdout, stderr = run_main(evaluate(ws / "llama", data=ws / "corpus.txt"))  # refused before any import
+    assert (code, stdout, stderr.strip()) == (2, "", f"hf-tapernorm eval: error: {ended}")

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Optional
 
-from ..errors import FoldCheckError, TaperDivergenceError, TaperNormError
+from ..errors import FoldCheckError, TaperDivergenceError, TaperNormError, main_thread_ended
 
 if TYPE_CHECKING:
     from ..app.extension import TaperExtension
@@ -103,6 +103,9 @@ def main(argv: Optional[Sequence[str]] = None, *, extension: Optional[TaperExten
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         print(f"hf-tapernorm: error: unknown command '{command}'\n{USAGE}", file=sys.stderr)
+        return 2
+    if (ended := main_thread_ended()) is not None:  # a worker thread's command: a first `import torch` would fail
+        print(f"hf-tapernorm {command}: error: {ended}", file=sys.stderr)
         return 2
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

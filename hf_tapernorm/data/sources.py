@@ -20,6 +20,7 @@ from typing import Optional, Union
 
 import datasets
 
+from ..errors import main_thread_ended
 from ..utils import expand_user
 from .file_contents import first_not_utf8, foreign_encoding, holds_no_rows, holds_text, lone_surrogate, nul_bytes
 from .local_folders import (
@@ -407,8 +408,10 @@ def _load_error(
     """The one-line DataError for a dataset ``datasets`` could not load (``files``: the local files it read; ``name``:
     the subject, default ``dataset 'SOURCE'``). A Hub name whose first folder is here (``texts/corpuz``, ``texts/`` a
     local folder) is most likely a mistyped local path: the error says so."""
-    cause = _root_cause(error)
     name = name or f"dataset '{source}'"
+    if (ended := main_thread_ended()) is not None:  # a command in a worker thread: loaders' pools refuse to start
+        return DataError(f"could not load {name}: {ended}")
+    cause = _root_cause(error)
     surrogate = lone_surrogate(files) if files and "surrogate" in str(cause) else None
     if surrogate is not None:
         return DataError(

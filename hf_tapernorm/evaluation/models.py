@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -23,7 +22,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedConfig, PreTrainedModel
 
 from ..config import CONFIG_NAME, TAPERED_TYPE_PREFIX
-from ..errors import ConfigurationError, first_line
+from ..errors import ConfigurationError, first_line, main_thread_ended
 from ..export.folded_sink import plain_load_of_export
 from ..export.manifest import incomplete_export
 from ..training.checkpoints import holds_tapered_weights, is_tapered_checkpoint, load_tapered, tapered_model_config
@@ -398,11 +397,8 @@ def load_model(
     try:  # folded exports load through the Auto classes: importing hf_tapernorm registered them
         model, loading = AutoModelForCausalLM.from_pretrained(source.path, output_loading_info=True, **kwargs)
     except Exception as error:
-        if not threading.main_thread().is_alive():  # a command in a worker thread: loaders' pools refuse to start
-            raise ModelSourceError(
-                f"cannot load model '{source.describe()}': the program's main thread has ended (an uncaught Ctrl-C?), "
-                "and the interpreter shutting down loads nothing more; run the command again"
-            ) from error
+        if (ended := main_thread_ended()) is not None:  # a command in a worker thread: loaders' pools refuse to start
+            raise ModelSourceError(f"cannot load model '{source.describe()}': {ended}") from error
         raise ModelSourceError(
             f"cannot load model '{source.describe()}'{_hub_hint(source)}: {first_line(error)}"
         ) from error

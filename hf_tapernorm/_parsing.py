@@ -134,6 +134,12 @@ def parse(dataclass_types: Sequence[type], argv: Sequence[str], prog: str) -> tu
         argv = command_line(parser, values)
         note_file_paths(parser, path, values)  # a refusal that one of its paths is not found says where it looked
         bare = frozenset(parser.flags[key.replace("-", "_")].dest for key, v in values.items() if v is BARE_TILDE)
+        required = sorted({action.dest for action in parser.flags.values() if action.required} & bare)
+        if required:  # argparse would say that the option the file names is missing
+            raise UsageError(
+                f"{source}: {required[0]}: ~ is YAML's null, so the required --{required[0]} has no value: write '~' "
+                "(quoted) if you meant the home folder"
+            )
     else:
         misplaced = options_file_among(parser, argv)
         if misplaced is not None:  # argparse would read it as a flag's value (--resume run.json) or an extra word

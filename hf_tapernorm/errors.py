@@ -20,15 +20,16 @@ def first_line(error: BaseException) -> str:
 
 
 def main_thread_ended() -> Optional[str]:
-    """Why nothing more loads, when this call runs in a worker thread whose program's main thread has ended (a
-    notebook's or web UI's thread after an uncaught Ctrl-C); None otherwise. The interpreter is shutting down then: it
-    starts no worker pools and registers no exit hooks, so a loader's failure there says nothing of the model or the
-    dataset it was given, and a first ``import torch`` fails."""
+    """Why nothing more loads, when this call runs in a worker thread whose program's main thread has ended (a script
+    that returned without joining it, a web UI's thread after an uncaught Ctrl-C); None otherwise. The interpreter is
+    shutting down then: it starts no worker pools and registers no exit hooks, so a loader's failure there says
+    nothing of the model or the dataset it was given, and a first ``import torch`` fails."""
     if threading.main_thread().is_alive():
         return None
     return (
-        "the program's main thread has ended (an uncaught Ctrl-C?), and the interpreter shutting down loads "
-        "nothing more; run the command again"
+        "the program's main thread has ended (it returned, or an error or Ctrl-C stopped it), and the interpreter "
+        "shutting down loads nothing more; keep the main thread running until the command returns (join the thread "
+        "that runs it)"
     )
 
 

@@ -79,7 +79,7 @@ def test_a_home_folder_this_machine_does_not_know_is_one_line_naming_the_path_as
     not determine home directory." wherever a path was expanded; ``~`` and a known ``~user`` still expand."""
     import pwd
 
-    from hf_tapernorm.app.record import recorded_reference
+    from hf_tapernorm.app.scan_reference import recorded_reference
     from hf_tapernorm.errors import ConfigurationError
     from hf_tapernorm.utils import expand_user, expand_user_options
 
@@ -445,6 +445,40 @@ def test_a_runs_original_given_another_model_since_or_gone_is_not_its_scans_refe
         f"the original model that the run in {run} recorded is not there ({original}): the robustness scan has no "
         "model of the run to compare with"
     ) in caplog.text
+
+
+def test_a_runs_baseline_given_another_model_since_is_not_its_scans_reference(ws, baseline_run, tmp_path, caplog):
+    """A run's baseline (its own baseline/model, or the one --baseline_from named) given other weights since was
+    still the scan's reference, without a word: the scan compared with a model the run never measured. The run
+    records the baseline's weights and config.json; a baseline that no longer holds them is not the reference (the
+    original is, where it still holds the run's model), said in a WARNING with the way out."""
+    from hf_tapernorm.app.fingerprints import weights_and_config
+
+    run = copy_of(baseline_run, tmp_path)
+    baseline = run / "baseline" / "model"
+    caplog.set_level(logging.WARNING, logger="hf_tapernorm")
+    result = tmp_path / "result.json"
+    argv = evaluate(run / "folded", "--scan_windows", "2", "--output_json", str(result), data=ws / "corpus.txt")
+    assert run_main(argv)[0] == 0
+    assert json.loads(result.read_text())["robustness_scan"]["reference"] == str(baseline)
+    (baseline / "NOTES.md").write_text("my notes\n")  # beside the same weights: the same model
+    edit_json(baseline / "tokenizer_config.json", local_files_only=True)
+    assert run_main(argv)[0] == 0
+    assert json.loads(result.read_text())["robustness_scan"]["reference"] == str(baseline)
+    assert "the baseline" not in caplog.text
+    save_tiny_model(baseline, "llama", seed=1)  # other weights saved over it, as a fine-tune in place would
+    assert run_main(argv)[0] == 0
+    assert json.loads(result.read_text())["robustness_scan"]["reference"] == str(ws / "llama")
+    assert (
+        f"the baseline that the run in {run} recorded holds another model now ({baseline}: its weights or config.json "
+        "changed since the run recorded them; a re-save by another transformers version counts too; --scan_reference "
+        f"compares with it anyway): the robustness scan compares with the original model instead ({ws / 'llama'})"
+    ) in caplog.text
+    named = finished_run(taper(ws, tmp_path / "named", "--baseline_from", str(baseline_run)))
+    recorded = json.loads((named / "report.json").read_text())["export"]
+    assert recorded["baseline_model"] == str(baseline_run / "baseline" / "model")
+    assert recorded["baseline_contents"] == weights_and_config(str(baseline_run / "baseline" / "model"))
+    assert set(recorded["baseline_contents"]) == {"config.json", "model.safetensors"}
 
 
 @pytest.mark.parametrize("settings", [{"special_tokens_map.json": '{"eos_token": "<|endoftext|>"}'},
@@ -862,13 +896,18 @@ def test_the_scan_finds_the_runs_baseline_from_any_working_folder(ws, baseline_r
 
 def test_a_copied_run_is_scanned_against_its_own_baseline(baseline_run, tmp_path):
     """A copy of a --baseline run read the baseline at the absolute path the original recorded, not its own: its
-    scan compared with the original run's baseline whatever the copy's held."""
+    scan compared with whatever that path held. It reads its own baseline/model (here the recorded path holds another
+    model), and only while that holds the baseline the run recorded."""
     copy = copy_of(baseline_run, tmp_path, "blcopy")
-    before = _scan(copy, tmp_path / "f_before")
+    decoy = save_tiny_model(tmp_path / "decoy", "llama", seed=3)
+    edit_json(copy / "report.json", export={**json.loads((copy / "report.json").read_text())["export"],
+                                            "baseline_model": str(decoy)})  # fmt: skip
+    own = _scan(copy, tmp_path / "f_own")
+    recorded = _scan(baseline_run, tmp_path / "f_recorded")
+    assert own["reference"] == recorded["reference"] == "baseline"
+    assert [row["reference_loss"] for row in own["rows"]] == [row["reference_loss"] for row in recorded["rows"]]
     save_tiny_model(copy / "baseline" / "model", "llama", seed=3)  # the copy's own baseline, now another model
-    after = _scan(copy, tmp_path / "f_after")
-    assert before["reference"] == after["reference"] == "baseline"
-    assert [row["reference_loss"] for row in after["rows"]] != [row["reference_loss"] for row in before["rows"]]
+    assert _scan(copy, tmp_path / "f_after")["reference"] == "original"  # neither it nor the decoy
 
 
 def test_fold_into_the_working_folder_given_as_a_dot_is_one_line(run, tmp_path, monkeypatch):
@@ -1296,7 +1335,8 @@ def test_a_report_naming_a_folder_without_a_model_as_the_scans_reference_is_refu
     section, key = field.split(".")
     if (copy / "baseline").exists():  # the run's own baseline/model is what a copied run compares with first
         shutil.rmtree(copy / "baseline")
-    edits = {"export": {**report["export"], "baseline_model": None}}  # model.source is read where none is recorded
+    # model.source is read where no baseline is recorded; a run recording its baseline's files skips one that changed
+    edits = {"export": {**report["export"], "baseline_model": None, "baseline_contents": None}}
     edits[section] = {**edits.get(section, report[section]), key: str(ws)}
     edit_json(copy / "report.json", **edits)
     manifest = json.loads((copy / MANIFEST_NAME).read_text())
@@ -1312,7 +1352,7 @@ def test_a_report_naming_a_folder_without_a_model_as_the_scans_reference_is_refu
     assert line.endswith(
         "; fold with --scan_windows 0 (hf-tapernorm eval --scan_reference scans the export later, on any data)"
     )
-    from hf_tapernorm.app.record import recorded_reference
+    from hf_tapernorm.app.scan_reference import recorded_reference
 
     too_long = {**report, "export": {}, "model": {**report["model"], "source": "/" + "x" * 300}}
     assert recorded_reference(too_long, copy) is None  # not there: no reference (fold logs "no robustness scan")
@@ -1645,8 +1685,9 @@ def test_a_command_after_the_main_thread_has_ended_blames_neither_model_nor_data
     with pytest.raises(DataError, match="cannot schedule new futures"):
         load_text_dataset(corpus)
     ended = (
-        "the program's main thread has ended (an uncaught Ctrl-C?), and the interpreter shutting down loads nothing "
-        "more; run the command again"
+        "the program's main thread has ended (it returned, or an error or Ctrl-C stopped it), and the interpreter "
+        "shutting down loads nothing more; keep the main thread running until the command returns (join the thread "
+        "that runs it)"
     )
     monkeypatch.setattr(threading, "main_thread", lambda: SimpleNamespace(is_alive=lambda: False))
     with pytest.raises(ModelSourceError) as refusal:

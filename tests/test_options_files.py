@@ -942,6 +942,25 @@ def test_a_path_option_written_as_a_bare_yaml_tilde_is_refused(command, text, op
     )
 
 
+@pytest.mark.parametrize(
+    "command, text, option",
+    [
+        ("fold", "checkpoint: ~\noutput_dir: out\n", "checkpoint"),
+        ("fold", "checkpoint: run/tapered\noutput_dir: ~\n", "output_dir"),
+        ("push", "export_dir: ~\nrepo_id: me/x\n", "export_dir"),
+    ],
+)
+def test_a_required_option_written_as_a_bare_yaml_tilde_is_refused_as_written(command, text, option, tmp_path):
+    """A required path option given a bare ~ (YAML's null: no value) was refused as if the file had left it out
+    ("the following arguments are required: --output_dir"); the refusal now says what the file wrote and how to write
+    the home folder."""
+    (tmp_path / "run.yaml").write_text(text)
+    assert error_of([command, str(tmp_path / "run.yaml")]) == (
+        f"hf-tapernorm {command}: error: {tmp_path / 'run.yaml'}: {option}: ~ is YAML's null, so the required "
+        f"--{option} has no value: write '~' (quoted) if you meant the home folder"
+    )
+
+
 def test_null_and_a_bare_tilde_for_other_options_are_still_the_default(tmp_path):
     """``null`` (and an empty value) leave any option at its default, as documented, and so does a bare ~ for an
     option that is no path."""

@@ -374,6 +374,13 @@ def test_resume_checks_the_data_contents_and_every_option_that_shapes_the_result
     assert code == 0, stderr
     report = json.loads((run / "report.json").read_text())
     assert report["allowed_changes"]["training.max_grad_norm"] == {"run": 1.0, "now": 0.5}
+    corpus.write_text(corpus.read_text() + "\n\nanother document at the end")
+    argv += ["--resume", "--max_grad_norm", "0.5"]
+    for extension in ("txt", "max_grad_norm,txt"):  # a changed file is named by its name, not its extension
+        assert "data.contents.corpus.txt: '" in error_of([*argv, "--allow_changes", extension])
+    code, _, stderr = run_main([*argv, "--allow_changes", "max_grad_norm,corpus.txt"])  # as the refusal names it
+    assert code == 0, stderr
+    assert "data.contents.corpus.txt" in json.loads((run / "report.json").read_text())["allowed_changes"]
 
 
 def test_resume_refuses_other_weights_of_the_same_size(workspace, reference, tmp_path):

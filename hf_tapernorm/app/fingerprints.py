@@ -93,6 +93,14 @@ def _defines_the_model(name: str) -> bool:
     return Path(name).suffix in WEIGHT_SUFFIXES or name == "config.json"
 
 
+def weights_and_config(path: str) -> Optional[dict[str, Any]]:
+    """The fingerprint of the weight files and config.json of the local model at ``path`` (None: not there), what
+    holds_recorded_weights compares later: a run records its baseline's, so a scan does not compare with that
+    folder once other weights are saved over it."""
+    found = fingerprint(path, weights_by_size=True)
+    return None if found is None else {name: value for name, value in found.items() if _defines_the_model(name)}
+
+
 def holds_recorded_weights(path: str, contents: dict[str, Any]) -> bool:
     """Whether the local model at ``path`` holds the weight files and config.json a run recorded of its model,
     whatever else changed beside them (a notes file, a re-saved tokenizer_config.json, a weight file transformers does

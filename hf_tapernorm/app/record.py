@@ -23,7 +23,6 @@ from typing import Any, Optional
 from ..config import TaperNormConfig
 from ..data.sources import local_dataset_path
 from ..utils import expand_user, parameter_count
-from .run_membership import holds_the_runs_model
 
 logger = logging.getLogger(__name__)
 
@@ -425,49 +424,6 @@ def recorded_path(facts: dict[str, Any], run_folder: Path, recorded: Any) -> Opt
     return Path(os.path.normpath(run_folder / os.path.relpath(path, Path(named).parent)))
 
 
-def recorded_reference(facts: dict[str, Any], run_folder: Path) -> Optional[tuple[Path, str]]:
-    """The model a scan of the run in ``run_folder`` (report ``facts``) compares with, and its name: the normalized
-    baseline it saved (its own ``baseline/model``, wherever the folder was copied) or named (``"baseline"``), else
-    its original model (``"original"``); None when neither is a
-    local model that is still there. A recorded baseline that is gone is said in one warning line naming it."""
-    export, model = facts.get("export") or {}, facts.get("model") or {}
-    own = run_folder / "baseline" / "model"  # a run trained with --baseline: its own, also in a copied run folder
-    if export.get("baseline_model") and (own / "config.json").is_file():
-        return own, "baseline"
-    baseline = recorded_path(facts, run_folder, export.get("baseline_model"))
-    if baseline is not None and _is_there(baseline):
-        return baseline, "baseline"
-    original = recorded_path(facts, run_folder, model.get("source")) if model.get("kind") != "hub" else None
-    there = original is not None and _is_there(original)
-    found = there and holds_the_runs_model(original, run_folder)
-    if original is not None and not found and baseline is None:
-        logger.warning(
-            "the original model that the run in %s recorded %s: the robustness scan has no model of the run to compare "
-            "with",
-            run_folder,
-            f"holds another model now ({original}: its weights or config.json changed since the run recorded them; "
-            "a re-save by another transformers version counts too; --scan_reference compares with it anyway)"
-            if there
-            else f"is not there ({original})",
-        )
-    if baseline is not None:
-        logger.warning(
-            "the baseline that the run in %s recorded is not there (%s): the robustness scan compares with %s",
-            run_folder,
-            baseline,
-            f"the original model instead ({original})" if found else "no model of the run (nor is its original there)",
-        )
-    return (original, "original") if found else None
-
-
-def _is_there(path: Path) -> bool:
-    """Whether a recorded path is there; a path this system cannot even look up (a name too long) is not."""
-    try:
-        return path.exists()
-    except OSError:
-        return False
-
-
 def differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> dict[str, tuple[Any, Any]]:
     """``{dotted key: (saved, current)}`` for every leaf that differs between two identities."""
     changed = {}
@@ -494,6 +450,5 @@ __all__ = [
     "new_run_record",
     "far_worse_warning",
     "recorded_path",
-    "recorded_reference",
     "relative_gap",
 ]

@@ -20,8 +20,9 @@ from ..errors import ConfigurationError
 from ..training.checkpoints import saved_gate
 from ..utils import expand_user, json_object
 from .fingerprints import holds_recorded_contents
-from .record import recorded_path, recorded_reference
+from .record import recorded_path
 from .run_folder import MANIFEST_NAME
+from .scan_reference import recorded_reference
 from .training_run import IDENTITY_NAME
 
 #: What a taper run folder holds (app/taper.py's outputs and its manifest), where a saved model holds config.json.

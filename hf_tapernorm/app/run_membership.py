@@ -52,6 +52,15 @@ def holds_the_runs_model(original: Path, run_folder: Path) -> bool:
     return not isinstance(contents, dict) or holds_recorded_weights(str(original), contents)
 
 
+def holds_the_runs_baseline(baseline: Path, facts: dict) -> bool:
+    """Whether ``baseline`` still holds the normalized model the run (its report ``facts``) recorded when it trained
+    or named it (export.baseline_contents: the weights and config.json), as holds_the_runs_model asks of the original;
+    a report of an earlier version, which recorded none, cannot tell."""
+    export = facts.get("export")
+    contents = export.get("baseline_contents") if isinstance(export, dict) else None
+    return not isinstance(contents, dict) or holds_recorded_weights(str(baseline), contents)
+
+
 def _unrecorded_checkpoint(model: Path, entries: list[str]) -> bool:
     """Whether ``model`` is a complete checkpoint (its run record written last) the run folder counts as its own
     though its manifest does not list it yet (a kill between its save and the record): checkpoint_files'

@@ -43,6 +43,7 @@ from ..training.schedule import decay_learning_rate_after_the_taper
 from .data_checks import check_hub_datasets
 from .epochs import blocks_trained, check_accumulation_within_epoch
 from .extension import TaperExtension, TrainingData, TrainingInputs
+from .fingerprints import weights_and_config
 from .full_disk import full_disk_refused
 from .preflight import check_disk_space, check_trainer_options, check_training_blocks
 from .record import RunRecord, far_worse_warning, global_batch_blocks, new_run_record, precision_line
@@ -147,6 +148,7 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
     record.add_evaluation_sets(packed.heldout_set, reference_text)
     if baseline_source is not None:
         record.export["baseline_model"] = str(Path(baseline_source.path).resolve())  # found from any folder
+        record.export["baseline_contents"] = weights_and_config(baseline_source.path)  # what a scan compares with
     pipeline = _Pipeline(request, record, packed, tokenizer, output, identity, source, reference_text, baseline_source)
     pipeline.extension, pipeline.training_data = extension, training_data  # the baseline: its data, no parts
     with full_disk_refused(output.path, "what the run writes", then=lambda: resume_advice(output.path)):
@@ -298,6 +300,7 @@ class _Pipeline:
 
         folder = self.output.write_output("baseline/model", write)
         self.record.export["baseline_model"] = str(folder.resolve())  # found from any working folder
+        self.record.export["baseline_contents"] = weights_and_config(str(folder))
 
     def load(self, source: ModelSource):
         model = load_model(

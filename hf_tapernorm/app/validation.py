@@ -400,6 +400,17 @@ def check_baseline_identity(baseline: ModelSource, identity: dict[str, Any]) -> 
         )
 
 
+def _names_of_change(key: str) -> set[str]:
+    """The names ``--allow_changes`` may give a changed ``key`` of a run's identity: the key itself, and the option it
+    records (``training.max_grad_norm``: max_grad_norm) or, for a file of the model or the data, its name in the
+    folder (``data.contents.corpus.txt``: corpus.txt; cut at its last dot, that key named the file's extension, and
+    ``json`` allowed every changed .json file, the model's config.json among them)."""
+    for files in ("model_contents.", "data.contents."):
+        if key.startswith(files):
+            return {key, key.removeprefix(files)}
+    return {key, key.rsplit(".", 1)[-1]}
+
+
 def check_resume_identity(folder: RunFolder, identity: dict[str, Any], allowed: set[str]) -> dict[str, Any]:
     """Refuse a ``--resume`` whose options differ from the saved run's, except the ``--allow_changes`` ones."""
     saved = (folder.manifest() or {}).get("identity")
@@ -407,7 +418,7 @@ def check_resume_identity(folder: RunFolder, identity: dict[str, Any], allowed: 
         raise ConfigurationError(f"--resume: '{folder.path}' records no run identity; it cannot be checked, start over")
     saved, current = _with_loaded_dtype(_with_current_recipe(visible_identity(saved)), identity)
     changed = differences(saved, _same_contents_same_name(saved, with_legacy_fingerprints(saved, current)))
-    refused = {k: v for k, v in changed.items() if k.rsplit(".", 1)[-1] not in allowed and k not in allowed}
+    refused = {k: v for k, v in changed.items() if not allowed & _names_of_change(k)}
     if refused:
         listing = "; ".join(f"{k}: {old!r} in the run, {new!r} now" for k, (old, new) in list(refused.items())[:6])
         precision = refused.get("training.bf16")
@@ -420,7 +431,7 @@ def check_resume_identity(folder: RunFolder, identity: dict[str, Any], allowed: 
             f"--resume: these options differ from the run in '{folder.path}': {listing}. Rerun with the original "
             f"options{hint}, or name the ones to change with --allow_changes"
         )
-    ignored = sorted(k for k in changed if k.rsplit(".", 1)[-1] in IGNORED_ON_RESUME)
+    ignored = sorted(k for k in changed if k.startswith("training.") and k.rsplit(".", 1)[-1] in IGNORED_ON_RESUME)
     if ignored:
         raise ConfigurationError(
             f"--allow_changes cannot allow {', '.join(k.rsplit('.', 1)[-1] for k in ignored)}: a resumed Trainer "

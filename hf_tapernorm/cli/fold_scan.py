@@ -15,8 +15,9 @@ from typing import Any, Optional, get_args, get_type_hints
 
 from .._parsing import UsageError
 from ..app.data_checks import check_data_paths, check_hub_datasets, missing_local_dataset
-from ..app.record import recorded_path, recorded_reference
+from ..app.record import recorded_path
 from ..app.run_membership import not_the_runs
+from ..app.scan_reference import recorded_reference
 from ..app.validation import max_positions
 from ..data.corpus import prepare_from_arguments
 from ..data.heldout import PYTHON_DOCS, PYTHON_DOCS_DESCRIPTION, EvaluationSet
@@ -347,7 +348,7 @@ def run_report(folder: Path) -> Optional[dict]:
 
 def names_a_reference(facts: Optional[dict]) -> bool:
     """Whether a run's report names a baseline or a local original for its scan: where neither is the reference
-    (gone, or holding another model now), app/record.recorded_reference has said why in a WARNING."""
+    (gone, or holding another model now), app/scan_reference.recorded_reference has said why in a WARNING."""
     if not isinstance(facts, dict):
         return False
     export, model = facts.get("export") or {}, facts.get("model") or {}
@@ -376,10 +377,10 @@ def recorded_reference_of(
     run: Path, facts: Optional[dict], windows: int, way_out: str = ""
 ) -> Optional[tuple[ModelSource, str]]:
     """The model the scan (of ``windows`` windows) of the run in ``run`` (``facts``: its report, run_report's) compares
-    with, and its name ("baseline" or "original"), found from any working folder (app/record.recorded_reference); None
-    without a report or such a model. The report's fields that find it are read with their types first: a hand edit
-    ("export": "x") is refused in one line ending in ``way_out`` (fold's by default), neither a traceback nor a scan
-    against another model than the run's."""
+    with, and its name ("baseline" or "original"), found from any working folder
+    (app/scan_reference.recorded_reference); None without a report or such a model. The report's fields that find it
+    are read with their types first: a hand edit ("export": "x") is refused in one line ending in ``way_out`` (fold's
+    by default), neither a traceback nor a scan against another model than the run's."""
     if facts is None:
         return None
     recorded = RecordedFacts(facts, run, windows, way_out)
@@ -398,8 +399,8 @@ def recorded_reference_of(
         ) from None
 
 
-#: The fields of a run's report that find the model its scan compares with (app/record.recorded_reference) and the
-#: folders its relative paths are relative to (app/record.recorded_path): each a string where it is recorded.
+#: The fields of a run's report that find the model its scan compares with (app/scan_reference.recorded_reference)
+#: and the folders its relative paths are relative to (app/record.recorded_path): each a string where it is recorded.
 REFERENCE_FIELDS = (
     "export.baseline_model",
     "export.tapered_checkpoint",

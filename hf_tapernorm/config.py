@@ -40,6 +40,7 @@ from typing import Any, ClassVar, Optional, Union
 
 from torch import nn
 
+from ._recipe_sources import CONFIG_NAME, recipe_values
 from ._version import __version__
 from .architectures.recipe_rules import norms_to_keep
 from .architectures.sites import architecture_of
@@ -66,7 +67,6 @@ from .utils import expand_user, file_in_the_way, holds_model_weights, saved_mode
 
 logger = logging.getLogger(__name__)
 
-CONFIG_NAME = "tapernorm_config.json"
 #: The file of tapered checkpoints written before TaperNormConfig (patch_model's options): still read.
 LEGACY_CONFIG_NAME = "tapernorm.json"
 #: The ``model_type`` prefix of a tapered checkpoint's config.json. transformers knows no such type, so
@@ -349,48 +349,16 @@ class TaperNormConfig(Checked):
         revision: Optional[str] = None,
         token: Union[str, bool, None] = None,
     ) -> TaperNormConfig:
-        """The config in a local folder, or in a Hub repository (``tapernorm_config.json`` at its root,
-        downloaded with ``huggingface_hub.hf_hub_download``; ``revision`` and ``token`` are passed on)."""
-        local = expand_user(name_or_path, f"TaperNormConfig.from_pretrained: '{name_or_path}'")
-        path = local / CONFIG_NAME
-        if local.is_dir():
-            if not path.is_file():
-                raise ConfigurationError(
-                    f"no {CONFIG_NAME} in '{name_or_path}': not a tapered checkpoint written by hf_tapernorm"
-                )
-        elif _looks_like_a_path(str(name_or_path)):
-            raise ConfigurationError(f"TaperNormConfig.from_pretrained: no folder '{name_or_path}'")
-        else:
-            path = Path(_download(str(name_or_path), revision, token))
-        try:
-            values = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ConfigurationError(f"{path} is not valid JSON: {error}") from None
-        return cls.from_dict(values)
+        """The recipe in a local folder or a Hub repository: a tapered checkpoint's ``tapernorm_config.json``, or a
+        folded export's ``config.json`` (its ``tapernorm_config``), downloaded with ``huggingface_hub.hf_hub_download``
+        (``revision`` and ``token`` are passed on)."""
+        return cls.from_dict(recipe_values(name_or_path, revision, token))
 
 
 def _known_fields(cls: type, values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``values`` of the fields ``cls`` has, and the names of the others (sorted)."""
     known = {f.name for f in dataclasses.fields(cls)}
     return {k: v for k, v in values.items() if k in known}, sorted(set(values) - known)
-
-
-def _looks_like_a_path(name: str) -> bool:
-    """A Hub repository id is ``name`` or ``owner/name``; anything else can only be a local path."""
-    return not name or name.count("/") > 1 or name.startswith((".", "/", "~")) or "\\" in name
-
-
-def _download(repo_id: str, revision: Optional[str], token: Union[str, bool, None]) -> str:
-    from huggingface_hub import hf_hub_download
-
-    try:
-        return hf_hub_download(repo_id, CONFIG_NAME, revision=revision, token=token)
-    except Exception as error:  # huggingface_hub raises many types (offline, not found, gated, network)
-        reason = (str(error).strip().splitlines() or [""])[0]
-        raise ConfigurationError(
-            f"TaperNormConfig.from_pretrained('{repo_id}'): not a local folder, and {CONFIG_NAME} could not be "
-            f"read from the Hub ({type(error).__name__}: {reason}); check the name, the network, HF_HUB_OFFLINE"
-        ) from None
 
 
 def sink_token_id(tokenizer: Any = None, model: Optional[nn.Module] = None) -> Optional[int]:

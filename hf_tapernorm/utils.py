@@ -326,6 +326,24 @@ def load_dtype(dtype: Union[torch.dtype, str, None], what: str) -> Union[torch.d
     )
 
 
+def true_or_false(value: object, what: str) -> bool:
+    """``value`` as the bool it is or holds (a numpy bool, a one-element bool tensor or array: ``a > b``), refused in
+    one line naming ``what`` (``export_folded: overwrite=``) otherwise: ``"no"`` is true, and would replace the export
+    it was meant to keep, or publish the repository it was meant to keep private. The refusal names a type by its
+    module too: numpy 2 calls its bool ``bool``, and "must be True or False, got bool" would contradict itself."""
+    if isinstance(value, bool):
+        return value
+    dtype, size = getattr(value, "dtype", None), getattr(value, "size", None)
+    numel = getattr(value, "numel", None)
+    one = numel() == 1 if callable(numel) else size == 1
+    boolean = str(dtype) in ("torch.bool", "bool") and not getattr(value, "is_meta", False)
+    if one and boolean:  # np.bool_, a bool array or tensor of one element
+        return bool(value.item())
+    kind = type(value)
+    name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    raise ConfigurationError(f"{what} must be True or False, got {name}")
+
+
 def json_object(path: Path) -> dict[str, Any]:
     """The JSON object the file ``path`` holds; {} when it is missing, unreadable, no JSON or no object: for what a
     record may tell (a hint, a type), where a missing or damaged record tells nothing."""
@@ -387,6 +405,7 @@ def holds_model_weights(folder: Path) -> bool:
 
 __all__ = [
     "json_object",
+    "true_or_false",
     "SEED_LIMIT",
     "check_compile_options",
     "compile_backends",

@@ -961,3 +961,40 @@ def test_a_wrapper_that_calls_the_norms_own_forward_is_not_a_replacement(tmp_pat
         add_hook_to_module(layer, ModelHook())
     refuse_replaced_forward(model, "test")
     _trainer(tmp_path, model)
+
+
+def test_thresholds_that_are_no_divergence_thresholds_are_refused_when_built():
+    """``TaperCallback(thresholds={"max_scale_ratio": 10})`` was taken as given and failed at the first watched step
+    with "AttributeError: 'dict' object has no attribute 'spike_ratio'", naming no option; so did TaperController."""
+    model = patch_model(build(tiny_llama_config(), seed=0), TaperNormConfig.paper())
+    for build_it, who in (
+        (lambda thresholds: TaperCallback(thresholds=thresholds), "TaperCallback"),
+        (lambda thresholds: TaperController(model, total_steps=6, thresholds=thresholds), "TaperController"),
+    ):
+        with pytest.raises(ConfigurationError) as refused:
+            build_it({"max_scale_ratio": 10})
+        assert str(refused.value) == (
+            f"{who}: thresholds must be a DivergenceThresholds, got a dict: write "
+            "DivergenceThresholds(**{'max_scale_ratio': 10})"
+        )
+        with pytest.raises(ConfigurationError, match=f"^{who}: thresholds must be a DivergenceThresholds, got a int$"):
+            build_it(3)
+
+
+def test_a_trainer_of_one_step_is_refused_naming_its_steps(tmp_path):
+    """A plain Trainer with max_steps=1 and TaperCallback() at its defaults was refused as
+    "TaperSchedule(k_start=1, k_end=1, total_steps=1): k_end must be greater than k_start", a window the user never
+    set; so was TaperController(model, total_steps=1)."""
+    model = patch_model(build(tiny_llama_config(), seed=0), TaperNormConfig.paper())
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, use_cpu=True, report_to=[], save_strategy="no")
+    with pytest.raises(ConfigurationError) as refused:
+        Trainer(model=model, args=args, train_dataset=_dataset(8), callbacks=[TaperCallback()])
+    assert str(refused.value) == (
+        "TaperCallback: the Trainer runs 1 optimizer step (max_steps, or the steps of its epochs): a taper needs at "
+        "least 2, one at g = 1 to calibrate and one at g = 0"
+    )
+    with pytest.raises(ConfigurationError) as refused:
+        TaperController(model, total_steps=1)
+    assert str(refused.value) == (
+        "a taper needs a run of at least 2 optimizer steps (one at g = 1 to calibrate, one at g = 0), got total_steps=1"
+    )

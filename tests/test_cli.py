@@ -714,3 +714,39 @@ def test_the_library_path_trains_exactly_what_the_cli_trains(workspace, default_
     assert set(expected) <= set(actual)
     for key, value in expected.items():
         torch.testing.assert_close(actual[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_a_command_whose_main_thread_ends_as_it_starts_is_one_line(monkeypatch):
+    """cli.main in a worker thread whose program's main thread ended just after the command started (a script that
+    returned without joining it): the command's first `import torch` failed ("can't register atexit after shutdown")
+    as a traceback. It is the one line that says the main thread has ended; with the main thread running, an error
+    the package does not explain stays a traceback."""
+    import importlib
+    import threading
+    from types import SimpleNamespace
+
+    cli_main = importlib.import_module("hf_tapernorm.cli.main")  # the module, not the function cli exports
+    alive = [True]
+    monkeypatch.setattr(threading, "main_thread", lambda: SimpleNamespace(is_alive=lambda: alive[0]))
+
+    def first_import(*args):
+        alive[0] = False  # the main thread returns while the command imports torch
+        raise RuntimeError("can't register atexit after shutdown")
+
+    monkeypatch.setattr(cli_main, "_run", first_import)
+    code, stdout, stderr = run_main(["eval", "--model_name_or_path", "m"])
+    assert (code, stdout, stderr.strip()) == (
+        2,
+        "",
+        "hf-tapernorm eval: error: the program's main thread has ended (it returned, or an error or Ctrl-C stopped "
+        "it), and the interpreter shutting down loads nothing more; keep the main thread running until the command "
+        "returns (join the thread that runs it)",
+    )
+    alive[0] = True
+
+    def a_bug(*args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli_main, "_run", a_bug)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["eval", "--model_name_or_path", "m"])  # the main thread running: the bug's own traceback

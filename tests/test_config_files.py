@@ -125,6 +125,38 @@ def test_round_trips_dict_json_checkpoint_and_export(tmp_path):
     exported = json.loads((export / "config.json").read_text())
     assert exported["tapernorm_config"] == config.to_dict()
     assert exported["hf_tapernorm_version"] == hf_tapernorm.__version__
+    assert TaperNormConfig.from_pretrained(export) == config  # an export's recipe is in its config.json
+
+
+def test_from_pretrained_reads_an_exports_recipe_from_its_config(tmp_path, monkeypatch):
+    """TaperNormConfig.from_pretrained of a folded export said "no tapernorm_config.json ...: not a tapered
+    checkpoint written by hf_tapernorm", though the export's config.json holds the recipe (its tapernorm_config) and
+    the README says every export keeps it. It reads it, locally and from the Hub; a FlashNorm export, folded without
+    a taper, has none, and says so."""
+    import huggingface_hub
+
+    from hf_tapernorm.export.folding import flashnorm_model
+    from tests.helpers import tapered
+
+    model = tapered("llama")
+    export = export_folded(fold_model(model), tmp_path / "export")
+    config = model.tapernorm_config
+    assert TaperNormConfig.from_pretrained(export) == config
+
+    def download(repo_id, filename, **kwargs):  # an export on the Hub: no tapernorm_config.json
+        if filename != "config.json":
+            raise huggingface_hub.errors.EntryNotFoundError(f"{filename} not found in {repo_id}")
+        return str(export / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    assert TaperNormConfig.from_pretrained("me/export") == config
+    plain = export_folded(flashnorm_model(build(tiny_llama_config())), tmp_path / "flashnorm")
+    with pytest.raises(ConfigurationError) as refused:
+        TaperNormConfig.from_pretrained(plain)
+    assert str(refused.value) == (
+        f"'{plain}' is a FlashNorm export (its norm weights folded without a taper): it was made with no "
+        "TaperNormConfig"
+    )
 
 
 # ----------------------------------------------------------------------------- versions and migrations

@@ -135,6 +135,13 @@ def test_position_ids_logits_to_keep_inputs_embeds_and_return_dict_false(pair):
     assert relative(folded(input_ids=TEXT, logits_to_keep=4).logits, text[:, -4:]) <= TOLERANCE
     embeds = folded.get_input_embeddings()(TEXT)
     assert relative(folded(inputs_embeds=embeds).logits, text) <= TOLERANCE
+    # inputs_embeds that start with the sink's embedding, as the tapered model takes them, were read as text after
+    # the stored sink (the sink counted twice, logits off with no word): they are read as input_ids with the sink are
+    with_sink_embeds = folded.get_input_embeddings()(with_sink(TEXT))
+    assert relative(folded(inputs_embeds=with_sink_embeds).logits, expected) <= TOLERANCE
+    mixed = torch.cat([with_sink_embeds[:1, :-1], embeds[1:]])  # one row with the sink, one without
+    with pytest.raises(ValueError, match=r"some rows of inputs_embeds start with the sink token\(s\)"):
+        folded(inputs_embeds=mixed)
     out = folded(input_ids=TEXT, return_dict=False)
     assert isinstance(out, tuple) and len(out) == 2  # (logits, cache), as transformers' own tuple
     assert relative(out[0], text) <= TOLERANCE

@@ -447,6 +447,28 @@ def test_a_runs_original_given_another_model_since_or_gone_is_not_its_scans_refe
     ) in caplog.text
 
 
+def test_an_export_folded_from_a_runs_checkpoint_generates_with_a_kv_cache(run, tmp_path):
+    """The Trainer sets use_cache=False in the config.json of the checkpoints it trains; load_tapered built the model
+    from that config, so its generation config, and that of every export folded from it (fold's, or
+    export_folded(fold_model(load_tapered(...)))), said use_cache false: generate() ran without a KV cache,
+    recomputing the whole sequence at each token, without a word. The checkpoint's generation_config.json is read,
+    and use_cache is the model family's own."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_tapernorm import load_tapered
+
+    assert json.loads((run / "tapered" / "config.json").read_text())["use_cache"] is False  # as the Trainer left it
+    tapered_model = load_tapered(run / "tapered")
+    assert tapered_model.config.use_cache is True and tapered_model.generation_config.use_cache is True
+    assert run_main(fold(run / "tapered", tmp_path / "export"))[0] == 0
+    saved = json.loads((tmp_path / "export" / "generation_config.json").read_text())
+    assert saved["use_cache"] is True
+    export = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    out = export.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    assert out.past_key_values is not None
+
+
 def test_a_runs_baseline_given_another_model_since_is_not_its_scans_reference(ws, baseline_run, tmp_path, caplog):
     """A run's baseline (its own baseline/model, or the one --baseline_from named) given other weights since was
     still the scan's reference, without a word: the scan compared with a model the run never measured. The run
@@ -473,6 +495,17 @@ def test_a_runs_baseline_given_another_model_since_is_not_its_scans_reference(ws
         f"the baseline that the run in {run} recorded holds another model now ({baseline}: its weights or config.json "
         "changed since the run recorded them; a re-save by another transformers version counts too; --scan_reference "
         f"compares with it anyway): the robustness scan compares with the original model instead ({ws / 'llama'})"
+    ) in caplog.text
+    original = Path(shutil.copytree(ws / "llama", tmp_path / "original"))  # the same model, then another config
+    recorded_model = json.loads((run / "report.json").read_text())["model"]
+    edit_json(run / "report.json", model={**recorded_model, "source": str(original)})
+    edit_json(original / "config.json", rms_norm_eps=1e-3)
+    caplog.clear()
+    assert run_main(argv)[0] == 0
+    assert "robustness_scan" not in json.loads(result.read_text())
+    assert (
+        f"the robustness scan compares with no model of the run (its original, {original}, holds another model now: "
+        "its weights or config.json changed since the run recorded them;"
     ) in caplog.text
     named = finished_run(taper(ws, tmp_path / "named", "--baseline_from", str(baseline_run)))
     recorded = json.loads((named / "report.json").read_text())["export"]

@@ -26,7 +26,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "hf_tapernorm"
 LAYERS = {
     "errors": 0, "utils": 0, "_import_hooks": 0, "_version": 0, "_lazy": 0, "_parsing": 0, "config_migrations": 0,
     "config_fields": 0, "_options_reading": 0, "_temporaries": 0, "_lock_file": 0, "_disk_errors": 0,
-    "_option_types": 0, "_options_file": 0,
+    "_option_types": 0, "_options_file": 0, "_recipe_sources": 0,
     "architectures": 1,
     "data": 2,
     "config": 3,

@@ -8,7 +8,16 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-from hf_tapernorm import TaperCallback, TaperNormConfig, export_folded, fold_model, patch_model
+from hf_tapernorm import (
+    ConfigurationError,
+    TaperCallback,
+    TaperController,
+    TaperNormConfig,
+    export_folded,
+    fold_model,
+    patch_model,
+    save_tapered,
+)
 from hf_tapernorm.errors import TaperStateError, UnsupportedModelError
 from hf_tapernorm.evaluation.models import ModelSourceError, resolve_model
 from hf_tapernorm.layers import gate_of, tapered_norms, train_tapernorm_parameters
@@ -123,6 +132,39 @@ def test_unmerged_peft_models_are_refused_with_merge_and_unload(ws, tmp_path):
     lora = peft.get_peft_model(patched, peft.LoraConfig(target_modules=["q_proj"], r=2))
     with pytest.raises(UnsupportedModelError, match=r"fold_model\(model.merge_and_unload\(\)\)"):
         fold_model(lora)
+    # save_tapered let PEFT write its adapters, then failed on the missing config.json, leaving them in the folder
+    with pytest.raises(UnsupportedModelError) as refused:
+        save_tapered(lora, tmp_path / "tapered")
+    assert str(refused.value) == (
+        "save_tapered: PeftModel wraps the model in PEFT adapters, and a tapered checkpoint holds the whole "
+        "model: merge them first, save_tapered(model.merge_and_unload(), ...), or save the adapters alone with "
+        "model.save_pretrained(...)"
+    )
+    assert not (tmp_path / "tapered").exists()
+
+
+def test_a_tapernorm_in_modules_to_save_is_refused_before_the_first_step(tmp_path):
+    """LoRA with a norm in modules_to_save (against the docs): PEFT runs a copy of the TaperNorm and the original
+    never runs, so the taper's calibration failed after the whole warmup, blaming the forwards ("no calibration
+    statistics: run training-mode forwards"). TaperController, and TaperCallback before the first step, name
+    modules_to_save."""
+    model = patch_model(build(tiny_llama_config()), TaperNormConfig.paper())
+    model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["model.norm"]))
+    train_tapernorm_parameters(model)
+    expected = (
+        "base_model.model.model.norm is in PEFT's modules_to_save: PEFT trains a copy of its TaperNorm while the "
+        "original, which the taper calibrates, never runs; leave the norms out of modules_to_save and call "
+        "train_tapernorm_parameters(model) after get_peft_model (docs/usage.md, LoRA / PEFT)"
+    )
+    with pytest.raises(ConfigurationError) as refused:
+        TaperController(model, total_steps=10)
+    assert str(refused.value) == expected
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=10, use_cpu=True, report_to=[], save_strategy="no")
+    batches = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (8, 12))]
+    trainer = Trainer(model=model, args=args, train_dataset=batches, callbacks=[TaperCallback(2, 6)])
+    with pytest.raises(ConfigurationError) as refused:
+        trainer.train()
+    assert str(refused.value) == expected and trainer.state.global_step == 0
 
 
 def test_a_lora_rerun_into_the_same_output_dir_saves_its_own_recipe(tmp_path):

@@ -66,6 +66,25 @@ def test_push_export_reads_a_home_path_as_the_home_folder(run, tmp_path, hub, mo
     )
 
 
+def test_push_export_takes_private_and_create_pr_as_true_or_false(run, hub):
+    """push_export(..., private="no") passed the text to create_repo unchecked ("no" is true to Python, and what the
+    Hub makes of a text is not ours to guess), then uploaded. A flag that is no bool is refused before anything is
+    created, as export_folded's overwrite= is; a numpy or one-element torch bool is its value."""
+    import numpy
+    import torch
+
+    from hf_tapernorm.export.hub import push_export
+
+    for flag, value in (("private", "no"), ("private", 0), ("create_pr", "false")):
+        with pytest.raises(ConfigurationError) as refused:
+            push_export(run / "folded", "me/flags", **{flag: value})
+        assert str(refused.value) == f"push_export: {flag}= must be True or False, got {type(value).__name__}"
+    assert hub.created == [] and hub.uploads == []
+    push_export(run / "folded", "me/flags", private=numpy.bool_(False), create_pr=torch.tensor(True))
+    assert hub.created == [("me/flags", {"private": False, "exist_ok": True, "repo_type": "model"})]
+    assert hub.uploads[0]["create_pr"] is True
+
+
 def test_push_include_names_a_file_literally_and_star_means_everything(run, tmp_path, hub):
     folder = copy_of(run, tmp_path)
     (folder / "folded" / "[tokenizer].json").write_text("{}")

@@ -23,7 +23,7 @@ import pytest
 
 from hf_tapernorm.app.run_folder import LOCK_NAME, MANIFEST_NAME
 from hf_tapernorm.app.training_run import IDENTITY_NAME
-from tests.conftest import build, corpus_documents, tiny_llama_config
+from tests.conftest import build, corpus_documents, save_tiny_model, tiny_llama_config
 from tests.helpers import (
     REPO,
     assert_same_weights,
@@ -105,6 +105,25 @@ def test_baseline_from_a_run_with_other_options_is_refused_with_what_differs(ws,
     report = json.loads((tmp_path / "c" / "report.json").read_text())
     assert report["export"]["baseline_model"] == str(baseline_run / "baseline" / "model")
     assert report["gap"]["tapered_vs_baseline"] is not None
+
+
+def test_resume_refuses_a_baseline_from_given_other_weights_since(ws, baseline_run, tmp_path):
+    """A --baseline_from run resumed after the baseline it names was given other weights: the resumed run measured
+    its gap against that other model and re-recorded it as its baseline, without a word. It is refused, saying what
+    changed; the unchanged baseline resumes."""
+    baseline_copy = copy_of(baseline_run, tmp_path, "baseline_copy")
+    argv = taper(ws, tmp_path / "run", "--baseline_from", str(baseline_copy), "--dtype", "float32")
+    assert run_main(argv)[0] == 0
+    code, _, stderr = run_main([*argv, "--resume"])
+    assert code == 0, stderr
+    save_tiny_model(baseline_copy / "baseline" / "model", "llama", seed=1)  # a fine-tune saved over it
+    before = _files(tmp_path / "run")
+    assert error_of([*argv, "--resume"]) == (
+        f"hf-tapernorm taper: error: --resume: --baseline_from '{baseline_copy / 'baseline' / 'model'}' holds other "
+        f"weights or another config.json than when the run in '{tmp_path / 'run'}' recorded it, so the gap would be "
+        "measured against another model: restore that baseline, or start over with --overwrite"
+    )
+    assert _files(tmp_path / "run") == before
 
 
 def test_a_run_killed_during_its_export_can_be_overwritten(workspace, reference, tmp_path):
@@ -376,16 +395,21 @@ def test_resume_checks_the_data_contents_and_every_option_that_shapes_the_result
     assert report["allowed_changes"]["training.max_grad_norm"] == {"run": 1.0, "now": 0.5}
     corpus.write_text(corpus.read_text() + "\n\nanother document at the end")
     argv += ["--resume", "--max_grad_norm", "0.5"]
-    for extension in ("txt", "max_grad_norm,txt"):  # a changed file is named by its name, not its extension
-        assert "data.contents.corpus.txt: '" in error_of([*argv, "--allow_changes", extension])
-    code, _, stderr = run_main([*argv, "--allow_changes", "max_grad_norm,corpus.txt"])  # as the refusal names it
+    for extension in ("txt", "json"):  # a changed file is named by its name, not its extension
+        message = error_of([*argv, "--allow_changes", extension])
+        assert "data.contents.corpus.txt: '" in message, message
+        assert f"(--allow_changes {extension} names none of them)" in message, message
+    message = error_of([*argv, "--allow_changes", str(corpus)])  # a path as typed names no change
+    assert f"(--allow_changes {corpus} names none of them). Rerun with the original options" in message
+    code, _, stderr = run_main([*argv, "--allow_changes", "max-grad-norm,corpus.txt"])  # as the refusal names it
     assert code == 0, stderr
     assert "data.contents.corpus.txt" in json.loads((run / "report.json").read_text())["allowed_changes"]
 
 
 def test_resume_refuses_other_weights_of_the_same_size(workspace, reference, tmp_path):
     """The weights were identified by their size: a fine-tune saved over the base model resumed silently, with
-    the report's original-model figures (and a distillation teacher) of other weights."""
+    the report's original-model figures (and a distillation teacher) of other weights. A notes file or a licence
+    added beside the model, which no load reads, was refused as a change; it resumes."""
     run, model = tmp_path / "run", tmp_path / "model"
     shutil.copytree(reference, run)
     shutil.copytree(workspace / "llama", model)
@@ -393,6 +417,10 @@ def test_resume_refuses_other_weights_of_the_same_size(workspace, reference, tmp
     argv[argv.index("--model_name_or_path") + 1] = str(model)
     for path in (run / MANIFEST_NAME, *run.glob("checkpoint-*/tapernorm_run.json")):
         path.write_text(path.read_text().replace(str(workspace / "llama"), str(model)))  # as if it had read the copy
+    (model / "NOTES.md").write_text("my notes\n")  # beside the model, read by no load: the same model
+    (model / "LICENSE").write_text("Apache-2.0\n")
+    code, _, stderr = run_main([*argv, "--resume"])
+    assert code == 0, stderr
     size = (model / "model.safetensors").stat().st_size
     build(tiny_llama_config(), seed=7).save_pretrained(model)  # other weights, the same size
     assert (model / "model.safetensors").stat().st_size == size
@@ -418,7 +446,7 @@ def test_a_models_hidden_folders_are_no_part_of_its_fingerprint(tmp_path):
     hidden folders (.git/, .cache/ of a Hub download) are no part of a model's or dataset's contents, and a run an
     older version recorded with them is compared without them; a single dataset file named with a dot still is its
     own contents (--resume of a run on ".corpus.txt" was refused)."""
-    from hf_tapernorm.app.fingerprints import fingerprint, holds_recorded_contents, visible_identity
+    from hf_tapernorm.app.fingerprints import compared_identity, fingerprint, holds_recorded_contents
 
     model = tmp_path / "model"
     (model / ".git" / "logs").mkdir(parents=True)
@@ -433,11 +461,16 @@ def test_a_models_hidden_folders_are_no_part_of_its_fingerprint(tmp_path):
     older = {**found, ".git/logs/HEAD": "0" * 64, ".cache/huggingface/config.json.metadata": "1" * 64}
     assert holds_recorded_contents(str(model), older)
     saved = {"model_contents": older, "data": {"contents": {"a.txt": "2" * 64, ".git/HEAD": "3" * 64}}}
-    assert visible_identity(saved) == {"model_contents": found, "data": {"contents": {"a.txt": "2" * 64}}}
+    assert compared_identity(saved) == {"model_contents": found, "data": {"contents": {"a.txt": "2" * 64}}}
     hidden_file = tmp_path / ".corpus.txt"  # a dataset file named with a dot is the data itself
     hidden_file.write_text("text\n")
+    (model / "README.md").write_text("# a model card, edited\n")  # documentation beside the model: no part of it
+    (model / "LICENSE.txt").write_text("MIT\n")
+    assert holds_recorded_contents(str(model), found)
+    saved = {"model_contents": {**found, "NOTES.md": "4" * 64}, "data": {"contents": {"README.md": "5" * 64}}}
+    assert compared_identity(saved) == {"model_contents": found, "data": {"contents": {"README.md": "5" * 64}}}
     recorded = {"data": {"contents": fingerprint(str(hidden_file))}}
-    assert visible_identity(recorded) == recorded and list(recorded["data"]["contents"]) == [".corpus.txt"]
+    assert compared_identity(recorded) == recorded and list(recorded["data"]["contents"]) == [".corpus.txt"]
 
 
 @pytest.mark.parametrize("edit", ["delete tapered/", "truncate report.json", "edit tapered/tapernorm_config.json"])

@@ -75,12 +75,30 @@ def visible_contents(contents: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in contents.items() if not any(p.startswith(".") for p in name.split("/")[:-1])}
 
 
-def visible_identity(identity: dict[str, Any]) -> dict[str, Any]:
-    """A run's recorded ``identity`` with its model's and data's contents as visible_contents: a run an older version
-    recorded with its model's ``.git/`` files resumes after a git action there."""
+#: What a model folder carries beside the model (its card, notes, licence, pictures): no load reads it, so adding or
+#: editing one changes neither the model nor a run of it.
+_DOCUMENTATION_SUFFIXES = (".md", ".png", ".jpg", ".jpeg", ".gif", ".svg", ".webp")
+_DOCUMENTATION_STEMS = ("LICENSE", "LICENCE", "NOTICE", "COPYING")
+
+
+def model_files(contents: dict[str, Any]) -> dict[str, Any]:
+    """A model folder's recorded ``contents`` as a run compares them: visible_contents without its documentation (a
+    README.md or NOTES.md added, a model card edited, a licence file)."""
+    return {
+        name: value
+        for name, value in visible_contents(contents).items()
+        if Path(name).suffix.lower() not in _DOCUMENTATION_SUFFIXES
+        and Path(name).stem.upper() not in _DOCUMENTATION_STEMS
+    }
+
+
+def compared_identity(identity: dict[str, Any]) -> dict[str, Any]:
+    """A run's ``identity`` as ``--resume`` compares it: its model's contents as model_files, its data's as
+    visible_contents (a dataset folder's README.md is data). A run an older version recorded with its model's
+    ``.git/`` files resumes after a git action there, and a notes file added beside the model changes no run."""
     identity = {**identity}
     if isinstance(identity.get("model_contents"), dict):
-        identity["model_contents"] = visible_contents(identity["model_contents"])
+        identity["model_contents"] = model_files(identity["model_contents"])
     data = identity.get("data")
     if isinstance(data, dict) and isinstance(data.get("contents"), dict):
         identity["data"] = {**data, "contents": visible_contents(data["contents"])}
@@ -137,9 +155,9 @@ def holds_recorded_contents(path: str, contents: dict[str, Any]) -> bool:
         return False
     if found is None:
         return False
-    contents = visible_contents(contents)
+    contents = model_files(contents)
     recorded = {"model_contents": contents}
-    return with_legacy_fingerprints(recorded, {"model_contents": found})["model_contents"] == contents
+    return with_legacy_fingerprints(recorded, {"model_contents": model_files(found)})["model_contents"] == contents
 
 
 def with_legacy_fingerprints(saved: dict[str, Any], identity: dict[str, Any]) -> dict[str, Any]:
@@ -163,6 +181,7 @@ __all__ = [
     "holds_recorded_contents",
     "holds_recorded_weights",
     "visible_contents",
-    "visible_identity",
+    "compared_identity",
+    "model_files",
     "with_legacy_fingerprints",
 ]

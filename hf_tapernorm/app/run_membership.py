@@ -9,22 +9,13 @@ original model folder given another model since the run recorded it.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
+from ..utils import json_object
 from .checkpoint_files import IDENTITY_NAME, checkpoint_of, unrecorded_checkpoints
 from .fingerprints import holds_recorded_weights
 from .run_folder import RunFolder
-
-
-def json_object(file: Path) -> dict:
-    """The JSON object in ``file``; an empty one where it is missing or unreadable."""
-    try:
-        found = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return {}
-    return found if isinstance(found, dict) else {}
 
 
 def records_same_model(own: dict, identity: object) -> bool:
@@ -91,7 +82,6 @@ def not_the_runs(model: Path) -> Optional[str]:
 __all__ = [
     "checkpoint_of_another_run",
     "holds_the_runs_model",
-    "json_object",
     "not_the_runs",
     "records_same_model",
 ]

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Optional
 
 from ..evaluation.models import TOKENIZER_FILES, ModelSource, ModelSourceError, load_tokenizer, resolve_model
-from ..utils import expand_user
+from ..utils import expand_user, json_object
 from .fingerprints import fingerprint, holds_recorded_contents
 from .run_folder import RunFolder
 from .run_lock import resolved_path
-from .run_membership import json_object, records_same_model
+from .run_membership import records_same_model
 from .training_run import IDENTITY_NAME
 
 logger = logging.getLogger(__name__)

@@ -42,9 +42,16 @@ def recorded_reference(facts: dict[str, Any], run_folder: Path) -> Optional[tupl
             "the baseline that the run in %s recorded %s: the robustness scan compares with %s",
             run_folder,
             f"holds another model now ({baseline}: {_CHANGED})" if baseline_there else f"is not there ({baseline})",
-            f"the original model instead ({original})" if found else "no model of the run (nor is its original there)",
+            f"the original model instead ({original})" if found else _no_original(original, there),
         )
     return (original, "original") if found else None
+
+
+def _no_original(original: Optional[Path], there: bool) -> str:
+    """What a scan without its baseline compares with when the original is no reference either: why not."""
+    if there:
+        return f"no model of the run (its original, {original}, holds another model now: {_CHANGED})"
+    return "no model of the run (nor is its original there)"
 
 
 #: Why a recorded model folder is another model now, and the way to compare with it all the same.

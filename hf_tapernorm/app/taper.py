@@ -57,6 +57,7 @@ from .validation import (
     check_baseline_identity,
     check_lengths_within_positions,
     check_resume_identity,
+    check_resumed_baseline,
     check_schedule,
     check_vocabulary,
     fit_default_schedule,
@@ -128,6 +129,8 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
     if run.resume:
         allowed = {name.strip() for name in (run.allow_changes or "").split(",") if name.strip()}
         allowed_changes = check_resume_identity(output, identity, allowed)
+        if baseline_source is not None:
+            check_resumed_baseline(output, baseline_source)
 
     packed = prepare_run_data(request, tokenizer, config.sink_token_ids)
     check_training_blocks(training_args, len(packed.train))

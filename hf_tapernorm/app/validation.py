@@ -29,12 +29,13 @@ from ..data.sources import EMBEDDED_CORPUS
 from ..errors import ConfigurationError, UnsupportedModelError, first_line
 from ..evaluation.models import ModelSource, ModelSourceError, holds_tokenizer, load_tokenizer, read_model_config
 from ..training.schedule import TaperSchedule, fit_default_window
-from ..utils import expand_user
+from ..utils import expand_user, json_object
 from .data_checks import check_data_paths, check_output_outside_models
-from .fingerprints import fingerprint, visible_identity, with_legacy_fingerprints
+from .fingerprints import compared_identity, fingerprint, with_legacy_fingerprints
 from .record import differences
 from .run_folder import RunFolder
 from .run_folder_hints import refuse_run_folder, taper_hint
+from .run_membership import holds_the_runs_baseline
 
 logger = logging.getLogger(__name__)
 
@@ -400,6 +401,18 @@ def check_baseline_identity(baseline: ModelSource, identity: dict[str, Any]) -> 
         )
 
 
+def check_resumed_baseline(folder: RunFolder, baseline: ModelSource) -> None:
+    """Refuse a ``--resume`` whose ``--baseline_from`` baseline holds other weights or another config.json than the
+    run recorded of it (its report's export.baseline_contents): the resumed run measured the gap against another
+    model and recorded that one as its baseline, without a word. A run that wrote no report yet recorded none."""
+    if not holds_the_runs_baseline(Path(baseline.path), json_object(folder.path / "report.json")):
+        raise ConfigurationError(
+            f"--resume: --baseline_from '{baseline.path}' holds other weights or another config.json than when the run "
+            f"in '{folder.path}' recorded it, so the gap would be measured against another model: restore that "
+            "baseline, or start over with --overwrite"
+        )
+
+
 def _names_of_change(key: str) -> set[str]:
     """The names ``--allow_changes`` may give a changed ``key`` of a run's identity: the key itself, and the option it
     records (``training.max_grad_norm``: max_grad_norm) or, for a file of the model or the data, its name in the
@@ -416,11 +429,16 @@ def check_resume_identity(folder: RunFolder, identity: dict[str, Any], allowed: 
     saved = (folder.manifest() or {}).get("identity")
     if saved is None:
         raise ConfigurationError(f"--resume: '{folder.path}' records no run identity; it cannot be checked, start over")
-    saved, current = _with_loaded_dtype(_with_current_recipe(visible_identity(saved)), identity)
+    saved, current = _with_loaded_dtype(_with_current_recipe(compared_identity(saved)), compared_identity(identity))
     changed = differences(saved, _same_contents_same_name(saved, with_legacy_fingerprints(saved, current)))
-    refused = {k: v for k, v in changed.items() if not allowed & _names_of_change(k)}
+    spellings = allowed | {name.replace("-", "_") for name in allowed}  # --max-grad-norm is a spelling of the flag
+    refused = {k: v for k, v in changed.items() if not spellings & _names_of_change(k)}
     if refused:
         listing = "; ".join(f"{k}: {old!r} in the run, {new!r} now" for k, (old, new) in list(refused.items())[:6])
+        named = set().union(*(_names_of_change(k) for k in changed))
+        unmatched = sorted(name for name in allowed if name not in named and name.replace("-", "_") not in named)
+        if unmatched:  # a path as typed, a group, a misspelt option: say so, not only what differs
+            listing += f" (--allow_changes {','.join(unmatched)} names none of them)"
         precision = refused.get("training.bf16")
         hint = (  # taper chooses bf16 by itself where it is fast: a run of another precision was not asked for
             f" (--bf16 {str(precision[0]).lower()} resumes it in its own precision)"
@@ -448,6 +466,7 @@ __all__ = [
     "TaperRequest",
     "check_baseline_identity",
     "check_resume_identity",
+    "check_resumed_baseline",
     "check_same_tokenizer",
     "check_schedule",
     "check_inputs_outside",

@@ -112,15 +112,21 @@ def main(argv: Optional[Sequence[str]] = None, *, extension: Optional[TaperExten
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _terminate)
-    from .._options_file import file_paths_noted  # with the command: `hf-tapernorm --help` imports no torch
-
     try:
+        from .._options_file import file_paths_noted  # with the command: `hf-tapernorm --help` imports no torch
+
         with file_paths_noted():
             return _run(command, rest, extension, debug)
     except KeyboardInterrupt as interruption:
         terminated = isinstance(interruption, Terminated)
         print(f"hf-tapernorm {command}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
         return 143 if terminated else 130
+    except Exception:
+        ended = main_thread_ended()  # it ended during the command: a first `import torch` fails, as any load does
+        if ended is None or debug:
+            raise
+        print(f"hf-tapernorm {command}: error: {ended}", file=sys.stderr)
+        return 2
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

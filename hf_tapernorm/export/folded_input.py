@@ -9,7 +9,7 @@ imports only torch. ``read_input`` over a ``SinkContract`` is the one reading: t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -22,13 +22,16 @@ class SinkContract:
 
     ``owner`` names the model in messages; ``token_ids`` are the stored sink's tokens (empty: no sink);
     ``max_positions`` is the learned position table's size (0: none); ``has_logits`` says whether the sink's
-    logits are stored (exports of an earlier hf_tapernorm hold its keys/values only).
+    logits are stored (exports of an earlier hf_tapernorm hold its keys/values only); ``embeddings`` (``[n,
+    hidden]``, None where unknown) are the sink tokens' input embeddings, by which ``inputs_embeds`` that start with
+    the sink are told, as ``input_ids`` are by its ids.
     """
 
     owner: str
     token_ids: tuple[int, ...] = ()
     max_positions: int = 0
     has_logits: bool = True
+    embeddings: Optional[torch.Tensor] = field(default=None, compare=False)
 
     @classmethod
     def of(cls, model: nn.Module) -> SinkContract:
@@ -37,7 +40,13 @@ class SinkContract:
         config = model.config
         sink = tuple(getattr(config, "sink_token_ids", None) or ())
         limit = (getattr(config, "sink_max_positions", 0) or 0) if sink else learned_positions(model)
-        return cls(type(model).__name__, sink, int(limit), getattr(model, "sink_logits", None) is not None)
+        embeddings = None
+        if sink:  # the input embedding module's own output (some scale it), as a caller's inputs_embeds hold it
+            table = model.get_input_embeddings()
+            with torch.no_grad():
+                embeddings = table(torch.tensor(sink, device=table.weight.device))
+        stores_logits = getattr(model, "sink_logits", None) is not None
+        return cls(type(model).__name__, sink, int(limit), stores_logits, embeddings)
 
 
 @dataclass
@@ -89,8 +98,9 @@ def read_input(
     (``SinkRestore``: ``folded_sink.finish_sink_call`` puts the sink's stored logits, hidden states and attentions
     back in its columns).
 
-    - A fresh call either starts every row with the sink tokens, as a tokenizer that adds BOS gives them (at each
-      row's first attended column under left padding): those columns are dropped and stand for the stored ones
+    - A fresh call either starts every row with the sink tokens, as a tokenizer that adds BOS gives them, or with
+      their embeddings in ``inputs_embeds``, as the tapered model takes them (at each row's first attended column
+      under left padding): those columns are dropped and stand for the stored ones
       (positions count from the sink, the sink's logits come back from the stored ones; given ``position_ids`` that
       put the sink elsewhere than at 0 are refused: its states are stored as computed there); or it is the text
       alone: positions count from the first text token, and a mask may leave out the sink's columns.
@@ -125,7 +135,7 @@ def read_input(
         order = None
         if columns is not None:
             order, restore = _take_sink_from_input(contract, kwargs, columns)
-            batch, length = kwargs["input_ids"].shape
+            batch, length = _input_of(kwargs).shape[:2]
             if length == 0:  # the model would run on no token: say what to do instead of a reshape error
                 raise ValueError(
                     f"the input is only the stored sink {list(contract.token_ids)}: its logits are stored "
@@ -211,23 +221,36 @@ def _leading_padding(attended: torch.Tensor) -> torch.Tensor:
     return torch.where(attended.any(dim=1), first, torch.full_like(first, attended.shape[1]))
 
 
+def _input_of(kwargs: dict) -> torch.Tensor:
+    """The call's ``input_ids``, else its ``inputs_embeds``."""
+    ids = kwargs.get("input_ids")
+    return ids if ids is not None else kwargs["inputs_embeds"]
+
+
 def _sink_columns(contract: SinkContract, kwargs: dict) -> Optional[torch.Tensor]:
-    """Columns ``[batch, n]`` of a leading sink in ``input_ids`` (at each row's first attended column), else None.
+    """Columns ``[batch, n]`` of a leading sink in ``input_ids`` (at each row's first attended column), or in
+    ``inputs_embeds`` (the sink's own embeddings, exactly, as the tapered model takes them), else None.
 
     A tokenizer that adds BOS puts the sink in the input itself; those tokens are then the stored ones.
     Every row starts with the sink or none does: a batch that mixes both has no single meaning. Text that
     itself starts with the sink id (an EOS sink after a document boundary) is read as starting with the
     sink, as the tapered model reads position 0: pass the sink first to say so without doubt.
     """
-    ids = kwargs.get("input_ids")
-    sink = contract.token_ids
-    if not sink or ids is None or ids.dim() != 2 or ids.shape[1] < len(sink):
+    ids, sink = _input_of(kwargs), contract.token_ids
+    embedded = kwargs.get("input_ids") is None
+    if not sink or ids.dim() != (3 if embedded else 2) or ids.shape[1] < len(sink):
+        return None
+    if embedded and contract.embeddings is None:
         return None
     start = _first_attended(kwargs, ids.shape[1])
     if start is None:
         start = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
     columns = (start[:, None] + torch.arange(len(sink), device=ids.device)).clamp(max=ids.shape[1] - 1)
-    found = ids.gather(1, columns).eq(torch.tensor(sink, device=ids.device)).all(dim=1)
+    if embedded:
+        leading = ids.gather(1, columns[..., None].expand(-1, -1, ids.shape[-1]))
+        found = leading.eq(contract.embeddings.to(ids.device, ids.dtype)).flatten(1).all(dim=1)
+    else:
+        found = ids.gather(1, columns).eq(torch.tensor(sink, device=ids.device)).all(dim=1)
     padding_only = start >= ids.shape[1]  # rows whose text comes in a later call: they start with nothing yet
     found &= ~padding_only
     if not bool(found.any()):
@@ -241,7 +264,8 @@ def _sink_columns(contract: SinkContract, kwargs: dict) -> Optional[torch.Tensor
         )
     if not bool(found.all()):
         raise ValueError(
-            f"{contract.owner}: some rows of input_ids start with the sink token(s) {list(sink)} and others do not; "
+            f"{contract.owner}: some rows of {'inputs_embeds' if embedded else 'input_ids'} start with the sink "
+            f"token(s) {list(sink)} and others do not; "
             "start every row with the sink (unambiguous, also when the sink id occurs in text), or none"
         )
     return columns
@@ -276,8 +300,9 @@ def _take_sink_from_input(
     Returns the caller's column of every cache column (``[batch, n + length]``: the sink's first, then the
     rest) and what the output needs to line up with the input again.
     """
-    ids = kwargs["input_ids"]
-    batch, length = ids.shape
+    key = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
+    ids = kwargs[key]
+    batch, length = ids.shape[:2]
     n = columns.shape[1]
     labels = kwargs.pop("labels", None)
     if labels is not None and not contract.has_logits:
@@ -286,10 +311,10 @@ def _take_sink_from_input(
             "export (from an earlier hf_tapernorm) does not store, so a loss over them cannot be computed; pass the "
             "text and its labels without the sink (tokenizer(..., add_special_tokens=False)) or fold the model again"
         )
-    keep = torch.ones_like(ids, dtype=torch.bool).scatter_(1, columns, False)
+    keep = torch.ones(batch, length, dtype=torch.bool, device=ids.device).scatter_(1, columns, False)
     kept = torch.arange(length, device=ids.device).expand(batch, -1)[keep].view(batch, -1)
     order = torch.cat([columns, kept], dim=1)
-    kwargs["input_ids"] = _drop_columns(ids, keep)
+    kwargs[key] = _drop_columns(ids, keep)
     mask = kwargs.get("attention_mask")
     if mask is not None and mask.dim() == 2 and mask.shape[-1] == length:
         kwargs["attention_mask"] = torch.cat([mask.new_ones(batch, n), _drop_columns(mask, keep)], dim=-1)

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from .._temporaries import is_write_folder, live_write_of, writes_inside
 from ..errors import ConfigurationError
-from ..utils import expand_user, some_names
+from ..utils import expand_user, some_names, true_or_false
 from .manifest import (
     BOOKKEEPING_PREFIX,
     EXPORT_MANIFEST_NAME,
@@ -170,6 +170,9 @@ def push_export(
     ``hf-tapernorm push`` holds it around this call, so a fold or export_folded(overwrite=True) replacing the export
     during the upload is refused; a library caller gets the checks above (a write in progress then is refused) and
     holds the lock itself where a write of the export may race the upload."""
+    for flag in ("private", "create_pr"):  # "no" is true: a private repository made public
+        if options.get(flag) is not None:
+            options[flag] = true_or_false(options[flag], f"push_export: {flag}=")
     folder = expand_user(folder, f"push_export: '{folder}'")
     files = files_to_push(folder, include)
     if before_upload is not None:

@@ -36,7 +36,7 @@ from .._temporaries import (
 )
 from ..config_fields import check_tokenizer_to_save
 from ..errors import ConfigurationError, TaperStateError
-from ..utils import dangling_link, dangling_parent_step, expand_user, file_in_the_way, some_names
+from ..utils import dangling_link, dangling_parent_step, expand_user, file_in_the_way, some_names, true_or_false
 from .manifest import (
     EXPORT_MANIFEST_NAME,
     LOCK_NAME,
@@ -94,7 +94,7 @@ def export_folded(
             "call fold_model(model) after tapering to gate 0"
         )
     check_tokenizer_to_save(tokenizer, "export_folded")
-    overwrite = _overwrite_flag(overwrite)
+    overwrite = true_or_false(overwrite, "export_folded: overwrite=")
     folder = expand_user(save_directory, f"export_folded: save_directory '{save_directory}'")  # "~/out": $HOME/out
     dangling = dangling_parent_step(folder, f"export_folded: save_directory '{save_directory}'")
     if dangling:  # "DIR/nothere/..": creating nothere/ would write into DIR, a folder no check looked at
@@ -113,24 +113,6 @@ def export_folded(
         _write_to(folder, model, tokenizer, replace)
     logger.info("exported %s to %s", type(model).__name__, folder)
     return folder
-
-
-def _overwrite_flag(overwrite: object) -> bool:
-    """``overwrite`` as the bool it is or holds (a numpy bool, a one-element bool tensor or array: ``a > b``),
-    refused in one line otherwise: ``"no"`` is true, and would replace the export it was meant to keep. The
-    refusal names a type by its module too: numpy 2 calls its bool ``bool``, and "must be True or False, got bool"
-    would contradict itself."""
-    if isinstance(overwrite, bool):
-        return overwrite
-    dtype, size = getattr(overwrite, "dtype", None), getattr(overwrite, "size", None)
-    numel = getattr(overwrite, "numel", None)
-    one = numel() == 1 if callable(numel) else size == 1
-    boolean = str(dtype) in ("torch.bool", "bool") and not getattr(overwrite, "is_meta", False)
-    if one and boolean:  # np.bool_, a bool array or tensor of one element
-        return bool(overwrite.item())
-    kind = type(overwrite)
-    name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-    raise ConfigurationError(f"export_folded: overwrite= must be True or False, got {name}")
 
 
 @contextmanager

@@ -62,6 +62,13 @@ def is_headless(model: nn.Module) -> bool:
     return callable(get_head) and get_head() is None
 
 
+def wraps_peft_adapters(model: nn.Module) -> bool:
+    """A PeftModel (told by its attributes, PEFT need not be installed): its own save writes the adapters alone, and
+    its module names are not the base model's, so patching, saving a tapered checkpoint and folding take the base
+    model, merged (``model.merge_and_unload()``)."""
+    return getattr(model, "peft_config", None) is not None and hasattr(model, "merge_and_unload")
+
+
 def _warn_if_headless(model: nn.Module) -> None:
     """Say at the patch, not at the fold or save after training, that a base model cannot be folded or saved."""
     if is_headless(model):
@@ -90,7 +97,7 @@ def plan_patch(model: nn.Module, config: TaperNormConfig) -> list[_Replacement]:
             f"{type(model).__name__} is a folded export ({model_type_of(model)}): its norms are folded away already, "
             "so there is nothing to patch; patch the original model (or load_tapered a tapered checkpoint)"
         )
-    if getattr(model, "peft_config", None) is not None and hasattr(model, "merge_and_unload"):
+    if wraps_peft_adapters(model):
         raise UnsupportedModelError(
             f"{type(model).__name__} wraps the model in PEFT adapters: patch the base model before get_peft_model "
             "(docs/usage.md, LoRA / PEFT), or merge the adapters first: model = model.merge_and_unload()"

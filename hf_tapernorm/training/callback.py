@@ -33,7 +33,7 @@ from ..layers.scale_anchor import scale_anchors
 from ..layers.taper_norm import refuse_replaced_forward, tapered_norms
 from .controller import TaperController, lowest_gate
 from .distributed import refuse_unsupported_sharding, refuse_unsupported_trainer_sharding
-from .divergence import DivergenceThresholds
+from .divergence import DivergenceThresholds, divergence_thresholds
 from .recipe_check import (
     AllowedChanges,
     allowed_changes,
@@ -115,10 +115,7 @@ class TaperCallback(TrainerCallback):
         self.trust_sharded_checkpoint = trust_sharded_checkpoint  # a sharded teacher's index is a pickle
         self.allow_changes = allowed_changes(allow_changes)  # one string is one name, not its letters
         self.allow_incomplete = allow_incomplete
-        if thresholds is None:
-            thresholds = DivergenceThresholds(**({"max_scale_ratio": max_scale_ratio} if max_scale_ratio else {}))
-        elif max_scale_ratio is not None:
-            raise ConfigurationError("pass max_scale_ratio inside thresholds=DivergenceThresholds(...), not both")
+        thresholds = divergence_thresholds(thresholds, max_scale_ratio, "TaperCallback")
         self.thresholds = thresholds
         if taper_start is not None or taper_end is not None:  # checked now, not at the first step
             TaperSchedule(taper_start if taper_start is not None else 0.05, taper_end if taper_end is not None else 0.7)
@@ -133,6 +130,11 @@ class TaperCallback(TrainerCallback):
     def _schedule(self, config: TaperNormConfig, total_steps: int) -> TaperSchedule:
         """The schedule of a run of ``total_steps``: this callback's window, else the config's (at its defaults,
         fitted to a short run as the CLI and TaperController fit it: fit_default_window)."""
+        if total_steps < 2:
+            raise ConfigurationError(
+                f"TaperCallback: the Trainer runs {total_steps} optimizer step (max_steps, or the steps of its "
+                "epochs): a taper needs at least 2, one at g = 1 to calibrate and one at g = 0"
+            )
         start, end = fit_default_window(
             config.taper_start if self.taper_start is None else self.taper_start,
             config.taper_end if self.taper_end is None else self.taper_end,

@@ -11,6 +11,7 @@ no TaperNorm state is silently dropped.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -19,7 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch import nn
-from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PreTrainedConfig
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedConfig
 
 from ..config import (
     CONFIG_NAME,
@@ -31,13 +32,15 @@ from ..config import (
     recorded_config_file,
 )
 from ..config_fields import check_tokenizer_to_save
-from ..errors import ConfigurationError, TaperStateError, UnsupportedModelError
+from ..errors import ConfigurationError, TaperStateError, UnsupportedModelError, first_line
 from ..layers.load_watch import load_watch_of
-from ..layers.patching import is_headless, patch_model, patch_weightless
+from ..layers.patching import is_headless, patch_model, patch_weightless, wraps_peft_adapters
 from ..layers.saving import TAPERED_NOTE_KEY, mark_config_as_tapered
 from ..layers.taper_norm import tapered_norms
 from ..utils import expand_user, load_dtype, refuse_weights_of_another_format
 from .sharded import is_sharded_checkpoint, read_sharded_model_state
+
+logger = logging.getLogger(__name__)
 
 
 def save_tapered(model: nn.Module, folder: Union[str, os.PathLike], tokenizer: Any = None) -> Path:
@@ -53,6 +56,12 @@ def save_tapered(model: nn.Module, folder: Union[str, os.PathLike], tokenizer: A
         raise UnsupportedModelError(
             f"save_tapered: {type(model).__name__} has no LM head, and a tapered checkpoint is of a causal LM (what "
             "load_tapered, fold and eval read); patch the model AutoModelForCausalLM loads"
+        )
+    if wraps_peft_adapters(model):  # PEFT's save would write its adapters, then config.json would be missing
+        raise UnsupportedModelError(
+            f"save_tapered: {type(model).__name__} wraps the model in PEFT adapters, and a tapered checkpoint holds "
+            "the whole model: merge them first, save_tapered(model.merge_and_unload(), ...), or save the adapters "
+            "alone with model.save_pretrained(...)"
         )
     check_tokenizer_to_save(tokenizer, "save_tapered")  # before the model's files, which it would leave alone
     what = "save_tapered: cannot save a tapered checkpoint"
@@ -145,9 +154,11 @@ def load_tapered(
     else:
         state = _read_safetensors(folder)
     config = tapered_model_config(folder)
+    config.use_cache = type(config)().use_cache  # a Trainer's use_cache=False (gradient checkpointing): not the model's
     weights = [t.dtype for t in state.values() if t.is_floating_point() and t.dim() >= 2]
     torch_dtype = dtype if dtype not in (None, "auto") else max(set(weights), key=weights.count)
     model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    _read_generation_config(model, folder)
     patch_model(model, taper_config)
     expected = model.state_dict()
     mismatched = [
@@ -173,6 +184,23 @@ def load_tapered(
     _check_loaded_state(model, folder, state)
     model.tie_weights()
     return model.eval()
+
+
+def _read_generation_config(model: nn.Module, folder: Path) -> None:
+    """The checkpoint's own generation_config.json, as ``from_pretrained`` reads a model's: ``from_config`` derives
+    one from config.json, whose ``use_cache`` a Trainer sets to false, and every export folded from the checkpoint
+    then generated without a KV cache, recomputing the whole sequence at each token. Unreadable, it is derived, as
+    ``from_pretrained`` does, with a WARNING."""
+    if not (folder / "generation_config.json").is_file():
+        return
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    except OSError as error:  # transformers' own reading error of a broken file
+        logger.warning(
+            "%s is unreadable (%s): generating with settings from config.json",
+            folder / "generation_config.json",
+            first_line(error),
+        )
 
 
 def _check_loaded_state(model: nn.Module, folder: Path, state: dict[str, torch.Tensor]) -> None:

@@ -26,7 +26,7 @@ from ..layers.scale_anchor import DEVIATION_SUM, SCALE_SUM, TOKENS, ScaleAnchor,
 from ..layers.taper_norm import tapered_norms
 from ..utils import all_reduce_sum, expand_user
 from .calibration import calibrate, update_statistics
-from .controller_checks import watched_value, whole_step
+from .controller_checks import refuse_norms_in_modules_to_save, watched_value, whole_step
 from .distillation import SHARDED_SNAPSHOT_NAME, SNAPSHOT_NAME, Distillation, frozen_copy
 from .distributed import (
     is_main_process,
@@ -36,7 +36,7 @@ from .distributed import (
     save_sharded_module,
     sharding_engine,
 )
-from .divergence import DivergenceThresholds, DivergenceWatch
+from .divergence import DivergenceThresholds, DivergenceWatch, divergence_thresholds
 from .recipe_check import AllowedChanges, refuse_another_recipe
 from .schedule import TaperSchedule, fit_default_window
 
@@ -82,6 +82,7 @@ class TaperController:
             )
         if not any(True for _ in tapered_norms(model)):
             raise ConfigurationError(f"{type(model).__name__} is patched but nothing tapers: check its TaperNormConfig")
+        refuse_norms_in_modules_to_save(model)
         refuse_unsupported_sharding(model)
         self.config: TaperNormConfig = config_of(model)
         if schedule is None:  # the config's window; one left at its defaults fits a short run, as in the CLI
@@ -91,10 +92,7 @@ class TaperController:
             schedule = schedule.resolve(total_steps)
         elif schedule.total_steps is None:
             raise ConfigurationError("TaperController needs total_steps (or a schedule built with total_steps)")
-        if thresholds is None:
-            thresholds = DivergenceThresholds(**({"max_scale_ratio": max_scale_ratio} if max_scale_ratio else {}))
-        elif max_scale_ratio is not None:
-            raise ConfigurationError("pass max_scale_ratio inside thresholds=DivergenceThresholds(...), not both")
+        thresholds = divergence_thresholds(thresholds, max_scale_ratio, "TaperController")
         self.model = model
         self._sharded = sharding_engine(model) == "fsdp2"
         self.schedule = schedule

@@ -11,8 +11,27 @@ import operator
 from typing import Optional
 
 import torch
+from torch import nn
 
 from ..errors import ConfigurationError
+from ..layers.taper_norm import TaperNorm
+
+
+def refuse_norms_in_modules_to_save(model: nn.Module) -> None:
+    """Refuse a model whose TaperNorm sits in PEFT's ``modules_to_save``: PEFT runs and trains a copy of it, and the
+    original, which the controller calibrates too, never runs, so the taper's first step failed with "no calibration
+    statistics: run training-mode forwards", after the whole warmup and blaming the forwards. Told by the wrapper's
+    attributes (``original_module`` beside a ``modules_to_save`` dict), so PEFT need not be installed."""
+    for name, module in model.named_modules():
+        original, copies = getattr(module, "original_module", None), getattr(module, "modules_to_save", None)
+        if not (isinstance(copies, nn.ModuleDict) and isinstance(original, nn.Module)):
+            continue
+        if any(isinstance(inner, TaperNorm) for inner in original.modules()):
+            raise ConfigurationError(
+                f"{name} is in PEFT's modules_to_save: PEFT trains a copy of its TaperNorm while the original, "
+                "which the taper calibrates, never runs; leave the norms out of modules_to_save and call "
+                "train_tapernorm_parameters(model) after get_peft_model (docs/usage.md, LoRA / PEFT)"
+            )
 
 
 def whole_step(step: object, call: str) -> int:
@@ -106,4 +125,4 @@ def _shown(value: object) -> str:
     return repr(value)
 
 
-__all__ = ["watched_value", "whole_step"]
+__all__ = ["refuse_norms_in_modules_to_save", "watched_value", "whole_step"]

@@ -52,6 +52,25 @@ class DivergenceThresholds:
             )
 
 
+def divergence_thresholds(
+    thresholds: Optional[DivergenceThresholds], max_scale_ratio: Optional[float], who: str
+) -> DivergenceThresholds:
+    """The thresholds ``who`` (TaperCallback, TaperController) watches by: ``thresholds``, else the defaults with
+    ``max_scale_ratio`` (its shortcut). Checked when ``who`` is built: a dict of the same fields was taken as given
+    and failed at the first watched step with an AttributeError that named no option."""
+    if thresholds is None:
+        return DivergenceThresholds(**({"max_scale_ratio": max_scale_ratio} if max_scale_ratio else {}))
+    if not isinstance(thresholds, DivergenceThresholds):
+        shown = f"a {type(thresholds).__name__}"
+        raise ConfigurationError(
+            f"{who}: thresholds must be a DivergenceThresholds, got {shown}"
+            + (f": write DivergenceThresholds(**{thresholds!r})" if isinstance(thresholds, dict) else "")
+        )
+    if max_scale_ratio is not None:
+        raise ConfigurationError("pass max_scale_ratio inside thresholds=DivergenceThresholds(...), not both")
+    return thresholds
+
+
 @dataclass
 class SpikeDetector:
     """Consecutive-spike counter of one signal against the running median of its ordinary values."""
@@ -118,4 +137,4 @@ class DivergenceWatch:
             raise TaperDivergenceError(f"training diverged {where}: {'; '.join(reasons)}. {culprit}".rstrip())
 
 
-__all__ = ["DivergenceThresholds", "DivergenceWatch", "SpikeDetector"]
+__all__ = ["DivergenceThresholds", "DivergenceWatch", "SpikeDetector", "divergence_thresholds"]

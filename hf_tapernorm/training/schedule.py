@@ -134,6 +134,11 @@ def fit_default_window(
     from the same value given, and moving 5% of a 10-step run to step 1 is what either asks for.
     """
     _check_total_steps(total_steps)
+    if total_steps < 2:  # TaperSchedule would blame the window fitted to it, which the caller may never have set
+        raise ConfigurationError(
+            f"a taper needs a run of at least 2 optimizer steps (one at g = 1 to calibrate, one at g = 0), got "
+            f"total_steps={total_steps}"
+        )
     start_set = taper_start != CONTINUED_PRETRAINING[0] if start_set is None else start_set
     end_set = taper_end != CONTINUED_PRETRAINING[1] if end_set is None else end_set
     k_start, k_end = TaperSchedule(taper_start, taper_end).steps_for(total_steps)

@@ -391,6 +391,13 @@ def test_a_model_safetensors_added_beside_a_sharded_originals_shards_is_another_
     assert not holds_recorded_weights(str(original), recorded)
 
 
+def _scanned_against(argv: list[str], result: Path) -> str | None:
+    """Run eval ``argv`` (which writes ``result``): the model its robustness scan compared with, None without a scan."""
+    code, _, stderr = run_main(argv)
+    assert code == 0, stderr[-2000:]
+    return json.loads(result.read_text()).get("robustness_scan", {}).get("reference")
+
+
 def test_a_runs_original_given_another_model_since_or_gone_is_not_its_scans_reference(
     ws, baseline_run, tmp_path, caplog
 ):
@@ -408,22 +415,18 @@ def test_a_runs_original_given_another_model_since_or_gone_is_not_its_scans_refe
     caplog.set_level(logging.WARNING, logger="hf_tapernorm")
     result = tmp_path / "result.json"
     argv = evaluate(run / "folded", "--scan_windows", "2", "--output_json", str(result), data=ws / "corpus.txt")
-    assert run_main(argv)[0] == 0
-    assert json.loads(result.read_text())["robustness_scan"]["reference"] == str(original)
+    assert _scanned_against(argv, result) == str(original)
     (original / "NOTES.md").write_text("my notes\n")  # beside the same weights: the same model
     edit_json(original / "tokenizer_config.json", local_files_only=True)  # as a re-save through transformers adds
     (original / ".git").mkdir()  # a cloned repository's bookkeeping
     (original / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
-    assert run_main(argv)[0] == 0
-    assert json.loads(result.read_text())["robustness_scan"]["reference"] == str(original)
+    assert _scanned_against(argv, result) == str(original)
     (original / "pytorch_model.bin").write_bytes(b"a copy transformers does not load beside safetensors")
     (original / "consolidated.safetensors").write_bytes(b"another layout's copy, not loaded either")
-    assert run_main(argv)[0] == 0
-    assert json.loads(result.read_text())["robustness_scan"]["reference"] == str(original)
+    assert _scanned_against(argv, result) == str(original)
     assert "the original model" not in caplog.text
     save_tiny_model(original, "llama", seed=1)  # other weights saved over it
-    assert run_main(argv)[0] == 0
-    assert "robustness_scan" not in json.loads(result.read_text())
+    assert _scanned_against(argv, result) is None
     assert (
         f"the original model that the run in {run} recorded holds another model now ({original}: its weights or "
         "config.json changed since the run recorded them; a re-save by another transformers version counts too; "
@@ -432,11 +435,10 @@ def test_a_runs_original_given_another_model_since_or_gone_is_not_its_scans_refe
     assert "is not in a run folder" not in caplog.text  # said once, why
     shutil.rmtree(original)
     shutil.copytree(ws / "llama", original)
-    assert run_main(argv)[0] == 0 and "robustness_scan" in json.loads(result.read_text())  # the same model again
+    assert _scanned_against(argv, result) == str(original)  # the same model again
     edit_json(original / "config.json", hidden_act="relu")  # the same weights computing another function
     caplog.clear()
-    assert run_main(argv)[0] == 0
-    assert "robustness_scan" not in json.loads(result.read_text())
+    assert _scanned_against(argv, result) is None
     assert "holds another model now" in caplog.text
     shutil.rmtree(original)
     caplog.clear()
@@ -481,16 +483,13 @@ def test_a_runs_baseline_given_another_model_since_is_not_its_scans_reference(ws
     caplog.set_level(logging.WARNING, logger="hf_tapernorm")
     result = tmp_path / "result.json"
     argv = evaluate(run / "folded", "--scan_windows", "2", "--output_json", str(result), data=ws / "corpus.txt")
-    assert run_main(argv)[0] == 0
-    assert json.loads(result.read_text())["robustness_scan"]["reference"] == str(baseline)
+    assert _scanned_against(argv, result) == str(baseline)
     (baseline / "NOTES.md").write_text("my notes\n")  # beside the same weights: the same model
     edit_json(baseline / "tokenizer_config.json", local_files_only=True)
-    assert run_main(argv)[0] == 0
-    assert json.loads(result.read_text())["robustness_scan"]["reference"] == str(baseline)
+    assert _scanned_against(argv, result) == str(baseline)
     assert "the baseline" not in caplog.text
     save_tiny_model(baseline, "llama", seed=1)  # other weights saved over it, as a fine-tune in place would
-    assert run_main(argv)[0] == 0
-    assert json.loads(result.read_text())["robustness_scan"]["reference"] == str(ws / "llama")
+    assert _scanned_against(argv, result) == str(ws / "llama")
     assert (
         f"the baseline that the run in {run} recorded holds another model now ({baseline}: its weights or config.json "
         "changed since the run recorded them; a re-save by another transformers version counts too; --scan_reference "
@@ -501,8 +500,7 @@ def test_a_runs_baseline_given_another_model_since_is_not_its_scans_reference(ws
     edit_json(run / "report.json", model={**recorded_model, "source": str(original)})
     edit_json(original / "config.json", rms_norm_eps=1e-3)
     caplog.clear()
-    assert run_main(argv)[0] == 0
-    assert "robustness_scan" not in json.loads(result.read_text())
+    assert _scanned_against(argv, result) is None
     assert (
         f"the robustness scan compares with no model of the run (its original, {original}, holds another model now: "
         "its weights or config.json changed since the run recorded them;"

@@ -998,3 +998,35 @@ def test_a_trainer_of_one_step_is_refused_naming_its_steps(tmp_path):
     assert str(refused.value) == (
         "a taper needs a run of at least 2 optimizer steps (one at g = 1 to calibrate, one at g = 0), got total_steps=1"
     )
+
+
+def test_controller_and_callback_arguments_of_the_wrong_kind_are_one_line():
+    """TaperController(model, {"k_start": 2, "k_end": 4}) failed with "'dict' object has no attribute 'resolve'" and
+    TaperController(None) with an AttributeError of its own; distillation="no" or 0 built a teacher and trained with
+    it; max_scale_ratio=0 became the default 100; allow_incomplete="no" allowed an incomplete taper. Each is refused
+    in one line naming the argument."""
+    model = patch_model(build(tiny_llama_config(), seed=0), TaperNormConfig.paper())
+    cases = [
+        (lambda: TaperController(model, {"k_start": 2, "k_end": 4}, total_steps=20),
+         "TaperController: schedule must be a TaperSchedule, got a dict: write TaperSchedule(**{'k_start': 2, "
+         "'k_end': 4})"),
+        (lambda: TaperController(model, (2, 4), total_steps=20),
+         "TaperController: schedule must be a TaperSchedule, got a tuple: write TaperSchedule(*(2, 4))"),
+        (lambda: TaperController(None, total_steps=20),
+         "TaperController: model must be a model patched with patch_model, got None"),
+        (lambda: TaperController(model, total_steps=20, distillation="no"),
+         "TaperController: distillation must be True or False (the config's teacher, or none) or a Distillation, "
+         "got 'no'"),
+        (lambda: TaperController(model, total_steps=20, max_scale_ratio=0),
+         "DivergenceThresholds.max_scale_ratio must be > 1, got 0"),
+        (lambda: TaperCallback(max_scale_ratio=0), "DivergenceThresholds.max_scale_ratio must be > 1, got 0"),
+        (lambda: TaperCallback(1, 7, allow_incomplete="no"),
+         "TaperCallback: allow_incomplete= must be True or False, got str"),
+        (lambda: TaperSchedule(2, 7, total_steps=6, allow_incomplete="no"),
+         "TaperSchedule.allow_incomplete must be True or False, got str"),
+    ]  # fmt: skip
+    for build_it, message in cases:
+        with pytest.raises(ConfigurationError) as refused:
+            build_it()
+        assert str(refused.value) == message
+    assert TaperController(model, total_steps=20, distillation=False).distillation is None

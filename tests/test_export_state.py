@@ -126,6 +126,19 @@ def test_batched_generation_with_left_padding_and_an_attention_mask(pair):
 
 
 @torch.no_grad()
+def test_generate_from_inputs_embeds_with_or_without_the_sinks_embeddings(pair):
+    """generate(inputs_embeds=...) was refused by transformers ("doesn't have its forwarding implemented"): the
+    export's prepare_inputs_for_generation did not name inputs_embeds. It generates as the tapered model does."""
+    model, folded, _ = pair
+    options = dict(max_new_tokens=2, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    reference = model.generate(with_sink(TEXT), **options)
+    for ids in (with_sink(TEXT), TEXT):
+        out = folded.generate(inputs_embeds=folded.get_input_embeddings()(ids), **options)
+        assert torch.equal(out.sequences[:, -2:], reference.sequences[:, -2:])
+        assert relative(torch.stack(out.logits), torch.stack(reference.logits)) <= TOLERANCE
+
+
+@torch.no_grad()
 def test_position_ids_logits_to_keep_inputs_embeds_and_return_dict_false(pair):
     _, folded, expected = pair
     text = expected[:, 1:]

@@ -121,6 +121,9 @@ def test_unmerged_peft_models_are_refused_with_merge_and_unload(ws, tmp_path):
     wrapped = peft.get_peft_model(model, peft.LoraConfig(target_modules=["q_proj"], r=2))
     with pytest.raises(UnsupportedModelError, match=r"merge_and_unload\(\)"):
         patch_model(wrapped, TaperNormConfig(sink_token_ids=[]))
+    # without a config the recipe was derived first, and the refusal blamed the architecture ("no decoder-layer list")
+    with pytest.raises(UnsupportedModelError, match=r"^PeftModel wraps the model in PEFT adapters: patch the base"):
+        patch_model(wrapped)
     wrapped.save_pretrained(tmp_path / "adapter")
     with pytest.raises(ModelSourceError, match="PEFT adapters.*merge_and_unload"):
         resolve_model(str(tmp_path / "adapter"))
@@ -141,6 +144,8 @@ def test_unmerged_peft_models_are_refused_with_merge_and_unload(ws, tmp_path):
         "model.save_pretrained(...)"
     )
     assert not (tmp_path / "tapered").exists()
+    with pytest.raises(ConfigurationError, match=r"^save_tapered: an empty path names no folder"):
+        save_tapered(patched, "")  # the working folder, among whatever it holds
 
 
 def test_a_tapernorm_in_modules_to_save_is_refused_before_the_first_step(tmp_path):

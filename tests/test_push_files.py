@@ -69,7 +69,9 @@ def test_push_export_reads_a_home_path_as_the_home_folder(run, tmp_path, hub, mo
 def test_push_export_takes_private_and_create_pr_as_true_or_false(run, hub):
     """push_export(..., private="no") passed the text to create_repo unchecked ("no" is true to Python, and what the
     Hub makes of a text is not ours to guess), then uploaded. A flag that is no bool is refused before anything is
-    created, as export_folded's overwrite= is; a numpy or one-element torch bool is its value."""
+    created, as export_folded's overwrite= is; a numpy or one-element torch bool is its value. Without private=,
+    the repository was left to the Hub's default (public for a user) where `hf-tapernorm push` makes it private; it
+    is private."""
     import numpy
     import torch
 
@@ -83,6 +85,8 @@ def test_push_export_takes_private_and_create_pr_as_true_or_false(run, hub):
     push_export(run / "folded", "me/flags", private=numpy.bool_(False), create_pr=torch.tensor(True))
     assert hub.created == [("me/flags", {"private": False, "exist_ok": True, "repo_type": "model"})]
     assert hub.uploads[0]["create_pr"] is True
+    push_export(run / "folded", "me/default")
+    assert hub.created[-1] == ("me/default", {"private": True, "exist_ok": True, "repo_type": "model"})
 
 
 def test_push_include_names_a_file_literally_and_star_means_everything(run, tmp_path, hub):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -120,10 +121,47 @@ def test_resume_refuses_a_baseline_from_given_other_weights_since(ws, baseline_r
     before = _files(tmp_path / "run")
     assert error_of([*argv, "--resume"]) == (
         f"hf-tapernorm taper: error: --resume: --baseline_from '{baseline_copy / 'baseline' / 'model'}' holds other "
-        f"weights or another config.json than when the run in '{tmp_path / 'run'}' recorded it, so the gap would be "
-        "measured against another model: restore that baseline, or start over with --overwrite"
+        f"weight files or another config.json than when the run in '{tmp_path / 'run'}' recorded it, so the gap would "
+        "be measured against another model: restore that baseline, or start over with --overwrite"
     )
     assert _files(tmp_path / "run") == before
+
+
+def test_baseline_from_takes_a_model_folder_given_notes_since(ws, baseline_run, tmp_path):
+    """A README.md added to the model folder after the --baseline run refused --baseline_from ("model_contents.
+    README.md: None there, ... now"), though --resume leaves a model folder's notes, card and licence out of what it
+    compares; so does --baseline_from now."""
+    model = Path(shutil.copytree(ws / "llama", tmp_path / "llama"))
+    argv = taper(ws, tmp_path / "base", "--baseline", model=str(model))
+    assert run_main(argv)[0] == 0
+    (model / "README.md").write_text("# my model\n")
+    (model / "LICENSE").write_text("MIT\n")
+    argv = taper(ws, tmp_path / "named", "--baseline_from", str(tmp_path / "base"), model=str(model))
+    code, _, stderr = run_main(argv)
+    assert code == 0, stderr
+
+
+def test_resume_compares_a_dataset_folders_data_files_not_its_notes(ws, tmp_path, caplog):
+    """A run on a folder of JSON Lines refused --resume after a notes.md was added beside them
+    ("data.contents.notes.md: None in the run, ... now"), though a folder of tables reads no .md file as data. The
+    files read as data are compared; a new data file still refuses. A misspelt --allow_changes name that allowed
+    nothing on a resume that went ahead was not said."""
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [json.dumps({"text": text}) for text in corpus_documents(150)]
+    (data / "train.jsonl").write_text("\n".join(rows) + "\n")
+    argv = taper(ws, tmp_path / "run", data=str(data))
+    assert run_main(argv)[0] == 0
+    (data / "notes.md").write_text("where these rows came from\n")
+    caplog.set_level(logging.WARNING, logger="hf_tapernorm")
+    code, _, stderr = run_main([*argv, "--resume", "--allow_changes", "max_grad_nrom"])
+    assert code == 0, stderr
+    assert (
+        "--allow_changes max_grad_nrom: names nothing --resume compares (the options that shape the result, the "
+        "model's and the data's files), so it allowed nothing"
+    ) in caplog.text
+    (data / "more.jsonl").write_text(rows[0] + "\n")
+    assert "data.contents.more.jsonl: None in the run" in error_of([*argv, "--resume"])
 
 
 def test_a_run_killed_during_its_export_can_be_overwritten(workspace, reference, tmp_path):

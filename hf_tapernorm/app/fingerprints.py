@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+from ..data.local_folders import data_file_names
 from ..utils import expand_user
 
 #: The weight files of a model folder (or a GGUF file): identified by size and sampled chunks; with config.json,
@@ -90,6 +91,22 @@ def model_files(contents: dict[str, Any]) -> dict[str, Any]:
         if Path(name).suffix.lower() not in _DOCUMENTATION_SUFFIXES
         and Path(name).stem.upper() not in _DOCUMENTATION_STEMS
     }
+
+
+def with_data_as_read(saved: dict[str, Any], current: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Two identities (compared_identity's) with a dataset folder's contents cut to the files read as data
+    (data_file_names, of the names either records): a notes.md added beside JSON Lines changes no data. A dataset
+    that is one file is its own contents, whatever its name."""
+    old, new = saved.get("data"), current.get("data")
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return saved, current
+    contents = [part.get("contents") for part in (old, new)]
+    folder = expand_user(str(new.get("dataset") or ""), strict=False)
+    if not all(isinstance(c, dict) for c in contents) or not folder.is_dir():
+        return saved, current
+    read = data_file_names(set(contents[0]) | set(contents[1]))
+    cut = [{**part, "contents": {k: v for k, v in c.items() if k in read}} for part, c in zip((old, new), contents)]
+    return {**saved, "data": cut[0]}, {**current, "data": cut[1]}
 
 
 def compared_identity(identity: dict[str, Any]) -> dict[str, Any]:
@@ -182,6 +199,7 @@ __all__ = [
     "holds_recorded_weights",
     "visible_contents",
     "compared_identity",
+    "with_data_as_read",
     "model_files",
     "with_legacy_fingerprints",
 ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from ..errors import ConfigurationError
 from ..utils import json_object
 from .checkpoint_files import IDENTITY_NAME, checkpoint_of, unrecorded_checkpoints
 from .fingerprints import holds_recorded_weights
@@ -52,6 +53,19 @@ def holds_the_runs_baseline(baseline: Path, facts: dict) -> bool:
     return not isinstance(contents, dict) or holds_recorded_weights(str(baseline), contents)
 
 
+def check_resumed_baseline(folder: Path, baseline: Path) -> None:
+    """Refuse a ``--resume`` of the run in ``folder`` whose ``--baseline_from`` ``baseline`` holds other weight files
+    or another config.json than the run recorded of it (its report's export.baseline_contents): the resumed run
+    measured the gap against another model and recorded that one as its baseline, without a word. A run that wrote
+    no report yet recorded none."""
+    if not holds_the_runs_baseline(baseline, json_object(folder / "report.json")):
+        raise ConfigurationError(
+            f"--resume: --baseline_from '{baseline}' holds other weight files or another config.json than when the "
+            f"run in '{folder}' recorded it, so the gap would be measured against another model: restore that "
+            "baseline, or start over with --overwrite"
+        )
+
+
 def _unrecorded_checkpoint(model: Path, entries: list[str]) -> bool:
     """Whether ``model`` is a complete checkpoint (its run record written last) the run folder counts as its own
     though its manifest does not list it yet (a kill between its save and the record): checkpoint_files'
@@ -80,6 +94,7 @@ def not_the_runs(model: Path) -> Optional[str]:
 
 
 __all__ = [
+    "check_resumed_baseline",
     "checkpoint_of_another_run",
     "holds_the_runs_model",
     "not_the_runs",

@@ -49,6 +49,7 @@ from .preflight import check_disk_space, check_trainer_options, check_training_b
 from .record import RunRecord, far_worse_warning, global_batch_blocks, new_run_record, precision_line
 from .report import PLOTS, summary_lines, write_report
 from .run_folder import RunFolder, inside_folder, write_file
+from .run_membership import check_resumed_baseline
 from .run_preparation import check_run_folder, finished_run, prepare_run_folder
 from .showcase import greedy_continuations, ops_per_generated_token
 from .training_run import LOG_KEYS, LOSS_TERM_KEYS, RecordCallback, resume_advice, train
@@ -57,7 +58,6 @@ from .validation import (
     check_baseline_identity,
     check_lengths_within_positions,
     check_resume_identity,
-    check_resumed_baseline,
     check_schedule,
     check_vocabulary,
     fit_default_schedule,
@@ -130,7 +130,7 @@ def _run_locked(request: TaperRequest, output: RunFolder, extension: TaperExtens
         allowed = {name.strip() for name in (run.allow_changes or "").split(",") if name.strip()}
         allowed_changes = check_resume_identity(output, identity, allowed)
         if baseline_source is not None:
-            check_resumed_baseline(output, baseline_source)
+            check_resumed_baseline(output.path, Path(baseline_source.path))
 
     packed = prepare_run_data(request, tokenizer, config.sink_token_ids)
     check_training_blocks(training_args, len(packed.train))

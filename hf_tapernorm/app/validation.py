@@ -29,13 +29,12 @@ from ..data.sources import EMBEDDED_CORPUS
 from ..errors import ConfigurationError, UnsupportedModelError, first_line
 from ..evaluation.models import ModelSource, ModelSourceError, holds_tokenizer, load_tokenizer, read_model_config
 from ..training.schedule import TaperSchedule, fit_default_window
-from ..utils import expand_user, json_object
+from ..utils import expand_user
 from .data_checks import check_data_paths, check_output_outside_models
-from .fingerprints import compared_identity, fingerprint, with_legacy_fingerprints
+from .fingerprints import compared_identity, fingerprint, with_data_as_read, with_legacy_fingerprints
 from .record import differences
 from .run_folder import RunFolder
 from .run_folder_hints import refuse_run_folder, taper_hint
-from .run_membership import holds_the_runs_baseline
 
 logger = logging.getLogger(__name__)
 
@@ -390,7 +389,8 @@ def check_baseline_identity(baseline: ModelSource, identity: dict[str, Any]) -> 
         )
         return
     taper = (_with_current_recipe(saved).get("taper") or {}, identity.get("taper") or {})
-    saved, current = _with_loaded_dtype(*({k: v.get(k) for k in BASELINE_IDENTITY} for v in (saved, identity)))
+    compared = (compared_identity(saved), compared_identity(identity))  # a README.md added changes no model
+    saved, current = _with_loaded_dtype(*({k: v.get(k) for k in BASELINE_IDENTITY} for v in compared))
     changed = differences(saved, _same_contents_same_name(saved, current))
     if changed:
         listing = "; ".join(_baseline_difference(k, old, new, *taper) for k, (old, new) in list(changed.items())[:6])
@@ -401,16 +401,12 @@ def check_baseline_identity(baseline: ModelSource, identity: dict[str, Any]) -> 
         )
 
 
-def check_resumed_baseline(folder: RunFolder, baseline: ModelSource) -> None:
-    """Refuse a ``--resume`` whose ``--baseline_from`` baseline holds other weights or another config.json than the
-    run recorded of it (its report's export.baseline_contents): the resumed run measured the gap against another
-    model and recorded that one as its baseline, without a word. A run that wrote no report yet recorded none."""
-    if not holds_the_runs_baseline(Path(baseline.path), json_object(folder.path / "report.json")):
-        raise ConfigurationError(
-            f"--resume: --baseline_from '{baseline.path}' holds other weights or another config.json than when the run "
-            f"in '{folder.path}' recorded it, so the gap would be measured against another model: restore that "
-            "baseline, or start over with --overwrite"
-        )
+def _leaf_keys(values: dict[str, Any], prefix: str = "") -> set[str]:
+    """The dotted keys of every value of an identity, as ``differences`` names them."""
+    keys = set()
+    for key, value in values.items():
+        keys |= _leaf_keys(value, f"{prefix}{key}.") if isinstance(value, dict) and value else {f"{prefix}{key}"}
+    return keys
 
 
 def _names_of_change(key: str) -> set[str]:
@@ -429,7 +425,8 @@ def check_resume_identity(folder: RunFolder, identity: dict[str, Any], allowed: 
     saved = (folder.manifest() or {}).get("identity")
     if saved is None:
         raise ConfigurationError(f"--resume: '{folder.path}' records no run identity; it cannot be checked, start over")
-    saved, current = _with_loaded_dtype(_with_current_recipe(compared_identity(saved)), compared_identity(identity))
+    saved, current = with_data_as_read(compared_identity(saved), compared_identity(identity))
+    saved, current = _with_loaded_dtype(_with_current_recipe(saved), current)
     changed = differences(saved, _same_contents_same_name(saved, with_legacy_fingerprints(saved, current)))
     spellings = allowed | {name.replace("-", "_") for name in allowed}  # --max-grad-norm is a spelling of the flag
     refused = {k: v for k, v in changed.items() if not spellings & _names_of_change(k)}
@@ -449,6 +446,14 @@ def check_resume_identity(folder: RunFolder, identity: dict[str, Any], allowed: 
             f"--resume: these options differ from the run in '{folder.path}': {listing}. Rerun with the original "
             f"options{hint}, or name the ones to change with --allow_changes"
         )
+    known = set().union(*(_names_of_change(k) for k in _leaf_keys(saved) | _leaf_keys(current)))
+    unknown = sorted(name for name in allowed if not {name, name.replace("-", "_")} & known)
+    if unknown:  # a misspelt name allowed nothing: said, as the refusal says it
+        logger.warning(
+            "--allow_changes %s: names nothing --resume compares (the options that shape the result, the model's "
+            "and the data's files), so it allowed nothing",
+            ",".join(unknown),
+        )
     ignored = sorted(k for k in changed if k.startswith("training.") and k.rsplit(".", 1)[-1] in IGNORED_ON_RESUME)
     if ignored:
         raise ConfigurationError(
@@ -466,7 +471,6 @@ __all__ = [
     "TaperRequest",
     "check_baseline_identity",
     "check_resume_identity",
-    "check_resumed_baseline",
     "check_same_tokenizer",
     "check_schedule",
     "check_inputs_outside",

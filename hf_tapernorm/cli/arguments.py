@@ -159,7 +159,8 @@ class DataArguments:
         default=16,
         metadata=option_help(
             "Robustness scan: windows per evaluation text at the block size, drawn at any token offset; as many "
-            "tokens again at 2x, 4x and 8x the block size (0: no scan). A window is broken when a stretch of "
+            "tokens again at 2x, 4x and 8x the block size, and at least 2 windows at each length (0: no scan). A "
+            "window is broken when a stretch of "
             "block_size tokens loses more than 2 nats per token against the reference model."
         ),
     )

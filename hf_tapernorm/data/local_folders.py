@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
+from collections.abc import Iterable
+from pathlib import Path, PurePosixPath
 from typing import Optional, Union
 
 import datasets
@@ -63,6 +64,19 @@ def warn_once(key: tuple, message: str) -> None:
 def split_names(split: str) -> list[str]:
     """The splits a split expression reads: ``train[:10%]+validation`` reads train and validation."""
     return [part.split("[", 1)[0].strip() for part in split.split("+")]
+
+
+def data_file_names(names: Iterable[str]) -> set[str]:
+    """Of the relative file ``names`` of a dataset folder, those folder_splits may read as data: a builder's suffix,
+    not a name ``datasets`` ignores, and no ``.md`` beside tables (notes and the card). What a run compares of its
+    dataset folder on --resume: a notes file added beside the data changes no data. (A text folder's README.md is
+    kept, though a card with YAML front matter is not read: which it is can change with an edit.)"""
+    ignored = set(FILES_TO_IGNORE) - {datasets.config.REPOCARD_FILENAME}
+    data = {name for name in names if PurePosixPath(name).suffix.lower() in BUILDERS}
+    data = {name for name in data if PurePosixPath(name).name not in ignored}
+    if any(BUILDERS[PurePosixPath(name).suffix.lower()] != "text" for name in data):
+        data = {name for name in data if PurePosixPath(name).suffix.lower() != ".md"}
+    return data
 
 
 def folder_splits(

@@ -15,7 +15,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path, PurePosixPath
-from typing import Any, Optional
+from typing import Optional
 
 from .._temporaries import is_write_folder, live_write_of, writes_inside
 from ..errors import ConfigurationError
@@ -157,9 +157,18 @@ def push_export(
     *,
     include: Sequence[str] = (),
     before_upload: Optional[Callable[[list[str]], None]] = None,
-    **options: Any,
+    private: bool = True,
+    token: Optional[str | bool] = None,
+    revision: Optional[str] = None,
+    commit_message: Optional[str] = None,
+    commit_description: Optional[str] = None,
+    create_pr: bool = False,
 ):
     """Upload the files of a folded export (``files_to_push``: its manifest, plus ``include``) to ``repo_id``.
+
+    A repository it creates is private unless ``private=False``, as ``hf-tapernorm push`` makes it unless
+    ``--no_private`` (the Hub's own default for a user is public); ``token``, ``revision``, ``commit_message``,
+    ``commit_description`` and ``create_pr`` are ``huggingface_hub.HfApi.upload_folder``'s.
 
     ``before_upload`` receives those files once the folder has passed every check, before anything is sent (the
     command line says there what the export's scan found). A ``repo_id`` without an owner (``name``) is the
@@ -170,9 +179,8 @@ def push_export(
     ``hf-tapernorm push`` holds it around this call, so a fold or export_folded(overwrite=True) replacing the export
     during the upload is refused; a library caller gets the checks above (a write in progress then is refused) and
     holds the lock itself where a write of the export may race the upload."""
-    for flag in ("private", "create_pr"):  # "no" is true: a private repository made public
-        if options.get(flag) is not None:
-            options[flag] = true_or_false(options[flag], f"push_export: {flag}=")
+    private = true_or_false(private, "push_export: private=")  # "no" is true: a private repository made public
+    create_pr = true_or_false(create_pr, "push_export: create_pr=")
     folder = expand_user(folder, f"push_export: '{folder}'")
     files = files_to_push(folder, include)
     if before_upload is not None:
@@ -180,7 +188,7 @@ def push_export(
     if "/" not in repo_id:
         from huggingface_hub import HfApi
 
-        owner = HfApi(token=options.get("token")).whoami()["name"]
+        owner = HfApi(token=token).whoami()["name"]
         logger.info(
             "repo id %s names no owner: the Hub puts it under the token's user, as %s/%s", repo_id, owner, repo_id
         )
@@ -194,7 +202,9 @@ def push_export(
         ", ".join(files),
         f"; not written by the export, named by --include: {', '.join(added)}" if added else "",
     )
-    return upload_export(folder, repo_id, allow_patterns=[glob_escape(name) for name in files], **options)
+    options = dict(token=token, private=private, revision=revision, create_pr=create_pr)
+    texts = dict(commit_message=commit_message, commit_description=commit_description)
+    return upload_export(folder, repo_id, allow_patterns=[glob_escape(name) for name in files], **options, **texts)
 
 
 def glob_escape(name: str) -> str:

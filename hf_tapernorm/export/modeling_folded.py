@@ -181,12 +181,16 @@ class FoldedModelMixin:
             for module in attention_modules(self):  # under gradient checkpointing: folded_sink.SinkPrefixCache
                 module.register_forward_pre_hook(give_back_sink_cache, with_kwargs=True)
 
-    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args: Any, **kwargs: Any) -> dict:
+    def prepare_inputs_for_generation(
+        self, input_ids: torch.LongTensor, *args: Any, inputs_embeds: Optional[torch.Tensor] = None, **kwargs: Any
+    ) -> dict:
         """transformers' own, counting a continued sink cache without its stored sink.
 
         ``generate(ids, cache=previous)`` slices off the tokens the cache already holds, ``len(ids)`` minus the
         cache's length; a cache this model started without the sink in the input holds the sink too, so the
         slice would drop the last generated token(s). Decode steps (one new token) are left as they are.
+        ``inputs_embeds`` is named so that ``generate(inputs_embeds=...)`` sees it is forwarded (transformers
+        refuses a model whose signature lacks it), as the base model's own does.
         """
         cache = kwargs.get("cache")
         length = kwargs.get("next_sequence_length")
@@ -194,7 +198,7 @@ class FoldedModelMixin:
         restarted = restarted and getattr(getattr(cache, "sink_state", None), "in_input", True) is False
         if self.config.sink_token_ids and restarted and length == input_ids.shape[1] - cache.get_seq_length():
             kwargs["next_sequence_length"] = length + self.sink_keys.shape[2]
-        return super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        return super().prepare_inputs_for_generation(input_ids, *args, inputs_embeds=inputs_embeds, **kwargs)
 
     def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> nn.Embedding:
         """``PreTrainedModel.resize_token_embeddings``, with the stored sink logits resized to the new vocabulary.

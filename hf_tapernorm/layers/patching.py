@@ -69,6 +69,16 @@ def wraps_peft_adapters(model: nn.Module) -> bool:
     return getattr(model, "peft_config", None) is not None and hasattr(model, "merge_and_unload")
 
 
+def _refuse_peft_adapters(model: nn.Module) -> None:
+    """A PeftModel is patched neither directly (its module names are not the base model's) nor after get_peft_model:
+    said before its recipe is derived, which would blame the architecture."""
+    if wraps_peft_adapters(model):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} wraps the model in PEFT adapters: patch the base model before get_peft_model "
+            "(docs/usage.md, LoRA / PEFT), or merge the adapters first: model = model.merge_and_unload()"
+        )
+
+
 def _warn_if_headless(model: nn.Module) -> None:
     """Say at the patch, not at the fold or save after training, that a base model cannot be folded or saved."""
     if is_headless(model):
@@ -97,11 +107,7 @@ def plan_patch(model: nn.Module, config: TaperNormConfig) -> list[_Replacement]:
             f"{type(model).__name__} is a folded export ({model_type_of(model)}): its norms are folded away already, "
             "so there is nothing to patch; patch the original model (or load_tapered a tapered checkpoint)"
         )
-    if wraps_peft_adapters(model):
-        raise UnsupportedModelError(
-            f"{type(model).__name__} wraps the model in PEFT adapters: patch the base model before get_peft_model "
-            "(docs/usage.md, LoRA / PEFT), or merge the adapters first: model = model.merge_and_unload()"
-        )
+    _refuse_peft_adapters(model)
     arch = architecture_of(model)  # the table entry, else automatic discovery (logged)
     sites = norm_sites(model, arch)
     kept = set(kept_norm_names(model, config.keep_norms, sites))
@@ -164,6 +170,7 @@ def patch_model(
     whose weights are not loaded (parameters on the meta device) is refused: patch it after they load.
     """
     model_type_of(model)  # a module that is no Hugging Face model: one clear error before anything else
+    _refuse_peft_adapters(model)
     _refuse_weightless(model)
     return _patch(model, config, tokenizer)
 

@@ -31,6 +31,7 @@ from ..errors import ConfigurationError, TaperStateError
 from ..layers.loss_terms import loss_terms_of
 from ..layers.scale_anchor import scale_anchors
 from ..layers.taper_norm import refuse_replaced_forward, tapered_norms
+from ..utils import true_or_false
 from .controller import TaperController, lowest_gate
 from .distributed import refuse_unsupported_sharding, refuse_unsupported_trainer_sharding
 from .divergence import DivergenceThresholds, divergence_thresholds
@@ -114,7 +115,7 @@ class TaperCallback(TrainerCallback):
         self.taper_start, self.taper_end = taper_start, taper_end
         self.trust_sharded_checkpoint = trust_sharded_checkpoint  # a sharded teacher's index is a pickle
         self.allow_changes = allowed_changes(allow_changes)  # one string is one name, not its letters
-        self.allow_incomplete = allow_incomplete
+        self.allow_incomplete = true_or_false(allow_incomplete, "TaperCallback: allow_incomplete=")  # "no" is true
         thresholds = divergence_thresholds(thresholds, max_scale_ratio, "TaperCallback")
         self.thresholds = thresholds
         if taper_start is not None or taper_end is not None:  # checked now, not at the first step

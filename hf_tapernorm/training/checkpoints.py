@@ -50,6 +50,10 @@ def save_tapered(model: nn.Module, folder: Union[str, os.PathLike], tokenizer: A
     plain checkpoint of the base model: read it with ``load_tapered``. (A patched model's own ``save_pretrained``
     writes the same folder without the tokenizer: layers/saving.py.)
     """
+    if str(folder) == "":  # Path("") is the working folder: the checkpoint would land among whatever it holds
+        raise ConfigurationError(
+            "save_tapered: an empty path names no folder (it would be the working folder); name one"
+        )
     folder = expand_user(folder, f"save_tapered: folder '{folder}'")
     config = config_of(model)
     if is_headless(model):  # its weights would be written under names no causal LM of its type loads

@@ -26,7 +26,12 @@ from ..layers.scale_anchor import DEVIATION_SUM, SCALE_SUM, TOKENS, ScaleAnchor,
 from ..layers.taper_norm import tapered_norms
 from ..utils import all_reduce_sum, expand_user
 from .calibration import calibrate, update_statistics
-from .controller_checks import refuse_norms_in_modules_to_save, watched_value, whole_step
+from .controller_checks import (
+    check_controller_arguments,
+    refuse_norms_in_modules_to_save,
+    watched_value,
+    whole_step,
+)
 from .distillation import SHARDED_SNAPSHOT_NAME, SNAPSHOT_NAME, Distillation, frozen_copy
 from .distributed import (
     is_main_process,
@@ -75,6 +80,7 @@ class TaperController:
         max_scale_ratio: Optional[float] = None,
         distillation: Union[Distillation, bool, None] = None,
     ) -> None:
+        check_controller_arguments(model, schedule, distillation)
         if not any(tapered_norms(model, include_kept=True)):
             raise TaperStateError(
                 f"{type(model).__name__} has no TaperNorm layers: call hf_tapernorm.patch_model(model) before "

@@ -15,6 +15,27 @@ from torch import nn
 
 from ..errors import ConfigurationError
 from ..layers.taper_norm import TaperNorm
+from .distillation import Distillation
+from .schedule import TaperSchedule
+
+
+def check_controller_arguments(model: object, schedule: object, distillation: object) -> None:
+    """Refuse TaperController's arguments of the wrong kind in one line, before anything reads them: a schedule given
+    as a dict or a tuple failed with "'dict' object has no attribute 'resolve'", a model of None with an
+    AttributeError of its own, and ``distillation="no"`` or ``0`` (not False) built a teacher and trained with it."""
+    if not isinstance(model, nn.Module):
+        raise ConfigurationError(f"TaperController: model must be a model patched with patch_model, got {model!r}")
+    if schedule is not None and not isinstance(schedule, TaperSchedule):
+        spelled = {dict: f"TaperSchedule(**{schedule!r})", tuple: f"TaperSchedule(*{schedule!r})"}.get(type(schedule))
+        raise ConfigurationError(
+            f"TaperController: schedule must be a TaperSchedule, got a {type(schedule).__name__}"
+            + (f": write {spelled}" if spelled else "")
+        )
+    if distillation is not None and not isinstance(distillation, (bool, Distillation)):
+        raise ConfigurationError(
+            "TaperController: distillation must be True or False (the config's teacher, or none) or a Distillation, "
+            f"got {distillation!r}"
+        )
 
 
 def refuse_norms_in_modules_to_save(model: nn.Module) -> None:
@@ -125,4 +146,4 @@ def _shown(value: object) -> str:
     return repr(value)
 
 
-__all__ = ["refuse_norms_in_modules_to_save", "watched_value", "whole_step"]
+__all__ = ["check_controller_arguments", "refuse_norms_in_modules_to_save", "watched_value", "whole_step"]

@@ -59,7 +59,7 @@ def divergence_thresholds(
     ``max_scale_ratio`` (its shortcut). Checked when ``who`` is built: a dict of the same fields was taken as given
     and failed at the first watched step with an AttributeError that named no option."""
     if thresholds is None:
-        return DivergenceThresholds(**({"max_scale_ratio": max_scale_ratio} if max_scale_ratio else {}))
+        return DivergenceThresholds(**({"max_scale_ratio": max_scale_ratio} if max_scale_ratio is not None else {}))
     if not isinstance(thresholds, DivergenceThresholds):
         shown = f"a {type(thresholds).__name__}"
         raise ConfigurationError(

@@ -21,6 +21,7 @@ from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
 
 from ..config import Step, TaperNormConfig, check_step
 from ..errors import ConfigurationError
+from ..utils import true_or_false
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,9 @@ class TaperSchedule:
     allow_incomplete: bool = False
 
     def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "allow_incomplete", true_or_false(self.allow_incomplete, "TaperSchedule.allow_incomplete")
+        )
         check_step("TaperSchedule.k_start", self.k_start)
         check_step("TaperSchedule.k_end", self.k_end)
         if self.total_steps is not None:

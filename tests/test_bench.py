@@ -823,3 +823,24 @@ def test_a_full_disk_while_the_variants_are_saved_is_one_line_naming_the_tempora
         "to a folder on another disk"
     )
     assert not any(temporary.iterdir())
+
+
+def test_bench_folds_a_tied_model_without_fold_s_advice_as_a_warning(tmp_path, caplog):
+    """bench of a model with tied embeddings warned twice that "the head is untied ... (pass tied_head='scale' to
+    keep the tie)": advice for fold_model's callers, which no bench option follows (bench keeps no export). While
+    bench folds it is INFO; fold_model called by a user still warns."""
+    import logging
+
+    from hf_tapernorm.export.folding import flashnorm_model
+
+    def tied():
+        return build(tiny_llama_config(tie_word_embeddings=True), seed=0)
+
+    with caplog.at_level(logging.INFO, logger="hf_tapernorm"):
+        var.flashnorm_reload(tied(), tmp_path / "flashnorm", torch.float32, "cpu")
+    untied = [record for record in caplog.records if "folds into a tied lm_head" in record.getMessage()]
+    assert untied and all(record.levelno == logging.INFO for record in untied)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hf_tapernorm"):
+        flashnorm_model(tied())
+    assert any(r.levelno == logging.WARNING and "folds into a tied lm_head" in r.getMessage() for r in caplog.records)

@@ -795,6 +795,17 @@ def test_a_folder_whose_names_form_one_split_says_how_datasets_would_read_it(hub
         f"dataset '{single}': no dataset card (README.md), so its 1 data file(s) are one corpus, read as its train "
         "split; datasets would read test.txt as its test split, and no train split. --dataset_split test reads it so"
     ]
+    carded = tmp_path / "carded"  # a README.md with YAML that datasets reads nothing from: text, no card
+    carded.mkdir()
+    (carded / "a.txt").write_text("\n\n".join(corpus_documents(12)) + "\n")
+    (carded / "README.md").write_text("---\nlicense: mit\nlanguage: en\n---\n# my notes\n")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_tapernorm.data.local_folders"):
+        assert local_data_files(str(carded)) == ("text", [carded / "README.md", carded / "a.txt"])
+    assert caplog.messages[0].startswith(
+        f"dataset '{carded}': its README.md is no dataset card datasets reads (its YAML, if any, names no configs or "
+        "splits) but text, so its 2 data file(s) are one corpus"
+    ), caplog.messages
     for split in ("test", "test[:50%]"):
         theirs = datasets.load_dataset(str(single), split=split, sample_by="paragraph", cache_dir=str(tmp_path / "t"))
         assert load_text_dataset(str(single), split=split, cache_dir=str(tmp_path / "c"))["text"] == theirs["text"]

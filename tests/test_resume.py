@@ -127,6 +127,22 @@ def test_resume_refuses_a_baseline_from_given_other_weights_since(ws, baseline_r
     assert _files(tmp_path / "run") == before
 
 
+def test_baseline_from_compares_with_what_the_baseline_trained_with(ws, baseline_run, tmp_path):
+    """A finished --baseline run resumed with --allow_changes max_grad_norm trains no step, yet recorded 0.5 as the
+    run's option: --baseline_from then accepted a 0.5 run and refused a 1.0 one, the value the baseline trained with.
+    The baseline's own newest checkpoint says what it trained with."""
+    resumed = copy_of(baseline_run, tmp_path, "resumed")
+    code, _, stderr = run_main(
+        [*taper(ws, resumed, "--baseline"), "--resume", "--max_grad_norm", "0.5", "--allow_changes", "max_grad_norm"]
+    )
+    assert code == 0, stderr
+    argv = taper(ws, tmp_path / "named", "--baseline_from", str(resumed), "--dtype", "float32")
+    code, _, stderr = run_main(argv)
+    assert code == 0, stderr
+    line = refused(taper(ws, tmp_path / "other", "--baseline_from", str(resumed), "--max_grad_norm", "0.5"))
+    assert "training.max_grad_norm: 1.0 there, 0.5 now" in line, line
+
+
 def test_baseline_from_takes_a_model_folder_given_notes_since(ws, baseline_run, tmp_path):
     """A README.md added to the model folder after the --baseline run refused --baseline_from ("model_contents.
     README.md: None there, ... now"), though --resume leaves a model folder's notes, card and licence out of what it
@@ -160,6 +176,9 @@ def test_resume_compares_a_dataset_folders_data_files_not_its_notes(ws, tmp_path
         "--allow_changes max_grad_nrom: names nothing --resume compares (the options that shape the result, the "
         "model's and the data's files), so it allowed nothing"
     ) in caplog.text
+    caplog.clear()
+    code, _, stderr = run_main([*argv, "--resume", "--allow_changes=--max-grad-norm"])  # the flag as typed names it
+    assert code == 0 and "names nothing" not in caplog.text, stderr
     (data / "more.jsonl").write_text(rows[0] + "\n")
     assert "data.contents.more.jsonl: None in the run" in error_of([*argv, "--resume"])
 
@@ -439,7 +458,7 @@ def test_resume_checks_the_data_contents_and_every_option_that_shapes_the_result
         assert f"(--allow_changes {extension} names none of them)" in message, message
     message = error_of([*argv, "--allow_changes", str(corpus)])  # a path as typed names no change
     assert f"(--allow_changes {corpus} names none of them). Rerun with the original options" in message
-    code, _, stderr = run_main([*argv, "--allow_changes", "max-grad-norm,corpus.txt"])  # as the refusal names it
+    code, _, stderr = run_main([*argv, "--allow_changes=--max-grad-norm,corpus.txt"])  # the flag as typed, too
     assert code == 0, stderr
     assert "data.contents.corpus.txt" in json.loads((run / "report.json").read_text())["allowed_changes"]
 

@@ -29,12 +29,13 @@ from ..data.sources import EMBEDDED_CORPUS
 from ..errors import ConfigurationError, UnsupportedModelError, first_line
 from ..evaluation.models import ModelSource, ModelSourceError, holds_tokenizer, load_tokenizer, read_model_config
 from ..training.schedule import TaperSchedule, fit_default_window
-from ..utils import expand_user
+from ..utils import expand_user, json_object
+from .checkpoint_files import IDENTITY_NAME
 from .data_checks import check_data_paths, check_output_outside_models
 from .fingerprints import compared_identity, fingerprint, with_data_as_read, with_legacy_fingerprints
 from .record import differences
 from .run_folder import RunFolder
-from .run_folder_hints import refuse_run_folder, taper_hint
+from .run_folder_hints import checkpoints, refuse_run_folder, taper_hint
 
 logger = logging.getLogger(__name__)
 
@@ -381,6 +382,10 @@ def check_baseline_identity(baseline: ModelSource, identity: dict[str, Any]) -> 
     folder = Path(baseline.path)
     manifest = RunFolder(folder.parent.parent).manifest() if folder.parent.name == "baseline" else None
     saved = (manifest or {}).get("identity")
+    trained = checkpoints(folder.parent) if isinstance(saved, dict) else []
+    if trained:  # what the baseline trained with: a resume that trained no step may record other options since
+        own = json_object(folder.parent / trained[-1] / IDENTITY_NAME)
+        saved = {**saved, **{k: v for k, v in own.items() if k in saved}}
     if not isinstance(saved, dict):
         logger.warning(
             "--baseline_from %s is not the baseline/model of a recorded taper run: it cannot be checked to match this "
@@ -399,6 +404,13 @@ def check_baseline_identity(baseline: ModelSource, identity: dict[str, Any]) -> 
             f"{' ...' if len(changed) > 6 else ''}): the gap would measure those; pass the same options, or train a "
             "baseline with this run (--baseline)"
         )
+
+
+def _spellings(name: str) -> set[str]:
+    """The names an ``--allow_changes`` name may stand for: as typed, and as the flag it may be written as
+    (``--max-grad-norm``, ``max-grad-norm``: max_grad_norm)."""
+    bare = name.lstrip("-")
+    return {name, bare, bare.replace("-", "_")}
 
 
 def _leaf_keys(values: dict[str, Any], prefix: str = "") -> set[str]:
@@ -428,12 +440,12 @@ def check_resume_identity(folder: RunFolder, identity: dict[str, Any], allowed: 
     saved, current = with_data_as_read(compared_identity(saved), compared_identity(identity))
     saved, current = _with_loaded_dtype(_with_current_recipe(saved), current)
     changed = differences(saved, _same_contents_same_name(saved, with_legacy_fingerprints(saved, current)))
-    spellings = allowed | {name.replace("-", "_") for name in allowed}  # --max-grad-norm is a spelling of the flag
+    spellings = set().union(*(_spellings(name) for name in allowed))
     refused = {k: v for k, v in changed.items() if not spellings & _names_of_change(k)}
     if refused:
         listing = "; ".join(f"{k}: {old!r} in the run, {new!r} now" for k, (old, new) in list(refused.items())[:6])
         named = set().union(*(_names_of_change(k) for k in changed))
-        unmatched = sorted(name for name in allowed if name not in named and name.replace("-", "_") not in named)
+        unmatched = sorted(name for name in allowed if not _spellings(name) & named)
         if unmatched:  # a path as typed, a group, a misspelt option: say so, not only what differs
             listing += f" (--allow_changes {','.join(unmatched)} names none of them)"
         precision = refused.get("training.bf16")
@@ -447,7 +459,7 @@ def check_resume_identity(folder: RunFolder, identity: dict[str, Any], allowed: 
             f"options{hint}, or name the ones to change with --allow_changes"
         )
     known = set().union(*(_names_of_change(k) for k in _leaf_keys(saved) | _leaf_keys(current)))
-    unknown = sorted(name for name in allowed if not {name, name.replace("-", "_")} & known)
+    unknown = sorted(name for name in allowed if not _spellings(name) & known)
     if unknown:  # a misspelt name allowed nothing: said, as the refusal says it
         logger.warning(
             "--allow_changes %s: names nothing --resume compares (the options that shape the result, the model's "

@@ -112,6 +112,26 @@ def finite_logits(model: nn.Module) -> bool:
     return bool(torch.isfinite(model(input_ids=ids, use_cache=False).logits).all())
 
 
+class _UntieAsInfo(logging.Filter):
+    """fold's WARNING that a tied head is untied advises ``tied_head='scale'``, which no bench option sets (bench keeps
+    no export; its folded variants are what fold writes by default): logged as INFO while bench folds."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.WARNING and "folds into a tied lm_head" in record.getMessage():
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def _folded_quietly(fold, *args, **kwargs) -> nn.Module:
+    """``fold(*args, **kwargs)`` with _UntieAsInfo on the folding log."""
+    folding_log, untie = logging.getLogger(fold.__module__), _UntieAsInfo()
+    folding_log.addFilter(untie)
+    try:
+        return fold(*args, **kwargs)
+    finally:
+        folding_log.removeFilter(untie)
+
+
 def _reloaded(model: nn.Module, folder: Path, dtype: torch.dtype, device: str) -> nn.Module:
     """Save ``model`` and load it back from disk through ``AutoModelForCausalLM``, as a user would."""
     model.save_pretrained(folder)
@@ -127,12 +147,12 @@ def folded_reload(explicit: nn.Module, folder: Path, dtype: torch.dtype, device:
             "folding without the numerical check: speed and operation counts are unaffected",
             type(explicit).__name__,
         )
-    return _reloaded(fold_model(explicit, check=check), folder, dtype, device)
+    return _reloaded(_folded_quietly(fold_model, explicit, check=check), folder, dtype, device)
 
 
 def flashnorm_reload(model: nn.Module, folder: Path, dtype: torch.dtype, device: str) -> nn.Module:
     """The FlashNorm fold of the original (checked against it), saved and reloaded like ``folded``."""
-    return _reloaded(flashnorm_model(model), folder, dtype, device)
+    return _reloaded(_folded_quietly(flashnorm_model, model), folder, dtype, device)
 
 
 def build_variants(

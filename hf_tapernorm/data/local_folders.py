@@ -156,9 +156,15 @@ def _read_one_corpus(
         datasets_reads = f"{listed} as its {formed} split, and no train split"
         if split_option:
             datasets_reads += f". {split_option} {formed} reads it so"
+    readme = any(p.name == datasets.config.REPOCARD_FILENAME and p.parent == folder for p in files)
+    card = (  # a README.md whose YAML names no configuration or split is text among the others, as datasets reads it
+        "its README.md is no dataset card datasets reads (its YAML, if any, names no configs or splits) but text"
+        if readme
+        else "no dataset card (README.md)"
+    )
     warn_once(
         ("one corpus", *files),
-        f"{name}: no dataset card (README.md), so its {len(files)} data file(s) are one corpus, read as its train "
+        f"{name}: {card}, so its {len(files)} data file(s) are one corpus, read as its train "
         f"split; datasets would read {datasets_reads}",
     )
     return chosen

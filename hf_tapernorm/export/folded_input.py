@@ -22,16 +22,17 @@ class SinkContract:
 
     ``owner`` names the model in messages; ``token_ids`` are the stored sink's tokens (empty: no sink);
     ``max_positions`` is the learned position table's size (0: none); ``has_logits`` says whether the sink's
-    logits are stored (exports of an earlier hf_tapernorm hold its keys/values only); ``embeddings`` (``[n,
-    hidden]``, None where unknown) are the sink tokens' input embeddings, by which ``inputs_embeds`` that start with
-    the sink are told, as ``input_ids`` are by its ids.
+    logits are stored (exports of an earlier hf_tapernorm hold its keys/values only); ``input_embeddings`` (None
+    where unknown) is the model's input embedding module, whose output for the sink tokens tells ``inputs_embeds``
+    that start with the sink, as its ids tell ``input_ids`` (read only for a call given ``inputs_embeds``: the
+    contract is built at every forward, decode steps included).
     """
 
     owner: str
     token_ids: tuple[int, ...] = ()
     max_positions: int = 0
     has_logits: bool = True
-    embeddings: Optional[torch.Tensor] = field(default=None, compare=False)
+    input_embeddings: Optional[nn.Module] = field(default=None, compare=False)
 
     @classmethod
     def of(cls, model: nn.Module) -> SinkContract:
@@ -40,13 +41,8 @@ class SinkContract:
         config = model.config
         sink = tuple(getattr(config, "sink_token_ids", None) or ())
         limit = (getattr(config, "sink_max_positions", 0) or 0) if sink else learned_positions(model)
-        embeddings = None
-        if sink:  # the input embedding module's own output (some scale it), as a caller's inputs_embeds hold it
-            table = model.get_input_embeddings()
-            with torch.no_grad():
-                embeddings = table(torch.tensor(sink, device=table.weight.device))
         stores_logits = getattr(model, "sink_logits", None) is not None
-        return cls(type(model).__name__, sink, int(limit), stores_logits, embeddings)
+        return cls(type(model).__name__, sink, int(limit), stores_logits, model.get_input_embeddings())
 
 
 @dataclass
@@ -240,15 +236,18 @@ def _sink_columns(contract: SinkContract, kwargs: dict) -> Optional[torch.Tensor
     embedded = kwargs.get("input_ids") is None
     if not sink or ids.dim() != (3 if embedded else 2) or ids.shape[1] < len(sink):
         return None
-    if embedded and contract.embeddings is None:
+    if embedded and contract.input_embeddings is None:
         return None
     start = _first_attended(kwargs, ids.shape[1])
     if start is None:
         start = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
     columns = (start[:, None] + torch.arange(len(sink), device=ids.device)).clamp(max=ids.shape[1] - 1)
     if embedded:
+        table = contract.input_embeddings
+        with torch.no_grad():  # the module's own output (some scale it), as a caller's inputs_embeds hold it
+            embedded_sink = table(torch.tensor(sink, device=table.weight.device))
         leading = ids.gather(1, columns[..., None].expand(-1, -1, ids.shape[-1]))
-        found = leading.eq(contract.embeddings.to(ids.device, ids.dtype)).flatten(1).all(dim=1)
+        found = leading.eq(embedded_sink.to(ids.device, ids.dtype)).flatten(1).all(dim=1)
     else:
         found = ids.gather(1, columns).eq(torch.tensor(sink, device=ids.device)).all(dim=1)
     padding_only = start >= ids.shape[1]  # rows whose text comes in a later call: they start with nothing yet

@@ -202,9 +202,17 @@ def push_export(
         ", ".join(files),
         f"; not written by the export, named by --include: {', '.join(added)}" if added else "",
     )
-    options = dict(token=token, private=private, revision=revision, create_pr=create_pr)
-    texts = dict(commit_message=commit_message, commit_description=commit_description)
-    return upload_export(folder, repo_id, allow_patterns=[glob_escape(name) for name in files], **options, **texts)
+    return upload_export(
+        folder,
+        repo_id,
+        token=token,
+        private=private,
+        commit_message=commit_message,
+        commit_description=commit_description,
+        revision=revision,
+        create_pr=create_pr,
+        allow_patterns=[glob_escape(name) for name in files],
+    )
 
 
 def glob_escape(name: str) -> str:
